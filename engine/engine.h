@@ -1,0 +1,118 @@
+// TransferEngine: the public face of the engine. Registers memory once, exports a segment,
+// opens peers over the best transport that reaches them, and moves bytes one-sidedly.
+//
+// Threading: every method is thread-safe. Completion of a batch may happen on an engine
+// thread; wait()/poll() observe it. Handlers set with setMessageHandler run on the engine's
+// dispatcher thread, one message at a time, and must not block for long.
+//
+// Failure: when a peer's process dies, its pending and future requests fail with kPeerDead
+// naming the peer (detected from its control connection, within milliseconds); every
+// blocking call takes a deadline and returns kTimeout when it passes.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/rendezvous.h"
+#include "engine/segment.h"
+#include "engine/status.h"
+#include "engine/types.h"
+
+namespace mooncake::engine {
+
+struct EngineOptions {
+  // Name the segment is published under (rendezvous key "mc/seg/<name>"). Must be unique
+  // in the job. Empty: "engine-<engine id>".
+  std::string name;
+  // The job secret every peer must present. Empty: MC_SECRET, else "" (no secret).
+  std::string secret;
+  // "" = choose per peer by locality, "shm" or "tcp" = force. Empty reads MC_TRANSPORT.
+  std::string transport;
+  // Data connections per tcp peer; 0 reads MC_TCP_CONNS_PER_PEER.
+  int tcp_conns_per_peer = 0;
+};
+
+struct Message {
+  uint64_t src_engine;
+  PeerId peer;  // the sender as a peer of this engine (opened on demand), or kInvalidPeer
+  uint32_t channel;
+  std::string payload;
+};
+
+class TransferEngine {
+ public:
+  static Result<std::unique_ptr<TransferEngine>> create(EngineOptions options = {});
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  // ---- memory ----
+  // Registered host memory backed by shared memory (same-host peers map it directly).
+  Result<void*> allocate(size_t len, MemoryKind kind = MemoryKind::kHost, int device = -1);
+  Status free(void* p);
+  // Makes any existing memory reachable by peers (host: via process_vm_* on the same host,
+  // via tcp otherwise; CUDA: via the CUDA/RDMA transports when built with them).
+  Status registerMemory(void* addr, size_t len, MemoryKind kind = MemoryKind::kHost,
+                        int device = -1);
+  Status unregisterMemory(void* addr);
+
+  // ---- segments and peers ----
+  uint64_t engineId() const;
+  const std::string& name() const;
+  SegmentDesc localSegment() const;
+  // Publishes the local segment under "mc/seg/<name>" (republish after registering more).
+  Status publish(Rendezvous& rdv);
+  // Opens a peer from its descriptor: handshake with the job secret, transport choice.
+  Result<PeerId> openPeer(const SegmentDesc& remote, Deadline deadline);
+  // Waits for "mc/seg/<name>" in the rendezvous, then opens it.
+  Result<PeerId> openPeer(Rendezvous& rdv, const std::string& name, Deadline deadline);
+  // Re-reads a peer's descriptor (after it registered more memory).
+  Status updatePeer(PeerId peer, const SegmentDesc& remote);
+  // OK while the peer is usable; kPeerDead (naming it) once it died or its link broke.
+  Status peerStatus(PeerId peer) const;
+  // The transport chosen for a peer ("shm", "tcp", ...).
+  std::string peerTransport(PeerId peer) const;
+  const SegmentDesc* peerSegment(PeerId peer) const;
+
+  // ---- one-sided transfers ----
+  // Validates and starts every request; returns at once. Requests to one peer run in
+  // parallel; there is no ordering between requests of a batch.
+  Result<BatchId> submit(const std::vector<TransferRequest>& requests);
+  // done=true when every request finished; per_request (optional) gets each status.
+  Status poll(BatchId id, bool* done, std::vector<Status>* per_request = nullptr);
+  // Waits for the batch (spin, then block) and releases it. Returns the first failure.
+  Status wait(BatchId id, Deadline deadline, std::vector<Status>* per_request = nullptr);
+  // submit + wait.
+  Status transfer(const std::vector<TransferRequest>& requests, Deadline deadline);
+
+  // ---- notifications (write-with-immediate semantics) ----
+  // Delivers `tag` to the peer after every write this process posted to it before the call.
+  Status notify(PeerId peer, uint64_t tag);
+  Result<Notification> waitNotify(Deadline deadline);
+  bool pollNotify(Notification* out);
+
+  // ---- two-sided messages (active messages) ----
+  Status sendMessage(PeerId peer, uint32_t channel, std::string_view payload);
+  // handler == nullptr: messages on the channel are queued for waitMessage().
+  void setMessageHandler(uint32_t channel, std::function<void(Message&&)> handler);
+  Result<Message> waitMessage(uint32_t channel, Deadline deadline);
+  // Opens (or returns) the peer a message came from, from the descriptor it handed over
+  // in its handshake.
+  Result<PeerId> peerOf(uint64_t engine_id, Deadline deadline);
+
+  // ---- mapped access ----
+  // A local pointer to the peer's [remote, remote+len) when it is mapped here (shm), else
+  // nullptr. Valid until the peer is closed or unregisters the region.
+  void* mappedAddress(PeerId peer, uint64_t remote, uint64_t len);
+
+  class Impl;
+
+ private:
+  explicit TransferEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mooncake::engine

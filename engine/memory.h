@@ -1,0 +1,63 @@
+// MemoryRegistry: the regions this process has made reachable to peers.
+// Thread-safe. Registration is a set-up operation, never done per transfer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/status.h"
+#include "engine/types.h"
+
+namespace mooncake::engine {
+
+struct Region {
+  uint64_t addr = 0;
+  uint64_t len = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  int32_t device = -1;
+  // Non-empty when the region is exactly a shared-memory file (allocated by the engine):
+  // same-host peers map it. Other host memory is reached with process_vm_readv/writev.
+  std::string shm_name;
+  bool engine_owned = false;
+  // Per-transport keys (RDMA rkey, CUDA IPC handle, ...): opaque bytes by TransportKind.
+  std::string keys[kNumTransportKinds];
+};
+
+class MemoryRegistry {
+ public:
+  ~MemoryRegistry();
+
+  // Registers [addr, addr+len). Overlapping an existing region is an error.
+  Status add(const Region& r);
+  // Removes the region that starts at addr. Returns the removed region.
+  Result<Region> remove(uint64_t addr);
+  // The region containing [addr, addr+len), if any.
+  std::optional<Region> find(uint64_t addr, uint64_t len) const;
+  std::vector<Region> snapshot() const;
+  // Bumped by every add/remove: lets the engine tell peers its segment changed.
+  uint64_t version() const;
+
+  // Allocates `len` bytes of host memory backed by a fresh shared-memory file named
+  // "/<prefix>-<pid>-<n>" and registers it (engine_owned). The file is unlinked when freed
+  // or when the registry is destroyed.
+  Result<void*> allocateShm(size_t len, const std::string& prefix);
+  // Frees memory from allocateShm (unregisters it first).
+  Status freeShm(void* p);
+
+ private:
+  mutable std::mutex mu_;
+  std::map<uint64_t, Region> regions_;  // by start address
+  uint64_t version_ = 0;
+  uint64_t next_shm_ = 0;
+};
+
+// Maps another process's shm region (read-write). Returns nullptr with errno set on failure.
+void* mapShm(const std::string& name, size_t len);
+void unmapShm(void* p, size_t len);
+
+}  // namespace mooncake::engine

@@ -1,0 +1,110 @@
+#include "engine/params.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace mooncake::params {
+
+namespace {
+
+const std::vector<ParamDef> kParams = {
+    // ---- engine ----
+    {"MC_LOG_LEVEL", Type::kString, "WARN", "Log level: ERROR, WARN, INFO, DEBUG or TRACE."},
+    {"MC_LOG_SUBSYS", Type::kString, "ALL",
+     "Comma-separated subsystems to log (ENGINE,SHM,TCP,RDMA,CUDA,PG,EP,STORE) or ALL; a "
+     "leading ^ excludes the listed ones."},
+    {"MC_TRANSPORT", Type::kString, "",
+     "Force one transport for every peer (shm or tcp); empty chooses by locality."},
+    {"MC_TCP_CONNS_PER_PEER", Type::kInt, "2",
+     "Data connections a tcp peer opens to another (besides the control connection)."},
+    {"MC_TCP_SLICE_BYTES", Type::kInt, "1048576",
+     "Large tcp requests are cut into slices of this many bytes, spread over connections."},
+    {"MC_TCP_BIND_HOST", Type::kString, "0.0.0.0", "Address the engine's tcp listener binds."},
+    {"MC_TCP_ADVERTISE_HOST", Type::kString, "",
+     "Address peers use to reach this engine; empty picks the first non-loopback IPv4 "
+     "address, or 127.0.0.1."},
+    {"MC_TCP_PORT", Type::kInt, "0", "Port of the engine's tcp listener; 0 picks a free one."},
+    {"MC_CONNECT_TIMEOUT_MS", Type::kInt, "10000",
+     "Deadline for opening a peer (connect and handshake)."},
+    {"MC_HOST_ID", Type::kString, "",
+     "Override the host identity used to decide that two engines share memory (default: "
+     "boot id + network namespace)."},
+    {"MC_SHM_PREFIX", Type::kString, "mc", "Prefix of the shared-memory files the engine creates."},
+    {"MC_SPIN_US", Type::kInt, "50",
+     "Microseconds a waiter spins before it blocks (futex / condition variable)."},
+    {"MC_INBOX_SLOTS", Type::kInt, "256", "Slots of a process's notification/message inbox."},
+    {"MC_SECRET", Type::kString, "",
+     "Job secret peers must present; empty uses the secret handed in by the rendezvous."},
+    {"MC_RENDEZVOUS_TIMEOUT_MS", Type::kInt, "60000",
+     "Deadline for rendezvous waits (segment exchange)."},
+    // ---- pg ----
+    // ---- ep ----
+    // ---- store ----
+};
+
+const ParamDef* lookup(const char* name) {
+  for (const auto& p : kParams)
+    if (std::strcmp(p.name, name) == 0) return &p;
+  std::fprintf(stderr, "mooncake: parameter %s is not in the registry (engine/params.cc)\n", name);
+  std::abort();
+}
+
+const char* raw(const char* name) {
+  const ParamDef* p = lookup(name);
+  const char* v = std::getenv(name);
+  return (v != nullptr) ? v : p->default_value;
+}
+
+}  // namespace
+
+const std::vector<ParamDef>& all() { return kParams; }
+
+bool isSet(const char* name) {
+  lookup(name);
+  return std::getenv(name) != nullptr;
+}
+
+int64_t getInt(const char* name) {
+  const char* v = raw(name);
+  char* end = nullptr;
+  long long x = std::strtoll(v, &end, 0);
+  if (end == v) x = std::strtoll(lookup(name)->default_value, nullptr, 0);
+  return x;
+}
+
+double getDouble(const char* name) {
+  const char* v = raw(name);
+  char* end = nullptr;
+  double x = std::strtod(v, &end);
+  if (end == v) x = std::strtod(lookup(name)->default_value, nullptr);
+  return x;
+}
+
+bool getBool(const char* name) {
+  std::string v = raw(name);
+  return v == "1" || v == "true" || v == "TRUE" || v == "yes" || v == "on";
+}
+
+std::string getString(const char* name) { return raw(name); }
+
+std::string markdown() {
+  std::ostringstream os;
+  os << "# Environment parameters\n\n"
+     << "Generated from the registry in `engine/params.cc` by `build/engine/mc_params "
+        "--markdown`;\n"
+     << "a test fails when this file and the registry disagree.\n\n"
+     << "| name | type | default | meaning |\n| --- | --- | --- | --- |\n";
+  for (const auto& p : kParams) {
+    const char* t = p.type == Type::kInt      ? "int"
+                    : p.type == Type::kBool   ? "bool"
+                    : p.type == Type::kDouble ? "double"
+                                              : "string";
+    os << "| `" << p.name << "` | " << t << " | `" << p.default_value << "` | " << p.doc
+       << " |\n";
+  }
+  return os.str();
+}
+
+}  // namespace mooncake::params
