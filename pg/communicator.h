@@ -108,6 +108,11 @@ class Communicator {
   // src = -1: any source. Returns the source rank. Throws CommError on size mismatch.
   int recv(void* buf, size_t bytes, int src, uint64_t tag);
 
+  // ---- what services built on the group (ep, store) reuse ----
+  // The engine peer of a rank (this rank's own engine for rank()).
+  engine::PeerId peerOf(int rank) const;
+  std::shared_ptr<engine::Rendezvous> rendezvous() const;
+
   // ---- health ----
   // OK, or a CommError-worthy message naming the first dead rank.
   std::vector<int> deadRanks() const;

@@ -1,0 +1,591 @@
+#include "engine/engine.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "engine/inbox.h"
+#include "engine/log.h"
+#include "engine/memory.h"
+#include "engine/params.h"
+#include "engine/transport/transport.h"
+#include "mooncake/config.h"
+
+namespace mooncake::engine {
+
+namespace {
+
+uint64_t randomId() {
+  std::random_device rd;
+  uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return v == 0 ? 1 : v;
+}
+
+std::string hex(uint64_t v) {
+  char b[24];
+  snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
+}  // namespace
+
+// One batch of requests: statuses and a countdown. Lives in the engine's table until it
+// completed and was waited for (a batch abandoned by a timed-out wait is dropped when its
+// last request completes).
+struct Batch {
+  std::vector<Task> tasks;
+  std::vector<Status> status;
+  std::atomic<int64_t> pending{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  bool abandoned = false;  // guarded by mu
+};
+
+struct PeerEntry {
+  SegmentDesc desc;
+  TransportKind kind = TransportKind::kTcp;
+  std::unique_ptr<TransportPeer> control;  // tcp link: handshake, liveness (maybe data too)
+  std::unique_ptr<TransportPeer> data_owned;
+  TransportPeer* data = nullptr;
+  std::atomic<bool> dead{false};
+  std::mutex mu;
+  Status why;  // guarded by mu
+};
+
+class TransferEngine::Impl {
+ public:
+  EngineOptions opts;
+  uint64_t id = randomId();
+  std::string host_id = localHostId();
+  MemoryRegistry registry;
+  std::unique_ptr<Inbox> inbox;
+  EngineContext ctx;
+  std::unique_ptr<Transport> transports[kNumTransportKinds];
+  int forced = -1;  // TransportKind forced by options / MC_TRANSPORT
+
+  mutable std::shared_mutex peers_mu;
+  std::vector<std::unique_ptr<PeerEntry>> peers;
+  std::unordered_map<uint64_t, PeerId> by_engine;
+  std::unordered_map<uint64_t, SegmentDesc> hellos;  // descriptors from handshakes
+  std::mutex open_mu;                                 // serialises openPeer
+
+  std::mutex batches_mu;
+  std::unordered_map<BatchId, std::shared_ptr<Batch>> batches;
+  std::atomic<BatchId> next_batch{1};
+
+  // messages
+  std::mutex msg_mu;
+  std::condition_variable msg_cv;
+  std::map<uint32_t, std::function<void(Message&&)>> handlers;
+  std::map<uint32_t, std::deque<Message>> queues;
+  std::thread dispatcher;
+  std::atomic<bool> stopping{false};
+
+  ~Impl() { shutdown(); }
+
+  void shutdown() {
+    if (stopping.exchange(true)) return;
+    if (inbox) inbox->wakeAll();
+    if (dispatcher.joinable()) dispatcher.join();
+    for (auto& t : transports)
+      if (t) t->stop();
+    std::unique_lock<std::shared_mutex> g(peers_mu);
+    peers.clear();
+  }
+
+  PeerEntry* peer(PeerId p) const {
+    std::shared_lock<std::shared_mutex> g(peers_mu);
+    if (p < 0 || static_cast<size_t>(p) >= peers.size()) return nullptr;
+    return peers[p].get();
+  }
+
+  PeerId peerIdOf(uint64_t engine_id) const {
+    std::shared_lock<std::shared_mutex> g(peers_mu);
+    auto it = by_engine.find(engine_id);
+    return it == by_engine.end() ? kInvalidPeer : it->second;
+  }
+
+  Status peerStatus(const PeerEntry* e) const {
+    if (!e->dead.load(std::memory_order_acquire)) return Status::OK();
+    std::lock_guard<std::mutex> g(const_cast<PeerEntry*>(e)->mu);
+    return e->why;
+  }
+
+  void onPeerFailure(uint64_t engine_id, const Status& why) {
+    PeerId p = peerIdOf(engine_id);
+    PeerEntry* e = peer(p);
+    if (e == nullptr) return;
+    {
+      std::lock_guard<std::mutex> g(e->mu);
+      if (e->dead.load()) return;
+      e->why = why.code() == Code::kPeerDead
+                   ? why
+                   : MC_STATUS(kPeerDead, "peer " << e->desc.name << " lost: " << why.message());
+      e->dead.store(true, std::memory_order_release);
+    }
+    MC_LOG(WARN, ENGINE) << "peer " << e->desc.name << " failed: " << why.toString();
+    if (e->data != nullptr && e->data != e->control.get()) e->data->fail(e->why);
+    if (e->control) e->control->fail(e->why);
+  }
+
+  SegmentDesc localSegment() const {
+    SegmentDesc d;
+    d.name = opts.name;
+    d.engine_id = id;
+    d.host_id = host_id;
+    d.pid = getpid();
+    d.inbox_shm = inbox ? inbox->shmName() : "";
+    d.regions_version = registry.version();
+    for (const auto& t : transports)
+      if (t) t->fillLocalSegment(&d);
+    for (const auto& r : registry.snapshot()) {
+      RegionDesc rd;
+      rd.addr = r.addr;
+      rd.len = r.len;
+      rd.kind = r.kind;
+      rd.device = r.device;
+      rd.shm_name = r.shm_name;
+      for (int i = 0; i < kNumTransportKinds; ++i) rd.keys[i] = r.keys[i];
+      d.regions.push_back(std::move(rd));
+    }
+    return d;
+  }
+
+  void dispatchLoop() {
+    // Reassembly of fragmented messages by (sender, message id).
+    std::map<std::pair<uint64_t, uint64_t>, std::string> partial;
+    Inbox::Fragment f;
+    while (!stopping.load()) {
+      if (!inbox->waitFragment(&f, deadlineInMs(100))) continue;
+      std::string body;
+      if (f.offset == 0 && f.data.size() == f.total) {
+        body = std::move(f.data);
+      } else {
+        auto key = std::make_pair(f.src_engine, f.msg_id);
+        std::string& buf = partial[key];
+        if (buf.size() != f.offset) {  // fragments of one message arrive in order
+          MC_LOG(WARN, ENGINE) << "dropping out-of-order message fragment from " << hex(f.src_engine);
+          partial.erase(key);
+          continue;
+        }
+        buf += f.data;
+        if (buf.size() < f.total) continue;
+        body = std::move(buf);
+        partial.erase(key);
+      }
+      Message m{f.src_engine, peerIdOf(f.src_engine), f.channel, std::move(body)};
+      std::function<void(Message&&)> h;
+      {
+        std::lock_guard<std::mutex> g(msg_mu);
+        auto it = handlers.find(f.channel);
+        if (it != handlers.end() && it->second) {
+          h = it->second;
+        } else {
+          queues[f.channel].push_back(std::move(m));
+          msg_cv.notify_all();
+          continue;
+        }
+      }
+      h(std::move(m));
+    }
+  }
+
+  // Records one request's completion. The batch's mutex is held while the count drops so
+  // that a waiter that saw the count reach zero (and then takes the mutex once) knows the
+  // completer no longer touches the batch.
+  void finishOne(Batch* b, BatchId id, size_t i, Status s) {
+    bool erase = false;
+    {
+      std::lock_guard<std::mutex> g(b->mu);
+      b->status[i] = std::move(s);
+      if (b->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        b->cv.notify_all();
+        erase = b->abandoned;
+      }
+    }
+    if (erase) {
+      std::shared_ptr<Batch> keep;
+      {
+        std::lock_guard<std::mutex> bg(batches_mu);
+        auto it = batches.find(id);
+        if (it != batches.end()) {
+          keep = std::move(it->second);
+          batches.erase(it);
+        }
+      }
+    }
+  }
+};
+
+TransferEngine::TransferEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+TransferEngine::~TransferEngine() { impl_->shutdown(); }
+
+Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions options) {
+  auto impl = std::make_unique<Impl>();
+  Impl& m = *impl;
+  if (options.name.empty()) options.name = "engine-" + hex(m.id);
+  if (options.secret.empty()) options.secret = params::getString("MC_SECRET");
+  if (options.transport.empty()) options.transport = params::getString("MC_TRANSPORT");
+  if (options.tcp_conns_per_peer <= 0)
+    options.tcp_conns_per_peer =
+        static_cast<int>(std::max<int64_t>(1, params::getInt("MC_TCP_CONNS_PER_PEER")));
+  m.opts = options;
+  if (!options.transport.empty()) {
+    if (options.transport == "shm") {
+      m.forced = static_cast<int>(TransportKind::kShm);
+    } else if (options.transport == "tcp") {
+      m.forced = static_cast<int>(TransportKind::kTcp);
+    } else {
+      return MC_STATUS(kInvalidArgument, "unknown transport '" << options.transport
+                                                               << "' (expected shm or tcp)");
+    }
+  }
+  std::string prefix = params::getString("MC_SHM_PREFIX");
+  auto inbox = Inbox::create("/" + prefix + "-inbox-" + std::to_string(getpid()) + "-" + hex(m.id),
+                             static_cast<uint32_t>(params::getInt("MC_INBOX_SLOTS")));
+  if (!inbox.ok()) return inbox.status();
+  m.inbox = std::move(inbox).value();
+
+  Impl* raw = impl.get();
+  m.ctx.engine_id = m.id;
+  m.ctx.secret = options.secret;
+  m.ctx.registry = &m.registry;
+  m.ctx.inbox = m.inbox.get();
+  m.ctx.local_segment = [raw] { return raw->localSegment(); };
+  m.ctx.on_peer_failure = [raw](uint64_t eid, Status why) { raw->onPeerFailure(eid, why); };
+  m.ctx.on_peer_hello = [raw](const SegmentDesc& d) {
+    std::unique_lock<std::shared_mutex> g(raw->peers_mu);
+    raw->hellos[d.engine_id] = d;
+  };
+
+  m.transports[static_cast<int>(TransportKind::kShm)] = makeShmTransport();
+  m.transports[static_cast<int>(TransportKind::kTcp)] = makeTcpTransport(options.tcp_conns_per_peer);
+  for (auto& t : m.transports) {
+    if (!t) continue;
+    Status st = t->start(&m.ctx);
+    if (!st.ok()) return st;
+  }
+  m.dispatcher = std::thread([raw] { raw->dispatchLoop(); });
+  MC_LOG(INFO, ENGINE) << "engine " << options.name << " id " << hex(m.id) << " host " << m.host_id
+                       << " transport " << (options.transport.empty() ? "auto" : options.transport);
+  return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
+}
+
+uint64_t TransferEngine::engineId() const { return impl_->id; }
+const std::string& TransferEngine::name() const { return impl_->opts.name; }
+SegmentDesc TransferEngine::localSegment() const { return impl_->localSegment(); }
+
+Result<void*> TransferEngine::allocate(size_t len, MemoryKind kind, int device) {
+  if (kind != MemoryKind::kHost)
+    return MC_STATUS(kNotSupported, "allocate: CUDA memory needs the cuda transport (build "
+                                        << (MC_HAVE_CUDA ? "has CUDA" : "without CUDA")
+                                        << "; not implemented yet)");
+  return impl_->registry.allocateShm(len, params::getString("MC_SHM_PREFIX"));
+}
+
+Status TransferEngine::free(void* p) { return impl_->registry.freeShm(p); }
+
+Status TransferEngine::registerMemory(void* addr, size_t len, MemoryKind kind, int device) {
+  if (addr == nullptr) return MC_STATUS(kInvalidArgument, "registerMemory: null address");
+  if (kind != MemoryKind::kHost)
+    return MC_STATUS(kNotSupported, "registerMemory: CUDA memory is not supported yet");
+  Region r;
+  r.addr = reinterpret_cast<uint64_t>(addr);
+  r.len = len;
+  r.kind = kind;
+  r.device = device;
+  for (auto& t : impl_->transports)
+    if (t) MC_RETURN_IF_ERROR(t->registerRegion(&r));
+  return impl_->registry.add(r);
+}
+
+Status TransferEngine::unregisterMemory(void* addr) {
+  auto r = impl_->registry.remove(reinterpret_cast<uint64_t>(addr));
+  if (!r.ok()) return r.status();
+  if (r->engine_owned) {
+    // Put it back: engine-owned memory is released with free().
+    (void)impl_->registry.add(*r);
+    return MC_STATUS(kInvalidArgument, "unregisterMemory: " << addr << " was allocated by the "
+                                                            << "engine; use free()");
+  }
+  for (auto& t : impl_->transports)
+    if (t) t->unregisterRegion(*r);
+  return Status::OK();
+}
+
+Status TransferEngine::publish(Rendezvous& rdv) {
+  return rdv.set("mc/seg/" + impl_->opts.name, impl_->localSegment().serialize());
+}
+
+Result<PeerId> TransferEngine::openPeer(const SegmentDesc& remote, Deadline deadline) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> og(m.open_mu);
+  PeerId existing = m.peerIdOf(remote.engine_id);
+  if (existing != kInvalidPeer) {
+    PeerEntry* e = m.peer(existing);
+    if (m.peerStatus(e).ok()) {
+      MC_RETURN_IF_ERROR(updatePeer(existing, remote));
+      return existing;
+    }
+  }
+  SegmentDesc local = m.localSegment();
+  int kind = -1;
+  if (m.forced >= 0) {
+    Transport* t = m.transports[m.forced].get();
+    if (t == nullptr || !t->canReach(local, remote))
+      return MC_STATUS(kUnavailable, "transport " << transportName(TransportKind(m.forced))
+                                                  << " (forced) cannot reach " << remote.name
+                                                  << " from " << local.name);
+    kind = m.forced;
+  } else {
+    for (int k = 0; k < kNumTransportKinds; ++k) {
+      if (m.transports[k] && m.transports[k]->canReach(local, remote)) {
+        kind = k;
+        break;
+      }
+    }
+  }
+  if (kind < 0)
+    return MC_STATUS(kUnavailable, "no transport reaches " << remote.name << " (host "
+                                                           << remote.host_id << ") from "
+                                                           << local.name << " (host "
+                                                           << local.host_id << ")");
+  auto entry = std::make_unique<PeerEntry>();
+  entry->desc = remote;
+  entry->kind = TransportKind(kind);
+  bool tcp_data = kind == static_cast<int>(TransportKind::kTcp);
+  auto control = m.transports[static_cast<int>(TransportKind::kTcp)]->connect(remote, deadline,
+                                                                              tcp_data);
+  if (!control.ok()) return control.status();
+  entry->control = std::move(control).value();
+  if (tcp_data) {
+    entry->data = entry->control.get();
+  } else {
+    auto data = m.transports[kind]->connect(remote, deadline, true);
+    if (!data.ok()) return data.status();
+    entry->data_owned = std::move(data).value();
+    entry->data = entry->data_owned.get();
+  }
+  std::unique_lock<std::shared_mutex> g(m.peers_mu);
+  PeerId id = static_cast<PeerId>(m.peers.size());
+  m.peers.push_back(std::move(entry));
+  m.by_engine[remote.engine_id] = id;
+  MC_LOG(INFO, ENGINE) << m.opts.name << " opened peer " << remote.name << " as " << id
+                       << " over " << transportName(TransportKind(kind));
+  return id;
+}
+
+Result<PeerId> TransferEngine::openPeer(Rendezvous& rdv, const std::string& name,
+                                        Deadline deadline) {
+  auto blob = rdv.wait("mc/seg/" + name, deadline);
+  if (!blob.ok()) return blob.status();
+  auto desc = SegmentDesc::parse(*blob);
+  if (!desc.ok()) return desc.status();
+  return openPeer(*desc, deadline);
+}
+
+Status TransferEngine::updatePeer(PeerId peer, const SegmentDesc& remote) {
+  PeerEntry* e = impl_->peer(peer);
+  if (e == nullptr) return MC_STATUS(kInvalidArgument, "updatePeer: unknown peer " << peer);
+  if (remote.engine_id != e->desc.engine_id)
+    return MC_STATUS(kInvalidArgument, "updatePeer: descriptor of another engine");
+  MC_RETURN_IF_ERROR(e->control->updateRemote(remote));
+  if (e->data != e->control.get()) MC_RETURN_IF_ERROR(e->data->updateRemote(remote));
+  std::lock_guard<std::mutex> g(e->mu);
+  e->desc = remote;
+  return Status::OK();
+}
+
+Status TransferEngine::peerStatus(PeerId peer) const {
+  PeerEntry* e = impl_->peer(peer);
+  if (e == nullptr) return MC_STATUS(kInvalidArgument, "unknown peer " << peer);
+  return impl_->peerStatus(e);
+}
+
+std::string TransferEngine::peerTransport(PeerId peer) const {
+  PeerEntry* e = impl_->peer(peer);
+  return e == nullptr ? "" : transportName(e->kind);
+}
+
+const SegmentDesc* TransferEngine::peerSegment(PeerId peer) const {
+  PeerEntry* e = impl_->peer(peer);
+  return e == nullptr ? nullptr : &e->desc;
+}
+
+Result<BatchId> TransferEngine::submit(const std::vector<TransferRequest>& requests) {
+  Impl& m = *impl_;
+  std::vector<PeerEntry*> targets(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto& r = requests[i];
+    PeerEntry* e = m.peer(r.peer);
+    if (e == nullptr) return MC_STATUS(kInvalidArgument, "request " << i << ": unknown peer " << r.peer);
+    if (r.local == nullptr && r.length > 0)
+      return MC_STATUS(kInvalidArgument, "request " << i << ": null local address");
+    MC_RETURN_IF_ERROR(m.peerStatus(e));
+    targets[i] = e;
+  }
+  auto b = std::make_shared<Batch>();
+  BatchId id = m.next_batch.fetch_add(1);
+  b->tasks.resize(requests.size());
+  b->status.resize(requests.size() + 1);  // the last slot belongs to the posting guard
+  b->pending.store(static_cast<int64_t>(requests.size()) + 1);  // +1 until all are posted
+  {
+    std::lock_guard<std::mutex> g(m.batches_mu);
+    m.batches[id] = b;
+  }
+  Batch* raw = b.get();
+  Impl* mp = &m;
+  auto finish_one = [mp, raw, id](size_t i, Status s) { mp->finishOne(raw, id, i, std::move(s)); };
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto& r = requests[i];
+    Task& t = b->tasks[i];
+    t.op = r.op;
+    t.local = r.local;
+    t.length = r.length;
+    t.remote = r.remote;
+    t.on_done = [finish_one, i](Status s) { finish_one(i, std::move(s)); };
+    targets[i]->data->submit(&t);
+  }
+  finish_one(requests.size(), Status::OK());  // drop the posting guard
+  return id;
+}
+
+Status TransferEngine::poll(BatchId id, bool* done, std::vector<Status>* per_request) {
+  std::shared_ptr<Batch> b;
+  {
+    std::lock_guard<std::mutex> g(impl_->batches_mu);
+    auto it = impl_->batches.find(id);
+    if (it == impl_->batches.end()) return MC_STATUS(kNotFound, "unknown batch " << id);
+    b = it->second;
+  }
+  *done = b->pending.load(std::memory_order_acquire) == 0;
+  if (*done && per_request != nullptr) {
+    std::lock_guard<std::mutex> g(b->mu);
+    per_request->assign(b->status.begin(), b->status.begin() + b->tasks.size());
+  }
+  return Status::OK();
+}
+
+Status TransferEngine::wait(BatchId id, Deadline deadline, std::vector<Status>* per_request) {
+  Impl& m = *impl_;
+  std::shared_ptr<Batch> b;
+  {
+    std::lock_guard<std::mutex> g(m.batches_mu);
+    auto it = m.batches.find(id);
+    if (it == m.batches.end()) return MC_STATUS(kNotFound, "unknown batch " << id);
+    b = it->second;
+  }
+  auto is_done = [&] { return b->pending.load(std::memory_order_acquire) == 0; };
+  if (!is_done()) {
+    auto spin_until = Clock::now() + std::chrono::microseconds(params::getInt("MC_SPIN_US"));
+    while (!is_done() && Clock::now() < spin_until) {
+    }
+  }
+  {
+    // Taken even when already done: the completer may still hold it (see finishOne).
+    std::unique_lock<std::mutex> g(b->mu);
+    if (!b->cv.wait_until(g, deadline, is_done)) {
+      b->abandoned = true;
+      return MC_STATUS(kTimeout, "batch " << id << " not finished by its deadline");
+    }
+  }
+  {
+    std::lock_guard<std::mutex> g(m.batches_mu);
+    m.batches.erase(id);
+  }
+  b->status.resize(b->tasks.size());
+  if (per_request != nullptr) *per_request = b->status;
+  for (size_t i = 0; i < b->status.size(); ++i) {
+    if (!b->status[i].ok()) {
+      const Status& s = b->status[i];
+      return Status(s.code(), "request " + std::to_string(i) + ": " + s.message());
+    }
+  }
+  return Status::OK();
+}
+
+Status TransferEngine::transfer(const std::vector<TransferRequest>& requests, Deadline deadline) {
+  auto id = submit(requests);
+  if (!id.ok()) return id.status();
+  return wait(*id, deadline);
+}
+
+Status TransferEngine::notify(PeerId peer, uint64_t tag) {
+  PeerEntry* e = impl_->peer(peer);
+  if (e == nullptr) return MC_STATUS(kInvalidArgument, "notify: unknown peer " << peer);
+  MC_RETURN_IF_ERROR(impl_->peerStatus(e));
+  return e->data->notify(tag);
+}
+
+Result<Notification> TransferEngine::waitNotify(Deadline deadline) {
+  Notification n{};
+  if (!impl_->inbox->waitNotify(&n.src_engine, &n.tag, deadline))
+    return MC_STATUS(kTimeout, "no notification before the deadline");
+  n.peer = impl_->peerIdOf(n.src_engine);
+  return n;
+}
+
+bool TransferEngine::pollNotify(Notification* out) {
+  if (!impl_->inbox->popNotify(&out->src_engine, &out->tag)) return false;
+  out->peer = impl_->peerIdOf(out->src_engine);
+  return true;
+}
+
+Status TransferEngine::sendMessage(PeerId peer, uint32_t channel, std::string_view payload) {
+  PeerEntry* e = impl_->peer(peer);
+  if (e == nullptr) return MC_STATUS(kInvalidArgument, "sendMessage: unknown peer " << peer);
+  MC_RETURN_IF_ERROR(impl_->peerStatus(e));
+  return e->data->sendMessage(channel, payload);
+}
+
+void TransferEngine::setMessageHandler(uint32_t channel, std::function<void(Message&&)> handler) {
+  std::deque<Message> backlog;
+  {
+    std::lock_guard<std::mutex> g(impl_->msg_mu);
+    impl_->handlers[channel] = handler;
+    if (handler) backlog.swap(impl_->queues[channel]);
+  }
+  for (auto& m : backlog) handler(std::move(m));
+}
+
+Result<Message> TransferEngine::waitMessage(uint32_t channel, Deadline deadline) {
+  std::unique_lock<std::mutex> g(impl_->msg_mu);
+  auto& q = impl_->queues[channel];
+  if (!impl_->msg_cv.wait_until(g, deadline, [&] { return !q.empty() || impl_->stopping; }))
+    return MC_STATUS(kTimeout, "no message on channel " << channel << " before the deadline");
+  if (q.empty()) return MC_STATUS(kCancelled, "engine shutting down");
+  Message m = std::move(q.front());
+  q.pop_front();
+  return m;
+}
+
+Result<PeerId> TransferEngine::peerOf(uint64_t engine_id, Deadline deadline) {
+  PeerId p = impl_->peerIdOf(engine_id);
+  if (p != kInvalidPeer) return p;
+  SegmentDesc d;
+  {
+    std::shared_lock<std::shared_mutex> g(impl_->peers_mu);
+    auto it = impl_->hellos.find(engine_id);
+    if (it == impl_->hellos.end())
+      return MC_STATUS(kNotFound, "engine " << hex(engine_id) << " never connected here");
+    d = it->second;
+  }
+  return openPeer(d, deadline);
+}
+
+void* TransferEngine::mappedAddress(PeerId peer, uint64_t remote, uint64_t len) {
+  PeerEntry* e = impl_->peer(peer);
+  if (e == nullptr || e->data == nullptr) return nullptr;
+  return e->data->mappedAddress(remote, len);
+}
+
+}  // namespace mooncake::engine

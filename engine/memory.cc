@@ -1,0 +1,152 @@
+#include "engine/memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "engine/log.h"
+
+namespace mooncake::engine {
+
+MemoryRegistry::~MemoryRegistry() {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& [addr, r] : regions_) {
+    if (r.engine_owned) {
+      munmap(reinterpret_cast<void*>(r.addr), r.len);
+      shm_unlink(r.shm_name.c_str());
+    }
+  }
+}
+
+Status MemoryRegistry::add(const Region& r) {
+  if (r.len == 0) return MC_STATUS(kInvalidArgument, "cannot register an empty region");
+  if (r.addr + r.len < r.addr) return MC_STATUS(kInvalidArgument, "region wraps around");
+  std::lock_guard<std::mutex> g(mu_);
+  auto next = regions_.lower_bound(r.addr);
+  if (next != regions_.end() && next->first < r.addr + r.len)
+    return MC_STATUS(kAlreadyExists, "region [0x" << std::hex << r.addr << ", +" << std::dec
+                                                  << r.len << ") overlaps a registered region");
+  if (next != regions_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second.len > r.addr)
+      return MC_STATUS(kAlreadyExists, "region at 0x" << std::hex << r.addr
+                                                      << " overlaps a registered region");
+  }
+  regions_[r.addr] = r;
+  ++version_;
+  return Status::OK();
+}
+
+Result<Region> MemoryRegistry::remove(uint64_t addr) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = regions_.find(addr);
+  if (it == regions_.end())
+    return MC_STATUS(kNotFound, "no region registered at 0x" << std::hex << addr);
+  Region r = it->second;
+  regions_.erase(it);
+  ++version_;
+  return r;
+}
+
+std::optional<Region> MemoryRegistry::find(uint64_t addr, uint64_t len) const {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = regions_.upper_bound(addr);
+  if (it == regions_.begin()) return std::nullopt;
+  --it;
+  const Region& r = it->second;
+  if (addr < r.addr || len > r.len || addr - r.addr > r.len - len) return std::nullopt;
+  return r;
+}
+
+std::vector<Region> MemoryRegistry::snapshot() const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<Region> out;
+  out.reserve(regions_.size());
+  for (auto& kv : regions_) out.push_back(kv.second);
+  return out;
+}
+
+uint64_t MemoryRegistry::version() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return version_;
+}
+
+Result<void*> MemoryRegistry::allocateShm(size_t len, const std::string& prefix) {
+  if (len == 0) return MC_STATUS(kInvalidArgument, "cannot allocate 0 bytes");
+  uint64_t n;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    n = next_shm_++;
+  }
+  std::string name = "/" + prefix + "-" + std::to_string(getpid()) + "-" + std::to_string(n);
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0 && errno == EEXIST) {  // stale file of a dead process with a recycled pid
+    shm_unlink(name.c_str());
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  }
+  if (fd < 0) return MC_STATUS(kIo, "shm_open " << name << ": " << std::strerror(errno));
+  if (ftruncate(fd, static_cast<off_t>(len)) != 0) {
+    int e = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    return MC_STATUS(kResourceExhausted, "ftruncate " << name << " to " << len
+                                                      << " bytes: " << std::strerror(e));
+  }
+  void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    return MC_STATUS(kResourceExhausted, "mmap " << len << " bytes: " << std::strerror(errno));
+  }
+  Region r;
+  r.addr = reinterpret_cast<uint64_t>(p);
+  r.len = len;
+  r.shm_name = name;
+  r.engine_owned = true;
+  Status st = add(r);
+  if (!st.ok()) {
+    munmap(p, len);
+    shm_unlink(name.c_str());
+    return st;
+  }
+  MC_LOG(DEBUG, ENGINE) << "allocated " << len << " bytes of shm as " << name;
+  return p;
+}
+
+Status MemoryRegistry::freeShm(void* p) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = regions_.find(reinterpret_cast<uint64_t>(p));
+    if (it == regions_.end() || !it->second.engine_owned)
+      return MC_STATUS(kInvalidArgument, "pointer " << p << " was not allocated by the engine");
+  }
+  auto r = remove(reinterpret_cast<uint64_t>(p));
+  if (!r.ok()) return r.status();
+  munmap(p, r->len);
+  shm_unlink(r->shm_name.c_str());
+  return Status::OK();
+}
+
+void* mapShm(const std::string& name, size_t len) {
+  int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) return nullptr;
+  struct stat st;
+  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < len) {
+    close(fd);
+    errno = ERANGE;
+    return nullptr;
+  }
+  void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
+void unmapShm(void* p, size_t len) {
+  if (p != nullptr) munmap(p, len);
+}
+
+}  // namespace mooncake::engine
