@@ -40,8 +40,46 @@ const std::vector<ParamDef> kParams = {
     {"MC_RENDEZVOUS_TIMEOUT_MS", Type::kInt, "60000",
      "Deadline for rendezvous waits (segment exchange)."},
     // ---- pg ----
+    {"MC_PG_BUFFER_BYTES", Type::kInt, "8388608",
+     "Bytes of the comm buffer a process group registers per rank (two halves; plus a "
+     "header page). Same-host collectives stream through it."},
+    {"MC_PG_CHUNK_BYTES", Type::kInt, "1048576",
+     "Pipeline step of the same-host 2-phase allreduce (at most half the buffer)."},
+    {"MC_PG_FLAT_BYTES", Type::kInt, "16384",
+     "Allreduce/reduce payloads up to this size use the flat exchange (every rank reduces "
+     "all inputs) instead of reduce-scatter + all-gather."},
+    {"MC_PG_NET_PIECE_BYTES", Type::kInt, "1048576",
+     "Message size of the process group's non-shm path and of large send/recv."},
+    {"MC_PG_SPIN_US", Type::kInt, "50",
+     "Microseconds a process-group wait spins before it yields (2 when ranks outnumber "
+     "cores)."},
+    {"MC_PG_YIELD_US", Type::kInt, "200",
+     "Microseconds a process-group wait yields the core (sched_yield) before it sleeps on "
+     "a futex."},
+    {"MC_PG_HEALTH_US", Type::kInt, "1000",
+     "How often a waiting process-group op checks peer liveness and its deadline."},
     // ---- ep ----
+    {"MC_EP_SPIN_US", Type::kInt, "20",
+     "Microseconds an EP receiver spins on its signal words before it sleeps on the buffer's "
+     "doorbell (futex)."},
+    {"MC_EP_TIMEOUT_MS", Type::kInt, "30000",
+     "Deadline of EP normal-mode waits and of EP writes to peers reached over the engine "
+     "(low-latency receives use the call's timeout_us instead)."},
     // ---- store ----
+    {"MC_STORE_LEASE_TTL_MS", Type::kInt, "5000",
+     "Lease a store read grants: the object cannot be removed or evicted for this long."},
+    {"MC_STORE_SOFT_PIN_TTL_MS", Type::kInt, "1800000",
+     "A soft pin lapses after this long without a read (then the object is evicted as any)."},
+    {"MC_STORE_EVICTION_HIGH_WATERMARK", Type::kDouble, "0.95",
+     "The store master evicts when bytes used pass this share of the mounted capacity."},
+    {"MC_STORE_EVICTION_RATIO", Type::kDouble, "0.05",
+     "Share of evictable objects (least recently used first) one eviction round removes."},
+    {"MC_STORE_CLIENT_TTL_S", Type::kInt, "10",
+     "A store client silent this long is expired: its segments unmounted, its puts revoked."},
+    {"MC_STORE_PUT_DISCARD_TIMEOUT_S", Type::kInt, "30",
+     "A store put not ended after this long may be taken over by a new put of the same key."},
+    {"MC_STORE_PUT_RELEASE_TIMEOUT_S", Type::kInt, "600",
+     "A store put not ended after this long is revoked and its memory freed."},
 };
 
 const ParamDef* lookup(const char* name) {

@@ -13,6 +13,8 @@
 #include <map>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
+#include <vector>
 
 #include "engine/log.h"
 #include "engine/params.h"
@@ -29,6 +31,7 @@ class ShmPeer : public TransportPeer {
 
   ~ShmPeer() override {
     for (auto& [addr, m] : maps_) unmapShm(m.base, m.len);
+    for (auto& m : retired_) unmapShm(m.base, m.len);
   }
 
   void submit(Task* t) override { t->done(run(t)); }
@@ -75,6 +78,7 @@ class ShmPeer : public TransportPeer {
   struct Mapping {
     char* base;
     uint64_t len;
+    std::string name;  // the shm file: an address the peer reuses for a new region differs
   };
 
   Status failed() {
@@ -86,7 +90,8 @@ class ShmPeer : public TransportPeer {
   // Called with mu_ held shared; upgrades to map a new region. Returns the local base.
   char* mapLocked(const RegionDesc& r, std::shared_lock<std::shared_mutex>* g) {
     auto it = maps_.find(r.addr);
-    if (it != maps_.end() && it->second.len == r.len) return it->second.base;
+    if (it != maps_.end() && it->second.len == r.len && it->second.name == r.shm_name)
+      return it->second.base;
     std::string name = r.shm_name;
     uint64_t addr = r.addr, len = r.len;
     g->unlock();
@@ -94,12 +99,17 @@ class ShmPeer : public TransportPeer {
     std::unique_lock<std::shared_mutex> w(mu_);
     char* out = nullptr;
     auto again = maps_.find(addr);
-    if (again != maps_.end() && again->second.len == len) {
+    if (again != maps_.end() && again->second.len == len && again->second.name == name) {
       unmapShm(p, len);
       out = again->second.base;
     } else if (p != nullptr) {
-      if (again != maps_.end()) maps_.erase(again);  // region re-registered with a new size
-      maps_[addr] = Mapping{static_cast<char*>(p), len};
+      // The peer freed the region and registered a new one at the same address (or with a
+      // new size): map the new file; the old mapping stays valid until the peer is closed.
+      if (again != maps_.end()) {
+        retired_.push_back(std::move(again->second));
+        maps_.erase(again);
+      }
+      maps_[addr] = Mapping{static_cast<char*>(p), len, name};
       out = static_cast<char*>(p);
     } else {
       MC_LOG(WARN, SHM) << "cannot map " << name << " of peer " << remote_.name << ": "
@@ -167,6 +177,7 @@ class ShmPeer : public TransportPeer {
   std::shared_mutex mu_;
   SegmentDesc remote_;
   std::map<uint64_t, Mapping> maps_;
+  std::vector<Mapping> retired_;  // replaced mappings, unmapped with the peer
   std::unique_ptr<Inbox> inbox_;
   std::mutex fail_mu_;
   Status fail_;

@@ -1,0 +1,489 @@
+// tcp transport, connection I/O: per-connection output queues written with writev, the
+// input state machine (header -> payload straight into its destination), target-side request
+// handling, completion and failure of requests, and delivery into the local inbox.
+// Contracts: tcp_transport.h; threading: the comment at the top of tcp_transport.cc.
+#include <sys/epoll.h>
+#include <sys/uio.h>
+
+#include "engine/log.h"
+#include "engine/transport/tcp/tcp_core.h"
+#include "engine/transport/tcp/tcp_socket.h"
+
+namespace mooncake::engine::tcp {
+
+// ---------------------------------------------------------------- connections
+
+void Core::addConn(const std::shared_ptr<Conn>& c) {
+  {
+    std::lock_guard<std::mutex> g(conns_mu_);
+    conns_[c->id] = c;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.u64 = c->id;
+  if (epoll_ctl(ep_fd_, EPOLL_CTL_ADD, c->fd, &ev) != 0) {
+    MC_LOG(ERROR, TCP) << "epoll_ctl add: " << sock::errnoStr(errno);
+  }
+}
+
+void Core::setArmed(Conn& c, bool armed) {
+  if (c.out_armed == armed) return;
+  c.out_armed = armed;
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | (armed ? static_cast<uint32_t>(EPOLLOUT) : 0u);
+  ev.data.u64 = c.id;
+  epoll_ctl(ep_fd_, EPOLL_CTL_MOD, c.fd, &ev);
+}
+
+// Queues a frame; writes it at once when nothing is queued before it. Never blocks.
+// With `owned`, the header's length is set to its size; otherwise the caller set it (a
+// READ_REQ's length is not its payload). False when the connection is closed.
+bool Core::send(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned) {
+  OutItem it;
+  if (!owned.empty()) h.length = owned.size();
+  encodeHeader(h, it.hdr);
+  it.owned = std::move(owned);
+  it.data = data;
+  it.len = it.owned.empty() ? len : it.owned.size();
+  std::lock_guard<std::mutex> g(c.out_mu);
+  if (c.closed) return false;
+  c.outq.push_back(std::move(it));
+  if (c.outq.size() == 1) flushLocked(c);
+  if (!c.outq.empty()) setArmed(c, true);
+  return true;
+}
+
+// Writes as much of the queue as the socket takes (writev, header and payload in place).
+// A hard error shuts the socket down: the progress thread then sees it and fails the peer.
+void Core::flushLocked(Conn& c) {
+  while (!c.outq.empty() && !c.broken) {
+    iovec iov[64];
+    int n = 0;
+    size_t total = 0;
+    for (auto& it : c.outq) {
+      if (n + 2 > 64) break;
+      if (it.off < kHeaderBytes) iov[n++] = {it.hdr + it.off, kHeaderBytes - it.off};
+      size_t poff = it.off > kHeaderBytes ? it.off - kHeaderBytes : 0;
+      if (it.len > poff) iov[n++] = {const_cast<char*>(it.payload()) + poff, it.len - poff};
+      total += kHeaderBytes + it.len - it.off;
+    }
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = static_cast<size_t>(n);
+    ssize_t w = sendmsg(c.fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      MC_LOG(DEBUG, TCP) << "send on connection " << c.id << ": " << sock::errnoStr(errno);
+      c.broken = true;
+      shutdown(c.fd, SHUT_RDWR);
+      break;
+    }
+    size_t left = static_cast<size_t>(w);
+    while (left > 0) {
+      OutItem& it = c.outq.front();
+      size_t rem = kHeaderBytes + it.len - it.off;
+      if (left < rem) {
+        it.off += left;
+        break;
+      }
+      left -= rem;
+      c.outq.pop_front();
+    }
+    if (static_cast<size_t>(w) < total) break;  // the socket is full
+  }
+  if (c.outq.empty()) setArmed(c, false);
+}
+
+// The raw close: no more output, out of epoll, fd closed. Idempotent.
+void Core::dropConn(Conn& c) {
+  {
+    std::lock_guard<std::mutex> g(c.out_mu);
+    if (c.closed) return;
+    c.closed = true;
+    c.outq.clear();
+    epoll_ctl(ep_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
+    ::close(c.fd);
+  }
+  std::lock_guard<std::mutex> g(conns_mu_);
+  conns_.erase(c.id);
+}
+
+void Core::closeConn(const std::shared_ptr<Conn>& c, const Status& why) {
+  if (c->closed) return;
+  dropConn(*c);
+  if (c->active) {
+    if (auto p = c->peer.lock())
+      failPeer(*p, MC_STATUS(kPeerDead, "tcp peer " << p->label << ": " << why.message()), true);
+    return;
+  }
+  MC_LOG(DEBUG, TCP) << "closed connection from " << (c->authed ? c->src_name : "?") << ": "
+                     << why.message();
+  if (c->authed && c->role == ConnRole::kControl && !c->bye && ctx_->on_peer_failure)
+    ctx_->on_peer_failure(
+        c->src_engine,
+        MC_STATUS(kPeerDead, "tcp peer " << c->src_name << " is gone: its control connection "
+                                         << "to this engine ended (" << why.message() << ")"));
+}
+
+bool Core::protocolError(const std::shared_ptr<Conn>& c, const std::string& what) {
+  MC_LOG(WARN, TCP) << "protocol error on connection " << c->id
+                    << (c->authed ? " from " + c->src_name : std::string()) << ": " << what
+                    << "; closing it";
+  closeConn(c, MC_STATUS(kProtocol, "protocol error: " << what));
+  return false;
+}
+
+// ---------------------------------------------------------------- input
+
+void Core::onReadable(const std::shared_ptr<Conn>& c) {
+  Conn& k = *c;
+  size_t budget = kReadBudget;
+  while (!k.closed && budget > 0) {
+    ssize_t r;
+    if (!k.in_payload) {
+      r = recv(k.fd, k.hdr + k.hdr_got, kHeaderBytes - k.hdr_got, MSG_DONTWAIT);
+    } else {
+      char* to = k.sink == Conn::Sink::kMemory   ? k.dst
+                 : k.sink == Conn::Sink::kBuffer ? &k.buf[k.buf.size() - k.left]
+                                                 : scratch_.data();
+      size_t want = k.sink == Conn::Sink::kDiscard ? std::min<uint64_t>(k.left, scratch_.size())
+                                                   : std::min<uint64_t>(k.left, budget);
+      r = recv(k.fd, to, want, MSG_DONTWAIT);
+    }
+    if (r == 0) return closeConn(c, MC_STATUS(kPeerDead, "connection closed by the peer"));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      return closeConn(c, MC_STATUS(kPeerDead, "connection broken: " << sock::errnoStr(errno)));
+    }
+    size_t got = static_cast<size_t>(r);
+    budget -= std::min(budget, got);
+    if (!k.in_payload) {
+      k.hdr_got += got;
+      if (k.hdr_got < kHeaderBytes) continue;
+      k.hdr_got = 0;
+      k.cur = decodeHeader(k.hdr);
+      if (!frameStart(c)) return;
+    } else {
+      k.left -= got;
+      if (k.sink == Conn::Sink::kMemory) k.dst += got;
+      if (k.left == 0) {
+        k.in_payload = false;
+        if (!frameEnd(c)) return;
+      }
+    }
+  }
+}
+
+bool Core::expectPayload(const std::shared_ptr<Conn>& c, Conn::Sink sink, char* dst) {
+  c->sink = sink;
+  c->dst = dst;
+  c->left = c->cur.length;
+  if (sink == Conn::Sink::kBuffer) c->buf.assign(c->cur.length, '\0');
+  if (c->left > 0) {
+    c->in_payload = true;
+    return true;
+  }
+  return frameEnd(c);
+}
+
+// A header arrived: validate it against the connection's direction and state, and decide
+// where its payload goes. False when the connection was closed.
+bool Core::frameStart(const std::shared_ptr<Conn>& c) {
+  const FrameHeader& h = c->cur;
+  if (h.magic != kFrameMagic) return protocolError(c, "bad frame magic " + hexId(h.magic));
+  if (!c->active && !c->authed && h.type != FrameType::kHello)
+    return protocolError(c, "frame before HELLO");
+  bool passive_type = h.type == FrameType::kHello || h.type == FrameType::kWrite ||
+                      h.type == FrameType::kReadReq || h.type == FrameType::kNotify ||
+                      h.type == FrameType::kMsg || h.type == FrameType::kBye;
+  bool active_type = h.type == FrameType::kWriteAck || h.type == FrameType::kReadResp;
+  if (!(c->active ? active_type : passive_type))
+    return protocolError(c, "unexpected frame type " + std::to_string(int(h.type)));
+  bool no_payload = h.type == FrameType::kWriteAck || h.type == FrameType::kReadReq ||
+                    h.type == FrameType::kNotify || h.type == FrameType::kBye;
+  if (no_payload && h.type != FrameType::kReadReq && h.length != 0)
+    return protocolError(c, "payload on a frame that has none");
+  if ((h.type == FrameType::kWrite || h.type == FrameType::kReadReq ||
+       h.type == FrameType::kReadResp) &&
+      h.length > kMaxDataBytes)
+    return protocolError(c, "data frame of " + std::to_string(h.length) + " bytes");
+  if (h.status > static_cast<uint16_t>(Code::kInternal))
+    return protocolError(c, "bad status code " + std::to_string(h.status));
+  switch (h.type) {
+    case FrameType::kHello:
+      if (c->authed) return protocolError(c, "second HELLO");
+      if (h.length > kMaxHelloBytes) return protocolError(c, "oversized HELLO");
+      return expectPayload(c, Conn::Sink::kBuffer, nullptr);
+    case FrameType::kMsg:
+      if (h.length > kMaxMessageBytes) return protocolError(c, "oversized message");
+      return expectPayload(c, Conn::Sink::kBuffer, nullptr);
+    case FrameType::kNotify:
+      deliverNotify(c->src_engine, h.aux);
+      return true;
+    case FrameType::kBye:
+      c->bye = true;
+      return true;
+    case FrameType::kWrite:
+    case FrameType::kReadReq: {
+      // Target-side check: the whole range inside one registered host region.
+      auto region = ctx_->registry->find(h.addr, h.length);
+      bool ok = h.length == 0 || (region.has_value() && region->kind == MemoryKind::kHost);
+      c->verdict = ok ? Code::kOk : Code::kPermissionDenied;
+      if (!ok) {
+        MC_LOG(WARN, TCP) << "refused " << (h.type == FrameType::kWrite ? "WRITE" : "READ")
+                          << " of [" << hexId(h.addr) << ", +" << h.length << ") from "
+                          << c->src_name << ": not inside one registered host region";
+      }
+      if (h.type == FrameType::kWrite)
+        return expectPayload(c, ok ? Conn::Sink::kMemory : Conn::Sink::kDiscard,
+                             reinterpret_cast<char*>(h.addr));
+      FrameHeader resp;
+      resp.type = FrameType::kReadResp;
+      resp.req_id = h.req_id;
+      resp.addr = h.addr;
+      resp.status = static_cast<uint16_t>(c->verdict);
+      resp.length = ok ? h.length : 0;
+      send(*c, resp, ok ? reinterpret_cast<const char*>(h.addr) : nullptr, resp.length);
+      return true;
+    }
+    case FrameType::kWriteAck:
+    case FrameType::kReadResp: {
+      auto p = c->peer.lock();
+      if (!p) return protocolError(c, "response for a closed peer");
+      char* dst = nullptr;
+      std::string err;  // protocolError() fails the peer, which takes p->mu: call it unlocked
+      {
+        std::lock_guard<std::mutex> g(p->mu);
+        auto it = p->slices.find(h.req_id);
+        OpCode want = h.type == FrameType::kWriteAck ? OpCode::kWrite : OpCode::kRead;
+        if (it == p->slices.end() || it->second.op != want) {
+          err = "response to unknown request " + std::to_string(h.req_id);
+        } else if (h.type == FrameType::kReadResp && h.status == 0 && h.length != it->second.len) {
+          err = "read response of " + std::to_string(h.length) + " bytes for a slice of " +
+                std::to_string(it->second.len);
+        } else if (h.type == FrameType::kReadResp && h.status != 0 && h.length != 0) {
+          err = "failed read response with data";
+        } else {
+          dst = static_cast<char*>(it->second.ts->task->local) + it->second.offset;
+        }
+      }
+      if (!err.empty()) return protocolError(c, err);
+      if (h.type == FrameType::kWriteAck) return frameEnd(c);
+      return expectPayload(c, Conn::Sink::kMemory, dst);
+    }
+    default:
+      return protocolError(c, "unknown frame type");
+  }
+}
+
+// A frame's payload is complete.
+bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
+  const FrameHeader& h = c->cur;
+  switch (h.type) {
+    case FrameType::kHello: {
+      Hello hello;
+      if (!decodeHello(c->buf, &hello)) return protocolError(c, "malformed HELLO");
+      auto desc = SegmentDesc::parse(hello.segment);
+      if (!desc.ok() || desc->engine_id != hello.engine_id)
+        return protocolError(c, "HELLO with a bad segment descriptor");
+      c->src_name = labelOf(*desc);
+      c->buf.clear();
+      if (!secretsEqual(hello.secret, ctx_->secret)) {
+        MC_LOG(WARN, TCP) << "denied " << c->src_name << ": wrong job secret";
+        std::string reason = "wrong job secret";
+        FrameHeader d;
+        d.type = FrameType::kHelloDenied;
+        d.status = static_cast<uint16_t>(Code::kPermissionDenied);
+        send(*c, d, nullptr, 0, reason);
+        dropConn(*c);
+        return false;
+      }
+      c->authed = true;
+      c->src_engine = hello.engine_id;
+      c->role = hello.role;
+      FrameHeader ok;
+      ok.type = FrameType::kHelloOk;
+      ok.aux = ctx_->engine_id;
+      send(*c, ok, nullptr, 0);
+      MC_LOG(DEBUG, TCP) << "accepted " << (c->role == ConnRole::kControl ? "control" : "data")
+                         << " connection from " << c->src_name;
+      if (c->role == ConnRole::kControl) {
+        sock::setKeepAlive(c->fd);
+        if (ctx_->on_peer_hello) ctx_->on_peer_hello(*desc);
+      }
+      return true;
+    }
+    case FrameType::kMsg: {
+      std::string payload;
+      payload.swap(c->buf);
+      deliverMessage(c->src_engine, static_cast<uint32_t>(h.aux), std::move(payload));
+      return true;
+    }
+    case FrameType::kWrite: {
+      FrameHeader ack;
+      ack.type = FrameType::kWriteAck;
+      ack.req_id = h.req_id;
+      ack.addr = h.addr;
+      ack.status = static_cast<uint16_t>(c->verdict);
+      send(*c, ack, nullptr, 0);
+      return true;
+    }
+    case FrameType::kWriteAck:
+    case FrameType::kReadResp: {
+      auto p = c->peer.lock();
+      if (!p) return protocolError(c, "response for a closed peer");
+      if (!completeSlice(*p, h.req_id, static_cast<Code>(h.status)))
+        return protocolError(c, "response to unknown request " + std::to_string(h.req_id));
+      return !c->closed;
+    }
+    default:
+      return true;
+  }
+}
+
+// ---------------------------------------------------------------- completion and failure
+
+// Progress thread (or stop() after it ended): completes one slice. False for an unknown id.
+bool Core::completeSlice(PeerState& p, uint64_t req, Code code) {
+  TaskState* fin = nullptr;
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    auto it = p.slices.find(req);
+    if (it == p.slices.end()) return false;
+    Slice s = it->second;
+    p.slices.erase(it);
+    if (s.op == OpCode::kWrite) {
+      p.writes.erase(s.seq);
+      flushNotifiesLocked(p);
+    }
+    if (code != Code::kOk && s.ts->status.ok()) {
+      const char* op = s.op == OpCode::kWrite ? "write to" : "read from";
+      std::ostringstream os;
+      os << "tcp peer " << p.label << " refused a " << op << " ["
+         << hexId(s.ts->task->remote + s.offset) << ", +" << s.len << ")";
+      if (code == Code::kPermissionDenied) os << ": not inside one of its registered host regions";
+      s.ts->status = Status(code, os.str());
+    }
+    if (--s.ts->remaining == 0) fin = s.ts;
+  }
+  if (fin != nullptr) {
+    fin->task->done(std::move(fin->status));
+    delete fin;
+  }
+  return true;
+}
+
+// Sends every deferred NOTIFY whose earlier writes are all acknowledged (p.mu held).
+void Core::flushNotifiesLocked(PeerState& p) {
+  while (!p.notifies.empty() &&
+         (p.writes.empty() || *p.writes.begin() >= p.notifies.front().first)) {
+    FrameHeader h;
+    h.type = FrameType::kNotify;
+    h.aux = p.notifies.front().second;
+    send(*p.conns[0], h, nullptr, 0);
+    p.notifies.pop_front();
+  }
+}
+
+// Progress thread (or stop() after it ended). Closes the peer's connections first (so no
+// queued frame still points at a request's buffer), then fails what is in flight.
+void Core::failPeer(PeerState& p, const Status& why, bool report) {
+  bool first;
+  Status final_why;
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    if (p.cleaned) return;
+    p.cleaned = true;
+    first = !p.failed;
+    if (!p.failed) {
+      p.failed = true;
+      p.why = why;
+    }
+    final_why = p.why;
+    p.notifies.clear();
+  }
+  for (auto& c : p.conns) dropConn(*c);
+  std::vector<TaskState*> done;
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    for (auto& [id, s] : p.slices) {
+      if (s.ts->status.ok()) s.ts->status = final_why;
+      if (--s.ts->remaining == 0) done.push_back(s.ts);
+    }
+    p.slices.clear();
+    p.writes.clear();
+  }
+  if (first && report) {
+    MC_LOG(WARN, TCP) << final_why.toString() << " (" << done.size() << " requests failed)";
+  }
+  // The engine hears first, so that a waiter woken by a failed request already finds the
+  // peer marked dead.
+  if (first && report && ctx_->on_peer_failure) ctx_->on_peer_failure(p.engine_id, final_why);
+  for (TaskState* ts : done) {
+    ts->task->done(std::move(ts->status));
+    delete ts;
+  }
+}
+
+// ---------------------------------------------------------------- inbox delivery
+
+void Core::deliverNotify(uint64_t src, uint64_t tag) {
+  if (ctx_->inbox == nullptr) return;
+  if (notify_backlog_.empty()) {
+    Status st = ctx_->inbox->pushNotify(src, tag, Clock::now());
+    if (st.ok()) return;
+    if (st.code() != Code::kResourceExhausted) {
+      MC_LOG(ERROR, TCP) << "dropping notification from " << hexId(src) << ": " << st.toString();
+      return;
+    }
+  }
+  notify_backlog_.emplace_back(src, tag);
+}
+
+// Single-fragment messages never wait (they queue here when the inbox is full); a larger one
+// is pushed fragment by fragment while the engine's dispatcher drains them.
+Status Core::pushMessage(uint64_t src, uint32_t channel, const std::string& payload) {
+  Deadline d =
+      payload.size() <= Inbox::kFragmentBytes ? Clock::now() : deadlineInMs(push_timeout_ms_);
+  return ctx_->inbox->pushMessage(src, channel, payload, d);
+}
+
+void Core::deliverMessage(uint64_t src, uint32_t channel, std::string payload) {
+  if (ctx_->inbox == nullptr) return;
+  if (msg_backlog_.empty()) {
+    Status st = pushMessage(src, channel, payload);
+    if (st.ok()) return;
+    if (st.code() != Code::kResourceExhausted || payload.size() > Inbox::kFragmentBytes) {
+      MC_LOG(ERROR, TCP) << "dropping message from " << hexId(src) << ": " << st.toString();
+      return;
+    }
+  }
+  msg_backlog_.push_back(PendingMsg{src, channel, std::move(payload)});
+}
+
+void Core::retryBacklog() {
+  while (!notify_backlog_.empty()) {
+    auto [src, tag] = notify_backlog_.front();
+    Status st = ctx_->inbox->pushNotify(src, tag, Clock::now());
+    if (!st.ok() && st.code() == Code::kResourceExhausted) break;
+    if (!st.ok()) {
+      MC_LOG(ERROR, TCP) << "dropping notification: " << st.toString();
+    }
+    notify_backlog_.pop_front();
+  }
+  while (!msg_backlog_.empty()) {
+    PendingMsg& m = msg_backlog_.front();
+    Status st = pushMessage(m.src, m.channel, m.payload);
+    if (!st.ok() && st.code() == Code::kResourceExhausted &&
+        m.payload.size() <= Inbox::kFragmentBytes)
+      break;
+    if (!st.ok()) {
+      MC_LOG(ERROR, TCP) << "dropping message: " << st.toString();
+    }
+    msg_backlog_.pop_front();
+  }
+}
+
+}  // namespace mooncake::engine::tcp

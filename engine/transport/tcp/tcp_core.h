@@ -1,0 +1,193 @@
+// Internals of the tcp transport shared by its two source files: tcp_transport.cc (set-up,
+// the progress loop, the initiator's API) and tcp_conn.cc (connection I/O: output queues, the
+// input state machine, completion and failure, inbox delivery). Not part of the engine's API.
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "engine/transport/tcp/tcp_transport.h"
+
+namespace mooncake::engine::tcp {
+
+constexpr uint64_t kWakeId = 0;
+constexpr uint64_t kListenId = 1;
+constexpr size_t kReadBudget = 16u << 20;  // bytes per connection per wake-up (fairness)
+
+inline std::string hexId(uint64_t v) {
+  std::ostringstream os;
+  os << "0x" << std::hex << v;
+  return os.str();
+}
+
+inline std::string labelOf(const SegmentDesc& d) {
+  std::ostringstream os;
+  os << "'" << d.name << "' (engine " << hexId(d.engine_id) << ", " << d.tcp_host << ":"
+     << d.tcp_port << ")";
+  return os.str();
+}
+
+// One request being served, counted down by its slices.
+struct TaskState {
+  Task* task;
+  uint64_t remaining;
+  Status status;
+};
+
+struct Slice {
+  TaskState* ts;
+  OpCode op;
+  uint64_t offset;
+  uint64_t len;
+  uint64_t seq;  // write sequence number (0 for reads)
+};
+
+struct OutItem {
+  uint8_t hdr[kHeaderBytes];
+  std::string owned;           // payload copied in (messages, handshakes)
+  const char* data = nullptr;  // or: payload in user / registered memory (zero copy)
+  size_t len = 0;
+  size_t off = 0;  // bytes of header + payload already sent
+  const char* payload() const { return owned.empty() ? data : owned.data(); }
+};
+
+struct PeerState;
+
+struct Conn {
+  uint64_t id = 0;
+  int fd = -1;
+  bool active = false;  // opened by this engine (initiator side)
+  ConnRole role = ConnRole::kControl;
+  std::weak_ptr<PeerState> peer;  // initiator side
+  // Target side, set by the HELLO.
+  bool authed = false;
+  bool bye = false;
+  uint64_t src_engine = 0;
+  std::string src_name;
+  // Output: any thread, under out_mu. `closed` is written only by the progress thread (or
+  // by stop() after it ended), always under out_mu.
+  std::mutex out_mu;
+  std::deque<OutItem> outq;
+  bool out_armed = false;
+  bool closed = false;
+  bool broken = false;
+  // Input state machine: progress thread only.
+  uint8_t hdr[kHeaderBytes];
+  size_t hdr_got = 0;
+  FrameHeader cur;
+  bool in_payload = false;
+  enum class Sink { kMemory, kDiscard, kBuffer } sink = Sink::kMemory;
+  char* dst = nullptr;
+  uint64_t left = 0;
+  std::string buf;
+  Code verdict = Code::kOk;
+};
+
+class Core;
+
+struct PeerState {
+  std::shared_ptr<Core> core;
+  std::string label;
+  uint64_t engine_id = 0;
+  std::vector<std::shared_ptr<Conn>> conns;  // [0] control, then data; fixed after connect
+  std::mutex mu;                             // guards everything below
+  SegmentDesc remote;
+  bool failed = false;   // no new work; `why` says why
+  bool cleaned = false;  // connections closed and requests failed (progress thread)
+  Status why;
+  uint64_t next_req = 1;
+  uint64_t next_seq = 1;
+  size_t rr = 0;
+  std::unordered_map<uint64_t, Slice> slices;
+  std::set<uint64_t> writes;                           // write seqs not yet acknowledged
+  std::deque<std::pair<uint64_t, uint64_t>> notifies;  // (write-seq watermark, tag)
+};
+
+class Core : public std::enable_shared_from_this<Core> {
+ public:
+  explicit Core(int data_conns) : data_conns_(std::max(0, data_conns)) {}
+
+  Status start(EngineContext* ctx);
+  void stop();
+  void fill(SegmentDesc* d) {
+    d->tcp_host = host_;
+    d->tcp_port = port_;
+    d->transports |= 1u << static_cast<int>(TransportKind::kTcp);
+  }
+  Result<std::shared_ptr<PeerState>> connect(const SegmentDesc& remote, Deadline deadline,
+                                             bool data);
+  void submit(PeerState& p, Task* t);
+  Status notify(PeerState& p, uint64_t tag);
+  Status sendMessage(PeerState& p, uint32_t channel, std::string_view payload);
+  void fail(const std::shared_ptr<PeerState>& p, const Status& why);
+  void close(const std::shared_ptr<PeerState>& p);
+
+ private:
+  void loop();
+  void wake() {
+    uint64_t one = 1;
+    ssize_t w = write(wake_fd_, &one, sizeof(one));
+    (void)w;
+  }
+  void runOnLoop(std::function<void()> fn, bool wait);
+  Result<int> openConn(const SegmentDesc& remote, const std::string& label,
+                       const std::string& hello, Deadline deadline);
+  void addConn(const std::shared_ptr<Conn>& c);
+  bool send(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned = {});
+  void flushLocked(Conn& c);
+  void setArmed(Conn& c, bool armed);
+  void onReadable(const std::shared_ptr<Conn>& c);
+  bool frameStart(const std::shared_ptr<Conn>& c);
+  bool frameEnd(const std::shared_ptr<Conn>& c);
+  bool expectPayload(const std::shared_ptr<Conn>& c, Conn::Sink sink, char* dst);
+  bool protocolError(const std::shared_ptr<Conn>& c, const std::string& what);
+  void closeConn(const std::shared_ptr<Conn>& c, const Status& why);
+  void dropConn(Conn& c);
+  void failPeer(PeerState& p, const Status& why, bool report);
+  bool completeSlice(PeerState& p, uint64_t req, Code code);
+  void flushNotifiesLocked(PeerState& p);
+  void deliverNotify(uint64_t src, uint64_t tag);
+  void deliverMessage(uint64_t src, uint32_t channel, std::string payload);
+  Status pushMessage(uint64_t src, uint32_t channel, const std::string& payload);
+  void retryBacklog();
+
+  const int data_conns_;
+  EngineContext* ctx_ = nullptr;
+  uint64_t slice_bytes_ = 1 << 20;
+  int64_t push_timeout_ms_ = 10000;
+  int listen_fd_ = -1, ep_fd_ = -1, wake_fd_ = -1;
+  std::string host_;
+  uint16_t port_ = 0;
+  std::thread thread_;
+  std::atomic<std::thread::id> loop_tid_{};
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> next_conn_{2};
+  std::mutex conns_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<Conn>> conns_;
+  std::vector<std::weak_ptr<PeerState>> peers_;
+  std::mutex cmd_mu_;
+  std::vector<std::function<void()>> cmds_;
+  bool running_ = false;  // under cmd_mu_
+  // Progress thread only: inbox pushes that found the inbox full, in arrival order.
+  std::deque<std::pair<uint64_t, uint64_t>> notify_backlog_;
+  struct PendingMsg {
+    uint64_t src;
+    uint32_t channel;
+    std::string payload;
+  };
+  std::deque<PendingMsg> msg_backlog_;
+  std::vector<char> scratch_ = std::vector<char>(256 * 1024);
+};
+
+}  // namespace mooncake::engine::tcp

@@ -1,0 +1,529 @@
+// tcp transport: one epoll progress thread, a control and several data connections per peer,
+// sliced zero-copy transfers, deferred notifications. The wire format, safety, ordering and
+// failure contracts are stated in tcp_transport.h.
+//
+// Threading model. Everything that completes a request in flight (acks, responses, failure)
+// runs on the progress thread, or in stop() after it was joined: that thread is also the only
+// one that receives into user memory, so a request is never completed while bytes may still
+// land in its buffer. Other threads (submit, notify, fail, peer destruction) append to
+// per-connection output queues under the connection's mutex, or post work to the loop.
+// A connection's output queue is cleared under that mutex before any of its requests is
+// failed, so no queued frame points at a buffer its owner got back.
+#include "engine/transport/tcp/tcp_transport.h"
+
+#include <endian.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+
+#include <future>
+
+#include "engine/log.h"
+#include "engine/params.h"
+#include "engine/transport/tcp/tcp_core.h"
+#include "engine/transport/tcp/tcp_socket.h"
+#include "engine/wire.h"
+
+namespace mooncake::engine {
+
+namespace tcp {
+
+void encodeHeader(const FrameHeader& h, uint8_t out[kHeaderBytes]) {
+  uint32_t magic = htole32(h.magic);
+  uint16_t status = htole16(h.status);
+  uint64_t q[4] = {htole64(h.req_id), htole64(h.addr), htole64(h.length), htole64(h.aux)};
+  std::memcpy(out, &magic, 4);
+  out[4] = static_cast<uint8_t>(h.type);
+  out[5] = h.flags;
+  std::memcpy(out + 6, &status, 2);
+  std::memcpy(out + 8, q, 32);
+}
+
+FrameHeader decodeHeader(const uint8_t in[kHeaderBytes]) {
+  FrameHeader h;
+  uint32_t magic;
+  uint16_t status;
+  uint64_t q[4];
+  std::memcpy(&magic, in, 4);
+  std::memcpy(&status, in + 6, 2);
+  std::memcpy(q, in + 8, 32);
+  h.magic = le32toh(magic);
+  h.type = static_cast<FrameType>(in[4]);
+  h.flags = in[5];
+  h.status = le16toh(status);
+  h.req_id = le64toh(q[0]);
+  h.addr = le64toh(q[1]);
+  h.length = le64toh(q[2]);
+  h.aux = le64toh(q[3]);
+  return h;
+}
+
+std::string encodeHello(const Hello& h) {
+  wire::Writer w;
+  w.str(h.secret);
+  w.u64(h.engine_id);
+  w.u8(static_cast<uint8_t>(h.role));
+  w.str(h.segment);
+  return w.take();
+}
+
+bool decodeHello(std::string_view payload, Hello* out) {
+  wire::Reader r(payload);
+  out->secret = r.str(64 * 1024);
+  out->engine_id = r.u64();
+  uint8_t role = r.u8();
+  out->segment = r.str(static_cast<uint32_t>(kMaxHelloBytes));
+  out->role = static_cast<ConnRole>(role);
+  return r.done() && role <= static_cast<uint8_t>(ConnRole::kData);
+}
+
+bool secretsEqual(std::string_view a, std::string_view b) {
+  size_t n = std::max(a.size(), b.size());
+  size_t diff = a.size() ^ b.size();
+  for (size_t i = 0; i < n; ++i) {
+    unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<size_t>(x ^ y);
+  }
+  return diff == 0;
+}
+
+// ---------------------------------------------------------------- set-up and shutdown
+
+namespace {
+
+std::string advertiseHost(const std::string& bind) {
+  std::string a = params::getString("MC_TCP_ADVERTISE_HOST");
+  if (!a.empty()) return a;
+  if (!bind.empty() && bind != "0.0.0.0" && bind != "::") return bind;
+  ifaddrs* ifs = nullptr;
+  std::string found = "127.0.0.1";
+  if (getifaddrs(&ifs) == 0) {
+    for (ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
+      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+      if (!(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
+      char buf[INET_ADDRSTRLEN];
+      auto* in = reinterpret_cast<sockaddr_in*>(i->ifa_addr);
+      if (inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf)) != nullptr) {
+        found = buf;
+        break;
+      }
+    }
+    freeifaddrs(ifs);
+  }
+  return found;
+}
+
+}  // namespace
+
+Status Core::start(EngineContext* ctx) {
+  ctx_ = ctx;
+  slice_bytes_ = static_cast<uint64_t>(
+      std::clamp<int64_t>(params::getInt("MC_TCP_SLICE_BYTES"), 4096, 256ll << 20));
+  push_timeout_ms_ = std::max<int64_t>(1, params::getInt("MC_CONNECT_TIMEOUT_MS"));
+  std::string bind = params::getString("MC_TCP_BIND_HOST");
+  int64_t port = params::getInt("MC_TCP_PORT");
+  if (port < 0 || port > 65535) return MC_STATUS(kInvalidArgument, "MC_TCP_PORT=" << port);
+  MC_ASSIGN_OR_RETURN(listen_fd_,
+                      sock::listenOn(bind, static_cast<uint16_t>(port), kSocketBufferBytes));
+  port_ = sock::localPort(listen_fd_);
+  host_ = advertiseHost(bind);
+  ep_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (ep_fd_ < 0 || wake_fd_ < 0) return MC_STATUS(kIo, "epoll/eventfd: " << sock::errnoStr(errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kWakeId;
+  epoll_ctl(ep_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  ev.data.u64 = kListenId;
+  epoll_ctl(ep_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
+  running_ = true;
+  thread_ = std::thread([this] { loop(); });
+  MC_LOG(INFO, TCP) << "tcp transport listening on " << bind << ":" << port_ << ", advertised as "
+                    << host_ << ":" << port_ << ", " << data_conns_ << " data connections/peer";
+  return Status::OK();
+}
+
+void Core::stop() {
+  if (thread_.joinable()) {
+    stopping_ = true;
+    wake();
+    thread_.join();
+    std::vector<std::function<void()>> rest;
+    {
+      std::lock_guard<std::mutex> g(cmd_mu_);
+      running_ = false;
+      rest.swap(cmds_);
+    }
+    for (auto& f : rest) f();
+    std::vector<std::shared_ptr<PeerState>> peers;
+    std::vector<std::shared_ptr<Conn>> conns;
+    {
+      std::lock_guard<std::mutex> g(conns_mu_);
+      for (auto& w : peers_)
+        if (auto p = w.lock()) peers.push_back(p);
+      for (auto& [id, c] : conns_) conns.push_back(c);
+    }
+    for (auto& p : peers) failPeer(*p, MC_STATUS(kCancelled, "tcp transport stopped"), false);
+    for (auto& c : conns) dropConn(*c);
+    if (!notify_backlog_.empty() || !msg_backlog_.empty()) {
+      MC_LOG(WARN, TCP) << "tcp transport stopped with " << notify_backlog_.size()
+                        << " notifications and " << msg_backlog_.size()
+                        << " messages not delivered (inbox full)";
+    }
+  }
+  for (int* fd : {&listen_fd_, &wake_fd_, &ep_fd_}) {
+    if (*fd >= 0) ::close(*fd);
+    *fd = -1;
+  }
+}
+
+void Core::runOnLoop(std::function<void()> fn, bool wait) {
+  if (std::this_thread::get_id() == loop_tid_) return fn();
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> fut = done->get_future();
+  bool posted = false;
+  {
+    std::lock_guard<std::mutex> g(cmd_mu_);
+    if (running_) {
+      cmds_.push_back([done, fn = std::move(fn)] {
+        fn();
+        done->set_value();
+      });
+      posted = true;
+    }
+  }
+  if (!posted) return fn();  // the loop is gone: nothing can race with fn
+  wake();
+  if (wait) fut.wait();
+}
+
+// ---------------------------------------------------------------- the loop
+
+void Core::loop() {
+  loop_tid_ = std::this_thread::get_id();
+  epoll_event evs[64];
+  while (!stopping_.load(std::memory_order_acquire)) {
+    int timeout = (notify_backlog_.empty() && msg_backlog_.empty()) ? -1 : 1;
+    int n = epoll_wait(ep_fd_, evs, 64, timeout);
+    if (n < 0 && errno != EINTR) {
+      MC_LOG(ERROR, TCP) << "epoll_wait: " << sock::errnoStr(errno);
+      break;
+    }
+    for (int i = 0; i < n; ++i) {
+      uint64_t id = evs[i].data.u64;
+      if (id == kWakeId) {
+        uint64_t v;
+        ssize_t r = read(wake_fd_, &v, sizeof(v));
+        (void)r;
+        continue;
+      }
+      if (id == kListenId) {
+        for (;;) {
+          int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+          if (fd < 0) break;
+          sock::setNoDelay(fd);
+          auto c = std::make_shared<Conn>();
+          c->id = next_conn_++;
+          c->fd = fd;
+          addConn(c);
+        }
+        continue;
+      }
+      std::shared_ptr<Conn> c;
+      {
+        std::lock_guard<std::mutex> g(conns_mu_);
+        auto it = conns_.find(id);
+        if (it == conns_.end()) continue;  // closed earlier in this batch
+        c = it->second;
+      }
+      if (evs[i].events & EPOLLOUT) {
+        std::lock_guard<std::mutex> g(c->out_mu);
+        if (!c->closed) flushLocked(*c);
+      }
+      if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) onReadable(c);
+    }
+    std::vector<std::function<void()>> cmds;
+    {
+      std::lock_guard<std::mutex> g(cmd_mu_);
+      cmds.swap(cmds_);
+    }
+    for (auto& f : cmds) f();
+    retryBacklog();
+  }
+}
+// ---------------------------------------------------------------- initiator side
+
+// Opens one connection and runs its handshake (blocking with the deadline, before the
+// connection is handed to the progress thread).
+Result<int> Core::openConn(const SegmentDesc& remote, const std::string& label,
+                           const std::string& hello, Deadline deadline) {
+  Result<int> fd =
+      sock::connectTo(remote.tcp_host, remote.tcp_port, deadline, false, kSocketBufferBytes);
+  if (!fd.ok())
+    return Status(fd.status().code(), "tcp peer " + label + ": " + fd.status().message());
+  sock::setNoDelay(*fd);
+  auto fail = [&](Status st) {
+    ::close(*fd);
+    Code code = st.code() == Code::kTimeout || st.code() == Code::kPermissionDenied
+                    ? st.code()
+                    : Code::kUnavailable;
+    return Status(code, "tcp handshake with " + label + ": " + st.message());
+  };
+  FrameHeader h;
+  h.type = FrameType::kHello;
+  h.length = hello.size();
+  std::string out(kHeaderBytes, '\0');
+  encodeHeader(h, reinterpret_cast<uint8_t*>(out.data()));
+  out += hello;
+  Status st = sock::sendAll(*fd, out.data(), out.size(), deadline);
+  if (!st.ok()) return fail(st);
+  uint8_t raw[kHeaderBytes];
+  st = sock::recvAll(*fd, raw, kHeaderBytes, deadline);
+  if (!st.ok()) return fail(st);
+  FrameHeader r = decodeHeader(raw);
+  if (r.magic != kFrameMagic) return fail(MC_STATUS(kProtocol, "bad answer"));
+  if (r.type == FrameType::kHelloDenied) {
+    std::string reason(std::min<uint64_t>(r.length, kMaxReasonBytes), '\0');
+    (void)sock::recvAll(*fd, reason.data(), reason.size(), deadline);
+    return fail(MC_STATUS(kPermissionDenied, "denied: " << reason));
+  }
+  if (r.type != FrameType::kHelloOk || r.length != 0)
+    return fail(MC_STATUS(kProtocol, "unexpected answer type " << int(r.type)));
+  if (remote.engine_id != 0 && r.aux != remote.engine_id)
+    return fail(MC_STATUS(
+        kUnavailable, "stale descriptor: that address is now served by engine " << hexId(r.aux)));
+  return fd;
+}
+
+Result<std::shared_ptr<PeerState>> Core::connect(const SegmentDesc& remote, Deadline deadline,
+                                                 bool data) {
+  std::string label = labelOf(remote);
+  if (!remote.offers(TransportKind::kTcp) || remote.tcp_host.empty() || remote.tcp_port == 0)
+    return MC_STATUS(kUnavailable, "peer " << label << " offers no tcp endpoint");
+  {
+    std::lock_guard<std::mutex> g(cmd_mu_);
+    if (!running_) return MC_STATUS(kUnavailable, "tcp transport is not running");
+  }
+  Hello hello;
+  hello.secret = ctx_->secret;
+  hello.engine_id = ctx_->engine_id;
+  SegmentDesc self;
+  if (ctx_->local_segment) {
+    self = ctx_->local_segment();
+  } else {
+    self.engine_id = ctx_->engine_id;
+    fill(&self);
+  }
+  hello.segment = self.serialize();
+  int n = 1 + (data ? data_conns_ : 0);
+  std::vector<int> fds;
+  for (int i = 0; i < n; ++i) {
+    hello.role = i == 0 ? ConnRole::kControl : ConnRole::kData;
+    Result<int> fd = openConn(remote, label, encodeHello(hello), deadline);
+    if (!fd.ok()) {
+      // Say goodbye on the ones already open so the target reports no failure of ours.
+      uint8_t bye[kHeaderBytes];
+      FrameHeader h;
+      h.type = FrameType::kBye;
+      encodeHeader(h, bye);
+      for (int f : fds) {
+        ssize_t w = ::send(f, bye, sizeof(bye), MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)w;
+        ::close(f);
+      }
+      return fd.status();
+    }
+    fds.push_back(*fd);
+  }
+  auto p = std::make_shared<PeerState>();
+  p->core = shared_from_this();
+  p->label = label;
+  p->engine_id = remote.engine_id;
+  p->remote = remote;
+  for (int i = 0; i < n; ++i) {
+    auto c = std::make_shared<Conn>();
+    c->id = next_conn_++;
+    c->fd = fds[i];
+    c->active = true;
+    c->authed = true;
+    c->role = i == 0 ? ConnRole::kControl : ConnRole::kData;
+    c->peer = p;
+    p->conns.push_back(c);
+  }
+  sock::setKeepAlive(fds[0]);
+  {
+    std::lock_guard<std::mutex> g(conns_mu_);
+    peers_.erase(std::remove_if(peers_.begin(), peers_.end(),
+                                [](const std::weak_ptr<PeerState>& w) { return w.expired(); }),
+                 peers_.end());
+    peers_.push_back(p);
+  }
+  for (auto& c : p->conns) addConn(c);
+  MC_LOG(DEBUG, TCP) << "connected to " << label << " with " << n << " connection(s)";
+  return p;
+}
+
+void Core::submit(PeerState& p, Task* t) {
+  struct Post {
+    Conn* conn;
+    FrameHeader h;
+    const char* data;
+  };
+  std::vector<Post> posts;
+  Status st;
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    if (p.failed) {
+      st = p.why;
+    } else if (t->length > 0) {
+      // Each frame is checked whole by the target. A request the peer's descriptor does not
+      // show inside one region (stale descriptor, or out of range) goes as one frame, so that
+      // the target refuses or accepts all of it, never a part.
+      uint64_t slice = slice_bytes_;
+      if (t->length > slice && p.remote.findRegion(t->remote, t->length) == nullptr)
+        slice = kMaxDataBytes;
+      uint64_t n = (t->length + slice - 1) / slice;
+      auto* ts = new TaskState{t, n, Status::OK()};
+      size_t ndata = p.conns.size() - 1;
+      posts.reserve(n);
+      for (uint64_t i = 0; i < n; ++i) {
+        uint64_t off = i * slice;
+        uint64_t len = std::min(slice, t->length - off);
+        uint64_t req = p.next_req++;
+        uint64_t seq = 0;
+        if (t->op == OpCode::kWrite) {
+          seq = p.next_seq++;
+          p.writes.insert(seq);
+        }
+        p.slices.emplace(req, Slice{ts, t->op, off, len, seq});
+        Post post{ndata == 0 ? p.conns[0].get() : p.conns[1 + p.rr++ % ndata].get(), {}, nullptr};
+        post.h.type = t->op == OpCode::kWrite ? FrameType::kWrite : FrameType::kReadReq;
+        post.h.req_id = req;
+        post.h.addr = t->remote + off;
+        post.h.length = len;
+        if (t->op == OpCode::kWrite) post.data = static_cast<const char*>(t->local) + off;
+        posts.push_back(post);
+      }
+    }
+  }
+  if (!st.ok() || t->length == 0) return t->done(std::move(st));
+  // No lock held: acks may complete slices (and the task) while later ones are still posted;
+  // everything needed here was copied. A closed connection drops the frame: the failure
+  // path completes the slice.
+  for (const Post& post : posts)
+    send(*post.conn, post.h, post.data, post.data != nullptr ? post.h.length : 0);
+}
+
+Status Core::notify(PeerState& p, uint64_t tag) {
+  std::lock_guard<std::mutex> g(p.mu);
+  if (p.failed) return p.why;
+  p.notifies.emplace_back(p.next_seq, tag);
+  flushNotifiesLocked(p);
+  return Status::OK();
+}
+
+Status Core::sendMessage(PeerState& p, uint32_t channel, std::string_view payload) {
+  if (payload.size() > kMaxMessageBytes)
+    return MC_STATUS(kInvalidArgument,
+                     "message of " << payload.size() << " bytes exceeds " << kMaxMessageBytes);
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    if (p.failed) return p.why;
+  }
+  FrameHeader h;
+  h.type = FrameType::kMsg;
+  h.aux = channel;
+  // An empty message has no owned copy: len 0 with no data pointer is what it needs.
+  if (send(*p.conns[0], h, nullptr, 0, std::string(payload))) return Status::OK();
+  std::lock_guard<std::mutex> g(p.mu);
+  return p.failed ? p.why : MC_STATUS(kPeerDead, "tcp peer " << p.label << " is closed");
+}
+
+void Core::fail(const std::shared_ptr<PeerState>& p, const Status& why) {
+  {
+    std::lock_guard<std::mutex> g(p->mu);
+    if (p->failed) return;
+    p->failed = true;
+    p->why = why;
+  }
+  runOnLoop([this, p, why] { failPeer(*p, why, false); }, false);
+}
+
+void Core::close(const std::shared_ptr<PeerState>& p) {
+  bool graceful;
+  {
+    std::lock_guard<std::mutex> g(p->mu);
+    graceful = !p->failed;
+  }
+  if (graceful) {
+    FrameHeader h;
+    h.type = FrameType::kBye;
+    send(*p->conns[0], h, nullptr, 0);
+    std::lock_guard<std::mutex> g(p->mu);
+    if (!p->failed) {
+      p->failed = true;
+      p->why = MC_STATUS(kCancelled, "tcp peer " << p->label << " was closed");
+    }
+  }
+  runOnLoop([this, p] { failPeer(*p, MC_STATUS(kCancelled, "tcp peer closed"), false); }, true);
+}
+
+}  // namespace tcp
+
+namespace {
+
+using tcp::Core;
+using tcp::PeerState;
+
+// ---------------------------------------------------------------- the interface
+
+class TcpPeer : public TransportPeer {
+ public:
+  explicit TcpPeer(std::shared_ptr<PeerState> st) : st_(std::move(st)) {}
+  ~TcpPeer() override { st_->core->close(st_); }
+  void submit(Task* task) override { st_->core->submit(*st_, task); }
+  Status notify(uint64_t tag) override { return st_->core->notify(*st_, tag); }
+  Status sendMessage(uint32_t channel, std::string_view payload) override {
+    return st_->core->sendMessage(*st_, channel, payload);
+  }
+  Status updateRemote(const SegmentDesc& remote) override {
+    std::lock_guard<std::mutex> g(st_->mu);
+    st_->remote = remote;  // informational: the target checks every access itself
+    return Status::OK();
+  }
+  void fail(const Status& why) override { st_->core->fail(st_, why); }
+
+ private:
+  std::shared_ptr<PeerState> st_;
+};
+
+class TcpTransport : public Transport {
+ public:
+  explicit TcpTransport(int data_conns) : core_(std::make_shared<Core>(data_conns)) {}
+  ~TcpTransport() override { core_->stop(); }
+  TransportKind kind() const override { return TransportKind::kTcp; }
+  Status start(EngineContext* ctx) override { return core_->start(ctx); }
+  void fillLocalSegment(SegmentDesc* desc) override { core_->fill(desc); }
+  bool canReach(const SegmentDesc& local, const SegmentDesc& remote) const override {
+    return remote.offers(TransportKind::kTcp) && !remote.tcp_host.empty() && remote.tcp_port != 0;
+  }
+  Result<std::unique_ptr<TransportPeer>> connect(const SegmentDesc& remote, Deadline deadline,
+                                                 bool data) override {
+    MC_ASSIGN_OR_RETURN(auto st, core_->connect(remote, deadline, data));
+    return std::unique_ptr<TransportPeer>(new TcpPeer(std::move(st)));
+  }
+  void stop() override { core_->stop(); }
+
+ private:
+  std::shared_ptr<Core> core_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> makeTcpTransport(int data_conns) {
+  return std::make_unique<TcpTransport>(data_conns);
+}
+
+}  // namespace mooncake::engine

@@ -1,0 +1,117 @@
+// tcp transport: reaches any host. One epoll progress thread per engine serves every
+// connection (accepted and opened); a peer is one control connection (handshake, liveness,
+// notifications, messages) plus `data_conns` data connections over which large requests are
+// cut into slices (MC_TCP_SLICE_BYTES) and spread round-robin.
+//
+// Wire format (this header is the spec; tests build frames from it). Every frame starts with
+// a fixed 40-byte little-endian header:
+//
+//   u32 magic (kFrameMagic) | u8 type | u8 flags (0) | u16 status (mooncake::Code)
+//   u64 request id | u64 remote addr | u64 length | u64 aux
+//
+// followed by `length` payload bytes for HELLO, HELLO_DENIED, WRITE, READ_RESP and MSG. For
+// READ_REQ `length` is the number of bytes asked for (no payload). Per type:
+//   HELLO        payload = encodeHello(): secret, initiator engine id, role, its SegmentDesc
+//   HELLO_OK     aux = the target's engine id (the initiator checks it: a stale descriptor
+//                whose port now belongs to another engine is refused)
+//   HELLO_DENIED payload = reason; the target closes the connection after it
+//   WRITE        payload = the bytes to put at addr          -> WRITE_ACK (status)
+//   READ_REQ     addr, length                               -> READ_RESP (status, payload)
+//   NOTIFY       aux = tag            (pushed into the target's inbox)
+//   MSG          aux = channel, payload = message (<= kMaxMessageBytes)
+//   BYE          the initiator closes this peer on purpose (no peer-failure report)
+// A bad magic, an unknown type, a type not valid in the connection's direction, a length over
+// its limit, or any frame before a successful HELLO closes that connection.
+//
+// Guarantees and contracts:
+//  - Target-side safety: a WRITE or READ_REQ whose [addr, addr+length) is not inside ONE
+//    registered host region is refused with kPermissionDenied; a refused WRITE's payload is
+//    read into scratch and dropped. Accepted payloads are received straight into the
+//    registered memory (no intermediate copy); READ_RESP payloads likewise go straight into
+//    the initiator's buffer, and WRITE/READ_RESP payloads are sent from the user's/registered
+//    memory with writev (no copy). A region unregistered while a transfer into it is in
+//    flight is the application's race, as with RDMA.
+//  - Slicing: a request that the initiator's copy of the peer's descriptor shows inside one
+//    region is cut into MC_TCP_SLICE_BYTES slices over the data connections; any other
+//    request (stale descriptor, or out of range) goes as one frame of up to kMaxDataBytes, so
+//    that the target accepts or refuses it whole, never a part of it.
+//  - Ordering: notify(tag) is delivered after every WRITE the peer submitted before it: the
+//    NOTIFY is held back until all earlier write slices are acknowledged (acks are sent after
+//    the bytes are in the target's memory). Messages of one peer arrive in order.
+//  - Threads: the progress thread never blocks on a socket. Submitting threads may send
+//    directly while a connection's output queue is empty; the rest is flushed on EPOLLOUT.
+//    Task completions for requests in flight happen on the progress thread (or in stop());
+//    a request to a failed peer, or of length 0, completes inside submit().
+//  - Failure: EOF/reset/protocol error on any connection of a peer fails all its pending
+//    requests with kPeerDead (naming the peer) and later ones at once, and reports
+//    ctx->on_peer_failure once (before the failed requests complete, so that a woken waiter
+//    already finds the peer dead). On the target side, the loss of an authenticated control
+//    connection without a BYE reports on_peer_failure(initiator) too: the initiator's
+//    process died or its engine stopped. fail(why) and stop() poison peers without a report.
+//  - The inbox is never waited on by the progress thread for notifications: when it is full,
+//    notifications queue in the transport (in order) and are retried every millisecond.
+//    Single-fragment messages (<= Inbox::kFragmentBytes) do the same; a larger message is
+//    pushed with a MC_CONNECT_TIMEOUT_MS deadline (the engine's dispatcher drains it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "engine/transport/transport.h"
+
+namespace mooncake::engine::tcp {
+
+constexpr uint32_t kFrameMagic = 0x4d435446;  // "MCTF"
+constexpr size_t kHeaderBytes = 40;
+constexpr uint64_t kMaxDataBytes = 1ull << 30;      // WRITE / READ_REQ / READ_RESP
+constexpr uint64_t kMaxMessageBytes = 64ull << 20;  // MSG
+constexpr uint64_t kMaxHelloBytes = 16ull << 20;    // HELLO (before authentication)
+constexpr uint64_t kMaxReasonBytes = 4096;          // HELLO_DENIED
+constexpr int kSocketBufferBytes = 4 << 20;
+
+enum class FrameType : uint8_t {
+  kHello = 1,
+  kHelloOk = 2,
+  kHelloDenied = 3,
+  kWrite = 4,
+  kWriteAck = 5,
+  kReadReq = 6,
+  kReadResp = 7,
+  kNotify = 8,
+  kMsg = 9,
+  kBye = 10,
+};
+
+enum class ConnRole : uint8_t { kControl = 0, kData = 1 };
+
+struct FrameHeader {
+  uint32_t magic = kFrameMagic;
+  FrameType type = FrameType::kHello;
+  uint8_t flags = 0;
+  uint16_t status = 0;  // mooncake::Code
+  uint64_t req_id = 0;
+  uint64_t addr = 0;
+  uint64_t length = 0;
+  uint64_t aux = 0;
+};
+
+void encodeHeader(const FrameHeader& h, uint8_t out[kHeaderBytes]);
+FrameHeader decodeHeader(const uint8_t in[kHeaderBytes]);
+
+struct Hello {
+  std::string secret;
+  uint64_t engine_id = 0;
+  ConnRole role = ConnRole::kControl;
+  std::string segment;  // SegmentDesc::serialize() of the initiator
+};
+
+std::string encodeHello(const Hello& h);
+// False when the payload does not decode exactly.
+bool decodeHello(std::string_view payload, Hello* out);
+
+// Equal-time comparison (the time does not depend on where the strings differ).
+bool secretsEqual(std::string_view a, std::string_view b);
+
+}  // namespace mooncake::engine::tcp
