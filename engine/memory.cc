@@ -5,7 +5,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <dirent.h>
+#include <signal.h>
+
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "engine/log.h"
@@ -129,6 +133,32 @@ Status MemoryRegistry::freeShm(void* p) {
   munmap(p, r->len);
   shm_unlink(r->shm_name.c_str());
   return Status::OK();
+}
+
+int reapStaleShm(const std::string& prefix) {
+  DIR* d = opendir("/dev/shm");
+  if (d == nullptr) return 0;
+  int removed = 0;
+  const std::string p1 = prefix + "-", p2 = prefix + "-inbox-";
+  while (struct dirent* e = readdir(d)) {
+    std::string n = e->d_name;
+    size_t at;
+    if (n.compare(0, p2.size(), p2) == 0) {
+      at = p2.size();
+    } else if (n.compare(0, p1.size(), p1) == 0) {
+      at = p1.size();
+    } else {
+      continue;
+    }
+    char* end = nullptr;
+    long pid = std::strtol(n.c_str() + at, &end, 10);
+    if (end == n.c_str() + at || *end != '-' || pid <= 0) continue;
+    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    if (shm_unlink(("/" + n).c_str()) == 0) ++removed;
+  }
+  closedir(d);
+  if (removed > 0) MC_LOG(INFO, ENGINE) << "removed " << removed << " stale shm files";
+  return removed;
 }
 
 void* mapShm(const std::string& name, size_t len) {

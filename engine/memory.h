@@ -56,6 +56,11 @@ class MemoryRegistry {
   uint64_t next_shm_ = 0;
 };
 
+// Unlinks the shared-memory files "/<prefix>-<pid>-..." and "/<prefix>-inbox-<pid>-..." of
+// processes that no longer exist (killed processes cannot clean up after themselves).
+// Returns how many files were removed.
+int reapStaleShm(const std::string& prefix);
+
 // Maps another process's shm region (read-write). Returns nullptr with errno set on failure.
 void* mapShm(const std::string& name, size_t len);
 void unmapShm(void* p, size_t len);

@@ -43,13 +43,16 @@ const std::vector<ParamDef> kParams = {
     {"MC_PG_BUFFER_BYTES", Type::kInt, "8388608",
      "Bytes of the comm buffer a process group registers per rank (two halves; plus a "
      "header page). Same-host collectives stream through it."},
-    {"MC_PG_CHUNK_BYTES", Type::kInt, "1048576",
+    {"MC_PG_CHUNK_BYTES", Type::kInt, "2097152",
      "Pipeline step of the same-host 2-phase allreduce (at most half the buffer)."},
     {"MC_PG_FLAT_BYTES", Type::kInt, "16384",
      "Allreduce/reduce payloads up to this size use the flat exchange (every rank reduces "
      "all inputs) instead of reduce-scatter + all-gather."},
     {"MC_PG_NET_PIECE_BYTES", Type::kInt, "1048576",
      "Message size of the process group's non-shm path and of large send/recv."},
+    {"MC_PG_STREAM_OUT_BYTES", Type::kInt, "4194304",
+     "Collective outputs at least this large are written with streaming (non-temporal) "
+     "stores: they would leave the cache anyway, and this saves reading every line first."},
     {"MC_PG_SPIN_US", Type::kInt, "50",
      "Microseconds a process-group wait spins before it yields (2 when ranks outnumber "
      "cores)."},

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Installs what the build needs (Debian packages, only the missing ones), configures and
+# builds the project into build/. Idempotent and quiet when everything is in place.
+# Works from any directory. Usage: scripts/setup.sh
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PACKAGES=(
+  build-essential cmake ninja-build
+  libgtest-dev libgmock-dev
+  python3-torch python3-pytest python3-numpy pybind11-dev python3-pybind11
+  libprotobuf-dev protobuf-compiler libcpp-httplib-dev
+  redis-server python3-redis
+  python3-mpi4py openmpi-bin libopenmpi-dev
+  python3-matplotlib
+  libibverbs-dev
+  iproute2
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  status="$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)"
+  [[ "$status" == "installed" ]] || missing+=("$p")
+done
+
+if ((${#missing[@]} > 0)); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=()
+  if [[ "$(id -u)" != 0 ]]; then
+    if command -v sudo >/dev/null 2>&1; then
+      SUDO=(sudo)
+    else
+      echo "setup: missing packages (${missing[*]}) and not root; install them and re-run" >&2
+      exit 1
+    fi
+  fi
+  "${SUDO[@]}" apt-get update -qq
+  "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+
+# Configure once; after that ninja re-runs cmake by itself whenever a CMakeLists.txt or
+# *.cmake file changes (configuring again by hand would cost ~10 s: it imports torch to
+# detect MC_WITH_TORCH). The log is shown only when configuring fails.
+if [[ ! -f build/build.ninja || ! -f build/CMakeCache.txt ]]; then
+  mkdir -p build
+  if ! cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >build/configure.log 2>&1; then
+    cat build/configure.log >&2
+    echo "setup: cmake configure failed (log: build/configure.log)" >&2
+    exit 1
+  fi
+  grep -m1 'mooncake: MC_WITH' build/configure.log || true
+fi
+ninja -C build -j2 --quiet
+
+# ---- hook: Python package installation (owned by the torch_ext/pg side) ----
+# When scripts/install_python.sh exists it installs/links the `mooncake` Python package
+# built above; setup.sh only calls it.
+if [[ -f scripts/install_python.sh ]]; then
+  bash scripts/install_python.sh
+fi
