@@ -1,0 +1,230 @@
+// MasterService::handle(): the master's RPC surface. Decodes a store.proto RequestEnvelope,
+// calls the service, encodes the ResponseEnvelope. Transport-agnostic and defensive: any byte
+// string gets an answer, never an exception or a crash.
+#include <chrono>
+#include <climits>
+
+#include "store/master/master_service.h"
+#include "store/proto/store.pb.h"
+
+namespace mooncake::store {
+
+namespace pb = ::mooncake::store::proto;
+
+static_assert(pb::Method_ARRAYSIZE == 15, "update MasterService::kRpcMethods");
+
+namespace {
+
+ReplicateConfig fromProto(const pb::ReplicateConfig& c) {
+  ReplicateConfig out;
+  out.replica_num = c.replica_num() == 0 ? 1 : c.replica_num();
+  out.with_soft_pin = c.with_soft_pin();
+  out.with_hard_pin = c.with_hard_pin();
+  out.preferred_segment = c.preferred_segment();
+  return out;
+}
+
+void toProto(const ReplicaPlacement& r, pb::Replica* out) {
+  for (const Piece& p : r.pieces) {
+    pb::Piece* q = out->add_pieces();
+    q->set_segment_id(p.segment_id);
+    q->set_segment_name(p.segment_name);
+    q->set_client_id(p.client_id);
+    q->set_offset(p.offset);
+    q->set_address(p.address);
+    q->set_length(p.length);
+  }
+}
+
+void toProto(const ErrorOr<MasterService::ReplicaList>& r, pb::GetReplicaListResponse* out) {
+  out->set_error_code(toInt(r.error()));
+  if (!r.ok()) return;
+  out->set_size(r->size);
+  out->set_lease_ttl_ms(r->lease_ttl_ms);
+  for (const ReplicaPlacement& p : r->replicas) toProto(p, out->add_replicas());
+}
+
+// Parses Req from `body`, runs fn(req, resp), serializes Resp into `out`. False when the body is
+// not a valid Req.
+template <typename Req, typename Resp, typename Fn>
+bool serve(const std::string& body, std::string* out, int32_t* call_error, Fn&& fn) {
+  Req req;
+  if (body.size() > static_cast<size_t>(INT_MAX) || !req.ParseFromString(body)) return false;
+  Resp resp;
+  fn(req, resp);
+  *call_error = resp.error_code();
+  return resp.SerializeToString(out);
+}
+
+std::vector<std::string> keysOf(const google::protobuf::RepeatedPtrField<std::string>& keys) {
+  return std::vector<std::string>(keys.begin(), keys.end());
+}
+
+}  // namespace
+
+std::string MasterService::handle(std::string_view request_bytes) {
+  const auto t0 = std::chrono::steady_clock::now();
+  pb::ResponseEnvelope resp;
+  int method_index = -1;
+  int32_t call_error = 0;
+  try {
+    pb::RequestEnvelope env;
+    if (request_bytes.size() > static_cast<size_t>(INT_MAX) ||
+        !env.ParseFromArray(request_bytes.data(), static_cast<int>(request_bytes.size()))) {
+      resp.set_error_code(toInt(ErrorCode::INVALID_PARAMS));
+      return resp.SerializeAsString();
+    }
+    resp.set_rpc_id(env.rpc_id());
+    resp.set_method(env.method());
+    if (env.method() >= 0 && env.method() < kRpcMethods) method_index = env.method();
+    const std::string& body = env.body();
+    std::string* out = resp.mutable_body();
+    bool decoded = false;
+    switch (env.method()) {
+      case pb::MOUNT_SEGMENT:
+        decoded = serve<pb::MountSegmentRequest, pb::MountSegmentResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              auto res = mountSegment(q.client_id(), q.segment_name(), q.base(), q.size());
+              r.set_error_code(toInt(res.error()));
+              if (res.ok()) r.set_segment_id(*res);
+            });
+        break;
+      case pb::UNMOUNT_SEGMENT:
+        decoded = serve<pb::UnmountSegmentRequest, pb::UnmountSegmentResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              ErrorCode e = q.segment_id() != 0
+                                ? unmountSegment(q.client_id(), q.segment_id())
+                                : unmountSegmentByName(q.client_id(), q.segment_name());
+              r.set_error_code(toInt(e));
+            });
+        break;
+      case pb::HEARTBEAT:
+        decoded = serve<pb::HeartbeatRequest, pb::HeartbeatResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              auto res = heartbeat(q.client_id());
+              r.set_error_code(toInt(res.error()));
+              if (res.ok()) r.set_need_remount(*res);
+              r.set_client_ttl_ms(config_.client_ttl_ms);
+            });
+        break;
+      case pb::PUT_START:
+        decoded = serve<pb::PutStartRequest, pb::PutStartResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              auto res = putStart(q.client_id(), q.key(), q.size(), fromProto(q.config()));
+              r.set_error_code(toInt(res.error()));
+              if (res.ok())
+                for (const ReplicaPlacement& p : *res) toProto(p, r.add_replicas());
+            });
+        break;
+      case pb::PUT_END:
+        decoded = serve<pb::PutEndRequest, pb::PutEndResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              r.set_error_code(toInt(putEnd(q.client_id(), q.key())));
+            });
+        break;
+      case pb::PUT_REVOKE:
+        decoded = serve<pb::PutRevokeRequest, pb::PutRevokeResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              r.set_error_code(toInt(putRevoke(q.client_id(), q.key())));
+            });
+        break;
+      case pb::GET_REPLICA_LIST:
+        decoded = serve<pb::GetReplicaListRequest, pb::GetReplicaListResponse>(
+            body, out, &call_error,
+            [&](const auto& q, auto& r) { toProto(getReplicaList(q.key()), &r); });
+        break;
+      case pb::BATCH_GET_REPLICA_LIST:
+        decoded = serve<pb::BatchGetReplicaListRequest, pb::BatchGetReplicaListResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              r.set_error_code(0);
+              for (const auto& res : batchGetReplicaList(keysOf(q.keys())))
+                toProto(res, r.add_results());
+            });
+        break;
+      case pb::EXISTS:
+        decoded = serve<pb::ExistsRequest, pb::ExistsResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              auto res = exists(q.key());
+              r.set_error_code(toInt(res.error()));
+              r.set_exists(res.ok() && *res);
+            });
+        break;
+      case pb::BATCH_EXISTS:
+        decoded = serve<pb::BatchExistsRequest, pb::BatchExistsResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              r.set_error_code(0);
+              for (const auto& res : batchExists(keysOf(q.keys()))) {
+                pb::ExistsResponse* e = r.add_results();
+                e->set_error_code(toInt(res.error()));
+                e->set_exists(res.ok() && *res);
+              }
+            });
+        break;
+      case pb::GET_SIZE:
+        decoded = serve<pb::GetSizeRequest, pb::GetSizeResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              auto res = getSize(q.key());
+              r.set_error_code(toInt(res.error()));
+              if (res.ok()) r.set_size(*res);
+            });
+        break;
+      case pb::REMOVE:
+        decoded = serve<pb::RemoveRequest, pb::RemoveResponse>(
+            body, out, &call_error,
+            [&](const auto& q, auto& r) { r.set_error_code(toInt(remove(q.key(), q.force()))); });
+        break;
+      case pb::REMOVE_BY_REGEX:
+        decoded = serve<pb::RemoveByRegexRequest, pb::RemoveByRegexResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              auto res = removeByRegex(q.regex(), q.force());
+              r.set_error_code(toInt(res.error()));
+              if (res.ok()) r.set_removed(*res);
+            });
+        break;
+      case pb::REMOVE_ALL:
+        decoded = serve<pb::RemoveAllRequest, pb::RemoveAllResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              r.set_error_code(0);
+              r.set_removed(removeAll(q.force()));
+            });
+        break;
+      default:  // METHOD_UNSPECIFIED or a method this master does not know
+        break;
+    }
+    if (!decoded) {
+      resp.clear_body();
+      resp.set_error_code(toInt(ErrorCode::INVALID_PARAMS));
+    }
+  } catch (...) {  // bad_alloc and the like: answer, never unwind into the transport
+    resp.clear_body();
+    resp.set_error_code(toInt(ErrorCode::INTERNAL_ERROR));
+  }
+  if (method_index >= 0) {
+    RpcCounters& c = rpc_stats_[method_index];
+    c.calls.fetch_add(1, std::memory_order_relaxed);
+    if (resp.error_code() != 0 || call_error != 0) c.errors.fetch_add(1, std::memory_order_relaxed);
+    auto ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+            .count();
+    c.total_ns.fetch_add(static_cast<uint64_t>(ns), std::memory_order_relaxed);
+  }
+  try {
+    return resp.SerializeAsString();
+  } catch (...) {
+    return std::string();
+  }
+}
+
+void MasterService::fillRpcStats(MasterMetrics* m) const {
+  m->rpcs.clear();
+  for (int i = 1; i < kRpcMethods; ++i) {
+    MasterMetrics::RpcStat s;
+    s.method = pb::Method_Name(static_cast<pb::Method>(i));
+    s.calls = rpc_stats_[i].calls.load(std::memory_order_relaxed);
+    s.errors = rpc_stats_[i].errors.load(std::memory_order_relaxed);
+    s.total_ns = rpc_stats_[i].total_ns.load(std::memory_order_relaxed);
+    m->rpcs.push_back(std::move(s));
+  }
+}
+
+}  // namespace mooncake::store

@@ -1,0 +1,242 @@
+// MasterService: the store's metadata service. It knows which objects exist, where their
+// replicas lie (segment, offset, length), which clients are alive and which memory they lent;
+// it never sees object data, which moves client-to-client through the engine.
+//
+// Object life cycle (Mooncake Store's model):
+//   putStart  -> the object is PROCESSING: space is reserved on up to replica_num distinct
+//                segments and the placements are returned to the writer, which writes the data;
+//   putEnd    -> COMPLETE: visible to readers, immutable until removed or evicted;
+//   putRevoke -> the reservation is dropped (the writer failed).
+// Readers never see a PROCESSING object: getReplicaList answers REPLICA_IS_NOT_READY,
+// exists() answers false. A putStart of an existing key is OBJECT_ALREADY_EXISTS.
+//
+// Leases: getReplicaList and exists (hits) grant a lease of lease_ttl_ms; until it lapses
+// remove() fails with OBJECT_HAS_LEASE and eviction skips the object, so a reader's transfer is
+// never overwritten while the lease holds.
+//
+// Eviction: when bytes used pass eviction_high_watermark of capacity (checked after each
+// putStart and by maintenance), or when an allocation fails, the least recently used complete
+// objects are evicted until eviction_ratio of them are gone and usage is back under the
+// watermark. Exempt: leased, PROCESSING and hard-pinned objects. Soft-pinned objects sit on a
+// second LRU list that is touched only when the first cannot meet the target; a soft pin lapses
+// after soft_pin_ttl_ms without a read.
+//
+// Clients: any call carrying a client id, and heartbeat(), refresh the client's liveness. A client
+// silent for client_ttl_ms is expired by maintenance: its unfinished puts are revoked and its
+// segments unmounted. Unmounting a segment drops every replica with a piece on it; an object left
+// without replicas is removed, so reads fall to surviving replicas or get OBJECT_NOT_FOUND.
+//
+// Threading: every public method is thread-safe (one mutex; every operation is O(1) in the number
+// of objects except removeByRegex/removeAll and the bounded eviction walk). Time comes from
+// config.clock, so tests advance a fake clock instead of sleeping. Maintenance runs when
+// runMaintenance() is called, or periodically after startBackground().
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "store/master/error_codes.h"
+#include "store/master/master_types.h"
+#include "store/master/offset_allocator.h"
+
+namespace mooncake::store {
+
+class MasterService {
+ public:
+  struct ReplicaList {
+    uint64_t size = 0;
+    std::vector<ReplicaPlacement> replicas;  // complete replicas only
+    uint64_t lease_ttl_ms = 0;
+  };
+
+  explicit MasterService(MasterConfig config = {});
+  ~MasterService();
+  MasterService(const MasterService&) = delete;
+  MasterService& operator=(const MasterService&) = delete;
+
+  const MasterConfig& config() const { return config_; }
+
+  // ---- segments and clients ----
+  // Lends [base, base + size) of client_id's memory to the store. Names are unique among
+  // mounted segments: mounting the same (client, name, base, size) again returns the existing id
+  // (a retried RPC), anything else under a mounted name is SEGMENT_ALREADY_EXISTS.
+  ErrorOr<SegmentId> mountSegment(const std::string& client_id, const std::string& name,
+                                  uint64_t base, uint64_t size);
+  // Drops every replica on the segment, then forgets it. Unknown id: OK (idempotent, as
+  // Mooncake); a segment of another client: ILLEGAL_CLIENT.
+  ErrorCode unmountSegment(const std::string& client_id, SegmentId id);
+  ErrorCode unmountSegmentByName(const std::string& client_id, const std::string& name);
+  std::vector<MountedSegmentInfo> segments() const;
+  // Refreshes the client's liveness. Returns need_remount = true when the master did not know the
+  // client (first contact or expired), i.e. none of its segments is mounted any more.
+  ErrorOr<bool> heartbeat(const std::string& client_id);
+
+  // ---- two-phase put ----
+  // Reserves `size` bytes on up to config.replica_num distinct segments (distinct clients first;
+  // fewer replicas when fewer segments have room; a replica too large for any one segment is
+  // striped). client_id may be empty (then only put_release_timeout_ms reclaims a lost put).
+  ErrorOr<std::vector<ReplicaPlacement>> putStart(const std::string& client_id,
+                                                  const std::string& key, uint64_t size,
+                                                  const ReplicateConfig& config);
+  ErrorCode putEnd(const std::string& client_id, const std::string& key);
+  ErrorCode putRevoke(const std::string& client_id, const std::string& key);
+
+  // ---- reads ----
+  ErrorOr<ReplicaList> getReplicaList(const std::string& key);
+  std::vector<ErrorOr<ReplicaList>> batchGetReplicaList(const std::vector<std::string>& keys);
+  ErrorOr<bool> exists(const std::string& key);
+  std::vector<ErrorOr<bool>> batchExists(const std::vector<std::string>& keys);
+  ErrorOr<uint64_t> getSize(const std::string& key);
+
+  // ---- removal ----
+  // force ignores a read lease; a PROCESSING object is never removed (REPLICA_IS_NOT_READY):
+  // its writer may still be writing into the reserved memory.
+  ErrorCode remove(const std::string& key, bool force = false);
+  ErrorOr<uint64_t> removeByRegex(const std::string& regex, bool force = false);
+  uint64_t removeAll(bool force = false);
+
+  // ---- maintenance ----
+  // Expires silent clients, releases timed-out puts and quarantined memory, demotes lapsed soft
+  // pins, and evicts if usage is above the high watermark.
+  void runMaintenance();
+  void startBackground(std::chrono::milliseconds period);
+  void stopBackground();
+
+  MasterMetrics metrics() const;
+  // Cross-checks every index against the others (allocators, per-segment object sets, LRU
+  // lists, counters); O(everything). For tests: false means a bookkeeping bug.
+  bool checkInvariants() const;
+
+  // ---- RPC ----
+  // Decodes a store.proto RequestEnvelope, runs the call, returns the encoded ResponseEnvelope.
+  // Never throws and never crashes on malformed input: undecodable bytes produce a response with
+  // error_code INVALID_PARAMS. Transport-agnostic: the caller moves the bytes.
+  std::string handle(std::string_view request_bytes);
+
+ private:
+  struct Segment;
+  struct Object;
+  struct PieceRec {
+    Segment* seg;
+    OffsetAllocator::Allocation alloc;
+    uint64_t length;
+  };
+  struct Replica {
+    std::vector<PieceRec> pieces;
+  };
+  enum class ListId : uint8_t { kNone, kNormal, kSoft };
+  struct Object {
+    const std::string* key = nullptr;  // the objects_ map's key
+    uint64_t size = 0;
+    bool complete = false;
+    bool soft_pin = false;  // still asked for; soft_pin_deadline says whether it holds
+    bool hard_pin = false;
+    std::vector<Replica> replicas;
+    TimePoint put_start{};
+    TimePoint lease_deadline{};
+    TimePoint soft_pin_deadline{};
+    std::string writer;
+    ListId list = ListId::kNone;
+    std::list<Object*>::iterator lru_it;   // valid while list != kNone
+    std::list<Object*>::iterator proc_it;  // valid while !complete
+  };
+  struct Segment {
+    SegmentId id = 0;
+    std::string name;
+    std::string client_id;
+    uint64_t base = 0;
+    OffsetAllocator alloc;
+    std::unordered_set<Object*> objects;  // objects with a piece here
+    Segment(uint64_t size, uint64_t granularity) : alloc(size, granularity) {}
+  };
+  struct Client {
+    TimePoint last_seen{};
+    std::vector<SegmentId> segments;
+    std::unordered_set<Object*> pending_puts;
+  };
+  struct Quarantined {
+    Segment* seg;
+    OffsetAllocator::Allocation alloc;
+    TimePoint release_at;
+  };
+
+  TimePoint now() const { return config_.clock ? config_.clock() : MasterClock::now(); }
+  ErrorCode checkKey(const std::string& key) const;
+  Client& touchClientLocked(const std::string& client_id, TimePoint now, bool* was_new);
+
+  // Placement (master_space.cc).
+  bool allocateReplica(uint64_t size, const std::string& preferred,
+                       std::unordered_set<Segment*>* used_segments,
+                       std::unordered_set<std::string>* used_clients, Replica* out);
+  std::vector<Replica> allocateReplicas(uint64_t size, const ReplicateConfig& config);
+  void freePiece(const PieceRec& p);
+  ReplicaPlacement describe(const Replica& r) const;
+
+  // Object bookkeeping.
+  void linkLru(Object* o, TimePoint now);
+  void unlinkLru(Object* o);
+  void touchLru(Object* o, TimePoint now);
+  // Frees (or, with quarantine_until set, quarantines) the object's memory and forgets it.
+  void destroyObjectLocked(Object* o, const TimePoint* quarantine_until = nullptr);
+  ErrorOr<ReplicaList> getReplicaListLocked(const std::string& key, TimePoint now);
+  ErrorOr<bool> existsLocked(const std::string& key, TimePoint now);
+  void grantLease(Object* o, TimePoint now);
+  bool leased(const Object* o, TimePoint now) const { return o->lease_deadline > now; }
+  uint64_t removeMatchingLocked(const std::function<bool(const std::string&)>& match, bool force);
+
+  // Segments and clients.
+  void unmountLocked(Segment* seg);
+  void expireClientLocked(const std::string& client_id);
+
+  // Eviction (master_space.cc).
+  bool aboveWatermark(uint64_t extra_bytes) const;
+  void demoteLapsedSoftPinsLocked(TimePoint now);
+  uint64_t evictLocked(TimePoint now, uint64_t need_bytes);
+
+  void backgroundLoop(std::chrono::milliseconds period);
+  void fillRpcStats(MasterMetrics* m) const;  // master_rpc.cc
+
+  MasterConfig config_;
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, std::unique_ptr<Object>> objects_;
+  std::list<Object*> lru_;       // complete, unpinned; front = most recently used
+  std::list<Object*> soft_lru_;  // complete, soft-pinned
+  std::unordered_map<SegmentId, std::unique_ptr<Segment>> segments_;
+  std::unordered_map<std::string, SegmentId> segment_by_name_;
+  std::vector<Segment*> segment_order_;  // mount order; placement walks it round robin
+  size_t rr_cursor_ = 0;
+  SegmentId next_segment_id_ = 1;
+  std::unordered_map<std::string, Client> clients_;
+  std::vector<Quarantined> quarantine_;
+  uint64_t used_bytes_ = 0;
+  uint64_t capacity_bytes_ = 0;
+  // PROCESSING objects in putStart order (the clock is monotonic), so maintenance finds the
+  // timed-out ones at the front without scanning every object.
+  std::list<Object*> processing_;
+  uint64_t hard_pinned_count_ = 0;
+  MasterMetrics counters_;  // counter fields only; gauges are filled in by metrics()
+
+  // Per-method RPC statistics of handle(), indexed by the proto Method number.
+  static constexpr int kRpcMethods = 15;
+  struct RpcCounters {
+    std::atomic<uint64_t> calls{0}, errors{0}, total_ns{0};
+  };
+  std::array<RpcCounters, kRpcMethods> rpc_stats_;
+
+  std::mutex bg_mu_;
+  std::condition_variable bg_cv_;
+  bool bg_stop_ = false;
+  std::thread bg_thread_;
+};
+
+}  // namespace mooncake::store

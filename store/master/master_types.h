@@ -1,0 +1,109 @@
+// Value types of the store master's API: configuration, placement descriptors, metrics.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace mooncake::store {
+
+using SegmentId = uint64_t;  // assigned by the master at mount, never reused; 0 is "none"
+using MasterClock = std::chrono::steady_clock;
+using TimePoint = MasterClock::time_point;
+// The master's notion of "now". Injectable so tests advance time instead of sleeping.
+using ClockFn = std::function<TimePoint()>;
+
+// Mooncake's ReplicateConfig: how many copies, pinning, and where the first copy should go.
+struct ReplicateConfig {
+  uint32_t replica_num = 1;
+  bool with_soft_pin = false;     // evicted only after every unpinned object (evicted last)
+  bool with_hard_pin = false;     // never evicted; only remove() drops it
+  std::string preferred_segment;  // segment name; empty: no preference
+};
+
+// A contiguous piece of one replica, inside one mounted segment.
+struct Piece {
+  SegmentId segment_id = 0;
+  std::string segment_name;
+  std::string client_id;  // the client that mounted the segment (the engine peer to talk to)
+  uint64_t offset = 0;    // from the segment's base
+  uint64_t address = 0;   // base + offset, in the owner's address space
+  uint64_t length = 0;    // bytes of the object held here (the pieces of a replica sum to size)
+};
+
+// One copy of an object: its pieces in object order (one piece unless striped).
+struct ReplicaPlacement {
+  std::vector<Piece> pieces;
+};
+
+struct MountedSegmentInfo {
+  SegmentId id = 0;
+  std::string name;
+  std::string client_id;
+  uint64_t base = 0;
+  uint64_t size = 0;
+  uint64_t used = 0;
+};
+
+struct MasterConfig {
+  uint64_t lease_ttl_ms = 5000;
+  uint64_t soft_pin_ttl_ms = 30ull * 60 * 1000;  // a soft pin lapses after this long unread
+  double eviction_high_watermark = 0.95;         // evict when used/capacity passes this
+  double eviction_ratio = 0.05;                  // share of objects one eviction round frees
+  uint64_t client_ttl_ms = 10000;                // silent clients are expired after this
+  // A PROCESSING put older than this may be taken over by a new putStart of the same key; its
+  // memory stays reserved until put_release_timeout_ms after its start (the old writer may still
+  // be writing).
+  uint64_t put_discard_timeout_ms = 30000;
+  // A PROCESSING put older than this is revoked by maintenance and its memory freed.
+  uint64_t put_release_timeout_ms = 600000;
+  uint64_t alloc_granularity = 64;  // bytes; every piece starts at a multiple of it
+  uint32_t max_replicas = 16;       // replica_num above this is INVALID_PARAMS
+  uint32_t max_pieces_per_replica = 16;
+  uint64_t min_stripe_bytes = 64 * 1024;  // smallest piece of a striped replica
+  uint64_t max_key_length = 4096;         // longer keys are INVALID_KEY
+  ClockFn clock;                          // empty: MasterClock::now
+};
+
+// Counters and gauges for /metrics. Gauges are current values, counters only grow.
+struct MasterMetrics {
+  // gauges
+  uint64_t objects = 0;             // complete objects
+  uint64_t processing_objects = 0;  // puts started, not ended
+  uint64_t soft_pinned_objects = 0;
+  uint64_t hard_pinned_objects = 0;
+  uint64_t bytes_used = 0;  // reserved in segments, including PROCESSING and quarantined puts
+  uint64_t bytes_capacity = 0;
+  uint64_t segments = 0;
+  uint64_t clients = 0;
+  // counters
+  uint64_t put_starts = 0;
+  uint64_t put_ends = 0;
+  uint64_t put_revokes = 0;  // explicit revokes plus puts revoked by client expiry / timeout
+  uint64_t gets = 0;         // getReplicaList calls, batch entries counted one by one
+  uint64_t get_hits = 0;
+  uint64_t removes = 0;  // objects removed by remove/removeByRegex/removeAll
+  uint64_t evictions = 0;
+  uint64_t evicted_bytes = 0;
+  uint64_t eviction_rounds = 0;
+  uint64_t allocation_failures = 0;  // putStart answered NO_AVAILABLE_HANDLE
+  uint64_t client_expirations = 0;
+  uint64_t replicas_dropped = 0;  // replicas lost with an unmounted segment
+
+  // Per-RPC statistics of MasterService::handle(): calls, calls answered with an error, and
+  // the total time spent serving them (decode + call + encode).
+  struct RpcStat {
+    std::string method;  // e.g. "PUT_START"
+    uint64_t calls = 0;
+    uint64_t errors = 0;
+    uint64_t total_ns = 0;
+  };
+  std::vector<RpcStat> rpcs;
+
+  // Prometheus text exposition (# HELP/# TYPE lines, mooncake_store_ prefix).
+  std::string toPrometheus() const;
+};
+
+}  // namespace mooncake::store
