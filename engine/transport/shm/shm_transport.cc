@@ -161,9 +161,14 @@ class ShmPeer : public TransportPeer {
                                           : process_vm_readv(remote_.pid, &local, 1, &remote, 1, 0);
       if (n <= 0) {
         int e = errno;
-        if (e == ESRCH)
-          return MC_STATUS(kPeerDead, "shm: peer " << remote_.name << " (pid " << remote_.pid
-                                                   << ") is gone");
+        if (e == ESRCH) {
+          Status dead = MC_STATUS(kPeerDead, "shm: peer " << remote_.name << " (pid "
+                                                          << remote_.pid << ") is gone");
+          // The engine hears first, so that whoever sees this request fail also finds the
+          // peer marked dead.
+          if (ctx_->on_peer_failure) ctx_->on_peer_failure(remote_.engine_id, dead);
+          return dead;
+        }
         return MC_STATUS(kIo, "shm: process_vm_" << (t->op == OpCode::kWrite ? "writev" : "readv")
                                                  << " to " << remote_.name << " failed: "
                                                  << std::strerror(e));

@@ -1,0 +1,380 @@
+// Failure behaviour against real peer processes: a peer killed mid-transfer, a stopped then
+// killed peer, out-of-bounds and unregistered remote addresses, and a wrong job secret.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "tests/engine/peer_fixture.h"
+
+namespace mooncake::test {
+namespace {
+
+using engine::BatchId;
+
+constexpr double kDeathBudgetMs = 1000;  // pending and future requests fail within 1 s
+
+// True when the status names the peer: by its name or its engine id.
+bool namesPeer(const Status& st, const std::string& name, uint64_t engine_id) {
+  const std::string& m = st.message();
+  char hex[32];
+  std::snprintf(hex, sizeof(hex), "%lx", static_cast<unsigned long>(engine_id));
+  return m.find(name) != std::string::npos ||
+         m.find(std::to_string(engine_id)) != std::string::npos ||
+         m.find(hex) != std::string::npos;
+}
+
+// After a peer died: every operation on it fails promptly, naming it.
+void expectPeerDeadEverywhere(TransferEngine& eng, PeerId pid, void* local, uint64_t remote,
+                              const std::string& name, uint64_t engine_id) {
+  auto t0 = SteadyClock::now();
+  Status st = eng.transfer({{OpCode::kWrite, local, 4096, pid, remote}},
+                           engine::deadlineInMs(5000));
+  double ms = msSince(t0);
+  EXPECT_FALSE(st.ok()) << "a write to a dead peer succeeded";
+  EXPECT_LT(ms, kDeathBudgetMs) << "a write to a dead peer took " << ms << " ms to fail: "
+                                << st.toString();
+  EXPECT_TRUE(namesPeer(st, name, engine_id)) << "error does not name the peer: " << st.toString();
+  st = eng.transfer({{OpCode::kRead, local, 4096, pid, remote}}, engine::deadlineInMs(5000));
+  EXPECT_FALSE(st.ok()) << "a read from a dead peer succeeded";
+  t0 = SteadyClock::now();
+  st = eng.notify(pid, 1);
+  EXPECT_FALSE(st.ok()) << "notify to a dead peer succeeded";
+  EXPECT_LT(msSince(t0), kDeathBudgetMs);
+  st = eng.sendMessage(pid, 3, "hello");
+  EXPECT_FALSE(st.ok()) << "sendMessage to a dead peer succeeded";
+  st = eng.peerStatus(pid);
+  EXPECT_EQ(st.code(), Code::kPeerDead) << "peerStatus: " << st.toString();
+  EXPECT_TRUE(namesPeer(st, name, engine_id)) << "peerStatus does not name the peer: "
+                                              << st.toString();
+}
+
+// ---------------------------------------------------------------------------------------
+
+using DeathParam = std::tuple<std::string, bool>;  // transport, remote region is allocate()d
+
+class PeerDeathTest : public PeerTestBase, public ::testing::WithParamInterface<DeathParam> {};
+
+// A loop of 8 MiB writes and reads is running when the peer is SIGKILLed: the first failure
+// must come within 1 s of the kill, be kPeerDead and name the peer; everything after fails.
+TEST_P(PeerDeathTest, KilledMidTransferFailsWithinOneSecond) {
+  const auto& [transport, alloc_region] = GetParam();
+  constexpr uint64_t kLen = 8u << 20;
+  PeerConfig cfg;
+  cfg.name = "doomed-peer";
+  cfg.transport = transport;
+  cfg.region_bytes = kLen;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine(transport);
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, cfg.name);
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  const uint64_t remote = alloc_region ? peer->info().alloc_addr : peer->info().reg_addr;
+  auto mem = eng->allocate(kLen);
+  ASSERT_TRUE(mem.ok()) << mem.status().toString();
+  fillPattern(mem.value(), kLen, 5, 0);
+
+  std::atomic<int> iterations{0};
+  std::atomic<bool> killed{false};
+  std::atomic<bool> failed{false};
+  SteadyClock::time_point kill_time, err_time;
+  Status err;
+  int after_kill_ok = 0;
+  std::thread worker([&] {
+    auto t0 = SteadyClock::now();
+    while (msSince(t0) < 15000) {
+      const OpCode op = iterations % 2 == 0 ? OpCode::kWrite : OpCode::kRead;
+      bool was_killed = killed.load();
+      Status st = eng->transfer({{op, mem.value(), kLen, pid, remote}}, engine::deadlineInMs(5000));
+      if (!st.ok()) {
+        err_time = SteadyClock::now();
+        err = st;
+        failed = true;
+        return;
+      }
+      if (was_killed) ++after_kill_ok;
+      ++iterations;
+    }
+  });
+  auto t0 = SteadyClock::now();
+  while (iterations.load() < 4 && msSince(t0) < 10000 && !failed.load())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  kill_time = SteadyClock::now();
+  peer->kill(SIGKILL);
+  killed = true;
+  markKilled(peer);
+  worker.join();
+  ASSERT_GE(iterations.load(), 4) << "transfers failed before the kill: " << err.toString();
+
+  ASSERT_FALSE(err.ok()) << "transfers kept succeeding for 15 s after the peer was killed";
+  const double ms = std::chrono::duration<double, std::milli>(err_time - kill_time).count();
+  std::printf("  first failure %.1f ms after SIGKILL (%d transfers succeeded in between): %s\n",
+              ms, after_kill_ok, err.toString().c_str());
+  EXPECT_LT(ms, kDeathBudgetMs) << "the death of the peer was noticed too late";
+  EXPECT_EQ(err.code(), Code::kPeerDead) << err.toString();
+  EXPECT_TRUE(namesPeer(err, cfg.name, peer->info().engine_id))
+      << "error does not name the peer: " << err.toString();
+  int ws = 0;
+  EXPECT_TRUE(peer->waitExit(5000, &ws));
+  EXPECT_TRUE(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+  expectPeerDeadEverywhere(*eng, pid, mem.value(), remote, cfg.name, peer->info().engine_id);
+  MC_EXPECT_OK(eng->free(mem.value()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, PeerDeathTest,
+                         ::testing::Combine(::testing::Values("shm", "tcp"), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<DeathParam>& i) {
+                           return std::get<0>(i.param) +
+                                  (std::get<1>(i.param) ? "_allocated" : "_registered");
+                         });
+
+// ---------------------------------------------------------------------------------------
+
+class FailureTest : public PeerTestBase, public ::testing::WithParamInterface<std::string> {};
+
+// The peer is stopped (SIGSTOP), requests to it are submitted, then it is killed: requests
+// still pending must fail within 1 s of the kill (they may have completed before it, over
+// shm, where a stopped process's memory stays reachable).
+TEST_P(FailureTest, PendingRequestsOfStoppedThenKilledPeerFail) {
+  const std::string transport = GetParam();
+  constexpr uint64_t kLen = 4u << 20;
+  PeerConfig cfg;
+  cfg.name = "stopped-peer";
+  cfg.transport = transport;
+  cfg.region_bytes = kLen;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine(transport);
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, cfg.name);
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  HostBuffer buf(2 * kLen);
+  fillPattern(buf.data(), kLen, 9, 0);
+
+  markKilled(peer);
+  peer->kill(SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto id = eng->submit({{OpCode::kWrite, buf.data(), kLen, pid, peer->info().reg_addr},
+                         {OpCode::kRead, buf.data() + kLen, kLen, pid, peer->info().alloc_addr}});
+  ASSERT_TRUE(id.ok()) << "submit to a stopped (still alive) peer: " << id.status().toString();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  bool done = false;
+  std::vector<Status> per;
+  Status pst = eng->poll(id.value(), &done, &per);
+  auto kill_time = SteadyClock::now();
+  peer->kill(SIGKILL);
+  std::vector<Status> per2;
+  Status st = eng->wait(id.value(), engine::deadlineInMs(5000), &per2);
+  const double ms = msSince(kill_time);
+  std::printf("  before the kill: poll=%s done=%d; after: wait=%s in %.1f ms\n",
+              pst.toString().c_str(), done, st.toString().c_str(), ms);
+  EXPECT_LT(ms, kDeathBudgetMs) << "wait() on requests to a killed peer took too long";
+  EXPECT_NE(st.code(), Code::kTimeout) << "pending requests must fail with the peer's death";
+  if (!done) {
+    EXPECT_FALSE(st.ok()) << "requests pending at the kill cannot have succeeded";
+    if (!st.ok()) {
+      EXPECT_TRUE(namesPeer(st, cfg.name, peer->info().engine_id)) << st.toString();
+    }
+  }
+  EXPECT_TRUE(peer->waitExit(5000));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  expectPeerDeadEverywhere(*eng, pid, buf.data(), peer->info().reg_addr, cfg.name,
+                           peer->info().engine_id);
+}
+
+// A peer that exits normally (engine destroyed) is reported dead too.
+TEST_P(FailureTest, PeerThatExitedIsReportedDead) {
+  const std::string transport = GetParam();
+  PeerConfig cfg;
+  cfg.name = "leaving-peer";
+  cfg.transport = transport;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine(transport);
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, cfg.name);
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  EXPECT_EQ(peer->shutdown(), 0);
+  markKilled(peer);
+  auto t0 = SteadyClock::now();
+  while (eng->peerStatus(pid).ok() && msSince(t0) < 5000)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::printf("  peerStatus changed %.1f ms after the peer exited\n", msSince(t0));
+  EXPECT_LT(msSince(t0), kDeathBudgetMs);
+  HostBuffer buf(4096);
+  expectPeerDeadEverywhere(*eng, pid, buf.data(), peer->info().alloc_addr, cfg.name,
+                           peer->info().engine_id);
+}
+
+// Requests outside the peer's registered memory are refused, in both directions, and the
+// peer's memory (registered and unregistered) is unchanged; the peer keeps serving.
+TEST_P(FailureTest, OutOfBoundsAndUnregisteredAddressesRefused) {
+  const std::string transport = GetParam();
+  constexpr uint64_t kRegion = 64 * 1024;
+  PeerConfig cfg;
+  cfg.transport = transport;
+  cfg.region_bytes = kRegion;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine(transport);
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  const PeerInfo& in = peer->info();
+
+  struct Case {
+    const char* what;
+    uint64_t addr;
+    uint64_t len;
+  };
+  std::vector<Case> cases;
+  for (auto [base, label] : {std::pair<uint64_t, const char*>{in.alloc_addr, "allocated"},
+                             {in.reg_addr, "registered"}}) {
+    (void)label;
+    cases.push_back({"one past the end", base + kRegion, 16});
+    cases.push_back({"straddling the end", base + kRegion - 8, 16});
+    cases.push_back({"straddling the start", base - 8, 16});
+    cases.push_back({"longer than the region", base, kRegion + 1});
+  }
+  cases.push_back({"unregistered memory", in.unreg_addr, 4096});
+  cases.push_back({"unregistered memory, odd", in.unreg_addr + 3, 1});
+  cases.push_back({"address 0", 0, 8});
+  cases.push_back({"wrapping around 2^64", ~uint64_t{0} - 15, 32});
+
+  const std::string sum_alloc = peer->sum(in.alloc_addr, kRegion);
+  const std::string sum_reg = peer->sum(in.reg_addr, kRegion);
+  const std::string sum_unreg = peer->sum(in.unreg_addr, kUnregBytes);
+  ASSERT_EQ(sum_alloc.rfind("ok ", 0), 0u) << sum_alloc;
+
+  HostBuffer local(kRegion + 64);
+  for (const Case& c : cases) {
+    for (OpCode op : {OpCode::kWrite, OpCode::kRead}) {
+      SCOPED_TRACE(std::string(op == OpCode::kWrite ? "WRITE " : "READ ") + c.what);
+      fillPattern(local.data(), kRegion + 64, 77, 0);
+      auto t0 = SteadyClock::now();
+      Status st = transfer(*eng, op, local.data(), c.len, pid, c.addr, 5000);
+      EXPECT_FALSE(st.ok()) << "access to 0x" << std::hex << c.addr << " +" << std::dec << c.len
+                            << " was allowed";
+      EXPECT_NE(st.code(), Code::kTimeout) << st.toString();
+      EXPECT_NE(st.code(), Code::kPeerDead) << "a refused request must not kill the link: "
+                                            << st.toString();
+      EXPECT_LT(msSince(t0), 2000) << st.toString();
+      if (op == OpCode::kRead) {
+        EXPECT_EQ(checkPattern(local.data(), kRegion + 64, 77, 0), "")
+            << "a refused read changed local memory";
+      }
+    }
+  }
+  EXPECT_EQ(peer->sum(in.alloc_addr, kRegion), sum_alloc) << "allocated region changed";
+  EXPECT_EQ(peer->sum(in.reg_addr, kRegion), sum_reg) << "registered region changed";
+  EXPECT_EQ(peer->sum(in.unreg_addr, kUnregBytes), sum_unreg) << "unregistered memory changed";
+  EXPECT_EQ(peer->expect(in.unreg_addr, kUnregBytes, unregSeed(cfg)), "");
+
+  // The link still works: a valid write lands.
+  MC_EXPECT_OK(eng->peerStatus(pid));
+  fillPattern(local.data(), 100, 78, 0);
+  MC_EXPECT_OK(transfer(*eng, OpCode::kWrite, local.data(), 100, pid, in.reg_addr + kRegion - 100));
+  EXPECT_EQ(peer->expect(in.reg_addr + kRegion - 100, 100, 78, 0), "");
+}
+
+// An engine presenting the wrong (or no) secret is refused; the peer then still serves one
+// with the right secret.
+TEST_P(FailureTest, WrongSecretRefused) {
+  const std::string transport = GetParam();
+  PeerConfig cfg;
+  cfg.transport = transport;
+  cfg.secret = "right";
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  for (const char* secret : {"wrong", "", "righ", "right-and-more"}) {
+    SCOPED_TRACE(std::string("secret '") + secret + "'");
+    auto eng = makeEngine(transport, std::string("intruder-") + secret, secret);
+    ASSERT_NE(eng, nullptr);
+    auto t0 = SteadyClock::now();
+    auto r = eng->openPeer(rdv(), "peer", engine::deadlineInMs(10000));
+    ASSERT_FALSE(r.ok()) << "opened a peer with the wrong secret (peer id " << r.value() << ")";
+    EXPECT_EQ(r.status().code(), Code::kPermissionDenied) << r.status().toString();
+    EXPECT_LT(msSince(t0), 5000) << "refusal should be prompt, not a timeout";
+  }
+  auto good = makeEngine(transport, "friend", "right");
+  ASSERT_NE(good, nullptr);
+  PeerId pid = openPeer(*good, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  HostBuffer buf(4096);
+  fillPattern(buf.data(), 4096, 31, 0);
+  MC_EXPECT_OK(transfer(*good, OpCode::kWrite, buf.data(), 4096, pid, peer->info().alloc_addr + 1));
+  EXPECT_EQ(peer->expect(peer->info().alloc_addr + 1, 4096, 31, 0), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, FailureTest, ::testing::Values("shm", "tcp"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+// ---------------------------------------------------------------------------------------
+
+// Over tcp the target checks every access against its own registry, whatever the initiator
+// believes: a forged descriptor (a region grown, an invented one) and a stale one (the peer
+// unregistered the region since) are refused there. (Over shm the initiator copies itself,
+// so there the descriptor the initiator holds is the only check.)
+class TcpTargetCheckTest : public PeerTestBase {};
+
+TEST_F(TcpTargetCheckTest, ForgedAndStaleDescriptorsRefusedByTarget) {
+  constexpr uint64_t kRegion = 64 * 1024;
+  PeerConfig cfg;
+  cfg.transport = "tcp";
+  cfg.region_bytes = kRegion;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine("tcp");
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  const PeerInfo& in = peer->info();
+  ASSERT_NE(eng->peerSegment(pid), nullptr);
+  const engine::SegmentDesc original = *eng->peerSegment(pid);
+
+  engine::SegmentDesc forged = original;
+  bool grown = false;
+  for (auto& r : forged.regions) {
+    if (r.addr == in.reg_addr) {
+      r.len += 4096;
+      grown = true;
+    }
+  }
+  ASSERT_TRUE(grown) << "the peer's registered region is not in its descriptor";
+  engine::RegionDesc fake;
+  fake.addr = in.unreg_addr;
+  fake.len = kUnregBytes;
+  forged.regions.push_back(fake);
+  MC_ASSERT_OK(eng->updatePeer(pid, forged));
+
+  const std::string sum_unreg = peer->sum(in.unreg_addr, kUnregBytes);
+  HostBuffer local(8192);
+  fillPattern(local.data(), 8192, 55, 0);
+  Status st = transfer(*eng, OpCode::kWrite, local.data(), 4096, pid, in.unreg_addr, 5000);
+  EXPECT_FALSE(st.ok()) << "the target accepted a write into memory it never registered";
+  st = transfer(*eng, OpCode::kWrite, local.data(), 64, pid, in.reg_addr + kRegion - 32, 5000);
+  EXPECT_FALSE(st.ok()) << "the target accepted a write past its region's end";
+  st = transfer(*eng, OpCode::kRead, local.data(), 4096, pid, in.unreg_addr, 5000);
+  EXPECT_FALSE(st.ok()) << "the target served a read of memory it never registered";
+  EXPECT_EQ(peer->sum(in.unreg_addr, kUnregBytes), sum_unreg);
+  EXPECT_EQ(peer->expect(in.reg_addr, kRegion, regSeed(cfg)), "");
+
+  // Stale: the peer unregisters its region; our descriptor still lists it.
+  MC_ASSERT_OK(eng->updatePeer(pid, original));
+  EXPECT_EQ(peer->call("unregister " + std::to_string(in.reg_addr)), "ok");
+  const std::string sum_reg = peer->sum(in.reg_addr, kRegion);
+  st = transfer(*eng, OpCode::kWrite, local.data(), 4096, pid, in.reg_addr, 5000);
+  EXPECT_FALSE(st.ok()) << "the target accepted a write into a region it unregistered";
+  EXPECT_EQ(peer->sum(in.reg_addr, kRegion), sum_reg);
+  // Still serving what is registered.
+  MC_EXPECT_OK(transfer(*eng, OpCode::kWrite, local.data(), 4096, pid, in.alloc_addr, 5000));
+  EXPECT_EQ(peer->expect(in.alloc_addr, 4096, 55, 0), "");
+}
+
+}  // namespace
+}  // namespace mooncake::test

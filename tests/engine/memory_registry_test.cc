@@ -1,0 +1,170 @@
+// MemoryRegistry: registration, overlap rejection, lookup, removal, shm allocation.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/memory.h"
+#include "tests/engine/test_util.h"
+
+namespace mooncake::engine {
+namespace {
+
+Region region(uint64_t addr, uint64_t len) {
+  Region r;
+  r.addr = addr;
+  r.len = len;
+  return r;
+}
+
+bool shmExists(const std::string& name) {
+  int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
+std::string prefix() { return "mc-test-" + std::to_string(getpid()); }
+
+TEST(MemoryRegistryTest, AddFindRemove) {
+  MemoryRegistry reg;
+  const uint64_t v0 = reg.version();
+  ASSERT_TRUE(reg.add(region(0x10000, 0x1000)).ok());
+  ASSERT_TRUE(reg.add(region(0x20000, 0x100)).ok());
+  EXPECT_GT(reg.version(), v0);
+
+  auto f = reg.find(0x10000, 0x1000);
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->addr, 0x10000u);
+  EXPECT_EQ(f->len, 0x1000u);
+  EXPECT_TRUE(reg.find(0x10001, 0x10).has_value());
+  EXPECT_TRUE(reg.find(0x10fff, 1).has_value());
+  EXPECT_FALSE(reg.find(0x10fff, 2).has_value()) << "straddles the end";
+  EXPECT_FALSE(reg.find(0xffff, 2).has_value()) << "straddles the start";
+  EXPECT_FALSE(reg.find(0x11000, 1).has_value()) << "one past the end";
+  EXPECT_FALSE(reg.find(0x10000, 0x1001).has_value()) << "longer than the region";
+  EXPECT_FALSE(reg.find(0x15000, 8).has_value()) << "between regions";
+  EXPECT_FALSE(reg.find(0, 8).has_value());
+  EXPECT_FALSE(reg.find(0x10000, ~uint64_t{0}).has_value()) << "length wraps";
+  EXPECT_FALSE(reg.find(~uint64_t{0} - 4, 16).has_value()) << "address wraps";
+  EXPECT_EQ(reg.find(0x20010, 0x10)->addr, 0x20000u);
+  EXPECT_EQ(reg.snapshot().size(), 2u);
+
+  const uint64_t v1 = reg.version();
+  auto r = reg.remove(0x10000);
+  ASSERT_TRUE(r.ok()) << r.status().toString();
+  EXPECT_EQ(r->len, 0x1000u);
+  EXPECT_GT(reg.version(), v1);
+  EXPECT_FALSE(reg.find(0x10000, 1).has_value());
+  EXPECT_EQ(reg.remove(0x10000).status().code(), Code::kNotFound);
+  EXPECT_FALSE(reg.remove(0x20001).ok()) << "remove needs the start address";
+  EXPECT_EQ(reg.snapshot().size(), 1u);
+}
+
+TEST(MemoryRegistryTest, OverlapsRejected) {
+  MemoryRegistry reg;
+  ASSERT_TRUE(reg.add(region(0x10000, 0x1000)).ok());
+  const uint64_t v = reg.version();
+  struct Case {
+    uint64_t addr, len;
+    const char* what;
+  } cases[] = {
+      {0x10000, 0x1000, "identical"},  {0x10800, 0x1000, "overlapping the end"},
+      {0xf800, 0x1000, "overlapping the start"}, {0x10100, 0x10, "inside"},
+      {0xf000, 0x3000, "containing"},  {0x10fff, 1, "last byte"},
+  };
+  for (const auto& c : cases) {
+    Status st = reg.add(region(c.addr, c.len));
+    EXPECT_FALSE(st.ok()) << c.what;
+  }
+  EXPECT_EQ(reg.version(), v) << "a rejected add must not change the registry";
+  EXPECT_TRUE(reg.add(region(0x11000, 0x10)).ok()) << "adjacent after";
+  EXPECT_TRUE(reg.add(region(0xfff0, 0x10)).ok()) << "adjacent before";
+  EXPECT_FALSE(reg.add(region(0x5000, 0)).ok()) << "empty region";
+  EXPECT_FALSE(reg.add(region(~uint64_t{0} - 10, 100)).ok()) << "wrapping region";
+  EXPECT_EQ(reg.snapshot().size(), 3u);
+}
+
+TEST(MemoryRegistryTest, ConcurrentAddFindRemove) {
+  MemoryRegistry reg;
+  constexpr int kThreads = 4, kPer = 500;
+  std::vector<std::thread> th;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < kThreads; ++t) {
+    th.emplace_back([&, t] {
+      for (int i = 0; i < kPer; ++i) {
+        uint64_t a = 0x100000 + (static_cast<uint64_t>(t) * kPer + i) * 0x100;
+        if (!reg.add(region(a, 0x80)).ok()) bad++;
+        if (!reg.find(a + 1, 0x7f).has_value()) bad++;
+        if (i % 2 == 0 && !reg.remove(a).ok()) bad++;
+      }
+    });
+  }
+  for (auto& x : th) x.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(reg.snapshot().size(), static_cast<size_t>(kThreads * kPer / 2));
+}
+
+TEST(MemoryRegistryTest, AllocateShmIsRegisteredAndMappable) {
+  MemoryRegistry reg;
+  constexpr size_t kLen = (1u << 20) + 3;
+  auto p = reg.allocateShm(kLen, prefix());
+  ASSERT_TRUE(p.ok()) << p.status().toString();
+  auto r = reg.find(reinterpret_cast<uint64_t>(p.value()), kLen);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_TRUE(r->engine_owned);
+  EXPECT_FALSE(r->shm_name.empty());
+  EXPECT_TRUE(shmExists(r->shm_name)) << r->shm_name;
+
+  // A second mapping (as a peer would make) sees the same bytes, both ways.
+  test::fillPattern(p.value(), kLen, 3, 0);
+  void* m = mapShm(r->shm_name, kLen);
+  ASSERT_NE(m, nullptr) << "mapShm " << r->shm_name;
+  EXPECT_EQ(test::checkPattern(m, kLen, 3, 0), "");
+  test::fillPattern(m, 4096, 4, 0);
+  EXPECT_EQ(test::checkPattern(p.value(), 4096, 4, 0), "");
+  EXPECT_EQ(mapShm(r->shm_name, kLen + (1u << 20)), nullptr)
+      << "mapping more than the file holds must fail (would SIGBUS on access)";
+  EXPECT_EQ(mapShm("/mc-test-no-such-file", 4096), nullptr);
+  unmapShm(m, kLen);
+
+  const std::string name = r->shm_name;
+  ASSERT_TRUE(reg.freeShm(p.value()).ok());
+  EXPECT_FALSE(reg.find(reinterpret_cast<uint64_t>(p.value()), 1).has_value());
+  EXPECT_FALSE(shmExists(name)) << "freeShm must unlink " << name;
+  EXPECT_FALSE(reg.freeShm(p.value()).ok()) << "double free";
+}
+
+TEST(MemoryRegistryTest, FreeShmRejectsForeignPointers) {
+  MemoryRegistry reg;
+  std::vector<char> buf(4096);
+  ASSERT_TRUE(reg.add(region(reinterpret_cast<uint64_t>(buf.data()), buf.size())).ok());
+  EXPECT_FALSE(reg.freeShm(buf.data()).ok()) << "not allocated by the registry";
+  EXPECT_TRUE(reg.find(reinterpret_cast<uint64_t>(buf.data()), 1).has_value())
+      << "a refused free must leave the region registered";
+  int x = 0;
+  EXPECT_FALSE(reg.freeShm(&x).ok());
+  EXPECT_FALSE(reg.allocateShm(0, prefix()).ok()) << "zero bytes";
+}
+
+TEST(MemoryRegistryTest, DestructorUnlinksShm) {
+  std::vector<std::string> names;
+  {
+    MemoryRegistry reg;
+    for (int i = 0; i < 3; ++i) {
+      auto p = reg.allocateShm(8192, prefix());
+      ASSERT_TRUE(p.ok()) << p.status().toString();
+      names.push_back(reg.find(reinterpret_cast<uint64_t>(p.value()), 1)->shm_name);
+    }
+    EXPECT_NE(names[0], names[1]);
+  }
+  for (const auto& n : names) EXPECT_FALSE(shmExists(n)) << n << " left behind";
+}
+
+}  // namespace
+}  // namespace mooncake::engine

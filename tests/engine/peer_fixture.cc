@@ -1,0 +1,131 @@
+#include "tests/engine/peer_fixture.h"
+
+#include <dirent.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace mooncake::test {
+
+HostBuffer::HostBuffer(size_t n) : size(n) {
+  p = static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64));
+}
+
+HostBuffer::~HostBuffer() { std::free(p); }
+
+namespace {
+
+// Entries of /dev/shm whose names start with `start`.
+std::vector<std::string> shmFiles(const std::string& start) {
+  std::vector<std::string> out;
+  DIR* d = opendir("/dev/shm");
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    if (std::string(e->d_name).rfind(start, 0) == 0) out.push_back(e->d_name);
+  }
+  closedir(d);
+  return out;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+}  // namespace
+
+void PeerTestBase::SetUp() {
+  // Shared-memory files of this test (its engines and its peers', which inherit the
+  // environment) get a prefix of their own: TearDown checks that clean exits left none
+  // behind and removes those of peers that were killed (they cannot clean up).
+  shm_prefix_ = "mct" + std::to_string(getpid());
+  setenv("MC_SHM_PREFIX", shm_prefix_.c_str(), 1);
+  auto srv = engine::TcpRendezvousServer::start("127.0.0.1", 0);
+  ASSERT_TRUE(srv.ok()) << "rendezvous server: " << srv.status().toString();
+  server_ = std::move(srv).value();
+  ASSERT_NE(server_->port(), 0);
+  auto cli = engine::TcpRendezvousClient::connect("127.0.0.1", server_->port(),
+                                                  engine::deadlineInMs(5000));
+  ASSERT_TRUE(cli.ok()) << "rendezvous client: " << cli.status().toString();
+  rdv_ = std::move(cli).value();
+}
+
+void PeerTestBase::TearDown() {
+  for (auto& p : peers_) {
+    bool killed = std::find(killed_.begin(), killed_.end(), p.get()) != killed_.end();
+    if (killed) continue;
+    int rc = p->shutdown();
+    EXPECT_EQ(rc, 0) << "peer '" << p->config().name << "' (pid " << p->pid()
+                     << ") did not exit cleanly: " << (rc > 128 ? "signal " : "code ")
+                     << (rc > 128 ? rc - 128 : rc);
+  }
+  for (auto& p : peers_) {
+    bool killed = std::find(killed_.begin(), killed_.end(), p.get()) != killed_.end();
+    std::string pid = std::to_string(p->pid());
+    auto left = shmFiles(shm_prefix_ + "-" + pid + "-");
+    auto inbox = shmFiles(shm_prefix_ + "-inbox-" + pid + "-");
+    left.insert(left.end(), inbox.begin(), inbox.end());
+    if (!killed) {
+      EXPECT_TRUE(left.empty()) << "peer '" << p->config().name << "' exited cleanly but left "
+                                << "shared-memory files behind: " << join(left);
+    }
+  }
+  peers_.clear();  // kills and reaps whatever is left
+  rdv_.reset();
+  server_.reset();
+  const std::string me = std::to_string(getpid());
+  auto mine = shmFiles(shm_prefix_ + "-" + me + "-");
+  auto my_inbox = shmFiles(shm_prefix_ + "-inbox-" + me + "-");
+  mine.insert(mine.end(), my_inbox.begin(), my_inbox.end());
+  EXPECT_TRUE(mine.empty()) << "this process's destroyed engines left shared-memory files: "
+                            << join(mine);
+  for (const auto& f : shmFiles(shm_prefix_)) shm_unlink(("/" + f).c_str());
+  unsetenv("MC_SHM_PREFIX");
+}
+
+uint16_t PeerTestBase::rdvPort() const { return server_->port(); }
+
+std::unique_ptr<TransferEngine> PeerTestBase::makeEngine(const std::string& transport,
+                                                         const std::string& name,
+                                                         const std::string& secret) {
+  engine::EngineOptions opt;
+  opt.name = name;
+  opt.transport = transport;
+  opt.secret = secret;
+  auto e = TransferEngine::create(opt);
+  EXPECT_TRUE(e.ok()) << "TransferEngine::create(" << name << ", " << transport
+                      << "): " << e.status().toString();
+  if (!e.ok()) return nullptr;
+  std::unique_ptr<TransferEngine> eng = std::move(e).value();
+  Status st = eng->publish(*rdv_);
+  EXPECT_TRUE(st.ok()) << "publish: " << st.toString();
+  return eng;
+}
+
+PeerProcess* PeerTestBase::spawnPeer(const PeerConfig& cfg) {
+  std::string err;
+  auto p = PeerProcess::spawn(cfg, server_->port(), &err);
+  EXPECT_TRUE(p != nullptr) << err;
+  if (!p) return nullptr;
+  peers_.push_back(std::move(p));
+  return peers_.back().get();
+}
+
+PeerId PeerTestBase::openPeer(TransferEngine& eng, const std::string& name) {
+  auto t0 = SteadyClock::now();
+  auto r = eng.openPeer(*rdv_, name, engine::deadlineInMs(10000));
+  EXPECT_TRUE(r.ok()) << "openPeer(" << name << ") after " << msSince(t0)
+                      << " ms: " << r.status().toString();
+  return r.ok() ? r.value() : engine::kInvalidPeer;
+}
+
+Status PeerTestBase::transfer(TransferEngine& eng, OpCode op, void* local, uint64_t len,
+                              PeerId peer, uint64_t remote, int timeout_ms) {
+  TransferRequest req{op, local, len, peer, remote};
+  return eng.transfer({req}, engine::deadlineInMs(timeout_ms));
+}
+
+}  // namespace mooncake::test

@@ -1,0 +1,380 @@
+// Hostile bytes on an engine's tcp listener (desc.tcp_host:tcp_port), built from the frame
+// spec in engine/transport/tcp/tcp_transport.h: random bytes, truncated headers, absurd
+// lengths, frames before the handshake, wrong secrets, stalled half-sent frames, and an
+// authenticated raw client asking for memory outside the registered regions. Afterwards
+// the engine must still serve legitimate peers. Target and peers are engines in this process.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/rendezvous.h"
+#include "engine/transport/tcp/tcp_transport.h"
+#include "tests/engine/test_util.h"
+
+namespace mooncake::engine {
+namespace {
+
+using test::checkPattern;
+using test::fillPattern;
+using test::msSince;
+using test::SteadyClock;
+using tcp::FrameHeader;
+using tcp::FrameType;
+
+// A plain blocking client socket with deadlines on reads.
+class RawConn {
+ public:
+  RawConn(const std::string& host, uint16_t port) {
+    addrinfo hints{}, *res = nullptr;
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0) return;
+    fd_ = socket(res->ai_family, SOCK_STREAM, 0);
+    if (fd_ >= 0 && connect(fd_, res->ai_addr, res->ai_addrlen) != 0) {
+      close(fd_);
+      fd_ = -1;
+    }
+    freeaddrinfo(res);
+  }
+  ~RawConn() {
+    if (fd_ >= 0) close(fd_);
+  }
+  bool ok() const { return fd_ >= 0; }
+  bool send(const void* p, size_t n) {
+    const char* c = static_cast<const char*>(p);
+    while (n > 0) {
+      ssize_t k = ::send(fd_, c, n, MSG_NOSIGNAL);
+      if (k <= 0) return false;
+      c += k;
+      n -= static_cast<size_t>(k);
+    }
+    return true;
+  }
+  bool send(const std::string& s) { return send(s.data(), s.size()); }
+  bool sendFrame(const FrameHeader& h, const std::string& payload = "") {
+    uint8_t b[tcp::kHeaderBytes];
+    tcp::encodeHeader(h, b);
+    return send(b, sizeof(b)) && send(payload);
+  }
+  // Reads exactly n bytes: 1 done, 0 closed by the engine, -1 timeout.
+  int readExact(void* p, size_t n, int timeout_ms) {
+    char* c = static_cast<char*>(p);
+    auto t0 = SteadyClock::now();
+    while (n > 0) {
+      int left = timeout_ms - static_cast<int>(msSince(t0));
+      if (left <= 0) return -1;
+      pollfd pfd{fd_, POLLIN, 0};
+      if (poll(&pfd, 1, left) <= 0) continue;
+      ssize_t k = ::recv(fd_, c, n, 0);
+      if (k <= 0) return 0;
+      c += k;
+      n -= static_cast<size_t>(k);
+    }
+    return 1;
+  }
+  int readFrame(FrameHeader* h, std::string* payload, int timeout_ms = 5000) {
+    uint8_t b[tcp::kHeaderBytes];
+    int r = readExact(b, sizeof(b), timeout_ms);
+    if (r != 1) return r;
+    *h = tcp::decodeHeader(b);
+    payload->clear();
+    bool has_payload = h->type == FrameType::kHelloDenied || h->type == FrameType::kReadResp ||
+                       h->type == FrameType::kMsg;
+    if (has_payload && h->length > 0 && h->length < (64u << 20)) {
+      payload->resize(h->length);
+      return readExact(payload->data(), h->length, timeout_ms);
+    }
+    return 1;
+  }
+  // True when the engine closes the connection within the timeout (data before EOF is
+  // discarded).
+  bool closedByEngine(int timeout_ms) {
+    auto t0 = SteadyClock::now();
+    char buf[4096];
+    while (msSince(t0) < timeout_ms) {
+      pollfd pfd{fd_, POLLIN, 0};
+      if (poll(&pfd, 1, 50) <= 0) continue;
+      ssize_t k = ::recv(fd_, buf, sizeof(buf), 0);
+      if (k <= 0) return true;
+    }
+    return false;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+FrameHeader header(FrameType t, uint64_t length, uint64_t addr = 0, uint64_t req = 1) {
+  FrameHeader h;
+  h.type = t;
+  h.length = length;
+  h.addr = addr;
+  h.req_id = req;
+  return h;
+}
+
+class TcpGarbageTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    EngineOptions opt;
+    opt.name = "target";
+    opt.secret = "job-secret";
+    opt.transport = "tcp";
+    auto e = TransferEngine::create(opt);
+    ASSERT_TRUE(e.ok()) << e.status().toString();
+    target_ = std::move(e).value();
+    auto m = target_->allocate(kRegion);
+    ASSERT_TRUE(m.ok()) << m.status().toString();
+    region_ = static_cast<uint8_t*>(m.value());
+    fillPattern(region_, kRegion, 1, 0);
+    ASSERT_TRUE(target_->publish(rdv_).ok());
+    desc_ = target_->localSegment();
+    ASSERT_NE(desc_.tcp_port, 0);
+    fillPattern(unregistered_, sizeof(unregistered_), 2, 0);
+  }
+  void TearDown() override {
+    if (target_ && region_) {
+      EXPECT_TRUE(target_->free(region_).ok());
+    }
+  }
+
+  std::unique_ptr<RawConn> conn() {
+    auto c = std::make_unique<RawConn>(desc_.tcp_host, desc_.tcp_port);
+    EXPECT_TRUE(c->ok()) << "cannot connect to " << desc_.tcp_host << ":" << desc_.tcp_port;
+    return c;
+  }
+
+  std::string hello(const std::string& secret, uint64_t engine_id) {
+    SegmentDesc fake;
+    fake.name = "raw-client";
+    fake.engine_id = engine_id;
+    fake.host_id = "elsewhere";
+    fake.tcp_host = "127.0.0.1";
+    fake.tcp_port = 1;  // nobody listens: the target must not depend on reaching it
+    fake.transports = 1u << static_cast<int>(TransportKind::kTcp);
+    tcp::Hello h;
+    h.secret = secret;
+    h.engine_id = engine_id;
+    h.role = tcp::ConnRole::kControl;
+    h.segment = fake.serialize();
+    return tcp::encodeHello(h);
+  }
+
+  // A raw connection that completed the handshake as a control connection; nullptr (and a
+  // test failure) otherwise.
+  std::unique_ptr<RawConn> authenticated(uint64_t engine_id) {
+    auto c = conn();
+    std::string h = hello("job-secret", engine_id);
+    if (!c->sendFrame(header(FrameType::kHello, h.size()), h)) return nullptr;
+    FrameHeader r;
+    std::string payload;
+    int got = c->readFrame(&r, &payload);
+    EXPECT_EQ(got, 1) << "no answer to a valid HELLO";
+    EXPECT_EQ(r.type, FrameType::kHelloOk) << "status " << r.status << " " << payload;
+    EXPECT_EQ(r.aux, target_->engineId());
+    if (got != 1 || r.type != FrameType::kHelloOk) return nullptr;
+    return c;
+  }
+
+  // A legitimate engine (forced transport) opens the target, moves data both ways and
+  // notifies it: proof that the target still serves after whatever came before.
+  void expectServesLegitimatePeer(const std::string& transport, const std::string& name) {
+    SCOPED_TRACE("legitimate peer over " + transport);
+    EngineOptions opt;
+    opt.name = name;
+    opt.secret = "job-secret";
+    opt.transport = transport;
+    auto e = TransferEngine::create(opt);
+    ASSERT_TRUE(e.ok()) << e.status().toString();
+    auto eng = std::move(e).value();
+    auto t0 = SteadyClock::now();
+    auto pid = eng->openPeer(rdv_, "target", deadlineInMs(10000));
+    ASSERT_TRUE(pid.ok()) << pid.status().toString();
+    EXPECT_LT(msSince(t0), 5000) << "opening the target was slowed down by hostile clients";
+    std::vector<uint8_t> buf(1 << 20);
+    fillPattern(buf.data(), buf.size(), 3, 0);
+    Status st = eng->transfer({{OpCode::kWrite, buf.data(), buf.size(), pid.value(),
+                                reinterpret_cast<uint64_t>(region_) + 1}},
+                              deadlineInMs(10000));
+    ASSERT_TRUE(st.ok()) << st.toString();
+    EXPECT_EQ(checkPattern(region_ + 1, buf.size(), 3, 0), "");
+    std::vector<uint8_t> back(buf.size());
+    st = eng->transfer({{OpCode::kRead, back.data(), back.size(), pid.value(),
+                         reinterpret_cast<uint64_t>(region_) + 1}},
+                       deadlineInMs(10000));
+    ASSERT_TRUE(st.ok()) << st.toString();
+    EXPECT_EQ(checkPattern(back.data(), back.size(), 3, 0), "");
+    ASSERT_TRUE(eng->notify(pid.value(), 0xfeed).ok());
+    auto n = target_->waitNotify(deadlineInMs(5000));
+    ASSERT_TRUE(n.ok()) << n.status().toString();
+    EXPECT_EQ(n->tag, 0xfeedu);
+    EXPECT_EQ(n->src_engine, eng->engineId());
+    fillPattern(region_, kRegion, 1, 0);
+  }
+
+  static constexpr uint64_t kRegion = 2u << 20;
+  InProcessRendezvous rdv_;
+  std::unique_ptr<TransferEngine> target_;
+  SegmentDesc desc_;
+  uint8_t* region_ = nullptr;
+  uint8_t unregistered_[8192];
+};
+
+TEST_F(TcpGarbageTest, UnauthenticatedGarbage) {
+  std::mt19937_64 rng(99);
+  // Random bytes of random lengths, then close.
+  for (int i = 0; i < 30; ++i) {
+    auto c = conn();
+    std::string junk(1 + rng() % 8192, '\0');
+    for (auto& ch : junk) ch = static_cast<char>(rng());
+    c->send(junk);
+  }
+  // Connect and close at once; one byte; a truncated header.
+  for (int i = 0; i < 20; ++i) conn();
+  conn()->send("M", 1);
+  {
+    uint8_t b[tcp::kHeaderBytes];
+    tcp::encodeHeader(header(FrameType::kHello, 100), b);
+    conn()->send(b, 20);
+  }
+  // A full header with a bad magic; absurd HELLO lengths; an unknown type; a data frame
+  // before the handshake (aimed at registered memory): each closes that connection.
+  struct Bad {
+    const char* what;
+    FrameHeader h;
+    std::string payload;
+  };
+  std::vector<Bad> bad;
+  FrameHeader magic = header(FrameType::kHello, 10);
+  magic.magic = 0xdeadbeef;
+  bad.push_back({"bad magic", magic, std::string(10, 'x')});
+  bad.push_back({"HELLO of 2^63 bytes", header(FrameType::kHello, 1ull << 63), ""});
+  bad.push_back({"HELLO of ~0 bytes", header(FrameType::kHello, ~uint64_t{0}), ""});
+  bad.push_back({"HELLO over its limit", header(FrameType::kHello, tcp::kMaxHelloBytes + 1), ""});
+  bad.push_back({"unknown type", header(static_cast<FrameType>(200), 0), ""});
+  bad.push_back({"WRITE before HELLO",
+                 header(FrameType::kWrite, 64, reinterpret_cast<uint64_t>(region_)),
+                 std::string(64, '\x42')});
+  bad.push_back({"READ_REQ before HELLO",
+                 header(FrameType::kReadReq, 64, reinterpret_cast<uint64_t>(region_)), ""});
+  bad.push_back({"NOTIFY before HELLO", header(FrameType::kNotify, 0), ""});
+  bad.push_back({"HELLO with garbage payload", header(FrameType::kHello, 300),
+                 std::string(300, '\xff')});
+  for (auto& b : bad) {
+    auto c = conn();
+    c->sendFrame(b.h, b.payload);
+    EXPECT_TRUE(c->closedByEngine(3000)) << b.what << ": the engine kept the connection open";
+  }
+  // A well-formed HELLO with the wrong secret: HELLO_DENIED, then the connection closes.
+  {
+    auto c = conn();
+    std::string h = hello("wrong", 0x1234);
+    c->sendFrame(header(FrameType::kHello, h.size()), h);
+    FrameHeader r;
+    std::string reason;
+    ASSERT_EQ(c->readFrame(&r, &reason), 1) << "no answer to a HELLO with the wrong secret";
+    EXPECT_EQ(r.type, FrameType::kHelloDenied);
+    EXPECT_EQ(r.status, static_cast<uint16_t>(Code::kPermissionDenied));
+    EXPECT_TRUE(c->closedByEngine(3000));
+  }
+  EXPECT_EQ(checkPattern(region_, kRegion, 1, 0), "") << "garbage changed registered memory";
+  Notification stray;
+  EXPECT_FALSE(target_->pollNotify(&stray)) << "garbage produced a notification";
+  expectServesLegitimatePeer("tcp", "legit-tcp");
+  expectServesLegitimatePeer("shm", "legit-shm");
+}
+
+// Stalled clients (nothing sent; half a header; half a HELLO payload) stay connected while a
+// legitimate peer opens the target: one slow client must not block the listener.
+TEST_F(TcpGarbageTest, StalledClientsDoNotBlockOthers) {
+  auto silent = conn();
+  auto half_header = conn();
+  uint8_t b[tcp::kHeaderBytes];
+  tcp::encodeHeader(header(FrameType::kHello, 1000), b);
+  half_header->send(b, 17);
+  auto half_hello = conn();
+  std::string h = hello("job-secret", 0x99);
+  half_hello->sendFrame(header(FrameType::kHello, h.size()), h.substr(0, h.size() / 2));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  expectServesLegitimatePeer("tcp", "legit-1");
+}
+
+// An authenticated raw client: accesses outside registered memory are refused by the target
+// (kPermissionDenied in the ack/response) and change nothing; valid ones work; a later
+// protocol violation closes only that connection.
+TEST_F(TcpGarbageTest, AuthenticatedClientCannotEscapeRegions) {
+  auto c = authenticated(0xabcdef0123ull);
+  ASSERT_TRUE(c);
+  FrameHeader r;
+  std::string payload;
+
+  const uint64_t base = reinterpret_cast<uint64_t>(region_);
+  const uint64_t unreg = reinterpret_cast<uint64_t>(unregistered_);
+  struct Case {
+    const char* what;
+    uint64_t addr, len;
+  } cases[] = {
+      {"unregistered memory", unreg, 64},
+      {"straddling the region's end", base + kRegion - 8, 64},
+      {"straddling the region's start", base - 8, 64},
+      {"past the end", base + kRegion, 1},
+      {"wrapping", ~uint64_t{0} - 7, 64},
+  };
+  uint64_t req = 100;
+  for (const auto& k : cases) {
+    SCOPED_TRACE(k.what);
+    ASSERT_TRUE(c->sendFrame(header(FrameType::kWrite, k.len, k.addr, ++req),
+                             std::string(k.len, '\x77')));
+    ASSERT_EQ(c->readFrame(&r, &payload), 1) << "no WRITE_ACK";
+    EXPECT_EQ(r.type, FrameType::kWriteAck);
+    EXPECT_EQ(r.req_id, req);
+    EXPECT_EQ(r.status, static_cast<uint16_t>(Code::kPermissionDenied));
+    ASSERT_TRUE(c->sendFrame(header(FrameType::kReadReq, k.len, k.addr, ++req)));
+    ASSERT_EQ(c->readFrame(&r, &payload), 1) << "no READ_RESP";
+    EXPECT_EQ(r.type, FrameType::kReadResp);
+    EXPECT_EQ(r.req_id, req);
+    EXPECT_EQ(r.status, static_cast<uint16_t>(Code::kPermissionDenied));
+  }
+  EXPECT_EQ(checkPattern(unregistered_, sizeof(unregistered_), 2, 0), "");
+  EXPECT_EQ(checkPattern(region_, kRegion, 1, 0), "");
+
+  // A valid WRITE and READ on the same connection work (the refusals kept it in sync).
+  std::string data(100, '\0');
+  fillPattern(data.data(), data.size(), 5, 0);
+  ASSERT_TRUE(c->sendFrame(header(FrameType::kWrite, 100, base + 11, ++req), data));
+  ASSERT_EQ(c->readFrame(&r, &payload), 1);
+  EXPECT_EQ(r.type, FrameType::kWriteAck);
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(checkPattern(region_ + 11, 100, 5, 0), "");
+  ASSERT_TRUE(c->sendFrame(header(FrameType::kReadReq, 100, base + 11, ++req)));
+  ASSERT_EQ(c->readFrame(&r, &payload), 1);
+  EXPECT_EQ(r.type, FrameType::kReadResp);
+  EXPECT_EQ(payload, data);
+
+  // Absurd lengths after authentication: refused or the connection closed, never allocated.
+  ASSERT_TRUE(c->sendFrame(header(FrameType::kReadReq, 1ull << 40, base, ++req)));
+  int got = c->readFrame(&r, &payload, 3000);
+  EXPECT_NE(got, -1) << "no answer to a 1 TiB READ_REQ";
+  if (got == 1) {
+    EXPECT_EQ(r.type, FrameType::kReadResp);
+    EXPECT_NE(r.status, 0) << "a 1 TiB read was not refused";
+  }
+  auto c2 = authenticated(0xabcdef0124ull);
+  ASSERT_TRUE(c2);
+  ASSERT_TRUE(c2->sendFrame(header(FrameType::kWrite, ~uint64_t{0}, base, ++req)));
+  EXPECT_TRUE(c2->closedByEngine(3000)) << "a WRITE announcing 2^64-1 bytes must close";
+  fillPattern(region_, kRegion, 1, 0);
+  expectServesLegitimatePeer("tcp", "legit-2");
+}
+
+}  // namespace
+}  // namespace mooncake::engine

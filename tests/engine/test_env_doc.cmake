@@ -1,0 +1,47 @@
+# Checks (or with -DUPDATE=1 rewrites) docs/env.md against `mc_params --markdown`.
+#   cmake -DMC_PARAMS=<mc_params binary> -DDOC=<docs/env.md> [-DUPDATE=1] -P test_env_doc.cmake
+cmake_policy(SET CMP0007 NEW)  # keep empty lines when splitting the files into lists
+if(NOT MC_PARAMS OR NOT DOC)
+  message(FATAL_ERROR "usage: cmake -DMC_PARAMS=... -DDOC=... [-DUPDATE=1] -P test_env_doc.cmake")
+endif()
+execute_process(COMMAND ${MC_PARAMS} --markdown
+                OUTPUT_VARIABLE generated RESULT_VARIABLE rc ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "${MC_PARAMS} --markdown failed (${rc}): ${err}")
+endif()
+if(UPDATE)
+  file(WRITE ${DOC} "${generated}")
+  message(STATUS "wrote ${DOC}")
+  return()
+endif()
+if(NOT EXISTS ${DOC})
+  message(FATAL_ERROR "${DOC} is missing; generate it with `ninja update_env_doc` "
+                      "(or: mc_params --markdown > docs/env.md)")
+endif()
+file(READ ${DOC} documented)
+if(NOT documented STREQUAL generated)
+  # Name the first line that differs, so the failure says what to fix.
+  string(REPLACE "\n" ";" a "${documented}")
+  string(REPLACE "\n" ";" b "${generated}")
+  list(LENGTH a na)
+  list(LENGTH b nb)
+  set(i 0)
+  set(where "")
+  while(i LESS na AND i LESS nb)
+    list(GET a ${i} la)
+    list(GET b ${i} lb)
+    if(NOT la STREQUAL lb)
+      math(EXPR line "${i} + 1")
+      set(where "first difference at line ${line}:\n  docs/env.md: ${la}\n  registry:    ${lb}")
+      break()
+    endif()
+    math(EXPR i "${i} + 1")
+  endwhile()
+  if(where STREQUAL "")
+    set(where "docs/env.md has ${na} lines, the registry ${nb}")
+  endif()
+  message(FATAL_ERROR "docs/env.md is out of date with engine/params.cc; ${where}\n"
+                      "Regenerate it with `ninja update_env_doc` "
+                      "(or: mc_params --markdown > docs/env.md).")
+endif()
+message(STATUS "docs/env.md matches the parameter registry")

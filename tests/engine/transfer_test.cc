@@ -1,0 +1,273 @@
+// Data path against a real peer process: WRITE then READ back at odd offsets, for every
+// transport x size, every kind of local memory and both kinds of remote region; the peer
+// checks what landed in its memory independently, byte for byte, guards included.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "tests/engine/peer_fixture.h"
+
+namespace mooncake::test {
+namespace {
+
+constexpr uint64_t kRemoteOff = 7;  // odd offsets on both sides
+constexpr uint64_t kLocalOff = 3;
+constexpr uint64_t kReadOff = 5;
+constexpr uint64_t kGuard = 61;  // bytes checked untouched after the written range
+
+enum class LocalKind { kRegistered, kAllocated, kUnregistered };
+enum class RemoteKind { kAllocated, kRegistered };
+
+const char* name(LocalKind k) {
+  return k == LocalKind::kRegistered ? "local=registerMemory(malloc)"
+         : k == LocalKind::kAllocated ? "local=allocate()"
+                                      : "local=unregistered malloc";
+}
+const char* name(RemoteKind k) {
+  return k == RemoteKind::kAllocated ? "remote=allocate()" : "remote=registerMemory(malloc)";
+}
+
+// Local memory of one kind, released at scope exit.
+class LocalBuffer {
+ public:
+  LocalBuffer(TransferEngine& eng, LocalKind kind, size_t n) : eng_(eng), kind_(kind) {
+    if (kind == LocalKind::kAllocated) {
+      auto r = eng.allocate(n);
+      EXPECT_TRUE(r.ok()) << "allocate(" << n << "): " << r.status().toString();
+      if (r.ok()) p_ = static_cast<uint8_t*>(r.value());
+    } else {
+      host_ = std::make_unique<HostBuffer>(n);
+      p_ = host_->data();
+      if (kind == LocalKind::kRegistered) {
+        Status st = eng.registerMemory(p_, n);
+        EXPECT_TRUE(st.ok()) << "registerMemory: " << st.toString();
+        if (!st.ok()) p_ = nullptr;
+      }
+    }
+  }
+  ~LocalBuffer() {
+    if (p_ == nullptr) return;
+    if (kind_ == LocalKind::kAllocated) {
+      MC_EXPECT_OK(eng_.free(p_));
+    } else if (kind_ == LocalKind::kRegistered) {
+      MC_EXPECT_OK(eng_.unregisterMemory(p_));
+    }
+  }
+  uint8_t* get() const { return p_; }
+
+ private:
+  TransferEngine& eng_;
+  LocalKind kind_;
+  std::unique_ptr<HostBuffer> host_;
+  uint8_t* p_ = nullptr;
+};
+
+using TransferParam = std::tuple<std::string, uint64_t>;
+
+class TransferTest : public PeerTestBase, public ::testing::WithParamInterface<TransferParam> {};
+
+TEST_P(TransferTest, WriteThenReadBackAtOddOffsets) {
+  const auto& [transport, size] = GetParam();
+  PeerConfig cfg;
+  cfg.transport = transport;
+  cfg.region_bytes = size + kRemoteOff + kGuard;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine(transport);
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  EXPECT_EQ(eng->peerTransport(pid), transport);
+  MC_EXPECT_OK(eng->peerStatus(pid));
+
+  uint64_t seed = 1;
+  for (LocalKind lk : {LocalKind::kRegistered, LocalKind::kAllocated, LocalKind::kUnregistered}) {
+    for (RemoteKind rk : {RemoteKind::kAllocated, RemoteKind::kRegistered}) {
+      SCOPED_TRACE(std::string(name(lk)) + ", " + name(rk));
+      const uint64_t base =
+          rk == RemoteKind::kAllocated ? peer->info().alloc_addr : peer->info().reg_addr;
+      const uint64_t base_seed = rk == RemoteKind::kAllocated ? allocSeed(cfg) : regSeed(cfg);
+      const uint64_t wseed = ++seed;
+      LocalBuffer src(*eng, lk, size + kLocalOff + kGuard);
+      LocalBuffer dst(*eng, lk, size + kReadOff + kGuard);
+      ASSERT_NE(src.get(), nullptr);
+      ASSERT_NE(dst.get(), nullptr);
+      fillPattern(src.get(), size + kLocalOff + kGuard, wseed, 0);
+
+      // WRITE local+3 -> remote+7.
+      auto t0 = SteadyClock::now();
+      MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, src.get() + kLocalOff, size, pid,
+                            base + kRemoteOff));
+      double write_ms = msSince(t0);
+      // The peer checks its memory itself: the payload, and nothing written around it.
+      EXPECT_EQ(peer->expect(base + kRemoteOff, size, wseed, kLocalOff), "") << "written bytes";
+      EXPECT_EQ(peer->expect(base, kRemoteOff, base_seed, 0), "") << "bytes before the target";
+      EXPECT_EQ(peer->expect(base + kRemoteOff + size, kGuard, base_seed, kRemoteOff + size), "")
+          << "bytes after the target";
+
+      // READ remote+7 -> another local buffer at +5; compare byte for byte.
+      const uint64_t dseed = ++seed;
+      fillPattern(dst.get(), size + kReadOff + kGuard, dseed, 0);
+      t0 = SteadyClock::now();
+      MC_ASSERT_OK(transfer(*eng, OpCode::kRead, dst.get() + kReadOff, size, pid,
+                            base + kRemoteOff));
+      double read_ms = msSince(t0);
+      EXPECT_EQ(checkPattern(dst.get() + kReadOff, size, wseed, kLocalOff), "") << "read bytes";
+      EXPECT_EQ(checkPattern(dst.get(), kReadOff, dseed, 0), "") << "local bytes before";
+      EXPECT_EQ(checkPattern(dst.get() + kReadOff + size, kGuard, dseed, kReadOff + size), "")
+          << "local bytes after";
+      if (size >= (64u << 20)) {
+        std::printf("  %s %s, %s: write %.1f ms, read %.1f ms\n", transport.c_str(),
+                    name(lk), name(rk), write_ms, read_ms);
+      }
+    }
+  }
+}
+
+std::string paramName(const ::testing::TestParamInfo<TransferParam>& info) {
+  return std::get<0>(info.param) + "_" + sizeName(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, TransferTest,
+                         ::testing::Combine(::testing::Values("shm", "tcp"),
+                                            ::testing::Values(1, 4096 + 3, 1u << 20, 64u << 20)),
+                         paramName);
+
+// ---- by transport only ----
+
+class TransportTest : public PeerTestBase, public ::testing::WithParamInterface<std::string> {};
+
+// mappedAddress: non-null over shm for allocate()d memory (load/store straight into the peer),
+// nullptr where the memory is not mapped here (tcp, or memory the peer did not allocate).
+TEST_P(TransportTest, MappedAddress) {
+  const std::string transport = GetParam();
+  PeerConfig cfg;
+  cfg.transport = transport;
+  cfg.region_bytes = 1u << 20;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine(transport);
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  const PeerInfo& in = peer->info();
+
+  void* m = eng->mappedAddress(pid, in.alloc_addr + 5, 1000);
+  EXPECT_EQ(eng->mappedAddress(pid, in.alloc_addr + in.region_bytes - 10, 100), nullptr)
+      << "a range past the region's end must not be mapped";
+  EXPECT_EQ(eng->mappedAddress(pid, in.unreg_addr, 16), nullptr) << "unregistered memory";
+  if (transport == "tcp") {
+    EXPECT_EQ(m, nullptr) << "tcp peers are not mapped";
+    EXPECT_EQ(eng->mappedAddress(pid, in.reg_addr, 16), nullptr);
+    return;
+  }
+  ASSERT_NE(m, nullptr) << "shm peer's allocate()d region must be mapped";
+  EXPECT_EQ(eng->mappedAddress(pid, in.reg_addr, 16), nullptr)
+      << "memory the peer did not allocate (process_vm path) is not mapped";
+  // Reads see the peer's contents; writes through the pointer are visible to the peer.
+  EXPECT_EQ(checkPattern(m, 1000, allocSeed(cfg), 5), "");
+  fillPattern(m, 1000, 4242, 0);
+  EXPECT_EQ(peer->expect(in.alloc_addr + 5, 1000, 4242, 0), "");
+  // And the pointer is consistent with one-sided transfers.
+  HostBuffer back(1000);
+  MC_EXPECT_OK(transfer(*eng, OpCode::kRead, back.data(), 1000, pid, in.alloc_addr + 5));
+  EXPECT_EQ(checkPattern(back.data(), 1000, 4242, 0), "");
+}
+
+// One batch with many requests of both directions, to both regions, of mixed sizes;
+// completion observed with poll(), statuses per request.
+TEST_P(TransportTest, MixedBatchWithPoll) {
+  const std::string transport = GetParam();
+  constexpr int kPieces = 16;
+  const uint64_t lens[4] = {1, 4096 + 3, (1u << 20) + 1, 77};
+  std::vector<uint64_t> offs;  // same offset locally and remotely; odd
+  uint64_t total = 1;
+  for (int i = 0; i < kPieces; ++i) {
+    offs.push_back(total);
+    total += lens[i % 4] + 2;
+  }
+  PeerConfig cfg;
+  cfg.transport = transport;
+  cfg.region_bytes = total;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine(transport);
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+
+  auto local = eng->allocate(total);
+  ASSERT_TRUE(local.ok()) << local.status().toString();
+  auto* buf = static_cast<uint8_t*>(local.value());
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < kPieces; ++i) {
+    const uint64_t rbase = i % 2 == 0 ? peer->info().alloc_addr : peer->info().reg_addr;
+    uint8_t* l = buf + offs[i];
+    if (i % 4 < 2) {  // write pattern(500+i) into the peer
+      fillPattern(l, lens[i % 4], 500 + i, 0);
+      reqs.push_back({OpCode::kWrite, l, lens[i % 4], pid, rbase + offs[i]});
+    } else {  // read the peer's initial contents
+      reqs.push_back({OpCode::kRead, l, lens[i % 4], pid, rbase + offs[i]});
+    }
+  }
+  auto id = eng->submit(reqs);
+  ASSERT_TRUE(id.ok()) << id.status().toString();
+  bool done = false;
+  std::vector<Status> per;
+  auto t0 = SteadyClock::now();
+  while (!done && msSince(t0) < 20000) {
+    MC_ASSERT_OK(eng->poll(id.value(), &done, &per));
+  }
+  ASSERT_TRUE(done) << "batch not done after 20 s of polling";
+  MC_EXPECT_OK(eng->wait(id.value(), engine::deadlineInMs(5000), &per));
+  ASSERT_EQ(per.size(), reqs.size());
+  for (int i = 0; i < kPieces; ++i) {
+    EXPECT_TRUE(per[i].ok()) << "request " << i << ": " << per[i].toString();
+    const uint64_t rbase = i % 2 == 0 ? peer->info().alloc_addr : peer->info().reg_addr;
+    const uint64_t rseed = i % 2 == 0 ? allocSeed(cfg) : regSeed(cfg);
+    if (i % 4 < 2) {
+      EXPECT_EQ(peer->expect(rbase + offs[i], lens[i % 4], 500 + i, 0), "") << "request " << i;
+    } else {
+      EXPECT_EQ(checkPattern(reqs[i].local, lens[i % 4], rseed, offs[i]), "") << "request " << i;
+    }
+  }
+  MC_EXPECT_OK(eng->free(buf));
+}
+
+// Two peers at once: one batch writes distinct data to both; each checks its own.
+TEST_P(TransportTest, TwoPeersInOneBatch) {
+  const std::string transport = GetParam();
+  PeerConfig a, b;
+  a.name = "peer-a";
+  b.name = "peer-b";
+  a.transport = b.transport = transport;
+  b.seed = 2000;
+  PeerProcess* pa = spawnPeer(a);
+  PeerProcess* pb = spawnPeer(b);
+  ASSERT_TRUE(pa && pb);
+  auto eng = makeEngine(transport);
+  ASSERT_NE(eng, nullptr);
+  PeerId ia = openPeer(*eng, "peer-a");
+  PeerId ib = openPeer(*eng, "peer-b");
+  ASSERT_NE(ia, engine::kInvalidPeer);
+  ASSERT_NE(ib, engine::kInvalidPeer);
+  EXPECT_NE(ia, ib);
+  HostBuffer buf(2 << 16);
+  fillPattern(buf.data(), 1 << 16, 71, 0);
+  fillPattern(buf.data() + (1 << 16), 1 << 16, 72, 0);
+  MC_ASSERT_OK(eng->transfer(
+      {{OpCode::kWrite, buf.data(), 1 << 16, ia, pa->info().reg_addr + 3},
+       {OpCode::kWrite, buf.data() + (1 << 16), 1 << 16, ib, pb->info().alloc_addr + 9}},
+      engine::deadlineInMs(20000)));
+  EXPECT_EQ(pa->expect(pa->info().reg_addr + 3, 1 << 16, 71, 0), "");
+  EXPECT_EQ(pb->expect(pb->info().alloc_addr + 9, 1 << 16, 72, 0), "");
+  EXPECT_EQ(pb->expect(pb->info().reg_addr, 1 << 16, regSeed(b), 0), "") << "untouched region";
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, TransportTest, ::testing::Values("shm", "tcp"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
+}  // namespace mooncake::test
