@@ -117,7 +117,7 @@ void publish(RingCtl& ctl) {
 
 // Spin, then sleep on the ring's futex, until try_pop() succeeds or the deadline passes.
 template <typename F>
-bool waitOn(RingCtl& ctl, F try_pop, Deadline deadline) {
+bool waitOn(RingCtl& ctl, F try_pop, Deadline deadline, const std::atomic<bool>& closing) {
   if (try_pop()) return true;
   const auto spin_until = Clock::now() + std::chrono::microseconds(params::getInt("MC_SPIN_US"));
   while (Clock::now() < spin_until) {
@@ -131,7 +131,7 @@ bool waitOn(RingCtl& ctl, F try_pop, Deadline deadline) {
       return true;
     }
     auto now = Clock::now();
-    if (now >= deadline) {
+    if (now >= deadline || closing.load(std::memory_order_acquire)) {
       ctl.waiters.fetch_sub(1, std::memory_order_seq_cst);
       return false;
     }
@@ -229,6 +229,7 @@ Inbox::~Inbox() {
 }
 
 void Inbox::wakeAll() {
+  closing_.store(true, std::memory_order_release);
   l_->notify.futex.fetch_add(1);
   futexWakeAll(&l_->notify.futex);
   l_->frag.futex.fetch_add(1);
@@ -261,7 +262,7 @@ bool Inbox::popNotify(uint64_t* src_engine, uint64_t* tag) {
 }
 
 bool Inbox::waitNotify(uint64_t* src_engine, uint64_t* tag, Deadline deadline) {
-  return waitOn(l_->notify, [&] { return popNotify(src_engine, tag); }, deadline);
+  return waitOn(l_->notify, [&] { return popNotify(src_engine, tag); }, deadline, closing_);
 }
 
 Status Inbox::pushMessage(uint64_t src_engine, uint32_t channel, std::string_view payload,
@@ -312,7 +313,7 @@ bool Inbox::popFragment(Fragment* out) {
 }
 
 bool Inbox::waitFragment(Fragment* out, Deadline deadline) {
-  return waitOn(l_->frag, [&] { return popFragment(out); }, deadline);
+  return waitOn(l_->frag, [&] { return popFragment(out); }, deadline, closing_);
 }
 
 }  // namespace mooncake::engine

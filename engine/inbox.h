@@ -51,7 +51,7 @@ class Inbox {
   };
   bool popFragment(Fragment* out);
   bool waitFragment(Fragment* out, Deadline deadline);
-  // Wakes every waiter (used at shutdown).
+  // Wakes every waiter of this process and makes later waits return at once (shutdown).
   void wakeAll();
 
  private:
@@ -61,6 +61,7 @@ class Inbox {
   size_t bytes_ = 0;
   InboxLayout* l_ = nullptr;
   std::atomic<uint64_t> next_msg_id_{1};
+  std::atomic<bool> closing_{false};
 };
 
 }  // namespace mooncake::engine

@@ -303,16 +303,18 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       c->authed = true;
       c->src_engine = hello.engine_id;
       c->role = hello.role;
-      FrameHeader ok;
-      ok.type = FrameType::kHelloOk;
-      ok.aux = ctx_->engine_id;
-      send(*c, ok, nullptr, 0);
       MC_LOG(DEBUG, TCP) << "accepted " << (c->role == ConnRole::kControl ? "control" : "data")
                          << " connection from " << c->src_name;
       if (c->role == ConnRole::kControl) {
         sock::setKeepAlive(c->fd);
+        // Before HELLO_OK: once the initiator's openPeer returns, it may message us over
+        // another transport, and our handler may call peerOf() on it at once.
         if (ctx_->on_peer_hello) ctx_->on_peer_hello(*desc);
       }
+      FrameHeader ok;
+      ok.type = FrameType::kHelloOk;
+      ok.aux = ctx_->engine_id;
+      send(*c, ok, nullptr, 0);
       return true;
     }
     case FrameType::kMsg: {
