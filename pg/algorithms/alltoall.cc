@@ -1,0 +1,124 @@
+// allToAllV. First every rank publishes its send and receive sizes (one small step on shm,
+// one message per peer otherwise), so that every rank checks the whole size matrix and all
+// of them raise the same error when a pair disagrees. Shm: each step, every rank copies
+// the next slot of its block for rank j into slot j of its half; rank j copies it out.
+#include <algorithm>
+#include <cstring>
+
+#include "pg/comm_impl.h"
+#include "pg/copy.h"
+
+namespace mooncake::pg::algo {
+
+namespace {
+
+// sizes[r * 2n + j] = rank r's send_bytes[j]; sizes[r * 2n + n + j] = its recv_bytes[j].
+void validate(const Communicator::Impl& c, const OpCtx& op, const std::vector<uint64_t>& sizes) {
+  const int n = c.size;
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < n; ++j) {
+      uint64_t sent = sizes[r * 2 * n + j], expected = sizes[j * 2 * n + n + r];
+      if (sent != expected)
+        throw UsageError("mooncake pg: " + std::string(op.name) + " (group " + c.opts.group_name +
+                             "): rank " + std::to_string(r) + " sends " + std::to_string(sent) +
+                             " bytes to rank " + std::to_string(j) + " but rank " +
+                             std::to_string(j) + " expects " + std::to_string(expected) +
+                             " bytes from rank " + std::to_string(r) + " (split sizes differ)",
+                         j, op.name);
+    }
+}
+
+}  // namespace
+
+void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
+               const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
+               void* out, const std::vector<size_t>& recv_bytes,
+               const std::vector<size_t>& recv_offsets) {
+  const int n = c.size, me = c.rank;
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  std::vector<uint64_t> mine(2 * n);
+  for (int j = 0; j < n; ++j) {
+    mine[j] = send_bytes[j];
+    mine[n + j] = recv_bytes[j];
+  }
+  std::vector<uint64_t> sizes(2 * n * n);
+  const size_t row = 2 * n * sizeof(uint64_t);
+
+  if (n > 1 && !c.shm) {
+    NetGroup& net = *c.net;
+    for (int k = 1; k < n; ++k) net.send(op, (me + k) % n, mine.data(), row);
+    for (int r = 0; r < n; ++r) {
+      if (r == me) std::memcpy(&sizes[r * 2 * n], mine.data(), row);
+      else net.recv(op, r, &sizes[r * 2 * n], row);
+    }
+    validate(c, op, sizes);
+    if (send_bytes[me] > 0 && dst + recv_offsets[me] != src + send_offsets[me])
+      std::memcpy(dst + recv_offsets[me], src + send_offsets[me], send_bytes[me]);
+    for (int k = 1; k < n; ++k) {
+      int j = (me + k) % n;
+      net.sendPieces(op, j, src + send_offsets[j], send_bytes[j]);
+    }
+    for (int k = 1; k < n; ++k) {
+      int r = (me + n - k) % n;
+      net.recvPieces(op, r, dst + recv_offsets[r], recv_bytes[r]);
+    }
+    return;
+  }
+
+  if (n == 1) {
+    validate(c, op, mine);
+    if (send_bytes[0] > 0 && dst + recv_offsets[0] != src + send_offsets[0])
+      std::memcpy(dst + recv_offsets[0], src + send_offsets[0], send_bytes[0]);
+    return;
+  }
+
+  ShmGroup& g = *c.shm;
+  uint64_t s = g.beginStep(op, true);
+  std::memcpy(g.half(me, s), mine.data(), row);
+  g.post(ShmGroup::kReady, s);
+  for (int r = 0; r < n; ++r) {
+    if (r != me) g.wait(op, r, ShmGroup::kReady, s);
+    std::memcpy(&sizes[r * 2 * n], g.half(r, s), row);
+  }
+  g.endStep(s);
+  validate(c, op, sizes);
+
+  if (send_bytes[me] > 0 && dst + recv_offsets[me] != src + send_offsets[me])
+    std::memcpy(dst + recv_offsets[me], src + send_offsets[me], send_bytes[me]);
+  uint64_t most = 0;
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < n; ++j)
+      if (r != j) most = std::max(most, sizes[r * 2 * n + j]);
+  const size_t slot = (g.halfBytes() / n) & ~static_cast<size_t>(63);
+  uint64_t received = 0;
+  for (int r = 0; r < n; ++r) received += sizes[r * 2 * n + me];
+  const bool so = received >= c.params.stream_out_bytes;
+  for (uint64_t off = 0; off < most; off += slot) {
+    auto lenOf = [&](int from, int to) -> size_t {
+      uint64_t b = sizes[from * 2 * n + to];
+      return b > off ? static_cast<size_t>(std::min<uint64_t>(slot, b - off)) : 0;
+    };
+    bool writes = false;
+    for (int j = 0; j < n; ++j) writes |= j != me && lenOf(me, j) > 0;
+    s = g.beginStep(op, writes);
+    char* h = g.half(me, s);
+    for (int j = 0; j < n; ++j) {
+      size_t len = j == me ? 0 : lenOf(me, j);
+      if (len > 0) copyToSharedNoFence(h + j * slot, src + send_offsets[j] + off, len);
+    }
+    streamFence();
+    g.post(ShmGroup::kReady, s);
+    for (int k = 1; k < n; ++k) {
+      int r = (me + k) % n;
+      size_t len = lenOf(r, me);
+      if (len == 0) continue;
+      g.wait(op, r, ShmGroup::kReady, s);
+      copyOut(dst + recv_offsets[r] + off, g.half(r, s) + me * slot, len, so);
+    }
+    g.endStep(s);
+  }
+  if (so) streamFence();
+}
+
+}  // namespace mooncake::pg::algo

@@ -1,0 +1,80 @@
+// broadcast and scatter: the root copies into its half, the others copy straight out of
+// it (shm, pipelined through the two halves); over messages the root sends to each rank.
+#include <algorithm>
+#include <cstring>
+
+#include "pg/comm_impl.h"
+#include "pg/copy.h"
+
+namespace mooncake::pg::algo {
+
+void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, int root) {
+  if (bytes == 0 || c.size == 1) return;
+  const int me = c.rank;
+  char* p = static_cast<char*>(buf);
+  if (!c.shm) {
+    if (me == root) {
+      for (int k = 1; k < c.size; ++k) c.net->sendPieces(op, (me + k) % c.size, p, bytes);
+    } else {
+      c.net->recvPieces(op, root, p, bytes);
+    }
+    return;
+  }
+  ShmGroup& g = *c.shm;
+  const size_t chunk = g.halfBytes();
+  const bool so = bytes >= c.params.stream_out_bytes;
+  for (size_t off = 0; off < bytes; off += chunk) {
+    const size_t len = std::min(chunk, bytes - off);
+    uint64_t s = g.beginStep(op, me == root);
+    if (me == root) {
+      copyToShared(g.half(me, s), p + off, len);
+      g.post(ShmGroup::kReady, s);
+    } else {
+      g.wait(op, root, ShmGroup::kReady, s);
+      copyOut(p + off, g.half(root, s), len, so);
+    }
+    g.endStep(s);
+  }
+  if (so) streamFence();
+}
+
+void scatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t bytes,
+             int root) {
+  if (bytes == 0) return;
+  const int n = c.size, me = c.rank;
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  if (me == root && dst != src + static_cast<size_t>(me) * bytes)
+    std::memcpy(dst, src + static_cast<size_t>(me) * bytes, bytes);
+  if (n == 1) return;
+  if (!c.shm) {
+    if (me == root) {
+      for (int k = 1; k < n; ++k) {
+        int j = (me + k) % n;
+        c.net->sendPieces(op, j, src + static_cast<size_t>(j) * bytes, bytes);
+      }
+    } else {
+      c.net->recvPieces(op, root, dst, bytes);
+    }
+    return;
+  }
+  ShmGroup& g = *c.shm;
+  const size_t slot = (g.halfBytes() / n) & ~static_cast<size_t>(63);
+  for (size_t off = 0; off < bytes; off += slot) {
+    const size_t len = std::min(slot, bytes - off);
+    uint64_t s = g.beginStep(op, me == root);
+    if (me == root) {
+      char* h = g.half(me, s);
+      for (int j = 0; j < n; ++j)
+        if (j != me) copyToSharedNoFence(h + j * slot, src + static_cast<size_t>(j) * bytes + off, len);
+      streamFence();
+      g.post(ShmGroup::kReady, s);
+    } else {
+      g.wait(op, root, ShmGroup::kReady, s);
+      copyFromShared(dst + off, g.half(root, s) + me * slot, len);
+    }
+    g.endStep(s);
+  }
+}
+
+}  // namespace mooncake::pg::algo

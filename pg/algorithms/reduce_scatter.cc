@@ -1,0 +1,84 @@
+// reduceScatter and barrier. Shm: each step every rank copies the next piece of every
+// block except its own into slot j of its half, flag, and rank i reduces block i reading
+// the peers' slots i directly (its own block from its input), in rank order. Messages:
+// block j goes to rank j, which reduces the n contributions piece by piece.
+#include <algorithm>
+#include <cstring>
+
+#include "pg/comm_impl.h"
+#include "pg/copy.h"
+
+namespace mooncake::pg::algo {
+
+void reduceScatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                   size_t count, DataType t, ReduceOp rop) {
+  if (count == 0) return;
+  const int n = c.size, me = c.rank;
+  const size_t es = dtypeSize(t);
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  auto block = [&](int j) { return src + static_cast<size_t>(j) * count * es; };
+  if (n == 1) {
+    const void* s0 = in;
+    reduceInto(out, nullptr, &s0, 1, count, t, rop);
+    return;
+  }
+  std::vector<const void*> srcs(n);
+  if (!c.shm) {
+    NetGroup& net = *c.net;
+    for (int k = 1; k < n; ++k) {
+      int j = (me + k) % n;
+      net.sendPieces(op, j, block(j), count * es);
+    }
+    const size_t piece = net.pieceBytes() / es;
+    std::vector<NetGroup::Msg> msgs(n);
+    for (size_t off = 0; off < count; off += piece) {
+      size_t len = std::min(piece, count - off);
+      for (int r = 0; r < n; ++r) {
+        if (r == me) {
+          srcs[r] = block(me) + off * es;
+        } else {
+          msgs[r] = net.take(op, r, len * es);
+          srcs[r] = msgs[r].data();
+        }
+      }
+      reduceInto(dst + off * es, nullptr, srcs.data(), n, len, t, rop);
+    }
+    return;
+  }
+  ShmGroup& g = *c.shm;
+  const size_t slot = (g.halfBytes() / n) & ~static_cast<size_t>(63);
+  const size_t step_elems = slot / es;
+  const bool so = count * es >= c.params.stream_out_bytes;
+  for (size_t off = 0; off < count; off += step_elems) {
+    const size_t len = std::min(step_elems, count - off);
+    uint64_t s = g.beginStep(op, true);
+    char* h = g.half(me, s);
+    for (int j = 0; j < n; ++j)
+      if (j != me) copyToSharedNoFence(h + j * slot, block(j) + off * es, len * es);
+    streamFence();
+    g.post(ShmGroup::kReady, s);
+    for (int r = 0; r < n; ++r)
+      srcs[r] = r == me ? block(me) + off * es : g.half(r, s) + me * slot;
+    g.waitAll(op, ShmGroup::kReady, s);
+    reduceInto(dst + off * es, nullptr, srcs.data(), n, len, t, rop, so);
+    g.endStep(s);
+  }
+}
+
+void barrier(Communicator::Impl& c, const OpCtx& op) {
+  const int n = c.size, me = c.rank;
+  if (n == 1) return;
+  if (!c.shm) {
+    for (int k = 1; k < n; ++k) c.net->send(op, (me + k) % n, nullptr, 0);
+    for (int k = 1; k < n; ++k) c.net->recv(op, (me + n - k) % n, nullptr, 0);
+    return;
+  }
+  ShmGroup& g = *c.shm;
+  uint64_t s = g.beginStep(op, false);
+  g.post(ShmGroup::kReady, s);
+  g.waitAll(op, ShmGroup::kReady, s);
+  g.endStep(s);
+}
+
+}  // namespace mooncake::pg::algo

@@ -1,0 +1,118 @@
+// Communicator::Impl: the state a communicator holds and the entry points of the algorithm
+// families (pg/algorithms/*.cc). Internal to pg/.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "pg/communicator.h"
+#include "pg/copy.h"
+#include "pg/health.h"
+#include "pg/net_group.h"
+#include "pg/p2p.h"
+#include "pg/reduce.h"
+#include "pg/shm_group.h"
+#include "pg/work.h"
+
+namespace mooncake::pg {
+
+// Tunables, read once per communicator from the MC_PG_* parameters (engine/params.cc).
+struct PgParams {
+  size_t buffer_bytes;     // MC_PG_BUFFER_BYTES
+  size_t chunk_bytes;      // MC_PG_CHUNK_BYTES: allreduce pipeline step (<= half buffer)
+  size_t flat_bytes;       // MC_PG_FLAT_BYTES: allreduce/reduce at or below: flat exchange
+  size_t net_piece_bytes;  // MC_PG_NET_PIECE_BYTES: message size on the non-shm path
+  size_t stream_out_bytes;  // MC_PG_STREAM_OUT_BYTES: outputs this large: streaming stores
+  ShmGroup::WaitOptions wait;
+  static PgParams load(size_t buffer_bytes_override);
+};
+
+class Communicator::Impl {
+ public:
+  std::shared_ptr<engine::TransferEngine> engine;
+  std::shared_ptr<engine::Rendezvous> rdv;
+  CommOptions opts;
+  int rank = 0;
+  int size = 1;
+  PgParams params{};
+  std::vector<engine::PeerId> peers;  // by rank; kInvalidPeer for this rank
+
+  void* buffer = nullptr;  // this rank's comm buffer (engine-allocated, shared memory)
+  size_t buffer_bytes = 0;
+  std::unique_ptr<Health> health;
+  std::unique_ptr<ShmGroup> shm;  // set when every peer's buffer is mapped here
+  std::unique_ptr<NetGroup> net;  // used when shm is not
+  std::unique_ptr<P2p> p2p;
+  std::vector<uint32_t> channels;  // claimed message channels (released in the destructor)
+  std::unique_ptr<Worker> worker = std::make_unique<Worker>();
+
+  uint64_t op_seq = 0;  // collectives started (the collective-running thread only)
+  std::atomic<bool> broken{false};
+  std::mutex broken_mu;
+  std::string broken_what;  // first failure that broke the group
+  int broken_rank = -1;
+
+  ~Impl();
+
+  // Runs one collective: fails fast when the group is broken, builds the op context, and
+  // on a CommError poisons the group (later ops fail at once) and tells shm peers.
+  template <class Fn>
+  void run(const char* name, Fn&& fn);
+};
+
+// A CommError every rank raises at the same point of the same op (e.g. allToAllV sizes
+// that do not match): the ranks stay in step, so it does not poison the group.
+class UsageError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+// ---- algorithm families: each picks shm or net and handles size() == 1 ----
+namespace algo {
+void allReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,
+               DataType t, ReduceOp rop);
+void reduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,
+            DataType t, ReduceOp rop, int root);
+void reduceScatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                   size_t count, DataType t, ReduceOp rop);
+void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, int root);
+void scatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t bytes,
+             int root);
+void allGatherV(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                const std::vector<size_t>& bytes);
+void gather(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t bytes,
+            int root);
+void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
+               const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
+               void* out, const std::vector<size_t>& recv_bytes,
+               const std::vector<size_t>& recv_offsets);
+void barrier(Communicator::Impl& c, const OpCtx& op);
+
+// [begin, end) of part j when `count` elements are cut into n parts whose boundaries are
+// multiples of `align` elements (the last part takes the rest).
+inline size_t partBegin(size_t count, int n, int j, size_t align) {
+  if (j >= n) return count;
+  size_t per = count / static_cast<size_t>(n), rem = count % static_cast<size_t>(n);
+  size_t b = per * static_cast<size_t>(j) + rem * static_cast<size_t>(j) / static_cast<size_t>(n);
+  b -= b % align;
+  return b;
+}
+// Elements per 64-byte line, the alignment of parts (so that ranks do not share lines).
+inline size_t lineElems(size_t es) { return es >= 64 ? 1 : 64 / es; }
+
+// Copies a peer's data into the caller's output: streaming stores when the op's output is
+// large (it leaves the cache anyway; no read-for-ownership), else a plain vector loop (see
+// pg/copy.h). After streaming copies the op ends with streamFence().
+inline void copyOut(void* dst, const void* src, size_t n, bool stream) {
+  if (stream) {
+    copyToSharedNoFence(dst, src, n);
+  } else {
+    copyFromShared(dst, src, n);
+  }
+}
+}  // namespace algo
+
+}  // namespace mooncake::pg

@@ -1,0 +1,420 @@
+// Communicator: set-up (segment exchange, comm buffer, peer mapping), the op entry points
+// (validate -> run on the calling thread with a deadline), enqueue, and teardown.
+#include "pg/communicator.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+#include <stdexcept>
+
+#include "engine/log.h"
+#include "engine/params.h"
+#include "engine/wire.h"
+#include "pg/comm_impl.h"
+
+namespace mooncake::pg {
+
+using engine::Clock;
+using engine::Deadline;
+using engine::PeerId;
+
+PgParams PgParams::load(size_t buffer_bytes_override) {
+  PgParams p;
+  int64_t b = buffer_bytes_override > 0 ? static_cast<int64_t>(buffer_bytes_override)
+                                        : params::getInt("MC_PG_BUFFER_BYTES");
+  p.buffer_bytes = static_cast<size_t>(std::max<int64_t>(b, 128 << 10));
+  p.chunk_bytes = static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_CHUNK_BYTES"), 4096));
+  p.flat_bytes = static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_FLAT_BYTES"), 0));
+  p.net_piece_bytes =
+      static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_NET_PIECE_BYTES"), 4096));
+  p.stream_out_bytes =
+      static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_STREAM_OUT_BYTES"), 0));
+  p.wait.spin_us = std::max<int64_t>(params::getInt("MC_PG_SPIN_US"), 0);
+  p.wait.yield_us = std::max<int64_t>(params::getInt("MC_PG_YIELD_US"), 0);
+  p.wait.health_us = std::max<int64_t>(params::getInt("MC_PG_HEALTH_US"), 100);
+  return p;
+}
+
+namespace {
+
+// Message channels of a group: a hash of its name with the top bit set (other services use
+// small channel numbers). Two groups of one engine must not share one: claimed here.
+uint32_t channelFor(const std::string& kind, const std::string& group) {
+  uint32_t h = 2166136261u;
+  for (char c : "pg/" + kind + "/" + group) h = (h ^ static_cast<uint8_t>(c)) * 16777619u;
+  return h | 0x80000000u;
+}
+
+std::mutex g_channels_mu;
+std::map<const engine::TransferEngine*, std::set<uint32_t>> g_channels;
+
+void claimChannel(const engine::TransferEngine* e, uint32_t ch, const std::string& group) {
+  std::lock_guard<std::mutex> g(g_channels_mu);
+  if (!g_channels[e].insert(ch).second)
+    throw std::invalid_argument("mooncake pg: group name '" + group +
+                                "' is already used by a communicator on this engine (or "
+                                "collides with one); group names must be distinct");
+}
+
+void releaseChannel(const engine::TransferEngine* e, uint32_t ch) {
+  std::lock_guard<std::mutex> g(g_channels_mu);
+  auto it = g_channels.find(e);
+  if (it == g_channels.end()) return;
+  it->second.erase(ch);
+  if (it->second.empty()) g_channels.erase(it);
+}
+
+[[noreturn]] void setupFailed(const CommOptions& o, const std::string& what, const Status& st,
+                              int peer = -1) {
+  throw CommError("mooncake pg: creating group " + o.group_name + " (rank " +
+                      std::to_string(o.rank) + " of " + std::to_string(o.size) + "): " + what +
+                      ": " + st.toString(),
+                  peer, "init");
+}
+
+struct RankRecord {
+  std::string engine_name;
+  uint64_t engine_id = 0;
+  uint64_t buffer = 0;
+  uint64_t buffer_bytes = 0;
+  std::string segment;
+
+  std::string serialize() const {
+    wire::Writer w;
+    w.u32(1);
+    w.str(engine_name);
+    w.u64(engine_id);
+    w.u64(buffer);
+    w.u64(buffer_bytes);
+    w.str(segment);
+    return w.take();
+  }
+  static bool parse(std::string_view s, RankRecord* out) {
+    wire::Reader r(s);
+    if (r.u32() != 1) return false;
+    out->engine_name = r.str();
+    out->engine_id = r.u64();
+    out->buffer = r.u64();
+    out->buffer_bytes = r.u64();
+    out->segment = r.str(64u << 20);
+    return r.done();
+  }
+};
+
+int usableCpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return 1;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+
+template <class Fn>
+void Communicator::Impl::run(const char* name, Fn&& fn) {
+  if (broken.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> g(broken_mu);
+    throw CommError("mooncake pg: " + std::string(name) + " on group " + opts.group_name +
+                        " that already failed: " + broken_what,
+                    broken_rank, name);
+  }
+  OpCtx op{name, Clock::now() + opts.timeout, ++op_seq, opts.timeout};  // timeout clamped
+  try {
+    fn(op);
+  } catch (const UsageError&) {
+    throw;
+  } catch (const CommError& e) {
+    {
+      std::lock_guard<std::mutex> g(broken_mu);
+      if (!broken.load()) {
+        broken_what = e.what();
+        broken_rank = e.peerRank();
+        broken.store(true, std::memory_order_release);
+      }
+    }
+    if (shm) shm->abort(e.peerRank());
+    if (net) net->abort(e.peerRank());
+    MC_LOG(WARN, PG) << e.what();
+    throw;
+  }
+}
+
+Communicator::Impl::~Impl() {
+  worker.reset();  // drains the queued ops and joins, while the groups they use still exist
+  p2p.reset();
+  net.reset();
+  shm.reset();
+  for (uint32_t ch : channels) releaseChannel(engine.get(), ch);
+  if (buffer != nullptr && engine) {
+    Status st = engine->free(buffer);
+    if (!st.ok()) {
+      MC_LOG(WARN, PG) << "freeing the comm buffer: " << st.toString();
+    }
+  }
+}
+
+Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Communicator::~Communicator() = default;
+
+std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::TransferEngine> engine,
+                                                   std::shared_ptr<engine::Rendezvous> rdv,
+                                                   const CommOptions& options) {
+  if (!engine || !rdv) throw std::invalid_argument("mooncake pg: create needs an engine and a rendezvous");
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size)
+    throw std::invalid_argument("mooncake pg: rank " + std::to_string(options.rank) +
+                                " is outside a group of size " + std::to_string(options.size));
+  if (options.group_name.empty()) throw std::invalid_argument("mooncake pg: empty group name");
+  if (options.timeout.count() <= 0) throw std::invalid_argument("mooncake pg: timeout must be > 0");
+  const std::string& g_name = options.group_name;
+
+  auto impl = std::make_unique<Impl>();
+  Impl& c = *impl;
+  c.engine = engine;
+  c.rdv = rdv;
+  c.opts = options;
+  c.opts.timeout = std::min<std::chrono::milliseconds>(options.timeout, std::chrono::hours(24 * 365));
+  c.rank = options.rank;
+  c.size = options.size;
+  c.params = PgParams::load(options.buffer_bytes);
+  const Deadline dl = Clock::now() + c.opts.timeout;
+
+  uint32_t coll_ch = channelFor("coll", g_name), p2p_ch = channelFor("p2p", g_name);
+  claimChannel(engine.get(), coll_ch, g_name);
+  c.channels.push_back(coll_ch);
+  claimChannel(engine.get(), p2p_ch, g_name);
+  c.channels.push_back(p2p_ch);
+  // Keys of this incarnation of the group: a group re-created under the same name on the
+  // same rendezvous (destroy + init again) must not read the previous incarnation's keys.
+  // Every rank bumps its own counter once per incarnation, so all ranks agree on it.
+  auto gen = rdv->add(g_name + "/gen/" + std::to_string(c.rank), 1);
+  if (!gen.ok()) setupFailed(options, "rendezvous add", gen.status());
+  const std::string g = g_name + "#" + std::to_string(*gen);
+
+  // One registered buffer per rank for the group's lifetime: header page + two halves.
+  size_t half = (c.params.buffer_bytes / 2 + 4095) & ~static_cast<size_t>(4095);
+  c.buffer_bytes = ShmGroup::kHeaderBytes + 2 * half;
+  auto mem = engine->allocate(c.buffer_bytes);
+  if (!mem.ok()) setupFailed(options, "allocating the comm buffer", mem.status());
+  c.buffer = *mem;
+  std::memset(c.buffer, 0, c.buffer_bytes);  // fault the pages in now, not in the first op
+
+  Status st = engine->publish(*rdv);
+  if (!st.ok()) setupFailed(options, "publishing the segment", st);
+  RankRecord mine{engine->name(), engine->engineId(), reinterpret_cast<uint64_t>(c.buffer),
+                  c.buffer_bytes, engine->localSegment().serialize()};
+  st = rdv->set(g + "/rank/" + std::to_string(c.rank), mine.serialize());
+  if (!st.ok()) setupFailed(options, "rendezvous set", st);
+
+  // Open every peer and map its buffer where the transport allows it.
+  c.peers.assign(c.size, engine::kInvalidPeer);
+  std::vector<char*> bases(c.size, nullptr);
+  bases[c.rank] = static_cast<char*>(c.buffer);
+  bool all_mapped = true;
+  for (int r = 0; r < c.size; ++r) {
+    if (r == c.rank) continue;
+    auto blob = rdv->wait(g + "/rank/" + std::to_string(r), dl);
+    if (!blob.ok()) setupFailed(options, "waiting for rank " + std::to_string(r), blob.status(), r);
+    RankRecord rec;
+    if (!RankRecord::parse(*blob, &rec))
+      setupFailed(options, "rank " + std::to_string(r) + "'s record",
+                  Status(Code::kProtocol, "malformed"), r);
+    if (rec.engine_id == engine->engineId())
+      setupFailed(options, "rank " + std::to_string(r),
+                  Status(Code::kInvalidArgument, "uses this rank's engine (one engine per rank)"), r);
+    auto desc = engine::SegmentDesc::parse(rec.segment);
+    if (!desc.ok()) setupFailed(options, "rank " + std::to_string(r) + "'s segment", desc.status(), r);
+    auto peer = engine->openPeer(*desc, dl);
+    if (!peer.ok()) setupFailed(options, "opening rank " + std::to_string(r), peer.status(), r);
+    c.peers[r] = *peer;
+    if (rec.buffer_bytes != c.buffer_bytes) {
+      all_mapped = false;  // a different MC_PG_BUFFER_BYTES: the step layout would differ
+      continue;
+    }
+    bases[r] = static_cast<char*>(engine->mappedAddress(*peer, rec.buffer, rec.buffer_bytes));
+    if (bases[r] == nullptr) all_mapped = false;
+  }
+  // Every rank must take the same path: shm only if every rank mapped every peer.
+  st = rdv->set(g + "/mode/" + std::to_string(c.rank), all_mapped ? "shm" : "net");
+  if (!st.ok()) setupFailed(options, "rendezvous set", st);
+  bool shm = true;
+  for (int r = 0; r < c.size; ++r) {
+    auto v = rdv->wait(g + "/mode/" + std::to_string(r), dl);
+    if (!v.ok()) setupFailed(options, "waiting for rank " + std::to_string(r), v.status(), r);
+    if (*v != "shm") shm = false;
+  }
+
+  c.health = std::make_unique<Health>(engine.get(), c.peers, c.rank, g_name);
+  if (shm) {
+    ShmGroup::WaitOptions w = c.params.wait;
+    if (c.size > usableCpus()) {
+      // More ranks than cores: a spinning rank would steal the core its peer needs.
+      w.spin_us = std::min<int64_t>(w.spin_us, 2);
+    }
+    c.shm = std::make_unique<ShmGroup>(c.health.get(), bases, c.buffer_bytes, c.rank, w);
+    // Fault the peers' mappings in now (reads), not inside the first timed op.
+    volatile char sink = 0;
+    for (int r = 0; r < c.size; ++r)
+      if (r != c.rank)
+        for (size_t off = 0; off < c.buffer_bytes; off += 4096) sink = sink + bases[r][off];
+  } else {
+    c.net = std::make_unique<NetGroup>(engine.get(), c.health.get(), c.peers, c.rank, coll_ch,
+                                       c.params.wait.health_us, c.params.net_piece_bytes);
+    c.net->start();
+  }
+  c.p2p = std::make_unique<P2p>(engine.get(), c.health.get(), c.peers, c.rank, p2p_ch,
+                                c.params.wait.health_us, c.params.net_piece_bytes);
+  c.p2p->start();
+  MC_LOG(INFO, PG) << "group " << g << " rank " << c.rank << "/" << c.size << " ready on "
+                   << (shm ? "shm" : "messages") << ", buffer " << c.buffer_bytes
+                   << " bytes, reduce kernels " << reduceIsa();
+  return std::unique_ptr<Communicator>(new Communicator(std::move(impl)));
+}
+
+int Communicator::rank() const { return impl_->rank; }
+int Communicator::size() const { return impl_->size; }
+const CommOptions& Communicator::options() const { return impl_->opts; }
+engine::TransferEngine& Communicator::engine() { return *impl_->engine; }
+engine::PeerId Communicator::peerOf(int rank) const {
+  if (rank < 0 || rank >= impl_->size) throw std::invalid_argument("mooncake pg: peerOf: bad rank");
+  return impl_->peers[rank];
+}
+std::shared_ptr<engine::Rendezvous> Communicator::rendezvous() const { return impl_->rdv; }
+std::vector<int> Communicator::deadRanks() const { return impl_->health->deadRanks(); }
+
+std::shared_ptr<Work> Communicator::enqueue(std::string op_name, std::function<void()> fn) {
+  return impl_->worker->enqueue(std::move(op_name), std::move(fn));
+}
+
+// ---- validation helpers ----
+namespace {
+void checkRoot(const Communicator::Impl& c, int root, const char* op) {
+  if (root < 0 || root >= c.size)
+    throw std::invalid_argument(std::string("mooncake pg: ") + op + ": root " +
+                                std::to_string(root) + " is outside the group of size " +
+                                std::to_string(c.size));
+}
+void checkReduce(DataType t, ReduceOp rop, const char* op) {
+  if (!reduceSupported(t, rop))
+    throw std::invalid_argument(std::string("mooncake pg: ") + op + ": reduce op " +
+                                reduceOpName(rop) + " is not defined for dtype " + dtypeName(t));
+}
+void checkPtr(const void* p, size_t bytes, const char* what, const char* op) {
+  if (p == nullptr && bytes > 0)
+    throw std::invalid_argument(std::string("mooncake pg: ") + op + ": null " + what +
+                                " buffer for " + std::to_string(bytes) + " bytes");
+}
+}  // namespace
+
+void Communicator::allReduce(const void* in, void* out, size_t count, DataType t, ReduceOp op) {
+  checkReduce(t, op, "allreduce");
+  checkPtr(in, count, "input", "allreduce");
+  checkPtr(out, count, "output", "allreduce");
+  impl_->run("allreduce", [&](const OpCtx& o) { algo::allReduce(*impl_, o, in, out, count, t, op); });
+}
+
+void Communicator::reduce(const void* in, void* out, size_t count, DataType t, ReduceOp op,
+                          int root) {
+  checkReduce(t, op, "reduce");
+  checkRoot(*impl_, root, "reduce");
+  checkPtr(in, count, "input", "reduce");
+  if (impl_->rank == root) checkPtr(out, count, "output", "reduce");
+  impl_->run("reduce", [&](const OpCtx& o) { algo::reduce(*impl_, o, in, out, count, t, op, root); });
+}
+
+void Communicator::broadcast(void* buf, size_t bytes, int root) {
+  checkRoot(*impl_, root, "broadcast");
+  checkPtr(buf, bytes, "data", "broadcast");
+  impl_->run("broadcast", [&](const OpCtx& o) { algo::broadcast(*impl_, o, buf, bytes, root); });
+}
+
+void Communicator::allGather(const void* in, void* out, size_t bytes) {
+  checkPtr(in, bytes, "input", "allgather");
+  checkPtr(out, bytes, "output", "allgather");
+  std::vector<size_t> sizes(impl_->size, bytes);
+  impl_->run("allgather", [&](const OpCtx& o) { algo::allGatherV(*impl_, o, in, out, sizes); });
+}
+
+void Communicator::allGatherV(const void* in, void* out, const std::vector<size_t>& bytes) {
+  if (bytes.size() != static_cast<size_t>(impl_->size))
+    throw std::invalid_argument("mooncake pg: allgatherv: " + std::to_string(bytes.size()) +
+                                " sizes for a group of " + std::to_string(impl_->size));
+  checkPtr(in, bytes[impl_->rank], "input", "allgatherv");
+  size_t total = 0;
+  for (size_t b : bytes) total += b;
+  checkPtr(out, total, "output", "allgatherv");
+  impl_->run("allgatherv", [&](const OpCtx& o) { algo::allGatherV(*impl_, o, in, out, bytes); });
+}
+
+void Communicator::gather(const void* in, void* out, size_t bytes, int root) {
+  checkRoot(*impl_, root, "gather");
+  checkPtr(in, bytes, "input", "gather");
+  if (impl_->rank == root) checkPtr(out, bytes, "output", "gather");
+  impl_->run("gather", [&](const OpCtx& o) { algo::gather(*impl_, o, in, out, bytes, root); });
+}
+
+void Communicator::scatter(const void* in, void* out, size_t bytes, int root) {
+  checkRoot(*impl_, root, "scatter");
+  if (impl_->rank == root) checkPtr(in, bytes, "input", "scatter");
+  checkPtr(out, bytes, "output", "scatter");
+  impl_->run("scatter", [&](const OpCtx& o) { algo::scatter(*impl_, o, in, out, bytes, root); });
+}
+
+void Communicator::reduceScatter(const void* in, void* out, size_t count, DataType t,
+                                 ReduceOp op) {
+  checkReduce(t, op, "reduce_scatter");
+  checkPtr(in, count, "input", "reduce_scatter");
+  checkPtr(out, count, "output", "reduce_scatter");
+  impl_->run("reduce_scatter",
+             [&](const OpCtx& o) { algo::reduceScatter(*impl_, o, in, out, count, t, op); });
+}
+
+void Communicator::allToAllV(const void* in, const std::vector<size_t>& send_bytes,
+                             const std::vector<size_t>& send_offsets, void* out,
+                             const std::vector<size_t>& recv_bytes,
+                             const std::vector<size_t>& recv_offsets) {
+  size_t n = static_cast<size_t>(impl_->size);
+  if (send_bytes.size() != n || send_offsets.size() != n || recv_bytes.size() != n ||
+      recv_offsets.size() != n)
+    throw std::invalid_argument("mooncake pg: alltoall: split vectors must have one entry per "
+                                "rank (" + std::to_string(n) + ")");
+  size_t in_end = 0, out_end = 0;
+  for (size_t j = 0; j < n; ++j) {
+    if (send_bytes[j] > 0) in_end = std::max(in_end, send_offsets[j] + send_bytes[j]);
+    if (recv_bytes[j] > 0) out_end = std::max(out_end, recv_offsets[j] + recv_bytes[j]);
+  }
+  checkPtr(in, in_end, "input", "alltoall");
+  checkPtr(out, out_end, "output", "alltoall");
+  const char* ib = static_cast<const char*>(in);
+  const char* ob = static_cast<const char*>(out);
+  if (in_end > 0 && out_end > 0 && ib < ob + out_end && ob < ib + in_end)
+    throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
+  impl_->run("alltoall", [&](const OpCtx& o) {
+    algo::allToAllV(*impl_, o, in, send_bytes, send_offsets, out, recv_bytes, recv_offsets);
+  });
+}
+
+void Communicator::barrier() {
+  impl_->run("barrier", [&](const OpCtx& o) { algo::barrier(*impl_, o); });
+}
+
+void Communicator::send(const void* buf, size_t bytes, int dst, uint64_t tag) {
+  if (dst < 0 || dst >= impl_->size)
+    throw std::invalid_argument("mooncake pg: send: destination rank " + std::to_string(dst) +
+                                " is outside the group of size " + std::to_string(impl_->size));
+  checkPtr(buf, bytes, "send", "send");
+  impl_->p2p->send(buf, bytes, dst, tag, impl_->opts.timeout);
+}
+
+int Communicator::recv(void* buf, size_t bytes, int src, uint64_t tag) {
+  if (src < -1 || src >= impl_->size)
+    throw std::invalid_argument("mooncake pg: recv: source rank " + std::to_string(src) +
+                                " is outside the group of size " + std::to_string(impl_->size));
+  checkPtr(buf, bytes, "receive", "recv");
+  return impl_->p2p->recv(buf, bytes, src, tag, impl_->opts.timeout);
+}
+
+}  // namespace mooncake::pg

@@ -1,0 +1,44 @@
+// Peer liveness and the errors that name a failed rank. One per communicator; read-only
+// after construction, so any thread may call it.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+
+namespace mooncake::pg {
+
+// What an op in flight carries: its name (for errors), its deadline and sequence number.
+struct OpCtx {
+  const char* name;
+  engine::Deadline deadline;
+  uint64_t seq;
+  std::chrono::milliseconds timeout;
+};
+
+class Health {
+ public:
+  Health(engine::TransferEngine* engine, std::vector<engine::PeerId> peers, int rank,
+         std::string group);
+  // Throws CommError("mooncake pg: rank R (group G) died during OP: <engine status>") for
+  // the lowest dead rank; no-op while every peer is alive. only_rank >= 0 checks just it
+  // (waits check the rank they wait for: a peer that finished and exited is no failure).
+  void check(const OpCtx& op, int only_rank = -1) const;
+  std::vector<int> deadRanks() const;
+  // Throws the CommError for a deadline that passed while waiting for `rank` (-1: several).
+  [[noreturn]] void timedOut(const OpCtx& op, int rank, const std::string& what) const;
+  // Throws a CommError for a peer that aborted the op (it saw a failure first).
+  [[noreturn]] void aborted(const OpCtx& op, int rank, int blamed) const;
+  const std::string& group() const { return group_; }
+  int rank() const { return rank_; }
+
+ private:
+  engine::TransferEngine* engine_;
+  std::vector<engine::PeerId> peers_;
+  int rank_;
+  std::string group_;
+};
+
+}  // namespace mooncake::pg

@@ -1,0 +1,142 @@
+#include "pg/net_group.h"
+
+#include <cstring>
+
+#include "engine/log.h"
+#include "pg/communicator.h"
+
+namespace mooncake::pg {
+
+namespace {
+constexpr uint32_t kMagic = 0x4d504743;  // "MPGC"
+constexpr uint64_t kAbortSeq = ~0ull;    // an abort notice: payload = i32 blamed rank
+
+struct Header {
+  uint32_t magic;
+  int32_t src;
+  uint64_t seq;
+};
+static_assert(sizeof(Header) == NetGroup::kHeaderBytes, "header layout");
+}  // namespace
+
+NetGroup::NetGroup(engine::TransferEngine* engine, const Health* health,
+                   std::vector<engine::PeerId> peers, int rank, uint32_t channel,
+                   int64_t health_us, size_t piece_bytes)
+    : engine_(engine),
+      health_(health),
+      peers_(std::move(peers)),
+      rank_(rank),
+      channel_(channel),
+      health_us_(health_us),
+      piece_(piece_bytes),
+      q_(std::make_shared<Queues>()) {
+  q_->by_src.resize(peers_.size());
+  q_->aborted.assign(peers_.size(), 0);
+}
+
+NetGroup::~NetGroup() {
+  if (started_) engine_->setMessageHandler(channel_, nullptr);
+}
+
+void NetGroup::start() {
+  std::shared_ptr<Queues> q = q_;
+  engine_->setMessageHandler(channel_, [q](engine::Message&& m) {
+    Header h{};
+    if (m.payload.size() >= sizeof(h)) std::memcpy(&h, m.payload.data(), sizeof(h));
+    std::lock_guard<std::mutex> g(q->mu);
+    if (h.magic != kMagic || h.src < 0 || static_cast<size_t>(h.src) >= q->by_src.size()) {
+      ++q->bad;
+      return;
+    }
+    if (h.seq == kAbortSeq) {
+      int32_t blamed = -1;
+      if (m.payload.size() >= sizeof(h) + 4) std::memcpy(&blamed, m.payload.data() + sizeof(h), 4);
+      q->aborted[h.src] = blamed >= 0 ? blamed + 2 : 1;
+    } else {
+      q->by_src[h.src].push_back(std::move(m.payload));
+    }
+    q->cv.notify_all();
+  });
+  started_ = true;
+}
+
+void NetGroup::send(const OpCtx& op, int dst, const void* data, size_t len) {
+  std::string payload(sizeof(Header) + len, '\0');
+  Header h{kMagic, rank_, op.seq};
+  std::memcpy(payload.data(), &h, sizeof(h));
+  if (len > 0) std::memcpy(payload.data() + sizeof(h), data, len);
+  Status st = engine_->sendMessage(peers_[dst], channel_, payload);
+  if (!st.ok()) {
+    health_->check(op, dst);  // names it as dead when it is
+    throw CommError("mooncake pg: " + std::string(op.name) + ": sending " + std::to_string(len) +
+                        " bytes to rank " + std::to_string(dst) + " (group " + health_->group() +
+                        ") failed: " + st.toString(),
+                    dst, op.name);
+  }
+}
+
+NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
+  using engine::Clock;
+  Msg m;
+  {
+    std::unique_lock<std::mutex> g(q_->mu);
+    auto& dq = q_->by_src[src];
+    while (dq.empty()) {
+      q_->cv.wait_for(g, std::chrono::microseconds(health_us_));
+      if (!dq.empty()) break;
+      for (size_t r = 0; r < q_->aborted.size(); ++r) {
+        int a = q_->aborted[r];
+        if (a != 0) {
+          g.unlock();
+          health_->aborted(op, static_cast<int>(r), a >= 2 ? a - 2 : -1);
+        }
+      }
+      g.unlock();
+      health_->check(op, src);  // the sender only: a peer that finished and exited is fine
+      if (Clock::now() >= op.deadline)
+        health_->timedOut(op, src, "no message from it");
+      g.lock();
+    }
+    m.buf = std::move(dq.front());
+    dq.pop_front();
+  }
+  Header h{};
+  std::memcpy(&h, m.buf.data(), sizeof(h));
+  if (h.seq != op.seq || m.size() != expect_len) {
+    throw CommError("mooncake pg: " + std::string(op.name) + " on rank " + std::to_string(rank_) +
+                        " (group " + health_->group() + ", op #" + std::to_string(op.seq) +
+                        ") got " + std::to_string(m.size()) + " bytes of op #" +
+                        std::to_string(h.seq) + " from rank " + std::to_string(src) +
+                        " but expected " + std::to_string(expect_len) +
+                        " bytes: ranks called different collectives or sizes",
+                    src, op.name);
+  }
+  return m;
+}
+
+void NetGroup::recv(const OpCtx& op, int src, void* out, size_t len) {
+  Msg m = take(op, src, len);
+  if (len > 0) std::memcpy(out, m.data(), len);
+}
+
+void NetGroup::abort(int blamed) {
+  std::string payload(sizeof(Header) + 4, '\0');
+  Header h{kMagic, rank_, kAbortSeq};
+  int32_t b = blamed;
+  std::memcpy(payload.data(), &h, sizeof(h));
+  std::memcpy(payload.data() + sizeof(h), &b, 4);
+  for (size_t r = 0; r < peers_.size(); ++r)
+    if (static_cast<int>(r) != rank_) (void)engine_->sendMessage(peers_[r], channel_, payload);
+}
+
+void NetGroup::sendPieces(const OpCtx& op, int dst, const void* data, size_t len) {
+  const char* p = static_cast<const char*>(data);
+  for (size_t off = 0; off < len; off += piece_) send(op, dst, p + off, std::min(piece_, len - off));
+}
+
+void NetGroup::recvPieces(const OpCtx& op, int src, void* out, size_t len) {
+  char* p = static_cast<char*>(out);
+  for (size_t off = 0; off < len; off += piece_) recv(op, src, p + off, std::min(piece_, len - off));
+}
+
+}  // namespace mooncake::pg

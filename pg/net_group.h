@@ -1,0 +1,72 @@
+// NetGroup: the path for groups whose peers are not all mapped (tcp peers, other hosts,
+// MC_TRANSPORT=tcp). Collectives are built from ordered two-sided messages on a channel of
+// the group: the engine delivers each message to a handler that queues it per sender, so
+// sends never wait for the receiver (no deadlock in exchange patterns) and a receiver
+// takes the next message of a given sender. Every message carries the op's sequence
+// number; a mismatch means the ranks called different collectives (CommError).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "pg/health.h"
+
+namespace mooncake::pg {
+
+class NetGroup {
+ public:
+  static constexpr size_t kHeaderBytes = 16;
+
+  // A received message; data()/size() exclude the header.
+  struct Msg {
+    std::string buf;
+    const char* data() const { return buf.data() + kHeaderBytes; }
+    size_t size() const { return buf.size() - kHeaderBytes; }
+  };
+
+  NetGroup(engine::TransferEngine* engine, const Health* health,
+           std::vector<engine::PeerId> peers, int rank, uint32_t channel, int64_t health_us,
+           size_t piece_bytes);
+  ~NetGroup();
+  // Installs the message handler (before any peer can send to this group).
+  void start();
+
+  // Large payloads are cut into pieces of pieceBytes(); senders and receivers cut the same
+  // way (sendPieces / recvPieces), so both agree on the message sequence.
+  size_t pieceBytes() const { return piece_; }
+  void send(const OpCtx& op, int dst, const void* data, size_t len);
+  Msg take(const OpCtx& op, int src, size_t expect_len);
+  void recv(const OpCtx& op, int src, void* out, size_t len);
+  void sendPieces(const OpCtx& op, int dst, const void* data, size_t len);
+  void recvPieces(const OpCtx& op, int src, void* out, size_t len);
+  // Tells every peer (best effort) that this rank gave up on the group, blaming `blamed`
+  // (-1: none in particular): their waits fail fast instead of timing out.
+  void abort(int blamed);
+
+ private:
+  struct Queues {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<std::deque<std::string>> by_src;
+    std::vector<int> aborted;  // per peer: 0, or 2 + blamed rank (1: no rank in particular)
+    size_t bad = 0;            // malformed messages dropped
+  };
+
+  engine::TransferEngine* engine_;
+  const Health* health_;
+  std::vector<engine::PeerId> peers_;
+  int rank_;
+  uint32_t channel_;
+  int64_t health_us_;
+  size_t piece_;
+  std::shared_ptr<Queues> q_;
+  bool started_ = false;
+};
+
+}  // namespace mooncake::pg

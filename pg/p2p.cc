@@ -1,0 +1,137 @@
+#include "pg/p2p.h"
+
+#include <cstring>
+
+#include "pg/communicator.h"
+
+namespace mooncake::pg {
+
+namespace {
+constexpr uint32_t kMagic = 0x4d504750;  // "MPGP"
+
+struct Header {
+  uint32_t magic;
+  int32_t src;
+  uint64_t tag;
+  uint64_t id;
+  uint64_t total;
+  uint64_t offset;
+};
+}  // namespace
+
+P2p::P2p(engine::TransferEngine* engine, const Health* health, std::vector<engine::PeerId> peers,
+         int rank, uint32_t channel, int64_t health_us, size_t piece_bytes)
+    : engine_(engine),
+      health_(health),
+      peers_(std::move(peers)),
+      rank_(rank),
+      channel_(channel),
+      health_us_(health_us),
+      piece_(piece_bytes),
+      box_(std::make_shared<Box>()) {}
+
+P2p::~P2p() {
+  if (started_) engine_->setMessageHandler(channel_, nullptr);
+}
+
+void P2p::start() {
+  std::shared_ptr<Box> box = box_;
+  engine_->setMessageHandler(channel_,
+                             [box](engine::Message&& m) { box->deliver(std::move(m.payload)); });
+  started_ = true;
+}
+
+void P2p::Box::deliver(std::string&& payload) {
+  Header h{};
+  if (payload.size() < sizeof(h)) return;
+  std::memcpy(&h, payload.data(), sizeof(h));
+  size_t len = payload.size() - sizeof(h);
+  if (h.magic != kMagic || h.offset + len > h.total) return;
+  std::lock_guard<std::mutex> g(mu);
+  if (h.offset == 0 && len == h.total) {
+    payload.erase(0, sizeof(h));
+    ready.push_back(Complete{h.src, h.tag, std::move(payload)});
+    cv.notify_all();
+    return;
+  }
+  auto key = std::make_pair(static_cast<int>(h.src), h.id);
+  Partial& p = partial[key];
+  if (h.offset == 0) {
+    p.tag = h.tag;
+    p.data.reserve(h.total);
+  }
+  if (p.data.size() != h.offset) {  // pieces of one message arrive in order
+    partial.erase(key);
+    return;
+  }
+  p.data.append(payload, sizeof(h), len);
+  if (p.data.size() == h.total) {
+    ready.push_back(Complete{h.src, p.tag, std::move(p.data)});
+    partial.erase(key);
+    cv.notify_all();
+  }
+}
+
+void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
+               std::chrono::milliseconds timeout) {
+  OpCtx op{"send", engine::Clock::now() + timeout, 0, timeout};
+  std::lock_guard<std::mutex> g(send_mu_);
+  uint64_t id = next_id_++;
+  size_t off = 0;
+  do {
+    size_t len = std::min(piece_, bytes - off);
+    std::string payload(sizeof(Header) + len, '\0');
+    Header h{kMagic, rank_, tag, id, bytes, off};
+    std::memcpy(payload.data(), &h, sizeof(h));
+    if (len > 0) std::memcpy(payload.data() + sizeof(h), static_cast<const char*>(buf) + off, len);
+    if (dst == rank_) {
+      box_->deliver(std::move(payload));
+    } else {
+      Status st = engine_->sendMessage(peers_[dst], channel_, payload);
+      if (!st.ok()) {
+        health_->check(op, dst);
+        throw CommError("mooncake pg: send of " + std::to_string(bytes) + " bytes to rank " +
+                            std::to_string(dst) + " (group " + health_->group() +
+                            ") failed: " + st.toString(),
+                        dst, "send");
+      }
+    }
+    off += len;
+  } while (off < bytes);
+}
+
+int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milliseconds timeout) {
+  OpCtx op{"recv", engine::Clock::now() + timeout, 0, timeout};
+  Complete c;
+  {
+    std::unique_lock<std::mutex> g(box_->mu);
+    for (;;) {
+      auto it = box_->ready.begin();
+      for (; it != box_->ready.end(); ++it)
+        if ((src < 0 || it->src == src) && it->tag == tag) break;
+      if (it != box_->ready.end()) {
+        c = std::move(*it);
+        box_->ready.erase(it);
+        break;
+      }
+      box_->cv.wait_for(g, std::chrono::microseconds(health_us_));
+      g.unlock();
+      // A specific source: only its death matters. Any source: any dead peer fails it.
+      if (src != rank_) health_->check(op, src);
+      if (engine::Clock::now() >= op.deadline)
+        health_->timedOut(op, src, "no message with tag " + std::to_string(tag));
+      g.lock();
+    }
+  }
+  if (c.data.size() != bytes)
+    throw CommError("mooncake pg: recv size mismatch on rank " + std::to_string(rank_) +
+                        " (group " + health_->group() + "): rank " + std::to_string(c.src) +
+                        " sent " + std::to_string(c.data.size()) + " bytes with tag " +
+                        std::to_string(tag) + " but the receive buffer holds " +
+                        std::to_string(bytes) + " bytes",
+                    c.src, "recv");
+  if (bytes > 0) std::memcpy(buf, c.data.data(), bytes);
+  return c.src;
+}
+
+}  // namespace mooncake::pg

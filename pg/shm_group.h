@@ -1,0 +1,84 @@
+// ShmGroup: the same-host fast path's memory and synchronisation. Every rank owns one
+// registered shared-memory buffer (allocated once per communicator) that all ranks map:
+//
+//   [header: one 128-byte line per flag, written only by the owner] [half 0] [half 1]
+//
+// Collectives run as a sequence of steps; every rank numbers its steps identically
+// (steps are derived from sizes every rank knows). Step s uses half (s & 1) of each
+// buffer, so a rank can fill step s+1 while slower peers still read step s. Flags are
+// 64-bit step numbers, posted with release stores and read with acquire loads:
+//   kReady    the owner's data for step s is in its half
+//   kReduced  (2-phase algorithms) the owner's reduced slice for step s is in its half
+//   kConsumed the owner finished reading peers' halves of step s: a writer reuses its
+//             half for step s+2 only when every peer consumed step s.
+// Waiting spins (MC_PG_SPIN_US), then yields (MC_PG_YIELD_US), then sleeps on a futex on
+// the flag word (the poster only calls futex_wake when a waiter registered), so ranks
+// that outnumber cores do not starve each other and the fast path makes no syscalls.
+// Every wait checks, about every MC_PG_HEALTH_US: the op's deadline, the engine's view of
+// every peer (a dead process -> CommError naming it) and peers' abort words.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "pg/health.h"
+
+namespace mooncake::pg {
+
+class ShmGroup {
+ public:
+  enum Flag { kReady = 0, kReduced = 1, kConsumed = 2, kNumFlags = 3 };
+  static constexpr size_t kHeaderBytes = 4096;
+
+  struct WaitOptions {
+    int64_t spin_us = 50;
+    int64_t yield_us = 200;
+    int64_t health_us = 1000;
+  };
+
+  // bases[r]: where rank r's buffer (buffer_bytes long) is mapped in this process.
+  ShmGroup(const Health* health, std::vector<char*> bases, size_t buffer_bytes, int rank,
+           WaitOptions wait);
+
+  int size() const { return static_cast<int>(bases_.size()); }
+  int rank() const { return rank_; }
+  size_t halfBytes() const { return half_; }
+  // Rank r's half used by step s.
+  char* half(int r, uint64_t s) const { return bases_[r] + kHeaderBytes + (s & 1) * half_; }
+
+  // Starts the next step. will_write: this rank writes its half in the step, so it first
+  // waits until every peer consumed the step that last used that half.
+  uint64_t beginStep(const OpCtx& op, bool will_write);
+  void post(Flag f, uint64_t s);
+  void wait(const OpCtx& op, int r, Flag f, uint64_t s);
+  void waitAll(const OpCtx& op, Flag f, uint64_t s);
+  void endStep(uint64_t s) { post(kConsumed, s); }
+  // Tells peers this rank gave up on the group (they fail fast instead of timing out).
+  void abort(int blamed);
+
+ private:
+  struct alignas(128) Line {
+    std::atomic<uint64_t> v;
+    std::atomic<uint32_t> waiters;  // processes sleeping on v (futex)
+  };
+  struct Header {
+    Line flags[kNumFlags];
+    Line abort;  // 0, or 2 + the rank blamed (1: no rank in particular)
+  };
+  static_assert(sizeof(Header) <= kHeaderBytes, "header page too small");
+
+  Header* hdr(int r) const { return reinterpret_cast<Header*>(bases_[r]); }
+  void slowWait(const OpCtx& op, int r, Line& line, uint64_t s);
+  void checkPeers(const OpCtx& op, int waiting_for) const;
+
+  const Health* health_;
+  std::vector<char*> bases_;
+  int rank_;
+  size_t half_;
+  WaitOptions wait_;
+  uint64_t step_ = 0;  // only the thread running collectives touches it
+};
+
+}  // namespace mooncake::pg
