@@ -1,5 +1,6 @@
 #include "engine/engine.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -488,8 +489,7 @@ Status TransferEngine::wait(BatchId id, Deadline deadline, std::vector<Status>* 
   auto is_done = [&] { return b->pending.load(std::memory_order_acquire) == 0; };
   if (!is_done()) {
     auto spin_until = Clock::now() + std::chrono::microseconds(params::getInt("MC_SPIN_US"));
-    while (!is_done() && Clock::now() < spin_until) {
-    }
+    while (!is_done() && Clock::now() < spin_until) sched_yield();
   }
   {
     // Taken even when already done: the completer may still hold it (see finishOne).

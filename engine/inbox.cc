@@ -120,8 +120,11 @@ template <typename F>
 bool waitOn(RingCtl& ctl, F try_pop, Deadline deadline, const std::atomic<bool>& closing) {
   if (try_pop()) return true;
   const auto spin_until = Clock::now() + std::chrono::microseconds(params::getInt("MC_SPIN_US"));
+  // Polite spinning: yield between polls so that, with more runnable threads than cores,
+  // the thread we are waiting for gets the core (the producer may be on this very core).
   while (Clock::now() < spin_until) {
     if (try_pop()) return true;
+    sched_yield();
   }
   for (;;) {
     ctl.waiters.fetch_add(1, std::memory_order_seq_cst);

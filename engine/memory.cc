@@ -8,6 +8,7 @@
 #include <dirent.h>
 #include <signal.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -81,11 +82,9 @@ uint64_t MemoryRegistry::version() const {
 
 Result<void*> MemoryRegistry::allocateShm(size_t len, const std::string& prefix) {
   if (len == 0) return MC_STATUS(kInvalidArgument, "cannot allocate 0 bytes");
-  uint64_t n;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    n = next_shm_++;
-  }
+  // Process-wide counter: two engines of one process must never pick the same name.
+  static std::atomic<uint64_t> next_shm{0};
+  uint64_t n = next_shm.fetch_add(1);
   std::string name = "/" + prefix + "-" + std::to_string(getpid()) + "-" + std::to_string(n);
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0 && errno == EEXIST) {  // stale file of a dead process with a recycled pid

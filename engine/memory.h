@@ -53,7 +53,6 @@ class MemoryRegistry {
   mutable std::mutex mu_;
   std::map<uint64_t, Region> regions_;  // by start address
   uint64_t version_ = 0;
-  uint64_t next_shm_ = 0;
 };
 
 // Unlinks the shared-memory files "/<prefix>-<pid>-..." and "/<prefix>-inbox-<pid>-..." of

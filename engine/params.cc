@@ -54,11 +54,11 @@ const std::vector<ParamDef> kParams = {
      "Collective outputs at least this large are written with streaming (non-temporal) "
      "stores: they would leave the cache anyway, and this saves reading every line first."},
     {"MC_PG_SPIN_US", Type::kInt, "50",
-     "Microseconds a process-group wait spins before it yields (2 when ranks outnumber "
-     "cores)."},
+     "Microseconds a process-group wait spins before it sleeps on a futex (2 when the "
+     "group's ranks outnumber the cores)."},
     {"MC_PG_YIELD_US", Type::kInt, "200",
-     "Microseconds a process-group wait yields the core (sched_yield) before it sleeps on "
-     "a futex."},
+     "When the group's ranks outnumber the cores: microseconds a wait yields the core "
+     "(sched_yield) after its short spin, before it sleeps on a futex."},
     {"MC_PG_HEALTH_US", Type::kInt, "1000",
      "How often a waiting process-group op checks peer liveness and its deadline."},
     // ---- ep ----

@@ -1,0 +1,171 @@
+#include "store/client/rpc.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+namespace mooncake::store {
+namespace {
+
+std::atomic<uint32_t> g_reply_channels{0};
+constexpr int64_t kYieldUs = 100;
+
+void putU32(std::string* s, uint32_t v) {
+  char b[4];
+  for (int i = 0; i < 4; ++i) b[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  s->append(b, 4);
+}
+uint32_t getU32(const char* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+// ---- server ----
+
+MasterRpcServer::MasterRpcServer(engine::TransferEngine* engine, MasterService* service)
+    : engine_(engine), service_(service) {
+  engine_->setMessageHandler(kStoreRpcChannel,
+                             [this](engine::Message&& m) { onMessage(std::move(m)); });
+}
+
+MasterRpcServer::~MasterRpcServer() { engine_->setMessageHandler(kStoreRpcChannel, nullptr); }
+
+Status MasterRpcServer::publish(engine::Rendezvous& rdv) {
+  return rdv.set(std::string("mc/seg/") + kMasterName, engine_->localSegment().serialize());
+}
+
+void MasterRpcServer::onMessage(engine::Message&& m) {
+  if (m.payload.size() < 4) return;  // not ours: nothing to answer
+  uint32_t reply_channel = getU32(m.payload.data());
+  std::string resp = service_->handle(std::string_view(m.payload).substr(4));
+  engine::PeerId peer = m.peer;
+  if (peer == engine::kInvalidPeer) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = peers_.find(m.src_engine);
+    if (it != peers_.end() && engine_->peerStatus(it->second).ok()) peer = it->second;
+  }
+  if (peer == engine::kInvalidPeer) {
+    auto p = engine_->peerOf(m.src_engine, engine::deadlineInMs(2000));
+    if (!p.ok()) return;  // the caller times out with RPC_FAIL
+    peer = *p;
+    std::lock_guard<std::mutex> g(mu_);
+    peers_[m.src_engine] = peer;
+  }
+  (void)engine_->sendMessage(peer, reply_channel, resp);
+}
+
+// ---- client ----
+
+ErrorOr<std::unique_ptr<MasterRpcClient>> MasterRpcClient::connect(engine::TransferEngine* engine,
+                                                                   engine::Rendezvous& rdv,
+                                                                   int64_t timeout_ms) {
+  std::unique_ptr<MasterRpcClient> c(new MasterRpcClient());
+  c->engine_ = engine;
+  c->timeout_ms_ = timeout_ms;
+  // The master may come up after its clients (rank 0 of a group): wait longer than one call.
+  auto peer = engine->openPeer(rdv, kMasterName,
+                               engine::deadlineInMs(std::max<int64_t>(timeout_ms, 30000)));
+  if (!peer.ok()) return ErrorCode::RPC_FAIL;
+  c->master_ = *peer;
+  c->reply_channel_ = kStoreReplyBase + g_reply_channels.fetch_add(1);
+  MasterRpcClient* raw = c.get();
+  engine->setMessageHandler(c->reply_channel_,
+                            [raw](engine::Message&& m) { raw->onReply(std::move(m)); });
+  return ErrorOr<std::unique_ptr<MasterRpcClient>>(std::move(c));
+}
+
+std::unique_ptr<MasterRpcClient> MasterRpcClient::local(MasterService* service,
+                                                        int64_t timeout_ms) {
+  std::unique_ptr<MasterRpcClient> c(new MasterRpcClient());
+  c->local_ = service;
+  c->timeout_ms_ = timeout_ms;
+  return c;
+}
+
+MasterRpcClient::~MasterRpcClient() {
+  if (engine_ != nullptr && reply_channel_ != 0)
+    engine_->setMessageHandler(reply_channel_, nullptr);
+}
+
+bool MasterRpcClient::masterAlive() const {
+  if (local_ != nullptr) return true;
+  return engine_->peerStatus(master_).ok();
+}
+
+void MasterRpcClient::onReply(engine::Message&& m) {
+  proto::ResponseEnvelope env;
+  // Parsing the envelope only to read the rpc id; the body is decoded by the caller.
+  if (!env.ParseFromString(m.payload)) return;
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = waiting_.find(env.rpc_id());
+  if (it == waiting_.end()) return;  // the caller gave up
+  replies_[env.rpc_id()] = std::move(m.payload);
+  arrivals_.fetch_add(1, std::memory_order_release);
+  cv_.notify_all();
+}
+
+ErrorCode MasterRpcClient::call(proto::Method method, const google::protobuf::MessageLite& request,
+                                google::protobuf::MessageLite* response) {
+  proto::RequestEnvelope req;
+  uint64_t id = next_id_.fetch_add(1);
+  req.set_rpc_id(id);
+  req.set_method(method);
+  if (!request.SerializeToString(req.mutable_body())) return ErrorCode::INVALID_PARAMS;
+  std::string reply;
+  if (local_ != nullptr) {
+    reply = local_->handle(req.SerializeAsString());
+  } else {
+    std::string wire;
+    putU32(&wire, reply_channel_);
+    req.AppendToString(&wire);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      waiting_[id] = true;
+    }
+    uint64_t seen = arrivals_.load(std::memory_order_acquire);
+    Status st = engine_->sendMessage(master_, kStoreRpcChannel, wire);
+    // A same-host master answers in microseconds. Yield (not spin: the threads that produce
+    // the answer may need this core) for a short while before sleeping on the condition
+    // variable, which saves this thread's futex wake-up on the fast path.
+    if (st.ok()) {
+      auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kYieldUs);
+      while (arrivals_.load(std::memory_order_acquire) == seen &&
+             std::chrono::steady_clock::now() < until)
+        sched_yield();
+    }
+    std::unique_lock<std::mutex> lk(mu_);
+    if (!st.ok()) {
+      waiting_.erase(id);
+      return ErrorCode::RPC_FAIL;
+    }
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+    while (true) {
+      auto it = replies_.find(id);
+      if (it != replies_.end()) {
+        reply = std::move(it->second);
+        replies_.erase(it);
+        break;
+      }
+      auto now = std::chrono::steady_clock::now();
+      if (now >= deadline || !engine_->peerStatus(master_).ok()) {
+        waiting_.erase(id);
+        return ErrorCode::RPC_FAIL;
+      }
+      // Wake up now and then to notice a dead master before the deadline.
+      cv_.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(50)));
+    }
+    waiting_.erase(id);
+  }
+  proto::ResponseEnvelope env;
+  if (!env.ParseFromString(reply) || env.rpc_id() != id) return ErrorCode::RPC_FAIL;
+  if (env.error_code() != 0) return errorCodeFromInt(env.error_code());
+  if (!response->ParseFromString(env.body())) return ErrorCode::RPC_FAIL;
+  return ErrorCode::OK;
+}
+
+}  // namespace mooncake::store
