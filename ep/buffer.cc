@@ -1,0 +1,517 @@
+#include "ep/buffer.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+
+#include "engine/futex.h"
+#include "engine/log.h"
+#include "engine/params.h"
+#include "ep/peer_writer.h"
+
+namespace mooncake::ep {
+
+namespace {
+
+using engine::Clock;
+
+[[noreturn]] void invalid(const std::string& op, const std::string& what) {
+  throw std::invalid_argument(op + ": " + what);
+}
+
+template <typename... A>
+std::string str(const A&... a) {
+  std::ostringstream os;
+  (os << ... << a);
+  return os.str();
+}
+
+engine::Deadline deadlineInUs(int64_t us) {
+  return Clock::now() + std::chrono::microseconds(std::max<int64_t>(us, 0));
+}
+
+// Per-buffer identity shared by all ranks (rank 0's pick), names the buffer in messages.
+uint64_t randomKey() {
+  std::random_device rd;
+  uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return v == 0 ? 1 : v;
+}
+
+struct RankInfo {
+  uint64_t key;
+  uint64_t base;
+  uint64_t bytes;
+  uint64_t seg_len;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// set-up
+
+std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes) {
+  if (group.engine == nullptr || !group.all_gather ||
+      static_cast<int>(group.peers.size()) != group.size || group.rank < 0 ||
+      group.rank >= group.size)
+    invalid("ep.Buffer", "the group has no engine, no all_gather or a bad rank/size");
+  std::unique_ptr<EpBuffer> b(new EpBuffer());
+  b->g_ = std::move(group);
+  b->geo_ = BufferGeometry(bytes, b->g_.size);
+  b->spin_us_ = params::getInt("MC_EP_SPIN_US");
+  b->timeout_ms_ = std::max<int64_t>(1, params::getInt("MC_EP_TIMEOUT_MS"));
+  b->setUp(bytes);
+  return b;
+}
+
+void EpBuffer::setUp(size_t bytes) {
+  engine::TransferEngine& eng = *g_.engine;
+  const int n = g_.size;
+  auto mem = eng.allocate(bytes);
+  if (!mem.ok())
+    throw std::runtime_error(str("ep.Buffer: allocating ", bytes,
+                                 " bytes of registered memory "
+                                 "failed: ",
+                                 mem.status().toString()));
+  base_ = static_cast<char*>(*mem);
+
+  // One exchange: key candidate, base address, size and this rank's segment descriptor
+  // (which now lists the buffer, so peers can map it or address it with WRITEs).
+  std::string seg = eng.localSegment().serialize();
+  RankInfo mine{randomKey(), reinterpret_cast<uint64_t>(base_), bytes, seg.size()};
+  std::vector<RankInfo> all(n);
+  g_.all_gather(&mine, all.data(), sizeof(RankInfo));
+  key_ = all[0].key;
+  for (int r = 0; r < n; ++r) {
+    if (all[r].bytes != bytes) {
+      (void)eng.free(base_);
+      base_ = nullptr;
+      invalid("ep.Buffer", str("num_ep_buffer_bytes differs across ranks: rank ", g_.rank, " has ",
+                               bytes, ", rank ", r, " has ", all[r].bytes));
+    }
+  }
+  size_t seg_max = 0;
+  for (const auto& i : all) seg_max = std::max<size_t>(seg_max, i.seg_len);
+  seg.resize(seg_max, '\0');
+  std::string segs(seg_max * n, '\0');
+  g_.all_gather(seg.data(), segs.data(), seg_max);
+
+  mapped_.assign(n, nullptr);
+  remote_.assign(n, 0);
+  for (int r = 0; r < n; ++r) {
+    remote_[r] = all[r].base;
+    if (r == g_.rank) {
+      mapped_[r] = base_;
+      continue;
+    }
+    auto desc =
+        engine::SegmentDesc::parse(std::string_view(segs.data() + r * seg_max, all[r].seg_len));
+    if (!desc.ok())
+      throw std::runtime_error(
+          str("ep.Buffer: bad segment descriptor from rank ", r, ": ", desc.status().toString()));
+    Status st = eng.updatePeer(g_.peers[r], *desc);
+    if (!st.ok())
+      throw std::runtime_error(str("ep.Buffer: cannot update peer rank ", r, ": ", st.toString()));
+    mapped_[r] = static_cast<char*>(eng.mappedAddress(g_.peers[r], all[r].base, bytes));
+  }
+  registerSignalTarget(key_, this, &eng);
+  // Nobody signals before every rank registered its handler target.
+  int dummy = 0;
+  std::vector<int> sink(n);
+  g_.all_gather(&dummy, sink.data(), sizeof(int));
+  int n_mapped = 0;
+  for (auto* p : mapped_) n_mapped += p != nullptr;
+  MC_LOG(INFO, EP) << "ep buffer rank " << g_.rank << "/" << n << ": " << bytes << " bytes, "
+                   << n_mapped << " ranks mapped, " << (n - n_mapped) << " over the engine";
+}
+
+EpBuffer::~EpBuffer() {
+  {
+    std::lock_guard<std::mutex> g(q_mu_);
+    q_stop_ = true;
+  }
+  q_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  if (key_ != 0) unregisterSignalTarget(key_);
+  if (base_ != nullptr) (void)g_.engine->free(base_);
+}
+
+bool EpBuffer::storeSignal(uint64_t off, uint64_t value) {
+  if (off % 8 != 0 || !geo_.isSignalRange(off, 8)) return false;
+  signalWord(off)->store(value, std::memory_order_release);
+  ringDoorbell(base_);
+  return true;
+}
+
+bool EpBuffer::peerDead(int r) const {
+  return r != g_.rank && !g_.engine->peerStatus(g_.peers[r]).ok();
+}
+
+void EpBuffer::waitSources(std::vector<int>& pending, engine::Deadline deadline,
+                           const std::function<bool(int)>& arrived,
+                           const std::function<void(int)>& on_arrival,
+                           const std::function<void(int)>& on_silent) {
+  const auto spin_end = Clock::now() + std::chrono::microseconds(spin_us_);
+  auto next_liveness = Clock::now() + std::chrono::milliseconds(1);
+  while (!pending.empty()) {
+    uint32_t bell = doorbell()->load(std::memory_order_acquire);
+    bool progress = false;
+    for (size_t i = 0; i < pending.size();) {
+      if (arrived(pending[i])) {
+        on_arrival(pending[i]);
+        pending.erase(pending.begin() + static_cast<long>(i));
+        progress = true;
+      } else {
+        ++i;
+      }
+    }
+    if (pending.empty() || progress) continue;
+    auto now = Clock::now();
+    if (now >= deadline) {
+      for (int r : pending) on_silent(r);
+      pending.clear();
+      break;
+    }
+    if (now >= next_liveness) {
+      next_liveness = now + std::chrono::milliseconds(1);
+      for (size_t i = 0; i < pending.size();) {
+        if (peerDead(pending[i])) {
+          on_silent(pending[i]);
+          pending.erase(pending.begin() + static_cast<long>(i));
+        } else {
+          ++i;
+        }
+      }
+      continue;
+    }
+    if (now < spin_end) {
+      __builtin_ia32_pause();
+      continue;
+    }
+    auto slice = std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(1));
+    engine::futexWait(doorbell(), bell, slice);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// ordering
+
+std::shared_ptr<EpEvent> EpBuffer::enqueue(std::function<void()> fn) {
+  auto task = std::make_shared<std::packaged_task<void()>>(std::move(fn));
+  auto ev = std::make_shared<EpEvent>(task->get_future().share());
+  {
+    std::lock_guard<std::mutex> g(q_mu_);
+    if (!worker_.joinable()) worker_ = std::thread([this] { workerLoop(); });
+    q_.push_back([task] { (*task)(); });
+  }
+  q_cv_.notify_all();
+  return ev;
+}
+
+void EpBuffer::runSync(const std::function<void()>& fn) {
+  {
+    std::unique_lock<std::mutex> g(q_mu_);
+    q_cv_.wait(g, [&] { return q_.empty() && !q_busy_; });
+    q_busy_ = true;
+  }
+  struct Release {
+    EpBuffer* b;
+    ~Release() {
+      {
+        std::lock_guard<std::mutex> g(b->q_mu_);
+        b->q_busy_ = false;
+      }
+      b->q_cv_.notify_all();
+    }
+  } release{this};
+  fn();
+}
+
+void EpBuffer::workerLoop() {
+  std::unique_lock<std::mutex> g(q_mu_);
+  for (;;) {
+    q_cv_.wait(g, [&] { return q_stop_ || (!q_.empty() && !q_busy_); });
+    if (q_.empty()) {
+      if (q_stop_) return;
+      continue;
+    }
+    auto fn = std::move(q_.front());
+    q_.pop_front();
+    q_busy_ = true;
+    g.unlock();
+    fn();  // a packaged_task: exceptions land in its future
+    g.lock();
+    q_busy_ = false;
+    q_cv_.notify_all();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// low-latency mode
+
+void EpBuffer::validate(const LowLatencyDispatchArgs& a) const {
+  const std::string op = "dispatch";
+  const int R = g_.size;
+  if (a.experts <= 0 || a.experts % R != 0)
+    invalid(op,
+            str("num_experts=", a.experts, " must be a positive multiple of the group size ", R));
+  if (a.experts > kMaxSignals) invalid(op, str("num_experts=", a.experts, " above ", kMaxSignals));
+  if (a.max_tokens <= 0) invalid(op, str("num_max_dispatch_tokens_per_rank=", a.max_tokens));
+  if (a.tokens < 0 || a.tokens > a.max_tokens)
+    invalid(op, str("x has ", a.tokens,
+                    " tokens, above num_max_dispatch_tokens_per_rank=", a.max_tokens));
+  if (a.hidden <= 0) invalid(op, str("hidden size ", a.hidden));
+  if (a.topk <= 0) invalid(op, str("topk_idx has ", a.topk, " columns"));
+  if (a.timeout_us < 0) invalid(op, str("timeout_us=", a.timeout_us));
+  auto l = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
+  if (std::max(l.dispatch_bytes, l.combine_bytes) > geo_.regionBytes())
+    invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),
+                    " needs ", sizeHint(a.max_tokens, a.hidden, R, a.experts),
+                    " buffer bytes; this buffer has ", geo_.totalBytes()));
+  validateTopk(a.topk_idx, a.tokens, a.topk, a.experts);
+}
+
+void EpBuffer::dispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
+  const int R = g_.size, me = g_.rank, h = round & 1;
+  const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
+  const int L = lay.local_experts;
+  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtypeBytes(a.dtype);
+  const char* x = static_cast<const char*>(a.x);
+  // Pass 1: slot of each (token, expert) pair, grouped by destination rank.
+  std::vector<uint32_t> count(a.experts, 0);
+  std::vector<std::vector<int32_t>> tokens_of(a.experts);  // source token ids per expert
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    for (int k = 0; k < a.topk; ++k) {
+      int64_t e = a.topk_idx[t * a.topk + k];
+      if (e < 0 || a.active_ranks[ownerOf(e, L)] == 0) continue;
+      tokens_of[e].push_back(static_cast<int32_t>(t));
+      ++count[e];
+    }
+  }
+  // Pass 2: destination-major copies, starting after this rank so that ranks spread out;
+  // each destination gets its signals as soon as its rows are in place.
+  Writer w(*this, engine::deadlineInMs(timeout_ms_));
+  const size_t region = geo_.dispatchRegion(h);
+  const int64_t RM = R * a.max_tokens;
+  for (int step = 1; step <= R; ++step) {
+    const int o = (me + step) % R;
+    if (a.active_ranks[o] == 0) continue;
+    if (o == me) {
+      // Rows for local experts go straight to recv_x as the first block (begin 0);
+      // dispatchRecv places the other sources' blocks after them.
+      for (int l = 0; l < L; ++l) {
+        const auto& toks = tokens_of[me * L + l];
+        char* dst = static_cast<char*>(a.recv_x) + l * RM * row_bytes;
+        gatherRows(dst, row_bytes, x, row_bytes, toks.data(), toks.size());
+        std::memcpy(a.src_info + l * RM, toks.data(), toks.size() * 4);
+      }
+      continue;
+    }
+    for (int l = 0; l < L; ++l) {
+      const int e = o * L + l;
+      const auto& toks = tokens_of[e];
+      w.copyRows(o, region + lay.dispatchRow(l, me, 0), lay.row_stride, x, row_bytes, toks);
+      w.copy(o, region + lay.dispatchSrc(l, me, 0), toks.data(), toks.size() * 4);
+      w.signal(o, geo_.dispatchSignal(h, l * R + me), makeSignal(round, count[e]));
+    }
+    w.commit(o);
+  }
+  for (int r : w.flush()) a.active_ranks[r] = 0;
+}
+
+void EpBuffer::dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
+  const int R = g_.size, h = round & 1;
+  const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
+  const int L = lay.local_experts;
+  const int64_t RM = R * a.max_tokens;
+  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtypeBytes(a.dtype);
+  const char* region = base_ + geo_.dispatchRegion(h);
+  char* recv_x = static_cast<char*>(a.recv_x);
+  const int me = g_.rank;
+  std::vector<int64_t> begin(L, 0);
+  std::vector<int> pending;
+  for (int r = 0; r < R; ++r) {
+    if (a.active_ranks[r] != 0 && r != me) pending.push_back(r);
+    for (int l = 0; l < L; ++l) a.layout_range[l * R + r] = 0;
+  }
+  if (a.active_ranks[me] != 0) {  // dispatchSend wrote this rank's own rows first
+    for (int64_t i = 0; i < a.tokens * a.topk; ++i) {
+      const int64_t e = a.topk_idx[i];
+      if (e >= 0 && ownerOf(e, L) == me) ++begin[e - me * L];
+    }
+    for (int l = 0; l < L; ++l) a.layout_range[l * R + me] = begin[l];
+  }
+  auto arrived = [&](int r) {
+    for (int l = 0; l < L; ++l)
+      if (signalRound(
+              signalWord(geo_.dispatchSignal(h, l * R + r))->load(std::memory_order_acquire)) !=
+          round)
+        return false;
+    return true;
+  };
+  auto on_arrival = [&](int r) {
+    for (int l = 0; l < L; ++l) {
+      const int64_t c = signalCount(
+          signalWord(geo_.dispatchSignal(h, l * R + r))->load(std::memory_order_acquire));
+      if (c > a.max_tokens)
+        throw std::runtime_error(str("dispatch: rank ", r, " sent ", c, " rows for local expert ",
+                                     l, ", above M=", a.max_tokens, " (M differs across ranks?)"));
+      const int64_t b = begin[l];
+      char* dst = recv_x + (l * RM + b) * row_bytes;
+      const char* src = region + lay.dispatchRow(l, r, 0);
+      if (lay.row_stride == row_bytes) {
+        std::memcpy(dst, src, c * row_bytes);
+      } else {
+        for (int64_t j = 0; j < c; ++j)
+          std::memcpy(dst + j * row_bytes, src + j * lay.row_stride, row_bytes);
+      }
+      std::memcpy(a.src_info + l * RM + b, region + lay.dispatchSrc(l, r, 0), c * 4);
+      a.layout_range[l * R + r] = (b << 32) | c;
+      begin[l] = b + c;
+    }
+  };
+  auto on_silent = [&](int r) {
+    MC_LOG(WARN, EP) << "dispatch: rank " << g_.rank << " got nothing from rank " << r
+                     << " in round " << round << "; marking it inactive";
+    a.active_ranks[r] = 0;
+  };
+  waitSources(pending, deadlineInUs(a.timeout_us), arrived, on_arrival, on_silent);
+  for (int l = 0; l < L; ++l) {
+    a.recv_count[l] = static_cast<int32_t>(begin[l]);
+    for (int r = 0; r < R; ++r)
+      if ((a.layout_range[l * R + r] & 0xffffffff) == 0)
+        a.layout_range[l * R + r] = begin[l] << 32;  // empty blocks sit at the end
+  }
+}
+
+void EpBuffer::validate(const LowLatencyCombineArgs& a) const {
+  const std::string op = "combine";
+  const int R = g_.size;
+  if (a.experts <= 0 || a.experts % R != 0 || a.experts > kMaxSignals)
+    invalid(op, str("handle's num_experts=", a.experts, " does not fit group size ", R));
+  if (a.max_tokens <= 0 || a.tokens < 0 || a.tokens > a.max_tokens)
+    invalid(op, str("topk_idx has ", a.tokens, " rows; the handle's M is ", a.max_tokens));
+  if (a.topk <= 0) invalid(op, str("topk_idx has ", a.topk, " columns"));
+  if (a.timeout_us < 0) invalid(op, str("timeout_us=", a.timeout_us));
+  auto l = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
+  if (std::max(l.dispatch_bytes, l.combine_bytes) > geo_.regionBytes())
+    invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),
+                    " does not fit this buffer (", geo_.totalBytes(), " bytes)"));
+  validateTopk(a.topk_idx, a.tokens, a.topk, a.experts);
+  const int L = a.experts / R;
+  const int64_t RM = R * a.max_tokens;
+  for (int l = 0; l < L; ++l) {
+    int64_t end = 0;
+    for (int r = 0; r < R; ++r) {
+      int64_t v = a.layout_range[l * R + r];
+      int64_t b = v >> 32, c = v & 0xffffffff;
+      if (b < 0 || c > a.max_tokens || b + c > RM)
+        invalid(op, str("layout_range[", l, "][", r, "] = ", v, " is outside [0, R*M)"));
+      for (int64_t i = b; i < b + c; ++i) {
+        int32_t t = a.src_info[l * RM + i];
+        if (t < 0 || t >= a.max_tokens)
+          invalid(op, str("src_info[", l, "][", i, "] = ", t, " is not a token index < M"));
+      }
+      end = std::max(end, b + c);
+    }
+    (void)end;
+  }
+}
+
+void EpBuffer::combineSend(const LowLatencyCombineArgs& a, uint32_t round) {
+  const int R = g_.size, me = g_.rank, h = round & 1;
+  const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
+  const int L = lay.local_experts;
+  const int64_t RM = R * a.max_tokens;
+  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtypeBytes(a.dtype);
+  const char* y = static_cast<const char*>(a.y);
+  const size_t region = geo_.combineRegion(h);
+  Writer w(*this, engine::deadlineInMs(timeout_ms_));
+  for (int step = 1; step <= R; ++step) {
+    const int r = (me + step) % R;
+    if (a.active_ranks[r] == 0 || r == me) continue;  // own rows are read from y directly
+    uint32_t rows = 0;
+    for (int l = 0; l < L; ++l) {
+      const int64_t v = a.layout_range[l * R + r];
+      const int64_t b = v >> 32, c = v & 0xffffffff;
+      for (int64_t i = b; i < b + c; ++i)
+        w.copy(r, region + lay.combineRow(me * L + l, a.src_info[l * RM + i]),
+               y + (l * RM + i) * row_bytes, row_bytes);
+      rows += static_cast<uint32_t>(c);
+    }
+    w.signal(r, geo_.combineSignal(h, me), makeSignal(round, rows));
+    w.commit(r);
+  }
+  for (int r : w.flush()) a.active_ranks[r] = 0;
+}
+
+void EpBuffer::combineRecv(const LowLatencyCombineArgs& a, uint32_t round) {
+  const int R = g_.size, h = round & 1;
+  const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
+  const int L = lay.local_experts;
+  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtypeBytes(a.dtype);
+  // Rows each owner should send back: one per (token, expert on that owner).
+  std::vector<uint32_t> expected(R, 0);
+  for (int64_t i = 0; i < a.tokens * a.topk; ++i)
+    if (a.topk_idx[i] >= 0) ++expected[ownerOf(a.topk_idx[i], L)];
+  std::vector<int> pending;
+  for (int r = 0; r < R; ++r)
+    if (a.active_ranks[r] != 0 && r != g_.rank) pending.push_back(r);
+  auto arrived = [&](int o) {
+    return signalRound(signalWord(geo_.combineSignal(h, o))->load(std::memory_order_acquire)) ==
+           round;
+  };
+  auto on_arrival = [&](int o) {
+    uint32_t got =
+        signalCount(signalWord(geo_.combineSignal(h, o))->load(std::memory_order_acquire));
+    if (got != expected[o])
+      throw std::runtime_error(str("combine: rank ", o, " returned ", got, " rows to rank ",
+                                   g_.rank, ", expected ", expected[o],
+                                   " (topk_idx differs from the dispatch's?)"));
+  };
+  auto on_silent = [&](int o) {
+    MC_LOG(WARN, EP) << "combine: rank " << g_.rank << " got nothing from rank " << o
+                     << " in round " << round << "; marking it inactive";
+    a.active_ranks[o] = 0;
+  };
+  waitSources(pending, deadlineInUs(a.timeout_us), arrived, on_arrival, on_silent);
+
+  // Rows this rank computed for its own tokens: y[l][i] with src_info[l][i] = t.
+  const int me = g_.rank;
+  const int64_t RM = R * a.max_tokens;
+  std::vector<int64_t> own(static_cast<size_t>(L) * a.max_tokens, -1);
+  for (int l = 0; l < L; ++l) {
+    const int64_t v = a.layout_range[l * R + me];
+    for (int64_t i = v >> 32; i < (v >> 32) + (v & 0xffffffff); ++i)
+      own[l * a.max_tokens + a.src_info[l * RM + i]] = l * RM + i;
+  }
+  const char* region = base_ + geo_.combineRegion(h);
+  const char* y = static_cast<const char*>(a.y);
+  char* out = static_cast<char*>(a.out);
+  std::vector<const void*> rows(a.topk);
+  std::vector<float> ws(a.topk);
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    int n = 0;
+    for (int k = 0; k < a.topk; ++k) {
+      const int64_t e = a.topk_idx[t * a.topk + k];
+      const int o = e < 0 ? -1 : ownerOf(e, L);
+      if (o < 0 || a.active_ranks[o] == 0) continue;
+      if (o == me) {
+        const int64_t i = own[(e - me * L) * a.max_tokens + t];
+        if (i < 0)
+          throw std::runtime_error(str("combine: the handle has no row for token ", t,
+                                       " of expert ", e, " (handle from another dispatch?)"));
+        rows[n] = y + i * row_bytes;
+      } else {
+        rows[n] = region + lay.combineRow(static_cast<int>(e), t);
+      }
+      ws[n++] = a.topk_weights[t * a.topk + k];
+    }
+    combineRows(out + t * row_bytes, rows.data(), ws.data(), n, a.dtype, a.hidden);
+  }
+}
+
+}  // namespace mooncake::ep

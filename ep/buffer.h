@@ -1,0 +1,235 @@
+// EpBuffer: expert-parallel dispatch/combine (DeepEP's low-latency and normal modes) on CPU
+// memory, over one registered buffer per rank allocated ONCE from the group's engine.
+//
+// Data path. Rank r writes the rows it sends straight into the destination's buffer: with
+// a plain store when the destination's buffer is mapped here (same host, shm: one copy per
+// token), otherwise with engine WRITE requests. After a destination's rows it publishes
+// signal words (round << 32 | count): a release store (mapped) or an engine message the
+// destination's handler stores (remote, sent after the writes completed). Receivers wait on
+// their own signal words: spin MC_EP_SPIN_US, then sleep on the buffer's doorbell futex,
+// checking peer liveness between sleeps, until a deadline.
+//
+// Rounds. Every dispatch takes the next dispatch round, every combine the next combine
+// round; round & 1 picks the buffer half, so two rounds may be in flight and no round reads
+// another's data (the round is in each signal word). Ranks must issue dispatch/combine in
+// the same order with the same M, H, E, K and dtype (as DeepEP).
+//
+// Failure (low-latency mode, Mooncake EP's active_ranks model). A source rank whose
+// signals do not all carry this round by timeout_us, or whose engine peer is dead, is set
+// to 0 in the caller's active_ranks and counted as having sent nothing; ranks already 0
+// are neither sent to nor waited for; combine skips owners that are 0. Normal mode has no
+// mask: a silent rank makes it throw std::runtime_error after MC_EP_TIMEOUT_MS.
+//
+// Errors: std::invalid_argument for bad arguments, detected before anything is sent;
+// std::runtime_error for protocol/transport failures.
+//
+// Threading: one thread at a time calls the send/recv methods (the binding serialises them
+// through enqueue()/runSync()); the engine's dispatcher thread may store remote signals
+// concurrently. Buffer memory is freed in the destructor; the group (engine) must outlive it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "engine/engine.h"
+#include "ep/layout.h"
+
+namespace mooncake::pg {
+class Communicator;
+}
+
+namespace mooncake::ep {
+
+// What an EP buffer is built on: a group of ranks over one engine.
+struct EpGroup {
+  int rank = 0;
+  int size = 1;
+  engine::TransferEngine* engine = nullptr;
+  std::vector<engine::PeerId> peers;  // engine peer of each rank; peers[rank] is unused
+  // Collective: every rank contributes `bytes`; out receives size() blocks in rank order.
+  std::function<void(const void* in, void* out, size_t bytes)> all_gather;
+  std::shared_ptr<void> keep_alive;  // owner of engine/peers (e.g. the Communicator)
+};
+
+// The group of a process-group communicator (ep/group.cc; all_gather runs on its worker).
+EpGroup groupOf(std::shared_ptr<pg::Communicator> comm);
+
+struct LowLatencyDispatchArgs {
+  const void* x = nullptr;  // [T][H]
+  DType dtype = DType::kBFloat16;
+  int64_t tokens = 0, hidden = 0;
+  const int64_t* topk_idx = nullptr;  // [T][K], -1 = none
+  int topk = 0;
+  int32_t* active_ranks = nullptr;  // [R], updated in place
+  int64_t max_tokens = 0;           // M
+  int experts = 0;                  // E
+  int64_t timeout_us = 0;
+  // outputs
+  void* recv_x = nullptr;           // [L][R*M][H]
+  int32_t* recv_count = nullptr;    // [L]
+  int32_t* src_info = nullptr;      // [L][R*M]
+  int64_t* layout_range = nullptr;  // [L][R]: (begin << 32) | count
+};
+
+struct LowLatencyCombineArgs {
+  const void* y = nullptr;  // [L][R*M][H]
+  DType dtype = DType::kBFloat16;
+  int64_t hidden = 0, max_tokens = 0;
+  int experts = 0;
+  const int32_t* src_info = nullptr;      // handle
+  const int64_t* layout_range = nullptr;  // handle
+  const int64_t* topk_idx = nullptr;      // [T][K]
+  const float* topk_weights = nullptr;    // [T][K]
+  int64_t tokens = 0;
+  int topk = 0;
+  int32_t* active_ranks = nullptr;
+  int64_t timeout_us = 0;
+  void* out = nullptr;  // [T][H]
+};
+
+struct NormalDispatchArgs {
+  const void* x = nullptr;  // [T][H]
+  DType dtype = DType::kBFloat16;
+  int64_t tokens = 0, hidden = 0;
+  // Routing: is_token_in_rank [T][R] (dispatchLayout of topk_idx, or a handle's).
+  const uint8_t* is_token_in_rank = nullptr;
+  // Presence is said by the flags (an empty tensor's pointer may be null either way).
+  bool with_topk_idx = false;  // false: cached dispatch (routing from a handle)
+  bool with_weights = false;
+  const int64_t* topk_idx = nullptr;    // [T][K]
+  const float* topk_weights = nullptr;  // [T][K]
+  int topk = 0;                         // K of whichever of the two is given, else 0
+  int experts = 0;
+  int expert_alignment = 1;
+};
+
+struct NormalDispatchOutputs {
+  void* recv_x = nullptr;                  // [N][H]
+  int32_t* recv_src_idx = nullptr;         // [N]
+  int64_t* recv_topk_idx = nullptr;        // [N][K] local expert or -1 (with_topk_idx)
+  float* recv_topk_weights = nullptr;      // [N][K] (with_weights)
+  int32_t* num_recv_per_expert = nullptr;  // [L] (with_topk_idx)
+};
+
+struct NormalCombineArgs {
+  const void* y = nullptr;  // [N][H], rows as normal dispatch delivered them
+  DType dtype = DType::kBFloat16;
+  int64_t hidden = 0;
+  const int32_t* recv_counts = nullptr;  // [R] rows received from each source (handle)
+  bool with_weights = false;
+  const float* weights = nullptr;  // [N][K] (with_weights)
+  int topk = 0;
+  const uint8_t* is_token_in_rank = nullptr;  // [T][R] of this rank's dispatch (handle)
+  int64_t tokens = 0;
+  void* out = nullptr;           // [T][H]
+  float* out_weights = nullptr;  // [T][K] (with_weights)
+};
+
+// Completion of an enqueued operation.
+class EpEvent {
+ public:
+  explicit EpEvent(std::shared_future<void> f) : f_(std::move(f)) {}
+  void wait() const { f_.get(); }  // rethrows the operation's exception
+  bool done() const { return f_.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }
+
+ private:
+  std::shared_future<void> f_;
+};
+
+class EpBuffer {
+ public:
+  // Collective over the group: allocates `bytes` from the engine, exchanges addresses.
+  static std::unique_ptr<EpBuffer> create(EpGroup group, size_t bytes);
+  ~EpBuffer();
+  EpBuffer(const EpBuffer&) = delete;
+  EpBuffer& operator=(const EpBuffer&) = delete;
+
+  int rank() const { return g_.rank; }
+  int size() const { return g_.size; }
+  size_t bytes() const { return geo_.totalBytes(); }
+  // True when rank r's buffer is reached with direct stores (mapped), false over the engine.
+  bool isMapped(int r) const { return mapped_[r] != nullptr; }
+
+  // ---- low-latency mode: validate* throw std::invalid_argument; next*Round reserve a
+  // round (call in program order); send then recv complete the operation. ----
+  void validate(const LowLatencyDispatchArgs& a) const;
+  void validate(const LowLatencyCombineArgs& a) const;
+  uint32_t nextDispatchRound() { return ++dispatch_round_; }
+  uint32_t nextCombineRound() { return ++combine_round_; }
+  void dispatchSend(const LowLatencyDispatchArgs& a, uint32_t round);
+  void dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round);
+  void combineSend(const LowLatencyCombineArgs& a, uint32_t round);
+  void combineRecv(const LowLatencyCombineArgs& a, uint32_t round);
+
+  // ---- normal mode (ep/normal.cc) ----
+  void validate(const NormalDispatchArgs& a) const;
+  void validate(const NormalCombineArgs& a) const;
+  // Sends, then waits for every source's row count; returns them (rows from rank r).
+  std::vector<int32_t> normalDispatchSend(const NormalDispatchArgs& a, uint32_t round);
+  // Copies the rows out (outputs sized by the counts' sum).
+  void normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
+                          const std::vector<int32_t>& counts, const NormalDispatchOutputs& o);
+  void normalCombine(const NormalCombineArgs& a, uint32_t round);
+  // Rows one source may send to one destination in normal mode with these shapes.
+  int64_t normalCapacity(int64_t hidden, DType t, int topk) const;
+
+  // ---- ordering of operations across threads ----
+  // Runs fn after every operation enqueued before it, on the buffer's worker thread.
+  std::shared_ptr<EpEvent> enqueue(std::function<void()> fn);
+  // Runs fn on the calling thread once the queue is idle; rethrows its exception.
+  void runSync(const std::function<void()>& fn);
+
+  // Stores a remote signal (the engine message handler's side). False if out of range.
+  bool storeSignal(uint64_t offset, uint64_t value);
+
+  class Writer;  // ep/peer_writer.h
+
+ private:
+  EpBuffer() = default;
+  void setUp(size_t bytes);
+  std::atomic<uint64_t>* signalWord(size_t off) {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base_ + off);
+  }
+  std::atomic<uint32_t>* doorbell() {
+    return reinterpret_cast<std::atomic<uint32_t>*>(base_ + geo_.doorbell());
+  }
+  // Waits for `arrived` to be true for each rank in `pending` (removing them as it calls
+  // on_arrival). At the deadline, or when a rank's peer is dead, calls on_silent(rank).
+  void waitSources(std::vector<int>& pending, engine::Deadline deadline,
+                   const std::function<bool(int)>& arrived,
+                   const std::function<void(int)>& on_arrival,
+                   const std::function<void(int)>& on_silent);
+  bool peerDead(int r) const;
+  void workerLoop();
+
+  EpGroup g_;
+  BufferGeometry geo_;
+  char* base_ = nullptr;
+  uint64_t key_ = 0;
+  std::vector<char*> mapped_;     // local view of each rank's buffer, nullptr if remote
+  std::vector<uint64_t> remote_;  // each rank's buffer address in its own process
+  uint32_t dispatch_round_ = 0;
+  uint32_t combine_round_ = 0;
+  int64_t spin_us_ = 20;
+  int64_t timeout_ms_ = 30000;
+
+  std::mutex q_mu_;
+  std::condition_variable q_cv_;
+  std::deque<std::function<void()>> q_;
+  bool q_busy_ = false;
+  bool q_stop_ = false;
+  std::thread worker_;
+
+  friend class Writer;
+};
+
+}  // namespace mooncake::ep

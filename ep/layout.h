@@ -1,0 +1,195 @@
+// Routing layout and buffer geometry of expert parallelism. Pure functions on raw pointers
+// and shapes: no engine, no torch. Everything here is identical on every rank given the same
+// (buffer size, world size, call parameters), which is what lets a rank compute where in a
+// PEER's buffer a row must land without asking it.
+//
+// One rank's EP buffer (allocated once from the engine, zero-filled by the OS):
+//
+//   [header: kHeaderBytes]          doorbell word (futex) senders bump after signalling
+//   half 0, half 1                  a round uses half (round & 1): two rounds in flight
+//     [signals: kSignalBytes]       u64 words: (round << 32) | count
+//        dispatch[kMaxSignals]      LL: index l*R + r (local expert, source rank)
+//                                   normal: index r (source rank)
+//        combine[kMaxRanks]         index = sending (owner) rank
+//     [dispatch region]             LL: rows [L][R][M], src token ids [L][R][M] int32
+//                                   normal: rows [R][C], token ids [R][C], topk [R][C][K]
+//                                   int64, weights [R][C][K] f32 (C = per-source capacity)
+//     [combine region]              LL: rows [E][M] (global expert, source token)
+//                                   normal: rows [R][C], weights [R][C][K] f32
+//
+// A CUDA kernel replaces the CPU copy loops behind exactly these offsets.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mooncake::ep {
+
+enum class DType : uint8_t { kBFloat16 = 0, kFloat32 = 1 };
+size_t dtypeBytes(DType t);
+const char* dtypeName(DType t);
+
+constexpr size_t kHeaderBytes = 4096;
+constexpr int kMaxRanks = 1024;
+constexpr int kMaxSignals = 8192;  // bounds E = L * R in low-latency mode
+constexpr size_t kSignalBytes = (kMaxSignals + kMaxRanks) * sizeof(uint64_t);
+constexpr size_t kAlign = 64;
+
+inline size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// Row stride in the buffer: H elements rounded up to a cache line.
+inline size_t rowStride(int64_t hidden, DType t) {
+  return alignUp(static_cast<size_t>(hidden) * dtypeBytes(t), kAlign);
+}
+
+// Signal words carry the round so a word left by an earlier round (or by a rank that died
+// before writing this round's) never matches. Rounds start at 1; a zeroed word is "never".
+inline uint64_t makeSignal(uint32_t round, uint32_t count) {
+  return (static_cast<uint64_t>(round) << 32) | count;
+}
+inline uint32_t signalRound(uint64_t s) { return static_cast<uint32_t>(s >> 32); }
+inline uint32_t signalCount(uint64_t s) { return static_cast<uint32_t>(s & 0xffffffffu); }
+
+// Offsets (bytes from the buffer base) of everything in one rank's buffer.
+class BufferGeometry {
+ public:
+  BufferGeometry() = default;
+  // Throws std::invalid_argument when total_bytes cannot hold the header and signals.
+  BufferGeometry(size_t total_bytes, int world);
+
+  size_t totalBytes() const { return total_; }
+  int world() const { return world_; }
+  // Bytes of one data region (each half has a dispatch and a combine region).
+  size_t regionBytes() const { return region_; }
+
+  size_t doorbell() const { return 0; }
+  size_t dispatchSignal(int half, int index) const {
+    return halfBase(half) + static_cast<size_t>(index) * sizeof(uint64_t);
+  }
+  size_t combineSignal(int half, int owner) const {
+    return halfBase(half) + (kMaxSignals + static_cast<size_t>(owner)) * sizeof(uint64_t);
+  }
+  size_t dispatchRegion(int half) const { return halfBase(half) + kSignalBytes; }
+  size_t combineRegion(int half) const { return dispatchRegion(half) + region_; }
+  // True when [off, off+len) is inside the signal words of either half.
+  bool isSignalRange(size_t off, size_t len) const;
+
+ private:
+  size_t halfBase(int half) const { return kHeaderBytes + static_cast<size_t>(half) * half_; }
+  size_t total_ = 0;
+  int world_ = 0;
+  size_t half_ = 0;
+  size_t region_ = 0;
+};
+
+// Low-latency layout inside a region, for one call's (M, H, dtype, E).
+struct LowLatencyLayout {
+  int world = 0, experts = 0, local_experts = 0;
+  int64_t max_tokens = 0;  // M
+  size_t row_stride = 0;
+  // dispatch region
+  size_t dispatchRow(int l, int src, int64_t slot) const {
+    return ((static_cast<size_t>(l) * world + src) * max_tokens + slot) * row_stride;
+  }
+  size_t dispatchSrc(int l, int src, int64_t slot) const {
+    return src_base + ((static_cast<size_t>(l) * world + src) * max_tokens + slot) * 4;
+  }
+  size_t src_base = 0;
+  size_t dispatch_bytes = 0;
+  // combine region
+  size_t combineRow(int expert, int64_t token) const {
+    return (static_cast<size_t>(expert) * max_tokens + token) * row_stride;
+  }
+  size_t combine_bytes = 0;
+
+  static LowLatencyLayout make(int world, int experts, int64_t max_tokens, int64_t hidden, DType t);
+};
+
+// Normal-mode layout inside a region: C rows per source rank.
+struct NormalLayout {
+  int world = 0, topk = 0;
+  int64_t capacity = 0;  // C
+  size_t row_stride = 0;
+  size_t src_base = 0, topk_base = 0, weight_base = 0;  // dispatch region
+  size_t cweight_base = 0;                              // combine region
+  size_t row(int src, int64_t j) const {
+    return (static_cast<size_t>(src) * capacity + j) * row_stride;
+  }
+  size_t srcIdx(int src, int64_t j) const {
+    return src_base + (static_cast<size_t>(src) * capacity + j) * 4;
+  }
+  size_t topkIdx(int src, int64_t j) const {
+    return topk_base + (static_cast<size_t>(src) * capacity + j) * topk * 8;
+  }
+  size_t weights(int src, int64_t j) const {
+    return weight_base + (static_cast<size_t>(src) * capacity + j) * topk * 4;
+  }
+  size_t combineWeights(int src, int64_t j) const {
+    return cweight_base + (static_cast<size_t>(src) * capacity + j) * topk * 4;
+  }
+  // The largest C whose dispatch and combine layouts fit in region_bytes.
+  static NormalLayout make(size_t region_bytes, int world, int topk, int64_t hidden, DType t);
+};
+
+// Buffer bytes that make low-latency calls with these bounds fit, for either dtype, and
+// normal-mode calls with T <= M and K <= kHintMaxTopk.
+constexpr int kHintMaxTopk = 32;
+size_t sizeHint(int64_t max_tokens, int64_t hidden, int world, int experts);
+
+// ---- routing ----
+
+// Throws std::invalid_argument naming the row, column and value of the first bad entry:
+// ids must be -1 or in [0, experts); an expert may appear once per row.
+void validateTopk(const int64_t* topk_idx, int64_t tokens, int topk, int experts);
+
+// The owner rank of each expert: e / (experts / world).
+inline int ownerOf(int64_t expert, int local_experts) {
+  return static_cast<int>(expert / local_experts);
+}
+
+// get_dispatch_layout: tokens per rank (tokens with at least one expert there), tokens per
+// expert, and is_token_in_rank [T][R] (bytes 0/1). Outputs are written in full.
+void dispatchLayout(const int64_t* topk_idx, int64_t tokens, int topk, int experts, int world,
+                    int32_t* tokens_per_rank, int32_t* tokens_per_expert,
+                    uint8_t* is_token_in_rank);
+
+// ---- element conversion (bit-exact with torch's bfloat16) ----
+inline float bf16ToFloat(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t floatToBf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as c10::BFloat16
+  u += ((u >> 16) & 1u) + 0x7fffu;                     // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// dst row j (stride dst_stride) = src row idx[j] (stride row_bytes), for j < n; runs of
+// consecutive indices are copied with one memcpy when the strides match.
+void gatherRows(char* dst, size_t dst_stride, const char* src, size_t row_bytes, const int32_t* idx,
+                size_t n);
+// Calls fn(j, count) for each maximal run idx[j..j+count) of consecutive values.
+template <typename Fn>
+void forEachRun(const int32_t* idx, size_t n, Fn fn) {
+  for (size_t j = 0; j < n;) {
+    size_t k = j + 1;
+    while (k < n && idx[k] == idx[k - 1] + 1) ++k;
+    fn(j, k - j);
+    j = k;
+  }
+}
+
+// out = round_to_dtype(((0 + p_0) + p_1) + ... + p_{n-1}) with p_i = w_i * rows[i] (float32
+// multiply, then add; weights == nullptr: p_i = rows[i]), for each of `hidden` elements:
+// the reference's float32 accumulation in the given order, rounded once. Tiled so that the
+// accumulator stays in L1 and each row is read once. n == 0 gives zeros.
+void combineRows(void* out, const void* const* rows, const float* weights, int n, DType t,
+                 int64_t hidden);
+
+}  // namespace mooncake::ep

@@ -1,0 +1,316 @@
+"""Point-to-point, subgroup, async, object, layout, error and failure cases (run inside the
+workers of a harness.Pool; see pg_cases.py for the conventions)."""
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pg_cases import OPS, check, dtype, make
+
+
+def case_p2p(ctx, sizes=(0, 1, 7, 1000), dtypes=("float32", "int64", "bfloat16", "bool")):
+    fails, W, me = [], ctx.world, ctx.rank
+    if W == 1:
+        return fails
+    nxt, prv = (me + 1) % W, (me - 1) % W
+    for dt in dtypes:
+        for n in sizes:
+            # Every rank posts its receive before its send: p2p must not run in one queue.
+            out = torch.empty(n, dtype=dtype(dt))
+            rq = dist.irecv(out, prv, tag=5)
+            sq = dist.isend(make(dt, n, me, 70), nxt, tag=5)
+            sq.wait()
+            rq.wait()
+            check(fails, f"ring isend/irecv {dt} n={n}", out, make(dt, n, prv, 70))
+            # Blocking pairs, even ranks send first.
+            out2 = torch.empty(n, dtype=dtype(dt))
+            if me % 2 == 0:
+                dist.send(make(dt, n, me, 71), nxt)
+                dist.recv(out2, prv)
+            else:
+                dist.recv(out2, prv)
+                dist.send(make(dt, n, me, 71), nxt)
+            check(fails, f"ring send/recv {dt} n={n}", out2, make(dt, n, prv, 71))
+    # Tags select messages: sent in tag order 1, 2; received 2 then 1.
+    if me == 0:
+        a, b = torch.full((4,), 1.0), torch.full((4,), 2.0)
+        w1, w2 = dist.isend(a, 1, tag=1), dist.isend(b, 1, tag=2)
+        w1.wait()
+        w2.wait()
+    elif me == 1:
+        x, y = torch.empty(4), torch.empty(4)
+        dist.recv(y, 0, tag=2)
+        dist.recv(x, 0, tag=1)
+        check(fails, "tag matching tag=1", x, torch.full((4,), 1.0))
+        check(fails, "tag matching tag=2", y, torch.full((4,), 2.0))
+    # Same peer and tag: messages arrive in issue order.
+    if me == 0:
+        ws = [dist.isend(torch.full((1000,), float(i)), 1, tag=9) for i in range(5)]
+        for w in ws:
+            w.wait()
+    elif me == 1:
+        outs = [torch.empty(1000) for _ in range(5)]
+        ws = [dist.irecv(o, 0, tag=9) for o in outs]
+        for i, (w, o) in enumerate(zip(ws, outs)):
+            w.wait()
+            check(fails, f"non-overtaking message {i}", o, torch.full((1000,), float(i)))
+    # Receive from any source (own tag: an any-source receive matches any sender's message
+    # with its tag, so the later sections must not use it).
+    if me == 0:
+        got = {}
+        for _ in range(W - 1):
+            t = torch.empty(3, dtype=torch.int64)
+            src = dist.recv(t, tag=11)
+            got[src] = t
+        if sorted(got) != list(range(1, W)):
+            fails.append(f"recv(src=None) sources {sorted(got)}")
+        for s, t in got.items():
+            check(fails, f"recv(src=None) from {s}", t, torch.full((3,), s, dtype=torch.int64))
+    else:
+        dist.send(torch.full((3,), me, dtype=torch.int64), 0, tag=11)
+    # batch_isend_irecv, both directions of the ring.
+    outs = [torch.empty(100), torch.empty(100)]
+    ops = [dist.P2POp(dist.isend, make("float32", 100, me, 80), nxt),
+           dist.P2POp(dist.isend, make("float32", 100, me, 81), prv),
+           dist.P2POp(dist.irecv, outs[0], prv),
+           dist.P2POp(dist.irecv, outs[1], nxt)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    check(fails, "batch_isend_irecv from prev", outs[0], make("float32", 100, prv, 80))
+    check(fails, "batch_isend_irecv from next", outs[1], make("float32", 100, nxt, 81))
+    # Receive into a strided view.
+    m = torch.zeros(10, 3)
+    if me == 0:
+        dist.send(torch.arange(10, dtype=torch.float32), 1, tag=3)
+    elif me == 1:
+        dist.recv(m[:, 1], 0, tag=3)
+        want = torch.zeros(10, 3)
+        want[:, 1] = torch.arange(10, dtype=torch.float32)
+        check(fails, "recv into a strided view", m, want)
+    dist.barrier()
+    return fails
+
+
+def case_subgroups(ctx):
+    fails, W, me = [], ctx.world, ctx.rank
+    if W < 3:
+        return fails
+    g02 = dist.new_group([0, 2], backend="mooncake")
+    g13 = dist.new_group([1, 3], backend="mooncake") if W >= 4 else None
+    g_all = dist.new_group(list(range(W)), backend="mooncake-cpu")
+    members = [0, 2] if me in (0, 2) else ([1, 3] if (g13 is not None and me in (1, 3)) else None)
+    if members is not None:
+        g = g02 if me in (0, 2) else g13
+        if dist.get_backend(g) != "mooncake":
+            fails.append(f"get_backend(subgroup) = {dist.get_backend(g)}")
+        for n in (0, 7, 1000, 100_003):
+            t = make("float32", n, me, 90)
+            dist.all_reduce(t, group=g)
+            want = make("float32", n, members[0], 90) + make("float32", n, members[1], 90)
+            check(fails, f"subgroup {members} all_reduce n={n}", t, want, "float32", True)
+            b = make("int32", n, me, 91)
+            dist.broadcast(b, src=members[1], group=g)
+            check(fails, f"subgroup {members} broadcast src={members[1]} n={n}", b,
+                  make("int32", n, members[1], 91))
+            outs = [torch.empty(n, dtype=torch.int64) for _ in range(2)]
+            dist.all_gather(outs, make("int64", n, me, 92), group=g)
+            for i, r in enumerate(members):
+                check(fails, f"subgroup {members} all_gather n={n} [{i}]", outs[i],
+                      make("int64", n, r, 92))
+        x = torch.empty(5)
+        if me == members[0]:
+            dist.send(torch.full((5,), 7.0), dst=members[1], group=g)
+        else:
+            dist.recv(x, src=members[0], group=g)
+            check(fails, f"subgroup {members} send/recv", x, torch.full((5,), 7.0))
+    # The default group and a second full-world group keep working in between.
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    check(fails, "world all_reduce after subgroup ops", t, torch.full((10,), float(W)))
+    t = torch.ones(10)
+    dist.all_reduce(t, group=g_all)
+    check(fails, "alias-backend world group all_reduce", t, torch.full((10,), float(W)))
+    return fails
+
+
+def case_async(ctx, count=8):
+    fails, W, me = [], ctx.world, ctx.rank
+    ts = [make("float32", 1000 * (i + 1), me, 100 + i) for i in range(count)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    big = make("float32", 1 << 18, me, 120)
+    wb = dist.all_reduce(big, async_op=True)
+    outs = [torch.empty(77, dtype=torch.int16) for _ in range(W)]
+    wg = dist.all_gather(outs, make("int16", 77, me, 121), async_op=True)
+    doubled = works[0].get_future().then(lambda f: f.value()[0] * 2)
+    for w in works + [wb, wg]:
+        w.wait()
+        if not (w.is_completed() and w.is_success()):
+            fails.append("work not completed/successful after wait()")
+    for i, t in enumerate(ts):
+        want = sum(make("float32", 1000 * (i + 1), r, 100 + i).double() for r in range(W)).float()
+        check(fails, f"async all_reduce #{i}", t, want, "float32", True)
+    want = sum(make("float32", 1 << 18, r, 120).double() for r in range(W)).float()
+    check(fails, "async big all_reduce", big, want, "float32", True)
+    for r in range(W):
+        check(fails, f"async all_gather [{r}]", outs[r], make("int16", 77, r, 121))
+    res = works[1].get_future().wait()
+    if not isinstance(res, list) or not torch.equal(res[0], ts[1]):
+        fails.append(f"future value {type(res)} is not the output tensor list")
+    check(fails, "future.then", doubled.wait(), ts[0] * 2)
+    if not works[2].wait(timeout=timedelta(seconds=5)):
+        fails.append("wait(timeout) on a finished work returned False")
+    return fails
+
+
+def case_objects(ctx):
+    fails, W, me = [], ctx.world, ctx.rank
+    objs = [None] * W
+    dist.all_gather_object(objs, {"rank": me, "data": list(range(me * 3))})
+    if objs != [{"rank": r, "data": list(range(r * 3))} for r in range(W)]:
+        fails.append(f"all_gather_object: {objs}")
+    lst = [f"root {W - 1}", {"k": (1, 2)}, 3.5] if me == W - 1 else [None, None, None]
+    dist.broadcast_object_list(lst, src=W - 1)
+    if lst != [f"root {W - 1}", {"k": (1, 2)}, 3.5]:
+        fails.append(f"broadcast_object_list: {lst}")
+    gathered = [None] * W if me == 0 else None
+    dist.gather_object(("g", me), gathered, dst=0)
+    if me == 0 and gathered != [("g", r) for r in range(W)]:
+        fails.append(f"gather_object: {gathered}")
+    out = [None]
+    dist.scatter_object_list(out, [f"s{r}" for r in range(W)] if me == 0 else None, src=0)
+    if out != [f"s{me}"]:
+        fails.append(f"scatter_object_list: {out}")
+    return fails
+
+
+def case_layouts(ctx):
+    """Non-contiguous, transposed and conjugated tensors (staged and copied back)."""
+    fails, W, me = [], ctx.world, ctx.rank
+    base = make("float32", 40, me, 130).view(5, 8)
+    keep = base[:, 1::2].clone()
+    dist.all_reduce(base[:, ::2])
+    want = sum(make("float32", 40, r, 130).view(5, 8)[:, ::2].double() for r in range(W)).float()
+    check(fails, "all_reduce strided view", base[:, ::2].contiguous(), want, "float32", True)
+    check(fails, "all_reduce strided view leaves the rest", base[:, 1::2].contiguous(), keep)
+    m = make("int64", 24, me, 131).view(4, 6).t()
+    dist.broadcast(m, 0)
+    check(fails, "broadcast transposed", m.contiguous(), make("int64", 24, 0, 131).view(4, 6).t().contiguous())
+    cols = torch.zeros(7, W, dtype=torch.int32)
+    dist.all_gather([cols[:, r] for r in range(W)], make("int32", 7, me, 132))
+    for r in range(W):
+        check(fails, f"all_gather into column {r}", cols[:, r].contiguous(), make("int32", 7, r, 132))
+    # (No conjugate views: torch 1.13's dispatcher resolves them into a temporary and copies
+    # back when the call returns, before an async backend has finished: torch-side, gloo too.)
+    out = torch.zeros(2 * W, 3).t()  # (3, 2W) non-contiguous
+    inp = make("float32", 6 * W, me, 134).view(3, 2 * W).t().contiguous().t()
+    dist.all_to_all_single(out.t(), inp.t().contiguous())
+    exp = torch.cat([make("float32", 6 * W, s, 134).view(3, 2 * W).t()[2 * me:2 * me + 2]
+                     for s in range(W)])
+    check(fails, "all_to_all_single into transposed output", out.t().contiguous(), exp)
+    return fails
+
+
+def case_errors(ctx):
+    """Wrong use raises ValueError naming mooncake and the op; the group stays usable."""
+    fails, W = [], ctx.world
+
+    def expect(desc, fn, words):
+        try:
+            fn()
+        except ValueError as e:
+            msg = str(e)
+            miss = [w for w in words if w.lower() not in msg.lower()]
+            if miss:
+                fails.append(f"{desc}: message lacks {miss}: {msg}")
+            return
+        except Exception as e:  # noqa: BLE001
+            fails.append(f"{desc}: raised {type(e).__name__} instead of ValueError: {e}")
+            return
+        fails.append(f"{desc}: did not raise")
+
+    expect("float BAND", lambda: dist.all_reduce(torch.ones(3), op=OPS["BAND"]),
+           ["mooncake", "allreduce", "BAND"])
+    expect("complex MAX", lambda: dist.reduce(torch.ones(3, dtype=torch.complex64), 0,
+                                              op=OPS["MAX"]), ["mooncake", "reduce", "MAX"])
+    expect("all_gather_into_tensor dtype mismatch",
+           lambda: dist.all_gather_into_tensor(torch.empty(W * 3, dtype=torch.int32),
+                                               torch.ones(3)),
+           ["mooncake", "_allgather_base", "dtype"])
+    expect("all_gather_into_tensor size",
+           lambda: dist.all_gather_into_tensor(torch.empty(W * 3 + 1), torch.ones(3)),
+           ["mooncake", "_allgather_base", "elements"])
+    expect("all_to_all_single bad splits",
+           lambda: dist.all_to_all_single(torch.empty(W), torch.ones(W), [1] * W, [2] * W),
+           ["mooncake", "alltoall_base", "splits"])
+    expect("broadcast root out of range", lambda: dist.broadcast(torch.ones(2), W),
+           ["mooncake", "broadcast", "root"])
+    expect("reduce_scatter list length",
+           lambda: dist.reduce_scatter(torch.empty(2), [torch.ones(2)] * (W + 1)),
+           ["mooncake", "reduce_scatter"])
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    check(fails, "all_reduce after errors", t, torch.full((4,), float(W)))
+    return fails
+
+
+# ---- failure cases: run on a pool that is thrown away afterwards ------------------------
+
+def case_die(ctx, victim, at, mode="exit", phase="between", nbytes=4 << 20):
+    """`victim` dies at wall-clock time `at`; the others report when and how they failed.
+
+    phase "between": the others start an op only after the death; "during": they loop
+    ops from the start, so they are inside one when the victim dies."""
+    me = ctx.rank
+    n = nbytes // 4
+    if me == victim:
+        if phase == "during":
+            t = torch.ones(n)
+            while time.time() < at:
+                dist.all_reduce(t)
+        else:
+            time.sleep(max(0.0, at - time.time()))
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(17)
+    t = torch.ones(n)
+    if phase == "between":
+        time.sleep(max(0.0, at + 0.5 - time.time()))
+    t0 = time.time()
+    try:
+        for _ in range(100000):
+            dist.all_reduce(t)
+            if time.time() > at + 60:
+                break
+    except RuntimeError as e:
+        now = time.time()
+        return {"raised": True, "msg": str(e), "since_death": now - at, "since_call": now - t0}
+    return {"raised": False}
+
+
+def case_timeout(ctx, absent):
+    """Rank `absent` never joins the op; the others must get a timeout, not a hang."""
+    if ctx.rank == absent:
+        return {"absent": True}
+    t0 = time.time()
+    try:
+        dist.all_reduce(torch.ones(10))
+    except RuntimeError as e:
+        return {"raised": True, "msg": str(e), "elapsed": time.time() - t0}
+    return {"raised": False, "elapsed": time.time() - t0}
+
+
+def case_split_mismatch(ctx):
+    """Ranks disagree on all_to_all_single splits (detectable): everyone raises."""
+    W, me = ctx.world, ctx.rank
+    in_splits = [1] * W
+    out_splits = [2 if (s == 0 and me == 1) else 1 for s in range(W)]
+    out = torch.empty(sum(out_splits))
+    try:
+        dist.all_to_all_single(out, torch.ones(W), out_splits, in_splits)
+    except (RuntimeError, ValueError) as e:
+        return {"raised": True, "type": type(e).__name__, "msg": str(e)}
+    return {"raised": False}

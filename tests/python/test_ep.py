@@ -1,0 +1,124 @@
+"""mooncake.ep with real rank processes (world sizes 2, 3 and 4): low-latency and normal
+dispatch/combine against a plain-torch reference, autograd, validation and killed ranks.
+
+Each world size runs all its cases in one set of processes (torch import dominates the
+cost); the kill cases get processes of their own. The workers inherit this environment,
+PYTHONPATH included, so a build can be tested before it is installed:
+    PYTHONPATH=<build>/python /usr/bin/python3 -m pytest tests/python/test_ep.py
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON = "/usr/bin/python3"
+WORKER = os.path.join(HERE, "_ep_worker.py")
+MAIN_CASES = ["ll_modes", "validation", "normal", "normal_autograd"]
+KILL_CASES = ["kill_between_rounds", "kill_between_dispatch_and_combine"]
+
+_runs = {}
+
+
+def _env():
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _ep_available():
+    r = subprocess.run([PYTHON, "-c", "import mooncake, mooncake.ep; mooncake._C.EpBuffer"],
+                       capture_output=True, text=True, env=_env(), cwd="/")
+    return r.returncode == 0, r.stderr[-1500:]
+
+
+_ok, _why = _ep_available()
+pytestmark = pytest.mark.skipif(not _ok, reason="mooncake.ep not built into mooncake._C: " + _why)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world, cases, timeout_s=180):
+    """Runs `cases` on `world` fresh rank processes; returns (per-rank results, exit codes,
+    log tails)."""
+    out = tempfile.mkdtemp(prefix=f"mc_ep_w{world}_")
+    port = _free_port()
+    procs, logs = [], []
+    for r in range(world):
+        log = open(os.path.join(out, f"rank{r}.log"), "w")
+        logs.append(log.name)
+        procs.append(subprocess.Popen(
+            [PYTHON, "-u", WORKER, "--rank", str(r), "--world", str(world), "--port", str(port),
+             "--cases", ",".join(cases), "--out", out],
+            stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd="/"))
+        log.close()
+    deadline = time.time() + timeout_s
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.1, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            codes.append("timeout")
+    results, tails = [], []
+    for r in range(world):
+        try:
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                results.append(json.load(f))
+        except (OSError, ValueError):
+            results.append({})
+        with open(logs[r], errors="replace") as f:
+            tails.append(f.read()[-3000:])
+    return results, codes, tails
+
+
+def _report(world, r, case, res, tails):
+    return f"world {world} rank {r} case {case}: {res}\n--- log ---\n{tails[r]}"
+
+
+def _check(world, cases, case, ranks):
+    results, codes, tails = _runs[(world, tuple(cases))]
+    for r in ranks:
+        res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
+        assert res == [], _report(world, r, case, res, tails)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("case", MAIN_CASES)
+def test_ep(world, case):
+    key = (world, tuple(MAIN_CASES))
+    if key not in _runs:
+        _runs[key] = run_ranks(world, MAIN_CASES)
+    _check(world, MAIN_CASES, case, range(world))
+
+
+# Both kill cases run in one set of processes, in order: the last rank dies between
+# rounds, then rank 1 between dispatch and combine.
+VICTIMS = {"kill_between_rounds": lambda w: w - 1, "kill_between_dispatch_and_combine": lambda w: 1}
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("case", KILL_CASES)
+def test_ep_killed_rank(world, case):
+    key = (world, tuple(KILL_CASES))
+    if key not in _runs:
+        _runs[key] = run_ranks(world, KILL_CASES)
+    results, codes, tails = _runs[key]
+    dead = {VICTIMS[c](world) for c in KILL_CASES[:KILL_CASES.index(case) + 1]}
+    for v in dead:
+        assert codes[v] == -9, f"victim rank {v} exit {codes[v]}\n{tails[v]}"
+    _check(world, KILL_CASES, case, [r for r in range(world) if r not in dead])
+    for r in range(world):
+        if r not in {VICTIMS[c](world) for c in KILL_CASES}:
+            assert codes[r] == 0, _report(world, r, case, codes[r], tails)

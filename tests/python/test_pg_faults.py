@@ -1,0 +1,61 @@
+"""Failure behaviour: a rank that dies makes the others raise an error naming it within
+2 s; init_process_group(timeout=...) bounds every op; detectable wrong use across ranks
+raises everywhere; a healthy job shuts down cleanly. Each test starts its own processes."""
+
+import time
+
+import pytest
+
+from harness import Pool
+
+pytestmark = pytest.mark.isolated
+
+
+@pytest.mark.parametrize("phase,mode", [("between", "exit"), ("during", "kill")])
+def test_killed_rank_is_named_within_2s(phase, mode):
+    p = Pool(3, timeout_s=120)
+    try:
+        at = time.time() + 1.0
+        p.start("die", victim=1, at=at, mode=mode, phase=phase)
+        res = p.collect(ranks=[0, 2], timeout_s=60)
+    finally:
+        p.kill()
+    for r, x in zip([0, 2], res):
+        assert x["raised"], f"rank {r} never saw the failure"
+        msg = x["msg"]
+        assert "rank 1" in msg, f"rank {r}: error does not name rank 1: {msg}"
+        assert "allreduce" in msg, f"rank {r}: error does not name the op: {msg}"
+        took = x["since_call"] if phase == "between" else x["since_death"]
+        print(f"rank {r}: raised {took:.3f}s after the death: {msg}")
+        assert took < 2.0, f"rank {r} raised {took:.2f}s after the death: {msg}"
+
+
+def test_timeout_bounds_ops():
+    p = Pool(2, timeout_s=2)
+    try:
+        res = p.run("timeout", absent=1, timeout_s=60)
+    finally:
+        p.kill()
+    x = res[0]
+    print(f"rank 0: {x}")
+    assert x["raised"], f"all_reduce with an absent rank returned after {x['elapsed']:.1f}s"
+    assert 1.5 <= x["elapsed"] <= 10, f"timed out after {x['elapsed']:.1f}s, limit was 2s"
+    assert "time" in x["msg"].lower(), x["msg"]
+    assert "mooncake" in x["msg"] and "allreduce" in x["msg"], x["msg"]
+
+
+def test_split_mismatch_across_ranks_raises_everywhere():
+    p = Pool(2, timeout_s=30)
+    try:
+        res = p.run("split_mismatch", timeout_s=60)
+    finally:
+        p.kill()
+    for r, x in enumerate(res):
+        assert x["raised"], f"rank {r} accepted mismatched splits"
+
+
+def test_clean_shutdown():
+    p = Pool(2)
+    p.run("barrier", times=3)
+    codes = p.close(timeout_s=30)
+    assert codes == [0, 0], f"exit codes {codes}\n{p.tails()}"

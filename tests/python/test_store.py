@@ -1,0 +1,216 @@
+"""mooncake.store's MooncakeDistributedStore, call by call, with Mooncake's return conventions,
+against the standalone mooncake_master; a holder process lends memory so reads cross processes."""
+import ctypes
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _store_common import Holder, Master, master_bin  # noqa: E402
+
+torch = pytest.importorskip("torch")
+store_mod = pytest.importorskip("mooncake.store")
+MooncakeDistributedStore = store_mod.MooncakeDistributedStore
+ReplicateConfig = store_mod.ReplicateConfig
+E = store_mod.ErrorCode
+
+pytestmark = pytest.mark.skipif(master_bin() is None, reason="mooncake_master not built")
+
+
+@pytest.fixture(scope="module")
+def env():
+    m = Master("--client-ttl-s", "2")
+    h = Holder(m.addr)
+    s = MooncakeDistributedStore()
+    assert s.setup("pytest", "", 32 << 20, 0, "tcp", "", m.addr) == 0
+    yield m, h, s
+    s.close()
+    h.close()
+    m.close()
+
+
+def test_not_set_up_returns_codes():
+    s = MooncakeDistributedStore()
+    assert s.put("k", b"v") == E.INVALID_PARAMS
+    assert s.get("k") == b""
+    assert s.is_exist("k") == E.INVALID_PARAMS
+    assert s.get_size("k") == E.INVALID_PARAMS
+    assert s.setup("x", "", 1 << 20, 0, "tcp", "", "nonsense") == E.INVALID_PARAMS
+
+
+def test_put_get_bytes(env):
+    _, _, s = env
+    assert s.put("hello", b"Hello, Mooncake Store!") == 0
+    assert s.get("hello") == b"Hello, Mooncake Store!"
+    assert s.get_size("hello") == 22
+    assert s.is_exist("hello") == 1
+    assert s.is_exist("nothing") == 0
+    assert s.get("nothing") == b""
+    assert s.get_size("nothing") == E.OBJECT_NOT_FOUND
+    assert s.put("hello", b"again") == E.OBJECT_ALREADY_EXISTS
+    big = os.urandom(3 << 20)
+    assert s.put("big", big) == 0
+    assert s.get("big") == big
+
+
+def test_bad_input(env):
+    _, _, s = env
+    assert s.put("", b"x") == E.INVALID_KEY
+    assert s.put("k" * 5000, b"x") == E.INVALID_KEY
+    assert s.put("empty", b"") == E.INVALID_PARAMS
+    assert s.get("") == b""
+    assert s.is_exist("") == E.INVALID_KEY
+    assert s.put("huge", bytes(200 << 20)) == E.NO_AVAILABLE_HANDLE
+    assert s.remove("") == E.INVALID_KEY
+    assert s.remove_by_regex("(") == E.INVALID_PARAMS
+
+
+def test_replicate_config(env):
+    _, h, s = env
+    c = ReplicateConfig()
+    assert c.replica_num == 1 and not c.with_soft_pin and not c.with_hard_pin
+    c.replica_num = 2
+    c.with_soft_pin = True
+    assert s.put("two", b"2" * 1000, c) == 0
+    assert s.get("two") == b"2" * 1000
+    c = ReplicateConfig()
+    c.preferred_segment = h.name
+    c.with_hard_pin = True
+    assert s.put("pinned", b"p" * 100, c) == 0
+    assert s.get("pinned") == b"p" * 100
+
+
+def test_batches_and_parts(env):
+    _, _, s = env
+    keys = [f"b/{i}" for i in range(20)]
+    vals = [os.urandom(100 + i * 1000) for i in range(20)]
+    assert s.put_batch(keys, vals) == 0
+    assert s.get_batch(keys) == vals
+    assert s.get_batch(["b/0", "b/missing"]) == [vals[0], b""]
+    assert s.batch_is_exist(["b/1", "b/missing", ""]) == [1, 0, E.INVALID_KEY]
+    assert s.put_parts("parts", b"ab", b"cd", memoryview(b"ef")) == 0
+    assert s.get("parts") == b"abcdef"
+
+
+def test_zero_copy(env):
+    _, _, s = env
+    n = 1 << 20
+    src = (ctypes.c_ubyte * n).from_buffer_copy(os.urandom(n))
+    dst = (ctypes.c_ubyte * n)()
+    sp, dp = ctypes.addressof(src), ctypes.addressof(dst)
+    # Unregistered buffers are refused.
+    assert s.put_from("zc", sp, n) == E.INVALID_PARAMS
+    assert s.register_buffer(sp, n) == 0
+    assert s.register_buffer(dp, n) == 0
+    assert s.put_from("zc", sp, n) == 0
+    assert s.get_into("zc", dp, n) == n
+    assert bytes(dst) == bytes(src)
+    assert s.get_into("zc", dp, n // 2) == E.BUFFER_OVERFLOW
+    assert s.get_into("zc-missing", dp, n) == E.OBJECT_NOT_FOUND
+    # Batches: 8 x 64 KiB.
+    m = 65536
+    keys = [f"zc/{i}" for i in range(8)]
+    ptrs = [sp + i * m for i in range(8)]
+    assert s.batch_put_from(keys, ptrs, [m] * 8) == [0] * 8
+    ctypes.memset(dp, 0, n)
+    assert s.batch_get_into(keys, [dp + i * m for i in range(8)], [m] * 8) == [m] * 8
+    assert bytes(dst)[: 8 * m] == bytes(src)[: 8 * m]
+    r = s.batch_get_into(["zc/0", "zc/none"], [dp, dp + m], [m, m])
+    assert r == [m, E.OBJECT_NOT_FOUND]
+    # Multi buffers: each object is the concatenation of its buffers.
+    mk = ["mb/0", "mb/1"]
+    assert s.batch_put_from_multi_buffers(mk, [[sp, sp + 100], [sp + 1000]], [[100, 200], [50]]) == [0, 0]
+    ctypes.memset(dp, 0, n)
+    got = s.batch_get_into_multi_buffers(mk, [[dp, dp + 4096], [dp + 8192]], [[150, 150], [50]])
+    assert got == [300, 50]
+    assert bytes(dst)[:150] == bytes(src)[:150]
+    assert bytes(dst)[4096:4096 + 150] == bytes(src)[150:300]
+    assert bytes(dst)[8192:8192 + 50] == bytes(src)[1000:1050]
+    assert s.unregister_buffer(sp) == 0
+    assert s.unregister_buffer(sp) == E.INVALID_PARAMS
+    assert s.unregister_buffer(dp) == 0
+
+
+def test_tensors(env):
+    _, _, s = env
+    for t in (torch.arange(12, dtype=torch.float32).reshape(3, 4),
+              torch.randn(2, 3, 5).to(torch.bfloat16), torch.tensor([1, 2, 3], dtype=torch.int64)):
+        key = f"t/{t.dtype}"
+        assert s.put_tensor(key, t) == 0
+        back = s.get_tensor(key)
+        assert back.dtype == t.dtype and back.shape == t.shape
+        assert torch.equal(back, t)
+    assert s.get_tensor("t/missing") is None
+    assert s.put_tensor("t/notatensor", [1, 2]) == E.INVALID_PARAMS
+
+
+def test_remove_family(env):
+    _, _, s = env
+    for i in range(5):
+        assert s.put(f"rm/{i}", b"x") == 0
+    s.get("rm/0")  # a lease: plain remove refuses, force removes
+    assert s.remove("rm/0") == E.OBJECT_HAS_LEASE
+    assert s.remove("rm/0", force=True) == 0
+    assert s.remove("rm/0") == E.OBJECT_NOT_FOUND
+    assert s.remove_by_regex("^rm/", True) == 4
+    assert s.is_exist("rm/1") == 0
+    assert s.remove_all(True) >= 1
+    assert s.is_exist("hello") == 0
+
+
+def test_holder_killed_not_a_hang():
+    m = Master("--client-ttl-s", "1")
+    try:
+        h = Holder(m.addr)
+        s = MooncakeDistributedStore()
+        assert s.setup("reader", "", 0, 0, "tcp", "", m.addr) == 0
+        c = ReplicateConfig()
+        c.preferred_segment = h.name
+        assert s.put("solo", b"z" * 5000, c) == 0
+        assert s.get("solo") == b"z" * 5000
+        h.kill()
+        deadline = time.time() + 8
+        while time.time() < deadline:
+            t0 = time.time()
+            v = s.get("solo")
+            assert time.time() - t0 < 4
+            if s.is_exist("solo") == 0:
+                break
+            time.sleep(0.2)
+        assert s.is_exist("solo") == 0
+        assert s.get_into("solo", 0, 0) in (E.OBJECT_NOT_FOUND, E.INVALID_PARAMS)
+        s.close()
+    finally:
+        m.close()
+
+
+def test_master_metrics_and_health():
+    import urllib.request
+
+    from _store_common import free_port
+    mport = free_port()
+    m = Master("--metrics-port", str(mport))
+    h = Holder(m.addr, 8 << 20)
+    try:
+        # No segment here: one lending engine per process (see docs/store.md, known limits).
+        s = MooncakeDistributedStore()
+        assert s.setup("metrics", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.put("m/1", b"x" * 1000) == 0
+        assert s.get("m/1") == b"x" * 1000
+        base = f"http://127.0.0.1:{mport}"
+        assert urllib.request.urlopen(base + "/health", timeout=5).read().strip() == b"OK"
+        text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+        vals = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, v = line.rpartition(" ")
+                vals[name] = v
+        assert vals["mooncake_store_objects"] == "1"
+        assert float(vals["mooncake_store_bytes_capacity"]) == 8 << 20
+        assert any(k.startswith("mooncake_store_rpc") for k in vals), list(vals)[:20]
+        s.close()
+    finally:
+        h.close()
+        m.close()

@@ -1,0 +1,267 @@
+// Conversions between c10d's world and pg's: dtypes and reduce ops, argument checks,
+// contiguous staging of user tensors, byte packing for list ops, and error translation.
+// Only process_group.cc includes this (kept apart to keep that file one idea).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "pg/communicator.h"
+#include "torch_ext/csrc/compat.h"
+
+namespace mooncake::torch_ext {
+
+using at::Tensor;
+
+inline std::optional<pg::DataType> pgType(at::ScalarType s) {
+  switch (s) {
+    case at::kFloat:
+      return pg::DataType::kFloat32;
+    case at::kDouble:
+      return pg::DataType::kFloat64;
+    case at::kHalf:
+      return pg::DataType::kFloat16;
+    case at::kBFloat16:
+      return pg::DataType::kBFloat16;
+    case at::kChar:
+      return pg::DataType::kInt8;
+    case at::kShort:
+      return pg::DataType::kInt16;
+    case at::kInt:
+      return pg::DataType::kInt32;
+    case at::kLong:
+      return pg::DataType::kInt64;
+    case at::kByte:
+      return pg::DataType::kUInt8;
+    case at::kBool:
+      return pg::DataType::kBool;
+    case at::kComplexFloat:
+      return pg::DataType::kComplex64;
+    case at::kComplexDouble:
+      return pg::DataType::kComplex128;
+    default:
+      return std::nullopt;
+  }
+}
+
+inline std::optional<pg::ReduceOp> pgOp(const c10d::ReduceOp& op) {
+  switch (redOpType(op)) {
+    case c10d::ReduceOp::SUM:
+      return pg::ReduceOp::kSum;
+    case c10d::ReduceOp::AVG:
+      return pg::ReduceOp::kAvg;
+    case c10d::ReduceOp::PRODUCT:
+      return pg::ReduceOp::kProduct;
+    case c10d::ReduceOp::MIN:
+      return pg::ReduceOp::kMin;
+    case c10d::ReduceOp::MAX:
+      return pg::ReduceOp::kMax;
+    case c10d::ReduceOp::BAND:
+      return pg::ReduceOp::kBand;
+    case c10d::ReduceOp::BOR:
+      return pg::ReduceOp::kBor;
+    case c10d::ReduceOp::BXOR:
+      return pg::ReduceOp::kBxor;
+    default:
+      return std::nullopt;  // PREMUL_SUM (NCCL only), UNUSED
+  }
+}
+
+inline size_t nbytes(const Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
+
+// Validation on the caller's thread. Bad arguments are std::invalid_argument (Python:
+// ValueError); a tensor on a device we do not serve yet is std::runtime_error.
+class Check {
+ public:
+  // `who` must outlive the Check (it is the group's ErrorContext::who).
+  Check(const std::string& who, const char* op) : who_(who), op_(op) {}
+
+  [[noreturn]] void fail(const std::string& msg) const {
+    throw std::invalid_argument(who_ + ": " + op_ + ": " + msg);
+  }
+  void tensor(const Tensor& t, const std::string& name) const {
+    if (!t.defined()) fail(name + " is an undefined tensor");
+    if (!t.device().is_cpu()) {
+      throw std::runtime_error(std::string("mooncake: ") +
+                               (t.device().is_cuda() ? "CUDA" : t.device().str()) +
+                               " tensors are not supported yet in op " + op_ + " (" + name +
+                               " is on " + t.device().str() + ")");
+    }
+    if (t.layout() != at::kStrided) fail(name + ": only dense (strided) tensors are supported");
+  }
+  void tensors(const std::vector<Tensor>& v, const std::string& name) const {
+    for (size_t i = 0; i < v.size(); ++i) tensor(v[i], name + "[" + std::to_string(i) + "]");
+  }
+  void single(const std::vector<Tensor>& v, const char* name) const {
+    if (v.size() != 1) {
+      fail(std::string("expects exactly one ") + name + " tensor per process, got " +
+           std::to_string(v.size()));
+    }
+    tensor(v[0], name);
+  }
+  void rank(int64_t r, int size, const char* what) const {
+    if (r < 0 || r >= size) {
+      fail(std::string(what) + " " + std::to_string(r) + " is outside the group [0, " +
+           std::to_string(size) + ")");
+    }
+  }
+  void like(const Tensor& t, const Tensor& ref, const std::string& name) const {
+    if (t.scalar_type() != ref.scalar_type()) {
+      fail(name + " has dtype " + std::string(c10::toString(t.scalar_type())) + ", expected " +
+           c10::toString(ref.scalar_type()));
+    }
+    if (t.numel() != ref.numel()) {
+      fail(name + " has " + std::to_string(t.numel()) + " elements, expected " +
+           std::to_string(ref.numel()));
+    }
+  }
+  void sameType(const Tensor& t, const Tensor& ref, const std::string& name) const {
+    if (t.scalar_type() != ref.scalar_type()) {
+      fail(name + " has dtype " + std::string(c10::toString(t.scalar_type())) + ", expected " +
+           c10::toString(ref.scalar_type()));
+    }
+  }
+  std::pair<pg::DataType, pg::ReduceOp> reduction(const Tensor& t, const c10d::ReduceOp& op) const {
+    auto dt = pgType(t.scalar_type());
+    if (!dt) fail(std::string("dtype ") + c10::toString(t.scalar_type()) + " is not supported");
+    auto rop = pgOp(op);
+    if (!rop)
+      fail("reduce op " + std::to_string(static_cast<int>(redOpType(op))) +
+           " is not supported (PREMUL_SUM is NCCL-only)");
+    if (!pg::reduceSupported(*dt, *rop)) {
+      fail(std::string("reduce op ") + pg::reduceOpName(*rop) + " is not defined for dtype " +
+           c10::toString(t.scalar_type()));
+    }
+    return {*dt, *rop};
+  }
+
+ private:
+  const std::string& who_;
+  const char* op_;
+};
+
+inline bool direct(const Tensor& t) { return t.is_contiguous() && !t.is_conj() && !t.is_neg(); }
+
+// A contiguous stand-in for a user tensor: the tensor itself when it can be used as is,
+// else a copy (inputs) or scratch (outputs) that writeBack() copies into the user's tensor.
+struct Staged {
+  Tensor user, buf;
+  static Staged in(const Tensor& t) {
+    return {t, direct(t) ? t : t.resolve_conj().resolve_neg().contiguous()};
+  }
+  static Staged out(const Tensor& t) {
+    return {t, direct(t)
+                   ? t
+                   : at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous))};
+  }
+  void* data() const { return buf.data_ptr(); }
+  size_t bytes() const { return nbytes(buf); }
+  void writeBack() {
+    if (!buf.is_same(user)) user.copy_(buf);
+  }
+};
+
+// Packs tensors byte-wise into one contiguous byte buffer (staging for list ops).
+inline Tensor packBytes(const std::vector<Tensor>& ts, std::vector<size_t>* offsets = nullptr) {
+  size_t total = 0;
+  for (const auto& t : ts) total += nbytes(t);
+  Tensor flat = at::empty({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kByte));
+  auto* p = static_cast<uint8_t*>(flat.data_ptr());
+  size_t off = 0;
+  for (const auto& t : ts) {
+    if (offsets) offsets->push_back(off);
+    Staged s = Staged::in(t);
+    if (s.bytes()) std::memcpy(p + off, s.data(), s.bytes());
+    off += s.bytes();
+  }
+  return flat;
+}
+
+// Copies bytes out of a staging buffer into a user tensor (any layout).
+inline void unpackBytes(const uint8_t* src, Tensor& dst) {
+  Staged s = Staged::out(dst);
+  if (s.bytes()) std::memcpy(s.data(), src, s.bytes());
+  s.writeBack();
+}
+
+// What an error message names: "mooncake rank G (group 'name' rank r/n)" and, for a peer,
+// its global rank.
+struct ErrorContext {
+  std::string who;
+  std::vector<int64_t> global_ranks;  // empty: group rank == global rank
+};
+
+// Maps whatever an op threw to what Python should see (RuntimeError / ValueError), with
+// the rank, the op and, for a pg::CommError, the peer to blame.
+inline std::exception_ptr translateError(const ErrorContext& ctx, const char* op,
+                                         std::exception_ptr e) {
+  const std::string& who = ctx.who;
+  const std::vector<int64_t>& globals = ctx.global_ranks;
+  try {
+    std::rethrow_exception(e);
+  } catch (const pg::CommError& ce) {
+    std::ostringstream os;
+    os << who << ": " << op << " failed: " << ce.what();
+    if (ce.peerRank() >= 0) {
+      os << " [peer rank " << ce.peerRank();
+      if (!globals.empty() && ce.peerRank() < static_cast<int>(globals.size()) &&
+          globals[ce.peerRank()] != ce.peerRank()) {
+        os << " = global rank " << globals[ce.peerRank()];
+      }
+      os << "]";
+    }
+    return std::make_exception_ptr(std::runtime_error(os.str()));
+  } catch (const std::invalid_argument& ia) {
+    return std::make_exception_ptr(std::invalid_argument(who + ": " + op + ": " + ia.what()));
+  } catch (const c10::Error& ce) {
+    return std::make_exception_ptr(
+        std::runtime_error(who + ": " + op + " failed: " + ce.what_without_backtrace()));
+  } catch (const std::exception& ex) {
+    return std::make_exception_ptr(std::runtime_error(who + ": " + op + " failed: " + ex.what()));
+  } catch (...) {
+    return std::make_exception_ptr(std::runtime_error(who + ": " + op + " failed: unknown error"));
+  }
+}
+
+// Byte counts and offsets of dim-0 splits (empty splits: equal parts).
+inline void splitBytes(const Check& ck, const Tensor& t, const std::vector<int64_t>& splits, int n,
+                       const char* name, std::vector<size_t>* bytes, std::vector<size_t>* offs) {
+  if (t.dim() == 0) ck.fail(std::string(name) + " must have at least one dimension");
+  const int64_t rows = t.size(0);
+  const size_t row_bytes = rows == 0 ? 0 : nbytes(t) / static_cast<size_t>(rows);
+  std::vector<int64_t> s = splits;
+  if (s.empty()) {
+    if (rows % n != 0) {
+      ck.fail(std::string(name) + " dim 0 (" + std::to_string(rows) +
+              ") is not divisible by the group size " + std::to_string(n));
+    }
+    s.assign(n, rows / n);
+  } else if (static_cast<int>(s.size()) != n) {
+    ck.fail(std::string(name) + " splits have " + std::to_string(s.size()) +
+            " entries for a group of " + std::to_string(n));
+  }
+  int64_t sum = 0;
+  for (int64_t v : s) {
+    if (v < 0) ck.fail(std::string(name) + " splits contain a negative size");
+    sum += v;
+  }
+  if (sum != rows) {
+    ck.fail(std::string(name) + " splits sum to " + std::to_string(sum) + ", but dim 0 is " +
+            std::to_string(rows));
+  }
+  size_t off = 0;
+  for (int64_t v : s) {
+    bytes->push_back(static_cast<size_t>(v) * row_bytes);
+    offs->push_back(off);
+    off += static_cast<size_t>(v) * row_bytes;
+  }
+}
+
+}  // namespace mooncake::torch_ext

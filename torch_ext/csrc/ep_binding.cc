@@ -1,0 +1,531 @@
+// Python API of expert parallelism: mooncake._C.EpBuffer (wrapped by mooncake/ep.py).
+// Converts tensors to the raw pointers and shapes of ep::EpBuffer, keeps every tensor alive
+// until the operation that uses it has finished, and maps errors (std::invalid_argument ->
+// ValueError, anything else -> RuntimeError). No algorithm lives here.
+//
+// Wiring (module.cc): declare `void registerEpApis(pybind11::module_& m);` in namespace
+// mooncake::torch_ext and call it from PYBIND11_MODULE after registerPgApis(m); build this
+// file into the module and link mooncake_ep.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "ep/buffer.h"
+#include "ep/layout.h"
+#include "torch_ext/csrc/process_group.h"
+
+namespace py = pybind11;
+
+namespace mooncake::torch_ext {
+
+namespace {
+
+using at::Tensor;
+
+template <typename... A>
+[[noreturn]] void bad(const A&... a) {
+  std::ostringstream os;
+  (os << ... << a);
+  throw std::invalid_argument(os.str());
+}
+
+std::string shapeOf(const Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+ep::DType hiddenType(const Tensor& t, const char* op, const char* name) {
+  if (t.scalar_type() == at::kBFloat16) return ep::DType::kBFloat16;
+  if (t.scalar_type() == at::kFloat) return ep::DType::kFloat32;
+  bad(op, ": ", name, " must be bfloat16 or float32, got ", t.scalar_type());
+}
+
+at::ScalarType scalarOf(ep::DType t) {
+  return t == ep::DType::kBFloat16 ? at::kBFloat16 : at::kFloat;
+}
+
+// A CPU tensor of `dtype` with `dims` dimensions, contiguous (copied if needed).
+Tensor input(const Tensor& t, at::ScalarType dtype, int64_t dims, const char* op,
+             const char* name) {
+  if (!t.defined()) bad(op, ": ", name, " is undefined");
+  if (!t.device().is_cpu()) bad(op, ": ", name, " must be a CPU tensor (CUDA kernels not built)");
+  if (t.scalar_type() != dtype) bad(op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  if (t.dim() != dims) bad(op, ": ", name, " must be ", dims, "-D, got shape ", shapeOf(t));
+  return t.contiguous();
+}
+
+// active_ranks is written in place: it must be the caller's own contiguous int32 [R].
+void checkActive(const Tensor& a, int world, const char* op) {
+  if (!a.defined() || !a.device().is_cpu() || a.scalar_type() != at::kInt || a.dim() != 1 ||
+      a.size(0) != world || !a.is_contiguous())
+    bad(op, ": active_ranks must be a contiguous CPU int32 tensor of shape [", world, "], got ",
+        a.defined() ? shapeOf(a) : std::string("undefined"));
+}
+
+// Large outputs (recv_x: 117 MB at the benchmark's low-latency shape, several MB in normal
+// mode; combine's out) would come from fresh mmap()ed pages on every call, and the page
+// faults cost more than the copies. The pool hands out the first rows of a base tensor the
+// caller has dropped: nothing but the pool references its TensorImpl or its storage (no
+// Python object, no view, no operation in flight), so reuse is invisible to the caller.
+class TensorPool {
+ public:
+  // A contiguous [n, rest...] tensor of `dtype` (contents unspecified). With slack, a new
+  // base gets room for a later call's slightly larger n (normal mode's row counts vary).
+  Tensor get(int64_t n, std::vector<int64_t> rest, at::ScalarType dtype, bool slack = true) {
+    std::lock_guard<std::mutex> g(mu_);
+    int victim = -1;
+    for (size_t i = 0; i < pool_.size(); ++i) {
+      Tensor& t = pool_[i];
+      if (t.use_count() != 1 || t.storage().use_count() != 1) continue;
+      if (t.scalar_type() == dtype && t.size(0) >= n && t.sizes().slice(1) == rest)
+        return t.narrow(0, 0, n);
+      if (victim < 0) victim = static_cast<int>(i);
+    }
+    std::vector<int64_t> shape{slack ? n + n / 4 + 8 : n};
+    shape.insert(shape.end(), rest.begin(), rest.end());
+    Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype));
+    if (pool_.size() < kMax)
+      pool_.push_back(t);
+    else if (victim >= 0)
+      pool_[victim] = t;
+    return t.narrow(0, 0, n);
+  }
+
+ private:
+  static constexpr size_t kMax = 8;
+  std::mutex mu_;
+  std::vector<Tensor> pool_;
+};
+
+// Runs on the buffer's ordering; keeps `keep` (tensors) alive until the task ran.
+struct Keep {
+  std::vector<Tensor> tensors;
+};
+
+class PyEvent {
+ public:
+  explicit PyEvent(std::shared_ptr<ep::EpEvent> e) : e_(std::move(e)) {}
+  void wait() {
+    py::gil_scoped_release nogil;
+    e_->wait();
+  }
+  bool done() const { return e_->done(); }
+
+ private:
+  std::shared_ptr<ep::EpEvent> e_;
+};
+
+// Drops a reference to the buffer without the GIL when this thread holds it: the last one
+// joins the buffer's worker, whose tasks may release tensors (which can need the GIL).
+void dropBuffer(std::shared_ptr<ep::EpBuffer>& b) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    b.reset();
+  } else {
+    b.reset();
+  }
+}
+
+// hook(): completes the receive half of an operation (once).
+class PyHook {
+ public:
+  PyHook(std::shared_ptr<ep::EpBuffer> buf, std::function<void()> recv)
+      : buf_(std::move(buf)), recv_(std::move(recv)) {}
+  ~PyHook() { dropBuffer(buf_); }
+  void call() {
+    if (!recv_) throw std::runtime_error("ep hook: already called");
+    auto fn = std::move(recv_);
+    recv_ = nullptr;
+    py::gil_scoped_release nogil;
+    buf_->runSync(fn);
+  }
+
+ private:
+  std::shared_ptr<ep::EpBuffer> buf_;
+  std::function<void()> recv_;
+};
+
+class PyEpBuffer {
+ public:
+  PyEpBuffer(c10::intrusive_ptr<ProcessGroupMooncake> pg, int64_t bytes) : pg_(std::move(pg)) {
+    if (!pg_) bad("ep.Buffer: group is None");
+    if (bytes <= 0) bad("ep.Buffer: num_ep_buffer_bytes must be positive, got ", bytes);
+    // Non-owning view of the group's communicator that keeps the group alive.
+    auto keep = pg_;
+    std::shared_ptr<pg::Communicator> comm(&pg_->communicator(),
+                                           [keep](pg::Communicator*) mutable { keep.reset(); });
+    py::gil_scoped_release nogil;
+    buf_ = ep::EpBuffer::create(ep::groupOf(std::move(comm)), static_cast<size_t>(bytes));
+  }
+  ~PyEpBuffer() { dropBuffer(buf_); }
+
+  int rank() const { return buf_->rank(); }
+  int size() const { return buf_->size(); }
+  int64_t bytes() const { return static_cast<int64_t>(buf_->bytes()); }
+  bool isMapped(int r) const {
+    if (r < 0 || r >= buf_->size()) bad("is_mapped: rank ", r, " out of range");
+    return buf_->isMapped(r);
+  }
+
+  py::tuple dispatch(const Tensor& x_in, const Tensor& topk_in, const Tensor& active, int64_t M,
+                     int64_t E, int64_t timeout_us, bool use_fp8, bool async_finish,
+                     bool return_hook) {
+    const char* op = "dispatch";
+    if (use_fp8) bad(op, ": use_fp8 needs the CUDA kernels, which this build does not have");
+    const int R = buf_->size();
+    const ep::DType dt = hiddenType(x_in, op, "x");
+    Tensor x = input(x_in, scalarOf(dt), 2, op, "x");
+    Tensor topk = input(topk_in, at::kLong, 2, op, "topk_idx");
+    if (topk.size(0) != x.size(0))
+      bad(op, ": topk_idx has ", topk.size(0), " rows, x has ", x.size(0));
+    checkActive(active, R, op);
+    if (E <= 0 || E % R != 0) bad(op, ": num_experts=", E, " must be a positive multiple of ", R);
+    if (M <= 0) bad(op, ": num_max_dispatch_tokens_per_rank=", M);
+    const int64_t L = E / R, H = x.size(1);
+    auto opts = at::TensorOptions().device(at::kCPU);
+    Tensor recv_x = pool_.get(L, {R * M, H}, scalarOf(dt), false);
+    Tensor recv_count = at::empty({L}, opts.dtype(at::kInt));
+    Tensor src_info = at::empty({L, R * M}, opts.dtype(at::kInt));
+    Tensor layout = at::empty({L, R}, opts.dtype(at::kLong));
+    ep::LowLatencyDispatchArgs a;
+    a.x = x.data_ptr();
+    a.dtype = dt;
+    a.tokens = x.size(0);
+    a.hidden = H;
+    a.topk_idx = topk.data_ptr<int64_t>();
+    a.topk = static_cast<int>(topk.size(1));
+    a.active_ranks = active.data_ptr<int32_t>();
+    a.max_tokens = M;
+    a.experts = static_cast<int>(E);
+    a.timeout_us = timeout_us;
+    a.recv_x = recv_x.data_ptr();
+    a.recv_count = recv_count.data_ptr<int32_t>();
+    a.src_info = src_info.data_ptr<int32_t>();
+    a.layout_range = layout.data_ptr<int64_t>();
+    auto keep =
+        std::make_shared<Keep>(Keep{{x, topk, active, recv_x, recv_count, src_info, layout}});
+    py::object event = py::none(), hook = py::none();
+    {
+      py::gil_scoped_release nogil;
+      buf_->validate(a);
+      uint32_t round;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        round = buf_->nextDispatchRound();
+      }
+      ep::EpBuffer* b = buf_.get();
+      auto send = [b, a, round, keep] { b->dispatchSend(a, round); };
+      auto recv = [b, a, round, keep] { b->dispatchRecv(a, round); };
+      run(send, recv, async_finish, return_hook, &event, &hook);
+    }
+    return py::make_tuple(recv_x, recv_count, src_info, layout, event, hook);
+  }
+
+  py::tuple combine(const Tensor& y_in, const Tensor& topk_in, const Tensor& w_in,
+                    const Tensor& active, int64_t timeout_us, const Tensor& src_info_in,
+                    const Tensor& layout_in, int64_t M, int64_t H, int64_t E, bool async_finish,
+                    bool return_hook, std::optional<Tensor> out_opt) {
+    const char* op = "combine";
+    const int R = buf_->size();
+    const ep::DType dt = hiddenType(y_in, op, "y");
+    Tensor y = input(y_in, scalarOf(dt), 3, op, "y");
+    Tensor topk = input(topk_in, at::kLong, 2, op, "topk_idx");
+    Tensor w = input(w_in, at::kFloat, 2, op, "topk_weights");
+    Tensor src_info = input(src_info_in, at::kInt, 2, op, "handle src_info");
+    Tensor layout = input(layout_in, at::kLong, 2, op, "handle layout_range");
+    checkActive(active, R, op);
+    if (E <= 0 || E % R != 0) bad(op, ": handle's num_experts=", E, " does not fit ", R, " ranks");
+    const int64_t L = E / R, T = topk.size(0), K = topk.size(1);
+    if (y.size(0) != L || y.size(1) != R * M || y.size(2) != H)
+      bad(op, ": y must have shape [", L, ", ", R * M, ", ", H, "], got ", shapeOf(y));
+    if (w.size(0) != T || w.size(1) != K)
+      bad(op, ": topk_weights shape ", shapeOf(w), " differs from topk_idx ", shapeOf(topk));
+    if (src_info.size(0) != L || src_info.size(1) != R * M || layout.size(0) != L ||
+        layout.size(1) != R)
+      bad(op, ": handle does not match y (src_info ", shapeOf(src_info), ", layout_range ",
+          shapeOf(layout), ")");
+    Tensor out;
+    if (out_opt.has_value() && out_opt->defined()) {
+      out = *out_opt;
+      if (!out.device().is_cpu() || out.scalar_type() != scalarOf(dt) || out.dim() != 2 ||
+          out.size(0) != T || out.size(1) != H || !out.is_contiguous())
+        bad(op, ": out must be a contiguous CPU ", scalarOf(dt), " tensor of shape [", T, ", ", H,
+            "], got ", shapeOf(out));
+    } else {
+      out = pool_.get(T, {H}, scalarOf(dt));
+    }
+    ep::LowLatencyCombineArgs a;
+    a.y = y.data_ptr();
+    a.dtype = dt;
+    a.hidden = H;
+    a.max_tokens = M;
+    a.experts = static_cast<int>(E);
+    a.src_info = src_info.data_ptr<int32_t>();
+    a.layout_range = layout.data_ptr<int64_t>();
+    a.topk_idx = topk.data_ptr<int64_t>();
+    a.topk_weights = w.data_ptr<float>();
+    a.tokens = T;
+    a.topk = static_cast<int>(K);
+    a.active_ranks = active.data_ptr<int32_t>();
+    a.timeout_us = timeout_us;
+    a.out = out.data_ptr();
+    auto keep = std::make_shared<Keep>(Keep{{y, topk, w, src_info, layout, active, out}});
+    py::object event = py::none(), hook = py::none();
+    {
+      py::gil_scoped_release nogil;
+      buf_->validate(a);
+      uint32_t round;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        round = buf_->nextCombineRound();
+      }
+      ep::EpBuffer* b = buf_.get();
+      auto send = [b, a, round, keep] { b->combineSend(a, round); };
+      auto recv = [b, a, round, keep] { b->combineRecv(a, round); };
+      run(send, recv, async_finish, return_hook, &event, &hook);
+    }
+    return py::make_tuple(out, event, hook);
+  }
+
+  py::tuple dispatchLayout(const Tensor& topk_in, int64_t E) {
+    const char* op = "get_dispatch_layout";
+    const int R = buf_->size();
+    Tensor topk = input(topk_in, at::kLong, 2, op, "topk_idx");
+    if (E <= 0 || E % R != 0) bad(op, ": num_experts=", E, " must be a positive multiple of ", R);
+    const int64_t T = topk.size(0);
+    const int K = static_cast<int>(topk.size(1));
+    ep::validateTopk(topk.data_ptr<int64_t>(), T, K, static_cast<int>(E));
+    Tensor per_rank = at::empty({R}, at::kInt), per_expert = at::empty({E}, at::kInt);
+    Tensor in_rank = at::empty({T, R}, at::kBool);
+    ep::dispatchLayout(topk.data_ptr<int64_t>(), T, K, static_cast<int>(E), R,
+                       per_rank.data_ptr<int32_t>(), per_expert.data_ptr<int32_t>(),
+                       reinterpret_cast<uint8_t*>(in_rank.data_ptr<bool>()));
+    return py::make_tuple(per_rank, per_expert, in_rank);
+  }
+
+  // Normal dispatch; routing from topk_idx, or from is_token_in_rank (a cached dispatch).
+  py::tuple normalDispatch(const Tensor& x_in, std::optional<Tensor> topk_opt,
+                           std::optional<Tensor> w_opt, int64_t E, int64_t alignment,
+                           std::optional<Tensor> in_rank_opt) {
+    const char* op = "normal_dispatch";
+    const int R = buf_->size();
+    const ep::DType dt = hiddenType(x_in, op, "x");
+    Tensor x = input(x_in, scalarOf(dt), 2, op, "x");
+    const int64_t T = x.size(0), H = x.size(1);
+    const bool with_topk = topk_opt.has_value() && topk_opt->defined();
+    const bool with_w = w_opt.has_value() && w_opt->defined();
+    Tensor topk, w, in_rank;
+    int K = 0;
+    if (with_topk) {
+      topk = input(*topk_opt, at::kLong, 2, op, "topk_idx");
+      if (topk.size(0) != T) bad(op, ": topk_idx has ", topk.size(0), " rows, x has ", T);
+      K = static_cast<int>(topk.size(1));
+      if (E <= 0 || E % R != 0) bad(op, ": num_experts=", E, " must be a positive multiple of ", R);
+      ep::validateTopk(topk.data_ptr<int64_t>(), T, K, static_cast<int>(E));
+      in_rank = at::empty({T, R}, at::kBool);
+      Tensor pr = at::empty({R}, at::kInt), pe = at::empty({E}, at::kInt);
+      ep::dispatchLayout(topk.data_ptr<int64_t>(), T, K, static_cast<int>(E), R,
+                         pr.data_ptr<int32_t>(), pe.data_ptr<int32_t>(),
+                         reinterpret_cast<uint8_t*>(in_rank.data_ptr<bool>()));
+    } else {
+      if (!in_rank_opt.has_value() || !in_rank_opt->defined())
+        bad(op, ": needs topk_idx or a handle");
+      in_rank = input(*in_rank_opt, at::kBool, 2, op, "handle is_token_in_rank");
+      if (in_rank.size(0) != T || in_rank.size(1) != R)
+        bad(op, ": handle routes ", in_rank.size(0), " tokens over ", in_rank.size(1),
+            " ranks; x has ", T, " tokens and the group ", R, " ranks");
+    }
+    if (with_w) {
+      w = input(*w_opt, at::kFloat, 2, op, "topk_weights");
+      if (w.size(0) != T || (with_topk && w.size(1) != K))
+        bad(op, ": topk_weights shape ", shapeOf(w), " does not match [", T, ", K]");
+      K = static_cast<int>(w.size(1));
+    }
+    ep::NormalDispatchArgs a;
+    a.x = x.data_ptr();
+    a.dtype = dt;
+    a.tokens = T;
+    a.hidden = H;
+    a.is_token_in_rank = reinterpret_cast<const uint8_t*>(in_rank.data_ptr<bool>());
+    a.with_topk_idx = with_topk;
+    a.with_weights = with_w;
+    a.topk_idx = with_topk ? topk.data_ptr<int64_t>() : nullptr;
+    a.topk_weights = with_w ? w.data_ptr<float>() : nullptr;
+    a.topk = K;
+    a.experts = static_cast<int>(E);
+    a.expert_alignment = static_cast<int>(alignment);
+    Tensor recv_x, recv_src, recv_topk, recv_w, per_expert, counts_t;
+    {
+      py::gil_scoped_release nogil;
+      buf_->validate(a);
+      buf_->runSync([&] {
+        uint32_t round;
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          round = buf_->nextDispatchRound();
+        }
+        std::vector<int32_t> counts = buf_->normalDispatchSend(a, round);
+        int64_t n = 0;
+        for (int32_t c : counts) n += c;
+        recv_x = pool_.get(n, {H}, scalarOf(dt));
+        recv_src = at::empty({n}, at::kInt);
+        counts_t = at::empty({R}, at::kInt);
+        std::copy(counts.begin(), counts.end(), counts_t.data_ptr<int32_t>());
+        ep::NormalDispatchOutputs o;
+        o.recv_x = recv_x.data_ptr();
+        o.recv_src_idx = recv_src.data_ptr<int32_t>();
+        if (with_topk) {
+          recv_topk = at::empty({n, K}, at::kLong);
+          per_expert = at::empty({E / R}, at::kInt);
+          o.recv_topk_idx = recv_topk.data_ptr<int64_t>();
+          o.num_recv_per_expert = per_expert.data_ptr<int32_t>();
+        }
+        if (with_w) {
+          recv_w = at::empty({n, K}, at::kFloat);
+          o.recv_topk_weights = recv_w.data_ptr<float>();
+        }
+        buf_->normalDispatchRecv(a, round, counts, o);
+      });
+    }
+    auto opt = [](const Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
+    return py::make_tuple(recv_x, opt(recv_topk), opt(recv_w), opt(per_expert), recv_src, counts_t,
+                          in_rank);
+  }
+
+  py::tuple normalCombine(const Tensor& y_in, const Tensor& counts_in, const Tensor& in_rank_in,
+                          std::optional<Tensor> w_opt) {
+    const char* op = "normal_combine";
+    const int R = buf_->size();
+    const ep::DType dt = hiddenType(y_in, op, "y");
+    Tensor y = input(y_in, scalarOf(dt), 2, op, "y");
+    Tensor counts = input(counts_in, at::kInt, 1, op, "handle recv_counts");
+    Tensor in_rank = input(in_rank_in, at::kBool, 2, op, "handle is_token_in_rank");
+    if (counts.size(0) != R || in_rank.size(1) != R)
+      bad(op, ": the handle belongs to a group of another size");
+    const int64_t n = counts.sum().item<int64_t>();
+    if (y.size(0) != n) bad(op, ": y has ", y.size(0), " rows; the dispatch delivered ", n);
+    const bool with_w = w_opt.has_value() && w_opt->defined();
+    Tensor w;
+    if (with_w) {
+      w = input(*w_opt, at::kFloat, 2, op, "topk_weights");
+      if (w.size(0) != n) bad(op, ": topk_weights has ", w.size(0), " rows, y has ", n);
+    }
+    const int64_t T = in_rank.size(0), H = y.size(1);
+    const int K = with_w ? static_cast<int>(w.size(1)) : 0;
+    Tensor out = pool_.get(T, {H}, scalarOf(dt));
+    Tensor out_w = with_w ? at::empty({T, K}, at::kFloat) : Tensor();
+    ep::NormalCombineArgs a;
+    a.y = y.data_ptr();
+    a.dtype = dt;
+    a.hidden = H;
+    a.recv_counts = counts.data_ptr<int32_t>();
+    a.with_weights = with_w;
+    a.weights = with_w ? w.data_ptr<float>() : nullptr;
+    a.topk = K;
+    a.is_token_in_rank = reinterpret_cast<const uint8_t*>(in_rank.data_ptr<bool>());
+    a.tokens = T;
+    a.out = out.data_ptr();
+    a.out_weights = with_w ? out_w.data_ptr<float>() : nullptr;
+    {
+      py::gil_scoped_release nogil;
+      buf_->validate(a);
+      buf_->runSync([&] {
+        uint32_t round;
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          round = buf_->nextCombineRound();
+        }
+        buf_->normalCombine(a, round);
+      });
+    }
+    return py::make_tuple(out, with_w ? py::cast(out_w) : py::none());
+  }
+
+ private:
+  // The four ways to run a send/recv pair (called without the GIL).
+  void run(std::function<void()> send, std::function<void()> recv, bool async_finish,
+           bool return_hook, py::object* event, py::object* hook) {
+    ep::EpBuffer* b = buf_.get();
+    std::shared_ptr<ep::EpEvent> ev;
+    if (return_hook) {
+      if (async_finish)
+        ev = b->enqueue(std::move(send));
+      else
+        b->runSync(send);
+      py::gil_scoped_acquire gil;
+      *hook = py::cast(std::make_shared<PyHook>(buf_, std::move(recv)));
+    } else if (async_finish) {
+      ev = b->enqueue([send, recv] {
+        send();
+        recv();
+      });
+    } else {
+      b->runSync([&] {
+        send();
+        recv();
+      });
+    }
+    if (ev) {
+      py::gil_scoped_acquire gil;
+      *event = py::cast(std::make_shared<PyEvent>(std::move(ev)));
+    }
+  }
+
+  c10::intrusive_ptr<ProcessGroupMooncake> pg_;
+  std::shared_ptr<ep::EpBuffer> buf_;  // shared with hooks, which may outlive this object
+  std::mutex mu_;
+  TensorPool pool_;
+};
+
+}  // namespace
+
+void registerEpApis(py::module_& m) {
+  py::class_<PyEvent, std::shared_ptr<PyEvent>>(m, "EpEvent",
+                                                "Completion of an async EP operation.")
+      .def("wait", &PyEvent::wait, "Blocks until the operation finished; raises its error.")
+      .def("done", &PyEvent::done);
+  py::class_<PyHook, std::shared_ptr<PyHook>>(m, "EpHook",
+                                              "Completes the receive half of an EP operation.")
+      .def("__call__", &PyHook::call);
+  py::class_<PyEpBuffer, std::shared_ptr<PyEpBuffer>>(m, "EpBuffer")
+      .def(py::init<c10::intrusive_ptr<ProcessGroupMooncake>, int64_t>(), py::arg("group"),
+           py::arg("num_bytes"))
+      .def_property_readonly("rank", &PyEpBuffer::rank)
+      .def_property_readonly("group_size", &PyEpBuffer::size)
+      .def_property_readonly("num_bytes", &PyEpBuffer::bytes)
+      .def("is_mapped", &PyEpBuffer::isMapped, py::arg("rank"))
+      .def("dispatch", &PyEpBuffer::dispatch, py::arg("x"), py::arg("topk_idx"),
+           py::arg("active_ranks"), py::arg("num_max_dispatch_tokens_per_rank"),
+           py::arg("num_experts"), py::arg("timeout_us"), py::arg("use_fp8"),
+           py::arg("async_finish"), py::arg("return_recv_hook"))
+      .def("combine", &PyEpBuffer::combine, py::arg("y"), py::arg("topk_idx"),
+           py::arg("topk_weights"), py::arg("active_ranks"), py::arg("timeout_us"),
+           py::arg("src_info"), py::arg("layout_range"),
+           py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_experts"),
+           py::arg("async_finish"), py::arg("return_recv_hook"), py::arg("out"))
+      .def("get_dispatch_layout", &PyEpBuffer::dispatchLayout, py::arg("topk_idx"),
+           py::arg("num_experts"))
+      .def("normal_dispatch", &PyEpBuffer::normalDispatch, py::arg("x"), py::arg("topk_idx"),
+           py::arg("topk_weights"), py::arg("num_experts"), py::arg("expert_alignment"),
+           py::arg("is_token_in_rank"))
+      .def("normal_combine", &PyEpBuffer::normalCombine, py::arg("y"), py::arg("recv_counts"),
+           py::arg("is_token_in_rank"), py::arg("topk_weights"))
+      .def_static(
+          "size_hint",
+          [](int64_t M, int64_t H, int64_t R, int64_t E) {
+            return static_cast<int64_t>(
+                ep::sizeHint(M, H, static_cast<int>(R), static_cast<int>(E)));
+          },
+          py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_ranks"),
+          py::arg("num_experts"));
+}
+
+}  // namespace mooncake::torch_ext

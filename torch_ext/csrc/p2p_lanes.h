@@ -1,0 +1,99 @@
+// Runs point-to-point ops off the collective worker, one serial lane per (peer, tag,
+// direction): isend/irecv must not wait behind each other or behind a collective (two ranks
+// that both irecv before they isend would deadlock on a single queue), yet two sends to the
+// same peer with the same tag must stay in issue order so that receives match them in
+// order (MPI's non-overtaking rule, which gloo also keeps).
+//
+// Threads are started on demand (a lane blocked in recv holds one) and exit after a short
+// idle period. They are detached: a lane still blocked when the owner goes away finishes on
+// its own (the task keeps what it needs alive through its captures); the owner never joins.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <tuple>
+
+namespace mooncake::torch_ext {
+
+class P2pLanes {
+ public:
+  using Key = std::tuple<int, int64_t, int>;  // peer (-1: any), tag, 0 = send / 1 = recv
+
+  P2pLanes() : s_(std::make_shared<State>()) {}
+  ~P2pLanes() {
+    std::lock_guard<std::mutex> lk(s_->mu);
+    s_->stop = true;
+    s_->cv.notify_all();
+  }
+  P2pLanes(const P2pLanes&) = delete;
+  P2pLanes& operator=(const P2pLanes&) = delete;
+
+  void post(const Key& key, std::function<void()> task) {
+    std::lock_guard<std::mutex> lk(s_->mu);
+    Lane& lane = s_->lanes[key];
+    lane.tasks.push_back(std::move(task));
+    if (lane.running) return;  // the thread draining this lane will get to it
+    lane.running = true;
+    s_->ready.push_back(key);
+    if (s_->idle > 0) {
+      s_->cv.notify_one();
+    } else {
+      std::thread([s = s_] { run(s); }).detach();
+    }
+  }
+
+ private:
+  struct Lane {
+    std::deque<std::function<void()>> tasks;
+    bool running = false;
+  };
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::map<Key, Lane> lanes;
+    std::deque<Key> ready;
+    int idle = 0;
+    bool stop = false;
+  };
+
+  static void run(std::shared_ptr<State> s) {
+    std::unique_lock<std::mutex> lk(s->mu);
+    for (;;) {
+      if (s->ready.empty()) {
+        if (s->stop) return;
+        ++s->idle;
+        bool woke = s->cv.wait_for(lk, std::chrono::seconds(5),
+                                   [&] { return !s->ready.empty() || s->stop; });
+        --s->idle;
+        if (!woke || s->ready.empty()) return;
+      }
+      Key key = s->ready.front();
+      s->ready.pop_front();
+      // Drain the lane in order; tasks never throw (they report through their Work).
+      for (;;) {
+        Lane& lane = s->lanes[key];
+        if (lane.tasks.empty()) {
+          s->lanes.erase(key);
+          break;
+        }
+        std::function<void()> task = std::move(lane.tasks.front());
+        lane.tasks.pop_front();
+        lk.unlock();
+        task();
+        task = nullptr;  // release captures outside the lock
+        lk.lock();
+      }
+    }
+  }
+
+  std::shared_ptr<State> s_;
+};
+
+}  // namespace mooncake::torch_ext

@@ -1,0 +1,564 @@
+#include "torch_ext/csrc/process_group.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+
+#include "torch_ext/csrc/convert.h"
+#include "torch_ext/csrc/store_rendezvous.h"
+
+namespace mooncake::torch_ext {
+
+using at::Tensor;
+using c10d::OpType;
+
+// ---------------------------------------------------------------------------------------
+// MooncakeWork
+
+MooncakeWork::MooncakeWork(int rank, c10d::OpType type, const char* op,
+                           std::shared_ptr<const ErrorContext> ctx, std::vector<Tensor> outputs)
+    : c10d::Work(rank, type), op_(op), ctx_(std::move(ctx)), outputs_(std::move(outputs)) {}
+
+bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
+  // A plain wait on the op that is next in line: run it here instead of waking the worker
+  // and sleeping until it wakes us (a timed wait keeps its bound and leaves it queued).
+  if (queue_ && timeout == kNoTimeout && !isCompleted()) queue_->runIfNext(queue_id_);
+  std::unique_lock lk(mutex_);
+  if (timeout == kNoTimeout) {
+    cv_.wait(lk, [&] { return completed_; });
+  } else if (!cv_.wait_for(lk, timeout, [&] { return completed_; })) {
+    throw std::runtime_error(ctx_->who + ": " + op_ + ": Work.wait timed out after " +
+                             std::to_string(timeout.count()) + " ms (the op goes on)");
+  }
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+void MooncakeWork::markFuture(const c10::intrusive_ptr<c10::ivalue::Future>& f,
+                              std::exception_ptr e) {
+  if (e) {
+    f->setError(e);
+  } else {
+    f->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> MooncakeWork::getFuture() {
+  static const auto type = c10::ListType::create(c10::TensorType::get());
+  std::unique_lock lk(mutex_);
+  if (future_) return future_;
+  future_ = c10::make_intrusive<c10::ivalue::Future>(type);
+  auto f = future_;
+  const bool done = completed_;
+  std::exception_ptr e = exception_;
+  lk.unlock();
+  if (done) markFuture(f, e);  // complete() ran before the future existed
+  return f;
+}
+
+std::vector<Tensor> MooncakeWork::result() { return outputs_; }
+
+int MooncakeWork::sourceRank() const { return source_rank_.load(); }
+
+void MooncakeWork::complete(std::exception_ptr error) {
+  // A future that exists is completed before the Work, so whoever returns from wait() can
+  // read it; one created concurrently (at most once) is caught by the second round.
+  c10::intrusive_ptr<c10::ivalue::Future> marked;
+  for (;;) {
+    c10::intrusive_ptr<c10::ivalue::Future> f;
+    {
+      std::lock_guard lk(mutex_);
+      if (future_ == marked) {
+        completed_ = true;
+        exception_ = error;
+        break;
+      }
+      f = future_;
+    }
+    markFuture(f, error);
+    marked = f;
+  }
+  cv_.notify_all();
+}
+
+// ---------------------------------------------------------------------------------------
+// Engine and group set-up
+
+std::shared_ptr<engine::TransferEngine> sharedEngine() {
+  static std::mutex mu;
+  static std::weak_ptr<engine::TransferEngine> current;
+  std::lock_guard<std::mutex> lk(mu);
+  if (auto e = current.lock()) return e;
+  auto created = engine::TransferEngine::create();
+  if (!created.ok()) {
+    throw std::runtime_error("mooncake: cannot start the transfer engine: " +
+                             created.status().toString());
+  }
+  std::shared_ptr<engine::TransferEngine> e(std::move(created).value());
+  current = e;
+  return e;
+}
+
+ProcessGroupMooncake::ProcessGroupMooncake(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                           int size, MooncakeOptions options)
+    : BackendBase(rank, size), opts_(std::move(options)) {
+  if (!opts_.global_ranks.empty() && static_cast<int>(opts_.global_ranks.size()) != size) {
+    throw std::invalid_argument("mooncake: global_ranks has " +
+                                std::to_string(opts_.global_ranks.size()) +
+                                " entries for a group of " + std::to_string(size));
+  }
+  {
+    auto ctx = std::make_shared<ErrorContext>();
+    ctx->who = "mooncake rank " + std::to_string(globalRank(rank));
+    if (!opts_.global_ranks.empty()) {
+      ctx->who += " (group '" + opts_.group_name + "' rank " + std::to_string(rank) + "/" +
+                  std::to_string(size) + ")";
+    }
+    ctx->global_ranks = opts_.global_ranks;
+    ectx_ = std::move(ctx);
+  }
+  engine_ = sharedEngine();
+  rdv_ = std::make_shared<StoreRendezvous>(store);
+  pg::CommOptions co;
+  co.rank = rank;
+  co.size = size;
+  co.group_name = opts_.group_name;
+  co.timeout = opts_.timeout;
+  co.buffer_bytes = opts_.buffer_bytes;
+  try {
+    comm_ = pg::Communicator::create(engine_, rdv_, co);
+  } catch (...) {
+    std::rethrow_exception(translateError(*ectx_, "init", std::current_exception()));
+  }
+  queue_ = std::make_shared<OpQueue>(comm_.get());
+  lanes_ = std::make_unique<P2pLanes>();
+  init();
+}
+
+ProcessGroupMooncake::~ProcessGroupMooncake() = default;
+
+int ProcessGroupMooncake::globalRank(int group_rank) const {
+  return opts_.global_ranks.empty() ? group_rank : static_cast<int>(opts_.global_ranks[group_rank]);
+}
+
+const std::string& ProcessGroupMooncake::who() const { return ectx_->who; }
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(OpType type, const char* op,
+                                                                std::vector<Tensor> outputs,
+                                                                Body body) {
+  auto work = c10::make_intrusive<MooncakeWork>(rank_, type, op, ectx_, std::move(outputs));
+  try {
+    auto id = queue_->submit(op, [work, body = std::move(body), ctx = ectx_, op]() {
+      std::exception_ptr err;
+      try {
+        at::NoGradGuard no_grad;  // copies into leaf tensors that require grad are ours
+        body();
+      } catch (...) {
+        err = translateError(*ctx, op, std::current_exception());
+      }
+      work->complete(err);
+    });
+    work->setQueued(queue_, id);  // (a cycle Work -> queue -> task -> Work until it runs)
+  } catch (...) {
+    std::rethrow_exception(translateError(*ectx_, op, std::current_exception()));
+  }
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::p2p(OpType type, const char* op,
+                                                         const P2pLanes::Key& lane,
+                                                         std::vector<Tensor> outputs,
+                                                         std::function<void(MooncakeWork&)> body) {
+  auto work = c10::make_intrusive<MooncakeWork>(rank_, type, op, ectx_, std::move(outputs));
+  // The lane task keeps the communicator alive: a recv may outlive this object.
+  lanes_->post(lane, [work, body = std::move(body), comm = comm_, ctx = ectx_, op]() {
+    std::exception_ptr err;
+    try {
+      at::NoGradGuard no_grad;
+      body(*work);
+    } catch (...) {
+      err = translateError(*ctx, op, std::current_exception());
+    }
+    work->complete(err);
+  });
+  return work;
+}
+
+// ---------------------------------------------------------------------------------------
+// Collectives
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::broadcast(std::vector<Tensor>& tensors,
+                                                               const c10d::BroadcastOptions& opts) {
+  Check ck(who(), "broadcast");
+  ck.single(tensors, "tensor");
+  ck.rank(opts.rootRank, size_, "root rank");
+  if (opts.rootTensor != 0) ck.fail("rootTensor must be 0 (one tensor per process)");
+  pg::Communicator* c = comm_.get();
+  Tensor t = tensors[0];
+  int root = static_cast<int>(opts.rootRank);
+  return collective(OpType::BROADCAST, "broadcast", tensors, [c, t, root] {
+    Staged s = Staged::in(t);
+    c->broadcast(s.data(), s.bytes(), root);
+    s.writeBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce(std::vector<Tensor>& tensors,
+                                                               const c10d::AllreduceOptions& opts) {
+  Check ck(who(), "allreduce");
+  ck.single(tensors, "tensor");
+  auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
+  pg::Communicator* c = comm_.get();
+  Tensor t = tensors[0];
+  return collective(OpType::ALLREDUCE, "allreduce", tensors, [c, t, dt = dt, op = op] {
+    Staged s = Staged::in(t);
+    c->allReduce(s.data(), s.data(), static_cast<size_t>(t.numel()), dt, op);
+    s.writeBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce_coalesced(
+    std::vector<Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  Check ck(who(), "allreduce_coalesced");
+  if (tensors.empty()) ck.fail("expects at least one tensor");
+  ck.tensors(tensors, "tensors");
+  for (size_t i = 1; i < tensors.size(); ++i)
+    ck.sameType(tensors[i], tensors[0], "tensors[" + std::to_string(i) + "]");
+  auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
+  pg::Communicator* c = comm_.get();
+  std::vector<Tensor> ts = tensors;
+  return collective(OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
+                    [c, ts, dt = dt, op = op]() mutable {
+                      std::vector<size_t> offs;
+                      Tensor flat = packBytes(ts, &offs);
+                      size_t count = nbytes(flat) / ts[0].element_size();
+                      c->allReduce(flat.data_ptr(), flat.data_ptr(), count, dt, op);
+                      auto* p = static_cast<const uint8_t*>(flat.data_ptr());
+                      for (size_t i = 0; i < ts.size(); ++i) unpackBytes(p + offs[i], ts[i]);
+                    });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce(std::vector<Tensor>& tensors,
+                                                            const c10d::ReduceOptions& opts) {
+  Check ck(who(), "reduce");
+  ck.single(tensors, "tensor");
+  ck.rank(opts.rootRank, size_, "root rank");
+  if (opts.rootTensor != 0) ck.fail("rootTensor must be 0 (one tensor per process)");
+  auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
+  pg::Communicator* c = comm_.get();
+  Tensor t = tensors[0];
+  int root = static_cast<int>(opts.rootRank);
+  return collective(OpType::REDUCE, "reduce", tensors, [c, t, dt = dt, op = op, root] {
+    Staged s = Staged::in(t);
+    c->reduce(s.data(), s.data(), static_cast<size_t>(t.numel()), dt, op, root);
+    s.writeBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
+    std::vector<std::vector<Tensor>>& outputs, std::vector<Tensor>& inputs,
+    const c10d::AllgatherOptions&) {
+  Check ck(who(), "allgather");
+  ck.single(inputs, "input");
+  if (outputs.size() != 1) ck.fail("expects one output list per process");
+  if (static_cast<int>(outputs[0].size()) != size_) {
+    ck.fail("output list has " + std::to_string(outputs[0].size()) + " tensors for a group of " +
+            std::to_string(size_));
+  }
+  ck.tensors(outputs[0], "output");
+  for (int i = 0; i < size_; ++i)
+    ck.like(outputs[0][i], inputs[0], "output[" + std::to_string(i) + "]");
+  pg::Communicator* c = comm_.get();
+  Tensor in = inputs[0];
+  std::vector<Tensor> outs = outputs[0];
+  return collective(OpType::ALLGATHER, "allgather", outs, [c, in, outs]() mutable {
+    Staged s = Staged::in(in);
+    const size_t b = s.bytes();
+    Tensor flat = at::empty({static_cast<int64_t>(b * outs.size())}, at::kByte);
+    c->allGather(s.data(), flat.data_ptr(), b);
+    auto* p = static_cast<const uint8_t*>(flat.data_ptr());
+    for (size_t i = 0; i < outs.size(); ++i) unpackBytes(p + i * b, outs[i]);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
+    Tensor& output, Tensor& input, const c10d::AllgatherOptions&) {
+  Check ck(who(), "_allgather_base");
+  ck.tensor(input, "input");
+  ck.tensor(output, "output");
+  ck.sameType(output, input, "output");
+  if (output.numel() != input.numel() * size_) {
+    ck.fail("output has " + std::to_string(output.numel()) + " elements, expected input (" +
+            std::to_string(input.numel()) + ") x group size (" + std::to_string(size_) + ")");
+  }
+  pg::Communicator* c = comm_.get();
+  Tensor in = input, out = output;
+  return collective(OpType::_ALLGATHER_BASE, "_allgather_base", {output}, [c, in, out] {
+    Staged si = Staged::in(in), so = Staged::out(out);
+    c->allGather(si.data(), so.data(), si.bytes());
+    so.writeBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
+    std::vector<std::vector<Tensor>>& outputs, std::vector<Tensor>& inputs,
+    const c10d::AllgatherOptions&) {
+  Check ck(who(), "allgather_coalesced");
+  ck.tensors(inputs, "input");
+  if (static_cast<int>(outputs.size()) != size_) {
+    ck.fail("expects one output list per rank (" + std::to_string(size_) + "), got " +
+            std::to_string(outputs.size()));
+  }
+  std::vector<Tensor> flat_outs;
+  for (int r = 0; r < size_; ++r) {
+    if (outputs[r].size() != inputs.size()) {
+      ck.fail("output list " + std::to_string(r) + " has " + std::to_string(outputs[r].size()) +
+              " tensors, inputs have " + std::to_string(inputs.size()));
+    }
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      std::string name = "output[" + std::to_string(r) + "][" + std::to_string(j) + "]";
+      ck.tensor(outputs[r][j], name);
+      ck.like(outputs[r][j], inputs[j], name);
+      flat_outs.push_back(outputs[r][j]);
+    }
+  }
+  pg::Communicator* c = comm_.get();
+  std::vector<Tensor> ins = inputs;
+  const int n = size_;
+  return collective(OpType::ALLGATHER_COALESCED, "allgather_coalesced", flat_outs,
+                    [c, ins, flat_outs, n]() mutable {
+                      std::vector<size_t> offs;
+                      Tensor packed = packBytes(ins, &offs);
+                      const size_t b = nbytes(packed);
+                      Tensor all = at::empty({static_cast<int64_t>(b * n)}, at::kByte);
+                      c->allGather(packed.data_ptr(), all.data_ptr(), b);
+                      auto* p = static_cast<const uint8_t*>(all.data_ptr());
+                      for (size_t k = 0; k < flat_outs.size(); ++k) {
+                        const size_t r = k / ins.size(), j = k % ins.size();
+                        unpackBytes(p + r * b + offs[j], flat_outs[k]);
+                      }
+                    });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::gather(
+    std::vector<std::vector<Tensor>>& outputs, std::vector<Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  Check ck(who(), "gather");
+  ck.single(inputs, "input");
+  ck.rank(opts.rootRank, size_, "root rank");
+  const int root = static_cast<int>(opts.rootRank);
+  std::vector<Tensor> outs;
+  if (rank_ == root) {
+    if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != size_) {
+      ck.fail("the root expects one output list of " + std::to_string(size_) + " tensors");
+    }
+    ck.tensors(outputs[0], "output");
+    for (int i = 0; i < size_; ++i)
+      ck.like(outputs[0][i], inputs[0], "output[" + std::to_string(i) + "]");
+    outs = outputs[0];
+  } else if (!outputs.empty() && !(outputs.size() == 1 && outputs[0].empty())) {
+    ck.fail("non-root ranks must pass no output tensors");
+  }
+  pg::Communicator* c = comm_.get();
+  Tensor in = inputs[0];
+  const int n = size_;
+  return collective(OpType::GATHER, "gather", outs, [c, in, outs, root, n]() mutable {
+    Staged s = Staged::in(in);
+    const size_t b = s.bytes();
+    Tensor flat;
+    if (!outs.empty()) flat = at::empty({static_cast<int64_t>(b * n)}, at::kByte);
+    c->gather(s.data(), outs.empty() ? nullptr : flat.data_ptr(), b, root);
+    if (outs.empty()) return;
+    auto* p = static_cast<const uint8_t*>(flat.data_ptr());
+    for (int i = 0; i < n; ++i) unpackBytes(p + i * b, outs[i]);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
+    std::vector<Tensor>& outputs, std::vector<std::vector<Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  Check ck(who(), "scatter");
+  ck.single(outputs, "output");
+  ck.rank(opts.rootRank, size_, "root rank");
+  const int root = static_cast<int>(opts.rootRank);
+  std::vector<Tensor> ins;
+  if (rank_ == root) {
+    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != size_) {
+      ck.fail("the root expects one input list of " + std::to_string(size_) + " tensors");
+    }
+    ck.tensors(inputs[0], "input");
+    for (int i = 0; i < size_; ++i)
+      ck.like(inputs[0][i], outputs[0], "input[" + std::to_string(i) + "]");
+    ins = inputs[0];
+  } else if (!inputs.empty() && !(inputs.size() == 1 && inputs[0].empty())) {
+    ck.fail("non-root ranks must pass no input tensors");
+  }
+  pg::Communicator* c = comm_.get();
+  Tensor out = outputs[0];
+  return collective(OpType::SCATTER, "scatter", outputs, [c, ins, out, root] {
+    Tensor flat;
+    if (!ins.empty()) flat = packBytes(ins);
+    Staged so = Staged::out(out);
+    c->scatter(ins.empty() ? nullptr : flat.data_ptr(), so.data(), so.bytes(), root);
+    so.writeBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
+    std::vector<Tensor>& outputs, std::vector<std::vector<Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  Check ck(who(), "reduce_scatter");
+  ck.single(outputs, "output");
+  if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != size_) {
+    ck.fail("expects one input list of " + std::to_string(size_) + " tensors");
+  }
+  ck.tensors(inputs[0], "input");
+  for (int i = 0; i < size_; ++i)
+    ck.like(inputs[0][i], outputs[0], "input[" + std::to_string(i) + "]");
+  auto [dt, op] = ck.reduction(outputs[0], opts.reduceOp);
+  pg::Communicator* c = comm_.get();
+  std::vector<Tensor> ins = inputs[0];
+  Tensor out = outputs[0];
+  return collective(
+      OpType::REDUCE_SCATTER, "reduce_scatter", outputs, [c, ins, out, dt = dt, op = op] {
+        Tensor flat = packBytes(ins);
+        Staged so = Staged::out(out);
+        c->reduceScatter(flat.data_ptr(), so.data(), static_cast<size_t>(out.numel()), dt, op);
+        so.writeBack();
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
+    Tensor& output, Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  Check ck(who(), "_reduce_scatter_base");
+  ck.tensor(input, "input");
+  ck.tensor(output, "output");
+  ck.sameType(input, output, "input");
+  if (input.numel() != output.numel() * size_) {
+    ck.fail("input has " + std::to_string(input.numel()) + " elements, expected output (" +
+            std::to_string(output.numel()) + ") x group size (" + std::to_string(size_) + ")");
+  }
+  auto [dt, op] = ck.reduction(output, opts.reduceOp);
+  pg::Communicator* c = comm_.get();
+  Tensor in = input, out = output;
+  return collective(OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", {output},
+                    [c, in, out, dt = dt, op = op] {
+                      Staged si = Staged::in(in), so = Staged::out(out);
+                      c->reduceScatter(si.data(), so.data(), static_cast<size_t>(out.numel()), dt,
+                                       op);
+                      so.writeBack();
+                    });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall_base(
+    Tensor& output, Tensor& input, std::vector<int64_t>& output_splits,
+    std::vector<int64_t>& input_splits, const c10d::AllToAllOptions&) {
+  Check ck(who(), "alltoall_base");
+  ck.tensor(input, "input");
+  ck.tensor(output, "output");
+  ck.sameType(output, input, "output");
+  std::vector<size_t> sb, so, rb, ro;
+  splitBytes(ck, input, input_splits, size_, "input", &sb, &so);
+  splitBytes(ck, output, output_splits, size_, "output", &rb, &ro);
+  pg::Communicator* c = comm_.get();
+  Tensor in = input, out = output;
+  return collective(OpType::ALLTOALL_BASE, "alltoall_base", {output}, [c, in, out, sb, so, rb, ro] {
+    Staged si = Staged::in(in), sout = Staged::out(out);
+    c->allToAllV(si.data(), sb, so, sout.data(), rb, ro);
+    sout.writeBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall(std::vector<Tensor>& outputs,
+                                                              std::vector<Tensor>& inputs,
+                                                              const c10d::AllToAllOptions&) {
+  Check ck(who(), "alltoall");
+  if (static_cast<int>(inputs.size()) != size_ || static_cast<int>(outputs.size()) != size_) {
+    ck.fail("expects " + std::to_string(size_) + " input and output tensors, got " +
+            std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
+  }
+  ck.tensors(inputs, "input");
+  ck.tensors(outputs, "output");
+  for (int i = 0; i < size_; ++i) {
+    ck.sameType(inputs[i], inputs[0], "input[" + std::to_string(i) + "]");
+    ck.sameType(outputs[i], inputs[0], "output[" + std::to_string(i) + "]");
+  }
+  std::vector<size_t> sb, rb, ro;
+  size_t off = 0;
+  for (const auto& t : inputs) sb.push_back(nbytes(t));
+  for (const auto& t : outputs) {
+    rb.push_back(nbytes(t));
+    ro.push_back(off);
+    off += nbytes(t);
+  }
+  pg::Communicator* c = comm_.get();
+  std::vector<Tensor> ins = inputs, outs = outputs;
+  return collective(OpType::ALLTOALL, "alltoall", outputs,
+                    [c, ins, outs, sb, rb, ro, off]() mutable {
+                      std::vector<size_t> so;
+                      Tensor packed = packBytes(ins, &so);
+                      Tensor flat = at::empty({static_cast<int64_t>(off)}, at::kByte);
+                      c->allToAllV(packed.data_ptr(), sb, so, flat.data_ptr(), rb, ro);
+                      auto* p = static_cast<const uint8_t*>(flat.data_ptr());
+                      for (size_t i = 0; i < outs.size(); ++i) unpackBytes(p + ro[i], outs[i]);
+                    });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::barrier(const c10d::BarrierOptions&) {
+  pg::Communicator* c = comm_.get();
+  return collective(OpType::BARRIER, "barrier", {}, [c] { c->barrier(); });
+}
+
+// ---------------------------------------------------------------------------------------
+// Point to point
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::send(std::vector<Tensor>& tensors, int dst,
+                                                          int tag) {
+  Check ck(who(), "send");
+  ck.single(tensors, "tensor");
+  ck.rank(dst, size_, "destination rank");
+  pg::Communicator* c = comm_.get();
+  Tensor t = tensors[0];
+  return p2p(OpType::SEND, "send", {dst, tag, 0}, tensors, [c, t, dst, tag](MooncakeWork&) {
+    Staged s = Staged::in(t);
+    c->send(s.data(), s.bytes(), dst, static_cast<uint64_t>(static_cast<int64_t>(tag)));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::recv(std::vector<Tensor>& tensors, int src,
+                                                          int tag) {
+  Check ck(who(), "recv");
+  ck.single(tensors, "tensor");
+  ck.rank(src, size_, "source rank");
+  pg::Communicator* c = comm_.get();
+  Tensor t = tensors[0];
+  return p2p(OpType::RECV, "recv", {src, tag, 1}, tensors, [c, t, src, tag](MooncakeWork& w) {
+    Staged s = Staged::out(t);
+    w.setSourceRank(
+        c->recv(s.data(), s.bytes(), src, static_cast<uint64_t>(static_cast<int64_t>(tag))));
+    s.writeBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::recvAnysource(std::vector<Tensor>& tensors,
+                                                                   int tag) {
+  Check ck(who(), "recvAnysource");
+  ck.single(tensors, "tensor");
+  pg::Communicator* c = comm_.get();
+  Tensor t = tensors[0];
+  return p2p(
+      OpType::RECVANYSOURCE, "recvAnysource", {-1, tag, 1}, tensors, [c, t, tag](MooncakeWork& w) {
+        Staged s = Staged::out(t);
+        w.setSourceRank(
+            c->recv(s.data(), s.bytes(), -1, static_cast<uint64_t>(static_cast<int64_t>(tag))));
+        s.writeBack();
+      });
+}
+
+}  // namespace mooncake::torch_ext

@@ -1,0 +1,153 @@
+// The c10d backend "mooncake": converts c10d calls (tensors, options) into pg::Communicator
+// calls and pg errors into Python-visible exceptions. No algorithm lives here.
+//
+// Pattern (as ProcessGroupGloo): validate on the caller's thread (bad arguments raise
+// ValueError at once) -> build a MooncakeWork -> enqueue the op on the communicator's worker
+// (collectives, in issue order) or on a P2pLanes lane (send/recv) -> return the Work. The
+// op's body stages non-contiguous tensors, calls the communicator, copies results back and
+// completes the Work and its Future on the thread that ran it.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <vector>
+
+#include "pg/communicator.h"
+#include "torch_ext/csrc/compat.h"
+#include "torch_ext/csrc/op_queue.h"
+#include "torch_ext/csrc/p2p_lanes.h"
+
+namespace mooncake::torch_ext {
+
+class StoreRendezvous;
+struct ErrorContext;  // convert.h
+
+// One op in flight. Completion state lives in c10d::Work's own fields (mutex_, cv_,
+// completed_, exception_), so isCompleted/isSuccess/exception are the base class's. Locks
+// name no mutex type (CTAD): mutex_ is a std::mutex in 1.13, a std::timed_mutex later.
+class MooncakeWork : public c10d::Work {
+ public:
+  MooncakeWork(int rank, c10d::OpType type, const char* op, std::shared_ptr<const ErrorContext> ctx,
+               std::vector<at::Tensor> outputs);
+
+  // timeout 0 (kNoTimeout): until the op ends (every op is bounded by the group timeout).
+  bool wait(std::chrono::milliseconds timeout) override;
+  // Created on first use (most ops are only waited on); completed with the output tensors
+  // or the op's error. Completed before wait() returns when it existed by then.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  std::vector<at::Tensor> result() override;
+  int sourceRank() const override;
+
+  // Called once by the thread that ran the op. nullptr = success.
+  void complete(std::exception_ptr error);
+  void setSourceRank(int r) { source_rank_.store(r); }
+  // A collective: wait() may run it on the waiting thread when it is next (see op_queue.h).
+  void setQueued(std::shared_ptr<OpQueue> q, OpQueue::Id id) {
+    queue_ = std::move(q);
+    queue_id_ = id;
+  }
+
+ private:
+  void markFuture(const c10::intrusive_ptr<c10::ivalue::Future>& f, std::exception_ptr e);
+
+  const char* op_;  // a string literal
+  std::shared_ptr<const ErrorContext> ctx_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // guarded by mutex_
+  std::atomic<int> source_rank_{-1};
+  std::shared_ptr<OpQueue> queue_;  // set before the Work is returned, then read-only
+  OpQueue::Id queue_id_ = 0;
+};
+
+struct MooncakeOptions {
+  std::string group_name = "default";
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  // Global rank of each group rank (empty: the identity), for error messages.
+  std::vector<int64_t> global_ranks;
+  size_t buffer_bytes = 0;  // 0: MC_PG_BUFFER_BYTES
+};
+
+class ProcessGroupMooncake : public BackendBase {
+ public:
+  // Collective over the group's ranks: exchanges segments through `store` (the group's
+  // PrefixStore) and returns when every rank is connected. Throws std::runtime_error.
+  ProcessGroupMooncake(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       MooncakeOptions options);
+  ~ProcessGroupMooncake() override;
+
+  const std::string getBackendName() const override { return "mooncake"; }
+  const MooncakeOptions& mooncakeOptions() const { return opts_; }
+  pg::Communicator& communicator() { return *comm_; }
+
+  using Work = c10d::Work;
+  c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
+                                     const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& tensors,
+                                     const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<Work> reduce(std::vector<at::Tensor>& tensors,
+                                  const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                     std::vector<at::Tensor>& inputs,
+                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                               std::vector<at::Tensor>& inputs,
+                                               const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                  std::vector<at::Tensor>& inputs,
+                                  const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<Work> scatter(std::vector<at::Tensor>& outputs,
+                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                   const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                          std::vector<std::vector<at::Tensor>>& inputs,
+                                          const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                         std::vector<int64_t>& output_splits,
+                                         std::vector<int64_t>& input_splits,
+                                         const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& outputs,
+                                    std::vector<at::Tensor>& inputs,
+                                    const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+ private:
+  using Body = std::function<void()>;
+  // Enqueues body on the collective worker; its exceptions become the Work's error.
+  c10::intrusive_ptr<Work> collective(c10d::OpType type, const char* op,
+                                      std::vector<at::Tensor> outputs, Body body);
+  c10::intrusive_ptr<Work> p2p(c10d::OpType type, const char* op, const P2pLanes::Key& lane,
+                               std::vector<at::Tensor> outputs,
+                               std::function<void(MooncakeWork&)> body);
+  int globalRank(int group_rank) const;
+  const std::string& who() const;  // "mooncake rank G (group 'name' rank r/n)"
+
+  MooncakeOptions opts_;
+  std::shared_ptr<const ErrorContext> ectx_;
+  std::shared_ptr<engine::TransferEngine> engine_;
+  std::shared_ptr<StoreRendezvous> rdv_;
+  std::shared_ptr<pg::Communicator> comm_;
+  std::shared_ptr<OpQueue> queue_;   // collectives, in issue order
+  std::unique_ptr<P2pLanes> lanes_;  // declared last: stops first
+};
+
+// The process's one TransferEngine, shared by every group (created on first use, released
+// when the last group goes away).
+std::shared_ptr<engine::TransferEngine> sharedEngine();
+
+}  // namespace mooncake::torch_ext

@@ -1,0 +1,476 @@
+// Python API of the store: mooncake._C.StoreClient (wrapped by mooncake.store.
+// MooncakeDistributedStore) and mooncake._C.ReplicateConfig. Conversions only: every call goes
+// down to store::StoreClient, with the GIL released while it runs. Return conventions are
+// Mooncake Store's: 0 or a byte count on success, a negative ErrorCode value on failure.
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "engine/rendezvous.h"
+#include "store/client/rpc.h"
+#include "store/client/store_client.h"
+#include "torch_ext/csrc/process_group.h"
+
+namespace py = pybind11;
+
+namespace mooncake::torch_ext {
+namespace {
+
+using store::ErrorCode;
+using store::ReplicateConfig;
+constexpr int64_t kNotSetUp = static_cast<int64_t>(ErrorCode::INVALID_PARAMS);
+
+int64_t code(ErrorCode ec) { return static_cast<int64_t>(ec); }
+
+// Tensor objects: a small header (magic, dtype, ndim, shape) followed by the contiguous bytes.
+constexpr uint32_t kTensorMagic = 0x3154434d;  // "MCT1"
+
+class PyStore {
+ public:
+  ~PyStore() { close(); }
+
+  int setup(const std::string& local_hostname, const std::string& /*metadata_server*/,
+            uint64_t global_segment_size, uint64_t /*local_buffer_size*/,
+            const std::string& protocol, const std::string& /*device_name*/,
+            const std::string& master_server_address) {
+    if (client_) return 0;
+    if (int rc = connectRendezvous(master_server_address); rc != 0) return rc;
+    engine::EngineOptions eo;
+    std::random_device rd;
+    eo.name = local_hostname + "-" + std::to_string(getpid()) + "-" + std::to_string(rd() % 100000);
+    // "tcp"/"rdma" name Mooncake's transports; the engine picks per peer (shm on one host),
+    // and MC_TRANSPORT can force one. Anything else is a caller error.
+    if (!protocol.empty() && protocol != "tcp" && protocol != "rdma")
+      return code(ErrorCode::INVALID_PARAMS);
+    auto eng = engine::TransferEngine::create(eo);
+    if (!eng.ok()) return code(ErrorCode::INTERNAL_ERROR);
+    owned_engine_ = std::shared_ptr<engine::TransferEngine>(std::move(eng).value());
+    return makeClient(owned_engine_.get(), nullptr, global_segment_size);
+  }
+
+  // A store over a process group's engine and rendezvous; master embedded on rank 0.
+  // A store over a process group's engine. master_address empty: the group's rendezvous, the
+  // master embedded on rank 0; else a standalone master's host:port (its rendezvous).
+  int setupFromGroup(py::object group, uint64_t segment_size, const std::string& master_address) {
+    ProcessGroupMooncake* pg = group.cast<ProcessGroupMooncake*>();
+    group_ = group;
+    pg::Communicator& comm = pg->communicator();
+    engine::TransferEngine* eng = &comm.engine();
+    py::gil_scoped_release nogil;
+    if (!master_address.empty()) {
+      int rc = connectRendezvous(master_address);
+      if (rc != 0) return rc;
+      return makeClient(eng, nullptr, segment_size);
+    }
+    rdv_ = comm.rendezvous();
+    if (comm.rank() == 0) {
+      master_ = std::make_unique<store::MasterService>();
+      master_->startBackground(std::chrono::milliseconds(500));
+      server_ = std::make_unique<store::MasterRpcServer>(eng, master_.get());
+      if (!server_->publish(*rdv_).ok()) return code(ErrorCode::RPC_FAIL);
+    }
+    return makeClient(eng, master_.get(), segment_size);
+  }
+
+  void close() {
+    client_.reset();
+    server_.reset();
+    if (master_) master_->stopBackground();
+    master_.reset();
+    owned_engine_.reset();
+    rdv_.reset();
+    if (group_) {
+      py::gil_scoped_acquire gil;
+      group_ = py::object();
+    }
+  }
+
+  store::StoreClient* c() { return client_.get(); }
+  std::string hostname() const { return client_ ? client_->clientId() : std::string(); }
+
+ private:
+  int connectRendezvous(const std::string& address) {
+    auto colon = address.rfind(':');
+    if (colon == std::string::npos || colon == 0) return code(ErrorCode::INVALID_PARAMS);
+    std::string host = address.substr(0, colon);
+    int port = std::atoi(address.c_str() + colon + 1);
+    if (port <= 0 || port > 65535) return code(ErrorCode::INVALID_PARAMS);
+    auto rdv = engine::TcpRendezvousClient::connect(host, static_cast<uint16_t>(port),
+                                                    engine::deadlineInMs(10000));
+    if (!rdv.ok()) return code(ErrorCode::RPC_FAIL);
+    rdv_ = std::shared_ptr<engine::Rendezvous>(std::move(rdv).value());
+    return 0;
+  }
+
+  int makeClient(engine::TransferEngine* eng, store::MasterService* local, uint64_t seg) {
+    store::StoreClientOptions so;
+    so.segment_size = seg;
+    auto c = store::StoreClient::create(eng, rdv_.get(), local, so);
+    if (!c.ok()) return code(c.error());
+    client_ = std::move(c).value();
+    return 0;
+  }
+
+  std::shared_ptr<engine::TransferEngine> owned_engine_;
+  std::shared_ptr<engine::Rendezvous> rdv_;
+  std::unique_ptr<store::MasterService> master_;
+  std::unique_ptr<store::MasterRpcServer> server_;
+  std::unique_ptr<store::StoreClient> client_;
+  py::object group_;
+};
+
+ReplicateConfig cfgOf(const py::object& o) {
+  if (o.is_none()) return ReplicateConfig{};
+  return o.cast<ReplicateConfig>();
+}
+
+std::string_view viewOf(const py::buffer& b, py::buffer_info* keep) {
+  *keep = b.request();
+  return std::string_view(static_cast<const char*>(keep->ptr),
+                          static_cast<size_t>(keep->size * keep->itemsize));
+}
+
+template <typename T>
+int64_t valueOr(const store::ErrorOr<T>& r) {
+  return r.ok() ? static_cast<int64_t>(*r) : code(r.error());
+}
+
+}  // namespace
+
+void registerStoreApis(py::module_& m) {
+  py::class_<ReplicateConfig>(m, "ReplicateConfig", "Mooncake's replication settings of a put.")
+      .def(py::init<>())
+      .def_readwrite("replica_num", &ReplicateConfig::replica_num)
+      .def_readwrite("with_soft_pin", &ReplicateConfig::with_soft_pin)
+      .def_readwrite("with_hard_pin", &ReplicateConfig::with_hard_pin)
+      .def_readwrite("preferred_segment", &ReplicateConfig::preferred_segment)
+      .def("__repr__", [](const ReplicateConfig& c) {
+        return "ReplicateConfig(replica_num=" + std::to_string(c.replica_num) +
+               ", with_soft_pin=" + (c.with_soft_pin ? "True" : "False") +
+               ", with_hard_pin=" + (c.with_hard_pin ? "True" : "False") + ", preferred_segment='" +
+               c.preferred_segment + "')";
+      });
+
+  using Nogil = py::call_guard<py::gil_scoped_release>;
+  py::class_<PyStore>(m, "StoreClient", "Native store client; use mooncake.store.")
+      .def(py::init<>())
+      .def("setup", &PyStore::setup, Nogil())
+      .def("setup_from_group", &PyStore::setupFromGroup)
+      .def("close",
+           [](PyStore& s) {
+             py::gil_scoped_release nogil;
+             s.close();
+           })
+      .def("get_hostname", &PyStore::hostname)
+      .def("is_setup", [](PyStore& s) { return s.c() != nullptr; })
+      .def(
+          "put",
+          [](PyStore& s, const std::string& key, py::buffer value, py::object cfg) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            py::buffer_info keep;
+            auto v = viewOf(value, &keep);
+            ReplicateConfig c = cfgOf(cfg);
+            py::gil_scoped_release nogil;
+            return code(s.c()->put(key, v.data(), v.size(), c));
+          },
+          py::arg("key"), py::arg("value"), py::arg("config") = py::none())
+      .def("put_parts",
+           [](PyStore& s, const std::string& key, std::vector<py::buffer> parts,
+              py::object cfg) -> int64_t {
+             if (!s.c()) return kNotSetUp;
+             std::vector<py::buffer_info> keep(parts.size());
+             std::vector<std::pair<const void*, size_t>> ps;
+             for (size_t i = 0; i < parts.size(); ++i) {
+               auto v = viewOf(parts[i], &keep[i]);
+               ps.emplace_back(v.data(), v.size());
+             }
+             ReplicateConfig c = cfgOf(cfg);
+             py::gil_scoped_release nogil;
+             return code(s.c()->putParts(key, ps, c));
+           })
+      .def("put_batch",
+           [](PyStore& s, const std::vector<std::string>& keys, std::vector<py::buffer> values,
+              py::object cfg) -> int64_t {
+             if (!s.c()) return kNotSetUp;
+             if (keys.size() != values.size()) return code(ErrorCode::INVALID_PARAMS);
+             std::vector<py::buffer_info> keep(values.size());
+             std::vector<std::pair<const void*, size_t>> vs;
+             for (size_t i = 0; i < values.size(); ++i) {
+               auto v = viewOf(values[i], &keep[i]);
+               vs.emplace_back(v.data(), v.size());
+             }
+             ReplicateConfig c = cfgOf(cfg);
+             py::gil_scoped_release nogil;
+             for (ErrorCode ec : s.c()->batchPut(keys, vs, c))
+               if (ec != ErrorCode::OK) return code(ec);
+             return 0;
+           })
+      .def("get",
+           [](PyStore& s, const std::string& key) -> py::bytes {
+             if (!s.c()) return py::bytes("");
+             store::ErrorOr<std::string> r(ErrorCode::INTERNAL_ERROR);
+             {
+               py::gil_scoped_release nogil;
+               r = s.c()->get(key);
+             }
+             return r.ok() ? py::bytes(*r) : py::bytes("");
+           })
+      .def("get_batch",
+           [](PyStore& s, const std::vector<std::string>& keys) -> py::list {
+             py::list out;
+             if (!s.c()) {
+               for (size_t i = 0; i < keys.size(); ++i) out.append(py::bytes(""));
+               return out;
+             }
+             std::vector<store::ErrorOr<std::string>> r;
+             {
+               py::gil_scoped_release nogil;
+               r = s.c()->batchGet(keys);
+             }
+             for (auto& x : r) out.append(x.ok() ? py::bytes(*x) : py::bytes(""));
+             return out;
+           })
+      .def(
+          "register_buffer",
+          [](PyStore& s, uintptr_t ptr, size_t size) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            return code(s.c()->registerBuffer(reinterpret_cast<void*>(ptr), size));
+          },
+          Nogil())
+      .def(
+          "unregister_buffer",
+          [](PyStore& s, uintptr_t ptr) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            return code(s.c()->unregisterBuffer(reinterpret_cast<void*>(ptr)));
+          },
+          Nogil())
+      .def(
+          "put_from",
+          [](PyStore& s, const std::string& key, uintptr_t ptr, size_t size,
+             const ReplicateConfig& c) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            if (!s.c()->isRegistered(reinterpret_cast<void*>(ptr), size))
+              return code(ErrorCode::INVALID_PARAMS);
+            return code(s.c()->put(key, reinterpret_cast<void*>(ptr), size, c));
+          },
+          Nogil())
+      .def(
+          "get_into",
+          [](PyStore& s, const std::string& key, uintptr_t ptr, size_t size) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            if (!s.c()->isRegistered(reinterpret_cast<void*>(ptr), size))
+              return code(ErrorCode::INVALID_PARAMS);
+            return valueOr(s.c()->getInto(key, reinterpret_cast<void*>(ptr), size));
+          },
+          Nogil())
+      .def(
+          "batch_put_from",
+          [](PyStore& s, const std::vector<std::string>& keys, const std::vector<uintptr_t>& ptrs,
+             const std::vector<size_t>& sizes, const ReplicateConfig& c) -> std::vector<int64_t> {
+            std::vector<int64_t> out(keys.size(), kNotSetUp);
+            if (!s.c()) return out;
+            if (ptrs.size() != keys.size() || sizes.size() != keys.size()) {
+              std::fill(out.begin(), out.end(), code(ErrorCode::INVALID_PARAMS));
+              return out;
+            }
+            std::vector<std::pair<const void*, size_t>> vs;
+            for (size_t i = 0; i < keys.size(); ++i) {
+              bool reg = s.c()->isRegistered(reinterpret_cast<void*>(ptrs[i]), sizes[i]);
+              // An unregistered buffer fails its own key only.
+              vs.emplace_back(reg ? reinterpret_cast<void*>(ptrs[i]) : nullptr, sizes[i]);
+            }
+            auto r = s.c()->batchPut(keys, vs, c);
+            for (size_t i = 0; i < keys.size(); ++i) out[i] = code(r[i]);
+            return out;
+          },
+          Nogil())
+      .def(
+          "batch_get_into",
+          [](PyStore& s, const std::vector<std::string>& keys, const std::vector<uintptr_t>& ptrs,
+             const std::vector<size_t>& sizes) -> std::vector<int64_t> {
+            std::vector<int64_t> out(keys.size(), kNotSetUp);
+            if (!s.c()) return out;
+            if (ptrs.size() != keys.size() || sizes.size() != keys.size()) {
+              std::fill(out.begin(), out.end(), code(ErrorCode::INVALID_PARAMS));
+              return out;
+            }
+            std::vector<std::pair<void*, size_t>> bufs;
+            for (size_t i = 0; i < keys.size(); ++i) {
+              bool reg = s.c()->isRegistered(reinterpret_cast<void*>(ptrs[i]), sizes[i]);
+              bufs.emplace_back(reg ? reinterpret_cast<void*>(ptrs[i]) : nullptr, sizes[i]);
+            }
+            auto r = s.c()->batchGetInto(keys, bufs);
+            for (size_t i = 0; i < keys.size(); ++i) out[i] = valueOr(r[i]);
+            return out;
+          },
+          Nogil())
+      .def(
+          "batch_put_from_multi_buffers",
+          [](PyStore& s, const std::vector<std::string>& keys,
+             const std::vector<std::vector<uintptr_t>>& ptrs,
+             const std::vector<std::vector<size_t>>& sizes,
+             const ReplicateConfig& c) -> std::vector<int64_t> {
+            // Each key's object is the concatenation of its buffers.
+            std::vector<int64_t> out(keys.size(), kNotSetUp);
+            if (!s.c()) return out;
+            for (size_t i = 0; i < keys.size(); ++i) {
+              if (i >= ptrs.size() || i >= sizes.size() || ptrs[i].size() != sizes[i].size()) {
+                out[i] = code(ErrorCode::INVALID_PARAMS);
+                continue;
+              }
+              std::vector<std::pair<const void*, size_t>> parts;
+              bool reg = true;
+              for (size_t j = 0; j < ptrs[i].size(); ++j) {
+                reg = reg && s.c()->isRegistered(reinterpret_cast<void*>(ptrs[i][j]), sizes[i][j]);
+                parts.emplace_back(reinterpret_cast<void*>(ptrs[i][j]), sizes[i][j]);
+              }
+              out[i] =
+                  reg ? code(s.c()->putParts(keys[i], parts, c)) : code(ErrorCode::INVALID_PARAMS);
+            }
+            return out;
+          },
+          Nogil())
+      .def(
+          "batch_get_into_multi_buffers",
+          [](PyStore& s, const std::vector<std::string>& keys,
+             const std::vector<std::vector<uintptr_t>>& ptrs,
+             const std::vector<std::vector<size_t>>& sizes) -> std::vector<int64_t> {
+            // The object is scattered over the key's buffers in order; returns bytes read.
+            std::vector<int64_t> out(keys.size(), kNotSetUp);
+            if (!s.c()) return out;
+            for (size_t i = 0; i < keys.size(); ++i) {
+              if (i >= ptrs.size() || i >= sizes.size() || ptrs[i].size() != sizes[i].size()) {
+                out[i] = code(ErrorCode::INVALID_PARAMS);
+                continue;
+              }
+              if (ptrs[i].size() == 1) {
+                out[i] = s.c()->isRegistered(reinterpret_cast<void*>(ptrs[i][0]), sizes[i][0])
+                             ? valueOr(s.c()->getInto(keys[i], reinterpret_cast<void*>(ptrs[i][0]),
+                                                      sizes[i][0]))
+                             : code(ErrorCode::INVALID_PARAMS);
+                continue;
+              }
+              size_t cap = 0;
+              for (size_t n : sizes[i]) cap += n;
+              auto r = s.c()->get(keys[i]);
+              if (!r.ok()) {
+                out[i] = code(r.error());
+                continue;
+              }
+              if (r->size() > cap) {
+                out[i] = code(ErrorCode::BUFFER_OVERFLOW);
+                continue;
+              }
+              size_t off = 0;
+              for (size_t j = 0; j < ptrs[i].size() && off < r->size(); ++j) {
+                size_t n = std::min(sizes[i][j], r->size() - off);
+                std::memcpy(reinterpret_cast<void*>(ptrs[i][j]), r->data() + off, n);
+                off += n;
+              }
+              out[i] = static_cast<int64_t>(r->size());
+            }
+            return out;
+          },
+          Nogil())
+      .def(
+          "is_exist",
+          [](PyStore& s, const std::string& key) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            auto r = s.c()->exists(key);
+            return r.ok() ? (*r ? 1 : 0) : code(r.error());
+          },
+          Nogil())
+      .def(
+          "batch_is_exist",
+          [](PyStore& s, const std::vector<std::string>& keys) {
+            std::vector<int64_t> out(keys.size(), kNotSetUp);
+            if (!s.c()) return out;
+            auto r = s.c()->batchExists(keys);
+            for (size_t i = 0; i < keys.size(); ++i)
+              out[i] = r[i].ok() ? (*r[i] ? 1 : 0) : code(r[i].error());
+            return out;
+          },
+          Nogil())
+      .def(
+          "get_size",
+          [](PyStore& s, const std::string& key) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            return valueOr(s.c()->getSize(key));
+          },
+          Nogil())
+      .def(
+          "remove",
+          [](PyStore& s, const std::string& key, bool force) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            return code(s.c()->remove(key, force));
+          },
+          py::arg("key"), py::arg("force") = false, Nogil())
+      .def(
+          "remove_by_regex",
+          [](PyStore& s, const std::string& re, bool force) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            return valueOr(s.c()->removeByRegex(re, force));
+          },
+          py::arg("regex"), py::arg("force") = false, Nogil())
+      .def(
+          "remove_all",
+          [](PyStore& s, bool force) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            return valueOr(s.c()->removeAll(force));
+          },
+          py::arg("force") = false, Nogil())
+      .def(
+          "put_tensor",
+          [](PyStore& s, const std::string& key, const at::Tensor& t, py::object cfg) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            if (!t.device().is_cpu()) return code(ErrorCode::INVALID_PARAMS);
+            at::Tensor ct = t.contiguous();
+            std::string header;
+            auto add = [&](const void* p, size_t n) {
+              header.append(static_cast<const char*>(p), n);
+            };
+            uint32_t magic = kTensorMagic, dtype = static_cast<uint32_t>(ct.scalar_type()),
+                     ndim = static_cast<uint32_t>(ct.dim());
+            add(&magic, 4);
+            add(&dtype, 4);
+            add(&ndim, 4);
+            for (int64_t d : ct.sizes()) add(&d, 8);
+            ReplicateConfig c = cfgOf(cfg);
+            size_t nbytes = static_cast<size_t>(ct.numel()) * ct.element_size();
+            py::gil_scoped_release nogil;
+            return code(
+                s.c()->putParts(key, {{header.data(), header.size()}, {ct.data_ptr(), nbytes}}, c));
+          },
+          py::arg("key"), py::arg("tensor"), py::arg("config") = py::none())
+      .def("get_tensor", [](PyStore& s, const std::string& key) -> py::object {
+        if (!s.c()) return py::none();
+        store::ErrorOr<std::string> r(ErrorCode::INTERNAL_ERROR);
+        {
+          py::gil_scoped_release nogil;
+          r = s.c()->get(key);
+        }
+        if (!r.ok() || r->size() < 12) return py::none();
+        const char* p = r->data();
+        uint32_t magic, dtype, ndim;
+        std::memcpy(&magic, p, 4);
+        std::memcpy(&dtype, p + 4, 4);
+        std::memcpy(&ndim, p + 8, 4);
+        if (magic != kTensorMagic || ndim > 64 || r->size() < 12 + 8ull * ndim) return py::none();
+        std::vector<int64_t> shape(ndim);
+        std::memcpy(shape.data(), p + 12, 8ull * ndim);
+        at::Tensor t =
+            at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)));
+        size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
+        if (r->size() != 12 + 8ull * ndim + nbytes) return py::none();
+        std::memcpy(t.data_ptr(), p + 12 + 8ull * ndim, nbytes);
+        return py::cast(t);
+      });
+
+  m.attr("STORE_MASTER_NAME") = py::str(store::kMasterName);
+}
+
+}  // namespace mooncake::torch_ext

@@ -1,0 +1,253 @@
+"""Expert-parallel dispatch/combine (DeepEP's low-latency and normal modes) on a mooncake
+process group.
+
+    import torch.distributed as dist
+    import mooncake
+    from mooncake.ep import Buffer
+
+    dist.init_process_group("mooncake")
+    nbytes = Buffer.get_ep_buffer_size_hint(M, H, R, E)
+    buf = Buffer(dist.group.WORLD, num_ep_buffer_bytes=nbytes)
+    recv_x, recv_count, handle, event, hook = buf.dispatch(
+        x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank=M, num_experts=E)
+    out, event, hook = buf.combine(y, topk_idx, topk_weights, active_ranks, timeout_us, handle)
+
+The buffer is allocated once from the group's transfer engine (registered memory) and
+every rank writes the rows it sends straight into the destination's buffer (one copy per
+token on one host). Every rank must call dispatch/combine in the same order with the same
+M, H, E and dtype. Only CPU tensors are supported in this build (the CUDA kernels are a
+later addition behind the same buffer layout); ``use_fp8`` raises ValueError.
+
+Failure awareness (low-latency mode): ``active_ranks`` (int32 [R], 1 = active) is updated
+in place: a rank that sends nothing within ``timeout_us`` is set to 0, counted as having
+sent no tokens and skipped by combine; ranks already 0 are neither sent to nor waited for.
+"""
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = ["Buffer", "EpHandle", "NormalHandle", "dispatch_autograd", "combine_autograd"]
+
+DEFAULT_TIMEOUT_US = 10_000_000
+
+
+def _mooncake_backend(group):
+    """The _C.ProcessGroupMooncake behind a torch.distributed group."""
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    if isinstance(group, _C.ProcessGroupMooncake):
+        return group
+    get_backend = getattr(group, "_get_backend", None)  # torch >= 2.1: facade over backends
+    if get_backend is not None:
+        try:
+            b = get_backend(torch.device("cpu"))
+        except RuntimeError:
+            b = None
+        if isinstance(b, _C.ProcessGroupMooncake):
+            return b
+    raise ValueError("mooncake.ep.Buffer needs a process group created with backend "
+                     f"'mooncake', got {type(group).__name__}")
+
+
+class EpHandle(tuple):
+    """Low-latency dispatch handle: (src_info, layout_range, M, H, E)."""
+
+    __slots__ = ()
+
+    def __new__(cls, src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+                num_experts):
+        return super().__new__(cls, (src_info, layout_range, num_max_dispatch_tokens_per_rank,
+                                     hidden, num_experts))
+
+
+class NormalHandle(tuple):
+    """Normal-mode dispatch handle: (is_token_in_rank [T, R] bool, recv_counts int32 [R],
+    recv_src_idx int32 [N], recv_topk_idx, recv_topk_weights, num_experts)."""
+
+    __slots__ = ()
+
+    def __new__(cls, is_token_in_rank, recv_counts, recv_src_idx, recv_topk_idx,
+                recv_topk_weights, num_experts):
+        return super().__new__(cls, (is_token_in_rank, recv_counts, recv_src_idx, recv_topk_idx,
+                                     recv_topk_weights, num_experts))
+
+    is_token_in_rank = property(lambda self: self[0])
+    recv_counts = property(lambda self: self[1])
+    recv_src_idx = property(lambda self: self[2])
+    recv_topk_idx = property(lambda self: self[3])
+    recv_topk_weights = property(lambda self: self[4])
+    num_experts = property(lambda self: self[5])
+
+
+class Buffer:
+    """An EP buffer on a mooncake process group (collective: every rank constructs it)."""
+
+    def __init__(self, group=None, num_ep_buffer_bytes=None):
+        backend = _mooncake_backend(group)
+        if num_ep_buffer_bytes is None:
+            raise ValueError("num_ep_buffer_bytes is required (Buffer.get_ep_buffer_size_hint)")
+        self.group = group
+        self._backend = backend  # keeps the group's communicator and engine alive
+        self._impl = _C.EpBuffer(backend, int(num_ep_buffer_bytes))
+        self.rank = self._impl.rank
+        self.group_size = self._impl.group_size
+        self.num_ep_buffer_bytes = self._impl.num_bytes
+
+    @staticmethod
+    def get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                num_experts):
+        """Bytes a Buffer needs for low-latency calls with these bounds (either dtype)."""
+        return _C.EpBuffer.size_hint(int(num_max_dispatch_tokens_per_rank), int(hidden),
+                                     int(num_ranks), int(num_experts))
+
+    def is_mapped(self, rank):
+        """True when `rank`'s buffer is reached by direct stores (same host)."""
+        return self._impl.is_mapped(rank)
+
+    # ---- low-latency mode ----
+    def dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+                 num_experts, timeout_us=DEFAULT_TIMEOUT_US, use_fp8=False, async_finish=False,
+                 return_recv_hook=False):
+        """Sends each token once to each of its experts.
+
+        Returns (recv_x [L, R*M, H], recv_count int32 [L], handle, event, hook). For local
+        expert l, rows [0, recv_count[l]) hold one contiguous block per active source rank
+        r at handle's layout_range[l][r] = (begin << 32) | count; src_info[l][i] is the
+        source token index. With async_finish the outputs are filled once event.wait()
+        returns; with return_recv_hook the call only sends and hook() receives.
+        """
+        M, E = int(num_max_dispatch_tokens_per_rank), int(num_experts)
+        recv_x, recv_count, src_info, layout, event, hook = self._impl.dispatch(
+            x, topk_idx, active_ranks, M, E, int(timeout_us), bool(use_fp8), bool(async_finish),
+            bool(return_recv_hook))
+        handle = EpHandle(src_info, layout, M, int(x.shape[1]), E)
+        return recv_x, recv_count, handle, event, hook
+
+    def combine(self, y, topk_idx, topk_weights, active_ranks, timeout_us, handle,
+                async_finish=False, return_recv_hook=False, out=None):
+        """out[t] = sum over k (ascending) with topk_idx[t][k] >= 0 and its owner active of
+        topk_weights[t][k] * y_owner[row of t], accumulated in float32, rounded once.
+
+        Returns (out [T, H], event, hook).
+        """
+        src_info, layout, M, H, E = handle
+        return self._impl.combine(y, topk_idx, topk_weights, active_ranks,
+                                  int(DEFAULT_TIMEOUT_US if timeout_us is None else timeout_us),
+                                  src_info, layout, int(M), int(H), int(E), bool(async_finish),
+                                  bool(return_recv_hook), out)
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
+        is_token_in_rank bool [T, R])."""
+        return self._impl.get_dispatch_layout(topk_idx, int(num_experts))
+
+    # ---- normal mode ----
+    def normal_dispatch(self, x, topk_idx, topk_weights, num_experts, expert_alignment=1,
+                        handle=None):
+        """Sends each token once to each rank holding one of its experts.
+
+        Returns (recv_x [N, H], recv_topk_idx int64 [N, K] (local expert id or -1),
+        recv_topk_weights float32 [N, K] (0 where -1), num_recv_per_expert int32 [L]
+        (aligned up to expert_alignment), handle). Rows are ordered by source rank, then
+        token index. With `handle` (a NormalHandle) and topk_idx None, routes x along that
+        earlier dispatch (a cached dispatch, as combine's backward uses); topk_weights, if
+        given, then pass through unmasked.
+        """
+        if handle is not None and topk_idx is None:
+            in_rank, E = handle.is_token_in_rank, handle.num_experts
+        else:
+            in_rank, E = None, int(num_experts)
+        recv_x, recv_topk, recv_w, per_expert, recv_src, counts, in_rank = \
+            self._impl.normal_dispatch(x, topk_idx, topk_weights, E, int(expert_alignment),
+                                       in_rank)
+        h = NormalHandle(in_rank, counts, recv_src, recv_topk, recv_w, E)
+        return recv_x, recv_topk, recv_w, per_expert, h
+
+    def normal_combine(self, y, handle, topk_weights=None):
+        """Sums, for every token this rank dispatched, the rows of every rank that received
+        it (no weights; float32 in ascending rank order, rounded once).
+
+        Returns (out [T, H], out_topk_weights [T, K]): the received weights (the handle's, or
+        `topk_weights` [N, K]) summed the same way; None when there are none.
+        """
+        w = handle.recv_topk_weights if topk_weights is None else topk_weights
+        return self._impl.normal_combine(y, handle.recv_counts, handle.is_token_in_rank, w)
+
+
+# ---- autograd (normal mode): backward of dispatch is combine and vice versa ----
+
+class _NormalDispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, buffer, topk_idx, num_experts, expert_alignment, box):
+        recv_x, recv_topk, recv_w, per_expert, handle = buffer.normal_dispatch(
+            x, topk_idx, topk_weights, num_experts, expert_alignment)
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.has_weights = topk_weights is not None
+        ctx.shape_x, ctx.dtype_x = x.shape, x.dtype
+        box.append(handle)
+        outs = [recv_x, recv_topk, recv_w, per_expert]
+        ctx.mark_non_differentiable(*[t for t in (recv_topk, per_expert) if t is not None])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, _g_topk, grad_recv_w, _g_per_expert):
+        h = ctx.handle
+        if grad_recv_x is None:
+            grad_recv_x = torch.zeros((h.recv_src_idx.numel(), ctx.shape_x[1]), dtype=ctx.dtype_x)
+        w = None
+        if ctx.has_weights:
+            if grad_recv_w is None:
+                grad_recv_w = torch.zeros_like(h.recv_topk_weights)
+            # The weights of other ranks' experts were the constant 0: no gradient.
+            w = grad_recv_w * (h.recv_topk_idx >= 0).to(grad_recv_w.dtype)
+            w = w.contiguous()
+        grad_x, grad_w = ctx.buffer.normal_combine(grad_recv_x.contiguous(), h, topk_weights=w)
+        if not ctx.has_weights:
+            grad_w = None
+        return grad_x, grad_w, None, None, None, None, None
+
+
+class _NormalCombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, recv_topk_weights, buffer, handle):
+        out, out_w = buffer.normal_combine(y, handle, topk_weights=recv_topk_weights)
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.has_weights = recv_topk_weights is not None
+        ctx.y_dtype, ctx.hidden = y.dtype, y.shape[1]
+        return out, out_w
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_out_w):
+        h = ctx.handle
+        T = h.is_token_in_rank.shape[0]
+        if grad_out is None:
+            grad_out = torch.zeros((T, ctx.hidden), dtype=ctx.y_dtype)
+        w = None
+        if ctx.has_weights:
+            w = grad_out_w if grad_out_w is not None else torch.zeros(
+                (T, h.recv_topk_weights.shape[1]), dtype=torch.float32)
+            w = w.contiguous()
+        grad_y, _, grad_w, _, _ = ctx.buffer.normal_dispatch(
+            grad_out.contiguous(), None, w, h.num_experts, handle=h)
+        return grad_y, (grad_w if ctx.has_weights else None), None, None
+
+
+def dispatch_autograd(buffer, x, topk_idx, topk_weights, num_experts, expert_alignment=1):
+    """normal_dispatch with autograd: returns (recv_x, recv_topk_idx, recv_topk_weights,
+    num_recv_per_expert, handle); gradients of recv_x / recv_topk_weights flow back to x /
+    topk_weights through normal_combine."""
+    box = []
+    recv_x, recv_topk, recv_w, per_expert = _NormalDispatchFn.apply(
+        x, topk_weights, buffer, topk_idx, num_experts, expert_alignment, box)
+    return recv_x, recv_topk, recv_w, per_expert, box[0]
+
+
+def combine_autograd(buffer, y, handle, recv_topk_weights=None):
+    """normal_combine with autograd: returns (out, out_topk_weights); the gradient of out
+    flows back to y (and of out_topk_weights to recv_topk_weights) through a cached
+    normal_dispatch along the handle's routes."""
+    if recv_topk_weights is None:
+        recv_topk_weights = handle.recv_topk_weights
+    return _NormalCombineFn.apply(y, recv_topk_weights, buffer, handle)
