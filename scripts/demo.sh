@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Builds the project (scripts/setup.sh), then runs the two-process transfer-engine demo:
-# for shm and then tcp, write a pattern into a peer process's buffer, read it back, check
-# it byte for byte, round-trip notifications, and print what was measured.
-# Extra arguments go to te_demo (e.g. --bytes 16M). Works from any directory.
+# The main job: builds the project (scripts/setup.sh), then
+#   1. a torchrun job of 2 ranks with backend "mooncake" that runs the collectives, checks
+#      their results against gloo and prints a side-by-side timing table;
+#   2. the two-process transfer-engine demo (shm and tcp: write, read back, notify).
+# Extra arguments go to the torch demo (e.g. --quick). Works from any directory.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 bash scripts/setup.sh
-exec build/benchmarks/te_demo "$@"
+echo "== torch.distributed backend \"mooncake\" vs gloo (torchrun, 2 ranks) =="
+/usr/bin/python3 -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
+  --master_port "$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" \
+  scripts/demo_torch.py "$@"
+echo
+echo "== transfer engine: two processes over shm and tcp =="
+build/benchmarks/te_demo
