@@ -156,7 +156,9 @@ int reapStaleShm(const std::string& prefix) {
     if (shm_unlink(("/" + n).c_str()) == 0) ++removed;
   }
   closedir(d);
-  if (removed > 0) MC_LOG(INFO, ENGINE) << "removed " << removed << " stale shm files";
+  if (removed > 0) {
+    MC_LOG(INFO, ENGINE) << "removed " << removed << " stale shm files";
+  }
   return removed;
 }
 
