@@ -1,7 +1,5 @@
 #include "ep/buffer.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <cstring>
 #include <random>
@@ -18,6 +16,9 @@ namespace mooncake::ep {
 namespace {
 
 using engine::Clock;
+
+// How long signals of a peer already seen dead are still awaited (see waitSources).
+constexpr auto kDeadPeerGrace = std::chrono::milliseconds(100);
 
 [[noreturn]] void invalid(const std::string& op, const std::string& what) {
   throw std::invalid_argument(op + ": " + what);
@@ -73,9 +74,7 @@ void EpBuffer::setUp(size_t bytes) {
   auto mem = eng.allocate(bytes);
   if (!mem.ok())
     throw std::runtime_error(str("ep.Buffer: allocating ", bytes,
-                                 " bytes of registered memory "
-                                 "failed: ",
-                                 mem.status().toString()));
+                                 " bytes of registered memory failed: ", mem.status().toString()));
   base_ = static_cast<char*>(*mem);
 
   // One exchange: key candidate, base address, size and this rank's segment descriptor
@@ -156,6 +155,9 @@ void EpBuffer::waitSources(std::vector<int>& pending, engine::Deadline deadline,
                            const std::function<void(int)>& on_silent) {
   const auto spin_end = Clock::now() + std::chrono::microseconds(spin_us_);
   auto next_liveness = Clock::now() + std::chrono::milliseconds(1);
+  // A peer seen dead may have sent everything just before it went: its signal message can
+  // still be queued in this engine behind the notice of its death. Wait a grace period.
+  std::vector<Clock::time_point> dead_since(g_.size, Clock::time_point::max());
   while (!pending.empty()) {
     uint32_t bell = doorbell()->load(std::memory_order_acquire);
     bool progress = false;
@@ -178,8 +180,10 @@ void EpBuffer::waitSources(std::vector<int>& pending, engine::Deadline deadline,
     if (now >= next_liveness) {
       next_liveness = now + std::chrono::milliseconds(1);
       for (size_t i = 0; i < pending.size();) {
-        if (peerDead(pending[i])) {
-          on_silent(pending[i]);
+        const int r = pending[i];
+        if (dead_since[r] == Clock::time_point::max() && peerDead(r)) dead_since[r] = now;
+        if (dead_since[r] != Clock::time_point::max() && now - dead_since[r] >= kDeadPeerGrace) {
+          on_silent(r);
           pending.erase(pending.begin() + static_cast<long>(i));
         } else {
           ++i;
@@ -188,7 +192,9 @@ void EpBuffer::waitSources(std::vector<int>& pending, engine::Deadline deadline,
       continue;
     }
     if (now < spin_end) {
+#if defined(__x86_64__) || defined(__i386__)
       __builtin_ia32_pause();
+#endif
       continue;
     }
     auto slice = std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(1));
@@ -233,16 +239,15 @@ void EpBuffer::runSync(const std::function<void()>& fn) {
 void EpBuffer::workerLoop() {
   std::unique_lock<std::mutex> g(q_mu_);
   for (;;) {
-    q_cv_.wait(g, [&] { return q_stop_ || (!q_.empty() && !q_busy_); });
-    if (q_.empty()) {
-      if (q_stop_) return;
-      continue;
-    }
-    auto fn = std::move(q_.front());
+    // Drains the queue before stopping (tasks enqueued before destruction still run).
+    q_cv_.wait(g, [&] { return (q_stop_ && q_.empty()) || (!q_.empty() && !q_busy_); });
+    if (q_.empty()) return;
+    std::function<void()> fn = std::move(q_.front());
     q_.pop_front();
     q_busy_ = true;
     g.unlock();
-    fn();  // a packaged_task: exceptions land in its future
+    fn();          // a packaged_task: exceptions land in its future
+    fn = nullptr;  // releases the task's tensors outside the lock
     g.lock();
     q_busy_ = false;
     q_cv_.notify_all();

@@ -15,10 +15,11 @@
 // the same order with the same M, H, E, K and dtype (as DeepEP).
 //
 // Failure (low-latency mode, Mooncake EP's active_ranks model). A source rank whose
-// signals do not all carry this round by timeout_us, or whose engine peer is dead, is set
-// to 0 in the caller's active_ranks and counted as having sent nothing; ranks already 0
-// are neither sent to nor waited for; combine skips owners that are 0. Normal mode has no
-// mask: a silent rank makes it throw std::runtime_error after MC_EP_TIMEOUT_MS.
+// signals do not all carry this round by timeout_us, or 100 ms after its engine peer was
+// seen dead, is set to 0 in the caller's active_ranks and counted as having sent nothing;
+// ranks already 0 are neither sent to nor waited for; combine skips owners that are 0.
+// Normal mode has no mask: a silent rank makes it throw std::runtime_error after
+// MC_EP_TIMEOUT_MS.
 //
 // Errors: std::invalid_argument for bad arguments, detected before anything is sent;
 // std::runtime_error for protocol/transport failures.

@@ -16,8 +16,18 @@ namespace {
 
 std::vector<float> specialValues() {
   const float inf = std::numeric_limits<float>::infinity();
-  return {0.0f, -0.0f, 1.0f, -1.0f, inf, -inf, std::nanf(""), 1.00390625f /* bf16 tie */,
-          3.0e38f, -3.0e38f, 1e-40f /* subnormal */, 65504.0f};
+  return {0.0f,
+          -0.0f,
+          1.0f,
+          -1.0f,
+          inf,
+          -inf,
+          std::nanf(""),
+          1.00390625f /* bf16 tie */,
+          3.0e38f,
+          -3.0e38f,
+          1e-40f /* subnormal */,
+          65504.0f};
 }
 
 template <typename E>
@@ -85,8 +95,8 @@ TEST(EpKernels, CombineRowsIsBitExact) {
 }
 
 TEST(EpKernels, Bf16Rounding) {
-  EXPECT_EQ(floatToBf16(1.00390625f), 0x3f80);   // tie: to even (down)
-  EXPECT_EQ(floatToBf16(1.01171875f), 0x3f82);   // tie: to even (up)
+  EXPECT_EQ(floatToBf16(1.00390625f), 0x3f80);  // tie: to even (down)
+  EXPECT_EQ(floatToBf16(1.01171875f), 0x3f82);  // tie: to even (up)
   EXPECT_EQ(floatToBf16(std::nanf("")), 0x7fc0);
   EXPECT_EQ(floatToBf16(-0.0f), 0x8000);
   EXPECT_EQ(bf16ToFloat(0x3f80), 1.0f);

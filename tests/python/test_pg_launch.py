@@ -29,8 +29,11 @@ def test_torchrun_demo(launcher):
 
 
 def test_reinit_after_destroy_with_old_groups_alive():
-    base = free_port()  # and the two after it; a clash only makes the test fail loudly
-    procs = [subprocess.Popen([PYTHON, here_path("_reinit_script.py"), str(r), str(base)],
+    ports = set()
+    while len(ports) < 3:
+        ports.add(free_port())
+    ports = ",".join(map(str, ports))
+    procs = [subprocess.Popen([PYTHON, here_path("_reinit_script.py"), str(r), ports],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=child_env(), cwd="/") for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]

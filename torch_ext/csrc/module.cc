@@ -11,6 +11,7 @@ namespace py = pybind11;
 
 namespace mooncake::torch_ext {
 void registerStoreApis(py::module_& m);  // store_binding.cc
+void registerEpApis(py::module_& m);     // ep_binding.cc
 namespace {
 
 void registerPgApis(py::module_& m) {
@@ -53,4 +54,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "mooncake native extension (process group; ep and store register here too)";
   mooncake::torch_ext::registerPgApis(m);
   mooncake::torch_ext::registerStoreApis(m);
+  mooncake::torch_ext::registerEpApis(m);
 }
