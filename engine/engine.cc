@@ -89,6 +89,9 @@ class TransferEngine::Impl {
   std::map<uint32_t, std::function<void(Message&&)>> handlers;
   std::map<uint32_t, std::deque<Message>> queues;
   std::thread dispatcher;
+  // Held by the dispatcher while a handler runs: setMessageHandler() waits on it so that
+  // once it returns the replaced handler is no longer running (its owner may free it).
+  std::mutex handler_run_mu;
   std::atomic<bool> stopping{false};
 
   ~Impl() { shutdown(); }
@@ -185,6 +188,7 @@ class TransferEngine::Impl {
       }
       Message m{f.src_engine, peerIdOf(f.src_engine), f.channel, std::move(body)};
       std::function<void(Message&&)> h;
+      std::lock_guard<std::mutex> running(handler_run_mu);
       {
         std::lock_guard<std::mutex> g(msg_mu);
         auto it = handlers.find(f.channel);
@@ -554,6 +558,10 @@ void TransferEngine::setMessageHandler(uint32_t channel, std::function<void(Mess
     std::lock_guard<std::mutex> g(impl_->msg_mu);
     impl_->handlers[channel] = handler;
     if (handler) backlog.swap(impl_->queues[channel]);
+  }
+  if (std::this_thread::get_id() != impl_->dispatcher.get_id()) {
+    // Wait out a call of the previous handler that is in flight on the dispatcher.
+    std::lock_guard<std::mutex> g(impl_->handler_run_mu);
   }
   for (auto& m : backlog) handler(std::move(m));
 }

@@ -96,7 +96,9 @@ class TransferEngine {
 
   // ---- two-sided messages (active messages) ----
   Status sendMessage(PeerId peer, uint32_t channel, std::string_view payload);
-  // handler == nullptr: messages on the channel are queued for waitMessage().
+  // handler == nullptr: messages on the channel are queued for waitMessage(). When called
+  // from any thread but the dispatcher, the previous handler is not running any more once
+  // this returns, so its owner may be destroyed right after.
   void setMessageHandler(uint32_t channel, std::function<void(Message&&)> handler);
   Result<Message> waitMessage(uint32_t channel, Deadline deadline);
   // Opens (or returns) the peer a message came from, from the descriptor it handed over
