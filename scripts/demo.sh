@@ -10,8 +10,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 bash scripts/setup.sh
+# mooncake.run is torchrun (torch.distributed.run) with a fix for Debian's torch 1.13 on
+# Python 3.11, whose parser of the default --redirects/--tee crashes.
 echo "== torch.distributed backend \"mooncake\" vs gloo (torchrun, 2 ranks) =="
-/usr/bin/python3 -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
+/usr/bin/python3 -m mooncake.run --nproc_per_node 2 --master_addr 127.0.0.1 \
   --master_port "$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" \
   scripts/demo_torch.py "$@"
 echo
