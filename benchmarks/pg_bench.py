@@ -33,6 +33,7 @@ FACTORS = {"memcpy": lambda n: 1.0, "all_reduce": lambda n: 2 * (n - 1) / n, "al
            "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
            "broadcast": lambda n: 1.0}
 REDOP = {"all_reduce": "sum", "reduce_scatter": "sum"}
+COLORS = {"mooncake": "C0", "gloo": "C1", "mpi": "C2"}
 
 
 def parse_size(s):
@@ -351,7 +352,8 @@ def plot(records, backends, ops, worlds, path):
                 pts = sorted((r["bytes"], r["busbw_gbps"]) for r in records
                              if r["backend"] == b and r["op"] == op and r["world_size"] == w)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b,
+                            color=COLORS.get(b))
             ax.set_xscale("log", base=2)
             ax.set_title(f"{op}, {w} ranks")
             ax.set_xlabel("size (bytes)")
@@ -369,7 +371,7 @@ def main():
     ap.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all,broadcast")
     ap.add_argument("--sizes", default="4K,64K,1M,16M,64M")
     ap.add_argument("--world-sizes", default="2,4")
-    ap.add_argument("--iters", type=int, default=50, help="max timed iterations per point")
+    ap.add_argument("--iters", type=int, default=200, help="max timed iterations per point")
     ap.add_argument("--stat", choices=["p50", "mean"], default="p50",
                     help="time column: median of the per-iteration max over ranks (default; "
                          "robust on a shared box) or nccl-tests' mean")
@@ -380,6 +382,9 @@ def main():
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--plot", help="write a busbw plot (PNG) here")
     ap.add_argument("--markdown", help="write the tables as Markdown here")
+    ap.add_argument("--replot", metavar="JSON",
+                    help="measure nothing: print tables / write plot and Markdown from a "
+                         "--json file of an earlier run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -400,7 +405,14 @@ def main():
             ap.error(f"unknown op {o} (choose from {', '.join(FACTORS)})")
     sizes = sorted({parse_size(s) for s in args.sizes.split(",")})
     records = []
-    for w in worlds:
+    if args.replot:
+        with open(args.replot) as f:
+            records = json.load(f)
+        worlds = sorted({r["world_size"] for r in records})
+        present = {r["backend"] for r in records}
+        backends = [b for b in backends if b in present]
+        ops = [o for o in ops if any(r["op"] == o for r in records)]
+    for w in ([] if args.replot else worlds):
         wsizes = [s - s % (4 * w) for s in sizes]  # whole float32 blocks per rank
         cfg = {"ops": ops, "sizes": wsizes, "iters": args.iters, "warmup": args.warmup,
                "max_seconds": args.max_seconds, "stat": args.stat}
@@ -415,7 +427,7 @@ def main():
     for w in worlds:
         print_tables([r for r in records if r["world_size"] == w], backends, ops,
                      sorted({r["bytes"] for r in records if r["world_size"] == w}), [w])
-    if args.json:
+    if args.json and not args.replot:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
     if args.plot:
