@@ -123,13 +123,13 @@ def timing_rows(rank, world, gloo, sizes, iters):
     rows = []
     for nbytes in sizes:
         n = nbytes // 4
-        x = torch.ones(n)
+        x = torch.zeros(n)  # zeros: repeated sums stay finite
         outs = [torch.empty(n) for _ in range(world)]
+        a2a_in, a2a_out = torch.ones(n * world), torch.empty(n * world)
         ops = {
             "all_reduce": lambda g: dist.all_reduce(x, group=g),
             "all_gather": lambda g: dist.all_gather(outs, x, group=g),
-            "all_to_all_single": lambda g: dist.all_to_all_single(
-                torch.empty(n * world), torch.ones(n * world), group=g),
+            "all_to_all_single": lambda g: dist.all_to_all_single(a2a_out, a2a_in, group=g),
             "broadcast": lambda g: dist.broadcast(x, src=0, group=g),
         }
         for name, op in ops.items():

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <optional>
@@ -168,20 +169,41 @@ struct Staged {
   }
 };
 
-// Packs tensors byte-wise into one contiguous byte buffer (staging for list ops).
-inline Tensor packBytes(const std::vector<Tensor>& ts, std::vector<size_t>* offsets = nullptr) {
+// Grow-only staging memory of one group for the list ops (slot 0: packed inputs, slot 1:
+// gathered outputs). A fresh allocation per op would fault a large buffer in every time
+// (several ms at 32 MB, more than the op). Ops of a group run one at a time (OpQueue), so
+// one Scratch per group needs no lock; it keeps the largest size a list op has used.
+class Scratch {
+ public:
+  uint8_t* get(int slot, size_t bytes) {
+    Tensor& b = buf_[slot];
+    if (!b.defined() || static_cast<size_t>(b.numel()) < bytes) {
+      b = Tensor();  // free the old one first
+      b = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 64))}, at::kByte);
+    }
+    return static_cast<uint8_t*>(b.data_ptr());
+  }
+
+ private:
+  Tensor buf_[2];
+};
+
+inline size_t totalBytes(const std::vector<Tensor>& ts) {
   size_t total = 0;
   for (const auto& t : ts) total += nbytes(t);
-  Tensor flat = at::empty({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kByte));
-  auto* p = static_cast<uint8_t*>(flat.data_ptr());
+  return total;
+}
+
+// Packs tensors byte-wise, back to back, into dst (totalBytes(ts) bytes).
+inline void packBytes(uint8_t* dst, const std::vector<Tensor>& ts,
+                      std::vector<size_t>* offsets = nullptr) {
   size_t off = 0;
   for (const auto& t : ts) {
     if (offsets) offsets->push_back(off);
     Staged s = Staged::in(t);
-    if (s.bytes()) std::memcpy(p + off, s.data(), s.bytes());
+    if (s.bytes()) std::memcpy(dst + off, s.data(), s.bytes());
     off += s.bytes();
   }
-  return flat;
 }
 
 // Copies bytes out of a staging buffer into a user tensor (any layout).

@@ -137,6 +137,7 @@ ProcessGroupMooncake::ProcessGroupMooncake(const c10::intrusive_ptr<c10d::Store>
     std::rethrow_exception(translateError(*ectx_, "init", std::current_exception()));
   }
   queue_ = std::make_shared<OpQueue>(comm_.get());
+  scratch_ = std::make_shared<Scratch>();
   lanes_ = std::make_unique<P2pLanes>();
   init();
 }
@@ -234,12 +235,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce_coalesced(
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ts = tensors;
   return collective(OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
-                    [c, ts, dt = dt, op = op]() mutable {
+                    [c, ts, dt = dt, op = op, sc = scratch_]() mutable {
                       std::vector<size_t> offs;
-                      Tensor flat = packBytes(ts, &offs);
-                      size_t count = nbytes(flat) / ts[0].element_size();
-                      c->allReduce(flat.data_ptr(), flat.data_ptr(), count, dt, op);
-                      auto* p = static_cast<const uint8_t*>(flat.data_ptr());
+                      const size_t total = totalBytes(ts);
+                      uint8_t* p = sc->get(0, total);
+                      packBytes(p, ts, &offs);
+                      c->allReduce(p, p, total / ts[0].element_size(), dt, op);
                       for (size_t i = 0; i < ts.size(); ++i) unpackBytes(p + offs[i], ts[i]);
                     });
 }
@@ -277,12 +278,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
   pg::Communicator* c = comm_.get();
   Tensor in = inputs[0];
   std::vector<Tensor> outs = outputs[0];
-  return collective(OpType::ALLGATHER, "allgather", outs, [c, in, outs]() mutable {
+  return collective(OpType::ALLGATHER, "allgather", outs, [c, in, outs, sc = scratch_]() mutable {
     Staged s = Staged::in(in);
     const size_t b = s.bytes();
-    Tensor flat = at::empty({static_cast<int64_t>(b * outs.size())}, at::kByte);
-    c->allGather(s.data(), flat.data_ptr(), b);
-    auto* p = static_cast<const uint8_t*>(flat.data_ptr());
+    uint8_t* p = sc->get(1, b * outs.size());
+    c->allGather(s.data(), p, b);
     for (size_t i = 0; i < outs.size(); ++i) unpackBytes(p + i * b, outs[i]);
   });
 }
@@ -332,13 +332,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
   std::vector<Tensor> ins = inputs;
   const int n = size_;
   return collective(OpType::ALLGATHER_COALESCED, "allgather_coalesced", flat_outs,
-                    [c, ins, flat_outs, n]() mutable {
+                    [c, ins, flat_outs, n, sc = scratch_]() mutable {
                       std::vector<size_t> offs;
-                      Tensor packed = packBytes(ins, &offs);
-                      const size_t b = nbytes(packed);
-                      Tensor all = at::empty({static_cast<int64_t>(b * n)}, at::kByte);
-                      c->allGather(packed.data_ptr(), all.data_ptr(), b);
-                      auto* p = static_cast<const uint8_t*>(all.data_ptr());
+                      const size_t b = totalBytes(ins);
+                      uint8_t* packed = sc->get(0, b);
+                      packBytes(packed, ins, &offs);
+                      uint8_t* p = sc->get(1, b * n);
+                      c->allGather(packed, p, b);
                       for (size_t k = 0; k < flat_outs.size(); ++k) {
                         const size_t r = k / ins.size(), j = k % ins.size();
                         unpackBytes(p + r * b + offs[j], flat_outs[k]);
@@ -368,16 +368,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::gather(
   pg::Communicator* c = comm_.get();
   Tensor in = inputs[0];
   const int n = size_;
-  return collective(OpType::GATHER, "gather", outs, [c, in, outs, root, n]() mutable {
-    Staged s = Staged::in(in);
-    const size_t b = s.bytes();
-    Tensor flat;
-    if (!outs.empty()) flat = at::empty({static_cast<int64_t>(b * n)}, at::kByte);
-    c->gather(s.data(), outs.empty() ? nullptr : flat.data_ptr(), b, root);
-    if (outs.empty()) return;
-    auto* p = static_cast<const uint8_t*>(flat.data_ptr());
-    for (int i = 0; i < n; ++i) unpackBytes(p + i * b, outs[i]);
-  });
+  return collective(OpType::GATHER, "gather", outs,
+                    [c, in, outs, root, n, sc = scratch_]() mutable {
+                      Staged s = Staged::in(in);
+                      const size_t b = s.bytes();
+                      uint8_t* p = outs.empty() ? nullptr : sc->get(1, b * n);
+                      c->gather(s.data(), p, b, root);
+                      if (outs.empty()) return;
+                      for (int i = 0; i < n; ++i) unpackBytes(p + i * b, outs[i]);
+                    });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
@@ -401,11 +400,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
   }
   pg::Communicator* c = comm_.get();
   Tensor out = outputs[0];
-  return collective(OpType::SCATTER, "scatter", outputs, [c, ins, out, root] {
-    Tensor flat;
-    if (!ins.empty()) flat = packBytes(ins);
+  return collective(OpType::SCATTER, "scatter", outputs, [c, ins, out, root, sc = scratch_] {
+    uint8_t* p = nullptr;
+    if (!ins.empty()) {
+      p = sc->get(0, totalBytes(ins));
+      packBytes(p, ins);
+    }
     Staged so = Staged::out(out);
-    c->scatter(ins.empty() ? nullptr : flat.data_ptr(), so.data(), so.bytes(), root);
+    c->scatter(p, so.data(), so.bytes(), root);
     so.writeBack();
   });
 }
@@ -425,13 +427,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs[0];
   Tensor out = outputs[0];
-  return collective(
-      OpType::REDUCE_SCATTER, "reduce_scatter", outputs, [c, ins, out, dt = dt, op = op] {
-        Tensor flat = packBytes(ins);
-        Staged so = Staged::out(out);
-        c->reduceScatter(flat.data_ptr(), so.data(), static_cast<size_t>(out.numel()), dt, op);
-        so.writeBack();
-      });
+  return collective(OpType::REDUCE_SCATTER, "reduce_scatter", outputs,
+                    [c, ins, out, dt = dt, op = op, sc = scratch_] {
+                      uint8_t* p = sc->get(0, totalBytes(ins));
+                      packBytes(p, ins);
+                      Staged so = Staged::out(out);
+                      c->reduceScatter(p, so.data(), static_cast<size_t>(out.numel()), dt, op);
+                      so.writeBack();
+                    });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
@@ -500,12 +503,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall(std::vector<Tensor
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs, outs = outputs;
   return collective(OpType::ALLTOALL, "alltoall", outputs,
-                    [c, ins, outs, sb, rb, ro, off]() mutable {
+                    [c, ins, outs, sb, rb, ro, off, sc = scratch_]() mutable {
                       std::vector<size_t> so;
-                      Tensor packed = packBytes(ins, &so);
-                      Tensor flat = at::empty({static_cast<int64_t>(off)}, at::kByte);
-                      c->allToAllV(packed.data_ptr(), sb, so, flat.data_ptr(), rb, ro);
-                      auto* p = static_cast<const uint8_t*>(flat.data_ptr());
+                      uint8_t* packed = sc->get(0, totalBytes(ins));
+                      packBytes(packed, ins, &so);
+                      uint8_t* p = sc->get(1, off);
+                      c->allToAllV(packed, sb, so, p, rb, ro);
                       for (size_t i = 0; i < outs.size(); ++i) unpackBytes(p + ro[i], outs[i]);
                     });
 }

@@ -27,6 +27,7 @@
 namespace mooncake::torch_ext {
 
 class StoreRendezvous;
+class Scratch;        // convert.h
 struct ErrorContext;  // convert.h
 
 // One op in flight. Completion state lives in c10d::Work's own fields (mutex_, cv_,
@@ -142,8 +143,9 @@ class ProcessGroupMooncake : public BackendBase {
   std::shared_ptr<engine::TransferEngine> engine_;
   std::shared_ptr<StoreRendezvous> rdv_;
   std::shared_ptr<pg::Communicator> comm_;
-  std::shared_ptr<OpQueue> queue_;   // collectives, in issue order
-  std::unique_ptr<P2pLanes> lanes_;  // declared last: stops first
+  std::shared_ptr<OpQueue> queue_;    // collectives, in issue order
+  std::shared_ptr<Scratch> scratch_;  // staging of the list ops (used by one op at a time)
+  std::unique_ptr<P2pLanes> lanes_;   // declared last: stops first
 };
 
 // The process's one TransferEngine, shared by every group (created on first use, released
