@@ -72,6 +72,7 @@ class TransferEngine::Impl {
   EngineContext ctx;
   std::unique_ptr<Transport> transports[kNumTransportKinds];
   int forced = -1;  // TransportKind forced by options / MC_TRANSPORT
+  int64_t spin_us = params::getInt("MC_SPIN_US");  // read once: wait() is a hot path
 
   mutable std::shared_mutex peers_mu;
   std::vector<std::unique_ptr<PeerEntry>> peers;
@@ -492,7 +493,7 @@ Status TransferEngine::wait(BatchId id, Deadline deadline, std::vector<Status>* 
   }
   auto is_done = [&] { return b->pending.load(std::memory_order_acquire) == 0; };
   if (!is_done()) {
-    auto spin_until = Clock::now() + std::chrono::microseconds(params::getInt("MC_SPIN_US"));
+    auto spin_until = Clock::now() + std::chrono::microseconds(m.spin_us);
     while (!is_done() && Clock::now() < spin_until) sched_yield();
   }
   {

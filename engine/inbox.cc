@@ -117,9 +117,10 @@ void publish(RingCtl& ctl) {
 
 // Spin, then sleep on the ring's futex, until try_pop() succeeds or the deadline passes.
 template <typename F>
-bool waitOn(RingCtl& ctl, F try_pop, Deadline deadline, const std::atomic<bool>& closing) {
+bool waitOn(RingCtl& ctl, F try_pop, Deadline deadline, const std::atomic<bool>& closing,
+            int64_t spin_us) {
   if (try_pop()) return true;
-  const auto spin_until = Clock::now() + std::chrono::microseconds(params::getInt("MC_SPIN_US"));
+  const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us);
   // Polite spinning: yield between polls so that, with more runnable threads than cores,
   // the thread we are waiting for gets the core (the producer may be on this very core).
   while (Clock::now() < spin_until) {
@@ -192,6 +193,7 @@ Result<std::unique_ptr<Inbox>> Inbox::create(const std::string& shm_name, uint32
   std::unique_ptr<Inbox> box(new Inbox());
   box->name_ = shm_name;
   box->owner_ = true;
+  box->spin_us_ = params::getInt("MC_SPIN_US");
   box->bytes_ = bytes;
   box->l_ = l;
   return box;
@@ -221,6 +223,7 @@ Result<std::unique_ptr<Inbox>> Inbox::attach(const std::string& shm_name) {
   box->name_ = shm_name;
   box->bytes_ = bytes;
   box->l_ = l;
+  box->spin_us_ = params::getInt("MC_SPIN_US");
   return box;
 }
 
@@ -265,7 +268,8 @@ bool Inbox::popNotify(uint64_t* src_engine, uint64_t* tag) {
 }
 
 bool Inbox::waitNotify(uint64_t* src_engine, uint64_t* tag, Deadline deadline) {
-  return waitOn(l_->notify, [&] { return popNotify(src_engine, tag); }, deadline, closing_);
+  return waitOn(l_->notify, [&] { return popNotify(src_engine, tag); }, deadline, closing_,
+                spin_us_);
 }
 
 Status Inbox::pushMessage(uint64_t src_engine, uint32_t channel, std::string_view payload,
@@ -316,7 +320,7 @@ bool Inbox::popFragment(Fragment* out) {
 }
 
 bool Inbox::waitFragment(Fragment* out, Deadline deadline) {
-  return waitOn(l_->frag, [&] { return popFragment(out); }, deadline, closing_);
+  return waitOn(l_->frag, [&] { return popFragment(out); }, deadline, closing_, spin_us_);
 }
 
 }  // namespace mooncake::engine

@@ -62,6 +62,7 @@ class Inbox {
   InboxLayout* l_ = nullptr;
   std::atomic<uint64_t> next_msg_id_{1};
   std::atomic<bool> closing_{false};
+  int64_t spin_us_ = 0;  // MC_SPIN_US, read once: waits are a hot path
 };
 
 }  // namespace mooncake::engine

@@ -155,12 +155,12 @@ TEST_P(ConcurrencyTest, NotifyFloodDoesNotHang) {
   ASSERT_NE(peer, nullptr);
   auto eng = makeEngine(transport);
   ASSERT_NE(eng, nullptr);
+  // A refused shm notify waits out MC_CONNECT_TIMEOUT_MS (10 s by default): shorten it for
+  // this process before the peer is opened (the shm link reads it once, at open).
+  setenv("MC_CONNECT_TIMEOUT_MS", "1500", 1);
   PeerId pid = openPeer(*eng, "peer");
   ASSERT_NE(pid, engine::kInvalidPeer);
 
-  // A refused shm notify waits out MC_CONNECT_TIMEOUT_MS (10 s by default): shorten it for
-  // this process now that the peer is open (parameters are read at each use).
-  setenv("MC_CONNECT_TIMEOUT_MS", "1500", 1);
   struct Outcome {
     int ok = 0;
     Status first_err;

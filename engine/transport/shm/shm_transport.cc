@@ -27,7 +27,10 @@ namespace {
 class ShmPeer : public TransportPeer {
  public:
   ShmPeer(EngineContext* ctx, SegmentDesc remote, std::unique_ptr<Inbox> inbox)
-      : ctx_(ctx), remote_(std::move(remote)), inbox_(std::move(inbox)) {}
+      : ctx_(ctx),
+        remote_(std::move(remote)),
+        inbox_(std::move(inbox)),
+        push_timeout_ms_(params::getInt("MC_CONNECT_TIMEOUT_MS")) {}
 
   ~ShmPeer() override {
     for (auto& [addr, m] : maps_) unmapShm(m.base, m.len);
@@ -41,13 +44,13 @@ class ShmPeer : public TransportPeer {
     // Writes to this peer were completed (memcpy returned) before submit() returned; the
     // release store inside the inbox push orders them before the tag.
     return inbox_->pushNotify(ctx_->engine_id, tag,
-                              deadlineInMs(params::getInt("MC_CONNECT_TIMEOUT_MS")));
+                              deadlineInMs(push_timeout_ms_));
   }
 
   Status sendMessage(uint32_t channel, std::string_view payload) override {
     MC_RETURN_IF_ERROR(failed());
     return inbox_->pushMessage(ctx_->engine_id, channel, payload,
-                               deadlineInMs(params::getInt("MC_CONNECT_TIMEOUT_MS")));
+                               deadlineInMs(push_timeout_ms_));
   }
 
   void* mappedAddress(uint64_t remote, uint64_t len) override {
@@ -184,6 +187,7 @@ class ShmPeer : public TransportPeer {
   std::map<uint64_t, Mapping> maps_;
   std::vector<Mapping> retired_;  // replaced mappings, unmapped with the peer
   std::unique_ptr<Inbox> inbox_;
+  const int64_t push_timeout_ms_;  // read once: notify/sendMessage are hot paths
   std::mutex fail_mu_;
   Status fail_;
   std::atomic<bool> has_failed_{false};
