@@ -21,8 +21,15 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
   for (int r = 0; r < n; ++r) displ[r + 1] = displ[r] + bytes[r];
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  if (receive && bytes[me] > 0 && dst + displ[me] != src)
-    std::memmove(dst + displ[me], src, bytes[me]);
+  const bool so = displ[n] >= c.params.stream_out_bytes;
+  if (receive && bytes[me] > 0 && dst + displ[me] != src) {
+    char* mine = dst + displ[me];
+    // Disjoint and large: streaming stores (no read-for-ownership of the output's lines).
+    if (so && (mine + bytes[me] <= src || src + bytes[me] <= mine))
+      copyToShared(mine, src, bytes[me]);
+    else
+      std::memmove(mine, src, bytes[me]);
+  }
   if (n == 1 || displ[n] == 0) return;
 
   if (!c.shm) {
@@ -40,7 +47,6 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
   ShmGroup& g = *c.shm;
   const size_t chunk = g.halfBytes();
   const size_t most = *std::max_element(bytes.begin(), bytes.end());
-  const bool so = displ[n] >= c.params.stream_out_bytes;
   for (size_t off = 0; off < most; off += chunk) {
     auto lenOf = [&](int r) { return bytes[r] > off ? std::min(chunk, bytes[r] - off) : 0; };
     uint64_t s = g.beginStep(op, lenOf(me) > 0);

@@ -84,8 +84,6 @@ void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
   g.endStep(s);
   validate(c, op, sizes);
 
-  if (send_bytes[me] > 0 && dst + recv_offsets[me] != src + send_offsets[me])
-    std::memcpy(dst + recv_offsets[me], src + send_offsets[me], send_bytes[me]);
   uint64_t most = 0;
   for (int r = 0; r < n; ++r)
     for (int j = 0; j < n; ++j)
@@ -94,6 +92,10 @@ void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
   uint64_t received = 0;
   for (int r = 0; r < n; ++r) received += sizes[r * 2 * n + me];
   const bool so = received >= c.params.stream_out_bytes;
+  // This rank's own block: streaming stores too when the output is large (no
+  // read-for-ownership of lines that leave the cache anyway).
+  if (send_bytes[me] > 0 && dst + recv_offsets[me] != src + send_offsets[me])
+    copyOut(dst + recv_offsets[me], src + send_offsets[me], send_bytes[me], so);
   for (uint64_t off = 0; off < most; off += slot) {
     auto lenOf = [&](int from, int to) -> size_t {
       uint64_t b = sizes[from * 2 * n + to];

@@ -44,6 +44,12 @@ TEST_P(PgFailure, RankKilledBetweenOps) {
     EXPECT_LT(secondsSince(t0), 0.1);
     std::vector<int> dead = c.deadRanks();
     EXPECT_EQ(dead, std::vector<int>{2});
+    // Stay until both survivors looked: a survivor that already exited would be dead too.
+    env.shared->values[c.rank()].store(1);
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (env.shared->values[0].load() + env.shared->values[1].load() < 2 &&
+           std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(Ms(1));
   });
   EXPECT_EQ(codes[0], 0);
   EXPECT_EQ(codes[1], 0);
