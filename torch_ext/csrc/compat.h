@@ -5,12 +5,16 @@
 // over per-device c10d::Backend objects; the creator returns a Backend and register_backend
 // takes devices=["cpu", "cuda"]. The op virtuals we override have the same signatures in
 // both, so the adapter names its base class through this header and nothing else changes.
-// Only the 1.13 branch is built and tested on this machine.
+// Only the 1.13 branch is built into the module and tested on this machine. Debian's 1.13
+// already ships c10d::Backend (the class 2.x grew from, same op virtuals), so the build also
+// compiles process_group.cc once more with MC_TORCH_FORCE_BACKEND (torch_ext/CMakeLists.txt,
+// target mooncake_torch_backend_shim_check): the Backend branch is compiled, never linked.
 #pragma once
 
 #include <torch/version.h>
 
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#if defined(MC_TORCH_FORCE_BACKEND) || TORCH_VERSION_MAJOR > 2 || \
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
 #define MC_TORCH_HAS_BACKEND 1
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #else
