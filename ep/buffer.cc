@@ -10,6 +10,7 @@
 #include "engine/log.h"
 #include "engine/params.h"
 #include "ep/peer_writer.h"
+#include "pg/copy.h"
 
 namespace mooncake::ep {
 
@@ -368,10 +369,10 @@ void EpBuffer::dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
       char* dst = recv_x + (l * RM + b) * row_bytes;
       const char* src = region + lay.dispatchRow(l, r, 0);
       if (lay.row_stride == row_bytes) {
-        std::memcpy(dst, src, c * row_bytes);
+        pg::copyFromShared(dst, src, c * row_bytes);
       } else {
         for (int64_t j = 0; j < c; ++j)
-          std::memcpy(dst + j * row_bytes, src + j * lay.row_stride, row_bytes);
+          pg::copyFromShared(dst + j * row_bytes, src + j * lay.row_stride, row_bytes);
       }
       std::memcpy(a.src_info + l * RM + b, region + lay.dispatchSrc(l, r, 0), c * 4);
       a.layout_range[l * R + r] = (b << 32) | c;

@@ -9,6 +9,7 @@
 #include "engine/log.h"
 #include "ep/buffer.h"
 #include "ep/peer_writer.h"
+#include "pg/copy.h"
 
 namespace mooncake::ep {
 
@@ -151,11 +152,11 @@ void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                  own.data(), own.size());
       std::memcpy(o.recv_src_idx + n, own.data(), c * 4);
     } else if (nl.row_stride == row_bytes) {
-      std::memcpy(recv_x + n * row_bytes, rows, c * row_bytes);
+      pg::copyFromShared(recv_x + n * row_bytes, rows, c * row_bytes);
       std::memcpy(o.recv_src_idx + n, region + nl.srcIdx(r, 0), c * 4);
     } else {
       for (int64_t j = 0; j < c; ++j)
-        std::memcpy(recv_x + (n + j) * row_bytes, rows + j * nl.row_stride, row_bytes);
+        pg::copyFromShared(recv_x + (n + j) * row_bytes, rows + j * nl.row_stride, row_bytes);
       std::memcpy(o.recv_src_idx + n, region + nl.srcIdx(r, 0), c * 4);
     }
     for (int64_t j = 0; j < c; ++j) {

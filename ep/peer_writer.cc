@@ -9,6 +9,7 @@
 #include "engine/futex.h"
 #include "engine/log.h"
 #include "engine/wire.h"
+#include "pg/copy.h"
 
 namespace mooncake::ep {
 
@@ -71,7 +72,9 @@ EpBuffer::Writer::Writer(EpBuffer& buf, engine::Deadline deadline)
 void EpBuffer::Writer::copy(int r, size_t off, const void* src, size_t len) {
   if (len == 0) return;
   if (char* p = buf_.mapped_[r]) {
-    std::memcpy(p + off, src, len);
+    // Streaming stores: the destination's lines were last read by the peer's core, and a
+    // plain store would pull each back first (pg/copy.h has the measurements).
+    pg::copyToSharedNoFence(p + off, src, len);
     return;
   }
   reqs_[r].push_back({engine::OpCode::kWrite, const_cast<void*>(src), len, buf_.g_.peers[r],
@@ -81,7 +84,17 @@ void EpBuffer::Writer::copy(int r, size_t off, const void* src, size_t len) {
 void EpBuffer::Writer::copyRows(int r, size_t off, size_t dst_stride, const char* src,
                                 size_t row_bytes, const std::vector<int32_t>& idx) {
   if (char* p = buf_.mapped_[r]) {
-    gatherRows(p + off, dst_stride, src, row_bytes, idx.data(), idx.size());
+    char* dst = p + off;
+    if (dst_stride == row_bytes) {
+      forEachRun(idx.data(), idx.size(), [&](size_t j, size_t c) {
+        pg::copyToSharedNoFence(dst + j * row_bytes,
+                                src + static_cast<size_t>(idx[j]) * row_bytes, c * row_bytes);
+      });
+    } else {
+      for (size_t j = 0; j < idx.size(); ++j)
+        pg::copyToSharedNoFence(dst + j * dst_stride,
+                                src + static_cast<size_t>(idx[j]) * row_bytes, row_bytes);
+    }
     return;
   }
   if (dst_stride == row_bytes) {
@@ -97,6 +110,7 @@ void EpBuffer::Writer::copyRows(int r, size_t off, size_t dst_stride, const char
 void EpBuffer::Writer::commit(int r) {
   char* p = buf_.mapped_[r];
   if (p == nullptr || sigs_[r].empty()) return;
+  pg::streamFence();  // the streaming stores above are seen before the signal words
   for (const auto& s : sigs_[r])
     reinterpret_cast<std::atomic<uint64_t>*>(p + s.first)
         ->store(s.second, std::memory_order_release);
