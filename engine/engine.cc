@@ -125,7 +125,8 @@ class TransferEngine::Impl {
     return e->why;
   }
 
-  void onPeerFailure(uint64_t engine_id, const Status& why) {
+  // orderly: the peer's engine said it is stopping (a normal end of job: logged at INFO).
+  void onPeerFailure(uint64_t engine_id, const Status& why, bool orderly) {
     PeerId p = peerIdOf(engine_id);
     PeerEntry* e = peer(p);
     if (e == nullptr) return;
@@ -137,7 +138,10 @@ class TransferEngine::Impl {
                    : MC_STATUS(kPeerDead, "peer " << e->desc.name << " lost: " << why.message());
       e->dead.store(true, std::memory_order_release);
     }
-    MC_LOG(WARN, ENGINE) << "peer " << e->desc.name << " failed: " << why.toString();
+    if (orderly)
+      MC_LOG(INFO, ENGINE) << "peer " << e->desc.name << " left: " << why.message();
+    else
+      MC_LOG(WARN, ENGINE) << "peer " << e->desc.name << " failed: " << why.toString();
     if (e->data != nullptr && e->data != e->control.get()) e->data->fail(e->why);
     if (e->control) e->control->fail(e->why);
   }
@@ -268,7 +272,9 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
   m.ctx.registry = &m.registry;
   m.ctx.inbox = m.inbox.get();
   m.ctx.local_segment = [raw] { return raw->localSegment(); };
-  m.ctx.on_peer_failure = [raw](uint64_t eid, Status why) { raw->onPeerFailure(eid, why); };
+  m.ctx.on_peer_failure = [raw](uint64_t eid, Status why, bool orderly) {
+    raw->onPeerFailure(eid, why, orderly);
+  };
   m.ctx.on_peer_hello = [raw](const SegmentDesc& d) {
     std::unique_lock<std::shared_mutex> g(raw->peers_mu);
     raw->hellos[d.engine_id] = d;

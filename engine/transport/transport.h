@@ -36,8 +36,9 @@ struct EngineContext {
   Inbox* inbox = nullptr;
   // The current local descriptor (regions change as memory is registered).
   std::function<SegmentDesc()> local_segment;
-  // A peer (by engine id) became unreachable: its process died or its link broke.
-  std::function<void(uint64_t engine_id, Status why)> on_peer_failure;
+  // A peer (by engine id) became unreachable: its process died or its link broke, or
+  // (orderly) its engine told this one it is stopping. Either way the peer is gone.
+  std::function<void(uint64_t engine_id, Status why, bool orderly)> on_peer_failure;
   // A peer handed over its descriptor in a handshake (lets the target answer messages).
   std::function<void(const SegmentDesc& desc)> on_peer_hello;
 };

@@ -187,7 +187,7 @@ TEST_P(FailureTest, PendingRequestsOfStoppedThenKilledPeerFail) {
                            peer->info().engine_id);
 }
 
-// A peer that exits normally (engine destroyed) is reported dead too.
+// A peer that exits normally (engine destroyed) is reported dead too, as having left.
 TEST_P(FailureTest, PeerThatExitedIsReportedDead) {
   const std::string transport = GetParam();
   PeerConfig cfg;
@@ -206,6 +206,9 @@ TEST_P(FailureTest, PeerThatExitedIsReportedDead) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   std::printf("  peerStatus changed %.1f ms after the peer exited\n", msSince(t0));
   EXPECT_LT(msSince(t0), kDeathBudgetMs);
+  // Its engine said goodbye (BYE, engine stopping): an orderly departure, not a failure.
+  Status st = eng->peerStatus(pid);
+  EXPECT_NE(st.message().find("stopped its engine"), std::string::npos) << st.toString();
   HostBuffer buf(4096);
   expectPeerDeadEverywhere(*eng, pid, buf.data(), peer->info().alloc_addr, cfg.name,
                            peer->info().engine_id);

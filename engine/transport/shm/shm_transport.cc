@@ -169,7 +169,7 @@ class ShmPeer : public TransportPeer {
                                                           << remote_.pid << ") is gone");
           // The engine hears first, so that whoever sees this request fail also finds the
           // peer marked dead.
-          if (ctx_->on_peer_failure) ctx_->on_peer_failure(remote_.engine_id, dead);
+          if (ctx_->on_peer_failure) ctx_->on_peer_failure(remote_.engine_id, dead, false);
           return dead;
         }
         return MC_STATUS(kIo, "shm: process_vm_" << (t->op == OpCode::kWrite ? "writev" : "readv")

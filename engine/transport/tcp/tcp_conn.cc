@@ -113,17 +113,29 @@ void Core::closeConn(const std::shared_ptr<Conn>& c, const Status& why) {
   if (c->closed) return;
   dropConn(*c);
   if (c->active) {
-    if (auto p = c->peer.lock())
-      failPeer(*p, MC_STATUS(kPeerDead, "tcp peer " << p->label << ": " << why.message()), true);
+    if (auto p = c->peer.lock()) {
+      if (c->leaving)
+        failPeer(*p, MC_STATUS(kPeerDead, "tcp peer " << p->label << " stopped its engine"), true,
+                 true);
+      else
+        failPeer(*p, MC_STATUS(kPeerDead, "tcp peer " << p->label << ": " << why.message()),
+                 true);
+    }
     return;
   }
   MC_LOG(DEBUG, TCP) << "closed connection from " << (c->authed ? c->src_name : "?") << ": "
                      << why.message();
-  if (c->authed && c->role == ConnRole::kControl && !c->bye && ctx_->on_peer_failure)
+  if (!c->authed || c->role != ConnRole::kControl || !ctx_->on_peer_failure) return;
+  if (c->leaving)
+    ctx_->on_peer_failure(c->src_engine,
+                          MC_STATUS(kPeerDead, "tcp peer " << c->src_name << " stopped its engine"),
+                          true);
+  else if (!c->bye)
     ctx_->on_peer_failure(
         c->src_engine,
         MC_STATUS(kPeerDead, "tcp peer " << c->src_name << " is gone: its control connection "
-                                         << "to this engine ended (" << why.message() << ")"));
+                                         << "to this engine ended (" << why.message() << ")"),
+        false);
 }
 
 bool Core::protocolError(const std::shared_ptr<Conn>& c, const std::string& what) {
@@ -198,7 +210,8 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
   bool passive_type = h.type == FrameType::kHello || h.type == FrameType::kWrite ||
                       h.type == FrameType::kReadReq || h.type == FrameType::kNotify ||
                       h.type == FrameType::kMsg || h.type == FrameType::kBye;
-  bool active_type = h.type == FrameType::kWriteAck || h.type == FrameType::kReadResp;
+  bool active_type = h.type == FrameType::kWriteAck || h.type == FrameType::kReadResp ||
+                     (h.type == FrameType::kBye && h.aux == kByeEngineStopping);
   if (!(c->active ? active_type : passive_type))
     return protocolError(c, "unexpected frame type " + std::to_string(int(h.type)));
   bool no_payload = h.type == FrameType::kWriteAck || h.type == FrameType::kReadReq ||
@@ -224,6 +237,7 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
       return true;
     case FrameType::kBye:
       c->bye = true;
+      c->leaving = h.aux == kByeEngineStopping;
       return true;
     case FrameType::kWrite:
     case FrameType::kReadReq: {
@@ -391,7 +405,7 @@ void Core::flushNotifiesLocked(PeerState& p) {
 
 // Progress thread (or stop() after it ended). Closes the peer's connections first (so no
 // queued frame still points at a request's buffer), then fails what is in flight.
-void Core::failPeer(PeerState& p, const Status& why, bool report) {
+void Core::failPeer(PeerState& p, const Status& why, bool report, bool orderly) {
   bool first;
   Status final_why;
   {
@@ -417,12 +431,13 @@ void Core::failPeer(PeerState& p, const Status& why, bool report) {
     p.slices.clear();
     p.writes.clear();
   }
-  if (first && report) {
+  if (first && report && (!orderly || !done.empty())) {
     MC_LOG(WARN, TCP) << final_why.toString() << " (" << done.size() << " requests failed)";
   }
   // The engine hears first, so that a waiter woken by a failed request already finds the
   // peer marked dead.
-  if (first && report && ctx_->on_peer_failure) ctx_->on_peer_failure(p.engine_id, final_why);
+  if (first && report && ctx_->on_peer_failure)
+    ctx_->on_peer_failure(p.engine_id, final_why, orderly);
   for (TaskState* ts : done) {
     ts->task->done(std::move(ts->status));
     delete ts;

@@ -73,6 +73,7 @@ struct Conn {
   // Target side, set by the HELLO.
   bool authed = false;
   bool bye = false;
+  bool leaving = false;  // either side: the peer's engine said it is stopping
   uint64_t src_engine = 0;
   std::string src_name;
   // Output: any thread, under out_mu. `closed` is written only by the progress thread (or
@@ -154,7 +155,9 @@ class Core : public std::enable_shared_from_this<Core> {
   bool protocolError(const std::shared_ptr<Conn>& c, const std::string& what);
   void closeConn(const std::shared_ptr<Conn>& c, const Status& why);
   void dropConn(Conn& c);
-  void failPeer(PeerState& p, const Status& why, bool report);
+  void failPeer(PeerState& p, const Status& why, bool report, bool orderly = false);
+  // Tells every peer on every connection that this engine is stopping (BYE, best effort).
+  void sayGoodbye();
   bool completeSlice(PeerState& p, uint64_t req, Code code);
   void flushNotifiesLocked(PeerState& p);
   void deliverNotify(uint64_t src, uint64_t tag);

@@ -145,8 +145,31 @@ Status Core::start(EngineContext* ctx) {
   return Status::OK();
 }
 
+void Core::sayGoodbye() {
+  std::vector<std::shared_ptr<PeerState>> peers;
+  std::vector<std::shared_ptr<Conn>> conns;
+  {
+    std::lock_guard<std::mutex> g(conns_mu_);
+    for (auto& w : peers_)
+      if (auto p = w.lock()) peers.push_back(p);
+    for (auto& [id, c] : conns_)
+      if (!c->active && c->authed) conns.push_back(c);  // peers' connections to this engine
+  }
+  for (auto& p : peers) {
+    std::lock_guard<std::mutex> g(p->mu);
+    if (!p->failed) conns.insert(conns.end(), p->conns.begin(), p->conns.end());
+  }
+  FrameHeader h;
+  h.type = FrameType::kBye;
+  h.aux = kByeEngineStopping;
+  // Idle connections (the usual case at the end of a job) write it at once; a frame queued
+  // behind others may not leave before the sockets close, and that peer logs a failure.
+  for (auto& c : conns) send(*c, h, nullptr, 0);
+}
+
 void Core::stop() {
   if (thread_.joinable()) {
+    runOnLoop([this] { sayGoodbye(); }, true);
     stopping_ = true;
     wake();
     thread_.join();

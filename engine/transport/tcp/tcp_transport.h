@@ -19,7 +19,10 @@
 //   READ_REQ     addr, length                               -> READ_RESP (status, payload)
 //   NOTIFY       aux = tag            (pushed into the target's inbox)
 //   MSG          aux = channel, payload = message (<= kMaxMessageBytes)
-//   BYE          the initiator closes this peer on purpose (no peer-failure report)
+//   BYE          aux = 0: the initiator closes this peer on purpose (no peer-failure report);
+//                aux = kByeEngineStopping: the sender's engine is stopping. Sent on every
+//                connection it holds, in both directions, just before they close; the
+//                receiver reports the peer gone as an orderly departure (INFO, not WARN).
 // A bad magic, an unknown type, a type not valid in the connection's direction, a length over
 // its limit, or any frame before a successful HELLO closes that connection.
 //
@@ -83,6 +86,8 @@ enum class FrameType : uint8_t {
   kMsg = 9,
   kBye = 10,
 };
+
+constexpr uint64_t kByeEngineStopping = 1;
 
 enum class ConnRole : uint8_t { kControl = 0, kData = 1 };
 
