@@ -210,6 +210,14 @@ void MasterService::grantLease(Object* o, TimePoint t) {
   touchLru(o, t);
 }
 
+void MasterService::removeLocked(Object* o, TimePoint now) {
+  if (!leased(o, now)) return destroyObjectLocked(o);
+  // A forced remove of a leased object: a reader may be transferring out of its replicas
+  // right now, so the key goes at once but the memory only when the lease lapses.
+  const TimePoint until = o->lease_deadline;
+  destroyObjectLocked(o, &until);
+}
+
 void MasterService::destroyObjectLocked(Object* o, const TimePoint* quarantine_until) {
   unlinkLru(o);
   for (const Replica& r : o->replicas) {
@@ -400,9 +408,10 @@ ErrorCode MasterService::remove(const std::string& key, bool force) {
   auto it = objects_.find(key);
   if (it == objects_.end()) return ErrorCode::OBJECT_NOT_FOUND;
   Object* o = it->second.get();
-  if (!force && leased(o, now())) return ErrorCode::OBJECT_HAS_LEASE;
+  const TimePoint t = now();
+  if (!force && leased(o, t)) return ErrorCode::OBJECT_HAS_LEASE;
   if (!o->complete) return ErrorCode::REPLICA_IS_NOT_READY;
-  destroyObjectLocked(o);
+  removeLocked(o, t);
   ++counters_.removes;
   return ErrorCode::OK;
 }
@@ -414,7 +423,7 @@ uint64_t MasterService::removeMatchingLocked(const std::function<bool(const std:
   for (auto& [key, obj] : objects_)
     if (obj->complete && (force || !leased(obj.get(), t)) && match(key))
       victims.push_back(obj.get());
-  for (Object* o : victims) destroyObjectLocked(o);
+  for (Object* o : victims) removeLocked(o, t);
   counters_.removes += victims.size();
   return victims.size();
 }

@@ -99,8 +99,10 @@ class MasterService {
   ErrorOr<uint64_t> getSize(const std::string& key);
 
   // ---- removal ----
-  // force ignores a read lease; a PROCESSING object is never removed (REPLICA_IS_NOT_READY):
-  // its writer may still be writing into the reserved memory.
+  // force ignores a read lease: the key is gone at once, but the object's memory stays
+  // allocated (quarantined) until the lease lapses, so a reader's transfer still in flight
+  // never sees it reused. A PROCESSING object is never removed (REPLICA_IS_NOT_READY): its
+  // writer may still be writing into the reserved memory.
   ErrorCode remove(const std::string& key, bool force = false);
   ErrorOr<uint64_t> removeByRegex(const std::string& regex, bool force = false);
   uint64_t removeAll(bool force = false);
@@ -188,6 +190,8 @@ class MasterService {
   void touchLru(Object* o, TimePoint now);
   // Frees (or, with quarantine_until set, quarantines) the object's memory and forgets it.
   void destroyObjectLocked(Object* o, const TimePoint* quarantine_until = nullptr);
+  // remove()'s way out: destroys o, quarantining its memory while a read lease holds.
+  void removeLocked(Object* o, TimePoint now);
   ErrorOr<ReplicaList> getReplicaListLocked(const std::string& key, TimePoint now);
   ErrorOr<bool> existsLocked(const std::string& key, TimePoint now);
   void grantLease(Object* o, TimePoint now);

@@ -256,6 +256,33 @@ TEST_F(MasterTest, LeaseBlocksRemoveUntilItLapses) {
   EXPECT_TRUE(m.checkInvariants());
 }
 
+TEST_F(MasterTest, ForcedRemoveKeepsLeasedMemoryUntilTheLeaseLapses) {
+  MasterService m(cfg());  // lease 5 s
+  mountN(m, 1, 64 * kKiB);
+  ASSERT_EQ(put(m, "k", 64 * kKiB), ErrorCode::OK);  // fills the only segment
+  auto read = m.getReplicaList("k");                 // a reader holds a lease from here
+  ASSERT_TRUE(read.ok());
+  EXPECT_EQ(m.remove("k", /*force=*/true), ErrorCode::OK);
+  EXPECT_EQ(m.getReplicaList("k").error(), ErrorCode::OBJECT_NOT_FOUND) << "the key is gone";
+  EXPECT_EQ(m.metrics().bytes_used, 64 * kKiB) << "its memory is held for the reader";
+  EXPECT_FALSE(m.putStart("w", "other", 64 * kKiB, {}).ok()) << "no reuse under the lease";
+  EXPECT_TRUE(m.checkInvariants());
+  clock_.advanceMs(5'001);
+  ASSERT_TRUE(m.heartbeat("c0").ok());  // the segment owner stays alive
+  m.runMaintenance();
+  EXPECT_EQ(m.metrics().bytes_used, 0u) << "released when the lease lapsed";
+  ASSERT_EQ(put(m, "other", 64 * kKiB), ErrorCode::OK);
+  // Without a lease a forced remove frees at once.
+  EXPECT_EQ(m.remove("other", /*force=*/true), ErrorCode::OK);
+  EXPECT_EQ(m.metrics().bytes_used, 0u);
+  // removeByRegex / removeAll with force take the same path.
+  ASSERT_EQ(put(m, "r", 64 * kKiB), ErrorCode::OK);
+  ASSERT_TRUE(m.exists("r").ok());
+  EXPECT_EQ(m.removeAll(/*force=*/true), 1u);
+  EXPECT_EQ(m.metrics().bytes_used, 64 * kKiB);
+  EXPECT_TRUE(m.checkInvariants());
+}
+
 TEST_F(MasterTest, ConfigurableLeaseTtl) {
   MasterConfig c = cfg();
   c.lease_ttl_ms = 100;
@@ -394,6 +421,11 @@ TEST_F(MasterTest, ConcurrentClientsKeepInvariants) {
   EXPECT_FALSE(bad.load());
   EXPECT_TRUE(m.checkInvariants());
   m.removeAll(true);
+  EXPECT_TRUE(m.checkInvariants());
+  // Objects read in the last lease period keep their memory until their leases lapse.
+  clock_.advanceMs(5'001);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(m.heartbeat("c" + std::to_string(i)).ok());
+  m.runMaintenance();
   EXPECT_EQ(m.metrics().bytes_used, 0u);
   EXPECT_TRUE(m.checkInvariants());
 }
