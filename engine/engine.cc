@@ -94,6 +94,12 @@ class TransferEngine::Impl {
   // once it returns the replaced handler is no longer running (its owner may free it).
   std::mutex handler_run_mu;
   std::atomic<bool> stopping{false};
+  // Messages a transport received in this process (tcp): a second dispatcher delivers them
+  // (handler calls of both dispatchers are serialised by handler_run_mu).
+  std::mutex local_mu;
+  std::condition_variable local_cv;
+  std::deque<Message> local_msgs;
+  std::thread local_dispatcher;
 
   ~Impl() { shutdown(); }
 
@@ -101,6 +107,11 @@ class TransferEngine::Impl {
     if (stopping.exchange(true)) return;
     if (inbox) inbox->wakeAll();
     if (dispatcher.joinable()) dispatcher.join();
+    {
+      std::lock_guard<std::mutex> g(local_mu);
+      local_cv.notify_all();
+    }
+    if (local_dispatcher.joinable()) local_dispatcher.join();
     for (auto& t : transports)
       if (t) t->stop();
     std::unique_lock<std::shared_mutex> g(peers_mu);
@@ -191,22 +202,47 @@ class TransferEngine::Impl {
         body = std::move(buf);
         partial.erase(key);
       }
-      Message m{f.src_engine, peerIdOf(f.src_engine), f.channel, std::move(body)};
-      std::function<void(Message&&)> h;
-      std::lock_guard<std::mutex> running(handler_run_mu);
-      {
-        std::lock_guard<std::mutex> g(msg_mu);
-        auto it = handlers.find(f.channel);
-        if (it != handlers.end() && it->second) {
-          h = it->second;
-        } else {
-          queues[f.channel].push_back(std::move(m));
-          msg_cv.notify_all();
-          continue;
-        }
-      }
-      h(std::move(m));
+      deliver(Message{f.src_engine, peerIdOf(f.src_engine), f.channel, std::move(body)});
     }
+  }
+
+  void localDispatchLoop() {
+    for (;;) {
+      Message m;
+      {
+        std::unique_lock<std::mutex> g(local_mu);
+        local_cv.wait(g, [&] { return stopping.load() || !local_msgs.empty(); });
+        if (stopping.load()) return;
+        m = std::move(local_msgs.front());
+        local_msgs.pop_front();
+      }
+      m.peer = peerIdOf(m.src_engine);
+      deliver(std::move(m));
+    }
+  }
+
+  void enqueueLocal(uint64_t src, uint32_t channel, std::string&& payload) {
+    std::lock_guard<std::mutex> g(local_mu);
+    local_msgs.push_back(Message{src, kInvalidPeer, channel, std::move(payload)});
+    local_cv.notify_one();
+  }
+
+  // Runs the channel's handler on the calling dispatcher, or queues for waitMessage().
+  void deliver(Message&& m) {
+    std::function<void(Message&&)> h;
+    std::lock_guard<std::mutex> running(handler_run_mu);
+    {
+      std::lock_guard<std::mutex> g(msg_mu);
+      auto it = handlers.find(m.channel);
+      if (it != handlers.end() && it->second) {
+        h = it->second;
+      } else {
+        queues[m.channel].push_back(std::move(m));
+        msg_cv.notify_all();
+        return;
+      }
+    }
+    h(std::move(m));
   }
 
   // Records one request's completion. The batch's mutex is held while the count drops so
@@ -275,6 +311,9 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
   m.ctx.on_peer_failure = [raw](uint64_t eid, Status why, bool orderly) {
     raw->onPeerFailure(eid, why, orderly);
   };
+  m.ctx.deliver_message = [raw](uint64_t src, uint32_t channel, std::string&& payload) {
+    raw->enqueueLocal(src, channel, std::move(payload));
+  };
   m.ctx.on_peer_hello = [raw](const SegmentDesc& d) {
     std::unique_lock<std::shared_mutex> g(raw->peers_mu);
     raw->hellos[d.engine_id] = d;
@@ -288,6 +327,7 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
     if (!st.ok()) return st;
   }
   m.dispatcher = std::thread([raw] { raw->dispatchLoop(); });
+  m.local_dispatcher = std::thread([raw] { raw->localDispatchLoop(); });
   MC_LOG(INFO, ENGINE) << "engine " << options.name << " id " << hex(m.id) << " host " << m.host_id
                        << " transport " << (options.transport.empty() ? "auto" : options.transport);
   return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
@@ -559,6 +599,13 @@ Status TransferEngine::sendMessage(PeerId peer, uint32_t channel, std::string_vi
   return e->data->sendMessage(channel, payload);
 }
 
+Status TransferEngine::sendMessageOwned(PeerId peer, uint32_t channel, std::string&& payload) {
+  PeerEntry* e = impl_->peer(peer);
+  if (e == nullptr) return MC_STATUS(kInvalidArgument, "sendMessage: unknown peer " << peer);
+  MC_RETURN_IF_ERROR(impl_->peerStatus(e));
+  return e->data->sendOwnedMessage(channel, std::move(payload));
+}
+
 void TransferEngine::setMessageHandler(uint32_t channel, std::function<void(Message&&)> handler) {
   std::deque<Message> backlog;
   {
@@ -566,8 +613,9 @@ void TransferEngine::setMessageHandler(uint32_t channel, std::function<void(Mess
     impl_->handlers[channel] = handler;
     if (handler) backlog.swap(impl_->queues[channel]);
   }
-  if (std::this_thread::get_id() != impl_->dispatcher.get_id()) {
-    // Wait out a call of the previous handler that is in flight on the dispatcher.
+  const auto self = std::this_thread::get_id();
+  if (self != impl_->dispatcher.get_id() && self != impl_->local_dispatcher.get_id()) {
+    // Wait out a call of the previous handler that is in flight on a dispatcher.
     std::lock_guard<std::mutex> g(impl_->handler_run_mu);
   }
   for (auto& m : backlog) handler(std::move(m));

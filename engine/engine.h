@@ -96,6 +96,8 @@ class TransferEngine {
 
   // ---- two-sided messages (active messages) ----
   Status sendMessage(PeerId peer, uint32_t channel, std::string_view payload);
+  // The same, taking the payload over: no copy where the transport queues it (tcp).
+  Status sendMessageOwned(PeerId peer, uint32_t channel, std::string&& payload);
   // handler == nullptr: messages on the channel are queued for waitMessage(). When called
   // from any thread but the dispatcher, the previous handler is not running any more once
   // this returns, so its owner may be destroyed right after.

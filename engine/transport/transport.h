@@ -39,6 +39,11 @@ struct EngineContext {
   // A peer (by engine id) became unreachable: its process died or its link broke, or
   // (orderly) its engine told this one it is stopping. Either way the peer is gone.
   std::function<void(uint64_t engine_id, Status why, bool orderly)> on_peer_failure;
+  // A transport that received a whole message into this process's memory (tcp) hands it
+  // over here: it is queued in process for the engine's handlers, without a copy through the
+  // shared-memory inbox, and the call never blocks. Null: push it into `inbox`.
+  std::function<void(uint64_t src_engine, uint32_t channel, std::string&& payload)>
+      deliver_message;
   // A peer handed over its descriptor in a handshake (lets the target answer messages).
   std::function<void(const SegmentDesc& desc)> on_peer_hello;
 };
@@ -51,6 +56,10 @@ class TransportPeer {
   // Delivers tag into the peer's inbox after every write submitted here before the call.
   virtual Status notify(uint64_t tag) = 0;
   virtual Status sendMessage(uint32_t channel, std::string_view payload) = 0;
+  // The same, taking the payload over (a transport that queues it need not copy it).
+  virtual Status sendOwnedMessage(uint32_t channel, std::string&& payload) {
+    return sendMessage(channel, std::string_view(payload));
+  }
   // A local pointer where the peer's memory is mapped; nullptr when not mapped.
   virtual void* mappedAddress(uint64_t remote, uint64_t len) {
     (void)remote;

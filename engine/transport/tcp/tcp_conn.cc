@@ -468,6 +468,10 @@ Status Core::pushMessage(uint64_t src, uint32_t channel, const std::string& payl
 }
 
 void Core::deliverMessage(uint64_t src, uint32_t channel, std::string payload) {
+  if (ctx_->deliver_message) {
+    ctx_->deliver_message(src, channel, std::move(payload));
+    return;
+  }
   if (ctx_->inbox == nullptr) return;
   if (msg_backlog_.empty()) {
     Status st = pushMessage(src, channel, payload);

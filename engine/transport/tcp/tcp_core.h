@@ -131,6 +131,7 @@ class Core : public std::enable_shared_from_this<Core> {
   void submit(PeerState& p, Task* t);
   Status notify(PeerState& p, uint64_t tag);
   Status sendMessage(PeerState& p, uint32_t channel, std::string_view payload);
+  Status sendMessage(PeerState& p, uint32_t channel, std::string&& payload);
   void fail(const std::shared_ptr<PeerState>& p, const Status& why);
   void close(const std::shared_ptr<PeerState>& p);
 

@@ -448,6 +448,10 @@ Status Core::notify(PeerState& p, uint64_t tag) {
 }
 
 Status Core::sendMessage(PeerState& p, uint32_t channel, std::string_view payload) {
+  return sendMessage(p, channel, std::string(payload));
+}
+
+Status Core::sendMessage(PeerState& p, uint32_t channel, std::string&& payload) {
   if (payload.size() > kMaxMessageBytes)
     return MC_STATUS(kInvalidArgument,
                      "message of " << payload.size() << " bytes exceeds " << kMaxMessageBytes);
@@ -459,7 +463,7 @@ Status Core::sendMessage(PeerState& p, uint32_t channel, std::string_view payloa
   h.type = FrameType::kMsg;
   h.aux = channel;
   // An empty message has no owned copy: len 0 with no data pointer is what it needs.
-  if (send(*p.conns[0], h, nullptr, 0, std::string(payload))) return Status::OK();
+  if (send(*p.conns[0], h, nullptr, 0, std::move(payload))) return Status::OK();
   std::lock_guard<std::mutex> g(p.mu);
   return p.failed ? p.why : MC_STATUS(kPeerDead, "tcp peer " << p.label << " is closed");
 }
@@ -510,6 +514,9 @@ class TcpPeer : public TransportPeer {
   Status notify(uint64_t tag) override { return st_->core->notify(*st_, tag); }
   Status sendMessage(uint32_t channel, std::string_view payload) override {
     return st_->core->sendMessage(*st_, channel, payload);
+  }
+  Status sendOwnedMessage(uint32_t channel, std::string&& payload) override {
+    return st_->core->sendMessage(*st_, channel, std::move(payload));
   }
   Status updateRemote(const SegmentDesc& remote) override {
     std::lock_guard<std::mutex> g(st_->mu);
