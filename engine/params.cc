@@ -61,6 +61,9 @@ const std::vector<ParamDef> kParams = {
      "(sched_yield) after its short spin, before it sleeps on a futex."},
     {"MC_PG_HEALTH_US", Type::kInt, "1000",
      "How often a waiting process-group op checks peer liveness and its deadline."},
+    {"MC_PG_HIERARCHICAL", Type::kBool, "1",
+     "Groups that span hosts: allreduce within each host through shared memory first, then "
+     "between one leader per host (0: every rank exchanges messages with every other)."},
     // ---- ep ----
     {"MC_EP_SPIN_US", Type::kInt, "20",
      "Microseconds an EP receiver spins on its signal words before it sleeps on the buffer's "

@@ -27,6 +27,7 @@ struct PgParams {
   size_t net_piece_bytes;  // MC_PG_NET_PIECE_BYTES: message size on the non-shm path
   size_t stream_out_bytes;  // MC_PG_STREAM_OUT_BYTES: outputs this large: streaming stores
   ShmGroup::WaitOptions wait;
+  bool hierarchical;  // MC_PG_HIERARCHICAL
   static PgParams load(size_t buffer_bytes_override);
 };
 
@@ -46,7 +47,15 @@ class Communicator::Impl {
   std::unique_ptr<ShmGroup> shm;  // set when every peer's buffer is mapped here
   std::unique_ptr<NetGroup> net;  // used when shm is not
   std::unique_ptr<P2p> p2p;
+  // Groups spanning hosts whose same-host ranks all map each other (DESIGN.md section 4):
+  // `local` runs shm algorithms over this host's ranks (index 0, the lowest rank, is the
+  // host's leader); `leaders` runs net algorithms over the hosts' leaders (set on leaders
+  // only). Sub-groups own no buffer or channel of their own (the parent's), and their
+  // Health names the user's ranks. Null on single-host groups.
+  std::unique_ptr<Impl> local;
+  std::unique_ptr<Impl> leaders;
   std::vector<uint32_t> channels;  // claimed message channels (released in the destructor)
+  std::string path;                // Communicator::path()
   std::unique_ptr<Worker> worker = std::make_unique<Worker>();
 
   uint64_t op_seq = 0;  // collectives started (the collective-running thread only)

@@ -35,6 +35,7 @@ PgParams PgParams::load(size_t buffer_bytes_override) {
   p.wait.spin_us = std::max<int64_t>(params::getInt("MC_PG_SPIN_US"), 0);
   p.wait.yield_us = std::max<int64_t>(params::getInt("MC_PG_YIELD_US"), 0);
   p.wait.health_us = std::max<int64_t>(params::getInt("MC_PG_HEALTH_US"), 100);
+  p.hierarchical = params::getBool("MC_PG_HIERARCHICAL");
   return p;
 }
 
@@ -110,6 +111,50 @@ int usableCpus() {
   return 1;
 }
 
+// Wait tuning of a shm group of `ranks` ranks on this host.
+ShmGroup::WaitOptions shmWait(const PgParams& p, int ranks) {
+  ShmGroup::WaitOptions w = p.wait;
+  if (ranks > usableCpus()) {
+    // More ranks than cores: a spinning rank would steal the core its peer needs; spin
+    // briefly, then hand the core over (sched_yield) before sleeping.
+    w.spin_us = std::min<int64_t>(w.spin_us, 2);
+  } else {
+    // Ranks have cores of their own: spin, then sleep. No yield phase: measured with the
+    // torch adapter (2 ranks x 2 threads on 2 cores), yielding for 200 us made a 4 KiB
+    // allreduce take 80-130 us at p50 instead of 4-10 us.
+    w.yield_us = 0;
+  }
+  return w;
+}
+
+// Reads every page of the peers' mapped buffers once (faults the mappings in now, not inside
+// the first timed op).
+void prefault(const std::vector<char*>& bases, int me, size_t bytes) {
+  volatile char sink = 0;
+  for (size_t r = 0; r < bases.size(); ++r)
+    if (static_cast<int>(r) != me)
+      for (size_t off = 0; off < bytes; off += 4096) sink = sink + bases[r][off];
+}
+
+// A sub-group of `parent` over `ranks` (ascending, parent ranks, this rank among them): the
+// parent's engine, peers and options; its Health names the parent's ranks.
+std::unique_ptr<Communicator::Impl> subGroup(const Communicator::Impl& parent,
+                                             const std::vector<int>& ranks) {
+  auto s = std::make_unique<Communicator::Impl>();
+  s->engine = parent.engine;
+  s->rdv = parent.rdv;
+  s->opts = parent.opts;
+  s->params = parent.params;
+  s->size = static_cast<int>(ranks.size());
+  for (int i = 0; i < s->size; ++i) {
+    if (ranks[i] == parent.rank) s->rank = i;
+    s->peers.push_back(parent.peers[ranks[i]]);
+  }
+  s->health = std::make_unique<Health>(parent.engine.get(), s->peers, s->rank,
+                                       parent.opts.group_name, ranks);
+  return s;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
@@ -138,6 +183,8 @@ void Communicator::Impl::run(const char* name, Fn&& fn) {
     }
     if (shm) shm->abort(e.peerRank());
     if (net) net->abort(e.peerRank());
+    if (local) local->shm->abort(e.peerRank());
+    if (leaders) leaders->net->abort(e.peerRank());
     MC_LOG(WARN, PG) << e.what();
     throw;
   }
@@ -146,6 +193,8 @@ void Communicator::Impl::run(const char* name, Fn&& fn) {
 Communicator::Impl::~Impl() {
   worker.reset();  // drains the queued ops and joins, while the groups they use still exist
   p2p.reset();
+  leaders.reset();
+  local.reset();
   net.reset();
   shm.reset();
   for (uint32_t ch : channels) releaseChannel(engine.get(), ch);
@@ -213,6 +262,8 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
   c.peers.assign(c.size, engine::kInvalidPeer);
   std::vector<char*> bases(c.size, nullptr);
   bases[c.rank] = static_cast<char*>(c.buffer);
+  std::vector<std::string> hosts(c.size);  // host id per rank (equal: may share memory)
+  hosts[c.rank] = engine->localSegment().host_id;
   bool all_mapped = true;
   for (int r = 0; r < c.size; ++r) {
     if (r == c.rank) continue;
@@ -230,6 +281,7 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
     auto peer = engine->openPeer(*desc, dl);
     if (!peer.ok()) setupFailed(options, "opening rank " + std::to_string(r), peer.status(), r);
     c.peers[r] = *peer;
+    hosts[r] = desc->host_id;
     if (rec.buffer_bytes != c.buffer_bytes) {
       all_mapped = false;  // a different MC_PG_BUFFER_BYTES: the step layout would differ
       continue;
@@ -237,45 +289,72 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
     bases[r] = static_cast<char*>(engine->mappedAddress(*peer, rec.buffer, rec.buffer_bytes));
     if (bases[r] == nullptr) all_mapped = false;
   }
-  // Every rank must take the same path: shm only if every rank mapped every peer.
-  st = rdv->set(g + "/mode/" + std::to_string(c.rank), all_mapped ? "shm" : "net");
+  // This host's ranks (ascending) and the hosts' leaders (the lowest rank of each host).
+  std::vector<int> local_ranks, leader_ranks;
+  bool local_mapped = true;  // every same-host peer's buffer is mapped here
+  {
+    std::set<std::string> seen;
+    for (int r = 0; r < c.size; ++r) {
+      if (hosts[r] == hosts[c.rank]) {
+        local_ranks.push_back(r);
+        if (bases[r] == nullptr) local_mapped = false;
+      }
+      if (seen.insert(hosts[r]).second) leader_ranks.push_back(r);
+    }
+  }
+  // Every rank must take the same path: shm only if every rank mapped every peer;
+  // hierarchical only if every rank mapped its own host's peers.
+  st = rdv->set(g + "/mode/" + std::to_string(c.rank),
+                all_mapped ? "shm" : local_mapped ? "local" : "net");
   if (!st.ok()) setupFailed(options, "rendezvous set", st);
-  bool shm = true;
+  bool shm = true, hier = true;
   for (int r = 0; r < c.size; ++r) {
     auto v = rdv->wait(g + "/mode/" + std::to_string(r), dl);
     if (!v.ok()) setupFailed(options, "waiting for rank " + std::to_string(r), v.status(), r);
     if (*v != "shm") shm = false;
+    if (*v == "net") hier = false;
   }
+  // Worth it when there are several hosts and some host has several ranks.
+  hier = hier && !shm && c.params.hierarchical && leader_ranks.size() > 1 &&
+         leader_ranks.size() < static_cast<size_t>(c.size);
 
   c.health = std::make_unique<Health>(engine.get(), c.peers, c.rank, g_name);
   if (shm) {
-    ShmGroup::WaitOptions w = c.params.wait;
-    if (c.size > usableCpus()) {
-      // More ranks than cores: a spinning rank would steal the core its peer needs; spin
-      // briefly, then hand the core over (sched_yield) before sleeping.
-      w.spin_us = std::min<int64_t>(w.spin_us, 2);
-    } else {
-      // Ranks have cores of their own: spin, then sleep. No yield phase: measured with the
-      // torch adapter (2 ranks x 2 threads on 2 cores), yielding for 200 us made a 4 KiB
-      // allreduce take 80-130 us at p50 instead of 4-10 us.
-      w.yield_us = 0;
-    }
-    c.shm = std::make_unique<ShmGroup>(c.health.get(), bases, c.buffer_bytes, c.rank, w);
-    // Fault the peers' mappings in now (reads), not inside the first timed op.
-    volatile char sink = 0;
-    for (int r = 0; r < c.size; ++r)
-      if (r != c.rank)
-        for (size_t off = 0; off < c.buffer_bytes; off += 4096) sink = sink + bases[r][off];
+    c.shm = std::make_unique<ShmGroup>(c.health.get(), bases, c.buffer_bytes, c.rank,
+                                       shmWait(c.params, c.size));
+    prefault(bases, c.rank, c.buffer_bytes);
   } else {
     c.net = std::make_unique<NetGroup>(engine.get(), c.health.get(), c.peers, c.rank, coll_ch,
                                        c.params.wait.health_us, c.params.net_piece_bytes);
     c.net->start();
   }
+  if (hier) {
+    c.local = subGroup(c, local_ranks);
+    std::vector<char*> local_bases;
+    for (int r : local_ranks) local_bases.push_back(bases[r]);
+    c.local->shm = std::make_unique<ShmGroup>(c.local->health.get(), local_bases, c.buffer_bytes,
+                                              c.local->rank, shmWait(c.params, c.local->size));
+    prefault(local_bases, c.local->rank, c.buffer_bytes);
+    if (local_ranks[0] == c.rank) {
+      uint32_t hier_ch = channelFor("leaders", g_name);
+      claimChannel(engine.get(), hier_ch, g_name);
+      c.channels.push_back(hier_ch);
+      c.leaders = subGroup(c, leader_ranks);
+      c.leaders->net = std::make_unique<NetGroup>(
+          engine.get(), c.leaders->health.get(), c.leaders->peers, c.leaders->rank, hier_ch,
+          c.params.wait.health_us, c.params.net_piece_bytes);
+      c.leaders->net->start();
+    }
+  }
   c.p2p = std::make_unique<P2p>(engine.get(), c.health.get(), c.peers, c.rank, p2p_ch,
                                 c.params.wait.health_us, c.params.net_piece_bytes);
   c.p2p->start();
+  c.path = shm    ? "shm"
+           : hier ? "hierarchical: " + std::to_string(leader_ranks.size()) + " hosts, " +
+                        std::to_string(local_ranks.size()) + " ranks on this one"
+                  : "net";
   MC_LOG(INFO, PG) << "group " << g << " rank " << c.rank << "/" << c.size << " ready on "
-                   << (shm ? "shm" : "messages") << ", buffer " << c.buffer_bytes
+                   << c.path << ", buffer " << c.buffer_bytes
                    << " bytes, reduce kernels " << reduceIsa();
   return std::unique_ptr<Communicator>(new Communicator(std::move(impl)));
 }
@@ -290,6 +369,7 @@ engine::PeerId Communicator::peerOf(int rank) const {
 }
 std::shared_ptr<engine::Rendezvous> Communicator::rendezvous() const { return impl_->rdv; }
 std::vector<int> Communicator::deadRanks() const { return impl_->health->deadRanks(); }
+const std::string& Communicator::path() const { return impl_->path; }
 
 std::shared_ptr<Work> Communicator::enqueue(std::string op_name, std::function<void()> fn) {
   return impl_->worker->enqueue(std::move(op_name), std::move(fn));

@@ -113,6 +113,11 @@ class Communicator {
   engine::PeerId peerOf(int rank) const;
   std::shared_ptr<engine::Rendezvous> rendezvous() const;
 
+  // How collectives travel: "shm" (every rank maps every other's buffer), "net" (engine
+  // messages), or "hierarchical: H hosts, L ranks on this one" (a group spanning hosts:
+  // allreduce goes through shared memory within each host and messages between hosts).
+  const std::string& path() const;
+
   // ---- health ----
   // OK, or a CommError-worthy message naming the first dead rank.
   std::vector<int> deadRanks() const;

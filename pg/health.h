@@ -20,8 +20,10 @@ struct OpCtx {
 
 class Health {
  public:
+  // names[r]: the rank that index r is in the user's group, for errors (a sub-group of a
+  // hierarchical group indexes a subset of the ranks); empty: r itself.
   Health(engine::TransferEngine* engine, std::vector<engine::PeerId> peers, int rank,
-         std::string group);
+         std::string group, std::vector<int> names = {});
   // Throws CommError("mooncake pg: rank R (group G) died during OP: <engine status>") for
   // the lowest dead rank; no-op while every peer is alive. only_rank >= 0 checks just it
   // (waits check the rank they wait for: a peer that finished and exited is no failure).
@@ -33,12 +35,14 @@ class Health {
   [[noreturn]] void aborted(const OpCtx& op, int rank, int blamed) const;
   const std::string& group() const { return group_; }
   int rank() const { return rank_; }
+  int name(int r) const { return names_.empty() || r < 0 ? r : names_[r]; }
 
  private:
   engine::TransferEngine* engine_;
   std::vector<engine::PeerId> peers_;
   int rank_;
   std::string group_;
+  std::vector<int> names_;
 };
 
 }  // namespace mooncake::pg

@@ -65,7 +65,7 @@ void NetGroup::send(const OpCtx& op, int dst, const void* data, size_t len) {
   Header h{kMagic, rank_, op.seq};
   std::memcpy(payload.data(), &h, sizeof(h));
   if (len > 0) std::memcpy(payload.data() + sizeof(h), data, len);
-  Status st = engine_->sendMessage(peers_[dst], channel_, payload);
+  Status st = engine_->sendMessageOwned(peers_[dst], channel_, std::move(payload));
   if (!st.ok()) {
     health_->check(op, dst);  // names it as dead when it is
     throw CommError("mooncake pg: " + std::string(op.name) + ": sending " + std::to_string(len) +

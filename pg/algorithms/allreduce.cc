@@ -9,6 +9,8 @@
 // copies the other reduced slices out of the owners' halves. Per rank that is (n-1)/n of
 // the data copied in, one read of every input of its slice, (n-1)/n copied out.
 //
+// Groups spanning hosts whose same-host ranks map each other: hierarchical (below).
+//
 // Other groups: pairwise direct exchange over messages (reduce-scatter by sending each
 // slice to its owner, who reduces the n contributions in rank order at once; all-gather
 // by sending the reduced slice to everyone): the same rank-order result as on shm.
@@ -135,13 +137,32 @@ void netAllReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* 
 }
 
 void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,
+         DataType t, ReduceOp rop, int root);
+
+// A group spanning hosts: reduce onto each host's leader through shared memory, allreduce
+// between the leaders over messages, broadcast back through shared memory. Each byte
+// crosses hosts twice per leader instead of every rank exchanging with every other rank.
+// (AVG goes the flat way: its division needs the whole group's count in one step.)
+void hierAllReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                   size_t count, DataType t, ReduceOp rop) {
+  Communicator::Impl& local = *c.local;
+  run(local, op, in, out, count, t, rop, 0);
+  if (c.leaders) run(*c.leaders, op, out, out, count, t, rop, -1);
+  broadcast(local, op, out, count * dtypeSize(t), 0);
+}
+
+void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,
          DataType t, ReduceOp rop, int root) {
   if (count == 0) return;
   if (c.size == 1) {
     if (root < 0 || root == c.rank) reduceInto(out, nullptr, &in, 1, count, t, rop);
     return;
   }
-  if (!c.shm) return netAllReduce(c, op, in, out, count, t, rop, root);
+  if (!c.shm) {
+    if (c.local && root < 0 && rop != ReduceOp::kAvg)
+      return hierAllReduce(c, op, in, out, count, t, rop);
+    return netAllReduce(c, op, in, out, count, t, rop, root);
+  }
   const size_t bytes = count * dtypeSize(t);
   if (bytes <= c.params.flat_bytes && bytes <= c.shm->halfBytes())
     return shmFlat(c, op, in, out, count, t, rop, root);

@@ -42,6 +42,8 @@ std::atomic<int> g_run{0};
   int code = 0;
   try {
     for (const auto& [k, v] : o.env) setenv(k.c_str(), v.c_str(), 1);
+    if (o.rank_env)
+      for (const auto& [k, v] : o.rank_env(rank)) setenv(k.c_str(), v.c_str(), 1);
     if (!o.transport.empty()) setenv("MC_TRANSPORT", o.transport.c_str(), 1);
     RankEnv env;
     env.rank = rank;

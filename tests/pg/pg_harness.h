@@ -50,6 +50,8 @@ struct RunOptions {
   size_t buffer_bytes = 0;
   bool create_comm = true;
   std::vector<std::pair<std::string, std::string>> env;  // set in each child before anything
+  // Per-rank environment (after `env`), e.g. MC_HOST_ID to make ranks look like other hosts.
+  std::function<std::vector<std::pair<std::string, std::string>>(int rank)> rank_env;
   // Runs in the parent after every child was forked (e.g. to kill one of them).
   std::function<void(const std::vector<pid_t>& pids, Shared* shared)> parent;
 };

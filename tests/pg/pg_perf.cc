@@ -3,6 +3,7 @@
 //   op size_bytes time_us(p50 of per-iteration max over ranks) algbw busbw (GB/s)
 // Usage: pg_perf [--world N] [--transport tcp] [--async 1] [--ops allreduce,allgather,alltoall,
 //                 broadcast,reduce_scatter] [--sizes 4K,64K,1M,16M] [--min-ms 300]
+//                [--hosts aabb] (rank r looks like host letter r: groups spanning hosts)
 // Full benchmarks against gloo and MPI: benchmarks/pg_bench.py.
 #include <algorithm>
 #include <cstdio>
@@ -60,6 +61,12 @@ int main(int argc, char** argv) {
     else if (k == "--sizes") sizes = split(v);
     else if (k == "--min-ms") min_ms = std::atof(v.c_str());
     else if (k == "--async") async = v == "1";
+    else if (k == "--hosts") {  // e.g. aabb: rank r pretends to be on host v[r] (MC_HOST_ID)
+      o.rank_env = [v](int r) {
+        return std::vector<std::pair<std::string, std::string>>{
+            {"MC_HOST_ID", std::string("perf-host-") + v.at(static_cast<size_t>(r))}};
+      };
+    }
   }
   o.deadline_s = 600;
   auto codes = runRanks(o, [&](RankEnv& env) {

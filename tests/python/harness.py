@@ -44,7 +44,9 @@ class PoolError(AssertionError):
 
 
 class Pool:
-    def __init__(self, world, timeout_s=120, start_timeout_s=90, env=None, gloo=True):
+    def __init__(self, world, timeout_s=120, start_timeout_s=90, env=None, gloo=True,
+                 rank_env=None):
+        """rank_env: rank -> dict of extra environment for that rank (after env)."""
         self.world = world
         self.broken = False
         self.logs = []
@@ -60,8 +62,9 @@ class Pool:
             cmd = [PYTHON, "-u", WORKER, "--ctl-port", str(ctl_port), "--authkey", key.hex(),
                    "--rank", str(r), "--world", str(world), "--master-port", str(master_port),
                    "--timeout-s", str(timeout_s)] + ([] if gloo else ["--no-gloo"])
+            renv = dict(env or {}, **(rank_env(r) if rank_env else {}))
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                               env=child_env(env), cwd="/"))
+                                               env=child_env(renv), cwd="/"))
             log.close()
         self.conns = [None] * world
         self._accept(start_timeout_s)
