@@ -216,11 +216,13 @@ def run_torch(world, cfg, timeout_s):
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
+    hosts = cfg.get("hosts")
     for r in range(world):
         cmd = [PYTHON, os.path.abspath(__file__), "--worker", "--rank", str(r), "--world",
                str(world), "--port", str(port), "--config", json.dumps(cfg)]
+        renv = dict(env, MC_HOST_ID=f"bench-host-{hosts[r]}") if hosts else env
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env))
+                                      text=True, env=renv))
     outs = []
     try:
         for p in procs:
@@ -379,6 +381,9 @@ def main():
     ap.add_argument("--max-seconds", type=float, default=1.5,
                     help="cap on timed seconds per point (fewer iterations for big sizes)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
+    ap.add_argument("--hosts", help="one letter per rank (e.g. aabb): rank r pretends to be "
+                    "on host hosts[r] (MC_HOST_ID), so mooncake treats the group as spanning "
+                    "hosts (tcp between them); gloo is unaffected (loopback tcp either way)")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--plot", help="write a busbw plot (PNG) here")
     ap.add_argument("--markdown", help="write the tables as Markdown here")
@@ -415,7 +420,13 @@ def main():
     for w in ([] if args.replot else worlds):
         wsizes = [s - s % (4 * w) for s in sizes]  # whole float32 blocks per rank
         cfg = {"ops": ops, "sizes": wsizes, "iters": args.iters, "warmup": args.warmup,
-               "max_seconds": args.max_seconds, "stat": args.stat}
+               "max_seconds": args.max_seconds, "stat": args.stat, "hosts": None}
+        if args.hosts:
+            if len(args.hosts) != w:
+                ap.error(f"--hosts {args.hosts} names {len(args.hosts)} ranks, not {w}")
+            if "mpi" in backends:
+                ap.error("--hosts simulates hosts for the engine only: leave mpi out")
+            cfg["hosts"] = args.hosts
         torch_backends = [b for b in backends if b != "mpi"]
         t0 = time.time()
         if torch_backends:

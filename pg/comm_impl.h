@@ -54,6 +54,9 @@ class Communicator::Impl {
   // Health names the user's ranks. Null on single-host groups.
   std::unique_ptr<Impl> local;
   std::unique_ptr<Impl> leaders;
+  std::vector<int> host_of;       // with `local`: host index of every rank (0 = rank 0's)
+  std::vector<int> local_ranks;   // with `local`: this host's ranks, ascending
+  std::vector<int> leader_ranks;  // with `local`: every host's lowest rank, by host index
   std::vector<uint32_t> channels;  // claimed message channels (released in the destructor)
   std::string path;                // Communicator::path()
   std::unique_ptr<Worker> worker = std::make_unique<Worker>();

@@ -329,6 +329,11 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
     c.net->start();
   }
   if (hier) {
+    for (int r = 0; r < c.size; ++r)
+      for (size_t h = 0; h < leader_ranks.size(); ++h)
+        if (hosts[r] == hosts[leader_ranks[h]]) c.host_of.push_back(static_cast<int>(h));
+    c.local_ranks = local_ranks;
+    c.leader_ranks = leader_ranks;
     c.local = subGroup(c, local_ranks);
     std::vector<char*> local_bases;
     for (int r : local_ranks) local_bases.push_back(bases[r]);

@@ -1,6 +1,7 @@
 // allGatherV (allGather is the equal-size case) and gather. Shm: every rank copies its
 // block (a half at a time) into its own half, flag, the receivers copy straight out of the
-// owners' halves. Messages: every rank sends its block to every receiver.
+// owners' halves. Messages: every rank sends its block to every receiver. Groups spanning
+// hosts: hierarchical (hierAllGatherV).
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -12,16 +13,19 @@ namespace mooncake::pg::algo {
 
 namespace {
 
-// root < 0: everyone receives (allgather); else only root does (gather).
+// root < 0: everyone receives (allgather); else only root does (gather). at (optional):
+// where rank r's block goes in out (default: the blocks back to back in rank order).
 void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
-         const std::vector<size_t>& bytes, int root) {
+         const std::vector<size_t>& bytes, int root, const std::vector<size_t>* at = nullptr) {
   const int n = c.size, me = c.rank;
   const bool receive = root < 0 || root == me;
   std::vector<size_t> displ(n + 1, 0);
   for (int r = 0; r < n; ++r) displ[r + 1] = displ[r] + bytes[r];
+  const size_t total = displ[n];
+  if (at != nullptr) std::copy(at->begin(), at->end(), displ.begin());
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  const bool so = displ[n] >= c.params.stream_out_bytes;
+  const bool so = total >= c.params.stream_out_bytes;
   if (receive && bytes[me] > 0 && dst + displ[me] != src) {
     char* mine = dst + displ[me];
     // Disjoint and large: streaming stores (no read-for-ownership of the output's lines).
@@ -30,7 +34,7 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
     else
       std::memmove(mine, src, bytes[me]);
   }
-  if (n == 1 || displ[n] == 0) return;
+  if (n == 1 || total == 0) return;
 
   if (!c.shm) {
     for (int k = 1; k < n; ++k) {
@@ -66,10 +70,40 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
   if (so) streamFence();
 }
 
+// A group spanning hosts: the ranks of each host gather their blocks among themselves
+// through shared memory (into their final places); the leaders exchange their hosts' blocks
+// over messages; each leader broadcasts the other hosts' blocks to its host through shared
+// memory. A block crosses to every other host once instead of once per rank there.
+void hierAllGatherV(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                    const std::vector<size_t>& bytes) {
+  const int n = c.size, me = c.rank, my_host = c.host_of[me];
+  char* dst = static_cast<char*>(out);
+  std::vector<size_t> displ(n + 1, 0);
+  for (int r = 0; r < n; ++r) displ[r + 1] = displ[r] + bytes[r];
+  std::vector<size_t> local_bytes, local_at;
+  for (int r : c.local_ranks) {
+    local_bytes.push_back(bytes[r]);
+    local_at.push_back(displ[r]);
+  }
+  run(*c.local, op, in, out, local_bytes, -1, &local_at);
+  if (c.local_ranks[0] == me) {
+    for (size_t h = 0; h < c.leader_ranks.size(); ++h) {
+      if (static_cast<int>(h) == my_host) continue;
+      for (int r : c.local_ranks) c.net->sendPieces(op, c.leader_ranks[h], dst + displ[r], bytes[r]);
+    }
+    for (int r = 0; r < n; ++r)
+      if (c.host_of[r] != my_host)
+        c.net->recvPieces(op, c.leader_ranks[c.host_of[r]], dst + displ[r], bytes[r]);
+  }
+  for (int r = 0; r < n; ++r)
+    if (c.host_of[r] != my_host) broadcast(*c.local, op, dst + displ[r], bytes[r], 0);
+}
+
 }  // namespace
 
 void allGatherV(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                 const std::vector<size_t>& bytes) {
+  if (!c.shm && c.local) return hierAllGatherV(c, op, in, out, bytes);
   run(c, op, in, out, bytes, -1);
 }
 

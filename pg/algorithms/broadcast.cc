@@ -1,5 +1,6 @@
 // broadcast and scatter: the root copies into its half, the others copy straight out of
-// it (shm, pipelined through the two halves); over messages the root sends to each rank.
+// it (shm, pipelined through the two halves); over messages the root sends to each rank;
+// groups spanning hosts broadcast hierarchically (one copy per host over messages).
 #include <algorithm>
 #include <cstring>
 
@@ -8,10 +9,34 @@
 
 namespace mooncake::pg::algo {
 
+namespace {
+
+// A group spanning hosts: the root sends to one rank per other host (its leader) over
+// messages, then every host broadcasts through shared memory from the rank that has the
+// data (the root on its own host, the leader elsewhere). Each byte crosses to every other
+// host once instead of once per rank there.
+void hierBroadcast(Communicator::Impl& c, const OpCtx& op, char* p, size_t bytes, int root) {
+  const int me = c.rank, root_host = c.host_of[root];
+  if (me == root) {
+    for (size_t h = 0; h < c.leader_ranks.size(); ++h)
+      if (static_cast<int>(h) != root_host) c.net->sendPieces(op, c.leader_ranks[h], p, bytes);
+  } else if (c.host_of[me] != root_host && c.local_ranks[0] == me) {
+    c.net->recvPieces(op, root, p, bytes);
+  }
+  int source = 0;  // local index of the rank that holds the data on this host
+  if (c.host_of[me] == root_host)
+    source = static_cast<int>(std::find(c.local_ranks.begin(), c.local_ranks.end(), root) -
+                              c.local_ranks.begin());
+  broadcast(*c.local, op, p, bytes, source);
+}
+
+}  // namespace
+
 void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, int root) {
   if (bytes == 0 || c.size == 1) return;
   const int me = c.rank;
   char* p = static_cast<char*>(buf);
+  if (!c.shm && c.local) return hierBroadcast(c, op, p, bytes, root);
   if (!c.shm) {
     if (me == root) {
       for (int k = 1; k < c.size; ++k) c.net->sendPieces(op, (me + k) % c.size, p, bytes);

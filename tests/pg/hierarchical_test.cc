@@ -1,13 +1,15 @@
 // Groups that span hosts. Ranks get different MC_HOST_ID values, so the engine treats them
 // as other hosts (tcp between them, no mapping) while same-"host" ranks share memory: the
-// group runs allreduce hierarchically (shm within a host, messages between the hosts'
-// leaders). Results are checked bit for bit against a reference folded the same way (each
-// host's ranks in rank order, then the hosts in order of their lowest rank); every other
-// collective still goes the flat way and is checked too. A rank killed on one host is named
-// by every survivor on both hosts.
+// group runs allreduce, broadcast and allgather hierarchically (shm within a host, messages
+// between the hosts' leaders). Allreduce results are checked bit for bit against a
+// reference folded the same way (each host's ranks in rank order, then the hosts in order
+// of their lowest rank); broadcast from every root and allgather(v) against the inputs; the
+// collectives that stay flat are spot-checked. A rank killed on one host is named by every
+// survivor on both hosts.
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <cstring>
 #include <map>
 #include <thread>
 
@@ -93,22 +95,50 @@ void checkAllReduces(Communicator& c, const std::vector<std::string>& hosts) {
   }
 }
 
+// broadcast and allgather are hierarchical too: every root, every size, uneven blocks.
+void checkBroadcastAllGather(Communicator& c) {
+  const int n = c.size(), me = c.rank();
+  uint32_t salt = 100;
+  for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{(1u << 20) + 3}}) {
+    for (int root = 0; root < n; ++root) {
+      Buf b = make(DataType::kInt32, count, root, ++salt);
+      Buf want = b;
+      if (me != root) std::fill(b.begin(), b.end(), 0);
+      c.broadcast(b.data(), count * 4, root);
+      EXPECT_EQ(firstDiff(b.data(), want.data(), count, 4), -1)
+          << "broadcast count=" << count << " root=" << root << ", rank " << me;
+    }
+    // Rank r contributes count + 3r elements (count = 0: rank 0 contributes nothing).
+    std::vector<size_t> bytes;
+    for (int r = 0; r < n; ++r) bytes.push_back((count + 3 * r) * 4);
+    size_t total = 0;
+    for (size_t x : bytes) total += x;
+    Buf mine = make(DataType::kFloat32, count + 3 * me, me, ++salt), all(total + 1, 0x5a);
+    c.allGatherV(mine.data(), all.data(), bytes);
+    size_t at = 0;
+    for (int r = 0; r < n; ++r) {
+      Buf w = make(DataType::kFloat32, count + 3 * r, r, salt);
+      EXPECT_EQ(firstDiff(all.data() + at, w.data(), count + 3 * r, 4), -1)
+          << "allgatherv block " << r << " count=" << count << ", rank " << me;
+      at += bytes[r];
+    }
+    // In place: this rank's block already sits in the output.
+    Buf out(n * count * 4 + 1);
+    Buf own = make(DataType::kFloat32, count, me, ++salt);
+    std::memcpy(out.data() + me * count * 4, own.data(), count * 4);
+    c.allGather(out.data() + me * count * 4, out.data(), count * 4);
+    for (int r = 0; r < n; ++r) {
+      Buf w = make(DataType::kFloat32, count, r, salt);
+      EXPECT_EQ(firstDiff(out.data() + r * count * 4, w.data(), count, 4), -1)
+          << "allgather in place block " << r << " count=" << count << ", rank " << me;
+    }
+  }
+}
+
 // The other collectives take the flat path in such a group: spot checks.
 void checkOthers(Communicator& c) {
   const int n = c.size(), me = c.rank();
   const size_t count = 1000;
-  Buf b = make(DataType::kInt32, count, n - 1, 77);
-  Buf want = b;
-  if (me != n - 1) std::fill(b.begin(), b.end(), 0);
-  c.broadcast(b.data(), count * 4, n - 1);
-  EXPECT_EQ(firstDiff(b.data(), want.data(), count, 4), -1) << "broadcast, rank " << me;
-  Buf mine = make(DataType::kFloat32, count, me, 78), all(n * count * 4);
-  c.allGather(mine.data(), all.data(), count * 4);
-  for (int r = 0; r < n; ++r) {
-    Buf w = make(DataType::kFloat32, count, r, 78);
-    EXPECT_EQ(firstDiff(all.data() + r * count * 4, w.data(), count, 4), -1)
-        << "allgather block " << r << ", rank " << me;
-  }
   std::vector<Buf> ins;
   std::vector<const void*> ptrs;
   for (int r = 0; r < n; ++r) ins.push_back(make(DataType::kFloat32, n * count, r, 79));
@@ -123,12 +153,13 @@ void checkOthers(Communicator& c) {
 
 class PgHierarchical : public ::testing::TestWithParam<std::vector<std::string>> {};
 
-TEST_P(PgHierarchical, AllReduceMatchesTheHostByHostReference) {
+TEST_P(PgHierarchical, CollectivesMatchTheReference) {
   const std::vector<std::string> hosts = GetParam();
   auto codes = runRanks(onHosts(hosts), [&](RankEnv& env) {
     Communicator& c = *env.comm;
     EXPECT_EQ(c.path().rfind("hierarchical", 0), 0u) << c.path();
     checkAllReduces(c, hosts);
+    checkBroadcastAllGather(c);
     checkOthers(c);
   });
   for (size_t r = 0; r < codes.size(); ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
