@@ -2,6 +2,7 @@
 // one message per peer otherwise), so that every rank checks the whole size matrix and all
 // of them raise the same error when a pair disagrees. Shm: each step, every rank copies
 // the next slot of its block for rank j into slot j of its half; rank j copies it out.
+// Groups spanning hosts: same-host blocks through shared memory, the rest over messages.
 #include <algorithm>
 #include <cstring>
 
@@ -53,15 +54,32 @@ void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
       else net.recv(op, r, &sizes[r * 2 * n], row);
     }
     validate(c, op, sizes);
-    if (send_bytes[me] > 0 && dst + recv_offsets[me] != src + send_offsets[me])
+    // A group spanning hosts: blocks for other hosts go over messages (sent first: sends
+    // never wait), this host's blocks through shared memory (a nested allToAllV over the
+    // host's ranks), then the other hosts' blocks are received.
+    const bool hier = c.local != nullptr;
+    auto remote = [&](int r) { return !hier || c.host_of[r] != c.host_of[me]; };
+    if (!hier && send_bytes[me] > 0 && dst + recv_offsets[me] != src + send_offsets[me])
       std::memcpy(dst + recv_offsets[me], src + send_offsets[me], send_bytes[me]);
     for (int k = 1; k < n; ++k) {
       int j = (me + k) % n;
-      net.sendPieces(op, j, src + send_offsets[j], send_bytes[j]);
+      if (remote(j)) net.sendPieces(op, j, src + send_offsets[j], send_bytes[j]);
+    }
+    if (hier) {
+      const size_t ln = c.local_ranks.size();
+      std::vector<size_t> sb(ln), so(ln), rb(ln), ro(ln);
+      for (size_t i = 0; i < ln; ++i) {
+        const int r = c.local_ranks[i];
+        sb[i] = send_bytes[r];
+        so[i] = send_offsets[r];
+        rb[i] = recv_bytes[r];
+        ro[i] = recv_offsets[r];
+      }
+      allToAllV(*c.local, op, in, sb, so, out, rb, ro);
     }
     for (int k = 1; k < n; ++k) {
       int r = (me + n - k) % n;
-      net.recvPieces(op, r, dst + recv_offsets[r], recv_bytes[r]);
+      if (remote(r)) net.recvPieces(op, r, dst + recv_offsets[r], recv_bytes[r]);
     }
     return;
   }

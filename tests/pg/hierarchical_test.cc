@@ -1,9 +1,10 @@
 // Groups that span hosts. Ranks get different MC_HOST_ID values, so the engine treats them
 // as other hosts (tcp between them, no mapping) while same-"host" ranks share memory: the
 // group runs allreduce, broadcast and allgather hierarchically (shm within a host, messages
-// between the hosts' leaders). Allreduce results are checked bit for bit against a
+// between the hosts' leaders) and all-to-all by locality (shm within a host). Allreduce results are checked bit for bit against a
 // reference folded the same way (each host's ranks in rank order, then the hosts in order
-// of their lowest rank); broadcast from every root and allgather(v) against the inputs; the
+// of their lowest rank); broadcast from every root, allgather(v) and uneven alltoallv against
+// the inputs; the
 // collectives that stay flat are spot-checked. A rank killed on one host is named by every
 // survivor on both hosts.
 #include <gtest/gtest.h>
@@ -121,6 +122,34 @@ void checkBroadcastAllGather(Communicator& c) {
       EXPECT_EQ(firstDiff(all.data() + at, w.data(), count + 3 * r, 4), -1)
           << "allgatherv block " << r << " count=" << count << ", rank " << me;
       at += bytes[r];
+    }
+    // allToAllV: rank r sends count + r + 2j elements of int32 to rank j (all pairs differ).
+    {
+      auto elems = [&](int from, int to) { return count + from + 2 * to; };
+      auto value = [](int from, int to, size_t i) {
+        return static_cast<int32_t>(from * 1000003 + to * 7919 + static_cast<int>(i));
+      };
+      std::vector<size_t> sb(n), so(n), rb(n), ro(n);
+      size_t sin = 0, sout = 0;
+      for (int j = 0; j < n; ++j) {
+        sb[j] = elems(me, j) * 4;
+        so[j] = sin;
+        sin += sb[j];
+        rb[j] = elems(j, me) * 4;
+        ro[j] = sout;
+        sout += rb[j];
+      }
+      std::vector<int32_t> a2a_in(sin / 4), a2a_out(sout / 4 + 1, -1);
+      for (int j = 0; j < n; ++j)
+        for (size_t i = 0; i < elems(me, j); ++i) a2a_in[so[j] / 4 + i] = value(me, j, i);
+      c.allToAllV(a2a_in.data(), sb, so, a2a_out.data(), rb, ro);
+      for (int r = 0; r < n; ++r)
+        for (size_t i = 0; i < elems(r, me); ++i)
+          if (a2a_out[ro[r] / 4 + i] != value(r, me, i)) {
+            ADD_FAILURE() << "alltoallv from rank " << r << " element " << i << " count=" << count
+                          << ", rank " << me;
+            break;
+          }
     }
     // In place: this rank's block already sits in the output.
     Buf out(n * count * 4 + 1);
