@@ -607,16 +607,19 @@ Status TransferEngine::sendMessageOwned(PeerId peer, uint32_t channel, std::stri
 }
 
 void TransferEngine::setMessageHandler(uint32_t channel, std::function<void(Message&&)> handler) {
+  // Off the dispatchers: hold handler_run_mu through the swap and the replay of queued
+  // messages, so that a call of the previous handler in flight is waited out and no newer
+  // message reaches the new handler before the queued ones (nor runs beside them). On a
+  // dispatcher (a handler installing another) the mutex is already held by this thread.
+  const auto self = std::this_thread::get_id();
+  std::unique_lock<std::mutex> running(impl_->handler_run_mu, std::defer_lock);
+  if (self != impl_->dispatcher.get_id() && self != impl_->local_dispatcher.get_id())
+    running.lock();
   std::deque<Message> backlog;
   {
     std::lock_guard<std::mutex> g(impl_->msg_mu);
     impl_->handlers[channel] = handler;
     if (handler) backlog.swap(impl_->queues[channel]);
-  }
-  const auto self = std::this_thread::get_id();
-  if (self != impl_->dispatcher.get_id() && self != impl_->local_dispatcher.get_id()) {
-    // Wait out a call of the previous handler that is in flight on a dispatcher.
-    std::lock_guard<std::mutex> g(impl_->handler_run_mu);
   }
   for (auto& m : backlog) handler(std::move(m));
 }

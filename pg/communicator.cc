@@ -304,8 +304,11 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
   }
   // Every rank must take the same path: shm only if every rank mapped every peer;
   // hierarchical only if every rank mapped its own host's peers.
+  // (MC_PG_HIERARCHICAL=0 on any rank makes it say "net": every rank then goes flat.)
   st = rdv->set(g + "/mode/" + std::to_string(c.rank),
-                all_mapped ? "shm" : local_mapped ? "local" : "net");
+                all_mapped                             ? "shm"
+                : local_mapped && c.params.hierarchical ? "local"
+                                                        : "net");
   if (!st.ok()) setupFailed(options, "rendezvous set", st);
   bool shm = true, hier = true;
   for (int r = 0; r < c.size; ++r) {
@@ -315,7 +318,7 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
     if (*v == "net") hier = false;
   }
   // Worth it when there are several hosts and some host has several ranks.
-  hier = hier && !shm && c.params.hierarchical && leader_ranks.size() > 1 &&
+  hier = hier && !shm && leader_ranks.size() > 1 &&
          leader_ranks.size() < static_cast<size_t>(c.size);
 
   c.health = std::make_unique<Health>(engine.get(), c.peers, c.rank, g_name);

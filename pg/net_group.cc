@@ -69,9 +69,9 @@ void NetGroup::send(const OpCtx& op, int dst, const void* data, size_t len) {
   if (!st.ok()) {
     health_->check(op, dst);  // names it as dead when it is
     throw CommError("mooncake pg: " + std::string(op.name) + ": sending " + std::to_string(len) +
-                        " bytes to rank " + std::to_string(dst) + " (group " + health_->group() +
-                        ") failed: " + st.toString(),
-                    dst, op.name);
+                        " bytes to rank " + std::to_string(health_->name(dst)) + " (group " +
+                        health_->group() + ") failed: " + st.toString(),
+                    health_->name(dst), op.name);
   }
 }
 
@@ -112,13 +112,14 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
   Header h{};
   std::memcpy(&h, m.buf.data(), sizeof(h));
   if (h.seq != op.seq || m.size() != expect_len) {
-    throw CommError("mooncake pg: " + std::string(op.name) + " on rank " + std::to_string(rank_) +
+    throw CommError("mooncake pg: " + std::string(op.name) + " on rank " +
+                        std::to_string(health_->name(rank_)) +
                         " (group " + health_->group() + ", op #" + std::to_string(op.seq) +
                         ") got " + std::to_string(m.size()) + " bytes of op #" +
-                        std::to_string(h.seq) + " from rank " + std::to_string(src) +
+                        std::to_string(h.seq) + " from rank " + std::to_string(health_->name(src)) +
                         " but expected " + std::to_string(expect_len) +
                         " bytes: ranks called different collectives or sizes",
-                    src, op.name);
+                    health_->name(src), op.name);
   }
   return m;
 }

@@ -221,16 +221,37 @@ TEST(PgHierarchicalConfig, OneRankPerHostAndTheSwitchStayFlat) {
     EXPECT_EQ(v[999], 10.0f);
   });
   EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 0}));
+  // Switched off on one rank only: every rank agrees on the flat path (no mixed paths).
+  RunOptions one = onHosts({"a", "a", "b", "b"});
+  one.rank_env = [](int r) {
+    std::vector<std::pair<std::string, std::string>> e{
+        {"MC_HOST_ID", r < 2 ? "host-a" : "host-b"}};
+    if (r == 2) e.emplace_back("MC_PG_HIERARCHICAL", "0");
+    return e;
+  };
+  codes = runRanks(one, [&](RankEnv& env) {
+    Communicator& c = *env.comm;
+    EXPECT_EQ(c.path(), "net");
+    std::vector<float> v(1000, 1.0f + c.rank());
+    c.allReduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+    EXPECT_EQ(v[0], 10.0f);
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 0}));
 }
 
-// Rank 3 (host b, not its leader) dies between ops: its leader sees it in the host-local
-// reduce, tells host a's leader, which tells rank 1: every survivor names rank 3, in time.
-TEST(PgHierarchicalFailure, RankKilledOnOneHostIsNamedOnBoth) {
+// A rank of host b dies between ops: rank 3 (not its host's leader: its leader sees it in
+// the host-local reduce and tells host a's leader, which tells rank 1) or rank 2 (host b's
+// leader: host a's leader sees it between the leaders, rank 3 in its host's reduce). Every
+// survivor names the dead rank, in time.
+class PgHierarchicalFailure : public ::testing::TestWithParam<int> {};
+
+TEST_P(PgHierarchicalFailure, RankKilledOnOneHostIsNamedOnBoth) {
+  const int victim = GetParam();
   RunOptions o = onHosts({"a", "a", "b", "b"});
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     c.barrier();
-    if (c.rank() == 3) raise(SIGKILL);
+    if (c.rank() == victim) raise(SIGKILL);
     std::vector<float> buf(1 << 16, 1.0f);
     int64_t t0 = monotonicNs();
     try {
@@ -238,20 +259,26 @@ TEST(PgHierarchicalFailure, RankKilledOnOneHostIsNamedOnBoth) {
       ADD_FAILURE() << "allreduce with a dead rank succeeded on rank " << c.rank();
     } catch (const CommError& e) {
       EXPECT_LT((monotonicNs() - t0) / 1e9, 2.0) << e.what();
-      EXPECT_EQ(e.peerRank(), 3) << "rank " << c.rank() << ": " << e.what();
-      EXPECT_NE(std::string(e.what()).find("rank 3"), std::string::npos) << e.what();
+      EXPECT_EQ(e.peerRank(), victim) << "rank " << c.rank() << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(victim)), std::string::npos)
+          << e.what();
     }
     // Stay until every survivor looked (one that exited would be reported dead too).
     env.shared->values[c.rank()].store(1);
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (env.shared->values[0].load() + env.shared->values[1].load() +
-                   env.shared->values[2].load() <
-               3 &&
-           std::chrono::steady_clock::now() < until)
+    auto looked = [&] {
+      int64_t n = 0;
+      for (int r = 0; r < 4; ++r) n += env.shared->values[r].load();
+      return n;
+    };
+    while (looked() < 3 && std::chrono::steady_clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
   });
-  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 128 + SIGKILL}));
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(codes[r], r == victim ? 128 + SIGKILL : 0) << "rank " << r;
 }
+
+INSTANTIATE_TEST_SUITE_P(Victims, PgHierarchicalFailure, ::testing::Values(3, 2),
+                         [](const auto& info) { return "rank" + std::to_string(info.param); });
 
 }  // namespace
 }  // namespace mooncake::pg::test

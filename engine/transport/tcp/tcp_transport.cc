@@ -275,6 +275,15 @@ void Core::loop() {
     for (auto& f : cmds) f();
     retryBacklog();
   }
+  // Stopped, or a fatal epoll error: from now on commands run on their caller's thread
+  // (runOnLoop checks running_), so no waiter is left with a command nobody will run.
+  std::vector<std::function<void()>> rest;
+  {
+    std::lock_guard<std::mutex> g(cmd_mu_);
+    running_ = false;
+    rest.swap(cmds_);
+  }
+  for (auto& f : rest) f();
 }
 // ---------------------------------------------------------------- initiator side
 
