@@ -61,10 +61,11 @@ void NetGroup::start() {
 }
 
 void NetGroup::send(const OpCtx& op, int dst, const void* data, size_t len) {
-  std::string payload(sizeof(Header) + len, '\0');
   Header h{kMagic, rank_, op.seq};
-  std::memcpy(payload.data(), &h, sizeof(h));
-  if (len > 0) std::memcpy(payload.data() + sizeof(h), data, len);
+  std::string payload;  // header + data, built without zero-filling first
+  payload.reserve(sizeof(h) + len);
+  payload.append(reinterpret_cast<const char*>(&h), sizeof(h));
+  if (len > 0) payload.append(static_cast<const char*>(data), len);
   Status st = engine_->sendMessageOwned(peers_[dst], channel_, std::move(payload));
   if (!st.ok()) {
     health_->check(op, dst);  // names it as dead when it is

@@ -80,14 +80,15 @@ void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
   size_t off = 0;
   do {
     size_t len = std::min(piece_, bytes - off);
-    std::string payload(sizeof(Header) + len, '\0');
     Header h{kMagic, rank_, tag, id, bytes, off};
-    std::memcpy(payload.data(), &h, sizeof(h));
-    if (len > 0) std::memcpy(payload.data() + sizeof(h), static_cast<const char*>(buf) + off, len);
+    std::string payload;  // header + data, built without zero-filling first
+    payload.reserve(sizeof(h) + len);
+    payload.append(reinterpret_cast<const char*>(&h), sizeof(h));
+    if (len > 0) payload.append(static_cast<const char*>(buf) + off, len);
     if (dst == rank_) {
       box_->deliver(std::move(payload));
     } else {
-      Status st = engine_->sendMessage(peers_[dst], channel_, payload);
+      Status st = engine_->sendMessageOwned(peers_[dst], channel_, std::move(payload));
       if (!st.ok()) {
         health_->check(op, dst);
         throw CommError("mooncake pg: send of " + std::to_string(bytes) + " bytes to rank " +
