@@ -51,8 +51,9 @@ const std::vector<ParamDef> kParams = {
     {"MC_PG_NET_PIECE_BYTES", Type::kInt, "262144",
      "Message size of the process group's non-shm path and of large send/recv."},
     {"MC_PG_STREAM_OUT_BYTES", Type::kInt, "4194304",
-     "Collective outputs at least this large are written with streaming (non-temporal) "
-     "stores: they would leave the cache anyway, and this saves reading every line first."},
+     "Collective outputs (and EP normal-mode recv_x) at least this large are written with "
+     "streaming (non-temporal) stores: they would leave the cache anyway, and this saves "
+     "reading every line first."},
     {"MC_PG_SPIN_US", Type::kInt, "50",
      "Microseconds a process-group wait spins before it sleeps on a futex (2 when the "
      "group's ranks outnumber the cores)."},

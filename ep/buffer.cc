@@ -65,6 +65,7 @@ std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes) {
   b->geo_ = BufferGeometry(bytes, b->g_.size);
   b->spin_us_ = params::getInt("MC_EP_SPIN_US");
   b->timeout_ms_ = std::max<int64_t>(1, params::getInt("MC_EP_TIMEOUT_MS"));
+  b->stream_out_bytes_ = std::max<int64_t>(0, params::getInt("MC_PG_STREAM_OUT_BYTES"));
   b->setUp(bytes);
   return b;
 }

@@ -136,6 +136,16 @@ void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
   const int K = a.topk;
   if (a.with_topk_idx) std::fill(o.num_recv_per_expert, o.num_recv_per_expert + L, 0);
   char* recv_x = static_cast<char*>(o.recv_x);
+  int64_t total = 0;
+  for (int r = 0; r < R; ++r) total += counts[r];
+  // A large recv_x leaves the cache anyway: streaming stores skip reading its lines first
+  // (measured: W=4 normal dispatch 3.5-3.7 ms -> 2.7-2.8 ms); a small one stays cached for
+  // the experts that read it next.
+  const bool stream = total * static_cast<int64_t>(row_bytes) >= stream_out_bytes_;
+  auto copyRows = [&](char* dst, const char* src, size_t len) {
+    if (stream) pg::copyToSharedNoFence(dst, src, len);
+    else pg::copyFromShared(dst, src, len);
+  };
   // This rank's own rows come from x (normalDispatchSend did not stage them).
   std::vector<int32_t> own;
   for (int64_t t = 0; t < a.tokens; ++t)
@@ -152,11 +162,11 @@ void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                  own.data(), own.size());
       std::memcpy(o.recv_src_idx + n, own.data(), c * 4);
     } else if (nl.row_stride == row_bytes) {
-      pg::copyFromShared(recv_x + n * row_bytes, rows, c * row_bytes);
+      copyRows(recv_x + n * row_bytes, rows, c * row_bytes);
       std::memcpy(o.recv_src_idx + n, region + nl.srcIdx(r, 0), c * 4);
     } else {
       for (int64_t j = 0; j < c; ++j)
-        pg::copyFromShared(recv_x + (n + j) * row_bytes, rows + j * nl.row_stride, row_bytes);
+        copyRows(recv_x + (n + j) * row_bytes, rows + j * nl.row_stride, row_bytes);
       std::memcpy(o.recv_src_idx + n, region + nl.srcIdx(r, 0), c * 4);
     }
     for (int64_t j = 0; j < c; ++j) {
@@ -183,6 +193,7 @@ void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
     }
     n += c;
   }
+  if (stream) pg::streamFence();
   if (a.with_topk_idx && a.expert_alignment > 1) {
     for (int l = 0; l < L; ++l) {
       int32_t& v = o.num_recv_per_expert[l];
