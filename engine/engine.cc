@@ -69,6 +69,7 @@ class TransferEngine::Impl {
   std::string host_id = localHostId();
   MemoryRegistry registry;
   std::unique_ptr<Inbox> inbox;
+  BufferPool buffers;  // message payloads consumed and handed back, for the transports
   EngineContext ctx;
   std::unique_ptr<Transport> transports[kNumTransportKinds];
   int forced = -1;  // TransportKind forced by options / MC_TRANSPORT
@@ -307,6 +308,7 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
   m.ctx.secret = options.secret;
   m.ctx.registry = &m.registry;
   m.ctx.inbox = m.inbox.get();
+  m.ctx.buffers = &m.buffers;
   m.ctx.local_segment = [raw] { return raw->localSegment(); };
   m.ctx.on_peer_failure = [raw](uint64_t eid, Status why, bool orderly) {
     raw->onPeerFailure(eid, why, orderly);
@@ -597,6 +599,10 @@ Status TransferEngine::sendMessage(PeerId peer, uint32_t channel, std::string_vi
   if (e == nullptr) return MC_STATUS(kInvalidArgument, "sendMessage: unknown peer " << peer);
   MC_RETURN_IF_ERROR(impl_->peerStatus(e));
   return e->data->sendMessage(channel, payload);
+}
+
+void TransferEngine::recycleMessageBuffer(std::string&& payload) {
+  impl_->buffers.give(std::move(payload));
 }
 
 Status TransferEngine::sendMessageOwned(PeerId peer, uint32_t channel, std::string&& payload) {

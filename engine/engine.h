@@ -98,6 +98,9 @@ class TransferEngine {
   Status sendMessage(PeerId peer, uint32_t channel, std::string_view payload);
   // The same, taking the payload over: no copy where the transport queues it (tcp).
   Status sendMessageOwned(PeerId peer, uint32_t channel, std::string&& payload);
+  // Hands a consumed message payload back: the transports reuse its memory for messages
+  // they receive later (optional; saves an allocation and a zero-fill per large message).
+  void recycleMessageBuffer(std::string&& payload);
   // handler == nullptr: messages on the channel are queued for waitMessage(). When called
   // from any thread but the dispatcher, the previous handler is not running any more once
   // this returns, so its owner may be destroyed right after.

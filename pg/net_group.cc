@@ -128,6 +128,7 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
 void NetGroup::recv(const OpCtx& op, int src, void* out, size_t len) {
   Msg m = take(op, src, len);
   if (len > 0) std::memcpy(out, m.data(), len);
+  recycle(std::move(m));
 }
 
 void NetGroup::abort(int blamed) {

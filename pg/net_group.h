@@ -43,6 +43,8 @@ class NetGroup {
   void send(const OpCtx& op, int dst, const void* data, size_t len);
   Msg take(const OpCtx& op, int src, size_t expect_len);
   void recv(const OpCtx& op, int src, void* out, size_t len);
+  // Hands a consumed message's memory back to the engine (for the next received ones).
+  void recycle(Msg&& m) { engine_->recycleMessageBuffer(std::move(m.buf)); }
   void sendPieces(const OpCtx& op, int dst, const void* data, size_t len);
   void recvPieces(const OpCtx& op, int src, void* out, size_t len);
   // Tells every peer (best effort) that this rank gave up on the group, blaming `blamed`

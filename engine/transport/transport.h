@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 
+#include "engine/buffer_pool.h"
 #include "engine/inbox.h"
 #include "engine/memory.h"
 #include "engine/segment.h"
@@ -34,6 +35,9 @@ struct EngineContext {
   std::string secret;
   MemoryRegistry* registry = nullptr;
   Inbox* inbox = nullptr;
+  // Where a transport takes buffers for the messages it receives (consumed payloads come
+  // back through TransferEngine::recycleMessageBuffer). Null: allocate each time.
+  BufferPool* buffers = nullptr;
   // The current local descriptor (regions change as memory is registered).
   std::function<SegmentDesc()> local_segment;
   // A peer (by engine id) became unreachable: its process died or its link broke, or

@@ -123,6 +123,8 @@ void netAllReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* 
       }
     }
     reduceInto(cout + off * es, nullptr, srcs.data(), n, len, t, rop);
+    for (int r = 0; r < n; ++r)
+      if (r != me) net.recycle(std::move(msgs[r]));
   }
   if (root >= 0) return;
   // 3. all-gather of the reduced slices

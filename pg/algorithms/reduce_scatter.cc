@@ -43,6 +43,8 @@ void reduceScatter(Communicator::Impl& c, const OpCtx& op, const void* in, void*
         }
       }
       reduceInto(dst + off * es, nullptr, srcs.data(), n, len, t, rop);
+      for (int r = 0; r < n; ++r)
+        if (r != me) net.recycle(std::move(msgs[r]));
     }
     return;
   }

@@ -192,7 +192,8 @@ bool Core::expectPayload(const std::shared_ptr<Conn>& c, Conn::Sink sink, char* 
   c->sink = sink;
   c->dst = dst;
   c->left = c->cur.length;
-  if (sink == Conn::Sink::kBuffer) c->buf.assign(c->cur.length, '\0');
+  if (sink == Conn::Sink::kBuffer)
+    c->buf = ctx_->buffers ? ctx_->buffers->take(c->cur.length) : std::string(c->cur.length, '\0');
   if (c->left > 0) {
     c->in_payload = true;
     return true;
