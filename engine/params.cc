@@ -48,7 +48,7 @@ const std::vector<ParamDef> kParams = {
     {"MC_PG_FLAT_BYTES", Type::kInt, "16384",
      "Allreduce/reduce payloads up to this size use the flat exchange (every rank reduces "
      "all inputs) instead of reduce-scatter + all-gather."},
-    {"MC_PG_NET_PIECE_BYTES", Type::kInt, "262144",
+    {"MC_PG_NET_PIECE_BYTES", Type::kInt, "1048576",
      "Message size of the process group's non-shm path and of large send/recv."},
     {"MC_PG_STREAM_OUT_BYTES", Type::kInt, "4194304",
      "Collective outputs (and EP normal-mode recv_x) at least this large are written with "
