@@ -18,17 +18,28 @@ class BufferPool {
   static constexpr size_t kMaxBuffers = 32;
   static constexpr size_t kMaxBytes = 64 << 20;
 
-  // A string of exactly len bytes (contents unspecified): a kept one when one is large
-  // enough (no fill when it was at least len long), else a new zero-filled one.
+  // A string of exactly len bytes (contents unspecified): the smallest kept one that holds
+  // len and is at most twice as large (no fill when it was at least len long), else a new
+  // zero-filled one.
   std::string take(size_t len) {
     if (len >= kMinBytes) {
-      std::lock_guard<std::mutex> g(mu_);
-      for (size_t i = 0; i < kept_.size(); ++i) {
-        if (kept_[i].capacity() < len) continue;
-        std::string s = std::move(kept_[i]);
-        kept_[i] = std::move(kept_.back());
-        kept_.pop_back();
-        bytes_ -= s.capacity();
+      std::string s;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        size_t best = kept_.size();
+        for (size_t i = 0; i < kept_.size(); ++i) {
+          const size_t cap = kept_[i].capacity();
+          if (cap < len || cap / 2 > len) continue;
+          if (best == kept_.size() || cap < kept_[best].capacity()) best = i;
+        }
+        if (best < kept_.size()) {
+          s = std::move(kept_[best]);
+          kept_[best] = std::move(kept_.back());
+          kept_.pop_back();
+          bytes_ -= s.capacity();
+        }
+      }
+      if (s.capacity() >= len) {
         s.resize(len);
         return s;
       }

@@ -392,8 +392,13 @@ void EpBuffer::dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
                      << " in round " << round << "; marking it inactive";
     a.active_ranks[r] = 0;
   };
+  struct FenceOnExit {  // also when on_arrival throws after streaming some rows
+    bool on;
+    ~FenceOnExit() {
+      if (on) pg::streamFence();
+    }
+  } fence{stream};
   waitSources(pending, deadlineInUs(a.timeout_us), arrived, on_arrival, on_silent);
-  if (stream) pg::streamFence();
   for (int l = 0; l < L; ++l) {
     a.recv_count[l] = static_cast<int32_t>(begin[l]);
     for (int r = 0; r < R; ++r)

@@ -222,7 +222,7 @@ class EpBuffer {
   uint32_t combine_round_ = 0;
   int64_t spin_us_ = 20;
   int64_t timeout_ms_ = 30000;
-  // Normal-mode recv_x at least this large is written with streaming stores
+  // recv_x (both modes) at least this large is written with streaming stores
   // (MC_PG_STREAM_OUT_BYTES: the same rule as the process group's large outputs).
   int64_t stream_out_bytes_ = 4 << 20;
 

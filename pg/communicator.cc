@@ -28,8 +28,10 @@ PgParams PgParams::load(size_t buffer_bytes_override) {
   p.buffer_bytes = static_cast<size_t>(std::max<int64_t>(b, 128 << 10));
   p.chunk_bytes = static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_CHUNK_BYTES"), 4096));
   p.flat_bytes = static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_FLAT_BYTES"), 0));
+  // A multiple of 64: senders cut pieces in bytes, receivers of reductions in elements.
   p.net_piece_bytes =
-      static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_NET_PIECE_BYTES"), 4096));
+      static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_NET_PIECE_BYTES"), 4096)) &
+      ~static_cast<size_t>(63);
   p.stream_out_bytes =
       static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_STREAM_OUT_BYTES"), 0));
   p.wait.spin_us = std::max<int64_t>(params::getInt("MC_PG_SPIN_US"), 0);
