@@ -341,10 +341,6 @@ void EpBuffer::dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
   // A large recv_x (by its capacity) is written with streaming stores, as in normal mode.
   const bool stream =
       static_cast<int64_t>(L) * RM * static_cast<int64_t>(row_bytes) >= stream_out_bytes_;
-  auto copyRows = [&](char* dst, const char* src, size_t len) {
-    if (stream) pg::copyToSharedNoFence(dst, src, len);
-    else pg::copyFromShared(dst, src, len);
-  };
   std::vector<int64_t> begin(L, 0);
   std::vector<int> pending;
   for (int r = 0; r < R; ++r) {
@@ -377,10 +373,10 @@ void EpBuffer::dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
       char* dst = recv_x + (l * RM + b) * row_bytes;
       const char* src = region + lay.dispatchRow(l, r, 0);
       if (lay.row_stride == row_bytes) {
-        copyRows(dst, src, c * row_bytes);
+        pg::copyOut(dst, src, c * row_bytes, stream);
       } else {
         for (int64_t j = 0; j < c; ++j)
-          copyRows(dst + j * row_bytes, src + j * lay.row_stride, row_bytes);
+          pg::copyOut(dst + j * row_bytes, src + j * lay.row_stride, row_bytes, stream);
       }
       std::memcpy(a.src_info + l * RM + b, region + lay.dispatchSrc(l, r, 0), c * 4);
       a.layout_range[l * R + r] = (b << 32) | c;

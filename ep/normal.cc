@@ -142,10 +142,6 @@ void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
   // (measured: W=4 normal dispatch 3.5-3.7 ms -> 2.7-2.8 ms); a small one stays cached for
   // the experts that read it next.
   const bool stream = total * static_cast<int64_t>(row_bytes) >= stream_out_bytes_;
-  auto copyRows = [&](char* dst, const char* src, size_t len) {
-    if (stream) pg::copyToSharedNoFence(dst, src, len);
-    else pg::copyFromShared(dst, src, len);
-  };
   // This rank's own rows come from x (normalDispatchSend did not stage them).
   std::vector<int32_t> own;
   for (int64_t t = 0; t < a.tokens; ++t)
@@ -162,11 +158,11 @@ void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                  own.data(), own.size());
       std::memcpy(o.recv_src_idx + n, own.data(), c * 4);
     } else if (nl.row_stride == row_bytes) {
-      copyRows(recv_x + n * row_bytes, rows, c * row_bytes);
+      pg::copyOut(recv_x + n * row_bytes, rows, c * row_bytes, stream);
       std::memcpy(o.recv_src_idx + n, region + nl.srcIdx(r, 0), c * 4);
     } else {
       for (int64_t j = 0; j < c; ++j)
-        copyRows(recv_x + (n + j) * row_bytes, rows + j * nl.row_stride, row_bytes);
+        pg::copyOut(recv_x + (n + j) * row_bytes, rows + j * nl.row_stride, row_bytes, stream);
       std::memcpy(o.recv_src_idx + n, region + nl.srcIdx(r, 0), c * 4);
     }
     for (int64_t j = 0; j < c; ++j) {

@@ -114,17 +114,6 @@ inline size_t partBegin(size_t count, int n, int j, size_t align) {
 }
 // Elements per 64-byte line, the alignment of parts (so that ranks do not share lines).
 inline size_t lineElems(size_t es) { return es >= 64 ? 1 : 64 / es; }
-
-// Copies a peer's data into the caller's output: streaming stores when the op's output is
-// large (it leaves the cache anyway; no read-for-ownership), else a plain vector loop (see
-// pg/copy.h). After streaming copies the op ends with streamFence().
-inline void copyOut(void* dst, const void* src, size_t n, bool stream) {
-  if (stream) {
-    copyToSharedNoFence(dst, src, n);
-  } else {
-    copyFromShared(dst, src, n);
-  }
-}
 }  // namespace algo
 
 }  // namespace mooncake::pg

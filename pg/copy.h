@@ -24,6 +24,17 @@ void streamFence();
 // memcpy semantics; reads a peer's buffer with a plain vector loop.
 void copyFromShared(void* dst, const void* src, size_t n);
 
+// Copies a peer's data into an op's output: streaming stores when the output is large (it
+// leaves the cache anyway; no read-for-ownership), else copyFromShared. After streaming
+// copies the op ends with streamFence() (pg's collectives, ep's recv_x).
+inline void copyOut(void* dst, const void* src, size_t n, bool stream) {
+  if (stream) {
+    copyToSharedNoFence(dst, src, n);
+  } else {
+    copyFromShared(dst, src, n);
+  }
+}
+
 namespace detail {
 void streamCopyAvx2(void* dst, const void* src, size_t n);
 void loadCopyAvx2(void* dst, const void* src, size_t n);
