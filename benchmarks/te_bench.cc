@@ -575,6 +575,7 @@ bool writeJson(const std::string& path, const std::vector<Row>& rows) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  (void)mb::jobSecret();  // before any thread: targets inherit MC_SECRET
   Options o = parse(argc, argv);
   if (o.role == "target")
     return mb::runTarget(o.rdv_port, o.name, o.target_transport, o.target_bytes);
@@ -601,9 +602,11 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
 
-  auto server = mb::must(me::TcpRendezvousServer::start("127.0.0.1", 0), "rendezvous server");
+  const std::string secret = mb::jobSecret();
+  auto server =
+      mb::must(me::TcpRendezvousServer::start("127.0.0.1", 0, secret), "rendezvous server");
   auto rdv = mb::must(
-      me::TcpRendezvousClient::connect("127.0.0.1", server->port(), me::deadlineInMs(10000)),
+      me::TcpRendezvousClient::connect("127.0.0.1", server->port(), secret, me::deadlineInMs(10000)),
       "rendezvous client");
   for (const auto& t : o.transports) {
     auto r = benchTransport(t, *rdv, server->port(), o);

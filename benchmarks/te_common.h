@@ -26,6 +26,7 @@
 
 #include "engine/engine.h"
 #include "engine/rendezvous.h"
+#include "engine/secret.h"
 
 namespace mooncake::bench {
 
@@ -179,6 +180,17 @@ inline int waitChild(pid_t pid, int timeout_ms) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+// The job secret of a benchmark run: MC_SECRET when set, else a fresh one put into the
+// environment, so that the target processes this one starts (fork + exec inherit it) present it.
+// Called at the start of main(), before any thread exists.
+inline std::string jobSecret() {
+  auto s = engine::resolveSecret("", engine::SecretFile::kIfSet);
+  if (s.ok() && !s.value().empty()) return s.value();
+  std::string fresh = engine::generateSecret();
+  setenv("MC_SECRET", fresh.c_str(), 1);
+  return fresh;
+}
+
 // Rendezvous key where a target publishes "<addr> <len>" of its buffer.
 inline std::string bufferKey(const std::string& target_name) {
   return "tebench/" + target_name + "/buf";
@@ -192,7 +204,8 @@ inline std::string bufferKey(const std::string& target_name) {
 inline int runTarget(uint16_t rdv_port, const std::string& name, const std::string& transport,
                      uint64_t len) {
   auto rdv =
-      must(engine::TcpRendezvousClient::connect("127.0.0.1", rdv_port, engine::deadlineInMs(30000)),
+      must(engine::TcpRendezvousClient::connect("127.0.0.1", rdv_port, jobSecret(),
+                                                engine::deadlineInMs(30000)),
            "target: rendezvous connect");
   engine::EngineOptions eo;
   eo.name = name;

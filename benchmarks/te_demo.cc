@@ -194,14 +194,17 @@ Result runTransport(const std::string& transport, me::Rendezvous& rdv, uint16_t 
 }  // namespace
 
 int main(int argc, char** argv) {
+  (void)mb::jobSecret();  // before any thread: targets inherit MC_SECRET
   Options o = parse(argc, argv);
   if (o.role == "target")
     return mb::runTarget(o.rdv_port, o.name, o.target_transport, o.target_bytes);
   if (!o.role.empty()) usage("unknown role " + o.role);
 
-  auto server = mb::must(me::TcpRendezvousServer::start("127.0.0.1", 0), "rendezvous server");
+  const std::string secret = mb::jobSecret();
+  auto server =
+      mb::must(me::TcpRendezvousServer::start("127.0.0.1", 0, secret), "rendezvous server");
   auto rdv = mb::must(
-      me::TcpRendezvousClient::connect("127.0.0.1", server->port(), me::deadlineInMs(10000)),
+      me::TcpRendezvousClient::connect("127.0.0.1", server->port(), secret, me::deadlineInMs(10000)),
       "rendezvous client");
   std::printf("te_demo: two processes on this host, rendezvous on 127.0.0.1:%u, %s buffers\n",
               server->port(), mb::fmtSize(o.bytes).c_str());

@@ -13,11 +13,14 @@
 #include <shared_mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "engine/inbox.h"
 #include "engine/log.h"
 #include "engine/memory.h"
 #include "engine/params.h"
+#include "engine/secret.h"
+#include "engine/transport/tcp/tcp_socket.h"
 #include "engine/transport/transport.h"
 #include "mooncake/config.h"
 
@@ -62,6 +65,8 @@ struct PeerEntry {
   Status why;  // guarded by mu
 };
 
+using PeerGoneHandler = TransferEngine::PeerGoneHandler;
+
 class TransferEngine::Impl {
  public:
   EngineOptions opts;
@@ -80,6 +85,12 @@ class TransferEngine::Impl {
   std::unordered_map<uint64_t, PeerId> by_engine;
   std::unordered_map<uint64_t, SegmentDesc> hellos;  // descriptors from handshakes
   std::mutex open_mu;                                 // serialises openPeer
+  std::mutex gone_mu;
+  std::map<uint64_t, PeerGoneHandler> gone_handlers;  // guarded by gone_mu
+  uint64_t next_gone_handler = 1;                     // guarded by gone_mu
+  std::unordered_set<uint64_t> gone;  // engines reported gone (guarded by gone_mu)
+  std::recursive_mutex gone_run_mu;   // held while handlers run
+  std::atomic<uint64_t> dropped_msgs{0};  // from engines that never authenticated here
 
   std::mutex batches_mu;
   std::unordered_map<BatchId, std::shared_ptr<Batch>> batches;
@@ -137,8 +148,33 @@ class TransferEngine::Impl {
     return e->why;
   }
 
+  std::string authenticatedName(uint64_t engine_id) const {
+    std::shared_lock<std::shared_mutex> g(peers_mu);
+    auto h = hellos.find(engine_id);
+    if (h != hellos.end()) return h->second.name;
+    auto it = by_engine.find(engine_id);
+    return it == by_engine.end() ? std::string() : peers[it->second]->desc.name;
+  }
+
+  void reportGone(uint64_t engine_id, const Status& why) {
+    {
+      std::lock_guard<std::mutex> g(gone_mu);
+      if (gone_handlers.empty() || !gone.insert(engine_id).second) return;
+    }
+    std::string name = authenticatedName(engine_id);
+    // gone_run_mu: removePeerGoneHandler waits out a call in flight.
+    std::lock_guard<std::recursive_mutex> running(gone_run_mu);
+    std::vector<PeerGoneHandler> hs;
+    {
+      std::lock_guard<std::mutex> g(gone_mu);
+      for (auto& [id, h] : gone_handlers) hs.push_back(h);
+    }
+    for (auto& h : hs) h(engine_id, name, why);
+  }
+
   // orderly: the peer's engine said it is stopping (a normal end of job: logged at INFO).
   void onPeerFailure(uint64_t engine_id, const Status& why, bool orderly) {
+    reportGone(engine_id, why);
     PeerId p = peerIdOf(engine_id);
     PeerEntry* e = peer(p);
     if (e == nullptr) return;
@@ -203,8 +239,22 @@ class TransferEngine::Impl {
         body = std::move(buf);
         partial.erase(key);
       }
+      // A same-host sender writes its engine id into our inbox itself: accept it only from an
+      // engine that authenticated to us (every sender opens us over tcp first, HELLO + DESC).
+      if (!authenticated(f.src_engine)) {
+        if (dropped_msgs.fetch_add(1) == 0) {
+          MC_LOG(WARN, ENGINE) << "dropping a message from engine " << hex(f.src_engine)
+                               << ", which never authenticated here (logged once)";
+        }
+        continue;
+      }
       deliver(Message{f.src_engine, peerIdOf(f.src_engine), f.channel, std::move(body)});
     }
+  }
+
+  bool authenticated(uint64_t engine_id) const {
+    std::shared_lock<std::shared_mutex> g(peers_mu);
+    return hellos.count(engine_id) != 0 || by_engine.count(engine_id) != 0;
   }
 
   void localDispatchLoop() {
@@ -280,7 +330,20 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
   auto impl = std::make_unique<Impl>();
   Impl& m = *impl;
   if (options.name.empty()) options.name = "engine-" + hex(m.id);
-  if (options.secret.empty()) options.secret = params::getString("MC_SECRET");
+  {
+    auto secret = resolveSecret(options.secret, SecretFile::kIfSet);
+    if (!secret.ok()) return secret.status();
+    options.secret = std::move(secret).value();
+    MC_RETURN_IF_ERROR(checkSecret(options.secret, "transfer engine " + options.name));
+  }
+  if (options.host.empty()) options.host = params::getString("MC_TCP_BIND_HOST");
+  if (options.host.empty() && !options.reach_host.empty()) {
+    options.host = sock::localAddressToward(options.reach_host);
+    if (options.host.empty())
+      return MC_STATUS(kUnavailable, "transfer engine " << options.name << ": no local address "
+                                                         << "routes to " << options.reach_host);
+  }
+  if (options.host.empty()) options.host = sock::firstNonLoopbackIPv4();
   if (options.transport.empty()) options.transport = params::getString("MC_TRANSPORT");
   if (options.tcp_conns_per_peer <= 0)
     options.tcp_conns_per_peer =
@@ -306,6 +369,7 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
   Impl* raw = impl.get();
   m.ctx.engine_id = m.id;
   m.ctx.secret = options.secret;
+  m.ctx.tcp_host = options.host;
   m.ctx.registry = &m.registry;
   m.ctx.inbox = m.inbox.get();
   m.ctx.buffers = &m.buffers;
@@ -317,8 +381,12 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
     raw->enqueueLocal(src, channel, std::move(payload));
   };
   m.ctx.on_peer_hello = [raw](const SegmentDesc& d) {
-    std::unique_lock<std::shared_mutex> g(raw->peers_mu);
-    raw->hellos[d.engine_id] = d;
+    {
+      std::unique_lock<std::shared_mutex> g(raw->peers_mu);
+      raw->hellos[d.engine_id] = d;
+    }
+    std::lock_guard<std::mutex> g(raw->gone_mu);
+    raw->gone.erase(d.engine_id);  // back (a new link): its next departure is reported again
   };
 
   m.transports[static_cast<int>(TransportKind::kShm)] = makeShmTransport();
@@ -353,6 +421,10 @@ Status TransferEngine::registerMemory(void* addr, size_t len, MemoryKind kind, i
   if (addr == nullptr) return MC_STATUS(kInvalidArgument, "registerMemory: null address");
   if (kind != MemoryKind::kHost)
     return MC_STATUS(kNotSupported, "registerMemory: CUDA memory is not supported yet");
+  {
+    Status mapped = checkMappedWritable(reinterpret_cast<uint64_t>(addr), len);
+    if (!mapped.ok()) return Status(mapped.code(), "registerMemory: " + mapped.message());
+  }
   Region r;
   r.addr = reinterpret_cast<uint64_t>(addr);
   r.len = len;
@@ -601,6 +673,14 @@ Status TransferEngine::sendMessage(PeerId peer, uint32_t channel, std::string_vi
   return e->data->sendMessage(channel, payload);
 }
 
+Status TransferEngine::sendMessage(PeerId peer, uint32_t channel, std::string_view payload,
+                                   Deadline deadline) {
+  PeerEntry* e = impl_->peer(peer);
+  if (e == nullptr) return MC_STATUS(kInvalidArgument, "sendMessage: unknown peer " << peer);
+  MC_RETURN_IF_ERROR(impl_->peerStatus(e));
+  return e->data->sendMessage(channel, payload, deadline);
+}
+
 void TransferEngine::recycleMessageBuffer(std::string&& payload) {
   impl_->buffers.give(std::move(payload));
 }
@@ -653,6 +733,26 @@ Result<PeerId> TransferEngine::peerOf(uint64_t engine_id, Deadline deadline) {
     d = it->second;
   }
   return openPeer(d, deadline);
+}
+
+std::string TransferEngine::authenticatedName(uint64_t engine_id) const {
+  return impl_->authenticatedName(engine_id);
+}
+
+uint64_t TransferEngine::addPeerGoneHandler(PeerGoneHandler handler) {
+  std::lock_guard<std::mutex> g(impl_->gone_mu);
+  uint64_t id = impl_->next_gone_handler++;
+  impl_->gone_handlers[id] = std::move(handler);
+  return id;
+}
+
+void TransferEngine::removePeerGoneHandler(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> g(impl_->gone_mu);
+    impl_->gone_handlers.erase(id);
+  }
+  // Wait for a call in flight (recursive: a handler may remove itself).
+  std::lock_guard<std::recursive_mutex> running(impl_->gone_run_mu);
 }
 
 void* TransferEngine::mappedAddress(PeerId peer, uint64_t remote, uint64_t len) {

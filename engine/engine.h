@@ -27,8 +27,16 @@ struct EngineOptions {
   // Name the segment is published under (rendezvous key "mc/seg/<name>"). Must be unique
   // in the job. Empty: "engine-<engine id>".
   std::string name;
-  // The job secret every peer must present. Empty: MC_SECRET, else "" (no secret).
+  // The job secret every peer must present. Empty: MC_SECRET, else the file MC_SECRET_FILE
+  // names (when set). create() fails when there is none, unless MC_ALLOW_NO_SECRET=1.
   std::string secret;
+  // The address the tcp listener binds and advertises. Empty: MC_TCP_BIND_HOST, else the local
+  // address that routes to `reach_host`, else the first non-loopback IPv4 address. Never every
+  // interface unless it says 0.0.0.0.
+  std::string host;
+  // A host the job talks through (its rendezvous, torch's MASTER_ADDR, the store master): the
+  // engine listens on the local interface that reaches it (127.0.0.1 when it is local).
+  std::string reach_host;
   // "" = choose per peer by locality, "shm" or "tcp" = force. Empty reads MC_TRANSPORT.
   std::string transport;
   // Data connections per tcp peer; 0 reads MC_TCP_CONNS_PER_PEER.
@@ -96,6 +104,11 @@ class TransferEngine {
 
   // ---- two-sided messages (active messages) ----
   Status sendMessage(PeerId peer, uint32_t channel, std::string_view payload);
+  // The same, waiting no longer than `deadline` for room at the peer (a same-host peer whose
+  // inbox is full): kResourceExhausted then. A message of one inbox fragment
+  // (Inbox::kFragmentBytes) was then not sent at all; of a larger one a part may have been,
+  // which the receiver discards. Deadline now() never blocks.
+  Status sendMessage(PeerId peer, uint32_t channel, std::string_view payload, Deadline deadline);
   // The same, taking the payload over: no copy where the transport queues it (tcp).
   Status sendMessageOwned(PeerId peer, uint32_t channel, std::string&& payload);
   // Hands a consumed message payload back: the transports reuse its memory for messages
@@ -109,6 +122,19 @@ class TransferEngine {
   // Opens (or returns) the peer a message came from, from the descriptor it handed over
   // in its handshake.
   Result<PeerId> peerOf(uint64_t engine_id, Deadline deadline);
+  // The name an engine published in the handshake it authenticated with (it presented the
+  // job secret), or that of a peer this engine opened; "" for an engine that did neither.
+  // Services that act for a peer (the store master) take its identity from here, never from
+  // the message body.
+  std::string authenticatedName(uint64_t engine_id) const;
+  // Called once per remote engine that is gone: its process died, its link broke, or it
+  // stopped (orderly), whether this engine opened it or it only connected here (an engine that
+  // authenticates again later counts anew). Runs on an engine thread; must not block. Returns
+  // an id for removePeerGoneHandler(); once that returns, the handler is not running.
+  using PeerGoneHandler =
+      std::function<void(uint64_t engine_id, const std::string& name, const Status& why)>;
+  uint64_t addPeerGoneHandler(PeerGoneHandler handler);
+  void removePeerGoneHandler(uint64_t id);
 
   // ---- mapped access ----
   // A local pointer to the peer's [remote, remote+len) when it is mapped here (shm), else

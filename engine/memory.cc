@@ -11,7 +11,9 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <string>
 
 #include "engine/log.h"
 
@@ -25,6 +27,36 @@ MemoryRegistry::~MemoryRegistry() {
       shm_unlink(r.shm_name.c_str());
     }
   }
+}
+
+Status checkMappedWritable(uint64_t addr, uint64_t len) {
+  if (len == 0) return Status::OK();
+  if (addr + len < addr) return MC_STATUS(kInvalidArgument, "range wraps around");
+  FILE* f = std::fopen("/proc/self/maps", "re");
+  if (f == nullptr) return Status::OK();  // no procfs: nothing to check against
+  uint64_t cursor = addr;  // first byte not yet known to be covered
+  const uint64_t end = addr + len;
+  char line[512];
+  std::string bad;
+  while (cursor < end && std::fgets(line, sizeof(line), f) != nullptr) {
+    unsigned long long lo = 0, hi = 0;
+    char perms[8] = {0};
+    if (std::sscanf(line, "%llx-%llx %7s", &lo, &hi, perms) != 3) continue;
+    // Lines come sorted by address: a mapping above the cursor leaves a hole.
+    if (lo > cursor) break;
+    if (hi <= cursor) continue;
+    if (perms[0] != 'r' || perms[1] != 'w') {
+      bad = std::string("mapped ") + perms + ", not read-write";
+      break;
+    }
+    cursor = hi;
+  }
+  std::fclose(f);
+  if (cursor >= end) return Status::OK();
+  return MC_STATUS(kInvalidArgument, "[0x" << std::hex << addr << ", +" << std::dec << len
+                                           << ") is not memory this process may write: 0x"
+                                           << std::hex << cursor << std::dec << " is "
+                                           << (bad.empty() ? "not mapped" : bad));
 }
 
 Status MemoryRegistry::add(const Region& r) {

@@ -55,6 +55,11 @@ class MemoryRegistry {
   uint64_t version_ = 0;
 };
 
+// OK when every byte of [addr, addr+len) lies in a readable and writable mapping of this
+// process (from /proc/self/maps); kInvalidArgument naming the first byte that does not.
+// Registration calls it so that a bogus address fails there, not as a crash in a later copy.
+Status checkMappedWritable(uint64_t addr, uint64_t len);
+
 // Unlinks the shared-memory files "/<prefix>-<pid>-..." and "/<prefix>-inbox-<pid>-..." of
 // processes that no longer exist (killed processes cannot clean up after themselves).
 // Returns how many files were removed.

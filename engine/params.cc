@@ -21,10 +21,14 @@ const std::vector<ParamDef> kParams = {
      "Data connections a tcp peer opens to another (besides the control connection)."},
     {"MC_TCP_SLICE_BYTES", Type::kInt, "1048576",
      "Large tcp requests are cut into slices of this many bytes, spread over connections."},
-    {"MC_TCP_BIND_HOST", Type::kString, "0.0.0.0", "Address the engine's tcp listener binds."},
+    {"MC_TCP_BIND_HOST", Type::kString, "",
+     "Address the engine's tcp listener binds (and advertises, unless MC_TCP_ADVERTISE_HOST "
+     "says otherwise). Empty: the local address that routes to the job's rendezvous or master "
+     "(127.0.0.1 when that is on this host), else the first non-loopback IPv4 address. "
+     "0.0.0.0 listens on every interface (explicit opt-in)."},
     {"MC_TCP_ADVERTISE_HOST", Type::kString, "",
-     "Address peers use to reach this engine; empty picks the first non-loopback IPv4 "
-     "address, or 127.0.0.1."},
+     "Address peers use to reach this engine; empty: the address it binds (with 0.0.0.0, the "
+     "first non-loopback IPv4 address, or 127.0.0.1)."},
     {"MC_TCP_PORT", Type::kInt, "0", "Port of the engine's tcp listener; 0 picks a free one."},
     {"MC_CONNECT_TIMEOUT_MS", Type::kInt, "10000",
      "Deadline for opening a peer (connect and handshake)."},
@@ -36,9 +40,33 @@ const std::vector<ParamDef> kParams = {
      "Microseconds a waiter spins before it blocks (futex / condition variable)."},
     {"MC_INBOX_SLOTS", Type::kInt, "256", "Slots of a process's notification/message inbox."},
     {"MC_SECRET", Type::kString, "",
-     "Job secret peers must present; empty uses the secret handed in by the rendezvous."},
+     "Job secret every peer must present (engine handshakes, rendezvous, store master). Set: "
+     "used as is by every component. Empty: a torch group generates one on its first rank and "
+     "shares it through the group's c10d store; the store master and its clients read "
+     "MC_SECRET_FILE."},
+    {"MC_SECRET_FILE", Type::kString, "",
+     "File holding the job secret for the store master and store clients (and for any engine "
+     "when set). Empty: ~/.mooncake/secret, which mooncake_master creates (mode 0600) when it "
+     "is missing. A file readable by group or others is refused."},
+    {"MC_ALLOW_NO_SECRET", Type::kBool, "0",
+     "1: run without a job secret (any process that reaches a port may read and write "
+     "registered memory). Without it an empty secret is refused."},
+    {"MC_HANDSHAKE_TIMEOUT_MS", Type::kInt, "5000",
+     "A connection that has not authenticated (engine HELLO, rendezvous AUTH) within this "
+     "long is closed."},
+    {"MC_MAX_PREAUTH_PER_SOURCE", Type::kInt, "32",
+     "Connections from one source address that may be waiting to authenticate at once; more "
+     "are closed as they arrive."},
+    {"MC_MAX_PREAUTH", Type::kInt, "256",
+     "Connections (all sources) that may be waiting to authenticate at once, per listener."},
+    {"MC_MAX_CONNS", Type::kInt, "16384",
+     "Connections a listener (engine, rendezvous) holds at once, authenticated or not."},
     {"MC_RENDEZVOUS_TIMEOUT_MS", Type::kInt, "60000",
      "Deadline for rendezvous waits (segment exchange)."},
+    {"MC_RENDEZVOUS_MAX_VALUE_BYTES", Type::kInt, "4194304",
+     "Largest value the tcp rendezvous server stores (segment descriptors are a few KiB)."},
+    {"MC_RENDEZVOUS_MAX_TOTAL_BYTES", Type::kInt, "268435456",
+     "Keys and values the tcp rendezvous server holds in all; a set beyond it is refused."},
     // ---- pg ----
     {"MC_PG_BUFFER_BYTES", Type::kInt, "8388608",
      "Bytes of the comm buffer a process group registers per rank (two halves; plus a "
@@ -133,6 +161,18 @@ bool getBool(const char* name) {
 }
 
 std::string getString(const char* name) { return raw(name); }
+
+std::string getSystem(const char* name) {
+  static const char* const kAllowed[] = {"HOME"};
+  for (const char* a : kAllowed) {
+    if (std::strcmp(a, name) == 0) {
+      const char* v = std::getenv(name);
+      return v != nullptr ? v : "";
+    }
+  }
+  std::fprintf(stderr, "mooncake: %s is not a system variable params::getSystem may read\n", name);
+  std::abort();
+}
 
 std::string markdown() {
   std::ostringstream os;

@@ -29,6 +29,10 @@ bool getBool(const char* name);
 std::string getString(const char* name);
 double getDouble(const char* name);
 
+// A standard variable of the environment that is not ours (HOME): the one read of the
+// environment outside the MC_* table, allowed for the names listed in params.cc only.
+std::string getSystem(const char* name);
+
 // True when the variable is set in the environment (not merely defaulted).
 bool isSet(const char* name);
 

@@ -5,10 +5,12 @@
 //   u32 body_length | body
 // request body:  u8 op | str key | str value | u64 wait_timeout_ms
 // response body: u8 code (mooncake::Code) | str value-or-error-message
-// ops: SET, GET (NotFound when absent), WAIT (answered when the key exists, or kTimeout
-// after wait_timeout_ms), ADD (value = decimal delta; the stored value and the answer are
-// decimal). A frame longer than kMaxFrame, or a body that does not decode exactly, closes
-// that connection; the server never trusts the wire.
+// ops: AUTH (value = the job secret; must be a connection's first request, else it is
+// closed; a wrong secret is answered kPermissionDenied and the connection closed), SET, GET
+// (NotFound when absent), WAIT (answered when the key exists, or kTimeout after
+// wait_timeout_ms), ADD (value = decimal delta; the stored value and the answer are decimal).
+// A frame longer than its limit (kMaxPreAuthFrame before AUTH, kMaxFrame after), or a body
+// that does not decode exactly, closes that connection; the server never trusts the wire.
 //
 // The server is one thread around poll(); a WAIT never blocks it: the waiter is parked under
 // its key and answered by the SET/ADD that creates it (or by its timeout). The client sends
@@ -27,6 +29,8 @@
 
 #include "engine/log.h"
 #include "engine/params.h"
+#include "engine/secret.h"
+#include "engine/transport/tcp/tcp_admission.h"
 #include "engine/transport/tcp/tcp_socket.h"
 #include "engine/wire.h"
 
@@ -98,9 +102,10 @@ Result<int64_t> InProcessRendezvous::add(const std::string& key, int64_t delta) 
 
 namespace {
 
-enum Op : uint8_t { kSet = 1, kGet = 2, kWait = 3, kAdd = 4 };
+enum Op : uint8_t { kSet = 1, kGet = 2, kWait = 3, kAdd = 4, kAuth = 5 };
 constexpr uint32_t kMaxFrame = 64u << 20;  // descriptors are small; this is a sanity bound
 constexpr uint32_t kMaxKey = 4096;
+constexpr uint32_t kMaxPreAuthFrame = 64 + kMaxSecretBytes;  // an AUTH request, no more
 
 std::string frame(const std::string& body) {
   wire::Writer w;
@@ -123,6 +128,9 @@ std::string encodeResponse(Code code, const std::string& value) {
 struct TcpRendezvousServer::Impl {
   struct Conn {
     int fd = -1;
+    std::string src;
+    Deadline handshake_by{};
+    bool authed = false;
     std::string in;
     size_t in_off = 0;
     std::string out;
@@ -142,6 +150,12 @@ struct TcpRendezvousServer::Impl {
   std::map<uint64_t, Conn> conns;
   std::map<std::string, std::string> kv;
   std::multimap<std::string, Waiter> waiters;
+  std::string secret;
+  uint64_t max_value = 4u << 20;
+  uint64_t max_total = 256u << 20;
+  uint64_t total_bytes = 0;  // keys + values held
+  std::unique_ptr<tcp::Admission> admission;
+  bool listen_paused = false;
 
   ~Impl() {
     if (thread.joinable()) {
@@ -151,7 +165,10 @@ struct TcpRendezvousServer::Impl {
       (void)w;
       thread.join();
     }
-    for (auto& [id, c] : conns) close(c.fd);
+    for (auto& [id, c] : conns) {
+      close(c.fd);
+      if (admission) admission->closed(c.src, c.authed);
+    }
     if (listen_fd >= 0) close(listen_fd);
     if (wake_fd >= 0) close(wake_fd);
   }
@@ -189,6 +206,7 @@ struct TcpRendezvousServer::Impl {
     if (it == conns.end()) return;
     MC_LOG(DEBUG, ENGINE) << "rendezvous server: closing connection " << id << ": " << why;
     close(it->second.fd);
+    if (admission) admission->closed(it->second.src, it->second.authed);
     conns.erase(it);
     for (auto w = waiters.begin(); w != waiters.end();)
       w = (w->second.conn == id) ? waiters.erase(w) : std::next(w);
@@ -203,7 +221,28 @@ struct TcpRendezvousServer::Impl {
     for (uint64_t id : ids) reply(id, Code::kOk, v);
   }
 
-  // Decodes and serves one request body; false when malformed (the caller closes).
+  // Stores key = value within the size limits; false (with the reason) when refused.
+  bool store(const std::string& key, std::string value, std::string* why) {
+    if (value.size() > max_value) {
+      *why = "value of " + std::to_string(value.size()) + " bytes for '" + key +
+             "' exceeds MC_RENDEZVOUS_MAX_VALUE_BYTES (" + std::to_string(max_value) + ")";
+      return false;
+    }
+    auto it = kv.find(key);
+    uint64_t old_bytes = it == kv.end() ? 0 : key.size() + it->second.size();
+    uint64_t new_total = total_bytes - old_bytes + key.size() + value.size();
+    if (new_total > max_total) {
+      *why = "the rendezvous holds " + std::to_string(total_bytes) +
+             " bytes; setting '" + key + "' would pass MC_RENDEZVOUS_MAX_TOTAL_BYTES (" +
+             std::to_string(max_total) + ")";
+      return false;
+    }
+    total_bytes = new_total;
+    kv[key] = std::move(value);
+    return true;
+  }
+
+  // Decodes and serves one request body; false when malformed or refused (the caller closes).
   bool handle(uint64_t id, std::string_view body) {
     wire::Reader r(body);
     uint8_t op = r.u8();
@@ -211,12 +250,30 @@ struct TcpRendezvousServer::Impl {
     std::string value = r.str(kMaxFrame);
     uint64_t timeout_ms = r.u64();
     if (!r.done()) return false;
+    Conn& c = conns[id];
+    if (!c.authed) {
+      if (op != kAuth) return false;
+      if (!secretsEqual(value, secret)) {
+        MC_LOG(WARN, ENGINE) << "rendezvous server: wrong job secret from " << c.src;
+        reply(id, Code::kPermissionDenied, "wrong job secret");  // best effort, then closed
+        return false;
+      }
+      c.authed = true;
+      if (admission) admission->authenticated(c.src);
+      reply(id, Code::kOk, "");
+      return true;
+    }
     switch (op) {
-      case kSet:
-        kv[key] = std::move(value);
+      case kSet: {
+        std::string why;
+        if (!store(key, std::move(value), &why)) {
+          reply(id, Code::kResourceExhausted, why);
+          return true;
+        }
         reply(id, Code::kOk, "");
         keySet(key);
         return true;
+      }
       case kGet: {
         auto it = kv.find(key);
         if (it == kv.end())
@@ -238,7 +295,14 @@ struct TcpRendezvousServer::Impl {
       case kAdd: {
         int64_t delta = 0;
         if (!parseInt64(value, &delta)) return false;
+        auto existed = kv.find(key);
+        uint64_t before = existed == kv.end() ? 0 : key.size() + existed->second.size();
+        if (existed == kv.end() && total_bytes + key.size() + 20 > max_total) {
+          reply(id, Code::kResourceExhausted, "rendezvous full (MC_RENDEZVOUS_MAX_TOTAL_BYTES)");
+          return true;
+        }
         Result<int64_t> res = addTo(kv, key, delta);
+        if (res.ok()) total_bytes = total_bytes - before + key.size() + kv[key].size();
         if (!res.ok()) {
           reply(id, res.status().code(), res.status().message());
         } else {
@@ -256,10 +320,21 @@ struct TcpRendezvousServer::Impl {
     Conn* c = &conns[id];
     char buf[64 * 1024];
     for (;;) {
-      ssize_t r = recv(c->fd, buf, sizeof(buf), MSG_DONTWAIT);
+      // Before AUTH nothing beyond one small frame is buffered.
+      constexpr size_t kPreAuthBytes = 4 + kMaxPreAuthFrame;
+      size_t room = sizeof(buf);
+      if (!c->authed) {
+        if (c->in.size() > kPreAuthBytes) {
+          drop(id, "oversized request before AUTH");
+          return;
+        }
+        room = std::min(room, kPreAuthBytes + 1 - c->in.size());
+      }
+      ssize_t r = recv(c->fd, buf, room, MSG_DONTWAIT);
       if (r > 0) {
         c->in.append(buf, static_cast<size_t>(r));
-        if (static_cast<size_t>(r) < sizeof(buf)) break;
+        if (static_cast<size_t>(r) < room) break;
+        if (!c->authed) break;  // parse what came before reading more
         continue;
       }
       if (r < 0 && errno == EINTR) continue;
@@ -274,7 +349,7 @@ struct TcpRendezvousServer::Impl {
       uint32_t len;
       std::memcpy(&len, c->in.data() + c->in_off, 4);
       len = le32toh(len);
-      if (len > kMaxFrame) {
+      if (len > (c->authed ? kMaxFrame : kMaxPreAuthFrame)) {
         MC_LOG(WARN, ENGINE) << "rendezvous server: oversized frame (" << len
                              << " bytes), closing connection";
         drop(id, "oversized frame");
@@ -298,6 +373,15 @@ struct TcpRendezvousServer::Impl {
     }
   }
 
+  void sweepHandshakes() {
+    if (!admission || admission->preauthCount() == 0) return;
+    Deadline now = Clock::now();
+    std::vector<uint64_t> late;
+    for (auto& [id, c] : conns)
+      if (!c.authed && c.handshake_by <= now) late.push_back(id);
+    for (uint64_t id : late) drop(id, "no AUTH within MC_HANDSHAKE_TIMEOUT_MS");
+  }
+
   void expireWaiters() {
     Deadline now = Clock::now();
     std::vector<std::pair<uint64_t, std::string>> expired;
@@ -319,7 +403,8 @@ struct TcpRendezvousServer::Impl {
       pfds.clear();
       ids.clear();
       pfds.push_back({wake_fd, POLLIN, 0});
-      pfds.push_back({listen_fd, POLLIN, 0});
+      if (listen_paused && Clock::now() >= admission->pausedUntil()) listen_paused = false;
+      pfds.push_back({listen_fd, static_cast<short>(listen_paused ? 0 : POLLIN), 0});
       for (auto& [id, c] : conns) {
         short ev = POLLIN;
         if (c.out_off < c.out.size()) ev |= POLLOUT;
@@ -331,6 +416,11 @@ struct TcpRendezvousServer::Impl {
         int ms = std::min(sock::msUntil(w.deadline), 3600 * 1000) + 1;
         timeout = timeout < 0 ? ms : std::min(timeout, ms);
       }
+      if (admission->preauthCount() > 0) timeout = timeout < 0 ? 100 : std::min(timeout, 100);
+      if (listen_paused) {
+        int ms = std::max(1, sock::msUntil(admission->pausedUntil()));
+        timeout = timeout < 0 ? ms : std::min(timeout, ms);
+      }
       int n = poll(pfds.data(), pfds.size(), timeout);
       if (n < 0 && errno != EINTR) {
         MC_LOG(ERROR, ENGINE) << "rendezvous server: poll: " << sock::errnoStr(errno);
@@ -338,12 +428,14 @@ struct TcpRendezvousServer::Impl {
       }
       if (stop.load()) break;
       if (pfds[1].revents & POLLIN) {
-        for (;;) {
-          int fd = accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-          if (fd < 0) break;
+        bool ok = admission->acceptAll(listen_fd, [this](int fd, const std::string& src) {
           sock::setNoDelay(fd);
-          conns[next_conn++].fd = fd;
-        }
+          Conn& c = conns[next_conn++];
+          c.fd = fd;
+          c.src = src;
+          c.handshake_by = admission->handshakeDeadline(Clock::now());
+        });
+        if (!ok) listen_paused = true;
       }
       for (size_t i = 0; i < ids.size(); ++i) {
         short re = pfds[i + 2].revents;
@@ -353,6 +445,7 @@ struct TcpRendezvousServer::Impl {
         if (re & (POLLIN | POLLHUP | POLLERR)) readable(ids[i]);
       }
       expireWaiters();
+      sweepHandshakes();
     }
   }
 };
@@ -362,8 +455,16 @@ TcpRendezvousServer::~TcpRendezvousServer() = default;
 uint16_t TcpRendezvousServer::port() const { return impl_->port; }
 
 Result<std::unique_ptr<TcpRendezvousServer>> TcpRendezvousServer::start(const std::string& host,
-                                                                        uint16_t port) {
+                                                                        uint16_t port,
+                                                                        const std::string& secret) {
+  MC_RETURN_IF_ERROR(checkSecret(secret, "rendezvous server"));
   auto impl = std::make_unique<Impl>();
+  impl->secret = secret;
+  impl->max_value = static_cast<uint64_t>(
+      std::clamp<int64_t>(params::getInt("MC_RENDEZVOUS_MAX_VALUE_BYTES"), 1024, kMaxFrame - 8192));
+  impl->max_total = static_cast<uint64_t>(
+      std::max<int64_t>(params::getInt("MC_RENDEZVOUS_MAX_TOTAL_BYTES"), 1 << 20));
+  impl->admission = std::make_unique<tcp::Admission>("rendezvous server");
   MC_ASSIGN_OR_RETURN(impl->listen_fd, sock::listenOn(host, port, 0));
   impl->port = sock::localPort(impl->listen_fd);
   impl->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -423,12 +524,29 @@ Status describe(Status st, const char* what, const std::string& key) {
 
 }  // namespace
 
+// Connects and authenticates one connection.
+static Result<int> openAuthed(const std::string& host, uint16_t port, const std::string& secret,
+                       Deadline deadline, bool retry_refused) {
+  MC_ASSIGN_OR_RETURN(int fd, sock::connectTo(host, port, deadline, retry_refused, 0));
+  sock::setNoDelay(fd);
+  bool broken = false;
+  Result<std::string> r = exchange(fd, kAuth, "", secret, 0, deadline, &broken);
+  if (!r.ok()) {
+    close(fd);
+    Code c = r.status().code() == Code::kPermissionDenied ? Code::kPermissionDenied
+                                                          : Code::kUnavailable;
+    return Status(c, "rendezvous " + host + ":" + std::to_string(port) + " refused AUTH: " +
+                         r.status().message());
+  }
+  return fd;
+}
+
 Result<std::unique_ptr<TcpRendezvousClient>> TcpRendezvousClient::connect(const std::string& host,
                                                                           uint16_t port,
+                                                                          const std::string& secret,
                                                                           Deadline deadline) {
-  MC_ASSIGN_OR_RETURN(int fd, sock::connectTo(host, port, deadline, true, 0));
-  sock::setNoDelay(fd);
-  return std::unique_ptr<TcpRendezvousClient>(new TcpRendezvousClient(fd));
+  MC_ASSIGN_OR_RETURN(int fd, openAuthed(host, port, secret, deadline, true));
+  return std::unique_ptr<TcpRendezvousClient>(new TcpRendezvousClient(fd, secret));
 }
 
 TcpRendezvousClient::~TcpRendezvousClient() {
@@ -491,9 +609,8 @@ Result<std::string> TcpRendezvousClient::wait(const std::string& key, Deadline d
     inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
     port = ntohs(in6->sin6_port);
   }
-  Result<int> fd = sock::connectTo(host, port, deadline, false, 0);
+  Result<int> fd = openAuthed(host, port, secret_, deadline, false);
   if (!fd.ok()) return describe(fd.status(), "wait", key);
-  sock::setNoDelay(*fd);
   bool broken = false;
   uint64_t ms = static_cast<uint64_t>(sock::msUntil(deadline));
   Result<std::string> r = exchange(*fd, kWait, key, "", ms, deadline, &broken);

@@ -41,11 +41,18 @@ class InProcessRendezvous : public Rendezvous {
 };
 
 // A tiny TCP key/value server (one thread, poll loop) for jobs launched without torch.
+// Serves only clients that present the job secret (an AUTH request first); before that a
+// connection may send one small frame and has MC_HANDSHAKE_TIMEOUT_MS to do it, and the
+// listener admits only so many such connections (tcp_admission.h). Values are capped at
+// MC_RENDEZVOUS_MAX_VALUE_BYTES, all keys and values at MC_RENDEZVOUS_MAX_TOTAL_BYTES.
 class TcpRendezvousServer {
  public:
-  // port 0 picks a free port; see port().
+  // port 0 picks a free port; see port(). secret: what clients must present (checkSecret:
+  // empty only with MC_ALLOW_NO_SECRET=1). host: the address to listen on (127.0.0.1 for a
+  // job on one host; a wildcard only when asked for).
   static Result<std::unique_ptr<TcpRendezvousServer>> start(const std::string& host,
-                                                            uint16_t port);
+                                                            uint16_t port,
+                                                            const std::string& secret);
   ~TcpRendezvousServer();
   uint16_t port() const;
   struct Impl;
@@ -57,8 +64,11 @@ class TcpRendezvousServer {
 
 class TcpRendezvousClient : public Rendezvous {
  public:
+  // Connects and authenticates with `secret` (kPermissionDenied when the server refuses it).
   static Result<std::unique_ptr<TcpRendezvousClient>> connect(const std::string& host,
-                                                              uint16_t port, Deadline deadline);
+                                                              uint16_t port,
+                                                              const std::string& secret,
+                                                              Deadline deadline);
   ~TcpRendezvousClient() override;
   Status set(const std::string& key, const std::string& value) override;
   Result<std::string> get(const std::string& key) override;
@@ -66,11 +76,12 @@ class TcpRendezvousClient : public Rendezvous {
   Result<int64_t> add(const std::string& key, int64_t delta) override;
 
  private:
-  explicit TcpRendezvousClient(int fd) : fd_(fd) {}
+  TcpRendezvousClient(int fd, std::string secret) : fd_(fd), secret_(std::move(secret)) {}
   Result<std::string> call(uint8_t op, const std::string& key, const std::string& value,
                            Deadline deadline);
   std::mutex mu_;
   int fd_;
+  const std::string secret_;
 };
 
 }  // namespace mooncake::engine

@@ -32,7 +32,10 @@ struct Task {
 // What a transport may use of its engine.
 struct EngineContext {
   uint64_t engine_id = 0;
+  // Peers must present it (never empty unless MC_ALLOW_NO_SECRET=1; see engine/secret.h).
   std::string secret;
+  // The address the tcp listener binds (resolved by the engine; see EngineOptions.host).
+  std::string tcp_host;
   MemoryRegistry* registry = nullptr;
   Inbox* inbox = nullptr;
   // Where a transport takes buffers for the messages it receives (consumed payloads come
@@ -60,6 +63,12 @@ class TransportPeer {
   // Delivers tag into the peer's inbox after every write submitted here before the call.
   virtual Status notify(uint64_t tag) = 0;
   virtual Status sendMessage(uint32_t channel, std::string_view payload) = 0;
+  // The same, waiting at most until `deadline` where the transport could block (a full
+  // same-host inbox): kTimeout then, nothing sent. Transports that only queue ignore it.
+  virtual Status sendMessage(uint32_t channel, std::string_view payload, Deadline deadline) {
+    (void)deadline;
+    return sendMessage(channel, payload);
+  }
   // The same, taking the payload over (a transport that queues it need not copy it).
   virtual Status sendOwnedMessage(uint32_t channel, std::string&& payload) {
     return sendMessage(channel, std::string_view(payload));

@@ -1,5 +1,7 @@
 #include "store/client/rpc.h"
 
+#include "engine/log.h"
+
 #include <sched.h>
 
 #include <algorithm>
@@ -29,34 +31,150 @@ uint32_t getU32(const char* p) {
 
 MasterRpcServer::MasterRpcServer(engine::TransferEngine* engine, MasterService* service)
     : engine_(engine), service_(service) {
+  for (int i = 0; i < kWorkers; ++i) workers_.emplace_back([this] { workerLoop(); });
+  gone_handler_ = engine_->addPeerGoneHandler(
+      [this](uint64_t id, const std::string& name, const Status&) { onPeerGone(id, name); });
   engine_->setMessageHandler(kStoreRpcChannel,
                              [this](engine::Message&& m) { onMessage(std::move(m)); });
 }
 
-MasterRpcServer::~MasterRpcServer() { engine_->setMessageHandler(kStoreRpcChannel, nullptr); }
+MasterRpcServer::~MasterRpcServer() {
+  engine_->setMessageHandler(kStoreRpcChannel, nullptr);
+  engine_->removePeerGoneHandler(gone_handler_);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
 
 Status MasterRpcServer::publish(engine::Rendezvous& rdv) {
   return rdv.set(std::string("mc/seg/") + kMasterName, engine_->localSegment().serialize());
 }
 
+void MasterRpcServer::onPeerGone(uint64_t engine_id, const std::string& name) {
+  if (!name.empty()) service_->clientGone(name);
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = clients_.find(engine_id);
+  // A worker holding it finds the peer dead and drops what is left.
+  if (it != clients_.end() && !it->second.busy) clients_.erase(it);
+}
+
 void MasterRpcServer::onMessage(engine::Message&& m) {
   if (m.payload.size() < 4) return;  // not ours: nothing to answer
-  uint32_t reply_channel = getU32(m.payload.data());
-  std::string resp = service_->handle(std::string_view(m.payload).substr(4));
-  engine::PeerId peer = m.peer;
-  if (peer == engine::kInvalidPeer) {
+  Pending p;
+  p.reply_channel = getU32(m.payload.data());
+  bool fast = false;
+  std::string name;
+  engine::PeerId peer = engine::kInvalidPeer;
+  {
     std::lock_guard<std::mutex> g(mu_);
-    auto it = peers_.find(m.src_engine);
-    if (it != peers_.end() && engine_->peerStatus(it->second).ok()) peer = it->second;
+    auto it = clients_.find(m.src_engine);
+    if (it == clients_.end()) {
+      name = engine_->authenticatedName(m.src_engine);
+      if (name.empty()) {
+        if (dropped_.fetch_add(1) == 0) {
+          MC_LOG(WARN, STORE) << "master: dropping a request from an engine that did not "
+                                 "authenticate (logged once)";
+        }
+        return;
+      }
+      it = clients_.emplace(m.src_engine, Client{}).first;
+      it->second.name = name;
+    }
+    Client& c = it->second;
+    if (c.peer == engine::kInvalidPeer && m.peer != engine::kInvalidPeer) c.peer = m.peer;
+    name = c.name;
+    peer = c.peer;
+    fast = !c.busy && c.backlog.empty() && peer != engine::kInvalidPeer;
+    if (!fast) {
+      if (c.backlog.size() >= kMaxBacklog) {
+        dropped_.fetch_add(1);
+        return;
+      }
+      p.request = m.payload.substr(4);
+      c.backlog.push_back(std::move(p));
+      if (!c.busy) {
+        c.busy = true;
+        ready_.push_back(m.src_engine);
+        cv_.notify_one();
+      }
+      return;
+    }
   }
-  if (peer == engine::kInvalidPeer) {
-    auto p = engine_->peerOf(m.src_engine, engine::deadlineInMs(2000));
-    if (!p.ok()) return;  // the caller times out with RPC_FAIL
-    peer = *p;
+  // Fast path, on the dispatcher: serve and send without waiting for room.
+  p.response = service_->handle(std::string_view(m.payload).substr(4), &name);
+  Status st = engine_->sendMessage(peer, p.reply_channel, p.response, engine::Clock::now());
+  if (st.ok() || st.code() != Code::kResourceExhausted) return;  // sent, or the client is gone
+  // Its inbox is full: a worker waits for room while later requests queue behind this one.
+  p.served = true;
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = clients_.find(m.src_engine);
+  if (it == clients_.end()) return;  // gone meanwhile
+  Client& c = it->second;
+  c.backlog.push_front(std::move(p));
+  if (!c.busy) {
+    c.busy = true;
+    ready_.push_back(m.src_engine);
+    cv_.notify_one();
+  }
+}
+
+void MasterRpcServer::workerLoop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stop_ || !ready_.empty(); });
+    if (stop_) return;
+    uint64_t id = ready_.front();
+    ready_.pop_front();
+    lk.unlock();
+    drain(id);
+    lk.lock();
+  }
+}
+
+void MasterRpcServer::drain(uint64_t engine_id) {
+  const int64_t timeout_ms = 2000;
+  for (;;) {
+    Pending p;
+    std::string name;
+    engine::PeerId peer;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = clients_.find(engine_id);
+      if (it == clients_.end()) return;
+      Client& c = it->second;
+      if (c.backlog.empty()) {
+        c.busy = false;
+        return;
+      }
+      p = std::move(c.backlog.front());
+      c.backlog.pop_front();
+      name = c.name;
+      peer = c.peer;
+    }
+    bool ok = true;
+    if (peer == engine::kInvalidPeer || !engine_->peerStatus(peer).ok()) {
+      auto opened = engine_->peerOf(engine_id, engine::deadlineInMs(timeout_ms));
+      ok = opened.ok();
+      if (ok) peer = *opened;
+    }
+    if (ok) {
+      if (!p.served) p.response = service_->handle(p.request, &name);
+      ok = engine_->sendMessage(peer, p.reply_channel, p.response, engine::deadlineInMs(timeout_ms))
+               .ok();
+    }
     std::lock_guard<std::mutex> g(mu_);
-    peers_[m.src_engine] = peer;
+    auto it = clients_.find(engine_id);
+    if (it == clients_.end()) return;
+    if (!ok) {  // unreachable: what it queued is dropped, its calls time out with RPC_FAIL
+      dropped_.fetch_add(it->second.backlog.size() + 1);
+      clients_.erase(it);
+      return;
+    }
+    it->second.peer = peer;
   }
-  (void)engine_->sendMessage(peer, reply_channel, resp);
 }
 
 // ---- client ----

@@ -12,7 +12,10 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
+#include <thread>
+#include <vector>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -29,21 +32,63 @@ constexpr const char* kMasterName = "mooncake-master";
 constexpr uint32_t kStoreRpcChannel = 0x53540001;  // requests to the master
 constexpr uint32_t kStoreReplyBase = 0x53541000;   // + per-client index: replies
 
-// Serves a MasterService on an engine. The handler runs on the engine's dispatcher thread.
+// Serves a MasterService on an engine.
+//
+// Identity: a request is served in the name of the engine it came from as that engine
+// authenticated (TransferEngine::authenticatedName), whatever client_id its body carries
+// (MasterService::handle's caller); a message from an engine that never authenticated is
+// dropped.
+//
+// No head-of-line blocking: the engine's dispatcher thread serves a request and queues its
+// answer without waiting (the common case: the client's peer is open and takes the reply).
+// When the answer cannot go out at once (the client's peer is not open yet, or its inbox is
+// full), that client's requests queue behind it in arrival order and a worker thread opens
+// the peer / waits for room with a deadline, so a slow, stalled or dead client delays only
+// its own requests. Each client's backlog is bounded (kMaxBacklog); beyond it requests are
+// dropped (the client times out with RPC_FAIL).
+//
+// Liveness: when the engine reports a client's engine gone, the service stops placing
+// replicas on its segments at once (MasterService::clientGone).
 class MasterRpcServer {
  public:
-  // Installs the handler; the engine and service must outlive this object.
+  static constexpr size_t kMaxBacklog = 4096;
+  static constexpr int kWorkers = 4;
+
+  // Installs the handlers; the engine and service must outlive this object.
   MasterRpcServer(engine::TransferEngine* engine, MasterService* service);
-  ~MasterRpcServer();  // removes the handler
+  ~MasterRpcServer();  // removes the handlers, stops the workers
   // Publishes the engine's segment under "mc/seg/mooncake-master" (in addition to its own name).
   Status publish(engine::Rendezvous& rdv);
 
  private:
+  struct Pending {
+    uint32_t reply_channel = 0;
+    std::string request;   // not yet served
+    std::string response;  // served; waiting to be sent
+    bool served = false;
+  };
+  struct Client {
+    std::string name;  // authenticated identity
+    engine::PeerId peer = engine::kInvalidPeer;
+    std::deque<Pending> backlog;
+    bool busy = false;  // queued for, or held by, a worker
+  };
   void onMessage(engine::Message&& m);
+  void onPeerGone(uint64_t engine_id, const std::string& name);
+  void workerLoop();
+  // Worker: drains one client's backlog (opening its peer first when needed).
+  void drain(uint64_t engine_id);
+
   engine::TransferEngine* engine_;
   MasterService* service_;
+  uint64_t gone_handler_ = 0;
   std::mutex mu_;
-  std::unordered_map<uint64_t, engine::PeerId> peers_;  // engine id -> peer (reply path)
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::unordered_map<uint64_t, Client> clients_;  // by engine id
+  std::deque<uint64_t> ready_;                    // clients with a backlog for a worker
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> dropped_{0};
 };
 
 // Calls the master. Either over the engine (remote master) or directly (master embedded in

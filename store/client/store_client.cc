@@ -174,6 +174,12 @@ ErrorCode StoreClient::planReplica(const proto::Replica& r, uint64_t size, engin
       return peer.error();
     }
     if (*peer == engine::kInvalidPeer) {  // our own segment
+      // Never trust a placement with a raw pointer: it must lie inside the segment this client
+      // lent (a confused or hostile master must not make us write anywhere else).
+      const uint64_t seg = reinterpret_cast<uint64_t>(segment_);
+      if (segment_ == nullptr || p.address() < seg || p.length() > options_.segment_size ||
+          p.address() - seg > options_.segment_size - p.length())
+        return op == engine::OpCode::kWrite ? ErrorCode::INVALID_WRITE : ErrorCode::INVALID_READ;
       char* mine = reinterpret_cast<char*>(p.address());
       if (op == engine::OpCode::kWrite)
         std::memcpy(mine, local + off, p.length());

@@ -33,6 +33,9 @@ std::string MasterMetrics::toPrometheus() const {
   one("allocation_failures_total", "counter", "Puts refused for lack of space.",
       allocation_failures);
   one("client_expirations_total", "counter", "Clients expired for silence.", client_expirations);
+  one("clients_gone_total", "counter",
+      "Clients whose engine was seen gone (their segments stopped taking replicas at once).",
+      clients_gone);
   one("replicas_dropped_total", "counter", "Replicas lost with an unmounted segment.",
       replicas_dropped);
   if (!rpcs.empty()) {

@@ -62,8 +62,14 @@ std::vector<std::string> keysOf(const google::protobuf::RepeatedPtrField<std::st
 
 }  // namespace
 
-std::string MasterService::handle(std::string_view request_bytes) {
+std::string MasterService::handle(std::string_view request_bytes, const std::string* caller) {
   const auto t0 = std::chrono::steady_clock::now();
+  // A remote call acts in the name of the client its connection authenticated as, never in
+  // the name its body claims.
+  auto impersonates = [caller](const std::string& claimed) {
+    return caller != nullptr && claimed != *caller;
+  };
+  constexpr int32_t kIllegal = static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT);
   pb::ResponseEnvelope resp;
   int method_index = -1;
   int32_t call_error = 0;
@@ -84,6 +90,7 @@ std::string MasterService::handle(std::string_view request_bytes) {
       case pb::MOUNT_SEGMENT:
         decoded = serve<pb::MountSegmentRequest, pb::MountSegmentResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
               auto res = mountSegment(q.client_id(), q.segment_name(), q.base(), q.size());
               r.set_error_code(toInt(res.error()));
               if (res.ok()) r.set_segment_id(*res);
@@ -92,6 +99,7 @@ std::string MasterService::handle(std::string_view request_bytes) {
       case pb::UNMOUNT_SEGMENT:
         decoded = serve<pb::UnmountSegmentRequest, pb::UnmountSegmentResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
               ErrorCode e = q.segment_id() != 0
                                 ? unmountSegment(q.client_id(), q.segment_id())
                                 : unmountSegmentByName(q.client_id(), q.segment_name());
@@ -101,6 +109,7 @@ std::string MasterService::handle(std::string_view request_bytes) {
       case pb::HEARTBEAT:
         decoded = serve<pb::HeartbeatRequest, pb::HeartbeatResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
               auto res = heartbeat(q.client_id());
               r.set_error_code(toInt(res.error()));
               if (res.ok()) r.set_need_remount(*res);
@@ -110,6 +119,7 @@ std::string MasterService::handle(std::string_view request_bytes) {
       case pb::PUT_START:
         decoded = serve<pb::PutStartRequest, pb::PutStartResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
               auto res = putStart(q.client_id(), q.key(), q.size(), fromProto(q.config()));
               r.set_error_code(toInt(res.error()));
               if (res.ok())
@@ -119,12 +129,14 @@ std::string MasterService::handle(std::string_view request_bytes) {
       case pb::PUT_END:
         decoded = serve<pb::PutEndRequest, pb::PutEndResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
               r.set_error_code(toInt(putEnd(q.client_id(), q.key())));
             });
         break;
       case pb::PUT_REVOKE:
         decoded = serve<pb::PutRevokeRequest, pb::PutRevokeResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
               r.set_error_code(toInt(putRevoke(q.client_id(), q.key())));
             });
         break;

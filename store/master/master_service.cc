@@ -1,7 +1,8 @@
 #include "store/master/master_service.h"
 
 #include <algorithm>
-#include <regex>
+
+#include <re2/re2.h>
 
 namespace mooncake::store {
 
@@ -32,8 +33,27 @@ MasterService::Client& MasterService::touchClientLocked(const std::string& clien
                                                         bool* was_new) {
   auto [it, inserted] = clients_.try_emplace(client_id);
   it->second.last_seen = t;
+  if (it->second.gone) {  // it called again: its engine is back
+    it->second.gone = false;
+    for (SegmentId id : it->second.segments) {
+      auto s = segments_.find(id);
+      if (s != segments_.end()) s->second->owner_gone = false;
+    }
+  }
   if (was_new) *was_new = inserted;
   return it->second;
+}
+
+void MasterService::clientGone(const std::string& client_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = clients_.find(client_id);
+  if (it == clients_.end() || it->second.gone) return;
+  it->second.gone = true;
+  for (SegmentId id : it->second.segments) {
+    auto s = segments_.find(id);
+    if (s != segments_.end()) s->second->owner_gone = true;
+  }
+  ++counters_.clients_gone;
 }
 
 // ---------------------------------------------------------------- segments and clients
@@ -429,19 +449,18 @@ uint64_t MasterService::removeMatchingLocked(const std::function<bool(const std:
 }
 
 ErrorOr<uint64_t> MasterService::removeByRegex(const std::string& regex, bool force) {
-  std::regex re;
-  try {
-    re = std::regex(regex, std::regex::ECMAScript);
-  } catch (const std::regex_error&) {
-    return ErrorCode::INVALID_PARAMS;
-  }
+  // RE2: matching time is linear in the key's length whatever the pattern (no backtracking:
+  // '(a|a)*b' cannot stall the master), and the compiled program's memory is bounded. It has
+  // no backreferences or lookaround (docs/store.md); such patterns are INVALID_PARAMS.
+  if (regex.empty() || regex.size() > config_.max_regex_length) return ErrorCode::INVALID_PARAMS;
+  RE2::Options opt;
+  opt.set_log_errors(false);
+  opt.set_max_mem(8 << 20);
+  RE2 re(regex, opt);
+  if (!re.ok()) return ErrorCode::INVALID_PARAMS;
   std::lock_guard<std::mutex> lock(mu_);
-  try {
-    return removeMatchingLocked([&](const std::string& k) { return std::regex_search(k, re); },
-                                force);
-  } catch (const std::regex_error&) {  // libstdc++ may give up on a pathological pattern
-    return ErrorCode::INVALID_PARAMS;
-  }
+  return removeMatchingLocked([&](const std::string& k) { return RE2::PartialMatch(k, re); },
+                              force);
 }
 
 uint64_t MasterService::removeAll(bool force) {

@@ -80,6 +80,11 @@ class MasterService {
   // Refreshes the client's liveness. Returns need_remount = true when the master did not know the
   // client (first contact or expired), i.e. none of its segments is mounted any more.
   ErrorOr<bool> heartbeat(const std::string& client_id);
+  // The client's engine is gone (its process died or its link broke: the master's engine or a
+  // peer saw it). Its segments stop being allocation targets at once; everything else follows
+  // the usual rules (its objects stay readable where their holder still answers, and it
+  // expires after client_ttl_ms of silence). A later call from the client undoes this.
+  void clientGone(const std::string& client_id);
 
   // ---- two-phase put ----
   // Reserves `size` bytes on up to config.replica_num distinct segments (distinct clients first;
@@ -123,7 +128,11 @@ class MasterService {
   // Decodes a store.proto RequestEnvelope, runs the call, returns the encoded ResponseEnvelope.
   // Never throws and never crashes on malformed input: undecodable bytes produce a response with
   // error_code INVALID_PARAMS. Transport-agnostic: the caller moves the bytes.
-  std::string handle(std::string_view request_bytes);
+  // caller: the identity of the client that sent it, taken from its authenticated connection
+  // (engine::TransferEngine::authenticatedName). A call whose body names another client_id is
+  // ILLEGAL_CLIENT: a client acts only on its own segments, puts and liveness. nullptr: a
+  // client in this process (embedded master), trusted.
+  std::string handle(std::string_view request_bytes, const std::string* caller = nullptr);
 
  private:
   struct Segment;
@@ -157,12 +166,14 @@ class MasterService {
     std::string name;
     std::string client_id;
     uint64_t base = 0;
+    bool owner_gone = false;  // see clientGone()
     OffsetAllocator alloc;
     std::unordered_set<Object*> objects;  // objects with a piece here
     Segment(uint64_t size, uint64_t granularity) : alloc(size, granularity) {}
   };
   struct Client {
     TimePoint last_seen{};
+    bool gone = false;  // clientGone() until it calls again
     std::vector<SegmentId> segments;
     std::unordered_set<Object*> pending_puts;
   };

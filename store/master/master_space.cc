@@ -43,7 +43,8 @@ bool MasterService::allocateReplica(uint64_t size, const std::string& preferred,
   Segment* pref = nullptr;
   if (!preferred.empty()) {
     auto it = segment_by_name_.find(preferred);
-    if (it != segment_by_name_.end() && !used_segments->count(segments_.at(it->second).get())) {
+    if (it != segment_by_name_.end() && !used_segments->count(segments_.at(it->second).get()) &&
+        !segments_.at(it->second)->owner_gone) {
       pref = segments_.at(it->second).get();
       order.push_back(pref);
     }
@@ -51,7 +52,9 @@ bool MasterService::allocateReplica(uint64_t size, const std::string& preferred,
   for (int pass = 0; pass < 2; ++pass) {
     for (size_t i = 0; i < n; ++i) {
       Segment* s = segment_order_[(rr_cursor_ + i) % n];
-      if (s == pref || used_segments->count(s)) continue;
+      // A segment whose owner's engine is gone takes no new replica (its objects stay until
+      // the client expires, as any silent client's do).
+      if (s == pref || s->owner_gone || used_segments->count(s)) continue;
       bool client_used = used_clients->count(s->client_id) > 0;
       if ((pass == 0) != client_used) order.push_back(s);
     }

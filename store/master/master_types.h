@@ -64,6 +64,7 @@ struct MasterConfig {
   uint32_t max_pieces_per_replica = 16;
   uint64_t min_stripe_bytes = 64 * 1024;  // smallest piece of a striped replica
   uint64_t max_key_length = 4096;         // longer keys are INVALID_KEY
+  uint64_t max_regex_length = 4096;       // longer remove_by_regex patterns: INVALID_PARAMS
   ClockFn clock;                          // empty: MasterClock::now
 };
 
@@ -85,6 +86,7 @@ struct MasterMetrics {
   uint64_t gets = 0;         // getReplicaList calls, batch entries counted one by one
   uint64_t get_hits = 0;
   uint64_t removes = 0;  // objects removed by remove/removeByRegex/removeAll
+  uint64_t clients_gone = 0;  // clients whose engine the master saw go (clientGone)
   uint64_t evictions = 0;
   uint64_t evicted_bytes = 0;
   uint64_t eviction_rounds = 0;

@@ -1,4 +1,5 @@
 #include "tests/engine/peer_fixture.h"
+#include "tests/common/test_secret.h"
 
 #include <dirent.h>
 #include <sys/mman.h>
@@ -43,11 +44,11 @@ void PeerTestBase::SetUp() {
   // behind and removes those of peers that were killed (they cannot clean up).
   shm_prefix_ = "mct" + std::to_string(getpid());
   setenv("MC_SHM_PREFIX", shm_prefix_.c_str(), 1);
-  auto srv = engine::TcpRendezvousServer::start("127.0.0.1", 0);
+  auto srv = engine::TcpRendezvousServer::start("127.0.0.1", 0, mooncake::test::jobSecret());
   ASSERT_TRUE(srv.ok()) << "rendezvous server: " << srv.status().toString();
   server_ = std::move(srv).value();
   ASSERT_NE(server_->port(), 0);
-  auto cli = engine::TcpRendezvousClient::connect("127.0.0.1", server_->port(),
+  auto cli = engine::TcpRendezvousClient::connect("127.0.0.1", server_->port(), mooncake::test::jobSecret(),
                                                   engine::deadlineInMs(5000));
   ASSERT_TRUE(cli.ok()) << "rendezvous client: " << cli.status().toString();
   rdv_ = std::move(cli).value();

@@ -17,6 +17,7 @@
 
 #include "engine/rendezvous.h"
 #include "tests/engine/test_util.h"
+#include "tests/common/test_secret.h"
 
 namespace mooncake::test {
 
@@ -71,7 +72,7 @@ class PeerMain {
     cfg_.seed = num(argValue(argc, argv, "--seed"));
     uint16_t port = static_cast<uint16_t>(num(argValue(argc, argv, "--rdv-port")));
 
-    auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, engine::deadlineInMs(10000));
+    auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(), engine::deadlineInMs(10000));
     if (!rdv.ok()) return fail("rendezvous connect: " + rdv.status().toString());
     rdv_ = std::move(rdv).value();
     engine::EngineOptions opt;

@@ -14,6 +14,7 @@
 
 #include "engine/rendezvous.h"
 #include "tests/engine/test_util.h"
+#include "tests/common/test_secret.h"
 
 namespace mooncake::engine {
 namespace {
@@ -27,7 +28,7 @@ class RendezvousTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     if (GetParam() == "tcp") {
-      auto s = TcpRendezvousServer::start("127.0.0.1", 0);
+      auto s = TcpRendezvousServer::start("127.0.0.1", 0, mooncake::test::jobSecret());
       ASSERT_TRUE(s.ok()) << s.status().toString();
       server_ = std::move(s).value();
       ASSERT_NE(server_->port(), 0);
@@ -37,7 +38,7 @@ class RendezvousTest : public ::testing::TestWithParam<std::string> {
   }
   std::shared_ptr<Rendezvous> client() {
     if (inproc_) return inproc_;
-    auto c = TcpRendezvousClient::connect("127.0.0.1", server_->port(), deadlineInMs(5000));
+    auto c = TcpRendezvousClient::connect("127.0.0.1", server_->port(), mooncake::test::jobSecret(), deadlineInMs(5000));
     EXPECT_TRUE(c.ok()) << c.status().toString();
     if (!c.ok()) return nullptr;
     return std::shared_ptr<Rendezvous>(std::move(c).value());
@@ -165,17 +166,17 @@ TEST(TcpRendezvousTest, ConnectToClosedPortFails) {
   getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &sl);
   close(fd);
   auto t0 = SteadyClock::now();
-  auto c = TcpRendezvousClient::connect("127.0.0.1", ntohs(sa.sin_port), deadlineInMs(500));
+  auto c = TcpRendezvousClient::connect("127.0.0.1", ntohs(sa.sin_port), mooncake::test::jobSecret(), deadlineInMs(500));
   EXPECT_FALSE(c.ok());
   EXPECT_LT(msSince(t0), 3000) << "connect overran its deadline";
 }
 
 // The server going away while a client waits ends the wait with an error, not a hang.
 TEST(TcpRendezvousTest, ServerGoneEndsWaits) {
-  auto s = TcpRendezvousServer::start("127.0.0.1", 0);
+  auto s = TcpRendezvousServer::start("127.0.0.1", 0, mooncake::test::jobSecret());
   ASSERT_TRUE(s.ok()) << s.status().toString();
   auto server = std::move(s).value();
-  auto c = TcpRendezvousClient::connect("127.0.0.1", server->port(), deadlineInMs(5000));
+  auto c = TcpRendezvousClient::connect("127.0.0.1", server->port(), mooncake::test::jobSecret(), deadlineInMs(5000));
   ASSERT_TRUE(c.ok()) << c.status().toString();
   auto cli = std::move(c).value();
   auto fut = std::async(std::launch::async, [&] { return cli->wait("k", deadlineInMs(20000)); });
@@ -194,10 +195,10 @@ TEST(TcpRendezvousTest, ServerGoneEndsWaits) {
 
 // Garbage on the server's port must not take it down for well-behaved clients.
 TEST(TcpRendezvousTest, SurvivesGarbageClients) {
-  auto s = TcpRendezvousServer::start("127.0.0.1", 0);
+  auto s = TcpRendezvousServer::start("127.0.0.1", 0, mooncake::test::jobSecret());
   ASSERT_TRUE(s.ok()) << s.status().toString();
   auto server = std::move(s).value();
-  auto good = TcpRendezvousClient::connect("127.0.0.1", server->port(), deadlineInMs(5000));
+  auto good = TcpRendezvousClient::connect("127.0.0.1", server->port(), mooncake::test::jobSecret(), deadlineInMs(5000));
   ASSERT_TRUE(good.ok());
   ASSERT_TRUE(good.value()->set("k", "v").ok());
   for (int i = 0; i < 20; ++i) {
@@ -213,7 +214,7 @@ TEST(TcpRendezvousTest, SurvivesGarbageClients) {
     (void)!send(fd, junk.data(), junk.size(), MSG_NOSIGNAL);
     close(fd);
   }
-  auto other = TcpRendezvousClient::connect("127.0.0.1", server->port(), deadlineInMs(5000));
+  auto other = TcpRendezvousClient::connect("127.0.0.1", server->port(), mooncake::test::jobSecret(), deadlineInMs(5000));
   ASSERT_TRUE(other.ok()) << other.status().toString();
   auto r = other.value()->get("k");
   ASSERT_TRUE(r.ok()) << r.status().toString();

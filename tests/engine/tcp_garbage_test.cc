@@ -154,6 +154,13 @@ class TcpGarbageTest : public ::testing::Test {
   }
 
   std::string hello(const std::string& secret, uint64_t engine_id) {
+    tcp::Hello h;
+    h.secret = secret;
+    h.engine_id = engine_id;
+    h.role = tcp::ConnRole::kControl;
+    return tcp::encodeHello(h);
+  }
+  std::string desc(uint64_t engine_id) {
     SegmentDesc fake;
     fake.name = "raw-client";
     fake.engine_id = engine_id;
@@ -161,20 +168,17 @@ class TcpGarbageTest : public ::testing::Test {
     fake.tcp_host = "127.0.0.1";
     fake.tcp_port = 1;  // nobody listens: the target must not depend on reaching it
     fake.transports = 1u << static_cast<int>(TransportKind::kTcp);
-    tcp::Hello h;
-    h.secret = secret;
-    h.engine_id = engine_id;
-    h.role = tcp::ConnRole::kControl;
-    h.segment = fake.serialize();
-    return tcp::encodeHello(h);
+    return fake.serialize();
   }
 
-  // A raw connection that completed the handshake as a control connection; nullptr (and a
-  // test failure) otherwise.
+  // A raw connection that completed the handshake as a control connection (HELLO + DESC);
+  // nullptr (and a test failure) otherwise.
   std::unique_ptr<RawConn> authenticated(uint64_t engine_id) {
     auto c = conn();
     std::string h = hello("job-secret", engine_id);
     if (!c->sendFrame(header(FrameType::kHello, h.size()), h)) return nullptr;
+    std::string d = desc(engine_id);
+    if (!c->sendFrame(header(FrameType::kDesc, d.size()), d)) return nullptr;
     FrameHeader r;
     std::string payload;
     int got = c->readFrame(&r, &payload);

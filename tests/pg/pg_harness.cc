@@ -1,4 +1,5 @@
 #include "tests/pg/pg_harness.h"
+#include "tests/common/test_secret.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -24,7 +25,7 @@ namespace {
 
 engine::TcpRendezvousServer* server() {
   static std::unique_ptr<engine::TcpRendezvousServer> s = [] {
-    auto r = engine::TcpRendezvousServer::start("127.0.0.1", 0);
+    auto r = engine::TcpRendezvousServer::start("127.0.0.1", 0, mooncake::test::jobSecret());
     if (!r.ok()) {
       std::fprintf(stderr, "rendezvous server: %s\n", r.status().toString().c_str());
       std::abort();
@@ -56,7 +57,7 @@ std::atomic<int> g_run{0};
     auto e = engine::TransferEngine::create(eo);
     if (!e.ok()) throw std::runtime_error("engine: " + e.status().toString());
     env.engine = std::shared_ptr<engine::TransferEngine>(std::move(e).value());
-    auto c = engine::TcpRendezvousClient::connect("127.0.0.1", port, engine::deadlineInMs(10000));
+    auto c = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(), engine::deadlineInMs(10000));
     if (!c.ok()) throw std::runtime_error("rendezvous: " + c.status().toString());
     env.rdv = std::shared_ptr<engine::Rendezvous>(std::move(c).value());
     if (o.create_comm) {

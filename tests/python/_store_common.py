@@ -1,13 +1,25 @@
 """Shared helpers of the store tests: the mooncake_master binary and a holder process."""
 import glob
 import os
+import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+
+# The store tests run as one job with one secret, the way a deployment distributes its secret
+# file: masters, clients in this process and the processes they start (which inherit the
+# environment) read it from MC_SECRET_FILE. A file of the test's own, never ~/.mooncake.
+_SECRET_DIR = tempfile.mkdtemp(prefix="mc_store_secret_")
+SECRET_FILE = os.path.join(_SECRET_DIR, "secret")
+with open(os.open(SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as _f:
+    _f.write(secrets.token_hex(32) + "\n")
+os.environ["MC_SECRET_FILE"] = SECRET_FILE
+os.environ.pop("MC_SECRET", None)
 
 
 def free_port():
@@ -28,12 +40,17 @@ def master_bin():
 class Master:
     def __init__(self, *extra):
         self.port = free_port()
-        self.proc = subprocess.Popen([master_bin(), "--host", "127.0.0.1", "--port",
+        host = "127.0.0.1"
+        if "--host" in extra:
+            host = extra[list(extra).index("--host") + 1]
+            extra = [a for i, a in enumerate(extra)
+                     if a != "--host" and (i == 0 or extra[i - 1] != "--host")]
+        self.proc = subprocess.Popen([master_bin(), "--host", host, "--port",
                                       str(self.port), "--metrics-port", "0", *extra],
                                      stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         assert "ready" in line, line
-        self.addr = f"127.0.0.1:{self.port}"
+        self.addr = f"{host}:{self.port}"
 
     def close(self):
         self.proc.terminate()

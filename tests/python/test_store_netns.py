@@ -54,8 +54,6 @@ def netns():
         sh("ip", "addr", "add", f"{NS_IP}/24", "dev", VETH_NS, ns=NS)
         sh("ip", "link", "set", VETH_NS, "up", ns=NS)
         sh("ip", "link", "set", "lo", "up", ns=NS)
-        # The host's engines advertise their first interface address: route it via the veth.
-        sh("ip", "route", "add", "default", "via", HOST_IP, ns=NS)
         yield NS
     finally:
         subprocess.run(["ip", "link", "del", VETH_HOST], capture_output=True)
@@ -65,11 +63,14 @@ def netns():
 @pytest.mark.skipif(master_bin() is None, reason="mooncake_master not built")
 def test_client_in_other_netns(netns, tmp_path):
     from mooncake.store import MooncakeDistributedStore
-    m = Master("--host", "0.0.0.0")  # reachable from the namespace
-    h = Holder(m.addr)
+    # The master listens on the address the namespace reaches; clients on this host are given
+    # that address too, so their engines listen on the same interface (not on loopback).
+    m = Master("--host", HOST_IP)
+    addr = f"{HOST_IP}:{m.port}"
+    h = Holder(addr)
     s = MooncakeDistributedStore()
     try:
-        assert s.setup("local", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.setup("local", "", 0, 0, "tcp", "", addr) == 0
         assert s.put("from-host", bytes(range(256)) * 4096) == 0
         out = tmp_path / "payload"
         r = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", CLIENT,

@@ -9,6 +9,7 @@
 #include "store/client/rpc.h"
 #include "store/master/master_service.h"
 #include "tests/store/store_harness.h"
+#include "tests/common/test_secret.h"
 
 namespace mooncake::test {
 namespace {
@@ -303,7 +304,7 @@ TEST_P(StoreFailover, ReplicaHolderKilled) {
   };
   pid_t a = holder("A", true, false);
   pid_t b = holder("B", false, false);
-  auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, engine::deadlineInMs(5000));
+  auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(), engine::deadlineInMs(5000));
   ASSERT_TRUE(rdv.ok());
   ASSERT_TRUE((*rdv)->wait("dup-done", engine::deadlineInMs(20000)).ok());
   pid_t d = holder("D", false, true);

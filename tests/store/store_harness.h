@@ -19,6 +19,7 @@
 #include "engine/rendezvous.h"
 #include "store/client/store_client.h"
 #include "tests/engine/test_util.h"
+#include "tests/common/test_secret.h"
 
 namespace mooncake::test {
 
@@ -124,7 +125,7 @@ struct ClientProc {
 
 inline bool makeClient(uint16_t port, const std::string& name, uint64_t segment, ClientProc* out,
                        const std::string& transport = "") {
-  auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, engine::deadlineInMs(5000));
+  auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(), engine::deadlineInMs(5000));
   if (!rdv.ok()) return false;
   out->rdv = std::move(rdv).value();
   engine::EngineOptions eo;

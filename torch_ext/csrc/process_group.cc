@@ -90,12 +90,16 @@ void MooncakeWork::complete(std::exception_ptr error) {
 // ---------------------------------------------------------------------------------------
 // Engine and group set-up
 
-std::shared_ptr<engine::TransferEngine> sharedEngine() {
+std::shared_ptr<engine::TransferEngine> sharedEngine(const std::string& secret,
+                                                     const std::string& reach_host) {
   static std::mutex mu;
   static std::weak_ptr<engine::TransferEngine> current;
   std::lock_guard<std::mutex> lk(mu);
   if (auto e = current.lock()) return e;
-  auto created = engine::TransferEngine::create();
+  engine::EngineOptions eo;
+  eo.secret = secret;
+  eo.reach_host = reach_host;
+  auto created = engine::TransferEngine::create(eo);
   if (!created.ok()) {
     throw std::runtime_error("mooncake: cannot start the transfer engine: " +
                              created.status().toString());
@@ -123,7 +127,7 @@ ProcessGroupMooncake::ProcessGroupMooncake(const c10::intrusive_ptr<c10d::Store>
     ctx->global_ranks = opts_.global_ranks;
     ectx_ = std::move(ctx);
   }
-  engine_ = sharedEngine();
+  engine_ = sharedEngine(opts_.secret, opts_.reach_host);
   rdv_ = std::make_shared<StoreRendezvous>(store);
   pg::CommOptions co;
   co.rank = rank;

@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "engine/rendezvous.h"
+#include "engine/secret.h"
 #include "store/client/rpc.h"
 #include "store/client/store_client.h"
 #include "torch_ext/csrc/process_group.h"
@@ -38,16 +40,28 @@ class PyStore {
             const std::string& protocol, const std::string& /*device_name*/,
             const std::string& master_server_address) {
     if (client_) return 0;
-    if (int rc = connectRendezvous(master_server_address); rc != 0) return rc;
-    engine::EngineOptions eo;
-    std::random_device rd;
-    eo.name = local_hostname + "-" + std::to_string(getpid()) + "-" + std::to_string(rd() % 100000);
     // "tcp"/"rdma" name Mooncake's transports; the engine picks per peer (shm on one host),
     // and MC_TRANSPORT can force one. Anything else is a caller error.
     if (!protocol.empty() && protocol != "tcp" && protocol != "rdma")
       return code(ErrorCode::INVALID_PARAMS);
+    std::string host;
+    if (int rc = splitAddress(master_server_address, &host, nullptr); rc != 0) return rc;
+    auto secret = clientSecret();
+    if (!secret.ok()) {
+      last_error_ = secret.status().toString();
+      return code(ErrorCode::INVALID_PARAMS);
+    }
+    if (int rc = connectRendezvous(master_server_address, *secret); rc != 0) return rc;
+    engine::EngineOptions eo;
+    std::random_device rd;
+    eo.name = local_hostname + "-" + std::to_string(getpid()) + "-" + std::to_string(rd() % 100000);
+    eo.secret = *secret;
+    eo.reach_host = host;  // listen on the interface that reaches the master
     auto eng = engine::TransferEngine::create(eo);
-    if (!eng.ok()) return code(ErrorCode::INTERNAL_ERROR);
+    if (!eng.ok()) {
+      last_error_ = eng.status().toString();
+      return code(ErrorCode::INTERNAL_ERROR);
+    }
     owned_engine_ = std::shared_ptr<engine::TransferEngine>(std::move(eng).value());
     return makeClient(owned_engine_.get(), nullptr, global_segment_size);
   }
@@ -62,7 +76,14 @@ class PyStore {
     engine::TransferEngine* eng = &comm.engine();
     py::gil_scoped_release nogil;
     if (!master_address.empty()) {
-      int rc = connectRendezvous(master_address);
+      // A standalone master checks its own secret: the group's engine must present the same
+      // one (MC_SECRET or MC_SECRET_FILE set for the whole job; docs/security.md).
+      auto secret = clientSecret();
+      if (!secret.ok()) {
+        last_error_ = secret.status().toString();
+        return code(ErrorCode::INVALID_PARAMS);
+      }
+      int rc = connectRendezvous(master_address, *secret);
       if (rc != 0) return rc;
       return makeClient(eng, nullptr, segment_size);
     }
@@ -91,17 +112,43 @@ class PyStore {
 
   store::StoreClient* c() { return client_.get(); }
   std::string hostname() const { return client_ ? client_->clientId() : std::string(); }
+  // Why the last setup failed, in words (setup() returns Mooncake's integer codes).
+  const std::string& lastError() const { return last_error_; }
 
  private:
-  int connectRendezvous(const std::string& address) {
+  // The secret a store client presents: MC_SECRET, else the file (MC_SECRET_FILE or
+  // ~/.mooncake/secret). A master started at the same moment may not have created the default
+  // file yet: wait for it as long as for the master's port.
+  static Result<std::string> clientSecret() {
+    auto deadline = engine::deadlineInMs(10000);
+    for (;;) {
+      auto s = engine::resolveSecret("", engine::SecretFile::kDefault);
+      if (s.ok() || s.status().code() != Code::kNotFound || engine::Clock::now() >= deadline)
+        return s;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+
+  static int splitAddress(const std::string& address, std::string* host, int* port_out) {
     auto colon = address.rfind(':');
     if (colon == std::string::npos || colon == 0) return code(ErrorCode::INVALID_PARAMS);
-    std::string host = address.substr(0, colon);
     int port = std::atoi(address.c_str() + colon + 1);
     if (port <= 0 || port > 65535) return code(ErrorCode::INVALID_PARAMS);
-    auto rdv = engine::TcpRendezvousClient::connect(host, static_cast<uint16_t>(port),
+    *host = address.substr(0, colon);
+    if (port_out != nullptr) *port_out = port;
+    return 0;
+  }
+
+  int connectRendezvous(const std::string& address, const std::string& secret) {
+    std::string host;
+    int port = 0;
+    if (int rc = splitAddress(address, &host, &port); rc != 0) return rc;
+    auto rdv = engine::TcpRendezvousClient::connect(host, static_cast<uint16_t>(port), secret,
                                                     engine::deadlineInMs(10000));
-    if (!rdv.ok()) return code(ErrorCode::RPC_FAIL);
+    if (!rdv.ok()) {
+      last_error_ = rdv.status().toString();
+      return code(ErrorCode::RPC_FAIL);
+    }
     rdv_ = std::shared_ptr<engine::Rendezvous>(std::move(rdv).value());
     return 0;
   }
@@ -115,6 +162,7 @@ class PyStore {
     return 0;
   }
 
+  std::string last_error_;
   std::shared_ptr<engine::TransferEngine> owned_engine_;
   std::shared_ptr<engine::Rendezvous> rdv_;
   std::unique_ptr<store::MasterService> master_;

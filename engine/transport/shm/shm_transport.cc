@@ -48,9 +48,12 @@ class ShmPeer : public TransportPeer {
   }
 
   Status sendMessage(uint32_t channel, std::string_view payload) override {
+    return sendMessage(channel, payload, deadlineInMs(push_timeout_ms_));
+  }
+
+  Status sendMessage(uint32_t channel, std::string_view payload, Deadline deadline) override {
     MC_RETURN_IF_ERROR(failed());
-    return inbox_->pushMessage(ctx_->engine_id, channel, payload,
-                               deadlineInMs(push_timeout_ms_));
+    return inbox_->pushMessage(ctx_->engine_id, channel, payload, deadline);
   }
 
   void* mappedAddress(uint64_t remote, uint64_t len) override {

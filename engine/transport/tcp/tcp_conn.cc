@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 
 #include "engine/log.h"
+#include "engine/secret.h"
 #include "engine/transport/tcp/tcp_core.h"
 #include "engine/transport/tcp/tcp_socket.h"
 
@@ -105,6 +106,9 @@ void Core::dropConn(Conn& c) {
     epoll_ctl(ep_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
     ::close(c.fd);
   }
+  // Accepted connections are the progress thread's (or stop()'s after it ended), as is the
+  // admission accounting.
+  if (!c.active && admission_) admission_->closed(c.src_addr, c.authed);
   std::lock_guard<std::mutex> g(conns_mu_);
   conns_.erase(c.id);
 }
@@ -125,7 +129,8 @@ void Core::closeConn(const std::shared_ptr<Conn>& c, const Status& why) {
   }
   MC_LOG(DEBUG, TCP) << "closed connection from " << (c->authed ? c->src_name : "?") << ": "
                      << why.message();
-  if (!c->authed || c->role != ConnRole::kControl || !ctx_->on_peer_failure) return;
+  if (!c->authed || c->role != ConnRole::kControl || !c->have_desc || !ctx_->on_peer_failure)
+    return;
   if (c->leaving)
     ctx_->on_peer_failure(c->src_engine,
                           MC_STATUS(kPeerDead, "tcp peer " << c->src_name << " stopped its engine"),
@@ -208,7 +213,11 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
   if (h.magic != kFrameMagic) return protocolError(c, "bad frame magic " + hexId(h.magic));
   if (!c->active && !c->authed && h.type != FrameType::kHello)
     return protocolError(c, "frame before HELLO");
-  bool passive_type = h.type == FrameType::kHello || h.type == FrameType::kWrite ||
+  if (!c->active && c->authed && c->role == ConnRole::kControl && !c->have_desc &&
+      h.type != FrameType::kDesc)
+    return protocolError(c, "frame before DESC");
+  bool passive_type = h.type == FrameType::kHello || h.type == FrameType::kDesc ||
+                      h.type == FrameType::kWrite ||
                       h.type == FrameType::kReadReq || h.type == FrameType::kNotify ||
                       h.type == FrameType::kMsg || h.type == FrameType::kBye;
   bool active_type = h.type == FrameType::kWriteAck || h.type == FrameType::kReadResp ||
@@ -229,6 +238,11 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
     case FrameType::kHello:
       if (c->authed) return protocolError(c, "second HELLO");
       if (h.length > kMaxHelloBytes) return protocolError(c, "oversized HELLO");
+      return expectPayload(c, Conn::Sink::kBuffer, nullptr);
+    case FrameType::kDesc:
+      if (c->role != ConnRole::kControl || c->have_desc)
+        return protocolError(c, "unexpected DESC");
+      if (h.length > kMaxDescBytes) return protocolError(c, "oversized DESC");
       return expectPayload(c, Conn::Sink::kBuffer, nullptr);
     case FrameType::kMsg:
       if (h.length > kMaxMessageBytes) return protocolError(c, "oversized message");
@@ -299,12 +313,10 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
   switch (h.type) {
     case FrameType::kHello: {
       Hello hello;
-      if (!decodeHello(c->buf, &hello)) return protocolError(c, "malformed HELLO");
-      auto desc = SegmentDesc::parse(hello.segment);
-      if (!desc.ok() || desc->engine_id != hello.engine_id)
-        return protocolError(c, "HELLO with a bad segment descriptor");
-      c->src_name = labelOf(*desc);
+      bool decoded = decodeHello(c->buf, &hello);
       c->buf.clear();
+      if (!decoded) return protocolError(c, "malformed HELLO");
+      c->src_name = "engine " + hexId(hello.engine_id) + " at " + c->src_addr;
       if (!secretsEqual(hello.secret, ctx_->secret)) {
         MC_LOG(WARN, TCP) << "denied " << c->src_name << ": wrong job secret";
         std::string reason = "wrong job secret";
@@ -316,16 +328,29 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
         return false;
       }
       c->authed = true;
+      if (admission_) admission_->authenticated(c->src_addr);
       c->src_engine = hello.engine_id;
       c->role = hello.role;
       MC_LOG(DEBUG, TCP) << "accepted " << (c->role == ConnRole::kControl ? "control" : "data")
                          << " connection from " << c->src_name;
-      if (c->role == ConnRole::kControl) {
-        sock::setKeepAlive(c->fd);
-        // Before HELLO_OK: once the initiator's openPeer returns, it may message us over
-        // another transport, and our handler may call peerOf() on it at once.
-        if (ctx_->on_peer_hello) ctx_->on_peer_hello(*desc);
-      }
+      if (c->role == ConnRole::kControl) return true;  // HELLO_OK once DESC arrived
+      FrameHeader ok;
+      ok.type = FrameType::kHelloOk;
+      ok.aux = ctx_->engine_id;
+      send(*c, ok, nullptr, 0);
+      return true;
+    }
+    case FrameType::kDesc: {
+      auto desc = SegmentDesc::parse(c->buf);
+      c->buf.clear();
+      if (!desc.ok() || desc->engine_id != c->src_engine)
+        return protocolError(c, "DESC with a bad segment descriptor");
+      c->src_name = labelOf(*desc);
+      c->have_desc = true;
+      sock::setKeepAlive(c->fd);
+      // Before HELLO_OK: once the initiator's openPeer returns, it may message us over
+      // another transport, and our handler may call peerOf() on it at once.
+      if (ctx_->on_peer_hello) ctx_->on_peer_hello(*desc);
       FrameHeader ok;
       ok.type = FrameType::kHelloOk;
       ok.aux = ctx_->engine_id;

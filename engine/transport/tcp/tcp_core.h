@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/transport/tcp/tcp_admission.h"
 #include "engine/transport/tcp/tcp_transport.h"
 
 namespace mooncake::engine::tcp {
@@ -70,8 +71,11 @@ struct Conn {
   bool active = false;  // opened by this engine (initiator side)
   ConnRole role = ConnRole::kControl;
   std::weak_ptr<PeerState> peer;  // initiator side
-  // Target side, set by the HELLO.
+  // Target side, set by the HELLO (and DESC on a control connection).
+  std::string src_addr;   // the peer's address (admission accounting)
+  Deadline handshake_by{};  // closed unless authenticated by then
   bool authed = false;
+  bool have_desc = false;
   bool bye = false;
   bool leaving = false;  // either side: the peer's engine said it is stopping
   uint64_t src_engine = 0;
@@ -143,8 +147,13 @@ class Core : public std::enable_shared_from_this<Core> {
     (void)w;
   }
   void runOnLoop(std::function<void()> fn, bool wait);
+  // desc: the serialized local descriptor, sent after HELLO on a control connection ("" for a
+  // data connection).
   Result<int> openConn(const SegmentDesc& remote, const std::string& label,
-                       const std::string& hello, Deadline deadline);
+                       const std::string& hello, const std::string& desc, Deadline deadline);
+  void acceptNew();
+  void sweepHandshakes();
+  int loopTimeoutMs() const;
   void addConn(const std::shared_ptr<Conn>& c);
   bool send(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned = {});
   void flushLocked(Conn& c);
@@ -192,6 +201,9 @@ class Core : public std::enable_shared_from_this<Core> {
   };
   std::deque<PendingMsg> msg_backlog_;
   std::vector<char> scratch_ = std::vector<char>(256 * 1024);
+  // Progress thread only (and stop() after it ended).
+  std::unique_ptr<Admission> admission_;
+  bool listen_paused_ = false;
 };
 
 }  // namespace mooncake::engine::tcp

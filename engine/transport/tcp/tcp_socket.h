@@ -5,6 +5,8 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -81,6 +83,61 @@ inline Status resolve(const std::string& host, uint16_t port, bool passive, sock
   *out_len = res->ai_addrlen;
   freeaddrinfo(res);
   return Status::OK();
+}
+
+inline bool isWildcard(const std::string& host) {
+  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
+}
+
+// The first non-loopback IPv4 address of an interface that is up, or 127.0.0.1.
+inline std::string firstNonLoopbackIPv4() {
+  ifaddrs* ifs = nullptr;
+  std::string found = "127.0.0.1";
+  if (getifaddrs(&ifs) != 0) return found;
+  for (ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    if (!(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
+    char buf[INET_ADDRSTRLEN];
+    auto* in = reinterpret_cast<sockaddr_in*>(i->ifa_addr);
+    if (inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf)) != nullptr) {
+      found = buf;
+      break;
+    }
+  }
+  freeifaddrs(ifs);
+  return found;
+}
+
+// The local address this host would use to talk to `host` (the routing table's answer: a UDP
+// socket is "connected", which sends nothing, and asked for its own address). A loopback answer
+// comes back as 127.0.0.1 / ::1. Empty when `host` does not resolve or no route leads there.
+inline std::string localAddressToward(const std::string& host) {
+  std::string h = host;
+  if (h.size() > 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(h.c_str(), "9", &hints, &res) != 0 || res == nullptr) return "";
+  std::string out;
+  for (addrinfo* a = res; a != nullptr && out.empty(); a = a->ai_next) {
+    int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage me{};
+    socklen_t ml = sizeof(me);
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&me), &ml) == 0) {
+      char buf[INET6_ADDRSTRLEN] = {0};
+      if (me.ss_family == AF_INET)
+        inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&me)->sin_addr, buf, sizeof(buf));
+      else if (me.ss_family == AF_INET6)
+        inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&me)->sin6_addr, buf, sizeof(buf));
+      out = buf;
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return out;
 }
 
 // A non-blocking listening socket on host:port (port 0: any free port).

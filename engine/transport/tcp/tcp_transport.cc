@@ -12,8 +12,6 @@
 #include "engine/transport/tcp/tcp_transport.h"
 
 #include <endian.h>
-#include <ifaddrs.h>
-#include <net/if.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 
@@ -21,6 +19,7 @@
 
 #include "engine/log.h"
 #include "engine/params.h"
+#include "engine/secret.h"
 #include "engine/transport/tcp/tcp_core.h"
 #include "engine/transport/tcp/tcp_socket.h"
 #include "engine/wire.h"
@@ -64,29 +63,16 @@ std::string encodeHello(const Hello& h) {
   w.str(h.secret);
   w.u64(h.engine_id);
   w.u8(static_cast<uint8_t>(h.role));
-  w.str(h.segment);
   return w.take();
 }
 
 bool decodeHello(std::string_view payload, Hello* out) {
   wire::Reader r(payload);
-  out->secret = r.str(64 * 1024);
+  out->secret = r.str(static_cast<uint32_t>(kMaxSecretBytes));
   out->engine_id = r.u64();
   uint8_t role = r.u8();
-  out->segment = r.str(static_cast<uint32_t>(kMaxHelloBytes));
   out->role = static_cast<ConnRole>(role);
   return r.done() && role <= static_cast<uint8_t>(ConnRole::kData);
-}
-
-bool secretsEqual(std::string_view a, std::string_view b) {
-  size_t n = std::max(a.size(), b.size());
-  size_t diff = a.size() ^ b.size();
-  for (size_t i = 0; i < n; ++i) {
-    unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    diff |= static_cast<size_t>(x ^ y);
-  }
-  return diff == 0;
 }
 
 // ---------------------------------------------------------------- set-up and shutdown
@@ -96,23 +82,8 @@ namespace {
 std::string advertiseHost(const std::string& bind) {
   std::string a = params::getString("MC_TCP_ADVERTISE_HOST");
   if (!a.empty()) return a;
-  if (!bind.empty() && bind != "0.0.0.0" && bind != "::") return bind;
-  ifaddrs* ifs = nullptr;
-  std::string found = "127.0.0.1";
-  if (getifaddrs(&ifs) == 0) {
-    for (ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
-      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
-      if (!(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
-      char buf[INET_ADDRSTRLEN];
-      auto* in = reinterpret_cast<sockaddr_in*>(i->ifa_addr);
-      if (inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf)) != nullptr) {
-        found = buf;
-        break;
-      }
-    }
-    freeifaddrs(ifs);
-  }
-  return found;
+  if (!sock::isWildcard(bind)) return bind;
+  return sock::firstNonLoopbackIPv4();
 }
 
 }  // namespace
@@ -122,7 +93,9 @@ Status Core::start(EngineContext* ctx) {
   slice_bytes_ = static_cast<uint64_t>(
       std::clamp<int64_t>(params::getInt("MC_TCP_SLICE_BYTES"), 4096, 256ll << 20));
   push_timeout_ms_ = std::max<int64_t>(1, params::getInt("MC_CONNECT_TIMEOUT_MS"));
-  std::string bind = params::getString("MC_TCP_BIND_HOST");
+  // The engine resolved where to listen (EngineOptions.host, MC_TCP_BIND_HOST, or the
+  // interface toward the job's rendezvous); never every interface unless asked to.
+  std::string bind = ctx->tcp_host.empty() ? std::string("127.0.0.1") : ctx->tcp_host;
   int64_t port = params::getInt("MC_TCP_PORT");
   if (port < 0 || port > 65535) return MC_STATUS(kInvalidArgument, "MC_TCP_PORT=" << port);
   MC_ASSIGN_OR_RETURN(listen_fd_,
@@ -138,6 +111,7 @@ Status Core::start(EngineContext* ctx) {
   epoll_ctl(ep_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
   ev.data.u64 = kListenId;
   epoll_ctl(ep_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
+  admission_ = std::make_unique<Admission>("engine tcp listener");
   running_ = true;
   thread_ = std::thread([this] { loop(); });
   MC_LOG(INFO, TCP) << "tcp transport listening on " << bind << ":" << port_ << ", advertised as "
@@ -224,11 +198,58 @@ void Core::runOnLoop(std::function<void()> fn, bool wait) {
 
 // ---------------------------------------------------------------- the loop
 
+// Accepts what the listener has, within the admission limits; out of descriptors, stops
+// polling the listener until the pause ends (no busy loop on a listener that stays readable).
+void Core::acceptNew() {
+  bool ok = admission_->acceptAll(listen_fd_, [this](int fd, const std::string& src) {
+    sock::setNoDelay(fd);
+    auto c = std::make_shared<Conn>();
+    c->id = next_conn_++;
+    c->fd = fd;
+    c->src_addr = src;
+    c->handshake_by = admission_->handshakeDeadline(Clock::now());
+    addConn(c);
+  });
+  if (!ok && !listen_paused_) {
+    listen_paused_ = true;
+    epoll_event ev{};
+    ev.events = 0;
+    ev.data.u64 = kListenId;
+    epoll_ctl(ep_fd_, EPOLL_CTL_MOD, listen_fd_, &ev);
+  }
+}
+
+// Closes the connections that did not authenticate in time (MC_HANDSHAKE_TIMEOUT_MS).
+void Core::sweepHandshakes() {
+  if (admission_->preauthCount() == 0) return;
+  Deadline now = Clock::now();
+  std::vector<std::shared_ptr<Conn>> late;
+  {
+    std::lock_guard<std::mutex> g(conns_mu_);
+    for (auto& [id, c] : conns_)
+      if (!c->active && !c->authed && c->handshake_by <= now) late.push_back(c);
+  }
+  for (auto& c : late) {
+    MC_LOG(INFO, TCP) << "closing connection " << c->id << " from " << c->src_addr
+                      << ": no HELLO within " << admission_->handshakeMs() << " ms";
+    closeConn(c, MC_STATUS(kTimeout, "handshake deadline"));
+  }
+}
+
+int Core::loopTimeoutMs() const {
+  int t = -1;
+  auto least = [&t](int ms) { t = t < 0 ? ms : std::min(t, ms); };
+  if (!notify_backlog_.empty() || !msg_backlog_.empty()) least(1);
+  if (admission_->preauthCount() > 0) least(100);
+  if (listen_paused_) least(std::max(1, sock::msUntil(admission_->pausedUntil())));
+  return t;
+}
+
 void Core::loop() {
   loop_tid_ = std::this_thread::get_id();
   epoll_event evs[64];
   while (!stopping_.load(std::memory_order_acquire)) {
-    int timeout = (notify_backlog_.empty() && msg_backlog_.empty()) ? -1 : 1;
+    int timeout = loopTimeoutMs();
     int n = epoll_wait(ep_fd_, evs, 64, timeout);
     if (n < 0 && errno != EINTR) {
       MC_LOG(ERROR, TCP) << "epoll_wait: " << sock::errnoStr(errno);
@@ -243,15 +264,7 @@ void Core::loop() {
         continue;
       }
       if (id == kListenId) {
-        for (;;) {
-          int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-          if (fd < 0) break;
-          sock::setNoDelay(fd);
-          auto c = std::make_shared<Conn>();
-          c->id = next_conn_++;
-          c->fd = fd;
-          addConn(c);
-        }
+        acceptNew();
         continue;
       }
       std::shared_ptr<Conn> c;
@@ -274,6 +287,14 @@ void Core::loop() {
     }
     for (auto& f : cmds) f();
     retryBacklog();
+    sweepHandshakes();
+    if (listen_paused_ && Clock::now() >= admission_->pausedUntil()) {
+      listen_paused_ = false;
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.u64 = kListenId;
+      epoll_ctl(ep_fd_, EPOLL_CTL_MOD, listen_fd_, &ev);
+    }
   }
   // Stopped, or a fatal epoll error: from now on commands run on their caller's thread
   // (runOnLoop checks running_), so no waiter is left with a command nobody will run.
@@ -290,7 +311,7 @@ void Core::loop() {
 // Opens one connection and runs its handshake (blocking with the deadline, before the
 // connection is handed to the progress thread).
 Result<int> Core::openConn(const SegmentDesc& remote, const std::string& label,
-                           const std::string& hello, Deadline deadline) {
+                           const std::string& hello, const std::string& desc, Deadline deadline) {
   Result<int> fd =
       sock::connectTo(remote.tcp_host, remote.tcp_port, deadline, false, kSocketBufferBytes);
   if (!fd.ok())
@@ -309,6 +330,15 @@ Result<int> Core::openConn(const SegmentDesc& remote, const std::string& label,
   std::string out(kHeaderBytes, '\0');
   encodeHeader(h, reinterpret_cast<uint8_t*>(out.data()));
   out += hello;
+  if (!desc.empty()) {
+    FrameHeader d;
+    d.type = FrameType::kDesc;
+    d.length = desc.size();
+    size_t at = out.size();
+    out.resize(at + kHeaderBytes);
+    encodeHeader(d, reinterpret_cast<uint8_t*>(out.data() + at));
+    out += desc;
+  }
   Status st = sock::sendAll(*fd, out.data(), out.size(), deadline);
   if (!st.ok()) return fail(st);
   uint8_t raw[kHeaderBytes];
@@ -348,12 +378,13 @@ Result<std::shared_ptr<PeerState>> Core::connect(const SegmentDesc& remote, Dead
     self.engine_id = ctx_->engine_id;
     fill(&self);
   }
-  hello.segment = self.serialize();
+  const std::string desc = self.serialize();
   int n = 1 + (data ? data_conns_ : 0);
   std::vector<int> fds;
   for (int i = 0; i < n; ++i) {
     hello.role = i == 0 ? ConnRole::kControl : ConnRole::kData;
-    Result<int> fd = openConn(remote, label, encodeHello(hello), deadline);
+    Result<int> fd =
+        openConn(remote, label, encodeHello(hello), i == 0 ? desc : std::string(), deadline);
     if (!fd.ok()) {
       // Say goodbye on the ones already open so the target reports no failure of ours.
       uint8_t bye[kHeaderBytes];
@@ -521,6 +552,7 @@ class TcpPeer : public TransportPeer {
   ~TcpPeer() override { st_->core->close(st_); }
   void submit(Task* task) override { st_->core->submit(*st_, task); }
   Status notify(uint64_t tag) override { return st_->core->notify(*st_, tag); }
+  using TransportPeer::sendMessage;  // the deadline form: tcp queues, it never blocks
   Status sendMessage(uint32_t channel, std::string_view payload) override {
     return st_->core->sendMessage(*st_, channel, payload);
   }

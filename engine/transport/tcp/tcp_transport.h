@@ -9,11 +9,15 @@
 //   u32 magic (kFrameMagic) | u8 type | u8 flags (0) | u16 status (mooncake::Code)
 //   u64 request id | u64 remote addr | u64 length | u64 aux
 //
-// followed by `length` payload bytes for HELLO, HELLO_DENIED, WRITE, READ_RESP and MSG. For
-// READ_REQ `length` is the number of bytes asked for (no payload). Per type:
-//   HELLO        payload = encodeHello(): secret, initiator engine id, role, its SegmentDesc
+// followed by `length` payload bytes for HELLO, DESC, HELLO_DENIED, WRITE, READ_RESP and MSG.
+// For READ_REQ `length` is the number of bytes asked for (no payload). Per type:
+//   HELLO        payload = encodeHello(): secret, initiator engine id, role (at most
+//                kMaxHelloBytes: this is all a connection may send before it authenticated)
+//   DESC         payload = the initiator's SegmentDesc; sent right after HELLO on a control
+//                connection (never on a data connection), accepted only once HELLO succeeded
 //   HELLO_OK     aux = the target's engine id (the initiator checks it: a stale descriptor
-//                whose port now belongs to another engine is refused)
+//                whose port now belongs to another engine is refused). Sent after HELLO on a
+//                data connection, after DESC on a control connection.
 //   HELLO_DENIED payload = reason; the target closes the connection after it
 //   WRITE        payload = the bytes to put at addr          -> WRITE_ACK (status)
 //   READ_REQ     addr, length                               -> READ_RESP (status, payload)
@@ -24,7 +28,12 @@
 //                connection it holds, in both directions, just before they close; the
 //                receiver reports the peer gone as an orderly departure (INFO, not WARN).
 // A bad magic, an unknown type, a type not valid in the connection's direction, a length over
-// its limit, or any frame before a successful HELLO closes that connection.
+// its limit, any frame before a successful HELLO, or (on a control connection) any frame but
+// DESC before DESC closes that connection.
+//
+// Before authentication a connection costs at most kMaxHelloBytes of memory and
+// MC_HANDSHAKE_TIMEOUT_MS of time, and the listener admits only so many such connections per
+// source address and in all (tcp_admission.h).
 //
 // Guarantees and contracts:
 //  - Target-side safety: a WRITE or READ_REQ whose [addr, addr+length) is not inside ONE
@@ -70,7 +79,8 @@ constexpr uint32_t kFrameMagic = 0x4d435446;  // "MCTF"
 constexpr size_t kHeaderBytes = 40;
 constexpr uint64_t kMaxDataBytes = 1ull << 30;      // WRITE / READ_REQ / READ_RESP
 constexpr uint64_t kMaxMessageBytes = 64ull << 20;  // MSG
-constexpr uint64_t kMaxHelloBytes = 16ull << 20;    // HELLO (before authentication)
+constexpr uint64_t kMaxHelloBytes = 4096;           // HELLO (before authentication)
+constexpr uint64_t kMaxDescBytes = 16ull << 20;     // DESC (after authentication)
 constexpr uint64_t kMaxReasonBytes = 4096;          // HELLO_DENIED
 constexpr int kSocketBufferBytes = 4 << 20;
 
@@ -85,6 +95,7 @@ enum class FrameType : uint8_t {
   kNotify = 8,
   kMsg = 9,
   kBye = 10,
+  kDesc = 11,
 };
 
 constexpr uint64_t kByeEngineStopping = 1;
@@ -109,14 +120,10 @@ struct Hello {
   std::string secret;
   uint64_t engine_id = 0;
   ConnRole role = ConnRole::kControl;
-  std::string segment;  // SegmentDesc::serialize() of the initiator
 };
 
 std::string encodeHello(const Hello& h);
 // False when the payload does not decode exactly.
 bool decodeHello(std::string_view payload, Hello* out);
-
-// Equal-time comparison (the time does not depend on where the strings differ).
-bool secretsEqual(std::string_view a, std::string_view b);
 
 }  // namespace mooncake::engine::tcp
