@@ -54,11 +54,13 @@ const std::vector<ParamDef> kParams = {
     {"MC_HANDSHAKE_TIMEOUT_MS", Type::kInt, "5000",
      "A connection that has not authenticated (engine HELLO, rendezvous AUTH) within this "
      "long is closed."},
-    {"MC_MAX_PREAUTH_PER_SOURCE", Type::kInt, "32",
+    {"MC_MAX_PREAUTH_PER_SOURCE", Type::kInt, "128",
      "Connections from one source address that may be waiting to authenticate at once; more "
-     "are closed as they arrive."},
-    {"MC_MAX_PREAUTH", Type::kInt, "256",
-     "Connections (all sources) that may be waiting to authenticate at once, per listener."},
+     "are closed as they arrive (an engine opening a peer retries such a close until its "
+     "deadline)."},
+    {"MC_MAX_PREAUTH", Type::kInt, "1024",
+     "Connections (all sources) that may be waiting to authenticate at once, per listener "
+     "(each may hold at most 4 KiB before it authenticates)."},
     {"MC_MAX_CONNS", Type::kInt, "16384",
      "Connections a listener (engine, rendezvous) holds at once, authenticated or not."},
     {"MC_RENDEZVOUS_TIMEOUT_MS", Type::kInt, "60000",

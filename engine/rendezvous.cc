@@ -533,8 +533,9 @@ static Result<int> openAuthed(const std::string& host, uint16_t port, const std:
   Result<std::string> r = exchange(fd, kAuth, "", secret, 0, deadline, &broken);
   if (!r.ok()) {
     close(fd);
-    Code c = r.status().code() == Code::kPermissionDenied ? Code::kPermissionDenied
-                                                          : Code::kUnavailable;
+    Code c = r.status().code() == Code::kPermissionDenied || r.status().code() == Code::kTimeout
+                 ? r.status().code()
+                 : Code::kUnavailable;
     return Status(c, "rendezvous " + host + ":" + std::to_string(port) + " refused AUTH: " +
                          r.status().message());
   }

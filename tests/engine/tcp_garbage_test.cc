@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -378,6 +379,115 @@ TEST_F(TcpGarbageTest, AuthenticatedClientCannotEscapeRegions) {
   EXPECT_TRUE(c2->closedByEngine(3000)) << "a WRITE announcing 2^64-1 bytes must close";
   fillPattern(region_, kRegion, 1, 0);
   expectServesLegitimatePeer("tcp", "legit-2");
+}
+
+// ---- before authentication: deadlines, limits, frame order ----
+
+// Sets environment variables for one scope (read by an engine when it starts).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() { had_ ? (void)setenv(name_, old_.c_str(), 1) : (void)unsetenv(name_); }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+// A connection that never says HELLO is closed after MC_HANDSHAKE_TIMEOUT_MS; one that sends
+// half a HELLO too. Connections from one source beyond MC_MAX_PREAUTH_PER_SOURCE are closed at
+// once. A legitimate engine still opens the target meanwhile (it retries a closed handshake).
+TEST_F(TcpGarbageTest, HandshakeDeadlineAndPerSourceLimit) {
+  ScopedEnv deadline("MC_HANDSHAKE_TIMEOUT_MS", "400");
+  ScopedEnv per_source("MC_MAX_PREAUTH_PER_SOURCE", "8");
+  target_.reset();  // restart the target under these limits
+  SetUp();
+  std::vector<std::unique_ptr<RawConn>> idle;
+  for (int i = 0; i < 20; ++i) idle.push_back(conn());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Over the limit: closed at once (within the 100 ms above), not at the deadline.
+  int closed_early = 0;
+  for (auto& c : idle) closed_early += c->closedByEngine(1) ? 1 : 0;
+  EXPECT_GE(closed_early, 12) << "connections beyond MC_MAX_PREAUTH_PER_SOURCE stayed open";
+  auto half = conn();
+  std::string h = hello("job-secret", 0x42);
+  half->sendFrame(header(FrameType::kHello, h.size()), h.substr(0, 5));
+  auto t0 = SteadyClock::now();
+  for (auto& c : idle) EXPECT_TRUE(c->closedByEngine(3000)) << "an idle connection outlived the handshake deadline";
+  EXPECT_TRUE(half->closedByEngine(3000)) << "half a HELLO outlived the handshake deadline";
+  EXPECT_LT(msSince(t0), 2500);
+  // The listener serves again once the idle ones are gone; and a legitimate peer gets through
+  // even while a new batch of idle connections holds every pre-auth slot of its source.
+  std::vector<std::unique_ptr<RawConn>> again;
+  for (int i = 0; i < 8; ++i) again.push_back(conn());
+  expectServesLegitimatePeer("tcp", "legit-under-flood");
+}
+
+// The frame order of the handshake: DESC only after HELLO, only on a control connection, once;
+// nothing else on a control connection before DESC. Each violation closes that connection.
+TEST_F(TcpGarbageTest, DescOrder) {
+  const uint64_t id = 0x5151;
+  std::string h = hello("job-secret", id);
+  std::string d = desc(id);
+  {
+    auto c = conn();
+    c->sendFrame(header(FrameType::kDesc, d.size()), d);
+    EXPECT_TRUE(c->closedByEngine(3000)) << "DESC before HELLO";
+  }
+  {
+    auto c = conn();
+    c->sendFrame(header(FrameType::kHello, h.size()), h);
+    c->sendFrame(header(FrameType::kNotify, 0));
+    EXPECT_TRUE(c->closedByEngine(3000)) << "NOTIFY before DESC";
+  }
+  {
+    auto c = conn();
+    tcp::Hello data_hello;
+    data_hello.secret = "job-secret";
+    data_hello.engine_id = id;
+    data_hello.role = tcp::ConnRole::kData;
+    std::string dh = tcp::encodeHello(data_hello);
+    c->sendFrame(header(FrameType::kHello, dh.size()), dh);
+    FrameHeader r;
+    std::string payload;
+    ASSERT_EQ(c->readFrame(&r, &payload), 1);
+    EXPECT_EQ(r.type, FrameType::kHelloOk) << "a data connection is answered after HELLO";
+    c->sendFrame(header(FrameType::kDesc, d.size()), d);
+    EXPECT_TRUE(c->closedByEngine(3000)) << "DESC on a data connection";
+  }
+  {
+    auto c = conn();
+    c->sendFrame(header(FrameType::kHello, h.size()), h);
+    c->sendFrame(header(FrameType::kDesc, tcp::kMaxDescBytes + 1));
+    EXPECT_TRUE(c->closedByEngine(3000)) << "DESC over its limit";
+  }
+  {
+    auto c = authenticated(id);
+    ASSERT_TRUE(c);
+    c->sendFrame(header(FrameType::kDesc, d.size()), d);
+    EXPECT_TRUE(c->closedByEngine(3000)) << "a second DESC";
+  }
+  expectServesLegitimatePeer("tcp", "legit-after-desc");
+}
+
+// An engine with the wrong secret is denied at once (no retry until its deadline), by name.
+TEST_F(TcpGarbageTest, WrongSecretIsDeniedPromptly) {
+  EngineOptions opt;
+  opt.name = "intruder";
+  opt.secret = "not-the-job-secret";
+  opt.transport = "tcp";
+  auto e = TransferEngine::create(opt);
+  ASSERT_TRUE(e.ok()) << e.status().toString();
+  auto t0 = SteadyClock::now();
+  auto pid = (*e)->openPeer(rdv_, "target", deadlineInMs(10000));
+  ASSERT_FALSE(pid.ok()) << "an engine with the wrong secret opened the target";
+  EXPECT_EQ(pid.status().code(), Code::kPermissionDenied) << pid.status().toString();
+  EXPECT_LT(msSince(t0), 2000) << "a denial should not wait for the deadline";
+  EXPECT_EQ(checkPattern(region_, kRegion, 1, 0), "");
 }
 
 }  // namespace

@@ -214,6 +214,7 @@ void registerStoreApis(py::module_& m) {
              s.close();
            })
       .def("get_hostname", &PyStore::hostname)
+      .def("last_error", &PyStore::lastError, "Why the last setup failed (\"\" when it did not).")
       .def("is_setup", [](PyStore& s) { return s.c() != nullptr; })
       .def(
           "put",

@@ -26,8 +26,8 @@ namespace mooncake::engine::tcp {
 class Admission {
  public:
   struct Limits {
-    int64_t per_source = 32;
-    int64_t preauth = 256;
+    int64_t per_source = 128;
+    int64_t preauth = 1024;
     int64_t total = 16384;
     int64_t handshake_ms = 5000;
     static Limits fromParams();

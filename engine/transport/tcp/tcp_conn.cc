@@ -155,6 +155,15 @@ bool Core::protocolError(const std::shared_ptr<Conn>& c, const std::string& what
 
 void Core::onReadable(const std::shared_ptr<Conn>& c) {
   Conn& k = *c;
+  if (k.denied) {  // only waiting for the initiator to close: discard what it still sends
+    for (;;) {
+      ssize_t r = recv(k.fd, scratch_.data(), scratch_.size(), MSG_DONTWAIT);
+      if (r > 0) continue;
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      return closeConn(c, MC_STATUS(kPermissionDenied, "denied peer closed"));
+    }
+  }
   size_t budget = kReadBudget;
   while (!k.closed && budget > 0) {
     ssize_t r;
@@ -324,7 +333,15 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
         d.type = FrameType::kHelloDenied;
         d.status = static_cast<uint16_t>(Code::kPermissionDenied);
         send(*c, d, nullptr, 0, reason);
-        dropConn(*c);
+        // Not closed at once: the initiator's DESC may still be unread here, and closing with
+        // unread input resets the connection, which can destroy the denial in flight. Input
+        // is discarded from now on; the initiator closes after reading the denial (or the
+        // handshake deadline does).
+        c->denied = true;
+        {
+          std::lock_guard<std::mutex> g(c->out_mu);
+          if (c->outq.empty()) shutdown(c->fd, SHUT_WR);
+        }
         return false;
       }
       c->authed = true;

@@ -76,6 +76,7 @@ struct Conn {
   Deadline handshake_by{};  // closed unless authenticated by then
   bool authed = false;
   bool have_desc = false;
+  bool denied = false;  // wrong secret: answered, input discarded until it closes
   bool bye = false;
   bool leaving = false;  // either side: the peer's engine said it is stopping
   uint64_t src_engine = 0;
@@ -151,6 +152,10 @@ class Core : public std::enable_shared_from_this<Core> {
   // data connection).
   Result<int> openConn(const SegmentDesc& remote, const std::string& label,
                        const std::string& hello, const std::string& desc, Deadline deadline);
+  // One attempt; *dropped: the target closed it without answering (admission limits).
+  Result<int> openConnOnce(const SegmentDesc& remote, const std::string& label,
+                           const std::string& hello, const std::string& desc, Deadline deadline,
+                           bool* dropped);
   void acceptNew();
   void sweepHandshakes();
   int loopTimeoutMs() const;

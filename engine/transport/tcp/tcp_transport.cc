@@ -310,8 +310,25 @@ void Core::loop() {
 
 // Opens one connection and runs its handshake (blocking with the deadline, before the
 // connection is handed to the progress thread).
+// A listener at its admission limits closes new connections before reading them (see
+// tcp_admission.h); that is a "try again", so the handshake is retried until the deadline.
+// A peer that is gone refuses the connection instead, which fails at once.
 Result<int> Core::openConn(const SegmentDesc& remote, const std::string& label,
                            const std::string& hello, const std::string& desc, Deadline deadline) {
+  int backoff_ms = 5;
+  for (;;) {
+    bool dropped = false;
+    Result<int> fd = openConnOnce(remote, label, hello, desc, deadline, &dropped);
+    if (fd.ok() || !dropped || sock::msUntil(deadline) <= backoff_ms) return fd;
+    MC_LOG(DEBUG, TCP) << "handshake with " << label << " closed unanswered; retrying";
+    std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+    backoff_ms = std::min(backoff_ms * 2, 200);
+  }
+}
+
+Result<int> Core::openConnOnce(const SegmentDesc& remote, const std::string& label,
+                               const std::string& hello, const std::string& desc,
+                               Deadline deadline, bool* dropped) {
   Result<int> fd =
       sock::connectTo(remote.tcp_host, remote.tcp_port, deadline, false, kSocketBufferBytes);
   if (!fd.ok())
@@ -340,10 +357,17 @@ Result<int> Core::openConn(const SegmentDesc& remote, const std::string& label,
     out += desc;
   }
   Status st = sock::sendAll(*fd, out.data(), out.size(), deadline);
-  if (!st.ok()) return fail(st);
+  if (!st.ok()) {
+    *dropped = st.code() == Code::kUnavailable;  // reset before we were heard
+    return fail(st);
+  }
   uint8_t raw[kHeaderBytes];
-  st = sock::recvAll(*fd, raw, kHeaderBytes, deadline);
-  if (!st.ok()) return fail(st);
+  size_t got = 0;
+  st = sock::recvAll(*fd, raw, kHeaderBytes, deadline, &got);
+  if (!st.ok()) {
+    *dropped = st.code() == Code::kUnavailable && got == 0;  // closed without an answer
+    return fail(st);
+  }
   FrameHeader r = decodeHeader(raw);
   if (r.magic != kFrameMagic) return fail(MC_STATUS(kProtocol, "bad answer"));
   if (r.type == FrameType::kHelloDenied) {

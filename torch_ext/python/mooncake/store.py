@@ -20,12 +20,14 @@ object cannot be read; ``is_exist`` returns 1, 0 or a negative code.
 """
 
 import enum
+import logging
 
 import torch  # noqa: F401  (the extension links against torch)
 
 from . import _C
 
 ReplicateConfig = _C.ReplicateConfig
+_log = logging.getLogger("mooncake.store")
 
 
 class ErrorCode(enum.IntEnum):
@@ -69,9 +71,13 @@ class MooncakeDistributedStore:
         ``mooncake_master --port``) and lends ``global_segment_size`` bytes. ``metadata_server``,
         ``local_buffer_size`` and ``device_name`` are accepted for compatibility: the master's
         rendezvous is the metadata service, and transfers need no staging buffer."""
-        return self._c.setup(local_hostname, metadata_server, int(global_segment_size),
-                             int(local_buffer_size), protocol, device_name,
-                             master_server_address)
+        rc = self._c.setup(local_hostname, metadata_server, int(global_segment_size),
+                           int(local_buffer_size), protocol, device_name,
+                           master_server_address)
+        if rc != 0 and self._c.last_error():
+            _log.error("setup(master %s) failed (%d): %s", master_server_address, rc,
+                       self._c.last_error())
+        return rc
 
     def close(self):
         self._c.close()

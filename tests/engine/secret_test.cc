@@ -1,0 +1,262 @@
+// The job secret: where it comes from (MC_SECRET, the secret file, its default under $HOME),
+// that an engine or rendezvous without one is refused unless MC_ALLOW_NO_SECRET=1, how the
+// file is created and checked, and that a rendezvous client without it gets nothing.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/rendezvous.h"
+#include "engine/secret.h"
+#include "engine/wire.h"
+#include "tests/common/test_secret.h"
+
+namespace mooncake::engine {
+namespace {
+
+// Sets (or unsets, value nullptr) a variable for one scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    if (value != nullptr)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      setenv(name_, old_.c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+std::string tempDir() {
+  char tmpl[] = "/tmp/mc_secret_test_XXXXXX";
+  char* d = mkdtemp(tmpl);
+  EXPECT_NE(d, nullptr);
+  return d ? d : "/tmp";
+}
+
+std::string readFile(const std::string& p) {
+  std::ifstream f(p);
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+TEST(SecretTest, GeneratedSecretsAreLongAndDistinct) {
+  std::set<std::string> seen;
+  for (int i = 0; i < 100; ++i) {
+    std::string s = generateSecret();
+    EXPECT_EQ(s.size(), 64u);
+    EXPECT_EQ(s.find_first_not_of("0123456789abcdef"), std::string::npos);
+    seen.insert(s);
+  }
+  EXPECT_EQ(seen.size(), 100u);
+}
+
+TEST(SecretTest, EmptySecretIsRefusedUnlessAllowed) {
+  ScopedEnv no_secret("MC_SECRET", nullptr);
+  ScopedEnv no_file("MC_SECRET_FILE", nullptr);
+  {
+    ScopedEnv strict("MC_ALLOW_NO_SECRET", nullptr);
+    auto e = TransferEngine::create();
+    ASSERT_FALSE(e.ok()) << "an engine without a secret was created";
+    EXPECT_EQ(e.status().code(), Code::kPermissionDenied);
+    EXPECT_NE(e.status().message().find("MC_ALLOW_NO_SECRET"), std::string::npos)
+        << e.status().toString();
+    auto r = TcpRendezvousServer::start("127.0.0.1", 0, "");
+    ASSERT_FALSE(r.ok()) << "a rendezvous server without a secret was started";
+    EXPECT_EQ(r.status().code(), Code::kPermissionDenied);
+  }
+  {
+    ScopedEnv open("MC_ALLOW_NO_SECRET", "1");
+    auto e = TransferEngine::create();
+    EXPECT_TRUE(e.ok()) << e.status().toString();
+  }
+}
+
+TEST(SecretTest, EngineTakesMcSecretAndMcSecretFile) {
+  std::string dir = tempDir();
+  std::string file = dir + "/s";
+  ASSERT_TRUE(loadSecretFile(file, true).ok());
+  {
+    ScopedEnv env("MC_SECRET", "from-env");
+    ScopedEnv f("MC_SECRET_FILE", file.c_str());
+    auto s = resolveSecret("", SecretFile::kIfSet);
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(*s, "from-env") << "MC_SECRET wins over the file";
+    EXPECT_EQ(resolveSecret("given", SecretFile::kIfSet).value(), "given") << "an explicit one wins";
+  }
+  {
+    ScopedEnv env("MC_SECRET", nullptr);
+    ScopedEnv f("MC_SECRET_FILE", file.c_str());
+    auto s = resolveSecret("", SecretFile::kIfSet);
+    ASSERT_TRUE(s.ok()) << s.status().toString();
+    EXPECT_EQ(*s, readFile(file));
+  }
+  {
+    ScopedEnv env("MC_SECRET", nullptr);
+    ScopedEnv f("MC_SECRET_FILE", nullptr);
+    auto s = resolveSecret("", SecretFile::kIfSet);
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(*s, "") << "engines do not read the default file";
+  }
+}
+
+TEST(SecretTest, DefaultFileIsCreatedPrivateUnderHome) {
+  std::string home = tempDir();
+  ScopedEnv h("HOME", home.c_str());
+  ScopedEnv env("MC_SECRET", nullptr);
+  ScopedEnv f("MC_SECRET_FILE", nullptr);
+  EXPECT_EQ(defaultSecretFilePath(), home + "/.mooncake/secret");
+  auto missing = resolveSecret("", SecretFile::kDefault);
+  ASSERT_FALSE(missing.ok()) << "a client must not invent a secret the master does not know";
+  EXPECT_EQ(missing.status().code(), Code::kNotFound);
+  auto made = resolveSecret("", SecretFile::kDefaultCreate);
+  ASSERT_TRUE(made.ok()) << made.status().toString();
+  EXPECT_EQ(made->size(), 64u);
+  struct stat st {};
+  ASSERT_EQ(stat((home + "/.mooncake/secret").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(stat((home + "/.mooncake").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  auto again = resolveSecret("", SecretFile::kDefault);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *made) << "the second reader gets what the creator wrote";
+}
+
+TEST(SecretTest, UnsafeOrEmptyFilesAreRefused) {
+  std::string dir = tempDir();
+  std::string file = dir + "/s";
+  ASSERT_TRUE(loadSecretFile(file, true).ok());
+  ASSERT_EQ(chmod(file.c_str(), 0644), 0);
+  auto r = loadSecretFile(file, false);
+  ASSERT_FALSE(r.ok()) << "a world-readable secret file was accepted";
+  EXPECT_EQ(r.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(r.status().message().find("0600"), std::string::npos) << r.status().toString();
+  std::string empty = dir + "/empty";
+  { std::ofstream(empty) << "\n"; }
+  ASSERT_EQ(chmod(empty.c_str(), 0600), 0);
+  EXPECT_FALSE(loadSecretFile(empty, false).ok());
+  std::string link = dir + "/link";
+  ASSERT_EQ(symlink(file.c_str(), link.c_str()), 0);
+  EXPECT_FALSE(loadSecretFile(link, false).ok()) << "a symlinked secret file was followed";
+}
+
+// Several processes creating the same missing file at once all end up with one secret.
+TEST(SecretTest, ConcurrentCreatorsAgree) {
+  std::string dir = tempDir();
+  std::string file = dir + "/shared";
+  std::vector<pid_t> kids;
+  std::vector<std::string> outs;
+  for (int i = 0; i < 8; ++i) {
+    std::string out = dir + "/out" + std::to_string(i);
+    outs.push_back(out);
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      auto s = loadSecretFile(file, true);
+      std::ofstream(out) << (s.ok() ? *s : std::string("ERR ") + s.status().toString()) << "\n";
+      _exit(s.ok() ? 0 : 1);
+    }
+    kids.push_back(pid);
+  }
+  for (pid_t k : kids) {
+    int st = 0;
+    waitpid(k, &st, 0);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  }
+  std::string first = readFile(outs[0]);
+  EXPECT_EQ(first.size(), 64u) << first;
+  for (const auto& o : outs) EXPECT_EQ(readFile(o), first);
+  EXPECT_EQ(readFile(file), first);
+}
+
+// A rendezvous client with the wrong secret (or none) is refused and learns nothing; the right
+// one is served.
+TEST(SecretTest, RendezvousServesOnlyTheJobSecret) {
+  auto s = TcpRendezvousServer::start("127.0.0.1", 0, "job-secret-1");
+  ASSERT_TRUE(s.ok()) << s.status().toString();
+  auto server = std::move(s).value();
+  auto good = TcpRendezvousClient::connect("127.0.0.1", server->port(), "job-secret-1",
+                                           deadlineInMs(5000));
+  ASSERT_TRUE(good.ok()) << good.status().toString();
+  ASSERT_TRUE((*good)->set("mc/seg/victim", "descriptor bytes").ok());
+  for (const char* wrong : {"job-secret-2", "", "job-secret-1x"}) {
+    auto bad = TcpRendezvousClient::connect("127.0.0.1", server->port(), wrong,
+                                            deadlineInMs(5000));
+    ASSERT_FALSE(bad.ok()) << "secret '" << wrong << "' was accepted";
+    EXPECT_EQ(bad.status().code(), Code::kPermissionDenied) << bad.status().toString();
+  }
+  // A raw client that skips AUTH: its GET is not answered with the value; the server closes.
+  {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_port = htons(server->port());
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    wire::Writer body;
+    body.u8(2);  // GET
+    body.str("mc/seg/victim");
+    body.str("");
+    body.u64(0);
+    wire::Writer frame;
+    frame.u32(static_cast<uint32_t>(body.data().size()));
+    frame.raw(body.data().data(), body.data().size());
+    ASSERT_EQ(send(fd, frame.data().data(), frame.data().size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(frame.data().size()));
+    std::string got;
+    char buf[256];
+    timeval tv{5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    for (;;) {
+      ssize_t k = recv(fd, buf, sizeof(buf), 0);
+      if (k <= 0) break;
+      got.append(buf, static_cast<size_t>(k));
+    }
+    close(fd);
+    EXPECT_EQ(got.find("descriptor bytes"), std::string::npos) << "an unauthenticated GET read a value";
+  }
+  auto v = (*good)->get("mc/seg/victim");
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(*v, "descriptor bytes");
+}
+
+// Values past MC_RENDEZVOUS_MAX_VALUE_BYTES are refused (the server never holds them).
+TEST(SecretTest, RendezvousCapsValueSizes) {
+  ScopedEnv cap("MC_RENDEZVOUS_MAX_VALUE_BYTES", "65536");
+  auto s = TcpRendezvousServer::start("127.0.0.1", 0, "k");
+  ASSERT_TRUE(s.ok());
+  auto server = std::move(s).value();
+  auto c = TcpRendezvousClient::connect("127.0.0.1", server->port(), "k", deadlineInMs(5000));
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE((*c)->set("small", std::string(60000, 'x')).ok());
+  Status big = (*c)->set("big", std::string(32u << 20, 'x'));
+  EXPECT_FALSE(big.ok()) << "a 32 MiB rendezvous value was stored";
+  EXPECT_FALSE((*c)->get("big").ok());
+  EXPECT_TRUE((*c)->get("small").ok()) << "the connection still serves after a refusal";
+}
+
+}  // namespace
+}  // namespace mooncake::engine
