@@ -71,8 +71,12 @@ class Communicator::Impl {
 
   // Runs one collective: fails fast when the group is broken, builds the op context, and
   // on a CommError poisons the group (later ops fail at once) and tells shm peers.
+  // sig: what every rank must agree on (checked on the data path, then by finishOps).
   template <class Fn>
-  void run(const char* name, Fn&& fn);
+  void run(const char* name, const OpSig& sig, Fn&& fn);
+  // After an op's algorithm: the agreement checks of every group the op used (ShmGroup /
+  // NetGroup::finishOp); an op that used none runs one barrier on the widest group.
+  void finishOps(const OpCtx& op);
 };
 
 // A CommError every rank raises at the same point of the same op (e.g. allToAllV sizes

@@ -161,17 +161,32 @@ std::unique_ptr<Communicator::Impl> subGroup(const Communicator::Impl& parent,
 
 // ---------------------------------------------------------------------------------------
 
+void Communicator::Impl::finishOps(const OpCtx& op) {
+  if (size == 1) return;
+  bool used = false;
+  if (shm) used |= shm->finishOp(op);
+  if (net) used |= net->finishOp(op);
+  if (local && local->shm) used |= local->shm->finishOp(op);
+  if (leaders && leaders->net) used |= leaders->net->finishOp(op);
+  if (used) return;
+  if (shm)
+    shm->barrierOp(op);
+  else if (net)
+    net->barrierOp(op);
+}
+
 template <class Fn>
-void Communicator::Impl::run(const char* name, Fn&& fn) {
+void Communicator::Impl::run(const char* name, const OpSig& sig, Fn&& fn) {
   if (broken.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> g(broken_mu);
     throw CommError("mooncake pg: " + std::string(name) + " on group " + opts.group_name +
                         " that already failed: " + broken_what,
                     broken_rank, name);
   }
-  OpCtx op{name, Clock::now() + opts.timeout, ++op_seq, opts.timeout};  // timeout clamped
+  OpCtx op{name, Clock::now() + opts.timeout, ++op_seq, opts.timeout, sig};  // timeout clamped
   try {
     fn(op);
+    finishOps(op);
   } catch (const UsageError&) {
     throw;
   } catch (const CommError& e) {
@@ -184,9 +199,9 @@ void Communicator::Impl::run(const char* name, Fn&& fn) {
       }
     }
     if (shm) shm->abort(e.peerRank());
-    if (net) net->abort(e.peerRank());
+    if (net) net->abort(e.peerRank(), e.what());
     if (local) local->shm->abort(e.peerRank());
-    if (leaders) leaders->net->abort(e.peerRank());
+    if (leaders) leaders->net->abort(e.peerRank(), e.what());
     MC_LOG(WARN, PG) << e.what();
     throw;
   }
@@ -398,6 +413,35 @@ void checkReduce(DataType t, ReduceOp rop, const char* op) {
     throw std::invalid_argument(std::string("mooncake pg: ") + op + ": reduce op " +
                                 reduceOpName(rop) + " is not defined for dtype " + dtypeName(t));
 }
+OpSig typedSig(OpKind kind, size_t count, DataType t, ReduceOp op, int root = -1) {
+  OpSig s;
+  s.kind = kind;
+  s.dtype = static_cast<uint8_t>(static_cast<int>(t) + 1);
+  s.redop = static_cast<uint8_t>(static_cast<int>(op) + 1);
+  s.count = count;
+  s.root = root;
+  return s;
+}
+
+OpSig bytesSig(OpKind kind, size_t bytes, int root = -1) {
+  OpSig s;
+  s.kind = kind;
+  s.count = bytes;
+  s.root = root;
+  return s;
+}
+
+uint64_t hashSizes(const std::vector<size_t>& v) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the sizes
+  for (size_t x : v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (static_cast<uint64_t>(x) >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
 void checkPtr(const void* p, size_t bytes, const char* what, const char* op) {
   if (p == nullptr && bytes > 0)
     throw std::invalid_argument(std::string("mooncake pg: ") + op + ": null " + what +
@@ -409,7 +453,8 @@ void Communicator::allReduce(const void* in, void* out, size_t count, DataType t
   checkReduce(t, op, "allreduce");
   checkPtr(in, count, "input", "allreduce");
   checkPtr(out, count, "output", "allreduce");
-  impl_->run("allreduce", [&](const OpCtx& o) { algo::allReduce(*impl_, o, in, out, count, t, op); });
+  impl_->run("allreduce", typedSig(OpKind::kAllReduce, count, t, op),
+             [&](const OpCtx& o) { algo::allReduce(*impl_, o, in, out, count, t, op); });
 }
 
 void Communicator::reduce(const void* in, void* out, size_t count, DataType t, ReduceOp op,
@@ -418,20 +463,23 @@ void Communicator::reduce(const void* in, void* out, size_t count, DataType t, R
   checkRoot(*impl_, root, "reduce");
   checkPtr(in, count, "input", "reduce");
   if (impl_->rank == root) checkPtr(out, count, "output", "reduce");
-  impl_->run("reduce", [&](const OpCtx& o) { algo::reduce(*impl_, o, in, out, count, t, op, root); });
+  impl_->run("reduce", typedSig(OpKind::kReduce, count, t, op, root),
+             [&](const OpCtx& o) { algo::reduce(*impl_, o, in, out, count, t, op, root); });
 }
 
 void Communicator::broadcast(void* buf, size_t bytes, int root) {
   checkRoot(*impl_, root, "broadcast");
   checkPtr(buf, bytes, "data", "broadcast");
-  impl_->run("broadcast", [&](const OpCtx& o) { algo::broadcast(*impl_, o, buf, bytes, root); });
+  impl_->run("broadcast", bytesSig(OpKind::kBroadcast, bytes, root),
+             [&](const OpCtx& o) { algo::broadcast(*impl_, o, buf, bytes, root); });
 }
 
 void Communicator::allGather(const void* in, void* out, size_t bytes) {
   checkPtr(in, bytes, "input", "allgather");
   checkPtr(out, bytes, "output", "allgather");
   std::vector<size_t> sizes(impl_->size, bytes);
-  impl_->run("allgather", [&](const OpCtx& o) { algo::allGatherV(*impl_, o, in, out, sizes); });
+  impl_->run("allgather", bytesSig(OpKind::kAllGather, bytes),
+             [&](const OpCtx& o) { algo::allGatherV(*impl_, o, in, out, sizes); });
 }
 
 void Communicator::allGatherV(const void* in, void* out, const std::vector<size_t>& bytes) {
@@ -442,21 +490,26 @@ void Communicator::allGatherV(const void* in, void* out, const std::vector<size_
   size_t total = 0;
   for (size_t b : bytes) total += b;
   checkPtr(out, total, "output", "allgatherv");
-  impl_->run("allgatherv", [&](const OpCtx& o) { algo::allGatherV(*impl_, o, in, out, bytes); });
+  OpSig sig = bytesSig(OpKind::kAllGatherV, total);
+  sig.shape = hashSizes(bytes);
+  impl_->run("allgatherv", sig,
+             [&](const OpCtx& o) { algo::allGatherV(*impl_, o, in, out, bytes); });
 }
 
 void Communicator::gather(const void* in, void* out, size_t bytes, int root) {
   checkRoot(*impl_, root, "gather");
   checkPtr(in, bytes, "input", "gather");
   if (impl_->rank == root) checkPtr(out, bytes, "output", "gather");
-  impl_->run("gather", [&](const OpCtx& o) { algo::gather(*impl_, o, in, out, bytes, root); });
+  impl_->run("gather", bytesSig(OpKind::kGather, bytes, root),
+             [&](const OpCtx& o) { algo::gather(*impl_, o, in, out, bytes, root); });
 }
 
 void Communicator::scatter(const void* in, void* out, size_t bytes, int root) {
   checkRoot(*impl_, root, "scatter");
   if (impl_->rank == root) checkPtr(in, bytes, "input", "scatter");
   checkPtr(out, bytes, "output", "scatter");
-  impl_->run("scatter", [&](const OpCtx& o) { algo::scatter(*impl_, o, in, out, bytes, root); });
+  impl_->run("scatter", bytesSig(OpKind::kScatter, bytes, root),
+             [&](const OpCtx& o) { algo::scatter(*impl_, o, in, out, bytes, root); });
 }
 
 void Communicator::reduceScatter(const void* in, void* out, size_t count, DataType t,
@@ -464,7 +517,7 @@ void Communicator::reduceScatter(const void* in, void* out, size_t count, DataTy
   checkReduce(t, op, "reduce_scatter");
   checkPtr(in, count, "input", "reduce_scatter");
   checkPtr(out, count, "output", "reduce_scatter");
-  impl_->run("reduce_scatter",
+  impl_->run("reduce_scatter", typedSig(OpKind::kReduceScatter, count, t, op),
              [&](const OpCtx& o) { algo::reduceScatter(*impl_, o, in, out, count, t, op); });
 }
 
@@ -488,13 +541,17 @@ void Communicator::allToAllV(const void* in, const std::vector<size_t>& send_byt
   const char* ob = static_cast<const char*>(out);
   if (in_end > 0 && out_end > 0 && ib < ob + out_end && ob < ib + in_end)
     throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
-  impl_->run("alltoall", [&](const OpCtx& o) {
+  OpSig sig;
+  sig.kind = OpKind::kAllToAll;  // the split sizes are checked pairwise by the algorithm
+  impl_->run("alltoall", sig, [&](const OpCtx& o) {
     algo::allToAllV(*impl_, o, in, send_bytes, send_offsets, out, recv_bytes, recv_offsets);
   });
 }
 
 void Communicator::barrier() {
-  impl_->run("barrier", [&](const OpCtx& o) { algo::barrier(*impl_, o); });
+  OpSig sig;
+  sig.kind = OpKind::kBarrier;
+  impl_->run("barrier", sig, [&](const OpCtx& o) { algo::barrier(*impl_, o); });
 }
 
 void Communicator::send(const void* buf, size_t bytes, int dst, uint64_t tag) {

@@ -1,6 +1,7 @@
 #include "pg/health.h"
 
 #include "pg/communicator.h"
+#include "pg/types.h"
 
 namespace mooncake::pg {
 
@@ -44,12 +45,84 @@ void Health::timedOut(const OpCtx& op, int rank, const std::string& what) const 
 }
 
 // blamed is already a rank of the user's group: abort notices carry those.
-void Health::aborted(const OpCtx& op, int rank, int blamed) const {
-  std::string cause = blamed >= 0 ? "it saw rank " + std::to_string(blamed) + " fail"
-                                  : std::string("it timed out or failed");
+void Health::aborted(const OpCtx& op, int rank, int blamed, const std::string& reason) const {
+  std::string cause = !reason.empty() ? reason
+                      : blamed >= 0   ? "it saw rank " + std::to_string(blamed) + " fail"
+                                      : std::string("it timed out or failed");
   throw CommError("mooncake pg: rank " + std::to_string(name(rank)) + " (group " + group_ +
                       ") aborted " + op.name + ": " + cause,
                   blamed >= 0 ? blamed : name(rank), op.name);
+}
+
+void Health::mismatch(const OpCtx& op, int rank, const OpSig& theirs) const {
+  throw CommError("mooncake pg: mismatched collective (group " + group_ + ", op #" +
+                      std::to_string(op.seq) + "): rank " + std::to_string(name(rank_)) +
+                      " called " + op.sig.describe() + " but rank " +
+                      std::to_string(name(rank)) + " called " + theirs.describe() +
+                      ": every rank must call the same collectives in the same order, with "
+                      "the same dtype, element count and root",
+                  name(rank), op.name);
+}
+
+void Health::mismatchBetween(const OpCtx& op, uint64_t seq, int a, const OpSig& sa, int b,
+                             const OpSig& sb) const {
+  throw CommError("mooncake pg: " + std::string(op.name) + " on rank " + std::to_string(name(rank_)) +
+                      " (group " + group_ + ") failed: the group broke on mismatched collectives "
+                      "(op #" + std::to_string(seq) + "): rank " + std::to_string(name(a)) +
+                      " called " + sa.describe() + " but rank " + std::to_string(name(b)) +
+                      " called " + sb.describe() +
+                      ": every rank must call the same collectives in the same order, with "
+                      "the same dtype, element count and root",
+                  name(b), op.name);
+}
+
+void Health::outOfStep(const OpCtx& op, int rank, uint64_t theirs) const {
+  throw CommError("mooncake pg: " + std::string(op.name) + " (group " + group_ + ", op #" +
+                      std::to_string(op.seq) + ") on rank " + std::to_string(name(rank_)) +
+                      ": rank " + std::to_string(name(rank)) + " is at op #" +
+                      std::to_string(theirs) +
+                      ": the ranks' collectives went out of step (an earlier call differed)",
+                  name(rank), op.name);
+}
+
+void OpSig::pack(uint64_t w[3]) const {
+  w[0] = static_cast<uint64_t>(kind) | static_cast<uint64_t>(dtype) << 8 |
+         static_cast<uint64_t>(redop) << 16 |
+         static_cast<uint64_t>(static_cast<uint32_t>(root)) << 32;
+  w[1] = count;
+  w[2] = shape;
+}
+
+OpSig OpSig::unpack(const uint64_t w[3]) {
+  OpSig s;
+  s.kind = static_cast<OpKind>(w[0] & 0xff);
+  s.dtype = static_cast<uint8_t>(w[0] >> 8);
+  s.redop = static_cast<uint8_t>(w[0] >> 16);
+  s.root = static_cast<int32_t>(static_cast<uint32_t>(w[0] >> 32));
+  s.count = w[1];
+  s.shape = w[2];
+  return s;
+}
+
+std::string OpSig::describe() const {
+  static const char* const kNames[] = {"an unchecked op", "allreduce", "reduce", "broadcast",
+                                       "allgather",       "allgatherv", "gather", "scatter",
+                                       "reduce_scatter",  "alltoall",   "barrier"};
+  size_t k = static_cast<size_t>(kind);
+  std::string s = k < sizeof(kNames) / sizeof(kNames[0]) ? kNames[k] : "op kind " + std::to_string(k);
+  if (kind == OpKind::kNone || kind == OpKind::kBarrier || kind == OpKind::kAllToAll) return s;
+  s += "(";
+  if (kind == OpKind::kAllGatherV) {
+    s += "per-rank sizes #" + std::to_string(shape % 100000);
+  } else if (dtype != 0) {
+    s += std::string(dtypeName(static_cast<DataType>(dtype - 1))) + " x " + std::to_string(count);
+  } else {
+    s += std::to_string(count) + " bytes";
+  }
+  if (redop != 0) s += std::string(", ") + reduceOpName(static_cast<ReduceOp>(redop - 1));
+  if (root >= 0) s += ", root " + std::to_string(root);
+  s += ")";
+  return s;
 }
 
 }  // namespace mooncake::pg

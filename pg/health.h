@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -10,12 +11,51 @@
 
 namespace mooncake::pg {
 
-// What an op in flight carries: its name (for errors), its deadline and sequence number.
+// What every rank must agree on for one collective: checked on the data path (the shm
+// group's descriptor lines, the net group's message headers), so that ranks that called
+// different collectives, dtypes, sizes or roots all raise an error naming both shapes
+// instead of exchanging wrong data. Packed into 3 words for the wire and shared memory.
+enum class OpKind : uint8_t {
+  kNone = 0,
+  kAllReduce,
+  kReduce,
+  kBroadcast,
+  kAllGather,
+  kAllGatherV,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAllToAll,
+  kBarrier,
+};
+
+struct OpSig {
+  OpKind kind = OpKind::kNone;
+  uint8_t dtype = 0;  // DataType + 1; 0: the op moves bytes
+  uint8_t redop = 0;  // ReduceOp + 1; 0: none
+  int32_t root = -1;
+  uint64_t count = 0;  // elements (typed ops) or bytes (per rank where each rank sends one block)
+  uint64_t shape = 0;  // a hash of per-rank sizes (allgatherv), 0 otherwise
+
+  bool operator==(const OpSig& o) const {
+    return kind == o.kind && dtype == o.dtype && redop == o.redop && root == o.root &&
+           count == o.count && shape == o.shape;
+  }
+  bool operator!=(const OpSig& o) const { return !(*this == o); }
+  void pack(uint64_t w[3]) const;
+  static OpSig unpack(const uint64_t w[3]);
+  // "allreduce(float32 x 10, sum)", "broadcast(50 bytes, root 0)", ...
+  std::string describe() const;
+};
+
+// What an op in flight carries: its name (for errors), its deadline and sequence number,
+// and its signature (OpKind::kNone: not checked, e.g. point-to-point).
 struct OpCtx {
   const char* name;
   engine::Deadline deadline;
   uint64_t seq;
   std::chrono::milliseconds timeout;
+  OpSig sig{};
 };
 
 class Health {
@@ -31,8 +71,20 @@ class Health {
   std::vector<int> deadRanks() const;
   // Throws the CommError for a deadline that passed while waiting for `rank` (-1: several).
   [[noreturn]] void timedOut(const OpCtx& op, int rank, const std::string& what) const;
-  // Throws a CommError for a peer that aborted the op (it saw a failure first).
-  [[noreturn]] void aborted(const OpCtx& op, int rank, int blamed) const;
+  // Throws a CommError for a peer that aborted the op (it saw a failure first); reason: what
+  // the peer said, when it said anything.
+  [[noreturn]] void aborted(const OpCtx& op, int rank, int blamed,
+                            const std::string& reason = "") const;
+  // Throws the CommError for a peer that called another collective (or another shape of it)
+  // as op #op.seq: both sides' calls, named.
+  [[noreturn]] void mismatch(const OpCtx& op, int rank, const OpSig& theirs) const;
+  // Throws the CommError for two other ranks found to have called different things as op
+  // #seq (seen while this rank handled op `op`, e.g. after one of them aborted).
+  [[noreturn]] void mismatchBetween(const OpCtx& op, uint64_t seq, int a, const OpSig& sa, int b,
+                                    const OpSig& sb) const;
+  // Throws the CommError for a peer whose flags or messages belong to another op (#theirs)
+  // than this one: the ranks' collectives went out of step earlier.
+  [[noreturn]] void outOfStep(const OpCtx& op, int rank, uint64_t theirs) const;
   const std::string& group() const { return group_; }
   int rank() const { return rank_; }
   int name(int r) const { return names_.empty() || r < 0 ? r : names_[r]; }

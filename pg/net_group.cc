@@ -1,6 +1,7 @@
 #include "pg/net_group.h"
 
 #include <cstring>
+#include <thread>
 
 #include "engine/log.h"
 #include "pg/communicator.h"
@@ -15,6 +16,7 @@ struct Header {
   uint32_t magic;
   int32_t src;
   uint64_t seq;
+  uint64_t sig[3];  // OpSig::pack of the op
 };
 static_assert(sizeof(Header) == NetGroup::kHeaderBytes, "header layout");
 }  // namespace
@@ -32,6 +34,53 @@ NetGroup::NetGroup(engine::TransferEngine* engine, const Health* health,
       q_(std::make_shared<Queues>()) {
   q_->by_src.resize(peers_.size());
   q_->aborted.assign(peers_.size(), 0);
+  q_->abort_reason.resize(peers_.size());
+}
+
+void NetGroup::track(const OpCtx& op) {
+  if (op.seq == op_seq_) return;
+  op_seq_ = op.seq;
+  sent_.assign(peers_.size(), 0);
+  heard_.assign(peers_.size(), 0);
+}
+
+bool NetGroup::finishOp(const OpCtx& op) {
+  if (op.seq != op_seq_ || op.seq == 0) return false;
+  const int n = static_cast<int>(peers_.size());
+  // Acknowledge what was only received; then wait for the acknowledgement of what was only
+  // sent (which carries the peer's signature of the op).
+  std::vector<uint8_t> sent = sent_, heard = heard_;
+  for (int r = 0; r < n; ++r)
+    if (r != rank_ && heard[r] && !sent[r]) send(op, r, nullptr, 0);
+  for (int r = 0; r < n; ++r)
+    if (r != rank_ && sent[r] && !heard[r]) recycle(take(op, r, 0));
+  return true;
+}
+
+void NetGroup::throwIfAborted(const OpCtx& op) {
+  std::unique_lock<std::mutex> g(q_->mu);
+  for (size_t r = 0; r < q_->aborted.size(); ++r) {
+    int a = q_->aborted[r];
+    if (a == 0) continue;
+    std::string reason = q_->abort_reason[r];
+    g.unlock();
+    health_->aborted(op, static_cast<int>(r), a >= 2 ? a - 2 : -1, reason);
+  }
+}
+
+void NetGroup::rootGo(const OpCtx& op, int root) {
+  const int n = static_cast<int>(peers_.size());
+  if (root == rank_) {
+    for (int k = 1; k < n; ++k) send(op, (rank_ + k) % n, nullptr, 0);
+  } else {
+    recycle(take(op, root, 0));
+  }
+}
+
+void NetGroup::barrierOp(const OpCtx& op) {
+  const int n = static_cast<int>(peers_.size());
+  for (int k = 1; k < n; ++k) send(op, (rank_ + k) % n, nullptr, 0);
+  for (int k = 1; k < n; ++k) recycle(take(op, (rank_ + n - k) % n, 0));
 }
 
 NetGroup::~NetGroup() {
@@ -52,6 +101,8 @@ void NetGroup::start() {
       int32_t blamed = -1;
       if (m.payload.size() >= sizeof(h) + 4) std::memcpy(&blamed, m.payload.data() + sizeof(h), 4);
       q->aborted[h.src] = blamed >= 0 ? blamed + 2 : 1;
+      if (m.payload.size() > sizeof(h) + 4)
+        q->abort_reason[h.src] = m.payload.substr(sizeof(h) + 4, 4096);
     } else {
       q->by_src[h.src].push_back(std::move(m.payload));
     }
@@ -61,13 +112,23 @@ void NetGroup::start() {
 }
 
 void NetGroup::send(const OpCtx& op, int dst, const void* data, size_t len) {
-  Header h{kMagic, rank_, op.seq};
+  Header h{kMagic, rank_, op.seq, {0, 0, 0}};
+  op.sig.pack(h.sig);
+  track(op);
+  sent_[dst] = 1;
   std::string payload;  // header + data, built without zero-filling first
   payload.reserve(sizeof(h) + len);
   payload.append(reinterpret_cast<const char*>(&h), sizeof(h));
   if (len > 0) payload.append(static_cast<const char*>(data), len);
   Status st = engine_->sendMessageOwned(peers_[dst], channel_, std::move(payload));
   if (!st.ok()) {
+    // A peer that gave up on the group may have exited since: its abort notice (sent before
+    // it left, possibly still being delivered here) says more than its death does.
+    auto until = engine::Clock::now() + std::chrono::milliseconds(200);
+    do {
+      throwIfAborted(op);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    } while (engine::Clock::now() < until);
     health_->check(op, dst);  // names it as dead when it is
     throw CommError("mooncake pg: " + std::string(op.name) + ": sending " + std::to_string(len) +
                         " bytes to rank " + std::to_string(health_->name(dst)) + " (group " +
@@ -89,8 +150,9 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
       for (size_t r = 0; r < q_->aborted.size(); ++r) {
         int a = q_->aborted[r];
         if (a != 0) {
+          std::string reason = q_->abort_reason[r];
           g.unlock();
-          health_->aborted(op, static_cast<int>(r), a >= 2 ? a - 2 : -1);
+          health_->aborted(op, static_cast<int>(r), a >= 2 ? a - 2 : -1, reason);
         }
       }
       g.unlock();
@@ -112,6 +174,21 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
   }
   Header h{};
   std::memcpy(&h, m.buf.data(), sizeof(h));
+  track(op);
+  heard_[src] = 1;
+  if (h.seq == op.seq && op.sig.kind != OpKind::kNone) {
+    OpSig theirs = OpSig::unpack(h.sig);
+    if (theirs != op.sig) health_->mismatch(op, src, theirs);
+  }
+  if (h.seq != op.seq && op.seq != 0 && h.seq != 0) {
+    // Out of step: some rank saw why first; its abort notice may be a moment behind.
+    auto until = engine::Clock::now() + std::chrono::milliseconds(200);
+    do {
+      throwIfAborted(op);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    } while (engine::Clock::now() < until);
+    health_->outOfStep(op, src, h.seq);
+  }
   if (h.seq != op.seq || m.size() != expect_len) {
     throw CommError("mooncake pg: " + std::string(op.name) + " on rank " +
                         std::to_string(health_->name(rank_)) +
@@ -131,12 +208,13 @@ void NetGroup::recv(const OpCtx& op, int src, void* out, size_t len) {
   recycle(std::move(m));
 }
 
-void NetGroup::abort(int blamed) {
+void NetGroup::abort(int blamed, const std::string& reason) {
   std::string payload(sizeof(Header) + 4, '\0');
-  Header h{kMagic, rank_, kAbortSeq};
+  Header h{kMagic, rank_, kAbortSeq, {0, 0, 0}};
   int32_t b = blamed;
   std::memcpy(payload.data(), &h, sizeof(h));
   std::memcpy(payload.data() + sizeof(h), &b, 4);
+  payload += reason.substr(0, 4096);
   for (size_t r = 0; r < peers_.size(); ++r)
     if (static_cast<int>(r) != rank_) (void)engine_->sendMessage(peers_[r], channel_, payload);
 }

@@ -3,7 +3,10 @@
 // the group: the engine delivers each message to a handler that queues it per sender, so
 // sends never wait for the receiver (no deadlock in exchange patterns) and a receiver
 // takes the next message of a given sender. Every message carries the op's sequence
-// number; a mismatch means the ranks called different collectives (CommError).
+// number and signature (OpSig); a difference means the ranks called different collectives or
+// shapes (CommError naming both calls). finishOp() completes the check for ranks that only
+// sent to, or only received from, a peer: the receiver acknowledges with an empty message of
+// the op, so every rank has heard from every rank it exchanged with.
 #pragma once
 
 #include <condition_variable>
@@ -21,7 +24,7 @@ namespace mooncake::pg {
 
 class NetGroup {
  public:
-  static constexpr size_t kHeaderBytes = 16;
+  static constexpr size_t kHeaderBytes = 40;
 
   // A received message; data()/size() exclude the header.
   struct Msg {
@@ -48,8 +51,17 @@ class NetGroup {
   void sendPieces(const OpCtx& op, int dst, const void* data, size_t len);
   void recvPieces(const OpCtx& op, int src, void* out, size_t len);
   // Tells every peer (best effort) that this rank gave up on the group, blaming `blamed`
-  // (-1: none in particular): their waits fail fast instead of timing out.
-  void abort(int blamed);
+  // (-1: none in particular) for `reason`: their waits fail fast, with that reason.
+  void abort(int blamed, const std::string& reason = "");
+  // End of an op: acknowledgements where one side only sent (see above). False when the op
+  // exchanged no message in this group.
+  bool finishOp(const OpCtx& op);
+  // An op that used no group at all (zero bytes): an empty message to and from every peer.
+  void barrierOp(const OpCtx& op);
+  // Ops where only the root receives (reduce, gather): the root sends every rank an empty
+  // message first and the others take it before they send, so ranks that disagree on the
+  // root still hear a call they can check instead of all waiting to receive.
+  void rootGo(const OpCtx& op, int root);
 
  private:
   struct Queues {
@@ -57,6 +69,7 @@ class NetGroup {
     std::condition_variable cv;
     std::vector<std::deque<std::string>> by_src;
     std::vector<int> aborted;  // per peer: 0, or 2 + blamed rank (1: no rank in particular)
+    std::vector<std::string> abort_reason;
     size_t bad = 0;            // malformed messages dropped
   };
 
@@ -69,6 +82,12 @@ class NetGroup {
   size_t piece_;
   std::shared_ptr<Queues> q_;
   bool started_ = false;
+  // Throws the abort of the first peer that sent one (no-op when none did).
+  void throwIfAborted(const OpCtx& op);
+  // The op in flight (the collective-running thread only): whom it sent to, heard from.
+  void track(const OpCtx& op);
+  uint64_t op_seq_ = 0;
+  std::vector<uint8_t> sent_, heard_;
 };
 
 }  // namespace mooncake::pg

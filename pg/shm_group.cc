@@ -31,15 +31,85 @@ ShmGroup::ShmGroup(const Health* health, std::vector<char*> bases, size_t buffer
                    int rank, WaitOptions wait)
     : health_(health), bases_(std::move(bases)), rank_(rank), wait_(wait) {
   half_ = ((buffer_bytes - kHeaderBytes) / 2) & ~static_cast<size_t>(4095);
+  verified_.assign(bases_.size(), 1);
 }
 
 uint64_t ShmGroup::beginStep(const OpCtx& op, bool will_write) {
+  if (op.seq != op_seq_) beginOp(op);
   uint64_t s = ++step_;
   if (will_write && s > 2) waitAll(op, kConsumed, s - 2);
   return s;
 }
 
+void ShmGroup::beginOp(const OpCtx& op) {
+  op_seq_ = op.seq;
+  op_first_step_ = step_ + 1;
+  posted_ready_ = false;
+  verified_.assign(bases_.size(), 0);
+  verified_[rank_] = 1;
+  Desc& d = hdr(rank_)->desc[op.seq & 1];
+  uint64_t w[3];
+  op.sig.pack(w);
+  for (int i = 0; i < 3; ++i) d.w[i].store(w[i], std::memory_order_relaxed);
+  d.seq.store(op.seq, std::memory_order_release);  // before any flag of the op (seq_cst posts)
+}
+
+void ShmGroup::verify(const OpCtx& op, int r) {
+  const Desc& d = hdr(r)->desc[op.seq & 1];
+  uint64_t theirs = d.seq.load(std::memory_order_acquire);
+  if (theirs == op.seq) {
+    uint64_t w[3];
+    for (int i = 0; i < 3; ++i) w[i] = d.w[i].load(std::memory_order_relaxed);
+    OpSig sig = OpSig::unpack(w);
+    if (op.sig.kind != OpKind::kNone && sig != op.sig) health_->mismatch(op, r, sig);
+  } else if (theirs < op.seq) {
+    // Its flag of a step of this op, posted before it began this op: the step counts of an
+    // earlier op differed.
+    health_->outOfStep(op, r, theirs);
+  }  // theirs > op.seq: it already finished this op (and checked it against others)
+  verified_[r] = 1;
+}
+
+void ShmGroup::reportMismatch(const OpCtx& op) const {
+  const int n = size();
+  for (int slot = 0; slot < 2; ++slot) {
+    std::vector<uint64_t> seqs(n);
+    std::vector<OpSig> sigs(n);
+    for (int r = 0; r < n; ++r) {
+      const Desc& d = hdr(r)->desc[slot];
+      seqs[r] = d.seq.load(std::memory_order_acquire);
+      uint64_t w[3];
+      for (int i = 0; i < 3; ++i) w[i] = d.w[i].load(std::memory_order_relaxed);
+      sigs[r] = OpSig::unpack(w);
+    }
+    for (int a = 0; a < n; ++a)
+      for (int b = a + 1; b < n; ++b)
+        if (seqs[a] != 0 && seqs[a] == seqs[b] && sigs[a] != sigs[b] &&
+            sigs[a].kind != OpKind::kNone && sigs[b].kind != OpKind::kNone)
+          health_->mismatchBetween(op, seqs[a], a, sigs[a], b, sigs[b]);
+  }
+}
+
+bool ShmGroup::finishOp(const OpCtx& op) {
+  if (op.seq != op_seq_ || size() == 1) return false;
+  // Peers this rank wrote for but never waited on in the op have not been checked against:
+  // wait for them to finish the op's last step, which checks their descriptor.
+  if (posted_ready_)
+    for (int r = 0; r < size(); ++r)
+      if (!verified_[r]) wait(op, r, kConsumed, step_);
+  return true;
+}
+
+void ShmGroup::barrierOp(const OpCtx& op) {
+  if (size() == 1) return;
+  uint64_t s = beginStep(op, false);
+  post(kReady, s);
+  waitAll(op, kReady, s);
+  endStep(s);
+}
+
 void ShmGroup::post(Flag f, uint64_t s) {
+  if (f == kReady) posted_ready_ = true;
   Line& l = hdr(rank_)->flags[f];
   l.v.exchange(s, std::memory_order_seq_cst);  // full barrier: orders the waiters load below
   if (l.waiters.load(std::memory_order_seq_cst) != 0) engine::futexWakeAll(futexWord(&l.v));
@@ -47,8 +117,8 @@ void ShmGroup::post(Flag f, uint64_t s) {
 
 void ShmGroup::wait(const OpCtx& op, int r, Flag f, uint64_t s) {
   Line& l = hdr(r)->flags[f];
-  if (l.v.load(std::memory_order_acquire) >= s) return;
-  slowWait(op, r, l, s);
+  if (l.v.load(std::memory_order_acquire) < s) slowWait(op, r, l, s);
+  if (!verified_[r] && s >= op_first_step_ && op.seq == op_seq_) verify(op, r);
 }
 
 void ShmGroup::waitAll(const OpCtx& op, Flag f, uint64_t s) {
@@ -67,12 +137,18 @@ void ShmGroup::abort(int blamed) {
 void ShmGroup::checkPeers(const OpCtx& op, int waiting_for) const {
   // Only the rank waited for: a peer that finished its part and exited is no failure. A
   // dead rank further down a chain of waits is reported through its waiter's abort word.
-  health_->check(op, waiting_for);
+  // Abort words first: a peer that gave up (and may have exited since) says more than its
+  // death does.
   for (int r = 0; r < size(); ++r) {
     if (r == rank_) continue;
     uint64_t a = hdr(r)->abort.v.load(std::memory_order_acquire);
-    if (a != 0) health_->aborted(op, r, a >= 2 ? static_cast<int>(a - 2) : -1);
+    if (a == 0) continue;
+    // A peer that gave up because ranks called different collectives: say which, here too,
+    // rather than only that it aborted.
+    reportMismatch(op);
+    health_->aborted(op, r, a >= 2 ? static_cast<int>(a - 2) : -1);
   }
+  health_->check(op, waiting_for);
   if (engine::Clock::now() >= op.deadline)
     health_->timedOut(op, waiting_for, "shared-memory flag not posted");
 }

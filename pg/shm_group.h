@@ -17,6 +17,19 @@
 // peer onto it; the fast path (peer running on another core) makes no syscalls.
 // Every wait checks, about every MC_PG_HEALTH_US: the op's deadline, the engine's view of
 // every peer (a dead process -> CommError naming it) and peers' abort words.
+//
+// Agreement (mismatch detection): the first step of each op publishes the op's sequence number
+// and signature (OpSig) in a descriptor line of the header (two, by op parity). The first
+// time a rank sees a peer's flag of a step of the current op, it reads that peer's descriptor:
+// another signature, or an older op, is a CommError naming both calls. finishOp() makes sure
+// every rank that wrote data for peers checked them: a rank that posted kReady in the op but
+// never waited on some peer (the root of a broadcast, a non-root of a reduce) waits for that
+// peer's last kConsumed; an op that moved no data (zero bytes) runs one barrier step. So a
+// rank raises in the op when its call differs from a peer it exchanged data with; a rank
+// whose call matched the root's gets its data, and raises at its next op (the others abort
+// the group, and a rank that sees an abort reports the differing calls it finds in the
+// descriptors). Ranks cannot be two ops apart (every op ends in a wait on, or for, every
+// peer it moved data with), so two descriptor slots suffice.
 #pragma once
 
 #include <atomic>
@@ -58,28 +71,49 @@ class ShmGroup {
   void endStep(uint64_t s) { post(kConsumed, s); }
   // Tells peers this rank gave up on the group (they fail fast instead of timing out).
   void abort(int blamed);
+  // End of an op (after its algorithm returned): the agreement checks described above. False
+  // when the op did not use this group (nothing to do; see barrierOp).
+  bool finishOp(const OpCtx& op);
+  // An op that used no group at all (zero bytes): one barrier step, which checks agreement.
+  void barrierOp(const OpCtx& op);
 
  private:
   struct alignas(128) Line {
     std::atomic<uint64_t> v;
     std::atomic<uint32_t> waiters;  // processes sleeping on v (futex)
   };
+  struct alignas(128) Desc {
+    std::atomic<uint64_t> seq;   // the op it describes (0: none yet)
+    std::atomic<uint64_t> w[3];  // OpSig::pack
+  };
   struct Header {
     Line flags[kNumFlags];
     Line abort;  // 0, or 2 + the rank blamed (1: no rank in particular)
+    Desc desc[2];  // by op parity
   };
   static_assert(sizeof(Header) <= kHeaderBytes, "header page too small");
 
   Header* hdr(int r) const { return reinterpret_cast<Header*>(bases_[r]); }
   void slowWait(const OpCtx& op, int r, Line& line, uint64_t s);
   void checkPeers(const OpCtx& op, int waiting_for) const;
+  void beginOp(const OpCtx& op);
+  // A flag of peer r for a step of the current op was seen: check its descriptor.
+  void verify(const OpCtx& op, int r);
+  // Two ranks (this one included) whose descriptors of the same op differ: throws the
+  // CommError naming both. No-op when every descriptor agrees.
+  void reportMismatch(const OpCtx& op) const;
 
   const Health* health_;
   std::vector<char*> bases_;
   int rank_;
   size_t half_;
   WaitOptions wait_;
-  uint64_t step_ = 0;  // only the thread running collectives touches it
+  // Only the thread running collectives touches these.
+  uint64_t step_ = 0;
+  uint64_t op_seq_ = 0;         // the op the steps belong to (0: none yet)
+  uint64_t op_first_step_ = 0;  // its first step
+  std::vector<uint8_t> verified_;  // peers whose descriptor of op_seq_ matched
+  bool posted_ready_ = false;      // this rank wrote data for peers in the op
 };
 
 }  // namespace mooncake::pg

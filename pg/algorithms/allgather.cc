@@ -37,6 +37,7 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
   if (n == 1 || total == 0) return;
 
   if (!c.shm) {
+    if (root >= 0) c.net->rootGo(op, root);  // gather: see netAllReduce
     for (int k = 1; k < n; ++k) {
       int j = (me + k) % n;
       if (root < 0 || j == root) c.net->sendPieces(op, j, src, bytes[me]);

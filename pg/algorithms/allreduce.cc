@@ -99,6 +99,9 @@ void netAllReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* 
   const char* cin = static_cast<const char*>(in);
   char* cout = static_cast<char*>(out);
   auto begin = [&](int j) { return partBegin(count, n, j, align); };
+  // 0. reduce: the root says go first. Ranks that disagree on the root would otherwise all wait
+  // to receive; this way each hears a call it can check (NetGroup compares signatures).
+  if (root >= 0) net.rootGo(op, root);
   // 1. every slice to its owner (to the root only, for reduce)
   for (int k = 1; k < n; ++k) {
     int j = (me + k) % n;

@@ -38,16 +38,20 @@ def master_bin():
 
 
 class Master:
-    def __init__(self, *extra):
+    def __init__(self, *extra, env=None, preexec_fn=None, host_flag=True):
+        """extra: more mooncake_master flags. env: extra environment. host_flag=False starts it
+        without --host (its default, 127.0.0.1)."""
         self.port = free_port()
         host = "127.0.0.1"
         if "--host" in extra:
             host = extra[list(extra).index("--host") + 1]
             extra = [a for i, a in enumerate(extra)
                      if a != "--host" and (i == 0 or extra[i - 1] != "--host")]
-        self.proc = subprocess.Popen([master_bin(), "--host", host, "--port",
-                                      str(self.port), "--metrics-port", "0", *extra],
-                                     stdout=subprocess.PIPE, text=True)
+        cmd = [master_bin()] + (["--host", host] if host_flag else []) + [
+            "--port", str(self.port), "--metrics-port", "0", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, **(env or {})), preexec_fn=preexec_fn)
+        self.pid = self.proc.pid
         line = self.proc.stdout.readline()
         assert "ready" in line, line
         self.addr = f"{host}:{self.port}"

@@ -243,5 +243,70 @@ TEST_F(RpcTest, RandomBytesNeverCrash) {
   EXPECT_TRUE(master_.checkInvariants());
 }
 
+// A remote call acts in the name its connection authenticated as: a body naming another client
+// is ILLEGAL_CLIENT and changes nothing (the spoofed MOUNT_SEGMENT of the security issue).
+TEST_F(RpcTest, CallsInAnotherClientsNameAreRefused) {
+  auto as = [&](const std::string& caller, pb::Method method,
+                const google::protobuf::MessageLite& req) {
+    pb::RequestEnvelope env;
+    env.set_rpc_id(1);
+    env.set_method(method);
+    env.set_body(req.SerializeAsString());
+    pb::ResponseEnvelope out;
+    EXPECT_TRUE(out.ParseFromString(master_.handle(env.SerializeAsString(), &caller)));
+    return out;
+  };
+  auto code = [](const pb::ResponseEnvelope& env, auto* resp) {
+    EXPECT_TRUE(resp->ParseFromString(env.body()));
+    return resp->error_code();
+  };
+  pb::MountSegmentRequest mount;
+  mount.set_client_id("victim");
+  mount.set_segment_name("victim-seg");
+  mount.set_base(0x10000);
+  mount.set_size(kMiB);
+  pb::MountSegmentResponse mr;
+  EXPECT_EQ(code(as("attacker", pb::MOUNT_SEGMENT, mount), &mr),
+            static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT));
+  EXPECT_TRUE(master_.segments().empty()) << "the spoofed mount took effect";
+  EXPECT_EQ(code(as("victim", pb::MOUNT_SEGMENT, mount), &mr), 0) << "its own mount works";
+
+  pb::UnmountSegmentRequest um;
+  um.set_client_id("victim");
+  um.set_segment_name("victim-seg");
+  pb::UnmountSegmentResponse ur;
+  EXPECT_EQ(code(as("attacker", pb::UNMOUNT_SEGMENT, um), &ur),
+            static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT));
+  pb::PutStartRequest ps;
+  ps.set_client_id("victim");
+  ps.set_key("k");
+  ps.set_size(100);
+  pb::PutStartResponse psr;
+  EXPECT_EQ(code(as("attacker", pb::PUT_START, ps), &psr),
+            static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT));
+  EXPECT_EQ(code(as("victim", pb::PUT_START, ps), &psr), 0);
+  pb::PutEndRequest pe;
+  pe.set_client_id("victim");
+  pe.set_key("k");
+  pb::PutEndResponse per;
+  EXPECT_EQ(code(as("attacker", pb::PUT_END, pe), &per),
+            static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT));
+  pb::PutRevokeRequest pr;
+  pr.set_client_id("victim");
+  pr.set_key("k");
+  pb::PutRevokeResponse prr;
+  EXPECT_EQ(code(as("attacker", pb::PUT_REVOKE, pr), &prr),
+            static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT));
+  pb::HeartbeatRequest hb;
+  hb.set_client_id("victim");
+  pb::HeartbeatResponse hr;
+  EXPECT_EQ(code(as("attacker", pb::HEARTBEAT, hb), &hr),
+            static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT));
+  EXPECT_EQ(code(as("victim", pb::PUT_END, pe), &per), 0);
+  ASSERT_EQ(master_.segments().size(), 1u);
+  EXPECT_TRUE(master_.exists("k").ok() && *master_.exists("k"));
+  EXPECT_TRUE(master_.checkInvariants());
+}
+
 }  // namespace
 }  // namespace mooncake::store

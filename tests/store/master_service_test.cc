@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <random>
 #include <set>
@@ -312,6 +313,62 @@ TEST_F(MasterTest, RemoveByRegexAndRemoveAllSkipLeasedAndProcessing) {
   EXPECT_EQ(m.metrics().objects, 0u);
   EXPECT_EQ(m.metrics().processing_objects, 1u);
   EXPECT_EQ(m.metrics().removes, 5u);
+  EXPECT_TRUE(m.checkInvariants());
+}
+
+// remove_by_regex runs in time linear in the keys (RE2): a pattern that makes a backtracking
+// engine explode returns at once; malformed and oversized patterns are INVALID_PARAMS.
+TEST_F(MasterTest, RemoveByRegexIsLinearTime) {
+  MasterService m(cfg());
+  mountN(m, 1, kMiB);
+  ASSERT_EQ(put(m, std::string(28, 'a'), 64), ErrorCode::OK);
+  ASSERT_EQ(put(m, std::string(4000, 'a'), 64), ErrorCode::OK);
+  auto t0 = std::chrono::steady_clock::now();
+  auto n = m.removeByRegex("(a|a)*b");
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 0u);
+  EXPECT_LT(ms, 1000) << "catastrophic backtracking";
+  n = m.removeByRegex("(a*)*$");
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 2u);
+  EXPECT_EQ(m.removeByRegex("(").error(), ErrorCode::INVALID_PARAMS);
+  EXPECT_EQ(m.removeByRegex("").error(), ErrorCode::INVALID_PARAMS);
+  EXPECT_EQ(m.removeByRegex(std::string(5000, 'x')).error(), ErrorCode::INVALID_PARAMS);
+  EXPECT_EQ(m.removeByRegex("(a)\\1").error(), ErrorCode::INVALID_PARAMS) << "no backreferences";
+  EXPECT_TRUE(m.checkInvariants());
+}
+
+// A client whose engine is gone takes no new replica from the moment it is reported (the others
+// take them all), its objects stay until it expires, and a call from it undoes the mark.
+TEST_F(MasterTest, GoneClientTakesNoNewReplicas) {
+  MasterService m(cfg());
+  mountN(m, 2, kMiB);
+  ASSERT_EQ(put(m, "old", kKiB, {}, "c1"), ErrorCode::OK);
+  m.clientGone("c1");
+  for (int i = 0; i < 50; ++i) {
+    auto r = m.putStart("w", "k" + std::to_string(i), kKiB, {});
+    ASSERT_TRUE(r.ok());
+    for (const auto& rep : *r)
+      for (const auto& p : rep.pieces) EXPECT_EQ(p.client_id, "c0") << "placed on a gone client";
+    ASSERT_EQ(m.putEnd("w", "k" + std::to_string(i)), ErrorCode::OK);
+  }
+  ReplicateConfig pref;
+  pref.preferred_segment = "s1";
+  auto r = m.putStart("w", "pref", kKiB, pref);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ((*r)[0].pieces[0].client_id, "c0") << "a gone client's segment was preferred";
+  EXPECT_EQ(m.metrics().clients_gone, 1u);
+  EXPECT_TRUE(m.exists("old").ok());
+  ASSERT_TRUE(m.heartbeat("c1").ok());  // it is back
+  bool used = false;
+  for (int i = 0; i < 10 && !used; ++i) {
+    auto q = m.putStart("w", "back" + std::to_string(i), kKiB, {});
+    ASSERT_TRUE(q.ok());
+    used = (*q)[0].pieces[0].client_id == "c1";
+  }
+  EXPECT_TRUE(used) << "a client that called again still took no replica";
   EXPECT_TRUE(m.checkInvariants());
 }
 

@@ -3,9 +3,13 @@
 // killed, and the error codes of bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <random>
 #include <thread>
 
+#include "engine/transport/tcp/tcp_socket.h"
+#include "engine/transport/tcp/tcp_transport.h"
 #include "store/client/rpc.h"
 #include "store/master/master_service.h"
 #include "tests/store/store_harness.h"
@@ -148,6 +152,118 @@ TEST(StoreClientEmbedded, PutGetAcrossClientsAndErrorCodes) {
   EXPECT_GE(*ra, 1u);
   EXPECT_FALSE(*a.exists("parts"));
   EXPECT_TRUE(s.service->checkInvariants());
+}
+
+// ---- a raw engine client spoken by hand (the frame spec in tcp_transport.h) ----
+
+// Authenticates to the master's engine as engine `id` with a descriptor whose tcp endpoint is
+// `endpoint_port` on 127.0.0.1, then sends `n` store RPCs; returns the socket (kept open).
+int rawRpcClient(const engine::SegmentDesc& master, uint64_t id, uint16_t endpoint_port, int n) {
+  using namespace engine::tcp;
+  auto fd = engine::sock::connectTo(master.tcp_host, master.tcp_port, engine::deadlineInMs(5000),
+                                    false, 0);
+  if (!fd.ok()) return -1;
+  auto sendFrame = [&](FrameType t, uint64_t aux, const std::string& payload) {
+    FrameHeader h;
+    h.type = t;
+    h.aux = aux;
+    h.length = payload.size();
+    std::string out(kHeaderBytes, '\0');
+    encodeHeader(h, reinterpret_cast<uint8_t*>(out.data()));
+    out += payload;
+    return engine::sock::sendAll(*fd, out.data(), out.size(), engine::deadlineInMs(5000)).ok();
+  };
+  Hello hello;
+  hello.secret = jobSecret();
+  hello.engine_id = id;
+  hello.role = ConnRole::kControl;
+  engine::SegmentDesc d;
+  d.name = "slow-" + std::to_string(id);
+  d.engine_id = id;
+  d.host_id = "another-host";  // reached over tcp, at an endpoint that never answers
+  d.tcp_host = "127.0.0.1";
+  d.tcp_port = endpoint_port;
+  d.transports = 1u << static_cast<int>(engine::TransportKind::kTcp);
+  if (!sendFrame(FrameType::kHello, 0, encodeHello(hello)) ||
+      !sendFrame(FrameType::kDesc, 0, d.serialize()))
+    return -1;
+  uint8_t raw[kHeaderBytes];
+  if (!engine::sock::recvAll(*fd, raw, kHeaderBytes, engine::deadlineInMs(5000)).ok() ||
+      decodeHeader(raw).type != FrameType::kHelloOk)
+    return -1;
+  for (int i = 0; i < n; ++i) {
+    store::proto::GetReplicaListRequest q;
+    q.set_key("hot");
+    store::proto::RequestEnvelope env;
+    env.set_rpc_id(i + 1);
+    env.set_method(store::proto::GET_REPLICA_LIST);
+    env.set_body(q.SerializeAsString());
+    std::string msg(4, '\0');
+    uint32_t reply = store::kStoreReplyBase + 999;
+    std::memcpy(msg.data(), &reply, 4);
+    msg += env.SerializeAsString();
+    if (!sendFrame(FrameType::kMsg, store::kStoreRpcChannel, msg)) return -1;
+  }
+  return *fd;
+}
+
+// Peers whose listener never answers (the master has to open them to reply) delay only their
+// own requests: a normal client's gets keep a p99 under 50 ms meanwhile.
+TEST(StoreClientEmbedded, SlowPeersDoNotStallTheMaster) {
+  Embedded s;
+  ASSERT_TRUE(s.start(2));
+  std::string v(4096, 'h');
+  ASSERT_EQ(s.clients[0]->put("hot", v.data(), v.size()), ErrorCode::OK);
+  // A listener that accepts nothing: connects land in its backlog, HELLOs are never answered.
+  auto black_hole = engine::sock::listenOn("127.0.0.1", 0, 0);
+  ASSERT_TRUE(black_hole.ok());
+  uint16_t hole_port = engine::sock::localPort(*black_hole);
+  engine::SegmentDesc master = s.master_eng->localSegment();
+  std::vector<int> slow;
+  for (int i = 0; i < 15; ++i) {
+    int fd = rawRpcClient(master, 0x5100 + i, hole_port, 1 + i % 3);
+    ASSERT_GE(fd, 0) << "raw client " << i << " could not authenticate";
+    slow.push_back(fd);
+  }
+  std::vector<double> lat;
+  auto end = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  while (std::chrono::steady_clock::now() < end) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto got = s.clients[1]->get("hot");
+    ASSERT_TRUE(got.ok()) << toInt(got.error());
+    lat.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                      .count());
+  }
+  std::sort(lat.begin(), lat.end());
+  double p99 = lat[lat.size() * 99 / 100];
+  std::printf("  %zu gets while 15 peers stall: p50 %.3f ms, p99 %.3f ms, max %.1f ms\n",
+              lat.size(), lat[lat.size() / 2], p99, lat.back());
+  EXPECT_LT(p99, 50.0) << "a stalled peer held up other clients";
+  for (int fd : slow) close(fd);
+  close(*black_hole);
+}
+
+// A client whose body names another client is refused end to end, and the victim keeps working.
+TEST(StoreClientEmbedded, SpoofedMountIsRefused) {
+  Embedded s;
+  ASSERT_TRUE(s.start(2));
+  auto rpc = store::MasterRpcClient::connect(s.engs[1].get(), s.rdv, 5000);
+  ASSERT_TRUE(rpc.ok());
+  store::proto::MountSegmentRequest req;
+  req.set_client_id(s.clients[0]->clientId());  // the victim's name
+  req.set_segment_name("spoofed");
+  req.set_base(0x10000);
+  req.set_size(1 << 20);
+  store::proto::MountSegmentResponse resp;
+  ErrorCode ec = (*rpc)->call(store::proto::MOUNT_SEGMENT, req, &resp);
+  EXPECT_TRUE(ec == ErrorCode::ILLEGAL_CLIENT ||
+              (ec == ErrorCode::OK && resp.error_code() == toInt(ErrorCode::ILLEGAL_CLIENT)))
+      << toInt(ec) << " / " << resp.error_code();
+  for (const auto& seg : s.service->segments()) EXPECT_NE(seg.name, "spoofed");
+  std::string v = valueFor("after-spoof", 100000);
+  for (int i = 0; i < 20; ++i)
+    ASSERT_EQ(s.clients[0]->put("after-spoof/" + std::to_string(i), v.data(), v.size()),
+              ErrorCode::OK);
 }
 
 // An in-process master on the same engine as its client: calls skip the messages entirely.

@@ -1,0 +1,459 @@
+"""Security and robustness by default, tried the way an attacker on this host would (each test is
+one finding of the security issue; docs/security.md): no unauthenticated access to a master or a
+torch rank, listeners on loopback unless asked otherwise, bounded cost before authentication,
+no spinning when file descriptors run out, linear-time regex, dead clients off the placement
+list at once, bogus buffers refused, /health answering while idle connections sit on it."""
+import os
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _store_common import Holder, Master, free_port, master_bin  # noqa: E402
+
+store_mod = pytest.importorskip("mooncake.store")
+MooncakeDistributedStore = store_mod.MooncakeDistributedStore
+ReplicateConfig = store_mod.ReplicateConfig
+E = store_mod.ErrorCode
+
+pytestmark = pytest.mark.skipif(master_bin() is None, reason="mooncake_master not built")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ---- the engine's and the rendezvous' wire formats (engine/transport/tcp/tcp_transport.h,
+# engine/rendezvous.cc), spoken by hand as a raw client would ----
+MAGIC = 0x4D435446
+HELLO, HELLO_OK, HELLO_DENIED, WRITE, WRITE_ACK, READ_REQ, READ_RESP, NOTIFY, MSG = range(1, 10)
+
+
+def frame(ftype, length=0, addr=0, req=1, aux=0, payload=b""):
+    return struct.pack("<IBBHQQQQ", MAGIC, ftype, 0, 0, req, addr, length, aux) + payload
+
+
+def wstr(b):
+    return struct.pack("<I", len(b)) + b
+
+
+def hello_payload(secret, engine_id=0x1234, role=0):
+    return wstr(secret) + struct.pack("<QB", engine_id, role)
+
+
+def rdv_request(op, key=b"", value=b"", timeout_ms=0):
+    body = struct.pack("<B", op) + wstr(key) + wstr(value) + struct.pack("<Q", timeout_ms)
+    return struct.pack("<I", len(body)) + body
+
+
+RDV_GET, RDV_AUTH = 2, 5
+
+
+def connect(port, host="127.0.0.1"):
+    s = socket.create_connection((host, port), timeout=5)
+    s.settimeout(5)
+    return s
+
+
+def read_all(s, timeout=3.0):
+    """Everything the peer sends until it closes (or the timeout): (bytes, closed)."""
+    s.settimeout(timeout)
+    got = b""
+    try:
+        while True:
+            b = s.recv(65536)
+            if not b:
+                return got, True
+            got += b
+    except socket.timeout:
+        return got, False
+    except ConnectionResetError:
+        return got, True
+
+
+def listening(pid):
+    """(address, port) of every listening tcp socket of process `pid`."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for path, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:
+                    continue
+                addr_hex, port_hex = cols[1].split(":")
+                if v6:
+                    raw = bytes.fromhex(addr_hex)
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                    addr = socket.inet_ntop(socket.AF_INET6, raw)
+                else:
+                    addr = socket.inet_ntoa(struct.pack("<I", int(addr_hex, 16)))
+                out.append((addr, int(port_hex, 16)))
+    return out
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        cols = f.read().rsplit(")", 1)[1].split()
+    return (int(cols[11]) + int(cols[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def probe_engine_and_rendezvous(port):
+    """What an unauthenticated raw client gets from `port`: a list of findings (empty: nothing)."""
+    findings = []
+    # A READ_REQ aimed at low memory before any HELLO: must be closed unanswered.
+    s = connect(port)
+    s.sendall(frame(READ_REQ, length=64, addr=0x10000))
+    data, closed = read_all(s)
+    s.close()
+    if len(data) >= 40 and struct.unpack_from("<IB", data)[1] == READ_RESP:
+        findings.append(f"port {port}: READ_REQ before HELLO answered")
+    # A rendezvous GET before AUTH: must not return a value.
+    s = connect(port)
+    s.sendall(rdv_request(RDV_GET, b"mc/seg/mooncake-master"))
+    data, closed = read_all(s)
+    s.close()
+    if len(data) > 8 and data[4] == 0:  # code kOk with a value
+        findings.append(f"port {port}: rendezvous GET before AUTH answered")
+    return findings
+
+
+def is_engine_port(port, secret):
+    """True when `port` speaks the engine protocol and denies `secret`."""
+    s = connect(port)
+    p = hello_payload(secret)
+    s.sendall(frame(HELLO, length=len(p), payload=p))
+    data, _ = read_all(s)
+    s.close()
+    return len(data) >= 40 and struct.unpack_from("<IB", data)[1] == HELLO_DENIED
+
+
+# ---------------------------------------------------------------- 1: master, default config
+
+def test_master_listens_on_loopback_and_serves_no_one_without_the_secret():
+    for host_flag in (False, True):  # without --host, and with --host 127.0.0.1
+        m = Master(host_flag=host_flag)
+        try:
+            ports = listening(m.pid)
+            assert len(ports) >= 2, ports  # rendezvous + engine
+            assert all(a == "127.0.0.1" for a, _ in ports), ports
+            findings = []
+            engines = 0
+            for _, port in ports:
+                findings += probe_engine_and_rendezvous(port)
+                engines += is_engine_port(port, b"wrong-secret")
+            assert findings == []
+            assert engines >= 1, "no port denied a wrong secret with HELLO_DENIED"
+            # The rendezvous with the wrong secret: refused.
+            s = connect(m.port)
+            s.sendall(rdv_request(RDV_AUTH, value=b"wrong-secret"))
+            data, closed = read_all(s)
+            s.close()
+            assert closed and (len(data) < 5 or data[4] != 0), data
+            # A client of another job (another secret) cannot set up; ours can.
+            probe = ("from mooncake.store import MooncakeDistributedStore as S;"
+                     f"print(S().setup('intruder', '', 1 << 20, 0, 'tcp', '', '{m.addr}'))")
+            env = dict(os.environ, MC_SECRET="another-jobs-secret")
+            r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                               text=True, timeout=60)
+            assert r.returncode == 0 and r.stdout.strip() not in ("0", ""), r.stdout + r.stderr
+            assert "wrong job secret" in r.stderr, r.stderr[-2000:]
+            s = MooncakeDistributedStore()
+            assert s.setup("owner", "", 1 << 20, 0, "tcp", "", m.addr) == 0
+            s.close()
+        finally:
+            m.close()
+
+
+# ---------------------------------------------------------------- 1: a torch rank
+
+RANK = r"""
+import os, sys, torch, torch.distributed as dist
+import mooncake
+rank, world = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("mooncake", rank=rank, world_size=world,
+                        init_method=f"tcp://127.0.0.1:{sys.argv[3]}")
+t = torch.full((1 << 16,), float(rank + 1))
+dist.all_reduce(t)
+print("ready", os.getpid(), flush=True)
+sys.stdin.readline()
+t = torch.full((1 << 16,), float(rank + 1))
+dist.all_reduce(t)
+ok = bool((t == world * (world + 1) / 2).all())
+print("result", ok, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.isolated
+def test_torch_rank_serves_no_one_without_the_job_secret():
+    world, port = 2, free_port()
+    env = dict(os.environ)
+    env.pop("MC_SECRET", None)
+    env.pop("MC_SECRET_FILE", None)  # the group generates its secret
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(world), str(port)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    try:
+        pids = []
+        for p in procs:
+            line = p.stdout.readline()
+            assert line.startswith("ready"), line
+            pids.append(int(line.split()[1]))
+        for pid in pids:
+            # Not torch's own TCPStore (on rank 0, all interfaces: torch's choice, not ours).
+            ours = [(a, pp) for a, pp in listening(pid) if pp != port]
+            assert ours, "rank has no listener"
+            assert all(a == "127.0.0.1" for a, _ in ours), ours
+            ports = [pp for _, pp in ours]
+            findings = []
+            for pp in ports:
+                findings += probe_engine_and_rendezvous(pp)
+            assert findings == []
+            assert any(is_engine_port(pp, b"") for pp in ports)
+            assert any(is_engine_port(pp, b"guess") for pp in ports)
+        # The probes changed nothing: the next all_reduce is right on both ranks.
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            line = p.stdout.readline()
+            assert line.strip() == "result True", line
+            p.wait(60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+# ---------------------------------------------------------------- 3: pre-auth floods
+
+def test_preauth_floods_cost_no_memory_and_idle_connections_are_closed():
+    m = Master(env={"MC_HANDSHAKE_TIMEOUT_MS": "1000"})
+    try:
+        engine_ports = [p for _, p in listening(m.pid) if p != m.port]
+        base = rss_kib(m.pid)
+        socks = []
+        # 32 connections each announcing a 16 MiB HELLO and sending 1 MiB of it.
+        for i in range(32):
+            s = connect(engine_ports[0])
+            s.setblocking(False)
+            try:
+                s.send(frame(HELLO, length=16 << 20) + b"x" * (1 << 20))
+            except (BlockingIOError, ConnectionError, OSError):
+                pass
+            socks.append(s)
+        # 16 announcing 64 MiB messages before any HELLO.
+        for i in range(16):
+            s = connect(engine_ports[0])
+            try:
+                s.send(frame(MSG, length=64 << 20) + b"y" * 65536)
+            except OSError:
+                pass
+            socks.append(s)
+        # The rendezvous: 16 announcing 32 MiB values before AUTH.
+        for i in range(16):
+            s = connect(m.port)
+            s.setblocking(False)
+            try:
+                s.send(struct.pack("<I", 32 << 20) + b"z" * (1 << 20))
+            except (BlockingIOError, ConnectionError, OSError):
+                pass
+            socks.append(s)
+        time.sleep(0.5)
+        grown = (rss_kib(m.pid) - base) / 1024
+        assert grown < 64, f"master RSS grew {grown:.0f} MiB under pre-auth floods"
+        for s in socks:
+            s.close()
+        # 500 idle connections: all closed by the handshake deadline (those beyond the
+        # per-source limit at once).
+        idle = []
+        for i in range(500):
+            try:
+                idle.append(connect(engine_ports[0] if i % 2 else m.port))
+            except OSError:
+                pass
+        time.sleep(2.5)
+        open_ = 0
+        for s in idle:
+            s.setblocking(False)
+            try:
+                open_ += 0 if s.recv(1) == b"" else 1
+            except BlockingIOError:
+                open_ += 1
+            except OSError:
+                pass
+            s.close()
+        assert open_ == 0, f"{open_} of {len(idle)} idle connections still open after the deadline"
+        assert (rss_kib(m.pid) - base) / 1024 < 64
+        # And it still serves.
+        s = MooncakeDistributedStore()
+        assert s.setup("after-flood", "", 1 << 20, 0, "tcp", "", m.addr) == 0
+        assert s.put("k", b"v") == 0 and s.get("k") == b"v"
+        s.close()
+    finally:
+        m.close()
+
+
+# ---------------------------------------------------------------- 4: out of file descriptors
+
+def _limit_fds():
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+
+def test_master_out_of_fds_does_not_spin_and_keeps_serving():
+    # Many sources would get past the per-source limit; one source stands in for them.
+    m = Master(env={"MC_MAX_PREAUTH_PER_SOURCE": "100000", "MC_MAX_PREAUTH": "100000",
+                    "MC_HANDSHAKE_TIMEOUT_MS": "60000"}, preexec_fn=_limit_fds)
+    h = Holder(m.addr, 16 << 20)
+    s = MooncakeDistributedStore()
+    flood = []
+    try:
+        assert s.setup("existing", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.put("hot", b"h" * 4096) == 0
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+        engine_port = [p for _, p in listening(m.pid) if p != m.port][0]
+        for i in range(400):
+            try:
+                flood.append(connect(engine_port if i % 2 else m.port))
+            except OSError:
+                break
+        time.sleep(0.5)
+        c0 = cpu_seconds(m.pid)
+        lat = []
+        t_end = time.time() + 2.0
+        while time.time() < t_end:
+            t0 = time.perf_counter()
+            assert s.get("hot") == b"h" * 4096
+            lat.append(time.perf_counter() - t0)
+            time.sleep(0.005)
+        cpu = cpu_seconds(m.pid) - c0
+        lat.sort()
+        p99 = lat[int(len(lat) * 0.99) - 1]
+        assert cpu < 1.0, f"master used {cpu:.2f} s of CPU in 2 s while out of descriptors"
+        assert p99 < 0.05, f"get p99 {p99 * 1e3:.1f} ms while the master is out of descriptors"
+        # A new client gets an answer (refused or served) promptly, not a hang.
+        t0 = time.time()
+        probe = ("from mooncake.store import MooncakeDistributedStore as S;"
+                 f"print(S().setup('late', '', 0, 0, 'tcp', '', '{m.addr}'))")
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=60)
+        assert time.time() - t0 < 30
+    finally:
+        for f in flood:
+            f.close()
+        s.close()
+        h.close()
+        m.close()
+
+
+# ---------------------------------------------------------------- 6: regex
+
+def test_remove_by_regex_is_linear_time():
+    m = Master()
+    h = Holder(m.addr, 8 << 20)
+    s = MooncakeDistributedStore()
+    try:
+        assert s.setup("regex", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.put("a" * 28, b"x") == 0
+        assert s.put("keep", b"y") == 0
+        t0 = time.time()
+        assert s.remove_by_regex("(a|a)*b") == 0
+        assert time.time() - t0 < 1.0
+        assert s.remove_by_regex("^a+$") == 1
+        assert s.is_exist("keep") == 1
+        assert s.remove_by_regex("(") == E.INVALID_PARAMS
+        assert s.remove_by_regex("x" * 5000) == E.INVALID_PARAMS
+    finally:
+        s.close()
+        h.close()
+        m.close()
+
+
+# ---------------------------------------------------------------- 7: a dead client
+
+def test_replicas_avoid_a_killed_client_within_a_second():
+    m = Master()  # client TTL 10 s: expiry cannot be what saves the puts
+    a = Holder(m.addr, 64 << 20)
+    b = Holder(m.addr, 64 << 20)
+    s = MooncakeDistributedStore()
+    try:
+        assert s.setup("writer", "", 0, 0, "tcp", "", m.addr) == 0
+        for i in range(20):
+            assert s.put(f"before/{i}", os.urandom(16384)) == 0
+        b.kill()
+        time.sleep(1.0)
+        fails = sum(s.put(f"after/{i}", b"p" * 16384) != 0 for i in range(300))
+        assert fails == 0, f"{fails} of 300 puts failed 1 s after a holder died"
+        assert s.get("after/7") == b"p" * 16384
+    finally:
+        s.close()
+        a.close()
+        m.close()
+
+
+# ---------------------------------------------------------------- 9: bogus buffers
+
+def test_register_of_unmapped_memory_is_refused():
+    m = Master()
+    h = Holder(m.addr, 8 << 20)
+    s = MooncakeDistributedStore()
+    try:
+        assert s.setup("bogus", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.register_buffer(0x10000, 4096) == E.INVALID_PARAMS
+        assert s.put("obj", b"q" * 4096) == 0
+        assert s.get_into("obj", 0x10000, 4096) < 0  # refused, no crash
+        import ctypes
+        buf = ctypes.create_string_buffer(4096)
+        assert s.register_buffer(ctypes.addressof(buf), 4096) == 0
+        assert s.get_into("obj", ctypes.addressof(buf), 4096) == 4096
+        assert buf.raw == b"q" * 4096
+    finally:
+        s.close()
+        h.close()
+        m.close()
+
+
+# ---------------------------------------------------------------- 11: /health
+
+def test_health_answers_fast_while_idle_connections_sit_on_the_port():
+    mport = free_port()
+    m = Master("--metrics-port", str(mport))
+    idle = []
+    try:
+        url = f"http://127.0.0.1:{mport}/health"
+        assert urllib.request.urlopen(url, timeout=5).read().strip() == b"OK"
+        for i in range(16):
+            c = connect(mport)
+            if i % 2:
+                c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+            idle.append(c)
+        time.sleep(0.2)
+        worst = 0.0
+        for _ in range(10):
+            t0 = time.perf_counter()
+            assert urllib.request.urlopen(url, timeout=5).read().strip() == b"OK"
+            worst = max(worst, time.perf_counter() - t0)
+        assert worst < 0.1, f"/health took {worst * 1e3:.0f} ms with 16 idle connections open"
+    finally:
+        for c in idle:
+            c.close()
+        m.close()
