@@ -147,6 +147,54 @@ bool EpBuffer::storeSignal(uint64_t off, uint64_t value) {
   return true;
 }
 
+void EpBuffer::abandon(RoundKind kind, uint32_t round) {
+  const int R = g_.size, me = g_.rank;
+  Writer w(*this, engine::deadlineInMs(timeout_ms_));
+  for (int step = 1; step < R; ++step) {
+    const int o = (me + step) % R;
+    w.signal(o, geo_.abandonSignal(round & 1, static_cast<int>(kind), me), makeSignal(round, 1));
+    w.commit(o);
+  }
+  (void)w.flush();  // a peer that cannot be told is dead, and its fate is decided elsewhere
+}
+
+bool EpBuffer::abandoned(RoundKind kind, uint32_t round, int r) {
+  return signalWord(geo_.abandonSignal(round & 1, static_cast<int>(kind), r))
+             ->load(std::memory_order_acquire) == makeSignal(round, 1);
+}
+
+std::function<bool(int)> EpBuffer::orAbandoned(RoundKind kind, uint32_t round,
+                                               std::function<bool(int)> arrived) {
+  return [this, kind, round, arrived = std::move(arrived)](int r) {
+    return abandoned(kind, round, r) || arrived(r);
+  };
+}
+
+std::function<void(int)> EpBuffer::unlessAbandoned(RoundKind kind, uint32_t round,
+                                                   std::function<void(int)> on_arrival,
+                                                   std::vector<int>* gave_up) {
+  return [this, kind, round, on_arrival = std::move(on_arrival), gave_up](int r) {
+    if (abandoned(kind, round, r)) {
+      gave_up->push_back(r);
+      return;
+    }
+    on_arrival(r);
+  };
+}
+
+void EpBuffer::throwIfAbandoned(const char* op, uint32_t round,
+                                const std::vector<int>& gave_up) const {
+  if (gave_up.empty()) return;
+  std::ostringstream os;
+  os << op << ": rank " << g_.rank << ": rank";
+  if (gave_up.size() > 1) os << "s";
+  for (size_t i = 0; i < gave_up.size(); ++i) os << (i ? ", " : " ") << gave_up[i];
+  os << " gave up round " << round
+     << " (their own call was invalid and raised there); this call's output is incomplete. "
+        "The next round is in step on every rank.";
+  throw std::runtime_error(os.str());
+}
+
 bool EpBuffer::peerDead(int r) const {
   return r != g_.rank && !g_.engine->peerStatus(g_.peers[r]).ok();
 }
@@ -394,7 +442,11 @@ void EpBuffer::dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
       if (on) pg::streamFence();
     }
   } fence{stream};
-  waitSources(pending, deadlineInUs(a.timeout_us), arrived, on_arrival, on_silent);
+  std::vector<int> gave_up;
+  waitSources(pending, deadlineInUs(a.timeout_us),
+              orAbandoned(RoundKind::kDispatch, round, arrived),
+              unlessAbandoned(RoundKind::kDispatch, round, on_arrival, &gave_up), on_silent);
+  throwIfAbandoned("dispatch", round, gave_up);
   for (int l = 0; l < L; ++l) {
     a.recv_count[l] = static_cast<int32_t>(begin[l]);
     for (int r = 0; r < R; ++r)
@@ -493,7 +545,11 @@ void EpBuffer::combineRecv(const LowLatencyCombineArgs& a, uint32_t round) {
                      << " in round " << round << "; marking it inactive";
     a.active_ranks[o] = 0;
   };
-  waitSources(pending, deadlineInUs(a.timeout_us), arrived, on_arrival, on_silent);
+  std::vector<int> gave_up;
+  waitSources(pending, deadlineInUs(a.timeout_us),
+              orAbandoned(RoundKind::kCombine, round, arrived),
+              unlessAbandoned(RoundKind::kCombine, round, on_arrival, &gave_up), on_silent);
+  throwIfAbandoned("combine", round, gave_up);
 
   // Rows this rank computed for its own tokens: y[l][i] with src_info[l][i] = t.
   const int me = g_.rank;

@@ -24,6 +24,11 @@
 // Errors: std::invalid_argument for bad arguments, detected before anything is sent;
 // std::runtime_error for protocol/transport failures.
 //
+// Abandoned rounds. A rank whose call is invalid still takes its round (abandon()), and tells
+// every peer so instead of sending data: the peers' calls of that round end at once with a
+// std::runtime_error naming it (not after timeout_us, and without marking it inactive), so
+// the next round is in step on every rank.
+//
 // Threading: one thread at a time calls the send/recv methods (the binding serialises them
 // through enqueue()/runSync()); the engine's dispatcher thread may store remote signals
 // concurrently. Buffer memory is freed in the destructor; the group (engine) must outlive it.
@@ -166,6 +171,9 @@ class EpBuffer {
   void validate(const LowLatencyCombineArgs& a) const;
   uint32_t nextDispatchRound() { return ++dispatch_round_; }
   uint32_t nextCombineRound() { return ++combine_round_; }
+  enum class RoundKind { kDispatch = 0, kCombine = 1 };
+  // This rank gives up `round` (reserved by next*Round): tells every peer (best effort).
+  void abandon(RoundKind kind, uint32_t round);
   void dispatchSend(const LowLatencyDispatchArgs& a, uint32_t round);
   void dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round);
   void combineSend(const LowLatencyCombineArgs& a, uint32_t round);
@@ -210,6 +218,15 @@ class EpBuffer {
                    const std::function<void(int)>& on_arrival,
                    const std::function<void(int)>& on_silent);
   bool peerDead(int r) const;
+  bool abandoned(RoundKind kind, uint32_t round, int r);
+  // Wraps a wait's arrival test so that a source that gave up the round counts as arrived
+  // (recorded in *gave_up instead of handled); throwIfAbandoned() then reports them.
+  std::function<bool(int)> orAbandoned(RoundKind kind, uint32_t round,
+                                       std::function<bool(int)> arrived);
+  std::function<void(int)> unlessAbandoned(RoundKind kind, uint32_t round,
+                                           std::function<void(int)> on_arrival,
+                                           std::vector<int>* gave_up);
+  void throwIfAbandoned(const char* op, uint32_t round, const std::vector<int>& gave_up) const;
   void workerLoop();
 
   EpGroup g_;

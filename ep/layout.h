@@ -11,6 +11,8 @@
 //        dispatch[kMaxSignals]      LL: index l*R + r (local expert, source rank)
 //                                   normal: index r (source rank)
 //        combine[kMaxRanks]         index = sending (owner) rank
+//        abandon[2][kMaxRanks]      [dispatch|combine][source rank]: makeSignal(round, 1)
+//                                   when that rank gave up the round (its input was bad)
 //     [dispatch region]             LL: rows [L][R][M], src token ids [L][R][M] int32
 //                                   normal: rows [R][C], token ids [R][C], topk [R][C][K]
 //                                   int64, weights [R][C][K] f32 (C = per-source capacity)
@@ -34,7 +36,7 @@ const char* dtypeName(DType t);
 constexpr size_t kHeaderBytes = 4096;
 constexpr int kMaxRanks = 1024;
 constexpr int kMaxSignals = 8192;  // bounds E = L * R in low-latency mode
-constexpr size_t kSignalBytes = (kMaxSignals + kMaxRanks) * sizeof(uint64_t);
+constexpr size_t kSignalBytes = (kMaxSignals + 3 * kMaxRanks) * sizeof(uint64_t);
 constexpr size_t kAlign = 64;
 
 inline size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -70,6 +72,12 @@ class BufferGeometry {
   }
   size_t combineSignal(int half, int owner) const {
     return halfBase(half) + (kMaxSignals + static_cast<size_t>(owner)) * sizeof(uint64_t);
+  }
+  // kind 0: dispatch rounds, 1: combine rounds (both modes).
+  size_t abandonSignal(int half, int kind, int src) const {
+    return halfBase(half) +
+           (kMaxSignals + (1 + static_cast<size_t>(kind)) * kMaxRanks + static_cast<size_t>(src)) *
+               sizeof(uint64_t);
   }
   size_t dispatchRegion(int half) const { return halfBase(half) + kSignalBytes; }
   size_t combineRegion(int half) const { return dispatchRegion(half) + region_; }

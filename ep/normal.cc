@@ -102,23 +102,29 @@ std::vector<int32_t> EpBuffer::normalDispatchSend(const NormalDispatchArgs& a, u
   std::vector<int> pending(R);
   for (int r = 0; r < R; ++r) pending[r] = r;
   int silent = -1;
+  std::vector<int> gave_up;
   waitSources(
       pending, engine::deadlineInMs(timeout_ms_),
-      [&](int r) {
-        return signalRound(
-                   signalWord(geo_.dispatchSignal(h, r))->load(std::memory_order_acquire)) == round;
-      },
-      [&](int r) {
-        counts[r] = static_cast<int32_t>(
-            signalCount(signalWord(geo_.dispatchSignal(h, r))->load(std::memory_order_acquire)));
-        if (counts[r] > nl.capacity)
-          throw std::runtime_error(str("normal_dispatch: rank ", r, " sent ", counts[r],
-                                       " rows, above capacity ", nl.capacity,
-                                       " (H, K or dtype differ across ranks?)"));
-      },
+      orAbandoned(RoundKind::kDispatch, round,
+                  [&](int r) {
+                    return signalRound(signalWord(geo_.dispatchSignal(h, r))
+                                           ->load(std::memory_order_acquire)) == round;
+                  }),
+      unlessAbandoned(
+          RoundKind::kDispatch, round,
+          [&](int r) {
+            counts[r] = static_cast<int32_t>(signalCount(
+                signalWord(geo_.dispatchSignal(h, r))->load(std::memory_order_acquire)));
+            if (counts[r] > nl.capacity)
+              throw std::runtime_error(str("normal_dispatch: rank ", r, " sent ", counts[r],
+                                           " rows, above capacity ", nl.capacity,
+                                           " (H, K or dtype differ across ranks?)"));
+          },
+          &gave_up),
       [&](int r) {
         if (silent < 0) silent = r;
       });
+  throwIfAbandoned("normal_dispatch", round, gave_up);
   if (silent >= 0)
     throw std::runtime_error(str("normal_dispatch: rank ", me, " got nothing from rank ", silent,
                                  " within ", timeout_ms_, " ms (MC_EP_TIMEOUT_MS); peer dead?"));
@@ -255,23 +261,29 @@ void EpBuffer::normalCombine(const NormalCombineArgs& a, uint32_t round) {
   for (int r = 0; r < R; ++r)
     if (r != me) pending.push_back(r);
   int silent = -1;
+  std::vector<int> gave_up;
   waitSources(
       pending, engine::deadlineInMs(timeout_ms_),
-      [&](int d) {
-        return signalRound(signalWord(geo_.combineSignal(h, d))->load(std::memory_order_acquire)) ==
-               round;
-      },
-      [&](int d) {
-        int64_t got =
-            signalCount(signalWord(geo_.combineSignal(h, d))->load(std::memory_order_acquire));
-        if (got != sent[d])
-          throw std::runtime_error(str("normal_combine: rank ", d, " returned ", got,
-                                       " rows to rank ", me, ", which sent it ", sent[d],
-                                       " (handle from another dispatch?)"));
-      },
+      orAbandoned(RoundKind::kCombine, round,
+                  [&](int d) {
+                    return signalRound(signalWord(geo_.combineSignal(h, d))
+                                           ->load(std::memory_order_acquire)) == round;
+                  }),
+      unlessAbandoned(
+          RoundKind::kCombine, round,
+          [&](int d) {
+            int64_t got = signalCount(
+                signalWord(geo_.combineSignal(h, d))->load(std::memory_order_acquire));
+            if (got != sent[d])
+              throw std::runtime_error(str("normal_combine: rank ", d, " returned ", got,
+                                           " rows to rank ", me, ", which sent it ", sent[d],
+                                           " (handle from another dispatch?)"));
+          },
+          &gave_up),
       [&](int d) {
         if (silent < 0) silent = d;
       });
+  throwIfAbandoned("normal_combine", round, gave_up);
   if (silent >= 0)
     throw std::runtime_error(str("normal_combine: rank ", me, " got nothing from rank ", silent,
                                  " within ", timeout_ms_, " ms (MC_EP_TIMEOUT_MS); peer dead?"));

@@ -256,6 +256,83 @@ def case_validation(ctx):
     return fails + ll_round(ctx, cfg, act, "after-errors")
 
 
+def case_one_rank_bad_input(ctx):
+    """Only one rank's call is invalid: it raises ValueError before sending anything, the
+    others' calls of that round end promptly with an error naming it (not a timeout, and no
+    rank is marked inactive), and the next rounds are in step on every rank (low latency:
+    dispatch and combine; normal mode: dispatch)."""
+    R, me = ctx.world, ctx.rank
+    cfg = Cfg(R, seed=13)
+    buf = ctx.buffer(cfg.M, cfg.H, cfg.E)
+    x, topk, w = cfg.inputs(me)
+    act = torch.ones(R, dtype=torch.int32)
+    fails = []
+
+    def round_with_one_bad(what, bad_rank, call_bad, call_good):
+        t0 = time.time()
+        try:
+            (call_bad if me == bad_rank else call_good)()
+            fails.append(f"{what}: rank {me} did not raise")
+        except ValueError as ex:
+            if me != bad_rank:
+                fails.append(f"{what}: rank {me} raised ValueError but its call was good: {ex}")
+        except RuntimeError as ex:
+            if me == bad_rank:
+                fails.append(f"{what}: the bad rank raised RuntimeError: {ex}")
+            elif f"rank {bad_rank}" not in str(ex) or "gave up" not in str(ex):
+                fails.append(f"{what}: rank {me}'s error does not name rank {bad_rank}: {ex}")
+        took = time.time() - t0
+        if took > 5:
+            fails.append(f"{what}: rank {me} took {took:.1f} s (timeout_us is "
+                         f"{TIMEOUT_US / 1e6:.0f} s)")
+        if act.tolist() != [1] * R:
+            fails.append(f"{what}: active_ranks became {act.tolist()}")
+
+    bad = topk.clone()
+    bad[0, 0] = cfg.E  # an expert id out of range
+    round_with_one_bad(
+        "dispatch", 0,
+        lambda: buf.dispatch(x, bad, act, cfg.M, cfg.E, timeout_us=TIMEOUT_US),
+        lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E, timeout_us=TIMEOUT_US))
+    fails += ll_round(ctx, cfg, act, "after a bad dispatch")
+    # combine: a good dispatch first, then one rank passes weights of the wrong shape.
+    recv_x, cnt, handle, _, _ = buf.dispatch(x, topk, act, cfg.M, cfg.E, timeout_us=TIMEOUT_US)
+    y = ll_y(cfg, me, recv_x, cnt)
+    round_with_one_bad(
+        "combine", R - 1,
+        lambda: buf.combine(y, topk, w[:, :1].contiguous(), act, TIMEOUT_US, handle),
+        lambda: buf.combine(y, topk, w, act, TIMEOUT_US, handle))
+    fails += ll_round(ctx, cfg, act, "after a bad combine")
+    # a Python-level error before the native call (a broken handle) gives the round up too
+    round_with_one_bad(
+        "combine with a broken handle", 0,
+        lambda: buf.combine(y, topk, w, act, TIMEOUT_US, ("not", "a", "handle")),
+        lambda: buf.combine(y, topk, w, act, TIMEOUT_US, handle))
+    fails += ll_round(ctx, cfg, act, "after a broken handle")
+    # normal mode
+    ncfg = Cfg(R, M=32, H=96, seed=31, tokens=[30, 27, 0, 12][:R])
+    nbuf = ctx.buffer(32, 96, ncfg.E)
+    nx, ntopk, nw = ncfg.inputs(me)
+    nbad = ntopk.clone()
+    if len(nbad):
+        nbad[0, 0] = ncfg.E
+    else:
+        nbad = torch.full((1, ncfg.K), ncfg.E, dtype=torch.int64)
+    round_with_one_bad(
+        "normal_dispatch", 1 % R,
+        lambda: nbuf.normal_dispatch(nx if len(ntopk) else nx.new_zeros((1, 96)), nbad, None,
+                                     ncfg.E),
+        lambda: nbuf.normal_dispatch(nx, ntopk, nw, ncfg.E))
+    recv_x, recv_topk, recv_w, per_exp, h = nbuf.normal_dispatch(nx, ntopk, nw, ncfg.E)
+    if recv_x.shape[0] != len(ref_normal_rows(ncfg, me)):
+        fails.append(f"normal round after a bad one: {recv_x.shape[0]} rows, want "
+                     f"{len(ref_normal_rows(ncfg, me))}")
+    out, _ = nbuf.normal_combine(recv_x, h)
+    if out.shape[0] != ncfg.tokens[me]:
+        fails.append("normal_combine after a bad round returned the wrong shape")
+    return fails
+
+
 # ---- normal mode ----
 
 def ref_normal_rows(cfg, me):

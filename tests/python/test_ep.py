@@ -20,7 +20,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON = "/usr/bin/python3"
 WORKER = os.path.join(HERE, "_ep_worker.py")
-MAIN_CASES = ["ll_modes", "validation", "normal", "normal_autograd"]
+MAIN_CASES = ["ll_modes", "validation", "one_rank_bad_input", "normal", "normal_autograd"]
 KILL_CASES = ["kill_between_rounds", "kill_between_dispatch_and_combine"]
 
 _runs = {}

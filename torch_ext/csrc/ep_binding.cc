@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <exception>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -175,9 +176,45 @@ class PyEpBuffer {
     return buf_->isMapped(r);
   }
 
+  using RoundKind = ep::EpBuffer::RoundKind;
+  // A call that fails before it reserved its round (bad input) still takes the round and tells
+  // the peers it gave up (ep/buffer.h, "Abandoned rounds"), so that their calls of the round
+  // end at once and later rounds stay in step.
+  void giveUp(RoundKind kind) {
+    py::gil_scoped_release nogil;
+    buf_->runSync([&] {
+      uint32_t round;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        round = kind == RoundKind::kDispatch ? buf_->nextDispatchRound() : buf_->nextCombineRound();
+      }
+      buf_->abandon(kind, round);
+    });
+  }
+  // Armed at the top of a dispatch/combine; disarmed where the call reserves its round. An
+  // exception that leaves the call while armed gives the round up.
+  class RoundGuard {
+   public:
+    RoundGuard(PyEpBuffer* self, RoundKind kind) : self_(self), kind_(kind) {}
+    ~RoundGuard() {
+      if (!armed_ || std::uncaught_exceptions() == 0) return;
+      try {
+        self_->giveUp(kind_);
+      } catch (...) {  // the caller's own error is what it must see
+      }
+    }
+    void reserved() { armed_ = false; }
+
+   private:
+    PyEpBuffer* self_;
+    RoundKind kind_;
+    bool armed_ = true;
+  };
+
   py::tuple dispatch(const Tensor& x_in, const Tensor& topk_in, const Tensor& active, int64_t M,
                      int64_t E, int64_t timeout_us, bool use_fp8, bool async_finish,
                      bool return_hook) {
+    RoundGuard guard(this, RoundKind::kDispatch);
     const char* op = "dispatch";
     if (use_fp8) bad(op, ": use_fp8 needs the CUDA kernels, which this build does not have");
     const int R = buf_->size();
@@ -221,6 +258,7 @@ class PyEpBuffer {
         std::lock_guard<std::mutex> g(mu_);
         round = buf_->nextDispatchRound();
       }
+      guard.reserved();
       ep::EpBuffer* b = buf_.get();
       auto send = [b, a, round, keep] { b->dispatchSend(a, round); };
       auto recv = [b, a, round, keep] { b->dispatchRecv(a, round); };
@@ -233,6 +271,7 @@ class PyEpBuffer {
                     const Tensor& active, int64_t timeout_us, const Tensor& src_info_in,
                     const Tensor& layout_in, int64_t M, int64_t H, int64_t E, bool async_finish,
                     bool return_hook, std::optional<Tensor> out_opt) {
+    RoundGuard guard(this, RoundKind::kCombine);
     const char* op = "combine";
     const int R = buf_->size();
     const ep::DType dt = hiddenType(y_in, op, "y");
@@ -287,6 +326,7 @@ class PyEpBuffer {
         std::lock_guard<std::mutex> g(mu_);
         round = buf_->nextCombineRound();
       }
+      guard.reserved();
       ep::EpBuffer* b = buf_.get();
       auto send = [b, a, round, keep] { b->combineSend(a, round); };
       auto recv = [b, a, round, keep] { b->combineRecv(a, round); };
@@ -315,6 +355,7 @@ class PyEpBuffer {
   py::tuple normalDispatch(const Tensor& x_in, std::optional<Tensor> topk_opt,
                            std::optional<Tensor> w_opt, int64_t E, int64_t alignment,
                            std::optional<Tensor> in_rank_opt) {
+    RoundGuard guard(this, RoundKind::kDispatch);
     const char* op = "normal_dispatch";
     const int R = buf_->size();
     const ep::DType dt = hiddenType(x_in, op, "x");
@@ -372,6 +413,7 @@ class PyEpBuffer {
           std::lock_guard<std::mutex> g(mu_);
           round = buf_->nextDispatchRound();
         }
+        guard.reserved();
         std::vector<int32_t> counts = buf_->normalDispatchSend(a, round);
         int64_t n = 0;
         for (int32_t c : counts) n += c;
@@ -402,6 +444,7 @@ class PyEpBuffer {
 
   py::tuple normalCombine(const Tensor& y_in, const Tensor& counts_in, const Tensor& in_rank_in,
                           std::optional<Tensor> w_opt) {
+    RoundGuard guard(this, RoundKind::kCombine);
     const char* op = "normal_combine";
     const int R = buf_->size();
     const ep::DType dt = hiddenType(y_in, op, "y");
@@ -443,6 +486,7 @@ class PyEpBuffer {
           std::lock_guard<std::mutex> g(mu_);
           round = buf_->nextCombineRound();
         }
+        guard.reserved();
         buf_->normalCombine(a, round);
       });
     }
@@ -513,6 +557,16 @@ void registerEpApis(py::module_& m) {
            py::arg("async_finish"), py::arg("return_recv_hook"), py::arg("out"))
       .def("get_dispatch_layout", &PyEpBuffer::dispatchLayout, py::arg("topk_idx"),
            py::arg("num_experts"))
+      .def(
+          "abandon",
+          [](PyEpBuffer& b, const std::string& kind) {
+            if (kind != "dispatch" && kind != "combine")
+              bad("abandon: kind must be 'dispatch' or 'combine', got '", kind, "'");
+            b.giveUp(kind == "dispatch" ? PyEpBuffer::RoundKind::kDispatch
+                                        : PyEpBuffer::RoundKind::kCombine);
+          },
+          "Gives up this rank's next dispatch/combine round (a call that failed before it "
+          "reached the buffer): the peers' calls of the round end at once.")
       .def("normal_dispatch", &PyEpBuffer::normalDispatch, py::arg("x"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("num_experts"), py::arg("expert_alignment"),
            py::arg("is_token_in_rank"))

@@ -23,6 +23,8 @@ in place: a rank that sends nothing within ``timeout_us`` is set to 0, counted a
 sent no tokens and skipped by combine; ranks already 0 are neither sent to nor waited for.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -118,9 +120,10 @@ class Buffer:
         source token index. With async_finish the outputs are filled once event.wait()
         returns; with return_recv_hook the call only sends and hook() receives.
         """
-        M, E = int(num_max_dispatch_tokens_per_rank), int(num_experts)
+        with self._round("dispatch"):
+            M, E, tmo = int(num_max_dispatch_tokens_per_rank), int(num_experts), int(timeout_us)
         recv_x, recv_count, src_info, layout, event, hook = self._impl.dispatch(
-            x, topk_idx, active_ranks, M, E, int(timeout_us), bool(use_fp8), bool(async_finish),
+            x, topk_idx, active_ranks, M, E, tmo, bool(use_fp8), bool(async_finish),
             bool(return_recv_hook))
         handle = EpHandle(src_info, layout, M, int(x.shape[1]), E)
         return recv_x, recv_count, handle, event, hook
@@ -132,11 +135,12 @@ class Buffer:
 
         Returns (out [T, H], event, hook).
         """
-        src_info, layout, M, H, E = handle
-        return self._impl.combine(y, topk_idx, topk_weights, active_ranks,
-                                  int(DEFAULT_TIMEOUT_US if timeout_us is None else timeout_us),
-                                  src_info, layout, int(M), int(H), int(E), bool(async_finish),
-                                  bool(return_recv_hook), out)
+        with self._round("combine"):
+            src_info, layout, M, H, E = handle
+            tmo = int(DEFAULT_TIMEOUT_US if timeout_us is None else timeout_us)
+            M, H, E = int(M), int(H), int(E)
+        return self._impl.combine(y, topk_idx, topk_weights, active_ranks, tmo, src_info, layout,
+                                  M, H, E, bool(async_finish), bool(return_recv_hook), out)
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
@@ -155,13 +159,14 @@ class Buffer:
         earlier dispatch (a cached dispatch, as combine's backward uses); topk_weights, if
         given, then pass through unmasked.
         """
-        if handle is not None and topk_idx is None:
-            in_rank, E = handle.is_token_in_rank, handle.num_experts
-        else:
-            in_rank, E = None, int(num_experts)
+        with self._round("dispatch"):
+            if handle is not None and topk_idx is None:
+                in_rank, E = handle.is_token_in_rank, handle.num_experts
+            else:
+                in_rank, E = None, int(num_experts)
+            align = int(expert_alignment)
         recv_x, recv_topk, recv_w, per_expert, recv_src, counts, in_rank = \
-            self._impl.normal_dispatch(x, topk_idx, topk_weights, E, int(expert_alignment),
-                                       in_rank)
+            self._impl.normal_dispatch(x, topk_idx, topk_weights, E, align, in_rank)
         h = NormalHandle(in_rank, counts, recv_src, recv_topk, recv_w, E)
         return recv_x, recv_topk, recv_w, per_expert, h
 
@@ -172,8 +177,21 @@ class Buffer:
         Returns (out [T, H], out_topk_weights [T, K]): the received weights (the handle's, or
         `topk_weights` [N, K]) summed the same way; None when there are none.
         """
-        w = handle.recv_topk_weights if topk_weights is None else topk_weights
-        return self._impl.normal_combine(y, handle.recv_counts, handle.is_token_in_rank, w)
+        with self._round("combine"):
+            w = handle.recv_topk_weights if topk_weights is None else topk_weights
+            counts, in_rank = handle.recv_counts, handle.is_token_in_rank
+        return self._impl.normal_combine(y, counts, in_rank, w)
+
+    @contextlib.contextmanager
+    def _round(self, kind):
+        """Argument preparation of a dispatch/combine: an error here (before the native call)
+        still gives the round up, so the peers' calls of that round end at once with an error
+        naming this rank and the next round is in step on every rank."""
+        try:
+            yield
+        except Exception:
+            self._impl.abandon(kind)
+            raise
 
 
 # ---- autograd (normal mode): backward of dispatch is combine and vice versa ----
