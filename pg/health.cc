@@ -85,22 +85,20 @@ void Health::outOfStep(const OpCtx& op, int rank, uint64_t theirs) const {
                   name(rank), op.name);
 }
 
-void OpSig::pack(uint64_t w[3]) const {
+void OpSig::pack(uint64_t w[2]) const {
   w[0] = static_cast<uint64_t>(kind) | static_cast<uint64_t>(dtype) << 8 |
          static_cast<uint64_t>(redop) << 16 |
-         static_cast<uint64_t>(static_cast<uint32_t>(root)) << 32;
-  w[1] = count;
-  w[2] = shape;
+         static_cast<uint64_t>(static_cast<uint32_t>(root + 1)) << 24;
+  w[1] = kind == OpKind::kAllGatherV ? shape : count;
 }
 
-OpSig OpSig::unpack(const uint64_t w[3]) {
+OpSig OpSig::unpack(const uint64_t w[2]) {
   OpSig s;
   s.kind = static_cast<OpKind>(w[0] & 0xff);
   s.dtype = static_cast<uint8_t>(w[0] >> 8);
   s.redop = static_cast<uint8_t>(w[0] >> 16);
-  s.root = static_cast<int32_t>(static_cast<uint32_t>(w[0] >> 32));
-  s.count = w[1];
-  s.shape = w[2];
+  s.root = static_cast<int32_t>(static_cast<uint32_t>(w[0] >> 24)) - 1;
+  (s.kind == OpKind::kAllGatherV ? s.shape : s.count) = w[1];
   return s;
 }
 

@@ -14,7 +14,8 @@ namespace mooncake::pg {
 // What every rank must agree on for one collective: checked on the data path (the shm
 // group's descriptor lines, the net group's message headers), so that ranks that called
 // different collectives, dtypes, sizes or roots all raise an error naming both shapes
-// instead of exchanging wrong data. Packed into 3 words for the wire and shared memory.
+// instead of exchanging wrong data. Packed into 2 words for the wire and shared memory (so
+// that a shm descriptor shares the cache line of the flag a peer reads anyway).
 enum class OpKind : uint8_t {
   kNone = 0,
   kAllReduce,
@@ -35,15 +36,15 @@ struct OpSig {
   uint8_t redop = 0;  // ReduceOp + 1; 0: none
   int32_t root = -1;
   uint64_t count = 0;  // elements (typed ops) or bytes (per rank where each rank sends one block)
-  uint64_t shape = 0;  // a hash of per-rank sizes (allgatherv), 0 otherwise
+  uint64_t shape = 0;  // allgatherv only (count 0): a hash of the per-rank sizes
 
   bool operator==(const OpSig& o) const {
     return kind == o.kind && dtype == o.dtype && redop == o.redop && root == o.root &&
            count == o.count && shape == o.shape;
   }
   bool operator!=(const OpSig& o) const { return !(*this == o); }
-  void pack(uint64_t w[3]) const;
-  static OpSig unpack(const uint64_t w[3]);
+  void pack(uint64_t w[2]) const;
+  static OpSig unpack(const uint64_t w[2]);
   // "allreduce(float32 x 10, sum)", "broadcast(50 bytes, root 0)", ...
   std::string describe() const;
 };

@@ -16,7 +16,7 @@ struct Header {
   uint32_t magic;
   int32_t src;
   uint64_t seq;
-  uint64_t sig[3];  // OpSig::pack of the op
+  uint64_t sig[2];  // OpSig::pack of the op
 };
 static_assert(sizeof(Header) == NetGroup::kHeaderBytes, "header layout");
 }  // namespace
@@ -112,7 +112,7 @@ void NetGroup::start() {
 }
 
 void NetGroup::send(const OpCtx& op, int dst, const void* data, size_t len) {
-  Header h{kMagic, rank_, op.seq, {0, 0, 0}};
+  Header h{kMagic, rank_, op.seq, {0, 0}};
   op.sig.pack(h.sig);
   track(op);
   sent_[dst] = 1;
@@ -210,7 +210,7 @@ void NetGroup::recv(const OpCtx& op, int src, void* out, size_t len) {
 
 void NetGroup::abort(int blamed, const std::string& reason) {
   std::string payload(sizeof(Header) + 4, '\0');
-  Header h{kMagic, rank_, kAbortSeq, {0, 0, 0}};
+  Header h{kMagic, rank_, kAbortSeq, {0, 0}};
   int32_t b = blamed;
   std::memcpy(payload.data(), &h, sizeof(h));
   std::memcpy(payload.data() + sizeof(h), &b, 4);

@@ -24,7 +24,7 @@ namespace mooncake::pg {
 
 class NetGroup {
  public:
-  static constexpr size_t kHeaderBytes = 40;
+  static constexpr size_t kHeaderBytes = 32;
 
   // A received message; data()/size() exclude the header.
   struct Msg {

@@ -47,19 +47,26 @@ void ShmGroup::beginOp(const OpCtx& op) {
   posted_ready_ = false;
   verified_.assign(bases_.size(), 0);
   verified_[rank_] = 1;
-  Desc& d = hdr(rank_)->desc[op.seq & 1];
-  uint64_t w[3];
-  op.sig.pack(w);
-  for (int i = 0; i < 3; ++i) d.w[i].store(w[i], std::memory_order_relaxed);
-  d.seq.store(op.seq, std::memory_order_release);  // before any flag of the op (seq_cst posts)
+  op.sig.pack(desc_words_);
+  desc_pending_ = true;
+}
+
+// Published with the op's first flag (peers only read a descriptor after they saw a flag of
+// the op): written just before the flag, so that a peer spinning on this rank's kReady line
+// does not pull it away between the two writes.
+void ShmGroup::publishDesc() {
+  Desc& d = descOf(rank_, op_seq_);
+  d[1].store(desc_words_[0], std::memory_order_relaxed);
+  d[2].store(desc_words_[1], std::memory_order_relaxed);
+  d[0].store(op_seq_, std::memory_order_relaxed);  // ordered by the flag's seq_cst exchange
+  desc_pending_ = false;
 }
 
 void ShmGroup::verify(const OpCtx& op, int r) {
-  const Desc& d = hdr(r)->desc[op.seq & 1];
-  uint64_t theirs = d.seq.load(std::memory_order_acquire);
+  const Desc& d = descOf(r, op.seq);
+  uint64_t theirs = d[0].load(std::memory_order_acquire);
   if (theirs == op.seq) {
-    uint64_t w[3];
-    for (int i = 0; i < 3; ++i) w[i] = d.w[i].load(std::memory_order_relaxed);
+    uint64_t w[2] = {d[1].load(std::memory_order_relaxed), d[2].load(std::memory_order_relaxed)};
     OpSig sig = OpSig::unpack(w);
     if (op.sig.kind != OpKind::kNone && sig != op.sig) health_->mismatch(op, r, sig);
   } else if (theirs < op.seq) {
@@ -76,10 +83,9 @@ void ShmGroup::reportMismatch(const OpCtx& op) const {
     std::vector<uint64_t> seqs(n);
     std::vector<OpSig> sigs(n);
     for (int r = 0; r < n; ++r) {
-      const Desc& d = hdr(r)->desc[slot];
-      seqs[r] = d.seq.load(std::memory_order_acquire);
-      uint64_t w[3];
-      for (int i = 0; i < 3; ++i) w[i] = d.w[i].load(std::memory_order_relaxed);
+      const Desc& d = descOf(r, static_cast<uint64_t>(slot));
+      seqs[r] = d[0].load(std::memory_order_acquire);
+      uint64_t w[2] = {d[1].load(std::memory_order_relaxed), d[2].load(std::memory_order_relaxed)};
       sigs[r] = OpSig::unpack(w);
     }
     for (int a = 0; a < n; ++a)
@@ -109,6 +115,7 @@ void ShmGroup::barrierOp(const OpCtx& op) {
 }
 
 void ShmGroup::post(Flag f, uint64_t s) {
+  if (desc_pending_) publishDesc();
   if (f == kReady) posted_ready_ = true;
   Line& l = hdr(rank_)->flags[f];
   l.v.exchange(s, std::memory_order_seq_cst);  // full barrier: orders the waiters load below
@@ -127,6 +134,8 @@ void ShmGroup::waitAll(const OpCtx& op, Flag f, uint64_t s) {
 }
 
 void ShmGroup::abort(int blamed) {
+  // Peers that see the abort look for differing calls in the descriptors: show this op's.
+  if (desc_pending_) publishDesc();
   uint64_t v = blamed >= 0 ? static_cast<uint64_t>(blamed) + 2 : 1;
   uint64_t expected = 0;
   hdr(rank_)->abort.v.compare_exchange_strong(expected, v);

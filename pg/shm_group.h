@@ -78,25 +78,29 @@ class ShmGroup {
   void barrierOp(const OpCtx& op);
 
  private:
+  // The op descriptor: [0] the op it describes (0: none yet), [1..2] OpSig::pack.
+  using Desc = std::atomic<uint64_t>[3];
   struct alignas(128) Line {
     std::atomic<uint64_t> v;
     std::atomic<uint32_t> waiters;  // processes sleeping on v (futex)
+    uint32_t pad;
+    // Used in the kReady line only: the descriptors by op parity, in the same 64 bytes as the
+    // flag every peer reads first, so the check costs no extra cache miss.
+    Desc desc[2];
   };
-  struct alignas(128) Desc {
-    std::atomic<uint64_t> seq;   // the op it describes (0: none yet)
-    std::atomic<uint64_t> w[3];  // OpSig::pack
-  };
+  static_assert(sizeof(std::atomic<uint64_t>) == 8, "layout");
   struct Header {
     Line flags[kNumFlags];
     Line abort;  // 0, or 2 + the rank blamed (1: no rank in particular)
-    Desc desc[2];  // by op parity
   };
+  Desc& descOf(int r, uint64_t seq) const { return hdr(r)->flags[kReady].desc[seq & 1]; }
   static_assert(sizeof(Header) <= kHeaderBytes, "header page too small");
 
   Header* hdr(int r) const { return reinterpret_cast<Header*>(bases_[r]); }
   void slowWait(const OpCtx& op, int r, Line& line, uint64_t s);
   void checkPeers(const OpCtx& op, int waiting_for) const;
   void beginOp(const OpCtx& op);
+  void publishDesc();
   // A flag of peer r for a step of the current op was seen: check its descriptor.
   void verify(const OpCtx& op, int r);
   // Two ranks (this one included) whose descriptors of the same op differ: throws the
@@ -114,6 +118,8 @@ class ShmGroup {
   uint64_t op_first_step_ = 0;  // its first step
   std::vector<uint8_t> verified_;  // peers whose descriptor of op_seq_ matched
   bool posted_ready_ = false;      // this rank wrote data for peers in the op
+  bool desc_pending_ = false;      // the op's descriptor goes out with its first flag
+  uint64_t desc_words_[2] = {0, 0};
 };
 
 }  // namespace mooncake::pg

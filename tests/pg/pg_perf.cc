@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
         double p50 = mx[mx.size() / 2], p99 = mx[std::min(mx.size() - 1, mx.size() * 99 / 100)];
         if (c.rank() == 0) {
           double algbw = bytes / (p50 * 1e-6) / 1e9;
-          std::printf("%-15s n=%d %10zu B  p50 %10.1f us  p99 %10.1f us  algbw %7.3f  busbw %7.3f GB/s\n",
+          std::printf("%-15s n=%d %10zu B  p50 %10.2f us  p99 %10.2f us  algbw %7.3f  busbw %7.3f GB/s\n",
                       op.c_str(), n, bytes, p50, p99, algbw, algbw * busFactor(op, n));
           std::fflush(stdout);
         }

@@ -244,6 +244,82 @@ def test_torch_rank_serves_no_one_without_the_job_secret():
                 p.kill()
 
 
+# ---------------------------------------------------------------- 8: mismatched collectives
+
+MISMATCH = r"""
+import sys, time, torch, torch.distributed as dist
+import mooncake
+rank, world = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("mooncake", rank=rank, world_size=world,
+                        init_method=f"tcp://127.0.0.1:{sys.argv[3]}",
+                        timeout=__import__("datetime").timedelta(seconds=20))
+cases = {
+    "all_reduce 10 vs 20": lambda g: dist.all_reduce(torch.ones(20 if rank == 1 else 10), group=g),
+    "all_reduce float32 vs int32": lambda g: dist.all_reduce(
+        torch.ones(8, dtype=torch.int32 if rank == 1 else torch.float32), group=g),
+    "all_reduce float32 vs float64": lambda g: dist.all_reduce(
+        torch.ones(8, dtype=torch.float64 if rank == 0 else torch.float32), group=g),
+    "broadcast 50 vs 100": lambda g: dist.broadcast(torch.ones(100 if rank == 1 else 50), 0, group=g),
+    "all_gather 4 vs 6": lambda g: dist.all_gather(
+        [torch.empty(6 if rank == 1 else 4) for _ in range(world)],
+        torch.ones(6 if rank == 1 else 4), group=g),
+}
+for name, call in cases.items():
+    g = dist.new_group(backend="mooncake")  # a mismatch breaks its group: one per case
+    t0 = time.time()
+    msg = "no error"
+    try:
+        call(g)
+        try:
+            dist.all_reduce(torch.ones(1), group=g)  # a rank that matched the root raises here
+        except RuntimeError as e:
+            msg = str(e)
+    except RuntimeError as e:
+        msg = str(e)
+    print("CASE", name, "|", round(time.time() - t0, 2), "|", msg.replace("\n", " "), flush=True)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.isolated
+def test_mismatched_collectives_raise_on_every_rank_naming_both_calls():
+    world, port = 2, free_port()
+    env = dict(os.environ)
+    env.pop("MC_SECRET", None)
+    env.pop("MC_SECRET_FILE", None)
+    procs = [subprocess.Popen([sys.executable, "-c", MISMATCH, str(r), str(world), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("mismatch job hung")
+        outs.append((p.returncode, out, err[-3000:]))
+    expect = {
+        "all_reduce 10 vs 20": ("float32 x 10", "float32 x 20"),
+        "all_reduce float32 vs int32": ("float32 x 8", "int32 x 8"),
+        "all_reduce float32 vs float64": ("float32 x 8", "float64 x 8"),
+        "broadcast 50 vs 100": ("broadcast(200 bytes", "broadcast(400 bytes"),
+        "all_gather 4 vs 6": ("allgather(16 bytes", "allgather(24 bytes"),
+    }
+    for r, (rc, out, err) in enumerate(outs):
+        assert rc == 0 and "done" in out, f"rank {r} rc={rc}\n{out}\n{err}"
+        seen = {}
+        for line in out.splitlines():
+            if line.startswith("CASE "):
+                name, took, msg = line[5:].split(" | ", 2)
+                seen[name] = (float(took), msg)
+        for name, subs in expect.items():
+            took, msg = seen[name]
+            assert took < 10, f"rank {r} {name}: raised after {took} s: {msg}"
+            for sub in subs:
+                assert sub.lower() in msg.lower(), f"rank {r} {name}: '{sub}' not in: {msg}"
+
+
 # ---------------------------------------------------------------- 3: pre-auth floods
 
 def test_preauth_floods_cost_no_memory_and_idle_connections_are_closed():
