@@ -63,13 +63,18 @@ else
   changed=0
 fi
 
-# The .pth of the old install method would put some checkout's build/python on sys.path too.
-for site in $("$PY" -c 'import site; print(" ".join(site.getsitepackages()))'); do
-  if [[ -f "$site/mooncake.pth" ]]; then
+# The .pth of the old install method (a path into one checkout's build/python, written into
+# the interpreter's install directory) would put that checkout on sys.path too. Only the
+# target interpreter's own install directory is looked at (a venv's, never the system's),
+# and only a mooncake.pth that points at a built package is removed.
+site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if [[ -f "$site/mooncake.pth" ]]; then
+  target="$(head -n1 "$site/mooncake.pth")"
+  if compgen -G "$target/mooncake/_C*.so" >/dev/null; then
     rm -f "$site/mooncake.pth"
-    echo "install_python: removed $site/mooncake.pth (the old checkout-pointing install)"
+    echo "install_python: removed $site/mooncake.pth (the old install: a path to $target)"
   fi
-done
+fi
 
 # Prove it from a neutral directory with a clean environment (quiet unless it changed).
 where="$(cd / && env -u PYTHONPATH "$PY" -c \
