@@ -164,7 +164,8 @@ def _settings(config_settings):
     cmake_args = s.get("cmake-args") or ""
     if isinstance(cmake_args, list):
         cmake_args = " ".join(cmake_args)
-    return {"build_dir": os.path.abspath(build_dir), "strip": strip,
+    return {"build_dir": os.path.abspath(build_dir), "build_dir_given": bool(s.get("build-dir")),
+            "strip": strip,
             "jobs": str(jobs) if jobs else None, "cmake_args": shlex.split(cmake_args)}
 
 
@@ -189,26 +190,59 @@ def _run(cmd):
         raise BuildError(f"command failed (exit {r.returncode}): {' '.join(cmd)}")
 
 
+def _configured(build_dir):
+    return os.path.isfile(os.path.join(build_dir, "CMakeCache.txt"))
+
+
+def _torch_mismatch(build_dir, info):
+    """None when the configured build_dir builds for the installing interpreter's torch, else
+    what it was configured for. (A venv's python resolves to the same binary as the system's
+    but may see another torch, so the interpreters are compared by what they import.)"""
+    if _cache_value(build_dir, "MC_WITH_TORCH") not in ("ON", "TRUE", "1"):
+        return None  # no torch configured yet: configuring for this interpreter is safe
+    cache_py = _cache_value(build_dir, "MC_PYTHON")
+    if cache_py == sys.executable:
+        return None
+    other = _probe(cache_py) if cache_py and os.path.exists(cache_py) else {}
+    if all(other.get(k) == info[k] for k in ("torch_version", "torch_dir", "ext_suffix")):
+        return None
+    return f"configured for {cache_py} (torch {other.get('torch_version', 'unknown')})"
+
+
+def _choose_build_dir(settings, info):
+    """The build directory to use: the given/default one, unless it is configured for another
+    torch. CMake caches the torch it found (library paths), so such a directory is never
+    switched over: an explicit build-dir is an error, the default gives way to
+    build-<python tag>-torch<version> beside it."""
+    bd = settings["build_dir"]
+    if not _configured(bd):
+        return bd
+    why = _torch_mismatch(bd, info)
+    if why is None:
+        return bd
+    if settings["build_dir_given"]:
+        raise BuildError(f"{bd} is {why}, not for {sys.executable} (torch "
+                         f"{info['torch_version']}); pass another --config-settings build-dir=")
+    tag = re.sub(r"[^A-Za-z0-9.]+", "-", f"{_tags()[0]}-torch{info['torch_version']}")
+    alt = os.path.join(SRC, f"build-{tag}")
+    _log(f"{bd} is {why}; building in {alt} instead")
+    if _configured(alt):
+        why = _torch_mismatch(alt, info)
+        if why is not None:
+            raise BuildError(f"{alt} is {why}; pass --config-settings build-dir=")
+    return alt
+
+
 def _cmake_build(settings, info):
     build_dir = settings["build_dir"]
-    configured = os.path.isfile(os.path.join(build_dir, "CMakeCache.txt"))
+    configured = _configured(build_dir)
     reason = None
     if not configured:
         reason = "new build directory"
-    else:
-        cache_py = _cache_value(build_dir, "MC_PYTHON")
-        if _cache_value(build_dir, "MC_WITH_TORCH") not in ("ON", "TRUE", "1"):
-            reason = "configured without torch"
-        elif cache_py != sys.executable:
-            # Another interpreter (a venv's python resolves to the same binary but may see
-            # another torch): reuse the build only when its torch is the installing one's.
-            other = _probe(cache_py) if cache_py and os.path.exists(cache_py) else {}
-            same = all(other.get(k) == info[k] for k in ("torch_version", "torch_dir",
-                                                        "ext_suffix"))
-            if not same:
-                reason = f"configured for {cache_py}, whose torch differs"
-        if reason is None and settings["cmake_args"]:
-            reason = "cmake-args given"
+    elif _cache_value(build_dir, "MC_WITH_TORCH") not in ("ON", "TRUE", "1"):
+        reason = "configured without torch"
+    elif settings["cmake_args"]:
+        reason = "cmake-args given"
     if reason is not None:
         _log(f"configuring {build_dir} ({reason})")
         cmd = ["cmake", "-S", SRC, "-B", build_dir, "-DMC_PYTHON=" + sys.executable,
@@ -405,6 +439,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     settings = _settings(config_settings)
     info = _probe_installing()
     _log(f"python {sys.executable}, torch {info['torch_version']} ({info['torch_dir']})")
+    settings["build_dir"] = _choose_build_dir(settings, info)
     _cmake_build(settings, info)
     binaries = _built_files(settings, info)
 
