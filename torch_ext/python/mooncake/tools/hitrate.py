@@ -32,7 +32,6 @@ the store has and the master evicts one object at a time (``--eviction-high-wate
 import argparse
 import collections
 import json
-import math
 import os
 import sys
 import time
