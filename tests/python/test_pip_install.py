@@ -9,6 +9,7 @@ backend only checks that the build is current and writes the wheel.
 import glob
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -110,7 +111,7 @@ def test_pip_install_venv_job_tools_uninstall(tmp_path):
     # every rank.
     job = tmp_path / "job.py"
     job.write_text(JOB)
-    with __import__("socket").socket() as s:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     r = _run([py, "-m", "mooncake.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
