@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Demo of the torch.distributed backend "mooncake" under torchrun.
 
-    /usr/bin/python3 -m torch.distributed.run --nproc_per_node 2 scripts/demo_torch.py [--quick]
+    /usr/bin/python3 -m mooncake.run --nproc_per_node 2 scripts/demo_torch.py [--quick]
 
 Each rank initialises the default group with backend "mooncake" (env:// from torchrun) and
 a gloo group over the same ranks, runs every collective on both, checks that the results
-agree, and rank 0 prints a side-by-side timing table. Exit status 0 only when every
-result matches.
+agree, and rank 0 prints a side-by-side timing table. Then, on the same group and engine
+(scripts/demo_serving.py): KV-cache offload through mooncake.store (a request's prefix KV
+blocks offloaded by one rank, reloaded by the other for a request with the same system
+prompt: TTFT with and without the cache, logits compared) and one mooncake.ep
+dispatch/combine round. Exit status 0 only when every result matches.
 """
 
 import argparse
@@ -18,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 import mooncake  # noqa: F401  (registers the backend)
+
+import demo_serving  # scripts/ is sys.path[0]
 
 
 def gen(n, seed, dtype=torch.float32):
@@ -149,6 +154,8 @@ def fmt_bytes(b):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small timing sizes, few iterations")
+    ap.add_argument("--no-serving", action="store_true",
+                    help="skip the KV-offload and expert-parallel parts")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -179,9 +186,22 @@ def main():
             print(f"all results match gloo ({len(collectives(rank, world))} collectives checked)")
         else:
             print(f"{int(failures)} mismatches against gloo")
+    ok = int(failures) == 0
+    if not args.no_serving:
+        for title, part in (
+                ("KV-cache offload through mooncake.store, on the group's engine",
+                 demo_serving.kv_offload),
+                ("MoE dispatch/combine through mooncake.ep (low-latency mode), on the same group",
+                 demo_serving.ep_round)):
+            if rank == 0:
+                print(f"\n== {title} ==", flush=True)
+            part_ok, lines = part(rank, world, gloo)
+            ok = ok and part_ok
+            if rank == 0:
+                print("\n".join(lines), flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    return 0 if int(failures) == 0 else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # Installs what the build needs (Debian packages, only the missing ones), configures and
-# builds the project into build/. Idempotent and quiet when everything is in place.
-# Works from any directory. Usage: scripts/setup.sh
+# builds the project into build/, then pip-installs the `mooncake` package from that build
+# into Debian's Python (scripts/install_python.sh). Idempotent and quiet when everything is
+# in place. Works from any directory.
+# Usage: scripts/setup.sh [--no-install]   (--no-install: build only, leave Python alone)
 set -euo pipefail
+
+INSTALL=1
+for a in "$@"; do
+  case "$a" in
+    --no-install) INSTALL=0 ;;
+    *) echo "usage: scripts/setup.sh [--no-install]" >&2; exit 2 ;;
+  esac
+done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -14,7 +24,8 @@ PACKAGES=(
   libprotobuf-dev protobuf-compiler libcpp-httplib-dev libre2-dev pkg-config
   redis-server python3-redis
   python3-mpi4py openmpi-bin libopenmpi-dev
-  python3-matplotlib
+  python3-matplotlib python3-tqdm
+  python3-pip python3-venv
   libibverbs-dev
   iproute2
 )
@@ -54,9 +65,8 @@ if [[ ! -f build/build.ninja || ! -f build/CMakeCache.txt ]]; then
 fi
 ninja -C build -j2 --quiet
 
-# ---- hook: Python package installation (owned by the torch_ext/pg side) ----
-# When scripts/install_python.sh exists it installs/links the `mooncake` Python package
-# built above; setup.sh only calls it.
-if [[ -f scripts/install_python.sh ]]; then
-  bash scripts/install_python.sh
+# The `mooncake` package: `pip install .` into /usr/bin/python3, packaging the build above
+# (no second compile); a no-op when the installed copy is already this build's.
+if ((INSTALL)); then
+  bash scripts/install_python.sh build
 fi

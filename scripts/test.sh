@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
 # Builds everything (scripts/setup.sh), then runs the C++ tests (ctest) and the Python tests
 # (pytest on tests/python). Exits non-zero when anything failed; the last line is a summary.
-# Works from any directory. Usage: scripts/test.sh
+# Works from any directory.
+# Usage: scripts/test.sh [--python PY]
+#   --python PY  install the package into PY (a venv made with --system-site-packages) instead
+#                of Debian's /usr/bin/python3, and run pytest with it: several checkouts on
+#                one machine then test their own builds without replacing each other's install.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
+PY=/usr/bin/python3
+if [[ "${1:-}" == "--python" ]]; then
+  PY="$2"
+  shift 2
+fi
+
 t_start=$SECONDS
-bash scripts/setup.sh
+if [[ "$PY" == /usr/bin/python3 ]]; then
+  bash scripts/setup.sh
+else
+  bash scripts/setup.sh --no-install
+  bash scripts/install_python.sh --python "$PY" build
+fi
 t_built=$SECONDS
 
 # Per-test timeout 600 s; the suite as a whole has to fit ~20 min on 2 cores with the build.
@@ -20,7 +35,7 @@ pytest_rc=0
 pytest_state="skipped (no tests/python/test_*.py)"
 if compgen -G "tests/python/test_*.py" >/dev/null; then
   # A hung test must not hang CI: the whole pytest run gets a hard limit.
-  timeout -k 30 1200 /usr/bin/python3 -m pytest -q tests/python || pytest_rc=$?
+  timeout -k 30 1200 "$PY" -m pytest -q tests/python || pytest_rc=$?
   if ((pytest_rc == 5)); then
     pytest_rc=0
     pytest_state="no tests collected"

@@ -38,8 +38,9 @@ def pytest_configure(config):
 def _require_mooncake():
     ok, err = _mooncake_importable()
     if not ok:
-        pytest.exit("`/usr/bin/python3 -c 'import mooncake'` fails; run scripts/setup.sh "
-                    "(or scripts/install_python.sh BUILD_DIR):\n" + err, returncode=2)
+        pytest.exit(f"`{PYTHON} -c 'import mooncake'` fails; run scripts/setup.sh "
+                    "(or scripts/install_python.sh [--python PY] BUILD_DIR):\n" + err,
+                    returncode=2)
     yield
     for w in list(_pools):
         _pools.pop(w).close()

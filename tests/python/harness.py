@@ -1,6 +1,6 @@
 """Multi-process harness for the process-group tests.
 
-A Pool starts W worker processes (/usr/bin/python3 _pg_worker.py) that each initialise the
+A Pool starts W worker processes (python _pg_worker.py) that each initialise the
 default group with backend "mooncake" and a gloo group over the same ranks, then run cases
 (functions ``case_<name>(ctx, **kwargs)`` of pg_cases*.py) sent to all of them over a
 multiprocessing connection. Workers are reused across cases so the suite stays fast; a
@@ -20,7 +20,9 @@ from multiprocessing.connection import Listener, wait
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-PYTHON = "/usr/bin/python3"
+# The interpreter running pytest (scripts/test.sh: Debian's /usr/bin/python3; a venv's python
+# tests the mooncake installed in that venv).
+PYTHON = sys.executable
 WORKER = os.path.join(HERE, "_pg_worker.py")
 
 
@@ -212,9 +214,9 @@ class Pool:
 def run_torchrun(script, nproc=2, args=(), timeout_s=180, env=None, launcher="torch"):
     """Runs `script` under torchrun; returns the CompletedProcess.
 
-    launcher "torch": /usr/bin/python3 -m torch.distributed.run with --redirects 1 --tee 1
+    launcher "torch": python -m torch.distributed.run with --redirects 1 --tee 1
     (Debian's torch 1.13 on Python 3.11 crashes parsing the default "0"; see mooncake/run.py);
-    "mooncake": /usr/bin/python3 -m mooncake.run, which fixes that parser, plain flags."""
+    "mooncake": python -m mooncake.run, which fixes that parser, plain flags."""
     if launcher == "torch":
         head = [PYTHON, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1"]
     else:
