@@ -45,6 +45,7 @@ void registerPgApis(py::module_& m) {
 
   m.attr("TORCH_HAS_BACKEND_API") = py::bool_(MC_TORCH_HAS_BACKEND != 0);
   m.attr("BACKEND_BASE") = py::str(kBackendBasePyName);
+  m.attr("DEVICES") = py::cast(ProcessGroupMooncake::devices());
 }
 
 }  // namespace
