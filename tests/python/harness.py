@@ -20,7 +20,10 @@ from multiprocessing.connection import Listener, wait
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-PYTHON = "/usr/bin/python3"
+# The interpreter running the tests (scripts/test.sh: /usr/bin/python3, Debian's, with torch;
+# in scripts/test_torch2.sh's root, that root's), so a venv with its own mooncake.pth can
+# test a build without touching the system's.
+PYTHON = sys.executable
 WORKER = os.path.join(HERE, "_pg_worker.py")
 
 
@@ -30,13 +33,29 @@ def free_port():
         return s.getsockname()[1]
 
 
-def child_env(extra=None):
+def child_env(extra=None, drop=()):
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # mooncake must come from the installed .pth
+    for k in drop:
+        env.pop(k, None)
     env.setdefault("OMP_NUM_THREADS", "1")
     if extra:
         env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+_torch_version = None
+
+
+def torch_version():
+    """(major, minor) of the torch PYTHON imports."""
+    global _torch_version
+    if _torch_version is None:
+        out = subprocess.run([PYTHON, "-c", "import torch; print(torch.__version__)"],
+                             capture_output=True, text=True, check=True, env=child_env(),
+                             cwd="/").stdout
+        _torch_version = tuple(int(x) for x in out.strip().split("+")[0].split(".")[:2])
+    return _torch_version
 
 
 class PoolError(AssertionError):
@@ -208,17 +227,24 @@ class Pool:
 def run_torchrun(script, nproc=2, args=(), timeout_s=180, env=None, launcher="torch"):
     """Runs `script` under torchrun; returns the CompletedProcess.
 
-    launcher "torch": /usr/bin/python3 -m torch.distributed.run with --redirects 1 --tee 1
-    (Debian's torch 1.13 on Python 3.11 crashes parsing the default "0"; see mooncake/run.py);
-    "mooncake": /usr/bin/python3 -m mooncake.run, which fixes that parser, plain flags."""
+    launcher "torch": /usr/bin/python3 -m torch.distributed.run, plain on torch 2.x; on 1.13
+    with --redirects 1 --tee 1 (Debian's 1.13 on Python 3.11 crashes parsing the default
+    "0"; see mooncake/_compat.py). The environment keeps the USE_LIBUV=0 that conftest sets
+    for a torch without libuv, as the README tells users of plain torchrun to do.
+    "mooncake": /usr/bin/python3 -m mooncake.run with plain flags and USE_LIBUV unset: the
+    launcher has to fix both by itself."""
     if launcher == "torch":
-        head = [PYTHON, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1"]
+        head = [PYTHON, "-m", "torch.distributed.run"]
+        if torch_version() < (2, 0):
+            head += ["--redirects", "1", "--tee", "1"]
+        drop = ()
     else:
         head = [PYTHON, "-m", "mooncake.run"]
+        drop = ("USE_LIBUV",)
     cmd = head + ["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                   "--master_port", str(free_port()), script, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                          env=child_env(env), cwd="/")
+                          env=child_env(env, drop=drop), cwd="/")
 
 
 def here_path(*parts):

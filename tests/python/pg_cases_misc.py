@@ -287,8 +287,24 @@ def case_die(ctx, victim, at, mode="exit", phase="between", nbytes=4 << 20):
                 break
     except RuntimeError as e:
         now = time.time()
-        return {"raised": True, "msg": str(e), "since_death": now - at, "since_call": now - t0}
-    return {"raised": False}
+        res = {"raised": True, "msg": str(e), "type": type(e).__name__,
+               "since_death": now - at, "since_call": now - t0}
+    else:
+        return {"raised": False}
+    # Later ops fail too; torch >= 2.5's get_future_result reports it without raising.
+    try:
+        w = dist.all_reduce(torch.ones(4), async_op=True)
+    except RuntimeError as e:  # refused at once: the group knows a member is dead
+        res["later_op"] = type(e).__name__
+        return res
+    if hasattr(w, "get_future_result"):
+        res["future_result"] = int(w.get_future_result().wait())
+    try:
+        w.wait()
+        res["later_op"] = "succeeded"
+    except RuntimeError as e:
+        res["later_op"] = type(e).__name__
+    return res
 
 
 def case_timeout(ctx, absent):
@@ -299,7 +315,8 @@ def case_timeout(ctx, absent):
     try:
         dist.all_reduce(torch.ones(10))
     except RuntimeError as e:
-        return {"raised": True, "msg": str(e), "elapsed": time.time() - t0}
+        return {"raised": True, "msg": str(e), "type": type(e).__name__,
+                "elapsed": time.time() - t0}
     return {"raised": False, "elapsed": time.time() - t0}
 
 
