@@ -42,11 +42,11 @@
 #define MC_TORCH_HAS_WORK_RESULT (MC_TORCH_VERSION >= 205)
 
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/Types.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <exception>
 #include <string>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace mooncake::torch_ext {
 

@@ -620,14 +620,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coale
     checkGatherPair(ck, outputs[i], inputs[i], size_, "[" + std::to_string(i) + "]");
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs, outs = outputs;
-  return collective(OpType::COALESCED, "allgather_into_tensor_coalesced", outputs,
-                    [c, ins, outs] {
-                      for (size_t i = 0; i < ins.size(); ++i) {
-                        Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
-                        c->allGather(si.data(), so.data(), si.bytes());
-                        so.writeBack();
-                      }
-                    });
+  return collective(OpType::COALESCED, "allgather_into_tensor_coalesced", outputs, [c, ins, outs] {
+    for (size_t i = 0; i < ins.size(); ++i) {
+      Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
+      c->allGather(si.data(), so.data(), si.bytes());
+      so.writeBack();
+    }
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coalesced(
@@ -649,9 +648,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coale
                     [c, ins, outs, types] {
                       for (size_t i = 0; i < ins.size(); ++i) {
                         Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
-                        c->reduceScatter(si.data(), so.data(),
-                                         static_cast<size_t>(outs[i].numel()), types[i].first,
-                                         types[i].second);
+                        c->reduceScatter(si.data(), so.data(), static_cast<size_t>(outs[i].numel()),
+                                         types[i].first, types[i].second);
                         so.writeBack();
                       }
                     });
@@ -660,7 +658,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coale
 void ProcessGroupMooncake::startCoalescing() {
   std::lock_guard<std::mutex> lk(coalesce_mu_);
   if (coalescing_) {
-    throw std::invalid_argument(who() + ": startCoalescing: already coalescing (nested "
+    throw std::invalid_argument(who() +
+                                ": startCoalescing: already coalescing (nested "
                                 "coalescing managers on one group)");
   }
   coalescing_ = true;

@@ -185,9 +185,9 @@ class ProcessGroupMooncake : public BackendBase {
   std::shared_ptr<OpQueue> queue_;    // collectives, in issue order
   std::shared_ptr<Scratch> scratch_;  // staging of the list ops (used by one op at a time)
   std::mutex coalesce_mu_;
-  bool coalescing_ = false;                                   // guarded by coalesce_mu_
+  bool coalescing_ = false;                                  // guarded by coalesce_mu_
   std::vector<c10::intrusive_ptr<MooncakeWork>> coalesced_;  // guarded by coalesce_mu_
-  std::unique_ptr<P2pLanes> lanes_;   // declared last: stops first
+  std::unique_ptr<P2pLanes> lanes_;                          // declared last: stops first
 };
 
 // The process's one TransferEngine, shared by every group (created on first use, released
