@@ -136,9 +136,10 @@ class Pool:
             if not ready:
                 self.broken = True
                 missing = sorted(pending.values())
+                self.dump_stacks(missing)
                 self.kill()
                 raise PoolError(f"ranks {missing} did not answer within {timeout_s}s\n"
-                                f"{self.tails()}")
+                                f"{self.tails(8000)}")
             for c in ready:
                 r = pending.pop(c)
                 try:
@@ -188,6 +189,15 @@ class Pool:
                 codes.append(None)
         self.kill()
         return codes
+
+    def dump_stacks(self, ranks):
+        """Python stacks of `ranks` into their logs (the workers register SIGUSR1)."""
+        for r in ranks:
+            try:
+                self.procs[r].send_signal(signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)
 
     def kill(self):
         for p in self.procs:
