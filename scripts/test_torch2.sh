@@ -197,11 +197,18 @@ if [[ "$(id -u)" != 0 ]]; then
   exit 1
 fi
 if [[ -z "${_MOONCAKE_T2_NS:-}" ]]; then
-  # A private mount namespace and a pid namespace of our own. --kill-child: if this process
-  # is killed (a CI timeout), the namespace's first process gets SIGKILL, and with it every
-  # process and mount of the namespace goes away.
-  exec unshare --mount --propagation private --pid --fork --kill-child \
-    env _MOONCAKE_T2_NS=1 bash "${BASH_SOURCE[0]}" "$@"
+  # A private mount namespace and a pid namespace of our own, run by this shell: on
+  # SIGTERM/SIGINT/SIGHUP (a CI timeout, ^C, kill) it kills unshare, whose --kill-child kills
+  # the namespace's first process, and with it every process and mount of the namespace goes
+  # away. (unshare itself ignores SIGTERM and SIGINT while it waits, and the namespace's
+  # first process ignores signals it has no handler for, so neither can be the target.)
+  unshare --mount --propagation private --pid --fork --kill-child \
+    env _MOONCAKE_T2_NS=1 bash "${BASH_SOURCE[0]}" "$@" &
+  ns=$!
+  trap 'kill -KILL $ns 2>/dev/null; wait $ns 2>/dev/null; log "stopped"; exit 143' TERM INT HUP
+  rc=0
+  wait $ns || rc=$?
+  exit $rc
 fi
 main "$@"
 exit
