@@ -60,7 +60,12 @@ inside() {
     fi
     grep -E -m2 'mooncake: MC_WITH|mooncake deps' $BUILD/configure.log || true
   fi
+  [[ ${#launcher[@]} -eq 0 ]] || ccache -z >/dev/null
   ninja -C $BUILD -j2 --quiet
+  if [[ ${#launcher[@]} -ne 0 ]]; then
+    ccache --print-stats | awk '/^(direct|preprocessed)_cache_hit\t/ {h += $2}
+      /^cache_miss\t/ {m = $2} END {print "test_torch2: ccache: " h " hits, " m " misses"}'
+  fi
   bash scripts/install_python.sh "/src/$BUILD"
   local t_built=$SECONDS ctest_rc=0 pytest_rc=0
   ctest --test-dir $BUILD --output-on-failure -j2 --timeout 600 || ctest_rc=$?
