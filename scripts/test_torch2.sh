@@ -210,7 +210,9 @@ if [[ -z "${_MOONCAKE_T2_NS:-}" ]]; then
   unshare --mount --propagation private --pid --fork --kill-child \
     env _MOONCAKE_T2_NS=1 bash "${BASH_SOURCE[0]}" "$@" &
   ns=$!
-  trap 'kill -KILL $ns 2>/dev/null; wait $ns 2>/dev/null; log "stopped"; exit 143' TERM INT HUP
+  # (|| true: errexit applies inside a trap, and the killed unshare's status is not 0)
+  trap 'kill -KILL $ns 2>/dev/null || true; wait $ns 2>/dev/null || true; log "stopped"; exit 143' \
+    TERM INT HUP
   rc=0
   wait $ns || rc=$?
   exit $rc
