@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/engine.h"
@@ -198,8 +199,14 @@ TEST_P(P2pSessionsTest, PeerRegistersLaterAndNotifies) {
 TEST_P(P2pSessionsTest, PeerRestartedAtAnotherPortIsAnotherSession) {
   const std::string s = b_->name();
   MC_ASSERT_OK(sessions_->transfer(s, {{OpCode::kWrite, addr(src_), addr(dst_), 64}}));
+  auto pid = sessions_->peer(s);
+  ASSERT_TRUE(pid.ok());
   MC_EXPECT_OK(b_->unregisterMemory(dst_.data()));
-  b_.reset();  // the peer's engine stops
+  b_.reset();  // the peer's engine stops (its BYE reaches a_ asynchronously)
+  auto until = deadlineInMs(10000);
+  while (a_->peerStatus(*pid).ok() && Clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_FALSE(a_->peerStatus(*pid).ok()) << "the stopped peer was never reported gone";
   EXPECT_FALSE(sessions_->transfer(s, {{OpCode::kWrite, addr(src_), addr(dst_), 64}}).ok());
   EXPECT_FALSE(sessions_->probe(s).ok());
   b_ = makeEngine(GetParam());
