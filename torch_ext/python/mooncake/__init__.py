@@ -18,4 +18,8 @@ from .pg import BACKEND_NAME, Options, ProcessGroupMooncake  # noqa: F401
 
 pg.register()
 
-__all__ = ["BACKEND_NAME", "Options", "ProcessGroupMooncake", "pg"]
+# Upstream's wheel exports these at the top level.
+from .buffer_pool import BufferPool, RegisteredBufferPool  # noqa: E402
+
+__all__ = ["BACKEND_NAME", "Options", "ProcessGroupMooncake", "pg", "BufferPool",
+           "RegisteredBufferPool"]

@@ -108,3 +108,8 @@ def register():
         if "devices" in params:  # torch >= 2.1: the backend object serves these devices
             kwargs["devices"] = ["cpu", "cuda"]
         Backend.register_backend(name, _create, **kwargs)
+
+
+# Upstream Mooncake's mooncake.pg settings (set_host_ip, set_device_filter, set_transfer_engine).
+from ._pg_upstream import (get_device_filter, set_device_filter, set_host_ip,  # noqa: E402,F401
+                           set_transfer_engine)
