@@ -318,6 +318,14 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
   }
 }
 
+bool Core::sendHelloOk(Conn& c) {
+  FrameHeader ok;
+  ok.type = FrameType::kHelloOk;
+  ok.aux = ctx_->engine_id;
+  send(c, ok, nullptr, 0);
+  return true;
+}
+
 // A frame's payload is complete.
 bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
   const FrameHeader& h = c->cur;
@@ -371,11 +379,7 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
         send(*c, d, nullptr, 0, self.serialize());
         return true;
       }
-      FrameHeader ok;
-      ok.type = FrameType::kHelloOk;
-      ok.aux = ctx_->engine_id;
-      send(*c, ok, nullptr, 0);
-      return true;
+      return sendHelloOk(*c);
     }
     case FrameType::kDesc: {
       auto desc = SegmentDesc::parse(c->buf);
@@ -388,11 +392,7 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       // Before HELLO_OK: once the initiator's openPeer returns, it may message us over
       // another transport, and our handler may call peerOf() on it at once.
       if (ctx_->on_peer_hello) ctx_->on_peer_hello(*desc);
-      FrameHeader ok;
-      ok.type = FrameType::kHelloOk;
-      ok.aux = ctx_->engine_id;
-      send(*c, ok, nullptr, 0);
-      return true;
+      return sendHelloOk(*c);
     }
     case FrameType::kMsg: {
       std::string payload;
