@@ -78,7 +78,7 @@ def iters_for(size, scale):
 def _mc_store(addr, segment):
     from mooncake.store import MooncakeDistributedStore
     st = MooncakeDistributedStore()
-    rc = st.setup("bench", "", segment, 0, "tcp", "", addr)
+    rc = st.setup("bench", "", segment, 64 << 20, "tcp", "", addr)
     if rc != 0:
         raise RuntimeError(f"setup failed: {rc}")
     return st

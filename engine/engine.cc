@@ -20,6 +20,7 @@
 #include "engine/memory.h"
 #include "engine/params.h"
 #include "engine/secret.h"
+#include "engine/transport/tcp/tcp_query.h"
 #include "engine/transport/tcp/tcp_socket.h"
 #include "engine/transport/transport.h"
 #include "mooncake/config.h"
@@ -194,9 +195,16 @@ class TransferEngine::Impl {
     if (e->control) e->control->fail(e->why);
   }
 
+  // Guards opts.name while create() may still rename the engine (name_with_port) and the tcp
+  // listener, already up, could be asked for the descriptor.
+  mutable std::mutex name_mu;
+
   SegmentDesc localSegment() const {
     SegmentDesc d;
-    d.name = opts.name;
+    {
+      std::lock_guard<std::mutex> g(name_mu);
+      d.name = opts.name;
+    }
     d.engine_id = id;
     d.host_id = host_id;
     d.pid = getpid();
@@ -329,6 +337,7 @@ TransferEngine::~TransferEngine() { impl_->shutdown(); }
 Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions options) {
   auto impl = std::make_unique<Impl>();
   Impl& m = *impl;
+  const std::string given_name = options.name;  // name_with_port appends to it
   if (options.name.empty()) options.name = "engine-" + hex(m.id);
   {
     auto secret = resolveSecret(options.secret, SecretFile::kIfSet);
@@ -396,9 +405,18 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
     Status st = t->start(&m.ctx);
     if (!st.ok()) return st;
   }
+  if (options.name_with_port) {
+    // The listener's port is known only now; nothing has used the name yet.
+    SegmentDesc d;
+    m.transports[static_cast<int>(TransportKind::kTcp)]->fillLocalSegment(&d);
+    std::string host = given_name.empty() ? d.tcp_host : given_name;
+    if (host.find(':') != std::string::npos && host.front() != '[') host = "[" + host + "]";
+    std::lock_guard<std::mutex> g(m.name_mu);
+    m.opts.name = host + ":" + std::to_string(d.tcp_port);
+  }
   m.dispatcher = std::thread([raw] { raw->dispatchLoop(); });
   m.local_dispatcher = std::thread([raw] { raw->localDispatchLoop(); });
-  MC_LOG(INFO, ENGINE) << "engine " << options.name << " id " << hex(m.id) << " host " << m.host_id
+  MC_LOG(INFO, ENGINE) << "engine " << m.opts.name << " id " << hex(m.id) << " host " << m.host_id
                        << " transport " << (options.transport.empty() ? "auto" : options.transport);
   return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
 }
@@ -447,6 +465,15 @@ Status TransferEngine::unregisterMemory(void* addr) {
   for (auto& t : impl_->transports)
     if (t) t->unregisterRegion(*r);
   return Status::OK();
+}
+
+bool TransferEngine::isRegistered(const void* addr, uint64_t len) const {
+  return impl_->registry.find(reinterpret_cast<uint64_t>(addr), len).has_value();
+}
+
+Result<SegmentDesc> TransferEngine::queryPeer(const std::string& host, uint16_t port,
+                                              Deadline deadline) {
+  return tcp::queryDescriptor(host, port, impl_->opts.secret, impl_->id, deadline);
 }
 
 Status TransferEngine::publish(Rendezvous& rdv) {

@@ -41,6 +41,10 @@ struct EngineOptions {
   std::string transport;
   // Data connections per tcp peer; 0 reads MC_TCP_CONNS_PER_PEER.
   int tcp_conns_per_peer = 0;
+  // Upstream Mooncake's segment names ("host:port", the address peers reach the engine at):
+  // once the tcp listener is up, the name becomes "<name>:<listener port>", or
+  // "<advertised tcp host>:<port>" when name is empty; an IPv6 host is written "[addr]".
+  bool name_with_port = false;
 };
 
 struct Message {
@@ -66,6 +70,9 @@ class TransferEngine {
   Status registerMemory(void* addr, size_t len, MemoryKind kind = MemoryKind::kHost,
                         int device = -1);
   Status unregisterMemory(void* addr);
+  // True when [addr, addr+len) lies inside one region registered with (or allocated by) this
+  // engine.
+  bool isRegistered(const void* addr, uint64_t len) const;
 
   // ---- segments and peers ----
   uint64_t engineId() const;
@@ -77,6 +84,10 @@ class TransferEngine {
   Result<PeerId> openPeer(const SegmentDesc& remote, Deadline deadline);
   // Waits for "mc/seg/<name>" in the rendezvous, then opens it.
   Result<PeerId> openPeer(Rendezvous& rdv, const std::string& name, Deadline deadline);
+  // Asks the engine whose tcp listener is at host:port for its descriptor, presenting the job
+  // secret (tcp_query.h): how a peer is found without a rendezvous (upstream's P2P handshake).
+  // Open it with openPeer(), or refresh an open one with updatePeer().
+  Result<SegmentDesc> queryPeer(const std::string& host, uint16_t port, Deadline deadline);
   // Re-reads a peer's descriptor (after it registered more memory).
   Status updatePeer(PeerId peer, const SegmentDesc& remote);
   // OK while the peer is usable; kPeerDead (naming it) once it died or its link broke.

@@ -69,6 +69,14 @@ const std::vector<ParamDef> kParams = {
      "Largest value the tcp rendezvous server stores (segment descriptors are a few KiB)."},
     {"MC_RENDEZVOUS_MAX_TOTAL_BYTES", Type::kInt, "268435456",
      "Keys and values the tcp rendezvous server holds in all; a set beyond it is refused."},
+    // ---- mooncake.engine (upstream Mooncake's Python TransferEngine) ----
+    {"MC_FORCE_TCP", Type::kBool, "0",
+     "mooncake.engine: 1 carries every transfer over tcp, also to same-host peers (which use "
+     "shared memory otherwise). Upstream Mooncake's switch from RDMA to tcp; this build has "
+     "no RDMA transport, so protocol \"rdma\" runs over tcp/shm either way."},
+    {"MC_TRANSFER_TIMEOUT", Type::kInt, "30",
+     "mooncake.engine: seconds a transfer batch may take (at least 5), plus 1 ns per byte, "
+     "as upstream Mooncake's budget; a batch past it fails."},
     // ---- pg ----
     {"MC_PG_BUFFER_BYTES", Type::kInt, "8388608",
      "Bytes of the comm buffer a process group registers per rank (two halves; plus a "

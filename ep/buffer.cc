@@ -32,7 +32,10 @@ std::string str(const A&... a) {
   return os.str();
 }
 
+// timeout_us -1 (Mooncake EP's "no timeout"): a source is waited for until it delivers, its
+// engine peer is seen dead, or it gives the round up.
 engine::Deadline deadlineInUs(int64_t us) {
+  if (us == -1) return engine::noDeadline();
   return Clock::now() + std::chrono::microseconds(std::max<int64_t>(us, 0));
 }
 
@@ -55,13 +58,14 @@ struct RankInfo {
 // ---------------------------------------------------------------------------------------
 // set-up
 
-std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes) {
+std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes, bool disable_p2p) {
   if (group.engine == nullptr || !group.all_gather ||
       static_cast<int>(group.peers.size()) != group.size || group.rank < 0 ||
       group.rank >= group.size)
     invalid("ep.Buffer", "the group has no engine, no all_gather or a bad rank/size");
   std::unique_ptr<EpBuffer> b(new EpBuffer());
   b->g_ = std::move(group);
+  b->disable_p2p_ = disable_p2p;
   b->geo_ = BufferGeometry(bytes, b->g_.size);
   b->spin_us_ = params::getInt("MC_EP_SPIN_US");
   b->timeout_ms_ = std::max<int64_t>(1, params::getInt("MC_EP_TIMEOUT_MS"));
@@ -116,7 +120,9 @@ void EpBuffer::setUp(size_t bytes) {
     Status st = eng.updatePeer(g_.peers[r], *desc);
     if (!st.ok())
       throw std::runtime_error(str("ep.Buffer: cannot update peer rank ", r, ": ", st.toString()));
-    mapped_[r] = static_cast<char*>(eng.mappedAddress(g_.peers[r], all[r].base, bytes));
+    // disable_p2p: every peer through engine WRITEs, even where its buffer could be mapped.
+    if (!disable_p2p_)
+      mapped_[r] = static_cast<char*>(eng.mappedAddress(g_.peers[r], all[r].base, bytes));
   }
   registerSignalTarget(key_, this, &eng);
   // Nobody signals before every rank registered its handler target.
@@ -320,7 +326,7 @@ void EpBuffer::validate(const LowLatencyDispatchArgs& a) const {
                     " tokens, above num_max_dispatch_tokens_per_rank=", a.max_tokens));
   if (a.hidden <= 0) invalid(op, str("hidden size ", a.hidden));
   if (a.topk <= 0) invalid(op, str("topk_idx has ", a.topk, " columns"));
-  if (a.timeout_us < 0) invalid(op, str("timeout_us=", a.timeout_us));
+  if (a.timeout_us < -1) invalid(op, str("timeout_us=", a.timeout_us, " (-1: no timeout)"));
   auto l = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
   if (std::max(l.dispatch_bytes, l.combine_bytes) > geo_.regionBytes())
     invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),
@@ -463,7 +469,7 @@ void EpBuffer::validate(const LowLatencyCombineArgs& a) const {
   if (a.max_tokens <= 0 || a.tokens < 0 || a.tokens > a.max_tokens)
     invalid(op, str("topk_idx has ", a.tokens, " rows; the handle's M is ", a.max_tokens));
   if (a.topk <= 0) invalid(op, str("topk_idx has ", a.topk, " columns"));
-  if (a.timeout_us < 0) invalid(op, str("timeout_us=", a.timeout_us));
+  if (a.timeout_us < -1) invalid(op, str("timeout_us=", a.timeout_us, " (-1: no timeout)"));
   auto l = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
   if (std::max(l.dispatch_bytes, l.combine_bytes) > geo_.regionBytes())
     invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),

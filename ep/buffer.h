@@ -15,7 +15,7 @@
 // the same order with the same M, H, E, K and dtype (as DeepEP).
 //
 // Failure (low-latency mode, Mooncake EP's active_ranks model). A source rank whose
-// signals do not all carry this round by timeout_us, or 100 ms after its engine peer was
+// signals do not all carry this round by timeout_us (-1: no timeout), or 100 ms after its engine peer was
 // seen dead, is set to 0 in the caller's active_ranks and counted as having sent nothing;
 // ranks already 0 are neither sent to nor waited for; combine skips owners that are 0.
 // Normal mode has no mask: a silent rank makes it throw std::runtime_error after
@@ -154,7 +154,9 @@ class EpEvent {
 class EpBuffer {
  public:
   // Collective over the group: allocates `bytes` from the engine, exchanges addresses.
-  static std::unique_ptr<EpBuffer> create(EpGroup group, size_t bytes);
+  // disable_p2p: reach every peer with engine WRITEs, never by mapping its buffer (Mooncake
+  // EP's switch off of its NVLink/IPC path).
+  static std::unique_ptr<EpBuffer> create(EpGroup group, size_t bytes, bool disable_p2p = false);
   ~EpBuffer();
   EpBuffer(const EpBuffer&) = delete;
   EpBuffer& operator=(const EpBuffer&) = delete;
@@ -234,6 +236,7 @@ class EpBuffer {
   char* base_ = nullptr;
   uint64_t key_ = 0;
   std::vector<char*> mapped_;     // local view of each rank's buffer, nullptr if remote
+  bool disable_p2p_ = false;
   std::vector<uint64_t> remote_;  // each rank's buffer address in its own process
   uint32_t dispatch_round_ = 0;
   uint32_t combine_round_ = 0;

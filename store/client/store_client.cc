@@ -14,14 +14,16 @@ ErrorCode checkKey(const std::string& key) {
   return (key.empty() || key.size() > kMaxKeyLength) ? ErrorCode::INVALID_KEY : ErrorCode::OK;
 }
 
+}  // namespace
+
 void toProto(const ReplicateConfig& c, proto::ReplicateConfig* p) {
   p->set_replica_num(c.replica_num);
   p->set_with_soft_pin(c.with_soft_pin);
   p->set_with_hard_pin(c.with_hard_pin);
   p->set_preferred_segment(c.preferred_segment);
+  p->set_soft_pin_ttl_ms(c.soft_pin_ttl_ms);
+  p->set_keep_soft_pin(c.keep_soft_pin);
 }
-
-}  // namespace
 
 ErrorOr<std::unique_ptr<StoreClient>> StoreClient::create(engine::TransferEngine* engine,
                                                           engine::Rendezvous* rdv,
@@ -154,11 +156,9 @@ ErrorCode StoreClient::unregisterBuffer(void* addr) {
 }
 
 bool StoreClient::isRegistered(const void* addr, size_t len) const {
-  uintptr_t a = reinterpret_cast<uintptr_t>(addr);
-  std::lock_guard<std::mutex> g(mu_);
-  for (const auto& b : buffers_)
-    if (a >= b.first && a + len <= b.first + b.second && a + len >= a) return true;
-  return false;
+  // Registered with the engine: a buffer from registerBuffer(), or engine-allocated memory
+  // (the local buffer, or a region of an engine this client shares).
+  return len > 0 && engine_->isRegistered(addr, len);
 }
 
 // ---- data movement ----

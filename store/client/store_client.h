@@ -34,6 +34,9 @@
 
 namespace mooncake::store {
 
+// ReplicateConfig on the wire (shared by the client's source files).
+void toProto(const ReplicateConfig& c, proto::ReplicateConfig* p);
+
 struct StoreClientOptions {
   uint64_t segment_size = 0;            // bytes lent to the store; 0: mount nothing
   int64_t rpc_timeout_ms = 5000;        // per master call
@@ -66,6 +69,17 @@ class StoreClient {
                                   const std::vector<std::pair<const void*, size_t>>& values,
                                   const ReplicateConfig& config = {});
 
+  // ---- upserts (store_client_ext.cc): replace the value; readers get the old bytes or the
+  // new ones, never a mix (MasterService::upsertStart). INVALID_WRITE: a later upsert of the
+  // key preempted this one.
+  ErrorCode upsertParts(const std::string& key,
+                        const std::vector<std::pair<const void*, size_t>>& parts,
+                        const ReplicateConfig& config = {});
+  ErrorCode upsert(const std::string& key, const void* data, size_t size,
+                   const ReplicateConfig& config = {}) {
+    return upsertParts(key, {{data, size}}, config);
+  }
+
   // ---- reads ----
   ErrorOr<std::string> get(const std::string& key);
   // Reads into [buf, buf + capacity); returns the object size. BUFFER_OVERFLOW if it is larger.
@@ -73,6 +87,25 @@ class StoreClient {
   std::vector<ErrorOr<uint64_t>> batchGetInto(const std::vector<std::string>& keys,
                                               const std::vector<std::pair<void*, size_t>>& bufs);
   std::vector<ErrorOr<std::string>> batchGet(const std::vector<std::string>& keys);
+
+  // Ranged reads (store_client_ext.cc): for one key, each range copies object bytes
+  // [src_offset, src_offset + length) to dst; one replica-list call, one engine batch. A range
+  // past the object's end is INVALID_PARAMS (the others still run); returns bytes per range.
+  struct Range {
+    uint64_t src_offset;
+    uint64_t length;
+    void* dst;
+  };
+  std::vector<ErrorOr<uint64_t>> getRanges(const std::string& key, const std::vector<Range>& ranges);
+
+  // ---- replicas (store_client_ext.cc) ----
+  // The complete replicas of a key, as the master placed them (a read: grants a lease).
+  ErrorOr<proto::GetReplicaListResponse> replicaList(const std::string& key);
+  // MasterService::batchReplicaClear for this client: the keys cleared.
+  ErrorOr<std::vector<std::string>> batchReplicaClear(const std::vector<std::string>& keys,
+                                                      const std::string& segment_name);
+  // OK when the master answers (a heartbeat).
+  ErrorCode ping();
 
   // ---- metadata ----
   ErrorOr<bool> exists(const std::string& key);
@@ -104,6 +137,10 @@ class StoreClient {
                          std::chrono::steady_clock::time_point asked);
   ErrorCode putStart(const std::string& key, uint64_t size, const ReplicateConfig& config,
                      proto::PutStartResponse* out);
+  // Appends reads of object bytes [off, off + len) of one replica into local; pieces of this
+  // client are copied at once. INVALID_READ if the pieces do not add up to size.
+  ErrorCode planRange(const proto::Replica& r, uint64_t size, uint64_t off, uint64_t len,
+                      char* local, std::vector<engine::TransferRequest>* reqs);
   void putFinish(const std::string& key, bool ok);
 
   engine::TransferEngine* engine_ = nullptr;

@@ -27,6 +27,12 @@ void MasterService::runMaintenance() {
     ++counters_.put_revokes;
   }
 
+  while (!upserting_.empty() &&
+         t - upserting_.front()->upsert_start >= ms(config_.put_release_timeout_ms)) {
+    dropStagedLocked(upserting_.front(), nullptr);  // unlinks it from upserting_
+    ++counters_.put_revokes;
+  }
+
   for (size_t i = 0; i < quarantine_.size();) {
     if (quarantine_[i].release_at <= t) {
       quarantine_[i].seg->alloc.free(quarantine_[i].alloc);
@@ -77,19 +83,34 @@ bool MasterService::checkInvariants() const {
     used += s->alloc.usedBytes();
     capacity += s->alloc.capacity();
     if (segments_.count(s->id) != 1 || segment_by_name_.at(s->name) != s->id) return false;
-    for (const Object* o : s->objects) {
-      bool has_piece = false;
-      for (const Replica& r : o->replicas)
-        for (const PieceRec& p : r.pieces) has_piece = has_piece || p.seg == s;
-      if (!has_piece || objects_.count(*o->key) != 1) return false;
-    }
+    for (const Object* o : s->objects)
+      if (!hasPieceOn(o, s) || objects_.count(*o->key) != 1) return false;
   }
   if (segment_order_.size() != segments_.size() || used != used_bytes_ ||
       capacity != capacity_bytes_)
     return false;
-  uint64_t processing = 0, hard = 0, allocated = 0;
+  uint64_t processing = 0, hard = 0, allocated = 0, upserting = 0;
   for (const auto& [key, o] : objects_) {
     if (o->key != &key || o->replicas.empty()) return false;
+    if (!o->staged.empty()) {  // an upsert in progress: a complete object's new replicas
+      ++upserting;
+      if (!o->complete || o->upsert_id == 0 || *o->upsert_it != o.get()) return false;
+      for (const Replica& r : o->staged) {
+        uint64_t len = 0;
+        for (const PieceRec& p : r.pieces) {
+          len += p.length;
+          allocated += p.alloc.size;
+          if (p.alloc.size < p.length || !p.seg->objects.count(o.get())) return false;
+        }
+        if (len != o->staged_size) return false;
+      }
+      auto c = clients_.find(o->upsert_writer);
+      if (!o->upsert_writer.empty() &&
+          (c == clients_.end() || !c->second.pending_upserts.count(o.get())))
+        return false;
+    } else if (o->complete && o->upsert_id != 0) {
+      return false;
+    }
     processing += o->complete ? 0 : 1;
     hard += (o->complete && o->hard_pin) ? 1 : 0;
     for (const Replica& r : o->replicas) {
@@ -109,6 +130,10 @@ bool MasterService::checkInvariants() const {
     }
   }
   for (const Quarantined& q : quarantine_) allocated += q.alloc.size;
+  if (upserting != upserting_.size()) return false;
+  for (const auto& [id, c] : clients_)
+    for (const Object* o : c.pending_upserts)
+      if (o->staged.empty() || o->upsert_writer != id) return false;
   if (processing != processing_.size() || hard != hard_pinned_count_ || allocated != used_bytes_)
     return false;
   for (const Object* o : processing_)

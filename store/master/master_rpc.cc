@@ -11,7 +11,7 @@ namespace mooncake::store {
 
 namespace pb = ::mooncake::store::proto;
 
-static_assert(pb::Method_ARRAYSIZE == 15, "update MasterService::kRpcMethods");
+static_assert(pb::Method_ARRAYSIZE == 19, "update MasterService::kRpcMethods");
 
 namespace {
 
@@ -21,6 +21,8 @@ ReplicateConfig fromProto(const pb::ReplicateConfig& c) {
   out.with_soft_pin = c.with_soft_pin();
   out.with_hard_pin = c.with_hard_pin();
   out.preferred_segment = c.preferred_segment();
+  out.soft_pin_ttl_ms = c.soft_pin_ttl_ms();
+  out.keep_soft_pin = c.keep_soft_pin();
   return out;
 }
 
@@ -198,6 +200,42 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
             body, out, &call_error, [&](const auto& q, auto& r) {
               r.set_error_code(0);
               r.set_removed(removeAll(q.force()));
+            });
+        break;
+      case pb::UPSERT_START:
+        decoded = serve<pb::UpsertStartRequest, pb::UpsertStartResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
+              uint64_t id = 0;
+              auto res = upsertStart(q.client_id(), q.key(), q.size(), fromProto(q.config()), &id);
+              r.set_error_code(toInt(res.error()));
+              if (!res.ok()) return;
+              r.set_upsert_id(id);
+              for (const ReplicaPlacement& p : *res) toProto(p, r.add_replicas());
+            });
+        break;
+      case pb::UPSERT_END:
+        decoded = serve<pb::UpsertEndRequest, pb::UpsertEndResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
+              r.set_error_code(toInt(upsertEnd(q.client_id(), q.key(), q.upsert_id())));
+            });
+        break;
+      case pb::UPSERT_REVOKE:
+        decoded = serve<pb::UpsertRevokeRequest, pb::UpsertRevokeResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
+              r.set_error_code(toInt(upsertRevoke(q.client_id(), q.key(), q.upsert_id())));
+            });
+        break;
+      case pb::BATCH_REPLICA_CLEAR:
+        decoded = serve<pb::BatchReplicaClearRequest, pb::BatchReplicaClearResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
+              r.set_error_code(0);
+              for (const std::string& k :
+                   batchReplicaClear(q.client_id(), keysOf(q.keys()), q.segment_name()))
+                r.add_cleared(k);
             });
         break;
       default:  // METHOD_UNSPECIFIED or a method this master does not know

@@ -131,13 +131,18 @@ void MasterService::unmountLocked(Segment* seg) {
       ++counters_.replicas_dropped;
     }
     o->replicas = std::move(kept);
-    // A segment stays in o's index only if a surviving replica still has a piece there.
-    for (Segment* s : touched) {
-      bool still = false;
-      for (const Replica& r : o->replicas)
-        for (const PieceRec& p : r.pieces) still = still || p.seg == s;
-      if (!still) s->objects.erase(o);
+    // An upsert writing onto this segment cannot finish: its staged replicas go (its End fails).
+    bool staged_here = false;
+    for (const Replica& r : o->staged)
+      for (const PieceRec& p : r.pieces) staged_here = staged_here || p.seg == seg;
+    if (staged_here) {
+      for (const Replica& r : o->staged)
+        for (const PieceRec& p : r.pieces) touched.push_back(p.seg);
+      dropStagedLocked(o, nullptr);
     }
+    // A segment stays in o's index only if a surviving replica still has a piece there.
+    for (Segment* s : touched)
+      if (!hasPieceOn(o, s)) s->objects.erase(o);
     if (o->replicas.empty()) destroyObjectLocked(o);
   }
   // Quarantined ranges on this segment die with it.
@@ -188,6 +193,12 @@ void MasterService::expireClientLocked(const std::string& client_id) {
     destroyObjectLocked(o);
     ++counters_.put_revokes;
   }
+  std::vector<Object*> upserts(it->second.pending_upserts.begin(),
+                               it->second.pending_upserts.end());
+  for (Object* o : upserts) {
+    dropStagedLocked(o, nullptr);
+    ++counters_.put_revokes;
+  }
   std::vector<SegmentId> segs = it->second.segments;
   for (SegmentId id : segs) {
     auto s = segments_.find(id);
@@ -226,7 +237,7 @@ void MasterService::touchLru(Object* o, TimePoint t) {
 void MasterService::grantLease(Object* o, TimePoint t) {
   o->lease_deadline = std::max(o->lease_deadline, t + ms(config_.lease_ttl_ms));
   if (o->soft_pin && o->list == ListId::kSoft)
-    o->soft_pin_deadline = std::max(o->soft_pin_deadline, t + ms(config_.soft_pin_ttl_ms));
+    o->soft_pin_deadline = std::max(o->soft_pin_deadline, t + ms(softPinTtlMs(o)));
   touchLru(o, t);
 }
 
@@ -239,6 +250,11 @@ void MasterService::removeLocked(Object* o, TimePoint now) {
 }
 
 void MasterService::destroyObjectLocked(Object* o, const TimePoint* quarantine_until) {
+  if (!o->staged.empty()) {
+    // An upsert is writing them: keep its memory reserved until it may have stopped.
+    const TimePoint until = o->upsert_start + ms(config_.put_release_timeout_ms);
+    dropStagedLocked(o, &until);
+  }
   unlinkLru(o);
   for (const Replica& r : o->replicas) {
     for (const PieceRec& p : r.pieces) {
@@ -298,11 +314,25 @@ ErrorOr<std::vector<ReplicaPlacement>> MasterService::putStart(const std::string
     return ErrorCode::NO_AVAILABLE_HANDLE;
   }
 
+  Object* o = createLocked(client_id, key, size, cfg, std::move(replicas), t);
+
+  std::vector<ReplicaPlacement> out;
+  out.reserve(o->replicas.size());
+  for (const Replica& r : o->replicas) out.push_back(describe(r));
+  if (aboveWatermark(0)) evictLocked(t, 0);
+  return out;
+}
+
+MasterService::Object* MasterService::createLocked(const std::string& client_id,
+                                                   const std::string& key, uint64_t size,
+                                                   const ReplicateConfig& cfg,
+                                                   std::vector<Replica> replicas, TimePoint t) {
   auto [it, inserted] = objects_.emplace(key, std::make_unique<Object>());
   Object* o = it->second.get();
   o->key = &it->first;
   o->size = size;
   o->soft_pin = cfg.with_soft_pin;
+  o->soft_pin_ttl_ms = cfg.soft_pin_ttl_ms;
   o->hard_pin = cfg.with_hard_pin;
   o->put_start = t;
   o->writer = client_id;
@@ -311,12 +341,18 @@ ErrorOr<std::vector<ReplicaPlacement>> MasterService::putStart(const std::string
     for (const PieceRec& p : r.pieces) p.seg->objects.insert(o);
   o->proc_it = processing_.insert(processing_.end(), o);
   if (!client_id.empty()) clients_[client_id].pending_puts.insert(o);
+  return o;
+}
 
-  std::vector<ReplicaPlacement> out;
-  out.reserve(o->replicas.size());
-  for (const Replica& r : o->replicas) out.push_back(describe(r));
-  if (aboveWatermark(0)) evictLocked(t, 0);
-  return out;
+void MasterService::completeLocked(Object* o, TimePoint t) {
+  o->complete = true;
+  o->upsert_id = 0;
+  processing_.erase(o->proc_it);
+  auto c = clients_.find(o->writer);
+  if (c != clients_.end()) c->second.pending_puts.erase(o);
+  if (o->hard_pin) ++hard_pinned_count_;
+  if (o->soft_pin) o->soft_pin_deadline = t + ms(softPinTtlMs(o));
+  linkLru(o, t);
 }
 
 ErrorCode MasterService::putEnd(const std::string& client_id, const std::string& key) {
@@ -329,13 +365,8 @@ ErrorCode MasterService::putEnd(const std::string& client_id, const std::string&
   Object* o = it->second.get();
   if (o->writer != client_id) return ErrorCode::ILLEGAL_CLIENT;
   if (o->complete) return ErrorCode::OK;  // a retried PutEnd
-  o->complete = true;
-  processing_.erase(o->proc_it);
-  auto c = clients_.find(o->writer);
-  if (c != clients_.end()) c->second.pending_puts.erase(o);
-  if (o->hard_pin) ++hard_pinned_count_;
-  if (o->soft_pin) o->soft_pin_deadline = t + ms(config_.soft_pin_ttl_ms);
-  linkLru(o, t);
+  if (o->upsert_id != 0) return ErrorCode::INVALID_WRITE;  // an upsert's: upsertEnd ends it
+  completeLocked(o, t);
   ++counters_.put_ends;
   return ErrorCode::OK;
 }

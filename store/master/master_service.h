@@ -8,7 +8,8 @@
 //   putEnd    -> COMPLETE: visible to readers, immutable until removed or evicted;
 //   putRevoke -> the reservation is dropped (the writer failed).
 // Readers never see a PROCESSING object: getReplicaList answers REPLICA_IS_NOT_READY,
-// exists() answers false. A putStart of an existing key is OBJECT_ALREADY_EXISTS.
+// exists() answers false. A putStart of an existing key is OBJECT_ALREADY_EXISTS; an upsert
+// (upsertStart/End) replaces the value atomically (master_upsert.cc).
 //
 // Leases: getReplicaList and exists (hits) grant a lease of lease_ttl_ms; until it lapses
 // remove() fails with OBJECT_HAS_LEASE and eviction skips the object, so a reader's transfer is
@@ -96,6 +97,31 @@ class MasterService {
   ErrorCode putEnd(const std::string& client_id, const std::string& key);
   ErrorCode putRevoke(const std::string& client_id, const std::string& key);
 
+  // ---- upsert: replace an object atomically (master_upsert.cc) ----
+  // Starts writing `size` bytes as key's new value; *upsert_id names this upsert for End and
+  // Revoke. An absent key (or one whose put/upsert is still PROCESSING: that writer is
+  // preempted, its memory reserved until put_release_timeout_ms after it started) becomes a
+  // PROCESSING object as with putStart. A complete object gets new replicas reserved and
+  // returned while readers keep getting the old ones; upsertEnd swaps them in at once, and the
+  // old replicas' memory stays quarantined while a read lease granted before the swap lasts. So
+  // a reader gets the old bytes or the new ones, never a mix, and the key never disappears.
+  // A second upsert of the key preempts the first (whose End then fails with INVALID_WRITE).
+  // Pins: hard stays hard; soft follows config (keep_soft_pin keeps the old object's).
+  ErrorOr<std::vector<ReplicaPlacement>> upsertStart(const std::string& client_id,
+                                                     const std::string& key, uint64_t size,
+                                                     const ReplicateConfig& config,
+                                                     uint64_t* upsert_id);
+  ErrorCode upsertEnd(const std::string& client_id, const std::string& key, uint64_t upsert_id);
+  ErrorCode upsertRevoke(const std::string& client_id, const std::string& key,
+                         uint64_t upsert_id);
+  // Drops the replicas of keys this client wrote: all of them (the object is removed) when
+  // segment_name is empty, else only those with a piece on that segment (an object left with
+  // none is removed). Keys that are absent, written by another client, leased, not complete or
+  // being upserted are skipped. Returns the keys that were cleared.
+  std::vector<std::string> batchReplicaClear(const std::string& client_id,
+                                             const std::vector<std::string>& keys,
+                                             const std::string& segment_name);
+
   // ---- reads ----
   ErrorOr<ReplicaList> getReplicaList(const std::string& key);
   std::vector<ErrorOr<ReplicaList>> batchGetReplicaList(const std::vector<std::string>& keys);
@@ -160,6 +186,17 @@ class MasterService {
     ListId list = ListId::kNone;
     std::list<Object*>::iterator lru_it;   // valid while list != kNone
     std::list<Object*>::iterator proc_it;  // valid while !complete
+    uint64_t soft_pin_ttl_ms = 0;          // 0: config_.soft_pin_ttl_ms
+    // Upserts (master_upsert.cc). upsert_id: of the upsert that created this PROCESSING object,
+    // or of the one writing `staged` (0: none). staged: the replacement replicas of a complete
+    // object, written by upsert_writer while readers still get `replicas`.
+    uint64_t upsert_id = 0;
+    std::vector<Replica> staged;
+    uint64_t staged_size = 0;
+    ReplicateConfig staged_config;
+    std::string upsert_writer;
+    TimePoint upsert_start{};
+    std::list<Object*>::iterator upsert_it;  // in upserting_ while !staged.empty()
   };
   struct Segment {
     SegmentId id = 0;
@@ -176,6 +213,7 @@ class MasterService {
     bool gone = false;  // clientGone() until it calls again
     std::vector<SegmentId> segments;
     std::unordered_set<Object*> pending_puts;
+    std::unordered_set<Object*> pending_upserts;  // complete objects it is upserting
   };
   struct Quarantined {
     Segment* seg;
@@ -205,6 +243,19 @@ class MasterService {
   void removeLocked(Object* o, TimePoint now);
   ErrorOr<ReplicaList> getReplicaListLocked(const std::string& key, TimePoint now);
   ErrorOr<bool> existsLocked(const std::string& key, TimePoint now);
+  uint64_t softPinTtlMs(const Object* o) const {
+    return o->soft_pin_ttl_ms != 0 ? o->soft_pin_ttl_ms : config_.soft_pin_ttl_ms;
+  }
+  // PROCESSING -> COMPLETE (putEnd, and upsertEnd of an upsert that created the key).
+  void completeLocked(Object* o, TimePoint now);
+  // A new PROCESSING object for key (putStart, and upserts of absent keys).
+  Object* createLocked(const std::string& client_id, const std::string& key, uint64_t size,
+                       const ReplicateConfig& config, std::vector<Replica> replicas,
+                       TimePoint now);
+  // Upserts (master_upsert.cc). Drops o's staged replicas: quarantined until quarantine_until
+  // when given (their writer may still be writing), else freed.
+  void dropStagedLocked(Object* o, const TimePoint* quarantine_until);
+  static bool hasPieceOn(const Object* o, const Segment* s);
   void grantLease(Object* o, TimePoint now);
   bool leased(const Object* o, TimePoint now) const { return o->lease_deadline > now; }
   uint64_t removeMatchingLocked(const std::function<bool(const std::string&)>& match, bool force);
@@ -238,11 +289,13 @@ class MasterService {
   // PROCESSING objects in putStart order (the clock is monotonic), so maintenance finds the
   // timed-out ones at the front without scanning every object.
   std::list<Object*> processing_;
+  std::list<Object*> upserting_;  // complete objects with staged replicas, by upsert_start
+  uint64_t next_upsert_id_ = 1;
   uint64_t hard_pinned_count_ = 0;
   MasterMetrics counters_;  // counter fields only; gauges are filled in by metrics()
 
   // Per-method RPC statistics of handle(), indexed by the proto Method number.
-  static constexpr int kRpcMethods = 15;
+  static constexpr int kRpcMethods = 19;
   struct RpcCounters {
     std::atomic<uint64_t> calls{0}, errors{0}, total_ns{0};
   };

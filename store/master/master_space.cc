@@ -165,7 +165,7 @@ uint64_t MasterService::evictLocked(TimePoint t, uint64_t need_bytes) {
     while (it != list.begin() && !done() && skips <= max_skips) {
       auto cur = std::prev(it);
       Object* o = *cur;
-      if (leased(o, t)) {
+      if (leased(o, t) || !o->staged.empty()) {  // read now, or being upserted
         ++skips;
         it = cur;
         continue;

@@ -89,7 +89,7 @@ class RawConn {
     *h = tcp::decodeHeader(b);
     payload->clear();
     bool has_payload = h->type == FrameType::kHelloDenied || h->type == FrameType::kReadResp ||
-                       h->type == FrameType::kMsg;
+                       h->type == FrameType::kMsg || h->type == FrameType::kDesc;
     if (has_payload && h->length > 0 && h->length < (64u << 20)) {
       payload->resize(h->length);
       return readExact(payload->data(), h->length, timeout_ms);
@@ -475,6 +475,65 @@ TEST_F(TcpGarbageTest, WrongSecretIsDeniedPromptly) {
   EXPECT_EQ(pid.status().code(), Code::kPermissionDenied) << pid.status().toString();
   EXPECT_LT(msSince(t0), 2000) << "a denial should not wait for the deadline";
   EXPECT_EQ(checkPattern(region_, kRegion, 1, 0), "");
+}
+
+// A query connection (HELLO role kQuery) gets the target's descriptor and nothing else: not
+// without the secret, and any frame after the answer closes it.
+TEST_F(TcpGarbageTest, QueryConnectionAnswersOnlyTheDescriptor) {
+  auto hello_as = [](const std::string& secret) {
+    tcp::Hello h;
+    h.secret = secret;
+    h.engine_id = 4242;
+    h.role = tcp::ConnRole::kQuery;
+    return tcp::encodeHello(h);
+  };
+  {
+    auto c = conn();
+    std::string h = hello_as("not-the-job-secret");
+    ASSERT_TRUE(c->sendFrame(header(FrameType::kHello, h.size()), h));
+    FrameHeader r;
+    std::string payload;
+    ASSERT_EQ(c->readFrame(&r, &payload), 1);
+    EXPECT_EQ(r.type, FrameType::kHelloDenied) << "a query without the secret was answered";
+    EXPECT_TRUE(c->closedByEngine(3000));
+  }
+  {
+    auto c = conn();
+    std::string h = hello_as("job-secret");
+    ASSERT_TRUE(c->sendFrame(header(FrameType::kHello, h.size()), h));
+    FrameHeader r;
+    std::string payload;
+    ASSERT_EQ(c->readFrame(&r, &payload), 1);
+    ASSERT_EQ(r.type, FrameType::kDesc);
+    EXPECT_EQ(r.aux, target_->engineId());
+    auto d = SegmentDesc::parse(payload);
+    ASSERT_TRUE(d.ok()) << d.status().toString();
+    EXPECT_EQ(d->engine_id, target_->engineId());
+    EXPECT_EQ(d->name, "target");
+    EXPECT_NE(d->findRegion(reinterpret_cast<uint64_t>(region_), kRegion), nullptr);
+    // Anything after the answer is a protocol error: the engine closes the connection.
+    std::string w(16, 'x');
+    c->sendFrame(header(FrameType::kWrite, w.size(), reinterpret_cast<uint64_t>(region_)), w);
+    EXPECT_TRUE(c->closedByEngine(3000));
+  }
+  EXPECT_EQ(checkPattern(region_, kRegion, 1, 0), "");
+  // The engine API over the same handshake.
+  EngineOptions opt;
+  opt.name = "asker";
+  opt.secret = "job-secret";
+  auto e = TransferEngine::create(opt);
+  ASSERT_TRUE(e.ok()) << e.status().toString();
+  auto d = (*e)->queryPeer(desc_.tcp_host, desc_.tcp_port, deadlineInMs(5000));
+  ASSERT_TRUE(d.ok()) << d.status().toString();
+  EXPECT_EQ(d->engine_id, target_->engineId());
+  opt.name = "wrong";
+  opt.secret = "not-the-job-secret";
+  auto bad = TransferEngine::create(opt);
+  ASSERT_TRUE(bad.ok());
+  auto denied = (*bad)->queryPeer(desc_.tcp_host, desc_.tcp_port, deadlineInMs(5000));
+  ASSERT_FALSE(denied.ok());
+  EXPECT_EQ(denied.status().code(), Code::kPermissionDenied) << denied.status().toString();
+  expectServesLegitimatePeer("tcp", "after-query");
 }
 
 }  // namespace

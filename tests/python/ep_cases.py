@@ -256,6 +256,61 @@ def case_validation(ctx):
     return fails + ll_round(ctx, cfg, act, "after-errors")
 
 
+def case_upstream_api(ctx):
+    """Mooncake EP's own module path and keywords: mooncake.mooncake_ep_buffer.Buffer(group,
+    bytes, disable_p2p=True) (every peer through engine WRITEs), timeout_us=-1 (no timeout)
+    given positionally, EventOverlap.current_stream_wait(), combine(zero_copy=...)."""
+    import torch.distributed as dist
+    from mooncake.mooncake_ep_buffer import Buffer as UpBuffer, EventOverlap
+
+    R, me = ctx.world, ctx.rank
+    fails = []
+    cfg = Cfg(R, seed=61)
+    nbytes = UpBuffer.get_ep_buffer_size_hint(cfg.M, cfg.H, R, cfg.E)
+    buf = UpBuffer(dist.group.WORLD, nbytes, disable_p2p=True)
+    if buf.group_size != R or buf.rank != me:
+        fails.append(f"group_size/rank {buf.group_size}/{buf.rank}")
+    mapped = [r for r in range(R) if r != me and buf.runtime.is_mapped(r)]
+    if mapped:
+        fails.append(f"disable_p2p=True still maps ranks {mapped}")
+    active = torch.ones(R, dtype=torch.int32)
+    x, topk, w = cfg.inputs(me)
+    recv_x, cnt, handle, ev, hook = buf.dispatch(x, topk, active, cfg.M, cfg.E, -1,
+                                                 async_finish=True)
+    if not isinstance(ev, EventOverlap) or ev.event is None or hook is not None:
+        fails.append(f"async dispatch returned {type(ev).__name__} event={ev.event}, hook={hook}")
+    ev.current_stream_wait()
+    fails += check_ll_dispatch(cfg, me, recv_x, cnt, handle, active, "upstream-dispatch")
+    y = ll_y(cfg, me, recv_x, cnt)
+    try:
+        buf.combine(y, topk, w, active, -1, handle, zero_copy=True)
+        fails.append("combine(zero_copy=True) was accepted")
+    except NotImplementedError:
+        pass
+    out, ev, hook = buf.combine(y, topk, w, active, -1, handle, False, False, True)
+    if hook is None:
+        return fails + ["combine(return_recv_hook=True) returned no hook"]
+    hook()
+    with ev:  # EventOverlap is a context manager (a no-op wait here: the call finished)
+        pass
+    fails += check_ll_combine(cfg, me, out, active, "upstream-combine")
+    try:
+        buf.dispatch(x, topk, active, cfg.M, cfg.E, -2)
+        fails.append("timeout_us=-2 was accepted")
+    except ValueError:
+        pass
+    # The same buffer class without disable_p2p maps same-host peers; results agree.
+    mbuf = UpBuffer(dist.group.WORLD, nbytes)
+    r2 = mbuf.dispatch(x, topk, active, cfg.M, cfg.E, -1)
+    fails += check_ll_dispatch(cfg, me, r2[0], r2[1], r2[2], active, "mapped-dispatch")
+    o2, _, _ = mbuf.combine(ll_y(cfg, me, r2[0], r2[1]), topk, w, active, -1, r2[2])
+    if not torch.equal(o2, out):
+        fails.append("disable_p2p=True and False combine differently")
+    if not fails and int(active.sum()) != R:
+        fails.append(f"active_ranks changed: {active.tolist()}")
+    return fails
+
+
 def case_one_rank_bad_input(ctx):
     """Only one rank's call is invalid: it raises ValueError before sending anything, the
     others' calls of that round end promptly with an error naming it (not a timeout, and no

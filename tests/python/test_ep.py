@@ -20,7 +20,8 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON = sys.executable  # as harness.PYTHON
 WORKER = os.path.join(HERE, "_ep_worker.py")
-MAIN_CASES = ["ll_modes", "validation", "one_rank_bad_input", "normal", "normal_autograd"]
+MAIN_CASES = ["ll_modes", "validation", "one_rank_bad_input", "normal", "normal_autograd",
+              "upstream_api"]
 KILL_CASES = ["kill_between_rounds", "kill_between_dispatch_and_combine"]
 
 _runs = {}

@@ -382,7 +382,7 @@ def test_preauth_floods_cost_no_memory_and_idle_connections_are_closed():
         assert (rss_kib(m.pid) - base) / 1024 < 64
         # And it still serves.
         s = MooncakeDistributedStore()
-        assert s.setup("after-flood", "", 1 << 20, 0, "tcp", "", m.addr) == 0
+        assert s.setup("after-flood", "", 1 << 20, 16 << 20, "tcp", "", m.addr) == 0
         assert s.put("k", b"v") == 0 and s.get("k") == b"v"
         s.close()
     finally:
@@ -403,7 +403,7 @@ def test_master_out_of_fds_does_not_spin_and_keeps_serving():
     s = MooncakeDistributedStore()
     flood = []
     try:
-        assert s.setup("existing", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.setup("existing", "", 0, 16 << 20, "tcp", "", m.addr) == 0
         assert s.put("hot", b"h" * 4096) == 0
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
@@ -448,7 +448,7 @@ def test_remove_by_regex_is_linear_time():
     h = Holder(m.addr, 8 << 20)
     s = MooncakeDistributedStore()
     try:
-        assert s.setup("regex", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.setup("regex", "", 0, 16 << 20, "tcp", "", m.addr) == 0
         assert s.put("a" * 28, b"x") == 0
         assert s.put("keep", b"y") == 0
         t0 = time.time()
@@ -472,7 +472,7 @@ def test_replicas_avoid_a_killed_client_within_a_second():
     b = Holder(m.addr, 64 << 20)
     s = MooncakeDistributedStore()
     try:
-        assert s.setup("writer", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.setup("writer", "", 0, 16 << 20, "tcp", "", m.addr) == 0
         for i in range(20):
             assert s.put(f"before/{i}", os.urandom(16384)) == 0
         b.kill()
@@ -493,7 +493,7 @@ def test_register_of_unmapped_memory_is_refused():
     h = Holder(m.addr, 8 << 20)
     s = MooncakeDistributedStore()
     try:
-        assert s.setup("bogus", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.setup("bogus", "", 0, 16 << 20, "tcp", "", m.addr) == 0
         assert s.register_buffer(0x10000, 4096) == E.INVALID_PARAMS
         assert s.put("obj", b"q" * 4096) == 0
         assert s.get_into("obj", 0x10000, 4096) < 0  # refused, no crash

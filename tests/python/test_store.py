@@ -24,7 +24,7 @@ def env():
     m = Master("--client-ttl-s", "2")
     h = Holder(m.addr)
     s = MooncakeDistributedStore()
-    assert s.setup("pytest", "", 32 << 20, 0, "tcp", "", m.addr) == 0
+    assert s.setup("pytest", "", 32 << 20, 16 << 20, "tcp", "", m.addr) == 0
     yield m, h, s
     s.close()
     h.close()
@@ -49,7 +49,8 @@ def test_put_get_bytes(env):
     assert s.is_exist("nothing") == 0
     assert s.get("nothing") == b""
     assert s.get_size("nothing") == E.OBJECT_NOT_FOUND
-    assert s.put("hello", b"again") == E.OBJECT_ALREADY_EXISTS
+    assert s.put("hello", b"again") == 0  # upstream: an existing key is kept, and 0
+    assert s.get("hello") == b"Hello, Mooncake Store!"
     big = os.urandom(3 << 20)
     assert s.put("big", big) == 0
     assert s.get("big") == big
@@ -165,7 +166,7 @@ def test_holder_killed_not_a_hang():
     try:
         h = Holder(m.addr)
         s = MooncakeDistributedStore()
-        assert s.setup("reader", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.setup("reader", "", 0, 16 << 20, "tcp", "", m.addr) == 0
         c = ReplicateConfig()
         c.preferred_segment = h.name
         assert s.put("solo", b"z" * 5000, c) == 0
@@ -196,7 +197,7 @@ def test_master_metrics_and_health():
     try:
         # No segment here: one lending engine per process (see docs/store.md, known limits).
         s = MooncakeDistributedStore()
-        assert s.setup("metrics", "", 0, 0, "tcp", "", m.addr) == 0
+        assert s.setup("metrics", "", 0, 16 << 20, "tcp", "", m.addr) == 0
         assert s.put("m/1", b"x" * 1000) == 0
         assert s.get("m/1") == b"x" * 1000
         base = f"http://127.0.0.1:{mport}"

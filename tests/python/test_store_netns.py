@@ -21,7 +21,7 @@ CLIENT = r"""
 import os, sys
 from mooncake.store import MooncakeDistributedStore
 s = MooncakeDistributedStore()
-assert s.setup("remote", "", 0, 0, "tcp", "", sys.argv[1]) == 0
+assert s.setup("remote", "", 0, 16 << 20, "tcp", "", sys.argv[1]) == 0
 v = s.get("from-host")
 assert v == bytes(range(256)) * 4096, len(v)
 payload = os.urandom(3 << 20)
@@ -70,7 +70,7 @@ def test_client_in_other_netns(netns, tmp_path):
     h = Holder(addr)
     s = MooncakeDistributedStore()
     try:
-        assert s.setup("local", "", 0, 0, "tcp", "", addr) == 0
+        assert s.setup("local", "", 0, 16 << 20, "tcp", "", addr) == 0
         assert s.put("from-host", bytes(range(256)) * 4096) == 0
         out = tmp_path / "payload"
         r = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", CLIENT,

@@ -143,6 +143,45 @@ TEST_F(RpcTest, EveryMethodRoundTrips) {
   rv.set_key("revoked");
   EXPECT_EQ(call<pb::PutRevokeResponse>(pb::PUT_REVOKE, rv).error_code(), 0);
 
+  // Upserts: a new key, then a replacement (with its id), a revoked one; replica clear.
+  pb::UpsertStartRequest us;
+  us.set_client_id("c1");
+  us.set_key("up");
+  us.set_size(100);
+  auto u1 = call<pb::UpsertStartResponse>(pb::UPSERT_START, us);
+  ASSERT_EQ(u1.error_code(), 0);
+  EXPECT_NE(u1.upsert_id(), 0u);
+  EXPECT_EQ(u1.replicas_size(), 1);
+  pb::UpsertEndRequest ue;
+  ue.set_client_id("c1");
+  ue.set_key("up");
+  ue.set_upsert_id(u1.upsert_id());
+  EXPECT_EQ(call<pb::UpsertEndResponse>(pb::UPSERT_END, ue).error_code(), 0);
+  us.set_size(300);
+  auto u2 = call<pb::UpsertStartResponse>(pb::UPSERT_START, us);
+  ASSERT_EQ(u2.error_code(), 0);
+  ue.set_upsert_id(u1.upsert_id());  // a stale id
+  EXPECT_EQ(call<pb::UpsertEndResponse>(pb::UPSERT_END, ue).error_code(),
+            toInt(ErrorCode::INVALID_WRITE));
+  ue.set_upsert_id(u2.upsert_id());
+  EXPECT_EQ(call<pb::UpsertEndResponse>(pb::UPSERT_END, ue).error_code(), 0);
+  EXPECT_EQ(master_.getSize("up").value(), 300u);
+  auto u3 = call<pb::UpsertStartResponse>(pb::UPSERT_START, us);
+  pb::UpsertRevokeRequest ur;
+  ur.set_client_id("c1");
+  ur.set_key("up");
+  ur.set_upsert_id(u3.upsert_id());
+  EXPECT_EQ(call<pb::UpsertRevokeResponse>(pb::UPSERT_REVOKE, ur).error_code(), 0);
+  pb::BatchReplicaClearRequest bc;
+  bc.set_client_id("c1");
+  bc.add_keys("up");
+  bc.add_keys("absent");
+  auto cleared = call<pb::BatchReplicaClearResponse>(pb::BATCH_REPLICA_CLEAR, bc);
+  EXPECT_EQ(cleared.error_code(), 0);
+  ASSERT_EQ(cleared.cleared_size(), 1);
+  EXPECT_EQ(cleared.cleared(0), "up");
+  EXPECT_TRUE(master_.checkInvariants());
+
   pb::UnmountSegmentRequest um;
   um.set_client_id("c1");
   um.set_segment_name("seg1");
@@ -151,7 +190,7 @@ TEST_F(RpcTest, EveryMethodRoundTrips) {
   EXPECT_TRUE(master_.checkInvariants());
 
   MasterMetrics m = master_.metrics();
-  ASSERT_EQ(m.rpcs.size(), 14u);
+  ASSERT_EQ(m.rpcs.size(), 18u);
   for (const auto& r : m.rpcs) EXPECT_GE(r.calls, 1u) << r.method;
   std::string text = m.toPrometheus();
   EXPECT_NE(text.find("mooncake_store_rpc_calls_total{method=\"PUT_START\"} 5"), std::string::npos)
@@ -228,7 +267,7 @@ TEST_F(RpcTest, RandomBytesNeverCrash) {
     for (char& c : bytes) c = static_cast<char>(rng());
     raw(bytes);
   }
-  for (int m = 0; m <= 15; ++m) {
+  for (int m = 0; m <= 19; ++m) {
     for (int i = 0; i < 2000; ++i) {
       pb::RequestEnvelope env;
       env.set_rpc_id(rng());

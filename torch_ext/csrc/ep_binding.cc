@@ -156,7 +156,8 @@ class PyHook {
 
 class PyEpBuffer {
  public:
-  PyEpBuffer(c10::intrusive_ptr<ProcessGroupMooncake> pg, int64_t bytes) : pg_(std::move(pg)) {
+  PyEpBuffer(c10::intrusive_ptr<ProcessGroupMooncake> pg, int64_t bytes, bool disable_p2p)
+      : pg_(std::move(pg)) {
     if (!pg_) bad("ep.Buffer: group is None");
     if (bytes <= 0) bad("ep.Buffer: num_ep_buffer_bytes must be positive, got ", bytes);
     // Non-owning view of the group's communicator that keeps the group alive.
@@ -164,7 +165,8 @@ class PyEpBuffer {
     std::shared_ptr<pg::Communicator> comm(&pg_->communicator(),
                                            [keep](pg::Communicator*) mutable { keep.reset(); });
     py::gil_scoped_release nogil;
-    buf_ = ep::EpBuffer::create(ep::groupOf(std::move(comm)), static_cast<size_t>(bytes));
+    buf_ = ep::EpBuffer::create(ep::groupOf(std::move(comm)), static_cast<size_t>(bytes),
+                                disable_p2p);
   }
   ~PyEpBuffer() { dropBuffer(buf_); }
 
@@ -535,13 +537,15 @@ void registerEpApis(py::module_& m) {
   py::class_<PyEvent, std::shared_ptr<PyEvent>>(m, "EpEvent",
                                                 "Completion of an async EP operation.")
       .def("wait", &PyEvent::wait, "Blocks until the operation finished; raises its error.")
+      .def("current_stream_wait", &PyEvent::wait,
+           "DeepEP's name: CPU tensors have no stream, so it waits for the operation.")
       .def("done", &PyEvent::done);
   py::class_<PyHook, std::shared_ptr<PyHook>>(m, "EpHook",
                                               "Completes the receive half of an EP operation.")
       .def("__call__", &PyHook::call);
   py::class_<PyEpBuffer, std::shared_ptr<PyEpBuffer>>(m, "EpBuffer")
-      .def(py::init<c10::intrusive_ptr<ProcessGroupMooncake>, int64_t>(), py::arg("group"),
-           py::arg("num_bytes"))
+      .def(py::init<c10::intrusive_ptr<ProcessGroupMooncake>, int64_t, bool>(), py::arg("group"),
+           py::arg("num_bytes"), py::arg("disable_p2p") = false)
       .def_property_readonly("rank", &PyEpBuffer::rank)
       .def_property_readonly("group_size", &PyEpBuffer::size)
       .def_property_readonly("num_bytes", &PyEpBuffer::bytes)

@@ -13,6 +13,7 @@ namespace py = pybind11;
 namespace mooncake::torch_ext {
 void registerStoreApis(py::module_& m);  // store_binding.cc
 void registerEpApis(py::module_& m);     // ep_binding.cc
+void registerEngineApis(py::module_& m);  // engine_binding.cc
 namespace {
 
 void registerPgApis(py::module_& m) {
@@ -70,4 +71,5 @@ PYBIND11_MODULE(_C, m) {
   mooncake::torch_ext::registerPgApis(m);
   mooncake::torch_ext::registerStoreApis(m);
   mooncake::torch_ext::registerEpApis(m);
+  mooncake::torch_ext::registerEngineApis(m);
 }

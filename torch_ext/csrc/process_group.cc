@@ -1,4 +1,5 @@
 #include "torch_ext/csrc/process_group.h"
+#include "torch_ext/csrc/engine_handle.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -159,10 +160,13 @@ std::shared_ptr<engine::TransferEngine> sharedEngine(const std::string& secret,
   static std::mutex mu;
   static std::weak_ptr<engine::TransferEngine> current;
   std::lock_guard<std::mutex> lk(mu);
+  // mooncake.pg.set_transfer_engine(): the caller's engine (its secret is its own).
+  if (auto o = sharedEngineOverride()) return o;
   if (auto e = current.lock()) return e;
   engine::EngineOptions eo;
   eo.secret = secret;
   eo.reach_host = reach_host;
+  eo.host = sharedEngineHost();  // mooncake.pg.set_host_ip()
   auto created = engine::TransferEngine::create(eo);
   if (!created.ok()) {
     throw std::runtime_error("mooncake: cannot start the transfer engine: " +

@@ -2,192 +2,12 @@
 // MooncakeDistributedStore) and mooncake._C.ReplicateConfig. Conversions only: every call goes
 // down to store::StoreClient, with the GIL released while it runs. Return conventions are
 // Mooncake Store's: 0 or a byte count on success, a negative ErrorCode value on failure.
-#include <pybind11/stl.h>
-#include <torch/csrc/utils/pybind.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <cstring>
-#include <random>
-#include <thread>
-
-#include "engine/rendezvous.h"
-#include "engine/secret.h"
-#include "store/client/rpc.h"
-#include "store/client/store_client.h"
-#include "torch_ext/csrc/process_group.h"
+#include "torch_ext/csrc/engine_handle.h"
+#include "torch_ext/csrc/store_py.h"
 
 namespace py = pybind11;
 
 namespace mooncake::torch_ext {
-namespace {
-
-using store::ErrorCode;
-using store::ReplicateConfig;
-constexpr int64_t kNotSetUp = static_cast<int64_t>(ErrorCode::INVALID_PARAMS);
-
-int64_t code(ErrorCode ec) { return static_cast<int64_t>(ec); }
-
-// Tensor objects: a small header (magic, dtype, ndim, shape) followed by the contiguous bytes.
-constexpr uint32_t kTensorMagic = 0x3154434d;  // "MCT1"
-
-class PyStore {
- public:
-  ~PyStore() { close(); }
-
-  int setup(const std::string& local_hostname, const std::string& /*metadata_server*/,
-            uint64_t global_segment_size, uint64_t /*local_buffer_size*/,
-            const std::string& protocol, const std::string& /*device_name*/,
-            const std::string& master_server_address) {
-    if (client_) return 0;
-    // "tcp"/"rdma" name Mooncake's transports; the engine picks per peer (shm on one host),
-    // and MC_TRANSPORT can force one. Anything else is a caller error.
-    if (!protocol.empty() && protocol != "tcp" && protocol != "rdma")
-      return code(ErrorCode::INVALID_PARAMS);
-    std::string host;
-    if (int rc = splitAddress(master_server_address, &host, nullptr); rc != 0) return rc;
-    auto secret = clientSecret();
-    if (!secret.ok()) {
-      last_error_ = secret.status().toString();
-      return code(ErrorCode::INVALID_PARAMS);
-    }
-    if (int rc = connectRendezvous(master_server_address, *secret); rc != 0) return rc;
-    engine::EngineOptions eo;
-    std::random_device rd;
-    eo.name = local_hostname + "-" + std::to_string(getpid()) + "-" + std::to_string(rd() % 100000);
-    eo.secret = *secret;
-    eo.reach_host = host;  // listen on the interface that reaches the master
-    auto eng = engine::TransferEngine::create(eo);
-    if (!eng.ok()) {
-      last_error_ = eng.status().toString();
-      return code(ErrorCode::INTERNAL_ERROR);
-    }
-    owned_engine_ = std::shared_ptr<engine::TransferEngine>(std::move(eng).value());
-    return makeClient(owned_engine_.get(), nullptr, global_segment_size);
-  }
-
-  // A store over a process group's engine and rendezvous; master embedded on rank 0.
-  // A store over a process group's engine. master_address empty: the group's rendezvous, the
-  // master embedded on rank 0; else a standalone master's host:port (its rendezvous).
-  int setupFromGroup(py::object group, uint64_t segment_size, const std::string& master_address) {
-    ProcessGroupMooncake* pg = group.cast<ProcessGroupMooncake*>();
-    group_ = group;
-    pg::Communicator& comm = pg->communicator();
-    engine::TransferEngine* eng = &comm.engine();
-    py::gil_scoped_release nogil;
-    if (!master_address.empty()) {
-      // A standalone master checks its own secret: the group's engine must present the same
-      // one (MC_SECRET or MC_SECRET_FILE set for the whole job; docs/security.md).
-      auto secret = clientSecret();
-      if (!secret.ok()) {
-        last_error_ = secret.status().toString();
-        return code(ErrorCode::INVALID_PARAMS);
-      }
-      int rc = connectRendezvous(master_address, *secret);
-      if (rc != 0) return rc;
-      return makeClient(eng, nullptr, segment_size);
-    }
-    rdv_ = comm.rendezvous();
-    if (comm.rank() == 0) {
-      master_ = std::make_unique<store::MasterService>();
-      master_->startBackground(std::chrono::milliseconds(500));
-      server_ = std::make_unique<store::MasterRpcServer>(eng, master_.get());
-      if (!server_->publish(*rdv_).ok()) return code(ErrorCode::RPC_FAIL);
-    }
-    return makeClient(eng, master_.get(), segment_size);
-  }
-
-  void close() {
-    client_.reset();
-    server_.reset();
-    if (master_) master_->stopBackground();
-    master_.reset();
-    owned_engine_.reset();
-    rdv_.reset();
-    if (group_) {
-      py::gil_scoped_acquire gil;
-      group_ = py::object();
-    }
-  }
-
-  store::StoreClient* c() { return client_.get(); }
-  std::string hostname() const { return client_ ? client_->clientId() : std::string(); }
-  // Why the last setup failed, in words (setup() returns Mooncake's integer codes).
-  const std::string& lastError() const { return last_error_; }
-
- private:
-  // The secret a store client presents: MC_SECRET, else the file (MC_SECRET_FILE or
-  // ~/.mooncake/secret). A master started at the same moment may not have created the default
-  // file yet: wait for it as long as for the master's port.
-  static Result<std::string> clientSecret() {
-    auto deadline = engine::deadlineInMs(10000);
-    for (;;) {
-      auto s = engine::resolveSecret("", engine::SecretFile::kDefault);
-      if (s.ok() || s.status().code() != Code::kNotFound || engine::Clock::now() >= deadline)
-        return s;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  }
-
-  static int splitAddress(const std::string& address, std::string* host, int* port_out) {
-    auto colon = address.rfind(':');
-    if (colon == std::string::npos || colon == 0) return code(ErrorCode::INVALID_PARAMS);
-    int port = std::atoi(address.c_str() + colon + 1);
-    if (port <= 0 || port > 65535) return code(ErrorCode::INVALID_PARAMS);
-    *host = address.substr(0, colon);
-    if (port_out != nullptr) *port_out = port;
-    return 0;
-  }
-
-  int connectRendezvous(const std::string& address, const std::string& secret) {
-    std::string host;
-    int port = 0;
-    if (int rc = splitAddress(address, &host, &port); rc != 0) return rc;
-    auto rdv = engine::TcpRendezvousClient::connect(host, static_cast<uint16_t>(port), secret,
-                                                    engine::deadlineInMs(10000));
-    if (!rdv.ok()) {
-      last_error_ = rdv.status().toString();
-      return code(ErrorCode::RPC_FAIL);
-    }
-    rdv_ = std::shared_ptr<engine::Rendezvous>(std::move(rdv).value());
-    return 0;
-  }
-
-  int makeClient(engine::TransferEngine* eng, store::MasterService* local, uint64_t seg) {
-    store::StoreClientOptions so;
-    so.segment_size = seg;
-    auto c = store::StoreClient::create(eng, rdv_.get(), local, so);
-    if (!c.ok()) return code(c.error());
-    client_ = std::move(c).value();
-    return 0;
-  }
-
-  std::string last_error_;
-  std::shared_ptr<engine::TransferEngine> owned_engine_;
-  std::shared_ptr<engine::Rendezvous> rdv_;
-  std::unique_ptr<store::MasterService> master_;
-  std::unique_ptr<store::MasterRpcServer> server_;
-  std::unique_ptr<store::StoreClient> client_;
-  py::object group_;
-};
-
-ReplicateConfig cfgOf(const py::object& o) {
-  if (o.is_none()) return ReplicateConfig{};
-  return o.cast<ReplicateConfig>();
-}
-
-std::string_view viewOf(const py::buffer& b, py::buffer_info* keep) {
-  *keep = b.request();
-  return std::string_view(static_cast<const char*>(keep->ptr),
-                          static_cast<size_t>(keep->size * keep->itemsize));
-}
-
-template <typename T>
-int64_t valueOr(const store::ErrorOr<T>& r) {
-  return r.ok() ? static_cast<int64_t>(*r) : code(r.error());
-}
-
-}  // namespace
 
 void registerStoreApis(py::module_& m) {
   py::class_<ReplicateConfig>(m, "ReplicateConfig", "Mooncake's replication settings of a put.")
@@ -196,6 +16,8 @@ void registerStoreApis(py::module_& m) {
       .def_readwrite("with_soft_pin", &ReplicateConfig::with_soft_pin)
       .def_readwrite("with_hard_pin", &ReplicateConfig::with_hard_pin)
       .def_readwrite("preferred_segment", &ReplicateConfig::preferred_segment)
+      .def_readwrite("soft_pin_ttl_ms", &ReplicateConfig::soft_pin_ttl_ms)
+      .def_readwrite("keep_soft_pin", &ReplicateConfig::keep_soft_pin)
       .def("__repr__", [](const ReplicateConfig& c) {
         return "ReplicateConfig(replica_num=" + std::to_string(c.replica_num) +
                ", with_soft_pin=" + (c.with_soft_pin ? "True" : "False") +
@@ -204,9 +26,23 @@ void registerStoreApis(py::module_& m) {
       });
 
   using Nogil = py::call_guard<py::gil_scoped_release>;
-  py::class_<PyStore>(m, "StoreClient", "Native store client; use mooncake.store.")
-      .def(py::init<>())
-      .def("setup", &PyStore::setup, Nogil())
+  py::class_<PyStore> cls(m, "StoreClient", "Native store client; use mooncake.store.");
+  addStoreExtApis(m, cls);
+  cls.def(py::init<>())
+      .def(
+          "setup",
+          [](PyStore& s, const std::string& local_hostname, uint64_t global_segment_size,
+             uint64_t local_buffer_size, const std::string& protocol,
+             const std::string& master_server_addr, py::object engine) {
+            std::shared_ptr<engine::TransferEngine> shared;
+            if (!engine.is_none()) shared = engine.cast<EngineHandle>().engine;  // else TypeError
+            py::gil_scoped_release nogil;
+            return s.setup(local_hostname, global_segment_size, local_buffer_size, protocol,
+                           master_server_addr, std::move(shared));
+          },
+          py::arg("local_hostname"), py::arg("global_segment_size"),
+          py::arg("local_buffer_size"), py::arg("protocol"), py::arg("master_server_addr"),
+          py::arg("engine") = py::none())
       .def("setup_from_group", &PyStore::setupFromGroup)
       .def("close",
            [](PyStore& s) {
@@ -254,8 +90,9 @@ void registerStoreApis(py::module_& m) {
              }
              ReplicateConfig c = cfgOf(cfg);
              py::gil_scoped_release nogil;
+             // Upstream: 0 when every key is stored; an existing key counts as stored.
              for (ErrorCode ec : s.c()->batchPut(keys, vs, c))
-               if (ec != ErrorCode::OK) return code(ec);
+               if (ec != ErrorCode::OK && ec != ErrorCode::OBJECT_ALREADY_EXISTS) return code(ec);
              return 0;
            })
       .def("get",

@@ -225,6 +225,8 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
   if (!c->active && c->authed && c->role == ConnRole::kControl && !c->have_desc &&
       h.type != FrameType::kDesc)
     return protocolError(c, "frame before DESC");
+  if (!c->active && c->authed && c->role == ConnRole::kQuery)
+    return protocolError(c, "frame on a query connection");
   bool passive_type = h.type == FrameType::kHello || h.type == FrameType::kDesc ||
                       h.type == FrameType::kWrite ||
                       h.type == FrameType::kReadReq || h.type == FrameType::kNotify ||
@@ -356,9 +358,27 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       if (admission_) admission_->authenticated(c->src_addr);
       c->src_engine = hello.engine_id;
       c->role = hello.role;
-      MC_LOG(DEBUG, TCP) << "accepted " << (c->role == ConnRole::kControl ? "control" : "data")
+      MC_LOG(DEBUG, TCP) << "accepted "
+                         << (c->role == ConnRole::kControl ? "control"
+                             : c->role == ConnRole::kData  ? "data"
+                                                           : "query")
                          << " connection from " << c->src_name;
       if (c->role == ConnRole::kControl) return true;  // HELLO_OK once DESC arrived
+      if (c->role == ConnRole::kQuery) {
+        // The initiator asked for our descriptor (tcp_query.h): answer it; it closes.
+        FrameHeader d;
+        d.type = FrameType::kDesc;
+        d.aux = ctx_->engine_id;
+        SegmentDesc self;
+        if (ctx_->local_segment) {
+          self = ctx_->local_segment();
+        } else {
+          self.engine_id = ctx_->engine_id;
+          fill(&self);
+        }
+        send(*c, d, nullptr, 0, self.serialize());
+        return true;
+      }
       return sendHelloOk(*c);
     }
     case FrameType::kDesc: {

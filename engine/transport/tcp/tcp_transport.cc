@@ -72,7 +72,7 @@ bool decodeHello(std::string_view payload, Hello* out) {
   out->engine_id = r.u64();
   uint8_t role = r.u8();
   out->role = static_cast<ConnRole>(role);
-  return r.done() && role <= static_cast<uint8_t>(ConnRole::kData);
+  return r.done() && role <= static_cast<uint8_t>(ConnRole::kQuery);
 }
 
 // ---------------------------------------------------------------- set-up and shutdown

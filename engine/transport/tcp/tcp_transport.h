@@ -19,6 +19,11 @@
 //                whose port now belongs to another engine is refused). Sent after HELLO on a
 //                data connection, after DESC on a control connection.
 //   HELLO_DENIED payload = reason; the target closes the connection after it
+//   DESC (answer) on a query connection (HELLO role kQuery): payload = the target's own
+//                SegmentDesc, aux = its engine id; sent right after a successful HELLO instead
+//                of HELLO_OK. Nothing else is valid on a query connection: the initiator reads
+//                the answer and closes it (tcp_query.h; upstream Mooncake's P2P handshake, with
+//                the job secret first).
 //   WRITE        payload = the bytes to put at addr          -> WRITE_ACK (status)
 //   READ_REQ     addr, length                               -> READ_RESP (status, payload)
 //   NOTIFY       aux = tag            (pushed into the target's inbox)
@@ -100,7 +105,8 @@ enum class FrameType : uint8_t {
 
 constexpr uint64_t kByeEngineStopping = 1;
 
-enum class ConnRole : uint8_t { kControl = 0, kData = 1 };
+// kQuery: a short connection that only asks for the target's descriptor (see DESC above).
+enum class ConnRole : uint8_t { kControl = 0, kData = 1, kQuery = 2 };
 
 struct FrameHeader {
   uint32_t magic = kFrameMagic;

@@ -21,4 +21,8 @@ pg.register()
 _compat.install_libuv_hint()
 _compat.honour_use_libuv_0()
 
-__all__ = ["BACKEND_NAME", "Options", "ProcessGroupMooncake", "pg"]
+# Upstream's wheel exports these at the top level.
+from .buffer_pool import BufferPool, RegisteredBufferPool  # noqa: E402
+
+__all__ = ["BACKEND_NAME", "Options", "ProcessGroupMooncake", "pg", "BufferPool",
+           "RegisteredBufferPool"]

@@ -21,6 +21,7 @@ later addition behind the same buffer layout); ``use_fp8`` raises ValueError.
 Failure awareness (low-latency mode): ``active_ranks`` (int32 [R], 1 = active) is updated
 in place: a rank that sends nothing within ``timeout_us`` is set to 0, counted as having
 sent no tokens and skipped by combine; ranks already 0 are neither sent to nor waited for.
+``timeout_us=-1``: no timeout (a silent rank is waited for until its engine is seen gone).
 """
 
 import contextlib
@@ -86,13 +87,17 @@ class NormalHandle(tuple):
 class Buffer:
     """An EP buffer on a mooncake process group (collective: every rank constructs it)."""
 
-    def __init__(self, group=None, num_ep_buffer_bytes=None):
+    def __init__(self, group=None, num_ep_buffer_bytes=None, disable_p2p=False):
+        """disable_p2p: reach every peer through engine WRITEs, never by storing into its
+        mapped buffer (Mooncake EP's switch off of its NVLink/IPC path; results are the same)."""
         backend = _mooncake_backend(group)
-        if num_ep_buffer_bytes is None:
-            raise ValueError("num_ep_buffer_bytes is required (Buffer.get_ep_buffer_size_hint)")
+        if not num_ep_buffer_bytes:
+            raise ValueError("num_ep_buffer_bytes is required and positive "
+                             "(Buffer.get_ep_buffer_size_hint)")
         self.group = group
         self._backend = backend  # keeps the group's communicator and engine alive
-        self._impl = _C.EpBuffer(backend, int(num_ep_buffer_bytes))
+        self._impl = _C.EpBuffer(backend, int(num_ep_buffer_bytes), bool(disable_p2p))
+        self.disable_p2p = bool(disable_p2p)
         self.rank = self._impl.rank
         self.group_size = self._impl.group_size
         self.num_ep_buffer_bytes = self._impl.num_bytes
@@ -129,12 +134,17 @@ class Buffer:
         return recv_x, recv_count, handle, event, hook
 
     def combine(self, y, topk_idx, topk_weights, active_ranks, timeout_us, handle,
-                async_finish=False, return_recv_hook=False, out=None):
+                zero_copy=False, async_finish=False, return_recv_hook=False, out=None):
         """out[t] = sum over k (ascending) with topk_idx[t][k] >= 0 and its owner active of
         topk_weights[t][k] * y_owner[row of t], accumulated in float32, rounded once.
 
-        Returns (out [T, H], event, hook).
+        Returns (out [T, H], event, hook). zero_copy=True (y already in the buffer) is not
+        supported, as in Mooncake EP: NotImplementedError.
         """
+        if zero_copy:
+            raise NotImplementedError(
+                "Mooncake EP zero-copy combine is not supported; pass the expert output tensor "
+                "to combine() with zero_copy=False")
         with self._round("combine"):
             src_info, layout, M, H, E = handle
             tmo = int(DEFAULT_TIMEOUT_US if timeout_us is None else timeout_us)

@@ -104,3 +104,8 @@ def register():
         devices = ["cpu"] if name.endswith("-cpu") else _C.DEVICES
         if name.upper() not in getattr(dist.Backend, "_plugins", {}):
             _compat.register_backend(name, _create, devices)
+
+
+# Upstream Mooncake's mooncake.pg settings (set_host_ip, set_device_filter, set_transfer_engine).
+from ._pg_upstream import (get_device_filter, set_device_filter, set_host_ip,  # noqa: E402,F401
+                           set_transfer_engine)

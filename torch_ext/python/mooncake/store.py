@@ -1,33 +1,47 @@
-"""mooncake.store: the KV-cache store (Mooncake Store's Python API on this project's engine).
+"""mooncake.store: the KV-cache store (upstream Mooncake Store's Python API on this project's
+engine).
 
 Two ways in:
 
-* ``MooncakeDistributedStore`` with Mooncake's method names, arguments and return
-  conventions, against a standalone ``mooncake_master`` (``master_server_address`` is the
-  master's ``--port``)::
+* ``MooncakeDistributedStore`` with upstream's method names, arguments and return conventions,
+  against a standalone ``mooncake_master`` (``master_server_addr`` is the master's
+  ``--port``)::
 
       from mooncake.store import MooncakeDistributedStore
       store = MooncakeDistributedStore()
-      assert store.setup("localhost", "", 512 << 20, 0, "tcp", "", "127.0.0.1:50051") == 0
+      assert store.setup("localhost", "P2PHANDSHAKE", 512 << 20, 16 << 20, "tcp", "",
+                         "127.0.0.1:50051") == 0
       store.put("k", b"v"); store.get("k")
+
+  ``setup`` also takes upstream's config dict, and an engine to share as its 8th argument
+  (``TransferEngine.get_engine()``, mooncake.engine), as SGLang's HiCache passes it.
 
 * ``Store.from_group(group, segment_size=...)``: the store of a mooncake process group; every
   rank lends a segment of the group engine's memory, the master runs embedded on rank 0.
 
-Return conventions (Mooncake's): 0 or a byte count for success, a negative error code
-(``ErrorCode``; see docs/store_errors.md) for failure; ``get`` returns ``b""`` when the
-object cannot be read; ``is_exist`` returns 1, 0 or a negative code.
+Return conventions (upstream's): 0 or a byte count for success, a negative error code
+(``ErrorCode``; docs/store_errors.md) for failure; a put of an existing key is 0 (the stored
+value stays); ``get`` returns ``b""`` and ``get_buffer`` ``None`` when the object cannot be read;
+``is_exist`` returns 1, 0 or a negative code. The calls that need the local buffer (bytes in and
+out: put, get, put_parts, get_buffer, the tensor calls...) fail with INVALID_PARAMS / ``b""`` /
+``None`` when ``local_buffer_size`` is 0, as upstream's do. docs/compat.md lists every difference.
 """
 
 import enum
 import logging
+import re
 
 import torch  # noqa: F401  (the extension links against torch)
 
 from . import _C
+from ._store_tensors import TensorApi
+from ._store_types import (Descriptor, MemoryDescriptor, MooncakeHostMemAllocator,  # noqa: F401
+                           ObjectDataType, ParallelAxis, ReadTarget, ReplicaDescriptor,
+                           ReplicaStatus, ReplicateConfig, SoftPinAction, TensorParallelism,
+                           native_config, replica_descriptors)
 
-ReplicateConfig = _C.ReplicateConfig
 _log = logging.getLogger("mooncake.store")
+BufferHandle = _C.BufferHandle
 
 
 class ErrorCode(enum.IntEnum):
@@ -52,31 +66,135 @@ class ErrorCode(enum.IntEnum):
     RPC_FAIL = -900
 
 
-def _cfg(config):
-    return ReplicateConfig() if config is None else config
+_BAD = int(ErrorCode.INVALID_PARAMS)
+_EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+_SETUP_NAMES = ("local_hostname", "metadata_server", "global_segment_size", "local_buffer_size",
+                "protocol", "rdma_devices", "master_server_addr", "engine",
+                "enable_ssd_offload", "ssd_offload_path", "tenant_id",
+                "enable_client_http_server", "client_http_port")
+# This project's earlier keyword names, still accepted.
+_SETUP_ALIASES = {"device_name": "rdma_devices", "master_server_address": "master_server_addr",
+                  "transfer_engine": "engine"}
+_DEFAULT_SIZE = 16 << 20  # upstream's default segment and local buffer size (config dict)
 
 
-class MooncakeDistributedStore:
-    """Mooncake Store's client API. Every method is safe to call before ``setup`` (it
-    returns INVALID_PARAMS, ``b""`` or ``None``) and after ``close``."""
+def _put_rc(rc):
+    """Upstream's put: an existing key is success (the stored value is kept)."""
+    return 0 if rc == _EXISTS else rc
+
+
+def parse_size(v):
+    """Bytes from an int or upstream's human-readable sizes ("16MB", "16 MB", "1GiB"; binary
+    units). ValueError for anything else (a percentage, a negative number)."""
+    if isinstance(v, bool):
+        raise ValueError(f"bad size {v!r}")
+    if isinstance(v, int):
+        if v < 0:
+            raise ValueError(f"negative size {v}")
+        return v
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", str(v), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"bad size {v!r}")
+    mult = 1 << (10 * " kmgt".index(m.group(2).lower() or " "))
+    return int(float(m.group(1)) * mult)
+
+
+def _truthy(v):
+    return str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+class MooncakeDistributedStore(TensorApi):
+    """Upstream's client API. Every method is safe to call before ``setup`` (it returns
+    INVALID_PARAMS, ``b""``, ``None`` or ``[]``) and after ``close``."""
 
     def __init__(self):
         self._c = _C.StoreClient()
 
     # ---- life cycle ----
-    def setup(self, local_hostname, metadata_server="", global_segment_size=512 << 20,
-              local_buffer_size=0, protocol="tcp", device_name="",
-              master_server_address="127.0.0.1:50051"):
-        """Connects to the master at ``master_server_address`` (host:port of
-        ``mooncake_master --port``) and lends ``global_segment_size`` bytes. ``metadata_server``,
-        ``local_buffer_size`` and ``device_name`` are accepted for compatibility: the master's
-        rendezvous is the metadata service, and transfers need no staging buffer."""
-        rc = self._c.setup(local_hostname, metadata_server, int(global_segment_size),
-                           int(local_buffer_size), protocol, device_name,
-                           master_server_address)
-        if rc != 0 and self._c.last_error():
-            _log.error("setup(master %s) failed (%d): %s", master_server_address, rc,
+    def setup(self, *args, **kwargs):
+        """``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
+        protocol, rdma_devices, master_server_addr, engine=None, enable_ssd_offload=False,
+        ssd_offload_path="", tenant_id="default", enable_client_http_server=False,
+        client_http_port=9300)`` or ``setup(config_dict)``: 0, or a negative code (logged).
+
+        ``local_hostname`` names this client ("host" gets ":<port>" of its engine appended;
+        "host:port" is used as given); with ``engine`` it must be that engine's session id.
+        ``metadata_server`` and ``rdma_devices`` are accepted and unused (the master is the
+        metadata service; there is no RDMA transport). SSD offload, tenants other than
+        "default" and the client HTTP server are not in this store: asking for them fails."""
+        if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
+            return self._setup_dict(args[0])
+        if len(args) > len(_SETUP_NAMES):
+            raise TypeError(f"setup() takes at most {len(_SETUP_NAMES)} positional arguments "
+                            f"({len(args)} given)")
+        a = dict(zip(_SETUP_NAMES, args))
+        for k, v in kwargs.items():
+            k = _SETUP_ALIASES.get(k, k)
+            if k not in _SETUP_NAMES:
+                raise TypeError(f"setup() got an unexpected keyword argument '{k}'")
+            if k in a:
+                raise TypeError(f"setup() got multiple values for argument '{k}'")
+            a[k] = v
+        if "local_hostname" not in a:
+            raise TypeError("setup() missing required argument: 'local_hostname'")
+        return self._setup(**a)
+
+    def _setup_dict(self, cfg):
+        c = {str(k): str(v) for k, v in cfg.items()}
+        if "local_hostname" not in c or "metadata_server" not in c:
+            _log.error("setup(config): local_hostname and metadata_server are required")
+            return _BAD
+        try:
+            sizes = {k: parse_size(c.get(k, _DEFAULT_SIZE))
+                     for k in ("global_segment_size", "local_buffer_size")}
+        except ValueError as e:
+            _log.error("setup(config): %s", e)
+            return _BAD
+        if any(0 < v < 1024 for v in sizes.values()) or sizes["local_buffer_size"] > 1 << 40:
+            _log.error("setup(config): sizes must be 0 or at least 1 KiB (local buffer <= 1 TiB)")
+            return _BAD
+        return self._setup(
+            local_hostname=c["local_hostname"], metadata_server=c["metadata_server"],
+            protocol=c.get("protocol", "tcp"), rdma_devices=c.get("rdma_devices", ""),
+            master_server_addr=c.get("master_server_addr", "127.0.0.1:50051"),
+            enable_ssd_offload=_truthy(c.get("enable_ssd_offload", "false")),
+            ssd_offload_path=c.get("ssd_offload_path", ""),
+            tenant_id=c.get("tenant_id", "default"),
+            enable_client_http_server=_truthy(c.get("enable_client_http_server", "false")),
+            client_http_port=int(c.get("client_http_port", "9300")), **sizes)
+
+    def _setup(self, local_hostname, metadata_server="P2PHANDSHAKE",
+               global_segment_size=_DEFAULT_SIZE, local_buffer_size=_DEFAULT_SIZE,
+               protocol="tcp", rdma_devices="", master_server_addr="127.0.0.1:50051",
+               engine=None, enable_ssd_offload=False, ssd_offload_path="", tenant_id="default",
+               enable_client_http_server=False, client_http_port=9300):
+        refused = []
+        if enable_ssd_offload:
+            refused.append("SSD offload (enable_ssd_offload)")
+        if tenant_id not in ("", "default", None):
+            refused.append(f"tenant namespaces (tenant_id={tenant_id!r})")
+        if enable_client_http_server:
+            refused.append("the client HTTP server (enable_client_http_server)")
+        if refused:
+            _log.error("setup: this store does not support %s", ", ".join(refused))
+            return _BAD
+        if engine is not None and not isinstance(engine, _C.InnerTransferEngine):
+            raise TypeError("setup(): engine must be None or TransferEngine.get_engine()'s "
+                            f"handle, not {type(engine).__name__}")
+        try:
+            gseg, lbuf = parse_size(global_segment_size), parse_size(local_buffer_size)
+        except ValueError as e:
+            _log.error("setup: %s", e)
+            return _BAD
+        rc = self._c.setup(str(local_hostname), gseg, lbuf, str(protocol or "tcp"),
+                           str(master_server_addr), engine)
+        if rc != 0:
+            _log.error("setup(master %s) failed (%d): %s", master_server_addr, rc,
                        self._c.last_error())
+        elif engine is not None and str(local_hostname) != self._c.get_hostname():
+            _log.warning("setup: local_hostname %r is not the shared engine's session id %r; "
+                         "the client is named %r", local_hostname, self._c.get_hostname(),
+                         self._c.get_hostname())
         return rc
 
     def close(self):
@@ -84,24 +202,67 @@ class MooncakeDistributedStore:
         return 0
 
     def get_hostname(self):
-        """The name of this client's segment (use as ReplicateConfig.preferred_segment)."""
+        """This client's segment name, "host:port" (use it as preferred_segment)."""
         return self._c.get_hostname()
+
+    def health_check(self):
+        """0 healthy, 1 not set up (or closed), 2 master unreachable."""
+        if not self._c.is_setup():
+            return 1
+        return 0 if self._c.ping() == 0 else 2
+
+    def _cfg(self, config):
+        return native_config(config)
+
+    def _staged(self):
+        """True when the local buffer exists (upstream stages these calls through it)."""
+        if self._c.local_buffer_size > 0 or not self._c.is_setup():
+            return True
+        _log.debug("local_buffer_size is 0: calls that need the local buffer fail")
+        return False
 
     # ---- bytes ----
     def put(self, key, value, config=None):
-        return self._c.put(key, value, _cfg(config))
-
-    def get(self, key):
-        return self._c.get(key)
-
-    def put_batch(self, keys, values, config=None):
-        return self._c.put_batch(list(keys), list(values), _cfg(config))
-
-    def get_batch(self, keys):
-        return self._c.get_batch(list(keys))
+        c, rc = self._cfg(config)
+        if rc or not self._staged():
+            return rc or _BAD
+        return _put_rc(self._c.put(key, value, c))
 
     def put_parts(self, key, *parts, config=None):
-        return self._c.put_parts(key, list(parts), _cfg(config))
+        for p in parts:
+            mv = memoryview(p)
+            if mv.ndim != 1 or mv.itemsize != 1:
+                raise RuntimeError("parts must be 1-D bytes-like")
+        c, rc = self._cfg(config)
+        if rc or not self._staged():
+            return rc or _BAD
+        return _put_rc(self._c.put_parts(key, list(parts), c))
+
+    def put_batch(self, keys, values, config=None):
+        """One int: 0 when every key was stored (or existed), else the first failure."""
+        c, rc = self._cfg(config)
+        if rc or not self._staged():
+            return rc or _BAD
+        return _put_rc(self._c.put_batch(list(keys), list(values), c))
+
+    def get(self, key):
+        if not self._staged():
+            return b""
+        return self._c.get(key)
+
+    def get_batch(self, keys):
+        keys = list(keys)
+        if not self._staged():
+            return [b""] * len(keys)
+        return self._c.get_batch(keys)
+
+    def get_buffer(self, key):
+        """A BufferHandle over the object's bytes in the local buffer (buffer protocol:
+        memoryview / torch.frombuffer), or None on a miss."""
+        return self._c.get_buffer(key)
+
+    def batch_get_buffer(self, keys):
+        return self._c.batch_get_buffer(list(keys))
 
     # ---- zero copy ----
     def register_buffer(self, buffer_ptr, size):
@@ -111,28 +272,105 @@ class MooncakeDistributedStore:
         return self._c.unregister_buffer(int(buffer_ptr))
 
     def put_from(self, key, buffer_ptr, size, config=None):
-        return self._c.put_from(key, int(buffer_ptr), int(size), _cfg(config))
+        c, rc = self._cfg(config)
+        return rc or _put_rc(self._c.put_from(key, int(buffer_ptr), int(size), c))
+
+    def put_from_with_metadata(self, key, buffer_ptr, metadata_buffer_ptr, size, metadata_size,
+                               config=None):
+        """The object is the metadata bytes followed by the data bytes (both registered)."""
+        c, rc = self._cfg(config)
+        if rc:
+            return rc
+        return _put_rc(self._c.batch_put_from_multi_buffers(
+            [key], [[int(metadata_buffer_ptr), int(buffer_ptr)]],
+            [[int(metadata_size), int(size)]], c)[0])
 
     def get_into(self, key, buffer_ptr, size):
         return self._c.get_into(key, int(buffer_ptr), int(size))
 
     def batch_put_from(self, keys, buffer_ptrs, sizes, config=None):
-        return self._c.batch_put_from(list(keys), [int(p) for p in buffer_ptrs],
-                                      [int(s) for s in sizes], _cfg(config))
+        keys = list(keys)
+        c, rc = self._cfg(config)
+        if rc:
+            return [rc] * len(keys)
+        return [_put_rc(r) for r in self._c.batch_put_from(
+            keys, [int(p) for p in buffer_ptrs], [int(s) for s in sizes], c)]
 
     def batch_get_into(self, keys, buffer_ptrs, sizes):
+        """Per key: the bytes read (> 0), or a negative code."""
         return self._c.batch_get_into(list(keys), [int(p) for p in buffer_ptrs],
                                       [int(s) for s in sizes])
 
     def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, config=None):
-        return self._c.batch_put_from_multi_buffers(
-            list(keys), [[int(p) for p in ps] for ps in all_buffer_ptrs],
-            [[int(s) for s in ss] for ss in all_sizes], _cfg(config))
+        keys = list(keys)
+        c, rc = self._cfg(config)
+        if rc:
+            return [rc] * len(keys)
+        return [_put_rc(r) for r in self._c.batch_put_from_multi_buffers(
+            keys, [[int(p) for p in ps] for ps in all_buffer_ptrs],
+            [[int(s) for s in ss] for ss in all_sizes], c)]
 
-    def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, *_ignored):
+    def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
+                                     prefer_alloc_in_same_node=False):
         return self._c.batch_get_into_multi_buffers(
             list(keys), [[int(p) for p in ps] for ps in all_buffer_ptrs],
             [[int(s) for s in ss] for ss in all_sizes])
+
+    def get_into_ranges(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets,
+                        all_sizes):
+        """For buffer b and its k-th key, fragment f copies object bytes
+        [all_src_offsets[b][k][f], +all_sizes[b][k][f]) to buffer_ptrs[b] +
+        all_dst_offsets[b][k][f]. Returns bytes (or a negative code) per fragment, shaped as
+        all_sizes; fragments fail independently (missing key, range past the object, shape)."""
+        out = []
+        for b, ptr in enumerate(buffer_ptrs):
+            keys = all_keys[b] if b < len(all_keys) else []
+            per_key = []
+            for k, key in enumerate(keys):
+                try:
+                    dst, src, size = (all_dst_offsets[b][k], all_src_offsets[b][k],
+                                      all_sizes[b][k])
+                except IndexError:
+                    per_key.append([])
+                    continue
+                if not (len(dst) == len(src) == len(size)):
+                    per_key.append([_BAD] * len(size))
+                    continue
+                per_key.append(self._c.get_ranges(key, [int(ptr) + int(d) for d in dst],
+                                                  [int(s) for s in src], [int(n) for n in size]))
+            out.append(per_key)
+        return out
+
+    # ---- upserts: replace the value; readers get the old bytes or the new ones ----
+    def upsert(self, key, value, config=None):
+        return self.upsert_parts(key, value, config=config)
+
+    def upsert_parts(self, key, *parts, config=None):
+        c, rc = self._cfg(config)
+        if rc or not self._staged():
+            return rc or _BAD
+        return self._c.upsert_parts(key, list(parts), c)
+
+    def upsert_batch(self, keys, values, config=None):
+        """One int: 0 when every key was written, else the first failure."""
+        keys, values = list(keys), list(values)
+        if len(keys) != len(values):
+            return _BAD
+        for k, v in zip(keys, values):
+            rc = self.upsert(k, v, config)
+            if rc:
+                return rc
+        return 0
+
+    def upsert_from(self, key, buffer_ptr, size, config=None):
+        c, rc = self._cfg(config)
+        return rc or self._c.upsert_from(key, int(buffer_ptr), int(size), c)
+
+    def batch_upsert_from(self, keys, buffer_ptrs, sizes, config=None):
+        keys, ptrs, sizes = list(keys), list(buffer_ptrs), list(sizes)
+        if not (len(keys) == len(ptrs) == len(sizes)):
+            return [_BAD] * len(keys)
+        return [self.upsert_from(k, p, s, config) for k, p, s in zip(keys, ptrs, sizes)]
 
     # ---- metadata ----
     def is_exist(self, key):
@@ -147,20 +385,34 @@ class MooncakeDistributedStore:
     def remove(self, key, force=False):
         return self._c.remove(key, force)
 
-    def remove_by_regex(self, regex, force=False):
-        return self._c.remove_by_regex(regex, force)
+    def remove_by_regex(self, regex_pattern, force=False):
+        return self._c.remove_by_regex(regex_pattern, force)
 
     def remove_all(self, force=False):
         return self._c.remove_all(force)
 
-    # ---- tensors (CPU; dtype and shape travel with the data) ----
-    def put_tensor(self, key, tensor, config=None):
-        if not isinstance(tensor, torch.Tensor):
-            return int(ErrorCode.INVALID_PARAMS)
-        return self._c.put_tensor(key, tensor, _cfg(config))
+    def batch_remove(self, keys, force=False):
+        return [self.remove(k, force) for k in keys]
 
-    def get_tensor(self, key):
-        return self._c.get_tensor(key)
+    def get_replica_desc(self, key):
+        """[ReplicaDescriptor] of the key's complete replicas; [] on a miss."""
+        r = self._c.replica_list(key)
+        return [] if r is None or isinstance(r, int) else replica_descriptors(r)
+
+    def batch_get_replica_desc(self, keys):
+        """{key: [ReplicaDescriptor]}; keys that fail are absent."""
+        out = {}
+        for k in keys:
+            r = self._c.replica_list(k)
+            if r is not None and not isinstance(r, int):
+                out[k] = replica_descriptors(r)
+        return out
+
+    def batch_replica_clear(self, keys, segment_name=""):
+        """Drops the replicas of keys this client wrote: all of them ("") or those on one
+        segment. Returns the keys cleared; absent keys, other clients' keys, leased keys and keys
+        being written are skipped."""
+        return self._c.batch_replica_clear([str(k) for k in keys], str(segment_name))
 
     def __enter__(self):
         return self
@@ -177,7 +429,8 @@ class Store(MooncakeDistributedStore):
         """Every rank of ``group`` (default: the world group; its backend must be mooncake)
         lends ``segment_size`` bytes of the group engine's memory. The master runs embedded on
         rank 0 over the group's rendezvous, unless ``master_server_address`` (host:port of a
-        standalone mooncake_master) is given. Collective: call on every rank."""
+        standalone mooncake_master) is given. Collective: call on every rank. Bytes calls need
+        no local buffer here (the group's engine memory serves)."""
         import torch.distributed as dist
 
         if group is None:
@@ -196,7 +449,16 @@ class Store(MooncakeDistributedStore):
             raise RuntimeError(f"Store.from_group: setup failed with {name} ({rc})")
         # The master lives on rank 0: nobody may leave before every rank mounted.
         dist.barrier(group=group)
+        s._group_store = True
         return s
 
+    def _staged(self):
+        return True
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "Store", "ErrorCode"]
+
+from .buffer_pool import BufferLease, BufferPool, RegisteredBufferPool  # noqa: E402
+
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "Store", "ErrorCode", "SoftPinAction",
+           "ObjectDataType", "ReplicaStatus", "ReplicaDescriptor", "MemoryDescriptor",
+           "Descriptor", "ParallelAxis", "TensorParallelism", "ReadTarget", "BufferHandle",
+           "BufferPool", "BufferLease", "RegisteredBufferPool", "MooncakeHostMemAllocator"]

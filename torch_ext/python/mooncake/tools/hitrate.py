@@ -199,7 +199,8 @@ class StoreReplay:
         self.block_bytes = block_bytes
         self.prefix = f"mc-hitrate/{run_id}/"
         self.s = MooncakeDistributedStore()
-        rc = self.s.setup("mooncake-hitrate", "", capacity_blocks * block_bytes, 0, "tcp", "",
+        rc = self.s.setup("mooncake-hitrate", "", capacity_blocks * block_bytes,
+                          max(16 << 20, 2 * block_bytes), "tcp", "",
                           address)
         if rc != 0:
             name = ErrorCode(rc).name if rc in ErrorCode._value2member_map_ else str(rc)

@@ -1,0 +1,91 @@
+// Descriptor query, initiator side (the target's answer is in tcp_conn.cc, HELLO of a query
+// connection). Blocking, with the caller's deadline; never touches the progress thread.
+#include "engine/transport/tcp/tcp_query.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "engine/transport/tcp/tcp_socket.h"
+#include "engine/transport/tcp/tcp_transport.h"
+
+namespace mooncake::engine::tcp {
+
+namespace {
+
+// One attempt. *dropped: the target closed without answering (its admission limits), worth
+// retrying until the deadline.
+Result<SegmentDesc> queryOnce(const std::string& host, uint16_t port, const std::string& hello,
+                              Deadline deadline, bool* dropped) {
+  const std::string label = host + ":" + std::to_string(port);
+  Result<int> fd = sock::connectTo(host, port, deadline, false, 0);
+  if (!fd.ok())
+    return Status(fd.status().code(), "descriptor query to " + label + ": " +
+                                          fd.status().message());
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{*fd};
+  auto fail = [&](const Status& st) {
+    return Status(st.code(), "descriptor query to " + label + ": " + st.message());
+  };
+  FrameHeader h;
+  h.type = FrameType::kHello;
+  h.length = hello.size();
+  std::string out(kHeaderBytes, '\0');
+  encodeHeader(h, reinterpret_cast<uint8_t*>(out.data()));
+  out += hello;
+  Status st = sock::sendAll(*fd, out.data(), out.size(), deadline);
+  if (!st.ok()) {
+    *dropped = st.code() == Code::kUnavailable;
+    return fail(st);
+  }
+  uint8_t raw[kHeaderBytes];
+  size_t got = 0;
+  st = sock::recvAll(*fd, raw, kHeaderBytes, deadline, &got);
+  if (!st.ok()) {
+    *dropped = st.code() == Code::kUnavailable && got == 0;
+    return fail(st);
+  }
+  FrameHeader r = decodeHeader(raw);
+  if (r.magic != kFrameMagic) return fail(MC_STATUS(kProtocol, "bad answer"));
+  if (r.type == FrameType::kHelloDenied) {
+    std::string reason(std::min<uint64_t>(r.length, kMaxReasonBytes), '\0');
+    (void)sock::recvAll(*fd, reason.data(), reason.size(), deadline);
+    return fail(MC_STATUS(kPermissionDenied, "denied: " << reason));
+  }
+  if (r.type != FrameType::kDesc || r.length == 0 || r.length > kMaxDescBytes)
+    return fail(MC_STATUS(kProtocol, "unexpected answer type " << int(r.type) << " of "
+                                                               << r.length << " bytes"));
+  std::string body(r.length, '\0');
+  st = sock::recvAll(*fd, body.data(), body.size(), deadline);
+  if (!st.ok()) return fail(st);
+  auto desc = SegmentDesc::parse(body);
+  if (!desc.ok()) return fail(desc.status());
+  if (desc->engine_id != r.aux || desc->engine_id == 0)
+    return fail(MC_STATUS(kProtocol, "descriptor of another engine"));
+  return desc;
+}
+
+}  // namespace
+
+Result<SegmentDesc> queryDescriptor(const std::string& host, uint16_t port,
+                                    const std::string& secret, uint64_t engine_id,
+                                    Deadline deadline) {
+  Hello hello;
+  hello.secret = secret;
+  hello.engine_id = engine_id;
+  hello.role = ConnRole::kQuery;
+  const std::string payload = encodeHello(hello);
+  int backoff_ms = 5;
+  for (;;) {
+    bool dropped = false;
+    auto d = queryOnce(host, port, payload, deadline, &dropped);
+    if (d.ok() || !dropped || sock::msUntil(deadline) <= backoff_ms) return d;
+    std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+    backoff_ms = std::min(backoff_ms * 2, 200);
+  }
+}
+
+}  // namespace mooncake::engine::tcp

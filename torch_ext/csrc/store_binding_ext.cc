@@ -1,0 +1,246 @@
+// The rest of upstream's MooncakeDistributedStore API on mooncake._C.StoreClient: upserts,
+// buffers handed out of the local buffer (get_buffer, batch_get_buffer, BufferPool leases),
+// ranged reads, replica descriptors and clears, health, tensor views. Conversions only; the
+// Python side (mooncake/store.py) adds upstream's names, defaults and return conventions.
+#include <ATen/ATen.h>
+
+#include "torch_ext/csrc/store_py.h"
+
+namespace mooncake::torch_ext {
+namespace {
+
+using Nogil = py::call_guard<py::gil_scoped_release>;
+
+// A slice of the client's local buffer holding an object's bytes (or handed out empty by
+// lease()): upstream's BufferHandle, with the buffer protocol (1-D, itemsize 1, writable), so
+// memoryview(), bytes() and torch.frombuffer() take it without a copy. The slice returns to the
+// local buffer when the handle is dropped.
+class BufferHandle {
+ public:
+  BufferHandle(store::LocalBuffer::Lease lease, uint64_t size)
+      : lease_(std::move(lease)), size_(size) {}
+  uint64_t ptr() const { return reinterpret_cast<uint64_t>(lease_.data()); }
+  uint64_t size() const { return size_; }
+  char* data() const { return lease_.data(); }
+
+ private:
+  store::LocalBuffer::Lease lease_;
+  uint64_t size_;
+};
+
+py::object handleOrNone(std::optional<BufferHandle> h) {
+  if (!h) return py::none();
+  return py::cast(std::move(*h));
+}
+
+// Reads key into a fresh local-buffer slice. nullopt on a miss, on no local buffer, or when
+// the object does not fit in what is free of it now.
+std::optional<BufferHandle> readIntoLease(PyStore& s, const std::string& key) {
+  store::LocalBuffer* lb = s.local();
+  if (!s.c() || lb == nullptr) return std::nullopt;
+  for (int attempt = 0; attempt < 2; ++attempt) {  // the object may be replaced in between
+    auto size = s.c()->getSize(key);
+    if (!size.ok() || *size == 0) return std::nullopt;
+    auto lease = lb->acquire(*size);
+    if (!lease) return std::nullopt;
+    auto got = s.c()->getInto(key, lease->data(), lease->size());
+    if (got.ok()) return BufferHandle(std::move(*lease), *got);
+    if (got.error() != ErrorCode::BUFFER_OVERFLOW) return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+std::vector<std::pair<const void*, size_t>> partsOf(const std::vector<py::buffer>& bufs,
+                                                    std::vector<py::buffer_info>* keep) {
+  keep->resize(bufs.size());
+  std::vector<std::pair<const void*, size_t>> out;
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    auto v = viewOf(bufs[i], &(*keep)[i]);
+    out.emplace_back(v.data(), v.size());
+  }
+  return out;
+}
+
+// Tensor objects (store_binding.cc's put_tensor): magic, dtype, ndim, shape, then the bytes.
+std::string tensorHeader(const at::Tensor& t) {
+  std::string h;
+  auto add = [&](const void* p, size_t n) { h.append(static_cast<const char*>(p), n); };
+  uint32_t magic = kTensorMagic, dtype = static_cast<uint32_t>(t.scalar_type()),
+           ndim = static_cast<uint32_t>(t.dim());
+  add(&magic, 4);
+  add(&dtype, 4);
+  add(&ndim, 4);
+  for (int64_t d : t.sizes()) add(&d, 8);
+  return h;
+}
+
+// A tensor over [p, p + n) (a serialized tensor object), without a copy; None when malformed.
+py::object tensorView(const char* p, uint64_t n) {
+  if (n < 12) return py::none();
+  uint32_t magic, dtype, ndim;
+  std::memcpy(&magic, p, 4);
+  std::memcpy(&dtype, p + 4, 4);
+  std::memcpy(&ndim, p + 8, 4);
+  if (magic != kTensorMagic || ndim > 64 || n < 12 + 8ull * ndim ||
+      dtype >= static_cast<uint32_t>(at::ScalarType::NumOptions))
+    return py::none();
+  std::vector<int64_t> shape(ndim);
+  std::memcpy(shape.data(), p + 12, 8ull * ndim);
+  auto opts = at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype));
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    if (d < 0) return py::none();
+    numel *= d;
+  }
+  const uint64_t hdr = 12 + 8ull * ndim;
+  if (n - hdr != static_cast<uint64_t>(numel) * at::elementSize(opts.dtype().toScalarType()))
+    return py::none();
+  return py::cast(at::from_blob(const_cast<char*>(p + hdr), shape, opts));
+}
+
+}  // namespace
+
+void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
+  py::class_<BufferHandle>(m, "BufferHandle", py::buffer_protocol(),
+                           "Bytes of an object in the client's local buffer (get_buffer).")
+      .def_buffer([](BufferHandle& h) {
+        return py::buffer_info(h.data(), 1, py::format_descriptor<int8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(h.size())}, {1});
+      })
+      .def("ptr", &BufferHandle::ptr)
+      .def("size", &BufferHandle::size)
+      .def("__len__", &BufferHandle::size);
+
+  cls.def_property_readonly("local_buffer_size",
+                            [](PyStore& s) -> uint64_t {
+                              return s.local() != nullptr ? s.local()->capacity() : 0;
+                            })
+      .def(
+          "lease",
+          [](PyStore& s, uint64_t size) -> py::object {
+            if (s.local() == nullptr) return py::none();
+            auto l = s.local()->acquire(size);
+            if (!l) return py::none();
+            return py::cast(BufferHandle(std::move(*l), size));
+          },
+          "A free slice of the local buffer (BufferPool), or None when it does not fit now.")
+      .def("get_buffer",
+           [](PyStore& s, const std::string& key) {
+             std::optional<BufferHandle> h;
+             {
+               py::gil_scoped_release nogil;
+               h = readIntoLease(s, key);
+             }
+             return handleOrNone(std::move(h));
+           })
+      .def("batch_get_buffer",
+           [](PyStore& s, const std::vector<std::string>& keys) {
+             std::vector<std::optional<BufferHandle>> hs(keys.size());
+             {
+               py::gil_scoped_release nogil;
+               store::LocalBuffer* lb = s.local();
+               if (s.c() && lb != nullptr && !keys.empty()) {
+                 std::vector<std::optional<store::LocalBuffer::Lease>> leases(keys.size());
+                 std::vector<std::pair<void*, size_t>> bufs(keys.size(), {nullptr, 0});
+                 for (size_t i = 0; i < keys.size(); ++i) {
+                   auto size = s.c()->getSize(keys[i]);
+                   if (!size.ok() || *size == 0) continue;
+                   leases[i] = lb->acquire(*size);
+                   if (leases[i]) bufs[i] = {leases[i]->data(), leases[i]->size()};
+                 }
+                 auto got = s.c()->batchGetInto(keys, bufs);  // one engine batch
+                 for (size_t i = 0; i < keys.size(); ++i) {
+                   if (leases[i] && got[i].ok())
+                     hs[i] = BufferHandle(std::move(*leases[i]), *got[i]);
+                   else if (leases[i] && got[i].error() == ErrorCode::BUFFER_OVERFLOW)
+                     hs[i] = readIntoLease(s, keys[i]);  // replaced meanwhile: once more
+                 }
+               }
+             }
+             py::list out;
+             for (auto& h : hs) out.append(handleOrNone(std::move(h)));
+             return out;
+           })
+      // ---- upserts ----
+      .def("upsert_parts",
+           [](PyStore& s, const std::string& key, std::vector<py::buffer> parts,
+              const ReplicateConfig& c) -> int64_t {
+             if (!s.c()) return kNotSetUp;
+             std::vector<py::buffer_info> keep;
+             auto ps = partsOf(parts, &keep);
+             py::gil_scoped_release nogil;
+             return code(s.c()->upsertParts(key, ps, c));
+           })
+      .def(
+          "upsert_from",
+          [](PyStore& s, const std::string& key, uintptr_t ptr, size_t size,
+             const ReplicateConfig& c) -> int64_t {
+            if (!s.c()) return kNotSetUp;
+            if (!s.c()->isRegistered(reinterpret_cast<void*>(ptr), size))
+              return code(ErrorCode::INVALID_PARAMS);
+            return code(s.c()->upsert(key, reinterpret_cast<void*>(ptr), size, c));
+          },
+          Nogil())
+      // ---- ranges and replicas ----
+      .def(
+          "get_ranges",
+          [](PyStore& s, const std::string& key, const std::vector<uintptr_t>& dsts,
+             const std::vector<uint64_t>& src_offsets,
+             const std::vector<uint64_t>& sizes) -> std::vector<int64_t> {
+            std::vector<int64_t> out(dsts.size(), kNotSetUp);
+            if (!s.c()) return out;
+            std::vector<store::StoreClient::Range> rs;
+            for (size_t i = 0; i < dsts.size(); ++i) {
+              void* d = s.c()->isRegistered(reinterpret_cast<void*>(dsts[i]), sizes[i])
+                            ? reinterpret_cast<void*>(dsts[i])
+                            : nullptr;  // refused: INVALID_PARAMS for this range
+              rs.push_back({src_offsets[i], sizes[i], d});
+            }
+            auto got = s.c()->getRanges(key, rs);
+            for (size_t i = 0; i < got.size(); ++i) out[i] = valueOr(got[i]);
+            return out;
+          },
+          "Per range: bytes copied, or a negative code (dst must be registered).", Nogil())
+      .def(
+          "replica_list",
+          [](PyStore& s, const std::string& key) -> py::object {
+            if (!s.c()) return py::none();
+            store::ErrorOr<store::proto::GetReplicaListResponse> r(ErrorCode::INTERNAL_ERROR);
+            {
+              py::gil_scoped_release nogil;
+              r = s.c()->replicaList(key);
+            }
+            if (!r.ok()) return py::int_(code(r.error()));
+            py::list reps;
+            for (const auto& rep : r->replicas()) {
+              py::list pieces;
+              for (const auto& p : rep.pieces())
+                pieces.append(py::make_tuple(p.length(), p.address(), py::str(p.client_id()),
+                                             py::str(p.segment_name())));
+              reps.append(pieces);
+            }
+            return py::make_tuple(r->size(), reps);
+          },
+          "(size, [[(length, address, client, segment) per piece] per replica]) or a code.")
+      .def(
+          "batch_replica_clear",
+          [](PyStore& s, const std::vector<std::string>& keys,
+             const std::string& segment_name) -> std::vector<std::string> {
+            if (!s.c()) return {};
+            auto r = s.c()->batchReplicaClear(keys, segment_name);
+            return r.ok() ? *r : std::vector<std::string>{};
+          },
+          Nogil())
+      .def(
+          "ping", [](PyStore& s) -> int64_t { return s.c() ? code(s.c()->ping()) : kNotSetUp; },
+          Nogil());
+
+  m.def("tensor_header", [](const at::Tensor& t) { return py::bytes(tensorHeader(t)); },
+        "Header of a serialized tensor object for a contiguous CPU tensor.");
+  m.def(
+      "tensor_view",
+      [](uintptr_t ptr, uint64_t size) { return tensorView(reinterpret_cast<const char*>(ptr), size); },
+      "A tensor over a serialized tensor object at [ptr, ptr + size) (no copy), or None.");
+}
+
+}  // namespace mooncake::torch_ext

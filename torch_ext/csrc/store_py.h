@@ -1,0 +1,239 @@
+// PyStore: the native object behind mooncake.store.MooncakeDistributedStore (mooncake._C.
+// StoreClient), shared by store_binding.cc (Mooncake's original calls) and store_binding_ext.cc
+// (the rest of upstream's API). It owns (or borrows) the engine, the rendezvous to the master,
+// the StoreClient and the client's local buffer; conversions only.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "engine/rendezvous.h"
+#include "engine/secret.h"
+#include "store/client/local_buffer.h"
+#include "store/client/rpc.h"
+#include "store/client/store_client.h"
+#include "torch_ext/csrc/process_group.h"
+
+namespace mooncake::torch_ext {
+
+namespace py = pybind11;
+
+using store::ErrorCode;
+using store::ReplicateConfig;
+constexpr int64_t kNotSetUp = static_cast<int64_t>(ErrorCode::INVALID_PARAMS);
+
+inline int64_t code(ErrorCode ec) { return static_cast<int64_t>(ec); }
+
+// Tensor objects: a small header (magic, dtype, ndim, shape) followed by the contiguous bytes.
+constexpr uint32_t kTensorMagic = 0x3154434d;  // "MCT1"
+
+class PyStore {
+ public:
+  ~PyStore() { close(); }
+
+  // Upstream's setup(): a client of the standalone master at master_server_address.
+  // engine: an engine to share (TransferEngine.get_engine()): its name is this client's segment
+  // name (upstream requires local_hostname to be it); nullptr: the client creates its own,
+  // named "<local_hostname>:<its tcp port>" (local_hostname verbatim when it has a port).
+  // local_buffer_size bytes of registered memory are the client's local buffer (get_buffer,
+  // BufferPool); 0: none, and the calls that need one fail as upstream's do.
+  int setup(const std::string& local_hostname, uint64_t global_segment_size,
+            uint64_t local_buffer_size, const std::string& protocol,
+            const std::string& master_server_address,
+            std::shared_ptr<engine::TransferEngine> shared) {
+    if (client_) return 0;
+    last_error_.clear();
+    // "tcp"/"rdma" name Mooncake's transports; the engine picks per peer (shm on one host),
+    // and MC_TRANSPORT can force one. Anything else is a caller error.
+    if (!protocol.empty() && protocol != "tcp" && protocol != "rdma") {
+      last_error_ = "protocol '" + protocol + "' is not supported (tcp, rdma)";
+      return code(ErrorCode::INVALID_PARAMS);
+    }
+    if (local_hostname.empty() && !shared) {
+      last_error_ = "empty local_hostname";
+      return code(ErrorCode::INVALID_PARAMS);
+    }
+    std::string host;
+    if (int rc = splitAddress(master_server_address, &host, nullptr); rc != 0) {
+      last_error_ = "master_server_addr '" + master_server_address + "' is not host:port";
+      return rc;
+    }
+    auto secret = clientSecret();
+    if (!secret.ok()) {
+      last_error_ = secret.status().toString();
+      return code(ErrorCode::INVALID_PARAMS);
+    }
+    if (int rc = connectRendezvous(master_server_address, *secret); rc != 0) return rc;
+    if (shared) {
+      engine_ = std::move(shared);
+    } else {
+      engine::EngineOptions eo;
+      bool has_port = local_hostname.find(':') != std::string::npos &&
+                      (local_hostname.front() != '[' || local_hostname.find("]:") != std::string::npos);
+      eo.name = local_hostname;
+      eo.name_with_port = !has_port;  // upstream: "host" gets the port the client bound
+      eo.secret = *secret;
+      eo.reach_host = host;  // listen on the interface that reaches the master
+      auto eng = engine::TransferEngine::create(eo);
+      if (!eng.ok()) {
+        last_error_ = eng.status().toString();
+        return code(ErrorCode::INTERNAL_ERROR);
+      }
+      engine_ = std::shared_ptr<engine::TransferEngine>(std::move(eng).value());
+    }
+    if (local_buffer_size > 0) {
+      auto lb = store::LocalBuffer::create(engine_, local_buffer_size);
+      if (!lb.ok()) {
+        last_error_ = "cannot allocate a local buffer of " + std::to_string(local_buffer_size) +
+                      " bytes";
+        return code(lb.error());
+      }
+      local_ = std::move(lb).value();
+    }
+    int rc = makeClient(engine_.get(), nullptr, global_segment_size);
+    if (rc != 0) {
+      local_.reset();
+      engine_.reset();
+    }
+    return rc;
+  }
+
+  // A store over a process group's engine and rendezvous; master embedded on rank 0.
+  // A store over a process group's engine. master_address empty: the group's rendezvous, the
+  // master embedded on rank 0; else a standalone master's host:port (its rendezvous).
+  int setupFromGroup(py::object group, uint64_t segment_size, const std::string& master_address) {
+    ProcessGroupMooncake* pg = group.cast<ProcessGroupMooncake*>();
+    group_ = group;
+    pg::Communicator& comm = pg->communicator();
+    engine::TransferEngine* eng = &comm.engine();
+    py::gil_scoped_release nogil;
+    if (!master_address.empty()) {
+      // A standalone master checks its own secret: the group's engine must present the same
+      // one (MC_SECRET or MC_SECRET_FILE set for the whole job; docs/security.md).
+      auto secret = clientSecret();
+      if (!secret.ok()) {
+        last_error_ = secret.status().toString();
+        return code(ErrorCode::INVALID_PARAMS);
+      }
+      int rc = connectRendezvous(master_address, *secret);
+      if (rc != 0) return rc;
+      return makeClient(eng, nullptr, segment_size);
+    }
+    rdv_ = comm.rendezvous();
+    if (comm.rank() == 0) {
+      master_ = std::make_unique<store::MasterService>();
+      master_->startBackground(std::chrono::milliseconds(500));
+      server_ = std::make_unique<store::MasterRpcServer>(eng, master_.get());
+      if (!server_->publish(*rdv_).ok()) return code(ErrorCode::RPC_FAIL);
+    }
+    return makeClient(eng, master_.get(), segment_size);
+  }
+
+  void close() {
+    client_.reset();
+    server_.reset();
+    if (master_) master_->stopBackground();
+    master_.reset();
+    local_.reset();  // leases still held by Python keep their memory until dropped
+    engine_.reset();
+    rdv_.reset();
+    if (group_) {
+      py::gil_scoped_acquire gil;
+      group_ = py::object();
+    }
+  }
+
+  store::StoreClient* c() { return client_.get(); }
+  store::LocalBuffer* local() { return local_.get(); }
+  std::shared_ptr<store::LocalBuffer> localShared() { return local_; }
+  std::string hostname() const { return client_ ? client_->clientId() : std::string(); }
+  // Why the last setup failed, in words (setup() returns Mooncake's integer codes).
+  const std::string& lastError() const { return last_error_; }
+
+ private:
+  // The secret a store client presents: MC_SECRET, else the file (MC_SECRET_FILE or
+  // ~/.mooncake/secret). A master started at the same moment may not have created the default
+  // file yet: wait for it as long as for the master's port.
+  static Result<std::string> clientSecret() {
+    auto deadline = engine::deadlineInMs(10000);
+    for (;;) {
+      auto s = engine::resolveSecret("", engine::SecretFile::kDefault);
+      if (s.ok() || s.status().code() != Code::kNotFound || engine::Clock::now() >= deadline)
+        return s;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+
+  static int splitAddress(const std::string& address, std::string* host, int* port_out) {
+    auto colon = address.rfind(':');
+    if (colon == std::string::npos || colon == 0) return code(ErrorCode::INVALID_PARAMS);
+    int port = std::atoi(address.c_str() + colon + 1);
+    if (port <= 0 || port > 65535) return code(ErrorCode::INVALID_PARAMS);
+    *host = address.substr(0, colon);
+    if (port_out != nullptr) *port_out = port;
+    return 0;
+  }
+
+  int connectRendezvous(const std::string& address, const std::string& secret) {
+    std::string host;
+    int port = 0;
+    if (int rc = splitAddress(address, &host, &port); rc != 0) return rc;
+    auto rdv = engine::TcpRendezvousClient::connect(host, static_cast<uint16_t>(port), secret,
+                                                    engine::deadlineInMs(10000));
+    if (!rdv.ok()) {
+      last_error_ = rdv.status().toString();
+      return code(ErrorCode::RPC_FAIL);
+    }
+    rdv_ = std::shared_ptr<engine::Rendezvous>(std::move(rdv).value());
+    return 0;
+  }
+
+  int makeClient(engine::TransferEngine* eng, store::MasterService* local, uint64_t seg) {
+    store::StoreClientOptions so;
+    so.segment_size = seg;
+    auto c = store::StoreClient::create(eng, rdv_.get(), local, so);
+    if (!c.ok()) return code(c.error());
+    client_ = std::move(c).value();
+    return 0;
+  }
+
+  std::string last_error_;
+  std::shared_ptr<engine::TransferEngine> engine_;  // owned or shared; empty for a group's
+  std::shared_ptr<store::LocalBuffer> local_;
+  std::shared_ptr<engine::Rendezvous> rdv_;
+  std::unique_ptr<store::MasterService> master_;
+  std::unique_ptr<store::MasterRpcServer> server_;
+  std::unique_ptr<store::StoreClient> client_;
+  py::object group_;
+};
+
+inline ReplicateConfig cfgOf(const py::object& o) {
+  if (o.is_none()) return ReplicateConfig{};
+  return o.cast<ReplicateConfig>();
+}
+
+inline std::string_view viewOf(const py::buffer& b, py::buffer_info* keep) {
+  *keep = b.request();
+  return std::string_view(static_cast<const char*>(keep->ptr),
+                          static_cast<size_t>(keep->size * keep->itemsize));
+}
+
+template <typename T>
+inline int64_t valueOr(const store::ErrorOr<T>& r) {
+  return r.ok() ? static_cast<int64_t>(*r) : code(r.error());
+}
+
+
+// Registers the rest of upstream's MooncakeDistributedStore API on the class (store_binding_ext.cc).
+void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls);
+
+}  // namespace mooncake::torch_ext

@@ -1,0 +1,101 @@
+"""mooncake.mooncake_ep_buffer: Mooncake EP's Python ``Buffer`` and ``EventOverlap`` under
+upstream's module path, as SGLang imports them::
+
+    from mooncake.mooncake_ep_buffer import Buffer
+    buf = Buffer(group, Buffer.get_ep_buffer_size_hint(M, H, group.size(), E))
+    recv, count, handle, event, hook = buf.dispatch(x, topk_idx, active_ranks, M, E, -1,
+                                                    async_finish=True)
+    event.current_stream_wait()
+    out, event, hook = buf.combine(y, topk_idx, topk_weights, active_ranks, -1, handle)
+
+Upstream's signatures (``timeout_us`` required, -1 = no timeout) over mooncake.ep.Buffer (this
+build: CPU tensors; docs/ep.md and docs/compat.md). The returned event is an EventOverlap.
+"""
+
+import warnings
+
+import torch
+
+from . import ep as _ep
+
+__all__ = ["Buffer", "EventOverlap"]
+
+
+class EventOverlap:
+    """Upstream's event wrapper: ``event`` (the native event, or None when the call already
+    finished), ``extra_tensors`` (kept alive with it), ``current_stream_wait()`` and ``with``
+    (both wait for the operation; CPU tensors have no stream)."""
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+
+class Buffer:
+    """Mooncake EP's Buffer on a mooncake process group (collective: every rank constructs it).
+
+    ``num_ep_buffer_bytes``: from ``get_ep_buffer_size_hint``; ``disable_p2p``: reach every peer
+    through engine WRITEs, never by storing into its mapped buffer."""
+
+    def __init__(self, group, num_ep_buffer_bytes=0, disable_p2p=False):
+        if not num_ep_buffer_bytes or int(num_ep_buffer_bytes) <= 0:
+            raise ValueError("num_ep_buffer_bytes must be positive "
+                             "(Buffer.get_ep_buffer_size_hint)")
+        self.group = group
+        self._buf = _ep.Buffer(group, int(num_ep_buffer_bytes), disable_p2p=bool(disable_p2p))
+        self.runtime = self._buf
+        self.rank = self._buf.rank
+        self.group_size = self._buf.group_size
+        self.num_ep_buffer_bytes = self._buf.num_ep_buffer_bytes
+
+    @staticmethod
+    def get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                num_experts):
+        return _ep.Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden,
+                                                  num_ranks, num_experts)
+
+    def _active(self, active_ranks):
+        if active_ranks is None or active_ranks.numel() != self.group_size:
+            if active_ranks is not None:
+                warnings.warn("active_ranks has the wrong length; using all ranks",
+                              RuntimeWarning)
+            return torch.ones(self.group_size, dtype=torch.int32)
+        return active_ranks
+
+    def dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
+                 timeout_us, use_fp8=None, async_finish=False, return_recv_hook=False):
+        """Returns (recv_x, recv_count, handle, EventOverlap, hook). use_fp8=None means bf16
+        rows here (this build has no fp8 path; upstream's None picks fp8 on CUDA)."""
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set")
+        recv_x, count, handle, event, hook = self._buf.dispatch(
+            x, topk_idx, self._active(active_ranks), num_max_dispatch_tokens_per_rank,
+            num_experts, timeout_us=timeout_us, use_fp8=bool(use_fp8),
+            async_finish=async_finish, return_recv_hook=return_recv_hook)
+        return recv_x, count, handle, EventOverlap(event), hook
+
+    def combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
+                zero_copy=False, async_finish=False, return_recv_hook=False, out=None):
+        """Returns (combined_x, EventOverlap, hook). zero_copy=True: NotImplementedError (as
+        upstream's)."""
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set")
+        combined, event, hook = self._buf.combine(
+            x, topk_idx, topk_weights, self._active(active_ranks), timeout_us, handle,
+            zero_copy=zero_copy, async_finish=async_finish, return_recv_hook=return_recv_hook,
+            out=out)
+        return combined, EventOverlap(event), hook
+
+    def get_next_combine_buffer(self, handle):
+        raise NotImplementedError("Mooncake EP zero-copy combine is not supported")
