@@ -38,11 +38,18 @@ TEST_P(PgFailure, RankKilledBetweenOps) {
       EXPECT_NE(std::string(e.what()).find("rank 2"), std::string::npos) << e.what();
       EXPECT_EQ(e.op(), "allreduce");
     }
-    // The group is poisoned: the next op fails at once.
+    // The group is poisoned: the next op fails at once (well under the 2 s a dead peer may
+    // take to be named; the bound leaves room for a machine several times oversubscribed).
     t0 = monotonicNs();
     EXPECT_THROW(c.broadcast(buf.data(), 64, 0), CommError);
-    EXPECT_LT(secondsSince(t0), 0.1);
+    EXPECT_LT(secondsSince(t0), 0.5);
+    // deadRanks() is this rank's own engine's view: a rank told of the failure by a peer's
+    // abort word can raise before its engine has seen the dead connection itself; within the
+    // 2 s contract it has.
     std::vector<int> dead = c.deadRanks();
+    for (auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+         dead.empty() && std::chrono::steady_clock::now() < until; dead = c.deadRanks())
+      std::this_thread::sleep_for(Ms(5));
     EXPECT_EQ(dead, std::vector<int>{2});
     // Stay until both survivors looked: a survivor that already exited would be dead too.
     env.shared->values[c.rank()].store(1);
@@ -157,7 +164,9 @@ INSTANTIATE_TEST_SUITE_P(Transports, PgFailure, ::testing::Values("shm", "tcp"),
 TEST(PgTimeout, TimeoutPoisonsAndPeersFailFast) {
   RunOptions o;
   o.world = 2;
-  o.comm_timeout = Ms(300);
+  // Also the group's creation deadline (rendezvous AUTH, handshakes): 300 ms was too short for
+  // that on this 2-core machine under a parallel build.
+  o.comm_timeout = Ms(1000);
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     c.barrier();
@@ -169,8 +178,8 @@ TEST(PgTimeout, TimeoutPoisonsAndPeersFailFast) {
         ADD_FAILURE() << "no timeout";
       } catch (const CommError& e) {
         double t = secondsSince(t0);
-        EXPECT_GT(t, 0.25);
-        EXPECT_LT(t, 1.0);
+        EXPECT_GT(t, 0.95);
+        EXPECT_LT(t, 3.0);
         EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
         EXPECT_EQ(e.peerRank(), 1) << e.what();
       }
@@ -187,7 +196,7 @@ TEST(PgTimeout, TimeoutPoisonsAndPeersFailFast) {
         c.barrier();
         ADD_FAILURE() << "barrier with an aborted peer succeeded";
       } catch (const CommError& e) {
-        EXPECT_LT(secondsSince(t0), 0.15) << e.what();
+        EXPECT_LT(secondsSince(t0), 0.5) << e.what();  // not its own 1 s timeout
         EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
       }
     }
