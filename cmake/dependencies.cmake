@@ -72,10 +72,22 @@ else()
     pkg_check_modules(MC_PC_HTTPLIB QUIET IMPORTED_TARGET cpp-httplib)
   endif()
   if(MC_PC_HTTPLIB_FOUND)
-    # --static's flags too: the header's inline code (e.g. its ThreadPool's workers, which call
-    # OPENSSL_thread_stop in 0.18 when built with CPPHTTPLIB_OPENSSL_SUPPORT) is compiled into
-    # our objects, so the libraries of Requires.private (openssl, zlib, brotli) are ours to link.
-    set(_mc_httplib_link PkgConfig::MC_PC_HTTPLIB ${MC_PC_HTTPLIB_STATIC_LDFLAGS})
+    # The header's inline code (e.g. its ThreadPool's workers, which call OPENSSL_thread_stop
+    # in 0.18 when built with CPPHTTPLIB_OPENSSL_SUPPORT) is compiled into our objects, so the
+    # modules of Requires.private (openssl, zlib, brotli) are ours to link, as shared libraries
+    # (not --static's flags: those add their own private libraries, e.g. -lzstd, with no .so).
+    set(_mc_httplib_link PkgConfig::MC_PC_HTTPLIB)
+    execute_process(COMMAND ${PKG_CONFIG_EXECUTABLE} --print-requires-private cpp-httplib
+                    OUTPUT_VARIABLE _mc_priv OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    string(REGEX REPLACE "[<>=!]+ *[^ \n]+" "" _mc_priv "${_mc_priv}")  # drop versions
+    string(REGEX REPLACE "[ \n]+" ";" _mc_priv "${_mc_priv}")
+    list(FILTER _mc_priv EXCLUDE REGEX "^$")
+    if(_mc_priv)
+      pkg_check_modules(MC_PC_HTTPLIB_PRIV QUIET IMPORTED_TARGET ${_mc_priv})
+      if(MC_PC_HTTPLIB_PRIV_FOUND)
+        list(APPEND _mc_httplib_link PkgConfig::MC_PC_HTTPLIB_PRIV)
+      endif()
+    endif()
     set(_mc_httplib_how "pkg-config ${MC_PC_HTTPLIB_VERSION}")
   else()
     find_path(MC_HTTPLIB_INCLUDE_DIR httplib.h)
