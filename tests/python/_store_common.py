@@ -29,15 +29,21 @@ def free_port():
 
 
 def master_bin():
-    """The mooncake_master of the build the imported `mooncake` package comes from (build/
-    on the host, build-torch2/ in scripts/test_torch2.sh's Debian 13 root: the two are
-    linked against different distributions' libraries); else the newest build*/ one."""
+    """The mooncake_master that goes with the imported `mooncake` package: the one bundled in
+    the installed package, else that of the build tree it is imported from (build/ on the
+    host, build-torch2/ in scripts/test_torch2.sh's Debian 13 root: the two are linked against
+    different distributions' libraries); else the newest build*/ one."""
     env = os.environ.get("MC_MASTER_BIN")
     if env:
         return env
     try:
         import mooncake._C as ext
 
+        # An installed package (pip install, scripts/install_python.sh) carries the master it
+        # was built with beside _C; that one matches the imported extension's distribution.
+        bundled = os.path.join(os.path.dirname(os.path.abspath(ext.__file__)), "mooncake_master")
+        if os.path.exists(bundled):
+            return bundled
         # <build>/python/mooncake/_C*.so (the .so is a file, the .py files are links)
         build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__))))
         own = os.path.join(build, "store", "mooncake_master")

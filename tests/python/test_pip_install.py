@@ -12,6 +12,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 
 import pytest
@@ -21,10 +22,12 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 def _build_dir():
-    """The newest configured build directory of this checkout that has the extension."""
+    """The newest configured build directory of this checkout that has the extension for this
+    interpreter (build/ is Debian 12's Python 3.11, build-torch2/ Debian 13's 3.13)."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
     cands = [d for d in glob.glob(os.path.join(REPO, "build*"))
              if os.path.isfile(os.path.join(d, "CMakeCache.txt"))
-             and glob.glob(os.path.join(d, "python", "mooncake", "_C*.so"))
+             and os.path.isfile(os.path.join(d, "python", "mooncake", "_C" + suffix))
              and os.path.isfile(os.path.join(d, "store", "mooncake_master"))]
     cands.sort(key=lambda d: os.path.getmtime(os.path.join(d, "CMakeCache.txt")), reverse=True)
     return cands[0] if cands else None
