@@ -158,11 +158,15 @@ TEST(PgAgreement, MatchingCallsPass) {
         EXPECT_EQ(v[5], static_cast<float>(i % 3 + 1));
         std::vector<float> w(37, 1.0f), out(37, 0.0f);
         c.reduce(w.data(), out.data(), 37, DataType::kFloat32, ReduceOp::kSum, i % 3);
-        if (c.rank() == i % 3) EXPECT_EQ(out[0], 3.0f);
+        if (c.rank() == i % 3) {
+          EXPECT_EQ(out[0], 3.0f);
+        }
         c.allReduce(w.data(), w.data(), 0, DataType::kFloat32, ReduceOp::kSum);
         std::vector<char> g(3 * 8, 0), mine(8, static_cast<char>(c.rank()));
         c.gather(mine.data(), g.data(), 8, (i + 1) % 3);
-        if (c.rank() == (i + 1) % 3) EXPECT_EQ(g[8 * 2], 2);
+        if (c.rank() == (i + 1) % 3) {
+          EXPECT_EQ(g[8 * 2], 2);
+        }
         c.scatter(g.data(), mine.data(), 8, (i + 1) % 3);
         c.barrier();
       }
