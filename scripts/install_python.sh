@@ -42,7 +42,10 @@ except Exception:
     print("")' 2>/dev/null || true)"
 
 if [[ "$installed" != "$fp" ]]; then
-  args=(--no-index --quiet --disable-pip-version-check
+  # --no-deps: torch and the rest come from apt, not pip. pip would otherwise walk torch's own
+  # requirements, and Debian 13's torch 2.6 metadata pins sympy==1.13.1 while Debian ships
+  # 1.13.3: offline, pip cannot reconcile that (docs/install.md).
+  args=(--no-index --no-deps --quiet --disable-pip-version-check
         --config-settings "build-dir=$BUILD" --config-settings jobs=2)
   # PEP 668: the interpreter's stdlib folder holds EXTERNALLY-MANAGED unless it is a venv.
   if "$PY" -c '
