@@ -157,9 +157,30 @@ inline void checkCollectives(Communicator& c, int64_t salt, size_t n = 1000) {
     size_t pos = std::find(act.begin(), act.end(), me) - act.begin();
     const int next = act[(pos + 1) % act.size()], prev = act[(pos + act.size() - 1) % act.size()];
     std::vector<int64_t> out = input(me, n, salt + 7), got(n, -1);
-    std::thread t([&] { c.send(out.data(), n * 8, next, 77); });
-    EXPECT_EQ(c.recv(got.data(), n * 8, prev, 77), prev);
+    // Errors of either side become test failures with their message (a thread left joinable
+    // by an exception would terminate the process without one).
+    std::string send_err;
+    std::thread t([&] {
+      try {
+        c.send(out.data(), n * 8, next, 77);
+      } catch (const std::exception& e) {
+        send_err = e.what();
+      }
+    });
+    int from = -2;
+    std::string recv_err;
+    try {
+      from = c.recv(got.data(), n * 8, prev, 77);
+    } catch (const std::exception& e) {
+      recv_err = e.what();
+    }
     t.join();
+    ASSERT_EQ(send_err, "") << "p2p send from slot " << me << " to " << next;
+    ASSERT_EQ(recv_err, "") << "p2p recv at slot " << me << " from " << prev;
+    EXPECT_EQ(from, prev);
+    // A send returns once the message is handed to the engine: a rank must not exit (and stop
+    // its engine) before its receiver got it (as in p2p_test.cc).
+    c.barrier();
     for (size_t i = 0; i < n; i += 11) ASSERT_EQ(got[i], val(prev, i, salt + 7)) << "p2p";
   }
 }
