@@ -166,10 +166,15 @@ def p2p_recovery():
         b = init(1, 2, is_extension=True)
         pg.join_group(b)
         ping_pong(1, 0)
+        # A finished isend only means the engine has the message: stay until the peer got it.
+        event("pp_replacement")
+        wait_event("pp_survivor")
         report(role="replacement")
         return
     b = init(PROC, 2)
     ping_pong(PROC, 1 - PROC)
+    event(f"pp1_{PROC}")
+    wait_event(f"pp1_{1 - PROC}")
     if PROC == 1:
         event("broken")
         die()
@@ -185,6 +190,8 @@ def p2p_recovery():
     wait_until(lambda: pg.get_peer_state(b, [1])[0], 30, "the replacement ready", poll_s=0.05)
     resp = pg.recover_ranks(b, [1])
     ping_pong(0, 1)
+    event("pp_survivor")
+    wait_event("pp_replacement")
     report(role="survivor", local_success=ok, hint=hint, active=act, status=int(resp.status))
 
 
@@ -324,6 +331,12 @@ def main():
     except BaseException:
         report(error=traceback.format_exc())
         raise
+    # Stay until the test has every result: a rank that exits while a peer is still in the
+    # last op (or has not received its last message) would make that peer's op fail.
+    try:
+        wait_event("exit", 120)
+    except RuntimeError:
+        pass
     sys.stdout.flush()
     os._exit(0)  # skip torch's teardown: survivors may not all be there to meet it
 

@@ -52,6 +52,7 @@ class Job:
 
     def results(self, ps):
         out = {p: self.result(p) for p in ps}
+        self.store.set("ev/exit", "1")  # the workers wait for it before they exit
         bad = {p: r["error"] for p, r in out.items() if "error" in r}
         assert not bad, "\n".join(f"--- process {p} ---\n{e}" for p, e in bad.items()) + \
             "\n" + self.tails()
