@@ -15,9 +15,15 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from harness import PYTHON, child_env, here_path
+from harness import PYTHON, child_env, here_path, torch_version
 
-pytestmark = pytest.mark.isolated
+pytestmark = [
+    pytest.mark.isolated,
+    # Not verified on torch 2.x (no torch 2 here): there dist.get_world_size() reads the
+    # ProcessGroup wrapper's size, which an elastic group's views do not update yet.
+    pytest.mark.skipif(torch_version() >= (2, 0),
+                       reason="elastic groups are verified on torch 1.13 only (docs/elastic.md)"),
+]
 WORKER = here_path("_elastic_worker.py")
 
 
