@@ -103,6 +103,9 @@ const std::vector<ParamDef> kParams = {
     {"MC_PG_HIERARCHICAL", Type::kBool, "1",
      "Groups that span hosts: allreduce within each host through shared memory first, then "
      "between one leader per host (0: every rank exchanges messages with every other)."},
+    {"MC_PG_ELASTIC_POLL_MS", Type::kInt, "50",
+     "Elastic groups: how often each communicator's agent reads the group's views and "
+     "observation requests from the store when no doorbell or peer death woke it first."},
     // ---- ep ----
     {"MC_EP_SPIN_US", Type::kInt, "20",
      "Microseconds an EP receiver spins on its signal words before it sleeps on the buffer's "

@@ -19,6 +19,8 @@
 
 namespace mooncake::pg {
 
+class Elastic;  // pg/elastic.h
+
 // Tunables, read once per communicator from the MC_PG_* parameters (engine/params.cc).
 struct PgParams {
   size_t buffer_bytes;     // MC_PG_BUFFER_BYTES
@@ -61,6 +63,11 @@ class Communicator::Impl {
   std::string path;                // Communicator::path()
   std::unique_ptr<Worker> worker = std::make_unique<Worker>();
 
+  // Elastic groups: this (root) Impl owns the engine, buffer, p2p and worker and indexes its
+  // peers by slot; the controller owns the data plane of the current view (an Impl of its
+  // own over the active slots: rank/size/peers/shm/net/local/leaders) that ops run on.
+  std::unique_ptr<Elastic> elastic;
+
   uint64_t op_seq = 0;  // collectives started (the collective-running thread only)
   std::atomic<bool> broken{false};
   std::mutex broken_mu;
@@ -77,7 +84,46 @@ class Communicator::Impl {
   // After an op's algorithm: the agreement checks of every group the op used (ShmGroup /
   // NetGroup::finishOp); an op that used none runs one barrier on the widest group.
   void finishOps(const OpCtx& op);
+  // Tells every group the op used that this rank gave up on it (blamed: a rank of the user's
+  // group, -1 for none); see ShmGroup::abort / NetGroup::abort.
+  void abortGroups(int blamed, const std::string& why);
 };
+
+// ---- set-up shared by plain groups and the views of elastic ones (pg/data_plane.cc) ----
+
+// What a rank publishes about itself: its engine, its comm buffer and its segment.
+struct RankRecord {
+  std::string engine_name;
+  uint64_t engine_id = 0;
+  uint64_t buffer = 0;
+  uint64_t buffer_bytes = 0;
+  std::string segment;
+  std::string serialize() const;
+  static bool parse(std::string_view s, RankRecord* out);
+};
+
+// Message channels of a group: a hash of (kind, group) with the top bit set. Two communicators
+// of one engine must not share one: claimed (std::invalid_argument on a collision).
+uint32_t channelFor(const std::string& kind, const std::string& group);
+void claimChannel(const engine::TransferEngine* e, uint32_t ch, const std::string& group);
+void releaseChannel(const engine::TransferEngine* e, uint32_t ch);
+
+// The path this rank can take over the given ranks ("shm": every buffer mapped; "local": this
+// host's buffers mapped and MC_PG_HIERARCHICAL; else "net"). Every rank must then take the
+// same: see buildDataPlane.
+std::string localMode(const PgParams& p, const std::vector<char*>& bases,
+                      const std::vector<std::string>& hosts, int rank);
+
+// Builds c's algorithms' state over its ranks: c.engine, rdv, opts, params, rank, size, peers
+// and buffer_bytes must be set. bases/hosts: per rank (bases[rank] = this rank's buffer);
+// modes: what every rank's localMode said. chan_tag names the group's message channels
+// (claimed into c.channels); epoch tags the shm flags (0 for plain groups); names: the slot of
+// each rank for errors (empty: the rank itself); retire: drop messages that arrive on the
+// channels once c is gone (elastic views).
+void buildDataPlane(Communicator::Impl& c, const std::vector<char*>& bases,
+                    const std::vector<std::string>& hosts, const std::vector<std::string>& modes,
+                    const std::string& chan_tag, uint64_t epoch, std::vector<int> names,
+                    bool retire);
 
 // A CommError every rank raises at the same point of the same op (e.g. allToAllV sizes
 // that do not match): the ranks stay in step, so it does not poison the group.

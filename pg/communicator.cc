@@ -14,6 +14,7 @@
 #include "engine/params.h"
 #include "engine/wire.h"
 #include "pg/comm_impl.h"
+#include "pg/elastic.h"
 
 namespace mooncake::pg {
 
@@ -21,54 +22,7 @@ using engine::Clock;
 using engine::Deadline;
 using engine::PeerId;
 
-PgParams PgParams::load(size_t buffer_bytes_override) {
-  PgParams p;
-  int64_t b = buffer_bytes_override > 0 ? static_cast<int64_t>(buffer_bytes_override)
-                                        : params::getInt("MC_PG_BUFFER_BYTES");
-  p.buffer_bytes = static_cast<size_t>(std::max<int64_t>(b, 128 << 10));
-  p.chunk_bytes = static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_CHUNK_BYTES"), 4096));
-  p.flat_bytes = static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_FLAT_BYTES"), 0));
-  // A multiple of 64: senders cut pieces in bytes, receivers of reductions in elements.
-  p.net_piece_bytes =
-      static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_NET_PIECE_BYTES"), 4096)) &
-      ~static_cast<size_t>(63);
-  p.stream_out_bytes =
-      static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_STREAM_OUT_BYTES"), 0));
-  p.wait.spin_us = std::max<int64_t>(params::getInt("MC_PG_SPIN_US"), 0);
-  p.wait.yield_us = std::max<int64_t>(params::getInt("MC_PG_YIELD_US"), 0);
-  p.wait.health_us = std::max<int64_t>(params::getInt("MC_PG_HEALTH_US"), 100);
-  p.hierarchical = params::getBool("MC_PG_HIERARCHICAL");
-  return p;
-}
-
 namespace {
-
-// Message channels of a group: a hash of its name with the top bit set (other services use
-// small channel numbers). Two groups of one engine must not share one: claimed here.
-uint32_t channelFor(const std::string& kind, const std::string& group) {
-  uint32_t h = 2166136261u;
-  for (char c : "pg/" + kind + "/" + group) h = (h ^ static_cast<uint8_t>(c)) * 16777619u;
-  return h | 0x80000000u;
-}
-
-std::mutex g_channels_mu;
-std::map<const engine::TransferEngine*, std::set<uint32_t>> g_channels;
-
-void claimChannel(const engine::TransferEngine* e, uint32_t ch, const std::string& group) {
-  std::lock_guard<std::mutex> g(g_channels_mu);
-  if (!g_channels[e].insert(ch).second)
-    throw std::invalid_argument("mooncake pg: group name '" + group +
-                                "' is already used by a communicator on this engine (or "
-                                "collides with one); group names must be distinct");
-}
-
-void releaseChannel(const engine::TransferEngine* e, uint32_t ch) {
-  std::lock_guard<std::mutex> g(g_channels_mu);
-  auto it = g_channels.find(e);
-  if (it == g_channels.end()) return;
-  it->second.erase(ch);
-  if (it->second.empty()) g_channels.erase(it);
-}
 
 [[noreturn]] void setupFailed(const CommOptions& o, const std::string& what, const Status& st,
                               int peer = -1) {
@@ -76,85 +30,6 @@ void releaseChannel(const engine::TransferEngine* e, uint32_t ch) {
                       std::to_string(o.rank) + " of " + std::to_string(o.size) + "): " + what +
                       ": " + st.toString(),
                   peer, "init");
-}
-
-struct RankRecord {
-  std::string engine_name;
-  uint64_t engine_id = 0;
-  uint64_t buffer = 0;
-  uint64_t buffer_bytes = 0;
-  std::string segment;
-
-  std::string serialize() const {
-    wire::Writer w;
-    w.u32(1);
-    w.str(engine_name);
-    w.u64(engine_id);
-    w.u64(buffer);
-    w.u64(buffer_bytes);
-    w.str(segment);
-    return w.take();
-  }
-  static bool parse(std::string_view s, RankRecord* out) {
-    wire::Reader r(s);
-    if (r.u32() != 1) return false;
-    out->engine_name = r.str();
-    out->engine_id = r.u64();
-    out->buffer = r.u64();
-    out->buffer_bytes = r.u64();
-    out->segment = r.str(64u << 20);
-    return r.done();
-  }
-};
-
-int usableCpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return 1;
-}
-
-// Wait tuning of a shm group of `ranks` ranks on this host.
-ShmGroup::WaitOptions shmWait(const PgParams& p, int ranks) {
-  ShmGroup::WaitOptions w = p.wait;
-  if (ranks > usableCpus()) {
-    // More ranks than cores: a spinning rank would steal the core its peer needs; spin
-    // briefly, then hand the core over (sched_yield) before sleeping.
-    w.spin_us = std::min<int64_t>(w.spin_us, 2);
-  } else {
-    // Ranks have cores of their own: spin, then sleep. No yield phase: measured with the
-    // torch adapter (2 ranks x 2 threads on 2 cores), yielding for 200 us made a 4 KiB
-    // allreduce take 80-130 us at p50 instead of 4-10 us.
-    w.yield_us = 0;
-  }
-  return w;
-}
-
-// Reads every page of the peers' mapped buffers once (faults the mappings in now, not inside
-// the first timed op).
-void prefault(const std::vector<char*>& bases, int me, size_t bytes) {
-  volatile char sink = 0;
-  for (size_t r = 0; r < bases.size(); ++r)
-    if (static_cast<int>(r) != me)
-      for (size_t off = 0; off < bytes; off += 4096) sink = sink + bases[r][off];
-}
-
-// A sub-group of `parent` over `ranks` (ascending, parent ranks, this rank among them): the
-// parent's engine, peers and options; its Health names the parent's ranks.
-std::unique_ptr<Communicator::Impl> subGroup(const Communicator::Impl& parent,
-                                             const std::vector<int>& ranks) {
-  auto s = std::make_unique<Communicator::Impl>();
-  s->engine = parent.engine;
-  s->rdv = parent.rdv;
-  s->opts = parent.opts;
-  s->params = parent.params;
-  s->size = static_cast<int>(ranks.size());
-  for (int i = 0; i < s->size; ++i) {
-    if (ranks[i] == parent.rank) s->rank = i;
-    s->peers.push_back(parent.peers[ranks[i]]);
-  }
-  s->health = std::make_unique<Health>(parent.engine.get(), s->peers, s->rank,
-                                       parent.opts.group_name, ranks);
-  return s;
 }
 
 }  // namespace
@@ -198,17 +73,29 @@ void Communicator::Impl::run(const char* name, const OpSig& sig, Fn&& fn) {
         broken.store(true, std::memory_order_release);
       }
     }
-    if (shm) shm->abort(e.peerRank());
-    if (net) net->abort(e.peerRank(), e.what());
-    if (local) local->shm->abort(e.peerRank());
-    if (leaders) leaders->net->abort(e.peerRank(), e.what());
+    abortGroups(e.peerRank(), e.what());
     MC_LOG(WARN, PG) << e.what();
     throw;
   }
 }
 
+void Communicator::Impl::abortGroups(int blamed, const std::string& why) {
+  // Whether this rank's engine saw the blamed rank die (peers that hear of the failure only
+  // through this abort then wait for their engines to agree: Health::aborted). Names are the
+  // user's ranks: find the blamed one's index here.
+  bool died = false;
+  for (int r = 0; r < size && blamed >= 0; ++r)
+    if (health && health->name(r) == blamed && r != rank && peers[r] != engine::kInvalidPeer)
+      died = !engine->peerStatus(peers[r]).ok();
+  if (shm) shm->abort(blamed, died);
+  if (net) net->abort(blamed, why, died);
+  if (local) local->shm->abort(blamed, died);
+  if (leaders) leaders->net->abort(blamed, why, died);
+}
+
 Communicator::Impl::~Impl() {
   worker.reset();  // drains the queued ops and joins, while the groups they use still exist
+  elastic.reset();  // stops the controller (its agent uses p2p and the engine) first
   p2p.reset();
   leaders.reset();
   local.reset();
@@ -235,6 +122,7 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
                                 " is outside a group of size " + std::to_string(options.size));
   if (options.group_name.empty()) throw std::invalid_argument("mooncake pg: empty group name");
   if (options.timeout.count() <= 0) throw std::invalid_argument("mooncake pg: timeout must be > 0");
+  if (options.elastic.enabled) validateElastic(options);
   const std::string& g_name = options.group_name;
 
   auto impl = std::make_unique<Impl>();
@@ -248,17 +136,9 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
   c.params = PgParams::load(options.buffer_bytes);
   const Deadline dl = Clock::now() + c.opts.timeout;
 
-  uint32_t coll_ch = channelFor("coll", g_name), p2p_ch = channelFor("p2p", g_name);
-  claimChannel(engine.get(), coll_ch, g_name);
-  c.channels.push_back(coll_ch);
+  uint32_t p2p_ch = channelFor("p2p", g_name);
   claimChannel(engine.get(), p2p_ch, g_name);
   c.channels.push_back(p2p_ch);
-  // Keys of this incarnation of the group: a group re-created under the same name on the
-  // same rendezvous (destroy + init again) must not read the previous incarnation's keys.
-  // Every rank bumps its own counter once per incarnation, so all ranks agree on it.
-  auto gen = rdv->add(g_name + "/gen/" + std::to_string(c.rank), 1);
-  if (!gen.ok()) setupFailed(options, "rendezvous add", gen.status());
-  const std::string g = g_name + "#" + std::to_string(*gen);
 
   // One registered buffer per rank for the group's lifetime: header page + two halves.
   size_t half = (c.params.buffer_bytes / 2 + 4095) & ~static_cast<size_t>(4095);
@@ -267,9 +147,21 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
   if (!mem.ok()) setupFailed(options, "allocating the comm buffer", mem.status());
   c.buffer = *mem;
   std::memset(c.buffer, 0, c.buffer_bytes);  // fault the pages in now, not in the first op
-
   Status st = engine->publish(*rdv);
   if (!st.ok()) setupFailed(options, "publishing the segment", st);
+
+  if (options.elastic.enabled) {
+    createElastic(c, p2p_ch, dl);
+    return std::unique_ptr<Communicator>(new Communicator(std::move(impl)));
+  }
+
+  // Keys of this incarnation of the group: a group re-created under the same name on the
+  // same rendezvous (destroy + init again) must not read the previous incarnation's keys.
+  // Every rank bumps its own counter once per incarnation, so all ranks agree on it.
+  auto gen = rdv->add(g_name + "/gen/" + std::to_string(c.rank), 1);
+  if (!gen.ok()) setupFailed(options, "rendezvous add", gen.status());
+  const std::string g = g_name + "#" + std::to_string(*gen);
+
   RankRecord mine{engine->name(), engine->engineId(), reinterpret_cast<uint64_t>(c.buffer),
                   c.buffer_bytes, engine->localSegment().serialize()};
   st = rdv->set(g + "/rank/" + std::to_string(c.rank), mine.serialize());
@@ -281,7 +173,6 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
   bases[c.rank] = static_cast<char*>(c.buffer);
   std::vector<std::string> hosts(c.size);  // host id per rank (equal: may share memory)
   hosts[c.rank] = engine->localSegment().host_id;
-  bool all_mapped = true;
   for (int r = 0; r < c.size; ++r) {
     if (r == c.rank) continue;
     auto blob = rdv->wait(g + "/rank/" + std::to_string(r), dl);
@@ -299,102 +190,90 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
     if (!peer.ok()) setupFailed(options, "opening rank " + std::to_string(r), peer.status(), r);
     c.peers[r] = *peer;
     hosts[r] = desc->host_id;
-    if (rec.buffer_bytes != c.buffer_bytes) {
-      all_mapped = false;  // a different MC_PG_BUFFER_BYTES: the step layout would differ
-      continue;
-    }
-    bases[r] = static_cast<char*>(engine->mappedAddress(*peer, rec.buffer, rec.buffer_bytes));
-    if (bases[r] == nullptr) all_mapped = false;
+    // A different MC_PG_BUFFER_BYTES would make a different step layout: not mapped.
+    if (rec.buffer_bytes == c.buffer_bytes)
+      bases[r] = static_cast<char*>(engine->mappedAddress(*peer, rec.buffer, rec.buffer_bytes));
   }
-  // This host's ranks (ascending) and the hosts' leaders (the lowest rank of each host).
-  std::vector<int> local_ranks, leader_ranks;
-  bool local_mapped = true;  // every same-host peer's buffer is mapped here
-  {
-    std::set<std::string> seen;
-    for (int r = 0; r < c.size; ++r) {
-      if (hosts[r] == hosts[c.rank]) {
-        local_ranks.push_back(r);
-        if (bases[r] == nullptr) local_mapped = false;
-      }
-      if (seen.insert(hosts[r]).second) leader_ranks.push_back(r);
-    }
-  }
-  // Every rank must take the same path: shm only if every rank mapped every peer;
-  // hierarchical only if every rank mapped its own host's peers.
-  // (MC_PG_HIERARCHICAL=0 on any rank makes it say "net": every rank then goes flat.)
-  st = rdv->set(g + "/mode/" + std::to_string(c.rank),
-                all_mapped                             ? "shm"
-                : local_mapped && c.params.hierarchical ? "local"
-                                                        : "net");
+  st = rdv->set(g + "/mode/" + std::to_string(c.rank), localMode(c.params, bases, hosts, c.rank));
   if (!st.ok()) setupFailed(options, "rendezvous set", st);
-  bool shm = true, hier = true;
+  std::vector<std::string> modes(c.size);
   for (int r = 0; r < c.size; ++r) {
     auto v = rdv->wait(g + "/mode/" + std::to_string(r), dl);
     if (!v.ok()) setupFailed(options, "waiting for rank " + std::to_string(r), v.status(), r);
-    if (*v != "shm") shm = false;
-    if (*v == "net") hier = false;
+    modes[r] = *v;
   }
-  // Worth it when there are several hosts and some host has several ranks.
-  hier = hier && !shm && leader_ranks.size() > 1 &&
-         leader_ranks.size() < static_cast<size_t>(c.size);
-
-  c.health = std::make_unique<Health>(engine.get(), c.peers, c.rank, g_name);
-  if (shm) {
-    c.shm = std::make_unique<ShmGroup>(c.health.get(), bases, c.buffer_bytes, c.rank,
-                                       shmWait(c.params, c.size));
-    prefault(bases, c.rank, c.buffer_bytes);
-  } else {
-    c.net = std::make_unique<NetGroup>(engine.get(), c.health.get(), c.peers, c.rank, coll_ch,
-                                       c.params.wait.health_us, c.params.net_piece_bytes);
-    c.net->start();
-  }
-  if (hier) {
-    for (int r = 0; r < c.size; ++r)
-      for (size_t h = 0; h < leader_ranks.size(); ++h)
-        if (hosts[r] == hosts[leader_ranks[h]]) c.host_of.push_back(static_cast<int>(h));
-    c.local_ranks = local_ranks;
-    c.leader_ranks = leader_ranks;
-    c.local = subGroup(c, local_ranks);
-    std::vector<char*> local_bases;
-    for (int r : local_ranks) local_bases.push_back(bases[r]);
-    c.local->shm = std::make_unique<ShmGroup>(c.local->health.get(), local_bases, c.buffer_bytes,
-                                              c.local->rank, shmWait(c.params, c.local->size));
-    prefault(local_bases, c.local->rank, c.buffer_bytes);
-    if (local_ranks[0] == c.rank) {
-      uint32_t hier_ch = channelFor("leaders", g_name);
-      claimChannel(engine.get(), hier_ch, g_name);
-      c.channels.push_back(hier_ch);
-      c.leaders = subGroup(c, leader_ranks);
-      c.leaders->net = std::make_unique<NetGroup>(
-          engine.get(), c.leaders->health.get(), c.leaders->peers, c.leaders->rank, hier_ch,
-          c.params.wait.health_us, c.params.net_piece_bytes);
-      c.leaders->net->start();
-    }
-  }
+  buildDataPlane(c, bases, hosts, modes, "", 0, {}, false);
   c.p2p = std::make_unique<P2p>(engine.get(), c.health.get(), c.peers, c.rank, p2p_ch,
                                 c.params.wait.health_us, c.params.net_piece_bytes);
   c.p2p->start();
-  c.path = shm    ? "shm"
-           : hier ? "hierarchical: " + std::to_string(leader_ranks.size()) + " hosts, " +
-                        std::to_string(local_ranks.size()) + " ranks on this one"
-                  : "net";
   MC_LOG(INFO, PG) << "group " << g << " rank " << c.rank << "/" << c.size << " ready on "
                    << c.path << ", buffer " << c.buffer_bytes
                    << " bytes, reduce kernels " << reduceIsa();
   return std::unique_ptr<Communicator>(new Communicator(std::move(impl)));
 }
 
+namespace {
+// The size users see: one past the highest active slot in an elastic group.
+int pubSize(const Communicator::Impl& c) { return c.elastic ? c.elastic->size() : c.size; }
+Elastic& elasticOf(const std::unique_ptr<Communicator::Impl>& c, const char* what) {
+  if (!c->elastic)
+    throw std::logic_error(std::string("mooncake pg: ") + what + " needs an elastic group "
+                           "(CommOptions::elastic / pg_options=MooncakeBackendOptions(...))");
+  return *c->elastic;
+}
+}  // namespace
+
 int Communicator::rank() const { return impl_->rank; }
-int Communicator::size() const { return impl_->size; }
+int Communicator::size() const { return pubSize(*impl_); }
 const CommOptions& Communicator::options() const { return impl_->opts; }
 engine::TransferEngine& Communicator::engine() { return *impl_->engine; }
 engine::PeerId Communicator::peerOf(int rank) const {
   if (rank < 0 || rank >= impl_->size) throw std::invalid_argument("mooncake pg: peerOf: bad rank");
+  if (impl_->elastic) return impl_->elastic->peerOf(rank);
   return impl_->peers[rank];
 }
 std::shared_ptr<engine::Rendezvous> Communicator::rendezvous() const { return impl_->rdv; }
-std::vector<int> Communicator::deadRanks() const { return impl_->health->deadRanks(); }
-const std::string& Communicator::path() const { return impl_->path; }
+std::vector<int> Communicator::deadRanks() const {
+  if (impl_->elastic) return impl_->elastic->deadSlots();
+  return impl_->health->deadRanks();
+}
+const std::string& Communicator::path() const {
+  return impl_->elastic ? impl_->elastic->path() : impl_->path;
+}
+
+bool Communicator::elastic() const { return impl_->elastic != nullptr; }
+int Communicator::maxGroupSize() const {
+  return impl_->elastic ? impl_->elastic->maxSize() : impl_->size;
+}
+uint64_t Communicator::epoch() const { return elasticOf(impl_, "epoch").epoch(); }
+std::vector<uint8_t> Communicator::activeMask() const {
+  return elasticOf(impl_, "get_active_ranks").activeMask();
+}
+std::vector<uint8_t> Communicator::peerState(const std::vector<int>& slots) const {
+  Elastic& e = elasticOf(impl_, "get_peer_state");
+  for (int s : slots)
+    if (s < 0 || s >= e.maxSize())
+      throw std::invalid_argument("mooncake pg: get_peer_state: rank " + std::to_string(s) +
+                                  " is outside the group's " + std::to_string(e.maxSize()) +
+                                  " rank slots");
+  return e.peerState(slots);
+}
+int Communicator::numSyncedRanks() const {
+  return elasticOf(impl_, "get_num_synced_ranks").numSynced();
+}
+ProposalResult Communicator::activateRanks(const std::vector<int>& slots) {
+  return elasticOf(impl_, "activate_ranks").activate(slots);
+}
+ProposalResult Communicator::deactivateRanks(const std::vector<int>& slots) {
+  return elasticOf(impl_, "deactivate_ranks").deactivate(slots);
+}
+void Communicator::joinGroup() { elasticOf(impl_, "join_group").join(); }
+SyncResult Communicator::syncAfterFailure() {
+  return elasticOf(impl_, "sync_after_failure").sync();
+}
+void Communicator::onViewChange(std::function<void()> cb) {
+  elasticOf(impl_, "onViewChange").onViewChange(std::move(cb));
+}
 
 std::shared_ptr<Work> Communicator::enqueue(std::string op_name, std::function<void()> fn) {
   return impl_->worker->enqueue(std::move(op_name), std::move(fn));
@@ -403,10 +282,10 @@ std::shared_ptr<Work> Communicator::enqueue(std::string op_name, std::function<v
 // ---- validation helpers ----
 namespace {
 void checkRoot(const Communicator::Impl& c, int root, const char* op) {
-  if (root < 0 || root >= c.size)
+  if (root < 0 || root >= pubSize(c))
     throw std::invalid_argument(std::string("mooncake pg: ") + op + ": root " +
                                 std::to_string(root) + " is outside the group of size " +
-                                std::to_string(c.size));
+                                std::to_string(pubSize(c)));
 }
 void checkReduce(DataType t, ReduceOp rop, const char* op) {
   if (!reduceSupported(t, rop))
@@ -453,6 +332,9 @@ void Communicator::allReduce(const void* in, void* out, size_t count, DataType t
   checkReduce(t, op, "allreduce");
   checkPtr(in, count, "input", "allreduce");
   checkPtr(out, count, "output", "allreduce");
+  if (impl_->elastic)
+    return impl_->elastic->allReduce(in, out, count, t, op,
+                                     typedSig(OpKind::kAllReduce, count, t, op));
   impl_->run("allreduce", typedSig(OpKind::kAllReduce, count, t, op),
              [&](const OpCtx& o) { algo::allReduce(*impl_, o, in, out, count, t, op); });
 }
@@ -463,6 +345,9 @@ void Communicator::reduce(const void* in, void* out, size_t count, DataType t, R
   checkRoot(*impl_, root, "reduce");
   checkPtr(in, count, "input", "reduce");
   if (impl_->rank == root) checkPtr(out, count, "output", "reduce");
+  if (impl_->elastic)
+    return impl_->elastic->reduce(in, out, count, t, op, root,
+                                  typedSig(OpKind::kReduce, count, t, op, root));
   impl_->run("reduce", typedSig(OpKind::kReduce, count, t, op, root),
              [&](const OpCtx& o) { algo::reduce(*impl_, o, in, out, count, t, op, root); });
 }
@@ -470,53 +355,69 @@ void Communicator::reduce(const void* in, void* out, size_t count, DataType t, R
 void Communicator::broadcast(void* buf, size_t bytes, int root) {
   checkRoot(*impl_, root, "broadcast");
   checkPtr(buf, bytes, "data", "broadcast");
+  if (impl_->elastic)
+    return impl_->elastic->broadcast(buf, bytes, root, bytesSig(OpKind::kBroadcast, bytes, root));
   impl_->run("broadcast", bytesSig(OpKind::kBroadcast, bytes, root),
              [&](const OpCtx& o) { algo::broadcast(*impl_, o, buf, bytes, root); });
 }
 
-void Communicator::allGather(const void* in, void* out, size_t bytes) {
+void Communicator::allGather(const void* in, void* out, size_t bytes, int blocks) {
   checkPtr(in, bytes, "input", "allgather");
   checkPtr(out, bytes, "output", "allgather");
-  std::vector<size_t> sizes(impl_->size, bytes);
+  std::vector<size_t> sizes(impl_->elastic && blocks >= 0 ? blocks : pubSize(*impl_), bytes);
+  if (impl_->elastic)
+    return impl_->elastic->allGatherV(in, out, sizes, "allgather",
+                                      bytesSig(OpKind::kAllGather, bytes));
   impl_->run("allgather", bytesSig(OpKind::kAllGather, bytes),
              [&](const OpCtx& o) { algo::allGatherV(*impl_, o, in, out, sizes); });
 }
 
 void Communicator::allGatherV(const void* in, void* out, const std::vector<size_t>& bytes) {
-  if (bytes.size() != static_cast<size_t>(impl_->size))
+  if (!impl_->elastic && bytes.size() != static_cast<size_t>(impl_->size))
     throw std::invalid_argument("mooncake pg: allgatherv: " + std::to_string(bytes.size()) +
                                 " sizes for a group of " + std::to_string(impl_->size));
-  checkPtr(in, bytes[impl_->rank], "input", "allgatherv");
+  if (impl_->rank < static_cast<int>(bytes.size()))
+    checkPtr(in, bytes[impl_->rank], "input", "allgatherv");
   size_t total = 0;
   for (size_t b : bytes) total += b;
   checkPtr(out, total, "output", "allgatherv");
   OpSig sig = bytesSig(OpKind::kAllGatherV, 0);
   sig.shape = hashSizes(bytes);
+  if (impl_->elastic) return impl_->elastic->allGatherV(in, out, bytes, "allgatherv", sig);
   impl_->run("allgatherv", sig,
              [&](const OpCtx& o) { algo::allGatherV(*impl_, o, in, out, bytes); });
 }
 
-void Communicator::gather(const void* in, void* out, size_t bytes, int root) {
+void Communicator::gather(const void* in, void* out, size_t bytes, int root, int blocks) {
   checkRoot(*impl_, root, "gather");
   checkPtr(in, bytes, "input", "gather");
   if (impl_->rank == root) checkPtr(out, bytes, "output", "gather");
+  if (impl_->elastic)
+    return impl_->elastic->gather(in, out, bytes, root, blocks,
+                                  bytesSig(OpKind::kGather, bytes, root));
   impl_->run("gather", bytesSig(OpKind::kGather, bytes, root),
              [&](const OpCtx& o) { algo::gather(*impl_, o, in, out, bytes, root); });
 }
 
-void Communicator::scatter(const void* in, void* out, size_t bytes, int root) {
+void Communicator::scatter(const void* in, void* out, size_t bytes, int root, int blocks) {
   checkRoot(*impl_, root, "scatter");
   if (impl_->rank == root) checkPtr(in, bytes, "input", "scatter");
   checkPtr(out, bytes, "output", "scatter");
+  if (impl_->elastic)
+    return impl_->elastic->scatter(in, out, bytes, root, blocks,
+                                   bytesSig(OpKind::kScatter, bytes, root));
   impl_->run("scatter", bytesSig(OpKind::kScatter, bytes, root),
              [&](const OpCtx& o) { algo::scatter(*impl_, o, in, out, bytes, root); });
 }
 
 void Communicator::reduceScatter(const void* in, void* out, size_t count, DataType t,
-                                 ReduceOp op) {
+                                 ReduceOp op, int blocks) {
   checkReduce(t, op, "reduce_scatter");
   checkPtr(in, count, "input", "reduce_scatter");
   checkPtr(out, count, "output", "reduce_scatter");
+  if (impl_->elastic)
+    return impl_->elastic->reduceScatter(in, out, count, t, op, blocks,
+                                         typedSig(OpKind::kReduceScatter, count, t, op));
   impl_->run("reduce_scatter", typedSig(OpKind::kReduceScatter, count, t, op),
              [&](const OpCtx& o) { algo::reduceScatter(*impl_, o, in, out, count, t, op); });
 }
@@ -525,7 +426,7 @@ void Communicator::allToAllV(const void* in, const std::vector<size_t>& send_byt
                              const std::vector<size_t>& send_offsets, void* out,
                              const std::vector<size_t>& recv_bytes,
                              const std::vector<size_t>& recv_offsets) {
-  size_t n = static_cast<size_t>(impl_->size);
+  size_t n = impl_->elastic ? send_bytes.size() : static_cast<size_t>(impl_->size);
   if (send_bytes.size() != n || send_offsets.size() != n || recv_bytes.size() != n ||
       recv_offsets.size() != n)
     throw std::invalid_argument("mooncake pg: alltoall: split vectors must have one entry per "
@@ -543,6 +444,9 @@ void Communicator::allToAllV(const void* in, const std::vector<size_t>& send_byt
     throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
   OpSig sig;
   sig.kind = OpKind::kAllToAll;  // the split sizes are checked pairwise by the algorithm
+  if (impl_->elastic)
+    return impl_->elastic->allToAllV(in, send_bytes, send_offsets, out, recv_bytes, recv_offsets,
+                                     sig);
   impl_->run("alltoall", sig, [&](const OpCtx& o) {
     algo::allToAllV(*impl_, o, in, send_bytes, send_offsets, out, recv_bytes, recv_offsets);
   });
@@ -551,22 +455,25 @@ void Communicator::allToAllV(const void* in, const std::vector<size_t>& send_byt
 void Communicator::barrier() {
   OpSig sig;
   sig.kind = OpKind::kBarrier;
+  if (impl_->elastic) return impl_->elastic->barrier(sig);
   impl_->run("barrier", sig, [&](const OpCtx& o) { algo::barrier(*impl_, o); });
 }
 
 void Communicator::send(const void* buf, size_t bytes, int dst, uint64_t tag) {
   if (dst < 0 || dst >= impl_->size)
     throw std::invalid_argument("mooncake pg: send: destination rank " + std::to_string(dst) +
-                                " is outside the group of size " + std::to_string(impl_->size));
+                                " is outside the group of size " + std::to_string(pubSize(*impl_)));
   checkPtr(buf, bytes, "send", "send");
+  if (impl_->elastic) return impl_->elastic->send(buf, bytes, dst, tag);
   impl_->p2p->send(buf, bytes, dst, tag, impl_->opts.timeout);
 }
 
 int Communicator::recv(void* buf, size_t bytes, int src, uint64_t tag) {
   if (src < -1 || src >= impl_->size)
     throw std::invalid_argument("mooncake pg: recv: source rank " + std::to_string(src) +
-                                " is outside the group of size " + std::to_string(impl_->size));
+                                " is outside the group of size " + std::to_string(pubSize(*impl_)));
   checkPtr(buf, bytes, "receive", "recv");
+  if (impl_->elastic) return impl_->elastic->recv(buf, bytes, src, tag);
   return impl_->p2p->recv(buf, bytes, src, tag, impl_->opts.timeout);
 }
 

@@ -24,6 +24,33 @@
 
 namespace mooncake::pg {
 
+// Elastic groups (docs/elastic.md): Mooncake PG's dynamic membership. `size` ranks found the
+// group in slots [0, size); max_group_size slots are reserved; slots are never renumbered; ops
+// run over the active slots. Off by default: a plain group behaves as before (a failure
+// raises, naming the dead rank, and poisons the group).
+struct ElasticOptions {
+  bool enabled = false;
+  int max_group_size = 0;  // slots (0: size)
+  // This process takes slot `rank` of a running group (a replacement or an extension rank):
+  // it starts isolated (ops are local-only) until join() and an activation.
+  bool is_extension = false;
+  bool auto_deactivate_on_failure = true;  // failures make unhealthy members inactive
+  bool auto_sync_on_failure = true;        // a failed op reconciles before it completes
+  // Tests only: called at this process's points of agreement ("phase1", "phase2", "decided";
+  // see ViewLog::on_point), e.g. to kill or stop the process that proposes a view.
+  std::function<void(const char* point)> test_hook;
+};
+
+// The process-wide defaults of elastic groups (upstream's setters): every op of an elastic
+// group is bounded by the collective (or p2p) timeout as well as by CommOptions::timeout; a
+// reconciliation waits at most the window for every live member's observations.
+void setCollectiveTimeout(std::chrono::microseconds t);
+void setP2pTimeout(std::chrono::microseconds t);
+void setReconciliationWindow(std::chrono::microseconds t);
+std::chrono::microseconds collectiveTimeout();
+std::chrono::microseconds p2pTimeout();
+std::chrono::microseconds reconciliationWindow();
+
 struct CommOptions {
   int rank = 0;
   int size = 1;
@@ -32,6 +59,7 @@ struct CommOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   // Bytes of the registered comm buffer per rank (0: MC_PG_BUFFER_BYTES).
   size_t buffer_bytes = 0;
+  ElasticOptions elastic;
 };
 
 class CommError : public std::runtime_error {
@@ -44,6 +72,46 @@ class CommError : public std::runtime_error {
  private:
   int peer_rank_;
   std::string op_;
+};
+
+// Elastic groups: an op that failed because of peers (dead, unreachable, timed out, not active,
+// or the view changed under it). It is the op's evidence, not a verdict: hint() has one entry
+// per slot (1 = this rank saw a failure involving that slot in this op; may be all zero when
+// the op did not run because the view changed). The group is not poisoned: later ops run on
+// the agreed view. The op's outputs are unspecified.
+class PeerFailure : public CommError {
+ public:
+  PeerFailure(const std::string& what, std::vector<uint8_t> hint, std::string op)
+      : CommError(what, firstSet(hint), std::move(op)), hint_(std::move(hint)) {}
+  const std::vector<uint8_t>& hint() const { return hint_; }
+
+ private:
+  static int firstSet(const std::vector<uint8_t>& h) {
+    for (size_t i = 0; i < h.size(); ++i)
+      if (h[i]) return static_cast<int>(i);
+    return -1;
+  }
+  std::vector<uint8_t> hint_;
+};
+
+// Ranks called different collectives (or shapes, roots): raised on every rank, in elastic
+// groups too (a program error, not a peer failure).
+class MismatchError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+enum class ProposalStatus { kRejected = 0, kApplied = 1, kAppliedWithDroppedRanks = 2 };
+struct ProposalResult {
+  ProposalStatus status = ProposalStatus::kRejected;
+  uint64_t new_epoch = 0;
+  std::vector<int> dropped_ranks;
+  std::string reject_reason;
+};
+enum class SyncStatus { kReconciled = 0, kNoPending = 1, kRejected = 2 };
+struct SyncResult {
+  SyncStatus status = SyncStatus::kNoPending;
+  std::string reject_reason;
 };
 
 // Async completion of one enqueued op (the c10d Work's core).
@@ -86,14 +154,19 @@ class Communicator {
   void allReduce(const void* in, void* out, size_t count, DataType t, ReduceOp op);
   void reduce(const void* in, void* out, size_t count, DataType t, ReduceOp op, int root);
   void broadcast(void* buf, size_t bytes, int root);
-  // out holds size() blocks of `bytes`, rank order.
-  void allGather(const void* in, void* out, size_t bytes);
+  // out holds size() blocks of `bytes`, rank order. blocks (elastic groups): the number of
+  // blocks the caller's buffers hold (its size() when it made the call; -1: size() now); an op
+  // whose group changed size in between fails (PeerFailure) instead of overrunning them.
+  void allGather(const void* in, void* out, size_t bytes, int blocks = -1);
   // Rank r contributes bytes[r] (may differ per rank); out is their concatenation.
   void allGatherV(const void* in, void* out, const std::vector<size_t>& bytes);
-  void gather(const void* in, void* out, size_t bytes, int root);  // out used on root only
-  void scatter(const void* in, void* out, size_t bytes, int root);  // in used on root only
+  // out used on root only
+  void gather(const void* in, void* out, size_t bytes, int root, int blocks = -1);
+  // in used on root only
+  void scatter(const void* in, void* out, size_t bytes, int root, int blocks = -1);
   // in holds size() blocks of `count` elements; out gets the reduced block of this rank.
-  void reduceScatter(const void* in, void* out, size_t count, DataType t, ReduceOp op);
+  void reduceScatter(const void* in, void* out, size_t count, DataType t, ReduceOp op,
+                     int blocks = -1);
   // Rank r sends send_bytes[j] from in + send_offsets[j] to rank j, which receives it at
   // out + recv_offsets[r]; recv_bytes[r] must equal what r sends (checked, CommError).
   void allToAllV(const void* in, const std::vector<size_t>& send_bytes,
@@ -121,6 +194,26 @@ class Communicator {
   // ---- health ----
   // OK, or a CommError-worthy message naming the first dead rank.
   std::vector<int> deadRanks() const;
+
+  // ---- elastic groups (CommOptions::elastic; docs/elastic.md). Slots index everything:
+  // rank() is this process's slot; size() is one past the highest active slot (the declared
+  // size while an extension rank is isolated). Calls below throw std::logic_error on a plain
+  // group, std::invalid_argument for slots outside [0, maxGroupSize()). ----
+  bool elastic() const;
+  int maxGroupSize() const;
+  uint64_t epoch() const;           // the latest view applied here
+  std::vector<uint8_t> activeMask() const;  // per slot (only this slot while isolated)
+  // Local, communication-free, per slot (1/0): the slot's process joined or is active, and
+  // this process has a live connection to it.
+  std::vector<uint8_t> peerState(const std::vector<int>& slots) const;
+  int numSyncedRanks() const;
+  ProposalResult activateRanks(const std::vector<int>& slots);
+  ProposalResult deactivateRanks(const std::vector<int>& slots);
+  // Declares this (isolated or inactive) rank ready and blocks until a view makes it active.
+  void joinGroup();
+  SyncResult syncAfterFailure();
+  // Called (on whichever thread applied it) after each view this process applies.
+  void onViewChange(std::function<void()> cb);
 
   class Impl;
 

@@ -1,5 +1,7 @@
 #include "pg/health.h"
 
+#include <thread>
+
 #include "pg/communicator.h"
 #include "pg/types.h"
 
@@ -45,17 +47,30 @@ void Health::timedOut(const OpCtx& op, int rank, const std::string& what) const 
 }
 
 // blamed is already a rank of the user's group: abort notices carry those.
-void Health::aborted(const OpCtx& op, int rank, int blamed, const std::string& reason) const {
+void Health::aborted(const OpCtx& op, int rank, int blamed, const std::string& reason,
+                     bool died) const {
+  if (died && blamed >= 0) {
+    int idx = -1;  // blamed's index here (a sub-group's Health names its ranks)
+    for (int r = 0; r < static_cast<int>(peers_.size()); ++r)
+      if (name(r) == blamed) idx = r;
+    if (idx >= 0 && idx != rank_ && peers_[idx] != engine::kInvalidPeer) {
+      const auto until = engine::Clock::now() + std::chrono::seconds(1);
+      while (engine_->peerStatus(peers_[idx]).ok() && engine::Clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
   std::string cause = !reason.empty() ? reason
                       : blamed >= 0   ? "it saw rank " + std::to_string(blamed) + " fail"
-                                      : std::string("it timed out or failed");
+                      : blamed == kLeftView
+                          ? std::string("it left this view of the group for a newer one")
+                          : std::string("it timed out or failed");
   throw CommError("mooncake pg: rank " + std::to_string(name(rank)) + " (group " + group_ +
                       ") aborted " + op.name + ": " + cause,
-                  blamed >= 0 ? blamed : name(rank), op.name);
+                  blamed >= 0 ? blamed : blamed == kLeftView ? -1 : name(rank), op.name);
 }
 
 void Health::mismatch(const OpCtx& op, int rank, const OpSig& theirs) const {
-  throw CommError("mooncake pg: mismatched collective (group " + group_ + ", op #" +
+  throw MismatchError("mooncake pg: mismatched collective (group " + group_ + ", op #" +
                       std::to_string(op.seq) + "): rank " + std::to_string(name(rank_)) +
                       " called " + op.sig.describe() + " but rank " +
                       std::to_string(name(rank)) + " called " + theirs.describe() +
@@ -66,7 +81,7 @@ void Health::mismatch(const OpCtx& op, int rank, const OpSig& theirs) const {
 
 void Health::mismatchBetween(const OpCtx& op, uint64_t seq, int a, const OpSig& sa, int b,
                              const OpSig& sb) const {
-  throw CommError("mooncake pg: " + std::string(op.name) + " on rank " + std::to_string(name(rank_)) +
+  throw MismatchError("mooncake pg: " + std::string(op.name) + " on rank " + std::to_string(name(rank_)) +
                       " (group " + group_ + ") failed: the group broke on mismatched collectives "
                       "(op #" + std::to_string(seq) + "): rank " + std::to_string(name(a)) +
                       " called " + sa.describe() + " but rank " + std::to_string(name(b)) +
@@ -77,7 +92,7 @@ void Health::mismatchBetween(const OpCtx& op, uint64_t seq, int a, const OpSig& 
 }
 
 void Health::outOfStep(const OpCtx& op, int rank, uint64_t theirs) const {
-  throw CommError("mooncake pg: " + std::string(op.name) + " (group " + group_ + ", op #" +
+  throw MismatchError("mooncake pg: " + std::string(op.name) + " (group " + group_ + ", op #" +
                       std::to_string(op.seq) + ") on rank " + std::to_string(name(rank_)) +
                       ": rank " + std::to_string(name(rank)) + " is at op #" +
                       std::to_string(theirs) +

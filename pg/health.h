@@ -73,9 +73,15 @@ class Health {
   // Throws the CommError for a deadline that passed while waiting for `rank` (-1: several).
   [[noreturn]] void timedOut(const OpCtx& op, int rank, const std::string& what) const;
   // Throws a CommError for a peer that aborted the op (it saw a failure first); reason: what
-  // the peer said, when it said anything.
-  [[noreturn]] void aborted(const OpCtx& op, int rank, int blamed,
-                            const std::string& reason = "") const;
+  // the peer said, when it said anything. died: the peer's engine had seen `blamed` die; this
+  // rank then first waits (up to 1 s) until its own engine sees that too, so that deadRanks()
+  // names the rank the error blames (the peer's abort can arrive before this engine reads the
+  // dead rank's closed connection).
+  [[noreturn]] void aborted(const OpCtx& op, int rank, int blamed, const std::string& reason = "",
+                            bool died = false) const;
+  // blamed value of an abort that says the peer left this view of an elastic group for a
+  // newer one: the CommError then blames no rank (the peer did not fail).
+  static constexpr int kLeftView = -2;
   // Throws the CommError for a peer that called another collective (or another shape of it)
   // as op #op.seq: both sides' calls, named.
   [[noreturn]] void mismatch(const OpCtx& op, int rank, const OpSig& theirs) const;

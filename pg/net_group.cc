@@ -10,7 +10,8 @@ namespace mooncake::pg {
 
 namespace {
 constexpr uint32_t kMagic = 0x4d504743;  // "MPGC"
-constexpr uint64_t kAbortSeq = ~0ull;    // an abort notice: payload = i32 blamed rank
+constexpr uint64_t kAbortSeq = ~0ull;    // an abort notice: payload = i32 blamed rank, reason
+constexpr int32_t kAbortDied = 1 << 30;  // in the blamed rank: its engine saw it die
 
 struct Header {
   uint32_t magic;
@@ -35,6 +36,7 @@ NetGroup::NetGroup(engine::TransferEngine* engine, const Health* health,
   q_->by_src.resize(peers_.size());
   q_->aborted.assign(peers_.size(), 0);
   q_->abort_reason.resize(peers_.size());
+  q_->abort_died.assign(peers_.size(), 0);
 }
 
 void NetGroup::track(const OpCtx& op) {
@@ -63,8 +65,10 @@ void NetGroup::throwIfAborted(const OpCtx& op) {
     int a = q_->aborted[r];
     if (a == 0) continue;
     std::string reason = q_->abort_reason[r];
+    bool died = q_->abort_died[r] != 0;
     g.unlock();
-    health_->aborted(op, static_cast<int>(r), a >= 2 ? a - 2 : -1, reason);
+    health_->aborted(op, static_cast<int>(r), a >= 2 ? a - 2 : a == -1 ? Health::kLeftView : -1,
+                     reason, died);
   }
 }
 
@@ -84,7 +88,11 @@ void NetGroup::barrierOp(const OpCtx& op) {
 }
 
 NetGroup::~NetGroup() {
-  if (started_) engine_->setMessageHandler(channel_, nullptr);
+  if (!started_) return;
+  if (drop_on_close_)
+    engine_->setMessageHandler(channel_, [](engine::Message&&) {});
+  else
+    engine_->setMessageHandler(channel_, nullptr);
 }
 
 void NetGroup::start() {
@@ -100,7 +108,11 @@ void NetGroup::start() {
     if (h.seq == kAbortSeq) {
       int32_t blamed = -1;
       if (m.payload.size() >= sizeof(h) + 4) std::memcpy(&blamed, m.payload.data() + sizeof(h), 4);
-      q->aborted[h.src] = blamed >= 0 ? blamed + 2 : 1;
+      if (blamed >= 0 && (blamed & kAbortDied) != 0) {
+        blamed &= ~kAbortDied;
+        q->abort_died[h.src] = 1;
+      }
+      q->aborted[h.src] = blamed >= 0 ? blamed + 2 : blamed == Health::kLeftView ? -1 : 1;
       if (m.payload.size() > sizeof(h) + 4)
         q->abort_reason[h.src] = m.payload.substr(sizeof(h) + 4, 4096);
     } else {
@@ -151,8 +163,10 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
         int a = q_->aborted[r];
         if (a != 0) {
           std::string reason = q_->abort_reason[r];
+          bool died = q_->abort_died[r] != 0;
           g.unlock();
-          health_->aborted(op, static_cast<int>(r), a >= 2 ? a - 2 : -1, reason);
+          health_->aborted(op, static_cast<int>(r),
+                           a >= 2 ? a - 2 : a == -1 ? Health::kLeftView : -1, reason, died);
         }
       }
       g.unlock();
@@ -190,7 +204,7 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
     health_->outOfStep(op, src, h.seq);
   }
   if (h.seq != op.seq || m.size() != expect_len) {
-    throw CommError("mooncake pg: " + std::string(op.name) + " on rank " +
+    throw MismatchError("mooncake pg: " + std::string(op.name) + " on rank " +
                         std::to_string(health_->name(rank_)) +
                         " (group " + health_->group() + ", op #" + std::to_string(op.seq) +
                         ") got " + std::to_string(m.size()) + " bytes of op #" +
@@ -208,10 +222,10 @@ void NetGroup::recv(const OpCtx& op, int src, void* out, size_t len) {
   recycle(std::move(m));
 }
 
-void NetGroup::abort(int blamed, const std::string& reason) {
+void NetGroup::abort(int blamed, const std::string& reason, bool died) {
   std::string payload(sizeof(Header) + 4, '\0');
   Header h{kMagic, rank_, kAbortSeq, {0, 0}};
-  int32_t b = blamed;
+  int32_t b = blamed >= 0 && died ? (blamed | kAbortDied) : blamed;
   std::memcpy(payload.data(), &h, sizeof(h));
   std::memcpy(payload.data() + sizeof(h), &b, 4);
   payload += reason.substr(0, 4096);

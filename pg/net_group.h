@@ -51,8 +51,12 @@ class NetGroup {
   void sendPieces(const OpCtx& op, int dst, const void* data, size_t len);
   void recvPieces(const OpCtx& op, int src, void* out, size_t len);
   // Tells every peer (best effort) that this rank gave up on the group, blaming `blamed`
-  // (-1: none in particular) for `reason`: their waits fail fast, with that reason.
-  void abort(int blamed, const std::string& reason = "");
+  // (-1: none in particular) for `reason`: their waits fail fast, with that reason. died: see
+  // ShmGroup::abort.
+  void abort(int blamed, const std::string& reason = "", bool died = false);
+  // Elastic groups retire a view's channel: once this group is destroyed, messages still
+  // arriving on it are dropped (instead of queued in the engine for a handler that never comes).
+  void dropOnClose() { drop_on_close_ = true; }
   // End of an op: acknowledgements where one side only sent (see above). False when the op
   // exchanged no message in this group.
   bool finishOp(const OpCtx& op);
@@ -70,6 +74,7 @@ class NetGroup {
     std::vector<std::deque<std::string>> by_src;
     std::vector<int> aborted;  // per peer: 0, or 2 + blamed rank (1: no rank in particular)
     std::vector<std::string> abort_reason;
+    std::vector<uint8_t> abort_died;
     size_t bad = 0;            // malformed messages dropped
   };
 
@@ -82,6 +87,7 @@ class NetGroup {
   size_t piece_;
   std::shared_ptr<Queues> q_;
   bool started_ = false;
+  bool drop_on_close_ = false;
   // Throws the abort of the first peer that sent one (no-op when none did).
   void throwIfAborted(const OpCtx& op);
   // The op in flight (the collective-running thread only): whom it sent to, heard from.

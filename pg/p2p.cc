@@ -1,6 +1,7 @@
 #include "pg/p2p.h"
 
 #include <cstring>
+#include <set>
 
 #include "pg/communicator.h"
 
@@ -22,13 +23,55 @@ struct Header {
 P2p::P2p(engine::TransferEngine* engine, const Health* health, std::vector<engine::PeerId> peers,
          int rank, uint32_t channel, int64_t health_us, size_t piece_bytes)
     : engine_(engine),
-      health_(health),
-      peers_(std::move(peers)),
       rank_(rank),
       channel_(channel),
       health_us_(health_us),
       piece_(piece_bytes),
-      box_(std::make_shared<Box>()) {}
+      box_(std::make_shared<Box>()) {
+  auto t = std::make_shared<Table>();
+  t->peers = std::move(peers);
+  t->health = health;
+  table_ = std::move(t);
+}
+
+std::shared_ptr<const P2p::Table> P2p::table() const {
+  std::lock_guard<std::mutex> g(table_mu_);
+  return table_;
+}
+
+bool P2p::current(const Table& t, int src, uint64_t engine) {
+  if (t.engines.empty()) return true;
+  if (src < 0 || static_cast<size_t>(src) >= t.engines.size()) return false;
+  return t.engines[src] == engine;
+}
+
+void P2p::setPeers(std::vector<engine::PeerId> peers, std::vector<uint64_t> engines,
+                   std::shared_ptr<const Health> health) {
+  auto t = std::make_shared<Table>();
+  t->peers = std::move(peers);
+  t->engines = std::move(engines);
+  t->health = health.get();
+  t->owned = std::move(health);
+  {
+    std::lock_guard<std::mutex> g(table_mu_);
+    const auto& old = table_->engines;
+    for (size_t i = 0; i < old.size() && i < t->engines.size(); ++i)
+      if (old[i] != 0 && t->engines[i] != 0 && old[i] != t->engines[i]) retired_.insert(old[i]);
+    table_ = t;
+  }
+  // Drop what processes that held a slot before sent: their messages can never match (a
+  // receive from the slot means its current process). Processes this table does not know yet
+  // keep theirs.
+  std::set<uint64_t> retired;
+  {
+    std::lock_guard<std::mutex> g(table_mu_);
+    retired = retired_;
+  }
+  std::lock_guard<std::mutex> g(box_->mu);
+  for (auto it = box_->ready.begin(); it != box_->ready.end();)
+    it = retired.count(it->engine) ? box_->ready.erase(it) : std::next(it);
+  box_->cv.notify_all();
+}
 
 P2p::~P2p() {
   if (started_) engine_->setMessageHandler(channel_, nullptr);
@@ -36,12 +79,13 @@ P2p::~P2p() {
 
 void P2p::start() {
   std::shared_ptr<Box> box = box_;
-  engine_->setMessageHandler(channel_,
-                             [box](engine::Message&& m) { box->deliver(std::move(m.payload)); });
+  engine_->setMessageHandler(channel_, [box](engine::Message&& m) {
+    box->deliver(std::move(m.payload), m.src_engine);
+  });
   started_ = true;
 }
 
-void P2p::Box::deliver(std::string&& payload) {
+void P2p::Box::deliver(std::string&& payload, uint64_t engine) {
   Header h{};
   if (payload.size() < sizeof(h)) return;
   std::memcpy(&h, payload.data(), sizeof(h));
@@ -50,7 +94,7 @@ void P2p::Box::deliver(std::string&& payload) {
   std::lock_guard<std::mutex> g(mu);
   if (h.offset == 0 && len == h.total) {
     payload.erase(0, sizeof(h));
-    ready.push_back(Complete{h.src, h.tag, std::move(payload)});
+    ready.push_back(Complete{h.src, h.tag, std::move(payload), engine});
     cv.notify_all();
     return;
   }
@@ -66,7 +110,7 @@ void P2p::Box::deliver(std::string&& payload) {
   }
   p.data.append(payload, sizeof(h), len);
   if (p.data.size() == h.total) {
-    ready.push_back(Complete{h.src, p.tag, std::move(p.data)});
+    ready.push_back(Complete{h.src, p.tag, std::move(p.data), engine});
     partial.erase(key);
     cv.notify_all();
   }
@@ -75,6 +119,12 @@ void P2p::Box::deliver(std::string&& payload) {
 void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
                std::chrono::milliseconds timeout) {
   OpCtx op{"send", engine::Clock::now() + timeout, 0, timeout};
+  auto t = table();
+  if (dst != rank_ && t->peers[dst] == engine::kInvalidPeer)
+    throw CommError("mooncake pg: send of " + std::to_string(bytes) + " bytes to rank " +
+                        std::to_string(dst) + " (group " + t->health->group() +
+                        "): it is not an active member",
+                    dst, "send");
   std::lock_guard<std::mutex> g(send_mu_);
   uint64_t id = next_id_++;
   size_t off = 0;
@@ -86,13 +136,13 @@ void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
     payload.append(reinterpret_cast<const char*>(&h), sizeof(h));
     if (len > 0) payload.append(static_cast<const char*>(buf) + off, len);
     if (dst == rank_) {
-      box_->deliver(std::move(payload));
+      box_->deliver(std::move(payload), engine_->engineId());
     } else {
-      Status st = engine_->sendMessageOwned(peers_[dst], channel_, std::move(payload));
+      Status st = engine_->sendMessageOwned(t->peers[dst], channel_, std::move(payload));
       if (!st.ok()) {
-        health_->check(op, dst);
+        t->health->check(op, dst);
         throw CommError("mooncake pg: send of " + std::to_string(bytes) + " bytes to rank " +
-                            std::to_string(dst) + " (group " + health_->group() +
+                            std::to_string(dst) + " (group " + t->health->group() +
                             ") failed: " + st.toString(),
                         dst, "send");
       }
@@ -107,9 +157,12 @@ int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milli
   {
     std::unique_lock<std::mutex> g(box_->mu);
     for (;;) {
+      auto t = table();
       auto it = box_->ready.begin();
       for (; it != box_->ready.end(); ++it)
-        if ((src < 0 || it->src == src) && it->tag == tag) break;
+        if ((src < 0 || it->src == src) && it->tag == tag &&
+            (it->engine == engine_->engineId() || current(*t, it->src, it->engine)))
+          break;
       if (it != box_->ready.end()) {
         c = std::move(*it);
         box_->ready.erase(it);
@@ -117,16 +170,21 @@ int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milli
       }
       box_->cv.wait_for(g, std::chrono::microseconds(health_us_));
       g.unlock();
+      t = table();
+      if (src >= 0 && src != rank_ && t->peers[src] == engine::kInvalidPeer)
+        throw CommError("mooncake pg: recv from rank " + std::to_string(src) + " (group " +
+                            t->health->group() + "): it is not an active member",
+                        src, "recv");
       // A specific source: only its death matters. Any source: any dead peer fails it.
-      if (src != rank_) health_->check(op, src);
+      if (src != rank_) t->health->check(op, src);
       if (engine::Clock::now() >= op.deadline)
-        health_->timedOut(op, src, "no message with tag " + std::to_string(tag));
+        t->health->timedOut(op, src, "no message with tag " + std::to_string(tag));
       g.lock();
     }
   }
   if (c.data.size() != bytes)
     throw CommError("mooncake pg: recv size mismatch on rank " + std::to_string(rank_) +
-                        " (group " + health_->group() + "): rank " + std::to_string(c.src) +
+                        " (group " + table()->health->group() + "): rank " + std::to_string(c.src) +
                         " sent " + std::to_string(c.data.size()) + " bytes with tag " +
                         std::to_string(tag) + " but the receive buffer holds " +
                         std::to_string(bytes) + " bytes",

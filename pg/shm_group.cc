@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "engine/futex.h"
+#include "pg/communicator.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -28,8 +29,15 @@ std::atomic<uint32_t>* futexWord(std::atomic<uint64_t>* v) {
 }  // namespace
 
 ShmGroup::ShmGroup(const Health* health, std::vector<char*> bases, size_t buffer_bytes,
-                   int rank, WaitOptions wait)
-    : health_(health), bases_(std::move(bases)), rank_(rank), wait_(wait) {
+                   int rank, WaitOptions wait, uint64_t epoch)
+    : health_(health),
+      bases_(std::move(bases)),
+      rank_(rank),
+      wait_(wait),
+      epoch_(epoch & ((uint64_t{1} << (64 - kStepBits)) - 1)),
+      tag_(epoch_ << kStepBits),
+      next_tag_((epoch_ + 1) << kStepBits) {
+  if (next_tag_ == 0) next_tag_ = ~uint64_t{0};  // the last epoch: nothing is newer
   half_ = ((buffer_bytes - kHeaderBytes) / 2) & ~static_cast<size_t>(4095);
   verified_.assign(bases_.size(), 1);
 }
@@ -37,8 +45,19 @@ ShmGroup::ShmGroup(const Health* health, std::vector<char*> bases, size_t buffer
 uint64_t ShmGroup::beginStep(const OpCtx& op, bool will_write) {
   if (op.seq != op_seq_) beginOp(op);
   uint64_t s = ++step_;
+  if (s > kStepMask)
+    throw CommError("mooncake pg: " + std::string(op.name) + " (group " + health_->group() +
+                        "): this view's shared-memory step counter is exhausted; re-create "
+                        "the group",
+                    -1, op.name);
   if (will_write && s > 2) waitAll(op, kConsumed, s - 2);
   return s;
+}
+
+void ShmGroup::movedOn(const OpCtx& op, int r) const {
+  health_->aborted(op, r, Health::kLeftView,
+                   "it left this view of the group (epoch " + std::to_string(epoch_) +
+                       ") for a newer one");
 }
 
 void ShmGroup::beginOp(const OpCtx& op) {
@@ -58,22 +77,25 @@ void ShmGroup::publishDesc() {
   Desc& d = descOf(rank_, op_seq_);
   d[1].store(desc_words_[0], std::memory_order_relaxed);
   d[2].store(desc_words_[1], std::memory_order_relaxed);
-  d[0].store(op_seq_, std::memory_order_relaxed);  // ordered by the flag's seq_cst exchange
+  d[0].store(tag_ | op_seq_, std::memory_order_relaxed);  // ordered by the flag's seq_cst exchange
   desc_pending_ = false;
 }
 
 void ShmGroup::verify(const OpCtx& op, int r) {
   const Desc& d = descOf(r, op.seq);
   uint64_t theirs = d[0].load(std::memory_order_acquire);
-  if (theirs == op.seq) {
+  const uint64_t mine = tag_ | op.seq;
+  if (theirs == mine) {
     uint64_t w[2] = {d[1].load(std::memory_order_relaxed), d[2].load(std::memory_order_relaxed)};
     OpSig sig = OpSig::unpack(w);
     if (op.sig.kind != OpKind::kNone && sig != op.sig) health_->mismatch(op, r, sig);
-  } else if (theirs < op.seq) {
+  } else if (theirs < mine) {
     // Its flag of a step of this op, posted before it began this op: the step counts of an
     // earlier op differed.
-    health_->outOfStep(op, r, theirs);
-  }  // theirs > op.seq: it already finished this op (and checked it against others)
+    health_->outOfStep(op, r, theirs & kStepMask);
+  } else if (theirs >= next_tag_) {
+    movedOn(op, r);
+  }  // theirs > mine: it already finished this op (and checked it against others)
   verified_[r] = 1;
 }
 
@@ -90,9 +112,9 @@ void ShmGroup::reportMismatch(const OpCtx& op) const {
     }
     for (int a = 0; a < n; ++a)
       for (int b = a + 1; b < n; ++b)
-        if (seqs[a] != 0 && seqs[a] == seqs[b] && sigs[a] != sigs[b] &&
-            sigs[a].kind != OpKind::kNone && sigs[b].kind != OpKind::kNone)
-          health_->mismatchBetween(op, seqs[a], a, sigs[a], b, sigs[b]);
+        if (seqs[a] != 0 && seqs[a] == seqs[b] && (seqs[a] & ~kStepMask) == tag_ &&
+            sigs[a] != sigs[b] && sigs[a].kind != OpKind::kNone && sigs[b].kind != OpKind::kNone)
+          health_->mismatchBetween(op, seqs[a] & kStepMask, a, sigs[a], b, sigs[b]);
   }
 }
 
@@ -118,13 +140,19 @@ void ShmGroup::post(Flag f, uint64_t s) {
   if (desc_pending_) publishDesc();
   if (f == kReady) posted_ready_ = true;
   Line& l = hdr(rank_)->flags[f];
-  l.v.exchange(s, std::memory_order_seq_cst);  // full barrier: orders the waiters load below
+  l.v.exchange(target(s), std::memory_order_seq_cst);  // full barrier: orders the waiters load
   if (l.waiters.load(std::memory_order_seq_cst) != 0) engine::futexWakeAll(futexWord(&l.v));
 }
 
 void ShmGroup::wait(const OpCtx& op, int r, Flag f, uint64_t s) {
   Line& l = hdr(r)->flags[f];
-  if (l.v.load(std::memory_order_acquire) < s) slowWait(op, r, l, s);
+  const uint64_t t = target(s);
+  uint64_t v = l.v.load(std::memory_order_acquire);
+  if (v < t) {
+    slowWait(op, r, l, t);
+    v = l.v.load(std::memory_order_acquire);
+  }
+  if (v >= next_tag_) movedOn(op, r);
   if (!verified_[r] && s >= op_first_step_ && op.seq == op_seq_) verify(op, r);
 }
 
@@ -133,12 +161,24 @@ void ShmGroup::waitAll(const OpCtx& op, Flag f, uint64_t s) {
     if (r != rank_) wait(op, r, f, s);
 }
 
-void ShmGroup::abort(int blamed) {
+void ShmGroup::abort(int blamed, bool died) {
   // Peers that see the abort look for differing calls in the descriptors: show this op's.
   if (desc_pending_) publishDesc();
-  uint64_t v = blamed >= 0 ? static_cast<uint64_t>(blamed) + 2 : 1;
-  uint64_t expected = 0;
-  hdr(rank_)->abort.v.compare_exchange_strong(expected, v);
+  uint64_t low = blamed >= 0 ? static_cast<uint64_t>(blamed) + 2 : 1;
+  if (died && blamed >= 0) low |= kAbortDied;
+  postAbort(low);
+}
+
+void ShmGroup::leave() { postAbort(kAbortLeft | 1); }
+
+void ShmGroup::postAbort(uint64_t low) {
+  // The first abort of this view wins; one of an older view is replaced.
+  const uint64_t v = (epoch_ & 0xffffffffu) << 32 | low;
+  std::atomic<uint64_t>& w = hdr(rank_)->abort.v;
+  uint64_t cur = w.load(std::memory_order_acquire);
+  while ((cur == 0 || (cur >> 32) < (epoch_ & 0xffffffffu)) &&
+         !w.compare_exchange_weak(cur, v, std::memory_order_acq_rel)) {
+  }
   // Wake every sleeper on this rank's flags so that they see the abort word now.
   for (auto& l : hdr(rank_)->flags) engine::futexWakeAll(futexWord(&l.v));
 }
@@ -148,20 +188,25 @@ void ShmGroup::checkPeers(const OpCtx& op, int waiting_for) const {
   // dead rank further down a chain of waits is reported through its waiter's abort word.
   // Abort words first: a peer that gave up (and may have exited since) says more than its
   // death does.
+  const uint64_t my_epoch = epoch_ & 0xffffffffu;
   for (int r = 0; r < size(); ++r) {
     if (r == rank_) continue;
     uint64_t a = hdr(r)->abort.v.load(std::memory_order_acquire);
-    if (a == 0) continue;
+    if (a == 0 || (a >> 32) < my_epoch) continue;  // none, or one of an older view
+    if ((a >> 32) > my_epoch || (a & kAbortLeft) != 0) movedOn(op, r);
     // A peer that gave up because ranks called different collectives: say which, here too,
     // rather than only that it aborted.
     reportMismatch(op);
-    health_->aborted(op, r, a >= 2 ? static_cast<int>(a - 2) : -1);
+    const uint64_t code = a & kAbortCode;
+    health_->aborted(op, r, code >= 2 ? static_cast<int>(code - 2) : -1, "",
+                     (a & kAbortDied) != 0);
   }
   health_->check(op, waiting_for);
   if (engine::Clock::now() >= op.deadline)
     health_->timedOut(op, waiting_for, "shared-memory flag not posted");
 }
 
+// s: the flag value to wait for (target() of a step).
 void ShmGroup::slowWait(const OpCtx& op, int r, Line& l, uint64_t s) {
   using engine::Clock;
   const auto health_every = std::chrono::microseconds(wait_.health_us);

@@ -53,8 +53,11 @@ class ShmGroup {
   };
 
   // bases[r]: where rank r's buffer (buffer_bytes long) is mapped in this process.
+  static constexpr int kStepBits = 44;  // steps per view; the epoch takes the top 20 bits
+  static constexpr uint64_t kStepMask = (uint64_t{1} << kStepBits) - 1;
+
   ShmGroup(const Health* health, std::vector<char*> bases, size_t buffer_bytes, int rank,
-           WaitOptions wait);
+           WaitOptions wait, uint64_t epoch = 0);
 
   int size() const { return static_cast<int>(bases_.size()); }
   int rank() const { return rank_; }
@@ -70,7 +73,13 @@ class ShmGroup {
   void waitAll(const OpCtx& op, Flag f, uint64_t s);
   void endStep(uint64_t s) { post(kConsumed, s); }
   // Tells peers this rank gave up on the group (they fail fast instead of timing out).
-  void abort(int blamed);
+  // died: the blamed rank is dead as far as this rank's engine knows (a peer that hears of the
+  // failure through this abort then waits, briefly, until its own engine sees the death too, so
+  // that its deadRanks() agrees with the error it raises).
+  void abort(int blamed, bool died = false);
+  // This rank left the view for a newer one (elastic groups): peers still in an op of this view
+  // fail it at once, naming this rank.
+  void leave();
   // End of an op (after its algorithm returned): the agreement checks described above. False
   // when the op did not use this group (nothing to do; see barrierOp).
   bool finishOp(const OpCtx& op);
@@ -91,8 +100,14 @@ class ShmGroup {
   static_assert(sizeof(std::atomic<uint64_t>) == 8, "layout");
   struct Header {
     Line flags[kNumFlags];
-    Line abort;  // 0, or 2 + the rank blamed (1: no rank in particular)
+    // 0 or: epoch (low 32 bits) << 32 | kAbortDied? | kAbortLeft? | code, code = 2 + the rank
+    // blamed (1: no rank in particular).
+    Line abort;
   };
+  static constexpr uint64_t kAbortDied = uint64_t{1} << 31;
+  static constexpr uint64_t kAbortLeft = uint64_t{1} << 30;
+  static constexpr uint64_t kAbortCode = kAbortLeft - 1;
+  void postAbort(uint64_t low);
   Desc& descOf(int r, uint64_t seq) const { return hdr(r)->flags[kReady].desc[seq & 1]; }
   static_assert(sizeof(Header) <= kHeaderBytes, "header page too small");
 
@@ -107,11 +122,19 @@ class ShmGroup {
   // CommError naming both. No-op when every descriptor agrees.
   void reportMismatch(const OpCtx& op) const;
 
+  // The value a flag must reach for step s of this view.
+  uint64_t target(uint64_t s) const { return tag_ | s; }
+  // A flag or descriptor word of peer r that belongs to a newer view than this one.
+  [[noreturn]] void movedOn(const OpCtx& op, int r) const;
+
   const Health* health_;
   std::vector<char*> bases_;
   int rank_;
   size_t half_;
   WaitOptions wait_;
+  uint64_t epoch_;
+  uint64_t tag_;       // epoch_ << kStepBits
+  uint64_t next_tag_;  // (epoch_ + 1) << kStepBits: words at or above it are a newer view's
   // Only the thread running collectives touches these.
   uint64_t step_ = 0;
   uint64_t op_seq_ = 0;         // the op the steps belong to (0: none yet)

@@ -60,7 +60,7 @@ std::atomic<int> g_run{0};
     auto c = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(), engine::deadlineInMs(10000));
     if (!c.ok()) throw std::runtime_error("rendezvous: " + c.status().toString());
     env.rdv = std::shared_ptr<engine::Rendezvous>(std::move(c).value());
-    if (o.create_comm) {
+    if (o.create_comm && rank < o.world) {
       CommOptions co;
       co.rank = rank;
       co.size = o.world;
@@ -101,23 +101,24 @@ std::vector<int> runRanks(const RunOptions& o, const std::function<void(RankEnv&
   std::string group = "t" + std::to_string(getpid()) + "-" + std::to_string(g_run++);
   void* mem = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
                    -1, 0);
-  if (mem == MAP_FAILED) return std::vector<int>(o.world, -1);
+  if (mem == MAP_FAILED) return std::vector<int>(o.world + o.extra, -1);
   Shared* shared = new (mem) Shared();
   std::fflush(stdout);
   std::fflush(stderr);
   std::vector<pid_t> pids;
-  for (int r = 0; r < o.world; ++r) {
+  const int procs = o.world + o.extra;
+  for (int r = 0; r < procs; ++r) {
     pid_t pid = fork();
     if (pid == 0) childMain(o, r, group, port, shared, body);
     pids.push_back(pid);
   }
   if (o.parent) o.parent(pids, shared);
-  std::vector<int> codes(o.world, -1);
+  std::vector<int> codes(procs, -1);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(o.deadline_s);
-  int left = o.world;
+  int left = procs;
   while (left > 0) {
     bool progressed = false;
-    for (int r = 0; r < o.world; ++r) {
+    for (int r = 0; r < procs; ++r) {
       if (codes[r] != -1) continue;
       int st = 0;
       pid_t w = waitpid(pids[r], &st, WNOHANG);
@@ -129,7 +130,7 @@ std::vector<int> runRanks(const RunOptions& o, const std::function<void(RankEnv&
     }
     if (left == 0) break;
     if (std::chrono::steady_clock::now() > deadline) {
-      for (int r = 0; r < o.world; ++r) {
+      for (int r = 0; r < procs; ++r) {
         if (codes[r] != -1) continue;
         std::fprintf(stderr, "rank %d (pid %d) still running at the deadline: killed\n", r,
                      pids[r]);

@@ -25,7 +25,9 @@ namespace mooncake::pg::test {
 struct Shared {
   std::atomic<int64_t> kill_time_ns{0};  // CLOCK_MONOTONIC ns of a kill done by the parent
   std::atomic<int64_t> values[64];
+  std::atomic<int64_t> more[440];  // free for tests (the struct fills most of 4 KiB)
 };
+static_assert(sizeof(Shared) <= 4096, "one page");
 
 struct RankEnv {
   int rank = 0;
@@ -44,6 +46,10 @@ struct RankEnv {
 
 struct RunOptions {
   int world = 2;
+  // Processes forked beside the world's ranks (RankEnv::rank = world, world + 1, ...; no
+  // communicator is created for them): replacement or extension processes that create their
+  // own communicator when the test tells them to.
+  int extra = 0;
   std::string transport;  // "", "shm" or "tcp" (MC_TRANSPORT of the children)
   int deadline_s = 60;    // the parent kills every child still running after this
   std::chrono::milliseconds comm_timeout{30000};
@@ -56,8 +62,8 @@ struct RunOptions {
   std::function<void(const std::vector<pid_t>& pids, Shared* shared)> parent;
 };
 
-// Exit status per rank: 0 ok, 1 test failure, 3 exception, 128+N killed by signal N,
-// 124 killed by the parent's deadline.
+// Exit status per process (world + extra): 0 ok, 1 test failure, 3 exception, 128+N killed
+// by signal N, 124 killed by the parent's deadline.
 std::vector<int> runRanks(const RunOptions& o, const std::function<void(RankEnv&)>& body);
 
 int64_t monotonicNs();

@@ -3,6 +3,8 @@
 // torch.distributed) before this module: the base classes it derives from are torch's.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
+
+#include <optional>
 #include <torch/csrc/utils/pybind.h>
 
 #include "engine/secret.h"
@@ -14,6 +16,7 @@ namespace mooncake::torch_ext {
 void registerStoreApis(py::module_& m);  // store_binding.cc
 void registerEpApis(py::module_& m);     // ep_binding.cc
 void registerEngineApis(py::module_& m);  // engine_binding.cc
+void registerElasticApis(py::module_& m);  // elastic_binding.cc
 namespace {
 
 void registerPgApis(py::module_& m) {
@@ -26,7 +29,9 @@ void registerPgApis(py::module_& m) {
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, std::string group_name,
                        std::vector<int64_t> global_ranks, size_t buffer_bytes,
-                       std::string secret, std::string reach_host) {
+                       std::string secret, std::string reach_host, bool elastic,
+                       int max_group_size, bool is_extension, bool auto_deactivate,
+                       bool auto_sync, std::optional<at::Tensor> active_ranks) {
              MooncakeOptions o;
              o.group_name = std::move(group_name);
              o.timeout = timeout;
@@ -34,11 +39,20 @@ void registerPgApis(py::module_& m) {
              o.buffer_bytes = buffer_bytes;
              o.secret = std::move(secret);
              o.reach_host = std::move(reach_host);
+             o.elastic.enabled = elastic;
+             o.elastic.max_group_size = max_group_size;
+             o.elastic.is_extension = is_extension;
+             o.elastic.auto_deactivate_on_failure = auto_deactivate;
+             o.elastic.auto_sync_on_failure = auto_sync;
+             if (active_ranks) o.active_ranks = *active_ranks;
              return c10::make_intrusive<ProcessGroupMooncake>(store, rank, size, std::move(o));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("group_name") = "default", py::arg("global_ranks") = std::vector<int64_t>{},
            py::arg("buffer_bytes") = 0, py::arg("secret") = "", py::arg("reach_host") = "",
+           py::arg("elastic") = false, py::arg("max_group_size") = 0,
+           py::arg("is_extension") = false, py::arg("auto_deactivate_on_failure") = true,
+           py::arg("auto_sync_on_failure") = true, py::arg("active_ranks") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly(
           "group_name",
@@ -72,4 +86,5 @@ PYBIND11_MODULE(_C, m) {
   mooncake::torch_ext::registerStoreApis(m);
   mooncake::torch_ext::registerEpApis(m);
   mooncake::torch_ext::registerEngineApis(m);
+  mooncake::torch_ext::registerElasticApis(m);
 }

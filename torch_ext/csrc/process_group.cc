@@ -93,6 +93,24 @@ std::vector<Tensor> MooncakeWork::result() { return outputs_; }
 
 int MooncakeWork::sourceRank() const { return source_rank_.load(); }
 
+void MooncakeWork::setEvidence(std::vector<uint8_t> hint) {
+  std::lock_guard lk(mutex_);
+  local_success_ = false;
+  hint_ = std::move(hint);
+}
+
+bool MooncakeWork::localSuccess() const {
+  std::lock_guard lk(mutex_);
+  return local_success_;
+}
+
+std::vector<uint8_t> MooncakeWork::failedRanksHint() const {
+  std::lock_guard lk(mutex_);
+  std::vector<uint8_t> h = hint_;
+  h.resize(static_cast<size_t>(slots_), 0);
+  return h;
+}
+
 void MooncakeWork::complete(std::exception_ptr error) {
   // Futures that exist are completed before the Work, so whoever returns from wait() can
   // read them; one created concurrently (at most once each) is caught by the next round.
@@ -203,10 +221,29 @@ ProcessGroupMooncake::ProcessGroupMooncake(const c10::intrusive_ptr<c10d::Store>
   co.group_name = opts_.group_name;
   co.timeout = opts_.timeout;
   co.buffer_bytes = opts_.buffer_bytes;
+  co.elastic = opts_.elastic;
+  if (co.elastic.enabled) {
+    // Upstream's check and message, at backend construction (RuntimeError in Python).
+    if (co.elastic.auto_sync_on_failure && !co.elastic.auto_deactivate_on_failure)
+      throw std::runtime_error("auto_sync_on_failure requires auto_deactivate_on_failure=true");
+    const int64_t slots = co.elastic.max_group_size > 0 ? co.elastic.max_group_size : size;
+    const at::Tensor& a = opts_.active_ranks;
+    if (a.defined() && (a.scalar_type() != at::kInt || !a.is_contiguous() || a.numel() < slots))
+      throw std::runtime_error(who() + ": active_ranks must be a contiguous int32 tensor of at "
+                               "least max_group_size (" + std::to_string(slots) + ") entries");
+  }
   try {
     comm_ = pg::Communicator::create(engine_, rdv_, co);
   } catch (...) {
     std::rethrow_exception(translateError(*ectx_, "init", std::current_exception()));
+  }
+  if (comm_->elastic()) {
+    sink_->pg = this;
+    onViewChange();
+    comm_->onViewChange([sink = sink_] {
+      std::lock_guard<std::mutex> lk(sink->mu);
+      if (sink->pg != nullptr) sink->pg->onViewChange();
+    });
   }
   queue_ = std::make_shared<OpQueue>(comm_.get());
   scratch_ = std::make_shared<Scratch>();
@@ -214,7 +251,10 @@ ProcessGroupMooncake::ProcessGroupMooncake(const c10::intrusive_ptr<c10d::Store>
   init();
 }
 
-ProcessGroupMooncake::~ProcessGroupMooncake() = default;
+ProcessGroupMooncake::~ProcessGroupMooncake() {
+  std::lock_guard<std::mutex> lk(sink_->mu);
+  sink_->pg = nullptr;
+}
 
 int ProcessGroupMooncake::globalRank(int group_rank) const {
   return opts_.global_ranks.empty() ? group_rank : static_cast<int>(opts_.global_ranks[group_rank]);
@@ -222,16 +262,40 @@ int ProcessGroupMooncake::globalRank(int group_rank) const {
 
 const std::string& ProcessGroupMooncake::who() const { return ectx_->who; }
 
+at::Tensor ProcessGroupMooncake::activeRanks() {
+  std::vector<uint8_t> m = comm_->activeMask();
+  at::Tensor t = at::empty({static_cast<int64_t>(m.size())}, at::kInt);
+  for (size_t i = 0; i < m.size(); ++i) t.data_ptr<int32_t>()[i] = m[i];
+  if (!opts_.active_ranks.defined()) return t;
+  return opts_.active_ranks;  // kept current by onViewChange
+}
+
+void ProcessGroupMooncake::onViewChange() {
+  // c10d declares size_ const, but an elastic group's size follows its views (upstream's
+  // getSize() reports one past the highest active slot). Nothing caches it: getSize() reads
+  // the member each time.
+  const_cast<int&>(size_) = comm_->size();
+  if (opts_.active_ranks.defined()) {
+    std::vector<uint8_t> m = comm_->activeMask();
+    at::Tensor t = at::empty({static_cast<int64_t>(m.size())}, at::kInt);
+    for (size_t i = 0; i < m.size(); ++i) t.data_ptr<int32_t>()[i] = m[i];
+    opts_.active_ranks.narrow(0, 0, t.numel()).copy_(t);
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(OpType type, const char* op,
                                                                 std::vector<Tensor> outputs,
                                                                 Body body) {
   auto work = c10::make_intrusive<MooncakeWork>(rank_, type, op, ectx_, std::move(outputs));
+  work->setSlots(comm_->maxGroupSize());
   try {
     auto id = queue_->submit(op, [work, body = std::move(body), ctx = ectx_, op]() {
       std::exception_ptr err;
       try {
         at::NoGradGuard no_grad;  // copies into leaf tensors that require grad are ours
         body();
+      } catch (const pg::PeerFailure& f) {
+        work->setEvidence(f.hint());  // elastic: evidence, not an error (docs/elastic.md)
       } catch (...) {
         err = translateError(*ctx, op, std::current_exception());
       }
@@ -250,12 +314,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::p2p(OpType type, const char
                                                          std::vector<Tensor> outputs,
                                                          std::function<void(MooncakeWork&)> body) {
   auto work = c10::make_intrusive<MooncakeWork>(rank_, type, op, ectx_, std::move(outputs));
+  work->setSlots(comm_->maxGroupSize());
   // The lane task keeps the communicator alive: a recv may outlive this object.
   lanes_->post(lane, [work, body = std::move(body), comm = comm_, ctx = ectx_, op]() {
     std::exception_ptr err;
     try {
       at::NoGradGuard no_grad;
       body(*work);
+    } catch (const pg::PeerFailure& f) {
+      work->setEvidence(f.hint());
     } catch (...) {
       err = translateError(*ctx, op, std::current_exception());
     }
@@ -361,7 +428,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
     Staged s = Staged::in(in);
     const size_t b = s.bytes();
     uint8_t* p = sc->get(1, b * outs.size());
-    c->allGather(s.data(), p, b);
+    c->allGather(s.data(), p, b, static_cast<int>(outs.size()));
     for (size_t i = 0; i < outs.size(); ++i) unpackBytes(p + i * b, outs[i]);
   });
 }
@@ -403,9 +470,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
   checkGatherPair(ck, output, input, size_, "");
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
-  return collective(OpType::_ALLGATHER_BASE, "_allgather_base", {output}, [c, in, out] {
+  const int n = size_;
+  return collective(OpType::_ALLGATHER_BASE, "_allgather_base", {output}, [c, in, out, n] {
     Staged si = Staged::in(in), so = Staged::out(out);
-    c->allGather(si.data(), so.data(), si.bytes());
+    c->allGather(si.data(), so.data(), si.bytes(), n);
     so.writeBack();
   });
 }
@@ -442,7 +510,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
                       uint8_t* packed = sc->get(0, b);
                       packBytes(packed, ins, &offs);
                       uint8_t* p = sc->get(1, b * n);
-                      c->allGather(packed, p, b);
+                      c->allGather(packed, p, b, n);
                       for (size_t k = 0; k < flat_outs.size(); ++k) {
                         const size_t r = k / ins.size(), j = k % ins.size();
                         unpackBytes(p + r * b + offs[j], flat_outs[k]);
@@ -477,7 +545,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::gather(
                       Staged s = Staged::in(in);
                       const size_t b = s.bytes();
                       uint8_t* p = outs.empty() ? nullptr : sc->get(1, b * n);
-                      c->gather(s.data(), p, b, root);
+                      c->gather(s.data(), p, b, root, n);
                       if (outs.empty()) return;
                       for (int i = 0; i < n; ++i) unpackBytes(p + i * b, outs[i]);
                     });
@@ -504,14 +572,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
   }
   pg::Communicator* c = comm_.get();
   Tensor out = outputs[0];
-  return collective(OpType::SCATTER, "scatter", outputs, [c, ins, out, root, sc = scratch_] {
+  const int n = size_;
+  return collective(OpType::SCATTER, "scatter", outputs, [c, ins, out, root, n, sc = scratch_] {
     uint8_t* p = nullptr;
     if (!ins.empty()) {
       p = sc->get(0, totalBytes(ins));
       packBytes(p, ins);
     }
     Staged so = Staged::out(out);
-    c->scatter(p, so.data(), so.bytes(), root);
+    c->scatter(p, so.data(), so.bytes(), root, n);
     so.writeBack();
   });
 }
@@ -536,7 +605,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
                       uint8_t* p = sc->get(0, totalBytes(ins));
                       packBytes(p, ins);
                       Staged so = Staged::out(out);
-                      c->reduceScatter(p, so.data(), static_cast<size_t>(out.numel()), dt, op);
+                      c->reduceScatter(p, so.data(), static_cast<size_t>(out.numel()), dt, op,
+                                       static_cast<int>(ins.size()));
                       so.writeBack();
                     });
 }
@@ -548,11 +618,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
   auto [dt, op] = ck.reduction(output, opts.reduceOp);
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
+  const int n = size_;
   return collective(OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", {output},
-                    [c, in, out, dt = dt, op = op] {
+                    [c, in, out, n, dt = dt, op = op] {
                       Staged si = Staged::in(in), so = Staged::out(out);
                       c->reduceScatter(si.data(), so.data(), static_cast<size_t>(out.numel()), dt,
-                                       op);
+                                       op, n);
                       so.writeBack();
                     });
 }
@@ -695,7 +766,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::send(std::vector<Tensor>& t
                                                           int tag) {
   Check ck(who(), "send");
   ck.single(tensors, "tensor");
-  ck.rank(dst, size_, "destination rank");
+  // Elastic groups: any rank slot (a p2p op with an inactive slot completes with
+  // local_success false and the slot in its failed_ranks_hint, as upstream's).
+  ck.rank(dst, comm_->maxGroupSize(), "destination rank");
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
   return p2p(OpType::SEND, "send", {dst, tag, 0}, tensors, [c, t, dst, tag](MooncakeWork&) {
@@ -708,7 +781,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::recv(std::vector<Tensor>& t
                                                           int tag) {
   Check ck(who(), "recv");
   ck.single(tensors, "tensor");
-  ck.rank(src, size_, "source rank");
+  ck.rank(src, comm_->maxGroupSize(), "source rank");
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
   return p2p(OpType::RECV, "recv", {src, tag, 1}, tensors, [c, t, src, tag](MooncakeWork& w) {

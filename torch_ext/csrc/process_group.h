@@ -8,6 +8,7 @@
 // completes the Work and its Future on the thread that ran it.
 #pragma once
 
+#include <ATen/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -60,6 +61,13 @@ class MooncakeWork : public c10d::Work {
 
   // Called once by the thread that ran the op. nullptr = success.
   void complete(std::exception_ptr error);
+  // Elastic groups: the op failed because of peers (pg::PeerFailure) and completes without an
+  // error, with this evidence (set before complete()): local_success false, the hint by slot.
+  void setEvidence(std::vector<uint8_t> hint);
+  bool localSuccess() const;
+  // One entry per rank slot (1 = this rank saw that slot fail in this op).
+  std::vector<uint8_t> failedRanksHint() const;
+  void setSlots(int slots) { slots_ = slots; }
   void setSourceRank(int r) { source_rank_.store(r); }
   // A collective: wait() may run it on the waiting thread when it is next (see op_queue.h).
   void setQueued(std::shared_ptr<OpQueue> q, OpQueue::Id id) {
@@ -83,6 +91,9 @@ class MooncakeWork : public c10d::Work {
   std::atomic<int> source_rank_{-1};
   std::shared_ptr<OpQueue> queue_;  // set before the Work is returned, then read-only
   OpQueue::Id queue_id_ = 0;
+  int slots_ = 0;                  // the group's rank slots (set before the Work is returned)
+  bool local_success_ = true;      // guarded by mutex_
+  std::vector<uint8_t> hint_;      // guarded by mutex_; empty: no failure
 };
 
 struct MooncakeOptions {
@@ -97,6 +108,11 @@ struct MooncakeOptions {
   // this group creates the process's engine; later groups share that engine.
   std::string secret;
   std::string reach_host;
+  // Elastic groups (pg_options=mooncake.pg.MooncakeBackendOptions(...); docs/elastic.md).
+  // active_ranks (optional): a caller-owned int32 tensor of at least max_group_size entries
+  // that mirrors the active slots after every view change.
+  pg::ElasticOptions elastic;
+  at::Tensor active_ranks;
 };
 
 class ProcessGroupMooncake : public BackendBase {
@@ -113,6 +129,9 @@ class ProcessGroupMooncake : public BackendBase {
   static std::vector<std::string> devices() { return {"cpu"}; }
   const MooncakeOptions& mooncakeOptions() const { return opts_; }
   pg::Communicator& communicator() { return *comm_; }
+  // Elastic groups: the active slots as an int32 tensor (the caller's active_ranks mirror
+  // when it gave one).
+  at::Tensor activeRanks();
 
   using Work = c10d::Work;
   c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -181,6 +200,9 @@ class ProcessGroupMooncake : public BackendBase {
   // Records an op issued between startCoalescing and endCoalescing.
   void track(const c10::intrusive_ptr<MooncakeWork>& work);
   int globalRank(int group_rank) const;
+  // Elastic groups, after each view change: size_ (what get_world_size() reports: one past the
+  // highest active slot) and the active_ranks mirror.
+  void onViewChange();
   const std::string& who() const;  // "mooncake rank G (group 'name' rank r/n)"
 
   MooncakeOptions opts_;
@@ -193,7 +215,14 @@ class ProcessGroupMooncake : public BackendBase {
   std::mutex coalesce_mu_;
   bool coalescing_ = false;                                  // guarded by coalesce_mu_
   std::vector<c10::intrusive_ptr<MooncakeWork>> coalesced_;  // guarded by coalesce_mu_
-  std::unique_ptr<P2pLanes> lanes_;                          // declared last: stops first
+  // The communicator may outlive this object (a p2p lane holds it): its view callback reaches
+  // this object only while it exists.
+  struct ViewSink {
+    std::mutex mu;
+    ProcessGroupMooncake* pg = nullptr;
+  };
+  std::shared_ptr<ViewSink> sink_ = std::make_shared<ViewSink>();
+  std::unique_ptr<P2pLanes> lanes_;  // declared last: stops first
 };
 
 // The process's one TransferEngine, shared by every group (created on first use, released

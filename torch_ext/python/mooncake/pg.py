@@ -12,6 +12,30 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from . import _C, _compat
+from . import _elastic
+from ._elastic import (  # noqa: F401  (upstream's mooncake.pg names; docs/elastic.md)
+    MooncakeBackendOptions,
+    ProposalStatus,
+    ProposeViewUpdateResponse,
+    SyncAfterFailureResponse,
+    SyncAfterFailureStatus,
+    ViewUpdateStatus,
+    activate_ranks,
+    deactivate_ranks,
+    extend_group_size_to,
+    get_active_ranks,
+    get_current_epoch,
+    get_failed_ranks_hint,
+    get_local_success,
+    get_num_synced_ranks,
+    get_peer_state,
+    join_group,
+    recover_ranks,
+    set_collective_timeout_us,
+    set_fault_reconciliation_window_us,
+    set_p2p_timeout_us,
+    sync_after_failure,
+)
 
 BACKEND_NAME = "mooncake"
 ALIASES = ("mooncake-cpu",)
@@ -43,8 +67,16 @@ def _group_name(store, rank, size, group_id):
     key = f"mooncake/nonce/{incarnation}"
     if rank == 0:
         store.set(key, secrets.token_hex(6))
+        store.set("mooncake/nonce/latest", key)
     nonce = store.get(key).decode()
     return f"{group_id}.{nonce}"
+
+
+def _joiner_group_name(store, group_id):
+    """The name of the running incarnation, for a process that takes a slot of an elastic group
+    (is_extension): it is not one of the founders that _group_name counts."""
+    key = store.get("mooncake/nonce/latest").decode()
+    return f"{group_id}.{store.get(key).decode()}"
 
 
 def _root_store(store):
@@ -82,17 +114,24 @@ def _reach_host(store):
 def _create(dist_backend_opts, pg_options=None):
     """Creator torch calls (extended API): builds the group's ProcessGroupMooncake."""
     o = dist_backend_opts
-    opts = pg_options if isinstance(pg_options, Options) else Options()
+    opts = pg_options if isinstance(pg_options, (Options, MooncakeBackendOptions)) else Options()
+    joiner = isinstance(opts, MooncakeBackendOptions) and opts.is_extension
+    if joiner:
+        _elastic.fix_init_barrier(o)
+        name = _joiner_group_name(o.store, o.group_id)
+    else:
+        name = _group_name(o.store, o.group_rank, o.group_size, o.group_id)
     return _C.ProcessGroupMooncake(
         o.store,
         o.group_rank,
         o.group_size,
         o.timeout,
-        group_name=_group_name(o.store, o.group_rank, o.group_size, o.group_id),
+        group_name=name,
         global_ranks=[int(r) for r in (o.global_ranks_in_group or [])],
         buffer_bytes=int(opts.buffer_bytes),
         secret=_job_secret(o.store),
         reach_host=_reach_host(o.store),
+        **_elastic.creator_kwargs(opts, o.group_size),
     )
 
 

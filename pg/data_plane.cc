@@ -1,0 +1,234 @@
+// Set-up shared by plain groups and the views of elastic ones: parameters, message channels,
+// rank records, and building a group's data plane (shm / net / hierarchical) once every rank's
+// peers are open and its buffers mapped.
+#include <sched.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+
+#include "engine/log.h"
+#include "engine/params.h"
+#include "engine/wire.h"
+#include "pg/comm_impl.h"
+#include "pg/elastic.h"  // Impl holds the controller: constructing one needs it whole
+
+namespace mooncake::pg {
+
+PgParams PgParams::load(size_t buffer_bytes_override) {
+  PgParams p;
+  int64_t b = buffer_bytes_override > 0 ? static_cast<int64_t>(buffer_bytes_override)
+                                        : params::getInt("MC_PG_BUFFER_BYTES");
+  p.buffer_bytes = static_cast<size_t>(std::max<int64_t>(b, 128 << 10));
+  p.chunk_bytes = static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_CHUNK_BYTES"), 4096));
+  p.flat_bytes = static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_FLAT_BYTES"), 0));
+  // A multiple of 64: senders cut pieces in bytes, receivers of reductions in elements.
+  p.net_piece_bytes =
+      static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_NET_PIECE_BYTES"), 4096)) &
+      ~static_cast<size_t>(63);
+  p.stream_out_bytes =
+      static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_STREAM_OUT_BYTES"), 0));
+  p.wait.spin_us = std::max<int64_t>(params::getInt("MC_PG_SPIN_US"), 0);
+  p.wait.yield_us = std::max<int64_t>(params::getInt("MC_PG_YIELD_US"), 0);
+  p.wait.health_us = std::max<int64_t>(params::getInt("MC_PG_HEALTH_US"), 100);
+  p.hierarchical = params::getBool("MC_PG_HIERARCHICAL");
+  return p;
+}
+
+// ---- channels ----
+
+uint32_t channelFor(const std::string& kind, const std::string& group) {
+  uint32_t h = 2166136261u;
+  for (char c : "pg/" + kind + "/" + group) h = (h ^ static_cast<uint8_t>(c)) * 16777619u;
+  return h | 0x80000000u;  // other services use small channel numbers
+}
+
+namespace {
+std::mutex g_channels_mu;
+std::map<const engine::TransferEngine*, std::set<uint32_t>> g_channels;
+}  // namespace
+
+void claimChannel(const engine::TransferEngine* e, uint32_t ch, const std::string& group) {
+  std::lock_guard<std::mutex> g(g_channels_mu);
+  if (!g_channels[e].insert(ch).second)
+    throw std::invalid_argument("mooncake pg: group name '" + group +
+                                "' is already used by a communicator on this engine (or "
+                                "collides with one); group names must be distinct");
+}
+
+void releaseChannel(const engine::TransferEngine* e, uint32_t ch) {
+  std::lock_guard<std::mutex> g(g_channels_mu);
+  auto it = g_channels.find(e);
+  if (it == g_channels.end()) return;
+  it->second.erase(ch);
+  if (it->second.empty()) g_channels.erase(it);
+}
+
+// ---- rank records ----
+
+std::string RankRecord::serialize() const {
+  wire::Writer w;
+  w.u32(1);
+  w.str(engine_name);
+  w.u64(engine_id);
+  w.u64(buffer);
+  w.u64(buffer_bytes);
+  w.str(segment);
+  return w.take();
+}
+
+bool RankRecord::parse(std::string_view s, RankRecord* out) {
+  wire::Reader r(s);
+  if (r.u32() != 1) return false;
+  out->engine_name = r.str();
+  out->engine_id = r.u64();
+  out->buffer = r.u64();
+  out->buffer_bytes = r.u64();
+  out->segment = r.str(64u << 20);
+  return r.done();
+}
+
+// ---- the data plane ----
+
+namespace {
+
+int usableCpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return 1;
+}
+
+// Wait tuning of a shm group of `ranks` ranks on this host.
+ShmGroup::WaitOptions shmWait(const PgParams& p, int ranks) {
+  ShmGroup::WaitOptions w = p.wait;
+  if (ranks > usableCpus()) {
+    // More ranks than cores: a spinning rank would steal the core its peer needs; spin
+    // briefly, then hand the core over (sched_yield) before sleeping.
+    w.spin_us = std::min<int64_t>(w.spin_us, 2);
+  } else {
+    // Ranks have cores of their own: spin, then sleep. No yield phase: measured with the
+    // torch adapter (2 ranks x 2 threads on 2 cores), yielding for 200 us made a 4 KiB
+    // allreduce take 80-130 us at p50 instead of 4-10 us.
+    w.yield_us = 0;
+  }
+  return w;
+}
+
+// Reads every page of the peers' mapped buffers once (faults the mappings in now, not inside
+// the first timed op).
+void prefault(const std::vector<char*>& bases, int me, size_t bytes) {
+  volatile char sink = 0;
+  for (size_t r = 0; r < bases.size(); ++r)
+    if (static_cast<int>(r) != me && bases[r] != nullptr)
+      for (size_t off = 0; off < bytes; off += 4096) sink = sink + bases[r][off];
+}
+
+// A sub-group of `parent` over `ranks` (ascending, parent ranks, this rank among them): the
+// parent's engine, peers and options; its Health names the parent's names of those ranks.
+std::unique_ptr<Communicator::Impl> subGroup(const Communicator::Impl& parent,
+                                             const std::vector<int>& ranks,
+                                             const std::vector<int>& parent_names) {
+  auto s = std::make_unique<Communicator::Impl>();
+  s->engine = parent.engine;
+  s->rdv = parent.rdv;
+  s->opts = parent.opts;
+  s->params = parent.params;
+  s->size = static_cast<int>(ranks.size());
+  std::vector<int> names;
+  for (int i = 0; i < s->size; ++i) {
+    if (ranks[i] == parent.rank) s->rank = i;
+    s->peers.push_back(parent.peers[ranks[i]]);
+    names.push_back(parent_names.empty() ? ranks[i] : parent_names[ranks[i]]);
+  }
+  s->health = std::make_unique<Health>(parent.engine.get(), s->peers, s->rank,
+                                       parent.opts.group_name, names);
+  return s;
+}
+
+}  // namespace
+
+std::string localMode(const PgParams& p, const std::vector<char*>& bases,
+                      const std::vector<std::string>& hosts, int rank) {
+  bool all_mapped = true, local_mapped = true;
+  for (size_t r = 0; r < bases.size(); ++r) {
+    if (bases[r] == nullptr) all_mapped = false;
+    if (hosts[r] == hosts[rank] && bases[r] == nullptr) local_mapped = false;
+  }
+  // MC_PG_HIERARCHICAL=0 on any rank makes it say "net": every rank then goes flat.
+  return all_mapped ? "shm" : local_mapped && p.hierarchical ? "local" : "net";
+}
+
+void buildDataPlane(Communicator::Impl& c, const std::vector<char*>& bases,
+                    const std::vector<std::string>& hosts, const std::vector<std::string>& modes,
+                    const std::string& chan_tag, uint64_t epoch, std::vector<int> names,
+                    bool retire) {
+  engine::TransferEngine* engine = c.engine.get();
+  const std::string& g_name = c.opts.group_name;
+  // Every rank must take the same path: shm only if every rank mapped every peer;
+  // hierarchical only if every rank mapped its own host's peers.
+  bool shm = true, hier = true;
+  for (const std::string& m : modes) {
+    if (m != "shm") shm = false;
+    if (m != "shm" && m != "local") hier = false;
+  }
+  // This host's ranks (ascending) and the hosts' leaders (the lowest rank of each host).
+  std::vector<int> local_ranks, leader_ranks;
+  {
+    std::set<std::string> seen;
+    for (int r = 0; r < c.size; ++r) {
+      if (hosts[r] == hosts[c.rank]) local_ranks.push_back(r);
+      if (seen.insert(hosts[r]).second) leader_ranks.push_back(r);
+    }
+  }
+  // Worth it when there are several hosts and some host has several ranks.
+  hier = hier && !shm && leader_ranks.size() > 1 &&
+         leader_ranks.size() < static_cast<size_t>(c.size);
+
+  c.health = std::make_unique<Health>(engine, c.peers, c.rank, g_name, names);
+  if (shm) {
+    c.shm = std::make_unique<ShmGroup>(c.health.get(), bases, c.buffer_bytes, c.rank,
+                                       shmWait(c.params, c.size), epoch);
+    prefault(bases, c.rank, c.buffer_bytes);
+  } else {
+    uint32_t ch = channelFor("coll" + chan_tag, g_name);
+    claimChannel(engine, ch, g_name);
+    c.channels.push_back(ch);
+    c.net = std::make_unique<NetGroup>(engine, c.health.get(), c.peers, c.rank, ch,
+                                       c.params.wait.health_us, c.params.net_piece_bytes);
+    if (retire) c.net->dropOnClose();
+    c.net->start();
+  }
+  if (hier) {
+    for (int r = 0; r < c.size; ++r)
+      for (size_t h = 0; h < leader_ranks.size(); ++h)
+        if (hosts[r] == hosts[leader_ranks[h]]) c.host_of.push_back(static_cast<int>(h));
+    c.local_ranks = local_ranks;
+    c.leader_ranks = leader_ranks;
+    c.local = subGroup(c, local_ranks, names);
+    std::vector<char*> local_bases;
+    for (int r : local_ranks) local_bases.push_back(bases[r]);
+    c.local->shm = std::make_unique<ShmGroup>(c.local->health.get(), local_bases, c.buffer_bytes,
+                                              c.local->rank, shmWait(c.params, c.local->size),
+                                              epoch);
+    prefault(local_bases, c.local->rank, c.buffer_bytes);
+    if (local_ranks[0] == c.rank) {
+      uint32_t hier_ch = channelFor("leaders" + chan_tag, g_name);
+      claimChannel(engine, hier_ch, g_name);
+      c.channels.push_back(hier_ch);
+      c.leaders = subGroup(c, leader_ranks, names);
+      c.leaders->net = std::make_unique<NetGroup>(
+          engine, c.leaders->health.get(), c.leaders->peers, c.leaders->rank, hier_ch,
+          c.params.wait.health_us, c.params.net_piece_bytes);
+      if (retire) c.leaders->net->dropOnClose();
+      c.leaders->net->start();
+    }
+  }
+  c.path = shm    ? "shm"
+           : hier ? "hierarchical: " + std::to_string(leader_ranks.size()) + " hosts, " +
+                        std::to_string(local_ranks.size()) + " ranks on this one"
+                  : "net";
+}
+
+}  // namespace mooncake::pg

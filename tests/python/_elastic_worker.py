@@ -1,0 +1,345 @@
+"""One process of an elastic-group scenario (test_pg_elastic.py). The job's c10d store is a
+TCPStore hosted by the test (so any rank may die, rank 0 included); processes meet through
+keys of that store ("ev/<name>" events) and report a JSON result under "res/<proc>".
+
+Usage: _elastic_worker.py SCENARIO PROC STORE_PORT
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import mooncake  # noqa: F401  (registers the backend)
+from mooncake import pg
+
+torch.set_num_threads(1)
+SCENARIO, PROC, PORT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+STORE = dist.TCPStore("127.0.0.1", PORT, is_master=False, timeout=timedelta(seconds=120))
+
+
+def event(name):
+    STORE.set("ev/" + name, "1")
+
+
+def wait_event(name, timeout_s=90):
+    STORE.wait(["ev/" + name], timedelta(seconds=timeout_s))
+
+
+def wait_until(pred, timeout_s, what, poll_s=0.005):
+    t0 = time.time()
+    while not pred():
+        if time.time() - t0 > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
+    return time.time() - t0
+
+
+def report(**kw):
+    STORE.set(f"res/{PROC}", json.dumps(kw))
+    STORE.add(f"resn/{PROC}", 1)  # what the test polls (test_pg_elastic.Job.reported)
+
+
+def die():
+    """An abrupt death (no teardown), as upstream's tests do."""
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def init(rank, world, max_group_size=None, is_extension=False, auto_deactivate=True,
+         auto_sync=True):
+    dist.init_process_group(
+        "mooncake", store=STORE, rank=rank, world_size=world, timeout=timedelta(seconds=60),
+        pg_options=pg.MooncakeBackendOptions(int(max_group_size or world), bool(is_extension),
+                                             bool(auto_deactivate), bool(auto_sync)))
+    return dist.group.WORLD
+
+
+def all_reduce(value, group=None):
+    t = torch.tensor([float(value)])
+    w = dist.all_reduce(t, group=group, async_op=True)
+    w.wait()
+    return t.item(), pg.get_local_success(w), pg.get_failed_ranks_hint(w).tolist()
+
+
+def active(backend):
+    return pg.get_active_ranks(backend).tolist()
+
+
+def ping_pong(me, peer, verify=True):
+    out, got = torch.tensor([me], dtype=torch.int64), torch.tensor([-1], dtype=torch.int64)
+    ws = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer),
+                                 dist.P2POp(dist.irecv, got, peer)])
+    for w in ws:
+        w.wait()
+    ok = all(pg.get_local_success(w) for w in ws)
+    if verify:
+        assert ok, "ping-pong failed locally"
+        assert got.item() == peer, f"ping-pong got {got.item()} from {peer}"
+    return ok
+
+
+def gather_scatter(n, rank, group=None):
+    """all_gather_into_tensor and reduce_scatter_tensor (upstream's T12/T13 check)."""
+    out = torch.zeros(n)
+    dist.all_gather_into_tensor(out, torch.tensor([float(rank + 1)]), group=group)
+    rs = torch.zeros(1)
+    dist.reduce_scatter_tensor(rs, torch.arange(1, n + 1, dtype=torch.float32), group=group)
+    return out.tolist(), rs.item()
+
+
+# ---- scenarios: each process runs the function for its role ----
+
+def fault_detection():
+    """T1 plus the reconciliation time: 4 ranks, rank 1 dies; the survivors' next all_reduce
+    does not hang, and the one after runs over the 3 survivors."""
+    b = init(PROC, 4)
+    assert all_reduce(PROC + 1)[0] == 10
+    if PROC == 1:
+        STORE.set("t_death", repr(time.time()))
+        event("broken")
+        die()
+    wait_event("broken")
+    took = wait_until(lambda: active(b)[1] == 0, 10, "the view without rank 1")
+    since = time.time() - float(STORE.get("t_death").decode())
+    first = all_reduce(PROC + 1)
+    second = all_reduce(PROC + 1)
+    assert second[1] and second[0] == 1 + 3 + 4, second
+    assert dist.get_world_size() == 4 and active(b) == [1, 0, 1, 1]
+    report(since_death=since, waited=took, first=first, epoch=pg.get_current_epoch(b))
+
+
+def recovery():
+    """T2/T3/T13: ranks 0-3, rank 3 dies (or deactivates itself and leaves gracefully, env
+    GRACEFUL=1), the survivors go on with 3 ranks (all_gather_into_tensor over n=3: a trailing
+    hole), a replacement takes slot 3 and the full group runs again."""
+    graceful = os.environ.get("GRACEFUL") == "1"
+    if PROC == 4:  # the replacement
+        wait_event("start_recovery")
+        b = init(3, 4, is_extension=True)
+        assert dist.get_world_size() == 4
+        assert active(b) == [0, 0, 0, 1]
+        assert all_reduce(40)[0] == 40  # isolated: local only
+        pg.join_group(b)
+        r = all_reduce(4)
+        g = gather_scatter(4, 3)
+        report(role="replacement", final=r, gs=g, active=active(b))
+        return
+    b = init(PROC, 4)
+    assert all_reduce(PROC + 1)[0] == 10
+    assert gather_scatter(4, PROC) == ([1.0, 2.0, 3.0, 4.0], (PROC + 1) * 4.0)
+    if PROC == 3:
+        if graceful:
+            resp = pg.deactivate_ranks(b, [3])
+            assert resp.status == pg.ProposalStatus.Applied, resp
+            dist.destroy_process_group()
+            report(role="gone", status=int(resp.status))
+            return
+        die()
+    wait_until(lambda: active(b)[3] == 0, 20, "the view without rank 3")
+    assert dist.get_world_size() == 3
+    r2 = all_reduce(PROC + 1)
+    assert r2 == (6.0, True, [0, 0, 0, 0]), r2
+    g3 = gather_scatter(3, PROC)
+    assert g3 == ([1.0, 2.0, 3.0], (PROC + 1) * 3.0), g3
+    if PROC == 0:
+        event("start_recovery")
+    wait_until(lambda: pg.get_peer_state(b, [3])[0], 30, "the replacement ready", poll_s=0.05)
+    resp = pg.recover_ranks(b, [3])
+    assert resp.status == pg.ProposalStatus.Applied, resp
+    assert dist.get_world_size() == 4
+    r = all_reduce(PROC + 1)
+    g = gather_scatter(4, PROC)
+    report(role="survivor", final=r, gs=g, active=active(b), epoch=resp.new_epoch)
+
+
+def p2p_recovery():
+    """T4: world 2; rank 1 dies; rank 0's isend to it completes locally failed, with the view
+    already without it (auto sync); a replacement takes slot 1 and ping-pong works again."""
+    if PROC == 2:
+        wait_event("start_recovery")
+        b = init(1, 2, is_extension=True)
+        pg.join_group(b)
+        ping_pong(1, 0)
+        # A finished isend only means the engine has the message: stay until the peer got it.
+        event("pp_replacement")
+        wait_event("pp_survivor")
+        report(role="replacement")
+        return
+    b = init(PROC, 2)
+    ping_pong(PROC, 1 - PROC)
+    event(f"pp1_{PROC}")
+    wait_event(f"pp1_{1 - PROC}")
+    if PROC == 1:
+        event("broken")
+        die()
+    wait_event("broken")
+    # The send must find rank 1 gone (its engine link closed), not race its exit.
+    wait_until(lambda: not pg.get_peer_state(b, [1])[0], 10, "rank 1 seen dead")
+    w = dist.isend(torch.tensor([7]), dst=1)
+    w.wait()
+    ok = pg.get_local_success(w)
+    hint = pg.get_failed_ranks_hint(w).tolist()
+    act = active(b)
+    event("start_recovery")
+    wait_until(lambda: pg.get_peer_state(b, [1])[0], 30, "the replacement ready", poll_s=0.05)
+    resp = pg.recover_ranks(b, [1])
+    ping_pong(0, 1)
+    event("pp_survivor")
+    wait_event("pp_replacement")
+    report(role="survivor", local_success=ok, hint=hint, active=act, status=int(resp.status))
+
+
+def extension():
+    """T8/T11/T12: primaries 0,1 (world 2, 4 slots) with subgroups a=[0] (2 slots), b=[1]
+    (2 slots), c=[0,1] (4 slots); joiners 2,3 create the same groups as extensions and join
+    all of them; sums and all_gather/reduce_scatter over the grown groups."""
+    joiner = PROC >= 2
+    if joiner:
+        wait_event("extend")
+        world = init(PROC, 4, max_group_size=4, is_extension=True)
+        assert dist.get_world_size() == 4
+        ga = dist.new_group([0, 2], pg_options=pg.MooncakeBackendOptions(2, True))
+        gb = dist.new_group([1, 3], pg_options=pg.MooncakeBackendOptions(2, True))
+        gc = dist.new_group([0, 1, 2, 3], pg_options=pg.MooncakeBackendOptions(4, True))
+        assert all_reduce(PROC + 1)[0] == PROC + 1  # isolated: local only
+        pg.join_group(world)
+        pg.join_group(ga if PROC == 2 else gb)
+        pg.join_group(gc)
+        assert dist.get_world_size() == 4
+    else:
+        world = init(PROC, 2, max_group_size=4)
+        assert dist.get_world_size() == 2
+        ga = dist.new_group([0], pg_options=pg.MooncakeBackendOptions(2))
+        gb = dist.new_group([1], pg_options=pg.MooncakeBackendOptions(2))
+        gc = dist.new_group([0, 1], pg_options=pg.MooncakeBackendOptions(4))
+        assert all_reduce(PROC + 1)[0] == 3
+        assert all_reduce(PROC + 1, gc)[0] == 3
+        assert gather_scatter(2, PROC) == ([1.0, 2.0], (PROC + 1) * 2.0)
+        if PROC == 0:
+            event("extend")
+        wait_until(lambda: all(pg.get_peer_state(world, [2, 3])), 30, "joiners (world)")
+        assert pg.recover_ranks(world, [2, 3]).status == pg.ProposalStatus.Applied
+        mine = ga if PROC == 0 else gb
+        wait_until(lambda: pg.get_peer_state(mine, [1])[0], 30, "joiner (a/b)")
+        assert pg.recover_ranks(mine, [1]).status == pg.ProposalStatus.Applied
+        wait_until(lambda: all(pg.get_peer_state(gc, [2, 3])), 30, "joiners (c)")
+        assert pg.recover_ranks(gc, [2, 3]).status == pg.ProposalStatus.Applied
+        assert dist.get_world_size() == 4
+    sums = {"world": all_reduce(PROC + 1)[0], "c": all_reduce(PROC + 1, gc)[0],
+            "ab": all_reduce(PROC + 1, ga if PROC % 2 == 0 else gb)[0]}
+    dist.barrier()
+    report(sums=sums, gs=gather_scatter(4, PROC))
+
+
+def manual():
+    """T14, framework-managed: failed op = 8 with local_success False and hint [0,1,0,0],
+    membership unchanged, sync_after_failure, deactivate_ranks, then recovery."""
+    if PROC == 4:
+        wait_event("start_recovery")
+        b = init(1, 4, is_extension=True, auto_deactivate=False, auto_sync=False)
+        pg.join_group(b)
+        report(role="replacement", final=all_reduce(2))
+        return
+    b = init(PROC, 4, auto_deactivate=False, auto_sync=False)
+    r1 = all_reduce(PROC + 1)
+    assert r1 == (10.0, True, [0, 0, 0, 0]), r1
+    assert active(b) == [1, 1, 1, 1]
+    if PROC == 1:
+        event("broken")
+        die()
+    wait_event("broken")
+    wait_until(lambda: not pg.get_peer_state(b, [1])[0], 10, "rank 1 seen dead")
+    r2 = all_reduce(PROC + 1)
+    act2 = active(b)
+    # Another survivor may have deactivated rank 1 already (each counts itself here first):
+    # then this one may see that view.
+    deact_seen = STORE.add("deact_started", 0)
+    sync = pg.sync_after_failure(b)
+    peer = pg.get_peer_state(b, [1])[0]
+    STORE.add("deact_started", 1)
+    resp = pg.deactivate_ranks(b, [1])
+    r3 = all_reduce(PROC + 1)
+    if PROC == 0:
+        event("start_recovery")
+    wait_until(lambda: pg.get_peer_state(b, [1])[0], 30, "the replacement ready", poll_s=0.05)
+    rec = pg.recover_ranks(b, [1])
+    report(role="survivor", r2=r2, act2=act2, deact_seen=deact_seen, sync=int(sync.status),
+           peer=peer,
+           deact=[int(resp.status), resp.dropped_ranks], r3=r3, rec=int(rec.status),
+           final=all_reduce(PROC + 1))
+
+
+def coordinator_killed():
+    """Rank 0 (the first proposer; it hosts no store here) is SIGKILLed by the test: the
+    others hold the view without it within 2 s and keep running."""
+    b = init(PROC, 4)
+    assert all_reduce(PROC + 1)[0] == 10
+    event(f"ready{PROC}")
+    if PROC == 0:
+        time.sleep(60)
+        return
+    wait_until(lambda: active(b)[0] == 0, 10, "the view without rank 0")
+    since = time.time() - float(STORE.get("t_kill").decode())
+    r = all_reduce(PROC + 1)
+    assert r == (9.0, True, [0, 0, 0, 0]), r
+    report(since_kill=since, epoch=pg.get_current_epoch(b))
+
+
+def options():
+    """The invalid combination raises at construction with upstream's message; the API's
+    argument checks; extend_group_size_to is a deprecated no-op."""
+    import warnings
+    try:
+        init(0, 1, auto_deactivate=False, auto_sync=True)
+        raise AssertionError("accepted auto_sync without auto_deactivate")
+    except RuntimeError as e:
+        msg = str(e)
+    assert "auto_sync_on_failure requires auto_deactivate_on_failure=true" in msg, msg
+    mirror = torch.full((3,), -1, dtype=torch.int32)
+    dist.init_process_group(
+        "mooncake", store=STORE, rank=0, world_size=1, timeout=timedelta(seconds=60),
+        pg_options=pg.MooncakeBackendOptions(mirror, False, 3))
+    b = dist.group.WORLD
+    got = pg.get_active_ranks(b)
+    assert got.data_ptr() == mirror.data_ptr() and mirror.tolist() == [1, 0, 0], mirror
+    errors = []
+    for fn in (lambda: pg.activate_ranks(b, [3]), lambda: pg.get_peer_state(b, [-1]),
+               lambda: pg.deactivate_ranks(b, [7]), lambda: pg.extend_group_size_to(b, 9)):
+        try:
+            fn()
+            errors.append("accepted")
+        except RuntimeError:
+            pass
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        pg.extend_group_size_to(b, 3)
+    resp = pg.activate_ranks(b, [1])  # slot 1 was never registered
+    report(errors=errors, warned=any(issubclass(x.category, DeprecationWarning) for x in w),
+           reject=[int(resp.status), resp.reject_reason], sync=int(pg.sync_after_failure(b).status),
+           epoch=pg.get_current_epoch(b), synced=pg.get_num_synced_ranks(b))
+
+
+def main():
+    try:
+        globals()[SCENARIO]()
+    except BaseException:
+        report(error=traceback.format_exc())
+        raise
+    # Stay until the test has every result: a rank that exits while a peer is still in the
+    # last op (or has not received its last message) would make that peer's op fail.
+    try:
+        wait_event("exit", 120)
+    except RuntimeError:
+        pass
+    sys.stdout.flush()
+    os._exit(0)  # skip torch's teardown: survivors may not all be there to meet it
+
+
+if __name__ == "__main__":
+    main()
