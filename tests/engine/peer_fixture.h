@@ -11,6 +11,7 @@
 
 #include "engine/engine.h"
 #include "engine/rendezvous.h"
+#include "mooncake/config.h"
 #include "tests/engine/peer_process.h"
 #include "tests/engine/test_util.h"
 
@@ -24,6 +25,14 @@
     ::mooncake::Status mc_t_st_ = (expr);                    \
     EXPECT_TRUE(mc_t_st_.ok()) << #expr << " -> " << mc_t_st_.toString(); \
   } while (0)
+
+// The transports the engine's parameterised suites run over: rdma (over the verbs emulator,
+// tests/fakes/verbs, which ctest puts in LD_LIBRARY_PATH) where the build has it.
+#if MC_HAVE_RDMA
+#define MC_TEST_TRANSPORTS ::testing::Values("shm", "tcp", "rdma")
+#else
+#define MC_TEST_TRANSPORTS ::testing::Values("shm", "tcp")
+#endif
 
 namespace mooncake::test {
 
@@ -71,6 +80,10 @@ class PeerTestBase : public ::testing::Test {
   std::vector<std::unique_ptr<PeerProcess>> peers_;
   std::vector<PeerProcess*> killed_;
   std::string shm_prefix_;
+  // transport "rdma": the emulator's config file and fabric (set up on first use).
+  void prepareTransport(const std::string& transport);
+  std::string fv_config_;
+  std::string fv_fabric_;
 };
 
 }  // namespace mooncake::test
