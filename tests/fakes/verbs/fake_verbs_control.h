@@ -1,6 +1,6 @@
 // The verbs emulator's shared state per emulated NIC and the knobs tests turn on it.
 //
-// The emulator (libibverbs.so.1 built from this folder; see README.md) keeps one small
+// The emulator (libibverbs.so.1 built from this folder; see docs/rdma.md) keeps one small
 // shared-memory file per NIC of its fabric: the port state, fault injection and traffic
 // counters every process using that NIC sees. Tests include this header (it needs neither
 // the emulator library nor libibverbs) to flip a port down, stall a NIC or make its next work

@@ -1,4 +1,4 @@
-// Internals of the verbs emulator (see README.md): its objects behind the ibv_* handles, the
+// Internals of the verbs emulator (see docs/rdma.md): its objects behind the ibv_* handles, the
 // shared-memory rings that carry packets between processes, and the NIC thread.
 #pragma once
 
