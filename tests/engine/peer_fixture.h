@@ -68,6 +68,8 @@ class PeerTestBase : public ::testing::Test {
   PeerProcess* spawnPeer(const PeerConfig& cfg);
   // Opens a started peer through the rendezvous (deadline 10 s); kInvalidPeer on failure.
   PeerId openPeer(TransferEngine& eng, const std::string& name);
+  // The verbs emulator's fabric of this test (transport "rdma"; empty before first use).
+  const std::string& fakeVerbsFabric() const { return fv_fabric_; }
   // The peer will be killed by the test: TearDown does not require a clean exit.
   void markKilled(PeerProcess* p) { killed_.push_back(p); }
 

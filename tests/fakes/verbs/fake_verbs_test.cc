@@ -375,7 +375,10 @@ TEST(FakeVerbs, BandwidthCapPerNic) {
   EXPECT_LT(one, 1.25 * kGbps) << "the cap is not enforced";
   EXPECT_LT(both, 2 * 1.25 * kGbps) << "the cap is not enforced";
   if (one > 0.8 * kGbps) {
-    EXPECT_GT(both, 1.5 * one) << "two NICs do not add up: the cap is not per NIC";
+    // One capped NIC gives at most 1.25x its cap (burst included); two NICs, each capped,
+    // must exceed that. (Not compared with `one`: under load two NICs' copies share the
+    // cores, and `one` carries the burst.)
+    EXPECT_GT(both, 1.3 * kGbps) << "two NICs do not add up: the cap is not per NIC";
   } else {
     std::printf("  (machine too loaded to sustain one NIC's cap: per-NIC check not made)\n");
   }
