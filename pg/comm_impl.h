@@ -25,6 +25,7 @@ struct PgParams {
   size_t chunk_bytes;      // MC_PG_CHUNK_BYTES: allreduce pipeline step (<= half buffer)
   size_t flat_bytes;       // MC_PG_FLAT_BYTES: allreduce/reduce at or below: flat exchange
   size_t net_piece_bytes;  // MC_PG_NET_PIECE_BYTES: message size on the non-shm path
+  int net_slots;           // MC_PG_NET_SLOTS: receive slots per sender on the non-shm path
   size_t stream_out_bytes;  // MC_PG_STREAM_OUT_BYTES: outputs this large: streaming stores
   ShmGroup::WaitOptions wait;
   bool hierarchical;  // MC_PG_HIERARCHICAL

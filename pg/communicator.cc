@@ -32,6 +32,7 @@ PgParams PgParams::load(size_t buffer_bytes_override) {
   p.net_piece_bytes =
       static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_NET_PIECE_BYTES"), 4096)) &
       ~static_cast<size_t>(63);
+  p.net_slots = static_cast<int>(std::clamp<int64_t>(params::getInt("MC_PG_NET_SLOTS"), 1, 64));
   p.stream_out_bytes =
       static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_STREAM_OUT_BYTES"), 0));
   p.wait.spin_us = std::max<int64_t>(params::getInt("MC_PG_SPIN_US"), 0);
@@ -106,6 +107,26 @@ struct RankRecord {
     return r.done();
   }
 };
+
+// Receive slots per sender are bounded in all: at most this many bytes per mailbox set, so a
+// large group gets smaller pieces rather than hundreds of MiB of registered memory.
+constexpr size_t kMaxSlotAreaBytes = 64u << 20;
+
+// The mailboxes of a group (or sub-group) over its peers; collective over them.
+std::unique_ptr<NetSlots> makeSlots(const Communicator::Impl& c, uint32_t channel,
+                                    const std::string& key, int slots, const Deadline& dl) {
+  NetSlots::Config cfg;
+  cfg.channel = channel;
+  cfg.slots = slots;
+  size_t senders = static_cast<size_t>(std::max(1, c.size - 1));
+  size_t cap = kMaxSlotAreaBytes / (senders * static_cast<size_t>(slots));
+  cfg.slot_bytes = std::max<size_t>(4096, std::min(c.params.net_piece_bytes, cap)) &
+                   ~static_cast<size_t>(63);
+  cfg.key = key;
+  auto s = NetSlots::create(c.engine.get(), *c.rdv, c.peers, c.rank, cfg, dl);
+  if (!s.ok()) setupFailed(c.opts, "setting up the " + key + " mailboxes", s.status());
+  return std::move(s).value();
+}
 
 int usableCpus() {
   cpu_set_t set;
@@ -202,6 +223,9 @@ void Communicator::Impl::run(const char* name, const OpSig& sig, Fn&& fn) {
     if (net) net->abort(e.peerRank(), e.what());
     if (local) local->shm->abort(e.peerRank());
     if (leaders) leaders->net->abort(e.peerRank(), e.what());
+    // Writes of the failed op may still read the caller's memory: let them end first.
+    if (net) net->quiesce();
+    if (leaders) leaders->net->quiesce();
     MC_LOG(WARN, PG) << e.what();
     throw;
   }
@@ -345,7 +369,8 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
     prefault(bases, c.rank, c.buffer_bytes);
   } else {
     c.net = std::make_unique<NetGroup>(engine.get(), c.health.get(), c.peers, c.rank, coll_ch,
-                                       c.params.wait.health_us, c.params.net_piece_bytes);
+                                       c.params.wait.health_us,
+                                       makeSlots(c, coll_ch, g + "/slots/coll", c.params.net_slots, dl));
     c.net->start();
   }
   if (hier) {
@@ -367,12 +392,14 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
       c.leaders = subGroup(c, leader_ranks);
       c.leaders->net = std::make_unique<NetGroup>(
           engine.get(), c.leaders->health.get(), c.leaders->peers, c.leaders->rank, hier_ch,
-          c.params.wait.health_us, c.params.net_piece_bytes);
+          c.params.wait.health_us,
+          makeSlots(*c.leaders, hier_ch, g + "/slots/leaders", c.params.net_slots, dl));
       c.leaders->net->start();
     }
   }
-  c.p2p = std::make_unique<P2p>(engine.get(), c.health.get(), c.peers, c.rank, p2p_ch,
-                                c.params.wait.health_us, c.params.net_piece_bytes);
+  c.p2p = std::make_unique<P2p>(engine.get(), c.health.get(), c.peers, c.rank,
+                                c.params.wait.health_us,
+                                makeSlots(c, p2p_ch, g + "/slots/p2p", 2, dl));
   c.p2p->start();
   c.path = shm    ? "shm"
            : hier ? "hierarchical: " + std::to_string(leader_ranks.size()) + " hosts, " +

@@ -23,14 +23,15 @@ static_assert(sizeof(Header) == NetGroup::kHeaderBytes, "header layout");
 
 NetGroup::NetGroup(engine::TransferEngine* engine, const Health* health,
                    std::vector<engine::PeerId> peers, int rank, uint32_t channel,
-                   int64_t health_us, size_t piece_bytes)
+                   int64_t health_us, std::unique_ptr<NetSlots> slots)
     : engine_(engine),
       health_(health),
       peers_(std::move(peers)),
       rank_(rank),
       channel_(channel),
       health_us_(health_us),
-      piece_(piece_bytes),
+      slots_(std::move(slots)),
+      piece_(slots_->slotBytes()),
       q_(std::make_shared<Queues>()) {
   q_->by_src.resize(peers_.size());
   q_->aborted.assign(peers_.size(), 0);
@@ -54,8 +55,24 @@ bool NetGroup::finishOp(const OpCtx& op) {
     if (r != rank_ && heard[r] && !sent[r]) send(op, r, nullptr, 0);
   for (int r = 0; r < n; ++r)
     if (r != rank_ && sent[r] && !heard[r]) recycle(take(op, r, 0));
+  // The caller's memory is theirs again once the op returns: the writes from it must be done.
+  // A write to a peer that died since fails, but the op itself is decided by what this rank
+  // heard (above): a peer that needed our bytes acknowledged them, or the wait for it failed.
+  // The transport read nothing more of a dead peer's writes once they failed.
+  int failed = -1;
+  Status st = slots_->drain(op.deadline, &failed);
+  if (!st.ok() && st.code() != Code::kPeerDead) {
+    if (failed >= 0) sendFailed(op, failed, 0, st);
+    health_->check(op);
+    throw CommError("mooncake pg: " + std::string(op.name) + " on rank " +
+                        std::to_string(health_->name(rank_)) + " (group " + health_->group() +
+                        "): writes to peers did not finish: " + st.toString(),
+                    -1, op.name);
+  }
   return true;
 }
+
+void NetGroup::quiesce() { (void)slots_->drain(engine::deadlineInMs(2000)); }
 
 void NetGroup::throwIfAborted(const OpCtx& op) {
   std::unique_lock<std::mutex> g(q_->mu);
@@ -85,30 +102,50 @@ void NetGroup::barrierOp(const OpCtx& op) {
 
 NetGroup::~NetGroup() {
   if (started_) engine_->setMessageHandler(channel_, nullptr);
+  slots_.reset();  // removes its notification handler before q_ can go
 }
 
 void NetGroup::start() {
   std::shared_ptr<Queues> q = q_;
+  // Abort notices (rare, with a reason) come as engine messages.
   engine_->setMessageHandler(channel_, [q](engine::Message&& m) {
     Header h{};
     if (m.payload.size() >= sizeof(h)) std::memcpy(&h, m.payload.data(), sizeof(h));
     std::lock_guard<std::mutex> g(q->mu);
-    if (h.magic != kMagic || h.src < 0 || static_cast<size_t>(h.src) >= q->by_src.size()) {
+    if (h.magic != kMagic || h.src < 0 || static_cast<size_t>(h.src) >= q->by_src.size() ||
+        h.seq != kAbortSeq) {
       ++q->bad;
       return;
     }
-    if (h.seq == kAbortSeq) {
-      int32_t blamed = -1;
-      if (m.payload.size() >= sizeof(h) + 4) std::memcpy(&blamed, m.payload.data() + sizeof(h), 4);
-      q->aborted[h.src] = blamed >= 0 ? blamed + 2 : 1;
-      if (m.payload.size() > sizeof(h) + 4)
-        q->abort_reason[h.src] = m.payload.substr(sizeof(h) + 4, 4096);
-    } else {
-      q->by_src[h.src].push_back(std::move(m.payload));
-    }
+    int32_t blamed = -1;
+    if (m.payload.size() >= sizeof(h) + 4) std::memcpy(&blamed, m.payload.data() + sizeof(h), 4);
+    q->aborted[h.src] = blamed >= 0 ? blamed + 2 : 1;
+    if (m.payload.size() > sizeof(h) + 4)
+      q->abort_reason[h.src] = m.payload.substr(sizeof(h) + 4, 4096);
+    q->cv.notify_all();
+  });
+  // Data arrives in slots: queue it for take() (the slot stays ours until recycle).
+  slots_->start([q](int src, int slot) {
+    std::lock_guard<std::mutex> g(q->mu);
+    q->by_src[src].push_back(slot);
     q->cv.notify_all();
   });
   started_ = true;
+}
+
+void NetGroup::sendFailed(const OpCtx& op, int dst, size_t len, const Status& st) {
+  // A peer that gave up on the group may have exited since: its abort notice (sent before
+  // it left, possibly still being delivered here) says more than its death does.
+  auto until = engine::Clock::now() + std::chrono::milliseconds(200);
+  do {
+    throwIfAborted(op);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  } while (engine::Clock::now() < until);
+  health_->check(op, dst);  // names it as dead when it is
+  throw CommError("mooncake pg: " + std::string(op.name) + ": sending " + std::to_string(len) +
+                      " bytes to rank " + std::to_string(health_->name(dst)) + " (group " +
+                      health_->group() + ") failed: " + st.toString(),
+                  health_->name(dst), op.name);
 }
 
 void NetGroup::send(const OpCtx& op, int dst, const void* data, size_t len) {
@@ -116,30 +153,19 @@ void NetGroup::send(const OpCtx& op, int dst, const void* data, size_t len) {
   op.sig.pack(h.sig);
   track(op);
   sent_[dst] = 1;
-  std::string payload;  // header + data, built without zero-filling first
-  payload.reserve(sizeof(h) + len);
-  payload.append(reinterpret_cast<const char*>(&h), sizeof(h));
-  if (len > 0) payload.append(static_cast<const char*>(data), len);
-  Status st = engine_->sendMessageOwned(peers_[dst], channel_, std::move(payload));
-  if (!st.ok()) {
-    // A peer that gave up on the group may have exited since: its abort notice (sent before
-    // it left, possibly still being delivered here) says more than its death does.
-    auto until = engine::Clock::now() + std::chrono::milliseconds(200);
-    do {
-      throwIfAborted(op);
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    } while (engine::Clock::now() < until);
-    health_->check(op, dst);  // names it as dead when it is
-    throw CommError("mooncake pg: " + std::string(op.name) + ": sending " + std::to_string(len) +
-                        " bytes to rank " + std::to_string(health_->name(dst)) + " (group " +
-                        health_->group() + ") failed: " + st.toString(),
-                    health_->name(dst), op.name);
-  }
+  Status st = slots_->send(dst, &h, sizeof(h), data, len);
+  if (!st.ok()) sendFailed(op, dst, len, st);
+}
+
+void NetGroup::recycle(Msg&& m) {
+  if (m.slot >= 0) (void)slots_->giveBack(m.src, m.slot);  // a dead sender: the waits see it
+  m.slot = -1;
 }
 
 NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
   using engine::Clock;
   Msg m;
+  m.src = src;
   Clock::time_point dead_seen{};
   {
     std::unique_lock<std::mutex> g(q_->mu);
@@ -169,11 +195,30 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
         health_->timedOut(op, src, "no message from it");
       g.lock();
     }
-    m.buf = std::move(dq.front());
+    m.slot = dq.front();
     dq.pop_front();
   }
   Header h{};
-  std::memcpy(&h, m.buf.data(), sizeof(h));
+  NetSlots::View v = slots_->view(src, m.slot);
+  if (!v.ok) {
+    recycle(std::move(m));
+    throw CommError("mooncake pg: " + std::string(op.name) + " on rank " +
+                        std::to_string(health_->name(rank_)) + " (group " + health_->group() +
+                        "): a malformed message from rank " + std::to_string(health_->name(src)),
+                    health_->name(src), op.name);
+  }
+  std::memcpy(&h, v.owner_hdr, sizeof(h));
+  m.ptr = v.payload;
+  m.len = v.len;
+  // take() keeps messages it refuses in their slots: recycle them on the way out.
+  struct Giveback {
+    NetGroup* g;
+    Msg* m;
+    bool armed = true;
+    ~Giveback() {
+      if (armed) g->recycle(std::move(*m));
+    }
+  } guard{this, &m};
   track(op);
   heard_[src] = 1;
   if (h.seq == op.seq && op.sig.kind != OpKind::kNone) {
@@ -199,12 +244,22 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
                         " bytes: ranks called different collectives or sizes",
                     health_->name(src), op.name);
   }
+  guard.armed = false;
   return m;
 }
 
 void NetGroup::recv(const OpCtx& op, int src, void* out, size_t len) {
   Msg m = take(op, src, len);
-  if (len > 0) std::memcpy(out, m.data(), len);
+  // An in-place exchange may receive where it sent from: that write must be done first.
+  if (len > 0) {
+    int failed = src;
+    Status st = slots_->drainOverlapping(out, len, op.deadline, &failed);
+    if (!st.ok() && st.code() != Code::kPeerDead) {  // as in finishOp
+      recycle(std::move(m));
+      sendFailed(op, failed, len, st);
+    }
+    std::memcpy(out, m.data(), len);
+  }
   recycle(std::move(m));
 }
 

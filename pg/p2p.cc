@@ -19,38 +19,40 @@ struct Header {
 };
 }  // namespace
 
+static_assert(sizeof(Header) <= NetSlots::kOwnerHeaderBytes, "p2p header fits a slot");
+
 P2p::P2p(engine::TransferEngine* engine, const Health* health, std::vector<engine::PeerId> peers,
-         int rank, uint32_t channel, int64_t health_us, size_t piece_bytes)
+         int rank, int64_t health_us, std::unique_ptr<NetSlots> slots)
     : engine_(engine),
       health_(health),
       peers_(std::move(peers)),
       rank_(rank),
-      channel_(channel),
       health_us_(health_us),
-      piece_(piece_bytes),
+      slots_(std::move(slots)),
+      piece_(slots_->slotBytes()),
       box_(std::make_shared<Box>()) {}
 
-P2p::~P2p() {
-  if (started_) engine_->setMessageHandler(channel_, nullptr);
-}
+P2p::~P2p() { slots_.reset(); }  // removes its handler before box_ can go
 
 void P2p::start() {
   std::shared_ptr<Box> box = box_;
-  engine_->setMessageHandler(channel_,
-                             [box](engine::Message&& m) { box->deliver(std::move(m.payload)); });
+  NetSlots* slots = slots_.get();
+  // On the engine's dispatcher: copy the piece out and hand the slot straight back.
+  slots_->start([box, slots](int src, int k) {
+    NetSlots::View v = slots->view(src, k);
+    if (v.ok) box->deliver(v.owner_hdr, v.payload, v.len);
+    (void)slots->giveBack(src, k);
+  });
   started_ = true;
 }
 
-void P2p::Box::deliver(std::string&& payload) {
+void P2p::Box::deliver(const char* hdr, const char* payload, size_t len) {
   Header h{};
-  if (payload.size() < sizeof(h)) return;
-  std::memcpy(&h, payload.data(), sizeof(h));
-  size_t len = payload.size() - sizeof(h);
+  std::memcpy(&h, hdr, sizeof(h));
   if (h.magic != kMagic || h.offset + len > h.total) return;
   std::lock_guard<std::mutex> g(mu);
   if (h.offset == 0 && len == h.total) {
-    payload.erase(0, sizeof(h));
-    ready.push_back(Complete{h.src, h.tag, std::move(payload)});
+    ready.push_back(Complete{h.src, h.tag, std::string(payload, len)});
     cv.notify_all();
     return;
   }
@@ -64,7 +66,7 @@ void P2p::Box::deliver(std::string&& payload) {
     partial.erase(key);
     return;
   }
-  p.data.append(payload, sizeof(h), len);
+  p.data.append(payload, len);
   if (p.data.size() == h.total) {
     ready.push_back(Complete{h.src, p.tag, std::move(p.data)});
     partial.erase(key);
@@ -78,27 +80,34 @@ void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
   std::lock_guard<std::mutex> g(send_mu_);
   uint64_t id = next_id_++;
   size_t off = 0;
+  auto failed = [&](const Status& st) {
+    health_->check(op, dst);
+    throw CommError("mooncake pg: send of " + std::to_string(bytes) + " bytes to rank " +
+                        std::to_string(dst) + " (group " + health_->group() +
+                        ") failed: " + st.toString(),
+                    dst, "send");
+  };
   do {
     size_t len = std::min(piece_, bytes - off);
     Header h{kMagic, rank_, tag, id, bytes, off};
-    std::string payload;  // header + data, built without zero-filling first
-    payload.reserve(sizeof(h) + len);
-    payload.append(reinterpret_cast<const char*>(&h), sizeof(h));
-    if (len > 0) payload.append(static_cast<const char*>(buf) + off, len);
+    const char* piece = static_cast<const char*>(buf) + off;
     if (dst == rank_) {
-      box_->deliver(std::move(payload));
+      box_->deliver(reinterpret_cast<const char*>(&h), piece, len);
     } else {
-      Status st = engine_->sendMessageOwned(peers_[dst], channel_, std::move(payload));
-      if (!st.ok()) {
-        health_->check(op, dst);
-        throw CommError("mooncake pg: send of " + std::to_string(bytes) + " bytes to rank " +
-                            std::to_string(dst) + " (group " + health_->group() +
-                            ") failed: " + st.toString(),
-                        dst, "send");
-      }
+      Status st = slots_->send(dst, &h, sizeof(h), piece, len);
+      if (!st.ok()) failed(st);
     }
     off += len;
   } while (off < bytes);
+  // "Completes when the data left this process": the writes from the caller's buffer.
+  if (dst != rank_) {
+    int failed_dst = dst;
+    Status st = slots_->drainOverlapping(buf, bytes, op.deadline, &failed_dst);
+    if (!st.ok()) {
+      health_->check(op, failed_dst);
+      failed(st);
+    }
+  }
 }
 
 int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milliseconds timeout) {

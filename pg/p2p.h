@@ -1,8 +1,9 @@
-// Point-to-point send/recv over the engine's two-sided messages (a channel per group).
-// Eager: a message is delivered into the receiver's mailbox whether or not a matching recv
-// is posted, so isend/irecv patterns in any order never deadlock. Messages larger than a
-// piece are split and reassembled; recv matches by (src, tag), first arrived first
-// matched; src = -1 matches any sender. Any thread may send or receive.
+// Point-to-point send/recv over one-sided writes into the receiver's slots (pg/net_slots.h,
+// a mailbox set per group). Eager: the receiver's engine dispatcher copies each message out
+// of its slot into the receiver's mailbox at once and gives the slot back, whether or not a
+// matching recv is posted, so isend/irecv patterns in any order never deadlock. Messages
+// larger than a piece are split and reassembled; recv matches by (src, tag), first arrived
+// first matched; src = -1 matches any sender. Any thread may send or receive.
 #pragma once
 
 #include <condition_variable>
@@ -16,13 +17,14 @@
 
 #include "engine/engine.h"
 #include "pg/health.h"
+#include "pg/net_slots.h"
 
 namespace mooncake::pg {
 
 class P2p {
  public:
   P2p(engine::TransferEngine* engine, const Health* health, std::vector<engine::PeerId> peers,
-      int rank, uint32_t channel, int64_t health_us, size_t piece_bytes);
+      int rank, int64_t health_us, std::unique_ptr<NetSlots> slots);
   ~P2p();
   void start();
 
@@ -44,15 +46,16 @@ class P2p {
     std::condition_variable cv;
     std::list<Complete> ready;                              // arrival order
     std::map<std::pair<int, uint64_t>, Partial> partial;  // (src, message id)
-    void deliver(std::string&& payload);
+    // A piece of a message (its header fields and payload), copied in.
+    void deliver(const char* hdr, const char* payload, size_t len);
   };
 
   engine::TransferEngine* engine_;
   const Health* health_;
   std::vector<engine::PeerId> peers_;
   int rank_;
-  uint32_t channel_;
   int64_t health_us_;
+  std::unique_ptr<NetSlots> slots_;
   size_t piece_;
   std::shared_ptr<Box> box_;
   std::mutex send_mu_;  // keeps the pieces of one message together per sender
