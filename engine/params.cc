@@ -9,7 +9,10 @@ namespace mooncake::params {
 
 namespace {
 
-const std::vector<ParamDef> kParams = {
+// Built on first use, so that code running before main() (a test's static initialiser) may
+// read parameters whatever the order of static initialisation across files.
+const std::vector<ParamDef>& table() {
+  static const std::vector<ParamDef> kParams = {
     // ---- engine ----
     {"MC_LOG_LEVEL", Type::kString, "WARN", "Log level: ERROR, WARN, INFO, DEBUG or TRACE."},
     {"MC_LOG_SUBSYS", Type::kString, "ALL",
@@ -167,10 +170,12 @@ const std::vector<ParamDef> kParams = {
      "A store put not ended after this long may be taken over by a new put of the same key."},
     {"MC_STORE_PUT_RELEASE_TIMEOUT_S", Type::kInt, "600",
      "A store put not ended after this long is revoked and its memory freed."},
-};
+  };
+  return kParams;
+}
 
 const ParamDef* lookup(const char* name) {
-  for (const auto& p : kParams)
+  for (const auto& p : table())
     if (std::strcmp(p.name, name) == 0) return &p;
   std::fprintf(stderr, "mooncake: parameter %s is not in the registry (engine/params.cc)\n", name);
   std::abort();
@@ -184,7 +189,7 @@ const char* raw(const char* name) {
 
 }  // namespace
 
-const std::vector<ParamDef>& all() { return kParams; }
+const std::vector<ParamDef>& all() { return table(); }
 
 bool isSet(const char* name) {
   lookup(name);
@@ -233,7 +238,7 @@ std::string markdown() {
         "--markdown`;\n"
      << "a test fails when this file and the registry disagree.\n\n"
      << "| name | type | default | meaning |\n| --- | --- | --- | --- |\n";
-  for (const auto& p : kParams) {
+  for (const auto& p : table()) {
     const char* t = p.type == Type::kInt      ? "int"
                     : p.type == Type::kBool   ? "bool"
                     : p.type == Type::kDouble ? "double"
