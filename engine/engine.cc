@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "engine/bounce_pool.h"
 #include "engine/inbox.h"
 #include "engine/log.h"
 #include "engine/memory.h"
@@ -77,7 +78,7 @@ class TransferEngine::Impl {
   std::unique_ptr<Inbox> inbox;
   BufferPool buffers;  // message payloads consumed and handed back, for the transports
   EngineContext ctx;
-  std::unique_ptr<Transport> transports[kNumTransportKinds];
+  std::unique_ptr<Transport> transports[kNumTransportKinds];  // by TransportKind (table order)
   int forced = -1;  // TransportKind forced by options / MC_TRANSPORT
   int64_t spin_us = params::getInt("MC_SPIN_US");  // read once: wait() is a hot path
 
@@ -102,6 +103,13 @@ class TransferEngine::Impl {
   std::condition_variable msg_cv;
   std::map<uint32_t, std::function<void(Message&&)>> handlers;
   std::map<uint32_t, std::deque<Message>> queues;
+  // Service notifications (channel != 0): handlers, and what arrived before one was set.
+  std::map<uint32_t, std::function<void(const Notification&)>> notify_handlers;
+  std::map<uint32_t, std::deque<Notification>> notify_queues;
+  // The bounce pool (created on first use; see bounce_pool.h).
+  std::mutex bounce_mu;
+  std::unique_ptr<BouncePool> bounce;
+  void* bounce_mem = nullptr;
   std::thread dispatcher;
   // Held by the dispatcher while a handler runs: setMessageHandler() waits on it so that
   // once it returns the replaced handler is no longer running (its owner may free it).
@@ -112,6 +120,7 @@ class TransferEngine::Impl {
   std::mutex local_mu;
   std::condition_variable local_cv;
   std::deque<Message> local_msgs;
+  std::deque<Notification> local_notifies;
   std::thread local_dispatcher;
 
   ~Impl() { shutdown(); }
@@ -129,6 +138,58 @@ class TransferEngine::Impl {
       if (t) t->stop();
     std::unique_lock<std::shared_mutex> g(peers_mu);
     peers.clear();
+  }
+
+  // Registers [r.addr, r.addr+r.len) with every transport (their per-region keys land in r).
+  // On failure, the transports that accepted it drop it again.
+  Status registerWithTransports(Region* r) {
+    for (int k = 0; k < kNumTransportKinds; ++k) {
+      if (!transports[k]) continue;
+      Status st = transports[k]->registerRegion(r);
+      if (!st.ok()) {
+        for (int j = 0; j < k; ++j)
+          if (transports[j]) transports[j]->unregisterRegion(*r);
+        return st;
+      }
+    }
+    return Status::OK();
+  }
+
+  void unregisterWithTransports(const Region& r) {
+    for (auto& t : transports)
+      if (t) t->unregisterRegion(r);
+  }
+
+  Result<void*> allocateRegistered(size_t len) {
+    MC_ASSIGN_OR_RETURN(void* p, registry.allocateShm(len, params::getString("MC_SHM_PREFIX")));
+    auto r = registry.find(reinterpret_cast<uint64_t>(p), len);
+    Region copy = *r;
+    Status st = registerWithTransports(&copy);
+    if (st.ok()) st = registry.setKeys(copy.addr, copy.keys);
+    if (!st.ok()) {
+      (void)registry.freeShm(p);
+      return st;
+    }
+    return p;
+  }
+
+  BouncePool* bouncePool() {
+    std::lock_guard<std::mutex> g(bounce_mu);
+    if (bounce) return bounce.get();
+    size_t chunk = static_cast<size_t>(
+        std::clamp<int64_t>(params::getInt("MC_BOUNCE_CHUNK_BYTES"), 4096, 64ll << 20));
+    size_t total = static_cast<size_t>(std::max<int64_t>(params::getInt("MC_BOUNCE_BYTES"), 0));
+    size_t n = std::max<size_t>(2, total / chunk);
+    auto mem = allocateRegistered(chunk * n);
+    if (!mem.ok()) {
+      MC_LOG(ERROR, ENGINE) << "cannot allocate the bounce pool (" << chunk * n
+                            << " bytes): " << mem.status().toString();
+      return nullptr;
+    }
+    bounce_mem = *mem;
+    bounce = std::make_unique<BouncePool>(static_cast<char*>(bounce_mem), chunk, n);
+    MC_LOG(INFO, ENGINE) << "bounce pool: " << n << " chunks of " << chunk << " bytes";
+    return bounce.get();
   }
 
   PeerEntry* peer(PeerId p) const {
@@ -176,6 +237,8 @@ class TransferEngine::Impl {
   // orderly: the peer's engine said it is stopping (a normal end of job: logged at INFO).
   void onPeerFailure(uint64_t engine_id, const Status& why, bool orderly) {
     reportGone(engine_id, why);
+    for (auto& t : transports)
+      if (t) t->onPeerGone(engine_id);
     PeerId p = peerIdOf(engine_id);
     PeerEntry* e = peer(p);
     if (e == nullptr) return;
@@ -229,8 +292,16 @@ class TransferEngine::Impl {
     // Reassembly of fragmented messages by (sender, message id).
     std::map<std::pair<uint64_t, uint64_t>, std::string> partial;
     Inbox::Fragment f;
+    Inbox::ServiceNotify sn;
     while (!stopping.load()) {
-      if (!inbox->waitFragment(&f, deadlineInMs(100))) continue;
+      int got = inbox->waitDispatch(&sn, &f, deadlineInMs(100));
+      if (got == 0) continue;
+      if (got == 1) {
+        // Same-host peers push these themselves, like fragments: only from authenticated ones.
+        if (!authenticated(sn.src_engine)) continue;
+        deliverNotify(Notification{sn.src_engine, peerIdOf(sn.src_engine), sn.tag, sn.channel});
+        continue;
+      }
       std::string body;
       if (f.offset == 0 && f.data.size() == f.total) {
         body = std::move(f.data);
@@ -268,16 +339,55 @@ class TransferEngine::Impl {
   void localDispatchLoop() {
     for (;;) {
       Message m;
+      Notification n{};
+      bool is_notify = false;
       {
         std::unique_lock<std::mutex> g(local_mu);
-        local_cv.wait(g, [&] { return stopping.load() || !local_msgs.empty(); });
+        local_cv.wait(g, [&] {
+          return stopping.load() || !local_msgs.empty() || !local_notifies.empty();
+        });
         if (stopping.load()) return;
-        m = std::move(local_msgs.front());
-        local_msgs.pop_front();
+        if (!local_notifies.empty()) {
+          n = local_notifies.front();
+          local_notifies.pop_front();
+          is_notify = true;
+        } else {
+          m = std::move(local_msgs.front());
+          local_msgs.pop_front();
+        }
+      }
+      if (is_notify) {
+        n.peer = peerIdOf(n.src_engine);
+        deliverNotify(n);
+        continue;
       }
       m.peer = peerIdOf(m.src_engine);
       deliver(std::move(m));
     }
+  }
+
+  void enqueueLocalNotify(uint64_t src, uint32_t channel, uint64_t tag) {
+    std::lock_guard<std::mutex> g(local_mu);
+    local_notifies.push_back(Notification{src, kInvalidPeer, tag, channel});
+    local_cv.notify_one();
+  }
+
+  // Runs the channel's notification handler on the calling dispatcher, or queues it until
+  // one is set.
+  void deliverNotify(const Notification& n) {
+    std::function<void(const Notification&)> h;
+    std::lock_guard<std::mutex> running(handler_run_mu);
+    {
+      std::lock_guard<std::mutex> g(msg_mu);
+      auto it = notify_handlers.find(n.channel);
+      if (it != notify_handlers.end() && it->second) {
+        h = it->second;
+      } else {
+        notify_queues[n.channel].push_back(n);
+        return;
+      }
+    }
+    h(n);
   }
 
   void enqueueLocal(uint64_t src, uint32_t channel, std::string&& payload) {
@@ -359,14 +469,17 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
         static_cast<int>(std::max<int64_t>(1, params::getInt("MC_TCP_CONNS_PER_PEER")));
   m.opts = options;
   if (!options.transport.empty()) {
-    if (options.transport == "shm") {
-      m.forced = static_cast<int>(TransportKind::kShm);
-    } else if (options.transport == "tcp") {
-      m.forced = static_cast<int>(TransportKind::kTcp);
-    } else {
-      return MC_STATUS(kInvalidArgument, "unknown transport '" << options.transport
-                                                               << "' (expected shm or tcp)");
+    const TransportRow* row = findTransport(options.transport);
+    if (row == nullptr || row->make == nullptr) {
+      std::string have;
+      for (int k = 0; k < kNumTransportKinds; ++k)
+        if (transportTable()[k].make != nullptr)
+          have += std::string(have.empty() ? "" : ", ") + transportTable()[k].name;
+      return MC_STATUS(kInvalidArgument, "transport '" << options.transport << "' "
+                                             << (row == nullptr ? "is unknown" : "is not built in")
+                                             << " (this build has " << have << ")");
     }
+    m.forced = static_cast<int>(row->kind);
   }
   std::string prefix = params::getString("MC_SHM_PREFIX");
   reapStaleShm(prefix);
@@ -389,6 +502,28 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
   m.ctx.deliver_message = [raw](uint64_t src, uint32_t channel, std::string&& payload) {
     raw->enqueueLocal(src, channel, std::move(payload));
   };
+  m.ctx.deliver_notify = [raw](uint64_t src, uint32_t channel, uint64_t tag) {
+    raw->enqueueLocalNotify(src, channel, tag);
+  };
+  m.ctx.bounce = [raw] { return raw->bouncePool(); };
+  m.ctx.on_exchange = [raw](uint64_t src, TransportKind kind, std::string req,
+                            std::function<void(Result<std::string>)> reply) {
+    SegmentDesc from;
+    {
+      std::shared_lock<std::shared_mutex> g(raw->peers_mu);
+      auto it = raw->hellos.find(src);
+      if (it == raw->hellos.end()) {
+        g.unlock();
+        return reply(MC_STATUS(kPermissionDenied, "exchange from an engine without a handshake"));
+      }
+      from = it->second;
+    }
+    Transport* t = raw->transports[static_cast<int>(kind)].get();
+    if (t == nullptr)
+      return reply(MC_STATUS(kNotSupported, "this engine has no " << transportName(kind)
+                                                                  << " transport"));
+    t->onExchange(from, std::move(req), std::move(reply));
+  };
   m.ctx.on_peer_hello = [raw](const SegmentDesc& d) {
     {
       std::unique_lock<std::shared_mutex> g(raw->peers_mu);
@@ -398,12 +533,20 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
     raw->gone.erase(d.engine_id);  // back (a new link): its next departure is reported again
   };
 
-  m.transports[static_cast<int>(TransportKind::kShm)] = makeShmTransport();
-  m.transports[static_cast<int>(TransportKind::kTcp)] = makeTcpTransport(options.tcp_conns_per_peer);
-  for (auto& t : m.transports) {
-    if (!t) continue;
-    Status st = t->start(&m.ctx);
-    if (!st.ok()) return st;
+  TransportOptions topts;
+  topts.tcp_data_conns = options.tcp_conns_per_peer;
+  for (int k = 0; k < kNumTransportKinds; ++k) {
+    const TransportRow& row = transportTable()[k];
+    if (row.make == nullptr) continue;
+    m.transports[k] = row.make(topts);
+    Status st = m.transports[k]->start(&m.ctx);
+    if (!st.ok()) {
+      // A transport without usable hardware (rdma without NICs) steps aside; tcp must work.
+      if (row.kind == TransportKind::kTcp || m.forced == k) return st;
+      MC_LOG(INFO, ENGINE) << "transport " << row.name << " unavailable: " << st.message();
+      m.transports[k]->stop();
+      m.transports[k].reset();
+    }
   }
   if (options.name_with_port) {
     // The listener's port is known only now; nothing has used the name yet.
@@ -430,10 +573,16 @@ Result<void*> TransferEngine::allocate(size_t len, MemoryKind kind, int device) 
     return MC_STATUS(kNotSupported, "allocate: CUDA memory needs the cuda transport (build "
                                         << (MC_HAVE_CUDA ? "has CUDA" : "without CUDA")
                                         << "; not implemented yet)");
-  return impl_->registry.allocateShm(len, params::getString("MC_SHM_PREFIX"));
+  return impl_->allocateRegistered(len);
 }
 
-Status TransferEngine::free(void* p) { return impl_->registry.freeShm(p); }
+Status TransferEngine::free(void* p) {
+  auto r = impl_->registry.find(reinterpret_cast<uint64_t>(p), 1);
+  if (!r || r->addr != reinterpret_cast<uint64_t>(p) || !r->engine_owned)
+    return MC_STATUS(kInvalidArgument, "pointer " << p << " was not allocated by the engine");
+  impl_->unregisterWithTransports(*r);
+  return impl_->registry.freeShm(p);
+}
 
 Status TransferEngine::registerMemory(void* addr, size_t len, MemoryKind kind, int device) {
   if (addr == nullptr) return MC_STATUS(kInvalidArgument, "registerMemory: null address");
@@ -448,9 +597,10 @@ Status TransferEngine::registerMemory(void* addr, size_t len, MemoryKind kind, i
   r.len = len;
   r.kind = kind;
   r.device = device;
-  for (auto& t : impl_->transports)
-    if (t) MC_RETURN_IF_ERROR(t->registerRegion(&r));
-  return impl_->registry.add(r);
+  MC_RETURN_IF_ERROR(impl_->registerWithTransports(&r));
+  Status st = impl_->registry.add(r);
+  if (!st.ok()) impl_->unregisterWithTransports(r);
+  return st;
 }
 
 Status TransferEngine::unregisterMemory(void* addr) {
@@ -462,8 +612,7 @@ Status TransferEngine::unregisterMemory(void* addr) {
     return MC_STATUS(kInvalidArgument, "unregisterMemory: " << addr << " was allocated by the "
                                                             << "engine; use free()");
   }
-  for (auto& t : impl_->transports)
-    if (t) t->unregisterRegion(*r);
+  impl_->unregisterWithTransports(*r);
   return Status::OK();
 }
 
@@ -518,13 +667,13 @@ Result<PeerId> TransferEngine::openPeer(const SegmentDesc& remote, Deadline dead
   entry->kind = TransportKind(kind);
   bool tcp_data = kind == static_cast<int>(TransportKind::kTcp);
   auto control = m.transports[static_cast<int>(TransportKind::kTcp)]->connect(remote, deadline,
-                                                                              tcp_data);
+                                                                              tcp_data, nullptr);
   if (!control.ok()) return control.status();
   entry->control = std::move(control).value();
   if (tcp_data) {
     entry->data = entry->control.get();
   } else {
-    auto data = m.transports[kind]->connect(remote, deadline, true);
+    auto data = m.transports[kind]->connect(remote, deadline, true, entry->control->controlLink());
     if (!data.ok()) return data.status();
     entry->data_owned = std::move(data).value();
     entry->data = entry->data_owned.get();
@@ -672,11 +821,29 @@ Status TransferEngine::transfer(const std::vector<TransferRequest>& requests, De
   return wait(*id, deadline);
 }
 
-Status TransferEngine::notify(PeerId peer, uint64_t tag) {
+Status TransferEngine::notify(PeerId peer, uint64_t tag) { return notify(peer, 0, tag); }
+
+Status TransferEngine::notify(PeerId peer, uint32_t channel, uint64_t tag) {
   PeerEntry* e = impl_->peer(peer);
   if (e == nullptr) return MC_STATUS(kInvalidArgument, "notify: unknown peer " << peer);
   MC_RETURN_IF_ERROR(impl_->peerStatus(e));
-  return e->data->notify(tag);
+  return e->data->notify(channel, tag);
+}
+
+void TransferEngine::setNotifyHandler(uint32_t channel,
+                                      std::function<void(const Notification&)> handler) {
+  if (channel == 0) return;  // channel 0 is waitNotify's
+  const auto self = std::this_thread::get_id();
+  std::unique_lock<std::mutex> running(impl_->handler_run_mu, std::defer_lock);
+  if (self != impl_->dispatcher.get_id() && self != impl_->local_dispatcher.get_id())
+    running.lock();
+  std::deque<Notification> backlog;
+  {
+    std::lock_guard<std::mutex> g(impl_->msg_mu);
+    impl_->notify_handlers[channel] = handler;
+    if (handler) backlog.swap(impl_->notify_queues[channel]);
+  }
+  for (auto& n : backlog) handler(n);
 }
 
 Result<Notification> TransferEngine::waitNotify(Deadline deadline) {
@@ -697,7 +864,7 @@ Status TransferEngine::sendMessage(PeerId peer, uint32_t channel, std::string_vi
   PeerEntry* e = impl_->peer(peer);
   if (e == nullptr) return MC_STATUS(kInvalidArgument, "sendMessage: unknown peer " << peer);
   MC_RETURN_IF_ERROR(impl_->peerStatus(e));
-  return e->data->sendMessage(channel, payload);
+  return (e->data->carriesMessages() ? e->data : e->control.get())->sendMessage(channel, payload);
 }
 
 Status TransferEngine::sendMessage(PeerId peer, uint32_t channel, std::string_view payload,
@@ -705,7 +872,7 @@ Status TransferEngine::sendMessage(PeerId peer, uint32_t channel, std::string_vi
   PeerEntry* e = impl_->peer(peer);
   if (e == nullptr) return MC_STATUS(kInvalidArgument, "sendMessage: unknown peer " << peer);
   MC_RETURN_IF_ERROR(impl_->peerStatus(e));
-  return e->data->sendMessage(channel, payload, deadline);
+  return (e->data->carriesMessages() ? e->data : e->control.get())->sendMessage(channel, payload, deadline);
 }
 
 void TransferEngine::recycleMessageBuffer(std::string&& payload) {
@@ -716,7 +883,7 @@ Status TransferEngine::sendMessageOwned(PeerId peer, uint32_t channel, std::stri
   PeerEntry* e = impl_->peer(peer);
   if (e == nullptr) return MC_STATUS(kInvalidArgument, "sendMessage: unknown peer " << peer);
   MC_RETURN_IF_ERROR(impl_->peerStatus(e));
-  return e->data->sendOwnedMessage(channel, std::move(payload));
+  return (e->data->carriesMessages() ? e->data : e->control.get())->sendOwnedMessage(channel, std::move(payload));
 }
 
 void TransferEngine::setMessageHandler(uint32_t channel, std::function<void(Message&&)> handler) {

@@ -37,7 +37,8 @@ struct EngineOptions {
   // A host the job talks through (its rendezvous, torch's MASTER_ADDR, the store master): the
   // engine listens on the local interface that reaches it (127.0.0.1 when it is local).
   std::string reach_host;
-  // "" = choose per peer by locality, "shm" or "tcp" = force. Empty reads MC_TRANSPORT.
+  // "" = choose per peer by locality; a transport's name ("shm", "rdma", "tcp") forces it.
+  // Empty reads MC_TRANSPORT.
   std::string transport;
   // Data connections per tcp peer; 0 reads MC_TCP_CONNS_PER_PEER.
   int tcp_conns_per_peer = 0;
@@ -108,10 +109,20 @@ class TransferEngine {
   Status transfer(const std::vector<TransferRequest>& requests, Deadline deadline);
 
   // ---- notifications (write-with-immediate semantics) ----
-  // Delivers `tag` to the peer after every write this process posted to it before the call.
+  // Delivers `tag` to the peer after every write this process posted to it before the call
+  // (the peer finds the written bytes in its memory when it sees the tag), for its
+  // waitNotify()/pollNotify().
   Status notify(PeerId peer, uint64_t tag);
   Result<Notification> waitNotify(Deadline deadline);
   bool pollNotify(Notification* out);
+  // Service notifications: the same ordering, delivered to the handler of `channel` (!= 0)
+  // at the peer instead of its waitNotify(), so that services sharing an engine (pg, ep, the
+  // store) never take each other's. Notifications of one sender arrive in order.
+  Status notify(PeerId peer, uint32_t channel, uint64_t tag);
+  // Handlers run on the engine's dispatcher threads (serialised with message handlers) and
+  // must not block for long. Notifications that arrive on a channel without a handler are
+  // queued and handed to the next handler set. Same lifetime rule as setMessageHandler.
+  void setNotifyHandler(uint32_t channel, std::function<void(const Notification&)> handler);
 
   // ---- two-sided messages (active messages) ----
   Status sendMessage(PeerId peer, uint32_t channel, std::string_view payload);

@@ -19,13 +19,14 @@ namespace mooncake::engine {
 
 namespace {
 
-constexpr uint32_t kMagic = 0x4d43494e;  // "MCIN"
+constexpr uint32_t kMagic = 0x4d43494f;  // "MCIO": layout 2 (service ring)
 constexpr uint32_t kFragSlots = 64;
 
 struct alignas(64) NotifyCell {
   std::atomic<uint64_t> seq;
   uint64_t src;
   uint64_t tag;
+  uint32_t channel;
 };
 
 struct alignas(64) FragCell {
@@ -51,22 +52,27 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must b
 
 }  // namespace
 
+// Three rings: application notifications, service notifications (channel != 0) and message
+// fragments. The service ring has no futex of its own: its producers wake the fragment
+// ring's, because one thread (the engine's dispatcher) consumes both.
 struct InboxLayout {
   uint32_t magic;
-  uint32_t notify_slots;  // power of two
+  uint32_t notify_slots;  // power of two; also the service ring's
   uint32_t frag_slots;
   uint32_t pad;
   RingCtl notify;
+  RingCtl svc;
   RingCtl frag;
-  // followed by NotifyCell[notify_slots] then FragCell[frag_slots]
+  // followed by NotifyCell[notify_slots], NotifyCell[notify_slots] (service), FragCell[...]
   NotifyCell* notifyCells() { return reinterpret_cast<NotifyCell*>(this + 1); }
-  FragCell* fragCells() { return reinterpret_cast<FragCell*>(notifyCells() + notify_slots); }
+  NotifyCell* svcCells() { return notifyCells() + notify_slots; }
+  FragCell* fragCells() { return reinterpret_cast<FragCell*>(svcCells() + notify_slots); }
 };
 
 namespace {
 
 size_t layoutBytes(uint32_t nslots) {
-  return sizeof(InboxLayout) + sizeof(NotifyCell) * nslots + sizeof(FragCell) * kFragSlots;
+  return sizeof(InboxLayout) + 2 * sizeof(NotifyCell) * nslots + sizeof(FragCell) * kFragSlots;
 }
 
 // Reserves a cell in a Vyukov ring; returns the position or false when full.
@@ -180,13 +186,14 @@ Result<std::unique_ptr<Inbox>> Inbox::create(const std::string& shm_name, uint32
   auto* l = static_cast<InboxLayout*>(p);
   l->notify_slots = n;
   l->frag_slots = kFragSlots;
-  new (&l->notify) RingCtl();
-  new (&l->frag) RingCtl();
-  l->notify.tail = l->notify.head = 0;
-  l->frag.tail = l->frag.head = 0;
-  l->notify.futex = l->frag.futex = 0;
-  l->notify.waiters = l->frag.waiters = 0;
+  for (RingCtl* r : {&l->notify, &l->svc, &l->frag}) {
+    new (r) RingCtl();
+    r->tail = r->head = 0;
+    r->futex = 0;
+    r->waiters = 0;
+  }
   for (uint32_t i = 0; i < n; ++i) new (&l->notifyCells()[i].seq) std::atomic<uint64_t>(i);
+  for (uint32_t i = 0; i < n; ++i) new (&l->svcCells()[i].seq) std::atomic<uint64_t>(i);
   for (uint32_t i = 0; i < kFragSlots; ++i) new (&l->fragCells()[i].seq) std::atomic<uint64_t>(i);
   std::atomic_thread_fence(std::memory_order_release);
   reinterpret_cast<std::atomic<uint32_t>*>(&l->magic)->store(kMagic, std::memory_order_release);
@@ -242,19 +249,49 @@ void Inbox::wakeAll() {
   futexWakeAll(&l_->frag.futex);
 }
 
-Status Inbox::pushNotify(uint64_t src_engine, uint64_t tag, Deadline deadline) {
+Status Inbox::pushNotify(uint64_t src_engine, uint32_t channel, uint64_t tag,
+                         Deadline deadline) {
+  RingCtl& ring = channel == 0 ? l_->notify : l_->svc;
+  NotifyCell* cells = channel == 0 ? l_->notifyCells() : l_->svcCells();
   uint64_t pos;
   int round = 0;
-  while (!reserve(l_->notify, l_->notifyCells(), l_->notify_slots, &pos)) {
+  while (!reserve(ring, cells, l_->notify_slots, &pos)) {
     if (!backoff(deadline, &round))
-      return MC_STATUS(kResourceExhausted, "inbox " << name_ << " full (notifications not consumed)");
+      return MC_STATUS(kResourceExhausted, "inbox " << name_ << " full ("
+                                                    << (channel == 0 ? "" : "service ")
+                                                    << "notifications not consumed)");
   }
-  NotifyCell& c = l_->notifyCells()[pos & (l_->notify_slots - 1)];
+  NotifyCell& c = cells[pos & (l_->notify_slots - 1)];
   c.src = src_engine;
   c.tag = tag;
+  c.channel = channel;
   c.seq.store(pos + 1, std::memory_order_release);
-  publish(l_->notify);
+  publish(channel == 0 ? l_->notify : l_->frag);  // the dispatcher sleeps on frag's futex
   return Status::OK();
+}
+
+bool Inbox::popService(ServiceNotify* out) {
+  uint64_t pos;
+  if (!claim(l_->svc, l_->svcCells(), l_->notify_slots, &pos)) return false;
+  NotifyCell& c = l_->svcCells()[pos & (l_->notify_slots - 1)];
+  out->src_engine = c.src;
+  out->channel = c.channel;
+  out->tag = c.tag;
+  c.seq.store(pos + l_->notify_slots, std::memory_order_release);
+  return true;
+}
+
+int Inbox::waitDispatch(ServiceNotify* svc, Fragment* frag, Deadline deadline) {
+  int got = 0;
+  auto try_pop = [&] {
+    if (popService(svc)) {
+      got = 1;
+    } else if (popFragment(frag)) {
+      got = 2;
+    }
+    return got != 0;
+  };
+  return waitOn(l_->frag, try_pop, deadline, closing_, spin_us_) ? got : 0;
 }
 
 bool Inbox::popNotify(uint64_t* src_engine, uint64_t* tag) {

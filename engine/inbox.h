@@ -32,7 +32,13 @@ class Inbox {
   const std::string& shmName() const { return name_; }
 
   // Producers (any thread, any process). Wait for space up to the deadline.
-  Status pushNotify(uint64_t src_engine, uint64_t tag, Deadline deadline);
+  // channel 0: an application notification (waitNotify); else a service notification, for
+  // the dispatcher (waitDispatch), in a ring of its own so that neither kind holds up the
+  // other.
+  Status pushNotify(uint64_t src_engine, uint64_t tag, Deadline deadline) {
+    return pushNotify(src_engine, 0, tag, deadline);
+  }
+  Status pushNotify(uint64_t src_engine, uint32_t channel, uint64_t tag, Deadline deadline);
   Status pushMessage(uint64_t src_engine, uint32_t channel, std::string_view payload,
                      Deadline deadline);
 
@@ -51,6 +57,16 @@ class Inbox {
   };
   bool popFragment(Fragment* out);
   bool waitFragment(Fragment* out, Deadline deadline);
+  // A service notification (channel != 0); false when there is none.
+  struct ServiceNotify {
+    uint64_t src_engine;
+    uint32_t channel;
+    uint64_t tag;
+  };
+  bool popService(ServiceNotify* out);
+  // The dispatcher's wait: a service notification (returns 1) or a message fragment
+  // (returns 2), whichever is there first; 0 at the deadline.
+  int waitDispatch(ServiceNotify* svc, Fragment* frag, Deadline deadline);
   // Wakes every waiter of this process and makes later waits return at once (shutdown).
   void wakeAll();
 

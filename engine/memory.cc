@@ -78,6 +78,16 @@ Status MemoryRegistry::add(const Region& r) {
   return Status::OK();
 }
 
+Status MemoryRegistry::setKeys(uint64_t addr, const std::string (&keys)[kNumTransportKinds]) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = regions_.find(addr);
+  if (it == regions_.end())
+    return MC_STATUS(kNotFound, "no region registered at 0x" << std::hex << addr);
+  for (int i = 0; i < kNumTransportKinds; ++i) it->second.keys[i] = keys[i];
+  ++version_;
+  return Status::OK();
+}
+
 Result<Region> MemoryRegistry::remove(uint64_t addr) {
   std::lock_guard<std::mutex> g(mu_);
   auto it = regions_.find(addr);

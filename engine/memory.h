@@ -34,6 +34,9 @@ class MemoryRegistry {
 
   // Registers [addr, addr+len). Overlapping an existing region is an error.
   Status add(const Region& r);
+  // Replaces the per-transport keys of the region that starts at addr (set by the transports
+  // after the region was added, e.g. for engine-allocated memory).
+  Status setKeys(uint64_t addr, const std::string (&keys)[kNumTransportKinds]);
   // Removes the region that starts at addr. Returns the removed region.
   Result<Region> remove(uint64_t addr);
   // The region containing [addr, addr+len), if any.

@@ -9,14 +9,18 @@ namespace mooncake::params {
 
 namespace {
 
-const std::vector<ParamDef> kParams = {
+// Built on first use, so that code running before main() (a test's static initialiser) may
+// read parameters whatever the order of static initialisation across files.
+const std::vector<ParamDef>& table() {
+  static const std::vector<ParamDef> kParams = {
     // ---- engine ----
     {"MC_LOG_LEVEL", Type::kString, "WARN", "Log level: ERROR, WARN, INFO, DEBUG or TRACE."},
     {"MC_LOG_SUBSYS", Type::kString, "ALL",
      "Comma-separated subsystems to log (ENGINE,SHM,TCP,RDMA,CUDA,PG,EP,STORE) or ALL; a "
      "leading ^ excludes the listed ones."},
     {"MC_TRANSPORT", Type::kString, "",
-     "Force one transport for every peer (shm or tcp); empty chooses by locality."},
+     "Force one transport for every peer (shm, rdma or tcp); empty chooses by locality (shm on "
+     "one host, rdma between hosts whose NICs reach each other, tcp otherwise)."},
     {"MC_TCP_CONNS_PER_PEER", Type::kInt, "2",
      "Data connections a tcp peer opens to another (besides the control connection)."},
     {"MC_TCP_SLICE_BYTES", Type::kInt, "1048576",
@@ -63,6 +67,28 @@ const std::vector<ParamDef> kParams = {
      "(each may hold at most 4 KiB before it authenticates)."},
     {"MC_MAX_CONNS", Type::kInt, "16384",
      "Connections a listener (engine, rendezvous) holds at once, authenticated or not."},
+    {"MC_RDMA_DEVICES", Type::kString, "",
+     "Comma-separated RDMA NIC names the rdma transport may use (empty: every NIC whose port "
+     "1 is active)."},
+    {"MC_RDMA_GID_INDEX", Type::kInt, "-1",
+     "RoCE GID index (-1: the RoCE v2 GID holding an IPv4-mapped address). Ignored on "
+     "InfiniBand, which is addressed by LID."},
+    {"MC_RDMA_SLICE_BYTES", Type::kInt, "1048576",
+     "Largest RDMA READ/WRITE work request the rdma transport posts (requests are cut into "
+     "slices of this size)."},
+    {"MC_RDMA_MAX_WR", Type::kInt, "64",
+     "Work requests the rdma transport keeps outstanding per queue pair (the rest wait in "
+     "order)."},
+    {"MC_RDMA_SPIN_US", Type::kInt, "50",
+     "How long an rdma completion poller busy-polls after the last completion before it "
+     "sleeps on the completion channel."},
+    {"MC_BOUNCE_BYTES", Type::kInt, "67108864",
+     "Registered host memory the engine lends to transports that need the local side of a "
+     "request registered (rdma), for requests from unregistered memory; allocated on first "
+     "use."},
+    {"MC_BOUNCE_CHUNK_BYTES", Type::kInt, "1048576",
+     "Size of one bounce-pool chunk (requests from unregistered memory move through chunks "
+     "of this size)."},
     {"MC_RENDEZVOUS_TIMEOUT_MS", Type::kInt, "60000",
      "Deadline for rendezvous waits (segment exchange)."},
     {"MC_RENDEZVOUS_MAX_VALUE_BYTES", Type::kInt, "4194304",
@@ -72,11 +98,26 @@ const std::vector<ParamDef> kParams = {
     // ---- mooncake.engine (upstream Mooncake's Python TransferEngine) ----
     {"MC_FORCE_TCP", Type::kBool, "0",
      "mooncake.engine: 1 carries every transfer over tcp, also to same-host peers (which use "
-     "shared memory otherwise). Upstream Mooncake's switch from RDMA to tcp; this build has "
-     "no RDMA transport, so protocol \"rdma\" runs over tcp/shm either way."},
+     "shared memory otherwise) and to peers an RDMA NIC reaches. Upstream Mooncake's switch "
+     "from RDMA to tcp."},
     {"MC_TRANSFER_TIMEOUT", Type::kInt, "30",
      "mooncake.engine: seconds a transfer batch may take (at least 5), plus 1 ns per byte, "
      "as upstream Mooncake's budget; a batch past it fails."},
+    // ---- the verbs emulator (tests/fakes/verbs: test infrastructure, never in the product) ----
+    {"MC_FAKE_VERBS_CONFIG", Type::kString, "",
+     "Verbs emulator only: the file listing its NICs (names, host, PCI address, link layer, "
+     "LID or IP, MTU, max_mr_size, bandwidth cap, initial port state)."},
+    {"MC_FAKE_VERBS_FABRIC", Type::kString, "",
+     "Verbs emulator only: the name of its shared-memory fabric (processes with the same name "
+     "reach each other's QPs); empty: derived from the config file's path."},
+    {"MC_FAKE_VERBS_GBPS", Type::kDouble, "0",
+     "Verbs emulator only: bandwidth cap per emulated NIC in Gbit/s (0: none), unless the "
+     "config gives the NIC its own."},
+    {"MC_FAKE_VERBS_ACK_TIMEOUT_MS", Type::kInt, "0",
+     "Verbs emulator only: transport timeout of its QPs (0: from the QP's timeout and "
+     "retry_cnt, as RC specifies)."},
+    {"MC_FAKE_VERBS_RING_BYTES", Type::kInt, "1048576",
+     "Verbs emulator only: bytes of the shared-memory ring each of its QPs receives into."},
     // ---- pg ----
     {"MC_PG_BUFFER_BYTES", Type::kInt, "8388608",
      "Bytes of the comm buffer a process group registers per rank (two halves; plus a "
@@ -87,7 +128,8 @@ const std::vector<ParamDef> kParams = {
      "Allreduce/reduce payloads up to this size use the flat exchange (every rank reduces "
      "all inputs) instead of reduce-scatter + all-gather."},
     {"MC_PG_NET_PIECE_BYTES", Type::kInt, "1048576",
-     "Message size of the process group's non-shm path and of large send/recv."},
+     "Message size of the process group's non-shm path and of large send/recv: the size of "
+     "one receive slot (smaller in large groups: a group's slots take at most 64 MiB)."},
     {"MC_PG_STREAM_OUT_BYTES", Type::kInt, "4194304",
      "Collective outputs (and EP normal-mode recv_x) at least this large are written with "
      "streaming (non-temporal) stores: they would leave the cache anyway, and this saves "
@@ -128,10 +170,12 @@ const std::vector<ParamDef> kParams = {
      "A store put not ended after this long may be taken over by a new put of the same key."},
     {"MC_STORE_PUT_RELEASE_TIMEOUT_S", Type::kInt, "600",
      "A store put not ended after this long is revoked and its memory freed."},
-};
+  };
+  return kParams;
+}
 
 const ParamDef* lookup(const char* name) {
-  for (const auto& p : kParams)
+  for (const auto& p : table())
     if (std::strcmp(p.name, name) == 0) return &p;
   std::fprintf(stderr, "mooncake: parameter %s is not in the registry (engine/params.cc)\n", name);
   std::abort();
@@ -145,7 +189,7 @@ const char* raw(const char* name) {
 
 }  // namespace
 
-const std::vector<ParamDef>& all() { return kParams; }
+const std::vector<ParamDef>& all() { return table(); }
 
 bool isSet(const char* name) {
   lookup(name);
@@ -194,7 +238,7 @@ std::string markdown() {
         "--markdown`;\n"
      << "a test fails when this file and the registry disagree.\n\n"
      << "| name | type | default | meaning |\n| --- | --- | --- | --- |\n";
-  for (const auto& p : kParams) {
+  for (const auto& p : table()) {
     const char* t = p.type == Type::kInt      ? "int"
                     : p.type == Type::kBool   ? "bool"
                     : p.type == Type::kDouble ? "double"

@@ -15,16 +15,6 @@ constexpr uint32_t kMaxRegions = 1u << 16;
 constexpr uint32_t kMaxKeyBytes = 4096;
 }  // namespace
 
-const char* transportName(TransportKind k) {
-  switch (k) {
-    case TransportKind::kCuda: return "cuda";
-    case TransportKind::kShm: return "shm";
-    case TransportKind::kRdma: return "rdma";
-    case TransportKind::kTcp: return "tcp";
-  }
-  return "?";
-}
-
 std::string SegmentDesc::serialize() const {
   wire::Writer w;
   w.u32(kMagic);
@@ -37,6 +27,7 @@ std::string SegmentDesc::serialize() const {
   w.u16(tcp_port);
   w.str(inbox_shm);
   w.u32(transports);
+  for (const auto& e : endpoints) w.str(e);
   w.u64(regions_version);
   w.u32(static_cast<uint32_t>(regions.size()));
   for (const auto& r : regions) {
@@ -65,6 +56,7 @@ Result<SegmentDesc> SegmentDesc::parse(std::string_view bytes) {
   d.tcp_port = rd.u16();
   d.inbox_shm = rd.str(256);
   d.transports = rd.u32();
+  for (auto& e : d.endpoints) e = rd.str(kMaxEndpointBytes);
   d.regions_version = rd.u64();
   uint32_t n = rd.u32();
   if (!rd.ok() || n > kMaxRegions) return MC_STATUS(kProtocol, "segment: truncated header");

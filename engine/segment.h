@@ -1,5 +1,10 @@
 // SegmentDesc: what a process exports to its peers: identity, endpoints, regions and their
 // per-transport keys. Serialized with a version; parse() rejects anything malformed.
+//
+// Engine-level fields (identity, the tcp control endpoint every peer is opened through, the
+// inbox) are named; what a transport adds is opaque to the engine: its endpoint data
+// (`endpoints[kind]`: the rdma NICs with their GIDs/LIDs, ...) and per-region keys
+// (`RegionDesc::keys[kind]`: rkeys, ...), each encoded and decoded by that transport.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +28,8 @@ struct RegionDesc {
 
 struct SegmentDesc {
   static constexpr uint32_t kMagic = 0x4d435347;  // "MCSG"
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 2;
+  static constexpr uint32_t kMaxEndpointBytes = 64 * 1024;
 
   std::string name;            // the name the segment is published under
   uint64_t engine_id = 0;      // random per engine instance
@@ -33,6 +39,7 @@ struct SegmentDesc {
   uint16_t tcp_port = 0;
   std::string inbox_shm;       // notification/message inbox (same-host peers map it)
   uint32_t transports = 0;     // bit per TransportKind this engine offers
+  std::string endpoints[kNumTransportKinds];  // per-transport endpoint data (opaque here)
   uint64_t regions_version = 0;
   std::vector<RegionDesc> regions;
 

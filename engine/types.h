@@ -16,8 +16,10 @@ inline Deadline noDeadline() { return Clock::now() + std::chrono::hours(24 * 365
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 
 // Static priority order (NCCL's ncclTransports[]): the first that canReach() a peer wins.
+// The rows of that table (name, factory) are in engine/transport/table.cc.
 enum class TransportKind : uint8_t { kCuda = 0, kShm = 1, kRdma = 2, kTcp = 3 };
 constexpr int kNumTransportKinds = 4;
+// The transport's name in the table ("cuda", "shm", "rdma", "tcp").
 const char* transportName(TransportKind k);
 
 // An engine-local handle for an opened peer (index into the engine's peer table).
@@ -42,6 +44,9 @@ struct Notification {
   uint64_t src_engine;  // engine id of the sender (SegmentDesc::engine_id)
   PeerId peer;          // the sender's PeerId here if this engine opened it, else kInvalidPeer
   uint64_t tag;
+  // 0: an application notification (waitNotify/pollNotify); else the service channel whose
+  // handler (TransferEngine::setNotifyHandler) receives it.
+  uint32_t channel = 0;
 };
 
 }  // namespace mooncake::engine

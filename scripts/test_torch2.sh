@@ -135,18 +135,26 @@ apt_inside() { # apt_inside DIR PKGS...
   local d=$1
   shift
   cp /etc/resolv.conf "$d/etc/resolv.conf"
-  chroot_run "$d" apt-get update -qq
-  chroot_run "$d" apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+  chroot_run "$d" apt-get -o Acquire::Retries=3 update -qq
+  chroot_run "$d" apt-get -o Acquire::Retries=3 install -y -qq --no-install-recommends "$@" >/dev/null
   chroot_run "$d" apt-get clean
 }
 
 create_root() {
   need_host_pkg debootstrap
   local new="$RFS.new" t=$SECONDS
-  rm -rf "$new"
   log "creating a Debian 13 root in $RFS (debootstrap + apt; first time only, minutes)"
-  if ! debootstrap --variant=minbase --include=python3,python3-torch "$SUITE" "$new" \
-    "$MIRROR" >"$CACHE/debootstrap.log" 2>&1; then
+  local try ok=0
+  for try in 1 2 3; do # a download that fails midway is tried again, from scratch
+    rm -rf "$new"
+    if debootstrap --variant=minbase --include=python3,python3-torch "$SUITE" "$new" \
+      "$MIRROR" >"$CACHE/debootstrap.log" 2>&1; then
+      ok=1
+      break
+    fi
+    log "debootstrap attempt $try failed"
+  done
+  if ((!ok)); then
     tail -30 "$CACHE/debootstrap.log" >&2
     log "debootstrap failed (log: $CACHE/debootstrap.log)"
     return 1

@@ -1,5 +1,6 @@
-// The small interface every transport implements (shm, tcp, later rdma and cuda), and the
-// view of the engine a transport is given. Transports never see torch, collectives or keys.
+// The small interface every transport implements (shm, tcp, rdma, later cuda), the view of
+// the engine a transport is given, and the table the engine chooses transports from.
+// Transports never see torch, collectives or keys.
 #pragma once
 
 #include <atomic>
@@ -29,6 +30,8 @@ struct Task {
   void done(Status s) { on_done(std::move(s)); }
 };
 
+class BouncePool;
+
 // What a transport may use of its engine.
 struct EngineContext {
   uint64_t engine_id = 0;
@@ -53,6 +56,31 @@ struct EngineContext {
       deliver_message;
   // A peer handed over its descriptor in a handshake (lets the target answer messages).
   std::function<void(const SegmentDesc& desc)> on_peer_hello;
+  // A transport that received a service notification (channel != 0) in this process (tcp)
+  // hands it over here, to the engine's handlers; never blocks. Null: push it into `inbox`.
+  std::function<void(uint64_t src_engine, uint32_t channel, uint64_t tag)> deliver_notify;
+  // An authenticated peer's control link carried an exchange request for the transport of
+  // `kind` (see ControlLink): the engine routes it to that transport's onExchange(), with the
+  // descriptor the peer handed over in its handshake. `reply` may be called from any thread,
+  // once.
+  std::function<void(uint64_t src_engine, TransportKind kind, std::string request,
+                     std::function<void(Result<std::string>)> reply)>
+      on_exchange;
+  // Registered host memory for requests whose local side is not registered, for transports
+  // that need it registered (rdma): created on first use. Null where the engine has none.
+  std::function<BouncePool*()> bounce;
+};
+
+// The control link to a peer (always tcp, authenticated with the job secret): a transport
+// exchanges its connection data over it (QP numbers, GIDs, ...) instead of opening a second
+// bootstrap channel. Thread-safe; usable for as long as the peer is open.
+class ControlLink {
+ public:
+  virtual ~ControlLink() = default;
+  // Sends `request` to the peer engine's transport of `kind` (its Transport::onExchange) and
+  // waits for the answer until `deadline`. kPeerDead once the link is gone.
+  virtual Result<std::string> exchange(TransportKind kind, std::string_view request,
+                                       Deadline deadline) = 0;
 };
 
 // A connection to one peer over one transport.
@@ -60,8 +88,9 @@ class TransportPeer {
  public:
   virtual ~TransportPeer() = default;
   virtual void submit(Task* task) = 0;
-  // Delivers tag into the peer's inbox after every write submitted here before the call.
-  virtual Status notify(uint64_t tag) = 0;
+  // Delivers (channel, tag) into the peer's inbox after every write submitted here before
+  // the call (its bytes are in the peer's memory when the peer sees the tag).
+  virtual Status notify(uint32_t channel, uint64_t tag) = 0;
   virtual Status sendMessage(uint32_t channel, std::string_view payload) = 0;
   // The same, waiting at most until `deadline` where the transport could block (a full
   // same-host inbox): kTimeout then, nothing sent. Transports that only queue ignore it.
@@ -83,6 +112,11 @@ class TransportPeer {
   virtual Status updateRemote(const SegmentDesc& remote) = 0;
   // Poison: fail pending and future tasks with `why`.
   virtual void fail(const Status& why) = 0;
+  // The control link this peer carries (tcp only); nullptr for data-only transports.
+  virtual std::shared_ptr<ControlLink> controlLink() { return nullptr; }
+  // False: this transport moves data and notifications only; the engine sends the peer's
+  // two-sided messages over its control link (rdma keeps them on tcp).
+  virtual bool carriesMessages() const { return true; }
 };
 
 class Transport {
@@ -101,14 +135,53 @@ class Transport {
   virtual bool canReach(const SegmentDesc& local, const SegmentDesc& remote) const = 0;
   // data=false: the link is only for the handshake, liveness and messages (the engine
   // always holds a tcp link to every peer for those, whatever carries the data).
+  // `control`: the peer's control link (null when connecting the control link itself), for
+  // transports that exchange connection data with the peer (rdma), now or later.
   virtual Result<std::unique_ptr<TransportPeer>> connect(const SegmentDesc& remote,
-                                                         Deadline deadline, bool data) = 0;
+                                                         Deadline deadline, bool data,
+                                                         std::shared_ptr<ControlLink> control) = 0;
+  // The target side of ControlLink::exchange: a peer (`from`, as it described itself in its
+  // handshake) asks this transport for its connection data. Called on an engine thread; the
+  // answer may come later, from any thread, through `reply` (exactly once).
+  virtual void onExchange(const SegmentDesc& from, std::string request,
+                          std::function<void(Result<std::string>)> reply) {
+    (void)from;
+    (void)request;
+    reply(MC_STATUS(kNotSupported, "transport " << transportName(kind())
+                                                << " exchanges no connection data"));
+  }
+  // A peer engine (by id) is gone (died, link broke, or stopped): drop what was kept for it
+  // on the target side (queue pairs it connected to, ...).
+  virtual void onPeerGone(uint64_t engine_id) { (void)engine_id; }
+  // The transport needs the local side of a request registered with it (rdma): requests
+  // from other memory go through the engine's bounce pool (EngineContext::bounce).
+  virtual bool needsRegisteredLocal() const { return false; }
   // Stops threads; called before the engine's memory goes away.
   virtual void stop() = 0;
 };
 
-std::unique_ptr<Transport> makeShmTransport();
-// data_conns: data connections per peer (the control connection is extra).
-std::unique_ptr<Transport> makeTcpTransport(int data_conns);
+// What the engine hands a transport's factory.
+struct TransportOptions {
+  int tcp_data_conns = 2;  // data connections per tcp peer (the control connection is extra)
+};
+
+// One row of the static priority table (NCCL's ncclTransports[]): rows are in TransportKind
+// order, the first whose transport canReach() a peer wins. `make` is null for a transport
+// this build does not have (rdma without libibverbs, cuda without CUDA).
+struct TransportRow {
+  TransportKind kind;
+  const char* name;
+  std::unique_ptr<Transport> (*make)(const TransportOptions& options);
+};
+
+// The table, kNumTransportKinds rows in priority order (engine/transport/table.cc).
+const TransportRow* transportTable();
+// The row named `name`, or nullptr.
+const TransportRow* findTransport(std::string_view name);
+
+std::unique_ptr<Transport> makeShmTransport(const TransportOptions& options);
+std::unique_ptr<Transport> makeTcpTransport(const TransportOptions& options);
+// Defined only in builds with MC_HAVE_RDMA (the table references it only then).
+std::unique_ptr<Transport> makeRdmaTransport(const TransportOptions& options);
 
 }  // namespace mooncake::engine

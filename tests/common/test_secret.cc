@@ -3,11 +3,13 @@
 #include <cstdlib>
 #include <random>
 
+#include "engine/params.h"
+
 namespace mooncake::test {
 namespace {
 
 std::string makeSecret() {
-  if (const char* s = std::getenv("MC_SECRET"); s != nullptr && *s != '\0') return s;
+  if (std::string s = params::getString("MC_SECRET"); !s.empty()) return s;
   std::random_device rd;
   std::string out;
   static const char* kHex = "0123456789abcdef";

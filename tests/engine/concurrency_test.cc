@@ -204,7 +204,7 @@ TEST_P(ConcurrencyTest, NotifyFloodDoesNotHang) {
   std::printf("  after the flood: peerStatus = %s\n", eng->peerStatus(pid).toString().c_str());
 }
 
-INSTANTIATE_TEST_SUITE_P(Engine, ConcurrencyTest, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Engine, ConcurrencyTest, MC_TEST_TRANSPORTS,
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

@@ -127,7 +127,7 @@ TEST_P(PeerDeathTest, KilledMidTransferFailsWithinOneSecond) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Engine, PeerDeathTest,
-                         ::testing::Combine(::testing::Values("shm", "tcp"), ::testing::Bool()),
+                         ::testing::Combine(MC_TEST_TRANSPORTS, ::testing::Bool()),
                          [](const ::testing::TestParamInfo<DeathParam>& i) {
                            return std::get<0>(i.param) +
                                   (std::get<1>(i.param) ? "_allocated" : "_registered");
@@ -314,7 +314,7 @@ TEST_P(FailureTest, WrongSecretRefused) {
   EXPECT_EQ(peer->expect(peer->info().alloc_addr + 1, 4096, 31, 0), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(Engine, FailureTest, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Engine, FailureTest, MC_TEST_TRANSPORTS,
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 // ---------------------------------------------------------------------------------------

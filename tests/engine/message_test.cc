@@ -149,7 +149,7 @@ TEST_P(MessageTest, WaitsHonourDeadlines) {
   EXPECT_LT(msSince(t0), 2000) << p.status().toString();
 }
 
-INSTANTIATE_TEST_SUITE_P(Engine, MessageTest, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Engine, MessageTest, MC_TEST_TRANSPORTS,
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

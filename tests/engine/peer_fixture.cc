@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 
 namespace mooncake::test {
@@ -85,13 +86,38 @@ void PeerTestBase::TearDown() {
                             << join(mine);
   for (const auto& f : shmFiles(shm_prefix_)) shm_unlink(("/" + f).c_str());
   unsetenv("MC_SHM_PREFIX");
+  if (!fv_config_.empty()) {
+    for (const auto& f : shmFiles("mcfv-" + fv_fabric_ + "-")) shm_unlink(("/" + f).c_str());
+    std::remove(fv_config_.c_str());
+    unsetenv("MC_FAKE_VERBS_CONFIG");
+    unsetenv("MC_FAKE_VERBS_FABRIC");
+  }
 }
 
 uint16_t PeerTestBase::rdvPort() const { return server_->port(); }
 
+// rdma runs over the verbs emulator: a config with two RoCE NICs that every process of the
+// test sees, on a fabric of this test's own (its shared-memory files are removed in TearDown).
+// The environment is set before the first engine or peer, so peers inherit it.
+void PeerTestBase::prepareTransport(const std::string& transport) {
+  if (transport != "rdma" || !fv_config_.empty()) return;
+  fv_fabric_ = "mct" + std::to_string(getpid());
+  fv_config_ = "/tmp/mcfv-" + fv_fabric_ + ".conf";
+  FILE* f = std::fopen(fv_config_.c_str(), "w");
+  ASSERT_NE(f, nullptr) << fv_config_;
+  std::fputs("# written by the engine's peer tests (PeerTestBase)\n"
+             "device mlx5_0 pci=0000:17:00.0 link=ethernet ip=10.9.0.1 mtu=4096\n"
+             "device mlx5_1 pci=0000:18:00.0 link=ethernet ip=10.9.0.2 mtu=4096\n",
+             f);
+  std::fclose(f);
+  setenv("MC_FAKE_VERBS_CONFIG", fv_config_.c_str(), 1);
+  setenv("MC_FAKE_VERBS_FABRIC", fv_fabric_.c_str(), 1);
+}
+
 std::unique_ptr<TransferEngine> PeerTestBase::makeEngine(const std::string& transport,
                                                          const std::string& name,
                                                          const std::string& secret) {
+  prepareTransport(transport);
   engine::EngineOptions opt;
   opt.name = name;
   opt.transport = transport;
@@ -107,6 +133,7 @@ std::unique_ptr<TransferEngine> PeerTestBase::makeEngine(const std::string& tran
 }
 
 PeerProcess* PeerTestBase::spawnPeer(const PeerConfig& cfg) {
+  prepareTransport(cfg.transport);
   std::string err;
   auto p = PeerProcess::spawn(cfg, server_->port(), &err);
   EXPECT_TRUE(p != nullptr) << err;

@@ -11,6 +11,7 @@
 
 #include "engine/engine.h"
 #include "engine/rendezvous.h"
+#include "mooncake/config.h"
 #include "tests/engine/peer_process.h"
 #include "tests/engine/test_util.h"
 
@@ -24,6 +25,14 @@
     ::mooncake::Status mc_t_st_ = (expr);                    \
     EXPECT_TRUE(mc_t_st_.ok()) << #expr << " -> " << mc_t_st_.toString(); \
   } while (0)
+
+// The transports the engine's parameterised suites run over: rdma (over the verbs emulator,
+// tests/fakes/verbs, which ctest puts in LD_LIBRARY_PATH) where the build has it.
+#if MC_HAVE_RDMA
+#define MC_TEST_TRANSPORTS ::testing::Values("shm", "tcp", "rdma")
+#else
+#define MC_TEST_TRANSPORTS ::testing::Values("shm", "tcp")
+#endif
 
 namespace mooncake::test {
 
@@ -59,6 +68,8 @@ class PeerTestBase : public ::testing::Test {
   PeerProcess* spawnPeer(const PeerConfig& cfg);
   // Opens a started peer through the rendezvous (deadline 10 s); kInvalidPeer on failure.
   PeerId openPeer(TransferEngine& eng, const std::string& name);
+  // The verbs emulator's fabric of this test (transport "rdma"; empty before first use).
+  const std::string& fakeVerbsFabric() const { return fv_fabric_; }
   // The peer will be killed by the test: TearDown does not require a clean exit.
   void markKilled(PeerProcess* p) { killed_.push_back(p); }
 
@@ -71,6 +82,10 @@ class PeerTestBase : public ::testing::Test {
   std::vector<std::unique_ptr<PeerProcess>> peers_;
   std::vector<PeerProcess*> killed_;
   std::string shm_prefix_;
+  // transport "rdma": the emulator's config file and fabric (set up on first use).
+  void prepareTransport(const std::string& transport);
+  std::string fv_config_;
+  std::string fv_fabric_;
 };
 
 }  // namespace mooncake::test

@@ -437,6 +437,7 @@ TEST_F(TcpGarbageTest, DescOrder) {
     data_hello.secret = "job-secret";
     data_hello.engine_id = id;
     data_hello.role = tcp::ConnRole::kData;
+    data_hello.index = 1;
     std::string dh = tcp::encodeHello(data_hello);
     c->sendFrame(header(FrameType::kHello, dh.size()), dh);
     FrameHeader r;

@@ -1,5 +1,6 @@
 // Small helpers shared by the engine tests: deterministic byte patterns, checks that report
-// the first differing byte, and deadline arithmetic. Header-only, no engine dependency.
+// the first differing byte, and deadline arithmetic. Header-only; ScopedEnv reads old values
+// through the engine's parameter registry.
 #pragma once
 
 #include <chrono>
@@ -10,6 +11,8 @@
 #include <sstream>
 #include <string>
 
+#include "engine/params.h"
+
 namespace mooncake::test {
 
 // Sets (value != nullptr) or unsets an environment variable for one scope (parameters are read
@@ -17,9 +20,14 @@ namespace mooncake::test {
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      old_ = old;
-      had_ = true;
+    // Through the parameter registry, the one reader of the environment: MC_* names from its
+    // table, the few system names (HOME) from its allow-list.
+    if (std::strncmp(name, "MC_", 3) == 0) {
+      had_ = params::isSet(name);
+      if (had_) old_ = params::getString(name);
+    } else {
+      old_ = params::getSystem(name);
+      had_ = !old_.empty();
     }
     if (value != nullptr)
       setenv(name, value, 1);

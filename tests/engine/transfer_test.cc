@@ -131,7 +131,7 @@ std::string paramName(const ::testing::TestParamInfo<TransferParam>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Engine, TransferTest,
-                         ::testing::Combine(::testing::Values("shm", "tcp"),
+                         ::testing::Combine(MC_TEST_TRANSPORTS,
                                             ::testing::Values(1, 4096 + 3, 1u << 20, 64u << 20)),
                          paramName);
 
@@ -158,8 +158,8 @@ TEST_P(TransportTest, MappedAddress) {
   EXPECT_EQ(eng->mappedAddress(pid, in.alloc_addr + in.region_bytes - 10, 100), nullptr)
       << "a range past the region's end must not be mapped";
   EXPECT_EQ(eng->mappedAddress(pid, in.unreg_addr, 16), nullptr) << "unregistered memory";
-  if (transport == "tcp") {
-    EXPECT_EQ(m, nullptr) << "tcp peers are not mapped";
+  if (transport != "shm") {
+    EXPECT_EQ(m, nullptr) << transport << " peers are not mapped";
     EXPECT_EQ(eng->mappedAddress(pid, in.reg_addr, 16), nullptr);
     return;
   }
@@ -266,7 +266,7 @@ TEST_P(TransportTest, TwoPeersInOneBatch) {
   EXPECT_EQ(pb->expect(pb->info().reg_addr, 1 << 16, regSeed(b), 0), "") << "untouched region";
 }
 
-INSTANTIATE_TEST_SUITE_P(Engine, TransportTest, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Engine, TransportTest, MC_TEST_TRANSPORTS,
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

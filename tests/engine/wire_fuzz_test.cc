@@ -55,6 +55,7 @@ SegmentDesc sampleDesc() {
   d.tcp_port = 40001;
   d.inbox_shm = "/mc-inbox-4242";
   d.transports = 0b1010;
+  d.endpoints[static_cast<int>(TransportKind::kRdma)] = std::string("\x02nic\x00gid", 8);
   d.regions_version = 9;
   for (int i = 0; i < 3; ++i) {
     RegionDesc r;
@@ -79,6 +80,7 @@ void expectSameDesc(const SegmentDesc& a, const SegmentDesc& b) {
   EXPECT_EQ(a.tcp_port, b.tcp_port);
   EXPECT_EQ(a.inbox_shm, b.inbox_shm);
   EXPECT_EQ(a.transports, b.transports);
+  for (int k = 0; k < kNumTransportKinds; ++k) EXPECT_EQ(a.endpoints[k], b.endpoints[k]);
   EXPECT_EQ(a.regions_version, b.regions_version);
   ASSERT_EQ(a.regions.size(), b.regions.size());
   for (size_t i = 0; i < a.regions.size(); ++i) {
@@ -286,12 +288,26 @@ TEST(TcpHelloFuzz, TruncatedAndRandomPayloads) {
   h.secret = "job-secret";
   h.engine_id = 77;
   h.role = tcp::ConnRole::kData;
+  h.link = 0x1234567890abcdefull;
+  h.index = 3;
   const std::string valid = tcp::encodeHello(h);
   tcp::Hello out;
   ASSERT_TRUE(tcp::decodeHello(valid, &out));
   EXPECT_EQ(out.secret, h.secret);
   EXPECT_EQ(out.engine_id, 77u);
   EXPECT_EQ(out.role, tcp::ConnRole::kData);
+  EXPECT_EQ(out.link, h.link);
+  EXPECT_EQ(out.index, 3u);
+  // A data connection is index 1..kMaxDataConns of its link, the control connection 0.
+  for (uint32_t bad : {0u, static_cast<uint32_t>(tcp::kMaxDataConns) + 1}) {
+    tcp::Hello b = h;
+    b.index = bad;
+    EXPECT_FALSE(tcp::decodeHello(tcp::encodeHello(b), &out)) << "data index " << bad;
+  }
+  tcp::Hello ctl = h;
+  ctl.role = tcp::ConnRole::kControl;
+  ctl.index = 1;
+  EXPECT_FALSE(tcp::decodeHello(tcp::encodeHello(ctl), &out)) << "control index 1";
   for (size_t n = 0; n < valid.size(); ++n) {
     Exact e(std::string_view(valid).substr(0, n));
     EXPECT_FALSE(tcp::decodeHello(e.view(), &out)) << "truncated to " << n;

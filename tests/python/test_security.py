@@ -40,8 +40,9 @@ def wstr(b):
     return struct.pack("<I", len(b)) + b
 
 
-def hello_payload(secret, engine_id=0x1234, role=0):
-    return wstr(secret) + struct.pack("<QB", engine_id, role)
+def hello_payload(secret, engine_id=0x1234, role=0, link=0x5eed):
+    # secret, engine id, role, link id, connection index (0: control, data from 1)
+    return wstr(secret) + struct.pack("<QBQI", engine_id, role, link, 0 if role == 0 else 1)
 
 
 def rdv_request(op, key=b"", value=b"", timeout_ms=0):

@@ -39,12 +39,11 @@ class ShmPeer : public TransportPeer {
 
   void submit(Task* t) override { t->done(run(t)); }
 
-  Status notify(uint64_t tag) override {
+  Status notify(uint32_t channel, uint64_t tag) override {
     MC_RETURN_IF_ERROR(failed());
     // Writes to this peer were completed (memcpy returned) before submit() returned; the
     // release store inside the inbox push orders them before the tag.
-    return inbox_->pushNotify(ctx_->engine_id, tag,
-                              deadlineInMs(push_timeout_ms_));
+    return inbox_->pushNotify(ctx_->engine_id, channel, tag, deadlineInMs(push_timeout_ms_));
   }
 
   Status sendMessage(uint32_t channel, std::string_view payload) override {
@@ -211,7 +210,8 @@ class ShmTransport : public Transport {
            remote.host_id == local.host_id && !remote.inbox_shm.empty();
   }
   Result<std::unique_ptr<TransportPeer>> connect(const SegmentDesc& remote, Deadline deadline,
-                                                 bool data) override {
+                                                 bool data,
+                                                 std::shared_ptr<ControlLink> control) override {
     auto inbox = Inbox::attach(remote.inbox_shm);
     if (!inbox.ok())
       return MC_STATUS(kUnavailable, "shm: cannot attach the inbox of " << remote.name << ": "
@@ -227,6 +227,9 @@ class ShmTransport : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> makeShmTransport() { return std::make_unique<ShmTransport>(); }
+std::unique_ptr<Transport> makeShmTransport(const TransportOptions& options) {
+  (void)options;
+  return std::make_unique<ShmTransport>();
+}
 
 }  // namespace mooncake::engine

@@ -48,6 +48,7 @@ bool Core::send(Conn& c, FrameHeader h, const char* data, size_t len, std::strin
   it.len = it.owned.empty() ? len : it.owned.size();
   std::lock_guard<std::mutex> g(c.out_mu);
   if (c.closed) return false;
+  if (h.type == FrameType::kWrite) ++c.writes_queued;  // counted where NOTIFY reads it
   c.outq.push_back(std::move(it));
   if (c.outq.size() == 1) flushLocked(c);
   if (!c.outq.empty()) setArmed(c, true);
@@ -129,6 +130,7 @@ void Core::closeConn(const std::shared_ptr<Conn>& c, const Status& why) {
   }
   MC_LOG(DEBUG, TCP) << "closed connection from " << (c->authed ? c->src_name : "?") << ": "
                      << why.message();
+  if (c->authed && c->role == ConnRole::kControl) links_.erase({c->src_engine, c->link});
   if (!c->authed || c->role != ConnRole::kControl || !c->have_desc || !ctx_->on_peer_failure)
     return;
   if (c->leaving)
@@ -230,13 +232,15 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
   bool passive_type = h.type == FrameType::kHello || h.type == FrameType::kDesc ||
                       h.type == FrameType::kWrite ||
                       h.type == FrameType::kReadReq || h.type == FrameType::kNotify ||
-                      h.type == FrameType::kMsg || h.type == FrameType::kBye;
+                      h.type == FrameType::kMsg || h.type == FrameType::kBye ||
+                      h.type == FrameType::kXchg;
   bool active_type = h.type == FrameType::kWriteAck || h.type == FrameType::kReadResp ||
+                     h.type == FrameType::kXchgResp ||
                      (h.type == FrameType::kBye && h.aux == kByeEngineStopping);
   if (!(c->active ? active_type : passive_type))
     return protocolError(c, "unexpected frame type " + std::to_string(int(h.type)));
   bool no_payload = h.type == FrameType::kWriteAck || h.type == FrameType::kReadReq ||
-                    h.type == FrameType::kNotify || h.type == FrameType::kBye;
+                    h.type == FrameType::kBye;
   if (no_payload && h.type != FrameType::kReadReq && h.length != 0)
     return protocolError(c, "payload on a frame that has none");
   if ((h.type == FrameType::kWrite || h.type == FrameType::kReadReq ||
@@ -259,8 +263,20 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
       if (h.length > kMaxMessageBytes) return protocolError(c, "oversized message");
       return expectPayload(c, Conn::Sink::kBuffer, nullptr);
     case FrameType::kNotify:
-      deliverNotify(c->src_engine, h.aux);
-      return true;
+      if (c->role != ConnRole::kControl) return protocolError(c, "NOTIFY on a data connection");
+      if (h.length > kMaxNotifyBytes || h.length % 8 != 0)
+        return protocolError(c, "NOTIFY with " + std::to_string(h.length) + " watermark bytes");
+      return expectPayload(c, Conn::Sink::kBuffer, nullptr);
+    case FrameType::kXchg:
+      if (c->role != ConnRole::kControl) return protocolError(c, "XCHG on a data connection");
+      if (h.length > kMaxExchangeBytes) return protocolError(c, "oversized XCHG");
+      if (h.aux >= static_cast<uint64_t>(kNumTransportKinds))
+        return protocolError(c, "XCHG for transport " + std::to_string(h.aux));
+      return expectPayload(c, Conn::Sink::kBuffer, nullptr);
+    case FrameType::kXchgResp:
+      if (c->role != ConnRole::kControl) return protocolError(c, "XCHG_RESP on a data connection");
+      if (h.length > kMaxExchangeBytes) return protocolError(c, "oversized XCHG_RESP");
+      return expectPayload(c, Conn::Sink::kBuffer, nullptr);
     case FrameType::kBye:
       c->bye = true;
       c->leaving = h.aux == kByeEngineStopping;
@@ -358,6 +374,8 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       if (admission_) admission_->authenticated(c->src_addr);
       c->src_engine = hello.engine_id;
       c->role = hello.role;
+      c->link = hello.link;
+      c->index = hello.index;
       MC_LOG(DEBUG, TCP) << "accepted "
                          << (c->role == ConnRole::kControl ? "control"
                              : c->role == ConnRole::kData  ? "data"
@@ -407,6 +425,45 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       ack.addr = h.addr;
       ack.status = static_cast<uint16_t>(c->verdict);
       send(*c, ack, nullptr, 0);
+      if (c->role == ConnRole::kData) {
+        // The bytes are in memory (or were refused): NOTIFYs waiting for them may go.
+        auto it = links_.find({c->src_engine, c->link});
+        if (it == links_.end()) it = links_.emplace(std::make_pair(c->src_engine, c->link), LinkState()).first;
+        ++it->second.writes_done[c->index];
+        if (!it->second.held.empty()) releaseHeld(it->second, c->src_engine);
+      }
+      return true;
+    }
+    case FrameType::kNotify: {
+      std::string wm;
+      wm.swap(c->buf);
+      onNotify(*c, wm, static_cast<uint32_t>(h.addr), h.aux);
+      return true;
+    }
+    case FrameType::kXchg:
+      onExchange(c);
+      return true;
+    case FrameType::kXchgResp: {
+      auto p = c->peer.lock();
+      if (!p) return protocolError(c, "response for a closed peer");
+      std::shared_ptr<ExchangeWait> w;
+      {
+        std::lock_guard<std::mutex> g(p->mu);
+        auto it = p->exchanges.find(h.req_id);
+        if (it != p->exchanges.end()) {
+          w = it->second;
+          p->exchanges.erase(it);
+        }
+      }
+      if (w == nullptr) return true;  // the waiter gave up (deadline)
+      std::lock_guard<std::mutex> g(w->mu);
+      w->done = true;
+      if (h.status != 0)
+        w->status = Status(static_cast<Code>(h.status), "tcp peer " + p->label + ": " + c->buf);
+      else
+        w->answer.swap(c->buf);
+      c->buf.clear();
+      w->cv.notify_all();
       return true;
     }
     case FrameType::kWriteAck:
@@ -433,10 +490,6 @@ bool Core::completeSlice(PeerState& p, uint64_t req, Code code) {
     if (it == p.slices.end()) return false;
     Slice s = it->second;
     p.slices.erase(it);
-    if (s.op == OpCode::kWrite) {
-      p.writes.erase(s.seq);
-      flushNotifiesLocked(p);
-    }
     if (code != Code::kOk && s.ts->status.ok()) {
       const char* op = s.op == OpCode::kWrite ? "write to" : "read from";
       std::ostringstream os;
@@ -454,16 +507,74 @@ bool Core::completeSlice(PeerState& p, uint64_t req, Code code) {
   return true;
 }
 
-// Sends every deferred NOTIFY whose earlier writes are all acknowledged (p.mu held).
-void Core::flushNotifiesLocked(PeerState& p) {
-  while (!p.notifies.empty() &&
-         (p.writes.empty() || *p.writes.begin() >= p.notifies.front().first)) {
-    FrameHeader h;
-    h.type = FrameType::kNotify;
-    h.aux = p.notifies.front().second;
-    send(*p.conns[0], h, nullptr, 0);
-    p.notifies.pop_front();
+// Target side: a NOTIFY is delivered once every data connection of its link delivered the
+// WRITE frames the initiator had queued there before it; notifications of a link keep their
+// order (a held one holds back later ones).
+void Core::onNotify(Conn& c, const std::string& watermarks, uint32_t channel, uint64_t tag) {
+  LinkState::Held n;
+  n.channel = channel;
+  n.tag = tag;
+  n.watermarks.resize(watermarks.size() / 8);
+  if (!watermarks.empty()) std::memcpy(n.watermarks.data(), watermarks.data(), watermarks.size());
+  auto it = links_.find({c.src_engine, c.link});
+  if (it == links_.end()) {
+    bool none = true;
+    for (uint64_t w : n.watermarks) none = none && w == 0;
+    if (none) return deliverNotify(c.src_engine, channel, tag);
+    it = links_.emplace(std::make_pair(c.src_engine, c.link), LinkState()).first;
   }
+  it->second.held.push_back(std::move(n));
+  releaseHeld(it->second, c.src_engine);
+}
+
+void Core::releaseHeld(LinkState& l, uint64_t src) {
+  while (!l.held.empty()) {
+    const LinkState::Held& n = l.held.front();
+    for (size_t i = 0; i < n.watermarks.size(); ++i)
+      if (l.writes_done[i + 1] < n.watermarks[i]) return;
+    deliverNotify(src, n.channel, n.tag);
+    l.held.pop_front();
+  }
+}
+
+// Target side: hands an exchange request to the engine; the answer goes back on the same
+// connection whenever it comes (a connection closed by then drops it).
+void Core::onExchange(const std::shared_ptr<Conn>& c) {
+  const FrameHeader h = c->cur;
+  std::string req;
+  req.swap(c->buf);
+  std::weak_ptr<Conn> weak = c;
+  std::weak_ptr<Core> self = weak_from_this();
+  auto reply = [weak, self, id = h.req_id](Result<std::string> r) {
+    auto core = self.lock();
+    auto conn = weak.lock();
+    if (!core || !conn) return;
+    FrameHeader resp;
+    resp.type = FrameType::kXchgResp;
+    resp.req_id = id;
+    std::string body;
+    if (r.ok()) {
+      body = std::move(r).value();
+    } else {
+      resp.status = static_cast<uint16_t>(r.status().code());
+      body = r.status().message().substr(0, kMaxReasonBytes);
+    }
+    if (body.size() > kMaxExchangeBytes) {
+      resp.status = static_cast<uint16_t>(Code::kInternal);
+      body = "exchange answer too large";
+    }
+    resp.length = body.size();
+    if (body.empty())
+      core->send(*conn, resp, nullptr, 0);
+    else
+      core->send(*conn, resp, nullptr, 0, std::move(body));
+  };
+  if (!ctx_->on_exchange) {
+    reply(MC_STATUS(kNotSupported, "this engine serves no exchanges"));
+    return;
+  }
+  ctx_->on_exchange(c->src_engine, static_cast<TransportKind>(h.aux), std::move(req),
+                    std::move(reply));
 }
 
 // Progress thread (or stop() after it ended). Closes the peer's connections first (so no
@@ -481,7 +592,6 @@ void Core::failPeer(PeerState& p, const Status& why, bool report, bool orderly) 
       p.why = why;
     }
     final_why = p.why;
-    p.notifies.clear();
   }
   for (auto& c : p.conns) dropConn(*c);
   std::vector<TaskState*> done;
@@ -492,7 +602,13 @@ void Core::failPeer(PeerState& p, const Status& why, bool report, bool orderly) 
       if (--s.ts->remaining == 0) done.push_back(s.ts);
     }
     p.slices.clear();
-    p.writes.clear();
+    for (auto& [id, w] : p.exchanges) {
+      std::lock_guard<std::mutex> wg(w->mu);
+      w->done = true;
+      w->status = final_why;
+      w->cv.notify_all();
+    }
+    p.exchanges.clear();
   }
   if (first && report && (!orderly || !done.empty())) {
     MC_LOG(WARN, TCP) << final_why.toString() << " (" << done.size() << " requests failed)";
@@ -509,17 +625,18 @@ void Core::failPeer(PeerState& p, const Status& why, bool report, bool orderly) 
 
 // ---------------------------------------------------------------- inbox delivery
 
-void Core::deliverNotify(uint64_t src, uint64_t tag) {
+void Core::deliverNotify(uint64_t src, uint32_t channel, uint64_t tag) {
+  if (channel != 0 && ctx_->deliver_notify) return ctx_->deliver_notify(src, channel, tag);
   if (ctx_->inbox == nullptr) return;
   if (notify_backlog_.empty()) {
-    Status st = ctx_->inbox->pushNotify(src, tag, Clock::now());
+    Status st = ctx_->inbox->pushNotify(src, channel, tag, Clock::now());
     if (st.ok()) return;
     if (st.code() != Code::kResourceExhausted) {
       MC_LOG(ERROR, TCP) << "dropping notification from " << hexId(src) << ": " << st.toString();
       return;
     }
   }
-  notify_backlog_.emplace_back(src, tag);
+  notify_backlog_.push_back(PendingNotify{src, channel, tag});
 }
 
 // Single-fragment messages never wait (they queue here when the inbox is full); a larger one
@@ -549,8 +666,8 @@ void Core::deliverMessage(uint64_t src, uint32_t channel, std::string payload) {
 
 void Core::retryBacklog() {
   while (!notify_backlog_.empty()) {
-    auto [src, tag] = notify_backlog_.front();
-    Status st = ctx_->inbox->pushNotify(src, tag, Clock::now());
+    PendingNotify n = notify_backlog_.front();
+    Status st = ctx_->inbox->pushNotify(n.src, n.channel, n.tag, Clock::now());
     if (!st.ok() && st.code() == Code::kResourceExhausted) break;
     if (!st.ok()) {
       MC_LOG(ERROR, TCP) << "dropping notification: " << st.toString();

@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <deque>
+#include <map>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -51,7 +53,6 @@ struct Slice {
   OpCode op;
   uint64_t offset;
   uint64_t len;
-  uint64_t seq;  // write sequence number (0 for reads)
 };
 
 struct OutItem {
@@ -81,6 +82,8 @@ struct Conn {
   bool leaving = false;  // either side: the peer's engine said it is stopping
   uint64_t src_engine = 0;
   std::string src_name;
+  uint64_t link = 0;   // the initiator's link id (both sides)
+  uint32_t index = 0;  // this connection's index in its link (0: control)
   // Output: any thread, under out_mu. `closed` is written only by the progress thread (or
   // by stop() after it ended), always under out_mu.
   std::mutex out_mu;
@@ -88,6 +91,7 @@ struct Conn {
   bool out_armed = false;
   bool closed = false;
   bool broken = false;
+  uint64_t writes_queued = 0;  // WRITE frames queued on it so far (initiator side)
   // Input state machine: progress thread only.
   uint8_t hdr[kHeaderBytes];
   size_t hdr_got = 0;
@@ -102,10 +106,32 @@ struct Conn {
 
 class Core;
 
+// An exchange (XCHG) waiting for its answer.
+struct ExchangeWait {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status status;
+  std::string answer;
+};
+
+// Target side, progress thread only: per initiator link, how many WRITE frames each of its
+// data connections delivered, and the NOTIFYs waiting for more.
+struct LinkState {
+  struct Held {
+    std::vector<uint64_t> watermarks;  // index i-1: data connection i
+    uint32_t channel;
+    uint64_t tag;
+  };
+  std::vector<uint64_t> writes_done = std::vector<uint64_t>(kMaxDataConns + 1, 0);
+  std::deque<Held> held;
+};
+
 struct PeerState {
   std::shared_ptr<Core> core;
   std::string label;
   uint64_t engine_id = 0;
+  uint64_t link = 0;                         // random id sent in every HELLO of this peer
   std::vector<std::shared_ptr<Conn>> conns;  // [0] control, then data; fixed after connect
   std::mutex mu;                             // guards everything below
   SegmentDesc remote;
@@ -113,11 +139,10 @@ struct PeerState {
   bool cleaned = false;  // connections closed and requests failed (progress thread)
   Status why;
   uint64_t next_req = 1;
-  uint64_t next_seq = 1;
   size_t rr = 0;
   std::unordered_map<uint64_t, Slice> slices;
-  std::set<uint64_t> writes;                           // write seqs not yet acknowledged
-  std::deque<std::pair<uint64_t, uint64_t>> notifies;  // (write-seq watermark, tag)
+  uint64_t next_xchg = 1;
+  std::unordered_map<uint64_t, std::shared_ptr<ExchangeWait>> exchanges;
 };
 
 class Core : public std::enable_shared_from_this<Core> {
@@ -134,7 +159,9 @@ class Core : public std::enable_shared_from_this<Core> {
   Result<std::shared_ptr<PeerState>> connect(const SegmentDesc& remote, Deadline deadline,
                                              bool data);
   void submit(PeerState& p, Task* t);
-  Status notify(PeerState& p, uint64_t tag);
+  Status notify(PeerState& p, uint32_t channel, uint64_t tag);
+  Result<std::string> exchange(PeerState& p, TransportKind kind, std::string_view request,
+                               Deadline deadline);
   Status sendMessage(PeerState& p, uint32_t channel, std::string_view payload);
   Status sendMessage(PeerState& p, uint32_t channel, std::string&& payload);
   void fail(const std::shared_ptr<PeerState>& p, const Status& why);
@@ -175,8 +202,11 @@ class Core : public std::enable_shared_from_this<Core> {
   // Tells every peer on every connection that this engine is stopping (BYE, best effort).
   void sayGoodbye();
   bool completeSlice(PeerState& p, uint64_t req, Code code);
-  void flushNotifiesLocked(PeerState& p);
-  void deliverNotify(uint64_t src, uint64_t tag);
+  // Target side: a NOTIFY whose watermarks are met is delivered, else held on its link.
+  void onNotify(Conn& c, const std::string& watermarks, uint32_t channel, uint64_t tag);
+  void releaseHeld(LinkState& l, uint64_t src);
+  void onExchange(const std::shared_ptr<Conn>& c);
+  void deliverNotify(uint64_t src, uint32_t channel, uint64_t tag);
   void deliverMessage(uint64_t src, uint32_t channel, std::string payload);
   Status pushMessage(uint64_t src, uint32_t channel, const std::string& payload);
   void retryBacklog();
@@ -198,8 +228,15 @@ class Core : public std::enable_shared_from_this<Core> {
   std::mutex cmd_mu_;
   std::vector<std::function<void()>> cmds_;
   bool running_ = false;  // under cmd_mu_
+  // Progress thread only: per (initiator engine, link id), see LinkState.
+  std::map<std::pair<uint64_t, uint64_t>, LinkState> links_;
   // Progress thread only: inbox pushes that found the inbox full, in arrival order.
-  std::deque<std::pair<uint64_t, uint64_t>> notify_backlog_;
+  struct PendingNotify {
+    uint64_t src;
+    uint32_t channel;
+    uint64_t tag;
+  };
+  std::deque<PendingNotify> notify_backlog_;
   struct PendingMsg {
     uint64_t src;
     uint32_t channel;

@@ -16,6 +16,7 @@
 #include <sys/eventfd.h>
 
 #include <future>
+#include <random>
 
 #include "engine/log.h"
 #include "engine/params.h"
@@ -63,6 +64,8 @@ std::string encodeHello(const Hello& h) {
   w.str(h.secret);
   w.u64(h.engine_id);
   w.u8(static_cast<uint8_t>(h.role));
+  w.u64(h.link);
+  w.u32(h.index);
   return w.take();
 }
 
@@ -72,12 +75,25 @@ bool decodeHello(std::string_view payload, Hello* out) {
   out->engine_id = r.u64();
   uint8_t role = r.u8();
   out->role = static_cast<ConnRole>(role);
-  return r.done() && role <= static_cast<uint8_t>(ConnRole::kQuery);
+  out->link = r.u64();
+  out->index = r.u32();
+  // The control and query connections are index 0 of their link, data connections
+  // 1..kMaxDataConns.
+  bool index_ok = role == static_cast<uint8_t>(ConnRole::kData)
+                      ? out->index >= 1 && out->index <= static_cast<uint32_t>(kMaxDataConns)
+                      : out->index == 0;
+  return r.done() && role <= static_cast<uint8_t>(ConnRole::kQuery) && index_ok;
 }
 
 // ---------------------------------------------------------------- set-up and shutdown
 
 namespace {
+
+uint64_t randomLinkId() {
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  return ((static_cast<uint64_t>(rd()) << 32) ^ rd()) + counter.fetch_add(1);
+}
 
 std::string advertiseHost(const std::string& bind) {
   std::string a = params::getString("MC_TCP_ADVERTISE_HOST");
@@ -395,6 +411,7 @@ Result<std::shared_ptr<PeerState>> Core::connect(const SegmentDesc& remote, Dead
   Hello hello;
   hello.secret = ctx_->secret;
   hello.engine_id = ctx_->engine_id;
+  hello.link = randomLinkId();
   SegmentDesc self;
   if (ctx_->local_segment) {
     self = ctx_->local_segment();
@@ -407,6 +424,7 @@ Result<std::shared_ptr<PeerState>> Core::connect(const SegmentDesc& remote, Dead
   std::vector<int> fds;
   for (int i = 0; i < n; ++i) {
     hello.role = i == 0 ? ConnRole::kControl : ConnRole::kData;
+    hello.index = static_cast<uint32_t>(i);
     Result<int> fd =
         openConn(remote, label, encodeHello(hello), i == 0 ? desc : std::string(), deadline);
     if (!fd.ok()) {
@@ -428,6 +446,7 @@ Result<std::shared_ptr<PeerState>> Core::connect(const SegmentDesc& remote, Dead
   p->core = shared_from_this();
   p->label = label;
   p->engine_id = remote.engine_id;
+  p->link = hello.link;
   p->remote = remote;
   for (int i = 0; i < n; ++i) {
     auto c = std::make_shared<Conn>();
@@ -435,6 +454,8 @@ Result<std::shared_ptr<PeerState>> Core::connect(const SegmentDesc& remote, Dead
     c->fd = fds[i];
     c->active = true;
     c->authed = true;
+    c->link = hello.link;
+    c->index = static_cast<uint32_t>(i);
     c->role = i == 0 ? ConnRole::kControl : ConnRole::kData;
     c->peer = p;
     p->conns.push_back(c);
@@ -479,12 +500,7 @@ void Core::submit(PeerState& p, Task* t) {
         uint64_t off = i * slice;
         uint64_t len = std::min(slice, t->length - off);
         uint64_t req = p.next_req++;
-        uint64_t seq = 0;
-        if (t->op == OpCode::kWrite) {
-          seq = p.next_seq++;
-          p.writes.insert(seq);
-        }
-        p.slices.emplace(req, Slice{ts, t->op, off, len, seq});
+        p.slices.emplace(req, Slice{ts, t->op, off, len});
         Post post{ndata == 0 ? p.conns[0].get() : p.conns[1 + p.rr++ % ndata].get(), {}, nullptr};
         post.h.type = t->op == OpCode::kWrite ? FrameType::kWrite : FrameType::kReadReq;
         post.h.req_id = req;
@@ -503,12 +519,70 @@ void Core::submit(PeerState& p, Task* t) {
     send(*post.conn, post.h, post.data, post.data != nullptr ? post.h.length : 0);
 }
 
-Status Core::notify(PeerState& p, uint64_t tag) {
+// No waiting for acknowledgements: the NOTIFY names how many WRITE frames each data
+// connection carried before it, and the target holds it until it received them all. Writes
+// submitted before this call have all been queued (submit() queues before it returns).
+Status Core::notify(PeerState& p, uint32_t channel, uint64_t tag) {
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    if (p.failed) return p.why;
+  }
+  std::string wm;
+  wm.reserve(8 * (p.conns.size() - 1));
+  for (size_t i = 1; i < p.conns.size(); ++i) {
+    uint64_t n;
+    {
+      std::lock_guard<std::mutex> g(p.conns[i]->out_mu);
+      n = p.conns[i]->writes_queued;
+    }
+    wm.append(reinterpret_cast<const char*>(&n), 8);  // little-endian hosts only (x86, arm)
+  }
+  FrameHeader h;
+  h.type = FrameType::kNotify;
+  h.addr = channel;
+  h.aux = tag;
+  h.length = wm.size();
+  bool sent = wm.empty() ? send(*p.conns[0], h, nullptr, 0) : send(*p.conns[0], h, nullptr, 0, std::move(wm));
+  if (sent) return Status::OK();
   std::lock_guard<std::mutex> g(p.mu);
-  if (p.failed) return p.why;
-  p.notifies.emplace_back(p.next_seq, tag);
-  flushNotifiesLocked(p);
-  return Status::OK();
+  return p.failed ? p.why : MC_STATUS(kPeerDead, "tcp peer " << p.label << " is closed");
+}
+
+Result<std::string> Core::exchange(PeerState& p, TransportKind kind, std::string_view request,
+                                   Deadline deadline) {
+  if (request.size() > kMaxExchangeBytes)
+    return MC_STATUS(kInvalidArgument, "exchange request of " << request.size() << " bytes");
+  auto w = std::make_shared<ExchangeWait>();
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    if (p.failed) return p.why;
+    id = p.next_xchg++;
+    p.exchanges[id] = w;
+  }
+  FrameHeader h;
+  h.type = FrameType::kXchg;
+  h.req_id = id;
+  h.aux = static_cast<uint64_t>(kind);
+  h.length = request.size();
+  bool sent = request.empty() ? send(*p.conns[0], h, nullptr, 0)
+                              : send(*p.conns[0], h, nullptr, 0, std::string(request));
+  if (!sent) {
+    std::lock_guard<std::mutex> g(p.mu);
+    p.exchanges.erase(id);
+    return p.failed ? p.why : MC_STATUS(kPeerDead, "tcp peer " << p.label << " is closed");
+  }
+  std::unique_lock<std::mutex> g(w->mu);
+  if (!w->cv.wait_until(g, deadline, [&] { return w->done; })) {
+    g.unlock();
+    std::lock_guard<std::mutex> pg(p.mu);
+    p.exchanges.erase(id);
+    return MC_STATUS(kTimeout, "no answer from tcp peer " << p.label << " to a "
+                                                          << transportName(kind)
+                                                          << " exchange before the deadline");
+  }
+  if (!w->status.ok()) return w->status;
+  return std::move(w->answer);
 }
 
 Status Core::sendMessage(PeerState& p, uint32_t channel, std::string_view payload) {
@@ -570,12 +644,29 @@ using tcp::PeerState;
 
 // ---------------------------------------------------------------- the interface
 
+class TcpControlLink : public ControlLink {
+ public:
+  explicit TcpControlLink(std::shared_ptr<PeerState> st) : st_(std::move(st)) {}
+  Result<std::string> exchange(TransportKind kind, std::string_view request,
+                               Deadline deadline) override {
+    return st_->core->exchange(*st_, kind, request, deadline);
+  }
+
+ private:
+  std::shared_ptr<PeerState> st_;
+};
+
 class TcpPeer : public TransportPeer {
  public:
   explicit TcpPeer(std::shared_ptr<PeerState> st) : st_(std::move(st)) {}
   ~TcpPeer() override { st_->core->close(st_); }
   void submit(Task* task) override { st_->core->submit(*st_, task); }
-  Status notify(uint64_t tag) override { return st_->core->notify(*st_, tag); }
+  Status notify(uint32_t channel, uint64_t tag) override {
+    return st_->core->notify(*st_, channel, tag);
+  }
+  std::shared_ptr<ControlLink> controlLink() override {
+    return std::make_shared<TcpControlLink>(st_);
+  }
   using TransportPeer::sendMessage;  // the deadline form: tcp queues, it never blocks
   Status sendMessage(uint32_t channel, std::string_view payload) override {
     return st_->core->sendMessage(*st_, channel, payload);
@@ -605,7 +696,9 @@ class TcpTransport : public Transport {
     return remote.offers(TransportKind::kTcp) && !remote.tcp_host.empty() && remote.tcp_port != 0;
   }
   Result<std::unique_ptr<TransportPeer>> connect(const SegmentDesc& remote, Deadline deadline,
-                                                 bool data) override {
+                                                 bool data,
+                                                 std::shared_ptr<ControlLink> control) override {
+    (void)control;  // tcp is the control link
     MC_ASSIGN_OR_RETURN(auto st, core_->connect(remote, deadline, data));
     return std::unique_ptr<TransportPeer>(new TcpPeer(std::move(st)));
   }
@@ -617,8 +710,8 @@ class TcpTransport : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> makeTcpTransport(int data_conns) {
-  return std::make_unique<TcpTransport>(data_conns);
+std::unique_ptr<Transport> makeTcpTransport(const TransportOptions& options) {
+  return std::make_unique<TcpTransport>(std::min(options.tcp_data_conns, tcp::kMaxDataConns));
 }
 
 }  // namespace mooncake::engine

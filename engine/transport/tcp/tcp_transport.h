@@ -1,7 +1,8 @@
 // tcp transport: reaches any host. One epoll progress thread per engine serves every
 // connection (accepted and opened); a peer is one control connection (handshake, liveness,
-// notifications, messages) plus `data_conns` data connections over which large requests are
-// cut into slices (MC_TCP_SLICE_BYTES) and spread round-robin.
+// notifications, messages, transports' connection exchanges) plus `data_conns` data
+// connections over which large requests are cut into slices (MC_TCP_SLICE_BYTES) and spread
+// round-robin.
 //
 // Wire format (this header is the spec; tests build frames from it). Every frame starts with
 // a fixed 40-byte little-endian header:
@@ -9,10 +10,14 @@
 //   u32 magic (kFrameMagic) | u8 type | u8 flags (0) | u16 status (mooncake::Code)
 //   u64 request id | u64 remote addr | u64 length | u64 aux
 //
-// followed by `length` payload bytes for HELLO, DESC, HELLO_DENIED, WRITE, READ_RESP and MSG.
-// For READ_REQ `length` is the number of bytes asked for (no payload). Per type:
-//   HELLO        payload = encodeHello(): secret, initiator engine id, role (at most
-//                kMaxHelloBytes: this is all a connection may send before it authenticated)
+// followed by `length` payload bytes for HELLO, DESC, HELLO_DENIED, WRITE, READ_RESP, MSG,
+// NOTIFY, XCHG and XCHG_RESP. For READ_REQ `length` is the number of bytes asked for (no
+// payload). Per type:
+//   HELLO        payload = encodeHello(): secret, initiator engine id, role, link id and the
+//                connection's index in its link (at most kMaxHelloBytes: this is all a
+//                connection may send before it authenticated). A link is the set of
+//                connections one initiator opened to one target for one peer (control = index
+//                0, data connections 1..n), named by a random id.
 //   DESC         payload = the initiator's SegmentDesc; sent right after HELLO on a control
 //                connection (never on a data connection), accepted only once HELLO succeeded
 //   HELLO_OK     aux = the target's engine id (the initiator checks it: a stale descriptor
@@ -26,8 +31,14 @@
 //                the job secret first).
 //   WRITE        payload = the bytes to put at addr          -> WRITE_ACK (status)
 //   READ_REQ     addr, length                               -> READ_RESP (status, payload)
-//   NOTIFY       aux = tag            (pushed into the target's inbox)
+//   NOTIFY       aux = tag, addr = channel (0: the application's, else a service's);
+//                payload = one u64 per data connection of the link (index 1..n): the number
+//                of WRITE frames the initiator had queued on it before this NOTIFY (control
+//                connection only; at most kMaxNotifyBytes)
 //   MSG          aux = channel, payload = message (<= kMaxMessageBytes)
+//   XCHG         aux = TransportKind, req_id = exchange id, payload = that transport's
+//                request (<= kMaxExchangeBytes; control connection only, initiator -> target)
+//   XCHG_RESP    req_id = the exchange's id, status, payload = the answer (target -> initiator)
 //   BYE          aux = 0: the initiator closes this peer on purpose (no peer-failure report);
 //                aux = kByeEngineStopping: the sender's engine is stopping. Sent on every
 //                connection it holds, in both directions, just before they close; the
@@ -52,23 +63,28 @@
 //    region is cut into MC_TCP_SLICE_BYTES slices over the data connections; any other
 //    request (stale descriptor, or out of range) goes as one frame of up to kMaxDataBytes, so
 //    that the target accepts or refuses it whole, never a part of it.
-//  - Ordering: notify(tag) is delivered after every WRITE the peer submitted before it: the
-//    NOTIFY is held back until all earlier write slices are acknowledged (acks are sent after
-//    the bytes are in the target's memory). Messages of one peer arrive in order.
+//  - Ordering: notify(tag) is delivered after every WRITE the peer submitted before it, with
+//    no round trip: the NOTIFY carries, per data connection, how many WRITE frames were queued
+//    there before it, and the target holds it back until it has received that many WRITE
+//    frames (their bytes in its memory, or refused) on each. Notifications of one link are
+//    delivered in order; messages of one peer arrive in order.
 //  - Threads: the progress thread never blocks on a socket. Submitting threads may send
 //    directly while a connection's output queue is empty; the rest is flushed on EPOLLOUT.
 //    Task completions for requests in flight happen on the progress thread (or in stop());
 //    a request to a failed peer, or of length 0, completes inside submit().
 //  - Failure: EOF/reset/protocol error on any connection of a peer fails all its pending
-//    requests with kPeerDead (naming the peer) and later ones at once, and reports
-//    ctx->on_peer_failure once (before the failed requests complete, so that a woken waiter
-//    already finds the peer dead). On the target side, the loss of an authenticated control
-//    connection without a BYE reports on_peer_failure(initiator) too: the initiator's
-//    process died or its engine stopped. fail(why) and stop() poison peers without a report.
+//    requests and exchanges with kPeerDead (naming the peer) and later ones at once, and
+//    reports ctx->on_peer_failure once (before the failed requests complete, so that a woken
+//    waiter already finds the peer dead). On the target side, the loss of an authenticated
+//    control connection without a BYE reports on_peer_failure(initiator) too: the
+//    initiator's process died or its engine stopped. fail(why) and stop() poison peers
+//    without a report.
 //  - The inbox is never waited on by the progress thread for notifications: when it is full,
 //    notifications queue in the transport (in order) and are retried every millisecond.
 //    Single-fragment messages (<= Inbox::kFragmentBytes) do the same; a larger message is
 //    pushed with a MC_CONNECT_TIMEOUT_MS deadline (the engine's dispatcher drains it).
+//    Service notifications (channel != 0) and messages go to the engine in process
+//    (ctx->deliver_notify / deliver_message), never through the inbox.
 #pragma once
 
 #include <cstddef>
@@ -87,6 +103,9 @@ constexpr uint64_t kMaxMessageBytes = 64ull << 20;  // MSG
 constexpr uint64_t kMaxHelloBytes = 4096;           // HELLO (before authentication)
 constexpr uint64_t kMaxDescBytes = 16ull << 20;     // DESC (after authentication)
 constexpr uint64_t kMaxReasonBytes = 4096;          // HELLO_DENIED
+constexpr uint64_t kMaxExchangeBytes = 1ull << 20;  // XCHG / XCHG_RESP
+constexpr int kMaxDataConns = 64;                   // per link
+constexpr uint64_t kMaxNotifyBytes = 8 * kMaxDataConns;  // NOTIFY (write watermarks)
 constexpr int kSocketBufferBytes = 4 << 20;
 
 enum class FrameType : uint8_t {
@@ -101,6 +120,8 @@ enum class FrameType : uint8_t {
   kMsg = 9,
   kBye = 10,
   kDesc = 11,
+  kXchg = 12,
+  kXchgResp = 13,
 };
 
 constexpr uint64_t kByeEngineStopping = 1;
@@ -126,6 +147,8 @@ struct Hello {
   std::string secret;
   uint64_t engine_id = 0;
   ConnRole role = ConnRole::kControl;
+  uint64_t link = 0;   // random id of the initiator's link (its connections to this target)
+  uint32_t index = 0;  // 0: the control connection; 1..kMaxDataConns: data connections
 };
 
 std::string encodeHello(const Hello& h);

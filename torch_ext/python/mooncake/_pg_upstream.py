@@ -4,6 +4,7 @@ the groups this process creates afterwards. Imported into mooncake.pg."""
 import logging
 
 from . import _C
+from ._compat import apply_rdma_devices
 
 _log = logging.getLogger("mooncake.pg")
 _device_filter = []
@@ -16,13 +17,12 @@ def set_host_ip(host):
 
 
 def set_device_filter(filters):
-    """Upstream: the RDMA NICs the engine may use. This build has no RDMA transport, so the
-    list is recorded (``get_device_filter()``) and has no effect; a warning says so."""
+    """Upstream: the RDMA NICs the engine may use. Becomes ``MC_RDMA_DEVICES`` for the engine
+    the next mooncake group creates (call before init_process_group; an engine that already
+    runs keeps its NICs); ``get_device_filter()`` returns it."""
     global _device_filter
     _device_filter = [str(f) for f in filters]
-    if _device_filter:
-        _log.warning("mooncake.pg.set_device_filter(%s): no RDMA transport in this build; "
-                     "the filter has no effect", _device_filter)
+    apply_rdma_devices(_device_filter, "mooncake.pg.set_device_filter", _log)
 
 
 def get_device_filter():

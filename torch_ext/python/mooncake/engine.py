@@ -19,9 +19,12 @@ for sync calls, a batch id / 0 for async submits); docs/compat.md lists every di
 * The job secret: ``MC_SECRET``, else the file ``MC_SECRET_FILE`` names, else
   ``~/.mooncake/secret`` (created, mode 0600, when missing). Every engine of a deployment must
   read the same one (docs/compat.md, "Secrets in a P/D deployment").
-* Protocols ``"tcp"`` and ``"rdma"``. This build has no RDMA transport: ``"rdma"`` runs over tcp
-  (shared memory for same-host peers) with a warning, which is what upstream does on a host
-  without a NIC. ``MC_FORCE_TCP=1`` carries same-host peers over tcp too.
+* Protocols ``"tcp"`` and ``"rdma"``. The engine chooses per peer: shared memory on one host,
+  its rdma transport (libibverbs, docs/rdma.md) between hosts whose NICs reach each other, tcp
+  otherwise; so ``"rdma"`` on a host without an active NIC runs over tcp, as upstream does.
+  ``device_name`` ("mlx5_0,mlx5_1") limits the NICs (``MC_RDMA_DEVICES``). ``MC_FORCE_TCP=1``
+  carries every peer over tcp. The rdma transport has been run only on the project's verbs
+  emulator (no RDMA NIC exists where it was built).
 * Every transfer must lie inside one registered region on each side (the local buffer in one
   registered here: ``register_memory`` or ``allocate_managed_buffer``); anything else fails with
   a negative code before a byte moves, never a crash.
@@ -33,6 +36,7 @@ import logging
 import torch  # noqa: F401  (the extension links against torch)
 
 from . import _C
+from ._compat import apply_rdma_devices
 
 _log = logging.getLogger("mooncake.engine")
 
@@ -125,11 +129,8 @@ class TransferEngine:
             _log.error("TransferEngine.initialize: protocol %r is not supported (tcp, rdma)",
                        protocol)
             return -1
-        if proto == "rdma":
-            _log.warning("TransferEngine: protocol 'rdma' requested, but this build has no RDMA "
-                         "transport; using tcp (shared memory for same-host peers)")
         if device_name:
-            _log.info("TransferEngine: device_name %r ignored (no RDMA transport)", device_name)
+            apply_rdma_devices(device_name, "TransferEngine.initialize(device_name)", _log)
         host = _host_of(local_hostname)
         if not host:
             _log.error("TransferEngine.initialize: empty local_hostname")

@@ -34,6 +34,7 @@ import re
 import torch  # noqa: F401  (the extension links against torch)
 
 from . import _C
+from ._compat import apply_rdma_devices
 from ._store_tensors import TensorApi
 from ._store_types import (Descriptor, MemoryDescriptor, MooncakeHostMemAllocator,  # noqa: F401
                            ObjectDataType, ParallelAxis, ReadTarget, ReplicaDescriptor,
@@ -119,8 +120,9 @@ class MooncakeDistributedStore(TensorApi):
 
         ``local_hostname`` names this client ("host" gets ":<port>" of its engine appended;
         "host:port" is used as given); with ``engine`` it must be that engine's session id.
-        ``metadata_server`` and ``rdma_devices`` are accepted and unused (the master is the
-        metadata service; there is no RDMA transport). SSD offload, tenants other than
+        ``metadata_server`` is accepted and unused (the master is the metadata service);
+        ``rdma_devices`` limits the NICs of the engine this client creates (``MC_RDMA_DEVICES``;
+        a shared ``engine`` keeps its own). SSD offload, tenants other than
         "default" and the client HTTP server are not in this store: asking for them fails."""
         if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
             return self._setup_dict(args[0])
@@ -186,6 +188,8 @@ class MooncakeDistributedStore(TensorApi):
         except ValueError as e:
             _log.error("setup: %s", e)
             return _BAD
+        if engine is None:
+            apply_rdma_devices(rdma_devices, "setup(rdma_devices)", _log)
         rc = self._c.setup(str(local_hostname), gseg, lbuf, str(protocol or "tcp"),
                            str(master_server_addr), engine)
         if rc != 0:

@@ -1,0 +1,75 @@
+// rdma NICs: one context per NIC the engine uses (PD, one CQ shared by its QPs, a completion
+// channel and a poller thread), opened from libibverbs' device list at start.
+//
+// Contracts:
+//  - openNics() opens every device whose first port is ACTIVE (MC_RDMA_DEVICES filters by
+//    name). RoCE ports use the RoCE v2 GID that holds an IPv4-mapped address (or
+//    MC_RDMA_GID_INDEX when >= 0); InfiniBand ports are addressed by LID. The path MTU is the
+//    port's active MTU.
+//  - The poller busy-polls its CQ for MC_RDMA_SPIN_US after the last completion, then arms the
+//    CQ and sleeps on the completion channel (waking every 5 ms to notice stop()).
+//  - Every work request's wr_id is a CompletionTarget*: the poller calls its onCompletion() on
+//    the poller thread. The object must outlive its work request's completion (flushes
+//    included: moving a QP to ERR completes everything it holds with IBV_WC_WR_FLUSH_ERR).
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/status.h"
+
+namespace mooncake::engine::rdma {
+
+class CompletionTarget {
+ public:
+  virtual ~CompletionTarget() = default;
+  virtual void onCompletion(const ibv_wc& wc) = 0;
+};
+
+struct Nic {
+  int index = 0;  // in the engine's NIC list (and in the endpoint data it publishes)
+  std::string name;
+  ibv_context* ctx = nullptr;
+  ibv_pd* pd = nullptr;
+  ibv_comp_channel* channel = nullptr;
+  ibv_cq* cq = nullptr;
+  ibv_port_attr port{};
+  bool ib = false;  // link layer InfiniBand (LID routed); else Ethernet (RoCE, GID routed)
+  int gid_index = -1;
+  ibv_gid gid{};
+  uint64_t max_mr_size = 0;
+  int max_rd_atom = 16;  // outstanding RDMA READs per QP (device limit)
+  std::thread poller;
+  std::atomic<bool> stopping{false};
+  // Called by the poller when it has been idle (no completion) for a while: lets the
+  // transport retry work that waited for a resource another NIC released.
+  std::function<void()> on_idle;
+
+  ~Nic();
+  void startPoller(int64_t spin_us);
+  void stopPoller();
+};
+
+// What a peer needs to reach one NIC: one line "name ib lid gidhex mtu" per NIC.
+struct NicAddress {
+  std::string name;
+  bool ib = false;
+  uint16_t lid = 0;
+  ibv_gid gid{};
+  int mtu = 0;  // enum ibv_mtu
+};
+std::string encodeNics(const std::vector<std::unique_ptr<Nic>>& nics);
+Result<std::vector<NicAddress>> decodeNics(const std::string& s);
+std::string gidHex(const ibv_gid& g);
+bool parseGid(const std::string& hex, ibv_gid* g);
+
+// Opens the NICs (see above). An empty list is kUnavailable with the reason.
+Result<std::vector<std::unique_ptr<Nic>>> openNics();
+
+}  // namespace mooncake::engine::rdma
