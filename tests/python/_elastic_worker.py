@@ -2,7 +2,7 @@
 TCPStore hosted by the test (so any rank may die, rank 0 included); processes meet through
 keys of that store ("ev/<name>" events) and report a JSON result under "res/<proc>".
 
-Usage: _elastic_worker.py SCENARIO PROC STORE_PORT
+Usage: _elastic_worker.py SCENARIO PROC STORE_PORT [STORE_HOST]   (host: 127.0.0.1)
 """
 
 import json
@@ -20,7 +20,8 @@ from mooncake import pg
 
 torch.set_num_threads(1)
 SCENARIO, PROC, PORT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-STORE = dist.TCPStore("127.0.0.1", PORT, is_master=False, timeout=timedelta(seconds=120))
+STORE_HOST = sys.argv[4] if len(sys.argv) > 4 else "127.0.0.1"
+STORE = dist.TCPStore(STORE_HOST, PORT, is_master=False, timeout=timedelta(seconds=120))
 
 
 def event(name):

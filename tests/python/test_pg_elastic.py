@@ -15,29 +15,31 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from harness import PYTHON, child_env, here_path, torch_version
+from _netns import netns_pair
+from harness import PYTHON, child_env, here_path
 
 pytestmark = [
     pytest.mark.isolated,
-    # Not verified on torch 2.x (no torch 2 here): there dist.get_world_size() reads the
-    # ProcessGroup wrapper's size, which an elastic group's views do not update yet.
-    pytest.mark.skipif(torch_version() >= (2, 0),
-                       reason="elastic groups are verified on torch 1.13 only (docs/elastic.md)"),
 ]
 WORKER = here_path("_elastic_worker.py")
 
 
 class Job:
-    def __init__(self, scenario, procs, env=None, timeout_s=120):
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True,
+    """Processes 0..procs-1 of a scenario. host: the address the job's store listens on;
+    netns: {process: network namespace} for processes that run on a second simulated host."""
+
+    def __init__(self, scenario, procs, env=None, timeout_s=120, host="127.0.0.1", netns=None):
+        self.store = dist.TCPStore(host, 0, is_master=True,
                                    timeout=timedelta(seconds=timeout_s))
         self.port = self.store.port
         self.procs, self.logs = [], []
         for p in range(procs):
             log = open(f"/tmp/mc_elastic_{os.getpid()}_{scenario}_{p}.log", "w+")
             self.logs.append(log)
+            ns = (netns or {}).get(p)
             self.procs.append(subprocess.Popen(
-                [PYTHON, "-u", WORKER, scenario, str(p), str(self.port)], stdout=log,
+                (["ip", "netns", "exec", ns] if ns else []) +
+                [PYTHON, "-u", WORKER, scenario, str(p), str(self.port), host], stdout=log,
                 stderr=subprocess.STDOUT, env=child_env(env), cwd="/"))
         self.timeout_s = timeout_s
 
@@ -67,14 +69,14 @@ class Job:
     def wait_event(self, name, timeout_s=60):
         self.store.wait([f"ev/{name}"], timedelta(seconds=timeout_s))
 
+    def log(self, p):
+        self.logs[p].flush()
+        self.logs[p].seek(0)
+        return self.logs[p].read()
+
     def tails(self):
-        out = []
-        for p, log in enumerate(self.logs):
-            log.flush()
-            log.seek(0)
-            out.append(f"--- log of process {p} (exit {self.procs[p].poll()}) ---\n"
-                       f"{log.read()[-2500:]}")
-        return "\n".join(out)
+        return "\n".join(f"--- log of process {p} (exit {proc.poll()}) ---\n{self.log(p)[-2500:]}"
+                         for p, proc in enumerate(self.procs))
 
     def close(self):
         for p in self.procs:
@@ -124,6 +126,33 @@ def test_replacement_recovers_slot(job, graceful):
         assert r["active"] == [1, 1, 1, 1]
     if graceful == "1":
         assert res[3]["status"] == 1
+
+
+@pytest.fixture
+def second_host():
+    with netns_pair("el") as pair:
+        yield pair
+
+
+def test_recovery_across_simulated_hosts(second_host, job):
+    """The recovery scenario over two simulated hosts: processes 0 and 1 here, ranks 2 and 3
+    and the replacement in another network namespace (tcp between the halves, shared memory
+    within each). Rank 3 dies, the survivors go on over 3 ranks, the replacement on the second
+    host takes slot 3, and the full group's results match."""
+    ns, host_ip, _ = second_host
+    j = job("recovery", 5, host=host_ip, netns={2: ns, 3: ns, 4: ns},
+            env={"GRACEFUL": "0", "MC_LOG_LEVEL": "INFO", "MC_LOG_SUBSYS": "ENGINE"})
+    res = j.results([0, 1, 2, 4])
+    for p in (0, 1, 2, 4):
+        value, ok, hint = res[p]["final"]
+        assert ok and value == 1 + 2 + 3 + 4, res[p]
+        assert res[p]["gs"] == [[1.0, 2.0, 3.0, 4.0], (3 if p == 4 else p) * 4.0 + 4.0]
+        assert res[p]["active"] == [1, 1, 1, 1]
+    # Every survivor reached the other host's processes over tcp (the engines' host ids
+    # differ), and its own host's over shared memory.
+    for p in (0, 1, 2, 4):
+        log = j.log(p)
+        assert " over tcp" in log and " over shm" in log, log[-3000:]
 
 
 def test_p2p_recovery(job):

@@ -54,6 +54,10 @@ MooncakeWork& mooncakeWork(const c10::intrusive_ptr<c10d::Work>& w) {
 void registerElasticApis(py::module_& m) {
   using G = ProcessGroupMooncake;
   m.def("_elastic", [](G& g) { return g.communicator().elastic(); });
+#if MC_TORCH_HAS_BACKEND
+  m.def("_link_wrapper",
+        [](G& g, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) { g.linkWrapper(pg); });
+#endif
   m.def("_max_group_size", [](G& g) { return g.communicator().maxGroupSize(); });
   m.def("_active_ranks", [](G& g) { return (void)elasticComm(g), g.activeRanks(); });
   m.def("_current_epoch", [](G& g) { return elasticComm(g).epoch(); });

@@ -270,11 +270,35 @@ at::Tensor ProcessGroupMooncake::activeRanks() {
   return opts_.active_ranks;  // kept current by onViewChange
 }
 
+#if MC_TORCH_HAS_BACKEND
+namespace {
+// c10d::ProcessGroup's size_ is protected and const; a pointer to it formed through a derived
+// class reaches it on any ProcessGroup (the same write onViewChange makes to our own size_).
+struct WrapperSize : c10d::ProcessGroup {
+  static void set(c10d::ProcessGroup& pg, int n) {
+    const int c10d::ProcessGroup::*m = &WrapperSize::size_;
+    const_cast<int&>(pg.*m) = n;
+  }
+};
+}  // namespace
+
+void ProcessGroupMooncake::linkWrapper(const c10::intrusive_ptr<c10d::ProcessGroup>& wrapper) {
+  if (!comm_->elastic()) return;
+  std::lock_guard<std::mutex> lk(sink_->mu);
+  sink_->wrapper = c10::weak_intrusive_ptr<c10d::ProcessGroup>(wrapper);
+  WrapperSize::set(*wrapper, comm_->size());
+}
+#endif
+
 void ProcessGroupMooncake::onViewChange() {
   // c10d declares size_ const, but an elastic group's size follows its views (upstream's
   // getSize() reports one past the highest active slot). Nothing caches it: getSize() reads
-  // the member each time.
-  const_cast<int&>(size_) = comm_->size();
+  // the member each time. Called with sink_->mu held (or before the callback is set).
+  const int n = comm_->size();
+  const_cast<int&>(size_) = n;
+#if MC_TORCH_HAS_BACKEND
+  if (auto w = sink_->wrapper.lock()) WrapperSize::set(*w, n);
+#endif
   if (opts_.active_ranks.defined()) {
     std::vector<uint8_t> m = comm_->activeMask();
     at::Tensor t = at::empty({static_cast<int64_t>(m.size())}, at::kInt);

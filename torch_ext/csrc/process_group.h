@@ -23,6 +23,9 @@
 
 #include "pg/communicator.h"
 #include "torch_ext/csrc/compat.h"
+#if MC_TORCH_HAS_BACKEND
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>  // the wrapper linkWrapper() keeps
+#endif
 #include "torch_ext/csrc/op_queue.h"
 #include "torch_ext/csrc/p2p_lanes.h"
 
@@ -132,6 +135,11 @@ class ProcessGroupMooncake : public BackendBase {
   // Elastic groups: the active slots as an int32 tensor (the caller's active_ranks mirror
   // when it gave one).
   at::Tensor activeRanks();
+#if MC_TORCH_HAS_BACKEND
+  // torch >= 2: remembers the ProcessGroup torch made around this backend, so that its size
+  // (dist.get_world_size()) follows the views too. mooncake.pg's creator calls it.
+  void linkWrapper(const c10::intrusive_ptr<c10d::ProcessGroup>& wrapper);
+#endif
 
   using Work = c10d::Work;
   c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -201,7 +209,8 @@ class ProcessGroupMooncake : public BackendBase {
   void track(const c10::intrusive_ptr<MooncakeWork>& work);
   int globalRank(int group_rank) const;
   // Elastic groups, after each view change: size_ (what get_world_size() reports: one past the
-  // highest active slot) and the active_ranks mirror.
+  // highest active slot), the linked torch ProcessGroup's size (torch >= 2) and the
+  // active_ranks mirror.
   void onViewChange();
   const std::string& who() const;  // "mooncake rank G (group 'name' rank r/n)"
 
@@ -220,6 +229,12 @@ class ProcessGroupMooncake : public BackendBase {
   struct ViewSink {
     std::mutex mu;
     ProcessGroupMooncake* pg = nullptr;
+#if MC_TORCH_HAS_BACKEND
+    // torch >= 2: the ProcessGroup wrapping this backend. dist.get_world_size() reads that
+    // object's own size, not the backend's, so a view change updates both. Weak: the
+    // ProcessGroup owns this backend.
+    c10::weak_intrusive_ptr<c10d::ProcessGroup> wrapper;
+#endif
   };
   std::shared_ptr<ViewSink> sink_ = std::make_shared<ViewSink>();
   std::unique_ptr<P2pLanes> lanes_;  // declared last: stops first

@@ -121,7 +121,7 @@ def _create(dist_backend_opts, pg_options=None):
         name = _joiner_group_name(o.store, o.group_id)
     else:
         name = _group_name(o.store, o.group_rank, o.group_size, o.group_id)
-    return _C.ProcessGroupMooncake(
+    backend = _C.ProcessGroupMooncake(
         o.store,
         o.group_rank,
         o.group_size,
@@ -133,6 +133,8 @@ def _create(dist_backend_opts, pg_options=None):
         reach_host=_reach_host(o.store),
         **_elastic.creator_kwargs(opts, o.group_size),
     )
+    _elastic.link_wrapper(backend, o)
+    return backend
 
 
 def register():
