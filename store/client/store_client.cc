@@ -10,11 +10,28 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxKeyLength = 4096;
 
-ErrorCode checkKey(const std::string& key) {
+}  // namespace
+
+ErrorCode StoreClient::checkKey(const std::string& key) {
   return (key.empty() || key.size() > kMaxKeyLength) ? ErrorCode::INVALID_KEY : ErrorCode::OK;
 }
 
-}  // namespace
+ErrorCode StoreClient::gatherParts(const std::vector<std::pair<const void*, size_t>>& parts,
+                                   std::string* joined, const char** src, uint64_t* size) {
+  *size = 0;
+  for (const auto& p : parts) {
+    if (p.first == nullptr && p.second > 0) return ErrorCode::INVALID_PARAMS;
+    *size += p.second;
+  }
+  if (parts.size() == 1) {
+    *src = static_cast<const char*>(parts[0].first);
+    return ErrorCode::OK;
+  }
+  joined->reserve(*size);
+  for (const auto& p : parts) joined->append(static_cast<const char*>(p.first), p.second);
+  *src = joined->data();
+  return ErrorCode::OK;
+}
 
 void toProto(const ReplicateConfig& c, proto::ReplicateConfig* p) {
   p->set_replica_num(c.replica_num);
@@ -163,34 +180,52 @@ bool StoreClient::isRegistered(const void* addr, size_t len) const {
 
 // ---- data movement ----
 
-ErrorCode StoreClient::planReplica(const proto::Replica& r, uint64_t size, engine::OpCode op,
-                                   char* local, std::vector<engine::TransferRequest>* reqs) {
-  uint64_t off = 0;
+ErrorCode StoreClient::planRange(const proto::Replica& r, uint64_t size, engine::OpCode op,
+                                 uint64_t off, uint64_t len, char* local,
+                                 std::vector<engine::TransferRequest>* reqs) {
+  const bool write = op == engine::OpCode::kWrite;
+  uint64_t at = 0;  // object offset of the current piece
   for (const auto& p : r.pieces()) {
-    if (off + p.length() > size) return ErrorCode::INVALID_READ;
-    auto peer = peerFor(p.client_id());
-    if (!peer.ok()) {
-      forgetPeer(p.client_id());
-      return peer.error();
+    if (at + p.length() > size) return ErrorCode::INVALID_READ;
+    const uint64_t lo = std::max(at, off), hi = std::min(at + p.length(), off + len);
+    if (lo < hi) {
+      auto peer = peerFor(p.client_id());
+      if (!peer.ok()) {
+        forgetPeer(p.client_id());
+        return peer.error();
+      }
+      char* here = local + (lo - off);
+      const uint64_t there = p.address() + (lo - at);
+      if (*peer == engine::kInvalidPeer) {  // our own segment
+        // Never trust a placement with a raw pointer: it must lie inside the segment this
+        // client lent (a confused or hostile master must not make us touch anything else).
+        const uint64_t seg = reinterpret_cast<uint64_t>(segment_);
+        if (segment_ == nullptr || p.address() < seg || p.length() > options_.segment_size ||
+            p.address() - seg > options_.segment_size - p.length())
+          return write ? ErrorCode::INVALID_WRITE : ErrorCode::INVALID_READ;
+        char* mine = reinterpret_cast<char*>(there);
+        if (write)
+          std::memcpy(mine, here, hi - lo);
+        else
+          std::memcpy(here, mine, hi - lo);
+      } else {
+        reqs->push_back({op, here, hi - lo, *peer, there});
+      }
     }
-    if (*peer == engine::kInvalidPeer) {  // our own segment
-      // Never trust a placement with a raw pointer: it must lie inside the segment this client
-      // lent (a confused or hostile master must not make us write anywhere else).
-      const uint64_t seg = reinterpret_cast<uint64_t>(segment_);
-      if (segment_ == nullptr || p.address() < seg || p.length() > options_.segment_size ||
-          p.address() - seg > options_.segment_size - p.length())
-        return op == engine::OpCode::kWrite ? ErrorCode::INVALID_WRITE : ErrorCode::INVALID_READ;
-      char* mine = reinterpret_cast<char*>(p.address());
-      if (op == engine::OpCode::kWrite)
-        std::memcpy(mine, local + off, p.length());
-      else
-        std::memcpy(local + off, mine, p.length());
-    } else {
-      reqs->push_back({op, local + off, p.length(), *peer, p.address()});
-    }
-    off += p.length();
+    at += p.length();
   }
-  return off == size ? ErrorCode::OK : ErrorCode::INVALID_READ;
+  return at == size ? ErrorCode::OK : ErrorCode::INVALID_READ;
+}
+
+bool StoreClient::writeReplicas(const google::protobuf::RepeatedPtrField<proto::Replica>& replicas,
+                                uint64_t size, const char* src) {
+  std::vector<engine::TransferRequest> reqs;
+  for (const auto& r : replicas)
+    if (planReplica(r, size, engine::OpCode::kWrite, const_cast<char*>(src), &reqs) !=
+        ErrorCode::OK)
+      return false;
+  return reqs.empty() ||
+         engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok();
 }
 
 ErrorCode StoreClient::putStart(const std::string& key, uint64_t size,
@@ -232,30 +267,13 @@ ErrorCode StoreClient::putParts(const std::string& key,
                                 const std::vector<std::pair<const void*, size_t>>& parts,
                                 const ReplicateConfig& config) {
   if (closed_) return ErrorCode::INVALID_PARAMS;
-  uint64_t size = 0;
-  for (const auto& p : parts) {
-    if (p.first == nullptr && p.second > 0) return ErrorCode::INVALID_PARAMS;
-    size += p.second;
-  }
-  const char* src = nullptr;
   std::string joined;
-  if (parts.size() == 1) {
-    src = static_cast<const char*>(parts[0].first);
-  } else {
-    joined.reserve(size);
-    for (const auto& p : parts) joined.append(static_cast<const char*>(p.first), p.second);
-    src = joined.data();
-  }
+  const char* src = nullptr;
+  uint64_t size = 0;
+  if (ErrorCode ec = gatherParts(parts, &joined, &src, &size); ec != ErrorCode::OK) return ec;
   proto::PutStartResponse ps;
   if (ErrorCode ec = putStart(key, size, config, &ps); ec != ErrorCode::OK) return ec;
-  std::vector<engine::TransferRequest> reqs;
-  bool ok = true;
-  for (const auto& r : ps.replicas())
-    if (planReplica(r, size, engine::OpCode::kWrite, const_cast<char*>(src), &reqs) !=
-        ErrorCode::OK)
-      ok = false;
-  if (ok && !reqs.empty())
-    ok = engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok();
+  const bool ok = writeReplicas(ps.replicas(), size, src);
   putFinish(key, ok);
   return ok ? ErrorCode::OK : ErrorCode::TRANSFER_FAIL;
 }

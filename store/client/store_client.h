@@ -123,6 +123,12 @@ class StoreClient {
 
  private:
   StoreClient() = default;
+  // INVALID_KEY for an empty key or one over 4096 bytes.
+  static ErrorCode checkKey(const std::string& key);
+  // The bytes of `parts` as one buffer (*src): the part itself when there is one, else their
+  // concatenation in *joined; *size: the total. INVALID_PARAMS for a null part with bytes.
+  static ErrorCode gatherParts(const std::vector<std::pair<const void*, size_t>>& parts,
+                               std::string* joined, const char** src, uint64_t* size);
   ErrorCode mount();
   void heartbeatLoop();
   // The engine peer for a piece's owner; kInvalidPeer for this client itself.
@@ -131,16 +137,24 @@ class StoreClient {
   // Appends the requests that move `size` bytes between `local` and a replica's pieces;
   // pieces of this client are copied at once. INVALID_READ if the pieces do not add up.
   ErrorCode planReplica(const proto::Replica& r, uint64_t size, engine::OpCode op, char* local,
-                        std::vector<engine::TransferRequest>* reqs);
+                        std::vector<engine::TransferRequest>* reqs) {
+    return planRange(r, size, op, 0, size, local, reqs);
+  }
+  // Writes src[0, size) to every replica in one engine batch; false when a replica could not
+  // be planned or the batch failed.
+  bool writeReplicas(const google::protobuf::RepeatedPtrField<proto::Replica>& replicas,
+                     uint64_t size, const char* src);
   // `asked`: when the replica list was requested (the read lease runs from after it).
   ErrorCode readReplicas(const proto::GetReplicaListResponse& rl, void* buf, size_t skip_first,
                          std::chrono::steady_clock::time_point asked);
   ErrorCode putStart(const std::string& key, uint64_t size, const ReplicateConfig& config,
                      proto::PutStartResponse* out);
-  // Appends reads of object bytes [off, off + len) of one replica into local; pieces of this
-  // client are copied at once. INVALID_READ if the pieces do not add up to size.
-  ErrorCode planRange(const proto::Replica& r, uint64_t size, uint64_t off, uint64_t len,
-                      char* local, std::vector<engine::TransferRequest>* reqs);
+  // Appends the requests that move object bytes [off, off + len) of one replica between it
+  // and local (op: kRead into local, kWrite from it); pieces of this client are copied at
+  // once. INVALID_READ if the pieces do not add up to size; a piece of ours outside the
+  // segment this client lent: INVALID_READ / INVALID_WRITE.
+  ErrorCode planRange(const proto::Replica& r, uint64_t size, engine::OpCode op, uint64_t off,
+                      uint64_t len, char* local, std::vector<engine::TransferRequest>* reqs);
   void putFinish(const std::string& key, bool ok);
 
   engine::TransferEngine* engine_ = nullptr;

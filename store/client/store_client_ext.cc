@@ -1,39 +1,22 @@
 // StoreClient: upserts, ranged reads and replica queries (the rest of Mooncake Store's Python
 // API). Same data path as store_client.cc: the master places, the engine moves the bytes.
-#include <algorithm>
-#include <cstring>
+#include <chrono>
 
 #include "store/client/store_client.h"
 
 namespace mooncake::store {
 
-namespace {
-constexpr size_t kMaxKeyLength = 4096;
-ErrorCode checkKey(const std::string& key) {
-  return (key.empty() || key.size() > kMaxKeyLength) ? ErrorCode::INVALID_KEY : ErrorCode::OK;
-}
-}  // namespace
 
 ErrorCode StoreClient::upsertParts(const std::string& key,
                                    const std::vector<std::pair<const void*, size_t>>& parts,
                                    const ReplicateConfig& config) {
   if (closed_) return ErrorCode::INVALID_PARAMS;
   if (ErrorCode ec = checkKey(key); ec != ErrorCode::OK) return ec;
-  uint64_t size = 0;
-  for (const auto& p : parts) {
-    if (p.first == nullptr && p.second > 0) return ErrorCode::INVALID_PARAMS;
-    size += p.second;
-  }
-  if (size == 0 || config.replica_num > 16) return ErrorCode::INVALID_PARAMS;
-  const char* src = nullptr;
   std::string joined;
-  if (parts.size() == 1) {
-    src = static_cast<const char*>(parts[0].first);
-  } else {
-    joined.reserve(size);
-    for (const auto& p : parts) joined.append(static_cast<const char*>(p.first), p.second);
-    src = joined.data();
-  }
+  const char* src = nullptr;
+  uint64_t size = 0;
+  if (ErrorCode ec = gatherParts(parts, &joined, &src, &size); ec != ErrorCode::OK) return ec;
+  if (size == 0 || config.replica_num > 16) return ErrorCode::INVALID_PARAMS;
   proto::UpsertStartRequest req;
   req.set_client_id(client_id_);
   req.set_key(key);
@@ -42,15 +25,7 @@ ErrorCode StoreClient::upsertParts(const std::string& key,
   proto::UpsertStartResponse us;
   if (ErrorCode ec = rpc_->call(proto::UPSERT_START, req, &us); ec != ErrorCode::OK) return ec;
   if (us.error_code() != 0) return errorCodeFromInt(us.error_code());
-  std::vector<engine::TransferRequest> reqs;
-  bool ok = true;
-  for (const auto& r : us.replicas())
-    if (planReplica(r, size, engine::OpCode::kWrite, const_cast<char*>(src), &reqs) !=
-        ErrorCode::OK)
-      ok = false;
-  if (ok && !reqs.empty())
-    ok = engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok();
-  if (!ok) {
+  if (!writeReplicas(us.replicas(), size, src)) {
     proto::UpsertRevokeRequest rv;
     rv.set_client_id(client_id_);
     rv.set_key(key);
@@ -66,36 +41,6 @@ ErrorCode StoreClient::upsertParts(const std::string& key,
   proto::UpsertEndResponse er;
   if (ErrorCode ec = rpc_->call(proto::UPSERT_END, end, &er); ec != ErrorCode::OK) return ec;
   return errorCodeFromInt(er.error_code());
-}
-
-ErrorCode StoreClient::planRange(const proto::Replica& r, uint64_t size, uint64_t off,
-                                 uint64_t len, char* local,
-                                 std::vector<engine::TransferRequest>* reqs) {
-  uint64_t at = 0;  // object offset of the current piece
-  for (const auto& p : r.pieces()) {
-    if (at + p.length() > size) return ErrorCode::INVALID_READ;
-    const uint64_t lo = std::max(at, off), hi = std::min(at + p.length(), off + len);
-    if (lo < hi) {
-      auto peer = peerFor(p.client_id());
-      if (!peer.ok()) {
-        forgetPeer(p.client_id());
-        return peer.error();
-      }
-      char* dst = local + (lo - off);
-      const uint64_t src = p.address() + (lo - at);
-      if (*peer == engine::kInvalidPeer) {  // our own segment: inside what we lent, or refused
-        const uint64_t seg = reinterpret_cast<uint64_t>(segment_);
-        if (segment_ == nullptr || p.address() < seg || p.length() > options_.segment_size ||
-            p.address() - seg > options_.segment_size - p.length())
-          return ErrorCode::INVALID_READ;
-        std::memcpy(dst, reinterpret_cast<const char*>(src), hi - lo);
-      } else {
-        reqs->push_back({engine::OpCode::kRead, dst, hi - lo, *peer, src});
-      }
-    }
-    at += p.length();
-  }
-  return at == size ? ErrorCode::OK : ErrorCode::INVALID_READ;
 }
 
 std::vector<ErrorOr<uint64_t>> StoreClient::getRanges(const std::string& key,
@@ -128,8 +73,8 @@ std::vector<ErrorOr<uint64_t>> StoreClient::getRanges(const std::string& key,
     std::vector<engine::TransferRequest> reqs;
     ErrorCode ec = ErrorCode::OK;
     for (size_t i : todo) {
-      ec = planRange(rl.replicas(rep), rl.size(), ranges[i].src_offset, ranges[i].length,
-                     static_cast<char*>(ranges[i].dst), &reqs);
+      ec = planRange(rl.replicas(rep), rl.size(), engine::OpCode::kRead, ranges[i].src_offset,
+                     ranges[i].length, static_cast<char*>(ranges[i].dst), &reqs);
       if (ec != ErrorCode::OK) break;
     }
     if (ec == ErrorCode::INVALID_READ) {

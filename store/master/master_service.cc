@@ -115,22 +115,8 @@ void MasterService::unmountLocked(Segment* seg) {
   // Drop every replica with a piece on this segment. Copy the set: destroying objects edits it.
   std::vector<Object*> affected(seg->objects.begin(), seg->objects.end());
   for (Object* o : affected) {
-    std::vector<Replica> kept;
     std::vector<Segment*> touched;  // segments that held a piece of a dropped replica
-    for (Replica& r : o->replicas) {
-      bool on_seg = std::any_of(r.pieces.begin(), r.pieces.end(),
-                                [&](const PieceRec& p) { return p.seg == seg; });
-      if (!on_seg) {
-        kept.push_back(std::move(r));
-        continue;
-      }
-      for (const PieceRec& p : r.pieces) {
-        freePiece(p);
-        touched.push_back(p.seg);
-      }
-      ++counters_.replicas_dropped;
-    }
-    o->replicas = std::move(kept);
+    counters_.replicas_dropped += dropReplicasOnLocked(o, seg, &touched);
     // An upsert writing onto this segment cannot finish: its staged replicas go (its End fails).
     bool staged_here = false;
     for (const Replica& r : o->staged)
@@ -140,9 +126,7 @@ void MasterService::unmountLocked(Segment* seg) {
         for (const PieceRec& p : r.pieces) touched.push_back(p.seg);
       dropStagedLocked(o, nullptr);
     }
-    // A segment stays in o's index only if a surviving replica still has a piece there.
-    for (Segment* s : touched)
-      if (!hasPieceOn(o, s)) s->objects.erase(o);
+    unindexLocked(o, touched);
     if (o->replicas.empty()) destroyObjectLocked(o);
   }
   // Quarantined ranges on this segment die with it.
@@ -165,6 +149,33 @@ void MasterService::unmountLocked(Segment* seg) {
   segment_order_.erase(std::find(segment_order_.begin(), segment_order_.end(), seg));
   segment_by_name_.erase(seg->name);
   segments_.erase(seg->id);  // frees seg
+}
+
+size_t MasterService::dropReplicasOnLocked(Object* o, const Segment* seg,
+                                           std::vector<Segment*>* touched) {
+  std::vector<Replica> kept;
+  size_t dropped = 0;
+  for (Replica& r : o->replicas) {
+    bool on_seg = std::any_of(r.pieces.begin(), r.pieces.end(),
+                              [&](const PieceRec& p) { return p.seg == seg; });
+    if (!on_seg) {
+      kept.push_back(std::move(r));
+      continue;
+    }
+    for (const PieceRec& p : r.pieces) {
+      freePiece(p);
+      touched->push_back(p.seg);
+    }
+    ++dropped;
+  }
+  o->replicas = std::move(kept);
+  return dropped;
+}
+
+void MasterService::unindexLocked(Object* o, const std::vector<Segment*>& touched) {
+  // A segment stays in o's index only if a replica of o still has a piece there.
+  for (Segment* s : touched)
+    if (!hasPieceOn(o, s)) s->objects.erase(o);
 }
 
 std::vector<MountedSegmentInfo> MasterService::segments() const {

@@ -262,6 +262,11 @@ class MasterService {
 
   // Segments and clients.
   void unmountLocked(Segment* seg);
+  // Drops o's replicas that have a piece on seg (their pieces freed); returns how many.
+  // *touched gets every segment that held a piece of a dropped replica.
+  size_t dropReplicasOnLocked(Object* o, const Segment* seg, std::vector<Segment*>* touched);
+  // o leaves the index of every segment in `touched` on which it has no piece left.
+  static void unindexLocked(Object* o, const std::vector<Segment*>& touched);
   void expireClientLocked(const std::string& client_id);
 
   // Eviction (master_space.cc).

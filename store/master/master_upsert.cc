@@ -218,24 +218,9 @@ std::vector<std::string> MasterService::batchReplicaClear(const std::string& cli
       cleared.push_back(key);
       continue;
     }
-    std::vector<Replica> kept;
     std::vector<Segment*> touched;
-    for (Replica& r : o->replicas) {
-      bool on = std::any_of(r.pieces.begin(), r.pieces.end(),
-                            [&](const PieceRec& p) { return p.seg == only; });
-      if (!on) {
-        kept.push_back(std::move(r));
-        continue;
-      }
-      for (const PieceRec& p : r.pieces) {
-        freePiece(p);
-        touched.push_back(p.seg);
-      }
-    }
-    if (touched.empty()) continue;  // nothing of it on that segment
-    o->replicas = std::move(kept);
-    for (Segment* s : touched)
-      if (!hasPieceOn(o, s)) s->objects.erase(o);
+    if (dropReplicasOnLocked(o, only, &touched) == 0) continue;  // nothing of it there
+    unindexLocked(o, touched);
     if (o->replicas.empty()) {
       destroyObjectLocked(o);
       ++counters_.removes;

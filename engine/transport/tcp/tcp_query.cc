@@ -30,36 +30,14 @@ Result<SegmentDesc> queryOnce(const std::string& host, uint16_t port, const std:
   auto fail = [&](const Status& st) {
     return Status(st.code(), "descriptor query to " + label + ": " + st.message());
   };
-  FrameHeader h;
-  h.type = FrameType::kHello;
-  h.length = hello.size();
-  std::string out(kHeaderBytes, '\0');
-  encodeHeader(h, reinterpret_cast<uint8_t*>(out.data()));
-  out += hello;
-  Status st = sock::sendAll(*fd, out.data(), out.size(), deadline);
-  if (!st.ok()) {
-    *dropped = st.code() == Code::kUnavailable;
-    return fail(st);
-  }
-  uint8_t raw[kHeaderBytes];
-  size_t got = 0;
-  st = sock::recvAll(*fd, raw, kHeaderBytes, deadline, &got);
-  if (!st.ok()) {
-    *dropped = st.code() == Code::kUnavailable && got == 0;
-    return fail(st);
-  }
-  FrameHeader r = decodeHeader(raw);
-  if (r.magic != kFrameMagic) return fail(MC_STATUS(kProtocol, "bad answer"));
-  if (r.type == FrameType::kHelloDenied) {
-    std::string reason(std::min<uint64_t>(r.length, kMaxReasonBytes), '\0');
-    (void)sock::recvAll(*fd, reason.data(), reason.size(), deadline);
-    return fail(MC_STATUS(kPermissionDenied, "denied: " << reason));
-  }
+  Result<FrameHeader> answer = helloExchange(*fd, hello, "", deadline, dropped);
+  if (!answer.ok()) return fail(answer.status());
+  const FrameHeader& r = *answer;
   if (r.type != FrameType::kDesc || r.length == 0 || r.length > kMaxDescBytes)
     return fail(MC_STATUS(kProtocol, "unexpected answer type " << int(r.type) << " of "
                                                                << r.length << " bytes"));
   std::string body(r.length, '\0');
-  st = sock::recvAll(*fd, body.data(), body.size(), deadline);
+  Status st = sock::recvAll(*fd, body.data(), body.size(), deadline);
   if (!st.ok()) return fail(st);
   auto desc = SegmentDesc::parse(body);
   if (!desc.ok()) return fail(desc.status());

@@ -85,6 +85,45 @@ bool decodeHello(std::string_view payload, Hello* out) {
   return r.done() && role <= static_cast<uint8_t>(ConnRole::kQuery) && index_ok;
 }
 
+Result<FrameHeader> helloExchange(int fd, const std::string& hello, const std::string& desc,
+                                  Deadline deadline, bool* dropped) {
+  std::string out(kHeaderBytes, '\0');
+  FrameHeader h;
+  h.type = FrameType::kHello;
+  h.length = hello.size();
+  encodeHeader(h, reinterpret_cast<uint8_t*>(out.data()));
+  out += hello;
+  if (!desc.empty()) {
+    FrameHeader d;
+    d.type = FrameType::kDesc;
+    d.length = desc.size();
+    const size_t at = out.size();
+    out.resize(at + kHeaderBytes);
+    encodeHeader(d, reinterpret_cast<uint8_t*>(out.data() + at));
+    out += desc;
+  }
+  Status st = sock::sendAll(fd, out.data(), out.size(), deadline);
+  if (!st.ok()) {
+    *dropped = st.code() == Code::kUnavailable;  // reset before we were heard
+    return st;
+  }
+  uint8_t raw[kHeaderBytes];
+  size_t got = 0;
+  st = sock::recvAll(fd, raw, kHeaderBytes, deadline, &got);
+  if (!st.ok()) {
+    *dropped = st.code() == Code::kUnavailable && got == 0;  // closed without an answer
+    return st;
+  }
+  FrameHeader r = decodeHeader(raw);
+  if (r.magic != kFrameMagic) return MC_STATUS(kProtocol, "bad answer");
+  if (r.type == FrameType::kHelloDenied) {
+    std::string reason(std::min<uint64_t>(r.length, kMaxReasonBytes), '\0');
+    (void)sock::recvAll(fd, reason.data(), reason.size(), deadline);
+    return MC_STATUS(kPermissionDenied, "denied: " << reason);
+  }
+  return r;
+}
+
 // ---------------------------------------------------------------- set-up and shutdown
 
 namespace {
@@ -357,40 +396,9 @@ Result<int> Core::openConnOnce(const SegmentDesc& remote, const std::string& lab
                     : Code::kUnavailable;
     return Status(code, "tcp handshake with " + label + ": " + st.message());
   };
-  FrameHeader h;
-  h.type = FrameType::kHello;
-  h.length = hello.size();
-  std::string out(kHeaderBytes, '\0');
-  encodeHeader(h, reinterpret_cast<uint8_t*>(out.data()));
-  out += hello;
-  if (!desc.empty()) {
-    FrameHeader d;
-    d.type = FrameType::kDesc;
-    d.length = desc.size();
-    size_t at = out.size();
-    out.resize(at + kHeaderBytes);
-    encodeHeader(d, reinterpret_cast<uint8_t*>(out.data() + at));
-    out += desc;
-  }
-  Status st = sock::sendAll(*fd, out.data(), out.size(), deadline);
-  if (!st.ok()) {
-    *dropped = st.code() == Code::kUnavailable;  // reset before we were heard
-    return fail(st);
-  }
-  uint8_t raw[kHeaderBytes];
-  size_t got = 0;
-  st = sock::recvAll(*fd, raw, kHeaderBytes, deadline, &got);
-  if (!st.ok()) {
-    *dropped = st.code() == Code::kUnavailable && got == 0;  // closed without an answer
-    return fail(st);
-  }
-  FrameHeader r = decodeHeader(raw);
-  if (r.magic != kFrameMagic) return fail(MC_STATUS(kProtocol, "bad answer"));
-  if (r.type == FrameType::kHelloDenied) {
-    std::string reason(std::min<uint64_t>(r.length, kMaxReasonBytes), '\0');
-    (void)sock::recvAll(*fd, reason.data(), reason.size(), deadline);
-    return fail(MC_STATUS(kPermissionDenied, "denied: " << reason));
-  }
+  Result<FrameHeader> answer = helloExchange(*fd, hello, desc, deadline, dropped);
+  if (!answer.ok()) return fail(answer.status());
+  const FrameHeader& r = *answer;
   if (r.type != FrameType::kHelloOk || r.length != 0)
     return fail(MC_STATUS(kProtocol, "unexpected answer type " << int(r.type)));
   if (remote.engine_id != 0 && r.aux != remote.engine_id)

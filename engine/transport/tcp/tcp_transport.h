@@ -155,4 +155,12 @@ std::string encodeHello(const Hello& h);
 // False when the payload does not decode exactly.
 bool decodeHello(std::string_view payload, Hello* out);
 
+// The initiator's side of a handshake on a connected socket (peer connections and descriptor
+// queries): sends HELLO with `hello`, then a DESC frame when `desc` is not empty, and returns
+// the answer's header (its body, if any, left unread). HELLO_DENIED becomes kPermissionDenied
+// with the target's reason, a bad magic kProtocol. *dropped: the target closed or reset the
+// connection before answering (its admission limits): worth retrying.
+Result<FrameHeader> helloExchange(int fd, const std::string& hello, const std::string& desc,
+                                  Deadline deadline, bool* dropped);
+
 }  // namespace mooncake::engine::tcp
