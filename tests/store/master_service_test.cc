@@ -490,7 +490,9 @@ TEST_F(MasterTest, ConcurrentClientsKeepInvariants) {
   for (auto& th : threads) th.join();
   EXPECT_FALSE(bad.load()) << why;
   // A put can only have vanished with a dropped replica.
-  if (lost.load() > 0) EXPECT_GE(m.metrics().replicas_dropped, static_cast<uint64_t>(lost.load()));
+  if (lost.load() > 0) {
+    EXPECT_GE(m.metrics().replicas_dropped, static_cast<uint64_t>(lost.load()));
+  }
   EXPECT_TRUE(m.checkInvariants());
   m.removeAll(true);
   EXPECT_TRUE(m.checkInvariants());
