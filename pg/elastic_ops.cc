@@ -3,6 +3,7 @@
 // plain groups' own. Gathered outputs and all-to-all outputs hold `size` blocks: an inactive
 // slot's block (a hole) is zero-filled. Rank-indexed inputs (reduce_scatter, scatter) are
 // compacted around holes before the algorithm runs (a copy, only when there are holes).
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 

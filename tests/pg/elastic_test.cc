@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
+
 #include "tests/pg/elastic_util.h"
 
 namespace mooncake::pg::test {

@@ -15,6 +15,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from mooncake import _compat
+
 from _netns import netns_pair
 from harness import PYTHON, child_env, here_path
 
@@ -29,6 +31,7 @@ class Job:
     netns: {process: network namespace} for processes that run on a second simulated host."""
 
     def __init__(self, scenario, procs, env=None, timeout_s=120, host="127.0.0.1", netns=None):
+        _compat.honour_use_libuv_0()  # a torch without libuv: conftest has set USE_LIBUV=0
         self.store = dist.TCPStore(host, 0, is_master=True,
                                    timeout=timedelta(seconds=timeout_s))
         self.port = self.store.port

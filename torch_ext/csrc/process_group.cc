@@ -285,7 +285,7 @@ struct WrapperSize : c10d::ProcessGroup {
 void ProcessGroupMooncake::linkWrapper(const c10::intrusive_ptr<c10d::ProcessGroup>& wrapper) {
   if (!comm_->elastic()) return;
   std::lock_guard<std::mutex> lk(sink_->mu);
-  sink_->wrapper = c10::weak_intrusive_ptr<c10d::ProcessGroup>(wrapper);
+  sink_->wrapper.emplace(wrapper);
   WrapperSize::set(*wrapper, comm_->size());
 }
 #endif
@@ -297,7 +297,10 @@ void ProcessGroupMooncake::onViewChange() {
   const int n = comm_->size();
   const_cast<int&>(size_) = n;
 #if MC_TORCH_HAS_BACKEND
-  if (auto w = sink_->wrapper.lock()) WrapperSize::set(*w, n);
+  if (sink_->wrapper) {
+    c10::intrusive_ptr<c10d::ProcessGroup> w = sink_->wrapper->lock();
+    if (w) WrapperSize::set(*w, n);
+  }
 #endif
   if (opts_.active_ranks.defined()) {
     std::vector<uint8_t> m = comm_->activeMask();

@@ -17,6 +17,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
@@ -233,7 +234,7 @@ class ProcessGroupMooncake : public BackendBase {
     // torch >= 2: the ProcessGroup wrapping this backend. dist.get_world_size() reads that
     // object's own size, not the backend's, so a view change updates both. Weak: the
     // ProcessGroup owns this backend.
-    c10::weak_intrusive_ptr<c10d::ProcessGroup> wrapper;
+    std::optional<c10::weak_intrusive_ptr<c10d::ProcessGroup>> wrapper;
 #endif
   };
   std::shared_ptr<ViewSink> sink_ = std::make_shared<ViewSink>();
