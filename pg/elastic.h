@@ -164,6 +164,9 @@ class Elastic {
   Found observe(const View& base, const std::vector<int>& must, engine::Deadline deadline);
   // Proposes `v` for epoch v.epoch; returns the decided view.
   View decide(const View& v, engine::Deadline deadline);
+  // Applies the decided view `epoch` (this thread) and answers Applied, or
+  // AppliedWithDroppedRanks with the slots its barrier dropped.
+  ProposalResult applyDecided(uint64_t epoch, engine::Deadline deadline);
   bool needsReconcile(const View& latest) const;
   // One reconciliation (after a stagger unless urgent); returns when a view newer than `base`
   // is decided (by anyone). holding_op: this thread holds op_mu_ (applies inline).

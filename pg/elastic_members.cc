@@ -283,19 +283,7 @@ ProposalResult Elastic::activate(const std::vector<int>& slots) {
         View got = decide(next, apply_by);
         bool done = true;
         for (int t : slots) done &= got.active(t);
-        if (done) {
-          applyUntil(got.epoch, apply_by, nullptr);
-          ProposalResult r;
-          r.new_epoch = got.epoch;
-          {
-            std::lock_guard<std::mutex> g(mu_);
-            auto it = dropped_.find(got.epoch);
-            if (it != dropped_.end()) r.dropped_ranks = it->second;
-          }
-          r.status = r.dropped_ranks.empty() ? ProposalStatus::kApplied
-                                             : ProposalStatus::kAppliedWithDroppedRanks;
-          return r;
-        }
+        if (done) return applyDecided(got.epoch, apply_by);
         continue;  // another change won this epoch: look again
       }
       waiting = "proposal admission timed out (" + a.reason + ")";
@@ -324,18 +312,22 @@ ProposalResult Elastic::deactivate(const std::vector<int>& slots) {
     bool done = true;
     for (int t : slots) done &= !got.active(t);
     if (!done) continue;
-    applyUntil(got.epoch, deadline, nullptr);
-    ProposalResult r;
-    r.new_epoch = got.epoch;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      auto it = dropped_.find(got.epoch);
-      if (it != dropped_.end()) r.dropped_ranks = it->second;
-    }
-    r.status = r.dropped_ranks.empty() ? ProposalStatus::kApplied
-                                       : ProposalStatus::kAppliedWithDroppedRanks;
-    return r;
+    return applyDecided(got.epoch, deadline);
   }
+}
+
+ProposalResult Elastic::applyDecided(uint64_t epoch, engine::Deadline deadline) {
+  applyUntil(epoch, deadline, nullptr);
+  ProposalResult r;
+  r.new_epoch = epoch;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = dropped_.find(epoch);
+    if (it != dropped_.end()) r.dropped_ranks = it->second;
+  }
+  r.status = r.dropped_ranks.empty() ? ProposalStatus::kApplied
+                                     : ProposalStatus::kAppliedWithDroppedRanks;
+  return r;
 }
 
 void Elastic::join() {
