@@ -181,13 +181,12 @@ def apply_rdma_devices(names, who, log):
     """Upstream's NIC lists (``device_name``, ``rdma_devices``, ``set_device_filter``) become
     ``MC_RDMA_DEVICES`` for the engines this process creates afterwards (the rdma transport
     reads it when an engine starts; an engine that already runs keeps its NICs). ``names``: a
-    comma-separated string or a list of NIC names; empty leaves the setting alone."""
+    comma-separated string or a list of NIC names; empty leaves the setting alone. Only
+    written here: the engine reads it through its parameter registry (docs/env.md)."""
     if isinstance(names, (list, tuple)):
         names = ",".join(str(n) for n in names)
     names = str(names or "").strip()
     if not names:
         return
-    old = os.environ.get("MC_RDMA_DEVICES")
-    if old is not None and old != names:
-        log.warning("%s: MC_RDMA_DEVICES=%s replaced by %s", who, old, names)
+    log.info("%s: MC_RDMA_DEVICES=%s for the engines created from now on", who, names)
     os.environ["MC_RDMA_DEVICES"] = names
