@@ -20,7 +20,7 @@ const std::vector<ParamDef>& table() {
      "leading ^ excludes the listed ones."},
     {"MC_TRANSPORT", Type::kString, "",
      "Force one transport for every peer (shm, rdma or tcp); empty chooses by locality (shm on "
-     "one host, rdma between hosts whose NICs reach each other, tcp otherwise)."},
+     "one host, rdma between hosts that both publish a NIC of the same link layer, tcp otherwise)."},
     {"MC_TCP_CONNS_PER_PEER", Type::kInt, "2",
      "Data connections a tcp peer opens to another (besides the control connection)."},
     {"MC_TCP_SLICE_BYTES", Type::kInt, "1048576",

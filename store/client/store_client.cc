@@ -303,7 +303,10 @@ std::vector<ErrorCode> StoreClient::batchPut(
                       const_cast<char*>(static_cast<const char*>(values[i].first)),
                       &reqs) != ErrorCode::OK)
         out[i] = ErrorCode::TRANSFER_FAIL;
-    if (out[i] != ErrorCode::OK) putFinish(keys[i], false);
+    if (out[i] != ErrorCode::OK) {
+      reqs.resize(first_req[i]);  // no write into the space the revoke below gives back
+      putFinish(keys[i], false);
+    }
   }
   first_req[keys.size()] = reqs.size();
   std::vector<Status> per;

@@ -245,6 +245,14 @@ TEST_F(UpsertTest, BatchReplicaClear) {
   ASSERT_EQ(b->replicas.size(), 1u);
   EXPECT_EQ(b->replicas[0].pieces[0].segment_name, "s0");
   EXPECT_TRUE(m_->batchReplicaClear("me", {"b"}, "no-such-segment").empty());
+  // A segment that holds nothing of the key clears nothing and leaves the key whole (an
+  // earlier version emptied its replicas' pieces here).
+  EXPECT_TRUE(m_->batchReplicaClear("me", {"b"}, "s1").empty());
+  b = m_->getReplicaList("b");
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(b->replicas.size(), 1u);
+  ASSERT_EQ(b->replicas[0].pieces.size(), 1u);
+  EXPECT_EQ(b->replicas[0].pieces[0].segment_name, "s0");
   EXPECT_TRUE(m_->checkInvariants());
 }
 

@@ -241,8 +241,9 @@ ProcessGroupMooncake::ProcessGroupMooncake(const c10::intrusive_ptr<c10d::Store>
     sink_->pg = this;
     onViewChange();
     comm_->onViewChange([sink = sink_] {
+      c10::intrusive_ptr<c10d::ProcessGroup> keep;  // released after the lock below
       std::lock_guard<std::mutex> lk(sink->mu);
-      if (sink->pg != nullptr) sink->pg->onViewChange();
+      if (sink->pg != nullptr) sink->pg->onViewChange(&keep);
     });
   }
   queue_ = std::make_shared<OpQueue>(comm_.get());
@@ -290,7 +291,7 @@ void ProcessGroupMooncake::linkWrapper(const c10::intrusive_ptr<c10d::ProcessGro
 }
 #endif
 
-void ProcessGroupMooncake::onViewChange() {
+void ProcessGroupMooncake::onViewChange(c10::intrusive_ptr<c10d::ProcessGroup>* keep) {
   // c10d declares size_ const, but an elastic group's size follows its views (upstream's
   // getSize() reports one past the highest active slot). Nothing caches it: getSize() reads
   // the member each time. Called with sink_->mu held (or before the callback is set).
@@ -300,7 +301,10 @@ void ProcessGroupMooncake::onViewChange() {
   if (sink_->wrapper) {
     c10::intrusive_ptr<c10d::ProcessGroup> w = sink_->wrapper->lock();
     if (w) WrapperSize::set(*w, n);
+    if (keep != nullptr) *keep = std::move(w);
   }
+#else
+  (void)keep;
 #endif
   if (opts_.active_ranks.defined()) {
     std::vector<uint8_t> m = comm_->activeMask();

@@ -212,7 +212,9 @@ class ProcessGroupMooncake : public BackendBase {
   // Elastic groups, after each view change: size_ (what get_world_size() reports: one past the
   // highest active slot), the linked torch ProcessGroup's size (torch >= 2) and the
   // active_ranks mirror.
-  void onViewChange();
+  // keep (torch >= 2): receives the wrapper while it is updated, for the caller to release
+  // after sink_->mu, never under it (were it the last reference, this object would go then).
+  void onViewChange(c10::intrusive_ptr<c10d::ProcessGroup>* keep = nullptr);
   const std::string& who() const;  // "mooncake rank G (group 'name' rank r/n)"
 
   MooncakeOptions opts_;

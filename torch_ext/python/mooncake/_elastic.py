@@ -225,9 +225,10 @@ def link_wrapper(backend, o):
     """torch >= 2: dist.get_world_size() reads the size of the ProcessGroup that torch builds
     around a backend, not the backend's. For an elastic group that size must follow the views
     (one past the highest active slot), so the backend is given that ProcessGroup. torch made it
-    just before calling our creator (``pg`` in ``_new_process_group_helper``, torch 2.1-2.11)
-    and passes it nowhere, so it is taken from the caller's frame, checked by type, rank and
-    size. Without it (another torch layout) get_world_size() keeps the initial size: warned."""
+    just before calling our creator (``pg`` in ``_new_process_group_helper``; checked on torch
+    2.6) and passes it nowhere, so it is taken from that function's frame, checked by type,
+    rank and size. Without it (another torch layout) get_world_size() keeps the initial size:
+    warned."""
     link = getattr(_C, "_link_wrapper", None)
     if link is None or not _C._elastic(backend):
         return
@@ -235,11 +236,13 @@ def link_wrapper(backend, o):
     for _ in range(4):
         if f is None:
             break
-        cand = f.f_locals.get("pg")
-        if (isinstance(cand, dist.ProcessGroup) and cand.rank() == int(o.group_rank)
-                and cand.size() == int(o.group_size)):
-            link(backend, cand)
-            return
+        if f.f_code.co_name == "_new_process_group_helper":  # torch's, never user code
+            cand = f.f_locals.get("pg")
+            if (isinstance(cand, dist.ProcessGroup) and cand.rank() == int(o.group_rank)
+                    and cand.size() == int(o.group_size)):
+                link(backend, cand)
+                return
+            break
         f = f.f_back
     warnings.warn("mooncake: could not find the ProcessGroup torch builds around the elastic "
                   "backend; dist.get_world_size() will not follow membership changes (use "

@@ -2,6 +2,7 @@
 the groups this process creates afterwards. Imported into mooncake.pg."""
 
 import logging
+import os
 
 from . import _C
 from ._compat import apply_rdma_devices
@@ -17,12 +18,16 @@ def set_host_ip(host):
 
 
 def set_device_filter(filters):
-    """Upstream: the RDMA NICs the engine may use. Becomes ``MC_RDMA_DEVICES`` for the engine
-    the next mooncake group creates (call before init_process_group; an engine that already
-    runs keeps its NICs); ``get_device_filter()`` returns it."""
+    """Upstream: the RDMA NICs the engine may use. Becomes ``MC_RDMA_DEVICES`` (an empty list
+    removes it: every NIC) for the engine this process creates next: call it before the
+    process's first mooncake group, as groups share the process's engine and a running engine
+    keeps its NICs. ``get_device_filter()`` returns it."""
     global _device_filter
     _device_filter = [str(f) for f in filters]
-    apply_rdma_devices(_device_filter, "mooncake.pg.set_device_filter", _log)
+    if _device_filter:
+        apply_rdma_devices(_device_filter, "mooncake.pg.set_device_filter", _log)
+    else:  # no filter: every NIC, as upstream
+        os.environ.pop("MC_RDMA_DEVICES", None)
 
 
 def get_device_filter():

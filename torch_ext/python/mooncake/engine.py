@@ -20,8 +20,8 @@ for sync calls, a batch id / 0 for async submits); docs/compat.md lists every di
   ``~/.mooncake/secret`` (created, mode 0600, when missing). Every engine of a deployment must
   read the same one (docs/compat.md, "Secrets in a P/D deployment").
 * Protocols ``"tcp"`` and ``"rdma"``. The engine chooses per peer: shared memory on one host,
-  its rdma transport (libibverbs, docs/rdma.md) between hosts whose NICs reach each other, tcp
-  otherwise; so ``"rdma"`` on a host without an active NIC runs over tcp, as upstream does.
+  its rdma transport (libibverbs, docs/rdma.md) between hosts that both publish a NIC of the
+  same link layer (reachability is not probed), tcp otherwise; so ``"rdma"`` on a host without an active NIC runs over tcp, as upstream does.
   ``device_name`` ("mlx5_0,mlx5_1") limits the NICs (``MC_RDMA_DEVICES``). ``MC_FORCE_TCP=1``
   carries every peer over tcp. The rdma transport has been run only on the project's verbs
   emulator (no RDMA NIC exists where it was built).
