@@ -1,8 +1,11 @@
 #include "store/master/master_service.h"
 
 #include <algorithm>
+#include <random>
 
 #include <re2/re2.h>
+
+#include "store/master/record.h"
 
 namespace mooncake::store {
 
@@ -20,6 +23,9 @@ MasterService::MasterService(MasterConfig config) : config_(std::move(config)) {
     config_.eviction_high_watermark = MasterConfig{}.eviction_high_watermark;
   if (!(config_.eviction_ratio > 0.0 && config_.eviction_ratio <= 1.0))
     config_.eviction_ratio = MasterConfig{}.eviction_ratio;
+  std::random_device rd;
+  uint64_t e = (static_cast<uint64_t>(rd()) << 32) | rd();
+  epoch_.store(e == 0 ? 1 : e);
 }
 
 MasterService::~MasterService() { stopBackground(); }
@@ -60,11 +66,13 @@ void MasterService::clientGone(const std::string& client_id) {
 
 ErrorOr<SegmentId> MasterService::mountSegment(const std::string& client_id,
                                                const std::string& name, uint64_t base,
-                                               uint64_t size) {
+                                               uint64_t size, uint64_t record_tag,
+                                               bool will_report) {
   if (client_id.empty() || name.empty() || size < config_.alloc_granularity || base + size < base)
     return ErrorCode::INVALID_PARAMS;
   std::lock_guard<std::mutex> lock(mu_);
   TimePoint t = now();
+  if (!clients_.count(client_id)) last_registration_ = t;
   auto by_name = segment_by_name_.find(name);
   if (by_name != segment_by_name_.end()) {
     Segment* s = segments_.at(by_name->second).get();
@@ -80,6 +88,8 @@ ErrorOr<SegmentId> MasterService::mountSegment(const std::string& client_id,
   seg->name = name;
   seg->client_id = client_id;
   seg->base = base;
+  seg->record_tag = config_.record_headers ? record_tag : 0;
+  seg->awaiting_report = will_report;
   Segment* raw = seg.get();
   capacity_bytes_ += raw->alloc.capacity();
   segments_.emplace(raw->id, std::move(seg));
@@ -125,7 +135,8 @@ void MasterService::unmountLocked(Segment* seg) {
         continue;
       }
       for (const PieceRec& p : r.pieces) {
-        freePiece(p);
+        // The unmounted segment's memory leaves the store: its records need no wiping.
+        freePiece(p, o->complete && p.seg != seg);
         touched.push_back(p.seg);
       }
       ++counters_.replicas_dropped;
@@ -139,6 +150,17 @@ void MasterService::unmountLocked(Segment* seg) {
       if (!still) s->objects.erase(o);
     }
     if (o->replicas.empty()) destroyObjectLocked(o);
+  }
+  // Slabs with an extent here publish nothing more; their other extents stay reserved until
+  // their writer retires them (it may still be writing into them).
+  for (Slab* slab : seg->slabs) {
+    slab->broken = true;
+    for (SlabExtent& e : slab->extents) {
+      if (e.seg != seg) continue;
+      for (auto& [off, a] : e.blocks) used_bytes_ -= a.size;  // the allocator dies with seg
+      e.blocks.clear();
+      e.seg = nullptr;
+    }
   }
   // Quarantined ranges on this segment die with it.
   for (size_t i = 0; i < quarantine_.size();) {
@@ -175,7 +197,9 @@ ErrorOr<bool> MasterService::heartbeat(const std::string& client_id) {
   if (client_id.empty()) return ErrorCode::INVALID_PARAMS;
   std::lock_guard<std::mutex> lock(mu_);
   bool was_new = false;
-  touchClientLocked(client_id, now(), &was_new);
+  const TimePoint t = now();
+  touchClientLocked(client_id, t, &was_new);
+  if (was_new) last_registration_ = t;
   return was_new;
 }
 
@@ -187,6 +211,11 @@ void MasterService::expireClientLocked(const std::string& client_id) {
   for (Object* o : pending) {
     destroyObjectLocked(o);
     ++counters_.put_revokes;
+  }
+  std::vector<uint64_t> slabs(it->second.slabs.begin(), it->second.slabs.end());
+  for (uint64_t id : slabs) {
+    auto sl = slabs_.find(id);
+    if (sl != slabs_.end()) retireSlabLocked(sl->second.get());
   }
   std::vector<SegmentId> segs = it->second.segments;
   for (SegmentId id : segs) {
@@ -243,10 +272,18 @@ void MasterService::destroyObjectLocked(Object* o, const TimePoint* quarantine_u
   for (const Replica& r : o->replicas) {
     for (const PieceRec& p : r.pieces) {
       p.seg->objects.erase(o);
-      if (quarantine_until != nullptr)
-        quarantine_.push_back({p.seg, p.alloc, *quarantine_until});
-      else
-        freePiece(p);
+      if (quarantine_until != nullptr) {
+        // The record goes now (the key is gone), the bytes when the readers' lease lapses.
+        uint64_t token = 0;
+        if (o->complete && p.record_bytes > 0 && wiper_ != nullptr) {
+          token = next_wipe_token_++;
+          ++counters_.records_wiped;
+          if (wiper_->wipe(p.seg->client_id, p.seg->base + p.alloc.offset, token)) token = 0;
+        }
+        quarantine_.push_back({p.seg, p.alloc, *quarantine_until, token});
+      } else {
+        freePiece(p, o->complete);
+      }
     }
   }
   if (!o->complete) {
@@ -287,11 +324,11 @@ ErrorOr<std::vector<ReplicaPlacement>> MasterService::putStart(const std::string
 
   ReplicateConfig cfg = config;
   cfg.replica_num = replica_num;
-  std::vector<Replica> replicas = allocateReplicas(size, cfg);
+  std::vector<Replica> replicas = allocateReplicas(key, size, cfg);
   if (replicas.empty() && size <= capacity_bytes_) {
     // Out of room: evict (LRU share, and at least the bytes asked for), then try once more.
     evictLocked(t, size);
-    replicas = allocateReplicas(size, cfg);
+    replicas = allocateReplicas(key, size, cfg);
   }
   if (replicas.empty()) {
     ++counters_.allocation_failures;
@@ -479,6 +516,12 @@ MasterMetrics MasterService::metrics() const {
   m.bytes_capacity = capacity_bytes_;
   m.segments = segments_.size();
   m.clients = clients_.size();
+  m.slabs = slabs_.size();
+  for (const auto& [id, slab] : slabs_)
+    for (const SlabExtent& e : slab->extents)
+      for (const auto& [off, a] : e.blocks) m.slab_bytes += a.size;
+  m.epoch = role_.load() == MasterRole::kStandby ? 0 : epoch_.load();
+  m.role = static_cast<uint8_t>(role_.load());
   fillRpcStats(&m);
   return m;
 }

@@ -50,6 +50,21 @@ class ErrorCode(enum.IntEnum):
     LEASE_EXPIRED = -707
     TRANSFER_FAIL = -800
     RPC_FAIL = -900
+    ETCD_OPERATION_ERROR = -1000
+    # Retryable: the master is rebuilding its metadata after a failover or restart (the client
+    # retries by itself within the call's deadline, so callers see it only when that passed).
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    # Retryable: the master reached is a standby, not the leader.
+    UNAVAILABLE_IN_CURRENT_MODE = -1011
+
+
+def object_footprint(key_length, size):
+    """Bytes one replica of an object takes in a holder's segment: a 64-byte record and the
+    key (padded to 64 bytes) in front of the value, allocations in 64-byte steps
+    (store/master/record.h; docs/store.md, "Records"). Size a segment that must hold N objects
+    with N x this."""
+    pad = lambda n: (n + 63) // 64 * 64  # noqa: E731
+    return 64 + pad(key_length) + pad(size)
 
 
 def _cfg(config):
@@ -68,7 +83,9 @@ class MooncakeDistributedStore:
               local_buffer_size=0, protocol="tcp", device_name="",
               master_server_address="127.0.0.1:50051"):
         """Connects to the master at ``master_server_address`` (host:port of
-        ``mooncake_master --port``) and lends ``global_segment_size`` bytes. ``metadata_server``,
+        ``mooncake_master --port``, or ``etcd://host:port[;host:port]`` for the leader of the
+        masters of cluster ``MC_STORE_CLUSTER_ID``, followed across failovers) and lends
+        ``global_segment_size`` bytes. ``metadata_server``,
         ``local_buffer_size`` and ``device_name`` are accepted for compatibility: the master's
         rendezvous is the metadata service, and transfers need no staging buffer."""
         rc = self._c.setup(local_hostname, metadata_server, int(global_segment_size),
