@@ -41,8 +41,10 @@ else
   bash scripts/setup.sh
 fi
 t0=$SECONDS
-# mooncake.run is torchrun (torch.distributed.run) with a fix for Debian's torch 1.13 on
-# Python 3.11, whose parser of the default --redirects/--tee crashes.
+# mooncake.run is torchrun (torch.distributed.run) made to work with Debian's torch builds:
+# it repairs torch 1.13's parser of the default --redirects/--tee (Python 3.11), and sets
+# USE_LIBUV=0 for a torch built without libuv (Debian 13's 2.6). On a torch 2.x wheel it is
+# plain torchrun.
 echo "== torch.distributed backend \"mooncake\" vs gloo (torchrun, 2 ranks) =="
 (cd / && env -u PYTHONPATH "$PY" -m mooncake.run --nproc_per_node 2 --master_addr 127.0.0.1 \
   --master_port "$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" \

@@ -18,7 +18,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 PACKAGES=(
-  build-essential cmake ninja-build
+  build-essential cmake ninja-build pkgconf
   libgtest-dev libgmock-dev
   python3-torch python3-pytest python3-numpy pybind11-dev python3-pybind11
   libprotobuf-dev protobuf-compiler libcpp-httplib-dev libre2-dev pkg-config

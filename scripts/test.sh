@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds everything (scripts/setup.sh), then runs the C++ tests (ctest) and the Python tests
-# (pytest on tests/python). Exits non-zero when anything failed; the last line is a summary.
+# (pytest on tests/python) against Debian 12's torch 1.13, then the same again against
+# Debian 13's torch 2.6 in a Debian 13 root (scripts/test_torch2.sh; MOONCAKE_TORCH2=0
+# skips it). Exits non-zero when anything failed; the last line is a summary.
 # Works from any directory.
 # Usage: scripts/test.sh [--python PY]
 #   --python PY  install the package into PY (a venv made with --system-site-packages) instead
@@ -45,9 +47,19 @@ if compgen -G "tests/python/test_*.py" >/dev/null; then
     pytest_state="FAILED (rc=$pytest_rc)"
   fi
 fi
+t_pytest=$SECONDS
+
+# torch 2.6 in a Debian 13 root: its own build (build-torch2/), ctest and pytest. A cached
+# root adds a few minutes; the first run also creates it (debootstrap + apt).
+torch2_rc=0
+torch2_state="skipped (MOONCAKE_TORCH2=0)"
+if [[ "${MOONCAKE_TORCH2:-1}" != 0 ]]; then
+  timeout -k 30 1500 bash scripts/test_torch2.sh || torch2_rc=$?
+  if ((torch2_rc == 0)); then torch2_state="passed"; else torch2_state="FAILED (rc=$torch2_rc)"; fi
+fi
 t_end=$SECONDS
 
 if ((ctest_rc == 0)); then ctest_state="passed"; else ctest_state="FAILED (rc=$ctest_rc)"; fi
-if ((ctest_rc == 0 && pytest_rc == 0)); then verdict="OK"; else verdict="FAILED"; fi
-echo "test.sh: ${verdict} -- build $((t_built - t_start))s, ctest ${ctest_state} $((t_ctest - t_built))s, pytest ${pytest_state} $((t_end - t_ctest))s"
+if ((ctest_rc == 0 && pytest_rc == 0 && torch2_rc == 0)); then verdict="OK"; else verdict="FAILED"; fi
+echo "test.sh: ${verdict} -- build $((t_built - t_start))s, ctest ${ctest_state} $((t_ctest - t_built))s, pytest ${pytest_state} $((t_pytest - t_ctest))s, torch 2.6 (Debian 13) ${torch2_state} $((t_end - t_pytest))s"
 [[ "$verdict" == "OK" ]]

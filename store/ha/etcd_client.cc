@@ -1,18 +1,26 @@
 #include "store/ha/etcd_client.h"
 
+#include <sstream>
+
+// MC_STORE_HAVE_ETCD (store/CMakeLists.txt): built with cpp-httplib and nlohmann-json. Without
+// them EtcdClient::create() fails with kNotSupported, naming what the build lacked.
+#if MC_STORE_HAVE_ETCD
 #include <httplib.h>
 
 #include <nlohmann/json.hpp>
-#include <sstream>
+#endif
 
 namespace mooncake::store::ha {
 
+#if MC_STORE_HAVE_ETCD
 using json = nlohmann::json;
+#endif
 
 namespace {
 
 constexpr char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
+#if MC_STORE_HAVE_ETCD
 int64_t asInt(const json& j, const char* field) {
   auto it = j.find(field);
   if (it == j.end()) return 0;
@@ -60,6 +68,7 @@ Result<json> parse(const std::string& body) {
     return MC_STATUS(kProtocol, "etcd: not a JSON object: " << body.substr(0, 200));
   return j;
 }
+#endif  // MC_STORE_HAVE_ETCD
 
 }  // namespace
 
@@ -131,6 +140,7 @@ std::string clientMemberKey(const std::string& cluster_id, const std::string& cl
   return clientMemberPrefix(cluster_id) + client_id;
 }
 
+#if MC_STORE_HAVE_ETCD
 Result<std::unique_ptr<EtcdClient>> EtcdClient::create(const std::string& endpoints,
                                                        int64_t timeout_ms) {
   std::unique_ptr<EtcdClient> c(new EtcdClient());
@@ -320,5 +330,37 @@ Status EtcdClient::deleteIfCreated(const std::string& key, int64_t create_revisi
   auto r = post("/v3/kv/txn", req.dump());
   return r.ok() ? Status::OK() : r.status();
 }
+
+#else  // !MC_STORE_HAVE_ETCD
+
+namespace {
+Status noEtcd() {
+  return MC_STATUS(kNotSupported,
+                   "etcd: this build has no etcd client (it needs cpp-httplib and "
+                   "nlohmann-json3-dev when configured)");
+}
+}  // namespace
+
+Result<std::unique_ptr<EtcdClient>> EtcdClient::create(const std::string&, int64_t) {
+  return noEtcd();
+}
+EtcdClient::~EtcdClient() = default;
+// Unreachable (create() fails), defined for the linker.
+Result<std::string> EtcdClient::post(const std::string&, const std::string&) { return noEtcd(); }
+Status EtcdClient::ping() { return noEtcd(); }
+Result<int64_t> EtcdClient::grantLease(int64_t) { return noEtcd(); }
+Result<int64_t> EtcdClient::keepAlive(int64_t) { return noEtcd(); }
+Status EtcdClient::revokeLease(int64_t) { return noEtcd(); }
+Result<std::optional<EtcdKv>> EtcdClient::get(const std::string&) { return noEtcd(); }
+Result<std::vector<EtcdKv>> EtcdClient::getPrefix(const std::string&) { return noEtcd(); }
+Status EtcdClient::put(const std::string&, const std::string&, int64_t) { return noEtcd(); }
+Status EtcdClient::del(const std::string&) { return noEtcd(); }
+Result<std::pair<bool, EtcdKv>> EtcdClient::createIfAbsent(const std::string&, const std::string&,
+                                                           int64_t) {
+  return noEtcd();
+}
+Status EtcdClient::deleteIfCreated(const std::string&, int64_t) { return noEtcd(); }
+
+#endif  // MC_STORE_HAVE_ETCD
 
 }  // namespace mooncake::store::ha

@@ -20,34 +20,12 @@
 #include "engine/secret.h"
 #include "engine/wire.h"
 #include "tests/common/test_secret.h"
+#include "tests/engine/test_util.h"
 
 namespace mooncake::engine {
 namespace {
 
-// Sets (or unsets, value nullptr) a variable for one scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    if (value != nullptr)
-      setenv(name, value, 1);
-    else
-      unsetenv(name);
-  }
-  ~ScopedEnv() {
-    if (had_)
-      setenv(name_, old_.c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
+using test::ScopedEnv;
 
 std::string tempDir() {
   char tmpl[] = "/tmp/mc_secret_test_XXXXXX";

@@ -383,20 +383,7 @@ TEST_F(TcpGarbageTest, AuthenticatedClientCannotEscapeRegions) {
 
 // ---- before authentication: deadlines, limits, frame order ----
 
-// Sets environment variables for one scope (read by an engine when it starts).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() { had_ ? (void)setenv(name_, old_.c_str(), 1) : (void)unsetenv(name_); }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
+using test::ScopedEnv;
 
 // A connection that never says HELLO is closed after MC_HANDSHAKE_TIMEOUT_MS; one that sends
 // half a HELLO too. Connections from one source beyond MC_MAX_PREAUTH_PER_SOURCE are closed at

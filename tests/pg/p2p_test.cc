@@ -80,8 +80,11 @@ TEST_P(PgP2p, RingTagsAnySourceThreads) {
     });
     for (auto& t : threads) t.join();
     EXPECT_TRUE(w->wait(std::chrono::seconds(30)));
-    for (int j = 0; j < n; ++j)
-      if (j != me) EXPECT_EQ(got[j][big - 1], j * 1000 + me) << "from " << j;
+    for (int j = 0; j < n; ++j) {
+      if (j != me) {
+        EXPECT_EQ(got[j][big - 1], j * 1000 + me) << "from " << j;
+      }
+    }
     c.barrier();
   });
   for (int r = 0; r < o.world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;

@@ -2,8 +2,10 @@
 the same ranks, then runs the cases the pool sends until told to exit."""
 
 import argparse
+import faulthandler
 import importlib
 import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -22,6 +24,9 @@ def main():
     ap.add_argument("--timeout-s", type=float, default=120)
     ap.add_argument("--no-gloo", action="store_true")
     a = ap.parse_args()
+    # The pool sends SIGUSR1 to a rank that does not answer: every thread's stack goes to
+    # this rank's log before it is killed.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     conn = Client(("127.0.0.1", a.ctl_port), authkey=bytes.fromhex(a.authkey))
     conn.send(("hello", a.rank, os.getpid()))
@@ -38,7 +43,7 @@ def main():
         dist.init_process_group("mooncake", init_method="env://", rank=a.rank,
                                 world_size=a.world, timeout=timedelta(seconds=a.timeout_s))
         gloo = None if a.no_gloo else dist.new_group(backend="gloo")
-        cases = [importlib.import_module(m) for m in ("pg_cases", "pg_cases_misc")]
+        cases = [importlib.import_module(m) for m in ("pg_cases", "pg_cases_misc", "pg_cases_torch2")]
         ctx = cases[0].Ctx(a.rank, a.world, gloo, a.timeout_s)
         conn.send(("ready", a.rank))
     except BaseException:

@@ -29,9 +29,22 @@ def free_port():
 
 
 def master_bin():
+    """The mooncake_master of the build the imported `mooncake` package comes from (build/
+    on the host, build-torch2/ in scripts/test_torch2.sh's Debian 13 root: the two are
+    linked against different distributions' libraries); else the newest build*/ one."""
     env = os.environ.get("MC_MASTER_BIN")
     if env:
         return env
+    try:
+        import mooncake._C as ext
+
+        # <build>/python/mooncake/_C*.so (the .so is a file, the .py files are links)
+        build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__))))
+        own = os.path.join(build, "store", "mooncake_master")
+        if os.path.exists(own):
+            return own
+    except ImportError:
+        pass
     cands = glob.glob(os.path.join(REPO, "build*", "store", "mooncake_master"))
     cands.sort(key=os.path.getmtime, reverse=True)
     return cands[0] if cands else None

@@ -34,6 +34,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "isolated: starts its own processes (no shared pool)")
 
 
+def _use_libuv_0_if_needed():
+    """A torch built without libuv (Debian 13's 2.6) needs USE_LIBUV=0 for the TCPStore of
+    every rank's rendezvous: set it for every process the tests start, as mooncake.run does
+    for torchrun jobs (the tests that check the unset case remove it themselves)."""
+    if "USE_LIBUV" in os.environ:
+        return
+    r = subprocess.run([PYTHON, "-c", "from mooncake import _compat; print(_compat.libuv_missing())"],
+                       capture_output=True, text=True, env=child_env(), cwd="/")
+    if r.returncode == 0 and r.stdout.strip() == "True":
+        os.environ["USE_LIBUV"] = "0"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _require_mooncake():
     ok, err = _mooncake_importable()
@@ -41,6 +53,7 @@ def _require_mooncake():
         pytest.exit(f"`{PYTHON} -c 'import mooncake'` fails; run scripts/setup.sh "
                     "(or scripts/install_python.sh [--python PY] BUILD_DIR):\n" + err,
                     returncode=2)
+    _use_libuv_0_if_needed()
     yield
     for w in list(_pools):
         _pools.pop(w).close()

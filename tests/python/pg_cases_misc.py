@@ -95,6 +95,35 @@ def case_p2p(ctx, sizes=(0, 1, 7, 1000), dtypes=("float32", "int64", "bfloat16",
     return fails
 
 
+def case_p2p_self(ctx, rounds=20):
+    """irecv from oneself, then isend to oneself (allowed by torch): two lanes of this
+    process, where the receive blocks until the send runs. Each round starts right after the
+    lane threads of the previous one went idle, the state in which the second post used to
+    find no thread (it waited for the receive's timeout). Waits are bounded, so a
+    regression fails in seconds instead of hanging."""
+    fails, me = [], ctx.rank
+    limit = timedelta(seconds=20)
+    for i in range(rounds):
+        # One lane thread, idle: a send to oneself completes without a receiver.
+        dist.isend(torch.full((2,), float(i)), dst=me, tag=29).wait(timeout=limit)
+        time.sleep(0.01)
+        mine = torch.empty(10)
+        rq = dist.irecv(mine, src=me, tag=30 + i)
+        sq = dist.isend(make("float32", 10, me, 140 + i), dst=me, tag=30 + i)
+        try:
+            sq.wait(timeout=limit)
+            rq.wait(timeout=limit)
+        except RuntimeError as e:
+            fails.append(f"round {i}: self isend/irecv did not complete: {e}")
+            break
+        check(fails, f"round {i}: isend/irecv to self", mine, make("float32", 10, me, 140 + i))
+        first = torch.empty(2)
+        dist.irecv(first, src=me, tag=29).wait(timeout=limit)
+        check(fails, f"round {i}: the earlier send to self", first, torch.full((2,), float(i)))
+    dist.barrier()
+    return fails
+
+
 def case_subgroups(ctx):
     fails, W, me = [], ctx.world, ctx.rank
     if W < 3:
@@ -287,8 +316,24 @@ def case_die(ctx, victim, at, mode="exit", phase="between", nbytes=4 << 20):
                 break
     except RuntimeError as e:
         now = time.time()
-        return {"raised": True, "msg": str(e), "since_death": now - at, "since_call": now - t0}
-    return {"raised": False}
+        res = {"raised": True, "msg": str(e), "type": type(e).__name__,
+               "since_death": now - at, "since_call": now - t0}
+    else:
+        return {"raised": False}
+    # Later ops fail too; torch >= 2.5's get_future_result reports it without raising.
+    try:
+        w = dist.all_reduce(torch.ones(4), async_op=True)
+    except RuntimeError as e:  # refused at once: the group knows a member is dead
+        res["later_op"] = type(e).__name__
+        return res
+    if hasattr(w, "get_future_result"):
+        res["future_result"] = int(w.get_future_result().wait())
+    try:
+        w.wait()
+        res["later_op"] = "succeeded"
+    except RuntimeError as e:
+        res["later_op"] = type(e).__name__
+    return res
 
 
 def case_timeout(ctx, absent):
@@ -299,7 +344,8 @@ def case_timeout(ctx, absent):
     try:
         dist.all_reduce(torch.ones(10))
     except RuntimeError as e:
-        return {"raised": True, "msg": str(e), "elapsed": time.time() - t0}
+        return {"raised": True, "msg": str(e), "type": type(e).__name__,
+                "elapsed": time.time() - t0}
     return {"raised": False, "elapsed": time.time() - t0}
 
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PYTHON = sys.executable
+PYTHON = sys.executable  # as harness.PYTHON
 WORKER = os.path.join(HERE, "_ep_worker.py")
 MAIN_CASES = ["ll_modes", "validation", "one_rank_bad_input", "normal", "normal_autograd"]
 KILL_CASES = ["kill_between_rounds", "kill_between_dispatch_and_combine"]

@@ -1,14 +1,20 @@
 """Failure behaviour: a rank that dies makes the others raise an error naming it within
-2 s; init_process_group(timeout=...) bounds every op; detectable wrong use across ranks
-raises everywhere; a healthy job shuts down cleanly. Each test starts its own processes."""
+2 s (torch.distributed.DistBackendError on torch 2.x, as NCCL and gloo raise it; a
+RuntimeError on 1.13); init_process_group(timeout=...) bounds every op; detectable wrong
+use across ranks raises everywhere; a healthy job shuts down cleanly. Each test starts its
+own processes."""
 
 import time
 
 import pytest
 
-from harness import Pool
+from harness import Pool, torch_version
 
 pytestmark = pytest.mark.isolated
+
+
+def failure_type():
+    return "DistBackendError" if torch_version() >= (2, 1) else "RuntimeError"
 
 
 @pytest.mark.parametrize("phase,mode", [("between", "exit"), ("during", "kill")])
@@ -28,6 +34,10 @@ def test_killed_rank_is_named_within_2s(phase, mode):
         took = x["since_call"] if phase == "between" else x["since_death"]
         print(f"rank {r}: raised {took:.3f}s after the death: {msg}")
         assert took < 2.0, f"rank {r} raised {took:.2f}s after the death: {msg}"
+        assert x["type"] == failure_type(), f"rank {r} raised {x['type']}: {msg}"
+        assert x["later_op"] == failure_type(), f"rank {r}: a later op: {x['later_op']}"
+        if "future_result" in x:  # WorkResult.COMM_ERROR
+            assert x["future_result"] == 2, f"rank {r}: get_future_result {x['future_result']}"
 
 
 def test_timeout_bounds_ops():
@@ -42,6 +52,7 @@ def test_timeout_bounds_ops():
     assert 1.5 <= x["elapsed"] <= 10, f"timed out after {x['elapsed']:.1f}s, limit was 2s"
     assert "time" in x["msg"].lower(), x["msg"]
     assert "mooncake" in x["msg"] and "allreduce" in x["msg"], x["msg"]
+    assert x["type"] == failure_type(), f"{x['type']}: {x['msg']}"
 
 
 def test_split_mismatch_across_ranks_raises_everywhere():

@@ -9,6 +9,11 @@ def test_p2p(pool, world):
     pool.check("p2p")
 
 
+@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"w{w}")
+def test_p2p_to_self(pool, world):
+    pool.check("p2p_self")
+
+
 @pytest.mark.parametrize("world", [3, 4], ids=lambda w: f"w{w}")
 def test_subgroups_non_contiguous_ranks(pool, world):
     pool.check("subgroups")

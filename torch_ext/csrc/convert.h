@@ -239,7 +239,7 @@ inline std::exception_ptr translateError(const ErrorContext& ctx, const char* op
       }
       os << "]";
     }
-    return std::make_exception_ptr(std::runtime_error(os.str()));
+    return backendError(os.str());
   } catch (const std::invalid_argument& ia) {
     return std::make_exception_ptr(std::invalid_argument(who + ": " + op + ": " + ia.what()));
   } catch (const c10::Error& ce) {

@@ -59,6 +59,7 @@ void registerPgApis(py::module_& m) {
       "engine uses it, and torch groups do not generate one).");
   m.attr("TORCH_HAS_BACKEND_API") = py::bool_(MC_TORCH_HAS_BACKEND != 0);
   m.attr("BACKEND_BASE") = py::str(kBackendBasePyName);
+  m.attr("DEVICES") = py::cast(ProcessGroupMooncake::devices());
 }
 
 }  // namespace

@@ -42,7 +42,13 @@ class P2pLanes {
     if (lane.running) return;  // the thread draining this lane will get to it
     lane.running = true;
     s_->ready.push_back(key);
-    if (s_->idle > 0) {
+    // Every ready lane needs a thread of its own: the running ones may block for long (a
+    // recv waiting for a send posted after it, to oneself or by the peer). An idle thread
+    // takes one ready lane when it wakes, but counts as idle until then, so it covers only
+    // one of the lanes queued meanwhile: spawn when the idle threads are fewer than the
+    // ready lanes (comparing with 0 would leave the second of two quick posts, e.g. irecv
+    // then isend to oneself, without a thread until the first one's recv timed out).
+    if (static_cast<size_t>(s_->idle) >= s_->ready.size()) {
       s_->cv.notify_one();
     } else {
       std::thread([s = s_] { run(s); }).detach();

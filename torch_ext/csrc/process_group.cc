@@ -33,15 +33,14 @@ bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
   if (timeout == kNoTimeout) {
     cv_.wait(lk, [&] { return completed_; });
   } else if (!cv_.wait_for(lk, timeout, [&] { return completed_; })) {
-    throw std::runtime_error(ctx_->who + ": " + op_ + ": Work.wait timed out after " +
-                             std::to_string(timeout.count()) + " ms (the op goes on)");
+    std::rethrow_exception(backendError(ctx_->who + ": " + op_ + ": Work.wait timed out after " +
+                                        std::to_string(timeout.count()) + " ms (the op goes on)"));
   }
   if (exception_) std::rethrow_exception(exception_);
   return true;
 }
 
-void MooncakeWork::markFuture(const c10::intrusive_ptr<c10::ivalue::Future>& f,
-                              std::exception_ptr e) {
+void MooncakeWork::markFuture(const FuturePtr& f, std::exception_ptr e) {
   if (e) {
     f->setError(e);
   } else {
@@ -49,42 +48,107 @@ void MooncakeWork::markFuture(const c10::intrusive_ptr<c10::ivalue::Future>& f,
   }
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> MooncakeWork::getFuture() {
-  static const auto type = c10::ListType::create(c10::TensorType::get());
+void MooncakeWork::markResult(const FuturePtr& f, std::exception_ptr e) {
+#if MC_TORCH_HAS_WORK_RESULT
+  const auto r = e ? c10d::WorkResult::COMM_ERROR : c10d::WorkResult::SUCCESS;
+  f->markCompleted(c10::IValue(static_cast<int64_t>(r)));
+#else
+  (void)f;
+  (void)e;
+#endif
+}
+
+MooncakeWork::FuturePtr MooncakeWork::lazyFuture(FuturePtr MooncakeWork::*slot,
+                                                 const c10::TypePtr& type, bool result) {
   std::unique_lock lk(mutex_);
-  if (future_) return future_;
-  future_ = c10::make_intrusive<c10::ivalue::Future>(type);
-  auto f = future_;
+  if (this->*slot) return this->*slot;
+  this->*slot = c10::make_intrusive<c10::ivalue::Future>(type);
+  FuturePtr f = this->*slot;
   const bool done = completed_;
   std::exception_ptr e = exception_;
   lk.unlock();
-  if (done) markFuture(f, e);  // complete() ran before the future existed
+  if (done) {  // complete() ran before the future existed
+    if (result) {
+      markResult(f, e);
+    } else {
+      markFuture(f, e);
+    }
+  }
   return f;
 }
+
+c10::intrusive_ptr<c10::ivalue::Future> MooncakeWork::getFuture() {
+  static const auto type = c10::ListType::create(c10::TensorType::get());
+  return lazyFuture(&MooncakeWork::future_, type, /*result=*/false);
+}
+
+#if MC_TORCH_HAS_WORK_RESULT
+c10::intrusive_ptr<c10::ivalue::Future> MooncakeWork::getFutureResult() {
+  return lazyFuture(&MooncakeWork::result_future_, c10::IntType::get(), /*result=*/true);
+}
+#endif
 
 std::vector<Tensor> MooncakeWork::result() { return outputs_; }
 
 int MooncakeWork::sourceRank() const { return source_rank_.load(); }
 
 void MooncakeWork::complete(std::exception_ptr error) {
-  // A future that exists is completed before the Work, so whoever returns from wait() can
-  // read it; one created concurrently (at most once) is caught by the second round.
-  c10::intrusive_ptr<c10::ivalue::Future> marked;
+  // Futures that exist are completed before the Work, so whoever returns from wait() can
+  // read them; one created concurrently (at most once each) is caught by the next round.
+  FuturePtr marked_f, marked_r;
   for (;;) {
-    c10::intrusive_ptr<c10::ivalue::Future> f;
+    FuturePtr f, r;
     {
       std::lock_guard lk(mutex_);
-      if (future_ == marked) {
+      if (future_ == marked_f && result_future_ == marked_r) {
         completed_ = true;
         exception_ = error;
         break;
       }
       f = future_;
+      r = result_future_;
     }
-    markFuture(f, error);
-    marked = f;
+    if (f && f != marked_f) markFuture(f, error);
+    if (r && r != marked_r) markResult(r, error);
+    marked_f = f;
+    marked_r = r;
   }
   cv_.notify_all();
+}
+
+c10::intrusive_ptr<MooncakeWork> MooncakeWork::joinAll(
+    int rank, c10d::OpType type, const char* op, std::shared_ptr<const ErrorContext> ctx,
+    std::vector<c10::intrusive_ptr<MooncakeWork>> works) {
+  std::vector<Tensor> outputs;
+  for (const auto& w : works) {
+    for (auto& t : w->outputs_) outputs.push_back(t);
+  }
+  auto joined = c10::make_intrusive<MooncakeWork>(rank, type, op, std::move(ctx), outputs);
+  if (works.empty()) {
+    joined->complete(nullptr);
+    return joined;
+  }
+  struct Join {
+    std::mutex mu;
+    size_t left;
+    std::exception_ptr first_error;
+  };
+  auto join = std::make_shared<Join>();
+  join->left = works.size();
+  for (const auto& w : works) {
+    // Runs on the thread that completes w (or here, when it already has).
+    w->getFuture()->addCallback([joined, join](c10::ivalue::Future& f) {
+      std::exception_ptr done_error;
+      {
+        std::lock_guard<std::mutex> lk(join->mu);
+        if (f.hasError() && !join->first_error) join->first_error = f.exception_ptr();
+        if (--join->left != 0) return;
+        done_error = join->first_error;
+      }
+      joined->complete(done_error);
+    });
+  }
+  return joined;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -173,6 +237,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(OpType type, con
   } catch (...) {
     std::rethrow_exception(translateError(*ectx_, op, std::current_exception()));
   }
+  track(work);
   return work;
 }
 
@@ -192,7 +257,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::p2p(OpType type, const char
     }
     work->complete(err);
   });
+  track(work);
   return work;
+}
+
+void ProcessGroupMooncake::track(const c10::intrusive_ptr<MooncakeWork>& work) {
+  std::lock_guard<std::mutex> lk(coalesce_mu_);
+  if (coalescing_) coalesced_.push_back(work);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -291,16 +362,41 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
   });
 }
 
+namespace {
+
+// all_gather_into_tensor: output holds size x input, same dtype. `sfx` names the pair in a
+// coalesced call ("[i]").
+void checkGatherPair(const Check& ck, const Tensor& output, const Tensor& input, int size,
+                     const std::string& sfx) {
+  ck.tensor(input, "input" + sfx);
+  ck.tensor(output, "output" + sfx);
+  ck.sameType(output, input, "output" + sfx);
+  if (output.numel() != input.numel() * size) {
+    ck.fail("output" + sfx + " has " + std::to_string(output.numel()) +
+            " elements, expected input (" + std::to_string(input.numel()) + ") x group size (" +
+            std::to_string(size) + ")");
+  }
+}
+
+// reduce_scatter_tensor: input holds size x output, same dtype.
+void checkScatterPair(const Check& ck, const Tensor& output, const Tensor& input, int size,
+                      const std::string& sfx) {
+  ck.tensor(input, "input" + sfx);
+  ck.tensor(output, "output" + sfx);
+  ck.sameType(input, output, "input" + sfx);
+  if (input.numel() != output.numel() * size) {
+    ck.fail("input" + sfx + " has " + std::to_string(input.numel()) +
+            " elements, expected output (" + std::to_string(output.numel()) + ") x group size (" +
+            std::to_string(size) + ")");
+  }
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
     Tensor& output, Tensor& input, const c10d::AllgatherOptions&) {
   Check ck(who(), "_allgather_base");
-  ck.tensor(input, "input");
-  ck.tensor(output, "output");
-  ck.sameType(output, input, "output");
-  if (output.numel() != input.numel() * size_) {
-    ck.fail("output has " + std::to_string(output.numel()) + " elements, expected input (" +
-            std::to_string(input.numel()) + ") x group size (" + std::to_string(size_) + ")");
-  }
+  checkGatherPair(ck, output, input, size_, "");
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
   return collective(OpType::_ALLGATHER_BASE, "_allgather_base", {output}, [c, in, out] {
@@ -444,13 +540,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
     Tensor& output, Tensor& input, const c10d::ReduceScatterOptions& opts) {
   Check ck(who(), "_reduce_scatter_base");
-  ck.tensor(input, "input");
-  ck.tensor(output, "output");
-  ck.sameType(input, output, "input");
-  if (input.numel() != output.numel() * size_) {
-    ck.fail("input has " + std::to_string(input.numel()) + " elements, expected output (" +
-            std::to_string(output.numel()) + ") x group size (" + std::to_string(size_) + ")");
-  }
+  checkScatterPair(ck, output, input, size_, "");
   auto [dt, op] = ck.reduction(output, opts.reduceOp);
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
@@ -521,6 +611,78 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::barrier(const c10d::Barrier
   pg::Communicator* c = comm_.get();
   return collective(OpType::BARRIER, "barrier", {}, [c] { c->barrier(); });
 }
+
+#if MC_TORCH_HAS_BACKEND
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coalesced(
+    std::vector<Tensor>& outputs, std::vector<Tensor>& inputs, const c10d::AllgatherOptions&) {
+  Check ck(who(), "allgather_into_tensor_coalesced");
+  if (outputs.size() != inputs.size()) {
+    ck.fail(std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) +
+            " inputs");
+  }
+  for (size_t i = 0; i < inputs.size(); ++i)
+    checkGatherPair(ck, outputs[i], inputs[i], size_, "[" + std::to_string(i) + "]");
+  pg::Communicator* c = comm_.get();
+  std::vector<Tensor> ins = inputs, outs = outputs;
+  return collective(OpType::COALESCED, "allgather_into_tensor_coalesced", outputs, [c, ins, outs] {
+    for (size_t i = 0; i < ins.size(); ++i) {
+      Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
+      c->allGather(si.data(), so.data(), si.bytes());
+      so.writeBack();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coalesced(
+    std::vector<Tensor>& outputs, std::vector<Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  Check ck(who(), "reduce_scatter_tensor_coalesced");
+  if (outputs.size() != inputs.size()) {
+    ck.fail(std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) +
+            " inputs");
+  }
+  std::vector<std::pair<pg::DataType, pg::ReduceOp>> types;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkScatterPair(ck, outputs[i], inputs[i], size_, "[" + std::to_string(i) + "]");
+    types.push_back(ck.reduction(outputs[i], opts.reduceOp));
+  }
+  pg::Communicator* c = comm_.get();
+  std::vector<Tensor> ins = inputs, outs = outputs;
+  return collective(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs,
+                    [c, ins, outs, types] {
+                      for (size_t i = 0; i < ins.size(); ++i) {
+                        Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
+                        c->reduceScatter(si.data(), so.data(), static_cast<size_t>(outs[i].numel()),
+                                         types[i].first, types[i].second);
+                        so.writeBack();
+                      }
+                    });
+}
+
+void ProcessGroupMooncake::startCoalescing() {
+  std::lock_guard<std::mutex> lk(coalesce_mu_);
+  if (coalescing_) {
+    throw std::invalid_argument(who() +
+                                ": startCoalescing: already coalescing (nested "
+                                "coalescing managers on one group)");
+  }
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::endCoalescing() {
+  std::vector<c10::intrusive_ptr<MooncakeWork>> works;
+  {
+    std::lock_guard<std::mutex> lk(coalesce_mu_);
+    if (!coalescing_) {
+      throw std::invalid_argument(who() + ": endCoalescing without startCoalescing");
+    }
+    coalescing_ = false;
+    works.swap(coalesced_);
+  }
+  return MooncakeWork::joinAll(rank_, OpType::COALESCED, "coalesced", ectx_, std::move(works));
+}
+#endif  // MC_TORCH_HAS_BACKEND
 
 // ---------------------------------------------------------------------------------------
 // Point to point

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
@@ -43,8 +44,19 @@ class MooncakeWork : public c10d::Work {
   // Created on first use (most ops are only waited on); completed with the output tensors
   // or the op's error. Completed before wait() returns when it existed by then.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+#if MC_TORCH_HAS_WORK_RESULT
+  // torch >= 2.5: a future of the c10d::WorkResult (an int: SUCCESS 0, COMM_ERROR 2) that
+  // never holds an error, for callers that handle failures without exceptions.
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override;
+#endif
   std::vector<at::Tensor> result() override;
   int sourceRank() const override;
+
+  // One Work for several: completes when all of `works` have (with the first error among
+  // them), its result() is their outputs in order. What endCoalescing() returns.
+  static c10::intrusive_ptr<MooncakeWork> joinAll(
+      int rank, c10d::OpType type, const char* op, std::shared_ptr<const ErrorContext> ctx,
+      std::vector<c10::intrusive_ptr<MooncakeWork>> works);
 
   // Called once by the thread that ran the op. nullptr = success.
   void complete(std::exception_ptr error);
@@ -56,12 +68,18 @@ class MooncakeWork : public c10d::Work {
   }
 
  private:
-  void markFuture(const c10::intrusive_ptr<c10::ivalue::Future>& f, std::exception_ptr e);
+  using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+  void markFuture(const FuturePtr& f, std::exception_ptr e);
+  static void markResult(const FuturePtr& f, std::exception_ptr e);
+  // Returns *slot (guarded by mutex_), creating it on first use; completed at once when the
+  // Work already is.
+  FuturePtr lazyFuture(FuturePtr MooncakeWork::*slot, const c10::TypePtr& type, bool result);
 
   const char* op_;  // a string literal
   std::shared_ptr<const ErrorContext> ctx_;
   std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;  // guarded by mutex_
+  FuturePtr future_;         // getFuture(), guarded by mutex_
+  FuturePtr result_future_;  // getFutureResult(), guarded by mutex_
   std::atomic<int> source_rank_{-1};
   std::shared_ptr<OpQueue> queue_;  // set before the Work is returned, then read-only
   OpQueue::Id queue_id_ = 0;
@@ -90,6 +108,9 @@ class ProcessGroupMooncake : public BackendBase {
   ~ProcessGroupMooncake() override;
 
   const std::string getBackendName() const override { return "mooncake"; }
+  // The device types whose tensors the ops take (Check::tensor in convert.h refuses the
+  // others); torch 2.x registers the backend for exactly these (mooncake._C.DEVICES).
+  static std::vector<std::string> devices() { return {"cpu"}; }
   const MooncakeOptions& mooncakeOptions() const { return opts_; }
   pg::Communicator& communicator() { return *comm_; }
 
@@ -133,6 +154,22 @@ class ProcessGroupMooncake : public BackendBase {
   c10::intrusive_ptr<Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
+#if MC_TORCH_HAS_BACKEND
+  // The fast paths of dist._coalescing_manager and of the functional collectives: one op
+  // per (output, input) pair, run as one queued collective.
+  c10::intrusive_ptr<Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  // dist._coalescing_manager(group, device): every op this process issues on the group
+  // between the two (collectives and point-to-point) runs as usual; endCoalescing returns
+  // one Work that completes when all of them have. Called by one thread at a time.
+  void startCoalescing() override;
+  c10::intrusive_ptr<Work> endCoalescing() override;
+#endif
+
  private:
   using Body = std::function<void()>;
   // Enqueues body on the collective worker; its exceptions become the Work's error.
@@ -141,6 +178,8 @@ class ProcessGroupMooncake : public BackendBase {
   c10::intrusive_ptr<Work> p2p(c10d::OpType type, const char* op, const P2pLanes::Key& lane,
                                std::vector<at::Tensor> outputs,
                                std::function<void(MooncakeWork&)> body);
+  // Records an op issued between startCoalescing and endCoalescing.
+  void track(const c10::intrusive_ptr<MooncakeWork>& work);
   int globalRank(int group_rank) const;
   const std::string& who() const;  // "mooncake rank G (group 'name' rank r/n)"
 
@@ -151,7 +190,10 @@ class ProcessGroupMooncake : public BackendBase {
   std::shared_ptr<pg::Communicator> comm_;
   std::shared_ptr<OpQueue> queue_;    // collectives, in issue order
   std::shared_ptr<Scratch> scratch_;  // staging of the list ops (used by one op at a time)
-  std::unique_ptr<P2pLanes> lanes_;   // declared last: stops first
+  std::mutex coalesce_mu_;
+  bool coalescing_ = false;                                  // guarded by coalesce_mu_
+  std::vector<c10::intrusive_ptr<MooncakeWork>> coalesced_;  // guarded by coalesce_mu_
+  std::unique_ptr<P2pLanes> lanes_;                          // declared last: stops first
 };
 
 // The process's one TransferEngine, shared by every group (created on first use, released

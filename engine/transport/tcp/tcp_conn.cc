@@ -316,6 +316,14 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
   }
 }
 
+bool Core::sendHelloOk(Conn& c) {
+  FrameHeader ok;
+  ok.type = FrameType::kHelloOk;
+  ok.aux = ctx_->engine_id;
+  send(c, ok, nullptr, 0);
+  return true;
+}
+
 // A frame's payload is complete.
 bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
   const FrameHeader& h = c->cur;
@@ -351,11 +359,7 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       MC_LOG(DEBUG, TCP) << "accepted " << (c->role == ConnRole::kControl ? "control" : "data")
                          << " connection from " << c->src_name;
       if (c->role == ConnRole::kControl) return true;  // HELLO_OK once DESC arrived
-      FrameHeader ok;
-      ok.type = FrameType::kHelloOk;
-      ok.aux = ctx_->engine_id;
-      send(*c, ok, nullptr, 0);
-      return true;
+      return sendHelloOk(*c);
     }
     case FrameType::kDesc: {
       auto desc = SegmentDesc::parse(c->buf);
@@ -368,11 +372,7 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       // Before HELLO_OK: once the initiator's openPeer returns, it may message us over
       // another transport, and our handler may call peerOf() on it at once.
       if (ctx_->on_peer_hello) ctx_->on_peer_hello(*desc);
-      FrameHeader ok;
-      ok.type = FrameType::kHelloOk;
-      ok.aux = ctx_->engine_id;
-      send(*c, ok, nullptr, 0);
-      return true;
+      return sendHelloOk(*c);
     }
     case FrameType::kMsg: {
       std::string payload;

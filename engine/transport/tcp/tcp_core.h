@@ -166,6 +166,7 @@ class Core : public std::enable_shared_from_this<Core> {
   void onReadable(const std::shared_ptr<Conn>& c);
   bool frameStart(const std::shared_ptr<Conn>& c);
   bool frameEnd(const std::shared_ptr<Conn>& c);
+  bool sendHelloOk(Conn& c);  // the target's answer to a complete handshake; true
   bool expectPayload(const std::shared_ptr<Conn>& c, Conn::Sink sink, char* dst);
   bool protocolError(const std::shared_ptr<Conn>& c, const std::string& what);
   void closeConn(const std::shared_ptr<Conn>& c, const Status& why);

@@ -13,9 +13,12 @@ import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
 from . import _C  # noqa: F401
+from . import _compat
 from . import pg  # noqa: F401
 from .pg import BACKEND_NAME, Options, ProcessGroupMooncake  # noqa: F401
 
 pg.register()
+_compat.install_libuv_hint()
+_compat.honour_use_libuv_0()
 
 __all__ = ["BACKEND_NAME", "Options", "ProcessGroupMooncake", "pg"]

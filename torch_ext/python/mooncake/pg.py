@@ -6,13 +6,12 @@ groups share; each group (the default one and every ``dist.new_group(..., backen
 exchanges segments through the c10d store torch hands the backend.
 """
 
-import inspect
 import secrets
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _compat
 
 BACKEND_NAME = "mooncake"
 ALIASES = ("mooncake-cpu",)
@@ -98,13 +97,10 @@ def _create(dist_backend_opts, pg_options=None):
 
 
 def register():
-    """Registers "mooncake" and its aliases with torch.distributed (idempotent)."""
-    Backend = dist.Backend
-    params = inspect.signature(Backend.register_backend).parameters
+    """Registers "mooncake" and its aliases with torch.distributed (idempotent), for the
+    device types the built extension serves (``_C.DEVICES``; torch >= 2.1 routes a group's
+    tensors of other devices elsewhere or refuses them)."""
     for name in (BACKEND_NAME,) + ALIASES:
-        if name.upper() in getattr(Backend, "_plugins", {}):
-            continue
-        kwargs = {"extended_api": True}
-        if "devices" in params:  # torch >= 2.1: the backend object serves these devices
-            kwargs["devices"] = ["cpu", "cuda"]
-        Backend.register_backend(name, _create, **kwargs)
+        devices = ["cpu"] if name.endswith("-cpu") else _C.DEVICES
+        if name.upper() not in getattr(dist.Backend, "_plugins", {}):
+            _compat.register_backend(name, _create, devices)

@@ -1,39 +1,26 @@
-"""``python3 -m mooncake.run ...``: torchrun (torch.distributed.run) with the same arguments.
+"""``python3 -m mooncake.run ...``: torchrun (torch.distributed.run) with the same arguments,
+made to work with the torch builds Debian ships (see mooncake._compat):
 
-Debian's torch 1.13 under Python 3.11 cannot parse torchrun's own default ``--redirects 0``
-/ ``--tee 0`` (Python 3.11 stopped iterating the zero-valued member of an IntFlag, so
-``Std.from_str("0")`` returns None and the launcher crashes in ``to_map``). Plain torchrun
-works there only with ``--redirects 1 --tee 1``. This wrapper fixes the parser when (and
-only when) it is broken, then runs torchrun unchanged.
+- torch 1.13 on Python 3.11 cannot parse torchrun's own default ``--redirects 0`` /
+  ``--tee 0``: the parser is repaired (plain torchrun works there only with ``--redirects 1
+  --tee 1``);
+- torch 2.6 without libuv (Debian 13): plain torchrun cannot start there at all (its
+  rendezvous store asks for libuv whatever USE_LIBUV says); USE_LIBUV=0 is set (unless the
+  environment says otherwise) and made to hold for the launcher's stores, and for the
+  ranks' when they import mooncake.
+
+On a torch 2.x with libuv (pip wheels) this is plain torchrun; use torchrun itself there.
 """
 
-import re
 import sys
 
-
-def fix_std_parsing():
-    """Makes Std.from_str handle every value torchrun documents; a no-op where it works."""
-    from torch.distributed.elastic.multiprocessing import api
-
-    try:
-        if api.Std.from_str("0") is not None and api.Std.from_str("3") is not None:
-            return False
-    except Exception:  # noqa: BLE001  (an unexpected torch: leave it alone)
-        return False
-
-    def from_str(vm):
-        if re.match(api._VALUE_REGEX, vm):
-            return api.Std(int(vm))
-        if re.match(api._MAPPING_REGEX, vm):
-            return {int(i): api.Std(int(v)) for i, v in (m.split(":") for m in vm.split(","))}
-        raise ValueError(f"{vm} does not match: <{api._VALUE_REGEX}> or <{api._MAPPING_REGEX}>")
-
-    api.Std.from_str = staticmethod(from_str)
-    return True
+from . import _compat
 
 
 def main(argv=None):
-    fix_std_parsing()
+    _compat.fix_torchrun_std_parsing()
+    _compat.set_launcher_env()
+    _compat.honour_use_libuv_0()
     from torch.distributed import run
 
     run.main(argv)
