@@ -92,6 +92,14 @@ std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_nu
           *offset = cur->used;
           cur->used += need;
           ++cur->inflight;
+          if (cur->extents.size() < replica_num) {
+            // A short slab (the master found fewer segments than replicas, e.g. while the
+            // clients are still mounting): one put only, so that the next put asks again and
+            // gets every replica once the segments are there, as a PutStart would. Kept, a
+            // short slab would hold hundreds of single-replica objects that die with one holder.
+            cur->exhausted = true;
+            pool.cur = nullptr;
+          }
           return cur;
         }
         if (cur) {  // full: retire it once its last put is published
