@@ -256,6 +256,13 @@ inline int runLoad(const LoadOptions& o) {
     return 11;
   }
   auto& client = *c;
+  // Every load client has mounted its segment before any writes (startLoads waits for the
+  // ".ready" files, then creates the ".go" one): otherwise the first puts of the first client
+  // could find fewer segments than replicas, and a test that kills that client would lose
+  // them legitimately (replicas are best effort).
+  std::ofstream(o.log + ".ready") << "1";
+  for (int w = 0; w < 3000 && access((o.stop_file + ".go").c_str(), F_OK) != 0; ++w)
+    usleep(10000);
   FILE* log = std::fopen(o.log.c_str(), "a");
   if (log == nullptr) return 12;
   std::mt19937_64 rng(std::hash<std::string>()(o.name));

@@ -34,6 +34,11 @@ struct Scenario {
       o.transport = transport;
       loads.push_back(forkChild([o] { return runLoad(o); }));
     }
+    // Writing starts once every client is connected (its segment mounted).
+    for (int i = 0; i < n; ++i)
+      for (int w = 0; w < 3000 && access((log(i) + ".ready").c_str(), F_OK) != 0; ++w)
+        usleep(10000);
+    std::ofstream(dir + "/stop.go") << "1";
   }
   // Stops the writing; the clients stay up (holding replicas) until endLoads().
   void stopWriting() {
