@@ -85,6 +85,7 @@ void LeaderElection::loop() {
   // Stop leading this long before etcd may expire the lease (measured from the sending of the
   // last renewal that etcd accepted, so the leader's view is never later than etcd's).
   const auto fence = ttl - std::max(milliseconds(300), ttl / 3);
+  auto next_campaign_warn = Clock::time_point{};  // failed campaigns: one warning per 5 s
   std::unique_lock<std::mutex> lk(mu_);
   while (!stop_) {
     const auto now = Clock::now();
@@ -120,6 +121,12 @@ void LeaderElection::loop() {
         on_elected_(r->second.create_revision, took_over);
       } else if (r.ok() && r->second.value != value_ && r->second.create_revision != 0) {
         saw_other_ = true;
+      } else if (!r.ok()) {
+        if (Clock::now() >= next_campaign_warn) {
+          MC_LOG(WARN, STORE) << "master " << opt_.name << ": campaign for the election key "
+                              << "failed: " << r.status().toString();
+          next_campaign_warn = Clock::now() + milliseconds(5000);
+        }
       } else if (r.ok() && r->second.value == value_ && r->second.lease != lease_ &&
                  r->second.create_revision != 0) {
         // Our own key from an earlier lease (we stepped down while etcd was away): clear it
