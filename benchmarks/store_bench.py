@@ -2,7 +2,8 @@
 """Store benchmark: mooncake.store against redis-server, same Python, same run.
 
   /usr/bin/python3 benchmarks/store_bench.py --sizes 4K,64K,1M,16M --clients 1,4 \
-      --compare redis --json out.json
+      --compare redis --repeat 3 --json out.json
+  /usr/bin/python3 benchmarks/store_bench.py --failover --json failover.json
   /usr/bin/python3 benchmarks/store_bench.py --trace ../shared/data/synthetic_trace.jsonl \
       --block-bytes 65536 --capacity-bytes 268435456 --json trace.json
 
@@ -11,8 +12,17 @@ memory (--segment-bytes) and does nothing else; N client processes that lend not
 byte a client reads crosses from the holder's memory through the engine (shared memory here),
 as a serving engine reading a peer's KV cache would. Redis: one redis-server on a free loopback
 port (no persistence), N client processes with redis-py. Ops: put (SET), get (GET), get_into
-(mooncake only: into a registered buffer; compared with Redis GET), batch_get (128 x 64 KiB:
-batch_get_into vs MGET). Latency per op (p50/p99) and aggregate ops/s across clients.
+(mooncake only: into a registered buffer; compared with Redis GET), batch_put (128 x 64 KiB:
+batch_put_from vs MSET), batch_get (128 x 64 KiB: batch_get_into vs MGET). Latency per op
+(p50/p99) and aggregate ops/s across clients. The machine this runs on is usually shared:
+--repeat N runs every (size, clients) point N times, alternating mooncake and Redis, and reports
+the median of each figure (each run is kept in the JSON under "runs").
+
+--failover: etcd-server and three masters (--leader-ttl-s 3); a holder and a writer that puts
+4 KiB objects through the leader found in etcd; the leader is killed with SIGKILL mid-load. Row
+"failover": seconds from the kill to the first put that succeeds on the new leader, and the
+number of puts acknowledged before the kill that no longer read back with their bytes ("lost",
+which must be 0). Repeated --failover-repeat times (median).
 """
 import argparse
 import glob
@@ -133,6 +143,25 @@ def mc_worker(addr, wid, size, iters, ops, barrier, out):
         res["get_into"] = (lat, time.perf_counter() - t0)
         assert bytes(buf[:size]) == val
     barrier.wait()
+    if "batch_put" in ops:
+        bval = os.urandom(65536)
+        for i in range(128):
+            buf[i * 65536:(i + 1) * 65536] = np.frombuffer(bval, dtype=np.uint8)
+        ptrs = [ptr + i * 65536 for i in range(128)]
+        sizes = [65536] * 128
+        rounds = max(2, iters // 20)
+        lat = []
+        t0 = time.perf_counter()
+        for r in range(rounds):
+            bkeys = [f"w{wid}/bp{r}/{i}" for i in range(128)]
+            a = time.perf_counter()
+            rcs = st.batch_put_from(bkeys, ptrs, sizes)
+            lat.append(time.perf_counter() - a)
+            assert all(x == 0 for x in rcs), rcs[:4]
+        res["batch_put"] = (lat, time.perf_counter() - t0)
+        assert st.get(f"w{wid}/bp0/5") == bval
+        st.remove_by_regex(f"^w{wid}/bp", True)
+    barrier.wait()
     if "batch_get" in ops:
         bkeys = [f"w{wid}/b/{i}" for i in range(128)]
         bval = os.urandom(65536)
@@ -182,6 +211,19 @@ def redis_worker(port, wid, size, iters, ops, barrier, out):
     res["get"] = (lat, time.perf_counter() - t0)
     barrier.wait()
     barrier.wait()
+    if "batch_put" in ops:
+        bval = os.urandom(65536)
+        rounds = max(2, iters // 20)
+        lat = []
+        t0 = time.perf_counter()
+        for rd in range(rounds):
+            bkeys = [f"w{wid}/bp{rd}/{i}" for i in range(128)]
+            a = time.perf_counter()
+            r.mset({k: bval for k in bkeys})
+            lat.append(time.perf_counter() - a)
+        res["batch_put"] = (lat, time.perf_counter() - t0)
+        assert r.get(f"w{wid}/bp0/5") == bval
+    barrier.wait()
     if "batch_get" in ops:
         bkeys = [f"w{wid}/b/{i}" for i in range(128)]
         bval = os.urandom(65536)
@@ -218,14 +260,14 @@ def run_clients(ctx, target, args_of, nclients):
 
 def summarize(system, results, size, nclients):
     recs = []
-    for op in ("put", "get", "get_into", "batch_get"):
+    for op in ("put", "get", "get_into", "batch_put", "batch_get"):
         per = [r[op] for r in results if op in r]
         if not per:
             continue
         lat = [x for lats, _ in per for x in lats]
         wall = max(w for _, w in per)
         nops = len(lat)
-        bytes_per_op = 128 * 65536 if op == "batch_get" else size
+        bytes_per_op = 128 * 65536 if op.startswith("batch") else size
         ops_s = nops / wall if wall > 0 else 0.0
         recs.append({"system": system, "op": op, "bytes": bytes_per_op, "clients": nclients,
                      "ops_per_s": round(ops_s, 1),
@@ -271,11 +313,193 @@ def replay_trace(addr, path, block_bytes, limit):
 
 # ---------------------------------------------------------------- main
 
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 0.0
+
+
+def merge_runs(runs):
+    """runs: one list of rows per repetition (same system/op/bytes/clients in each). One row per
+    point with the median ops/s, p50 and p99, and every run's figures under "runs"."""
+    out = []
+    for i, row in enumerate(runs[0]):
+        same = [r[i] for r in runs]
+        m = dict(row)
+        for k in ("ops_per_s", "gbps", "p50_us", "p99_us"):
+            m[k] = round(median([x[k] for x in same]), 3 if k == "gbps" else 1)
+        m["runs"] = [{k: x[k] for k in ("ops_per_s", "p50_us", "p99_us")} for x in same]
+        out.append(m)
+    return out
+
+
+def print_row(r):
+    print(f"{r['system']:9s} {r['op']:9s} {r['bytes']:>9d} B x{r['clients']} "
+          f"{r['ops_per_s']:>10.1f} ops/s {r['gbps']:>7.3f} GB/s "
+          f"p50 {r['p50_us']:>9.1f} us p99 {r['p99_us']:>9.1f} us", flush=True)
+
+
+# ---------------------------------------------------------------- failover
+
+def http_json(url, body):
+    import urllib.request
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=2) as r:
+        return json.loads(r.read())
+
+
+def scrape(port):
+    import urllib.request
+    out = {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            for line in r.read().decode().splitlines():
+                if line and not line.startswith("#"):
+                    k, _, v = line.rpartition(" ")
+                    out[k] = float(v)
+    except Exception:  # noqa: BLE001  (a dead or busy master)
+        pass
+    return out
+
+
+def start_etcd(tmp):
+    if not shutil.which("etcd"):
+        sys.exit("store_bench: --failover needs etcd (Debian: etcd-server)")
+    cport, pport = free_port(), free_port()
+    c, p = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
+    proc = subprocess.Popen(["etcd", "--name", "bench", "--data-dir", os.path.join(tmp, "etcd"),
+                             "--listen-client-urls", c, "--advertise-client-urls", c,
+                             "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
+                             "--initial-cluster", f"bench={p}", "--log-level", "error"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            http_json(c + "/v3/kv/range", {"key": "eA=="})
+            return proc, f"127.0.0.1:{cport}"
+        except Exception:  # noqa: BLE001
+            time.sleep(0.05)
+    proc.kill()
+    sys.exit("store_bench: etcd did not start")
+
+
+def fo_value(key):
+    import hashlib
+    return hashlib.sha256(key.encode()).digest() * 128  # 4 KiB, checkable from the key
+
+
+def failover_writer(addr, before, ready, stop, out):
+    st = _mc_store(addr, 0)
+    acked, t_acks, n = [], [], 0
+    while not stop.is_set():
+        key = f"fo/{n}"
+        n += 1
+        if st.put(key, fo_value(key)) == 0:
+            acked.append(key)
+            t_acks.append(time.monotonic())
+            if len(acked) == before:
+                ready.set()
+    lost = sum(1 for k in acked if st.get(k) != fo_value(k))
+    st.close()
+    out.put({"acked": acked, "t_acks": t_acks, "lost": lost})
+
+
+def run_failover(ctx, rounds, ttl_s):
+    import tempfile
+    rows = []
+    tmp = tempfile.mkdtemp(prefix="mc_bench_fo_")
+    etcd, ep = start_etcd(tmp)
+    try:
+        for k in range(rounds):
+            cluster = f"bench-failover-{k}"
+            os.environ["MC_STORE_CLUSTER_ID"] = cluster  # the clients' cluster (inherited)
+            masters = []
+            for i in range(3):
+                mport = free_port()
+                proc = subprocess.Popen(
+                    [find_master(), "--host", "127.0.0.1", "--port", str(free_port()),
+                     "--metrics-port", str(mport), "--etcd-endpoints", ep, "--cluster-id", cluster,
+                     "--leader-ttl-s", str(ttl_s), "--name", f"m{i}"],
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                if "ready" not in proc.stdout.readline():
+                    sys.exit("store_bench: a master did not start")
+                masters.append((proc, mport))
+
+            def leader():
+                for i, (proc, mport) in enumerate(masters):
+                    if proc.poll() is None and \
+                            scrape(mport).get('mooncake_store_master_role{role="serving"}') == 1:
+                        return i
+                return -1
+
+            deadline = time.monotonic() + 30
+            while leader() < 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            first = leader()
+            addr = f"etcd://{ep}"
+            hstop, hready = ctx.Event(), ctx.Event()
+            holder = ctx.Process(target=holder_main, args=(addr, 256 << 20, hready, hstop))
+            holder.start()
+            if not hready.wait(60):
+                sys.exit("store_bench: failover holder did not set up")
+            stop, ready, out = ctx.Event(), ctx.Event(), ctx.Queue()
+            before = 2000
+            w = ctx.Process(target=failover_writer, args=(addr, before, ready, stop, out))
+            w.start()
+            if not ready.wait(120):
+                sys.exit("store_bench: failover writer made no progress")
+            t_kill = time.monotonic()
+            masters[first][0].kill()
+            masters[first][0].wait()
+            t_serving = None
+            while time.monotonic() < t_kill + 60:
+                if leader() >= 0:
+                    t_serving = time.monotonic()
+                    break
+                time.sleep(0.02)
+            time.sleep(3)
+            stop.set()
+            res = out.get(timeout=300)
+            w.join()
+            hstop.set()
+            holder.join(30)
+            new = leader()
+            m = scrape(masters[new][1]) if new >= 0 else {}
+            after = [t for t in res["t_acks"] if t > t_kill]
+            n_before = sum(1 for t in res["t_acks"] if t <= t_kill)
+            row = {"system": "mooncake", "op": "failover", "leader_ttl_s": ttl_s,
+                   "kill_to_first_put_s": round(after[0] - t_kill, 3) if after else None,
+                   "kill_to_new_leader_serving_s":
+                       round(t_serving - t_kill, 3) if t_serving else None,
+                   "rebuild_s": m.get("mooncake_store_rebuild_duration_seconds"),
+                   "objects_recovered": m.get("mooncake_store_objects_recovered_total"),
+                   "acked_before_kill": n_before, "acked_total": len(res["acked"]),
+                   "lost": res["lost"]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            for proc, _ in masters:
+                proc.terminate()
+                proc.wait()
+    finally:
+        etcd.terminate()
+        etcd.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    ok = [r for r in rows if r["kill_to_first_put_s"] is not None]
+    summary = {"system": "mooncake", "op": "failover", "leader_ttl_s": ttl_s, "rounds": len(rows),
+               "kill_to_first_put_s": median([r["kill_to_first_put_s"] for r in ok]) if ok else None,
+               "lost": sum(r["lost"] for r in rows), "runs": rows}
+    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}), flush=True)
+    return [summary]
+
+
+# ---------------------------------------------------------------- main
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="4K,64K,1M,16M")
     ap.add_argument("--clients", default="1,4")
     ap.add_argument("--compare", default="redis", help="redis or none")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per point, alternating systems; medians reported")
     ap.add_argument("--json", default="")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply iteration counts")
     ap.add_argument("--segment-bytes", default="2G", help="memory the holder lends")
@@ -283,6 +507,9 @@ def main():
     ap.add_argument("--trace-limit", type=int, default=0, help="requests replayed (0: all)")
     ap.add_argument("--block-bytes", default="64K")
     ap.add_argument("--capacity-bytes", default="256M")
+    ap.add_argument("--failover", action="store_true", help="the failover rows only")
+    ap.add_argument("--failover-repeat", type=int, default=3)
+    ap.add_argument("--leader-ttl-s", type=int, default=3)
     args = ap.parse_args()
 
     # The engine's waits spin MC_SPIN_US (default 50 us) before sleeping. On a box with few
@@ -293,10 +520,19 @@ def main():
         os.environ["MC_SPIN_US"] = "0"
     spin_us = int(os.environ.get("MC_SPIN_US", "50"))
     ctx = mp.get_context("spawn")
+    if args.failover:
+        records = run_failover(ctx, args.failover_repeat, args.leader_ttl_s)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+        return
     records = []
     master_port = free_port()
+    # A fresh master waits --rebuild-quiet-ms for clients of an earlier run to report what they
+    # hold (a restart); there are none here.
     master = subprocess.Popen([find_master(), "--host", "127.0.0.1", "--port", str(master_port),
-                               "--metrics-port", "0", "--lease-ttl-ms", "200"],
+                               "--metrics-port", "0", "--lease-ttl-ms", "200",
+                               "--rebuild-quiet-ms", "200"],
                               stdout=subprocess.PIPE, text=True)
     redis_proc = None
     try:
@@ -336,19 +572,25 @@ def main():
             for nclients in [int(c) for c in args.clients.split(",") if c]:
                 for i, size in enumerate(sizes):
                     iters = iters_for(size, args.scale)
-                    ops = ["put", "get", "get_into"] + (["batch_get"] if i == 0 else [])
-                    res = run_clients(ctx, mc_worker,
-                                      lambda w: (addr, w, size, iters, ops), nclients)
-                    recs = summarize("mooncake", res, size, nclients)
-                    if redis_proc is not None:
-                        res = run_clients(ctx, redis_worker,
-                                          lambda w: (rport, w, size, iters, ops), nclients)
-                        recs += summarize("redis", res, size, nclients)
+                    ops = ["put", "get", "get_into"] + (["batch_put", "batch_get"]
+                                                        if i == 0 else [])
+                    mc_runs, redis_runs = [], []
+                    for rep in range(max(1, args.repeat)):
+                        # Alternate which system goes first, so that drifts in the machine's
+                        # load hit both alike.
+                        order = ["mooncake", "redis"] if rep % 2 == 0 else ["redis", "mooncake"]
+                        for system in order:
+                            if system == "mooncake":
+                                res = run_clients(ctx, mc_worker,
+                                                  lambda w: (addr, w, size, iters, ops), nclients)
+                                mc_runs.append(summarize("mooncake", res, size, nclients))
+                            elif redis_proc is not None:
+                                res = run_clients(ctx, redis_worker,
+                                                  lambda w: (rport, w, size, iters, ops), nclients)
+                                redis_runs.append(summarize("redis", res, size, nclients))
+                    recs = merge_runs(mc_runs) + (merge_runs(redis_runs) if redis_runs else [])
                     for r in recs:
-                        print(f"{r['system']:9s} {r['op']:9s} {r['bytes']:>9d} B x{r['clients']} "
-                              f"{r['ops_per_s']:>10.1f} ops/s {r['gbps']:>7.3f} GB/s "
-                              f"p50 {r['p50_us']:>9.1f} us p99 {r['p99_us']:>9.1f} us", flush=True)
-                    for r in recs:
+                        print_row(r)
                         r["spin_us"] = spin_us if r["system"] == "mooncake" else None
                     records += recs
         stop.set()

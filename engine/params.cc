@@ -170,6 +170,12 @@ const std::vector<ParamDef>& table() {
      "A store put not ended after this long may be taken over by a new put of the same key."},
     {"MC_STORE_PUT_RELEASE_TIMEOUT_S", Type::kInt, "600",
      "A store put not ended after this long is revoked and its memory freed."},
+    {"MC_STORE_ONE_RTT_PUT", Type::kBool, "1",
+     "Store clients put through slabs (one round trip to the master per put or batch); 0: the "
+     "PutStart/PutEnd path (two round trips), kept for comparison."},
+    {"MC_STORE_CLUSTER_ID", Type::kString, "mooncake",
+     "Store cluster an etcd:// master address (clients) or mooncake_master --etcd-endpoints "
+     "(without --cluster-id) belongs to: its etcd keys live under mooncake-store/<id>/."},
   };
   return kParams;
 }

@@ -22,6 +22,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev
   python3-torch python3-pytest python3-numpy pybind11-dev python3-pybind11
   libprotobuf-dev protobuf-compiler libcpp-httplib-dev libre2-dev pkg-config
+  nlohmann-json3-dev etcd-server etcd-client
   redis-server python3-redis
   python3-mpi4py openmpi-bin libopenmpi-dev
   python3-matplotlib python3-tqdm

@@ -31,6 +31,13 @@ uint32_t getU32(const char* p) {
 
 MasterRpcServer::MasterRpcServer(engine::TransferEngine* engine, MasterService* service)
     : engine_(engine), service_(service) {
+  auto z = engine_->allocate(64);
+  if (z.ok()) {
+    zeros_ = *z;
+    std::memset(zeros_, 0, 64);
+  }
+  wipe_thread_ = std::thread([this] { wipeLoop(); });
+  service_->setRecordWiper(this);
   for (int i = 0; i < kWorkers; ++i) workers_.emplace_back([this] { workerLoop(); });
   gone_handler_ = engine_->addPeerGoneHandler(
       [this](uint64_t id, const std::string& name, const Status&) { onPeerGone(id, name); });
@@ -41,12 +48,80 @@ MasterRpcServer::MasterRpcServer(engine::TransferEngine* engine, MasterService* 
 MasterRpcServer::~MasterRpcServer() {
   engine_->setMessageHandler(kStoreRpcChannel, nullptr);
   engine_->removePeerGoneHandler(gone_handler_);
+  service_->setRecordWiper(nullptr);
   {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
   }
   cv_.notify_all();
   for (auto& t : workers_) t.join();
+  {
+    std::lock_guard<std::mutex> g(wipe_mu_);
+    wipe_stop_ = true;
+  }
+  wipe_cv_.notify_all();
+  wipe_thread_.join();
+  if (zeros_ != nullptr) (void)engine_->free(zeros_);
+}
+
+bool MasterRpcServer::wipe(const std::string& client_id, uint64_t address, uint64_t token) {
+  // Runs under the service's lock: only non-blocking work here.
+  if (client_id == engine_->name()) {  // our own segment (a master embedded in a client)
+    std::memset(reinterpret_cast<void*>(address), 0, 8);
+    return true;
+  }
+  engine::PeerId peer = engine::kInvalidPeer;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto n = by_name_.find(client_id);
+    if (n != by_name_.end()) {
+      auto c = clients_.find(n->second);
+      if (c != clients_.end()) peer = c->second.peer;
+    }
+  }
+  if (peer != engine::kInvalidPeer) {
+    if (void* p = engine_->mappedAddress(peer, address, 8)) {
+      // The magic word goes first: a record without it is no record.
+      static_cast<std::atomic<uint64_t>*>(p)->store(0, std::memory_order_release);
+      return true;
+    }
+  }
+  std::lock_guard<std::mutex> g(wipe_mu_);
+  wipes_.push_back({client_id, address, token});
+  wipe_cv_.notify_one();
+  return false;
+}
+
+void MasterRpcServer::wipeLoop() {
+  std::unique_lock<std::mutex> lk(wipe_mu_);
+  for (;;) {
+    wipe_cv_.wait(lk, [&] { return wipe_stop_ || !wipes_.empty(); });
+    if (wipe_stop_) return;
+    Wipe w = std::move(wipes_.front());
+    wipes_.pop_front();
+    lk.unlock();
+    uint64_t engine_id = 0;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto n = by_name_.find(w.client_id);
+      if (n != by_name_.end()) engine_id = n->second;
+    }
+    bool ok = false;
+    if (engine_id != 0 && zeros_ != nullptr) {
+      auto peer = engine_->peerOf(engine_id, engine::deadlineInMs(2000));
+      if (peer.ok()) {
+        std::vector<engine::TransferRequest> req{
+            {engine::OpCode::kWrite, zeros_, 8, *peer, w.address}};
+        ok = engine_->transfer(req, engine::deadlineInMs(2000)).ok();
+      }
+    }
+    if (!ok) {  // the owner is gone or unreachable: it will not report this record to anyone
+      MC_LOG(WARN, STORE) << "master: could not wipe a record in " << w.client_id
+                          << "'s segment (owner unreachable); releasing its memory";
+    }
+    service_->wipeDone(w.token);
+    lk.lock();
+  }
 }
 
 Status MasterRpcServer::publish(engine::Rendezvous& rdv) {
@@ -59,6 +134,8 @@ void MasterRpcServer::onPeerGone(uint64_t engine_id, const std::string& name) {
   auto it = clients_.find(engine_id);
   // A worker holding it finds the peer dead and drops what is left.
   if (it != clients_.end() && !it->second.busy) clients_.erase(it);
+  auto n = by_name_.find(name);
+  if (n != by_name_.end() && n->second == engine_id) by_name_.erase(n);
 }
 
 void MasterRpcServer::onMessage(engine::Message&& m) {
@@ -82,6 +159,7 @@ void MasterRpcServer::onMessage(engine::Message&& m) {
       }
       it = clients_.emplace(m.src_engine, Client{}).first;
       it->second.name = name;
+      by_name_[name] = m.src_engine;
     }
     Client& c = it->second;
     if (c.peer == engine::kInvalidPeer && m.peer != engine::kInvalidPeer) c.peer = m.peer;
@@ -181,13 +259,13 @@ void MasterRpcServer::drain(uint64_t engine_id) {
 
 ErrorOr<std::unique_ptr<MasterRpcClient>> MasterRpcClient::connect(engine::TransferEngine* engine,
                                                                    engine::Rendezvous& rdv,
-                                                                   int64_t timeout_ms) {
+                                                                   int64_t timeout_ms,
+                                                                   int64_t open_timeout_ms) {
   std::unique_ptr<MasterRpcClient> c(new MasterRpcClient());
   c->engine_ = engine;
   c->timeout_ms_ = timeout_ms;
   // The master may come up after its clients (rank 0 of a group): wait longer than one call.
-  auto peer = engine->openPeer(rdv, kMasterName,
-                               engine::deadlineInMs(std::max<int64_t>(timeout_ms, 30000)));
+  auto peer = engine->openPeer(rdv, kMasterName, engine::deadlineInMs(open_timeout_ms));
   if (!peer.ok()) return ErrorCode::RPC_FAIL;
   c->master_ = *peer;
   c->reply_channel_ = kStoreReplyBase + g_reply_channels.fetch_add(1);
@@ -229,6 +307,13 @@ void MasterRpcClient::onReply(engine::Message&& m) {
 
 ErrorCode MasterRpcClient::call(proto::Method method, const google::protobuf::MessageLite& request,
                                 google::protobuf::MessageLite* response) {
+  CallInfo info;
+  return call(method, request, response, engine::deadlineInMs(timeout_ms_), &info);
+}
+
+ErrorCode MasterRpcClient::call(proto::Method method, const google::protobuf::MessageLite& request,
+                                google::protobuf::MessageLite* response, engine::Deadline deadline,
+                                CallInfo* info) {
   proto::RequestEnvelope req;
   uint64_t id = next_id_.fetch_add(1);
   req.set_rpc_id(id);
@@ -236,6 +321,7 @@ ErrorCode MasterRpcClient::call(proto::Method method, const google::protobuf::Me
   if (!request.SerializeToString(req.mutable_body())) return ErrorCode::INVALID_PARAMS;
   std::string reply;
   if (local_ != nullptr) {
+    info->sent = true;
     reply = local_->handle(req.SerializeAsString());
   } else {
     std::string wire;
@@ -247,6 +333,7 @@ ErrorCode MasterRpcClient::call(proto::Method method, const google::protobuf::Me
     }
     uint64_t seen = arrivals_.load(std::memory_order_acquire);
     Status st = engine_->sendMessage(master_, kStoreRpcChannel, wire);
+    info->sent = st.ok();
     // A same-host master answers in microseconds. Yield (not spin: the threads that produce
     // the answer may need this core) for a short while before sleeping on the condition
     // variable, which saves this thread's futex wake-up on the fast path.
@@ -259,9 +346,9 @@ ErrorCode MasterRpcClient::call(proto::Method method, const google::protobuf::Me
     std::unique_lock<std::mutex> lk(mu_);
     if (!st.ok()) {
       waiting_.erase(id);
+      info->master_dead = !engine_->peerStatus(master_).ok();
       return ErrorCode::RPC_FAIL;
     }
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
     while (true) {
       auto it = replies_.find(id);
       if (it != replies_.end()) {
@@ -270,8 +357,10 @@ ErrorCode MasterRpcClient::call(proto::Method method, const google::protobuf::Me
         break;
       }
       auto now = std::chrono::steady_clock::now();
-      if (now >= deadline || !engine_->peerStatus(master_).ok()) {
+      const bool dead = !engine_->peerStatus(master_).ok();
+      if (now >= deadline || dead) {
         waiting_.erase(id);
+        info->master_dead = dead;
         return ErrorCode::RPC_FAIL;
       }
       // Wake up now and then to notice a dead master before the deadline.
@@ -281,6 +370,7 @@ ErrorCode MasterRpcClient::call(proto::Method method, const google::protobuf::Me
   }
   proto::ResponseEnvelope env;
   if (!env.ParseFromString(reply) || env.rpc_id() != id) return ErrorCode::RPC_FAIL;
+  info->epoch = env.epoch();
   if (env.error_code() != 0) return errorCodeFromInt(env.error_code());
   if (!response->ParseFromString(env.body())) return ErrorCode::RPC_FAIL;
   return ErrorCode::OK;

@@ -49,18 +49,31 @@ constexpr uint32_t kStoreReplyBase = 0x53541000;   // + per-client index: replie
 //
 // Liveness: when the engine reports a client's engine gone, the service stops placing
 // replicas on its segments at once (MasterService::clientGone).
-class MasterRpcServer {
+//
+// Records (store/master/record.h): the server is the service's RecordWiper. It wipes a record
+// in the owner's memory before the master reuses it: with a plain store where the owner's
+// segment is mapped here (same host, or this very process), else with an engine write from a
+// worker thread (the memory stays quarantined until it landed).
+class MasterRpcServer : public MasterService::RecordWiper {
  public:
   static constexpr size_t kMaxBacklog = 4096;
   static constexpr int kWorkers = 4;
 
   // Installs the handlers; the engine and service must outlive this object.
   MasterRpcServer(engine::TransferEngine* engine, MasterService* service);
-  ~MasterRpcServer();  // removes the handlers, stops the workers
+  ~MasterRpcServer() override;  // removes the handlers, stops the workers
   // Publishes the engine's segment under "mc/seg/mooncake-master" (in addition to its own name).
   Status publish(engine::Rendezvous& rdv);
 
+  bool wipe(const std::string& client_id, uint64_t address, uint64_t token) override;
+
  private:
+  struct Wipe {
+    std::string client_id;
+    uint64_t address;
+    uint64_t token;
+  };
+  void wipeLoop();
   struct Pending {
     uint32_t reply_channel = 0;
     std::string request;   // not yet served
@@ -89,25 +102,47 @@ class MasterRpcServer {
   std::deque<uint64_t> ready_;                    // clients with a backlog for a worker
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> dropped_{0};
+  std::unordered_map<std::string, uint64_t> by_name_;  // authenticated name -> engine id
+
+  void* zeros_ = nullptr;  // registered: the source of remote wipes
+  std::mutex wipe_mu_;
+  std::condition_variable wipe_cv_;
+  std::deque<Wipe> wipes_;
+  bool wipe_stop_ = false;
+  std::thread wipe_thread_;
 };
 
 // Calls the master. Either over the engine (remote master) or directly (master embedded in
 // this process on the same engine: no message at all). Thread-safe.
 class MasterRpcClient {
  public:
-  // Remote: opens the master's peer by name through the rendezvous.
+  // Remote: opens the master's peer by name through the rendezvous, waiting up to
+  // open_timeout_ms for it to be published (a master may come up after its clients).
   static ErrorOr<std::unique_ptr<MasterRpcClient>> connect(engine::TransferEngine* engine,
                                                            engine::Rendezvous& rdv,
-                                                           int64_t timeout_ms);
+                                                           int64_t timeout_ms,
+                                                           int64_t open_timeout_ms = 30000);
   // In-process master: calls service->handle() directly.
   static std::unique_ptr<MasterRpcClient> local(MasterService* service, int64_t timeout_ms);
   ~MasterRpcClient();
 
+  // What happened to a call, for callers that retry (StoreClient).
+  struct CallInfo {
+    bool sent = false;         // the request left: the master may have served it
+    bool master_dead = false;  // the master's peer is gone (it died, or its link broke)
+    uint64_t epoch = 0;        // the answering master's epoch (0: no answer)
+  };
   // One call: encodes `request` as the body of `method`, decodes the reply into `response`.
-  // RPC_FAIL when the master is unreachable, dead, or silent past the timeout.
+  // RPC_FAIL when the master is unreachable, dead, or silent past the deadline (default: the
+  // client's timeout); the envelope's error code (UNAVAILABLE_IN_CURRENT_STATUS while the master
+  // rebuilds, ...) when it answered with one.
   ErrorCode call(proto::Method method, const google::protobuf::MessageLite& request,
                  google::protobuf::MessageLite* response);
+  ErrorCode call(proto::Method method, const google::protobuf::MessageLite& request,
+                 google::protobuf::MessageLite* response, engine::Deadline deadline,
+                 CallInfo* info);
   bool masterAlive() const;
+  bool isLocal() const { return local_ != nullptr; }
 
  private:
   MasterRpcClient() = default;

@@ -42,93 +42,28 @@ void toProto(const ReplicateConfig& c, proto::ReplicateConfig* p) {
   p->set_keep_soft_pin(c.keep_soft_pin);
 }
 
-ErrorOr<std::unique_ptr<StoreClient>> StoreClient::create(engine::TransferEngine* engine,
-                                                          engine::Rendezvous* rdv,
-                                                          MasterService* local_master,
-                                                          StoreClientOptions options) {
-  if (engine == nullptr || (rdv == nullptr && local_master == nullptr))
-    return ErrorCode::INVALID_PARAMS;
-  std::unique_ptr<StoreClient> c(new StoreClient());
-  c->engine_ = engine;
-  c->rdv_ = rdv;
-  c->options_ = options;
-  c->client_id_ = engine->name();
-  c->segment_name_ = c->client_id_;  // preferred_segment names a client
-  if (rdv != nullptr && options.publish_engine && !engine->publish(*rdv).ok())
-    return ErrorCode::RPC_FAIL;
-  if (local_master != nullptr) {
-    c->rpc_ = MasterRpcClient::local(local_master, options.rpc_timeout_ms);
-  } else {
-    auto rpc = MasterRpcClient::connect(engine, *rdv, options.rpc_timeout_ms);
-    if (!rpc.ok()) return rpc.error();
-    c->rpc_ = std::move(rpc).value();
-  }
-  if (options.segment_size > 0) {
-    auto mem = engine->allocate(options.segment_size);
-    if (!mem.ok()) return ErrorCode::NO_AVAILABLE_HANDLE;
-    c->segment_ = *mem;
-    if (rdv != nullptr && options.publish_engine) (void)engine->publish(*rdv);
-  }
-  ErrorCode ec = c->mount();
-  if (ec != ErrorCode::OK) return ec;
-  // First heartbeat: learns the master's client TTL.
-  proto::HeartbeatRequest hb;
-  hb.set_client_id(c->client_id_);
-  proto::HeartbeatResponse hr;
-  if (c->rpc_->call(proto::HEARTBEAT, hb, &hr) == ErrorCode::OK && hr.client_ttl_ms() > 0)
-    c->client_ttl_ms_ = hr.client_ttl_ms();
-  StoreClient* raw = c.get();
-  c->hb_thread_ = std::thread([raw] { raw->heartbeatLoop(); });
-  return ErrorOr<std::unique_ptr<StoreClient>>(std::move(c));
+
+std::vector<Status> StoreClient::transferEach(const std::vector<engine::TransferRequest>& reqs) {
+  std::vector<Status> per;
+  if (reqs.empty()) return per;
+  auto id = engine_->submit(reqs);
+  if (!id.ok())
+    per.assign(reqs.size(), id.status());
+  else
+    (void)engine_->wait(*id, engine::deadlineInMs(options_.transfer_timeout_ms), &per);
+  per.resize(reqs.size(), Status(Code::kTimeout, "batch"));
+  return per;
 }
 
-StoreClient::~StoreClient() { close(); }
-
-void StoreClient::close() {
-  if (closed_.exchange(true)) return;
-  {
-    std::lock_guard<std::mutex> g(hb_mu_);
-    hb_cv_.notify_all();
-  }
-  if (hb_thread_.joinable()) hb_thread_.join();
-  if (segment_ != nullptr && rpc_ != nullptr && rpc_->masterAlive()) {
-    proto::UnmountSegmentRequest req;
-    req.set_client_id(client_id_);
-    req.set_segment_name(segment_name_);
-    proto::UnmountSegmentResponse resp;
-    (void)rpc_->call(proto::UNMOUNT_SEGMENT, req, &resp);
-  }
-  // The segment memory stays with the engine (freed with it): a peer may still be reading a
-  // replica it was told about before the unmount.
-}
-
-ErrorCode StoreClient::mount() {
-  if (segment_ == nullptr) return ErrorCode::OK;
-  proto::MountSegmentRequest req;
-  req.set_client_id(client_id_);
-  req.set_segment_name(segment_name_);
-  req.set_base(reinterpret_cast<uint64_t>(segment_));
-  req.set_size(options_.segment_size);
-  proto::MountSegmentResponse resp;
-  ErrorCode ec = rpc_->call(proto::MOUNT_SEGMENT, req, &resp);
-  if (ec != ErrorCode::OK) return ec;
-  return errorCodeFromInt(resp.error_code());
-}
-
-void StoreClient::heartbeatLoop() {
-  std::unique_lock<std::mutex> lk(hb_mu_);
-  while (!closed_) {
-    auto period = std::chrono::milliseconds(std::max<uint64_t>(50, client_ttl_ms_ / 4));
-    hb_cv_.wait_for(lk, period, [&] { return closed_.load(); });
-    if (closed_) break;
-    lk.unlock();
-    proto::HeartbeatRequest req;
-    req.set_client_id(client_id_);
-    proto::HeartbeatResponse resp;
-    if (rpc_->call(proto::HEARTBEAT, req, &resp) == ErrorCode::OK && resp.need_remount())
-      (void)mount();
-    lk.lock();
-  }
+ErrorCode StoreClient::checkedValue(const std::string& key,
+                                    const std::vector<std::pair<const void*, size_t>>& parts,
+                                    const ReplicateConfig& config, std::string* joined,
+                                    const char** src, uint64_t* size) const {
+  if (closed_) return ErrorCode::INVALID_PARAMS;
+  if (ErrorCode ec = checkKey(key); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = gatherParts(parts, joined, src, size); ec != ErrorCode::OK) return ec;
+  if (*size == 0 || config.replica_num > 16) return ErrorCode::INVALID_PARAMS;
+  return ErrorCode::OK;
 }
 
 // ---- peers and buffers ----
@@ -140,8 +75,9 @@ ErrorOr<engine::PeerId> StoreClient::peerFor(const std::string& client_id) {
     auto it = peers_.find(client_id);
     if (it != peers_.end() && engine_->peerStatus(it->second).ok()) return it->second;
   }
-  if (rdv_ == nullptr) return ErrorCode::TRANSFER_FAIL;
-  auto p = engine_->openPeer(*rdv_, client_id, engine::deadlineInMs(options_.transfer_timeout_ms));
+  std::shared_ptr<engine::Rendezvous> rdv = rendezvous();
+  if (rdv == nullptr) return ErrorCode::TRANSFER_FAIL;
+  auto p = engine_->openPeer(*rdv, client_id, engine::deadlineInMs(options_.transfer_timeout_ms));
   if (!p.ok()) return ErrorCode::TRANSFER_FAIL;
   std::lock_guard<std::mutex> g(mu_);
   peers_[client_id] = *p;
@@ -180,6 +116,12 @@ bool StoreClient::isRegistered(const void* addr, size_t len) const {
 
 // ---- data movement ----
 
+bool StoreClient::inOwnSegment(uint64_t address, uint64_t len) const {
+  const uint64_t seg = reinterpret_cast<uint64_t>(segment_);
+  return segment_ != nullptr && address >= seg && len <= options_.segment_size &&
+         address - seg <= options_.segment_size - len;
+}
+
 ErrorCode StoreClient::planRange(const proto::Replica& r, uint64_t size, engine::OpCode op,
                                  uint64_t off, uint64_t len, char* local,
                                  std::vector<engine::TransferRequest>* reqs) {
@@ -199,9 +141,7 @@ ErrorCode StoreClient::planRange(const proto::Replica& r, uint64_t size, engine:
       if (*peer == engine::kInvalidPeer) {  // our own segment
         // Never trust a placement with a raw pointer: it must lie inside the segment this
         // client lent (a confused or hostile master must not make us touch anything else).
-        const uint64_t seg = reinterpret_cast<uint64_t>(segment_);
-        if (segment_ == nullptr || p.address() < seg || p.length() > options_.segment_size ||
-            p.address() - seg > options_.segment_size - p.length())
+        if (!inOwnSegment(p.address(), p.length()))
           return write ? ErrorCode::INVALID_WRITE : ErrorCode::INVALID_READ;
         char* mine = reinterpret_cast<char*>(there);
         if (write)
@@ -217,124 +157,12 @@ ErrorCode StoreClient::planRange(const proto::Replica& r, uint64_t size, engine:
   return at == size ? ErrorCode::OK : ErrorCode::INVALID_READ;
 }
 
-bool StoreClient::writeReplicas(const google::protobuf::RepeatedPtrField<proto::Replica>& replicas,
-                                uint64_t size, const char* src) {
-  std::vector<engine::TransferRequest> reqs;
-  for (const auto& r : replicas)
-    if (planReplica(r, size, engine::OpCode::kWrite, const_cast<char*>(src), &reqs) !=
-        ErrorCode::OK)
-      return false;
-  return reqs.empty() ||
-         engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok();
-}
-
-ErrorCode StoreClient::putStart(const std::string& key, uint64_t size,
-                                const ReplicateConfig& config, proto::PutStartResponse* out) {
-  if (ErrorCode ec = checkKey(key); ec != ErrorCode::OK) return ec;
-  if (size == 0 || config.replica_num > 16) return ErrorCode::INVALID_PARAMS;
-  proto::PutStartRequest req;
-  req.set_client_id(client_id_);
-  req.set_key(key);
-  req.set_size(size);
-  toProto(config, req.mutable_config());
-  ErrorCode ec = rpc_->call(proto::PUT_START, req, out);
-  if (ec != ErrorCode::OK) return ec;
-  return errorCodeFromInt(out->error_code());
-}
-
-void StoreClient::putFinish(const std::string& key, bool ok) {
-  if (ok) {
-    proto::PutEndRequest req;
-    req.set_client_id(client_id_);
-    req.set_key(key);
-    proto::PutEndResponse resp;
-    (void)rpc_->call(proto::PUT_END, req, &resp);
-  } else {
-    proto::PutRevokeRequest req;
-    req.set_client_id(client_id_);
-    req.set_key(key);
-    proto::PutRevokeResponse resp;
-    (void)rpc_->call(proto::PUT_REVOKE, req, &resp);
-  }
-}
-
-ErrorCode StoreClient::put(const std::string& key, const void* data, size_t size,
-                           const ReplicateConfig& config) {
-  return putParts(key, {{data, size}}, config);
-}
-
-ErrorCode StoreClient::putParts(const std::string& key,
-                                const std::vector<std::pair<const void*, size_t>>& parts,
-                                const ReplicateConfig& config) {
-  if (closed_) return ErrorCode::INVALID_PARAMS;
-  std::string joined;
-  const char* src = nullptr;
-  uint64_t size = 0;
-  if (ErrorCode ec = gatherParts(parts, &joined, &src, &size); ec != ErrorCode::OK) return ec;
-  proto::PutStartResponse ps;
-  if (ErrorCode ec = putStart(key, size, config, &ps); ec != ErrorCode::OK) return ec;
-  const bool ok = writeReplicas(ps.replicas(), size, src);
-  putFinish(key, ok);
-  return ok ? ErrorCode::OK : ErrorCode::TRANSFER_FAIL;
-}
-
-std::vector<ErrorCode> StoreClient::batchPut(
-    const std::vector<std::string>& keys, const std::vector<std::pair<const void*, size_t>>& values,
-    const ReplicateConfig& config) {
-  std::vector<ErrorCode> out(keys.size(), ErrorCode::OK);
-  if (keys.size() != values.size()) {
-    std::fill(out.begin(), out.end(), ErrorCode::INVALID_PARAMS);
-    return out;
-  }
-  // Every put started first, then one engine batch for all of them, then every end.
-  std::vector<engine::TransferRequest> reqs;
-  std::vector<size_t> first_req(keys.size() + 1, 0);
-  for (size_t i = 0; i < keys.size(); ++i) {
-    first_req[i] = reqs.size();
-    if (closed_ || (values[i].first == nullptr && values[i].second > 0)) {
-      out[i] = ErrorCode::INVALID_PARAMS;
-      continue;
-    }
-    proto::PutStartResponse ps;
-    out[i] = putStart(keys[i], values[i].second, config, &ps);
-    if (out[i] != ErrorCode::OK) continue;
-    for (const auto& r : ps.replicas())
-      if (planReplica(r, values[i].second, engine::OpCode::kWrite,
-                      const_cast<char*>(static_cast<const char*>(values[i].first)),
-                      &reqs) != ErrorCode::OK)
-        out[i] = ErrorCode::TRANSFER_FAIL;
-    if (out[i] != ErrorCode::OK) {
-      reqs.resize(first_req[i]);  // no write into the space the revoke below gives back
-      putFinish(keys[i], false);
-    }
-  }
-  first_req[keys.size()] = reqs.size();
-  std::vector<Status> per;
-  if (!reqs.empty()) {
-    auto id = engine_->submit(reqs);
-    if (!id.ok())
-      per.assign(reqs.size(), id.status());
-    else
-      (void)engine_->wait(*id, engine::deadlineInMs(options_.transfer_timeout_ms), &per);
-    per.resize(reqs.size(), Status(Code::kTimeout, "batch"));
-  }
-  for (size_t i = 0; i < keys.size(); ++i) {
-    if (out[i] != ErrorCode::OK) continue;
-    bool ok = true;
-    for (size_t r = first_req[i]; r < first_req[i + 1]; ++r) ok = ok && per[r].ok();
-    putFinish(keys[i], ok);
-    if (!ok) out[i] = ErrorCode::TRANSFER_FAIL;
-  }
-  return out;
-}
-
 ErrorCode StoreClient::readReplicas(const proto::GetReplicaListResponse& rl, void* buf,
                                     size_t skip_first, Clock::time_point asked) {
   ErrorCode last = ErrorCode::TRANSFER_FAIL;
   for (int i = static_cast<int>(skip_first); i < rl.replicas_size(); ++i) {
     std::vector<engine::TransferRequest> reqs;
-    ErrorCode ec = planReplica(rl.replicas(i), rl.size(), engine::OpCode::kRead,
-                               static_cast<char*>(buf), &reqs);
+    ErrorCode ec = planReplica(rl.replicas(i), rl.size(), engine::OpCode::kRead, static_cast<char*>(buf), &reqs);
     if (ec == ErrorCode::INVALID_READ) return ec;
     if (ec != ErrorCode::OK) continue;
     if (!reqs.empty() &&
@@ -358,7 +186,7 @@ ErrorOr<uint64_t> StoreClient::getInto(const std::string& key, void* buf, size_t
   req.set_key(key);
   proto::GetReplicaListResponse rl;
   auto asked = Clock::now();  // the read lease starts after this
-  if (ErrorCode ec = rpc_->call(proto::GET_REPLICA_LIST, req, &rl); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK) return ec;
   if (rl.error_code() != 0) return errorCodeFromInt(rl.error_code());
   if (rl.size() > capacity) return ErrorCode::BUFFER_OVERFLOW;
   ErrorCode ec = readReplicas(rl, buf, 0, asked);
@@ -373,7 +201,7 @@ ErrorOr<std::string> StoreClient::get(const std::string& key) {
   req.set_key(key);
   proto::GetReplicaListResponse rl;
   auto asked = Clock::now();  // the read lease starts after this
-  if (ErrorCode ec = rpc_->call(proto::GET_REPLICA_LIST, req, &rl); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK) return ec;
   if (rl.error_code() != 0) return errorCodeFromInt(rl.error_code());
   std::string out(rl.size(), '\0');
   ErrorCode ec = readReplicas(rl, out.data(), 0, asked);
@@ -389,7 +217,7 @@ std::vector<ErrorOr<uint64_t>> StoreClient::batchGetInto(
   for (const auto& k : keys) req.add_keys(k);
   proto::BatchGetReplicaListResponse resp;
   auto asked = Clock::now();
-  ErrorCode ec = rpc_->call(proto::BATCH_GET_REPLICA_LIST, req, &resp);
+  ErrorCode ec = callMaster(proto::BATCH_GET_REPLICA_LIST, req, &resp, true);
   if (ec == ErrorCode::OK && resp.error_code() != 0) ec = errorCodeFromInt(resp.error_code());
   if (ec == ErrorCode::OK && resp.results_size() != static_cast<int>(keys.size()))
     ec = ErrorCode::RPC_FAIL;
@@ -416,20 +244,13 @@ std::vector<ErrorOr<uint64_t>> StoreClient::batchGetInto(
     else if (rl.replicas_size() == 0)
       st[i] = ErrorCode::OBJECT_NOT_FOUND;
     else if (planReplica(rl.replicas(0), rl.size(), engine::OpCode::kRead,
-                         static_cast<char*>(bufs[i].first), &reqs) != ErrorCode::OK)
+                         static_cast<char*>(bufs[i].first), &reqs) !=
+             ErrorCode::OK)
       st[i] = ErrorCode::TRANSFER_FAIL;
     first_req[i + 1] = reqs.size();
   }
   first_req[keys.size()] = reqs.size();
-  std::vector<Status> per;
-  if (!reqs.empty()) {
-    auto id = engine_->submit(reqs);
-    if (!id.ok())
-      per.assign(reqs.size(), id.status());
-    else
-      (void)engine_->wait(*id, engine::deadlineInMs(options_.transfer_timeout_ms), &per);
-    per.resize(reqs.size(), Status(Code::kTimeout, "batch"));
-  }
+  std::vector<Status> per = transferEach(reqs);
   for (size_t i = 0; i < keys.size(); ++i) {
     const auto& rl = resp.results(static_cast<int>(i));
     if (st[i] == ErrorCode::TRANSFER_FAIL) {
@@ -458,7 +279,7 @@ std::vector<ErrorOr<std::string>> StoreClient::batchGet(const std::vector<std::s
   proto::BatchGetReplicaListRequest req;
   for (const auto& k : keys) req.add_keys(k);
   proto::BatchGetReplicaListResponse resp;
-  if (!keys.empty() && rpc_->call(proto::BATCH_GET_REPLICA_LIST, req, &resp) == ErrorCode::OK &&
+  if (!keys.empty() && callMaster(proto::BATCH_GET_REPLICA_LIST, req, &resp, true) == ErrorCode::OK &&
       resp.results_size() == static_cast<int>(keys.size())) {
     for (size_t i = 0; i < keys.size(); ++i) {
       vals[i].resize(resp.results(static_cast<int>(i)).size());
@@ -484,7 +305,7 @@ ErrorOr<bool> StoreClient::exists(const std::string& key) {
   proto::ExistsRequest req;
   req.set_key(key);
   proto::ExistsResponse resp;
-  if (ErrorCode ec = rpc_->call(proto::EXISTS, req, &resp); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::EXISTS, req, &resp, true); ec != ErrorCode::OK) return ec;
   if (resp.error_code() != 0) return errorCodeFromInt(resp.error_code());
   return resp.exists();
 }
@@ -494,7 +315,7 @@ std::vector<ErrorOr<bool>> StoreClient::batchExists(const std::vector<std::strin
   proto::BatchExistsRequest req;
   for (const auto& k : keys) req.add_keys(k);
   proto::BatchExistsResponse resp;
-  if (keys.empty() || rpc_->call(proto::BATCH_EXISTS, req, &resp) != ErrorCode::OK ||
+  if (keys.empty() || callMaster(proto::BATCH_EXISTS, req, &resp, true) != ErrorCode::OK ||
       resp.results_size() != static_cast<int>(keys.size()))
     return out;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -510,7 +331,7 @@ ErrorOr<uint64_t> StoreClient::getSize(const std::string& key) {
   proto::GetSizeRequest req;
   req.set_key(key);
   proto::GetSizeResponse resp;
-  if (ErrorCode ec = rpc_->call(proto::GET_SIZE, req, &resp); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::GET_SIZE, req, &resp, true); ec != ErrorCode::OK) return ec;
   if (resp.error_code() != 0) return errorCodeFromInt(resp.error_code());
   return resp.size();
 }
@@ -521,7 +342,7 @@ ErrorCode StoreClient::remove(const std::string& key, bool force) {
   req.set_key(key);
   req.set_force(force);
   proto::RemoveResponse resp;
-  if (ErrorCode ec = rpc_->call(proto::REMOVE, req, &resp); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::REMOVE, req, &resp, false); ec != ErrorCode::OK) return ec;
   return errorCodeFromInt(resp.error_code());
 }
 
@@ -530,7 +351,7 @@ ErrorOr<uint64_t> StoreClient::removeByRegex(const std::string& regex, bool forc
   req.set_regex(regex);
   req.set_force(force);
   proto::RemoveByRegexResponse resp;
-  if (ErrorCode ec = rpc_->call(proto::REMOVE_BY_REGEX, req, &resp); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::REMOVE_BY_REGEX, req, &resp, false); ec != ErrorCode::OK) return ec;
   if (resp.error_code() != 0) return errorCodeFromInt(resp.error_code());
   return resp.removed();
 }
@@ -539,7 +360,7 @@ ErrorOr<uint64_t> StoreClient::removeAll(bool force) {
   proto::RemoveAllRequest req;
   req.set_force(force);
   proto::RemoveAllResponse resp;
-  if (ErrorCode ec = rpc_->call(proto::REMOVE_ALL, req, &resp); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::REMOVE_ALL, req, &resp, false); ec != ErrorCode::OK) return ec;
   if (resp.error_code() != 0) return errorCodeFromInt(resp.error_code());
   return resp.removed();
 }

@@ -1,26 +1,40 @@
 // StoreClient: the data path of the store. It lends a segment of its engine's registered memory
-// to the store (mount), keeps itself alive at the master (heartbeat thread, re-mounting when the
-// master forgot it), and moves object bytes client-to-client through the engine:
-//   put     = PutStart -> one engine batch of WRITEs of every piece to its owner -> PutEnd
-//             (PutRevoke when a write fails);
+// to the store (mount), stays registered at the master (heartbeat thread; it reconnects, registers
+// again and reports what its segment holds when the master restarted or another took over), and
+// moves object bytes client-to-client through the engine:
+//   put     = (space from a slab the master reserved for this writer) -> one engine batch writing
+//             record + bytes to every replica -> PUBLISH (the one round trip to the master) ->
+//             commit word written into each record (store/master/record.h);
+//             objects too large for a slab, or with a preferred segment: PutStart -> write ->
+//             PutEnd -> commit (two round trips);
 //   get     = GetReplicaList -> READ from the first replica, falling back to the next one when a
 //             transfer fails (holder dead);
 //   getInto = the same, straight into the caller's buffer: one engine transfer, no copy.
+// Batch put: one engine batch and one PUBLISH for the whole batch.
 // Pieces in this client's own segment are copied with memcpy; same-host peers are reached over
 // shared memory by the engine, others over tcp.
 //
-// Peers are found by name: a piece's client_id is the owner's engine name, published in the
-// rendezvous as "mc/seg/<name>".
+// Master: an embedded one (called directly), a rendezvous the caller owns, or an address the
+// client connects to itself and follows across restarts and failovers (`master_address`:
+// "host:port" of a master's rendezvous, or "etcd://host:port[;host:port...]" to find the leader
+// of cluster `cluster_id` in etcd). While no master serves, calls wait and retry within their
+// deadline (rpc_timeout_ms); calls whose request may have been served by a master that then
+// died answer RPC_FAIL at once; no call waits past its deadline.
 //
-// Threading: every method is thread-safe. Lifetime: the engine, the rendezvous and a local
-// master passed to create() must outlive the client.
+// Peers are found by name: a piece's client_id is the owner's engine name, published in the
+// (current master's) rendezvous as "mc/seg/<name>".
+//
+// Threading: every method is thread-safe. Lifetime: the engine, a rendezvous and a local master
+// passed to create() must outlive the client.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -37,26 +51,54 @@ namespace mooncake::store {
 // ReplicateConfig on the wire (shared by the client's source files).
 void toProto(const ReplicateConfig& c, proto::ReplicateConfig* p);
 
+namespace ha {
+class EtcdClient;
+}
+
 struct StoreClientOptions {
   uint64_t segment_size = 0;            // bytes lent to the store; 0: mount nothing
-  int64_t rpc_timeout_ms = 5000;        // per master call
+  int64_t rpc_timeout_ms = 5000;        // per call, retries included
   int64_t transfer_timeout_ms = 10000;  // per engine batch
   bool publish_engine = true;           // publish the engine's segment in the rendezvous
+  // connect(): "host:port" or "etcd://host:port[;host:port]".
+  std::string master_address;
+  std::string secret;      // presented to the masters' rendezvous (the job secret)
+  std::string cluster_id;  // etcd: the store cluster (mooncake_master --cluster-id)
+  int64_t etcd_lease_ttl_s = 3;  // etcd: TTL of this client's membership key
+  bool use_slabs = true;         // the one-round-trip put path
 };
 
 class StoreClient {
  public:
   // local_master: a MasterService in this process to call directly (embedded master sharing
-  // this engine); nullptr: find the master through the rendezvous ("mc/seg/mooncake-master").
+  // this engine); nullptr: find the master through `rdv` ("mc/seg/mooncake-master").
   static ErrorOr<std::unique_ptr<StoreClient>> create(engine::TransferEngine* engine,
                                                       engine::Rendezvous* rdv,
                                                       MasterService* local_master,
                                                       StoreClientOptions options);
+  // Connects to options.master_address (see above) and follows it across restarts and
+  // failovers. why (optional) gets a sentence when it fails.
+  static ErrorOr<std::unique_ptr<StoreClient>> connect(engine::TransferEngine* engine,
+                                                       StoreClientOptions options,
+                                                       std::string* why = nullptr);
   ~StoreClient();
   // Unmounts the segment and stops the heartbeat. Idempotent.
   void close();
 
   const std::string& clientId() const { return client_id_; }
+  // The epoch of the master this client is registered with (0: none right now).
+  uint64_t masterEpoch() const;
+  // Times this client registered again after losing its master.
+  uint64_t reconnects() const { return reconnects_.load(); }
+
+  // Time spent in each step of this thread's last put() (benchmarks/store_put_profile.cc):
+  // reserving space (slab path: from the slab, or ALLOC_SLAB; classic: PutStart), writing the
+  // bytes, the round trip that publishes (PUBLISH or PutEnd), and the commit.
+  struct PutPhases {
+    bool slab = false;
+    int64_t alloc_ns = 0, write_ns = 0, publish_ns = 0, commit_ns = 0;
+  };
+  static PutPhases lastPutPhases();
 
   // ---- writes ----
   ErrorCode put(const std::string& key, const void* data, size_t size,
@@ -122,6 +164,42 @@ class StoreClient {
   bool isRegistered(const void* addr, size_t len) const;
 
  private:
+  // The connection to the master that serves now.
+  struct Link {
+    std::shared_ptr<engine::Rendezvous> rdv;
+    std::unique_ptr<MasterRpcClient> rpc;
+    uint64_t epoch = 0;   // the master's epoch this client registered with
+    std::atomic<bool> broken{false};
+  };
+  // A slab this writer places objects in (master_slab.cc).
+  struct SlabState {
+    uint64_t id = 0;
+    uint64_t epoch = 0;
+    uint64_t bytes = 0;
+    uint64_t used = 0;  // bump pointer
+    int inflight = 0;   // reservations not yet published or abandoned
+    bool exhausted = false;
+    struct Extent {
+      std::string client_id;
+      uint64_t address = 0;
+      uint64_t record_tag = 0;
+    };
+    std::vector<Extent> extents;
+  };
+  struct SlabPool {
+    std::shared_ptr<SlabState> cur, next;
+    bool prefetching = false;
+  };
+  // Where a put writes one piece, and where its commit word goes.
+  struct WriteTarget {
+    std::string client_id;
+    uint64_t record_address = 0;  // 0: no record
+    uint64_t record_tag = 0;
+    uint64_t data_address = 0;
+    uint64_t piece_offset = 0, piece_length = 0;
+    uint32_t replica_index = 0;
+  };
+
   StoreClient() = default;
   // INVALID_KEY for an empty key or one over 4096 bytes.
   static ErrorCode checkKey(const std::string& key);
@@ -129,8 +207,61 @@ class StoreClient {
   // concatenation in *joined; *size: the total. INVALID_PARAMS for a null part with bytes.
   static ErrorCode gatherParts(const std::vector<std::pair<const void*, size_t>>& parts,
                                std::string* joined, const char** src, uint64_t* size);
-  ErrorCode mount();
+  // The checks of a put or upsert (open client, key, parts, size > 0, replica_num <= 16), then
+  // gatherParts.
+  ErrorCode checkedValue(const std::string& key,
+                         const std::vector<std::pair<const void*, size_t>>& parts,
+                         const ReplicateConfig& config, std::string* joined, const char** src,
+                         uint64_t* size) const;
+  // Submits `reqs` as one engine batch and waits (transfer_timeout_ms): one status per request.
+  std::vector<Status> transferEach(const std::vector<engine::TransferRequest>& reqs);
+  ErrorCode startHeartbeat();
+  // ---- link (client_link.cc) ----
+  // Calls the master that serves now, waiting for one (and retrying) within rpc_timeout_ms.
+  // idempotent: a call whose request may have reached a master that died is retried too
+  // (otherwise it answers RPC_FAIL).
+  ErrorCode callMaster(proto::Method method, const google::protobuf::MessageLite& request,
+                       google::protobuf::MessageLite* response, bool idempotent,
+                       std::shared_ptr<Link>* used = nullptr);
+  std::shared_ptr<Link> currentLink(engine::Deadline deadline);
+  void markBroken(const std::shared_ptr<Link>& link);
+  // Finds the master, connects, registers (mount + report when it is a new master).
+  ErrorCode reconnect(std::string* why);
+  ErrorOr<std::shared_ptr<Link>> openLink(std::string* why);
+  ErrorCode registerWith(Link& link, bool need_remount, uint64_t epoch);
+  ErrorCode mount(Link& link, bool will_report);
+  ErrorCode reportRecords(Link& link);
+  void wipeOwnRecords();
   void heartbeatLoop();
+  void membershipTick();
+  std::shared_ptr<engine::Rendezvous> rendezvous();
+  // ---- writes (client_put.cc) ----
+  ErrorCode putOne(const std::string& key, const char* src, uint64_t size,
+                   const ReplicateConfig& config);
+  ErrorCode putClassic(const std::string& key, const char* src, uint64_t size,
+                       const ReplicateConfig& config);
+  bool slabEligible(const std::string& key, uint64_t size, const ReplicateConfig& config) const;
+  // Reserves `need` bytes in a slab with replica_num extents (asks the master for one when the
+  // current is full); nullptr when no slab can be had.
+  std::shared_ptr<SlabState> reserve(uint32_t replica_num, uint64_t need, uint64_t batch_bytes,
+                                     uint64_t* offset, ErrorCode* why);
+  void release(const std::shared_ptr<SlabState>& slab);
+  void takeNextSlab(uint32_t replica_num, const proto::PublishResponse& resp);
+  std::vector<uint64_t> takeRetired();
+  ErrorCode writePieces(const std::vector<WriteTarget>& targets, const std::string& key,
+                        uint64_t put_id, uint64_t size, uint8_t flags, const char* src,
+                        std::vector<std::string>* records,
+                        std::vector<engine::TransferRequest>* reqs);
+  // Writes the commit word into every record of a published put; then checks that the master
+  // that acknowledged it still serves (else the put's fate is unknown: RPC_FAIL).
+  ErrorCode commit(const std::vector<WriteTarget>& targets, uint64_t put_id,
+                   const std::shared_ptr<Link>& link);
+  uint64_t newPutId();
+  // Where to write each piece of `replicas` (as PutStart / UpsertStart placed them), records
+  // included. INVALID_WRITE when the pieces do not tile [0, size).
+  static ErrorCode targetsOf(const google::protobuf::RepeatedPtrField<proto::Replica>& replicas,
+                             const std::string& key, uint64_t size, std::vector<WriteTarget>* out);
+  // ---- peers and data (store_client.cc) ----
   // The engine peer for a piece's owner; kInvalidPeer for this client itself.
   ErrorOr<engine::PeerId> peerFor(const std::string& client_id);
   void forgetPeer(const std::string& client_id);
@@ -140,39 +271,57 @@ class StoreClient {
                         std::vector<engine::TransferRequest>* reqs) {
     return planRange(r, size, op, 0, size, local, reqs);
   }
-  // Writes src[0, size) to every replica in one engine batch; false when a replica could not
-  // be planned or the batch failed.
-  bool writeReplicas(const google::protobuf::RepeatedPtrField<proto::Replica>& replicas,
-                     uint64_t size, const char* src);
-  // `asked`: when the replica list was requested (the read lease runs from after it).
-  ErrorCode readReplicas(const proto::GetReplicaListResponse& rl, void* buf, size_t skip_first,
-                         std::chrono::steady_clock::time_point asked);
-  ErrorCode putStart(const std::string& key, uint64_t size, const ReplicateConfig& config,
-                     proto::PutStartResponse* out);
   // Appends the requests that move object bytes [off, off + len) of one replica between it
   // and local (op: kRead into local, kWrite from it); pieces of this client are copied at
   // once. INVALID_READ if the pieces do not add up to size; a piece of ours outside the
   // segment this client lent: INVALID_READ / INVALID_WRITE.
   ErrorCode planRange(const proto::Replica& r, uint64_t size, engine::OpCode op, uint64_t off,
                       uint64_t len, char* local, std::vector<engine::TransferRequest>* reqs);
-  void putFinish(const std::string& key, bool ok);
+  // True when [address, address + len) lies inside this client's segment.
+  bool inOwnSegment(uint64_t address, uint64_t len) const;
+  // `asked`: when the replica list was requested (the read lease runs from after it).
+  ErrorCode readReplicas(const proto::GetReplicaListResponse& rl, void* buf, size_t skip_first,
+                         std::chrono::steady_clock::time_point asked);
 
   engine::TransferEngine* engine_ = nullptr;
-  engine::Rendezvous* rdv_ = nullptr;
+  engine::Rendezvous* fixed_rdv_ = nullptr;  // create(): the caller's rendezvous
+  MasterService* local_master_ = nullptr;
   StoreClientOptions options_;
-  std::unique_ptr<MasterRpcClient> rpc_;
   std::string client_id_;
   std::string segment_name_;
   void* segment_ = nullptr;
+  uint64_t record_tag_ = 0;
   std::atomic<bool> closed_{false};
+
+  // etcd: leader lookup and this client's membership key.
+  std::unique_ptr<ha::EtcdClient> etcd_;
+  std::string etcd_endpoints_;
+  int64_t member_lease_ = 0;
+  std::chrono::steady_clock::time_point next_member_renew_{};
+
+  mutable std::mutex link_mu_;
+  std::condition_variable link_cv_;
+  std::shared_ptr<Link> link_;
+  bool reconnect_wanted_ = false;
+  std::atomic<uint64_t> reconnects_{0};
+  uint64_t registered_epoch_ = 0;  // the epoch whose master knows this client's segment
+  std::mutex register_mu_;         // one registration at a time
 
   mutable std::mutex mu_;
   std::unordered_map<std::string, engine::PeerId> peers_;
   std::vector<std::pair<uintptr_t, size_t>> buffers_;  // registered caller buffers
 
+  std::mutex slab_mu_;
+  std::map<uint32_t, SlabPool> slabs_;  // by replica_num
+  std::vector<uint64_t> retired_;       // slabs to hand back (sent with the next call)
+  std::mutex refill_mu_;                // one slab request at a time
+  std::mutex rng_mu_;
+  std::mt19937_64 rng_{std::random_device{}()};
+  uint64_t last_put_id_ = 0;  // newPutId(), under rng_mu_
+
   std::mutex hb_mu_;
   std::condition_variable hb_cv_;
-  uint64_t client_ttl_ms_ = 10000;
+  std::atomic<uint64_t> client_ttl_ms_{10000};
   std::thread hb_thread_;
 };
 

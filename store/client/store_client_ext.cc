@@ -3,44 +3,65 @@
 #include <chrono>
 
 #include "store/client/store_client.h"
+#include "store/master/record.h"
 
 namespace mooncake::store {
-
 
 ErrorCode StoreClient::upsertParts(const std::string& key,
                                    const std::vector<std::pair<const void*, size_t>>& parts,
                                    const ReplicateConfig& config) {
-  if (closed_) return ErrorCode::INVALID_PARAMS;
-  if (ErrorCode ec = checkKey(key); ec != ErrorCode::OK) return ec;
   std::string joined;
   const char* src = nullptr;
   uint64_t size = 0;
-  if (ErrorCode ec = gatherParts(parts, &joined, &src, &size); ec != ErrorCode::OK) return ec;
-  if (size == 0 || config.replica_num > 16) return ErrorCode::INVALID_PARAMS;
+  if (ErrorCode ec = checkedValue(key, parts, config, &joined, &src, &size); ec != ErrorCode::OK)
+    return ec;
   proto::UpsertStartRequest req;
   req.set_client_id(client_id_);
   req.set_key(key);
   req.set_size(size);
   toProto(config, req.mutable_config());
   proto::UpsertStartResponse us;
-  if (ErrorCode ec = rpc_->call(proto::UPSERT_START, req, &us); ec != ErrorCode::OK) return ec;
-  if (us.error_code() != 0) return errorCodeFromInt(us.error_code());
-  if (!writeReplicas(us.replicas(), size, src)) {
+  std::shared_ptr<Link> link;
+  ErrorCode ec = callMaster(proto::UPSERT_START, req, &us, false, &link);
+  if (ec == ErrorCode::OK) ec = errorCodeFromInt(us.error_code());
+  if (ec != ErrorCode::OK) return ec;
+  // Same write protocol as a put (client_put.cc): records + bytes, the master's ack, then the
+  // records' commit word, so that a new master rebuilds the new value (its put id is newer).
+  std::vector<WriteTarget> targets;
+  ec = targetsOf(us.replicas(), key, size, &targets);
+  const uint64_t put_id = newPutId();
+  std::vector<std::string> records;
+  records.reserve(targets.size());
+  std::vector<engine::TransferRequest> reqs;
+  if (ec == ErrorCode::OK) {
+    const uint8_t flags = static_cast<uint8_t>((config.with_soft_pin ? kRecordSoftPin : 0) |
+                                               (config.with_hard_pin ? kRecordHardPin : 0));
+    ec = writePieces(targets, key, put_id, size, flags, src, &records, &reqs);
+  }
+  if (ec == ErrorCode::OK && !reqs.empty() &&
+      !engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok())
+    ec = ErrorCode::TRANSFER_FAIL;
+  if (ec != ErrorCode::OK) {
     proto::UpsertRevokeRequest rv;
     rv.set_client_id(client_id_);
     rv.set_key(key);
     rv.set_upsert_id(us.upsert_id());
     proto::UpsertRevokeResponse rr;
-    (void)rpc_->call(proto::UPSERT_REVOKE, rv, &rr);
-    return ErrorCode::TRANSFER_FAIL;
+    (void)callMaster(proto::UPSERT_REVOKE, rv, &rr, true);
+    return ec;
   }
   proto::UpsertEndRequest end;
   end.set_client_id(client_id_);
   end.set_key(key);
   end.set_upsert_id(us.upsert_id());
   proto::UpsertEndResponse er;
-  if (ErrorCode ec = rpc_->call(proto::UPSERT_END, end, &er); ec != ErrorCode::OK) return ec;
-  return errorCodeFromInt(er.error_code());
+  std::shared_ptr<Link> end_link;
+  // Not retried: a second UpsertEnd after a first that landed answers INVALID_WRITE.
+  ec = callMaster(proto::UPSERT_END, end, &er, false, &end_link);
+  if (ec == ErrorCode::OK) ec = errorCodeFromInt(er.error_code());
+  if (ec != ErrorCode::OK) return ec;
+  if (end_link != link) return ErrorCode::RPC_FAIL;  // ended by another master: cannot be ours
+  return commit(targets, put_id, end_link);
 }
 
 std::vector<ErrorOr<uint64_t>> StoreClient::getRanges(const std::string& key,
@@ -57,7 +78,7 @@ std::vector<ErrorOr<uint64_t>> StoreClient::getRanges(const std::string& key,
   req.set_key(key);
   proto::GetReplicaListResponse rl;
   auto asked = std::chrono::steady_clock::now();
-  if (ErrorCode ec = rpc_->call(proto::GET_REPLICA_LIST, req, &rl); ec != ErrorCode::OK)
+  if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK)
     return fail_all(ec);
   if (rl.error_code() != 0) return fail_all(errorCodeFromInt(rl.error_code()));
   std::vector<size_t> todo;  // ranges inside the object
@@ -105,7 +126,8 @@ ErrorOr<proto::GetReplicaListResponse> StoreClient::replicaList(const std::strin
   proto::GetReplicaListRequest req;
   req.set_key(key);
   proto::GetReplicaListResponse rl;
-  if (ErrorCode ec = rpc_->call(proto::GET_REPLICA_LIST, req, &rl); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK)
+    return ec;
   if (rl.error_code() != 0) return errorCodeFromInt(rl.error_code());
   return rl;
 }
@@ -118,7 +140,7 @@ ErrorOr<std::vector<std::string>> StoreClient::batchReplicaClear(
   for (const auto& k : keys) req.add_keys(k);
   req.set_segment_name(segment_name);
   proto::BatchReplicaClearResponse resp;
-  if (ErrorCode ec = rpc_->call(proto::BATCH_REPLICA_CLEAR, req, &resp); ec != ErrorCode::OK)
+  if (ErrorCode ec = callMaster(proto::BATCH_REPLICA_CLEAR, req, &resp, true); ec != ErrorCode::OK)
     return ec;
   if (resp.error_code() != 0) return errorCodeFromInt(resp.error_code());
   return std::vector<std::string>(resp.cleared().begin(), resp.cleared().end());
@@ -129,7 +151,7 @@ ErrorCode StoreClient::ping() {
   proto::HeartbeatRequest req;
   req.set_client_id(client_id_);
   proto::HeartbeatResponse resp;
-  if (ErrorCode ec = rpc_->call(proto::HEARTBEAT, req, &resp); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::HEARTBEAT, req, &resp, true); ec != ErrorCode::OK) return ec;
   return errorCodeFromInt(resp.error_code());
 }
 

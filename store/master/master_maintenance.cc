@@ -16,6 +16,7 @@ std::chrono::milliseconds ms(uint64_t v) { return std::chrono::milliseconds(v); 
 void MasterService::runMaintenance() {
   std::lock_guard<std::mutex> lock(mu_);
   TimePoint t = now();
+  if (role_.load() == MasterRole::kRebuilding && rebuildDoneLocked(t)) finishRebuildLocked(t);
   std::vector<std::string> expired;
   for (const auto& [id, c] : clients_)
     if (t - c.last_seen > ms(config_.client_ttl_ms)) expired.push_back(id);
@@ -34,7 +35,7 @@ void MasterService::runMaintenance() {
   }
 
   for (size_t i = 0; i < quarantine_.size();) {
-    if (quarantine_[i].release_at <= t) {
+    if (quarantine_[i].release_at <= t && quarantine_[i].wipe_token == 0) {
       quarantine_[i].seg->alloc.free(quarantine_[i].alloc);
       used_bytes_ -= quarantine_[i].alloc.size;
       quarantine_[i] = quarantine_.back();
@@ -134,6 +135,12 @@ bool MasterService::checkInvariants() const {
   for (const auto& [id, c] : clients_)
     for (const Object* o : c.pending_upserts)
       if (o->staged.empty() || o->upsert_writer != id) return false;
+  for (const auto& [id, slab] : slabs_)
+    for (const SlabExtent& e : slab->extents)
+      for (const auto& [off, a] : e.blocks) {
+        if (e.seg == nullptr || off != a.offset) return false;
+        allocated += a.size;
+      }
   if (processing != processing_.size() || hard != hard_pinned_count_ || allocated != used_bytes_)
     return false;
   for (const Object* o : processing_)

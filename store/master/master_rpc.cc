@@ -11,7 +11,7 @@ namespace mooncake::store {
 
 namespace pb = ::mooncake::store::proto;
 
-static_assert(pb::Method_ARRAYSIZE == 19, "update MasterService::kRpcMethods");
+static_assert(pb::Method_ARRAYSIZE == 22, "update MasterService::kRpcMethods");
 
 namespace {
 
@@ -26,7 +26,7 @@ ReplicateConfig fromProto(const pb::ReplicateConfig& c) {
   return out;
 }
 
-void toProto(const ReplicaPlacement& r, pb::Replica* out) {
+void toProto(const ReplicaPlacement& r, pb::Replica* out, bool with_tags = false) {
   for (const Piece& p : r.pieces) {
     pb::Piece* q = out->add_pieces();
     q->set_segment_id(p.segment_id);
@@ -35,7 +35,31 @@ void toProto(const ReplicaPlacement& r, pb::Replica* out) {
     q->set_offset(p.offset);
     q->set_address(p.address);
     q->set_length(p.length);
+    if (with_tags) q->set_record_tag(p.record_tag);  // writers only: readers skip records
   }
+}
+
+void toProto(const SlabGrant& g, pb::Slab* out) {
+  out->set_slab_id(g.id);
+  out->set_bytes(g.bytes);
+  for (const SlabExtentInfo& e : g.extents) {
+    pb::SlabExtent* x = out->add_extents();
+    x->set_segment_id(e.segment_id);
+    x->set_segment_name(e.segment_name);
+    x->set_client_id(e.client_id);
+    x->set_address(e.address);
+    x->set_record_tag(e.record_tag);
+  }
+}
+
+std::vector<uint64_t> idsOf(const google::protobuf::RepeatedField<uint64_t>& ids) {
+  return std::vector<uint64_t>(ids.begin(), ids.end());
+}
+
+// Calls that a rebuilding master serves: what clients need to register and report.
+bool servedWhileRebuilding(int method) {
+  return method == pb::HEARTBEAT || method == pb::MOUNT_SEGMENT || method == pb::UNMOUNT_SEGMENT ||
+         method == pb::REPORT_OBJECTS;
 }
 
 void toProto(const ErrorOr<MasterService::ReplicaList>& r, pb::GetReplicaListResponse* out) {
@@ -85,6 +109,16 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
     resp.set_rpc_id(env.rpc_id());
     resp.set_method(env.method());
     if (env.method() >= 0 && env.method() < kRpcMethods) method_index = env.method();
+    resp.set_epoch(epoch());
+    const MasterRole role_now = role();
+    if (role_now == MasterRole::kStandby ||
+        (role_now == MasterRole::kRebuilding && !servedWhileRebuilding(env.method()))) {
+      resp.set_error_code(toInt(role_now == MasterRole::kStandby
+                                    ? ErrorCode::UNAVAILABLE_IN_CURRENT_MODE
+                                    : ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS));
+      resp.set_epoch(epoch());
+      return resp.SerializeAsString();
+    }
     const std::string& body = env.body();
     std::string* out = resp.mutable_body();
     bool decoded = false;
@@ -93,7 +127,8 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
         decoded = serve<pb::MountSegmentRequest, pb::MountSegmentResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
               if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
-              auto res = mountSegment(q.client_id(), q.segment_name(), q.base(), q.size());
+              auto res = mountSegment(q.client_id(), q.segment_name(), q.base(), q.size(),
+                                      q.record_tag(), q.will_report());
               r.set_error_code(toInt(res.error()));
               if (res.ok()) r.set_segment_id(*res);
             });
@@ -116,6 +151,7 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
               r.set_error_code(toInt(res.error()));
               if (res.ok()) r.set_need_remount(*res);
               r.set_client_ttl_ms(config_.client_ttl_ms);
+              r.set_rebuilding(role() == MasterRole::kRebuilding);
             });
         break;
       case pb::PUT_START:
@@ -125,7 +161,7 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
               auto res = putStart(q.client_id(), q.key(), q.size(), fromProto(q.config()));
               r.set_error_code(toInt(res.error()));
               if (res.ok())
-                for (const ReplicaPlacement& p : *res) toProto(p, r.add_replicas());
+                for (const ReplicaPlacement& p : *res) toProto(p, r.add_replicas(), true);
             });
         break;
       case pb::PUT_END:
@@ -211,7 +247,8 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
               r.set_error_code(toInt(res.error()));
               if (!res.ok()) return;
               r.set_upsert_id(id);
-              for (const ReplicaPlacement& p : *res) toProto(p, r.add_replicas());
+              for (const ReplicaPlacement& p : *res)
+                toProto(p, r.add_replicas(), true);  // the writer writes the records
             });
         break;
       case pb::UPSERT_END:
@@ -238,6 +275,51 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
                 r.add_cleared(k);
             });
         break;
+      case pb::ALLOC_SLAB:
+        decoded = serve<pb::AllocSlabRequest, pb::AllocSlabResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
+              auto res = allocSlab(q.client_id(), q.replica_num(), q.bytes(), idsOf(q.retire()),
+                                   q.min_bytes());
+              r.set_error_code(toInt(res.error()));
+              if (res.ok()) toProto(*res, r.mutable_slab());
+            });
+        break;
+      case pb::PUBLISH:
+        decoded = serve<pb::PublishRequest, pb::PublishResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
+              std::vector<PublishItem> items;
+              items.reserve(q.entries_size());
+              for (const auto& e : q.entries())
+                items.push_back({e.key(), e.size(), e.slab_id(), e.offset(), e.put_id(),
+                                 e.soft_pin(), e.hard_pin()});
+              r.set_error_code(0);
+              for (ErrorCode ec : publish(q.client_id(), items)) r.add_results(toInt(ec));
+              if (q.retire_size() > 0) retireSlabs(q.client_id(), idsOf(q.retire()));
+              if (q.has_next_slab() && q.next_slab().replica_num() > 0) {
+                auto res = allocSlab(q.client_id(), q.next_slab().replica_num(),
+                                     q.next_slab().bytes(), idsOf(q.next_slab().retire()),
+                                     q.next_slab().min_bytes());
+                r.set_next_slab_error(toInt(res.error()));
+                if (res.ok()) toProto(*res, r.mutable_next_slab());
+              }
+            });
+        break;
+      case pb::REPORT_OBJECTS:
+        decoded = serve<pb::ReportObjectsRequest, pb::ReportObjectsResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
+              std::vector<ReportedPiece> recs;
+              recs.reserve(q.records_size());
+              for (const auto& x : q.records())
+                recs.push_back({x.key(), x.put_id(), x.object_size(), x.piece_offset(),
+                                x.piece_length(), x.replica_index(),
+                                static_cast<uint8_t>(x.flags()), x.offset()});
+              r.set_error_code(toInt(reportObjects(q.client_id(), q.segment_name(),
+                                                   std::move(recs), q.pending(), q.last())));
+            });
+        break;
       default:  // METHOD_UNSPECIFIED or a method this master does not know
         break;
     }
@@ -257,6 +339,11 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
             .count();
     c.total_ns.fetch_add(static_cast<uint64_t>(ns), std::memory_order_relaxed);
+    int b = 0;
+    while (b + 1 < MasterMetrics::kLatencyBuckets &&
+           static_cast<double>(ns) > MasterMetrics::kLatencyBucketsUs[b] * 1000.0)
+      ++b;
+    c.buckets[b].fetch_add(1, std::memory_order_relaxed);
   }
   try {
     return resp.SerializeAsString();
@@ -273,6 +360,7 @@ void MasterService::fillRpcStats(MasterMetrics* m) const {
     s.calls = rpc_stats_[i].calls.load(std::memory_order_relaxed);
     s.errors = rpc_stats_[i].errors.load(std::memory_order_relaxed);
     s.total_ns = rpc_stats_[i].total_ns.load(std::memory_order_relaxed);
+    for (const auto& b : rpc_stats_[i].buckets) s.buckets.push_back(b.load(std::memory_order_relaxed));
     m->rpcs.push_back(std::move(s));
   }
 }

@@ -1,8 +1,11 @@
 #include "store/master/master_service.h"
 
 #include <algorithm>
+#include <random>
 
 #include <re2/re2.h>
+
+#include "store/master/record.h"
 
 namespace mooncake::store {
 
@@ -20,6 +23,9 @@ MasterService::MasterService(MasterConfig config) : config_(std::move(config)) {
     config_.eviction_high_watermark = MasterConfig{}.eviction_high_watermark;
   if (!(config_.eviction_ratio > 0.0 && config_.eviction_ratio <= 1.0))
     config_.eviction_ratio = MasterConfig{}.eviction_ratio;
+  std::random_device rd;
+  uint64_t e = (static_cast<uint64_t>(rd()) << 32) | rd();
+  epoch_.store(e == 0 ? 1 : e);
 }
 
 MasterService::~MasterService() { stopBackground(); }
@@ -60,11 +66,13 @@ void MasterService::clientGone(const std::string& client_id) {
 
 ErrorOr<SegmentId> MasterService::mountSegment(const std::string& client_id,
                                                const std::string& name, uint64_t base,
-                                               uint64_t size) {
+                                               uint64_t size, uint64_t record_tag,
+                                               bool will_report) {
   if (client_id.empty() || name.empty() || size < config_.alloc_granularity || base + size < base)
     return ErrorCode::INVALID_PARAMS;
   std::lock_guard<std::mutex> lock(mu_);
   TimePoint t = now();
+  if (!clients_.count(client_id)) last_registration_ = t;
   auto by_name = segment_by_name_.find(name);
   if (by_name != segment_by_name_.end()) {
     Segment* s = segments_.at(by_name->second).get();
@@ -80,6 +88,8 @@ ErrorOr<SegmentId> MasterService::mountSegment(const std::string& client_id,
   seg->name = name;
   seg->client_id = client_id;
   seg->base = base;
+  seg->record_tag = config_.record_headers ? record_tag : 0;
+  seg->awaiting_report = will_report;
   Segment* raw = seg.get();
   capacity_bytes_ += raw->alloc.capacity();
   segments_.emplace(raw->id, std::move(seg));
@@ -116,7 +126,7 @@ void MasterService::unmountLocked(Segment* seg) {
   std::vector<Object*> affected(seg->objects.begin(), seg->objects.end());
   for (Object* o : affected) {
     std::vector<Segment*> touched;  // segments that held a piece of a dropped replica
-    counters_.replicas_dropped += dropReplicasOnLocked(o, seg, &touched);
+    counters_.replicas_dropped += dropReplicasOnLocked(o, seg, &touched, /*seg_gone=*/true);
     // An upsert writing onto this segment cannot finish: its staged replicas go (its End fails).
     bool staged_here = false;
     for (const Replica& r : o->staged)
@@ -128,6 +138,17 @@ void MasterService::unmountLocked(Segment* seg) {
     }
     unindexLocked(o, touched);
     if (o->replicas.empty()) destroyObjectLocked(o);
+  }
+  // Slabs with an extent here publish nothing more; their other extents stay reserved until
+  // their writer retires them (it may still be writing into them).
+  for (Slab* slab : seg->slabs) {
+    slab->broken = true;
+    for (SlabExtent& e : slab->extents) {
+      if (e.seg != seg) continue;
+      for (auto& [off, a] : e.blocks) used_bytes_ -= a.size;  // the allocator dies with seg
+      e.blocks.clear();
+      e.seg = nullptr;
+    }
   }
   // Quarantined ranges on this segment die with it.
   for (size_t i = 0; i < quarantine_.size();) {
@@ -152,7 +173,7 @@ void MasterService::unmountLocked(Segment* seg) {
 }
 
 size_t MasterService::dropReplicasOnLocked(Object* o, const Segment* seg,
-                                           std::vector<Segment*>* touched) {
+                                           std::vector<Segment*>* touched, bool seg_gone) {
   std::vector<Replica> kept;
   size_t dropped = 0;
   for (Replica& r : o->replicas) {
@@ -163,7 +184,9 @@ size_t MasterService::dropReplicasOnLocked(Object* o, const Segment* seg,
       continue;
     }
     for (const PieceRec& p : r.pieces) {
-      freePiece(p);
+      // A complete object's records are wiped before their memory is reused, except on a
+      // segment that leaves the store (its memory goes with it).
+      freePiece(p, o->complete && !(seg_gone && p.seg == seg));
       touched->push_back(p.seg);
     }
     ++dropped;
@@ -191,7 +214,9 @@ ErrorOr<bool> MasterService::heartbeat(const std::string& client_id) {
   if (client_id.empty()) return ErrorCode::INVALID_PARAMS;
   std::lock_guard<std::mutex> lock(mu_);
   bool was_new = false;
-  touchClientLocked(client_id, now(), &was_new);
+  const TimePoint t = now();
+  touchClientLocked(client_id, t, &was_new);
+  if (was_new) last_registration_ = t;
   return was_new;
 }
 
@@ -209,6 +234,11 @@ void MasterService::expireClientLocked(const std::string& client_id) {
   for (Object* o : upserts) {
     dropStagedLocked(o, nullptr);
     ++counters_.put_revokes;
+  }
+  std::vector<uint64_t> slabs(it->second.slabs.begin(), it->second.slabs.end());
+  for (uint64_t id : slabs) {
+    auto sl = slabs_.find(id);
+    if (sl != slabs_.end()) retireSlabLocked(sl->second.get());
   }
   std::vector<SegmentId> segs = it->second.segments;
   for (SegmentId id : segs) {
@@ -270,10 +300,8 @@ void MasterService::destroyObjectLocked(Object* o, const TimePoint* quarantine_u
   for (const Replica& r : o->replicas) {
     for (const PieceRec& p : r.pieces) {
       p.seg->objects.erase(o);
-      if (quarantine_until != nullptr)
-        quarantine_.push_back({p.seg, p.alloc, *quarantine_until});
-      else
-        freePiece(p);
+      // The record goes now (the key is gone), the bytes when the readers' lease lapses.
+      releasePieceLocked(p, o->complete, quarantine_until);
     }
   }
   if (!o->complete) {
@@ -314,11 +342,11 @@ ErrorOr<std::vector<ReplicaPlacement>> MasterService::putStart(const std::string
 
   ReplicateConfig cfg = config;
   cfg.replica_num = replica_num;
-  std::vector<Replica> replicas = allocateReplicas(size, cfg);
+  std::vector<Replica> replicas = allocateReplicas(key, size, cfg);
   if (replicas.empty() && size <= capacity_bytes_) {
     // Out of room: evict (LRU share, and at least the bytes asked for), then try once more.
     evictLocked(t, size);
-    replicas = allocateReplicas(size, cfg);
+    replicas = allocateReplicas(key, size, cfg);
   }
   if (replicas.empty()) {
     ++counters_.allocation_failures;
@@ -521,6 +549,12 @@ MasterMetrics MasterService::metrics() const {
   m.bytes_capacity = capacity_bytes_;
   m.segments = segments_.size();
   m.clients = clients_.size();
+  m.slabs = slabs_.size();
+  for (const auto& [id, slab] : slabs_)
+    for (const SlabExtent& e : slab->extents)
+      for (const auto& [off, a] : e.blocks) m.slab_bytes += a.size;
+  m.epoch = role_.load() == MasterRole::kStandby ? 0 : epoch_.load();
+  m.role = static_cast<uint8_t>(role_.load());
   fillRpcStats(&m);
   return m;
 }

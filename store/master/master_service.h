@@ -27,8 +27,17 @@
 // segments unmounted. Unmounting a segment drops every replica with a piece on it; an object left
 // without replicas is removed, so reads fall to surviving replicas or get OBJECT_NOT_FOUND.
 //
+// One round trip per put (master_slab.cc): a writer reserves a slab (the same bytes on up to
+// replica_num segments), places objects in it itself and publishes them (publish()): complete at
+// once. Records (record.h): with config.record_headers, every piece starts with a record the
+// writer writes; the master wipes it (RecordWiper) before the memory can be reused.
+//
+// Failover (master_rebuild.cc): a master is a standby, rebuilding, or serving. A new leader (or a
+// restarted single master) rebuilds its metadata from the records clients report; until then it
+// serves registration calls only.
+//
 // Threading: every public method is thread-safe (one mutex; every operation is O(1) in the number
-// of objects except removeByRegex/removeAll and the bounded eviction walk). Time comes from
+// of objects except removeByRegex/removeAll, rebuilds and the bounded eviction walk). Time comes from
 // config.clock, so tests advance a fake clock instead of sleeping. Maintenance runs when
 // runMaintenance() is called, or periodically after startBackground().
 #pragma once
@@ -37,6 +46,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -71,8 +81,12 @@ class MasterService {
   // Lends [base, base + size) of client_id's memory to the store. Names are unique among
   // mounted segments: mounting the same (client, name, base, size) again returns the existing id
   // (a retried RPC), anything else under a mounted name is SEGMENT_ALREADY_EXISTS.
+  // record_tag: the tag of the records in the segment (record.h; 0: it holds none).
+  // will_report: its owner will report the records it holds (after a failover); until that
+  // report ends, no new object is placed in the segment.
   ErrorOr<SegmentId> mountSegment(const std::string& client_id, const std::string& name,
-                                  uint64_t base, uint64_t size);
+                                  uint64_t base, uint64_t size, uint64_t record_tag = 0,
+                                  bool will_report = false);
   // Drops every replica on the segment, then forgets it. Unknown id: OK (idempotent, as
   // Mooncake); a segment of another client: ILLEGAL_CLIENT.
   ErrorCode unmountSegment(const std::string& client_id, SegmentId id);
@@ -138,6 +152,60 @@ class MasterService {
   ErrorOr<uint64_t> removeByRegex(const std::string& regex, bool force = false);
   uint64_t removeAll(bool force = false);
 
+  // ---- one round trip per put: slabs (master_slab.cc) ----
+  // Reserves `bytes` (rounded up to the granularity; less when max_slab_bytes or max_slab_share
+  // of the largest segment says so, but never below min_bytes) on up to replica_num distinct
+  // segments, distinct clients first, after retiring the writer's slabs in `retire`.
+  // NO_AVAILABLE_HANDLE when no segment allows a slab of min_bytes, or when not even one extent
+  // fits after an eviction round.
+  ErrorOr<SlabGrant> allocSlab(const std::string& client_id, uint32_t replica_num, uint64_t bytes,
+                               const std::vector<uint64_t>& retire = {}, uint64_t min_bytes = 0);
+  // Publishes objects the writer wrote into its slabs: each is cut out of every extent of its
+  // slab and becomes a complete object (visible to every reader once this returns). Per item:
+  // OK, OBJECT_ALREADY_EXISTS, INVALID_KEY, INVALID_PARAMS (bad size or a range outside the slab
+  // or already published), ILLEGAL_CLIENT (not the caller's slab), OBJECT_NOT_FOUND (no such slab
+  // any more: retired, expired, lost with a segment or with the previous master).
+  std::vector<ErrorCode> publish(const std::string& client_id,
+                                 const std::vector<PublishItem>& items);
+  void retireSlabs(const std::string& client_id, const std::vector<uint64_t>& ids);
+
+  // ---- failover (master_rebuild.cc) ----
+  MasterRole role() const { return role_.load(std::memory_order_acquire); }
+  uint64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
+  // Serves at once under `epoch` (a master that can have no predecessor: embedded, tests).
+  // The constructor does this with a random epoch.
+  void startServing(uint64_t epoch);
+  // Forgets every object, segment, client and slab: this master stands by.
+  void becomeStandby();
+  // This master leads (or restarted) with a new epoch: it forgets what it knew and rebuilds its
+  // metadata from what the clients report; until then only registration calls are served.
+  void beginRebuild(uint64_t epoch, RebuildPolicy policy);
+  // Clients that are members of the cluster (their etcd keys): the rebuild waits for them.
+  void setExpectedClients(std::vector<std::string> clients);
+  // Ends the rebuild when its policy allows; true when (now) serving.
+  bool pollRebuild();
+  // A client's committed records in its segment `segment_name` (reported in parts; `last`
+  // ends it). `pending`: uncommitted records it saw (puts that never ended: revoked).
+  // During a rebuild the records are kept until it ends; later (a client that came back late)
+  // the replicas they describe are added at once where they do not conflict.
+  ErrorCode reportObjects(const std::string& client_id, const std::string& segment_name,
+                          std::vector<ReportedPiece> records, uint64_t pending, bool last);
+  // Counts a leadership this master won (metrics); failover: a previous leader existed.
+  void noteElection(bool failover);
+
+  // ---- records (record.h) ----
+  // Wipes the record at the start of a piece's memory before the memory is handed out again.
+  // Called with the service's lock held: must not block. Returns true when the record is wiped
+  // (or nothing needs wiping); false when it started an asynchronous wipe, and then calls
+  // wipeDone(token) once it finished (or failed: the memory is released anyway).
+  class RecordWiper {
+   public:
+    virtual ~RecordWiper() = default;
+    virtual bool wipe(const std::string& client_id, uint64_t address, uint64_t token) = 0;
+  };
+  void setRecordWiper(RecordWiper* wiper);  // nullptr: records are not wiped
+  void wipeDone(uint64_t token);
+
   // ---- maintenance ----
   // Expires silent clients, releases timed-out puts and quarantined memory, demotes lapsed soft
   // pins, and evicts if usage is above the high watermark.
@@ -163,10 +231,12 @@ class MasterService {
  private:
   struct Segment;
   struct Object;
+  struct Slab;
   struct PieceRec {
     Segment* seg;
     OffsetAllocator::Allocation alloc;
     uint64_t length;
+    uint64_t record_bytes = 0;  // the record in front of the bytes (0: none)
   };
   struct Replica {
     std::vector<PieceRec> pieces;
@@ -204,8 +274,11 @@ class MasterService {
     std::string client_id;
     uint64_t base = 0;
     bool owner_gone = false;  // see clientGone()
+    uint64_t record_tag = 0;  // 0: no records in this segment
+    bool awaiting_report = false;  // its owner still reports what it holds: no new objects
     OffsetAllocator alloc;
     std::unordered_set<Object*> objects;  // objects with a piece here
+    std::unordered_set<Slab*> slabs;      // slabs with an extent here
     Segment(uint64_t size, uint64_t granularity) : alloc(size, granularity) {}
   };
   struct Client {
@@ -214,11 +287,30 @@ class MasterService {
     std::vector<SegmentId> segments;
     std::unordered_set<Object*> pending_puts;
     std::unordered_set<Object*> pending_upserts;  // complete objects it is upserting
+    std::unordered_set<uint64_t> slabs;
+    bool reported = false;  // its report (rebuild) ended
   };
   struct Quarantined {
     Segment* seg;
     OffsetAllocator::Allocation alloc;
     TimePoint release_at;
+    uint64_t wipe_token = 0;  // an asynchronous record wipe still running (0: none)
+  };
+  struct SlabExtent {
+    Segment* seg = nullptr;  // nullptr once its segment was unmounted
+    uint64_t start = 0;      // segment offset of the extent's first byte
+    std::map<uint64_t, OffsetAllocator::Allocation> blocks;  // unpublished parts, by offset
+  };
+  struct Slab {
+    uint64_t id = 0;
+    std::string writer;
+    uint64_t bytes = 0;
+    bool broken = false;  // a segment of it was unmounted: nothing more is published from it
+    std::vector<SlabExtent> extents;
+  };
+  struct Staged {  // a reported record kept until the rebuild ends
+    SegmentId seg;
+    ReportedPiece rec;
   };
 
   TimePoint now() const { return config_.clock ? config_.clock() : MasterClock::now(); }
@@ -226,12 +318,27 @@ class MasterService {
   Client& touchClientLocked(const std::string& client_id, TimePoint now, bool* was_new);
 
   // Placement (master_space.cc).
-  bool allocateReplica(uint64_t size, const std::string& preferred,
+  bool allocateReplica(const std::string& key, uint64_t size, const std::string& preferred,
                        std::unordered_set<Segment*>* used_segments,
                        std::unordered_set<std::string>* used_clients, Replica* out);
-  std::vector<Replica> allocateReplicas(uint64_t size, const ReplicateConfig& config);
-  void freePiece(const PieceRec& p);
+  std::vector<Replica> allocateReplicas(const std::string& key, uint64_t size,
+                                        const ReplicateConfig& config);
+  // wipe: the piece held a committed record that must be wiped before the memory is reused
+  // (quarantined until an asynchronous wipe ends).
+  void freePiece(const PieceRec& p, bool wipe = false);
+  // freePiece, or (until given) the record wiped now and the memory quarantined until then.
+  void releasePieceLocked(const PieceRec& p, bool wipe, const TimePoint* until);
   ReplicaPlacement describe(const Replica& r) const;
+  uint64_t recordBytesFor(const Segment* s, const std::string& key) const;
+  // Slabs (master_slab.cc).
+  void retireSlabLocked(Slab* slab);
+  bool allocateWhole(uint64_t size, std::unordered_set<Segment*>* used_segments,
+                     std::unordered_set<std::string>* used_clients, PieceRec* out);
+  // Rebuild (master_rebuild.cc).
+  void clearAllLocked();
+  void finishRebuildLocked(TimePoint now);
+  bool rebuildDoneLocked(TimePoint now) const;
+  void addReportedLocked(std::vector<Staged> staged, bool late);
 
   // Object bookkeeping.
   void linkLru(Object* o, TimePoint now);
@@ -264,7 +371,8 @@ class MasterService {
   void unmountLocked(Segment* seg);
   // Drops o's replicas that have a piece on seg (their pieces freed); returns how many.
   // *touched gets every segment that held a piece of a dropped replica.
-  size_t dropReplicasOnLocked(Object* o, const Segment* seg, std::vector<Segment*>* touched);
+  size_t dropReplicasOnLocked(Object* o, const Segment* seg, std::vector<Segment*>* touched,
+                              bool seg_gone = false);
   // o leaves the index of every segment in `touched` on which it has no piece left.
   static void unindexLocked(Object* o, const std::vector<Segment*>& touched);
   void expireClientLocked(const std::string& client_id);
@@ -299,10 +407,25 @@ class MasterService {
   uint64_t hard_pinned_count_ = 0;
   MasterMetrics counters_;  // counter fields only; gauges are filled in by metrics()
 
+  std::unordered_map<uint64_t, std::unique_ptr<Slab>> slabs_;
+  uint64_t next_slab_id_ = 1;
+  RecordWiper* wiper_ = nullptr;
+  uint64_t next_wipe_token_ = 1;
+
+  // Failover.
+  std::atomic<MasterRole> role_{MasterRole::kServing};
+  std::atomic<uint64_t> epoch_{0};
+  RebuildPolicy rebuild_policy_;
+  TimePoint rebuild_start_{};
+  TimePoint last_registration_{};
+  std::unordered_set<std::string> expected_clients_;
+  std::vector<Staged> staged_;
+
   // Per-method RPC statistics of handle(), indexed by the proto Method number.
-  static constexpr int kRpcMethods = 19;
+  static constexpr int kRpcMethods = 22;
   struct RpcCounters {
     std::atomic<uint64_t> calls{0}, errors{0}, total_ns{0};
+    std::array<std::atomic<uint64_t>, MasterMetrics::kLatencyBuckets> buckets{};
   };
   std::array<RpcCounters, kRpcMethods> rpc_stats_;
 

@@ -4,13 +4,39 @@
 #include <cmath>
 
 #include "store/master/master_service.h"
+#include "store/master/record.h"
 
 namespace mooncake::store {
 
 // ---------------------------------------------------------------- placement
 
-void MasterService::freePiece(const PieceRec& p) {
+void MasterService::freePiece(const PieceRec& p, bool wipe) {
+  if (wipe && p.record_bytes > 0 && wiper_ != nullptr) {
+    const uint64_t token = next_wipe_token_++;
+    ++counters_.records_wiped;
+    if (!wiper_->wipe(p.seg->client_id, p.seg->base + p.alloc.offset, token)) {
+      // Reused only once the wipe landed (wipeDone).
+      quarantine_.push_back({p.seg, p.alloc, TimePoint{}, token});
+      return;
+    }
+  }
   if (p.seg->alloc.free(p.alloc)) used_bytes_ -= p.alloc.size;
+}
+
+void MasterService::releasePieceLocked(const PieceRec& p, bool wipe, const TimePoint* until) {
+  if (until == nullptr) return freePiece(p, wipe);
+  // The record goes now, the bytes when `until` passes (a reader's lease).
+  uint64_t token = 0;
+  if (wipe && p.record_bytes > 0 && wiper_ != nullptr) {
+    token = next_wipe_token_++;
+    ++counters_.records_wiped;
+    if (wiper_->wipe(p.seg->client_id, p.seg->base + p.alloc.offset, token)) token = 0;
+  }
+  quarantine_.push_back({p.seg, p.alloc, *until, token});
+}
+
+uint64_t MasterService::recordBytesFor(const Segment* s, const std::string& key) const {
+  return s->record_tag != 0 ? recordBytes(key.size()) : 0;
 }
 
 ReplicaPlacement MasterService::describe(const Replica& r) const {
@@ -22,8 +48,9 @@ ReplicaPlacement MasterService::describe(const Replica& r) const {
     piece.segment_name = p.seg->name;
     piece.client_id = p.seg->client_id;
     piece.offset = p.alloc.offset;
-    piece.address = p.seg->base + p.alloc.offset;
+    piece.address = p.seg->base + p.alloc.offset + p.record_bytes;
     piece.length = p.length;
+    piece.record_tag = p.record_bytes > 0 ? p.seg->record_tag : 0;
     out.pieces.push_back(std::move(piece));
   }
   return out;
@@ -33,7 +60,8 @@ ReplicaPlacement MasterService::describe(const Replica& r) const {
 // no replica of this object yet, then the other clients' (never a segment already used by this
 // object). Both walks start at the round-robin cursor, which moves once per put, so that
 // successive puts spread over the segments.
-bool MasterService::allocateReplica(uint64_t size, const std::string& preferred,
+bool MasterService::allocateReplica(const std::string& key, uint64_t size,
+                                    const std::string& preferred,
                                     std::unordered_set<Segment*>* used_segments,
                                     std::unordered_set<std::string>* used_clients, Replica* out) {
   const size_t n = segment_order_.size();
@@ -44,7 +72,7 @@ bool MasterService::allocateReplica(uint64_t size, const std::string& preferred,
   if (!preferred.empty()) {
     auto it = segment_by_name_.find(preferred);
     if (it != segment_by_name_.end() && !used_segments->count(segments_.at(it->second).get()) &&
-        !segments_.at(it->second)->owner_gone) {
+        !segments_.at(it->second)->owner_gone && !segments_.at(it->second)->awaiting_report) {
       pref = segments_.at(it->second).get();
       order.push_back(pref);
     }
@@ -54,7 +82,7 @@ bool MasterService::allocateReplica(uint64_t size, const std::string& preferred,
       Segment* s = segment_order_[(rr_cursor_ + i) % n];
       // A segment whose owner's engine is gone takes no new replica (its objects stay until
       // the client expires, as any silent client's do).
-      if (s == pref || s->owner_gone || used_segments->count(s)) continue;
+      if (s == pref || s->owner_gone || s->awaiting_report || used_segments->count(s)) continue;
       bool client_used = used_clients->count(s->client_id) > 0;
       if ((pass == 0) != client_used) order.push_back(s);
     }
@@ -62,13 +90,14 @@ bool MasterService::allocateReplica(uint64_t size, const std::string& preferred,
 
   auto claim = [&](Segment* s, OffsetAllocator::Allocation a, uint64_t length) {
     used_bytes_ += a.size;
-    out->pieces.push_back({s, a, length});
+    out->pieces.push_back({s, a, length, recordBytesFor(s, key)});
   };
 
   // Whole: one piece on the first candidate with a fitting free block.
   for (Segment* s : order) {
-    if (s->alloc.freeBytes() < size) continue;
-    OffsetAllocator::Allocation a = s->alloc.allocate(size);
+    const uint64_t need = size + recordBytesFor(s, key);
+    if (s->alloc.freeBytes() < need) continue;
+    OffsetAllocator::Allocation a = s->alloc.allocate(need);
     if (!a.valid()) continue;
     claim(s, a, size);
     used_segments->insert(s);
@@ -81,9 +110,11 @@ bool MasterService::allocateReplica(uint64_t size, const std::string& preferred,
   uint64_t remaining = size;
   for (Segment* s : order) {
     if (remaining == 0 || out->pieces.size() >= config_.max_pieces_per_replica) break;
-    uint64_t take = std::min(s->alloc.largestFreeHint(), remaining);
+    const uint64_t rb = recordBytesFor(s, key);
+    const uint64_t hint = s->alloc.largestFreeHint();
+    uint64_t take = hint > rb ? std::min(hint - rb, remaining) : 0;
     if (take == 0 || take < std::min(config_.min_stripe_bytes, remaining)) continue;
-    OffsetAllocator::Allocation a = s->alloc.allocate(take);
+    OffsetAllocator::Allocation a = s->alloc.allocate(take + rb);
     if (!a.valid()) continue;
     claim(s, a, take);
     remaining -= take;
@@ -100,14 +131,15 @@ bool MasterService::allocateReplica(uint64_t size, const std::string& preferred,
   return true;
 }
 
-std::vector<MasterService::Replica> MasterService::allocateReplicas(uint64_t size,
+std::vector<MasterService::Replica> MasterService::allocateReplicas(const std::string& key,
+                                                                    uint64_t size,
                                                                     const ReplicateConfig& config) {
   std::vector<Replica> out;
   std::unordered_set<Segment*> used_segments;
   std::unordered_set<std::string> used_clients;
   for (uint32_t r = 0; r < config.replica_num; ++r) {
     Replica rep;
-    if (!allocateReplica(size, r == 0 ? config.preferred_segment : std::string(), &used_segments,
+    if (!allocateReplica(key, size, r == 0 ? config.preferred_segment : std::string(), &used_segments,
                          &used_clients, &rep))
       break;  // fewer replicas than asked: best effort
     out.push_back(std::move(rep));

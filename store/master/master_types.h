@@ -33,13 +33,51 @@ struct Piece {
   std::string segment_name;
   std::string client_id;  // the client that mounted the segment (the engine peer to talk to)
   uint64_t offset = 0;    // from the segment's base
-  uint64_t address = 0;   // base + offset, in the owner's address space
+  uint64_t address = 0;   // where the bytes are, in the owner's address space
   uint64_t length = 0;    // bytes of the object held here (the pieces of a replica sum to size)
+  // Non-zero when a record (record.h) precedes the bytes: the segment's record tag; the record
+  // starts at address - recordBytes(key length).
+  uint64_t record_tag = 0;
 };
 
 // One copy of an object: its pieces in object order (one piece unless striped).
 struct ReplicaPlacement {
   std::vector<Piece> pieces;
+};
+
+// One extent of a writer's slab: `bytes` reserved at `address` in a segment (master_service.h).
+struct SlabExtentInfo {
+  SegmentId segment_id = 0;
+  std::string segment_name;
+  std::string client_id;
+  uint64_t address = 0;
+  uint64_t record_tag = 0;
+};
+struct SlabGrant {
+  uint64_t id = 0;
+  uint64_t bytes = 0;
+  std::vector<SlabExtentInfo> extents;
+};
+// An object a writer placed in one of its slabs and asks the master to publish.
+struct PublishItem {
+  std::string key;
+  uint64_t size = 0;
+  uint64_t slab_id = 0;
+  uint64_t offset = 0;  // of the record, from the slab's start
+  uint64_t put_id = 0;
+  bool soft_pin = false;
+  bool hard_pin = false;
+};
+// A committed record a client found in its segment (record.h), as reported after a failover.
+struct ReportedPiece {
+  std::string key;
+  uint64_t put_id = 0;
+  uint64_t object_size = 0;
+  uint64_t piece_offset = 0;
+  uint64_t piece_length = 0;
+  uint32_t replica_index = 0;
+  uint8_t flags = 0;
+  uint64_t offset = 0;  // of the record, from the segment's base
 };
 
 struct MountedSegmentInfo {
@@ -69,7 +107,31 @@ struct MasterConfig {
   uint64_t min_stripe_bytes = 64 * 1024;  // smallest piece of a striped replica
   uint64_t max_key_length = 4096;         // longer keys are INVALID_KEY
   uint64_t max_regex_length = 4096;       // longer remove_by_regex patterns: INVALID_PARAMS
+  // Every piece starts with a record (store/master/record.h) in segments that were mounted with
+  // a record tag, so that a new master can rebuild from what the clients hold. The standalone
+  // master turns it on; unit tests of the bookkeeping leave it off (allocations are then the
+  // bare object sizes).
+  bool record_headers = false;
+  // Slabs (the one-round-trip put path): the largest a writer may reserve, and at most this
+  // share of a segment's capacity per slab.
+  uint64_t max_slab_bytes = 64ull << 20;
+  double max_slab_share = 1.0 / 16;
   ClockFn clock;                          // empty: MasterClock::now
+};
+
+// Where a master stands (metrics, RPC gating).
+enum class MasterRole : uint8_t {
+  kStandby,     // not the leader: answers every call with UNAVAILABLE_IN_CURRENT_MODE
+  kRebuilding,  // leader (or restarted single master) collecting what clients hold: only
+                // registration calls are served, the rest answer UNAVAILABLE_IN_CURRENT_STATUS
+  kServing,
+};
+
+// When a rebuild is over: every client expected to report has done so and no new client has
+// registered for `quiet_ms`, or `timeout_ms` passed since it began.
+struct RebuildPolicy {
+  uint64_t quiet_ms = 500;
+  uint64_t timeout_ms = 10000;
 };
 
 // Counters and gauges for /metrics. Gauges are current values, counters only grow.
@@ -97,6 +159,22 @@ struct MasterMetrics {
   uint64_t allocation_failures = 0;  // putStart answered NO_AVAILABLE_HANDLE
   uint64_t client_expirations = 0;
   uint64_t replicas_dropped = 0;  // replicas lost with an unmounted segment
+  uint64_t slabs = 0;             // gauge: slabs reserved by writers
+  uint64_t slab_bytes = 0;        // gauge: bytes they still hold unpublished
+  uint64_t slab_grants = 0;
+  uint64_t publishes = 0;  // objects published from slabs (also counted in put_starts/put_ends)
+
+  // Failover (counters unless noted).
+  uint64_t epoch = 0;               // gauge: this master's epoch (0: standby)
+  uint8_t role = 0;                 // gauge: MasterRole
+  uint64_t leader_elections = 0;    // times this master became leader (filled by the binary)
+  uint64_t failovers = 0;           // ... of those, taking over from a previous leader
+  uint64_t rebuilds = 0;            // rebuilds completed
+  double last_rebuild_seconds = 0;  // gauge: how long the last rebuild took
+  uint64_t rebuild_clients = 0;     // clients that reported in rebuilds
+  uint64_t objects_recovered = 0;   // objects rebuilt from client reports
+  uint64_t objects_revoked = 0;     // puts found unfinished (or inconsistent) and dropped
+  uint64_t records_wiped = 0;       // records wiped before their memory was reused
 
   // Per-RPC statistics of MasterService::handle(): calls, calls answered with an error, and
   // the total time spent serving them (decode + call + encode).
@@ -105,7 +183,12 @@ struct MasterMetrics {
     uint64_t calls = 0;
     uint64_t errors = 0;
     uint64_t total_ns = 0;
+    // Latency histogram: counts per bucket (upper bounds kLatencyBucketsUs, then +Inf).
+    std::vector<uint64_t> buckets;
   };
+  static constexpr double kLatencyBucketsUs[] = {5,    10,   20,    50,    100,   200,   500,
+                                                 1000, 2000, 5000, 10000, 50000, 200000, 1000000};
+  static constexpr int kLatencyBuckets = sizeof(kLatencyBucketsUs) / sizeof(double) + 1;
   std::vector<RpcStat> rpcs;
 
   // Prometheus text exposition (# HELP/# TYPE lines, mooncake_store_ prefix).

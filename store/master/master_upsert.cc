@@ -28,13 +28,9 @@ void MasterService::dropStagedLocked(Object* o, const TimePoint* quarantine_unti
   if (o->staged.empty()) return;
   std::vector<Replica> staged = std::move(o->staged);
   o->staged.clear();
+  // Staged records are never committed (their writer commits after upsertEnd): no wipe.
   for (const Replica& r : staged)
-    for (const PieceRec& p : r.pieces) {
-      if (quarantine_until != nullptr)
-        quarantine_.push_back({p.seg, p.alloc, *quarantine_until});
-      else
-        freePiece(p);
-    }
+    for (const PieceRec& p : r.pieces) releasePieceLocked(p, false, quarantine_until);
   for (const Replica& r : staged)
     for (const PieceRec& p : r.pieces)
       if (!hasPieceOn(o, p.seg)) p.seg->objects.erase(o);
@@ -83,11 +79,11 @@ ErrorOr<std::vector<ReplicaPlacement>> MasterService::upsertStart(const std::str
 
   // The object being replaced keeps its replicas while the new ones are placed: the segments
   // it uses are not excluded (a one-segment store can still upsert).
-  std::vector<Replica> replicas = allocateReplicas(size, cfg);
+  std::vector<Replica> replicas = allocateReplicas(key, size, cfg);
   if (replicas.empty() && size <= capacity_bytes_) {
     evictLocked(t, size);  // may evict `existing` itself: then the upsert creates the key
     if (existing != nullptr && objects_.count(key) == 0) existing = nullptr;
-    replicas = allocateReplicas(size, cfg);
+    replicas = allocateReplicas(key, size, cfg);
   }
   if (replicas.empty()) {
     ++counters_.allocation_failures;
@@ -147,13 +143,10 @@ ErrorCode MasterService::upsertEnd(const std::string& client_id, const std::stri
   o->upsert_id = 0;
   o->upsert_writer.clear();
   o->writer = client_id;
+  // Their records are wiped: after a failover only the new value's records count.
+  const TimePoint lease_end = o->lease_deadline;
   for (const Replica& r : old)
-    for (const PieceRec& p : r.pieces) {
-      if (leased(o, t))
-        quarantine_.push_back({p.seg, p.alloc, o->lease_deadline});
-      else
-        freePiece(p);
-    }
+    for (const PieceRec& p : r.pieces) releasePieceLocked(p, true, leased(o, t) ? &lease_end : nullptr);
   for (const Replica& r : old)
     for (const PieceRec& p : r.pieces)
       if (!hasPieceOn(o, p.seg)) p.seg->objects.erase(o);

@@ -131,20 +131,90 @@ uint32_t OffsetAllocator::findFit(uint64_t units) const {
   return kInvalidNode;
 }
 
-void OffsetAllocator::splitTail(uint32_t n, uint64_t units) {
-  Node& node = nodes_[n];
-  if (node.size <= units) return;
+uint32_t OffsetAllocator::splitRaw(uint32_t n, uint64_t units) {
   uint32_t rest = newNode();  // may reallocate nodes_: re-take references below
   Node& a = nodes_[n];
   Node& b = nodes_[rest];
   b.offset = a.offset + units;
   b.size = a.size - units;
+  b.used = a.used;
   b.prev_phys = n;
   b.next_phys = a.next_phys;
   if (a.next_phys != kInvalidNode) nodes_[a.next_phys].prev_phys = rest;
   a.next_phys = rest;
   a.size = units;
-  insertFree(rest);
+  return rest;
+}
+
+void OffsetAllocator::splitTail(uint32_t n, uint64_t units) {
+  if (nodes_[n].size <= units) return;
+  insertFree(splitRaw(n, units));
+}
+
+bool OffsetAllocator::liveUsed(const Allocation& a) const {
+  if (a.node >= nodes_.size()) return false;
+  const Node& node = nodes_[a.node];
+  return node.alive && node.used && (node.offset << gran_shift_) == a.offset &&
+         (node.size << gran_shift_) == a.size;
+}
+
+bool OffsetAllocator::carve(const Allocation& a, uint64_t offset, uint64_t size, Allocation* head,
+                            Allocation* mid, Allocation* tail) {
+  if (!liveUsed(a) || size == 0) return false;
+  uint64_t lo = offset >> gran_shift_;
+  uint64_t hi = (offset + size + gran_ - 1) >> gran_shift_;
+  uint32_t n = a.node;
+  const uint64_t start = nodes_[n].offset, end = start + nodes_[n].size;
+  if (offset + size < offset || lo < start || hi > end || hi <= lo) return false;
+  *head = *mid = *tail = Allocation{};
+  auto describe = [&](uint32_t m) {
+    return Allocation{nodes_[m].offset << gran_shift_, nodes_[m].size << gran_shift_, m};
+  };
+  if (lo > start) {
+    uint32_t rest = splitRaw(n, lo - start);
+    *head = describe(n);
+    ++live_;
+    n = rest;
+  }
+  if (hi < end) {
+    uint32_t rest = splitRaw(n, hi - lo);
+    *tail = describe(rest);
+    ++live_;
+  }
+  *mid = describe(n);
+  return true;
+}
+
+std::vector<OffsetAllocator::Allocation> OffsetAllocator::allocateAt(
+    const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+  std::vector<Allocation> out(ranges.size());
+  uint32_t cur = kInvalidNode;
+  for (uint32_t i = 0; i < nodes_.size(); ++i)
+    if (nodes_[i].alive && nodes_[i].offset == 0) cur = i;
+  for (size_t r = 0; r < ranges.size(); ++r) {
+    const uint64_t off = ranges[r].first, size = ranges[r].second;
+    if (size == 0 || (off & (gran_ - 1)) != 0 || off + size < off) continue;
+    const uint64_t lo = off >> gran_shift_;
+    const uint64_t hi = (off + size + gran_ - 1) >> gran_shift_;
+    while (cur != kInvalidNode && nodes_[cur].offset + nodes_[cur].size <= lo)
+      cur = nodes_[cur].next_phys;
+    if (cur == kInvalidNode) break;
+    if (nodes_[cur].used || nodes_[cur].offset > lo || nodes_[cur].offset + nodes_[cur].size < hi)
+      continue;  // not entirely free
+    removeFree(cur);
+    if (lo > nodes_[cur].offset) {
+      uint32_t rest = splitRaw(cur, lo - nodes_[cur].offset);
+      insertFree(cur);  // the free part before the range
+      cur = rest;
+    }
+    if (nodes_[cur].size > hi - lo) insertFree(splitRaw(cur, hi - lo));  // the free part after
+    nodes_[cur].used = true;
+    used_units_ += nodes_[cur].size;
+    ++live_;
+    out[r] = Allocation{lo << gran_shift_, (hi - lo) << gran_shift_, cur};
+    cur = nodes_[cur].next_phys;
+  }
+  return out;
 }
 
 OffsetAllocator::Allocation OffsetAllocator::allocate(uint64_t size, uint64_t alignment) {

@@ -58,6 +58,20 @@ class OffsetAllocator {
   // allocation that is not live: already freed, or not from this allocator.
   bool free(const Allocation& a);
 
+  // Splits the live allocation `a` into up to three live ones: before, [offset, offset + size)
+  // and after (rounded out to the granularity). `mid` gets the middle one; `head`/`tail` the
+  // others (invalid when empty). False, nothing changed, when the range is not inside `a` or
+  // `a` is not live. The store master cuts published objects out of a writer's reserved slab
+  // this way. O(1).
+  bool carve(const Allocation& a, uint64_t offset, uint64_t size, Allocation* head, Allocation* mid,
+             Allocation* tail);
+
+  // Reserves exact ranges {offset, size} (sorted by offset, not overlapping). Each result is
+  // the range's allocation, or an invalid one when the range is not entirely free. One walk
+  // over the blocks: O(blocks + ranges). The master rebuilds a segment's allocator from the
+  // records its owner reports (after a failover) this way.
+  std::vector<Allocation> allocateAt(const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
+
   uint64_t capacity() const { return units_ * gran_; }
   uint64_t granularity() const { return gran_; }
   uint64_t usedBytes() const { return used_units_ * gran_; }
@@ -93,6 +107,10 @@ class OffsetAllocator {
   uint32_t findFit(uint64_t units) const;
   // Cuts the first `units` off free-list-detached block n; the rest becomes a free block.
   void splitTail(uint32_t n, uint64_t units);
+  // Cuts the first `units` off block n; the rest becomes a new block with n's used flag, on no
+  // list. Returns the new block.
+  uint32_t splitRaw(uint32_t n, uint64_t units);
+  bool liveUsed(const Allocation& a) const;
 
   uint64_t gran_;
   int gran_shift_;

@@ -66,8 +66,11 @@ class Master:
             host = extra[list(extra).index("--host") + 1]
             extra = [a for i, a in enumerate(extra)
                      if a != "--host" and (i == 0 or extra[i - 1] != "--host")]
+        # A fresh master waits --rebuild-quiet-ms for clients that might report objects (after
+        # a restart); tests start fresh masters: keep it short.
         cmd = [master_bin()] + (["--host", host] if host_flag else []) + [
-            "--port", str(self.port), "--metrics-port", "0", *extra]
+            "--port", str(self.port), "--metrics-port", "0", "--rebuild-quiet-ms", "200",
+            *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                      env=dict(os.environ, **(env or {})), preexec_fn=preexec_fn)
         self.pid = self.proc.pid

@@ -181,6 +181,38 @@ TEST_F(RpcTest, EveryMethodRoundTrips) {
   ASSERT_EQ(cleared.cleared_size(), 1);
   EXPECT_EQ(cleared.cleared(0), "up");
   EXPECT_TRUE(master_.checkInvariants());
+  // One round trip per put: a slab, then an object published from it (and the slab retired).
+  pb::AllocSlabRequest as;
+  as.set_client_id("c1");
+  as.set_replica_num(1);
+  as.set_bytes(64 << 10);
+  auto slab = call<pb::AllocSlabResponse>(pb::ALLOC_SLAB, as);
+  ASSERT_EQ(slab.error_code(), 0);
+  ASSERT_EQ(slab.slab().extents_size(), 1);
+  EXPECT_EQ(slab.slab().bytes(), 64u << 10);
+  pb::PublishRequest pub;
+  pub.set_client_id("c1");
+  pb::PublishEntry* entry = pub.add_entries();
+  entry->set_key("slabbed");
+  entry->set_size(1000);
+  entry->set_slab_id(slab.slab().slab_id());
+  entry->set_put_id(7);
+  pub.add_retire(slab.slab().slab_id());
+  auto published = call<pb::PublishResponse>(pb::PUBLISH, pub);
+  ASSERT_EQ(published.results_size(), 1);
+  EXPECT_EQ(published.results(0), 0);
+  gs.set_key("slabbed");
+  EXPECT_EQ(call<pb::GetSizeResponse>(pb::GET_SIZE, gs).size(), 1000u);
+  EXPECT_EQ(master_.metrics().slabs, 0u) << "retired with the publish";
+  // A report (a client that came back after a rebuild): its segment keeps no records here.
+  pb::ReportObjectsRequest rep;
+  rep.set_client_id("c1");
+  rep.set_segment_name("seg1");
+  rep.set_last(true);
+  EXPECT_EQ(call<pb::ReportObjectsResponse>(pb::REPORT_OBJECTS, rep).error_code(), 0);
+  rep.set_segment_name("nope");
+  EXPECT_EQ(call<pb::ReportObjectsResponse>(pb::REPORT_OBJECTS, rep).error_code(),
+            toInt(ErrorCode::SEGMENT_NOT_FOUND));
 
   pb::UnmountSegmentRequest um;
   um.set_client_id("c1");
@@ -190,7 +222,7 @@ TEST_F(RpcTest, EveryMethodRoundTrips) {
   EXPECT_TRUE(master_.checkInvariants());
 
   MasterMetrics m = master_.metrics();
-  ASSERT_EQ(m.rpcs.size(), 18u);
+  ASSERT_EQ(m.rpcs.size(), 21u);
   for (const auto& r : m.rpcs) EXPECT_GE(r.calls, 1u) << r.method;
   std::string text = m.toPrometheus();
   EXPECT_NE(text.find("mooncake_store_rpc_calls_total{method=\"PUT_START\"} 5"), std::string::npos)

@@ -45,8 +45,11 @@ class MasterProcess {
     if (pid == 0) {
       dup2(fds[1], 1);
       close(fds[0]);
+      // A fresh master waits for clients that might report objects (a restart) until none came
+      // for --rebuild-quiet-ms; tests start fresh masters, so keep that short.
       std::string cmd = std::string("exec ") + MC_MASTER_BIN +
-                        " --host 127.0.0.1 --port 0 --metrics-port 0 " + extra;
+                        " --host 127.0.0.1 --port 0 --metrics-port 0 --rebuild-quiet-ms 200 " +
+                        extra;
       execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
       _exit(127);
     }

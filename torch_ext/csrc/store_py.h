@@ -62,9 +62,12 @@ class PyStore {
       last_error_ = "empty local_hostname";
       return code(ErrorCode::INVALID_PARAMS);
     }
+    // "host:port" of a master, or "etcd://host:port[;host:port]" (the leader of the cluster
+    // MC_STORE_CLUSTER_ID, followed across failovers).
     std::string host;
-    if (int rc = splitAddress(master_server_address, &host, nullptr); rc != 0) {
-      last_error_ = "master_server_addr '" + master_server_address + "' is not host:port";
+    if (int rc = reachHost(master_server_address, &host); rc != 0) {
+      last_error_ = "master_server_addr '" + master_server_address +
+                    "' is neither host:port nor etcd://host:port";
       return rc;
     }
     auto secret = clientSecret();
@@ -72,7 +75,6 @@ class PyStore {
       last_error_ = secret.status().toString();
       return code(ErrorCode::INVALID_PARAMS);
     }
-    if (int rc = connectRendezvous(master_server_address, *secret); rc != 0) return rc;
     if (shared) {
       engine_ = std::move(shared);
     } else {
@@ -82,7 +84,7 @@ class PyStore {
       eo.name = local_hostname;
       eo.name_with_port = !has_port;  // upstream: "host" gets the port the client bound
       eo.secret = *secret;
-      eo.reach_host = host;  // listen on the interface that reaches the master
+      eo.reach_host = host;  // listen on the interface that reaches the master (or etcd)
       auto eng = engine::TransferEngine::create(eo);
       if (!eng.ok()) {
         last_error_ = eng.status().toString();
@@ -99,7 +101,7 @@ class PyStore {
       }
       local_ = std::move(lb).value();
     }
-    int rc = makeClient(engine_.get(), nullptr, global_segment_size);
+    int rc = connectClient(engine_.get(), master_server_address, *secret, global_segment_size);
     if (rc != 0) {
       local_.reset();
       engine_.reset();
@@ -124,9 +126,9 @@ class PyStore {
         last_error_ = secret.status().toString();
         return code(ErrorCode::INVALID_PARAMS);
       }
-      int rc = connectRendezvous(master_address, *secret);
-      if (rc != 0) return rc;
-      return makeClient(eng, nullptr, segment_size);
+      std::string host;
+      if (int rc = reachHost(master_address, &host); rc != 0) return rc;
+      return connectClient(eng, master_address, *secret, segment_size);
     }
     rdv_ = comm.rendezvous();
     if (comm.rank() == 0) {
@@ -173,27 +175,38 @@ class PyStore {
     }
   }
 
-  static int splitAddress(const std::string& address, std::string* host, int* port_out) {
-    auto colon = address.rfind(':');
+  // The host the client must reach: the master's, or the first etcd endpoint's.
+  static int reachHost(const std::string& address, std::string* host) {
+    std::string a = address;
+    const std::string etcd = "etcd://";
+    if (a.rfind(etcd, 0) == 0) {
+      a = a.substr(etcd.size());
+      a = a.substr(0, a.find_first_of(",;"));
+      if (a.rfind("http://", 0) == 0) a = a.substr(7);
+    }
+    auto colon = a.rfind(':');
     if (colon == std::string::npos || colon == 0) return code(ErrorCode::INVALID_PARAMS);
-    int port = std::atoi(address.c_str() + colon + 1);
+    int port = std::atoi(a.c_str() + colon + 1);
     if (port <= 0 || port > 65535) return code(ErrorCode::INVALID_PARAMS);
-    *host = address.substr(0, colon);
-    if (port_out != nullptr) *port_out = port;
+    *host = a.substr(0, colon);
     return 0;
   }
 
-  int connectRendezvous(const std::string& address, const std::string& secret) {
-    std::string host;
-    int port = 0;
-    if (int rc = splitAddress(address, &host, &port); rc != 0) return rc;
-    auto rdv = engine::TcpRendezvousClient::connect(host, static_cast<uint16_t>(port), secret,
-                                                    engine::deadlineInMs(10000));
-    if (!rdv.ok()) {
-      last_error_ = rdv.status().toString();
-      return code(ErrorCode::RPC_FAIL);
+  // A client of a standalone master (or of the leader named in etcd), followed across restarts
+  // and failovers (StoreClient::connect).
+  int connectClient(engine::TransferEngine* eng, const std::string& address,
+                    const std::string& secret, uint64_t seg) {
+    store::StoreClientOptions so;
+    so.segment_size = seg;
+    so.master_address = address;
+    so.secret = secret;
+    std::string why;
+    auto c = store::StoreClient::connect(eng, so, &why);
+    if (!c.ok()) {
+      last_error_ = why;
+      return code(c.error());
     }
-    rdv_ = std::shared_ptr<engine::Rendezvous>(std::move(rdv).value());
+    client_ = std::move(c).value();
     return 0;
   }
 

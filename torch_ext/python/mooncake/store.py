@@ -65,6 +65,21 @@ class ErrorCode(enum.IntEnum):
     LEASE_EXPIRED = -707
     TRANSFER_FAIL = -800
     RPC_FAIL = -900
+    ETCD_OPERATION_ERROR = -1000
+    # Retryable: the master is rebuilding its metadata after a failover or restart (the client
+    # retries by itself within the call's deadline, so callers see it only when that passed).
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    # Retryable: the master reached is a standby, not the leader.
+    UNAVAILABLE_IN_CURRENT_MODE = -1011
+
+
+def object_footprint(key_length, size):
+    """Bytes one replica of an object takes in a holder's segment: a 64-byte record and the
+    key (padded to 64 bytes) in front of the value, allocations in 64-byte steps
+    (store/master/record.h; docs/store.md, "Records"). Size a segment that must hold N objects
+    with N x this."""
+    pad = lambda n: (n + 63) // 64 * 64  # noqa: E731
+    return 64 + pad(key_length) + pad(size)
 
 
 _BAD = int(ErrorCode.INVALID_PARAMS)
@@ -120,6 +135,9 @@ class MooncakeDistributedStore(TensorApi):
 
         ``local_hostname`` names this client ("host" gets ":<port>" of its engine appended;
         "host:port" is used as given); with ``engine`` it must be that engine's session id.
+        ``master_server_addr`` is a master's "host:port" (``mooncake_master --port``) or
+        "etcd://host:port[;host:port]": the leader of the masters of cluster
+        ``MC_STORE_CLUSTER_ID``, followed across failovers (docs/store.md, "Failover").
         ``metadata_server`` is accepted and unused (the master is the metadata service);
         ``rdma_devices`` limits the NICs of the engine this client creates (``MC_RDMA_DEVICES``;
         a shared ``engine`` keeps its own). SSD offload, tenants other than

@@ -21,8 +21,8 @@ least frequently used block, the least recent among equals).
 ``--store HOST:PORT`` replays against a running store instead (the master's address, as
 ``MooncakeDistributedStore.setup`` takes it): for each request it gets the leading blocks until
 the first miss, then puts the missing blocks (a block already present is read again, which
-refreshes it), checking every byte read. The replay client lends ``capacity_blocks x
-block_bytes`` of memory, and for each capacity it starts afresh (new client, keys under a new
+refreshes it), checking every byte read. The replay client lends memory for exactly
+``capacity_blocks`` blocks (their bytes and the store's record in front of each), and for each capacity it starts afresh (new client, keys under a new
 prefix, the old ones removed). Its hit rate is the store's own policy (LRU with watermark
 eviction; docs/store.md); it equals the model's ``lru`` when the replay client's memory is all
 the store has and the master evicts one object at a time (``--eviction-high-watermark 1
@@ -190,16 +190,19 @@ def _payload(key, size):
 
 class StoreReplay:
     """Replays requests against a running store through one MooncakeDistributedStore client
-    that lends capacity_blocks x block_bytes of memory."""
+    that lends memory for exactly capacity_blocks blocks: capacity_blocks x (block_bytes + the
+    store's record and key in front of each object, mooncake.store.object_footprint)."""
 
     def __init__(self, address, capacity_blocks, block_bytes, run_id):
-        from ..store import ErrorCode, MooncakeDistributedStore
+        from ..store import ErrorCode, MooncakeDistributedStore, object_footprint
 
         self.E = ErrorCode
         self.block_bytes = block_bytes
         self.prefix = f"mc-hitrate/{run_id}/"
         self.s = MooncakeDistributedStore()
-        rc = self.s.setup("mooncake-hitrate", "", capacity_blocks * block_bytes,
+        # Block ids are 64-bit hashes: at most 20 digits after the prefix.
+        per_block = object_footprint(len(self.prefix) + 20, block_bytes)
+        rc = self.s.setup("mooncake-hitrate", "", capacity_blocks * per_block,
                           max(16 << 20, 2 * block_bytes), "tcp", "",
                           address)
         if rc != 0:

@@ -1,0 +1,610 @@
+// StoreClient's write path. Common case (objects up to half a slab, no preferred segment): the
+// writer places the object in a slab the master reserved for it, writes record + bytes to every
+// replica in one engine batch, publishes with one PUBLISH (the only round trip to the master;
+// it may bring the next slab along), then writes the commit word into the records
+// (store/master/record.h). Otherwise: PutStart -> write -> PutEnd -> commit.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "engine/log.h"
+#include "store/client/store_client.h"
+#include "store/master/record.h"
+
+namespace mooncake::store {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kMinSlabBytes = 1ull << 20;
+constexpr uint64_t kMaxSlabBytes = 64ull << 20;
+
+uint64_t round64(uint64_t v) { return (v + 63) & ~uint64_t{63}; }
+
+// The slab a writer asks for: room for 64 objects of this size (or two batches), within
+// [1 MiB, 64 MiB]; the master caps it at a share of the segment and shrinks it when full.
+uint64_t slabWant(uint64_t need, uint64_t batch_bytes) {
+  return std::clamp(std::max(64 * need, 2 * batch_bytes), kMinSlabBytes, kMaxSlabBytes);
+}
+
+thread_local StoreClient::PutPhases t_phases;
+int64_t nsSince(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t).count();
+}
+
+uint8_t flagsOf(const ReplicateConfig& c) {
+  return static_cast<uint8_t>((c.with_soft_pin ? kRecordSoftPin : 0) |
+                              (c.with_hard_pin ? kRecordHardPin : 0));
+}
+
+}  // namespace
+
+StoreClient::PutPhases StoreClient::lastPutPhases() { return t_phases; }
+
+// Put ids order puts in time: milliseconds since the Unix epoch in the high 42 bits, 22 random
+// bits below (and never below this client's previous id). A rebuild that finds committed records
+// of two puts of one key (an upsert, or a put after a remove, whose old records' wipe had not
+// landed when the master died) keeps the newer one. Across hosts this is as good as their
+// clocks agree.
+uint64_t StoreClient::newPutId() {
+  const uint64_t ms = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                std::chrono::system_clock::now().time_since_epoch())
+                                                .count());
+  std::lock_guard<std::mutex> g(rng_mu_);
+  uint64_t v = (ms << 22) | (rng_() & ((uint64_t{1} << 22) - 1));
+  if (v <= last_put_id_) v = last_put_id_ + 1;
+  last_put_id_ = v;
+  return v;
+}
+
+bool StoreClient::slabEligible(const std::string& key, uint64_t size,
+                               const ReplicateConfig& config) const {
+  // Slab puts carry the pins but no per-object soft-pin TTL: those take PutStart.
+  return options_.use_slabs && config.preferred_segment.empty() && config.soft_pin_ttl_ms == 0 &&
+         round64(recordBytes(key.size()) + size) <= kMaxSlabBytes / 2;
+}
+
+std::vector<uint64_t> StoreClient::takeRetired() {
+  std::lock_guard<std::mutex> g(slab_mu_);
+  std::vector<uint64_t> out;
+  out.swap(retired_);
+  return out;
+}
+
+void StoreClient::release(const std::shared_ptr<SlabState>& slab) {
+  std::lock_guard<std::mutex> g(slab_mu_);
+  if (--slab->inflight == 0 && slab->exhausted) retired_.push_back(slab->id);
+}
+
+std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_num, uint64_t need,
+                                                             uint64_t batch_bytes,
+                                                             uint64_t* offset, ErrorCode* why) {
+  const uint64_t want = slabWant(need, batch_bytes);
+  for (int round = 0;; ++round) {
+    {
+      std::lock_guard<std::mutex> g(slab_mu_);
+      for (;;) {
+        SlabPool& pool = slabs_[replica_num];
+        std::shared_ptr<SlabState> cur = pool.cur;
+        if (cur && cur->bytes - cur->used >= need) {
+          *offset = cur->used;
+          cur->used += need;
+          ++cur->inflight;
+          if (cur->extents.size() < replica_num) {
+            // A short slab (the master found fewer segments than replicas, e.g. while the
+            // clients are still mounting): one put only, so that the next put asks again and
+            // gets every replica once the segments are there, as a PutStart would. Kept, a
+            // short slab would hold hundreds of single-replica objects that die with one holder.
+            cur->exhausted = true;
+            pool.cur = nullptr;
+          }
+          return cur;
+        }
+        if (cur) {  // full: retire it once its last put is published
+          cur->exhausted = true;
+          if (cur->inflight == 0) retired_.push_back(cur->id);
+          pool.cur = nullptr;
+        }
+        if (!pool.next) break;
+        pool.cur = std::move(pool.next);
+      }
+    }
+    if (round > 0) {  // a fresh slab did not hold it: the master caps slabs below this size
+      *why = ErrorCode::NO_AVAILABLE_HANDLE;
+      return nullptr;
+    }
+    std::lock_guard<std::mutex> refill(refill_mu_);
+    {
+      std::lock_guard<std::mutex> g(slab_mu_);
+      SlabPool& pool = slabs_[replica_num];
+      if ((pool.cur && pool.cur->bytes - pool.cur->used >= need) || pool.next) {
+        --round;  // another thread refilled meanwhile
+        continue;
+      }
+    }
+    proto::AllocSlabRequest req;
+    req.set_client_id(client_id_);
+    req.set_replica_num(replica_num);
+    req.set_bytes(std::max(want, round64(need)));
+    req.set_min_bytes(round64(need));
+    for (uint64_t id : takeRetired()) req.add_retire(id);
+    proto::AllocSlabResponse resp;
+    std::shared_ptr<Link> link;
+    ErrorCode ec = callMaster(proto::ALLOC_SLAB, req, &resp, false, &link);
+    if (ec == ErrorCode::OK) ec = errorCodeFromInt(resp.error_code());
+    if (ec != ErrorCode::OK) {
+      *why = ec;
+      return nullptr;
+    }
+    auto slab = std::make_shared<SlabState>();
+    slab->id = resp.slab().slab_id();
+    slab->epoch = link->epoch;
+    slab->bytes = resp.slab().bytes();
+    for (const auto& e : resp.slab().extents())
+      slab->extents.push_back({e.client_id(), e.address(), e.record_tag()});
+    std::lock_guard<std::mutex> g(slab_mu_);
+    if (slab->bytes < need) {  // too small for this object: hand it back
+      retired_.push_back(slab->id);
+      *why = ErrorCode::NO_AVAILABLE_HANDLE;
+      return nullptr;
+    }
+    slabs_[replica_num].cur = std::move(slab);
+  }
+}
+
+void StoreClient::takeNextSlab(uint32_t replica_num, const proto::PublishResponse& resp) {
+  std::lock_guard<std::mutex> g(slab_mu_);
+  SlabPool& pool = slabs_[replica_num];
+  pool.prefetching = false;
+  if (!resp.has_next_slab() || resp.next_slab_error() != 0 || resp.next_slab().slab_id() == 0)
+    return;
+  auto slab = std::make_shared<SlabState>();
+  slab->id = resp.next_slab().slab_id();
+  slab->bytes = resp.next_slab().bytes();
+  for (const auto& e : resp.next_slab().extents())
+    slab->extents.push_back({e.client_id(), e.address(), e.record_tag()});
+  if (pool.next) retired_.push_back(pool.next->id);
+  pool.next = std::move(slab);
+}
+
+ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, const std::string& key,
+                                   uint64_t put_id, uint64_t size, uint8_t flags, const char* src,
+                                   std::vector<std::string>* records,
+                                   std::vector<engine::TransferRequest>* reqs) {
+  for (const WriteTarget& t : targets) {
+    auto peer = peerFor(t.client_id);
+    if (!peer.ok()) {
+      forgetPeer(t.client_id);
+      return ErrorCode::TRANSFER_FAIL;
+    }
+    const char* rec = nullptr;
+    uint64_t rb = 0;
+    if (t.record_address != 0) {
+      RecordInfo info;
+      info.key = key;
+      info.put_id = put_id;
+      info.object_size = size;
+      info.piece_offset = t.piece_offset;
+      info.piece_length = t.piece_length;
+      info.replica_index = t.replica_index;
+      info.flags = flags;
+      rb = recordBytes(key.size());
+      records->emplace_back(rb, '\0');  // capacity reserved by the caller: pointers stay valid
+      encodeRecord(info, t.record_tag, records->back().data());
+      rec = records->back().data();
+      if (t.data_address != t.record_address + rb) return ErrorCode::INVALID_WRITE;
+    }
+    const uint64_t start = t.record_address != 0 ? t.record_address : t.data_address;
+    if (*peer == engine::kInvalidPeer) {  // our own segment
+      // Never trust a placement with a raw pointer: it must lie inside the segment this client
+      // lent (a confused or hostile master must not make us write anywhere else).
+      if (!inOwnSegment(start, rb + t.piece_length)) return ErrorCode::INVALID_WRITE;
+      if (rec != nullptr) std::memcpy(reinterpret_cast<void*>(t.record_address), rec, rb);
+      std::memcpy(reinterpret_cast<void*>(t.data_address), src + t.piece_offset, t.piece_length);
+    } else {
+      if (rec != nullptr)
+        reqs->push_back({engine::OpCode::kWrite, const_cast<char*>(rec), rb, *peer,
+                         t.record_address});
+      reqs->push_back({engine::OpCode::kWrite, const_cast<char*>(src + t.piece_offset),
+                       t.piece_length, *peer, t.data_address});
+    }
+  }
+  return ErrorCode::OK;
+}
+
+ErrorCode StoreClient::commit(const std::vector<WriteTarget>& targets, uint64_t put_id,
+                              const std::shared_ptr<Link>& link) {
+  std::vector<engine::TransferRequest> reqs;
+  const uint64_t word = put_id;
+  size_t committed = 0, with_records = 0;
+  for (const WriteTarget& t : targets) {
+    if (t.record_address == 0) continue;
+    ++with_records;
+    const uint64_t at = t.record_address + kRecordCommitOffset;
+    auto peer = peerFor(t.client_id);
+    if (!peer.ok()) continue;
+    if (*peer == engine::kInvalidPeer) {
+      if (!inOwnSegment(at, 8)) continue;
+      reinterpret_cast<std::atomic<uint64_t>*>(at)->store(word, std::memory_order_release);
+      ++committed;
+    } else if (void* p = engine_->mappedAddress(*peer, at, 8)) {
+      static_cast<std::atomic<uint64_t>*>(p)->store(word, std::memory_order_release);
+      ++committed;
+    } else {
+      reqs.push_back({engine::OpCode::kWrite, const_cast<uint64_t*>(&word), 8, *peer, at});
+    }
+  }
+  if (!reqs.empty()) {
+    std::vector<Status> per;
+    auto id = engine_->submit(reqs);
+    if (id.ok()) (void)engine_->wait(*id, engine::deadlineInMs(options_.transfer_timeout_ms), &per);
+    for (const Status& s : per) committed += s.ok() ? 1 : 0;
+  }
+  if (with_records > 0 && committed == 0) return ErrorCode::TRANSFER_FAIL;
+  // The commit must be in place before any new master's rebuild reads the records. A new
+  // master serves only after the one that acknowledged this put stopped (it died, or it stepped
+  // down and dropped its engine), which this client's engine sees within milliseconds: while
+  // that master is alive and serving, no rebuild can have read our records yet.
+  if (link->broken || !link->rpc->masterAlive()) return ErrorCode::RPC_FAIL;
+  return ErrorCode::OK;
+}
+
+ErrorCode StoreClient::put(const std::string& key, const void* data, size_t size,
+                           const ReplicateConfig& config) {
+  return putParts(key, {{data, size}}, config);
+}
+
+ErrorCode StoreClient::putParts(const std::string& key,
+                                const std::vector<std::pair<const void*, size_t>>& parts,
+                                const ReplicateConfig& config) {
+  std::string joined;
+  const char* src = nullptr;
+  uint64_t size = 0;
+  if (ErrorCode ec = checkedValue(key, parts, config, &joined, &src, &size); ec != ErrorCode::OK)
+    return ec;
+  return putOne(key, src, size, config);
+}
+
+ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t size,
+                              const ReplicateConfig& config) {
+  if (!slabEligible(key, size, config)) return putClassic(key, src, size, config);
+  const uint32_t rn = std::max<uint32_t>(1, config.replica_num);
+  const uint64_t rb_max = recordBytes(key.size());
+  const uint64_t need = round64(rb_max + size);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(options_.rpc_timeout_ms);
+  t_phases = PutPhases{};
+  t_phases.slab = true;
+  for (int attempt = 0; attempt < 3 && Clock::now() < deadline; ++attempt) {
+    uint64_t offset = 0;
+    ErrorCode why = ErrorCode::OK;
+    auto t0 = Clock::now();
+    std::shared_ptr<SlabState> slab = reserve(rn, need, 0, &offset, &why);
+    t_phases.alloc_ns += nsSince(t0);
+    if (!slab) {
+      if (why == ErrorCode::NO_AVAILABLE_HANDLE) return putClassic(key, src, size, config);
+      return why;
+    }
+    std::vector<WriteTarget> targets;
+    for (size_t i = 0; i < slab->extents.size(); ++i) {
+      const auto& e = slab->extents[i];
+      WriteTarget t;
+      t.client_id = e.client_id;
+      t.record_tag = e.record_tag;
+      t.record_address = e.record_tag != 0 ? e.address + offset : 0;
+      t.data_address = e.address + offset + (e.record_tag != 0 ? rb_max : 0);
+      t.piece_length = size;
+      t.replica_index = static_cast<uint32_t>(i);
+      targets.push_back(std::move(t));
+    }
+    const uint64_t put_id = newPutId();
+    std::vector<std::string> records;
+    records.reserve(targets.size());
+    std::vector<engine::TransferRequest> reqs;
+    auto t1 = Clock::now();
+    ErrorCode ec =
+        writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
+    if (ec == ErrorCode::OK && !reqs.empty() &&
+        !engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok())
+      ec = ErrorCode::TRANSFER_FAIL;
+    t_phases.write_ns += nsSince(t1);
+    if (ec != ErrorCode::OK) {
+      release(slab);
+      if (ec != ErrorCode::TRANSFER_FAIL) return ec;
+      // A holder of the slab is gone (or unreachable): give the slab up and write into a new
+      // one (the master places no new extent on a segment whose owner it saw go).
+      std::lock_guard<std::mutex> g(slab_mu_);
+      SlabPool& pool = slabs_[rn];
+      if (pool.cur == slab) {
+        slab->exhausted = true;
+        if (slab->inflight == 0) retired_.push_back(slab->id);
+        pool.cur = nullptr;
+      }
+      continue;
+    }
+    proto::PublishRequest req;
+    req.set_client_id(client_id_);
+    proto::PublishEntry* e = req.add_entries();
+    e->set_key(key);
+    e->set_size(size);
+    e->set_slab_id(slab->id);
+    e->set_offset(offset);
+    e->set_put_id(put_id);
+    e->set_soft_pin(config.with_soft_pin);
+    e->set_hard_pin(config.with_hard_pin);
+    for (uint64_t id : takeRetired()) req.add_retire(id);
+    bool prefetch = false;
+    {
+      std::lock_guard<std::mutex> g(slab_mu_);
+      SlabPool& pool = slabs_[rn];
+      // Ask for the next slab along with this put when the current one runs low.
+      if (!pool.next && !pool.prefetching && slab->bytes - slab->used < slab->bytes / 4) {
+        pool.prefetching = prefetch = true;
+        req.mutable_next_slab()->set_replica_num(rn);
+        // As large as a fresh slab would be (the master grants less when the store is full;
+        // asking for the current slab's size would keep a slab shrunk then small for good).
+        req.mutable_next_slab()->set_bytes(slabWant(need, 0));
+        req.mutable_next_slab()->set_min_bytes(need);
+      }
+    }
+    proto::PublishResponse resp;
+    std::shared_ptr<Link> link;
+    auto t2 = Clock::now();
+    ec = callMaster(proto::PUBLISH, req, &resp, false, &link);
+    t_phases.publish_ns += nsSince(t2);
+    release(slab);
+    if (prefetch) {
+      if (ec == ErrorCode::OK) {
+        takeNextSlab(rn, resp);
+      } else {
+        std::lock_guard<std::mutex> g(slab_mu_);
+        slabs_[rn].prefetching = false;
+      }
+    }
+    if (ec != ErrorCode::OK) return ec;
+    if (resp.results_size() != 1) return ErrorCode::RPC_FAIL;
+    ErrorCode r = errorCodeFromInt(resp.results(0));
+    if (r == ErrorCode::OK) {
+      auto t3 = Clock::now();
+      ErrorCode c = commit(targets, put_id, link);
+      t_phases.commit_ns += nsSince(t3);
+      return c;
+    }
+    if (r != ErrorCode::OBJECT_NOT_FOUND) return r;
+    // The slab is gone (its master changed, or a segment of it left): drop it, write again.
+    std::lock_guard<std::mutex> g(slab_mu_);
+    SlabPool& pool = slabs_[rn];
+    if (pool.cur == slab) pool.cur = nullptr;
+  }
+  return ErrorCode::RPC_FAIL;
+}
+
+ErrorCode StoreClient::targetsOf(const google::protobuf::RepeatedPtrField<proto::Replica>& replicas,
+                                 const std::string& key, uint64_t size,
+                                 std::vector<WriteTarget>* out) {
+  for (int i = 0; i < replicas.size(); ++i) {
+    uint64_t off = 0;
+    for (const auto& p : replicas.Get(i).pieces()) {
+      WriteTarget t;
+      t.client_id = p.client_id();
+      t.record_tag = p.record_tag();
+      t.data_address = p.address();
+      t.record_address = p.record_tag() != 0 ? p.address() - recordBytes(key.size()) : 0;
+      t.piece_offset = off;
+      t.piece_length = p.length();
+      t.replica_index = static_cast<uint32_t>(i);
+      off += p.length();
+      if (off > size) return ErrorCode::INVALID_WRITE;
+      out->push_back(std::move(t));
+    }
+    if (off != size) return ErrorCode::INVALID_WRITE;
+  }
+  return ErrorCode::OK;
+}
+
+ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint64_t size,
+                                  const ReplicateConfig& config) {
+  proto::PutStartRequest req;
+  req.set_client_id(client_id_);
+  req.set_key(key);
+  req.set_size(size);
+  toProto(config, req.mutable_config());
+  proto::PutStartResponse ps;
+  std::shared_ptr<Link> link;
+  t_phases = PutPhases{};
+  auto t0 = Clock::now();
+  ErrorCode ec = callMaster(proto::PUT_START, req, &ps, false, &link);
+  t_phases.alloc_ns = nsSince(t0);
+  if (ec == ErrorCode::OK) ec = errorCodeFromInt(ps.error_code());
+  if (ec != ErrorCode::OK) return ec;
+  std::vector<WriteTarget> targets;
+  if (ErrorCode e = targetsOf(ps.replicas(), key, size, &targets); e != ErrorCode::OK) return e;
+  const uint64_t put_id = newPutId();
+  std::vector<std::string> records;
+  records.reserve(targets.size());
+  std::vector<engine::TransferRequest> reqs;
+  auto t1 = Clock::now();
+  ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
+  bool ok = ec == ErrorCode::OK;
+  if (ok && !reqs.empty())
+    ok = engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok();
+  t_phases.write_ns = nsSince(t1);
+  if (!ok) {
+    proto::PutRevokeRequest rq;
+    rq.set_client_id(client_id_);
+    rq.set_key(key);
+    proto::PutRevokeResponse rr;
+    (void)callMaster(proto::PUT_REVOKE, rq, &rr, true);
+    return ec != ErrorCode::OK ? ec : ErrorCode::TRANSFER_FAIL;
+  }
+  proto::PutEndRequest pe;
+  pe.set_client_id(client_id_);
+  pe.set_key(key);
+  proto::PutEndResponse per;
+  std::shared_ptr<Link> end_link;
+  auto t2 = Clock::now();
+  ec = callMaster(proto::PUT_END, pe, &per, true, &end_link);  // a retried PutEnd is harmless
+  t_phases.publish_ns = nsSince(t2);
+  if (ec == ErrorCode::OK) ec = errorCodeFromInt(per.error_code());
+  if (ec != ErrorCode::OK) return ec;
+  if (end_link != link) return ErrorCode::RPC_FAIL;  // ended by another master: cannot be ours
+  auto t3 = Clock::now();
+  ErrorCode c = commit(targets, put_id, end_link);
+  t_phases.commit_ns = nsSince(t3);
+  return c;
+}
+
+std::vector<ErrorCode> StoreClient::batchPut(
+    const std::vector<std::string>& keys, const std::vector<std::pair<const void*, size_t>>& values,
+    const ReplicateConfig& config) {
+  std::vector<ErrorCode> out(keys.size(), ErrorCode::OK);
+  if (keys.size() != values.size()) {
+    std::fill(out.begin(), out.end(), ErrorCode::INVALID_PARAMS);
+    return out;
+  }
+  const uint32_t rn = std::max<uint32_t>(1, config.replica_num);
+  struct Item {
+    size_t index;
+    std::shared_ptr<SlabState> slab;
+    uint64_t offset = 0;
+    uint64_t put_id = 0;
+    std::vector<WriteTarget> targets;
+    size_t first_req = 0, end_req = 0;
+  };
+  std::vector<Item> items;
+  std::vector<size_t> classic;
+  uint64_t batch_bytes = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (closed_ || (values[i].first == nullptr && values[i].second > 0) ||
+        values[i].second == 0 || config.replica_num > 16) {
+      out[i] = ErrorCode::INVALID_PARAMS;
+    } else if (checkKey(keys[i]) != ErrorCode::OK) {
+      out[i] = ErrorCode::INVALID_KEY;
+    } else if (slabEligible(keys[i], values[i].second, config)) {
+      Item it;
+      it.index = i;
+      items.push_back(std::move(it));
+      batch_bytes += round64(recordBytes(keys[i].size()) + values[i].second);
+    } else {
+      classic.push_back(i);
+    }
+  }
+  // Place every object, then one engine batch for all of them.
+  std::vector<std::string> records;
+  records.reserve(items.size() * std::max<uint32_t>(rn, 1) + 1);
+  std::vector<engine::TransferRequest> reqs;
+  for (Item& it : items) {
+    const std::string& key = keys[it.index];
+    const uint64_t size = values[it.index].second;
+    const uint64_t rb = recordBytes(key.size());
+    ErrorCode why = ErrorCode::OK;
+    it.slab = reserve(rn, round64(rb + size), batch_bytes, &it.offset, &why);
+    batch_bytes -= std::min(batch_bytes, round64(rb + size));
+    if (!it.slab) {
+      if (why == ErrorCode::NO_AVAILABLE_HANDLE)
+        classic.push_back(it.index);
+      else
+        out[it.index] = why;
+      continue;
+    }
+    for (size_t x = 0; x < it.slab->extents.size(); ++x) {
+      const auto& e = it.slab->extents[x];
+      WriteTarget t;
+      t.client_id = e.client_id;
+      t.record_tag = e.record_tag;
+      t.record_address = e.record_tag != 0 ? e.address + it.offset : 0;
+      t.data_address = e.address + it.offset + (e.record_tag != 0 ? rb : 0);
+      t.piece_length = size;
+      t.replica_index = static_cast<uint32_t>(x);
+      it.targets.push_back(std::move(t));
+    }
+    it.put_id = newPutId();
+    it.first_req = reqs.size();
+    if (records.capacity() < records.size() + it.targets.size()) {
+      // Never reallocate: queued requests point into the records.
+      out[it.index] = ErrorCode::INTERNAL_ERROR;
+      release(it.slab);
+      it.slab = nullptr;
+      continue;
+    }
+    ErrorCode ec = writePieces(it.targets, key, it.put_id, size, flagsOf(config),
+                               static_cast<const char*>(values[it.index].first), &records, &reqs);
+    it.end_req = reqs.size();
+    if (ec != ErrorCode::OK) {
+      reqs.resize(it.first_req);  // none of its writes go out
+      out[it.index] = ec;
+      release(it.slab);
+      it.slab = nullptr;
+    }
+  }
+  std::vector<Status> per = transferEach(reqs);
+  proto::PublishRequest req;
+  req.set_client_id(client_id_);
+  std::vector<Item*> published;
+  std::vector<size_t> rewrite;  // written to a holder that failed: into a new slab, one by one
+  for (Item& it : items) {
+    if (!it.slab) continue;
+    bool ok = true;
+    for (size_t r = it.first_req; r < it.end_req; ++r) ok = ok && per[r].ok();
+    if (!ok) {
+      {
+        std::lock_guard<std::mutex> g(slab_mu_);
+        SlabPool& pool = slabs_[rn];
+        if (pool.cur == it.slab) {
+          it.slab->exhausted = true;
+          pool.cur = nullptr;
+        }
+      }
+      release(it.slab);
+      it.slab = nullptr;
+      rewrite.push_back(it.index);
+      continue;
+    }
+    proto::PublishEntry* e = req.add_entries();
+    e->set_key(keys[it.index]);
+    e->set_size(values[it.index].second);
+    e->set_slab_id(it.slab->id);
+    e->set_offset(it.offset);
+    e->set_put_id(it.put_id);
+    e->set_soft_pin(config.with_soft_pin);
+    e->set_hard_pin(config.with_hard_pin);
+    published.push_back(&it);
+  }
+  if (!published.empty()) {
+    for (uint64_t id : takeRetired()) req.add_retire(id);
+    proto::PublishResponse resp;
+    std::shared_ptr<Link> link;
+    ErrorCode ec = callMaster(proto::PUBLISH, req, &resp, false, &link);
+    for (Item* it : published) release(it->slab);
+    if (ec == ErrorCode::OK && resp.results_size() != static_cast<int>(published.size()))
+      ec = ErrorCode::RPC_FAIL;
+    std::vector<size_t> again;
+    for (size_t n = 0; n < published.size(); ++n) {
+      Item* it = published[n];
+      if (ec != ErrorCode::OK) {
+        out[it->index] = ec;
+        continue;
+      }
+      ErrorCode r = errorCodeFromInt(resp.results(static_cast<int>(n)));
+      if (r == ErrorCode::OBJECT_NOT_FOUND) {  // its slab is gone: write it again below
+        std::lock_guard<std::mutex> g(slab_mu_);
+        SlabPool& pool = slabs_[rn];
+        if (pool.cur == it->slab) pool.cur = nullptr;
+        again.push_back(it->index);
+        continue;
+      }
+      out[it->index] = r;
+      if (r == ErrorCode::OK) out[it->index] = commit(it->targets, it->put_id, link);
+    }
+    for (size_t i : again)
+      out[i] = putOne(keys[i], static_cast<const char*>(values[i].first), values[i].second,
+                      config);
+  }
+  for (size_t i : rewrite)
+    out[i] = putOne(keys[i], static_cast<const char*>(values[i].first), values[i].second, config);
+  for (size_t i : classic)
+    out[i] = putClassic(keys[i], static_cast<const char*>(values[i].first), values[i].second,
+                        config);
+  return out;
+}
+
+}  // namespace mooncake::store

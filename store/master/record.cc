@@ -1,0 +1,113 @@
+#include "store/master/record.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace mooncake::store {
+
+namespace {
+
+// Header layout (little endian, the host's: records never leave the host that wrote them in a
+// form another architecture reads).
+constexpr size_t kMagic = 0, kCommit = 8, kPutId = 16, kObjectSize = 24, kPieceOffset = 32,
+                 kPieceLength = 40, kKeyLength = 48, kReplica = 52, kFlags = 54, kVersion = 55,
+                 kChecksum = 56;
+constexpr uint8_t kVersion1 = 1;
+constexpr uint32_t kMaxKey = 1u << 16;
+
+template <typename T>
+T load(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename T>
+void store(char* p, T v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// FNV-1a over the header's described fields and the key, folded to 32 bits. Not a defence
+// against forgery (a job member may write anything into any segment anyway), only against
+// taking stray bytes for a record; the 64-bit magic carries most of that.
+uint32_t checksum(const char* header, const char* key, size_t key_len) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](const char* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<uint8_t>(p[i])) * 1099511628211ull;
+  };
+  mix(header + kPutId, kChecksum - kPutId);
+  mix(key, key_len);
+  return static_cast<uint32_t>(h ^ (h >> 32));
+}
+
+}  // namespace
+
+void encodeRecord(const RecordInfo& r, uint64_t segment_tag, char* out) {
+  const uint64_t total = recordBytes(r.key.size());
+  std::memset(out, 0, total);
+  store<uint64_t>(out + kMagic, recordMagic(segment_tag));
+  store<uint64_t>(out + kCommit, 0);
+  store<uint64_t>(out + kPutId, r.put_id);
+  store<uint64_t>(out + kObjectSize, r.object_size);
+  store<uint64_t>(out + kPieceOffset, r.piece_offset);
+  store<uint64_t>(out + kPieceLength, r.piece_length);
+  store<uint32_t>(out + kKeyLength, static_cast<uint32_t>(r.key.size()));
+  store<uint16_t>(out + kReplica, static_cast<uint16_t>(r.replica_index));
+  store<uint8_t>(out + kFlags, r.flags);
+  store<uint8_t>(out + kVersion, kVersion1);
+  std::memcpy(out + kRecordHeaderBytes, r.key.data(), r.key.size());
+  store<uint32_t>(out + kChecksum, checksum(out, r.key.data(), r.key.size()));
+}
+
+bool decodeRecord(const char* p, uint64_t avail, uint64_t segment_tag, RecordInfo* out) {
+  if (avail < kRecordHeaderBytes || load<uint64_t>(p + kMagic) != recordMagic(segment_tag))
+    return false;
+  if (load<uint8_t>(p + kVersion) != kVersion1) return false;
+  const uint32_t key_len = load<uint32_t>(p + kKeyLength);
+  if (key_len == 0 || key_len > kMaxKey) return false;
+  const uint64_t rec = recordBytes(key_len);
+  const uint64_t piece_len = load<uint64_t>(p + kPieceLength);
+  const uint64_t object_size = load<uint64_t>(p + kObjectSize);
+  const uint64_t piece_off = load<uint64_t>(p + kPieceOffset);
+  if (rec > avail || piece_len > avail - rec || piece_len == 0 || piece_off > object_size ||
+      piece_len > object_size - piece_off)
+    return false;
+  if (load<uint32_t>(p + kChecksum) != checksum(p, p + kRecordHeaderBytes, key_len)) return false;
+  out->key.assign(p + kRecordHeaderBytes, key_len);
+  out->put_id = load<uint64_t>(p + kPutId);
+  out->object_size = object_size;
+  out->piece_offset = piece_off;
+  out->piece_length = piece_len;
+  out->replica_index = load<uint16_t>(p + kReplica);
+  out->flags = load<uint8_t>(p + kFlags);
+  out->committed = out->put_id != 0 && load<uint64_t>(p + kCommit) == out->put_id;
+  return true;
+}
+
+void scanRecords(const char* base, uint64_t size, uint64_t segment_tag,
+                 const std::function<void(uint64_t, const RecordInfo&)>& fn,
+                 const std::function<std::pair<uint64_t, uint64_t>(uint64_t)>& next_data) {
+  const uint64_t magic = recordMagic(segment_tag);
+  RecordInfo rec;
+  uint64_t off = 0;
+  // Where the current stretch of backed memory ends (re-asked when crossed).
+  uint64_t data_end = 0;
+  while (off + kRecordHeaderBytes <= size) {
+    if (next_data && off >= data_end) {
+      auto [d, end] = next_data(off);
+      if (d >= size) return;
+      if (d > off) off = (d + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
+      data_end = std::max(end, off + kRecordAlign);
+      if (off + kRecordHeaderBytes > size) return;
+    }
+    if (load<uint64_t>(base + off) == magic && decodeRecord(base + off, size - off, segment_tag,
+                                                            &rec)) {
+      fn(off, rec);
+      uint64_t len = recordAllocBytes(rec.key.size(), rec.piece_length);
+      off += (len + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
+      continue;
+    }
+    off += kRecordAlign;
+  }
+}
+
+}  // namespace mooncake::store
