@@ -85,8 +85,9 @@ int main(int argc, char** argv) {
     } else if (a == "--json") {
       json = v;
     } else {
-      std::fprintf(stderr, "usage: store_put_profile [--sizes 4K,64K] [--iters N] "
-                           "[--segment 1G] [--json F]\n");
+      std::fprintf(stderr,
+                   "usage: store_put_profile [--sizes 4K,64K] [--iters N] "
+                   "[--segment 1G] [--json F]\n");
       return 2;
     }
   }
@@ -152,8 +153,8 @@ int main(int argc, char** argv) {
           std::string key = "p/" + std::to_string(size) + "/" + std::to_string(i);
           auto t0 = Clock::now();
           auto ec = (*c)->put(key, val.data(), val.size());
-          int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0)
-                           .count();
+          int64_t ns =
+              std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
           if (ec != store::ErrorCode::OK) {
             std::fprintf(stderr, "put %s: %d\n", key.c_str(), store::toInt(ec));
             return 5;
@@ -173,10 +174,9 @@ int main(int argc, char** argv) {
                       "\"reserve_p99_us\": %.1f, \"write_p50_us\": %.1f, \"write_p99_us\": "
                       "%.1f, \"publish_p50_us\": %.1f, \"publish_p99_us\": %.1f, "
                       "\"commit_p50_us\": %.1f, \"commit_p99_us\": %.1f}",
-                      slab ? "slab" : "classic", static_cast<unsigned long long>(size), pass,
-                      iters, pct(total, 50), pct(total, 99), pct(alloc, 50), pct(alloc, 99),
-                      pct(wr, 50), pct(wr, 99), pct(pub, 50), pct(pub, 99), pct(com, 50),
-                      pct(com, 99));
+                      slab ? "slab" : "classic", static_cast<unsigned long long>(size), pass, iters,
+                      pct(total, 50), pct(total, 99), pct(alloc, 50), pct(alloc, 99), pct(wr, 50),
+                      pct(wr, 99), pct(pub, 50), pct(pub, 99), pct(com, 50), pct(com, 99));
         std::printf("%s\n", buf);
         std::fflush(stdout);
         rows.push_back(buf);

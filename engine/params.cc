@@ -13,169 +13,171 @@ namespace {
 // read parameters whatever the order of static initialisation across files.
 const std::vector<ParamDef>& table() {
   static const std::vector<ParamDef> kParams = {
-    // ---- engine ----
-    {"MC_LOG_LEVEL", Type::kString, "WARN", "Log level: ERROR, WARN, INFO, DEBUG or TRACE."},
-    {"MC_LOG_SUBSYS", Type::kString, "ALL",
-     "Comma-separated subsystems to log (ENGINE,SHM,TCP,RDMA,CUDA,PG,EP,STORE) or ALL; a "
-     "leading ^ excludes the listed ones."},
-    {"MC_TRANSPORT", Type::kString, "",
-     "Force one transport for every peer (shm, rdma or tcp); empty chooses by locality (shm on "
-     "one host, rdma between hosts that both publish a NIC of the same link layer, tcp otherwise)."},
-    {"MC_TCP_CONNS_PER_PEER", Type::kInt, "2",
-     "Data connections a tcp peer opens to another (besides the control connection)."},
-    {"MC_TCP_SLICE_BYTES", Type::kInt, "1048576",
-     "Large tcp requests are cut into slices of this many bytes, spread over connections."},
-    {"MC_TCP_BIND_HOST", Type::kString, "",
-     "Address the engine's tcp listener binds (and advertises, unless MC_TCP_ADVERTISE_HOST "
-     "says otherwise). Empty: the local address that routes to the job's rendezvous or master "
-     "(127.0.0.1 when that is on this host), else the first non-loopback IPv4 address. "
-     "0.0.0.0 listens on every interface (explicit opt-in)."},
-    {"MC_TCP_ADVERTISE_HOST", Type::kString, "",
-     "Address peers use to reach this engine; empty: the address it binds (with 0.0.0.0, the "
-     "first non-loopback IPv4 address, or 127.0.0.1)."},
-    {"MC_TCP_PORT", Type::kInt, "0", "Port of the engine's tcp listener; 0 picks a free one."},
-    {"MC_CONNECT_TIMEOUT_MS", Type::kInt, "10000",
-     "Deadline for opening a peer (connect and handshake)."},
-    {"MC_HOST_ID", Type::kString, "",
-     "Override the host identity used to decide that two engines share memory (default: "
-     "boot id + network namespace)."},
-    {"MC_SHM_PREFIX", Type::kString, "mc", "Prefix of the shared-memory files the engine creates."},
-    {"MC_SPIN_US", Type::kInt, "50",
-     "Microseconds a waiter spins before it blocks (futex / condition variable)."},
-    {"MC_INBOX_SLOTS", Type::kInt, "256", "Slots of a process's notification/message inbox."},
-    {"MC_SECRET", Type::kString, "",
-     "Job secret every peer must present (engine handshakes, rendezvous, store master). Set: "
-     "used as is by every component. Empty: a torch group generates one on its first rank and "
-     "shares it through the group's c10d store; the store master and its clients read "
-     "MC_SECRET_FILE."},
-    {"MC_SECRET_FILE", Type::kString, "",
-     "File holding the job secret for the store master and store clients (and for any engine "
-     "when set). Empty: ~/.mooncake/secret, which mooncake_master creates (mode 0600) when it "
-     "is missing. A file readable by group or others is refused."},
-    {"MC_ALLOW_NO_SECRET", Type::kBool, "0",
-     "1: run without a job secret (any process that reaches a port may read and write "
-     "registered memory). Without it an empty secret is refused."},
-    {"MC_HANDSHAKE_TIMEOUT_MS", Type::kInt, "5000",
-     "A connection that has not authenticated (engine HELLO, rendezvous AUTH) within this "
-     "long is closed."},
-    {"MC_MAX_PREAUTH_PER_SOURCE", Type::kInt, "128",
-     "Connections from one source address that may be waiting to authenticate at once; more "
-     "are closed as they arrive (an engine opening a peer retries such a close until its "
-     "deadline)."},
-    {"MC_MAX_PREAUTH", Type::kInt, "1024",
-     "Connections (all sources) that may be waiting to authenticate at once, per listener "
-     "(each may hold at most 4 KiB before it authenticates)."},
-    {"MC_MAX_CONNS", Type::kInt, "16384",
-     "Connections a listener (engine, rendezvous) holds at once, authenticated or not."},
-    {"MC_RDMA_DEVICES", Type::kString, "",
-     "Comma-separated RDMA NIC names the rdma transport may use (empty: every NIC whose port "
-     "1 is active)."},
-    {"MC_RDMA_GID_INDEX", Type::kInt, "-1",
-     "RoCE GID index (-1: the RoCE v2 GID holding an IPv4-mapped address). Ignored on "
-     "InfiniBand, which is addressed by LID."},
-    {"MC_RDMA_SLICE_BYTES", Type::kInt, "1048576",
-     "Largest RDMA READ/WRITE work request the rdma transport posts (requests are cut into "
-     "slices of this size)."},
-    {"MC_RDMA_MAX_WR", Type::kInt, "64",
-     "Work requests the rdma transport keeps outstanding per queue pair (the rest wait in "
-     "order)."},
-    {"MC_RDMA_SPIN_US", Type::kInt, "50",
-     "How long an rdma completion poller busy-polls after the last completion before it "
-     "sleeps on the completion channel."},
-    {"MC_BOUNCE_BYTES", Type::kInt, "67108864",
-     "Registered host memory the engine lends to transports that need the local side of a "
-     "request registered (rdma), for requests from unregistered memory; allocated on first "
-     "use."},
-    {"MC_BOUNCE_CHUNK_BYTES", Type::kInt, "1048576",
-     "Size of one bounce-pool chunk (requests from unregistered memory move through chunks "
-     "of this size)."},
-    {"MC_RENDEZVOUS_TIMEOUT_MS", Type::kInt, "60000",
-     "Deadline for rendezvous waits (segment exchange)."},
-    {"MC_RENDEZVOUS_MAX_VALUE_BYTES", Type::kInt, "4194304",
-     "Largest value the tcp rendezvous server stores (segment descriptors are a few KiB)."},
-    {"MC_RENDEZVOUS_MAX_TOTAL_BYTES", Type::kInt, "268435456",
-     "Keys and values the tcp rendezvous server holds in all; a set beyond it is refused."},
-    // ---- mooncake.engine (upstream Mooncake's Python TransferEngine) ----
-    {"MC_FORCE_TCP", Type::kBool, "0",
-     "mooncake.engine: 1 carries every transfer over tcp, also to same-host peers (which use "
-     "shared memory otherwise) and to peers an RDMA NIC reaches. Upstream Mooncake's switch "
-     "from RDMA to tcp."},
-    {"MC_TRANSFER_TIMEOUT", Type::kInt, "30",
-     "mooncake.engine: seconds a transfer batch may take (at least 5), plus 1 ns per byte, "
-     "as upstream Mooncake's budget; a batch past it fails."},
-    // ---- the verbs emulator (tests/fakes/verbs: test infrastructure, never in the product) ----
-    {"MC_FAKE_VERBS_CONFIG", Type::kString, "",
-     "Verbs emulator only: the file listing its NICs (names, host, PCI address, link layer, "
-     "LID or IP, MTU, max_mr_size, bandwidth cap, initial port state)."},
-    {"MC_FAKE_VERBS_FABRIC", Type::kString, "",
-     "Verbs emulator only: the name of its shared-memory fabric (processes with the same name "
-     "reach each other's QPs); empty: derived from the config file's path."},
-    {"MC_FAKE_VERBS_GBPS", Type::kDouble, "0",
-     "Verbs emulator only: bandwidth cap per emulated NIC in Gbit/s (0: none), unless the "
-     "config gives the NIC its own."},
-    {"MC_FAKE_VERBS_ACK_TIMEOUT_MS", Type::kInt, "0",
-     "Verbs emulator only: transport timeout of its QPs (0: from the QP's timeout and "
-     "retry_cnt, as RC specifies)."},
-    {"MC_FAKE_VERBS_RING_BYTES", Type::kInt, "1048576",
-     "Verbs emulator only: bytes of the shared-memory ring each of its QPs receives into."},
-    // ---- pg ----
-    {"MC_PG_BUFFER_BYTES", Type::kInt, "8388608",
-     "Bytes of the comm buffer a process group registers per rank (two halves; plus a "
-     "header page). Same-host collectives stream through it."},
-    {"MC_PG_CHUNK_BYTES", Type::kInt, "2097152",
-     "Pipeline step of the same-host 2-phase allreduce (at most half the buffer)."},
-    {"MC_PG_FLAT_BYTES", Type::kInt, "16384",
-     "Allreduce/reduce payloads up to this size use the flat exchange (every rank reduces "
-     "all inputs) instead of reduce-scatter + all-gather."},
-    {"MC_PG_NET_PIECE_BYTES", Type::kInt, "1048576",
-     "Message size of the process group's non-shm path and of large send/recv: the size of "
-     "one receive slot (smaller in large groups: a group's slots take at most 64 MiB)."},
-    {"MC_PG_STREAM_OUT_BYTES", Type::kInt, "4194304",
-     "Collective outputs (and EP normal-mode recv_x) at least this large are written with "
-     "streaming (non-temporal) stores: they would leave the cache anyway, and this saves "
-     "reading every line first."},
-    {"MC_PG_SPIN_US", Type::kInt, "50",
-     "Microseconds a process-group wait spins before it sleeps on a futex (2 when the "
-     "group's ranks outnumber the cores)."},
-    {"MC_PG_YIELD_US", Type::kInt, "200",
-     "When the group's ranks outnumber the cores: microseconds a wait yields the core "
-     "(sched_yield) after its short spin, before it sleeps on a futex."},
-    {"MC_PG_HEALTH_US", Type::kInt, "1000",
-     "How often a waiting process-group op checks peer liveness and its deadline."},
-    {"MC_PG_HIERARCHICAL", Type::kBool, "1",
-     "Groups that span hosts: allreduce within each host through shared memory first, then "
-     "between one leader per host (0: every rank exchanges messages with every other)."},
-    {"MC_PG_ELASTIC_POLL_MS", Type::kInt, "50",
-     "Elastic groups: how often each communicator's agent reads the group's views and "
-     "observation requests from the store when no doorbell or peer death woke it first."},
-    // ---- ep ----
-    {"MC_EP_SPIN_US", Type::kInt, "20",
-     "Microseconds an EP receiver spins on its signal words before it sleeps on the buffer's "
-     "doorbell (futex)."},
-    {"MC_EP_TIMEOUT_MS", Type::kInt, "30000",
-     "Deadline of EP normal-mode waits and of EP writes to peers reached over the engine "
-     "(low-latency receives use the call's timeout_us instead)."},
-    // ---- store ----
-    {"MC_STORE_LEASE_TTL_MS", Type::kInt, "5000",
-     "Lease a store read grants: the object cannot be removed or evicted for this long."},
-    {"MC_STORE_SOFT_PIN_TTL_MS", Type::kInt, "1800000",
-     "A soft pin lapses after this long without a read (then the object is evicted as any)."},
-    {"MC_STORE_EVICTION_HIGH_WATERMARK", Type::kDouble, "0.95",
-     "The store master evicts when bytes used pass this share of the mounted capacity."},
-    {"MC_STORE_EVICTION_RATIO", Type::kDouble, "0.05",
-     "Share of evictable objects (least recently used first) one eviction round removes."},
-    {"MC_STORE_CLIENT_TTL_S", Type::kInt, "10",
-     "A store client silent this long is expired: its segments unmounted, its puts revoked."},
-    {"MC_STORE_PUT_DISCARD_TIMEOUT_S", Type::kInt, "30",
-     "A store put not ended after this long may be taken over by a new put of the same key."},
-    {"MC_STORE_PUT_RELEASE_TIMEOUT_S", Type::kInt, "600",
-     "A store put not ended after this long is revoked and its memory freed."},
-    {"MC_STORE_ONE_RTT_PUT", Type::kBool, "1",
-     "Store clients put through slabs (one round trip to the master per put or batch); 0: the "
-     "PutStart/PutEnd path (two round trips), kept for comparison."},
-    {"MC_STORE_CLUSTER_ID", Type::kString, "mooncake",
-     "Store cluster an etcd:// master address (clients) or mooncake_master --etcd-endpoints "
-     "(without --cluster-id) belongs to: its etcd keys live under mooncake-store/<id>/."},
+      // ---- engine ----
+      {"MC_LOG_LEVEL", Type::kString, "WARN", "Log level: ERROR, WARN, INFO, DEBUG or TRACE."},
+      {"MC_LOG_SUBSYS", Type::kString, "ALL",
+       "Comma-separated subsystems to log (ENGINE,SHM,TCP,RDMA,CUDA,PG,EP,STORE) or ALL; a "
+       "leading ^ excludes the listed ones."},
+      {"MC_TRANSPORT", Type::kString, "",
+       "Force one transport for every peer (shm, rdma or tcp); empty chooses by locality (shm on "
+       "one host, rdma between hosts that both publish a NIC of the same link layer, tcp "
+       "otherwise)."},
+      {"MC_TCP_CONNS_PER_PEER", Type::kInt, "2",
+       "Data connections a tcp peer opens to another (besides the control connection)."},
+      {"MC_TCP_SLICE_BYTES", Type::kInt, "1048576",
+       "Large tcp requests are cut into slices of this many bytes, spread over connections."},
+      {"MC_TCP_BIND_HOST", Type::kString, "",
+       "Address the engine's tcp listener binds (and advertises, unless MC_TCP_ADVERTISE_HOST "
+       "says otherwise). Empty: the local address that routes to the job's rendezvous or master "
+       "(127.0.0.1 when that is on this host), else the first non-loopback IPv4 address. "
+       "0.0.0.0 listens on every interface (explicit opt-in)."},
+      {"MC_TCP_ADVERTISE_HOST", Type::kString, "",
+       "Address peers use to reach this engine; empty: the address it binds (with 0.0.0.0, the "
+       "first non-loopback IPv4 address, or 127.0.0.1)."},
+      {"MC_TCP_PORT", Type::kInt, "0", "Port of the engine's tcp listener; 0 picks a free one."},
+      {"MC_CONNECT_TIMEOUT_MS", Type::kInt, "10000",
+       "Deadline for opening a peer (connect and handshake)."},
+      {"MC_HOST_ID", Type::kString, "",
+       "Override the host identity used to decide that two engines share memory (default: "
+       "boot id + network namespace)."},
+      {"MC_SHM_PREFIX", Type::kString, "mc",
+       "Prefix of the shared-memory files the engine creates."},
+      {"MC_SPIN_US", Type::kInt, "50",
+       "Microseconds a waiter spins before it blocks (futex / condition variable)."},
+      {"MC_INBOX_SLOTS", Type::kInt, "256", "Slots of a process's notification/message inbox."},
+      {"MC_SECRET", Type::kString, "",
+       "Job secret every peer must present (engine handshakes, rendezvous, store master). Set: "
+       "used as is by every component. Empty: a torch group generates one on its first rank and "
+       "shares it through the group's c10d store; the store master and its clients read "
+       "MC_SECRET_FILE."},
+      {"MC_SECRET_FILE", Type::kString, "",
+       "File holding the job secret for the store master and store clients (and for any engine "
+       "when set). Empty: ~/.mooncake/secret, which mooncake_master creates (mode 0600) when it "
+       "is missing. A file readable by group or others is refused."},
+      {"MC_ALLOW_NO_SECRET", Type::kBool, "0",
+       "1: run without a job secret (any process that reaches a port may read and write "
+       "registered memory). Without it an empty secret is refused."},
+      {"MC_HANDSHAKE_TIMEOUT_MS", Type::kInt, "5000",
+       "A connection that has not authenticated (engine HELLO, rendezvous AUTH) within this "
+       "long is closed."},
+      {"MC_MAX_PREAUTH_PER_SOURCE", Type::kInt, "128",
+       "Connections from one source address that may be waiting to authenticate at once; more "
+       "are closed as they arrive (an engine opening a peer retries such a close until its "
+       "deadline)."},
+      {"MC_MAX_PREAUTH", Type::kInt, "1024",
+       "Connections (all sources) that may be waiting to authenticate at once, per listener "
+       "(each may hold at most 4 KiB before it authenticates)."},
+      {"MC_MAX_CONNS", Type::kInt, "16384",
+       "Connections a listener (engine, rendezvous) holds at once, authenticated or not."},
+      {"MC_RDMA_DEVICES", Type::kString, "",
+       "Comma-separated RDMA NIC names the rdma transport may use (empty: every NIC whose port "
+       "1 is active)."},
+      {"MC_RDMA_GID_INDEX", Type::kInt, "-1",
+       "RoCE GID index (-1: the RoCE v2 GID holding an IPv4-mapped address). Ignored on "
+       "InfiniBand, which is addressed by LID."},
+      {"MC_RDMA_SLICE_BYTES", Type::kInt, "1048576",
+       "Largest RDMA READ/WRITE work request the rdma transport posts (requests are cut into "
+       "slices of this size)."},
+      {"MC_RDMA_MAX_WR", Type::kInt, "64",
+       "Work requests the rdma transport keeps outstanding per queue pair (the rest wait in "
+       "order)."},
+      {"MC_RDMA_SPIN_US", Type::kInt, "50",
+       "How long an rdma completion poller busy-polls after the last completion before it "
+       "sleeps on the completion channel."},
+      {"MC_BOUNCE_BYTES", Type::kInt, "67108864",
+       "Registered host memory the engine lends to transports that need the local side of a "
+       "request registered (rdma), for requests from unregistered memory; allocated on first "
+       "use."},
+      {"MC_BOUNCE_CHUNK_BYTES", Type::kInt, "1048576",
+       "Size of one bounce-pool chunk (requests from unregistered memory move through chunks "
+       "of this size)."},
+      {"MC_RENDEZVOUS_TIMEOUT_MS", Type::kInt, "60000",
+       "Deadline for rendezvous waits (segment exchange)."},
+      {"MC_RENDEZVOUS_MAX_VALUE_BYTES", Type::kInt, "4194304",
+       "Largest value the tcp rendezvous server stores (segment descriptors are a few KiB)."},
+      {"MC_RENDEZVOUS_MAX_TOTAL_BYTES", Type::kInt, "268435456",
+       "Keys and values the tcp rendezvous server holds in all; a set beyond it is refused."},
+      // ---- mooncake.engine (upstream Mooncake's Python TransferEngine) ----
+      {"MC_FORCE_TCP", Type::kBool, "0",
+       "mooncake.engine: 1 carries every transfer over tcp, also to same-host peers (which use "
+       "shared memory otherwise) and to peers an RDMA NIC reaches. Upstream Mooncake's switch "
+       "from RDMA to tcp."},
+      {"MC_TRANSFER_TIMEOUT", Type::kInt, "30",
+       "mooncake.engine: seconds a transfer batch may take (at least 5), plus 1 ns per byte, "
+       "as upstream Mooncake's budget; a batch past it fails."},
+      // ---- the verbs emulator (tests/fakes/verbs: test infrastructure, never in the product) ----
+      {"MC_FAKE_VERBS_CONFIG", Type::kString, "",
+       "Verbs emulator only: the file listing its NICs (names, host, PCI address, link layer, "
+       "LID or IP, MTU, max_mr_size, bandwidth cap, initial port state)."},
+      {"MC_FAKE_VERBS_FABRIC", Type::kString, "",
+       "Verbs emulator only: the name of its shared-memory fabric (processes with the same name "
+       "reach each other's QPs); empty: derived from the config file's path."},
+      {"MC_FAKE_VERBS_GBPS", Type::kDouble, "0",
+       "Verbs emulator only: bandwidth cap per emulated NIC in Gbit/s (0: none), unless the "
+       "config gives the NIC its own."},
+      {"MC_FAKE_VERBS_ACK_TIMEOUT_MS", Type::kInt, "0",
+       "Verbs emulator only: transport timeout of its QPs (0: from the QP's timeout and "
+       "retry_cnt, as RC specifies)."},
+      {"MC_FAKE_VERBS_RING_BYTES", Type::kInt, "1048576",
+       "Verbs emulator only: bytes of the shared-memory ring each of its QPs receives into."},
+      // ---- pg ----
+      {"MC_PG_BUFFER_BYTES", Type::kInt, "8388608",
+       "Bytes of the comm buffer a process group registers per rank (two halves; plus a "
+       "header page). Same-host collectives stream through it."},
+      {"MC_PG_CHUNK_BYTES", Type::kInt, "2097152",
+       "Pipeline step of the same-host 2-phase allreduce (at most half the buffer)."},
+      {"MC_PG_FLAT_BYTES", Type::kInt, "16384",
+       "Allreduce/reduce payloads up to this size use the flat exchange (every rank reduces "
+       "all inputs) instead of reduce-scatter + all-gather."},
+      {"MC_PG_NET_PIECE_BYTES", Type::kInt, "1048576",
+       "Message size of the process group's non-shm path and of large send/recv: the size of "
+       "one receive slot (smaller in large groups: a group's slots take at most 64 MiB)."},
+      {"MC_PG_STREAM_OUT_BYTES", Type::kInt, "4194304",
+       "Collective outputs (and EP normal-mode recv_x) at least this large are written with "
+       "streaming (non-temporal) stores: they would leave the cache anyway, and this saves "
+       "reading every line first."},
+      {"MC_PG_SPIN_US", Type::kInt, "50",
+       "Microseconds a process-group wait spins before it sleeps on a futex (2 when the "
+       "group's ranks outnumber the cores)."},
+      {"MC_PG_YIELD_US", Type::kInt, "200",
+       "When the group's ranks outnumber the cores: microseconds a wait yields the core "
+       "(sched_yield) after its short spin, before it sleeps on a futex."},
+      {"MC_PG_HEALTH_US", Type::kInt, "1000",
+       "How often a waiting process-group op checks peer liveness and its deadline."},
+      {"MC_PG_HIERARCHICAL", Type::kBool, "1",
+       "Groups that span hosts: allreduce within each host through shared memory first, then "
+       "between one leader per host (0: every rank exchanges messages with every other)."},
+      {"MC_PG_ELASTIC_POLL_MS", Type::kInt, "50",
+       "Elastic groups: how often each communicator's agent reads the group's views and "
+       "observation requests from the store when no doorbell or peer death woke it first."},
+      // ---- ep ----
+      {"MC_EP_SPIN_US", Type::kInt, "20",
+       "Microseconds an EP receiver spins on its signal words before it sleeps on the buffer's "
+       "doorbell (futex)."},
+      {"MC_EP_TIMEOUT_MS", Type::kInt, "30000",
+       "Deadline of EP normal-mode waits and of EP writes to peers reached over the engine "
+       "(low-latency receives use the call's timeout_us instead)."},
+      // ---- store ----
+      {"MC_STORE_LEASE_TTL_MS", Type::kInt, "5000",
+       "Lease a store read grants: the object cannot be removed or evicted for this long."},
+      {"MC_STORE_SOFT_PIN_TTL_MS", Type::kInt, "1800000",
+       "A soft pin lapses after this long without a read (then the object is evicted as any)."},
+      {"MC_STORE_EVICTION_HIGH_WATERMARK", Type::kDouble, "0.95",
+       "The store master evicts when bytes used pass this share of the mounted capacity."},
+      {"MC_STORE_EVICTION_RATIO", Type::kDouble, "0.05",
+       "Share of evictable objects (least recently used first) one eviction round removes."},
+      {"MC_STORE_CLIENT_TTL_S", Type::kInt, "10",
+       "A store client silent this long is expired: its segments unmounted, its puts revoked."},
+      {"MC_STORE_PUT_DISCARD_TIMEOUT_S", Type::kInt, "30",
+       "A store put not ended after this long may be taken over by a new put of the same key."},
+      {"MC_STORE_PUT_RELEASE_TIMEOUT_S", Type::kInt, "600",
+       "A store put not ended after this long is revoked and its memory freed."},
+      {"MC_STORE_ONE_RTT_PUT", Type::kBool, "1",
+       "Store clients put through slabs (one round trip to the master per put or batch); 0: the "
+       "PutStart/PutEnd path (two round trips), kept for comparison."},
+      {"MC_STORE_CLUSTER_ID", Type::kString, "mooncake",
+       "Store cluster an etcd:// master address (clients) or mooncake_master --etcd-endpoints "
+       "(without --cluster-id) belongs to: its etcd keys live under mooncake-store/<id>/."},
   };
   return kParams;
 }

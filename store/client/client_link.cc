@@ -143,7 +143,8 @@ ErrorOr<std::unique_ptr<StoreClient>> StoreClient::connect(engine::TransferEngin
     while (c->record_tag_ == 0) c->record_tag_ = c->rng_();  // 0 means "no records"
   }
   // A master (or a leader) may still be starting: keep trying for a while.
-  const auto deadline = Clock::now() + milliseconds(std::max<int64_t>(options.rpc_timeout_ms, 10000));
+  const auto deadline =
+      Clock::now() + milliseconds(std::max<int64_t>(options.rpc_timeout_ms, 10000));
   ErrorCode ec = ErrorCode::RPC_FAIL;
   for (int64_t backoff = 20;; backoff = std::min<int64_t>(backoff * 2, 200)) {
     ec = c->reconnect(why);
@@ -241,8 +242,8 @@ ErrorOr<std::shared_ptr<StoreClient::Link>> StoreClient::openLink(std::string* w
     }
     // Short: a refused connection means no master there (yet); the caller retries, looking the
     // leader up again, instead of waiting on a dead address.
-    auto rdv = engine::TcpRendezvousClient::connect(host, port, options_.secret,
-                                                    engine::deadlineInMs(std::min<int64_t>(open_ms, 500)));
+    auto rdv = engine::TcpRendezvousClient::connect(
+        host, port, options_.secret, engine::deadlineInMs(std::min<int64_t>(open_ms, 500)));
     if (!rdv.ok()) {
       *why = "master rendezvous " + address + ": " + rdv.status().toString();
       return ErrorCode::RPC_FAIL;
@@ -411,8 +412,8 @@ ErrorCode StoreClient::reportRecords(Link& link) {
       },
       next);
   send(true);
-  MC_LOG(INFO, STORE) << "store client " << client_id_ << ": reported " << reported
-                      << " records (" << pending << " unfinished) to the master";
+  MC_LOG(INFO, STORE) << "store client " << client_id_ << ": reported " << reported << " records ("
+                      << pending << " unfinished) to the master";
   return err;
 }
 
@@ -451,7 +452,8 @@ std::shared_ptr<StoreClient::Link> StoreClient::currentLink(engine::Deadline dea
   return nullptr;
 }
 
-ErrorCode StoreClient::callMaster(proto::Method method, const google::protobuf::MessageLite& request,
+ErrorCode StoreClient::callMaster(proto::Method method,
+                                  const google::protobuf::MessageLite& request,
                                   google::protobuf::MessageLite* response, bool idempotent,
                                   std::shared_ptr<Link>* used) {
   const auto deadline = engine::deadlineInMs(options_.rpc_timeout_ms);
@@ -530,7 +532,9 @@ void StoreClient::heartbeatLoop() {
       continue;
     }
     auto period = milliseconds(std::max<uint64_t>(50, client_ttl_ms_ / 4));
-    if (etcd_) period = std::min(period, milliseconds(std::max<int64_t>(100, options_.etcd_lease_ttl_s * 1000 / 3)));
+    if (etcd_)
+      period = std::min(period,
+                        milliseconds(std::max<int64_t>(100, options_.etcd_lease_ttl_s * 1000 / 3)));
     link_cv_.wait_for(lk, period, [&] {
       return closed_.load() || (reconnect_wanted_ && link_ && link_->broken);
     });
@@ -543,9 +547,9 @@ void StoreClient::heartbeatLoop() {
     req.set_client_id(client_id_);
     proto::HeartbeatResponse resp;
     MasterRpcClient::CallInfo info;
-    ErrorCode ec = link->rpc->call(proto::HEARTBEAT, req, &resp,
-                                   engine::deadlineInMs(std::min<int64_t>(options_.rpc_timeout_ms, 2000)),
-                                   &info);
+    ErrorCode ec = link->rpc->call(
+        proto::HEARTBEAT, req, &resp,
+        engine::deadlineInMs(std::min<int64_t>(options_.rpc_timeout_ms, 2000)), &info);
     if (ec == ErrorCode::OK && (resp.need_remount() || info.epoch != link->epoch)) {
       std::lock_guard<std::mutex> reg(register_mu_);
       if (registerWith(*link, resp.need_remount(), info.epoch) != ErrorCode::OK) markBroken(link);

@@ -77,8 +77,8 @@ void StoreClient::release(const std::shared_ptr<SlabState>& slab) {
 }
 
 std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_num, uint64_t need,
-                                                             uint64_t batch_bytes,
-                                                             uint64_t* offset, ErrorCode* why) {
+                                                             uint64_t batch_bytes, uint64_t* offset,
+                                                             ErrorCode* why) {
   const uint64_t want = slabWant(need, batch_bytes);
   for (int round = 0;; ++round) {
     {
@@ -203,8 +203,8 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
       std::memcpy(reinterpret_cast<void*>(t.data_address), src + t.piece_offset, t.piece_length);
     } else {
       if (rec != nullptr)
-        reqs->push_back({engine::OpCode::kWrite, const_cast<char*>(rec), rb, *peer,
-                         t.record_address});
+        reqs->push_back(
+            {engine::OpCode::kWrite, const_cast<char*>(rec), rb, *peer, t.record_address});
       reqs->push_back({engine::OpCode::kWrite, const_cast<char*>(src + t.piece_offset),
                        t.piece_length, *peer, t.data_address});
     }
@@ -301,8 +301,7 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
     records.reserve(targets.size());
     std::vector<engine::TransferRequest> reqs;
     auto t1 = Clock::now();
-    ErrorCode ec =
-        writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
+    ErrorCode ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
     if (ec == ErrorCode::OK && !reqs.empty() &&
         !engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok())
       ec = ErrorCode::TRANSFER_FAIL;
@@ -474,8 +473,8 @@ std::vector<ErrorCode> StoreClient::batchPut(
   std::vector<size_t> classic;
   uint64_t batch_bytes = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
-    if (closed_ || (values[i].first == nullptr && values[i].second > 0) ||
-        values[i].second == 0 || config.replica_num > 16) {
+    if (closed_ || (values[i].first == nullptr && values[i].second > 0) || values[i].second == 0 ||
+        config.replica_num > 16) {
       out[i] = ErrorCode::INVALID_PARAMS;
     } else if (checkKey(keys[i]) != ErrorCode::OK) {
       out[i] = ErrorCode::INVALID_KEY;
@@ -596,14 +595,13 @@ std::vector<ErrorCode> StoreClient::batchPut(
       if (r == ErrorCode::OK) out[it->index] = commit(it->targets, it->put_id, link);
     }
     for (size_t i : again)
-      out[i] = putOne(keys[i], static_cast<const char*>(values[i].first), values[i].second,
-                      config);
+      out[i] = putOne(keys[i], static_cast<const char*>(values[i].first), values[i].second, config);
   }
   for (size_t i : rewrite)
     out[i] = putOne(keys[i], static_cast<const char*>(values[i].first), values[i].second, config);
   for (size_t i : classic)
-    out[i] = putClassic(keys[i], static_cast<const char*>(values[i].first), values[i].second,
-                        config);
+    out[i] =
+        putClassic(keys[i], static_cast<const char*>(values[i].first), values[i].second, config);
   return out;
 }
 

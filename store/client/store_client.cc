@@ -42,7 +42,6 @@ void toProto(const ReplicateConfig& c, proto::ReplicateConfig* p) {
   p->set_keep_soft_pin(c.keep_soft_pin);
 }
 
-
 std::vector<Status> StoreClient::transferEach(const std::vector<engine::TransferRequest>& reqs) {
   std::vector<Status> per;
   if (reqs.empty()) return per;
@@ -162,7 +161,8 @@ ErrorCode StoreClient::readReplicas(const proto::GetReplicaListResponse& rl, voi
   ErrorCode last = ErrorCode::TRANSFER_FAIL;
   for (int i = static_cast<int>(skip_first); i < rl.replicas_size(); ++i) {
     std::vector<engine::TransferRequest> reqs;
-    ErrorCode ec = planReplica(rl.replicas(i), rl.size(), engine::OpCode::kRead, static_cast<char*>(buf), &reqs);
+    ErrorCode ec = planReplica(rl.replicas(i), rl.size(), engine::OpCode::kRead,
+                               static_cast<char*>(buf), &reqs);
     if (ec == ErrorCode::INVALID_READ) return ec;
     if (ec != ErrorCode::OK) continue;
     if (!reqs.empty() &&
@@ -186,7 +186,8 @@ ErrorOr<uint64_t> StoreClient::getInto(const std::string& key, void* buf, size_t
   req.set_key(key);
   proto::GetReplicaListResponse rl;
   auto asked = Clock::now();  // the read lease starts after this
-  if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK)
+    return ec;
   if (rl.error_code() != 0) return errorCodeFromInt(rl.error_code());
   if (rl.size() > capacity) return ErrorCode::BUFFER_OVERFLOW;
   ErrorCode ec = readReplicas(rl, buf, 0, asked);
@@ -201,7 +202,8 @@ ErrorOr<std::string> StoreClient::get(const std::string& key) {
   req.set_key(key);
   proto::GetReplicaListResponse rl;
   auto asked = Clock::now();  // the read lease starts after this
-  if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK)
+    return ec;
   if (rl.error_code() != 0) return errorCodeFromInt(rl.error_code());
   std::string out(rl.size(), '\0');
   ErrorCode ec = readReplicas(rl, out.data(), 0, asked);
@@ -244,8 +246,7 @@ std::vector<ErrorOr<uint64_t>> StoreClient::batchGetInto(
     else if (rl.replicas_size() == 0)
       st[i] = ErrorCode::OBJECT_NOT_FOUND;
     else if (planReplica(rl.replicas(0), rl.size(), engine::OpCode::kRead,
-                         static_cast<char*>(bufs[i].first), &reqs) !=
-             ErrorCode::OK)
+                         static_cast<char*>(bufs[i].first), &reqs) != ErrorCode::OK)
       st[i] = ErrorCode::TRANSFER_FAIL;
     first_req[i + 1] = reqs.size();
   }
@@ -279,7 +280,8 @@ std::vector<ErrorOr<std::string>> StoreClient::batchGet(const std::vector<std::s
   proto::BatchGetReplicaListRequest req;
   for (const auto& k : keys) req.add_keys(k);
   proto::BatchGetReplicaListResponse resp;
-  if (!keys.empty() && callMaster(proto::BATCH_GET_REPLICA_LIST, req, &resp, true) == ErrorCode::OK &&
+  if (!keys.empty() &&
+      callMaster(proto::BATCH_GET_REPLICA_LIST, req, &resp, true) == ErrorCode::OK &&
       resp.results_size() == static_cast<int>(keys.size())) {
     for (size_t i = 0; i < keys.size(); ++i) {
       vals[i].resize(resp.results(static_cast<int>(i)).size());
@@ -351,7 +353,8 @@ ErrorOr<uint64_t> StoreClient::removeByRegex(const std::string& regex, bool forc
   req.set_regex(regex);
   req.set_force(force);
   proto::RemoveByRegexResponse resp;
-  if (ErrorCode ec = callMaster(proto::REMOVE_BY_REGEX, req, &resp, false); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::REMOVE_BY_REGEX, req, &resp, false); ec != ErrorCode::OK)
+    return ec;
   if (resp.error_code() != 0) return errorCodeFromInt(resp.error_code());
   return resp.removed();
 }
@@ -360,7 +363,8 @@ ErrorOr<uint64_t> StoreClient::removeAll(bool force) {
   proto::RemoveAllRequest req;
   req.set_force(force);
   proto::RemoveAllResponse resp;
-  if (ErrorCode ec = callMaster(proto::REMOVE_ALL, req, &resp, false); ec != ErrorCode::OK) return ec;
+  if (ErrorCode ec = callMaster(proto::REMOVE_ALL, req, &resp, false); ec != ErrorCode::OK)
+    return ec;
   if (resp.error_code() != 0) return errorCodeFromInt(resp.error_code());
   return resp.removed();
 }

@@ -62,8 +62,8 @@ struct StoreClientOptions {
   bool publish_engine = true;           // publish the engine's segment in the rendezvous
   // connect(): "host:port" or "etcd://host:port[;host:port]".
   std::string master_address;
-  std::string secret;      // presented to the masters' rendezvous (the job secret)
-  std::string cluster_id;  // etcd: the store cluster (mooncake_master --cluster-id)
+  std::string secret;            // presented to the masters' rendezvous (the job secret)
+  std::string cluster_id;        // etcd: the store cluster (mooncake_master --cluster-id)
   int64_t etcd_lease_ttl_s = 3;  // etcd: TTL of this client's membership key
   bool use_slabs = true;         // the one-round-trip put path
 };
@@ -168,7 +168,7 @@ class StoreClient {
   struct Link {
     std::shared_ptr<engine::Rendezvous> rdv;
     std::unique_ptr<MasterRpcClient> rpc;
-    uint64_t epoch = 0;   // the master's epoch this client registered with
+    uint64_t epoch = 0;  // the master's epoch this client registered with
     std::atomic<bool> broken{false};
   };
   // A slab this writer places objects in (master_slab.cc).

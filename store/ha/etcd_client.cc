@@ -129,7 +129,9 @@ std::optional<std::string> base64Decode(const std::string& in) {
 std::string clusterPrefix(const std::string& cluster_id) {
   return "mooncake-store/" + cluster_id + "/";
 }
-std::string leaderKey(const std::string& cluster_id) { return clusterPrefix(cluster_id) + "leader"; }
+std::string leaderKey(const std::string& cluster_id) {
+  return clusterPrefix(cluster_id) + "leader";
+}
 std::string masterMemberKey(const std::string& cluster_id, const std::string& name) {
   return clusterPrefix(cluster_id) + "masters/" + name;
 }
@@ -208,8 +210,10 @@ Result<std::string> EtcdClient::post(const std::string& path, const std::string&
       std::string msg = res->body;
       auto j = json::parse(res->body, nullptr, false);
       if (!j.is_discarded() && j.is_object()) {
-        if (j.contains("message") && j["message"].is_string()) msg = j["message"];
-        else if (j.contains("error") && j["error"].is_string()) msg = j["error"];
+        if (j.contains("message") && j["message"].is_string())
+          msg = j["message"];
+        else if (j.contains("error") && j["error"].is_string())
+          msg = j["error"];
       }
       return MC_STATUS(kUnavailable, "etcd " << endpoints_[i] << path << ": HTTP " << res->status
                                              << ": " << msg.substr(0, 300));
@@ -229,8 +233,7 @@ Result<int64_t> EtcdClient::grantLease(int64_t ttl_s) {
   MC_ASSIGN_OR_RETURN(std::string body, post("/v3/lease/grant", req.dump()));
   MC_ASSIGN_OR_RETURN(json j, parse(body));
   int64_t id = asInt(j, "ID");
-  if (id == 0)
-    return MC_STATUS(kUnavailable, "etcd: lease grant refused: " << body.substr(0, 200));
+  if (id == 0) return MC_STATUS(kUnavailable, "etcd: lease grant refused: " << body.substr(0, 200));
   return id;
 }
 
@@ -324,8 +327,8 @@ Result<std::pair<bool, EtcdKv>> EtcdClient::createIfAbsent(const std::string& ke
 Status EtcdClient::deleteIfCreated(const std::string& key, int64_t create_revision) {
   const std::string k = base64Encode(key);
   json req = {{"compare", json::array({{{"target", "CREATE"},
-                                         {"key", k},
-                                         {"createRevision", std::to_string(create_revision)}}})},
+                                        {"key", k},
+                                        {"createRevision", std::to_string(create_revision)}}})},
               {"success", json::array({{{"requestDeleteRange", {{"key", k}}}}})}};
   auto r = post("/v3/kv/txn", req.dump());
   return r.ok() ? Status::OK() : r.status();

@@ -96,8 +96,8 @@ void LeaderElection::loop() {
       // A failed renewal is retried soon; the fence below decides when to give up leading.
       next_renew_ = Clock::now() + (st.ok() ? renew_every : milliseconds(opt_.poll_ms));
       if (!st.ok()) {
-        MC_LOG(WARN, STORE) << "master " << opt_.name << ": etcd lease renewal failed: "
-                            << st.toString();
+        MC_LOG(WARN, STORE) << "master " << opt_.name
+                            << ": etcd lease renewal failed: " << st.toString();
       }
       // While leading, make sure the key is still ours (someone may have deleted it by hand).
       if (st.ok() && leader_.load()) {

@@ -47,17 +47,13 @@ std::string MasterMetrics::toPrometheus() const {
      << "# TYPE mooncake_store_master_role gauge\n";
   const char* roles[] = {"standby", "rebuilding", "serving"};
   for (int r = 0; r < 3; ++r)
-    os << "mooncake_store_master_role{role=\"" << roles[r] << "\"} " << (role == r ? 1 : 0)
-       << '\n';
+    os << "mooncake_store_master_role{role=\"" << roles[r] << "\"} " << (role == r ? 1 : 0) << '\n';
   one("leader", "gauge", "1 when this master leads (rebuilding or serving), 0 on standby.",
       role != 0 ? 1 : 0);
-  one("epoch", "gauge", "This master's epoch (a new one after every failover or restart).",
-      epoch);
-  one("leader_elections_total", "counter", "Times this master became leader.",
-      leader_elections);
+  one("epoch", "gauge", "This master's epoch (a new one after every failover or restart).", epoch);
+  one("leader_elections_total", "counter", "Times this master became leader.", leader_elections);
   one("failovers_total", "counter",
-      "Times this master took over from a previous leader (or restarted and rebuilt).",
-      failovers);
+      "Times this master took over from a previous leader (or restarted and rebuilt).", failovers);
   one("rebuilds_total", "counter", "Metadata rebuilds completed.", rebuilds);
   os << "# HELP mooncake_store_rebuild_duration_seconds Duration of the last metadata rebuild.\n"
      << "# TYPE mooncake_store_rebuild_duration_seconds gauge\n"

@@ -258,8 +258,10 @@ void MasterService::addReportedLocked(std::vector<Staged> staged, bool late) {
       bool ok = true;
       for (Staged* s : pieces) {
         auto piece = pieceOf(s);
-        if (!piece) ok = false;
-        else r.pieces.push_back(*piece);
+        if (!piece)
+          ok = false;
+        else
+          r.pieces.push_back(*piece);
       }
       if (ok) {
         reps.push_back(std::move(r));

@@ -298,9 +298,9 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
               for (ErrorCode ec : publish(q.client_id(), items)) r.add_results(toInt(ec));
               if (q.retire_size() > 0) retireSlabs(q.client_id(), idsOf(q.retire()));
               if (q.has_next_slab() && q.next_slab().replica_num() > 0) {
-                auto res = allocSlab(q.client_id(), q.next_slab().replica_num(),
-                                     q.next_slab().bytes(), idsOf(q.next_slab().retire()),
-                                     q.next_slab().min_bytes());
+                auto res =
+                    allocSlab(q.client_id(), q.next_slab().replica_num(), q.next_slab().bytes(),
+                              idsOf(q.next_slab().retire()), q.next_slab().min_bytes());
                 r.set_next_slab_error(toInt(res.error()));
                 if (res.ok()) toProto(*res, r.mutable_next_slab());
               }
@@ -316,8 +316,8 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
                 recs.push_back({x.key(), x.put_id(), x.object_size(), x.piece_offset(),
                                 x.piece_length(), x.replica_index(),
                                 static_cast<uint8_t>(x.flags()), x.offset()});
-              r.set_error_code(toInt(reportObjects(q.client_id(), q.segment_name(),
-                                                   std::move(recs), q.pending(), q.last())));
+              r.set_error_code(toInt(reportObjects(q.client_id(), q.segment_name(), std::move(recs),
+                                                   q.pending(), q.last())));
             });
         break;
       default:  // METHOD_UNSPECIFIED or a method this master does not know
@@ -360,7 +360,8 @@ void MasterService::fillRpcStats(MasterMetrics* m) const {
     s.calls = rpc_stats_[i].calls.load(std::memory_order_relaxed);
     s.errors = rpc_stats_[i].errors.load(std::memory_order_relaxed);
     s.total_ns = rpc_stats_[i].total_ns.load(std::memory_order_relaxed);
-    for (const auto& b : rpc_stats_[i].buckets) s.buckets.push_back(b.load(std::memory_order_relaxed));
+    for (const auto& b : rpc_stats_[i].buckets)
+      s.buckets.push_back(b.load(std::memory_order_relaxed));
     m->rpcs.push_back(std::move(s));
   }
 }

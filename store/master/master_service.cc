@@ -1,9 +1,9 @@
 #include "store/master/master_service.h"
 
+#include <re2/re2.h>
+
 #include <algorithm>
 #include <random>
-
-#include <re2/re2.h>
 
 #include "store/master/record.h"
 

@@ -37,8 +37,8 @@
 // serves registration calls only.
 //
 // Threading: every public method is thread-safe (one mutex; every operation is O(1) in the number
-// of objects except removeByRegex/removeAll, rebuilds and the bounded eviction walk). Time comes from
-// config.clock, so tests advance a fake clock instead of sleeping. Maintenance runs when
+// of objects except removeByRegex/removeAll, rebuilds and the bounded eviction walk). Time comes
+// from config.clock, so tests advance a fake clock instead of sleeping. Maintenance runs when
 // runMaintenance() is called, or periodically after startBackground().
 #pragma once
 

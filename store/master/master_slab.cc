@@ -20,8 +20,8 @@ bool MasterService::allocateWhole(uint64_t size, std::unordered_set<Segment*>* u
       Segment* s = segment_order_[(rr_cursor_ + i) % n];
       if (s->owner_gone || s->awaiting_report || used_segments->count(s)) continue;
       if ((pass == 0) == (used_clients->count(s->client_id) > 0)) continue;
-      const uint64_t cap = static_cast<uint64_t>(config_.max_slab_share *
-                                                 static_cast<double>(s->alloc.capacity()));
+      const uint64_t cap =
+          static_cast<uint64_t>(config_.max_slab_share * static_cast<double>(s->alloc.capacity()));
       if (size > std::max(cap, config_.alloc_granularity) || s->alloc.freeBytes() < size) continue;
       // (allocSlab sized the slab for the largest segment: smaller ones sit this one out)
       OffsetAllocator::Allocation a = s->alloc.allocate(size);
@@ -172,12 +172,13 @@ std::vector<ErrorCode> MasterService::publish(const std::string& client_id,
     auto existing = objects_.find(it.key);
     if (existing != objects_.end()) {
       Object* old = existing->second.get();
-      if (old->complete || t - old->put_start < std::chrono::milliseconds(
-                                                    config_.put_discard_timeout_ms)) {
+      if (old->complete ||
+          t - old->put_start < std::chrono::milliseconds(config_.put_discard_timeout_ms)) {
         out[i] = ErrorCode::OBJECT_ALREADY_EXISTS;
         continue;
       }
-      TimePoint release_at = old->put_start + std::chrono::milliseconds(config_.put_release_timeout_ms);
+      TimePoint release_at =
+          old->put_start + std::chrono::milliseconds(config_.put_release_timeout_ms);
       destroyObjectLocked(old, &release_at);
       ++counters_.put_revokes;
     }

@@ -139,8 +139,8 @@ std::vector<MasterService::Replica> MasterService::allocateReplicas(const std::s
   std::unordered_set<std::string> used_clients;
   for (uint32_t r = 0; r < config.replica_num; ++r) {
     Replica rep;
-    if (!allocateReplica(key, size, r == 0 ? config.preferred_segment : std::string(), &used_segments,
-                         &used_clients, &rep))
+    if (!allocateReplica(key, size, r == 0 ? config.preferred_segment : std::string(),
+                         &used_segments, &used_clients, &rep))
       break;  // fewer replicas than asked: best effort
     out.push_back(std::move(rep));
   }

@@ -186,7 +186,7 @@ struct MasterMetrics {
     // Latency histogram: counts per bucket (upper bounds kLatencyBucketsUs, then +Inf).
     std::vector<uint64_t> buckets;
   };
-  static constexpr double kLatencyBucketsUs[] = {5,    10,   20,    50,    100,   200,   500,
+  static constexpr double kLatencyBucketsUs[] = {5,    10,   20,   50,    100,   200,    500,
                                                  1000, 2000, 5000, 10000, 50000, 200000, 1000000};
   static constexpr int kLatencyBuckets = sizeof(kLatencyBucketsUs) / sizeof(double) + 1;
   std::vector<RpcStat> rpcs;

@@ -146,7 +146,8 @@ ErrorCode MasterService::upsertEnd(const std::string& client_id, const std::stri
   // Their records are wiped: after a failover only the new value's records count.
   const TimePoint lease_end = o->lease_deadline;
   for (const Replica& r : old)
-    for (const PieceRec& p : r.pieces) releasePieceLocked(p, true, leased(o, t) ? &lease_end : nullptr);
+    for (const PieceRec& p : r.pieces)
+      releasePieceLocked(p, true, leased(o, t) ? &lease_end : nullptr);
   for (const Replica& r : old)
     for (const PieceRec& p : r.pieces)
       if (!hasPieceOn(o, p.seg)) p.seg->objects.erase(o);

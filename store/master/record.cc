@@ -99,8 +99,8 @@ void scanRecords(const char* base, uint64_t size, uint64_t segment_tag,
       data_end = std::max(end, off + kRecordAlign);
       if (off + kRecordHeaderBytes > size) return;
     }
-    if (load<uint64_t>(base + off) == magic && decodeRecord(base + off, size - off, segment_tag,
-                                                            &rec)) {
+    if (load<uint64_t>(base + off) == magic &&
+        decodeRecord(base + off, size - off, segment_tag, &rec)) {
       fn(off, rec);
       uint64_t len = recordAllocBytes(rec.key.size(), rec.piece_length);
       off += (len + kRecordAlign - 1) / kRecordAlign * kRecordAlign;

@@ -27,14 +27,14 @@ namespace mooncake::store {
 
 constexpr uint64_t kRecordHeaderBytes = 64;
 constexpr uint64_t kRecordAlign = 64;
-constexpr uint64_t kRecordCommitOffset = 8;   // the commit word, within the header
+constexpr uint64_t kRecordCommitOffset = 8;                   // the commit word, within the header
 constexpr uint64_t kRecordMagicBase = 0x3152434b4e4f4f4dull;  // "MOONKCR1"
 
 enum RecordFlags : uint8_t { kRecordSoftPin = 1, kRecordHardPin = 2 };
 
 struct RecordInfo {
   std::string key;
-  uint64_t put_id = 0;       // unique per put; every piece of every replica carries it
+  uint64_t put_id = 0;  // unique per put; every piece of every replica carries it
   uint64_t object_size = 0;
   uint64_t piece_offset = 0;  // where this piece's bytes start in the object
   uint64_t piece_length = 0;

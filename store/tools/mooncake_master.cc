@@ -193,8 +193,8 @@ int main(int argc, char** argv) {
     etcd_reader = std::move(r).value();
     Status st = etcd_reader->ping();
     if (!st.ok()) {
-      std::fprintf(stderr, "mooncake_master: cannot reach etcd at %s: %s\n",
-                   etcd_endpoints.c_str(), st.toString().c_str());
+      std::fprintf(stderr, "mooncake_master: cannot reach etcd at %s: %s\n", etcd_endpoints.c_str(),
+                   st.toString().c_str());
       return 1;
     }
   }

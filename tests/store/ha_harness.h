@@ -7,11 +7,11 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <httplib.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <sys/socket.h>
-#include <httplib.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -159,8 +159,8 @@ class HaMaster {
     int fds[2];
     if (pipe(fds) != 0) return false;
     std::string cmd = std::string(MC_MASTER_BIN) + " --host 127.0.0.1 --port " +
-                      std::to_string(port_) + " --metrics-port " + std::to_string(metrics_) +
-                      " " + flags_ + (stderr_.empty() ? "" : " 2>>" + stderr_);
+                      std::to_string(port_) + " --metrics-port " + std::to_string(metrics_) + " " +
+                      flags_ + (stderr_.empty() ? "" : " 2>>" + stderr_);
     pid_ = spawnShell(cmd, fds[1]);
     close(fds[1]);
     std::string line;
@@ -197,9 +197,7 @@ class HaMaster {
     return -1;
   }
   bool serving() const { return metric("mooncake_store_master_role{role=\"serving\"}") == 1; }
-  bool rebuilding() const {
-    return metric("mooncake_store_master_role{role=\"rebuilding\"}") == 1;
-  }
+  bool rebuilding() const { return metric("mooncake_store_master_role{role=\"rebuilding\"}") == 1; }
   // Waits for the process to exit by itself; its exit code, or -1 at the timeout.
   int waitExit(int timeout_ms) {
     int st = 0;
@@ -265,8 +263,7 @@ inline int runLoad(const LoadOptions& o) {
   // could find fewer segments than replicas, and a test that kills that client would lose
   // them legitimately (replicas are best effort).
   std::ofstream(o.log + ".ready") << "1";
-  for (int w = 0; w < 3000 && access((o.stop_file + ".go").c_str(), F_OK) != 0; ++w)
-    usleep(10000);
+  for (int w = 0; w < 3000 && access((o.stop_file + ".go").c_str(), F_OK) != 0; ++w) usleep(10000);
   FILE* log = std::fopen(o.log.c_str(), "a");
   if (log == nullptr) return 12;
   std::mt19937_64 rng(std::hash<std::string>()(o.name));
@@ -320,8 +317,7 @@ inline int runLoad(const LoadOptions& o) {
       if (r.ok()) {
         std::string w = *r == size ? checkPattern(buf.data(), *r, keySeed(key)) : "size";
         if (!w.empty()) {
-          std::fprintf(stderr, "load %s: %s corrupt: %s\n", o.name.c_str(), key.c_str(),
-                       w.c_str());
+          std::fprintf(stderr, "load %s: %s corrupt: %s\n", o.name.c_str(), key.c_str(), w.c_str());
           ++bad;
         }
       }

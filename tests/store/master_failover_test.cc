@@ -162,8 +162,7 @@ TEST_F(FailoverTest, SlabPublishIsOneCallAndCutsObjectsOut) {
         << "the bytes sit after the record";
   // The same range again, a range past the slab, another writer, an unknown slab.
   EXPECT_EQ(m.publish("w", {{"k/3", 100, slab->id, 0, 13}})[0], ErrorCode::INVALID_PARAMS);
-  EXPECT_EQ(m.publish("w", {{"k/3", 100, slab->id, 256 * kKiB, 13}})[0],
-            ErrorCode::INVALID_PARAMS);
+  EXPECT_EQ(m.publish("w", {{"k/3", 100, slab->id, 256 * kKiB, 13}})[0], ErrorCode::INVALID_PARAMS);
   EXPECT_EQ(m.publish("x", {{"k/3", 100, slab->id, 65536, 13}})[0], ErrorCode::ILLEGAL_CLIENT);
   EXPECT_EQ(m.publish("w", {{"k/3", 100, 999, 65536, 13}})[0], ErrorCode::OBJECT_NOT_FOUND);
   EXPECT_EQ(m.publish("w", {{"k/1", 100, slab->id, 65536, 13}})[0],
@@ -275,11 +274,10 @@ TEST_F(FailoverTest, RebuildAssemblesCompleteReplicasOnly) {
   // second piece nobody reports. "w": two puts of one key (an upsert, or a put after a remove
   // whose wipe had not landed): the newer one (larger put id) wins, though it has one replica.
   const uint64_t rx = recordBytes(1);
-  std::vector<ReportedPiece> a = {piece("x", 1, 1000, 0, 1000, 0, 0),
-                                  piece("y", 2, 3000, 0, 1000, 0, 4096),
-                                  piece("z", 3, 2000, 0, 1000, 0, 8192),
-                                  piece("w", 4, 100, 0, 100, 0, 12288),
-                                  piece("w", 5, 100, 0, 100, 0, 16384)};
+  std::vector<ReportedPiece> a = {
+      piece("x", 1, 1000, 0, 1000, 0, 0), piece("y", 2, 3000, 0, 1000, 0, 4096),
+      piece("z", 3, 2000, 0, 1000, 0, 8192), piece("w", 4, 100, 0, 100, 0, 12288),
+      piece("w", 5, 100, 0, 100, 0, 16384)};
   std::vector<ReportedPiece> b = {piece("x", 1, 1000, 0, 1000, 1, 0),
                                   piece("y", 2, 3000, 1000, 2000, 0, 4096),
                                   piece("w", 4, 100, 0, 100, 1, 12288)};
@@ -355,11 +353,11 @@ TEST_F(FailoverTest, LateReportsAddWhatDoesNotConflict) {
     ASSERT_TRUE(p.ok());
     EXPECT_EQ((*p)[0].pieces[0].segment_name, "sb");
   }
-  EXPECT_EQ(m.reportObjects("a", "sa",
-                            {piece("kept", 1, 100, 0, 100, 0, 0),
-                             piece("taken", 2, 100, 0, 100, 0, 4096)},
-                            0, true),
-            ErrorCode::OK);
+  EXPECT_EQ(
+      m.reportObjects(
+          "a", "sa", {piece("kept", 1, 100, 0, 100, 0, 0), piece("taken", 2, 100, 0, 100, 0, 4096)},
+          0, true),
+      ErrorCode::OK);
   EXPECT_TRUE(m.getReplicaList("kept").ok());
   auto t = m.getReplicaList("taken");
   ASSERT_TRUE(t.ok());
@@ -388,8 +386,7 @@ TEST_F(FailoverTest, CallsAreGatedByRole) {
   auto r = send(proto::GET_SIZE);
   EXPECT_EQ(r.error_code(), toInt(ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS));
   EXPECT_EQ(r.epoch(), 12u);
-  EXPECT_NE(send(proto::HEARTBEAT).error_code(),
-            toInt(ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS))
+  EXPECT_NE(send(proto::HEARTBEAT).error_code(), toInt(ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS))
       << "registration is served while rebuilding";
   clock_.advanceMs(200);
   ASSERT_TRUE(m.pollRebuild());

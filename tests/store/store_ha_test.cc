@@ -103,7 +103,8 @@ struct Scenario {
         std::fprintf(stderr, "lost or corrupt: %s\n", problems[i].c_str());
       size_t upserted = 0;
       for (const Acked& a : all) upserted += a.upserts > 0 ? 1 : 0;
-      std::fprintf(stderr, "verified %zu acknowledged objects (%zu of them upserted): %zu problems\n",
+      std::fprintf(stderr,
+                   "verified %zu acknowledged objects (%zu of them upserted): %zu problems\n",
                    all.size(), upserted, problems.size());
       return problems.empty() ? 0 : 1;
     });
@@ -186,8 +187,10 @@ void leaderFailover(const std::string& cluster, bool kill_a_client, bool kill_du
     int64_t first = s.waitAcks(i, t_serving, 1, 15000);
     ASSERT_NE(first, 0) << "client " << i << " did not resume";
     const double resume_s = (first - t_serving) * 1e-9;
-    std::fprintf(stderr, "client %d: first put %.3f s after the new leader served (%.3f s after "
-                 "the kill)\n", i, resume_s, (first - t_kill) * 1e-9);
+    std::fprintf(stderr,
+                 "client %d: first put %.3f s after the new leader served (%.3f s after "
+                 "the kill)\n",
+                 i, resume_s, (first - t_kill) * 1e-9);
     EXPECT_LE(resume_s, 3.0) << "client " << i;
   }
   for (int i = 0; i < live; ++i) ASSERT_NE(s.waitAcks(i, t_serving, 20, 30000), 0);
@@ -226,8 +229,10 @@ TEST(StoreHa, SingleMasterRestartedUnderLoad) {
   for (int i = 0; i < kClients; ++i) {
     int64_t first = s.waitAcks(i, t_serving, 1, 15000);
     ASSERT_NE(first, 0) << "client " << i << " did not resume";
-    std::fprintf(stderr, "client %d: first put %.3f s after the restarted master served (%.3f s "
-                 "after the kill)\n", i, (first - t_serving) * 1e-9, (first - t_kill) * 1e-9);
+    std::fprintf(stderr,
+                 "client %d: first put %.3f s after the restarted master served (%.3f s "
+                 "after the kill)\n",
+                 i, (first - t_serving) * 1e-9, (first - t_kill) * 1e-9);
     EXPECT_LE((first - t_serving) * 1e-9, 3.0);
   }
   for (int i = 0; i < kClients; ++i) ASSERT_NE(s.waitAcks(i, t_serving, 20, 30000), 0);
@@ -335,21 +340,26 @@ TEST(StoreHa, ClustersOnOneEtcdAreIsolated) {
       if ((*c)->put("k", v.data(), v.size()) != store::ErrorCode::OK) return 2;
       if ((*c)->put(mine, v.data(), v.size()) != store::ErrorCode::OK) return 3;
       std::ofstream(dir + "/" + cluster) << "1";
-      for (int i = 0; i < 1000 && access((dir + "/iso-a").c_str(), F_OK) +
-                                          access((dir + "/iso-b").c_str(), F_OK) != 0; ++i)
+      for (int i = 0;
+           i < 1000 &&
+           access((dir + "/iso-a").c_str(), F_OK) + access((dir + "/iso-b").c_str(), F_OK) != 0;
+           ++i)
         usleep(10000);
       // Both put "k": each cluster has its own, and neither sees the other's key.
       auto got = (*c)->get("k");
       if (!got.ok() || *got != v) {
-        std::fprintf(stderr, "%s: get k: %s\n", cluster.c_str(),
-                     got.ok() ? "other bytes" : std::string(store::errorCodeName(got.error())).c_str());
+        std::fprintf(
+            stderr, "%s: get k: %s\n", cluster.c_str(),
+            got.ok() ? "other bytes" : std::string(store::errorCodeName(got.error())).c_str());
         return 4;
       }
       auto miss = (*c)->get(other_only);
       if (miss.ok() || miss.error() != store::ErrorCode::OBJECT_NOT_FOUND) return 5;
       std::ofstream(dir + "/" + cluster + ".checked") << "1";
       for (int i = 0; i < 1000 && access((dir + "/iso-a.checked").c_str(), F_OK) +
-                                          access((dir + "/iso-b.checked").c_str(), F_OK) != 0; ++i)
+                                          access((dir + "/iso-b.checked").c_str(), F_OK) !=
+                                      0;
+           ++i)
         usleep(10000);
       (*c)->close();
       return 0;
