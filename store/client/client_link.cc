@@ -72,7 +72,7 @@ ErrorOr<std::unique_ptr<StoreClient>> StoreClient::create(engine::TransferEngine
       return ErrorCode::RPC_FAIL;
     link->epoch = local_master->epoch();
     if (ErrorCode ec = c->mount(*link, false); ec != ErrorCode::OK) return ec;
-    c->registered_epoch_ = link->epoch;
+    c->registered_epoch_ = c->reported_epoch_ = link->epoch;
     c->link_ = std::move(link);
   } else {
     std::string why;
@@ -297,21 +297,25 @@ ErrorCode StoreClient::reconnect(std::string* why) {
 
 ErrorCode StoreClient::registerWith(Link& link, bool need_remount, uint64_t epoch) {
   link.epoch = epoch;
-  if (epoch != registered_epoch_) {
+  const bool new_master = epoch != registered_epoch_;
+  if (new_master) {
     // A new master: the slabs were the old one's.
     std::lock_guard<std::mutex> g(slab_mu_);
     slabs_.clear();
     retired_.clear();
   }
-  if (need_remount && segment_ != nullptr) {
-    if (epoch == registered_epoch_) {
+  if (segment_ != nullptr) {
+    if (need_remount && !new_master && reported_epoch_ == epoch) {
       // The same master forgot us (it expired us): it dropped every object in our segment, so
       // our records must go before anyone reports them to a later master.
       wipeOwnRecords();
       if (ErrorCode ec = mount(link, false); ec != ErrorCode::OK) return ec;
-    } else {
+    } else if (need_remount || reported_epoch_ != epoch) {
+      // A master that has not had our whole report (new, or an earlier report broke off): mount
+      // (again: the master then drops what it staged of an unfinished report) and report.
       if (ErrorCode ec = mount(link, true); ec != ErrorCode::OK) return ec;
       if (ErrorCode ec = reportRecords(link); ec != ErrorCode::OK) return ec;
+      reported_epoch_ = epoch;
     }
   }
   registered_epoch_ = epoch;

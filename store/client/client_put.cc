@@ -445,7 +445,9 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
   t_phases.publish_ns = nsSince(t2);
   if (ec == ErrorCode::OK) ec = errorCodeFromInt(per.error_code());
   if (ec != ErrorCode::OK) return ec;
-  if (end_link != link) return ErrorCode::RPC_FAIL;  // ended by another master: cannot be ours
+  // Ended by another master (another epoch): the put it started is not the one that ended.
+  // The same master over a new link (a reconnect after a blip) is fine.
+  if (end_link->epoch != link->epoch) return ErrorCode::RPC_FAIL;
   auto t3 = Clock::now();
   ErrorCode c = commit(targets, put_id, end_link);
   t_phases.commit_ns = nsSince(t3);

@@ -305,6 +305,7 @@ class StoreClient {
   bool reconnect_wanted_ = false;
   std::atomic<uint64_t> reconnects_{0};
   uint64_t registered_epoch_ = 0;  // the epoch whose master knows this client's segment
+  uint64_t reported_epoch_ = 0;    // the epoch whose master had this client's whole report
   std::mutex register_mu_;         // one registration at a time
 
   mutable std::mutex mu_;

@@ -60,7 +60,9 @@ ErrorCode StoreClient::upsertParts(const std::string& key,
   ec = callMaster(proto::UPSERT_END, end, &er, false, &end_link);
   if (ec == ErrorCode::OK) ec = errorCodeFromInt(er.error_code());
   if (ec != ErrorCode::OK) return ec;
-  if (end_link != link) return ErrorCode::RPC_FAIL;  // ended by another master: cannot be ours
+  // Ended by another master (another epoch): the put it started is not the one that ended.
+  // The same master over a new link (a reconnect after a blip) is fine.
+  if (end_link->epoch != link->epoch) return ErrorCode::RPC_FAIL;
   return commit(targets, put_id, end_link);
 }
 

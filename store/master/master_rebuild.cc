@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <random>
 
 #include "store/master/master_service.h"
 #include "store/master/record.h"
@@ -38,6 +39,14 @@ void MasterService::clearAllLocked() {
   capacity_bytes_ = 0;
   hard_pinned_count_ = 0;
   rr_cursor_ = 0;
+  reseedIdsLocked();
+}
+
+void MasterService::reseedIdsLocked() {
+  std::random_device rd;
+  auto base = [&] { return ((static_cast<uint64_t>(rd()) << 30) ^ rd()) | 1; };  // < 2^62
+  next_slab_id_ = base();
+  next_upsert_id_ = base();
 }
 
 void MasterService::startServing(uint64_t epoch) {
@@ -98,7 +107,8 @@ void MasterService::finishRebuildLocked(TimePoint t) {
   staged_.clear();
   uint64_t reporters = 0;
   for (auto& [name, c] : clients_) reporters += c.reported ? 1 : 0;
-  for (Segment* s : segment_order_) s->awaiting_report = false;
+  // A segment whose report has not ended (its client still sending, or gone) takes no new
+  // object: unreported records lie there. Its last report part (or its unmount) ends that.
   ++counters_.rebuilds;
   counters_.rebuild_clients += reporters;
   counters_.last_rebuild_seconds =

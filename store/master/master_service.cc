@@ -14,6 +14,7 @@ std::chrono::milliseconds ms(uint64_t v) { return std::chrono::milliseconds(v); 
 }  // namespace
 
 MasterService::MasterService(MasterConfig config) : config_(std::move(config)) {
+  reseedIdsLocked();  // not shared yet: no lock needed
   if (config_.alloc_granularity == 0 ||
       (config_.alloc_granularity & (config_.alloc_granularity - 1)) != 0)
     config_.alloc_granularity = 64;
@@ -79,6 +80,14 @@ ErrorOr<SegmentId> MasterService::mountSegment(const std::string& client_id,
     if (s->client_id == client_id && s->base == base &&
         s->alloc.capacity() == (size & ~(config_.alloc_granularity - 1))) {
       touchClientLocked(client_id, t, nullptr);
+      if (will_report) {
+        // The client (re)starts its report: what an earlier, unfinished one staged goes (the
+        // new one sends it all again), and the segment takes no new object until it ends.
+        staged_.erase(std::remove_if(staged_.begin(), staged_.end(),
+                                     [&](const Staged& x) { return x.seg == s->id; }),
+                      staged_.end());
+        s->awaiting_report = true;
+      }
       return s->id;  // the same mount, retried
     }
     return ErrorCode::SEGMENT_ALREADY_EXISTS;

@@ -295,6 +295,7 @@ class MasterService {
     OffsetAllocator::Allocation alloc;
     TimePoint release_at;
     uint64_t wipe_token = 0;  // an asynchronous record wipe still running (0: none)
+    bool wipe_at_release = false;  // wipe the record when release_at passes, then free
   };
   struct SlabExtent {
     Segment* seg = nullptr;  // nullptr once its segment was unmounted
@@ -326,6 +327,10 @@ class MasterService {
   // wipe: the piece held a committed record that must be wiped before the memory is reused
   // (quarantined until an asynchronous wipe ends).
   void freePiece(const PieceRec& p, bool wipe = false);
+  // Slab and upsert ids start from a random base in every master and serving term: a request
+  // built for an earlier master (a writer that waited out a failover) names no slab or upsert
+  // of this one.
+  void reseedIdsLocked();
   // freePiece, or (until given) the record wiped now and the memory quarantined until then.
   void releasePieceLocked(const PieceRec& p, bool wipe, const TimePoint* until);
   ReplicaPlacement describe(const Replica& r) const;
@@ -403,12 +408,12 @@ class MasterService {
   // timed-out ones at the front without scanning every object.
   std::list<Object*> processing_;
   std::list<Object*> upserting_;  // complete objects with staged replicas, by upsert_start
-  uint64_t next_upsert_id_ = 1;
+  uint64_t next_upsert_id_ = 1;  // from a random base per serving term (reseedIdsLocked)
   uint64_t hard_pinned_count_ = 0;
   MasterMetrics counters_;  // counter fields only; gauges are filled in by metrics()
 
   std::unordered_map<uint64_t, std::unique_ptr<Slab>> slabs_;
-  uint64_t next_slab_id_ = 1;
+  uint64_t next_slab_id_ = 1;    // from a random base per serving term (reseedIdsLocked)
   RecordWiper* wiper_ = nullptr;
   uint64_t next_wipe_token_ = 1;
 

@@ -14,6 +14,8 @@ namespace mooncake::store {
 
 namespace {
 std::chrono::milliseconds ms(uint64_t v) { return std::chrono::milliseconds(v); }
+// How long the replaced value's records outlive upsertEnd (see there).
+constexpr uint64_t kUpsertCommitGraceMs = 2000;
 }  // namespace
 
 bool MasterService::hasPieceOn(const Object* o, const Segment* s) {
@@ -143,11 +145,19 @@ ErrorCode MasterService::upsertEnd(const std::string& client_id, const std::stri
   o->upsert_id = 0;
   o->upsert_writer.clear();
   o->writer = client_id;
-  // Their records are wiped: after a failover only the new value's records count.
+  // Their records stay until the writer has surely committed the new value's (it does right
+  // after this answer): a master that dies in between leaves both, and the rebuild keeps the
+  // newer. Then they are wiped and the memory freed (not before a read lease lapsed).
+  // Without records: freed, or quarantined while a read lease from before the swap lasts.
   const TimePoint lease_end = o->lease_deadline;
+  const TimePoint grace_end = std::max(lease_end, t + ms(kUpsertCommitGraceMs));
   for (const Replica& r : old)
-    for (const PieceRec& p : r.pieces)
-      releasePieceLocked(p, true, leased(o, t) ? &lease_end : nullptr);
+    for (const PieceRec& p : r.pieces) {
+      if (p.record_bytes > 0 && wiper_ != nullptr)
+        quarantine_.push_back({p.seg, p.alloc, grace_end, 0, /*wipe_at_release=*/true});
+      else
+        releasePieceLocked(p, false, leased(o, t) ? &lease_end : nullptr);
+    }
   for (const Replica& r : old)
     for (const PieceRec& p : r.pieces)
       if (!hasPieceOn(o, p.seg)) p.seg->objects.erase(o);

@@ -102,6 +102,12 @@ void scanRecords(const char* base, uint64_t size, uint64_t segment_tag,
     if (load<uint64_t>(base + off) == magic &&
         decodeRecord(base + off, size - off, segment_tag, &rec)) {
       fn(off, rec);
+      if (!rec.committed) {
+        // Never committed (a put revoked or cut short): its memory may have been handed out
+        // again around it, so the records of live objects can lie inside its length.
+        off += kRecordAlign;
+        continue;
+      }
       uint64_t len = recordAllocBytes(rec.key.size(), rec.piece_length);
       off += (len + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
       continue;

@@ -62,7 +62,8 @@ void encodeRecord(const RecordInfo& r, uint64_t segment_tag, char* out);
 bool decodeRecord(const char* p, uint64_t avail, uint64_t segment_tag, RecordInfo* out);
 
 // Walks [base, base + size) for records: calls fn(offset of the record, record) for every valid
-// one, committed or not, and steps over its allocation. next_data(offset), when given, returns
+// one, committed or not, and steps over a committed one's allocation (64 bytes past one that
+// is not: it was never wiped, and its memory may hold newer records). next_data(offset), when given, returns
 // [start, end): the first stretch at or after `offset` that may hold data (what lies before
 // start was never written: a hole of the shared-memory file), start >= size when none; the
 // walk never touches what it skips.

@@ -83,6 +83,30 @@ TEST(OffsetAllocatorOps, AllocateAtReservesExactRangesInOneWalk) {
   EXPECT_TRUE(a.checkConsistency());
 }
 
+// A record that was never committed (a revoked put: its memory was freed without a wipe and
+// handed out again) must not hide the committed records that now lie inside its length.
+TEST(Records, ScanStepsIntoAnUncommittedRecord) {
+  std::vector<char> seg(64 * kKiB, 0);
+  const uint64_t tag = 0x77;
+  RecordInfo stale;
+  stale.key = "revoked";
+  stale.put_id = 5;
+  stale.object_size = stale.piece_length = 16 * kKiB;
+  encodeRecord(stale, tag, seg.data());  // not committed
+  RecordInfo live;
+  live.key = "live";
+  live.put_id = 9;
+  live.object_size = live.piece_length = 1000;
+  encodeRecord(live, tag, seg.data() + 4096);
+  std::memcpy(seg.data() + 4096 + kRecordCommitOffset, &live.put_id, 8);
+  std::vector<std::pair<uint64_t, bool>> found;
+  scanRecords(seg.data(), seg.size(), tag,
+              [&](uint64_t off, const RecordInfo& x) { found.emplace_back(off, x.committed); });
+  ASSERT_EQ(found.size(), 2u);
+  EXPECT_EQ(found[0], std::make_pair(uint64_t{0}, false));
+  EXPECT_EQ(found[1], std::make_pair(uint64_t{4096}, true)) << "inside the revoked put's length";
+}
+
 TEST(Records, EncodeDecodeCommitAndScan) {
   std::vector<char> seg(64 * kKiB, 0);
   RecordInfo r;
@@ -246,6 +270,12 @@ TEST_F(FailoverTest, UpsertAndReplicaClearWipeTheRecordsTheyDrop) {
   ASSERT_TRUE(u.ok());
   const uint64_t new_record2 = (*u)[0].pieces[0].address - recordBytes(1);
   ASSERT_EQ(m.upsertEnd("w", "k", id), ErrorCode::OK);
+  // The replaced value's record outlives the swap until the writer has surely committed the new
+  // one (a master dying in between leaves both: the newer wins), then it is wiped.
+  m.runMaintenance();
+  EXPECT_TRUE(wiper.calls.empty());
+  clock_.advanceMs(2100);
+  m.runMaintenance();
   ASSERT_EQ(wiper.calls.size(), 1u);
   EXPECT_EQ(wiper.calls[0].first, old_record) << "the replaced value's record";
   EXPECT_EQ(m.getSize("k").value(), 3000u);
@@ -335,6 +365,44 @@ TEST_F(FailoverTest, RebuildEndsAtItsTimeoutWithoutMissingClients) {
   EXPECT_FALSE(m.pollRebuild()) << "waits for the member";
   clock_.advanceMs(1100);
   EXPECT_TRUE(m.pollRebuild());
+}
+
+// A report that broke off is sent again from the start after a retried mount (the master drops
+// what the first one staged: duplicates would break the tiling and revoke the object), and a
+// segment whose report has not ended when the rebuild does takes no new object.
+TEST_F(FailoverTest, ReportsRestartAndUnreportedSegmentsTakeNothing) {
+  MasterService m(cfg());
+  FakeWiper wiper;
+  m.setRecordWiper(&wiper);
+  m.beginRebuild(10, RebuildPolicy{100, 2000});
+  ASSERT_TRUE(m.mountSegment("a", "sa", kBase, 4 * kMiB, 0xa, true).ok());
+  ASSERT_TRUE(m.mountSegment("b", "sb", kBase + (1ull << 32), 4 * kMiB, 0xb, true).ok());
+  std::vector<ReportedPiece> x = {piece("x", 1, 1000, 0, 600, 0, 0),
+                                  piece("x", 1, 1000, 600, 400, 0, 4096)};
+  EXPECT_EQ(m.reportObjects("a", "sa", {x[0]}, 0, false), ErrorCode::OK);  // then it broke off
+  ASSERT_TRUE(m.mountSegment("a", "sa", kBase, 4 * kMiB, 0xa, true).ok());  // the retry
+  EXPECT_EQ(m.reportObjects("a", "sa", x, 0, true), ErrorCode::OK);
+  clock_.advanceMs(2100);  // b never reports: the rebuild ends at its timeout
+  EXPECT_TRUE(m.pollRebuild());
+  auto got = m.getReplicaList("x");
+  ASSERT_TRUE(got.ok()) << "the re-sent report's pieces tile x once";
+  EXPECT_EQ(got->replicas.size(), 1u);
+  EXPECT_TRUE(wiper.calls.empty());
+  ReplicateConfig one;
+  for (int i = 0; i < 20; ++i) {
+    auto p = m.putStart("a", "n" + std::to_string(i), 4096, one);
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ((*p)[0].pieces[0].segment_name, "sa") << "sb has unreported records";
+  }
+  EXPECT_EQ(m.reportObjects("b", "sb", {}, 0, true), ErrorCode::OK);  // late, complete
+  bool used_b = false;
+  for (int i = 0; i < 20; ++i) {
+    auto p = m.putStart("a", "m" + std::to_string(i), 4096, one);
+    ASSERT_TRUE(p.ok());
+    used_b = used_b || (*p)[0].pieces[0].segment_name == "sb";
+  }
+  EXPECT_TRUE(used_b) << "its report ended: it takes objects again";
+  EXPECT_TRUE(m.checkInvariants());
 }
 
 TEST_F(FailoverTest, LateReportsAddWhatDoesNotConflict) {
