@@ -39,10 +39,7 @@ void MasterService::runMaintenance() {
     if (q.release_at <= t && q.wipe_token == 0 && q.wipe_at_release) {
       // Its record goes now; the memory once the wipe landed (at once, or in wipeDone).
       q.wipe_at_release = false;
-      const uint64_t token = next_wipe_token_++;
-      ++counters_.records_wiped;
-      if (wiper_ != nullptr && !wiper_->wipe(q.seg->client_id, q.seg->base + q.alloc.offset, token))
-        q.wipe_token = token;
+      q.wipe_token = startWipeLocked(q.seg, q.alloc);
     }
     if (quarantine_[i].release_at <= t && quarantine_[i].wipe_token == 0) {
       quarantine_[i].seg->alloc.free(quarantine_[i].alloc);

@@ -326,6 +326,9 @@ class MasterService {
                                         const ReplicateConfig& config);
   // wipe: the piece held a committed record that must be wiped before the memory is reused
   // (quarantined until an asynchronous wipe ends).
+  // Asks the wiper to wipe the record at the start of `a`: 0 when it is done (or there is no
+  // wiper), else the token wipeDone() will bring.
+  uint64_t startWipeLocked(const Segment* seg, const OffsetAllocator::Allocation& a);
   void freePiece(const PieceRec& p, bool wipe = false);
   // Slab and upsert ids start from a random base in every master and serving term: a request
   // built for an earlier master (a writer that waited out a failover) names no slab or upsert

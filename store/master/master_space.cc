@@ -10,11 +10,16 @@ namespace mooncake::store {
 
 // ---------------------------------------------------------------- placement
 
+uint64_t MasterService::startWipeLocked(const Segment* seg, const OffsetAllocator::Allocation& a) {
+  if (wiper_ == nullptr) return 0;
+  const uint64_t token = next_wipe_token_++;
+  ++counters_.records_wiped;
+  return wiper_->wipe(seg->client_id, seg->base + a.offset, token) ? 0 : token;
+}
+
 void MasterService::freePiece(const PieceRec& p, bool wipe) {
-  if (wipe && p.record_bytes > 0 && wiper_ != nullptr) {
-    const uint64_t token = next_wipe_token_++;
-    ++counters_.records_wiped;
-    if (!wiper_->wipe(p.seg->client_id, p.seg->base + p.alloc.offset, token)) {
+  if (wipe && p.record_bytes > 0) {
+    if (uint64_t token = startWipeLocked(p.seg, p.alloc); token != 0) {
       // Reused only once the wipe landed (wipeDone).
       quarantine_.push_back({p.seg, p.alloc, TimePoint{}, token});
       return;
@@ -26,12 +31,7 @@ void MasterService::freePiece(const PieceRec& p, bool wipe) {
 void MasterService::releasePieceLocked(const PieceRec& p, bool wipe, const TimePoint* until) {
   if (until == nullptr) return freePiece(p, wipe);
   // The record goes now, the bytes when `until` passes (a reader's lease).
-  uint64_t token = 0;
-  if (wipe && p.record_bytes > 0 && wiper_ != nullptr) {
-    token = next_wipe_token_++;
-    ++counters_.records_wiped;
-    if (wiper_->wipe(p.seg->client_id, p.seg->base + p.alloc.offset, token)) token = 0;
-  }
+  const uint64_t token = wipe && p.record_bytes > 0 ? startWipeLocked(p.seg, p.alloc) : 0;
   quarantine_.push_back({p.seg, p.alloc, *until, token});
 }
 
