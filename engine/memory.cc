@@ -204,8 +204,8 @@ int reapStaleShm(const std::string& prefix) {
   return removed;
 }
 
-void* mapShm(const std::string& name, size_t len) {
-  int fd = shm_open(name.c_str(), O_RDWR, 0);
+void* mapShm(const std::string& name, size_t len, int* fd_out) {
+  int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) return nullptr;
   struct stat st;
   if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < len) {
@@ -214,7 +214,13 @@ void* mapShm(const std::string& name, size_t len) {
     return nullptr;
   }
   void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
+  if (p == MAP_FAILED || fd_out == nullptr) {
+    int e = errno;
+    close(fd);
+    errno = e;
+  } else {
+    *fd_out = fd;
+  }
   return p == MAP_FAILED ? nullptr : p;
 }
 

@@ -69,7 +69,8 @@ Status checkMappedWritable(uint64_t addr, uint64_t len);
 int reapStaleShm(const std::string& prefix);
 
 // Maps another process's shm region (read-write). Returns nullptr with errno set on failure.
-void* mapShm(const std::string& name, size_t len);
+// With fd_out, the file stays open and its descriptor is stored there (the caller closes it).
+void* mapShm(const std::string& name, size_t len, int* fd_out = nullptr);
 void unmapShm(void* p, size_t len);
 
 }  // namespace mooncake::engine

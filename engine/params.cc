@@ -44,6 +44,11 @@ const std::vector<ParamDef>& table() {
        "Prefix of the shared-memory files the engine creates."},
       {"MC_SPIN_US", Type::kInt, "50",
        "Microseconds a waiter spins before it blocks (futex / condition variable)."},
+      {"MC_SHM_WARM_AFTER", Type::kInt, "8",
+       "shm transport: a page of a peer's region this process has not touched through its "
+       "mapping is copied with pread/pwrite on the region's file (no page fault in this process) "
+       "until it has been copied this many times; then through the mapping. 0: always through "
+       "the mapping."},
       {"MC_INBOX_SLOTS", Type::kInt, "256", "Slots of a process's notification/message inbox."},
       {"MC_SECRET", Type::kString, "",
        "Job secret every peer must present (engine handshakes, rendezvous, store master). Set: "

@@ -3,6 +3,7 @@
 // checks what landed in its memory independently, byte for byte, guards included.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -264,6 +265,63 @@ TEST_P(TransportTest, TwoPeersInOneBatch) {
   EXPECT_EQ(pa->expect(pa->info().reg_addr + 3, 1 << 16, 71, 0), "");
   EXPECT_EQ(pb->expect(pb->info().alloc_addr + 9, 1 << 16, 72, 0), "");
   EXPECT_EQ(pb->expect(pb->info().reg_addr, 1 << 16, regSeed(b), 0), "") << "untouched region";
+}
+
+// shm copies over pages this process has not touched through its mapping go through the
+// peer's shm file (pread/pwrite); after MC_SHM_WARM_AFTER copies a page goes through the
+// mapping (engine/transport/shm). Ranges that mix both kinds of page, repeated past the
+// switch, with the bytes checked by the peer and read back every round; the pointer of
+// mappedAddress sees the same bytes as the copies on either side of it.
+TEST_F(PeerTestBase, ShmColdAndWarmPagesAgree) {
+  PeerConfig cfg;
+  cfg.transport = "shm";
+  cfg.region_bytes = 64 * 4096;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine("shm");
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  const uint64_t base = peer->info().alloc_addr;
+  HostBuffer buf(16 * 4096), back(16 * 4096);
+  // (offset, length): within a page, across a page edge, and a span that grows over fresh
+  // pages every round, so that each copy after the first mixes pages copied different numbers
+  // of times (each round copies every page of a span twice: a write and a read).
+  const uint64_t warm_after = 8;  // the default of MC_SHM_WARM_AFTER
+  for (uint64_t round = 0; round < warm_after + 4; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    const std::pair<uint64_t, uint64_t> spans[] = {
+        {100, 50}, {4096 - 5, 11}, {3 * 4096 + 17, (2 + round) * 4096 + 333}};
+    for (const auto& [off, len] : spans) {
+      const uint64_t seed = 9000 + round * 10 + off % 7;
+      fillPattern(buf.data(), len, seed, 0);
+      MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, buf.data(), len, pid, base + off));
+      EXPECT_EQ(peer->expect(base + off, len, seed, 0), "") << "write at +" << off;
+      std::memset(back.data(), 0xee, len);
+      MC_ASSERT_OK(transfer(*eng, OpCode::kRead, back.data(), len, pid, base + off));
+      EXPECT_EQ(checkPattern(back.data(), len, seed, 0), "") << "read at +" << off;
+    }
+  }
+  // Pages 40..42 were never copied: a store through the pointer into page 41, a copy over it
+  // and its cold neighbours, then the pointer again.
+  auto* m = static_cast<uint8_t*>(eng->mappedAddress(pid, base + 41 * 4096, 4096));
+  ASSERT_NE(m, nullptr);
+  fillPattern(m, 4096, 77, 0);
+  MC_ASSERT_OK(transfer(*eng, OpCode::kRead, back.data(), 3 * 4096, pid, base + 40 * 4096));
+  EXPECT_EQ(checkPattern(back.data() + 4096, 4096, 77, 0), "");
+  EXPECT_EQ(checkPattern(back.data(), 4096, allocSeed(cfg), 40 * 4096), "");
+  fillPattern(buf.data(), 3 * 4096, 78, 0);
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, buf.data(), 3 * 4096, pid, base + 40 * 4096));
+  EXPECT_EQ(checkPattern(m, 4096, 78, 4096), "");
+  EXPECT_EQ(peer->expect(base + 40 * 4096, 3 * 4096, 78, 0), "");
+  // A local buffer that is not mapped: on the file path the kernel reports it (EFAULT) and the
+  // copy fails with an error naming the call instead of faulting in the engine (page 50 is
+  // cold); the peer's bytes stay as they were.
+  Status bad = transfer(*eng, OpCode::kWrite, reinterpret_cast<void*>(uintptr_t{4096}), 4096, pid,
+                        base + 50 * 4096);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.toString().find("pwrite"), std::string::npos) << bad.toString();
+  EXPECT_EQ(peer->expect(base + 50 * 4096, 4096, allocSeed(cfg), 50 * 4096), "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Engine, TransportTest, MC_TEST_TRANSPORTS,
