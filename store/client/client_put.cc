@@ -18,6 +18,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr uint64_t kMinSlabBytes = 1ull << 20;
 constexpr uint64_t kMaxSlabBytes = 64ull << 20;
+// Pieces up to this size are copied behind their record and written with it (writePieces).
+constexpr uint64_t kInlineBytes = 16ull << 10;
 
 uint64_t round64(uint64_t v) { return (v + 63) & ~uint64_t{63}; }
 
@@ -189,10 +191,21 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
       info.replica_index = t.replica_index;
       info.flags = flags;
       rb = recordBytes(key.size());
-      records->emplace_back(rb, '\0');  // capacity reserved by the caller: pointers stay valid
-      encodeRecord(info, t.record_tag, records->back().data());
-      rec = records->back().data();
       if (t.data_address != t.record_address + rb) return ErrorCode::INVALID_WRITE;
+      // A small piece for a peer travels with its record: one write instead of two (each
+      // costs a system call on the shm transport's cold-page path).
+      const bool inline_piece = *peer != engine::kInvalidPeer && t.piece_length <= kInlineBytes;
+      // capacity reserved by the caller: pointers stay valid
+      records->emplace_back(rb + (inline_piece ? t.piece_length : 0), '\0');
+      char* out = records->back().data();
+      encodeRecord(info, t.record_tag, out);
+      if (inline_piece) {
+        std::memcpy(out + rb, src + t.piece_offset, t.piece_length);
+        reqs->push_back(
+            {engine::OpCode::kWrite, out, rb + t.piece_length, *peer, t.record_address});
+        continue;
+      }
+      rec = out;
     }
     const uint64_t start = t.record_address != 0 ? t.record_address : t.data_address;
     if (*peer == engine::kInvalidPeer) {  // our own segment
@@ -227,10 +240,11 @@ ErrorCode StoreClient::commit(const std::vector<WriteTarget>& targets, uint64_t 
       if (!inOwnSegment(at, 8)) continue;
       reinterpret_cast<std::atomic<uint64_t>*>(at)->store(word, std::memory_order_release);
       ++committed;
-    } else if (void* p = engine_->mappedAddress(*peer, at, 8)) {
-      static_cast<std::atomic<uint64_t>*>(p)->store(word, std::memory_order_release);
-      ++committed;
     } else {
+      // Through the engine, not a store through mappedAddress: the record's page is usually
+      // one this process never touched, and the engine copies such pages without faulting
+      // them in here (engine/transport/shm). Nothing reads the word before this put returns
+      // (see below).
       reqs.push_back({engine::OpCode::kWrite, const_cast<uint64_t*>(&word), 8, *peer, at});
     }
   }
