@@ -9,6 +9,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "engine/params.h"
 #include "tests/fakes/verbs/fake_verbs_util.h"
 
 namespace mooncake::fakeverbs::test {
@@ -16,10 +17,10 @@ namespace mooncake::fakeverbs::test {
 const Fabric& testFabric() {
   static Fabric* f = [] {
     auto* f = new Fabric();
-    const char* given = std::getenv("MC_FAKE_VERBS_CONFIG");
-    if (given != nullptr && *given != '\0') {  // a peer process: the parent's
+    const std::string given = params::getString("MC_FAKE_VERBS_CONFIG");
+    if (!given.empty()) {  // a peer process: the parent's
       f->config = given;
-      f->fabric = std::getenv("MC_FAKE_VERBS_FABRIC");
+      f->fabric = params::getString("MC_FAKE_VERBS_FABRIC");
       return f;
     }
     f->fabric = "fvt" + std::to_string(getpid());
