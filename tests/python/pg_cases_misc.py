@@ -195,6 +195,58 @@ def case_async(ctx, count=8):
     return fails
 
 
+def case_handoff(ctx, bound_s=5.0):
+    """Collectives that no thread waits on still run (op_queue.h: a wait runs its op on the
+    waiting thread; the others go to the worker): an op only polled with is_completed(), one
+    followed through a future callback, and an op that a peer needs before this rank waits,
+    because this rank first blocks in another group's collective (with ops run only by their
+    waiters this deadlocks)."""
+    import threading
+
+    fails, W, me = [], ctx.world, ctx.rank
+    other = dist.new_group(list(range(W)), backend="mooncake")
+    for rnd in range(3):
+        # 1. polled, never waited on
+        t = make("float32", 1000, me, 130 + rnd)
+        w = dist.all_reduce(t, async_op=True)
+        end = time.monotonic() + bound_s
+        while not w.is_completed() and time.monotonic() < end:
+            time.sleep(0.0005)
+        if not w.is_completed():
+            fails.append(f"round {rnd}: an async all_reduce nobody waits on did not complete "
+                         f"within {bound_s} s")
+            return fails
+        want = sum(make("float32", 1000, r, 130 + rnd).double() for r in range(W)).float()
+        check(fails, f"round {rnd}: polled all_reduce", t, want, "float32", True)
+        # 2. completion seen only through a callback
+        done = threading.Event()
+        outs = [torch.empty(33, dtype=torch.int32) for _ in range(W)]
+        dist.all_gather(outs, make("int32", 33, me, 140 + rnd),
+                        async_op=True).get_future().add_done_callback(lambda f: done.set())
+        if not done.wait(bound_s):
+            fails.append(f"round {rnd}: a future callback did not run within {bound_s} s")
+            return fails
+        for r in range(W):
+            check(fails, f"round {rnd}: callback all_gather [{r}]", outs[r],
+                  make("int32", 33, r, 140 + rnd))
+        # 3. rank 0 blocks in the other group before it waits; its peers need its op first
+        x, y = make("float32", 64, me, 150 + rnd), make("float32", 64, me, 160 + rnd)
+        t0 = time.monotonic()
+        if me == 0:
+            wx = dist.all_reduce(x, async_op=True)
+            dist.all_reduce(y, group=other)
+            wx.wait()
+        else:
+            dist.all_reduce(x)
+            dist.all_reduce(y, group=other)
+        if time.monotonic() - t0 > bound_s:
+            fails.append(f"round {rnd}: cross-group dependency took {time.monotonic() - t0:.1f} s")
+        for name, v, seed in (("x", x, 150 + rnd), ("y", y, 160 + rnd)):
+            want = sum(make("float32", 64, r, seed).double() for r in range(W)).float()
+            check(fails, f"round {rnd}: cross-group all_reduce {name}", v, want, "float32", True)
+    return fails
+
+
 def case_objects(ctx):
     fails, W, me = [], ctx.world, ctx.rank
     objs = [None] * W

@@ -24,6 +24,11 @@ def test_async_ops_in_flight(pool, world):
     pool.check("async")
 
 
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"w{w}")
+def test_unwaited_ops_still_run(pool, world):
+    pool.check("handoff")
+
+
 @pytest.mark.parametrize("world", [1, 3, 4], ids=lambda w: f"w{w}")
 def test_object_collectives(pool, world):
     pool.check("objects")

@@ -1,27 +1,41 @@
-// Issue-order execution of a group's collectives, with "run it yourself" for the caller
-// that waits on the op at the head of the queue.
+// Issue-order execution of a group's collectives: run by the thread that waits on them when
+// it can, handed to the communicator's worker only when nobody claims them in time.
 //
-// Every op is handed to the communicator's worker (pg::Communicator::enqueue) as a token
-// that runs the oldest pending op, so async ops progress without anyone waiting. But a
-// synchronous collective (dist.all_reduce(t) = enqueue + wait at once) would then pay two
-// thread hand-offs (wake the worker, wake the caller back): tens of microseconds on a busy
-// 2-core host, more than the op itself for small tensors. So Work::wait(), when its op is
-// next in line and nothing is running, takes the op off the queue and runs it on the
-// calling thread; the worker's token then finds nothing to do. Order is kept (only the
-// head ever runs) and so is pg's contract that one thread at a time runs a group's ops.
+// A synchronous collective (dist.all_reduce(t) = submit + wait at once) should not touch a
+// second thread. Handing every op to the worker at submit (what this queue did before) costs
+// a futex wake and a context switch per op even when the waiting caller then runs the op
+// itself: measured through torch at 2 ranks on 2 cores, a 4 KiB all_reduce took 5.4 us at
+// p50 and 48 us at p90 that way against 3.5 / 3.8 us with no hand-off (the woken worker
+// preempts a rank that its peer is spinning on; docs/perf/pg.md). So:
+//  - submit() queues the op. On an idle queue it wakes nobody: the caller's Work::wait() is
+//    likely to come at once and run it (runUpTo). When an earlier op is still pending or
+//    running (the caller issues ops asynchronously), the queue goes to the worker at once.
+//  - runUpTo(id) (a waiting caller) runs every pending op up to its own, in issue order, on
+//    the calling thread, while no other thread runs one of them.
+//  - An op that no thread claimed is handed to the worker by the process's hand-off thread
+//    (op_queue.cc), which looks every MC_PG_HANDOFF_US (1 ms) while ops are being submitted
+//    and sleeps without a deadline once the process's queues have been idle for a while. An
+//    async op nobody waits on thus starts within about that time, and peers (or a dependency
+//    through another group) never wait on it forever. The tick is deliberately slow: each one
+//    is a context switch, and at 200 us they cost the 4-rank-on-2-cores case more than the
+//    hand-offs they replace.
+//  - A queue that saw asynchronous use (an op issued while another was pending, or one the
+//    hand-off thread had to hand over) hands its next kAsyncCredit ops over at submit, as
+//    before, so that overlapping callers do not wait for a tick.
+//  MC_PG_HANDOFF_US=0 hands every op to the worker at submit.
 //
-// Lifetime: tokens hold the queue through a shared_ptr; the communicator must outlive the
-// queue's last op (pg's destructor drains its worker's tokens before tearing down).
+// Order is kept (only the head of the queue ever starts) and so is pg's contract that one
+// thread at a time runs a group's ops. Lifetime: tokens hold the queue through a shared_ptr;
+// close() must be called before the communicator goes (it hands the pending ops to the worker,
+// whose destructor runs them), and the communicator must outlive the queue's last token.
 #pragma once
 
-#include <condition_variable>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <string>
-#include <utility>
 
 #include "pg/communicator.h"
 
@@ -30,67 +44,54 @@ namespace mooncake::torch_ext {
 class OpQueue : public std::enable_shared_from_this<OpQueue> {
  public:
   using Id = uint64_t;
-  explicit OpQueue(pg::Communicator* comm) : comm_(comm) {}
+  using Clock = std::chrono::steady_clock;
 
-  // Queues fn (which must not throw) behind every op queued before; returns its id.
-  Id submit(const char* op, std::function<void()> fn) {
-    Id id;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      id = next_id_++;
-      pending_.emplace_back(id, std::move(fn));
-    }
-    try {
-      comm_->enqueue(op, [self = shared_from_this()] { self->runNext(/*only=*/0); });
-    } catch (...) {
-      std::lock_guard<std::mutex> lk(mu_);
-      for (auto it = pending_.begin(); it != pending_.end(); ++it) {
-        if (it->first == id) {
-          pending_.erase(it);
-          break;
-        }
-      }
-      throw;
-    }
-    return id;
-  }
+  // A queue for comm's collectives, known to the process's hand-off thread.
+  static std::shared_ptr<OpQueue> create(pg::Communicator* comm);
 
-  // Runs op `id` on this thread if it is the next one and no op is running. True if it did.
-  bool runIfNext(Id id) { return runNext(id); }
+  // Queues fn (which must not throw) behind every op queued before; returns its id. Throws
+  // after close().
+  Id submit(const char* op, std::function<void()> fn);
+  // A waiting caller: runs the pending ops up to `id` here, in order, unless another thread
+  // is running one (then the worker has the queue and this caller just waits).
+  void runUpTo(Id id);
+  // Gives the pending ops to the worker now (a waiter that will not run them itself).
+  void handOff();
+  // The group is going away: pending ops go to the worker; later submits throw.
+  void close();
+  // The hand-off thread: hands the queue to the worker when its oldest op has waited
+  // unclaimed for a quarter of the period. Returns whether ops are still waiting to be claimed.
+  bool handOffIfOverdue(Clock::time_point now);
 
  private:
-  // only == 0: the worker's token (waits for a running op, then runs the head if any);
-  // otherwise: a waiting caller (runs the head only if it is `only` and nothing runs).
-  bool runNext(Id only) {
+  struct Op {
+    Id id;
+    Clock::time_point since;
+    const char* name;
     std::function<void()> fn;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      if (only == 0) {
-        cv_.wait(lk, [&] { return !running_; });
-      } else if (running_ || pending_.empty() || pending_.front().first != only) {
-        return false;
-      }
-      if (pending_.empty()) return false;  // a caller ran it already
-      fn = std::move(pending_.front().second);
-      pending_.pop_front();
-      running_ = true;
-    }
-    fn();
-    fn = nullptr;  // release the op's tensors before waking anyone
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      running_ = false;
-    }
-    cv_.notify_all();
-    return true;
-  }
+  };
+  explicit OpQueue(pg::Communicator* comm);
+  // Posts the worker's token when ops are pending, none runs, no token is out and the queue
+  // is open. Under mu_; true if it posted.
+  bool handOffLocked();
+  // The worker's token: runs pending ops until the queue is empty or a caller runs one.
+  void drain();
+  // Takes the head (up to id `up_to`) for the calling thread and sets running_; false if there
+  // is none or another thread runs one (worker: then the token is spent).
+  bool takeHead(std::function<void()>* fn, Id up_to, bool worker);
+  // Runs what takeHead took, then clears running_.
+  void finishOne(std::function<void()>* fn);
 
   pg::Communicator* comm_;
+  static constexpr int kAsyncCredit = 16;
+  const Clock::duration period_;  // MC_PG_HANDOFF_US; zero: hand off at submit
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::pair<Id, std::function<void()>>> pending_;
+  std::deque<Op> pending_;
   Id next_id_ = 1;
-  bool running_ = false;
+  bool running_ = false;  // a thread runs the op it took off the head
+  bool token_ = false;    // the worker has (or is about to get) a token for this queue
+  bool closed_ = false;
+  int async_credit_ = 0;  // ops still handed over at submit after asynchronous use was seen
 };
 
 }  // namespace mooncake::torch_ext

@@ -27,9 +27,12 @@ MooncakeWork::MooncakeWork(int rank, c10d::OpType type, const char* op,
     : c10d::Work(rank, type), op_(op), ctx_(std::move(ctx)), outputs_(std::move(outputs)) {}
 
 bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
-  // A plain wait on the op that is next in line: run it here instead of waking the worker
-  // and sleeping until it wakes us (a timed wait keeps its bound and leaves it queued).
-  if (queue_ && timeout == kNoTimeout && !isCompleted()) queue_->runIfNext(queue_id_);
+  // A plain wait runs the op here (with any earlier ones still pending) unless the worker has
+  // the queue; a timed wait keeps its bound and gives the queue to the worker (op_queue.h).
+  if (queue_ && !isCompleted()) {
+    if (timeout == kNoTimeout) queue_->runUpTo(queue_id_);
+    else queue_->handOff();
+  }
   std::unique_lock lk(mutex_);
   if (timeout == kNoTimeout) {
     cv_.wait(lk, [&] { return completed_; });
@@ -166,6 +169,9 @@ c10::intrusive_ptr<MooncakeWork> MooncakeWork::joinAll(
       }
       joined->complete(done_error);
     });
+    // Waiting on the join runs the collectives among them like waiting on the last one would.
+    if (w->queue_ && (!joined->queue_ || w->queue_id_ > joined->queue_id_))
+      joined->setQueued(w->queue_, w->queue_id_);
   }
   return joined;
 }
@@ -246,13 +252,15 @@ ProcessGroupMooncake::ProcessGroupMooncake(const c10::intrusive_ptr<c10d::Store>
       if (sink->pg != nullptr) sink->pg->onViewChange(&keep);
     });
   }
-  queue_ = std::make_shared<OpQueue>(comm_.get());
+  queue_ = OpQueue::create(comm_.get());
   scratch_ = std::make_shared<Scratch>();
   lanes_ = std::make_unique<P2pLanes>();
   init();
 }
 
 ProcessGroupMooncake::~ProcessGroupMooncake() {
+  // Collectives nobody ran yet go to the worker, which runs them before the communicator goes.
+  if (queue_) queue_->close();
   std::lock_guard<std::mutex> lk(sink_->mu);
   sink_->pg = nullptr;
 }

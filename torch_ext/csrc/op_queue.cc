@@ -1,0 +1,206 @@
+#include "torch_ext/csrc/op_queue.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "engine/params.h"
+
+namespace mooncake::torch_ext {
+
+namespace {
+
+// The process's hand-off thread: every `period` while collectives are being submitted, it asks
+// each queue to hand over ops that waited unclaimed for a quarter of that. After `kQuiet` without a
+// submit and with nothing waiting it sleeps until the next submit wakes it, so an idle process
+// has no ticking thread and a busy one no wake per op. One for the process (leaked: it must
+// not be joined by static destructors while a queue may still call it).
+class HandOffThread {
+ public:
+  static constexpr auto kQuiet = std::chrono::milliseconds(20);
+
+  static HandOffThread& get(OpQueue::Clock::duration period) {
+    static HandOffThread* t = new HandOffThread(period);
+    return *t;
+  }
+
+  void add(std::weak_ptr<OpQueue> q) {
+    std::lock_guard<std::mutex> lk(mu_);
+    queues_.push_back(std::move(q));
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  }
+
+  // After an op was queued (and published under its queue's mutex).
+  void submitted() {
+    last_submit_.store(OpQueue::Clock::now().time_since_epoch().count(),
+                       std::memory_order_relaxed);
+    // Pairs with the fence in loop(): either this sees sleeping_, or the thread's re-scan
+    // after setting it sees the new op.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (sleeping_.load(std::memory_order_relaxed) && sleeping_.exchange(false)) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        woken_ = true;
+      }
+      cv_.notify_one();
+    }
+  }
+
+ private:
+  explicit HandOffThread(OpQueue::Clock::duration period) : period_(period) {}
+
+  // Hands over what is overdue; true when some queue still has ops nobody claimed.
+  bool scan() {
+    std::vector<std::weak_ptr<OpQueue>> qs;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      queues_.erase(std::remove_if(queues_.begin(), queues_.end(),
+                                   [](const std::weak_ptr<OpQueue>& q) { return q.expired(); }),
+                    queues_.end());
+      qs = queues_;
+    }
+    const auto now = OpQueue::Clock::now();
+    bool waiting = false;
+    for (auto& w : qs)
+      if (auto q = w.lock()) waiting |= q->handOffIfOverdue(now);
+    return waiting;
+  }
+
+  void loop() {
+    for (;;) {
+      const bool waiting = scan();
+      const auto last = OpQueue::Clock::time_point(
+          OpQueue::Clock::duration(last_submit_.load(std::memory_order_relaxed)));
+      std::unique_lock<std::mutex> lk(mu_);
+      if (!waiting && OpQueue::Clock::now() - last > kQuiet) {
+        sleeping_.store(true, std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_seq_cst);
+        lk.unlock();
+        if (scan()) {  // an op queued before the flag was visible
+          sleeping_.store(false, std::memory_order_relaxed);
+          continue;
+        }
+        lk.lock();
+        cv_.wait(lk, [&] { return woken_ || !sleeping_.load(std::memory_order_relaxed); });
+        woken_ = false;
+        continue;
+      }
+      cv_.wait_for(lk, period_);
+    }
+  }
+
+  const OpQueue::Clock::duration period_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::weak_ptr<OpQueue>> queues_;
+  std::thread thread_;
+  bool woken_ = false;
+  std::atomic<bool> sleeping_{false};
+  std::atomic<OpQueue::Clock::rep> last_submit_{0};
+};
+
+OpQueue::Clock::duration periodFromParams() {
+  return std::chrono::microseconds(std::max<int64_t>(params::getInt("MC_PG_HANDOFF_US"), 0));
+}
+
+}  // namespace
+
+OpQueue::OpQueue(pg::Communicator* comm) : comm_(comm), period_(periodFromParams()) {}
+
+std::shared_ptr<OpQueue> OpQueue::create(pg::Communicator* comm) {
+  std::shared_ptr<OpQueue> q(new OpQueue(comm));
+  if (q->period_.count() > 0) HandOffThread::get(q->period_).add(q);
+  return q;
+}
+
+OpQueue::Id OpQueue::submit(const char* op, std::function<void()> fn) {
+  Id id;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw std::runtime_error(std::string(op) + " issued on a group being destroyed");
+    id = next_id_++;
+    const bool busy = running_ || !pending_.empty();
+    if (busy) async_credit_ = kAsyncCredit;
+    pending_.push_back(Op{id, Clock::now(), op, std::move(fn)});
+    if (busy || period_.count() == 0 || (async_credit_ > 0 && async_credit_-- > 0)) {
+      try {
+        handOffLocked();
+      } catch (...) {
+        pending_.pop_back();
+        throw;
+      }
+      return id;
+    }
+  }
+  HandOffThread::get(period_).submitted();
+  return id;
+}
+
+// Posted under mu_: close() then knows no token is on its way to a communicator about to go.
+// (Lock order: this queue's mu_, then the worker's; the worker runs tokens without its own.)
+bool OpQueue::handOffLocked() {
+  if (token_ || running_ || closed_ || pending_.empty()) return false;
+  comm_->enqueue(pending_.front().name, [self = shared_from_this()] { self->drain(); });
+  token_ = true;
+  return true;
+}
+
+bool OpQueue::takeHead(std::function<void()>* fn, Id up_to, bool worker) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (running_ || pending_.empty() || pending_.front().id > up_to) {
+    // The worker leaves a queue that is empty or that a caller is running: that caller hands
+    // over what it leaves behind (runUpTo), the hand-off thread anything queued later.
+    if (worker) token_ = false;
+    return false;
+  }
+  *fn = std::move(pending_.front().fn);
+  pending_.pop_front();
+  running_ = true;
+  return true;
+}
+
+void OpQueue::finishOne(std::function<void()>* fn) {
+  (*fn)();
+  *fn = nullptr;  // release the op's tensors before the next one
+  std::lock_guard<std::mutex> lk(mu_);
+  running_ = false;
+}
+
+void OpQueue::drain() {
+  std::function<void()> fn;
+  while (takeHead(&fn, ~Id{0}, true)) finishOne(&fn);
+}
+
+void OpQueue::runUpTo(Id id) {
+  std::function<void()> fn;
+  while (takeHead(&fn, id, false)) finishOne(&fn);
+  // Ops queued behind the caller's were issued before it waited, i.e. asynchronously: give
+  // them to the worker now rather than at the hand-off thread's next tick.
+  handOff();
+}
+
+void OpQueue::handOff() {
+  std::lock_guard<std::mutex> lk(mu_);
+  handOffLocked();
+}
+
+void OpQueue::close() {
+  std::lock_guard<std::mutex> lk(mu_);
+  handOffLocked();
+  closed_ = true;
+}
+
+bool OpQueue::handOffIfOverdue(Clock::time_point now) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const bool waiting = !token_ && !pending_.empty();
+  if (waiting && !running_ && (now - pending_.front().since) * 4 >= period_) {
+    async_credit_ = kAsyncCredit;  // nobody waited on it: the caller issues ops asynchronously
+    return !handOffLocked();
+  }
+  return waiting;
+}
+
+}  // namespace mooncake::torch_ext
