@@ -1,7 +1,8 @@
-// allToAllV. First every rank publishes its send and receive sizes (one small step on shm,
-// one message per peer otherwise), so that every rank checks the whole size matrix and all
-// of them raise the same error when a pair disagrees. Shm: each step, every rank copies
-// the next slot of its block for rank j into slot j of its half; rank j copies it out.
+// allToAllV. Every rank publishes its send and receive sizes (on shm at the head of its first
+// step's half, beside that step's data; one message per peer otherwise), so that every rank
+// checks the whole size matrix and all of them raise the same error when a pair disagrees.
+// Shm: each step, every rank copies the next slot of its block for rank j into slot j of its
+// half; rank j copies it out.
 // Groups spanning hosts: same-host blocks through shared memory, the rest over messages.
 #include <algorithm>
 #include <cstring>
@@ -91,52 +92,69 @@ void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
     return;
   }
 
+  // Shm: the size rows travel with the first step's data (each rank's half starts with its
+  // row, the slots follow), so the exchange costs no round of its own. The first step's
+  // slots are filled from this rank's own send sizes; every rank reads every row before it
+  // copies anything out, checks the matrix and derives the number of further steps from it.
   ShmGroup& g = *c.shm;
-  uint64_t s = g.beginStep(op, true);
-  std::memcpy(g.half(me, s), mine.data(), row);
-  g.post(ShmGroup::kReady, s);
-  for (int r = 0; r < n; ++r) {
-    if (r != me) g.wait(op, r, ShmGroup::kReady, s);
-    std::memcpy(&sizes[r * 2 * n], g.half(r, s), row);
-  }
-  g.endStep(s);
-  validate(c, op, sizes);
-
+  const size_t head = (row + 63) & ~static_cast<size_t>(63);
+  const size_t slot = ((g.halfBytes() - head) / n) & ~static_cast<size_t>(63);
+  if (slot == 0)
+    throw CommError("mooncake pg: " + std::string(op.name) + " (group " + c.opts.group_name +
+                        "): the comm buffer is too small for " + std::to_string(n) +
+                        " ranks (raise MC_PG_BUFFER_BYTES)",
+                    -1, op.name);
   uint64_t most = 0;
-  for (int r = 0; r < n; ++r)
-    for (int j = 0; j < n; ++j)
-      if (r != j) most = std::max(most, sizes[r * 2 * n + j]);
-  const size_t slot = (g.halfBytes() / n) & ~static_cast<size_t>(63);
-  uint64_t received = 0;
-  for (int r = 0; r < n; ++r) received += sizes[r * 2 * n + me];
-  const bool so = received >= c.params.stream_out_bytes;
-  // This rank's own block: streaming stores too when the output is large (no
-  // read-for-ownership of lines that leave the cache anyway).
-  if (send_bytes[me] > 0 && dst + recv_offsets[me] != src + send_offsets[me])
-    copyOut(dst + recv_offsets[me], src + send_offsets[me], send_bytes[me], so);
-  for (uint64_t off = 0; off < most; off += slot) {
+  bool so = false;
+  for (uint64_t off = 0;; off += slot) {
+    const bool first = off == 0;
     auto lenOf = [&](int from, int to) -> size_t {
-      uint64_t b = sizes[from * 2 * n + to];
+      uint64_t b = first && from == me ? mine[to] : sizes[from * 2 * n + to];
       return b > off ? static_cast<size_t>(std::min<uint64_t>(slot, b - off)) : 0;
     };
-    bool writes = false;
+    bool writes = first;
     for (int j = 0; j < n; ++j) writes |= j != me && lenOf(me, j) > 0;
-    s = g.beginStep(op, writes);
+    uint64_t s = g.beginStep(op, writes);
     char* h = g.half(me, s);
+    if (first) std::memcpy(h, mine.data(), row);
     for (int j = 0; j < n; ++j) {
       size_t len = j == me ? 0 : lenOf(me, j);
-      if (len > 0) copyToSharedNoFence(h + j * slot, src + send_offsets[j] + off, len);
+      if (len > 0) copyToSharedNoFence(h + head + j * slot, src + send_offsets[j] + off, len);
     }
     streamFence();
     g.post(ShmGroup::kReady, s);
+    if (first) {
+      for (int r = 0; r < n; ++r) {
+        if (r != me) g.wait(op, r, ShmGroup::kReady, s);
+        const void* from = r == me ? static_cast<const void*>(mine.data()) : g.half(r, s);
+        std::memcpy(&sizes[r * 2 * n], from, row);
+      }
+      try {
+        validate(c, op, sizes);
+      } catch (...) {
+        g.endStep(s);  // every rank read every row: the ranks stay in step
+        throw;
+      }
+      for (int r = 0; r < n; ++r)
+        for (int j = 0; j < n; ++j)
+          if (r != j) most = std::max(most, sizes[r * 2 * n + j]);
+      uint64_t received = 0;
+      for (int r = 0; r < n; ++r) received += sizes[r * 2 * n + me];
+      so = received >= c.params.stream_out_bytes;
+      // This rank's own block: streaming stores too when the output is large (no
+      // read-for-ownership of lines that leave the cache anyway).
+      if (send_bytes[me] > 0 && dst + recv_offsets[me] != src + send_offsets[me])
+        copyOut(dst + recv_offsets[me], src + send_offsets[me], send_bytes[me], so);
+    }
     for (int k = 1; k < n; ++k) {
       int r = (me + k) % n;
       size_t len = lenOf(r, me);
       if (len == 0) continue;
       g.wait(op, r, ShmGroup::kReady, s);
-      copyOut(dst + recv_offsets[r] + off, g.half(r, s) + me * slot, len, so);
+      copyOut(dst + recv_offsets[r] + off, g.half(r, s) + head + me * slot, len, so);
     }
     g.endStep(s);
+    if (off + slot >= most) break;
   }
   if (so) streamFence();
 }
