@@ -1,6 +1,7 @@
 // broadcast and scatter: the root copies into its half, the others copy straight out of
-// it (shm, pipelined through the two halves); over messages the root sends to each rank;
-// groups spanning hosts broadcast hierarchically (one copy per host over messages).
+// it (shm, pipelined through the two halves; broadcast in steps of about a quarter of the
+// payload); over messages the root sends to each rank; groups spanning hosts broadcast
+// hierarchically (one copy per host over messages).
 #include <algorithm>
 #include <cstring>
 
@@ -46,7 +47,13 @@ void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, 
     return;
   }
   ShmGroup& g = *c.shm;
-  const size_t chunk = g.halfBytes();
+  // Pipelined in about four steps (at least 64 KiB each): the root fills one half while the
+  // others copy the previous step out of the other, instead of copying everything in before
+  // anyone copies out. Measured with pg_perf at 2 ranks: 1 MiB 99 -> 33 us, 4 MiB 476 ->
+  // 139 us; no change from 16 MiB (memory-bound) nor for allgather, where every rank copies
+  // in and out at once anyway.
+  const size_t quarter = (bytes / 4 + 4095) & ~static_cast<size_t>(4095);
+  const size_t chunk = std::min(g.halfBytes(), std::max<size_t>(quarter, 64 << 10));
   const bool so = bytes >= c.params.stream_out_bytes;
   for (size_t off = 0; off < bytes; off += chunk) {
     const size_t len = std::min(chunk, bytes - off);
