@@ -148,7 +148,18 @@ def worker(args):
     dist.init_process_group(backends[0], rank=args.rank, world_size=args.world)
     ctl = dist.new_group(backend="gloo")
     groups = {b: (None if b == backends[0] else ctl if b == "gloo" else dist.new_group(backend=b))
-              for b in backends}
+              for b in backends if ":" not in b}
+    # A/B variants: more mooncake groups in the same processes, each created with its own
+    # MC_* settings (read when a group is created), measured interleaved with the others.
+    for label, env in cfg.get("variants", []):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        groups[label] = dist.new_group(backend="mooncake")
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     records = []
     # Memory-bandwidth reference: every rank copies a buffer of each size at the same time.
     for nbytes in cfg["sizes"]:
@@ -167,9 +178,13 @@ def worker(args):
         dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=ctl)
         records.append(summarize("memcpy", "memcpy", args.world, nbytes, float(mean),
                                  samples.tolist(), 0, cfg["stat"]))
+    measured = list(backends)
+    if "mooncake" in measured:  # variants right after mooncake, as the driver lists them
+        at = measured.index("mooncake") + 1
+        measured[at:at] = [label for label, _ in cfg.get("variants", [])]
     for op in cfg["ops"]:
         for nbytes in cfg["sizes"]:
-            for b in backends:  # interleaved: noise hits every backend alike
+            for b in measured:  # interleaved: noise hits every backend alike
                 if op == "reduce_scatter" and b == "gloo":
                     continue
                 run, wrong = torch_op(dist, torch, op, nbytes, groups[b], b != "gloo")
@@ -209,6 +224,11 @@ def parse_results(text, what):
         if line.startswith("PGBENCH_RESULTS "):
             return json.loads(line[len("PGBENCH_RESULTS "):])
     raise RuntimeError(f"{what}: no results\n{text[-4000:]}")
+
+
+def busy_loops(n):
+    """n processes that spin forever (the "another process competes for the cores" case)."""
+    return [subprocess.Popen([PYTHON, "-c", "while True: pass"]) for _ in range(n)]
 
 
 def run_torch(world, cfg, timeout_s):
@@ -384,6 +404,12 @@ def main():
     ap.add_argument("--hosts", help="one letter per rank (e.g. aabb): rank r pretends to be "
                     "on host hosts[r] (MC_HOST_ID), so mooncake treats the group as spanning "
                     "hosts (tcp between them); gloo is unaffected (loopback tcp either way)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:K=V[,K=V]",
+                    help="also measure a mooncake group created with these MC_* settings, "
+                    "reported as backend mooncake:LABEL (A/B in one run; repeatable)")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="run N busy-loop processes beside the benchmark (N = cores: one per "
+                    "core)")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--plot", help="write a busbw plot (PNG) here")
     ap.add_argument("--markdown", help="write the tables as Markdown here")
@@ -405,6 +431,18 @@ def main():
     for b in backends:
         if b not in ("mooncake", "gloo", "mpi"):
             ap.error(f"unknown backend {b}")
+    variants = []
+    for v in args.variant:
+        label, _, kvs = v.partition(":")
+        env = dict(kv.split("=", 1) for kv in kvs.split(",") if "=" in kv)
+        if not label or not env or any(not k.startswith("MC_") for k in env):
+            ap.error(f"--variant {v}: expected LABEL:MC_X=V[,MC_Y=W]")
+        variants.append(["mooncake:" + label, env])
+    if variants and "mooncake" not in backends:
+        ap.error("--variant needs the mooncake backend")
+    if variants and not args.replot:
+        at = backends.index("mooncake") + 1
+        backends[at:at] = [label for label, _ in variants]
     for o in ops:
         if o not in FACTORS:
             ap.error(f"unknown op {o} (choose from {', '.join(FACTORS)})")
@@ -416,23 +454,33 @@ def main():
         worlds = sorted({r["world_size"] for r in records})
         present = {r["backend"] for r in records}
         backends = [b for b in backends if b in present]
+        if "mooncake" in backends:
+            at = backends.index("mooncake") + 1
+            backends[at:at] = sorted(b for b in present if b.startswith("mooncake:"))
         ops = [o for o in ops if any(r["op"] == o for r in records)]
     for w in ([] if args.replot else worlds):
         wsizes = [s - s % (4 * w) for s in sizes]  # whole float32 blocks per rank
         cfg = {"ops": ops, "sizes": wsizes, "iters": args.iters, "warmup": args.warmup,
-               "max_seconds": args.max_seconds, "stat": args.stat, "hosts": None}
+               "max_seconds": args.max_seconds, "stat": args.stat, "hosts": None,
+               "variants": variants}
         if args.hosts:
             if len(args.hosts) != w:
                 ap.error(f"--hosts {args.hosts} names {len(args.hosts)} ranks, not {w}")
             if "mpi" in backends:
                 ap.error("--hosts simulates hosts for the engine only: leave mpi out")
             cfg["hosts"] = args.hosts
-        torch_backends = [b for b in backends if b != "mpi"]
+        torch_backends = [b for b in backends if b != "mpi" and ":" not in b]
         t0 = time.time()
-        if torch_backends:
-            records += run_torch(w, dict(cfg, backends=torch_backends), args.timeout)
-        if "mpi" in backends:
-            records += run_mpi(w, cfg, args.timeout)
+        busy = busy_loops(args.busy)
+        try:
+            if torch_backends:
+                records += run_torch(w, dict(cfg, backends=torch_backends), args.timeout)
+            if "mpi" in backends:
+                records += run_mpi(w, cfg, args.timeout)
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
         print(f"[world {w}: measured in {time.time() - t0:.0f}s]", file=sys.stderr)
     records = [complete(r) for r in records]
     for w in worlds:
