@@ -1,5 +1,6 @@
 #include "tests/engine/peer_fixture.h"
 #include "tests/common/test_secret.h"
+#include "tests/fakes/verbs/fake_verbs_control.h"
 
 #include <dirent.h>
 #include <sys/mman.h>
@@ -87,7 +88,7 @@ void PeerTestBase::TearDown() {
   for (const auto& f : shmFiles(shm_prefix_)) shm_unlink(("/" + f).c_str());
   unsetenv("MC_SHM_PREFIX");
   if (!fv_config_.empty()) {
-    for (const auto& f : shmFiles("mcfv-" + fv_fabric_ + "-")) shm_unlink(("/" + f).c_str());
+    fakeverbs::removeFabricFiles(fv_fabric_);
     std::remove(fv_config_.c_str());
     unsetenv("MC_FAKE_VERBS_CONFIG");
     unsetenv("MC_FAKE_VERBS_FABRIC");
@@ -103,6 +104,7 @@ void PeerTestBase::prepareTransport(const std::string& transport) {
   if (transport != "rdma" || !fv_config_.empty()) return;
   fv_fabric_ = "mct" + std::to_string(getpid());
   fv_config_ = "/tmp/mcfv-" + fv_fabric_ + ".conf";
+  fakeverbs::removeFabricFiles(fv_fabric_);  // an earlier process with this pid that did not tear down
   FILE* f = std::fopen(fv_config_.c_str(), "w");
   ASSERT_NE(f, nullptr) << fv_config_;
   std::fputs("# written by the engine's peer tests (PeerTestBase)\n"

@@ -10,6 +10,7 @@
 // hash of the config file's path) and <host> the device's host= tag ("_" when it has none).
 #pragma once
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -18,6 +19,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <string>
 
 namespace mooncake::fakeverbs {
@@ -58,6 +60,23 @@ inline std::string fabricFromPath(const std::string& path) {
 inline std::string devShmName(const std::string& fabric, const std::string& host,
                               const std::string& name) {
   return "/mcfv-" + fabric + "-dev-" + (host.empty() ? "_" : host) + "." + name;
+}
+
+// Removes what a fabric leaves on this host: its NICs' shared state (/dev/shm/mcfv-<fabric>-*,
+// which nothing else unlinks) and its fake sysfs tree. Test fabrics are named after a pid; a
+// later process with the same pid would otherwise open an earlier run's NIC state (a port left
+// down, a pending failure).
+inline void removeFabricFiles(const std::string& fabric) {
+  const std::string start = "mcfv-" + fabric + "-";
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.rfind(start, 0) == 0) shm_unlink(("/" + name).c_str());
+    }
+    closedir(d);
+  }
+  std::error_code ec;
+  std::filesystem::remove_all("/tmp/" + start + std::to_string(getuid()) + "-sysfs", ec);
 }
 
 // Opens (creating it when missing) the shared state of one NIC. Returns nullptr on failure.

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "engine/params.h"
+#include "tests/fakes/verbs/fake_verbs_control.h"
 #include "tests/fakes/verbs/fake_verbs_util.h"
 
 namespace mooncake::fakeverbs::test {
@@ -25,6 +26,11 @@ const Fabric& testFabric() {
     }
     f->fabric = "fvt" + std::to_string(getpid());
     f->config = "/tmp/mcfv-test-" + std::to_string(getpid()) + ".conf";
+    removeFabricFiles(f->fabric);  // an earlier process with this pid (a crashed run)
+    std::atexit([] {
+      removeFabricFiles(testFabric().fabric);
+      std::remove(testFabric().config.c_str());
+    });
     std::ofstream out(f->config);
     out << "# written by fake_verbs_test\n"
         << "device mlx5_0 pci=0000:17:00.0 link=ethernet ip=10.9.0.1 mtu=4096\n"
