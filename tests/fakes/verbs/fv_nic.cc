@@ -416,6 +416,11 @@ bool serviceQp(Ctx* c, const std::shared_ptr<Qp>& qp, bool up, std::vector<char>
       const Pkt* p;
       const char* payload;
       for (int k = 0; k < kInboundBudget && q->in->peek(&p, &payload); ++k) {
+        // The port's state when the packet is taken, not when this round began: a port taken
+        // down before the peer posted must refuse the packet (checked per packet, as a NIC
+        // would; a round-start sample let a packet through that was sent after the flip).
+        if (c->shm->stalled.load(std::memory_order_acquire)) break;
+        up = up && c->shm->port_state.load(std::memory_order_acquire) == kPortActive;
         if (up && q->qp.state != IBV_QPS_ERR) {
           if (p->type >= kAck)
             handleResponse(q, *p, payload);
