@@ -149,9 +149,9 @@ const std::vector<ParamDef>& table() {
        "(sched_yield) after its short spin, before it sleeps on a futex."},
       {"MC_PG_HANDOFF_US", Type::kInt, "1000",
        "torch backend: a collective is run by the thread that waits on it; one that no thread "
-       "started is handed to the group's worker thread within about this many microseconds "
-       "(the period of the process's hand-off thread). 0: every op goes to the worker when it "
-       "is issued."},
+       "started is handed to the group's worker thread by the process's hand-off thread, which "
+       "looks this often while ops are pending (backing off to 16x while it finds none). 0: "
+       "every op goes to the worker when it is issued."},
       {"MC_PG_HEALTH_US", Type::kInt, "1000",
        "How often a waiting process-group op checks peer liveness and its deadline."},
       {"MC_PG_HIERARCHICAL", Type::kBool, "1",

@@ -13,14 +13,18 @@ namespace mooncake::torch_ext {
 
 namespace {
 
-// The process's hand-off thread: every `period` while collectives are being submitted, it asks
-// each queue to hand over ops that waited unclaimed for a quarter of that. After `kQuiet` without a
-// submit and with nothing waiting it sleeps until the next submit wakes it, so an idle process
-// has no ticking thread and a busy one no wake per op. One for the process (leaked: it must
-// not be joined by static destructors while a queue may still call it).
+// The process's hand-off thread: while collectives are being submitted it asks each queue, every
+// `period`, to hand over ops that waited unclaimed for a quarter of that. A look that finds no
+// op pending doubles the interval (up to kMaxBackoff periods: a loop of synchronous ops, whose
+// ops are run by their waiters, then costs ~60 context switches a second, not 1000); one that
+// finds an op pending or hands one over resets it. After kQuiet without a submit and with
+// nothing waiting it sleeps until the next submit wakes it, so an idle process has no ticking
+// thread and a busy one no wake per op. One for the process (leaked: it must not be joined by
+// static destructors while a queue may still call it).
 class HandOffThread {
  public:
   static constexpr auto kQuiet = std::chrono::milliseconds(20);
+  static constexpr int kMaxBackoff = 16;
 
   static HandOffThread& get(OpQueue::Clock::duration period) {
     static HandOffThread* t = new HandOffThread(period);
@@ -52,8 +56,13 @@ class HandOffThread {
  private:
   explicit HandOffThread(OpQueue::Clock::duration period) : period_(period) {}
 
-  // Hands over what is overdue; true when some queue still has ops nobody claimed.
-  bool scan() {
+  struct Seen {
+    bool pending = false;  // some queue had ops nobody had started
+    bool waiting = false;  // some still has (not yet overdue, or a caller runs an earlier one)
+  };
+
+  // Hands over what is overdue.
+  Seen scan() {
     std::vector<std::weak_ptr<OpQueue>> qs;
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -63,32 +72,41 @@ class HandOffThread {
       qs = queues_;
     }
     const auto now = OpQueue::Clock::now();
-    bool waiting = false;
-    for (auto& w : qs)
-      if (auto q = w.lock()) waiting |= q->handOffIfOverdue(now);
-    return waiting;
+    Seen seen;
+    for (auto& w : qs) {
+      auto q = w.lock();
+      if (!q) continue;
+      const OpQueue::Overdue o = q->handOffIfOverdue(now);
+      seen.pending |= o != OpQueue::Overdue::kNone;
+      seen.waiting |= o == OpQueue::Overdue::kWaiting;
+    }
+    return seen;
   }
 
   void loop() {
+    OpQueue::Clock::duration every = period_;
     for (;;) {
-      const bool waiting = scan();
+      const Seen seen = scan();
+      every = seen.pending ? period_ : std::min(every * 2, period_ * kMaxBackoff);
       const auto last = OpQueue::Clock::time_point(
           OpQueue::Clock::duration(last_submit_.load(std::memory_order_relaxed)));
       std::unique_lock<std::mutex> lk(mu_);
-      if (!waiting && OpQueue::Clock::now() - last > kQuiet) {
+      if (!seen.waiting && OpQueue::Clock::now() - last > kQuiet) {
         sleeping_.store(true, std::memory_order_relaxed);
         std::atomic_thread_fence(std::memory_order_seq_cst);
         lk.unlock();
-        if (scan()) {  // an op queued before the flag was visible
+        if (scan().waiting) {  // an op queued before the flag was visible
           sleeping_.store(false, std::memory_order_relaxed);
+          every = period_;
           continue;
         }
         lk.lock();
         cv_.wait(lk, [&] { return woken_ || !sleeping_.load(std::memory_order_relaxed); });
         woken_ = false;
+        every = period_;
         continue;
       }
-      cv_.wait_for(lk, period_);
+      cv_.wait_for(lk, every);
     }
   }
 
@@ -193,14 +211,14 @@ void OpQueue::close() {
   closed_ = true;
 }
 
-bool OpQueue::handOffIfOverdue(Clock::time_point now) {
+OpQueue::Overdue OpQueue::handOffIfOverdue(Clock::time_point now) {
   std::lock_guard<std::mutex> lk(mu_);
-  const bool waiting = !token_ && !pending_.empty();
-  if (waiting && !running_ && (now - pending_.front().since) * 4 >= period_) {
+  if (token_ || pending_.empty()) return Overdue::kNone;  // nothing, or the worker has them
+  if (!running_ && (now - pending_.front().since) * 4 >= period_) {
     async_credit_ = kAsyncCredit;  // nobody waited on it: the caller issues ops asynchronously
-    return !handOffLocked();
+    return handOffLocked() ? Overdue::kHandedOver : Overdue::kWaiting;
   }
-  return waiting;
+  return Overdue::kWaiting;
 }
 
 }  // namespace mooncake::torch_ext

@@ -13,12 +13,12 @@
 //  - runUpTo(id) (a waiting caller) runs every pending op up to its own, in issue order, on
 //    the calling thread, while no other thread runs one of them.
 //  - An op that no thread claimed is handed to the worker by the process's hand-off thread
-//    (op_queue.cc), which looks every MC_PG_HANDOFF_US (1 ms) while ops are being submitted
-//    and sleeps without a deadline once the process's queues have been idle for a while. An
-//    async op nobody waits on thus starts within about that time, and peers (or a dependency
-//    through another group) never wait on it forever. The tick is deliberately slow: each one
-//    is a context switch, and at 200 us they cost the 4-rank-on-2-cores case more than the
-//    hand-offs they replace.
+//    (op_queue.cc), which looks every MC_PG_HANDOFF_US (1 ms) while ops are pending, backs
+//    off to 16x that while its looks find none (synchronous use), and sleeps without a
+//    deadline once the process's queues have been idle for a while. An async op nobody waits
+//    on thus starts within 1-16 ms, and peers (or a dependency through another group) never
+//    wait on it forever. The ticks are deliberately rare: each one is a context switch, and
+//    on 4 ranks over 2 cores even 1 ms ticks lengthen the tail of small ops.
 //  - A queue that saw asynchronous use (an op issued while another was pending, or one the
 //    hand-off thread had to hand over) hands its next kAsyncCredit ops over at submit, as
 //    before, so that overlapping callers do not wait for a tick.
@@ -60,8 +60,9 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
   // The group is going away: pending ops go to the worker; later submits throw.
   void close();
   // The hand-off thread: hands the queue to the worker when its oldest op has waited
-  // unclaimed for a quarter of the period. Returns whether ops are still waiting to be claimed.
-  bool handOffIfOverdue(Clock::time_point now);
+  // unclaimed for a quarter of the period.
+  enum class Overdue { kNone, kHandedOver, kWaiting };  // kWaiting: ops still unclaimed
+  Overdue handOffIfOverdue(Clock::time_point now);
 
  private:
   struct Op {
