@@ -136,6 +136,12 @@ void ShmGroup::barrierOp(const OpCtx& op) {
   endStep(s);
 }
 
+void ShmGroup::announce(uint64_t s) {
+  const bool had = posted_ready_;
+  post(kReady, s);
+  posted_ready_ = had;
+}
+
 void ShmGroup::post(Flag f, uint64_t s) {
   if (desc_pending_) publishDesc();
   if (f == kReady) posted_ready_ = true;

@@ -69,6 +69,10 @@ class ShmGroup {
   // waits until every peer consumed the step that last used that half.
   uint64_t beginStep(const OpCtx& op, bool will_write);
   void post(Flag f, uint64_t s);
+  // Posts kReady for step s with no data in it: a rank that only receives in the step says it
+  // reached it (and publishes its call for the peers that wait on it). Unlike post(kReady),
+  // finishOp() does not then make this rank wait for every peer.
+  void announce(uint64_t s);
   void wait(const OpCtx& op, int r, Flag f, uint64_t s);
   void waitAll(const OpCtx& op, Flag f, uint64_t s);
   void endStep(uint64_t s) { post(kConsumed, s); }

@@ -55,19 +55,27 @@ void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, 
   const size_t quarter = (bytes / 4 + 4095) & ~static_cast<size_t>(4095);
   const size_t chunk = std::min(g.halfBytes(), std::max<size_t>(quarter, 64 << 10));
   const bool so = bytes >= c.params.stream_out_bytes;
+  // The receivers announce each step as they reach it, and the root's last wait is for those
+  // announcements, not for the receivers' copies: it checks their calls (mismatch detection)
+  // without waiting until they have copied, so it can fill the next op's step while they do.
+  uint64_t s = 0;
   for (size_t off = 0; off < bytes; off += chunk) {
     const size_t len = std::min(chunk, bytes - off);
-    uint64_t s = g.beginStep(op, me == root);
+    s = g.beginStep(op, me == root);
     if (me == root) {
       copyToShared(g.half(me, s), p + off, len);
       g.post(ShmGroup::kReady, s);
     } else {
+      g.announce(s);
       g.wait(op, root, ShmGroup::kReady, s);
       copyOut(p + off, g.half(root, s), len, so);
     }
     g.endStep(s);
   }
   if (so) streamFence();
+  if (me == root)
+    for (int r = 0; r < c.size; ++r)
+      if (r != me) g.wait(op, r, ShmGroup::kReady, s);
 }
 
 void scatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t bytes,
