@@ -23,8 +23,8 @@
 // time a rank sees a peer's flag of a step of the current op, it reads that peer's descriptor:
 // another signature, or an older op, is a CommError naming both calls. finishOp() makes sure
 // every rank that wrote data for peers checked them: a rank that posted kReady in the op but
-// never waited on some peer (the root of a broadcast, a non-root of a reduce) waits for that
-// peer's last kConsumed; an op that moved no data (zero bytes) runs one barrier step. So a
+// never waited on some peer (a non-root of a reduce) waits for that peer's last kConsumed (a
+// broadcast's receivers announce() each step instead, and the root waits for that); an op that moved no data (zero bytes) runs one barrier step. So a
 // rank raises in the op when its call differs from a peer it exchanged data with; a rank
 // whose call matched the root's gets its data, and raises at its next op (the others abort
 // the group, and a rank that sees an abort reports the differing calls it finds in the
