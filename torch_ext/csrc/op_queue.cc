@@ -168,7 +168,8 @@ bool OpQueue::handOffLocked() {
 
 bool OpQueue::takeHead(std::function<void()>* fn, Id up_to, bool worker) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (running_ || pending_.empty() || pending_.front().id > up_to) {
+  // Once close() began only the worker runs ops: the communicator waits for it, not for callers.
+  if (running_ || pending_.empty() || pending_.front().id > up_to || (closing_ && !worker)) {
     // The worker leaves a queue that is empty or that a caller is running: that caller hands
     // over what it leaves behind (runUpTo), the hand-off thread anything queued later.
     if (worker) token_ = false;
@@ -185,6 +186,7 @@ void OpQueue::finishOne(std::function<void()>* fn) {
   *fn = nullptr;  // release the op's tensors before the next one
   std::lock_guard<std::mutex> lk(mu_);
   running_ = false;
+  if (closing_) idle_.notify_all();
 }
 
 void OpQueue::drain() {
@@ -206,7 +208,12 @@ void OpQueue::handOff() {
 }
 
 void OpQueue::close() {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
+  // An op a caller runs uses the communicator: let it end first (each op is bounded by the
+  // group's timeout), then the worker has every op left, and the communicator's destructor
+  // waits for the worker.
+  closing_ = true;
+  idle_.wait(lk, [&] { return !running_; });
   handOffLocked();
   closed_ = true;
 }

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -57,7 +58,8 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
   void runUpTo(Id id);
   // Gives the pending ops to the worker now (a waiter that will not run them itself).
   void handOff();
-  // The group is going away: pending ops go to the worker; later submits throw.
+  // The group is going away: waits for an op a caller is running, then pending ops go to the
+  // worker (callers no longer take any); later submits throw.
   void close();
   // The hand-off thread: hands the queue to the worker when its oldest op has waited
   // unclaimed for a quarter of the period.
@@ -92,6 +94,8 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
   bool running_ = false;  // a thread runs the op it took off the head
   bool token_ = false;    // the worker has (or is about to get) a token for this queue
   bool closed_ = false;
+  bool closing_ = false;             // close() waits on idle_ for a caller's op to end
+  std::condition_variable idle_;
   int async_credit_ = 0;  // ops still handed over at submit after asynchronous use was seen
 };
 
