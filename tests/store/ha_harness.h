@@ -45,17 +45,24 @@ inline int64_t monoNs() {
       .count();
 }
 
+// A port to listen on that is free now. Picked below the kernel's ephemeral range
+// (32768-60999 by default), where outgoing connections of other processes on this host (tests
+// running beside this one) take their local ports: a port from bind(0) could be taken by one
+// of those before the service that is given it binds it.
 inline uint16_t freePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
+  static std::mt19937 rng(std::random_device{}() ^ static_cast<unsigned>(getpid()));
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const uint16_t port = static_cast<uint16_t>(20000 + rng() % 12000);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    close(fd);
+    if (ok) return port;
+  }
+  return 0;
 }
 
 inline std::string makeTempDir(const std::string& prefix) {
