@@ -89,6 +89,15 @@ const std::vector<ParamDef>& table() {
       {"MC_RDMA_SPIN_US", Type::kInt, "50",
        "How long an rdma completion poller busy-polls after the last completion before it "
        "sleeps on the completion channel."},
+      {"MC_RDMA_RETRY_MS", Type::kInt, "1000",
+       "After a work request fails on an rdma NIC (its slices move to another NIC), how long "
+       "before that NIC is tried again for the peer (its port must be up)."},
+      {"MC_RDMA_STRIPE", Type::kString, "near",
+       "Which NICs carry a request's slices: near (the NICs nearest to its local buffer: same "
+       "PCI switch, else same NUMA node, else all; docs/rdma.md) or all (every NIC)."},
+      {"MC_TOPOLOGY_XML", Type::kString, "",
+       "hwloc XML file (lstopo's format) to read the machine's topology from instead of "
+       "probing it: which NICs, GPUs and NUMA nodes are near each other."},
       {"MC_BOUNCE_BYTES", Type::kInt, "67108864",
        "Registered host memory the engine lends to transports that need the local side of a "
        "request registered (rdma), for requests from unregistered memory; allocated on first "

@@ -27,7 +27,7 @@ PACKAGES=(
   python3-mpi4py openmpi-bin libopenmpi-dev
   python3-matplotlib python3-tqdm
   python3-pip python3-venv
-  libibverbs-dev
+  libibverbs-dev libhwloc-dev
   iproute2
 )
 

@@ -33,7 +33,7 @@ PACKAGES=(
   build-essential cmake ninja-build pkgconf ccache
   libtorch-dev python3-torch python3-pytest python3-numpy pybind11-dev python3-pybind11
   libprotobuf-dev protobuf-compiler libcpp-httplib-dev libre2-dev
-  libgtest-dev libgmock-dev libibverbs-dev
+  libgtest-dev libgmock-dev libibverbs-dev libhwloc-dev
   redis-server python3-redis
   python3-mpi4py openmpi-bin libopenmpi-dev
   python3-matplotlib python3-tqdm

@@ -1,10 +1,15 @@
-// rdma-only behaviour against real peer processes on the verbs emulator (tests/fakes/verbs):
-// what the NIC reports is what the caller sees. (The shared suites run over rdma too; see
-// MC_TEST_TRANSPORTS.) No failover exists yet: a failed work request poisons the peer's QP.
+// rdma-only behaviour against real peer processes on the verbs emulator (tests/fakes/verbs),
+// whose two NICs (mlx5_0, mlx5_1; PeerTestBase) both processes share: striping over NICs,
+// the NIC nearest to a buffer (hwloc XML fixtures, tests/data/topology), failover when a NIC's
+// work requests fail or its port goes down, and the error when every NIC failed. What the
+// emulator's NICs count (bytes, work requests) is what the assertions read. (The shared suites
+// run over rdma too; see MC_TEST_TRANSPORTS.)
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "tests/engine/peer_fixture.h"
 #include "tests/fakes/verbs/fake_verbs_control.h"
@@ -12,46 +17,236 @@
 namespace mooncake::test {
 namespace {
 
-class RdmaTest : public PeerTestBase {};
+// Sets an environment variable for one test (the engine reads MC_* at start).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
 
-// A work request that completes with an error (injected on the initiator's NIC) fails its
-// request with an error that names the peer, the NIC and the operation; the data that was
-// written before it is intact, and the peer's QP stays failed (no failover yet).
-TEST_F(RdmaTest, WorkRequestErrorNamesPeerNicAndOp) {
-  PeerConfig cfg;
-  cfg.transport = "rdma";
-  PeerProcess* peer = spawnPeer(cfg);
-  ASSERT_NE(peer, nullptr);
-  auto eng = makeEngine("rdma");
-  ASSERT_NE(eng, nullptr);
-  PeerId pid = openPeer(*eng, "peer");
-  ASSERT_NE(pid, engine::kInvalidPeer);
-  ASSERT_EQ(eng->peerTransport(pid), "rdma");
-  HostBuffer buf(1 << 16);
-  fillPattern(buf.data(), 1 << 16, 77, 0);
-  MC_ASSERT_OK(eng->registerMemory(buf.data(), 1 << 16));
-  const uint64_t remote = peer->info().alloc_addr;
-  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, buf.data(), 4096, pid, remote));
-  EXPECT_EQ(peer->expect(remote, 4096, 77, 0), "");
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
 
-  fakeverbs::NicControl nic(fakeVerbsFabric(), "", "mlx5_0");
-  ASSERT_TRUE(nic.ok());
-  const uint64_t failed_before = nic.wrFailed();
-  nic.failNext(1);
-  Status st = transfer(*eng, OpCode::kWrite, buf.data() + 4096, 4096, pid, remote + 4096);
-  EXPECT_FALSE(st.ok()) << "an injected work-request error was not reported";
+class RdmaTest : public PeerTestBase {
+ protected:
+  void TearDown() override {
+    eng_.reset();  // before the base checks that destroyed engines left nothing behind
+    PeerTestBase::TearDown();
+  }
+  // A peer, an engine of this process connected to it over rdma, and both NICs' controls.
+  bool setUp(uint64_t region_bytes = 16u << 20) {
+    PeerConfig cfg;
+    cfg.transport = "rdma";
+    cfg.region_bytes = region_bytes;
+    peer_ = spawnPeer(cfg);
+    if (peer_ == nullptr) return false;
+    eng_ = makeEngine("rdma");
+    if (eng_ == nullptr) return false;
+    pid_ = openPeer(*eng_, "peer");
+    if (pid_ == engine::kInvalidPeer) return false;
+    EXPECT_EQ(eng_->peerTransport(pid_), "rdma");
+    for (int i = 0; i < 2; ++i) {
+      nic_[i] = std::make_unique<fakeverbs::NicControl>(fakeVerbsFabric(), "",
+                                                        "mlx5_" + std::to_string(i));
+      if (!nic_[i]->ok()) return false;
+    }
+    return true;
+  }
+  // Writes [buf, buf+len) to the peer's allocated region at `off`, checks the bytes arrived;
+  // returns the bytes each NIC sent meanwhile.
+  std::pair<uint64_t, uint64_t> writeAndCount(HostBuffer& buf, uint64_t len, uint64_t seed,
+                                              uint64_t off = 0) {
+    fillPattern(buf.data(), len, seed, 0);
+    const uint64_t tx0 = nic_[0]->txBytes(), tx1 = nic_[1]->txBytes();
+    const uint64_t remote = peer_->info().alloc_addr + off;
+    Status st = transfer(*eng_, OpCode::kWrite, buf.data(), len, pid_, remote);
+    EXPECT_TRUE(st.ok()) << st.toString();
+    EXPECT_EQ(peer_->expect(remote, len, seed, 0), "");
+    return {nic_[0]->txBytes() - tx0, nic_[1]->txBytes() - tx1};
+  }
+
+  PeerProcess* peer_ = nullptr;
+  std::unique_ptr<TransferEngine> eng_;
+  PeerId pid_ = engine::kInvalidPeer;
+  std::unique_ptr<fakeverbs::NicControl> nic_[2];
+};
+
+std::string fixture(const std::string& name) {
+  return std::string(MC_TEST_DATA_DIR) + "/topology/" + name;
+}
+
+// Memory the topology does not place (this machine's probe knows neither emulated NIC): a
+// large write is striped over both NICs, within 10% of even.
+TEST_F(RdmaTest, LargeWriteIsStripedEvenlyOverNics) {
+  ASSERT_TRUE(setUp());
+  HostBuffer buf(16u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 16u << 20));
+  auto [b0, b1] = writeAndCount(buf, 16u << 20, 11);
+  std::printf("bytes per NIC: mlx5_0 %llu, mlx5_1 %llu\n", static_cast<unsigned long long>(b0),
+              static_cast<unsigned long long>(b1));
+  const double even = (16u << 20) / 2.0;
+  EXPECT_NEAR(static_cast<double>(b0), even, even * 0.1);
+  EXPECT_NEAR(static_cast<double>(b1), even, even * 0.1);
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+}
+
+// With the 2-socket fixture (mlx5_0 on NUMA node 0, mlx5_1 on node 1), memory registered on a
+// node goes through that node's NIC only; MC_RDMA_STRIPE=all uses both anyway.
+TEST_F(RdmaTest, BufferUsesTheNicOfItsNumaNode) {
+  ScopedEnv xml("MC_TOPOLOGY_XML", fixture("2socket.xml"));
+  ASSERT_TRUE(setUp());
+  HostBuffer on0(4u << 20), on1(4u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(on0.data(), 4u << 20, engine::MemoryKind::kHost, 0));
+  MC_ASSERT_OK(eng_->registerMemory(on1.data(), 4u << 20, engine::MemoryKind::kHost, 1));
+  auto [a0, a1] = writeAndCount(on1, 4u << 20, 21);
+  EXPECT_EQ(a0, 0u) << "memory on node 1 went through mlx5_0 (node 0)";
+  EXPECT_GE(a1, 4u << 20);
+  auto [c0, c1] = writeAndCount(on0, 4u << 20, 22);
+  EXPECT_GE(c0, 4u << 20);
+  EXPECT_EQ(c1, 0u) << "memory on node 0 went through mlx5_1 (node 1)";
+
+  ScopedEnv all("MC_RDMA_STRIPE", "all");
+  auto eng2 = makeEngine("rdma", "parent2");
+  ASSERT_NE(eng2, nullptr);
+  PeerId p2 = openPeer(*eng2, "peer");
+  ASSERT_NE(p2, engine::kInvalidPeer);
+  HostBuffer other(4u << 20);
+  fillPattern(other.data(), 4u << 20, 23, 0);
+  MC_ASSERT_OK(eng2->registerMemory(other.data(), 4u << 20, engine::MemoryKind::kHost, 1));
+  const uint64_t tx0 = nic_[0]->txBytes(), tx1 = nic_[1]->txBytes();
+  const uint64_t remote = peer_->info().alloc_addr;
+  MC_ASSERT_OK(transfer(*eng2, OpCode::kWrite, other.data(), 4u << 20, p2, remote));
+  EXPECT_EQ(peer_->expect(remote, 4u << 20, 23, 0), "");
+  EXPECT_GT(nic_[0]->txBytes() - tx0, 0u) << "MC_RDMA_STRIPE=all left mlx5_0 out";
+  EXPECT_GT(nic_[1]->txBytes() - tx1, 0u);
+}
+
+// A work request that fails on one NIC (injected: the NIC completes it with an error and its
+// QP goes to the error state) moves, with the rest of that QP's work, to the other NIC: the
+// request succeeds with every byte in place. The failed NIC carries nothing for the peer until
+// MC_RDMA_RETRY_MS passed, then it is reconnected and carries its share again.
+TEST_F(RdmaTest, FailedWorkRequestMovesToTheOtherNic) {
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "400");
+  ASSERT_TRUE(setUp());
+  HostBuffer buf(8u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 8u << 20));
+  const uint64_t failed0 = nic_[0]->wrFailed();
+  nic_[0]->failNext(1);
+  auto [a0, a1] = writeAndCount(buf, 8u << 20, 31);
+  // (The emulator counts the work requests the error flushed too.)
+  EXPECT_GE(nic_[0]->wrFailed(), failed0 + 1) << "the emulator did not fail a work request";
+  EXPECT_GE(a1, 4u << 20) << "mlx5_1 should have carried its share and mlx5_0's failed slices";
+  // Paused: the next requests go over mlx5_1 only.
+  auto [b0, b1] = writeAndCount(buf, 4u << 20, 32);
+  EXPECT_EQ(b0, 0u) << "mlx5_0 carried bytes while paused";
+  EXPECT_GE(b1, 4u << 20);
+  // Back after the retry delay (the prober reconnects it).
+  uint64_t back = 0;
+  for (int i = 0; i < 50 && back == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    back = writeAndCount(buf, 4u << 20, 40 + i).first;
+  }
+  EXPECT_GT(back, 0u) << "mlx5_0 never carried bytes again";
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+}
+
+// Notifications stay ordered after the writes they follow, and are delivered exactly once,
+// while a NIC fails under them (the failed QP's notification parts move with its writes).
+TEST_F(RdmaTest, NotificationsSurviveFailover) {
+  constexpr int kCount = 48;
+  constexpr uint64_t kTagBase = 0x5A5A000000000000ull;
+  constexpr uint64_t kSeed = 9000;
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "200");
+  ASSERT_TRUE(setUp(notifyBytes(kCount) + 8));
+  const uint64_t remote = peer_->info().alloc_addr;
+  ASSERT_TRUE(peer_->send("notify_check " + std::to_string(kCount) + " " + std::to_string(remote) +
+                          " " + std::to_string(kTagBase) + " " + std::to_string(kSeed) + " " +
+                          std::to_string(eng_->engineId()) + " 30000"));
+  HostBuffer local(notifyBytes(kCount));
+  MC_ASSERT_OK(eng_->registerMemory(local.data(), notifyBytes(kCount)));
+  const uint64_t failed = nic_[0]->wrFailed() + nic_[1]->wrFailed();
+  std::vector<engine::BatchId> batches;
+  for (int k = 0; k < kCount; ++k) {
+    if (k == 5) nic_[1]->failNext(1);
+    if (k == 30) nic_[0]->failNext(1);
+    Slot s = notifySlot(k);
+    fillPattern(local.data() + s.offset, s.len, kSeed + k, 0);
+    auto id = eng_->submit({{OpCode::kWrite, local.data() + s.offset, s.len, pid_,
+                             remote + s.offset}});
+    ASSERT_TRUE(id.ok()) << "submit " << k << ": " << id.status().toString();
+    batches.push_back(id.value());
+    MC_ASSERT_OK(eng_->notify(pid_, kTagBase + k));
+    if (k == 20) std::this_thread::sleep_for(std::chrono::milliseconds(500));  // mlx5_1 back
+  }
+  for (auto& b : batches) MC_EXPECT_OK(eng_->wait(b, engine::deadlineInMs(20000)));
+  std::string reply, why;
+  ASSERT_TRUE(peer_->recv(&reply, 40000, &why)) << why;
+  EXPECT_EQ(reply, "ok");
+  EXPECT_GE(nic_[0]->wrFailed() + nic_[1]->wrFailed(), failed + 1)
+      << "no work request failed: the test did not exercise failover";
+  ASSERT_TRUE(peer_->send("drain_notify 300"));
+  ASSERT_TRUE(peer_->recv(&reply, 10000, &why)) << why;
+  EXPECT_EQ(reply, "ok 0") << "a notification was delivered twice";
+}
+
+// A port that goes down: its work requests time out and move to the other NIC.
+TEST_F(RdmaTest, PortDownMovesTrafficToTheOtherNic) {
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "300");
+  ASSERT_TRUE(setUp());
+  HostBuffer buf(8u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 8u << 20));
+  nic_[1]->setPortUp(false);
+  writeAndCount(buf, 8u << 20, 51);
+  auto [b0, b1] = writeAndCount(buf, 4u << 20, 52);
+  EXPECT_GE(b0, 4u << 20);
+  EXPECT_EQ(b1, 0u) << "mlx5_1 is down";
+  nic_[1]->setPortUp(true);
+  uint64_t back = 0;
+  for (int i = 0; i < 50 && back == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    back = writeAndCount(buf, 4u << 20, 60 + i).second;
+  }
+  EXPECT_GT(back, 0u) << "mlx5_1 never carried bytes again after its port came up";
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+}
+
+// When every NIC failed the request fails, naming the peer, each NIC and the operation; the
+// bytes written before stay intact.
+TEST_F(RdmaTest, EveryNicFailedNamesPeerNicsAndOp) {
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "600000");  // no reconnection during the test
+  ASSERT_TRUE(setUp());
+  HostBuffer buf(8u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 8u << 20));
+  writeAndCount(buf, 4096, 71);
+  nic_[0]->failNext(1);
+  nic_[1]->failNext(1);
+  fillPattern(buf.data() + 4096, (8u << 20) - 4096, 72, 0);
+  Status st = transfer(*eng_, OpCode::kWrite, buf.data() + 4096, (8u << 20) - 4096, pid_,
+                       peer_->info().alloc_addr + 4096);
+  ASSERT_FALSE(st.ok()) << "both NICs failed a work request, yet the write succeeded";
   std::printf("error seen: %s\n", st.toString().c_str());
   const std::string msg = st.message();
-  EXPECT_NE(msg.find("WRITE"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("mlx5_0"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("peer"), std::string::npos) << msg;
-  EXPECT_EQ(nic.wrFailed(), failed_before + 1) << "the emulator did not fail the request";
-  EXPECT_EQ(peer->expect(remote, 4096, 77, 0), "") << "earlier bytes must stay intact";
-  // The QP is in the error state: later requests fail at once with the same cause.
-  st = transfer(*eng, OpCode::kRead, buf.data(), 4096, pid, remote);
+  for (const char* want : {"WRITE", "peer", "every NIC", "mlx5_0", "mlx5_1"})
+    EXPECT_NE(msg.find(want), std::string::npos) << "'" << want << "' missing from: " << msg;
+  EXPECT_EQ(peer_->expect(peer_->info().alloc_addr, 4096, 71, 0), "")
+      << "earlier bytes must stay intact";
+  st = transfer(*eng_, OpCode::kRead, buf.data(), 4096, pid_, peer_->info().alloc_addr);
   EXPECT_FALSE(st.ok());
-  EXPECT_NE(st.message().find("mlx5_0"), std::string::npos) << st.toString();
-  MC_EXPECT_OK(eng->unregisterMemory(buf.data()));
+  EXPECT_NE(st.message().find("every NIC"), std::string::npos) << st.toString();
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 
 }  // namespace

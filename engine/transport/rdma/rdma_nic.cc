@@ -1,6 +1,8 @@
 #include "engine/transport/rdma/rdma_nic.h"
 
+#include <limits.h>
 #include <poll.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -54,10 +56,23 @@ Status chooseGid(Nic* n) {
                                           << " has no RoCE v2 IPv4-mapped GID (set MC_RDMA_GID_INDEX)");
 }
 
+// The PCI address behind a device's sysfs directory (<ibdev_path>/device links to
+// .../devices/.../<domain:bus:dev.fn>); empty when it cannot be read.
+std::string pciAddress(ibv_device* dev) {
+  std::string link = std::string(dev->ibdev_path) + "/device";
+  char buf[PATH_MAX];
+  ssize_t len = readlink(link.c_str(), buf, sizeof(buf) - 1);
+  if (len <= 0) return "";
+  std::string target(buf, static_cast<size_t>(len));
+  size_t slash = target.find_last_of('/');
+  return slash == std::string::npos ? target : target.substr(slash + 1);
+}
+
 Result<std::unique_ptr<Nic>> openOne(ibv_device* dev, int index) {
   auto n = std::make_unique<Nic>();
   n->index = index;
   n->name = ibv_get_device_name(dev);
+  n->pci = pciAddress(dev);
   n->ctx = ibv_open_device(dev);
   if (n->ctx == nullptr)
     return MC_STATUS(kUnavailable, "rdma: cannot open " << n->name << ": " << strerror(errno));

@@ -35,6 +35,7 @@ class CompletionTarget {
 struct Nic {
   int index = 0;  // in the engine's NIC list (and in the endpoint data it publishes)
   std::string name;
+  std::string pci;  // PCI address from sysfs (topology lookups); empty when unknown
   ibv_context* ctx = nullptr;
   ibv_pd* pd = nullptr;
   ibv_comp_channel* channel = nullptr;

@@ -1,43 +1,18 @@
-// rdma transport (see rdma_transport.h for what it does and the exchange format).
+// rdma transport (see rdma_transport.h for what it does and the exchange format): NICs,
+// memory registration, connections and the target side. The initiator's QPs and lanes are in
+// rdma_peer.cc.
 #include "engine/transport/rdma/rdma_transport.h"
 
 #include <algorithm>
 #include <cstring>
-#include <deque>
-#include <map>
-#include <mutex>
-#include <random>
-#include <set>
-#include <shared_mutex>
-#include <sstream>
-#include <thread>
-#include <unordered_map>
 
-#include "engine/bounce_pool.h"
 #include "engine/log.h"
 #include "engine/params.h"
-#include "engine/transport/rdma/rdma_nic.h"
+#include "engine/transport/rdma/rdma_internal.h"
 
 namespace mooncake::engine {
 namespace rdma {
 namespace {
-
-constexpr int kRecvSlots = 64;        // receives a target keeps posted per QP
-constexpr size_t kNotifyBytes = 16;   // u32 channel | u32 0 | u64 tag
-constexpr int kAccess =
-    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-
-std::string hex(uint64_t v) {
-  std::ostringstream os;
-  os << "0x" << std::hex << v;
-  return os.str();
-}
-
-uint32_t randomPsn() {
-  static thread_local std::mt19937 rng(std::random_device{}());
-  return rng() & 0xffffff;
-}
-
 // Half of a QP's connection data (what each side tells the other).
 struct QpAddr {
   uint32_t qpn = 0;
@@ -127,439 +102,6 @@ Status connectQp(Nic* nic, ibv_qp* qp, uint32_t my_psn, const QpAddr& remote, bo
   return Status::OK();
 }
 
-// One request being moved: done once every slice completed.
-struct TaskState {
-  Task* task;
-  std::atomic<int> remaining;
-  std::mutex mu;
-  Status err;
-  TaskState(Task* t, int n) : task(t), remaining(n) {}
-  void finish(const Status& st) {
-    if (!st.ok()) {
-      std::lock_guard<std::mutex> g(mu);
-      if (err.ok()) err = st;
-    }
-    if (remaining.fetch_sub(1) != 1) return;
-    Status s;
-    {
-      std::lock_guard<std::mutex> g(mu);
-      s = err;
-    }
-    Task* t = task;
-    delete this;
-    t->done(std::move(s));
-  }
-};
-
-class Qp;
-
-// One work request (a slice of a READ/WRITE, or a notification).
-struct Op final : CompletionTarget {
-  Qp* qp = nullptr;
-  TaskState* ts = nullptr;  // null for a notification
-  OpCode op = OpCode::kWrite;
-  char* local = nullptr;     // registered source/destination (or the bounce chunk, once set)
-  uint32_t lkey = 0;
-  bool bounce = false;       // local is the caller's unregistered memory: move via a chunk
-  char* user = nullptr;      // the caller's memory when bouncing
-  char* chunk = nullptr;
-  uint64_t len = 0;
-  uint64_t raddr = 0;
-  uint32_t rkey = 0;
-  uint32_t channel = 0;
-  uint64_t tag = 0;
-  void onCompletion(const ibv_wc& wc) override;
-};
-
-}  // namespace
-
-// The transport (declared outside the anonymous namespace: Qp refers to it).
-class RdmaTransportImpl final : public Transport {
- public:
-  explicit RdmaTransportImpl(const TransportOptions& o) : opts_(o) {}
-  ~RdmaTransportImpl() override { stop(); }
-  TransportKind kind() const override { return TransportKind::kRdma; }
-  Status start(EngineContext* ctx) override;
-  void fillLocalSegment(SegmentDesc* desc) override;
-  Status registerRegion(Region* region) override;
-  void unregisterRegion(const Region& region) override;
-  bool canReach(const SegmentDesc& local, const SegmentDesc& remote) const override;
-  Result<std::unique_ptr<TransportPeer>> connect(const SegmentDesc& remote, Deadline deadline,
-                                                 bool data,
-                                                 std::shared_ptr<ControlLink> control) override;
-  void onExchange(const SegmentDesc& from, std::string request,
-                  std::function<void(Result<std::string>)> reply) override;
-  void onPeerGone(uint64_t engine_id) override;
-  bool needsRegisteredLocal() const override { return true; }
-  void stop() override;
-
-  // The lkey of [p, p+len) on `nic` when the whole range is in one registered region.
-  bool lkey(const void* p, uint64_t len, int nic, uint32_t* key) const;
-  BouncePool* bounce() { return ctx_->bounce ? ctx_->bounce() : nullptr; }
-  EngineContext* ctx() const { return ctx_; }
-  uint64_t sliceBytes() const { return slice_bytes_; }
-  int maxWr() const { return max_wr_; }
-  void addQp(Qp* q) {
-    std::lock_guard<std::mutex> g(qps_mu_);
-    qps_.insert(q);
-  }
-  void removeQp(Qp* q) {
-    std::lock_guard<std::mutex> g(qps_mu_);
-    qps_.erase(q);
-  }
-  void pumpAll();
-  void deliverNotify(uint64_t src, uint32_t channel, uint64_t tag);
-  const std::vector<std::unique_ptr<Nic>>& nics() const { return nics_; }
-
- private:
-  struct LocalMr {
-    uint64_t len;
-    std::vector<ibv_mr*> mrs;  // by NIC (nullptr where it could not register)
-  };
-  struct TargetQp;
-
-  TransportOptions opts_;
-  EngineContext* ctx_ = nullptr;
-  std::vector<std::unique_ptr<Nic>> nics_;
-  uint64_t slice_bytes_ = 1 << 20;
-  int max_wr_ = 64;
-  bool stopped_ = false;
-  mutable std::shared_mutex mr_mu_;
-  std::map<uint64_t, LocalMr> mrs_;
-  std::mutex qps_mu_;
-  std::set<Qp*> qps_;
-  std::mutex target_mu_;
-  std::multimap<uint64_t, std::unique_ptr<TargetQp>> targets_;  // by initiator engine id
-  std::vector<std::unique_ptr<TargetQp>> graveyard_;           // of gone peers (until stop)
-};
-
-namespace {
-
-// The initiator's QP to one peer: an ordered queue of work requests, at most maxWr() posted.
-class Qp {
- public:
-  Qp(RdmaTransportImpl* t, Nic* nic, ibv_qp* qp, std::string peer)
-      : t_(t), nic_(nic), qp_(qp), peer_(std::move(peer)), nbuf_(kNotifyBytes * t->maxWr()) {
-    nmr_ = ibv_reg_mr(nic->pd, nbuf_.data(), nbuf_.size(), IBV_ACCESS_LOCAL_WRITE);
-    t_->addQp(this);
-  }
-  ~Qp() {
-    t_->removeQp(this);
-    fail(MC_STATUS(kCancelled, "rdma: peer " << peer_ << " closed"));
-    // The poller flushes what was posted; wait for it so that no completion refers to us.
-    auto until = Clock::now() + std::chrono::seconds(5);
-    for (;;) {
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        if (inflight_ == 0) break;
-      }
-      if (Clock::now() > until) {
-        MC_LOG(ERROR, RDMA) << "QP to " << peer_ << " on " << nic_->name
-                            << " did not flush; leaking it";
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    ibv_destroy_qp(qp_);
-    if (nmr_ != nullptr) ibv_dereg_mr(nmr_);
-  }
-  Nic* nic() const { return nic_; }
-  ibv_qp* qp() const { return qp_; }
-  bool ok() const { return nmr_ != nullptr; }
-
-  void enqueue(std::vector<Op*>& ops) {
-    std::vector<std::pair<Op*, Status>> done;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (failed_) {
-        for (Op* o : ops) done.emplace_back(o, why_);
-      } else {
-        for (Op* o : ops) pending_.push_back(o);
-        pumpLocked(&done);
-      }
-    }
-    finish(done);
-  }
-
-  void pump() {
-    std::vector<std::pair<Op*, Status>> done;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (pending_.empty()) return;
-      pumpLocked(&done);
-    }
-    finish(done);
-  }
-
-  void complete(Op* o, const ibv_wc& wc) {
-    std::vector<std::pair<Op*, Status>> done;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      --inflight_;
-      Status st;
-      if (wc.status != IBV_WC_SUCCESS) {
-        if (failed_) {
-          st = why_;
-        } else {
-          st = MC_STATUS(kIo, "rdma " << (o->ts == nullptr ? "NOTIFY"
-                                                           : o->op == OpCode::kWrite ? "WRITE"
-                                                                                     : "READ")
-                                      << " of " << o->len << " bytes to peer " << peer_
-                                      << " (remote " << hex(o->raddr) << ") via NIC "
-                                      << nic_->name << " failed: "
-                                      << ibv_wc_status_str(wc.status));
-          failLocked(st, &done);
-        }
-      } else if (o->bounce && o->op == OpCode::kRead) {
-        std::memcpy(o->user, o->chunk, o->len);
-      }
-      if (o->chunk != nullptr) {
-        if (BouncePool* b = t_->bounce()) b->release(o->chunk);
-        o->chunk = nullptr;
-      }
-      done.emplace_back(o, st);
-      if (!failed_) pumpLocked(&done);
-    }
-    finish(done);
-  }
-
-  void fail(const Status& why) {
-    std::vector<std::pair<Op*, Status>> done;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (!failed_) failLocked(why, &done);
-    }
-    finish(done);
-  }
-
-  Status failedStatus() {
-    std::lock_guard<std::mutex> g(mu_);
-    return failed_ ? why_ : Status::OK();
-  }
-  int inflight() {
-    std::lock_guard<std::mutex> g(mu_);
-    return inflight_;
-  }
-
- private:
-  void failLocked(const Status& why, std::vector<std::pair<Op*, Status>>* done) {
-    failed_ = true;
-    why_ = why;
-    for (Op* o : pending_) done->emplace_back(o, why);
-    pending_.clear();
-    // Everything posted completes with IBV_WC_WR_FLUSH_ERR (and then with why_).
-    ibv_qp_attr a{};
-    a.qp_state = IBV_QPS_ERR;
-    ibv_modify_qp(qp_, &a, IBV_QP_STATE);
-  }
-
-  // Posts queued work requests in order while the QP has room (and chunks, for bounces).
-  void pumpLocked(std::vector<std::pair<Op*, Status>>* done) {
-    while (!pending_.empty() && inflight_ < t_->maxWr()) {
-      Op* o = pending_.front();
-      ibv_sge sge{};
-      ibv_send_wr wr{};
-      ibv_send_wr* bad = nullptr;
-      if (o->ts == nullptr) {  // notification
-        char* slot = nbuf_.data() + kNotifyBytes * (nseq_++ % static_cast<uint64_t>(t_->maxWr()));
-        std::memset(slot, 0, kNotifyBytes);
-        std::memcpy(slot, &o->channel, 4);
-        std::memcpy(slot + 8, &o->tag, 8);
-        sge = {reinterpret_cast<uint64_t>(slot), static_cast<uint32_t>(kNotifyBytes), nmr_->lkey};
-        wr.opcode = IBV_WR_SEND;
-      } else {
-        if (o->bounce && o->chunk == nullptr) {
-          BouncePool* b = t_->bounce();
-          char* c = b == nullptr ? nullptr : b->tryAcquire();
-          if (c == nullptr) break;  // retried when a chunk comes back (pumpAll)
-          if (!t_->lkey(c, o->len, nic_->index, &o->lkey)) {
-            b->release(c);
-            pending_.pop_front();
-            done->emplace_back(o, MC_STATUS(kInternal, "rdma: bounce pool not registered on "
-                                                           << nic_->name));
-            continue;
-          }
-          o->chunk = c;
-          if (o->op == OpCode::kWrite) std::memcpy(c, o->user, o->len);
-          o->local = c;
-        }
-        sge = {reinterpret_cast<uint64_t>(o->local), static_cast<uint32_t>(o->len), o->lkey};
-        wr.opcode = o->op == OpCode::kWrite ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
-        wr.wr.rdma.remote_addr = o->raddr;
-        wr.wr.rdma.rkey = o->rkey;
-      }
-      wr.wr_id = reinterpret_cast<uint64_t>(static_cast<CompletionTarget*>(o));
-      wr.sg_list = &sge;
-      wr.num_sge = 1;
-      wr.send_flags = IBV_SEND_SIGNALED;
-      int rc = ibv_post_send(qp_, &wr, &bad);
-      if (rc != 0) {
-        Status st = MC_STATUS(kIo, "rdma: posting to peer " << peer_ << " via NIC " << nic_->name
-                                                            << " failed: " << strerror(rc));
-        if (o->chunk != nullptr) {
-          if (BouncePool* b = t_->bounce()) b->release(o->chunk);
-          o->chunk = nullptr;
-        }
-        pending_.pop_front();
-        done->emplace_back(o, st);
-        failLocked(st, done);
-        return;
-      }
-      pending_.pop_front();
-      ++inflight_;
-    }
-  }
-
-  static void finish(std::vector<std::pair<Op*, Status>>& done) {
-    for (auto& [o, st] : done) {
-      if (o->ts != nullptr) {
-        o->ts->finish(st);
-      } else if (!st.ok() && st.code() != Code::kCancelled) {
-        MC_LOG(WARN, RDMA) << "notification lost: " << st.toString();
-      }
-      delete o;
-    }
-    done.clear();
-  }
-
-  RdmaTransportImpl* t_;
-  Nic* nic_;
-  ibv_qp* qp_;
-  std::string peer_;
-  std::vector<char> nbuf_;
-  ibv_mr* nmr_ = nullptr;
-  uint64_t nseq_ = 0;
-  std::mutex mu_;
-  std::deque<Op*> pending_;
-  int inflight_ = 0;
-  bool failed_ = false;
-  Status why_;
-};
-
-void Op::onCompletion(const ibv_wc& wc) { qp->complete(this, wc); }
-
-// A remote region as this peer sees it on the chosen remote NIC.
-struct RemoteRegion {
-  uint64_t addr;
-  uint64_t len;
-  uint32_t rkey;
-};
-
-class RdmaPeer final : public TransportPeer {
- public:
-  RdmaPeer(RdmaTransportImpl* t, std::unique_ptr<Qp> qp, int remote_nic, const SegmentDesc& d)
-      : t_(t), qp_(std::move(qp)), remote_nic_(remote_nic), name_(d.name) {
-    setRegions(d);
-  }
-  ~RdmaPeer() override { qp_.reset(); }
-
-  void submit(Task* task) override {
-    if (task->length == 0) return task->done(Status::OK());
-    Status st = qp_->failedStatus();
-    if (!st.ok()) return task->done(st);
-    uint32_t rkey = 0;
-    if (!findRemote(task->remote, task->length, &rkey))
-      return task->done(MC_STATUS(kPermissionDenied,
-                                  "rdma: [" << hex(task->remote) << ", +" << task->length
-                                            << ") is not inside a region peer " << name_
-                                            << " registered for rdma"));
-    Nic* nic = qp_->nic();
-    uint32_t lkey = 0;
-    bool bounce = !t_->lkey(task->local, task->length, nic->index, &lkey);
-    uint64_t slice = t_->sliceBytes();
-    if (bounce) {
-      BouncePool* b = t_->bounce();
-      if (b == nullptr)
-        return task->done(MC_STATUS(kUnavailable, "rdma: the local memory of a request to "
-                                                      << name_
-                                                      << " is not registered and the engine has "
-                                                         "no bounce pool"));
-      slice = std::min<uint64_t>(slice, b->chunkBytes());
-    }
-    int n = static_cast<int>((task->length + slice - 1) / slice);
-    auto* ts = new TaskState(task, n);
-    std::vector<Op*> ops;
-    ops.reserve(n);
-    for (uint64_t off = 0; off < task->length; off += slice) {
-      auto* o = new Op();
-      o->qp = qp_.get();
-      o->ts = ts;
-      o->op = task->op;
-      o->len = std::min(slice, task->length - off);
-      o->raddr = task->remote + off;
-      o->rkey = rkey;
-      o->bounce = bounce;
-      if (bounce) {
-        o->user = static_cast<char*>(task->local) + off;
-      } else {
-        o->local = static_cast<char*>(task->local) + off;
-        o->lkey = lkey;
-      }
-      ops.push_back(o);
-    }
-    qp_->enqueue(ops);
-  }
-
-  Status notify(uint32_t channel, uint64_t tag) override {
-    MC_RETURN_IF_ERROR(qp_->failedStatus());
-    auto* o = new Op();
-    o->qp = qp_.get();
-    o->channel = channel;
-    o->tag = tag;
-    std::vector<Op*> ops{o};
-    qp_->enqueue(ops);
-    return qp_->failedStatus();
-  }
-
-  bool carriesMessages() const override { return false; }
-  Status sendMessage(uint32_t channel, std::string_view payload) override {
-    return MC_STATUS(kNotSupported, "rdma: messages go over the control link");
-  }
-
-  Status updateRemote(const SegmentDesc& remote) override {
-    setRegions(remote);
-    return Status::OK();
-  }
-  void fail(const Status& why) override { qp_->fail(why); }
-
- private:
-  void setRegions(const SegmentDesc& d) {
-    std::vector<RemoteRegion> rs;
-    for (const auto& r : d.regions) {
-      const std::string& k = r.keys[static_cast<int>(TransportKind::kRdma)];
-      std::stringstream in(k);
-      std::string item;
-      for (int i = 0; std::getline(in, item, ','); ++i) {
-        if (i != remote_nic_) continue;
-        if (item == "-" || item.empty()) break;
-        rs.push_back({r.addr, r.len, static_cast<uint32_t>(std::strtoul(item.c_str(), nullptr, 10))});
-        break;
-      }
-    }
-    std::sort(rs.begin(), rs.end(),
-              [](const RemoteRegion& a, const RemoteRegion& b) { return a.addr < b.addr; });
-    std::unique_lock<std::shared_mutex> g(mu_);
-    regions_ = std::move(rs);
-  }
-  bool findRemote(uint64_t addr, uint64_t len, uint32_t* rkey) const {
-    std::shared_lock<std::shared_mutex> g(mu_);
-    auto it = std::upper_bound(regions_.begin(), regions_.end(), addr,
-                               [](uint64_t a, const RemoteRegion& r) { return a < r.addr; });
-    if (it == regions_.begin()) return false;
-    --it;
-    if (addr - it->addr > it->len || len > it->len - (addr - it->addr)) return false;
-    *rkey = it->rkey;
-    return true;
-  }
-
-  RdmaTransportImpl* t_;
-  std::unique_ptr<Qp> qp_;
-  int remote_nic_;
-  std::string name_;
-  mutable std::shared_mutex mu_;
-  std::vector<RemoteRegion> regions_;
-};
-
 }  // namespace
 
 // The target's QP toward one initiator: receives notifications.
@@ -573,6 +115,9 @@ struct RdmaTransportImpl::TargetQp {
   Nic* nic = nullptr;
   ibv_qp* qp = nullptr;
   uint64_t src = 0;
+  uint64_t conn = 0;                   // the initiator's connection (its QPs, one per NIC)
+  int their_nic = -1;                  // the initiator's NIC (its lane)
+  std::shared_ptr<NotifyOrder> order;  // shared by that connection's QPs
   std::vector<char> buf = std::vector<char>(kNotifyBytes * kRecvSlots);
   ibv_mr* mr = nullptr;
   Slot slots[kRecvSlots];
@@ -589,13 +134,18 @@ struct RdmaTransportImpl::TargetQp {
   }
   void onRecv(Slot* s, const ibv_wc& wc) {
     if (wc.status != IBV_WC_SUCCESS || dead.load()) return;
-    if (wc.opcode == IBV_WC_RECV && wc.byte_len == kNotifyBytes) {
-      uint32_t channel;
+    bool ok = wc.opcode == IBV_WC_RECV && wc.byte_len == kNotifyBytes;
+    if (ok) {
+      uint32_t channel, word;
       uint64_t tag;
       std::memcpy(&channel, s->buf, 4);
+      std::memcpy(&word, s->buf + 4, 4);
       std::memcpy(&tag, s->buf + 8, 8);
-      t->deliverNotify(src, channel, tag);
-    } else {
+      // Delivered once every part of it (and every earlier notification) arrived.
+      ok = order->arrive(word, channel, tag,
+                         [&](uint32_t c, uint64_t tg) { t->deliverNotify(src, c, tg); });
+    }
+    if (!ok) {
       MC_LOG(WARN, RDMA) << "dropping a malformed receive (" << wc.byte_len << " bytes) from "
                          << hex(src);
     }
@@ -609,20 +159,33 @@ struct RdmaTransportImpl::TargetQp {
   }
 };
 
+RdmaTransportImpl::RdmaTransportImpl(const TransportOptions& o) : opts_(o) {}
+
+RdmaTransportImpl::~RdmaTransportImpl() { stop(); }
+
 Status RdmaTransportImpl::start(EngineContext* ctx) {
   ctx_ = ctx;
   slice_bytes_ = static_cast<uint64_t>(
       std::clamp<int64_t>(params::getInt("MC_RDMA_SLICE_BYTES"), 4096, 1ll << 30));
   max_wr_ = static_cast<int>(std::clamp<int64_t>(params::getInt("MC_RDMA_MAX_WR"), 1, 4096));
+  const std::string stripe = params::getString("MC_RDMA_STRIPE");
+  if (stripe != "near" && stripe != "all")
+    return MC_STATUS(kInvalidArgument, "MC_RDMA_STRIPE must be near or all, not '" << stripe << "'");
+  stripe_all_ = stripe == "all";
+  retry_ = std::chrono::milliseconds(
+      std::clamp<int64_t>(params::getInt("MC_RDMA_RETRY_MS"), 1, 3600 * 1000));
   MC_ASSIGN_OR_RETURN(nics_, openNics());
+  topo_ = nics_.size() > 1 ? Topology::load() : Topology::empty();  // one NIC: nothing to choose
   int64_t spin = params::getInt("MC_RDMA_SPIN_US");
   for (auto& n : nics_) {
     n->on_idle = [this] { pumpAll(); };
     n->startPoller(spin);
   }
   std::string names;
-  for (auto& n : nics_) names += " " + n->name + (n->ib ? "(ib)" : "(roce)");
-  MC_LOG(INFO, RDMA) << "rdma NICs:" << names;
+  for (auto& n : nics_)
+    names += " " + n->name + (n->ib ? "(ib" : "(roce") + (n->pci.empty() ? "" : " " + n->pci) + ")";
+  MC_LOG(INFO, RDMA) << "rdma NICs:" << names << "; topology: " << topo_->source();
+  prober_ = std::thread([this] { probeLoop(); });
   return Status::OK();
 }
 
@@ -632,7 +195,20 @@ void RdmaTransportImpl::fillLocalSegment(SegmentDesc* desc) {
 }
 
 Status RdmaTransportImpl::registerRegion(Region* region) {
-  LocalMr m{region->len, {}};
+  LocalMr m{region->len, {}, {}};
+  // Where the region lives: a GPU (its PCI address, from the topology's "cuda<N>" device), a
+  // NUMA node named by the caller (host memory's device), or the node its pages are on.
+  MemLocation where;
+  if (region->kind == MemoryKind::kCuda && region->device >= 0)
+    where.pci = topo_->pciOf("cuda" + std::to_string(region->device));
+  else if (region->kind == MemoryKind::kHost && region->device >= 0)
+    where.numa = region->device;
+  else if (region->kind == MemoryKind::kHost)
+    where.numa = topo_->numaOfMemory(reinterpret_cast<void*>(region->addr),
+                                     std::min<uint64_t>(region->len, 64 << 10));  // a sample
+  std::vector<std::string> pcis;
+  for (auto& n : nics_) pcis.push_back(n->pci);
+  m.near = topo_->nearest(pcis, where);
   std::string keys;
   bool any = false;
   for (auto& n : nics_) {
@@ -667,6 +243,16 @@ void RdmaTransportImpl::unregisterRegion(const Region& region) {
     if (mr != nullptr) ibv_dereg_mr(mr);
 }
 
+std::vector<int> RdmaTransportImpl::nearNics(const void* p, uint64_t len) const {
+  uint64_t a = reinterpret_cast<uint64_t>(p);
+  std::shared_lock<std::shared_mutex> g(mr_mu_);
+  auto it = mrs_.upper_bound(a);
+  if (it == mrs_.begin()) return {};
+  --it;
+  if (a - it->first > it->second.len || len > it->second.len - (a - it->first)) return {};
+  return it->second.near;
+}
+
 bool RdmaTransportImpl::lkey(const void* p, uint64_t len, int nic, uint32_t* key) const {
   uint64_t a = reinterpret_cast<uint64_t>(p);
   std::shared_lock<std::shared_mutex> g(mr_mu_);
@@ -691,53 +277,87 @@ bool RdmaTransportImpl::canReach(const SegmentDesc& local, const SegmentDesc& re
   return false;
 }
 
-Result<std::unique_ptr<TransportPeer>> RdmaTransportImpl::connect(
-    const SegmentDesc& remote, Deadline deadline, bool data, std::shared_ptr<ControlLink> control) {
-  if (control == nullptr)
-    return MC_STATUS(kInvalidArgument, "rdma: connecting " << remote.name << " needs a control link");
-  MC_ASSIGN_OR_RETURN(auto theirs,
-                      decodeNics(remote.endpoints[static_cast<int>(TransportKind::kRdma)]));
-  Nic* nic = nullptr;
-  int rn = -1;
-  for (auto& n : nics_) {
-    for (size_t i = 0; i < theirs.size() && rn < 0; ++i)
-      if (theirs[i].ib == n->ib) rn = static_cast<int>(i);
-    if (rn >= 0) {
-      nic = n.get();
-      break;
-    }
-  }
-  if (nic == nullptr)
-    return MC_STATUS(kUnavailable, "rdma: no NIC of this engine reaches a NIC of " << remote.name);
+Result<ibv_qp*> RdmaTransportImpl::dial(Nic* nic, int remote_nic, bool remote_ib, uint64_t conn,
+                                        ControlLink& control, const std::string& peer,
+                                        Deadline deadline) {
   MC_ASSIGN_OR_RETURN(ibv_qp* raw, createQp(nic, max_wr_, 1));
-  auto qp = std::make_unique<Qp>(this, nic, raw, remote.name);
-  if (!qp->ok()) return MC_STATUS(kUnavailable, "rdma: cannot register a notify buffer");
   QpAddr mine;
   mine.qpn = raw->qp_num;
   mine.psn = randomPsn();
   mine.lid = nic->port.lid;
   mine.gid = nic->gid;
   mine.mtu = nic->port.active_mtu;
-  std::string req = "1 " + std::to_string(nic->index) + " " + std::to_string(rn) + " " +
-                    encodeQpAddr(mine) + " " + (nic->ib ? "1" : "0");
-  MC_ASSIGN_OR_RETURN(std::string ans, control->exchange(TransportKind::kRdma, req, deadline));
-  std::istringstream in(ans);
-  QpAddr peer;
-  if (!decodeQpAddr(in, &peer))
-    return MC_STATUS(kProtocol, "rdma: malformed connection answer from " << remote.name);
-  MC_RETURN_IF_ERROR(connectQp(nic, raw, mine.psn, peer, theirs[rn].ib));
-  MC_LOG(INFO, RDMA) << "connected to " << remote.name << ": " << nic->name << " -> "
-                     << theirs[rn].name << " qpn " << mine.qpn << " -> " << peer.qpn;
-  return std::unique_ptr<TransportPeer>(new RdmaPeer(this, std::move(qp), rn, remote));
+  std::string req = "2 " + std::to_string(nic->index) + " " + std::to_string(remote_nic) + " " +
+                    encodeQpAddr(mine) + " " + (nic->ib ? "1" : "0") + " " + std::to_string(conn);
+  Status st;
+  auto ans = control.exchange(TransportKind::kRdma, req, deadline);
+  QpAddr theirs;
+  if (!ans.ok()) {
+    st = ans.status();
+  } else {
+    std::istringstream in(*ans);
+    st = decodeQpAddr(in, &theirs)
+             ? connectQp(nic, raw, mine.psn, theirs, remote_ib)
+             : MC_STATUS(kProtocol, "rdma: malformed connection answer from " << peer);
+  }
+  if (!st.ok()) {
+    ibv_destroy_qp(raw);
+    return st;
+  }
+  MC_LOG(INFO, RDMA) << "connected to " << peer << ": " << nic->name << " -> its NIC "
+                     << remote_nic << ", qpn " << mine.qpn << " -> " << theirs.qpn;
+  return raw;
+}
+
+Result<std::unique_ptr<TransportPeer>> RdmaTransportImpl::connect(
+    const SegmentDesc& remote, Deadline deadline, bool data, std::shared_ptr<ControlLink> control) {
+  if (control == nullptr)
+    return MC_STATUS(kInvalidArgument, "rdma: connecting " << remote.name << " needs a control link");
+  MC_ASSIGN_OR_RETURN(auto theirs,
+                      decodeNics(remote.endpoints[static_cast<int>(TransportKind::kRdma)]));
+  // One lane per local NIC, to the peer NIC of the same link layer in the same position among
+  // those (rail-matched: local NIC k of a kind talks to the peer's NIC k of that kind, modulo
+  // how many the peer has). The connection id ties the lanes' notifications together at the
+  // target (rdma_notify.h).
+  const uint64_t conn = (static_cast<uint64_t>(randomPsn()) << 32) ^ randomPsn() ^
+                        static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  std::vector<LaneInit> lanes;
+  int kind_pos[2] = {0, 0};
+  Status last;
+  for (auto& n : nics_) {
+    if (lanes.size() >= kMaxNotifyParts) break;
+    std::vector<int> same;
+    for (size_t i = 0; i < theirs.size(); ++i)
+      if (theirs[i].ib == n->ib) same.push_back(static_cast<int>(i));
+    int& pos = kind_pos[n->ib ? 1 : 0];
+    if (same.empty()) continue;
+    const int rn = same[static_cast<size_t>(pos++) % same.size()];
+    auto raw = dial(n.get(), rn, n->ib, conn, *control, remote.name, deadline);
+    if (!raw.ok()) {  // this NIC does not reach the peer now; the others may
+      MC_LOG(WARN, RDMA) << "peer " << remote.name << ": no lane on " << n->name << ": "
+                         << raw.status().toString();
+      last = raw.status();
+      continue;
+    }
+    lanes.push_back(LaneInit{n.get(), *raw, rn, n->ib});
+  }
+  if (lanes.empty()) {
+    if (!last.ok()) return last;
+    return MC_STATUS(kUnavailable, "rdma: no NIC of this engine reaches a NIC of " << remote.name);
+  }
+  auto peer = makeRdmaPeer(this, std::move(lanes), remote, conn, std::move(control));
+  if (peer == nullptr) return MC_STATUS(kUnavailable, "rdma: cannot register a notify buffer");
+  return peer;
 }
 
 void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
                                    std::function<void(Result<std::string>)> reply) {
   std::istringstream in(request);
   int version = 0, their_nic = -1, my_nic = -1, ib = 0;
+  uint64_t conn = 0;
   QpAddr peer;
-  if (!(in >> version >> their_nic >> my_nic) || version != 1 || !decodeQpAddr(in, &peer) ||
-      !(in >> ib))
+  if (!(in >> version >> their_nic >> my_nic) || version != 2 || !decodeQpAddr(in, &peer) ||
+      !(in >> ib >> conn))
     return reply(MC_STATUS(kProtocol, "rdma: malformed connection request"));
   if (my_nic < 0 || static_cast<size_t>(my_nic) >= nics_.size())
     return reply(MC_STATUS(kInvalidArgument, "rdma: no NIC " << my_nic << " here"));
@@ -749,6 +369,8 @@ void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
   tq->nic = nic;
   tq->qp = *raw;
   tq->src = from.engine_id;
+  tq->conn = conn;
+  tq->their_nic = their_nic;
   tq->mr = ibv_reg_mr(nic->pd, tq->buf.data(), tq->buf.size(), IBV_ACCESS_LOCAL_WRITE);
   if (tq->mr == nullptr) return reply(MC_STATUS(kUnavailable, "rdma: cannot register receives"));
   for (int i = 0; i < kRecvSlots; ++i) {
@@ -766,7 +388,28 @@ void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
   Status st = connectQp(nic, tq->qp, mine.psn, peer, ib != 0);
   if (!st.ok()) return reply(st);
   {
+    // The connection's QPs share one notification order (rdma_notify.h). A lane the initiator
+    // reconnects (failover) replaces its old QP here.
     std::lock_guard<std::mutex> g(target_mu_);
+    auto range = targets_.equal_range(from.engine_id);
+    for (auto it = range.first; it != range.second;) {
+      if (it->second->conn != conn) {
+        ++it;
+        continue;
+      }
+      if (!tq->order) tq->order = it->second->order;
+      if (it->second->their_nic != their_nic) {
+        ++it;
+        continue;
+      }
+      it->second->dead.store(true);
+      ibv_qp_attr a{};
+      a.qp_state = IBV_QPS_ERR;
+      ibv_modify_qp(it->second->qp, &a, IBV_QP_STATE);
+      graveyard_.push_back(std::move(it->second));
+      it = targets_.erase(it);
+    }
+    if (!tq->order) tq->order = std::make_shared<NotifyOrder>();
     targets_.emplace(from.engine_id, std::move(tq));
   }
   reply(encodeQpAddr(mine));
@@ -783,6 +426,41 @@ void RdmaTransportImpl::onPeerGone(uint64_t engine_id) {
     graveyard_.push_back(std::move(it->second));  // destroyed at stop (after the pollers)
   }
   targets_.erase(range.first, range.second);
+}
+
+void RdmaTransportImpl::addQp(Qp* q) {
+  std::lock_guard<std::mutex> g(qps_mu_);
+  qps_.insert(q);
+}
+
+void RdmaTransportImpl::removeQp(Qp* q) {
+  std::lock_guard<std::mutex> g(qps_mu_);
+  qps_.erase(q);
+}
+
+void RdmaTransportImpl::addPeer(RdmaPeer* p) {
+  std::lock_guard<std::mutex> g(peers_mu_);
+  peers_.insert(p);
+}
+
+void RdmaTransportImpl::removePeer(RdmaPeer* p) {
+  std::lock_guard<std::mutex> g(peers_mu_);  // held by the prober while it probes
+  peers_.erase(p);
+}
+
+void RdmaTransportImpl::probeLoop() {
+  const auto every = std::max<std::chrono::milliseconds>(retry_ / 4, std::chrono::milliseconds(5));
+  std::unique_lock<std::mutex> lk(probe_mu_);
+  while (!probe_stop_) {
+    probe_cv_.wait_for(lk, every, [&] { return probe_stop_; });
+    if (probe_stop_) break;
+    lk.unlock();
+    {
+      std::lock_guard<std::mutex> g(peers_mu_);
+      for (RdmaPeer* p : peers_) probePeer(p);
+    }
+    lk.lock();
+  }
 }
 
 void RdmaTransportImpl::pumpAll() {
@@ -803,6 +481,12 @@ void RdmaTransportImpl::deliverNotify(uint64_t src, uint32_t channel, uint64_t t
 void RdmaTransportImpl::stop() {
   if (stopped_) return;
   stopped_ = true;
+  {
+    std::lock_guard<std::mutex> g(probe_mu_);
+    probe_stop_ = true;
+  }
+  probe_cv_.notify_all();
+  if (prober_.joinable()) prober_.join();
   // Fail what the peers still hold and let the pollers flush it before they stop (the peers
   // themselves are destroyed after this, and must find nothing in flight).
   {

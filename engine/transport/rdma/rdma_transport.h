@@ -1,29 +1,37 @@
 // rdma transport: libibverbs RC queue pairs between hosts (docs/rdma.md).
 //
 // What it does today (the rest of issue 10 is listed in docs/rdma.md):
-//  - NICs: every active NIC (rdma_nic.h), each with a PD, a CQ and a poller thread.
+//  - NICs: every active NIC (rdma_nic.h), each with a PD, a CQ and a poller thread; its PCI
+//    address (from sysfs) places it in the machine's topology (engine/topology.h).
 //  - Memory: registerRegion registers the region with every NIC; the region's key
 //    (RegionDesc::keys[kRdma]) is the rkeys, one per NIC in the order of the endpoint data,
 //    comma separated ("-" where that NIC could not register it). The endpoint data
-//    (SegmentDesc::endpoints[kRdma]) is one line per NIC (rdma_nic.h NicAddress).
-//  - Connection: one RC QP per peer, from the first local NIC to the first peer NIC of the same
-//    link layer, created when the engine opens the peer. QP number, PSN, LID/GID and MTU are
-//    exchanged over the engine's tcp control link (ControlLink::exchange, kind kRdma):
-//      request  "1 <initiator nic> <target nic> <qpn> <psn> <lid> <gid hex> <mtu>"
+//    (SegmentDesc::endpoints[kRdma]) is one line per NIC (rdma_nic.h NicAddress). Each region
+//    also gets its nearest NICs: same PCI switch as its GPU, else its NUMA node's, else all.
+//  - Lanes: one RC QP per local NIC, to the peer's NIC of the same link layer in the same
+//    position (rail-matched), created when the engine opens the peer. QP number, PSN, LID/GID
+//    and MTU are exchanged over the engine's tcp control link (ControlLink::exchange, kind
+//    kRdma):
+//      request  "2 <initiator nic> <target nic> <qpn> <psn> <lid> <gid hex> <mtu> <ib> <conn>"
 //      answer   "<qpn> <psn> <lid> <gid hex> <mtu>"
-//    The target creates its QP, posts its receives and moves it to RTR before it answers, so
-//    the initiator's first SEND finds it ready.
+//    `conn` names the initiator's set of lanes to this target (their notifications share one
+//    order). The target creates its QP, posts its receives and moves it to RTR before it
+//    answers, so the initiator's first SEND finds it ready.
 //  - Data: READ/WRITE requests are cut into MC_RDMA_SLICE_BYTES slices posted as one-sided
-//    RDMA READ/WRITE, at most MC_RDMA_MAX_WR outstanding per QP (the rest queue in order).
-//    Local memory the engine does not know goes through the engine's bounce pool.
-//  - notify(channel, tag): a 16-byte SEND (u32 channel, u32 0, u64 tag) posted on the same QP
-//    after the writes it follows, so the target's receive completes after their bytes are
-//    placed (RC ordering). The target delivers it like tcp does (inbox for channel 0, the
-//    engine's notify handlers otherwise). Two-sided messages stay on the tcp control link
-//    (carriesMessages() is false).
-//  - Failure: a work-request error fails the request naming the peer, the NIC and the
-//    operation, and poisons the QP (no failover yet); the peer's death is noticed by the tcp
-//    control link, which fails this peer through TransportPeer::fail().
+//    RDMA READ/WRITE round robin over the lanes of the local memory's nearest NICs
+//    (MC_RDMA_STRIPE=near; all: every lane), at most MC_RDMA_MAX_WR outstanding per QP (the
+//    rest queue in order). Local memory the engine does not know goes through the engine's
+//    bounce pool.
+//  - notify(channel, tag): a 16-byte SEND on each lane that carried work since the last one,
+//    after that work on the same QP; the target delivers it when every part arrived, in issue
+//    order (rdma_notify.h), like tcp does (inbox for channel 0, the engine's notify handlers
+//    otherwise). Two-sided messages stay on the tcp control link (carriesMessages() false).
+//  - Failover (rdma_peer.cc): a work request that fails (error completion, a port down timing
+//    out) moves its QP to the error state; once the NIC flushed it, everything that QP held
+//    goes, in order, to another live lane, and the failed lane is reconnected by a prober
+//    thread after MC_RDMA_RETRY_MS (when its port is up). With no lane left a request fails
+//    naming the peer, the operation and every NIC's error. The peer's death is noticed by the
+//    tcp control link, which fails this peer through TransportPeer::fail() (final).
 #pragma once
 
 #include <memory>

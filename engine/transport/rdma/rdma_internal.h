@@ -1,0 +1,239 @@
+// What the rdma transport's files share (rdma_transport.cc: NICs, memory, connections, the
+// target side; rdma_peer.cc: the initiator's QPs, slicing, striping and failover).
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <shared_mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/bounce_pool.h"
+#include "engine/topology.h"
+#include "engine/transport/rdma/rdma_nic.h"
+#include "engine/transport/rdma/rdma_notify.h"
+#include "engine/transport/transport.h"
+
+namespace mooncake::engine::rdma {
+
+constexpr int kRecvSlots = 64;       // receives a target keeps posted per QP
+constexpr size_t kNotifyBytes = 16;  // u32 channel | u32 word | u64 tag (rdma_notify.h)
+constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+
+inline std::string hex(uint64_t v) {
+  std::ostringstream os;
+  os << "0x" << std::hex << v;
+  return os.str();
+}
+
+inline uint32_t randomPsn() {
+  static thread_local std::mt19937 rng(std::random_device{}());
+  return rng() & 0xffffff;
+}
+
+// One request being moved: done once every slice completed.
+struct TaskState {
+  Task* task;
+  std::atomic<int> remaining;
+  std::mutex mu;
+  Status err;
+  TaskState(Task* t, int n) : task(t), remaining(n) {}
+  void finish(const Status& st) {
+    if (!st.ok()) {
+      std::lock_guard<std::mutex> g(mu);
+      if (err.ok()) err = st;
+    }
+    if (remaining.fetch_sub(1) != 1) return;
+    Status s;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      s = err;
+    }
+    Task* t = task;
+    delete this;
+    t->done(std::move(s));
+  }
+};
+
+class Qp;
+
+// One work request (a slice of a READ/WRITE, or one part of a notification).
+struct Op final : CompletionTarget {
+  Qp* qp = nullptr;
+  TaskState* ts = nullptr;  // null for a notification
+  OpCode op = OpCode::kWrite;
+  char* local = nullptr;  // registered source/destination (or the bounce chunk, once set)
+  uint32_t lkey = 0;
+  bool bounce = false;    // the caller's memory is not registered on this NIC: via a chunk
+  char* user = nullptr;   // the caller's memory
+  char* chunk = nullptr;
+  uint64_t len = 0;
+  uint64_t raddr = 0;
+  uint32_t rkey = 0;
+  uint32_t channel = 0;
+  uint32_t word = 0;  // notification: parts, part and sequence (rdma_notify.h)
+  uint64_t tag = 0;
+  void onCompletion(const ibv_wc& wc) override;
+  const char* what() const { return ts == nullptr ? "NOTIFY" : op == OpCode::kWrite ? "WRITE" : "READ"; }
+};
+
+// Completes ops: their request's share (or logs a lost notification), then deletes them.
+void finishOps(std::vector<std::pair<Op*, Status>>& done);
+
+class RdmaTransportImpl;
+
+// The initiator's QP on one lane of a peer: an ordered queue of work requests, at most maxWr()
+// posted. When a work request fails (or cannot be posted), the QP goes to the error state and,
+// once the NIC has flushed everything posted, gives every op that did not complete back to
+// its owner in issue order (`reroute`), for another QP to carry. fail() is final instead: the
+// ops complete with its status.
+class Qp {
+ public:
+  using Reroute = std::function<void(Qp* from, std::vector<Op*> ops, const Status& why)>;
+  Qp(RdmaTransportImpl* t, Nic* nic, ibv_qp* qp, std::string peer, Reroute reroute);
+  ~Qp();
+  Nic* nic() const { return nic_; }
+  bool ok() const { return nmr_ != nullptr; }
+
+  // Queues ops in order (takes them). On a QP that failed they go back to the owner behind
+  // what it still holds (or complete with the error when the failure is final).
+  void enqueue(std::vector<Op*>& ops);
+  void pump();
+  void complete(Op* o, const ibv_wc& wc);
+  void fail(const Status& why);
+  Status failedStatus();
+  int inflight();
+
+ private:
+  void failLocked(const Status& why);
+  void pumpLocked(std::vector<std::pair<Op*, Status>>* done);
+  // Under mu_: once failed (reroutably) with nothing in flight, the ops to give back.
+  std::vector<Op*> takeBackLocked();
+  // Hands what takeBackLocked() took to the owner (without mu_).
+  void giveBack(std::vector<Op*> ops, const Status& why);
+  void releaseChunk(Op* o);
+
+  RdmaTransportImpl* t_;
+  Nic* nic_;
+  ibv_qp* qp_;
+  std::string peer_;
+  Reroute reroute_;
+  std::vector<char> nbuf_;
+  ibv_mr* nmr_ = nullptr;
+  uint64_t nseq_ = 0;
+  std::mutex mu_;
+  std::deque<Op*> pending_;   // not posted yet, in order
+  std::vector<Op*> orphans_;  // posted, then flushed by a failure, in post order
+  int inflight_ = 0;
+  int handing_ = 0;  // give-backs running (the destructor waits for them too)
+  bool failed_ = false;
+  bool reroutable_ = false;  // failed by a work request (not by fail()): give ops back
+  Status why_;
+};
+
+// A lane to be: a connected QP from a local NIC to a peer NIC.
+struct LaneInit {
+  Nic* nic = nullptr;
+  ibv_qp* qp = nullptr;
+  int remote_nic = -1;
+  bool remote_ib = false;
+};
+
+class RdmaPeer;
+
+// The transport (rdma_transport.h).
+class RdmaTransportImpl final : public Transport {
+ public:
+  explicit RdmaTransportImpl(const TransportOptions& o);
+  ~RdmaTransportImpl() override;
+  TransportKind kind() const override { return TransportKind::kRdma; }
+  Status start(EngineContext* ctx) override;
+  void fillLocalSegment(SegmentDesc* desc) override;
+  Status registerRegion(Region* region) override;
+  void unregisterRegion(const Region& region) override;
+  bool canReach(const SegmentDesc& local, const SegmentDesc& remote) const override;
+  Result<std::unique_ptr<TransportPeer>> connect(const SegmentDesc& remote, Deadline deadline,
+                                                 bool data,
+                                                 std::shared_ptr<ControlLink> control) override;
+  void onExchange(const SegmentDesc& from, std::string request,
+                  std::function<void(Result<std::string>)> reply) override;
+  void onPeerGone(uint64_t engine_id) override;
+  bool needsRegisteredLocal() const override { return true; }
+  void stop() override;
+
+  // Creates a QP on `nic` and connects it to the peer's NIC `remote_nic` through `control`
+  // (connection `conn`, rdma_notify.h).
+  Result<ibv_qp*> dial(Nic* nic, int remote_nic, bool remote_ib, uint64_t conn,
+                       ControlLink& control, const std::string& peer, Deadline deadline);
+  // The lkey of [p, p+len) on `nic` when the whole range is in one registered region.
+  bool lkey(const void* p, uint64_t len, int nic, uint32_t* key) const;
+  BouncePool* bounce() { return ctx_->bounce ? ctx_->bounce() : nullptr; }
+  EngineContext* ctx() const { return ctx_; }
+  uint64_t sliceBytes() const { return slice_bytes_; }
+  int maxWr() const { return max_wr_; }
+  bool stripeAll() const { return stripe_all_; }
+  std::chrono::milliseconds retryAfter() const { return retry_; }
+  // The NICs nearest to the registered region holding [p, p+len) (empty: not registered).
+  std::vector<int> nearNics(const void* p, uint64_t len) const;
+  void addQp(Qp* q);
+  void removeQp(Qp* q);
+  // Peers whose failed lanes the prober reconnects.
+  void addPeer(RdmaPeer* p);
+  void removePeer(RdmaPeer* p);
+  void pumpAll();
+  void deliverNotify(uint64_t src, uint32_t channel, uint64_t tag);
+  const std::vector<std::unique_ptr<Nic>>& nics() const { return nics_; }
+
+ private:
+  struct LocalMr {
+    uint64_t len;
+    std::vector<ibv_mr*> mrs;  // by NIC (nullptr where it could not register)
+    std::vector<int> near;     // the NICs nearest to it (Topology::nearest)
+  };
+  struct TargetQp;
+  void probeLoop();
+
+  TransportOptions opts_;
+  EngineContext* ctx_ = nullptr;
+  std::vector<std::unique_ptr<Nic>> nics_;
+  uint64_t slice_bytes_ = 1 << 20;
+  int max_wr_ = 64;
+  bool stripe_all_ = false;
+  std::chrono::milliseconds retry_{1000};
+  std::shared_ptr<const Topology> topo_;
+  bool stopped_ = false;
+  mutable std::shared_mutex mr_mu_;
+  std::map<uint64_t, LocalMr> mrs_;
+  std::mutex qps_mu_;
+  std::set<Qp*> qps_;
+  std::mutex target_mu_;
+  std::multimap<uint64_t, std::unique_ptr<TargetQp>> targets_;  // by initiator engine id
+  std::vector<std::unique_ptr<TargetQp>> graveyard_;           // of gone peers (until stop)
+  // The prober: reconnects peers' failed lanes once MC_RDMA_RETRY_MS passed.
+  std::mutex peers_mu_;
+  std::set<RdmaPeer*> peers_;
+  std::mutex probe_mu_;
+  std::condition_variable probe_cv_;
+  bool probe_stop_ = false;
+  std::thread prober_;
+};
+
+// A peer over lanes (one QP per local NIC that reaches one of its NICs); rdma_peer.cc.
+std::unique_ptr<TransportPeer> makeRdmaPeer(RdmaTransportImpl* t, std::vector<LaneInit> lanes,
+                                            const SegmentDesc& remote, uint64_t conn,
+                                            std::shared_ptr<ControlLink> control);
+// The prober's call on a peer: reconnects the lanes that failed MC_RDMA_RETRY_MS ago or more.
+void probePeer(RdmaPeer* p);
+
+}  // namespace mooncake::engine::rdma

@@ -1,0 +1,619 @@
+// The rdma transport's initiator side: QPs, a peer's lanes, slicing, striping and failover
+// (rdma_internal.h; what it does is in rdma_transport.h and docs/rdma.md).
+#include <algorithm>
+#include <cstring>
+
+#include "engine/log.h"
+#include "engine/transport/rdma/rdma_internal.h"
+
+namespace mooncake::engine::rdma {
+
+void finishOps(std::vector<std::pair<Op*, Status>>& done) {
+  for (auto& [o, st] : done) {
+    if (o->ts != nullptr) {
+      o->ts->finish(st);
+    } else if (!st.ok() && st.code() != Code::kCancelled) {
+      MC_LOG(WARN, RDMA) << "notification lost: " << st.toString();
+    }
+    delete o;
+  }
+  done.clear();
+}
+
+void Op::onCompletion(const ibv_wc& wc) { qp->complete(this, wc); }
+
+// ---------------------------------------------------------------------------------------
+// Qp
+
+Qp::Qp(RdmaTransportImpl* t, Nic* nic, ibv_qp* qp, std::string peer, Reroute reroute)
+    : t_(t), nic_(nic), qp_(qp), peer_(std::move(peer)), reroute_(std::move(reroute)),
+      nbuf_(kNotifyBytes * t->maxWr()) {
+  nmr_ = ibv_reg_mr(nic->pd, nbuf_.data(), nbuf_.size(), IBV_ACCESS_LOCAL_WRITE);
+  t_->addQp(this);
+}
+
+Qp::~Qp() {
+  t_->removeQp(this);
+  fail(MC_STATUS(kCancelled, "rdma: peer " << peer_ << " closed"));
+  // The poller flushes what was posted; wait for it so that no completion refers to us.
+  auto until = Clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (inflight_ == 0 && handing_ == 0) break;
+    }
+    if (Clock::now() > until) {
+      MC_LOG(ERROR, RDMA) << "QP to " << peer_ << " on " << nic_->name
+                          << " did not flush; leaking it";
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ibv_destroy_qp(qp_);
+  if (nmr_ != nullptr) ibv_dereg_mr(nmr_);
+}
+
+void Qp::enqueue(std::vector<Op*>& ops) {
+  std::vector<std::pair<Op*, Status>> done;
+  std::vector<Op*> back;
+  Status why;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (failed_ && !reroutable_) {
+      for (Op* o : ops) done.emplace_back(o, why_);
+    } else {
+      for (Op* o : ops) {
+        o->qp = this;
+        pending_.push_back(o);
+      }
+      if (!failed_) pumpLocked(&done);
+      back = takeBackLocked();
+      why = why_;
+    }
+  }
+  ops.clear();
+  finishOps(done);
+  if (!back.empty()) giveBack(std::move(back), why);
+}
+
+void Qp::pump() {
+  std::vector<std::pair<Op*, Status>> done;
+  std::vector<Op*> back;
+  Status why;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (pending_.empty() || failed_) return;
+    pumpLocked(&done);
+    back = takeBackLocked();
+    why = why_;
+  }
+  finishOps(done);
+  if (!back.empty()) giveBack(std::move(back), why);
+}
+
+void Qp::complete(Op* o, const ibv_wc& wc) {
+  std::vector<std::pair<Op*, Status>> done;
+  std::vector<Op*> back;
+  Status why;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    --inflight_;
+    if (wc.status == IBV_WC_SUCCESS) {
+      if (o->bounce && o->op == OpCode::kRead && o->chunk != nullptr)
+        std::memcpy(o->user, o->chunk, o->len);
+      releaseChunk(o);
+      done.emplace_back(o, Status::OK());
+      if (!failed_) pumpLocked(&done);
+    } else {
+      releaseChunk(o);
+      if (!failed_) {
+        failLocked(MC_STATUS(kIo, "rdma " << o->what() << " of " << o->len << " bytes to peer "
+                                          << peer_ << " (remote " << hex(o->raddr)
+                                          << ") via NIC " << nic_->name
+                                          << " failed: " << ibv_wc_status_str(wc.status)));
+      }
+      // Flushed or failed: given back (in post order, which is completion order on RC) for
+      // another QP to carry, unless the failure is final.
+      if (reroutable_) {
+        orphans_.push_back(o);
+      } else {
+        done.emplace_back(o, why_);
+      }
+    }
+    back = takeBackLocked();
+    why = why_;
+  }
+  finishOps(done);
+  if (!back.empty()) giveBack(std::move(back), why);
+}
+
+void Qp::fail(const Status& why) {
+  std::vector<std::pair<Op*, Status>> done;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!failed_) failLocked(why);
+    if (reroutable_) why_ = why;  // final now: what is still here completes with this
+    reroutable_ = false;
+    for (Op* o : orphans_) done.emplace_back(o, why_);
+    for (Op* o : pending_) done.emplace_back(o, why_);
+    orphans_.clear();
+    pending_.clear();
+  }
+  finishOps(done);
+}
+
+Status Qp::failedStatus() {
+  std::lock_guard<std::mutex> g(mu_);
+  return failed_ ? why_ : Status::OK();
+}
+
+int Qp::inflight() {
+  std::lock_guard<std::mutex> g(mu_);
+  return inflight_;
+}
+
+void Qp::failLocked(const Status& why) {
+  failed_ = true;
+  reroutable_ = true;
+  why_ = why;
+  // Everything posted completes with IBV_WC_WR_FLUSH_ERR (and is given back then).
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_ERR;
+  ibv_modify_qp(qp_, &a, IBV_QP_STATE);
+}
+
+std::vector<Op*> Qp::takeBackLocked() {
+  std::vector<Op*> out;
+  if (!failed_ || !reroutable_ || inflight_ != 0) return out;
+  out.swap(orphans_);
+  out.insert(out.end(), pending_.begin(), pending_.end());
+  pending_.clear();
+  if (!out.empty()) ++handing_;
+  return out;
+}
+
+void Qp::giveBack(std::vector<Op*> ops, const Status& why) {
+  reroute_(this, std::move(ops), why);
+  std::lock_guard<std::mutex> g(mu_);
+  --handing_;
+}
+
+void Qp::releaseChunk(Op* o) {
+  if (o->chunk == nullptr) return;
+  if (BouncePool* b = t_->bounce()) b->release(o->chunk);
+  o->chunk = nullptr;
+}
+
+// Posts queued work requests in order while the QP has room (and chunks, for bounces).
+void Qp::pumpLocked(std::vector<std::pair<Op*, Status>>* done) {
+  while (!pending_.empty() && inflight_ < t_->maxWr()) {
+    Op* o = pending_.front();
+    ibv_sge sge{};
+    ibv_send_wr wr{};
+    ibv_send_wr* bad = nullptr;
+    if (o->ts == nullptr) {  // a notification (part)
+      char* slot = nbuf_.data() + kNotifyBytes * (nseq_++ % static_cast<uint64_t>(t_->maxWr()));
+      std::memcpy(slot, &o->channel, 4);
+      std::memcpy(slot + 4, &o->word, 4);
+      std::memcpy(slot + 8, &o->tag, 8);
+      sge = {reinterpret_cast<uint64_t>(slot), static_cast<uint32_t>(kNotifyBytes), nmr_->lkey};
+      wr.opcode = IBV_WR_SEND;
+    } else {
+      if (o->bounce && o->chunk == nullptr) {
+        BouncePool* b = t_->bounce();
+        char* c = b == nullptr ? nullptr : b->tryAcquire();
+        if (c == nullptr) break;  // retried when a chunk comes back (pumpAll)
+        if (!t_->lkey(c, o->len, nic_->index, &o->lkey)) {
+          b->release(c);
+          pending_.pop_front();
+          done->emplace_back(o, MC_STATUS(kInternal, "rdma: bounce pool not registered on "
+                                                         << nic_->name));
+          continue;
+        }
+        o->chunk = c;
+        if (o->op == OpCode::kWrite) std::memcpy(c, o->user, o->len);
+        o->local = c;
+      }
+      sge = {reinterpret_cast<uint64_t>(o->local), static_cast<uint32_t>(o->len), o->lkey};
+      wr.opcode = o->op == OpCode::kWrite ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
+      wr.wr.rdma.remote_addr = o->raddr;
+      wr.wr.rdma.rkey = o->rkey;
+    }
+    wr.wr_id = reinterpret_cast<uint64_t>(static_cast<CompletionTarget*>(o));
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    int rc = ibv_post_send(qp_, &wr, &bad);
+    if (rc != 0) {
+      // Left at the head of the queue: given back after what is in flight has flushed.
+      releaseChunk(o);
+      failLocked(MC_STATUS(kIo, "rdma: posting a " << o->what() << " to peer " << peer_
+                                                  << " via NIC " << nic_->name
+                                                  << " failed: " << strerror(rc)));
+      return;
+    }
+    pending_.pop_front();
+    ++inflight_;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// RdmaPeer
+
+namespace {
+
+// A remote region as this peer sees it: its rkey on each of the peer's NICs (-1: none).
+struct RemoteRegion {
+  uint64_t addr;
+  uint64_t len;
+  std::vector<int64_t> rkeys;
+};
+
+}  // namespace
+
+// Lanes: one QP per local NIC that reaches a NIC of the peer. A request's slices go over the
+// lanes of the NICs nearest to its local memory (MC_RDMA_STRIPE=near) or over all (all), round
+// robin; a notification goes over each lane that carried work since the last one
+// (rdma_notify.h). A lane whose QP fails gives its work to another lane (in order, so that a
+// notification part still follows the writes it covers) and is reconnected by the transport's
+// prober MC_RDMA_RETRY_MS later; when no lane is left, requests fail naming every NIC's error.
+class RdmaPeer final : public TransportPeer {
+ public:
+  RdmaPeer(RdmaTransportImpl* t, std::vector<LaneInit> inits, const SegmentDesc& d,
+           uint64_t conn, std::shared_ptr<ControlLink> control)
+      : t_(t), name_(d.name), conn_(conn), control_(std::move(control)) {
+    lane_of_nic_.assign(t_->nics().size(), -1);
+    for (const LaneInit& in : inits) {
+      Lane l;
+      l.nic = in.nic;
+      l.remote_nic = in.remote_nic;
+      l.remote_ib = in.remote_ib;
+      l.qp = newQp(in.nic, in.qp);
+      lane_of_nic_[static_cast<size_t>(in.nic->index)] = static_cast<int>(lanes_.size());
+      lanes_.push_back(std::move(l));
+    }
+    setRegions(d);
+    t_->addPeer(this);
+  }
+  ~RdmaPeer() override {
+    t_->removePeer(this);  // waits for a probe of this peer
+    std::vector<Lane> lanes;
+    {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      lanes.swap(lanes_);  // a give-back racing this finds no lane and fails its ops
+    }
+    lanes.clear();
+  }
+  bool ok() const {
+    for (const Lane& l : lanes_)
+      if (!l.qp->ok()) return false;
+    return !lanes_.empty();
+  }
+
+  void submit(Task* task) override {
+    if (task->length == 0) return task->done(Status::OK());
+    {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      if (dead_) return task->done(dead_why_);
+    }
+    if (!findRemote(task->remote, task->length, nullptr))
+      return task->done(MC_STATUS(kPermissionDenied,
+                                  "rdma: [" << hex(task->remote) << ", +" << task->length
+                                            << ") is not inside a region peer " << name_
+                                            << " registered for rdma"));
+    const std::vector<int> near =
+        t_->stripeAll() ? std::vector<int>{} : t_->nearNics(task->local, task->length);
+    uint64_t slice = t_->sliceBytes();
+    BouncePool* b = t_->bounce();
+    if (near.empty() && b != nullptr) slice = std::min<uint64_t>(slice, b->chunkBytes());
+    int n = static_cast<int>((task->length + slice - 1) / slice);
+    std::vector<Op*> ops;
+    ops.reserve(n);
+    auto* ts = new TaskState(task, n);
+    for (uint64_t off = 0; off < task->length; off += slice) {
+      auto* o = new Op();
+      o->ts = ts;
+      o->op = task->op;
+      o->len = std::min(slice, task->length - off);
+      o->raddr = task->remote + off;
+      o->user = static_cast<char*>(task->local) + off;
+      ops.push_back(o);
+    }
+    std::vector<std::pair<Op*, Status>> failed;
+    {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      std::vector<int> use = liveLanes(near);
+      if (use.empty()) use = liveLanes({});
+      // Slices go round robin over the lanes, starting one further for each request (a
+      // request of one slice thus uses one lane, and a run of them all of them).
+      std::vector<std::vector<Op*>> per(lanes_.size());
+      size_t next = use.empty() ? 0 : rr_++ % use.size();
+      for (Op* o : ops) {
+        Status st = use.empty() ? everyNicFailed(*o) : Status::OK();
+        int lane = -1;
+        for (size_t k = 0; st.ok() && k < use.size(); ++k) {
+          int cand = use[(next + k) % use.size()];
+          st = bind(o, lanes_[static_cast<size_t>(cand)]);
+          if (st.ok()) {
+            lane = cand;
+            break;
+          }
+        }
+        next = (next + 1) % std::max<size_t>(use.size(), 1);
+        if (lane < 0) {
+          failed.emplace_back(o, st);
+        } else {
+          per[static_cast<size_t>(lane)].push_back(o);
+        }
+      }
+      for (size_t i = 0; i < lanes_.size(); ++i) {
+        if (per[i].empty()) continue;
+        lanes_[i].dirty = true;
+        lanes_[i].qp->enqueue(per[i]);
+      }
+    }
+    finishOps(failed);
+  }
+
+  Status notify(uint32_t channel, uint64_t tag) override {
+    std::lock_guard<std::recursive_mutex> g(mu_);
+    if (dead_) return dead_why_;
+    // One part on each lane that carried work since the last notification (a failed lane
+    // still takes it: it gives it back behind that work). None dirty: one part on a live lane.
+    std::vector<Lane*> parts;
+    for (Lane& l : lanes_)
+      if (l.dirty) parts.push_back(&l);
+    if (parts.empty()) {
+      std::vector<int> live = liveLanes({});
+      if (live.empty()) {
+        Op probe;
+        return everyNicFailed(probe);
+      }
+      parts.push_back(&lanes_[static_cast<size_t>(live[0])]);
+    }
+    const uint32_t seq = seq_;
+    seq_ = (seq_ + 1) & kNotifySeqMask;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      auto* o = new Op();
+      o->channel = channel;
+      o->tag = tag;
+      o->word = notifyWord(static_cast<uint32_t>(parts.size()), static_cast<uint32_t>(i), seq);
+      std::vector<Op*> one{o};
+      parts[i]->dirty = false;
+      parts[i]->qp->enqueue(one);
+    }
+    return Status::OK();
+  }
+
+  bool carriesMessages() const override { return false; }
+  Status sendMessage(uint32_t channel, std::string_view payload) override {
+    return MC_STATUS(kNotSupported, "rdma: messages go over the control link");
+  }
+
+  Status updateRemote(const SegmentDesc& remote) override {
+    setRegions(remote);
+    return Status::OK();
+  }
+
+  // The peer is gone (or the engine stops): final, nothing is rerouted or reconnected.
+  void fail(const Status& why) override {
+    std::vector<std::shared_ptr<Qp>> qps;
+    {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      dead_ = true;
+      dead_why_ = why;
+      for (Lane& l : lanes_) qps.push_back(l.qp);
+    }
+    for (auto& q : qps) q->fail(why);
+  }
+
+  // The prober: reconnects lanes that failed at least MC_RDMA_RETRY_MS ago, once their QP
+  // gave back everything, on a NIC whose port is up.
+  void probe() {
+    for (size_t i = 0;; ++i) {
+      Nic* nic = nullptr;
+      int rn = -1;
+      bool rib = false;
+      {
+        std::lock_guard<std::recursive_mutex> g(mu_);
+        if (dead_ || i >= lanes_.size()) return;
+        Lane& l = lanes_[i];
+        if (!l.failed || Clock::now() < l.retry_at || l.qp->inflight() != 0) continue;
+        l.retry_at = Clock::now() + t_->retryAfter();
+        nic = l.nic;
+        rn = l.remote_nic;
+        rib = l.remote_ib;
+      }
+      ibv_port_attr pa{};
+      if (ibv_query_port(nic->ctx, 1, &pa) != 0 || pa.state != IBV_PORT_ACTIVE) continue;
+      auto raw = t_->dial(nic, rn, rib, conn_, *control_, name_, deadlineInMs(2000));
+      if (!raw.ok()) {
+        MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name
+                           << " not back yet: " << raw.status().toString();
+        continue;
+      }
+      std::shared_ptr<Qp> qp = newQp(nic, *raw);
+      std::shared_ptr<Qp> old;
+      {
+        std::lock_guard<std::recursive_mutex> g(mu_);
+        if (dead_ || i >= lanes_.size()) return;
+        old = std::move(lanes_[i].qp);
+        lanes_[i].qp = std::move(qp);
+        lanes_[i].failed = false;
+      }
+      MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name << " is back";
+    }
+  }
+
+ private:
+  struct Lane {
+    std::shared_ptr<Qp> qp;
+    Nic* nic = nullptr;
+    int remote_nic = -1;
+    bool remote_ib = false;
+    bool dirty = false;   // carried work since the last notification
+    bool failed = false;  // its QP gave its work back; reconnected at retry_at
+    Clock::time_point retry_at{};
+    Status error;  // why it failed last
+  };
+
+  std::shared_ptr<Qp> newQp(Nic* nic, ibv_qp* raw) {
+    return std::make_shared<Qp>(t_, nic, raw, name_,
+                                [this](Qp* from, std::vector<Op*> ops, const Status& why) {
+                                  giveBack(from, std::move(ops), why);
+                                });
+  }
+
+  // Lanes (indices) of the NICs in `nics` (all NICs when empty) whose QP has not failed.
+  std::vector<int> liveLanes(const std::vector<int>& nics) {
+    std::vector<int> out;
+    auto live = [&](int lane) {
+      const Lane& l = lanes_[static_cast<size_t>(lane)];
+      return !l.failed && l.qp->failedStatus().ok();
+    };
+    if (nics.empty()) {
+      for (size_t i = 0; i < lanes_.size(); ++i)
+        if (live(static_cast<int>(i))) out.push_back(static_cast<int>(i));
+      return out;
+    }
+    for (int n : nics) {
+      int lane = n >= 0 && static_cast<size_t>(n) < lane_of_nic_.size() ? lane_of_nic_[n] : -1;
+      if (lane >= 0 && live(lane)) out.push_back(lane);
+    }
+    return out;
+  }
+
+  // Points a slice at `lane`: the remote key on its peer NIC and the local key on its NIC
+  // (through the bounce pool where the local memory is not registered there).
+  Status bind(Op* o, const Lane& l) {
+    std::vector<int64_t> rkeys;
+    if (!findRemote(o->raddr, o->len, &rkeys) || l.remote_nic < 0 ||
+        static_cast<size_t>(l.remote_nic) >= rkeys.size() || rkeys[l.remote_nic] < 0)
+      return MC_STATUS(kPermissionDenied, "rdma: peer " << name_ << "'s region at "
+                                                        << hex(o->raddr) << " has no key on its NIC "
+                                                        << l.remote_nic);
+    o->rkey = static_cast<uint32_t>(rkeys[static_cast<size_t>(l.remote_nic)]);
+    uint32_t key = 0;
+    if (t_->lkey(o->user, o->len, l.nic->index, &key)) {
+      o->bounce = false;
+      o->local = o->user;
+      o->lkey = key;
+      return Status::OK();
+    }
+    BouncePool* b = t_->bounce();
+    if (b == nullptr || o->len > b->chunkBytes())
+      return MC_STATUS(kUnavailable, "rdma: the local memory of a request to " << name_
+                                         << " is not registered on " << l.nic->name
+                                         << " and cannot bounce");
+    o->bounce = true;
+    o->local = nullptr;
+    return Status::OK();
+  }
+
+  // A failed QP's work, in issue order: all of it to one live lane (a notification part then
+  // still follows the writes before it), or failed when none is left.
+  void giveBack(Qp* from, std::vector<Op*> ops, const Status& why) {
+    std::vector<std::pair<Op*, Status>> failed;
+    {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      for (Lane& l : lanes_) {
+        if (l.qp.get() != from || l.failed) continue;
+        l.failed = true;
+        l.error = why;
+        l.retry_at = Clock::now() + t_->retryAfter();
+        MC_LOG(WARN, RDMA) << "peer " << name_ << ": " << why.message() << "; " << ops.size()
+                           << " work request(s) move to another NIC, " << l.nic->name
+                           << " is retried in " << t_->retryAfter().count() << " ms";
+      }
+      std::vector<int> live = dead_ ? std::vector<int>{} : liveLanes({});
+      int to = -1;
+      for (int cand : live) {
+        bool all = true;
+        for (Op* o : ops)
+          if (o->ts != nullptr && !bind(o, lanes_[static_cast<size_t>(cand)]).ok()) all = false;
+        if (all) {
+          to = cand;
+          break;
+        }
+      }
+      if (to < 0) {
+        for (Op* o : ops) failed.emplace_back(o, dead_ ? dead_why_ : everyNicFailed(*o));
+      } else {
+        Lane& l = lanes_[static_cast<size_t>(to)];
+        l.dirty = true;
+        l.qp->enqueue(ops);
+      }
+    }
+    finishOps(failed);
+  }
+
+  // The error of a request no NIC can carry: every NIC's last error.
+  Status everyNicFailed(const Op& o) {
+    std::ostringstream os;
+    os << "rdma " << o.what() << " of " << o.len << " bytes to peer " << name_
+       << " failed on every NIC:";
+    for (const Lane& l : lanes_)
+      os << " " << l.nic->name << ": "
+         << (l.error.ok() ? l.qp->failedStatus().message() : l.error.message()) << ";";
+    return Status(Code::kIo, os.str());
+  }
+
+  void setRegions(const SegmentDesc& d) {
+    std::vector<RemoteRegion> rs;
+    for (const auto& r : d.regions) {
+      const std::string& k = r.keys[static_cast<int>(TransportKind::kRdma)];
+      if (k.empty()) continue;
+      RemoteRegion rr{r.addr, r.len, {}};
+      std::stringstream in(k);
+      std::string item;
+      while (std::getline(in, item, ','))
+        rr.rkeys.push_back(item == "-" || item.empty()
+                               ? -1
+                               : static_cast<int64_t>(std::strtoul(item.c_str(), nullptr, 10)));
+      rs.push_back(std::move(rr));
+    }
+    std::sort(rs.begin(), rs.end(),
+              [](const RemoteRegion& a, const RemoteRegion& b) { return a.addr < b.addr; });
+    std::unique_lock<std::shared_mutex> g(regions_mu_);
+    regions_ = std::move(rs);
+  }
+
+  bool findRemote(uint64_t addr, uint64_t len, std::vector<int64_t>* rkeys) const {
+    std::shared_lock<std::shared_mutex> g(regions_mu_);
+    auto it = std::upper_bound(regions_.begin(), regions_.end(), addr,
+                               [](uint64_t a, const RemoteRegion& r) { return a < r.addr; });
+    if (it == regions_.begin()) return false;
+    --it;
+    if (addr - it->addr > it->len || len > it->len - (addr - it->addr)) return false;
+    if (rkeys != nullptr) *rkeys = it->rkeys;
+    return true;
+  }
+
+  RdmaTransportImpl* t_;
+  std::string name_;
+  const uint64_t conn_;
+  std::shared_ptr<ControlLink> control_;
+  // Lanes, their flags and the notification sequence. Recursive: a QP that fails while a
+  // caller enqueues on it gives its work back on that caller's thread.
+  std::recursive_mutex mu_;
+  std::vector<Lane> lanes_;
+  std::vector<int> lane_of_nic_;  // local NIC index -> lane (-1: none)
+  size_t rr_ = 0;
+  uint32_t seq_ = 0;
+  bool dead_ = false;
+  Status dead_why_;
+  mutable std::shared_mutex regions_mu_;
+  std::vector<RemoteRegion> regions_;
+};
+
+std::unique_ptr<TransportPeer> makeRdmaPeer(RdmaTransportImpl* t, std::vector<LaneInit> lanes,
+                                            const SegmentDesc& remote, uint64_t conn,
+                                            std::shared_ptr<ControlLink> control) {
+  auto p = std::make_unique<RdmaPeer>(t, std::move(lanes), remote, conn, std::move(control));
+  if (!p->ok()) return nullptr;
+  return p;
+}
+
+void probePeer(RdmaPeer* p) { p->probe(); }
+
+}  // namespace mooncake::engine::rdma
