@@ -89,6 +89,9 @@ const std::vector<ParamDef>& table() {
       {"MC_RDMA_SPIN_US", Type::kInt, "50",
        "How long an rdma completion poller busy-polls after the last completion before it "
        "sleeps on the completion channel."},
+      {"MC_RDMA_QPS_PER_EP", Type::kInt, "1",
+       "RC queue pairs (lanes) per local NIC to each peer (1-16; at most 63 per peer in all): "
+       "a request's slices go round robin over the lanes of its NICs."},
       {"MC_RDMA_RETRY_MS", Type::kInt, "1000",
        "After a work request fails on an rdma NIC (its slices move to another NIC), how long "
        "before that NIC is tried again for the peer (its port must be up)."},

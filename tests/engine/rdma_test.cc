@@ -134,6 +134,59 @@ TEST_F(RdmaTest, BufferUsesTheNicOfItsNumaNode) {
   EXPECT_GT(nic_[1]->txBytes() - tx1, 0u);
 }
 
+// MC_RDMA_QPS_PER_EP=3: three QPs per NIC to the peer (and three on the peer's side), the
+// bytes still spread evenly over the NICs, and the notifications after writes that went over
+// six QPs arrive in order, once each.
+TEST_F(RdmaTest, SeveralQpsPerNic) {
+  constexpr int kCount = 24;
+  constexpr uint64_t kTagBase = 0x3C3C000000000000ull;
+  constexpr uint64_t kSeed = 500;
+  ScopedEnv qps("MC_RDMA_QPS_PER_EP", "3");
+  PeerConfig cfg;
+  cfg.transport = "rdma";
+  cfg.region_bytes = 16u << 20;
+  peer_ = spawnPeer(cfg);
+  ASSERT_NE(peer_, nullptr);
+  eng_ = makeEngine("rdma");
+  ASSERT_NE(eng_, nullptr);
+  for (int i = 0; i < 2; ++i)
+    nic_[i] = std::make_unique<fakeverbs::NicControl>(fakeVerbsFabric(), "",
+                                                      "mlx5_" + std::to_string(i));
+  const uint64_t q0 = nic_[0]->nextQpn(), q1 = nic_[1]->nextQpn();
+  pid_ = openPeer(*eng_, "peer");
+  ASSERT_NE(pid_, engine::kInvalidPeer);
+  EXPECT_EQ(nic_[0]->nextQpn() - q0, 6u) << "3 QPs of this engine and 3 of the peer on mlx5_0";
+  EXPECT_EQ(nic_[1]->nextQpn() - q1, 6u);
+  HostBuffer buf(12u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 12u << 20));
+  auto [b0, b1] = writeAndCount(buf, 12u << 20, 81);
+  EXPECT_EQ(b0, 6u << 20);
+  EXPECT_EQ(b1, 6u << 20);
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+
+  const uint64_t remote = peer_->info().reg_addr;
+  ASSERT_TRUE(peer_->send("notify_check " + std::to_string(kCount) + " " + std::to_string(remote) +
+                          " " + std::to_string(kTagBase) + " " + std::to_string(kSeed) + " " +
+                          std::to_string(eng_->engineId()) + " 30000"));
+  HostBuffer local(notifyBytes(kCount));
+  MC_ASSERT_OK(eng_->registerMemory(local.data(), notifyBytes(kCount)));
+  for (int k = 0; k < kCount; ++k) {
+    Slot s = notifySlot(k);
+    fillPattern(local.data() + s.offset, s.len, kSeed + k, 0);
+    auto id = eng_->submit({{OpCode::kWrite, local.data() + s.offset, s.len, pid_,
+                             remote + s.offset}});
+    ASSERT_TRUE(id.ok()) << id.status().toString();
+    MC_ASSERT_OK(eng_->notify(pid_, kTagBase + k));
+  }
+  std::string reply, why;
+  ASSERT_TRUE(peer_->recv(&reply, 40000, &why)) << why;
+  EXPECT_EQ(reply, "ok");
+  ASSERT_TRUE(peer_->send("drain_notify 300"));
+  ASSERT_TRUE(peer_->recv(&reply, 10000, &why)) << why;
+  EXPECT_EQ(reply, "ok 0");
+  MC_EXPECT_OK(eng_->unregisterMemory(local.data()));
+}
+
 // A work request that fails on one NIC (injected: the NIC completes it with an error and its
 // QP goes to the error state) moves, with the rest of that QP's work, to the other NIC: the
 // request succeeds with every byte in place. The failed NIC carries nothing for the peer until

@@ -148,6 +148,7 @@ struct LaneInit {
   ibv_qp* qp = nullptr;
   int remote_nic = -1;
   bool remote_ib = false;
+  int id = 0;  // the lane's number in its connection (the target replaces a reconnected one)
 };
 
 class RdmaPeer;
@@ -173,8 +174,8 @@ class RdmaTransportImpl final : public Transport {
   void stop() override;
 
   // Creates a QP on `nic` and connects it to the peer's NIC `remote_nic` through `control`
-  // (connection `conn`, rdma_notify.h).
-  Result<ibv_qp*> dial(Nic* nic, int remote_nic, bool remote_ib, uint64_t conn,
+  // as lane `lane` of connection `conn` (rdma_notify.h).
+  Result<ibv_qp*> dial(Nic* nic, int remote_nic, bool remote_ib, uint64_t conn, int lane,
                        ControlLink& control, const std::string& peer, Deadline deadline);
   // The lkey of [p, p+len) on `nic` when the whole range is in one registered region.
   bool lkey(const void* p, uint64_t len, int nic, uint32_t* key) const;
@@ -183,6 +184,7 @@ class RdmaTransportImpl final : public Transport {
   uint64_t sliceBytes() const { return slice_bytes_; }
   int maxWr() const { return max_wr_; }
   bool stripeAll() const { return stripe_all_; }
+  int qpsPerNic() const { return qps_per_nic_; }
   std::chrono::milliseconds retryAfter() const { return retry_; }
   // The NICs nearest to the registered region holding [p, p+len) (empty: not registered).
   std::vector<int> nearNics(const void* p, uint64_t len) const;
@@ -210,6 +212,7 @@ class RdmaTransportImpl final : public Transport {
   uint64_t slice_bytes_ = 1 << 20;
   int max_wr_ = 64;
   bool stripe_all_ = false;
+  int qps_per_nic_ = 1;
   std::chrono::milliseconds retry_{1000};
   std::shared_ptr<const Topology> topo_;
   bool stopped_ = false;

@@ -262,14 +262,15 @@ class RdmaPeer final : public TransportPeer {
   RdmaPeer(RdmaTransportImpl* t, std::vector<LaneInit> inits, const SegmentDesc& d,
            uint64_t conn, std::shared_ptr<ControlLink> control)
       : t_(t), name_(d.name), conn_(conn), control_(std::move(control)) {
-    lane_of_nic_.assign(t_->nics().size(), -1);
+    lanes_of_nic_.assign(t_->nics().size(), {});
     for (const LaneInit& in : inits) {
       Lane l;
       l.nic = in.nic;
       l.remote_nic = in.remote_nic;
       l.remote_ib = in.remote_ib;
+      l.id = in.id;
       l.qp = newQp(in.nic, in.qp);
-      lane_of_nic_[static_cast<size_t>(in.nic->index)] = static_cast<int>(lanes_.size());
+      lanes_of_nic_[static_cast<size_t>(in.nic->index)].push_back(static_cast<int>(lanes_.size()));
       lanes_.push_back(std::move(l));
     }
     setRegions(d);
@@ -301,11 +302,13 @@ class RdmaPeer final : public TransportPeer {
                                   "rdma: [" << hex(task->remote) << ", +" << task->length
                                             << ") is not inside a region peer " << name_
                                             << " registered for rdma"));
-    const std::vector<int> near =
-        t_->stripeAll() ? std::vector<int>{} : t_->nearNics(task->local, task->length);
+    // The local memory's nearest NICs (none: the engine does not know the memory, which then
+    // moves through the bounce pool's chunks).
+    const std::vector<int> mine = t_->nearNics(task->local, task->length);
+    const std::vector<int> near = t_->stripeAll() ? std::vector<int>{} : mine;
     uint64_t slice = t_->sliceBytes();
     BouncePool* b = t_->bounce();
-    if (near.empty() && b != nullptr) slice = std::min<uint64_t>(slice, b->chunkBytes());
+    if (mine.empty() && b != nullptr) slice = std::min<uint64_t>(slice, b->chunkBytes());
     int n = static_cast<int>((task->length + slice - 1) / slice);
     std::vector<Op*> ops;
     ops.reserve(n);
@@ -412,7 +415,7 @@ class RdmaPeer final : public TransportPeer {
   void probe() {
     for (size_t i = 0;; ++i) {
       Nic* nic = nullptr;
-      int rn = -1;
+      int rn = -1, id = 0;
       bool rib = false;
       {
         std::lock_guard<std::recursive_mutex> g(mu_);
@@ -423,10 +426,11 @@ class RdmaPeer final : public TransportPeer {
         nic = l.nic;
         rn = l.remote_nic;
         rib = l.remote_ib;
+        id = l.id;
       }
       ibv_port_attr pa{};
       if (ibv_query_port(nic->ctx, 1, &pa) != 0 || pa.state != IBV_PORT_ACTIVE) continue;
-      auto raw = t_->dial(nic, rn, rib, conn_, *control_, name_, deadlineInMs(2000));
+      auto raw = t_->dial(nic, rn, rib, conn_, id, *control_, name_, deadlineInMs(2000));
       if (!raw.ok()) {
         MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name
                            << " not back yet: " << raw.status().toString();
@@ -451,6 +455,7 @@ class RdmaPeer final : public TransportPeer {
     Nic* nic = nullptr;
     int remote_nic = -1;
     bool remote_ib = false;
+    int id = 0;           // its number in the connection (LaneInit::id)
     bool dirty = false;   // carried work since the last notification
     bool failed = false;  // its QP gave its work back; reconnected at retry_at
     Clock::time_point retry_at{};
@@ -477,8 +482,9 @@ class RdmaPeer final : public TransportPeer {
       return out;
     }
     for (int n : nics) {
-      int lane = n >= 0 && static_cast<size_t>(n) < lane_of_nic_.size() ? lane_of_nic_[n] : -1;
-      if (lane >= 0 && live(lane)) out.push_back(lane);
+      if (n < 0 || static_cast<size_t>(n) >= lanes_of_nic_.size()) continue;
+      for (int lane : lanes_of_nic_[static_cast<size_t>(n)])
+        if (live(lane)) out.push_back(lane);
     }
     return out;
   }
@@ -597,7 +603,7 @@ class RdmaPeer final : public TransportPeer {
   // caller enqueues on it gives its work back on that caller's thread.
   std::recursive_mutex mu_;
   std::vector<Lane> lanes_;
-  std::vector<int> lane_of_nic_;  // local NIC index -> lane (-1: none)
+  std::vector<std::vector<int>> lanes_of_nic_;  // local NIC index -> its lanes
   size_t rr_ = 0;
   uint32_t seq_ = 0;
   bool dead_ = false;

@@ -116,7 +116,7 @@ struct RdmaTransportImpl::TargetQp {
   ibv_qp* qp = nullptr;
   uint64_t src = 0;
   uint64_t conn = 0;                   // the initiator's connection (its QPs, one per NIC)
-  int their_nic = -1;                  // the initiator's NIC (its lane)
+  int lane = -1;                       // which of the initiator's lanes
   std::shared_ptr<NotifyOrder> order;  // shared by that connection's QPs
   std::vector<char> buf = std::vector<char>(kNotifyBytes * kRecvSlots);
   ibv_mr* mr = nullptr;
@@ -172,6 +172,7 @@ Status RdmaTransportImpl::start(EngineContext* ctx) {
   if (stripe != "near" && stripe != "all")
     return MC_STATUS(kInvalidArgument, "MC_RDMA_STRIPE must be near or all, not '" << stripe << "'");
   stripe_all_ = stripe == "all";
+  qps_per_nic_ = static_cast<int>(std::clamp<int64_t>(params::getInt("MC_RDMA_QPS_PER_EP"), 1, 16));
   retry_ = std::chrono::milliseconds(
       std::clamp<int64_t>(params::getInt("MC_RDMA_RETRY_MS"), 1, 3600 * 1000));
   MC_ASSIGN_OR_RETURN(nics_, openNics());
@@ -278,7 +279,7 @@ bool RdmaTransportImpl::canReach(const SegmentDesc& local, const SegmentDesc& re
 }
 
 Result<ibv_qp*> RdmaTransportImpl::dial(Nic* nic, int remote_nic, bool remote_ib, uint64_t conn,
-                                        ControlLink& control, const std::string& peer,
+                                        int lane, ControlLink& control, const std::string& peer,
                                         Deadline deadline) {
   MC_ASSIGN_OR_RETURN(ibv_qp* raw, createQp(nic, max_wr_, 1));
   QpAddr mine;
@@ -288,7 +289,8 @@ Result<ibv_qp*> RdmaTransportImpl::dial(Nic* nic, int remote_nic, bool remote_ib
   mine.gid = nic->gid;
   mine.mtu = nic->port.active_mtu;
   std::string req = "2 " + std::to_string(nic->index) + " " + std::to_string(remote_nic) + " " +
-                    encodeQpAddr(mine) + " " + (nic->ib ? "1" : "0") + " " + std::to_string(conn);
+                    encodeQpAddr(mine) + " " + (nic->ib ? "1" : "0") + " " + std::to_string(conn) +
+                    " " + std::to_string(lane);
   Status st;
   auto ans = control.exchange(TransportKind::kRdma, req, deadline);
   QpAddr theirs;
@@ -304,8 +306,9 @@ Result<ibv_qp*> RdmaTransportImpl::dial(Nic* nic, int remote_nic, bool remote_ib
     ibv_destroy_qp(raw);
     return st;
   }
-  MC_LOG(INFO, RDMA) << "connected to " << peer << ": " << nic->name << " -> its NIC "
-                     << remote_nic << ", qpn " << mine.qpn << " -> " << theirs.qpn;
+  MC_LOG(INFO, RDMA) << "connected to " << peer << ": lane " << lane << ", " << nic->name
+                     << " -> its NIC " << remote_nic << ", qpn " << mine.qpn << " -> "
+                     << theirs.qpn;
   return raw;
 }
 
@@ -325,21 +328,25 @@ Result<std::unique_ptr<TransportPeer>> RdmaTransportImpl::connect(
   int kind_pos[2] = {0, 0};
   Status last;
   for (auto& n : nics_) {
-    if (lanes.size() >= kMaxNotifyParts) break;
     std::vector<int> same;
     for (size_t i = 0; i < theirs.size(); ++i)
       if (theirs[i].ib == n->ib) same.push_back(static_cast<int>(i));
     int& pos = kind_pos[n->ib ? 1 : 0];
     if (same.empty()) continue;
     const int rn = same[static_cast<size_t>(pos++) % same.size()];
-    auto raw = dial(n.get(), rn, n->ib, conn, *control, remote.name, deadline);
-    if (!raw.ok()) {  // this NIC does not reach the peer now; the others may
-      MC_LOG(WARN, RDMA) << "peer " << remote.name << ": no lane on " << n->name << ": "
-                         << raw.status().toString();
-      last = raw.status();
-      continue;
+    // MC_RDMA_QPS_PER_EP lanes on this NIC (a notification has at most 63 parts: so many
+    // lanes at most).
+    for (int q = 0; q < qps_per_nic_ && lanes.size() < kMaxNotifyParts; ++q) {
+      const int id = static_cast<int>(lanes.size());
+      auto raw = dial(n.get(), rn, n->ib, conn, id, *control, remote.name, deadline);
+      if (!raw.ok()) {  // this NIC does not reach the peer now; the others may
+        MC_LOG(WARN, RDMA) << "peer " << remote.name << ": no lane on " << n->name << ": "
+                           << raw.status().toString();
+        last = raw.status();
+        break;
+      }
+      lanes.push_back(LaneInit{n.get(), *raw, rn, n->ib, id});
     }
-    lanes.push_back(LaneInit{n.get(), *raw, rn, n->ib});
   }
   if (lanes.empty()) {
     if (!last.ok()) return last;
@@ -353,11 +360,11 @@ Result<std::unique_ptr<TransportPeer>> RdmaTransportImpl::connect(
 void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
                                    std::function<void(Result<std::string>)> reply) {
   std::istringstream in(request);
-  int version = 0, their_nic = -1, my_nic = -1, ib = 0;
+  int version = 0, their_nic = -1, my_nic = -1, ib = 0, lane = -1;
   uint64_t conn = 0;
   QpAddr peer;
   if (!(in >> version >> their_nic >> my_nic) || version != 2 || !decodeQpAddr(in, &peer) ||
-      !(in >> ib >> conn))
+      !(in >> ib >> conn >> lane))
     return reply(MC_STATUS(kProtocol, "rdma: malformed connection request"));
   if (my_nic < 0 || static_cast<size_t>(my_nic) >= nics_.size())
     return reply(MC_STATUS(kInvalidArgument, "rdma: no NIC " << my_nic << " here"));
@@ -370,7 +377,7 @@ void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
   tq->qp = *raw;
   tq->src = from.engine_id;
   tq->conn = conn;
-  tq->their_nic = their_nic;
+  tq->lane = lane;
   tq->mr = ibv_reg_mr(nic->pd, tq->buf.data(), tq->buf.size(), IBV_ACCESS_LOCAL_WRITE);
   if (tq->mr == nullptr) return reply(MC_STATUS(kUnavailable, "rdma: cannot register receives"));
   for (int i = 0; i < kRecvSlots; ++i) {
@@ -398,7 +405,7 @@ void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
         continue;
       }
       if (!tq->order) tq->order = it->second->order;
-      if (it->second->their_nic != their_nic) {
+      if (it->second->lane != lane) {
         ++it;
         continue;
       }

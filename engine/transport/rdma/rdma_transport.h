@@ -8,14 +8,15 @@
 //    comma separated ("-" where that NIC could not register it). The endpoint data
 //    (SegmentDesc::endpoints[kRdma]) is one line per NIC (rdma_nic.h NicAddress). Each region
 //    also gets its nearest NICs: same PCI switch as its GPU, else its NUMA node's, else all.
-//  - Lanes: one RC QP per local NIC, to the peer's NIC of the same link layer in the same
-//    position (rail-matched), created when the engine opens the peer. QP number, PSN, LID/GID
-//    and MTU are exchanged over the engine's tcp control link (ControlLink::exchange, kind
-//    kRdma):
-//      request  "2 <initiator nic> <target nic> <qpn> <psn> <lid> <gid hex> <mtu> <ib> <conn>"
+//  - Lanes: MC_RDMA_QPS_PER_EP RC QPs per local NIC, to the peer's NIC of the same link layer
+//    in the same position (rail-matched), created when the engine opens the peer. QP number,
+//    PSN, LID/GID and MTU are exchanged over the engine's tcp control link
+//    (ControlLink::exchange, kind kRdma):
+//      request  "2 <initiator nic> <target nic> <qpn> <psn> <lid> <gid hex> <mtu> <ib> <conn>
+//                <lane>"
 //      answer   "<qpn> <psn> <lid> <gid hex> <mtu>"
 //    `conn` names the initiator's set of lanes to this target (their notifications share one
-//    order). The target creates its QP, posts its receives and moves it to RTR before it
+//    order), `lane` the lane (a reconnected lane replaces its old QP at the target). The target creates its QP, posts its receives and moves it to RTR before it
 //    answers, so the initiator's first SEND finds it ready.
 //  - Data: READ/WRITE requests are cut into MC_RDMA_SLICE_BYTES slices posted as one-sided
 //    RDMA READ/WRITE round robin over the lanes of the local memory's nearest NICs

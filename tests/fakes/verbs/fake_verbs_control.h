@@ -141,6 +141,8 @@ class NicControl {
   uint64_t wrDone() const { return d_->wr_done.load(); }
   uint64_t wrFailed() const { return d_->wr_failed.load(); }
   int64_t failPending() const { return d_->fail_next.load(); }
+  // The number the NIC's next QP gets (QP numbers count up from 0x100 on each NIC).
+  uint64_t nextQpn() const { return d_->next_qpn.load(); }
 
  private:
   DevShm* d_;
