@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import mooncake  # noqa: F401  (registers the backend)
+import mooncake  # registers the backend
 
 import demo_serving  # scripts/ is sys.path[0]
 
@@ -201,6 +201,11 @@ def main():
                 print("\n".join(lines), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    # The gloo group goes with the GIL released: torch 2.6 can deadlock destroying a gloo
+    # group from Python (mooncake._compat.release_group).
+    box = [gloo]
+    del gloo
+    mooncake._compat.release_group(box)
     return 0 if ok else 1
 
 

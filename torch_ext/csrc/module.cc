@@ -72,6 +72,21 @@ void registerPgApis(py::module_& m) {
       },
       "True when MC_SECRET or MC_SECRET_FILE gives this process its job secret (then every "
       "engine uses it, and torch groups do not generate one).");
+  // torch before pytorch PR 154976 (mid-2025; 2.6 among them) destroys a ProcessGroup from
+  // Python with the GIL held, and gloo's destructor waits for its worker threads, one of which
+  // may need the GIL to free the tensors of the last op it ran: a deadlock, seen at the exit
+  // of a torch 2.6 job that used a gloo group. This takes the group out of `box` (a list that
+  // holds it) and, when that was its last reference, destroys it with the GIL released.
+  m.def(
+      "_release_group",
+      [](py::list box) {
+        if (box.size() != 1) throw std::invalid_argument("_release_group expects [group]");
+        auto pg = box[0].cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+        box.attr("clear")();  // the Python object goes (if it was the last); the group stays
+        py::gil_scoped_release nogil;
+        pg.reset();
+      },
+      py::arg("box"));
   m.attr("TORCH_HAS_BACKEND_API") = py::bool_(MC_TORCH_HAS_BACKEND != 0);
   m.attr("BACKEND_BASE") = py::str(kBackendBasePyName);
   m.attr("DEVICES") = py::cast(ProcessGroupMooncake::devices());

@@ -190,3 +190,12 @@ def apply_rdma_devices(names, who, log):
         return
     log.info("%s: MC_RDMA_DEVICES=%s for the engines created from now on", who, names)
     os.environ["MC_RDMA_DEVICES"] = names
+
+
+def release_group(box):
+    """Destroys the process group in the one-element list `box` (emptied) with the GIL
+    released, where the list held its last reference. torch before pytorch PR 154976 (2.6
+    among them) destroys a group from Python with the GIL held, and a gloo group can then
+    deadlock with its own worker thread (it needs the GIL to free the last op's tensors)."""
+    from . import _C
+    _C._release_group(box)
