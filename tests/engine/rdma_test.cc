@@ -7,38 +7,15 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <thread>
 
 #include "tests/engine/peer_fixture.h"
+#include "tests/engine/test_util.h"
 #include "tests/fakes/verbs/fake_verbs_control.h"
 
 namespace mooncake::test {
 namespace {
-
-// Sets an environment variable for one test (the engine reads MC_* at start).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
 
 class RdmaTest : public PeerTestBase {
  protected:
@@ -106,7 +83,8 @@ TEST_F(RdmaTest, LargeWriteIsStripedEvenlyOverNics) {
 // With the 2-socket fixture (mlx5_0 on NUMA node 0, mlx5_1 on node 1), memory registered on a
 // node goes through that node's NIC only; MC_RDMA_STRIPE=all uses both anyway.
 TEST_F(RdmaTest, BufferUsesTheNicOfItsNumaNode) {
-  ScopedEnv xml("MC_TOPOLOGY_XML", fixture("2socket.xml"));
+  const std::string xml_path = fixture("2socket.xml");
+  ScopedEnv xml("MC_TOPOLOGY_XML", xml_path.c_str());
   ASSERT_TRUE(setUp());
   HostBuffer on0(4u << 20), on1(4u << 20);
   MC_ASSERT_OK(eng_->registerMemory(on0.data(), 4u << 20, engine::MemoryKind::kHost, 0));
