@@ -8,7 +8,8 @@
 //                             [--iters N] [--warmup N] [--rtt-iters N] [--json FILE]
 //                             [--no-notify-rtt] [--no-baselines]
 //
-//   --transport   comma list of transports to force (shm, tcp); default both
+//   --transport   comma list of transports to force (shm, tcp, rdma); default shm,tcp
+//   --nic-gbps    rdma on the verbs emulator: each emulated NIC's cap in Gbit/s (default 16)
 //   --op          comma list of read, write; default both
 //   --sizes       request sizes, K/M/G binary suffixes; default 4K,64K,1M,16M,64M
 //   --threads     submitting threads in the initiator (default 1); each owns its buffers
@@ -37,6 +38,13 @@
 // the same one-request-in-flight pattern as the engine rows.
 // The table ends with ratios: shm write vs memcpy and tcp write vs socket at the largest
 // size both measured.
+// rdma: on a machine without an RDMA NIC te_bench runs itself again on the verbs emulator
+// (tests/fakes/verbs, 2 NICs capped at --nic-gbps; te_rdma.h). Engine rows use one NIC
+// (MC_RDMA_DEVICES = the first), the largest size also both ("nics" in the JSON); the
+// baseline "verbs_raw" posts and polls the same WRITEs on one raw RC QP of the first NIC
+// without the engine (1 MiB work requests, 64 outstanding: the engine's defaults), and
+// "write_rtt" is one 4 KiB WRITE until its completion (the raw round trip the engine's
+// notify_rtt compares to).
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -47,6 +55,11 @@
 #include <thread>
 
 #include "benchmarks/te_common.h"
+#include "mooncake/config.h"
+#if MC_HAVE_RDMA
+#include "benchmarks/te_rdma.h"
+#include "tests/fakes/verbs/fake_verbs_control.h"
+#endif
 
 namespace mb = mooncake::bench;
 namespace me = mooncake::engine;
@@ -64,6 +77,8 @@ struct Options {
   int warmup = -1;
   int rtt_iters = 2000;
   std::string json;
+  double nic_gbps = 16;
+  std::string emulator_conf, emulator_fabric;  // set when te_bench restarted on the emulator
   bool notify_rtt = true;
   bool baselines = true;
   // Roles other than the initiator (internal flags).
@@ -85,12 +100,13 @@ struct Row {
   int iters = 0;
   int threads = 1;
   int batch = 1;
+  int nics = 0;  // rdma rows: NICs used
 };
 
 [[noreturn]] void usage(const char* msg) {
   if (msg != nullptr) std::fprintf(stderr, "te_bench: %s\n", msg);
   std::fprintf(stderr,
-               "usage: te_bench [--transport shm,tcp] [--op read,write] "
+               "usage: te_bench [--transport shm,tcp,rdma] [--nic-gbps G] [--op read,write] "
                "[--sizes 4K,64K,1M,16M,64M]\n"
                "                [--threads N] [--batch N] [--iters N] [--warmup N] "
                "[--rtt-iters N]\n"
@@ -121,7 +137,13 @@ Options parse(int argc, char** argv) {
     } else if (a == "--transport") {
       o.transports = mb::splitComma(next());
       for (auto& t : o.transports)
-        if (t != "shm" && t != "tcp") usage(("unknown transport " + t).c_str());
+        if (t != "shm" && t != "tcp" && t != "rdma") usage(("unknown transport " + t).c_str());
+    } else if (a == "--emulator-conf") {
+      o.emulator_conf = next();
+    } else if (a == "--emulator-fabric") {
+      o.emulator_fabric = next();
+    } else if (a == "--nic-gbps") {
+      o.nic_gbps = std::strtod(next().c_str(), nullptr);
     } else if (a == "--op") {
       o.ops = mb::splitComma(next());
       for (auto& t : o.ops)
@@ -320,7 +342,7 @@ Row measureNotifyRtt(me::TransferEngine& eng, const mb::TargetHandle& t, char* l
 }
 
 std::vector<Row> benchTransport(const std::string& transport, me::Rendezvous& rdv,
-                                uint16_t rdv_port, const Options& o) {
+                                uint16_t rdv_port, const Options& o, int nics = 0) {
   me::EngineOptions eo;
   eo.name = "tebench-init-" + transport + "-" + std::to_string(getpid());
   eo.transport = transport;
@@ -335,6 +357,7 @@ std::vector<Row> benchTransport(const std::string& transport, me::Rendezvous& rd
     me::OpCode code = op == "read" ? me::OpCode::kRead : me::OpCode::kWrite;
     for (uint64_t size : o.sizes) {
       Row r = measureEngine(*eng, t, local, len, transport, code, size, o);
+      r.nics = nics;
       std::printf("  %-6s %-10s %8s %10.3f %10.1f %10.1f\n", r.transport.c_str(), r.op.c_str(),
                   mb::fmtSize(r.bytes).c_str(), r.gbps, r.p50_us, r.p99_us);
       std::fflush(stdout);
@@ -343,6 +366,7 @@ std::vector<Row> benchTransport(const std::string& transport, me::Rendezvous& rd
   }
   if (o.notify_rtt) {
     Row r = measureNotifyRtt(*eng, t, local, transport, o);
+    r.nics = nics;
     std::printf("  %-6s %-10s %8s %10.3f %10.1f %10.1f\n", r.transport.c_str(), r.op.c_str(),
                 mb::fmtSize(r.bytes).c_str(), r.gbps, r.p50_us, r.p99_us);
     rows.push_back(r);
@@ -352,6 +376,103 @@ std::vector<Row> benchTransport(const std::string& transport, me::Rendezvous& rd
   mb::must(eng->free(local), "free local buffer");
   return rows;
 }
+
+#if MC_HAVE_RDMA
+// ---------------------------------------------------------------- rdma
+
+std::vector<std::string> rdmaNics() {
+  std::vector<std::string> out;
+  int n = 0;
+  ibv_device** list = ibv_get_device_list(&n);
+  for (int i = 0; list != nullptr && i < n; ++i) out.push_back(ibv_get_device_name(list[i]));
+  if (list != nullptr) ibv_free_device_list(list);
+  return out;
+}
+
+void printRow(const Row& r) {
+  std::printf("  %-9s %-10s %8s %10.3f %10.1f %10.1f   nics=%d\n", r.transport.c_str(),
+              r.op.c_str(), mb::fmtSize(r.bytes).c_str(), r.gbps, r.p50_us, r.p99_us, r.nics);
+  std::fflush(stdout);
+}
+
+// Raw verbs on the first NIC, then the engine on that NIC alone, then the engine on every NIC
+// at the largest size (the striping row).
+std::vector<Row> benchRdma(me::Rendezvous& rdv, uint16_t rdv_port, const Options& o) {
+  const std::vector<std::string> nics = rdmaNics();
+  if (nics.empty()) {
+    std::fprintf(stderr, "te_bench: libibverbs lists no NIC\n");
+    std::exit(2);
+  }
+  std::vector<Row> rows;
+  auto raw_row = [&](const char* op, uint64_t size, const mb::rdma::RawResult& res) {
+    Row r;
+    r.transport = "verbs_raw";
+    r.op = op;
+    r.bytes = size;
+    r.gbps = res.gbps;
+    r.p50_us = res.p50_us;
+    r.p99_us = res.p99_us;
+    r.iters = res.iters;
+    r.nics = 1;
+    printRow(r);
+    rows.push_back(r);
+  };
+  if (o.baselines) {
+    mb::rdma::RawInitiator raw;
+    if (!raw.start(nics[0], maxSize(o), 64)) {
+      std::fprintf(stderr, "te_bench: raw verbs setup on %s failed\n", nics[0].c_str());
+      std::exit(2);
+    }
+    for (uint64_t size : o.sizes) {
+      const int iters = itersFor(o, size);
+      raw_row("write", size, raw.write(size, 1u << 20, iters, warmupFor(o, iters)));
+    }
+    if (o.notify_rtt)
+      raw_row("write_rtt", 4096, raw.write(4096, 4096, o.rtt_iters, std::max(10, o.rtt_iters / 10)));
+  }
+  setenv("MC_RDMA_DEVICES", nics[0].c_str(), 1);  // the engine (and its target) on one NIC
+  auto one = benchTransport("rdma", rdv, rdv_port, o, 1);
+  unsetenv("MC_RDMA_DEVICES");
+  rows.insert(rows.end(), one.begin(), one.end());
+  if (nics.size() > 1) {
+    Options big = o;
+    big.sizes = {maxSize(o)};
+    big.notify_rtt = false;
+    auto all = benchTransport("rdma", rdv, rdv_port, big, static_cast<int>(nics.size()));
+    rows.insert(rows.end(), all.begin(), all.end());
+  }
+  return rows;
+}
+
+const Row* findNics(const std::vector<Row>& rows, const std::string& transport,
+                    const std::string& op, uint64_t bytes, int nics) {
+  for (const auto& r : rows)
+    if (r.transport == transport && r.op == op && r.bytes == bytes && r.nics == nics) return &r;
+  return nullptr;
+}
+
+// What issue 10's benchmark asks: engine vs raw per size, striping, notify round trip.
+void printRdmaRatios(const std::vector<Row>& rows) {
+  for (const auto& r : rows) {
+    if (r.transport != "rdma" || r.op != "write" || r.nics != 1) continue;
+    const Row* raw = findNics(rows, "verbs_raw", "write", r.bytes, 1);
+    if (raw != nullptr && raw->gbps > 0)
+      std::printf("ratio: rdma write %s / verbs_raw = %.3f / %.3f GB/s = %.2fx (by p50: %.2fx)\n",
+                  mb::fmtSize(r.bytes).c_str(), r.gbps, raw->gbps, r.gbps / raw->gbps,
+                  raw->p50_us / r.p50_us);
+    for (const auto& s : rows)
+      if (s.transport == "rdma" && s.op == "write" && s.bytes == r.bytes && s.nics > 1 &&
+          r.gbps > 0)
+        std::printf("ratio: rdma write %s on %d NICs / on 1 = %.3f / %.3f GB/s = %.2fx\n",
+                    mb::fmtSize(r.bytes).c_str(), s.nics, s.gbps, r.gbps, s.gbps / r.gbps);
+  }
+  const Row* rtt = findNics(rows, "rdma", "notify_rtt", 4096, 1);
+  const Row* raw_rtt = findNics(rows, "verbs_raw", "write_rtt", 4096, 1);
+  if (rtt != nullptr && raw_rtt != nullptr && raw_rtt->p50_us > 0)
+    std::printf("ratio: rdma 4K write+notify round trip p50 / raw write round trip p50 = %.1f / "
+                "%.1f us = %.2fx\n", rtt->p50_us, raw_rtt->p50_us, rtt->p50_us / raw_rtt->p50_us);
+}
+#endif
 
 // ---------------------------------------------------------------- baselines
 
@@ -563,9 +684,10 @@ bool writeJson(const std::string& path, const std::vector<Row>& rows) {
     std::snprintf(buf, sizeof buf,
                   "  {\"transport\": \"%s\", \"op\": \"%s\", \"bytes\": %" PRIu64
                   ", \"gbps\": %.4f, \"p50_us\": %.2f, \"p99_us\": %.2f, \"gbps_p50\": %.4f, "
-                  "\"iters\": %d, \"threads\": %d, \"batch\": %d}%s\n",
+                  "\"iters\": %d, \"threads\": %d, \"batch\": %d, \"nics\": %d}%s\n",
                   r.transport.c_str(), r.op.c_str(), r.bytes, r.gbps, r.p50_us, r.p99_us,
-                  gbpsAtP50(r), r.iters, r.threads, r.batch, i + 1 < rows.size() ? "," : "");
+                  gbpsAtP50(r), r.iters, r.threads, r.batch, r.nics,
+                  i + 1 < rows.size() ? "," : "");
     f << buf;
   }
   f << "]\n";
@@ -580,6 +702,15 @@ int main(int argc, char** argv) {
   if (o.role == "target")
     return mb::runTarget(o.rdv_port, o.name, o.target_transport, o.target_bytes);
   if (o.role == "socket-sink") return runSocketSink(o);
+#if MC_HAVE_RDMA
+  if (o.role == "verbs-target") return mb::rdma::runRawTarget(o.sock_port, o.name, o.target_bytes, 64);
+  const bool want_rdma =
+      std::find(o.transports.begin(), o.transports.end(), "rdma") != o.transports.end();
+  if (want_rdma && o.role.empty()) mb::rdma::useEmulatorIfNoNic(argc, argv, o.nic_gbps);
+#else
+  if (std::find(o.transports.begin(), o.transports.end(), "rdma") != o.transports.end())
+    usage("this build has no rdma (MC_WITH_RDMA=OFF)");
+#endif
   if (!o.role.empty()) usage(("unknown role " + o.role).c_str());
 
   std::printf("te_bench: threads=%d batch=%d (p50/p99 are per-batch latencies; GB/s = 1e9 B/s)\n",
@@ -609,9 +740,23 @@ int main(int argc, char** argv) {
       me::TcpRendezvousClient::connect("127.0.0.1", server->port(), secret, me::deadlineInMs(10000)),
       "rendezvous client");
   for (const auto& t : o.transports) {
+#if MC_HAVE_RDMA
+    if (t == "rdma") {
+      auto r = benchRdma(*rdv, server->port(), o);
+      rows.insert(rows.end(), r.begin(), r.end());
+      continue;
+    }
+#endif
     auto r = benchTransport(t, *rdv, server->port(), o);
     rows.insert(rows.end(), r.begin(), r.end());
   }
+#if MC_HAVE_RDMA
+  printRdmaRatios(rows);
+  if (!o.emulator_conf.empty()) {  // what useEmulatorIfNoNic set up
+    std::remove(o.emulator_conf.c_str());
+    mooncake::fakeverbs::removeFabricFiles(o.emulator_fabric);
+  }
+#endif
 
   printRatio(rows, "shm", "memcpy", "copy");
   printRatio(rows, "tcp", "socket", "write");

@@ -264,7 +264,9 @@ struct TargetHandle {
 inline TargetHandle startTarget(TransferEngine& eng, engine::Rendezvous& rdv, uint16_t rdv_port,
                                 const std::string& transport, uint64_t len) {
   TargetHandle t;
-  t.name = "tebench-target-" + transport + "-" + std::to_string(getpid());
+  static int started = 0;  // a later target of the same transport gets a name of its own
+  t.name = "tebench-target-" + transport + "-" + std::to_string(getpid()) +
+           (started++ == 0 ? "" : "-" + std::to_string(started));
   t.pid = spawnSelf({"--role", "target", "--rdv-port", std::to_string(rdv_port), "--name", t.name,
                      "--target-transport", transport, "--target-bytes", std::to_string(len)});
   // The target sets its buffer key after publishing its segment. Wait for it in short steps

@@ -86,9 +86,10 @@ const std::vector<ParamDef>& table() {
       {"MC_RDMA_MAX_WR", Type::kInt, "64",
        "Work requests the rdma transport keeps outstanding per queue pair (the rest wait in "
        "order)."},
-      {"MC_RDMA_SPIN_US", Type::kInt, "50",
+      {"MC_RDMA_SPIN_US", Type::kInt, "-1",
        "How long an rdma completion poller busy-polls after the last completion before it "
-       "sleeps on the completion channel."},
+       "sleeps on the completion channel. -1: 50 on a machine with 8 or more CPUs, 0 below "
+       "(a spinning poller per NIC takes a core the application needs: docs/perf/engine.md)."},
       {"MC_RDMA_QPS_PER_EP", Type::kInt, "1",
        "RC queue pairs (lanes) per local NIC to each peer (1-16; at most 63 per peer in all): "
        "a request's slices go round robin over the lanes of its NICs."},
@@ -250,7 +251,7 @@ bool getBool(const char* name) {
 std::string getString(const char* name) { return raw(name); }
 
 std::string getSystem(const char* name) {
-  static const char* const kAllowed[] = {"HOME"};
+  static const char* const kAllowed[] = {"HOME", "LD_LIBRARY_PATH"};
   for (const char* a : kAllowed) {
     if (std::strcmp(a, name) == 0) {
       const char* v = std::getenv(name);

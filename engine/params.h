@@ -29,8 +29,9 @@ bool getBool(const char* name);
 std::string getString(const char* name);
 double getDouble(const char* name);
 
-// A standard variable of the environment that is not ours (HOME): the one read of the
-// environment outside the MC_* table, allowed for the names listed in params.cc only.
+// A standard variable of the environment that is not ours (HOME, LD_LIBRARY_PATH): the one
+// read of the environment outside the MC_* table, allowed for the names listed in params.cc
+// only.
 std::string getSystem(const char* name);
 
 // True when the variable is set in the environment (not merely defaulted).

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "engine/log.h"
 #include "engine/params.h"
@@ -178,6 +179,7 @@ Status RdmaTransportImpl::start(EngineContext* ctx) {
   MC_ASSIGN_OR_RETURN(nics_, openNics());
   topo_ = nics_.size() > 1 ? Topology::load() : Topology::empty();  // one NIC: nothing to choose
   int64_t spin = params::getInt("MC_RDMA_SPIN_US");
+  if (spin < 0) spin = std::thread::hardware_concurrency() >= 8 ? 50 : 0;
   for (auto& n : nics_) {
     n->on_idle = [this] { pumpAll(); };
     n->startPoller(spin);
