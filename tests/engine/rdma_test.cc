@@ -277,6 +277,10 @@ TEST_F(RdmaTest, EveryNicFailedNamesPeerNicsAndOp) {
   st = transfer(*eng_, OpCode::kRead, buf.data(), 4096, pid_, peer_->info().alloc_addr);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("every NIC"), std::string::npos) << st.toString();
+  // A notification has no NIC either: an error, not a silent loss.
+  st = eng_->notify(pid_, 1);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("every NIC"), std::string::npos) << st.toString();
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 

@@ -361,19 +361,17 @@ class RdmaPeer final : public TransportPeer {
   Status notify(uint32_t channel, uint64_t tag) override {
     std::lock_guard<std::recursive_mutex> g(mu_);
     if (dead_) return dead_why_;
+    std::vector<int> live = liveLanes({});
+    if (live.empty()) {  // nothing could carry it (nor the writes it follows)
+      Op none;
+      return everyNicFailed(none);
+    }
     // One part on each lane that carried work since the last notification (a failed lane
     // still takes it: it gives it back behind that work). None dirty: one part on a live lane.
     std::vector<Lane*> parts;
     for (Lane& l : lanes_)
       if (l.dirty) parts.push_back(&l);
-    if (parts.empty()) {
-      std::vector<int> live = liveLanes({});
-      if (live.empty()) {
-        Op probe;
-        return everyNicFailed(probe);
-      }
-      parts.push_back(&lanes_[static_cast<size_t>(live[0])]);
-    }
+    if (parts.empty()) parts.push_back(&lanes_[static_cast<size_t>(live[0])]);
     const uint32_t seq = seq_;
     seq_ = (seq_ + 1) & kNotifySeqMask;
     for (size_t i = 0; i < parts.size(); ++i) {
