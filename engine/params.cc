@@ -96,6 +96,13 @@ const std::vector<ParamDef>& table() {
       {"MC_RDMA_RETRY_MS", Type::kInt, "1000",
        "After a work request fails on an rdma NIC (its slices move to another NIC), how long "
        "before that NIC is tried again for the peer (its port must be up)."},
+      {"MC_RDMA_STALL_MS", Type::kInt, "5000",
+       "An rdma queue pair with work requests outstanding and no completion for this long is "
+       "taken for a stalled NIC: failed, its work moved to another NIC (or to tcp). 0: never."},
+      {"MC_RDMA_TCP_FALLBACK", Type::kBool, "1",
+       "1: when no NIC reaches a peer any more, the rdma transport carries its reads, writes and "
+       "notifications over the engine's tcp control link to it until a NIC is back. 0: such "
+       "requests fail, naming the peer, the operation and every NIC's error."},
       {"MC_RDMA_STRIPE", Type::kString, "near",
        "Which NICs carry a request's slices: near (the NICs nearest to its local buffer: same "
        "PCI switch, else same NUMA node, else all; docs/rdma.md) or all (every NIC)."},

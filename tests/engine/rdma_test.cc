@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -254,10 +255,11 @@ TEST_F(RdmaTest, PortDownMovesTrafficToTheOtherNic) {
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 
-// When every NIC failed the request fails, naming the peer, each NIC and the operation; the
-// bytes written before stay intact.
+// Without the tcp fallback, when every NIC failed the request fails, naming the peer, each NIC
+// and the operation; the bytes written before stay intact.
 TEST_F(RdmaTest, EveryNicFailedNamesPeerNicsAndOp) {
   ScopedEnv retry("MC_RDMA_RETRY_MS", "600000");  // no reconnection during the test
+  ScopedEnv no_tcp("MC_RDMA_TCP_FALLBACK", "0");
   ASSERT_TRUE(setUp());
   HostBuffer buf(8u << 20);
   MC_ASSERT_OK(eng_->registerMemory(buf.data(), 8u << 20));
@@ -281,6 +283,96 @@ TEST_F(RdmaTest, EveryNicFailedNamesPeerNicsAndOp) {
   st = eng_->notify(pid_, 1);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("every NIC"), std::string::npos) << st.toString();
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+}
+
+// Both ports go down: tcp (the control link) takes over. Writes and reads move every byte while
+// the NICs send nothing; in a stream of writes, each followed by a notification, with the ports
+// going down and up again under it, every byte lands and every notification arrives once and
+// after its write; once the ports are up the NICs carry the traffic again.
+TEST_F(RdmaTest, EveryNicDownTcpTakesOver) {
+  constexpr int kCount = 40;
+  constexpr uint64_t kTagBase = 0x7C7C000000000000ull;
+  constexpr uint64_t kSeed = 7000;
+  constexpr uint64_t kBig = 8u << 20;
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "200");
+  ASSERT_TRUE(setUp(notifyBytes(kCount) + kBig));
+  const uint64_t remote = peer_->info().alloc_addr;
+  const uint64_t big = remote + notifyBytes(kCount);
+  {
+    nic_[0]->setPortUp(false);
+    nic_[1]->setPortUp(false);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a packet on its way lands
+    const uint64_t tx = nic_[0]->txBytes() + nic_[1]->txBytes();
+    HostBuffer w(kBig), r(kBig);
+    fillPattern(w.data(), kBig, 77, 0);
+    MC_ASSERT_OK(eng_->registerMemory(w.data(), kBig));
+    MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, w.data(), kBig, pid_, big));
+    EXPECT_EQ(peer_->expect(big, kBig, 77, 0), "");
+    MC_ASSERT_OK(transfer(*eng_, OpCode::kRead, r.data(), kBig, pid_, big));  // unregistered
+    EXPECT_EQ(std::memcmp(w.data(), r.data(), kBig), 0) << "a READ over tcp differs";
+    EXPECT_EQ(nic_[0]->txBytes() + nic_[1]->txBytes(), tx) << "a NIC whose port is down sent";
+    MC_EXPECT_OK(eng_->unregisterMemory(w.data()));
+    nic_[0]->setPortUp(true);
+    nic_[1]->setPortUp(true);
+  }
+  ASSERT_TRUE(peer_->send("notify_check " + std::to_string(kCount) + " " + std::to_string(remote) +
+                          " " + std::to_string(kTagBase) + " " + std::to_string(kSeed) + " " +
+                          std::to_string(eng_->engineId()) + " 60000"));
+  HostBuffer local(notifyBytes(kCount));
+  MC_ASSERT_OK(eng_->registerMemory(local.data(), notifyBytes(kCount)));
+  std::vector<engine::BatchId> batches;
+  for (int k = 0; k < kCount; ++k) {
+    const bool down = k >= 10 && k < 30;
+    nic_[0]->setPortUp(!down);
+    nic_[1]->setPortUp(!down);
+    if (k == 20) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    Slot s = notifySlot(k);
+    fillPattern(local.data() + s.offset, s.len, kSeed + k, 0);
+    auto id = eng_->submit({{OpCode::kWrite, local.data() + s.offset, s.len, pid_,
+                             remote + s.offset}});
+    ASSERT_TRUE(id.ok()) << "submit " << k << ": " << id.status().toString();
+    batches.push_back(id.value());
+    MC_ASSERT_OK(eng_->notify(pid_, kTagBase + k));
+  }
+  for (auto& b : batches) MC_EXPECT_OK(eng_->wait(b, engine::deadlineInMs(30000)));
+  std::string reply, why;
+  ASSERT_TRUE(peer_->recv(&reply, 70000, &why)) << why;
+  EXPECT_EQ(reply, "ok");
+  ASSERT_TRUE(peer_->send("drain_notify 300"));
+  ASSERT_TRUE(peer_->recv(&reply, 10000, &why)) << why;
+  EXPECT_EQ(reply, "ok 0") << "a notification was delivered twice";
+  // The NICs are back once the prober reconnected them and tcp has nothing left.
+  HostBuffer buf(4u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 4u << 20));
+  uint64_t back = 0;
+  for (int i = 0; i < 50 && back == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    auto [b0, b1] = writeAndCount(buf, 4u << 20, 90 + i);
+    back = b0 + b1;
+  }
+  EXPECT_GT(back, 0u) << "no NIC carried bytes again after the ports came up";
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+  MC_EXPECT_OK(eng_->unregisterMemory(local.data()));
+}
+
+// A NIC that stops moving anything (no completion, not even an error): after MC_RDMA_STALL_MS
+// its QP is failed and its work moves to the other NIC; the write completes with its bytes.
+TEST_F(RdmaTest, StalledNicMovesTrafficToTheOtherNic) {
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "600000");  // the stalled NIC stays out
+  ScopedEnv stall("MC_RDMA_STALL_MS", "300");
+  ASSERT_TRUE(setUp());
+  HostBuffer buf(8u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 8u << 20));
+  nic_[1]->setStalled(true);
+  const auto t0 = engine::Clock::now();
+  writeAndCount(buf, 8u << 20, 101);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(engine::Clock::now() - t0).count();
+  EXPECT_LT(ms, 10000) << "the stalled NIC's work waited " << ms << " ms";
+  auto [b0, b1] = writeAndCount(buf, 4u << 20, 102);
+  EXPECT_GE(b0, 4u << 20);
+  EXPECT_EQ(b1, 0u) << "the stalled NIC got work again";
+  nic_[1]->setStalled(false);
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 

@@ -114,6 +114,9 @@ class Qp {
   void fail(const Status& why);
   Status failedStatus();
   int inflight();
+  // A stalled NIC: work outstanding and nothing completed for `after`: fails the QP (its
+  // work moves on as after an error completion). The prober calls it.
+  void checkStall(Clock::time_point now, std::chrono::milliseconds after);
 
  private:
   void failLocked(const Status& why);
@@ -136,6 +139,7 @@ class Qp {
   std::deque<Op*> pending_;   // not posted yet, in order
   std::vector<Op*> orphans_;  // posted, then flushed by a failure, in post order
   int inflight_ = 0;
+  Clock::time_point last_progress_{};  // last completion, or the post that ended an idle spell
   int handing_ = 0;  // give-backs running (the destructor waits for them too)
   bool failed_ = false;
   bool reroutable_ = false;  // failed by a work request (not by fail()): give ops back
@@ -186,6 +190,7 @@ class RdmaTransportImpl final : public Transport {
   bool stripeAll() const { return stripe_all_; }
   int qpsPerNic() const { return qps_per_nic_; }
   std::chrono::milliseconds retryAfter() const { return retry_; }
+  bool tcpFallback() const { return tcp_fallback_; }
   // The NICs nearest to the registered region holding [p, p+len) (empty: not registered).
   std::vector<int> nearNics(const void* p, uint64_t len) const;
   void addQp(Qp* q);
@@ -205,6 +210,9 @@ class RdmaTransportImpl final : public Transport {
   };
   struct TargetQp;
   void probeLoop();
+  // The target side of the tcp fallback (requests starting "F ", rdma_transport.h).
+  void onFallback(const SegmentDesc& from, const std::string& request,
+                  const std::function<void(Result<std::string>)>& reply);
 
   TransportOptions opts_;
   EngineContext* ctx_ = nullptr;
@@ -214,6 +222,8 @@ class RdmaTransportImpl final : public Transport {
   bool stripe_all_ = false;
   int qps_per_nic_ = 1;
   std::chrono::milliseconds retry_{1000};
+  std::chrono::milliseconds stall_{5000};  // 0: no stall detection
+  bool tcp_fallback_ = true;
   std::shared_ptr<const Topology> topo_;
   bool stopped_ = false;
   mutable std::shared_mutex mr_mu_;

@@ -98,6 +98,7 @@ void Qp::complete(Op* o, const ibv_wc& wc) {
   {
     std::lock_guard<std::mutex> g(mu_);
     --inflight_;
+    last_progress_ = Clock::now();
     if (wc.status == IBV_WC_SUCCESS) {
       if (o->bounce && o->op == OpCode::kRead && o->chunk != nullptr)
         std::memcpy(o->user, o->chunk, o->len);
@@ -150,6 +151,16 @@ Status Qp::failedStatus() {
 int Qp::inflight() {
   std::lock_guard<std::mutex> g(mu_);
   return inflight_;
+}
+
+void Qp::checkStall(Clock::time_point now, std::chrono::milliseconds after) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (failed_ || inflight_ == 0 || now - last_progress_ < after) return;
+  // Moving the QP to the error state makes the NIC flush what it holds (a real NIC's driver
+  // does so even when its transport is hung; the emulator's too): completions give it back.
+  failLocked(MC_STATUS(kTimeout, "rdma: NIC " << nic_->name << " completed none of "
+                                              << inflight_ << " work request(s) to peer " << peer_
+                                              << " in " << after.count() << " ms (stalled)"));
 }
 
 void Qp::failLocked(const Status& why) {
@@ -233,7 +244,7 @@ void Qp::pumpLocked(std::vector<std::pair<Op*, Status>>* done) {
       return;
     }
     pending_.pop_front();
-    ++inflight_;
+    if (inflight_++ == 0) last_progress_ = Clock::now();
   }
 }
 
@@ -278,6 +289,12 @@ class RdmaPeer final : public TransportPeer {
   }
   ~RdmaPeer() override {
     t_->removePeer(this);  // waits for a probe of this peer
+    {
+      std::lock_guard<std::mutex> g(fb_mu_);
+      fb_stop_ = true;  // what is queued still goes (or fails) first; nothing new joins it
+    }
+    fb_cv_.notify_all();
+    if (fb_thread_.joinable()) fb_thread_.join();
     std::vector<Lane> lanes;
     {
       std::lock_guard<std::recursive_mutex> g(mu_);
@@ -327,6 +344,11 @@ class RdmaPeer final : public TransportPeer {
       std::lock_guard<std::recursive_mutex> g(mu_);
       std::vector<int> use = liveLanes(near);
       if (use.empty()) use = liveLanes({});
+      // No lane, or tcp still carries earlier work (which this must not overtake).
+      if (t_->tcpFallback() && (use.empty() || fb_pending_.load() > 0)) {
+        toFallback(ops, &failed);
+        use.clear();
+      }
       // Slices go round robin over the lanes, starting one further for each request (a
       // request of one slice thus uses one lane, and a run of them all of them).
       std::vector<std::vector<Op*>> per(lanes_.size());
@@ -359,30 +381,45 @@ class RdmaPeer final : public TransportPeer {
   }
 
   Status notify(uint32_t channel, uint64_t tag) override {
-    std::lock_guard<std::recursive_mutex> g(mu_);
-    if (dead_) return dead_why_;
-    std::vector<int> live = liveLanes({});
-    if (live.empty()) {  // nothing could carry it (nor the writes it follows)
-      Op none;
-      return everyNicFailed(none);
+    std::vector<std::pair<Op*, Status>> failed;
+    {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      if (dead_) return dead_why_;
+      std::vector<int> live = liveLanes({});
+      const bool fb = t_->tcpFallback() && (live.empty() || fb_pending_.load() > 0);
+      if (live.empty() && !fb) {  // nothing could carry it (nor the writes it follows)
+        Op none;
+        return everyNicFailed(none);
+      }
+      // One part on each lane that carried work since the last notification (a failed lane
+      // still takes it: it gives it back behind that work), and one on the tcp fallback when
+      // it holds work. None of them: one part on a live lane (or on tcp when none is live).
+      std::vector<Lane*> parts;
+      for (Lane& l : lanes_)
+        if (l.dirty) parts.push_back(&l);
+      const bool fb_part = fb && (fb_pending_.load() > 0 || live.empty());
+      if (parts.empty() && !fb_part) parts.push_back(&lanes_[static_cast<size_t>(live[0])]);
+      const uint32_t total = static_cast<uint32_t>(parts.size()) + (fb_part ? 1 : 0);
+      const uint32_t seq = seq_;
+      seq_ = (seq_ + 1) & kNotifySeqMask;
+      auto part = [&](uint32_t i) {
+        auto* o = new Op();
+        o->channel = channel;
+        o->tag = tag;
+        o->word = notifyWord(total, i, seq);
+        return o;
+      };
+      for (size_t i = 0; i < parts.size(); ++i) {
+        std::vector<Op*> one{part(static_cast<uint32_t>(i))};
+        parts[i]->dirty = false;
+        parts[i]->qp->enqueue(one);
+      }
+      if (fb_part) {
+        std::vector<Op*> one{part(total - 1)};
+        toFallback(one, &failed);
+      }
     }
-    // One part on each lane that carried work since the last notification (a failed lane
-    // still takes it: it gives it back behind that work). None dirty: one part on a live lane.
-    std::vector<Lane*> parts;
-    for (Lane& l : lanes_)
-      if (l.dirty) parts.push_back(&l);
-    if (parts.empty()) parts.push_back(&lanes_[static_cast<size_t>(live[0])]);
-    const uint32_t seq = seq_;
-    seq_ = (seq_ + 1) & kNotifySeqMask;
-    for (size_t i = 0; i < parts.size(); ++i) {
-      auto* o = new Op();
-      o->channel = channel;
-      o->tag = tag;
-      o->word = notifyWord(static_cast<uint32_t>(parts.size()), static_cast<uint32_t>(i), seq);
-      std::vector<Op*> one{o};
-      parts[i]->dirty = false;
-      parts[i]->qp->enqueue(one);
-    }
+    finishOps(failed);
     return Status::OK();
   }
 
@@ -444,6 +481,8 @@ class RdmaPeer final : public TransportPeer {
         lanes_[i].failed = false;
       }
       MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name << " is back";
+      std::lock_guard<std::mutex> g(fb_mu_);
+      fb_warned_ = false;  // the next outage is reported again
     }
   }
 
@@ -540,7 +579,9 @@ class RdmaPeer final : public TransportPeer {
           break;
         }
       }
-      if (to < 0) {
+      if (to < 0 && !dead_ && t_->tcpFallback()) {
+        toFallback(ops, &failed);
+      } else if (to < 0) {
         for (Op* o : ops) failed.emplace_back(o, dead_ ? dead_why_ : everyNicFailed(*o));
       } else {
         Lane& l = lanes_[static_cast<size_t>(to)];
@@ -549,6 +590,100 @@ class RdmaPeer final : public TransportPeer {
       }
     }
     finishOps(failed);
+  }
+
+  // ---- the tcp fallback (MC_RDMA_TCP_FALLBACK): work no lane can carry goes, in order, over
+  // the control link (the engine's authenticated tcp connection to the peer) until the queue
+  // is empty and a lane is back. One op at a time: a WRITE is on the target when its answer
+  // comes, so a notification behind it (here, or a part on a lane later) follows its bytes.
+
+  // Under mu_: queues `ops` (takes them); once the peer is closing they fail instead.
+  void toFallback(std::vector<Op*>& ops, std::vector<std::pair<Op*, Status>>* failed) {
+    {
+      std::lock_guard<std::mutex> g(fb_mu_);
+      if (fb_stop_) {
+        for (Op* o : ops) failed->emplace_back(o, MC_STATUS(kCancelled, "rdma: peer " << name_
+                                                                                      << " closed"));
+        ops.clear();
+        return;
+      }
+      if (!fb_warned_) {
+        fb_warned_ = true;
+        MC_LOG(WARN, RDMA) << "peer " << name_ << ": no NIC reaches it; its requests go over "
+                              "the tcp control link until a NIC is back";
+      }
+      for (Op* o : ops) fb_.push_back(o);
+      fb_pending_.fetch_add(static_cast<int64_t>(ops.size()));
+      if (!fb_thread_.joinable()) fb_thread_ = std::thread([this] { fallbackLoop(); });
+    }
+    ops.clear();
+    fb_cv_.notify_one();
+  }
+
+  void fallbackLoop() {
+    for (;;) {
+      Op* o = nullptr;
+      {
+        std::unique_lock<std::mutex> g(fb_mu_);
+        fb_cv_.wait(g, [&] { return fb_stop_ || !fb_.empty(); });
+        if (fb_.empty()) return;
+        o = fb_.front();
+        fb_.pop_front();
+      }
+      Status st;
+      bool dead;
+      {
+        std::lock_guard<std::recursive_mutex> g(mu_);
+        dead = dead_;
+        if (dead) st = dead_why_;
+      }
+      if (!dead) st = overTcp(*o);
+      if (!dead && !st.ok()) {
+        std::lock_guard<std::recursive_mutex> g(mu_);
+        Status nics = everyNicFailed(*o);
+        st = Status(nics.code(), nics.message() + " and over tcp: " + st.message());
+      }
+      std::vector<std::pair<Op*, Status>> done{{o, st}};
+      finishOps(done);
+      fb_pending_.fetch_sub(1);
+    }
+  }
+
+  // One op over the control link (requests "F ..." of rdma_transport.h).
+  Status overTcp(Op& o) {
+    constexpr uint64_t kPiece = 512 << 10;  // under the control link's 1 MiB exchange limit
+    const Deadline deadline = deadlineInMs(30000);
+    if (o.ts == nullptr) {
+      std::ostringstream req;
+      req << "F N " << conn_ << " " << o.channel << " " << o.word << " " << o.tag;
+      return control_->exchange(TransportKind::kRdma, req.str(), deadline).status();
+    }
+    std::vector<int64_t> rkeys;
+    if (!findRemote(o.raddr, o.len, &rkeys))
+      return MC_STATUS(kPermissionDenied, "[" << hex(o.raddr) << ", +" << o.len
+                                              << ") is not in a region peer " << name_
+                                              << " registered for rdma");
+    size_t nic = 0;
+    while (nic < rkeys.size() && rkeys[nic] < 0) ++nic;
+    if (nic == rkeys.size())
+      return MC_STATUS(kPermissionDenied, "peer " << name_ << "'s region has no key");
+    const bool write = o.op == OpCode::kWrite;
+    for (uint64_t off = 0; off < o.len; off += kPiece) {
+      const uint64_t n = std::min(kPiece, o.len - off);
+      std::ostringstream head;
+      head << "F " << (write ? "W " : "R ") << (o.raddr + off) << " " << nic << " "
+           << rkeys[nic] << " " << n << "\n";
+      std::string req = head.str();
+      if (write) req.append(o.user + off, n);
+      auto r = control_->exchange(TransportKind::kRdma, req, deadline);
+      if (!r.ok()) return r.status();
+      if (write) continue;
+      if (r->size() != n)
+        return MC_STATUS(kProtocol, "a READ over tcp returned " << r->size() << " of " << n
+                                                               << " bytes");
+      std::memcpy(o.user + off, r->data(), n);
+    }
+    return Status::OK();
   }
 
   // The error of a request no NIC can carry: every NIC's last error.
@@ -608,6 +743,14 @@ class RdmaPeer final : public TransportPeer {
   Status dead_why_;
   mutable std::shared_mutex regions_mu_;
   std::vector<RemoteRegion> regions_;
+  // The tcp fallback: ops in order, queued or being carried (fb_pending_), its thread.
+  std::mutex fb_mu_;
+  std::condition_variable fb_cv_;
+  std::deque<Op*> fb_;
+  std::atomic<int64_t> fb_pending_{0};
+  bool fb_stop_ = false;
+  bool fb_warned_ = false;
+  std::thread fb_thread_;
 };
 
 std::unique_ptr<TransportPeer> makeRdmaPeer(RdmaTransportImpl* t, std::vector<LaneInit> lanes,

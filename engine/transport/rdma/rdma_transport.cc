@@ -176,6 +176,9 @@ Status RdmaTransportImpl::start(EngineContext* ctx) {
   qps_per_nic_ = static_cast<int>(std::clamp<int64_t>(params::getInt("MC_RDMA_QPS_PER_EP"), 1, 16));
   retry_ = std::chrono::milliseconds(
       std::clamp<int64_t>(params::getInt("MC_RDMA_RETRY_MS"), 1, 3600 * 1000));
+  stall_ = std::chrono::milliseconds(
+      std::clamp<int64_t>(params::getInt("MC_RDMA_STALL_MS"), 0, 3600 * 1000));
+  tcp_fallback_ = params::getBool("MC_RDMA_TCP_FALLBACK");
   MC_ASSIGN_OR_RETURN(nics_, openNics());
   topo_ = nics_.size() > 1 ? Topology::load() : Topology::empty();  // one NIC: nothing to choose
   int64_t spin = params::getInt("MC_RDMA_SPIN_US");
@@ -361,6 +364,7 @@ Result<std::unique_ptr<TransportPeer>> RdmaTransportImpl::connect(
 
 void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
                                    std::function<void(Result<std::string>)> reply) {
+  if (request.rfind("F ", 0) == 0) return onFallback(from, request, reply);
   std::istringstream in(request);
   int version = 0, their_nic = -1, my_nic = -1, ib = 0, lane = -1;
   uint64_t conn = 0;
@@ -424,6 +428,65 @@ void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
   reply(encodeQpAddr(mine));
 }
 
+// The tcp fallback's target side: what the NIC would have done, checked as the NIC checks it
+// (the range inside a region registered here, the key the initiator names being that region's
+// key on that NIC), done on the engine's tcp thread before the answer goes back.
+void RdmaTransportImpl::onFallback(const SegmentDesc& from, const std::string& request,
+                                   const std::function<void(Result<std::string>)>& reply) {
+  const size_t nl = request.find('\n');
+  std::istringstream in(request.substr(0, nl));
+  std::string f, what;
+  in >> f >> what;
+  if (what == "N") {
+    uint64_t conn = 0, tag = 0;
+    uint32_t channel = 0, word = 0;
+    if (!(in >> conn >> channel >> word >> tag))
+      return reply(MC_STATUS(kProtocol, "rdma: malformed fallback notification"));
+    std::shared_ptr<NotifyOrder> order;
+    {
+      std::lock_guard<std::mutex> g(target_mu_);
+      auto range = targets_.equal_range(from.engine_id);
+      for (auto it = range.first; it != range.second && !order; ++it)
+        if (it->second->conn == conn) order = it->second->order;
+    }
+    if (!order)
+      return reply(MC_STATUS(kNotFound, "rdma: no connection " << conn << " from " << from.name));
+    const uint64_t src = from.engine_id;
+    if (!order->arrive(word, channel, tag,
+                       [&](uint32_t c, uint64_t tg) { deliverNotify(src, c, tg); }))
+      return reply(MC_STATUS(kProtocol, "rdma: malformed fallback notification word"));
+    return reply(std::string());
+  }
+  uint64_t addr = 0, len = 0;
+  int nic = -1;
+  uint32_t rkey = 0;
+  if ((what != "W" && what != "R") || !(in >> addr >> nic >> rkey >> len) ||
+      (what == "W" && (nl == std::string::npos || request.size() - nl - 1 != len)))
+    return reply(MC_STATUS(kProtocol, "rdma: malformed fallback request"));
+  std::shared_lock<std::shared_mutex> g(mr_mu_);
+  auto it = mrs_.upper_bound(addr);
+  bool ok = it != mrs_.begin();
+  if (ok) {
+    --it;
+    ok = addr - it->first <= it->second.len && len <= it->second.len - (addr - it->first) &&
+         nic >= 0 && static_cast<size_t>(nic) < it->second.mrs.size() &&
+         it->second.mrs[static_cast<size_t>(nic)] != nullptr &&
+         it->second.mrs[static_cast<size_t>(nic)]->rkey == rkey;
+  }
+  if (!ok)
+    return reply(MC_STATUS(kPermissionDenied, "rdma (tcp fallback): [" << hex(addr) << ", +" << len
+                                                  << ") from " << from.name
+                                                  << " is not in a region registered here "
+                                                     "under that key"));
+  if (what == "W") {
+    std::memcpy(reinterpret_cast<void*>(addr), request.data() + nl + 1, len);
+    return reply(std::string());
+  }
+  std::string data(reinterpret_cast<const char*>(addr), len);
+  g.unlock();
+  reply(std::move(data));
+}
+
 void RdmaTransportImpl::onPeerGone(uint64_t engine_id) {
   std::lock_guard<std::mutex> g(target_mu_);
   auto range = targets_.equal_range(engine_id);
@@ -458,12 +521,19 @@ void RdmaTransportImpl::removePeer(RdmaPeer* p) {
 }
 
 void RdmaTransportImpl::probeLoop() {
-  const auto every = std::max<std::chrono::milliseconds>(retry_ / 4, std::chrono::milliseconds(5));
+  auto every = retry_ / 4;
+  if (stall_.count() > 0) every = std::min(every, stall_ / 4);
+  every = std::max<std::chrono::milliseconds>(every, std::chrono::milliseconds(5));
   std::unique_lock<std::mutex> lk(probe_mu_);
   while (!probe_stop_) {
     probe_cv_.wait_for(lk, every, [&] { return probe_stop_; });
     if (probe_stop_) break;
     lk.unlock();
+    if (stall_.count() > 0) {
+      const auto now = Clock::now();
+      std::lock_guard<std::mutex> g(qps_mu_);
+      for (Qp* q : qps_) q->checkStall(now, stall_);
+    }
     {
       std::lock_guard<std::mutex> g(peers_mu_);
       for (RdmaPeer* p : peers_) probePeer(p);
