@@ -37,7 +37,8 @@ pytest_rc=0
 pytest_state="skipped (no tests/python/test_*.py)"
 if compgen -G "tests/python/test_*.py" >/dev/null; then
   # A hung test must not hang CI: the whole pytest run gets a hard limit.
-  timeout -k 30 1200 "$PY" -m pytest -q tests/python || pytest_rc=$?
+  # MC_TEST_BUILD_DIR: where the tests find the verbs emulator (tests/python/_fake_verbs.py).
+  MC_TEST_BUILD_DIR=$PWD/build timeout -k 30 1200 "$PY" -m pytest -q tests/python || pytest_rc=$?
   if ((pytest_rc == 5)); then
     pytest_rc=0
     pytest_state="no tests collected"

@@ -77,8 +77,8 @@ inside() {
   local args=("$@") a
   for a in "$@"; do [[ $a == tests/* ]] && break; done
   [[ ${a:-} == tests/* ]] || args+=(tests/python) # no test path given: all of them
-  timeout -k 30 $PYTEST_LIMIT_S python3 -m pytest -q -p no:cacheprovider -rs "${args[@]}" \
-    || pytest_rc=$?
+  MC_TEST_BUILD_DIR=/src/$BUILD timeout -k 30 $PYTEST_LIMIT_S \
+    python3 -m pytest -q -p no:cacheprovider -rs "${args[@]}" || pytest_rc=$?
   local t_end=$SECONDS
   echo "test_torch2 (inside): $(python3 -c 'import sys, torch; print(f"torch {torch.__version__}, python {sys.version.split()[0]}")');" \
     "build $((t_built - t0))s, ctest rc=$ctest_rc $((t_ctest - t_built))s," \

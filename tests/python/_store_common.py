@@ -87,7 +87,7 @@ HOLDER = r"""
 import sys, time
 from mooncake.store import MooncakeDistributedStore
 s = MooncakeDistributedStore()
-assert s.setup("holder", "", int(sys.argv[2]), 0, "tcp", "", sys.argv[1]) == 0
+assert s.setup("holder", "", int(sys.argv[2]), 0, sys.argv[3], "", sys.argv[1]) == 0
 print("ready", s.get_hostname(), flush=True)
 sys.stdin.read()
 s.close()
@@ -97,9 +97,10 @@ s.close()
 class Holder:
     """A process that lends memory to the store until closed (or killed)."""
 
-    def __init__(self, addr, segment=64 << 20):
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, addr, str(segment)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, addr, segment=64 << 20, protocol="tcp", env=None):
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, addr, str(segment), protocol],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, **(env or {})))
         line = self.proc.stdout.readline()
         assert line.startswith("ready"), line
         self.name = line.split()[1]
