@@ -356,6 +356,40 @@ TEST_F(RdmaTest, EveryNicDownTcpTakesOver) {
   MC_EXPECT_OK(eng_->unregisterMemory(local.data()));
 }
 
+// A NIC whose port is down when the peer is opened gets no lane then; the other NIC carries
+// everything, and once the port is up the prober connects the missing lane, which then
+// carries its share.
+TEST_F(RdmaTest, NicDownAtOpenIsConnectedLater) {
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "200");
+  PeerConfig cfg;
+  cfg.transport = "rdma";
+  cfg.region_bytes = 16u << 20;
+  peer_ = spawnPeer(cfg);
+  ASSERT_NE(peer_, nullptr);
+  eng_ = makeEngine("rdma");
+  ASSERT_NE(eng_, nullptr);
+  for (int i = 0; i < 2; ++i)
+    nic_[i] = std::make_unique<fakeverbs::NicControl>(fakeVerbsFabric(), "",
+                                                      "mlx5_" + std::to_string(i));
+  nic_[1]->setPortUp(false);
+  pid_ = openPeer(*eng_, "peer");
+  ASSERT_NE(pid_, engine::kInvalidPeer);
+  ASSERT_EQ(eng_->peerTransport(pid_), "rdma");
+  HostBuffer buf(8u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 8u << 20));
+  auto [a0, a1] = writeAndCount(buf, 8u << 20, 111);
+  EXPECT_GE(a0, 8u << 20);
+  EXPECT_EQ(a1, 0u) << "a NIC whose port is down carried bytes";
+  nic_[1]->setPortUp(true);
+  uint64_t back = 0;
+  for (int i = 0; i < 50 && back == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    back = writeAndCount(buf, 4u << 20, 120 + i).second;
+  }
+  EXPECT_GT(back, 0u) << "mlx5_1 never got a lane after its port came up";
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+}
+
 // A NIC that stops moving anything (no completion, not even an error): after MC_RDMA_STALL_MS
 // its QP is failed and its work moves to the other NIC; the write completes with its bytes.
 TEST_F(RdmaTest, StalledNicMovesTrafficToTheOtherNic) {

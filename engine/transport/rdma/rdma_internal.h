@@ -146,10 +146,11 @@ class Qp {
   Status why_;
 };
 
-// A lane to be: a connected QP from a local NIC to a peer NIC.
+// A lane to be: a connected QP from a local NIC to a peer NIC (null: the dial failed, `why`).
 struct LaneInit {
   Nic* nic = nullptr;
   ibv_qp* qp = nullptr;
+  Status why;
   int remote_nic = -1;
   bool remote_ib = false;
   int id = 0;  // the lane's number in its connection (the target replaces a reconnected one)

@@ -280,7 +280,13 @@ class RdmaPeer final : public TransportPeer {
       l.remote_nic = in.remote_nic;
       l.remote_ib = in.remote_ib;
       l.id = in.id;
-      l.qp = newQp(in.nic, in.qp);
+      if (in.qp != nullptr) {
+        l.qp = newQp(in.nic, in.qp);
+      } else {  // its first dial failed: the prober dials it again
+        l.failed = true;
+        l.error = in.why;
+        l.retry_at = Clock::now() + t_->retryAfter();
+      }
       lanes_of_nic_[static_cast<size_t>(in.nic->index)].push_back(static_cast<int>(lanes_.size()));
       lanes_.push_back(std::move(l));
     }
@@ -303,9 +309,12 @@ class RdmaPeer final : public TransportPeer {
     lanes.clear();
   }
   bool ok() const {
-    for (const Lane& l : lanes_)
-      if (!l.qp->ok()) return false;
-    return !lanes_.empty();
+    bool any = false;
+    for (const Lane& l : lanes_) {
+      if (l.qp && !l.qp->ok()) return false;
+      any |= l.qp != nullptr;
+    }
+    return any;
   }
 
   void submit(Task* task) override {
@@ -440,7 +449,8 @@ class RdmaPeer final : public TransportPeer {
       std::lock_guard<std::recursive_mutex> g(mu_);
       dead_ = true;
       dead_why_ = why;
-      for (Lane& l : lanes_) qps.push_back(l.qp);
+      for (Lane& l : lanes_)
+        if (l.qp) qps.push_back(l.qp);
     }
     for (auto& q : qps) q->fail(why);
   }
@@ -456,7 +466,7 @@ class RdmaPeer final : public TransportPeer {
         std::lock_guard<std::recursive_mutex> g(mu_);
         if (dead_ || i >= lanes_.size()) return;
         Lane& l = lanes_[i];
-        if (!l.failed || Clock::now() < l.retry_at || l.qp->inflight() != 0) continue;
+        if (!l.failed || Clock::now() < l.retry_at || (l.qp && l.qp->inflight() != 0)) continue;
         l.retry_at = Clock::now() + t_->retryAfter();
         nic = l.nic;
         rn = l.remote_nic;
@@ -693,7 +703,7 @@ class RdmaPeer final : public TransportPeer {
        << " failed on every NIC:";
     for (const Lane& l : lanes_)
       os << " " << l.nic->name << ": "
-         << (l.error.ok() ? l.qp->failedStatus().message() : l.error.message()) << ";";
+         << (l.error.ok() && l.qp ? l.qp->failedStatus().message() : l.error.message()) << ";";
     return Status(Code::kIo, os.str());
   }
 

@@ -332,6 +332,7 @@ Result<std::unique_ptr<TransportPeer>> RdmaTransportImpl::connect(
   std::vector<LaneInit> lanes;
   int kind_pos[2] = {0, 0};
   Status last;
+  bool any = false;
   for (auto& n : nics_) {
     std::vector<int> same;
     for (size_t i = 0; i < theirs.size(); ++i)
@@ -343,17 +344,23 @@ Result<std::unique_ptr<TransportPeer>> RdmaTransportImpl::connect(
     // lanes at most).
     for (int q = 0; q < qps_per_nic_ && lanes.size() < kMaxNotifyParts; ++q) {
       const int id = static_cast<int>(lanes.size());
-      auto raw = dial(n.get(), rn, n->ib, conn, id, *control, remote.name, deadline);
-      if (!raw.ok()) {  // this NIC does not reach the peer now; the others may
-        MC_LOG(WARN, RDMA) << "peer " << remote.name << ": no lane on " << n->name << ": "
+      ibv_port_attr pa{};
+      Result<ibv_qp*> raw = MC_STATUS(kUnavailable, "rdma: port 1 of " << n->name << " is down");
+      if (ibv_query_port(n->ctx, 1, &pa) == 0 && pa.state == IBV_PORT_ACTIVE)
+        raw = dial(n.get(), rn, n->ib, conn, id, *control, remote.name, deadline);
+      if (!raw.ok()) {  // this NIC does not reach the peer now; the others may (and the
+                        // prober dials this lane again)
+        MC_LOG(WARN, RDMA) << "peer " << remote.name << ": no lane on " << n->name << " yet: "
                            << raw.status().toString();
         last = raw.status();
-        break;
+        lanes.push_back(LaneInit{n.get(), nullptr, last, rn, n->ib, id});
+        continue;
       }
-      lanes.push_back(LaneInit{n.get(), *raw, rn, n->ib, id});
+      any = true;
+      lanes.push_back(LaneInit{n.get(), *raw, Status::OK(), rn, n->ib, id});
     }
   }
-  if (lanes.empty()) {
+  if (!any) {
     if (!last.ok()) return last;
     return MC_STATUS(kUnavailable, "rdma: no NIC of this engine reaches a NIC of " << remote.name);
   }
