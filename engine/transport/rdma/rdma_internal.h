@@ -192,8 +192,10 @@ class RdmaTransportImpl final : public Transport {
   int qpsPerNic() const { return qps_per_nic_; }
   std::chrono::milliseconds retryAfter() const { return retry_; }
   bool tcpFallback() const { return tcp_fallback_; }
-  // The NICs nearest to the registered region holding [p, p+len) (empty: not registered).
-  std::vector<int> nearNics(const void* p, uint64_t len) const;
+  // The NICs nearest to the registered region holding [p, p+len) (empty: not registered), and
+  // that region's lkey on each NIC in `lkeys` (-1: not registered there; empty: the range is
+  // not in one registered region): one lookup for all of a request's slices.
+  std::vector<int> localKeys(const void* p, uint64_t len, std::vector<int64_t>* lkeys) const;
   void addQp(Qp* q);
   void removeQp(Qp* q);
   // Peers whose failed lanes the prober reconnects.

@@ -323,14 +323,15 @@ class RdmaPeer final : public TransportPeer {
       std::lock_guard<std::recursive_mutex> g(mu_);
       if (dead_) return task->done(dead_why_);
     }
-    if (!findRemote(task->remote, task->length, nullptr))
+    std::vector<int64_t> rkeys, lkeys;
+    if (!findRemote(task->remote, task->length, &rkeys))
       return task->done(MC_STATUS(kPermissionDenied,
                                   "rdma: [" << hex(task->remote) << ", +" << task->length
                                             << ") is not inside a region peer " << name_
                                             << " registered for rdma"));
     // The local memory's nearest NICs (none: the engine does not know the memory, which then
     // moves through the bounce pool's chunks).
-    const std::vector<int> mine = t_->nearNics(task->local, task->length);
+    const std::vector<int> mine = t_->localKeys(task->local, task->length, &lkeys);
     const std::vector<int> near = t_->stripeAll() ? std::vector<int>{} : mine;
     uint64_t slice = t_->sliceBytes();
     BouncePool* b = t_->bounce();
@@ -367,7 +368,7 @@ class RdmaPeer final : public TransportPeer {
         int lane = -1;
         for (size_t k = 0; st.ok() && k < use.size(); ++k) {
           int cand = use[(next + k) % use.size()];
-          st = bind(o, lanes_[static_cast<size_t>(cand)]);
+          st = bindWith(o, lanes_[static_cast<size_t>(cand)], rkeys, lkeys);
           if (st.ok()) {
             lane = cand;
             break;
@@ -539,18 +540,26 @@ class RdmaPeer final : public TransportPeer {
   // Points a slice at `lane`: the remote key on its peer NIC and the local key on its NIC
   // (through the bounce pool where the local memory is not registered there).
   Status bind(Op* o, const Lane& l) {
-    std::vector<int64_t> rkeys;
-    if (!findRemote(o->raddr, o->len, &rkeys) || l.remote_nic < 0 ||
-        static_cast<size_t>(l.remote_nic) >= rkeys.size() || rkeys[l.remote_nic] < 0)
+    std::vector<int64_t> rkeys, lkeys;
+    findRemote(o->raddr, o->len, &rkeys);
+    t_->localKeys(o->user, o->len, &lkeys);
+    return bindWith(o, l, rkeys, lkeys);
+  }
+  // The same with the keys of the op's remote region (by peer NIC) and local region (by NIC)
+  // looked up already (empty: none).
+  Status bindWith(Op* o, const Lane& l, const std::vector<int64_t>& rkeys,
+                  const std::vector<int64_t>& lkeys) {
+    if (l.remote_nic < 0 || static_cast<size_t>(l.remote_nic) >= rkeys.size() ||
+        rkeys[static_cast<size_t>(l.remote_nic)] < 0)
       return MC_STATUS(kPermissionDenied, "rdma: peer " << name_ << "'s region at "
                                                         << hex(o->raddr) << " has no key on its NIC "
                                                         << l.remote_nic);
     o->rkey = static_cast<uint32_t>(rkeys[static_cast<size_t>(l.remote_nic)]);
-    uint32_t key = 0;
-    if (t_->lkey(o->user, o->len, l.nic->index, &key)) {
+    const size_t n = static_cast<size_t>(l.nic->index);
+    if (n < lkeys.size() && lkeys[n] >= 0) {
       o->bounce = false;
       o->local = o->user;
-      o->lkey = key;
+      o->lkey = static_cast<uint32_t>(lkeys[n]);
       return Status::OK();
     }
     BouncePool* b = t_->bounce();

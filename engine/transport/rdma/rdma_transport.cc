@@ -249,13 +249,16 @@ void RdmaTransportImpl::unregisterRegion(const Region& region) {
     if (mr != nullptr) ibv_dereg_mr(mr);
 }
 
-std::vector<int> RdmaTransportImpl::nearNics(const void* p, uint64_t len) const {
+std::vector<int> RdmaTransportImpl::localKeys(const void* p, uint64_t len,
+                                              std::vector<int64_t>* lkeys) const {
+  lkeys->clear();
   uint64_t a = reinterpret_cast<uint64_t>(p);
   std::shared_lock<std::shared_mutex> g(mr_mu_);
   auto it = mrs_.upper_bound(a);
   if (it == mrs_.begin()) return {};
   --it;
   if (a - it->first > it->second.len || len > it->second.len - (a - it->first)) return {};
+  for (ibv_mr* mr : it->second.mrs) lkeys->push_back(mr == nullptr ? -1 : mr->lkey);
   return it->second.near;
 }
 
