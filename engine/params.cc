@@ -96,6 +96,10 @@ const std::vector<ParamDef>& table() {
       {"MC_RDMA_RETRY_MS", Type::kInt, "1000",
        "After a work request fails on an rdma NIC (its slices move to another NIC), how long "
        "before that NIC is tried again for the peer (its port must be up)."},
+      {"MC_RDMA_MAX_ENDPOINTS", Type::kInt, "4096",
+       "Peers an rdma NIC keeps connected queue pairs to (an endpoint: a peer on a local NIC, "
+       "MC_RDMA_QPS_PER_EP QPs). Beyond it the least recently used idle endpoints are closed "
+       "(at both ends) and dialled again on their next use. 0: no limit."},
       {"MC_RDMA_STALL_MS", Type::kInt, "5000",
        "An rdma queue pair with work requests outstanding and no completion for this long is "
        "taken for a stalled NIC: failed, its work moved to another NIC (or to tcp). 0: never."},

@@ -390,6 +390,88 @@ TEST_F(RdmaTest, NicDownAtOpenIsConnectedLater) {
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 
+// MC_RDMA_MAX_ENDPOINTS=1 with two peers: each NIC keeps lanes to one peer; the other's idle
+// lanes are closed at both ends (the QPs are gone from the NICs) and dialled again when it is
+// used. Bytes and notifications (in order, once) survive the closing and redialling.
+TEST_F(RdmaTest, IdleEndpointsBeyondTheLimitAreClosedAndDialledAgain) {
+  constexpr int kCount = 8;
+  constexpr uint64_t kTagBase = 0x4E4E000000000000ull;
+  constexpr uint64_t kSeed = 3000;
+  ScopedEnv limit("MC_RDMA_MAX_ENDPOINTS", "1");
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "40");  // the prober looks every 10 ms
+  PeerConfig c1, c2;
+  c1.transport = c2.transport = "rdma";
+  c1.name = "p1";
+  c2.name = "p2";
+  c1.region_bytes = c2.region_bytes = 8u << 20;
+  PeerProcess* p1 = spawnPeer(c1);
+  PeerProcess* p2 = spawnPeer(c2);
+  ASSERT_TRUE(p1 != nullptr && p2 != nullptr);
+  eng_ = makeEngine("rdma");
+  ASSERT_NE(eng_, nullptr);
+  for (int i = 0; i < 2; ++i)
+    nic_[i] = std::make_unique<fakeverbs::NicControl>(fakeVerbsFabric(), "",
+                                                      "mlx5_" + std::to_string(i));
+  const int64_t qps0 = nic_[0]->liveQps();
+  PeerId id1 = openPeer(*eng_, "p1");
+  PeerId id2 = openPeer(*eng_, "p2");
+  ASSERT_TRUE(id1 != engine::kInvalidPeer && id2 != engine::kInvalidPeer);
+  HostBuffer buf(4u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 4u << 20));
+  auto write = [&](PeerId to, PeerProcess* p, uint64_t seed) {
+    fillPattern(buf.data(), 4u << 20, seed, 0);
+    MC_EXPECT_OK(transfer(*eng_, OpCode::kWrite, buf.data(), 4u << 20, to, p->info().alloc_addr));
+    EXPECT_EQ(p->expect(p->info().alloc_addr, 4u << 20, seed, 0), "");
+  };
+  // Settled: at most 1 of our QPs and the peer's QP for it per NIC.
+  auto settledQps = [&] {
+    int64_t n = 0;
+    for (int i = 0; i < 100; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      n = nic_[0]->liveQps() - qps0;
+      if (n <= 2) break;
+    }
+    return n;
+  };
+  write(id1, p1, 1);
+  write(id2, p2, 2);
+  EXPECT_EQ(settledQps(), 2) << "p1's idle lane on mlx5_0 was not closed at both ends";
+  const uint64_t qpn = nic_[0]->nextQpn();
+  write(id1, p1, 3);  // dials p1 again; p2 is closed next
+  EXPECT_GT(nic_[0]->nextQpn(), qpn) << "p1's lane was not dialled again";
+  EXPECT_EQ(settledQps(), 2);
+
+  // Notifications to p1, each after a write, with p2 used in between so that p1's lanes are
+  // closed and dialled again between them.
+  const uint64_t remote = p1->info().reg_addr;
+  ASSERT_TRUE(p1->send("notify_check " + std::to_string(kCount) + " " + std::to_string(remote) +
+                       " " + std::to_string(kTagBase) + " " + std::to_string(kSeed) + " " +
+                       std::to_string(eng_->engineId()) + " 30000"));
+  HostBuffer local(notifyBytes(kCount));
+  MC_ASSERT_OK(eng_->registerMemory(local.data(), notifyBytes(kCount)));
+  const uint64_t qpn2 = nic_[0]->nextQpn();
+  for (int k = 0; k < kCount; ++k) {
+    Slot s = notifySlot(k);
+    fillPattern(local.data() + s.offset, s.len, kSeed + k, 0);
+    MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, local.data() + s.offset, s.len, id1,
+                          remote + s.offset));
+    MC_ASSERT_OK(eng_->notify(id1, kTagBase + k));
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    fillPattern(buf.data(), 4096, 50 + k, 0);
+    MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, buf.data(), 4096, id2, p2->info().alloc_addr));
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  }
+  std::string reply, why;
+  ASSERT_TRUE(p1->recv(&reply, 40000, &why)) << why;
+  EXPECT_EQ(reply, "ok");
+  ASSERT_TRUE(p1->send("drain_notify 300"));
+  ASSERT_TRUE(p1->recv(&reply, 10000, &why)) << why;
+  EXPECT_EQ(reply, "ok 0") << "a notification was delivered twice";
+  EXPECT_GE(nic_[0]->nextQpn() - qpn2, 4u) << "the lanes were not closed and dialled again";
+  MC_EXPECT_OK(eng_->unregisterMemory(local.data()));
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+}
+
 // A NIC that stops moving anything (no completion, not even an error): after MC_RDMA_STALL_MS
 // its QP is failed and its work moves to the other NIC; the write completes with its bytes.
 TEST_F(RdmaTest, StalledNicMovesTrafficToTheOtherNic) {

@@ -114,6 +114,7 @@ class Qp {
   void fail(const Status& why);
   Status failedStatus();
   int inflight();
+  bool idle();  // nothing queued or in flight
   // A stalled NIC: work outstanding and nothing completed for `after`: fails the QP (its
   // work moves on as after an error completion). The prober calls it.
   void checkStall(Clock::time_point now, std::chrono::milliseconds after);
@@ -213,6 +214,11 @@ class RdmaTransportImpl final : public Transport {
   };
   struct TargetQp;
   void probeLoop();
+  // Under target_mu_: closes the target QP of lane `lane` of connection `conn` from `src`.
+  void closeTargetLocked(uint64_t src, uint64_t conn, int lane);
+  // Frees closed target QPs whose receives all completed.
+  void reapGraveyard();
+  void evictIdleLocked();
   // The target side of the tcp fallback (requests starting "F ", rdma_transport.h).
   void onFallback(const SegmentDesc& from, const std::string& request,
                   const std::function<void(Result<std::string>)>& reply);
@@ -226,6 +232,8 @@ class RdmaTransportImpl final : public Transport {
   int qps_per_nic_ = 1;
   std::chrono::milliseconds retry_{1000};
   std::chrono::milliseconds stall_{5000};  // 0: no stall detection
+  int max_endpoints_ = 0;                  // per NIC (0: no limit)
+  Clock::duration evict_grace_{};          // an endpoint used more recently stays
   bool tcp_fallback_ = true;
   std::shared_ptr<const Topology> topo_;
   bool stopped_ = false;
@@ -235,7 +243,8 @@ class RdmaTransportImpl final : public Transport {
   std::set<Qp*> qps_;
   std::mutex target_mu_;
   std::multimap<uint64_t, std::unique_ptr<TargetQp>> targets_;  // by initiator engine id
-  std::vector<std::unique_ptr<TargetQp>> graveyard_;           // of gone peers (until stop)
+  std::vector<std::unique_ptr<TargetQp>> graveyard_;           // closed, not flushed yet
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<NotifyOrder>> orders_;  // (src, conn)
   // The prober: reconnects peers' failed lanes once MC_RDMA_RETRY_MS passed.
   std::mutex peers_mu_;
   std::set<RdmaPeer*> peers_;
@@ -251,5 +260,15 @@ std::unique_ptr<TransportPeer> makeRdmaPeer(RdmaTransportImpl* t, std::vector<La
                                             std::shared_ptr<ControlLink> control);
 // The prober's call on a peer: reconnects the lanes that failed MC_RDMA_RETRY_MS ago or more.
 void probePeer(RdmaPeer* p);
+// A peer's endpoint on a local NIC (its lanes there): connected, idle (nothing queued or in
+// flight, on them or on the tcp fallback), when the peer was last used.
+struct EndpointState {
+  bool connected = false;
+  bool idle = false;
+  Clock::time_point last_used{};
+};
+EndpointState endpointOn(RdmaPeer* p, int nic);
+// Closes the peer's idle lanes on `nic` (both ends); its next request dials them again.
+void evictOn(RdmaPeer* p, int nic);
 
 }  // namespace mooncake::engine::rdma

@@ -153,6 +153,11 @@ int Qp::inflight() {
   return inflight_;
 }
 
+bool Qp::idle() {
+  std::lock_guard<std::mutex> g(mu_);
+  return inflight_ == 0 && pending_.empty() && orphans_.empty() && handing_ == 0;
+}
+
 void Qp::checkStall(Clock::time_point now, std::chrono::milliseconds after) {
   std::lock_guard<std::mutex> g(mu_);
   if (failed_ || inflight_ == 0 || now - last_progress_ < after) return;
@@ -350,8 +355,10 @@ class RdmaPeer final : public TransportPeer {
       ops.push_back(o);
     }
     std::vector<std::pair<Op*, Status>> failed;
+    if (evicted_.load() > 0) wake();
     {
       std::lock_guard<std::recursive_mutex> g(mu_);
+      last_used_ = Clock::now();
       std::vector<int> use = liveLanes(near);
       if (use.empty()) use = liveLanes({});
       // No lane, or tcp still carries earlier work (which this must not overtake).
@@ -392,9 +399,11 @@ class RdmaPeer final : public TransportPeer {
 
   Status notify(uint32_t channel, uint64_t tag) override {
     std::vector<std::pair<Op*, Status>> failed;
+    if (evicted_.load() > 0) wake();
     {
       std::lock_guard<std::recursive_mutex> g(mu_);
       if (dead_) return dead_why_;
+      last_used_ = Clock::now();
       std::vector<int> live = liveLanes({});
       const bool fb = t_->tcpFallback() && (live.empty() || fb_pending_.load() > 0);
       if (live.empty() && !fb) {  // nothing could carry it (nor the writes it follows)
@@ -456,6 +465,58 @@ class RdmaPeer final : public TransportPeer {
     for (auto& q : qps) q->fail(why);
   }
 
+  // MC_RDMA_MAX_ENDPOINTS (the transport's prober decides which): see EndpointState.
+  EndpointState endpointOn(int nic) {
+    EndpointState st;
+    std::lock_guard<std::recursive_mutex> g(mu_);
+    if (dead_ || nic < 0 || static_cast<size_t>(nic) >= lanes_of_nic_.size()) return st;
+    st.idle = fb_pending_.load() == 0;
+    for (int i : lanes_of_nic_[static_cast<size_t>(nic)]) {
+      Lane& l = lanes_[static_cast<size_t>(i)];
+      if (!l.qp || l.failed) continue;
+      st.connected = true;
+      st.idle = st.idle && l.qp->idle();
+    }
+    st.last_used = last_used_;
+    return st;
+  }
+
+  // Closes the lanes on `nic` if they are still idle: this end's QPs, then the target's (told
+  // over the control link). Their writes completed, so no notification has to follow them.
+  // Serialised with wake() (wake_mu_), so a lane's close and its next dial reach the target in
+  // that order; neither holds mu_ while it waits for the target.
+  void evictOn(int nic) {
+    std::lock_guard<std::mutex> w(wake_mu_);
+    std::vector<std::shared_ptr<Qp>> gone;
+    std::vector<const Lane*> closed;
+    {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      if (dead_ || nic < 0 || static_cast<size_t>(nic) >= lanes_of_nic_.size()) return;
+      if (fb_pending_.load() != 0) return;
+      for (int i : lanes_of_nic_[static_cast<size_t>(nic)]) {
+        Lane& l = lanes_[static_cast<size_t>(i)];
+        if (!l.qp || l.failed || !l.qp->idle()) return;
+      }
+      for (int i : lanes_of_nic_[static_cast<size_t>(nic)]) {
+        Lane& l = lanes_[static_cast<size_t>(i)];
+        gone.push_back(std::move(l.qp));
+        l.evicted = true;
+        l.dirty = false;
+        closed.push_back(&l);
+      }
+      evicted_.fetch_add(static_cast<int>(closed.size()));
+    }
+    gone.clear();
+    for (const Lane* l : closed) {
+      auto st = control_->exchange(TransportKind::kRdma,
+                                   "C " + std::to_string(conn_) + " " + std::to_string(l->id),
+                                   deadlineInMs(2000));
+      MC_LOG(INFO, RDMA) << "peer " << name_ << ": idle lane " << l->id << " on " << l->nic->name
+                         << " closed (MC_RDMA_MAX_ENDPOINTS)"
+                         << (st.ok() ? "" : "; the target was not told: " + st.status().message());
+    }
+  }
+
   // The prober: reconnects lanes that failed at least MC_RDMA_RETRY_MS ago, once their QP
   // gave back everything, on a NIC whose port is up.
   void probe() {
@@ -499,7 +560,8 @@ class RdmaPeer final : public TransportPeer {
 
  private:
   struct Lane {
-    std::shared_ptr<Qp> qp;
+    std::shared_ptr<Qp> qp;  // null: not connected (failed at its first dial, or evicted)
+    bool evicted = false;    // closed while idle (MC_RDMA_MAX_ENDPOINTS): dialled on next use
     Nic* nic = nullptr;
     int remote_nic = -1;
     bool remote_ib = false;
@@ -517,12 +579,49 @@ class RdmaPeer final : public TransportPeer {
                                 });
   }
 
+  // Dials the evicted lanes again (one that cannot be dialled now is left to the prober, as a
+  // failed one). Without mu_ while it waits for the target; callers that come meanwhile wait
+  // on wake_mu_ for the lanes to be back.
+  void wake() {
+    std::lock_guard<std::mutex> w(wake_mu_);
+    std::vector<size_t> todo;
+    {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      if (dead_) return;
+      for (size_t i = 0; i < lanes_.size(); ++i)
+        if (lanes_[i].evicted) todo.push_back(i);
+    }
+    for (size_t i : todo) {
+      const Lane& l = lanes_[i];  // its NIC, remote NIC and id do not change
+      auto raw = t_->dial(l.nic, l.remote_nic, l.remote_ib, conn_, l.id, *control_, name_,
+                          deadlineInMs(5000));
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      last_used_ = Clock::now();  // the latest to be closed again
+      Lane& m = lanes_[i];
+      m.evicted = false;
+      evicted_.fetch_sub(1);
+      if (raw.ok() && !dead_) {
+        m.qp = newQp(m.nic, *raw);
+        continue;
+      }
+      if (raw.ok()) {
+        ibv_destroy_qp(*raw);
+        continue;
+      }
+      m.failed = true;
+      m.error = raw.status();
+      m.retry_at = Clock::now() + t_->retryAfter();
+      MC_LOG(WARN, RDMA) << "peer " << name_ << ": cannot dial evicted lane " << m.id << " on "
+                         << m.nic->name << " again: " << raw.status().toString();
+    }
+  }
+
   // Lanes (indices) of the NICs in `nics` (all NICs when empty) whose QP has not failed.
   std::vector<int> liveLanes(const std::vector<int>& nics) {
     std::vector<int> out;
     auto live = [&](int lane) {
       const Lane& l = lanes_[static_cast<size_t>(lane)];
-      return !l.failed && l.qp->failedStatus().ok();
+      return !l.failed && l.qp && l.qp->failedStatus().ok();
     };
     if (nics.empty()) {
       for (size_t i = 0; i < lanes_.size(); ++i)
@@ -758,6 +857,9 @@ class RdmaPeer final : public TransportPeer {
   std::vector<std::vector<int>> lanes_of_nic_;  // local NIC index -> its lanes
   size_t rr_ = 0;
   uint32_t seq_ = 0;
+  std::atomic<int> evicted_{0};  // lanes evicted (dialled again by the next request)
+  Clock::time_point last_used_ = Clock::now();
+  std::mutex wake_mu_;  // serialises evictOn() and wake() (taken before mu_, never under it)
   bool dead_ = false;
   Status dead_why_;
   mutable std::shared_mutex regions_mu_;
@@ -781,5 +883,7 @@ std::unique_ptr<TransportPeer> makeRdmaPeer(RdmaTransportImpl* t, std::vector<La
 }
 
 void probePeer(RdmaPeer* p) { p->probe(); }
+EndpointState endpointOn(RdmaPeer* p, int nic) { return p->endpointOn(nic); }
+void evictOn(RdmaPeer* p, int nic) { p->evictOn(nic); }
 
 }  // namespace mooncake::engine::rdma

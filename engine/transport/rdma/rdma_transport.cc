@@ -122,7 +122,11 @@ struct RdmaTransportImpl::TargetQp {
   std::vector<char> buf = std::vector<char>(kNotifyBytes * kRecvSlots);
   ibv_mr* mr = nullptr;
   Slot slots[kRecvSlots];
-  std::atomic<bool> dead{false};
+  std::atomic<bool> dead{false};     // its peer is gone: what still arrives is dropped
+  std::atomic<bool> closing{false};  // closed (replaced, evicted): what arrived still counts
+  // Receives posted and not completed: once closed (QP in ERR, which flushes them) and 0, no
+  // completion refers to it any more and the prober frees it (reapGraveyard).
+  std::atomic<int> posted{0};
 
   bool post(Slot* s) {
     ibv_sge sge{reinterpret_cast<uint64_t>(s->buf), static_cast<uint32_t>(kNotifyBytes), mr->lkey};
@@ -131,9 +135,24 @@ struct RdmaTransportImpl::TargetQp {
     wr.wr_id = reinterpret_cast<uint64_t>(static_cast<CompletionTarget*>(s));
     wr.sg_list = &sge;
     wr.num_sge = 1;
-    return ibv_post_recv(qp, &wr, &bad) == 0;
+    posted.fetch_add(1);
+    if (ibv_post_recv(qp, &wr, &bad) == 0) return true;
+    posted.fetch_sub(1);
+    return false;
+  }
+  // Moves it out of service: its QP to ERR (which flushes its receives).
+  void close(bool drop) {
+    if (drop) dead.store(true);
+    closing.store(true);
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_ERR;
+    ibv_modify_qp(qp, &a, IBV_QP_STATE);
   }
   void onRecv(Slot* s, const ibv_wc& wc) {
+    handleRecv(s, wc);
+    posted.fetch_sub(1);  // the last touch: the prober may free this from here on
+  }
+  void handleRecv(Slot* s, const ibv_wc& wc) {
     if (wc.status != IBV_WC_SUCCESS || dead.load()) return;
     bool ok = wc.opcode == IBV_WC_RECV && wc.byte_len == kNotifyBytes;
     if (ok) {
@@ -150,6 +169,7 @@ struct RdmaTransportImpl::TargetQp {
       MC_LOG(WARN, RDMA) << "dropping a malformed receive (" << wc.byte_len << " bytes) from "
                          << hex(src);
     }
+    if (closing.load()) return;
     if (!post(s)) {
       MC_LOG(ERROR, RDMA) << "cannot repost a receive on " << nic->name;
     }
@@ -176,6 +196,8 @@ Status RdmaTransportImpl::start(EngineContext* ctx) {
   qps_per_nic_ = static_cast<int>(std::clamp<int64_t>(params::getInt("MC_RDMA_QPS_PER_EP"), 1, 16));
   retry_ = std::chrono::milliseconds(
       std::clamp<int64_t>(params::getInt("MC_RDMA_RETRY_MS"), 1, 3600 * 1000));
+  max_endpoints_ = static_cast<int>(
+      std::clamp<int64_t>(params::getInt("MC_RDMA_MAX_ENDPOINTS"), 0, 1 << 20));
   stall_ = std::chrono::milliseconds(
       std::clamp<int64_t>(params::getInt("MC_RDMA_STALL_MS"), 0, 3600 * 1000));
   tcp_fallback_ = params::getBool("MC_RDMA_TCP_FALLBACK");
@@ -375,6 +397,17 @@ Result<std::unique_ptr<TransportPeer>> RdmaTransportImpl::connect(
 void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
                                    std::function<void(Result<std::string>)> reply) {
   if (request.rfind("F ", 0) == 0) return onFallback(from, request, reply);
+  if (request.rfind("C ", 0) == 0) {  // the initiator closed a lane (eviction)
+    std::istringstream in(request.substr(2));
+    uint64_t conn = 0;
+    int lane = -1;
+    if (!(in >> conn >> lane)) return reply(MC_STATUS(kProtocol, "rdma: malformed close"));
+    {
+      std::lock_guard<std::mutex> g(target_mu_);
+      closeTargetLocked(from.engine_id, conn, lane);
+    }
+    return reply(std::string());
+  }
   std::istringstream in(request);
   int version = 0, their_nic = -1, my_nic = -1, ib = 0, lane = -1;
   uint64_t conn = 0;
@@ -411,31 +444,39 @@ void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
   Status st = connectQp(nic, tq->qp, mine.psn, peer, ib != 0);
   if (!st.ok()) return reply(st);
   {
-    // The connection's QPs share one notification order (rdma_notify.h). A lane the initiator
-    // reconnects (failover) replaces its old QP here.
+    // The connection's QPs share one notification order (rdma_notify.h), which outlives them
+    // (lanes are evicted and dialled again). A lane the initiator reconnects (failover,
+    // eviction) replaces its old QP here.
     std::lock_guard<std::mutex> g(target_mu_);
-    auto range = targets_.equal_range(from.engine_id);
-    for (auto it = range.first; it != range.second;) {
-      if (it->second->conn != conn) {
-        ++it;
-        continue;
-      }
-      if (!tq->order) tq->order = it->second->order;
-      if (it->second->lane != lane) {
-        ++it;
-        continue;
-      }
-      it->second->dead.store(true);
-      ibv_qp_attr a{};
-      a.qp_state = IBV_QPS_ERR;
-      ibv_modify_qp(it->second->qp, &a, IBV_QP_STATE);
-      graveyard_.push_back(std::move(it->second));
-      it = targets_.erase(it);
-    }
-    if (!tq->order) tq->order = std::make_shared<NotifyOrder>();
+    std::shared_ptr<NotifyOrder>& order = orders_[{from.engine_id, conn}];
+    if (!order) order = std::make_shared<NotifyOrder>();
+    tq->order = order;
+    closeTargetLocked(from.engine_id, conn, lane);
     targets_.emplace(from.engine_id, std::move(tq));
   }
   reply(encodeQpAddr(mine));
+}
+
+void RdmaTransportImpl::closeTargetLocked(uint64_t src, uint64_t conn, int lane) {
+  auto range = targets_.equal_range(src);
+  for (auto it = range.first; it != range.second;) {
+    if (it->second->conn != conn || it->second->lane != lane) {
+      ++it;
+      continue;
+    }
+    it->second->close(false);  // what it received before still counts
+    graveyard_.push_back(std::move(it->second));
+    it = targets_.erase(it);
+  }
+}
+
+void RdmaTransportImpl::reapGraveyard() {
+  std::lock_guard<std::mutex> g(target_mu_);
+  graveyard_.erase(std::remove_if(graveyard_.begin(), graveyard_.end(),
+                                  [](const std::unique_ptr<TargetQp>& q) {
+                                    return q->posted.load() == 0;
+                                  }),
+                   graveyard_.end());
 }
 
 // The tcp fallback's target side: what the NIC would have done, checked as the NIC checks it
@@ -455,9 +496,8 @@ void RdmaTransportImpl::onFallback(const SegmentDesc& from, const std::string& r
     std::shared_ptr<NotifyOrder> order;
     {
       std::lock_guard<std::mutex> g(target_mu_);
-      auto range = targets_.equal_range(from.engine_id);
-      for (auto it = range.first; it != range.second && !order; ++it)
-        if (it->second->conn == conn) order = it->second->order;
+      auto it = orders_.find({from.engine_id, conn});
+      if (it != orders_.end()) order = it->second;
     }
     if (!order)
       return reply(MC_STATUS(kNotFound, "rdma: no connection " << conn << " from " << from.name));
@@ -501,13 +541,11 @@ void RdmaTransportImpl::onPeerGone(uint64_t engine_id) {
   std::lock_guard<std::mutex> g(target_mu_);
   auto range = targets_.equal_range(engine_id);
   for (auto it = range.first; it != range.second; ++it) {
-    it->second->dead.store(true);
-    ibv_qp_attr a{};
-    a.qp_state = IBV_QPS_ERR;
-    ibv_modify_qp(it->second->qp, &a, IBV_QP_STATE);
-    graveyard_.push_back(std::move(it->second));  // destroyed at stop (after the pollers)
+    it->second->close(true);
+    graveyard_.push_back(std::move(it->second));  // freed once flushed (reapGraveyard)
   }
   targets_.erase(range.first, range.second);
+  orders_.erase(orders_.lower_bound({engine_id, 0}), orders_.upper_bound({engine_id, UINT64_MAX}));
 }
 
 void RdmaTransportImpl::addQp(Qp* q) {
@@ -534,6 +572,7 @@ void RdmaTransportImpl::probeLoop() {
   auto every = retry_ / 4;
   if (stall_.count() > 0) every = std::min(every, stall_ / 4);
   every = std::max<std::chrono::milliseconds>(every, std::chrono::milliseconds(5));
+  evict_grace_ = every * 2;
   std::unique_lock<std::mutex> lk(probe_mu_);
   while (!probe_stop_) {
     probe_cv_.wait_for(lk, every, [&] { return probe_stop_; });
@@ -547,8 +586,32 @@ void RdmaTransportImpl::probeLoop() {
     {
       std::lock_guard<std::mutex> g(peers_mu_);
       for (RdmaPeer* p : peers_) probePeer(p);
+      if (max_endpoints_ > 0) evictIdleLocked();
     }
+    reapGraveyard();
     lk.lock();
+  }
+}
+
+// Under peers_mu_: per NIC, while more peers than MC_RDMA_MAX_ENDPOINTS have lanes on it, closes
+// the least recently used idle ones (RdmaPeer::evictOn), not one used in the last two rounds
+// of the prober (a peer whose lanes were just dialled again is about to use them).
+void RdmaTransportImpl::evictIdleLocked() {
+  const auto now = Clock::now();
+  for (const auto& n : nics_) {
+    int count = 0;
+    std::vector<std::pair<Clock::time_point, RdmaPeer*>> idle;
+    for (RdmaPeer* p : peers_) {
+      EndpointState st = endpointOn(p, n->index);
+      if (!st.connected) continue;
+      ++count;
+      if (st.idle && now - st.last_used >= evict_grace_) idle.emplace_back(st.last_used, p);
+    }
+    if (count <= max_endpoints_) continue;
+    std::sort(idle.begin(), idle.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t i = 0; i < idle.size() && count > max_endpoints_; ++i, --count)
+      evictOn(idle[i].second, n->index);
   }
 }
 

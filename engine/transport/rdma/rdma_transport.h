@@ -16,7 +16,10 @@
 //                <lane>"
 //      answer   "<qpn> <psn> <lid> <gid hex> <mtu>"
 //    `conn` names the initiator's set of lanes to this target (their notifications share one
-//    order), `lane` the lane (a reconnected lane replaces its old QP at the target). The target creates its QP, posts its receives and moves it to RTR before it
+//    order), `lane` the lane (a reconnected lane replaces its old QP at the target).
+//    "C <conn> <lane>" (answer "") closes a lane at the target: MC_RDMA_MAX_ENDPOINTS, the
+//    initiator's prober closes idle endpoints (a peer's lanes on one NIC) beyond it, and the
+//    peer's next request dials them again. The target creates its QP, posts its receives and moves it to RTR before it
 //    answers, so the initiator's first SEND finds it ready.
 //  - Data: READ/WRITE requests are cut into MC_RDMA_SLICE_BYTES slices posted as one-sided
 //    RDMA READ/WRITE round robin over the lanes of the local memory's nearest NICs

@@ -25,7 +25,7 @@
 namespace mooncake::fakeverbs {
 
 constexpr uint32_t kDevMagic = 0x4d434656;  // "MCFV"
-constexpr uint32_t kDevVersion = 1;
+constexpr uint32_t kDevVersion = 2;
 
 // ibv_port_state values (verbs.h), repeated so that tests need not include verbs.h.
 constexpr uint32_t kPortDown = 1;
@@ -46,6 +46,7 @@ struct alignas(64) DevShm {
   std::atomic<uint64_t> cap_bytes_per_s;  // 0: no cap
   std::atomic<uint64_t> wr_done;      // send work requests this NIC completed successfully
   std::atomic<uint64_t> wr_failed;    // send work requests completed with an error (any kind)
+  std::atomic<int64_t> live_qps;      // QPs created on this NIC and not destroyed (all processes)
 };
 
 // FNV-1a: the default fabric id from the config path (same in every process).
@@ -143,6 +144,8 @@ class NicControl {
   int64_t failPending() const { return d_->fail_next.load(); }
   // The number the NIC's next QP gets (QP numbers count up from 0x100 on each NIC).
   uint64_t nextQpn() const { return d_->next_qpn.load(); }
+  // QPs that exist on the NIC now, in every process of the fabric.
+  int64_t liveQps() const { return d_->live_qps.load(); }
 
  private:
   DevShm* d_;

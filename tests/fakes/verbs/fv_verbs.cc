@@ -570,6 +570,7 @@ ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* attr) {
     errno = ENOMEM;
     return nullptr;
   }
+  c->shm->live_qps.fetch_add(1);
   std::lock_guard<std::mutex> g(c->mu);
   c->qps.push_back(std::shared_ptr<Qp>(q));
   return &q->qp;
@@ -680,6 +681,7 @@ int ibv_destroy_qp(ibv_qp* qp) {
     q->destroyed = true;
   }
   std::shared_ptr<Qp> last;  // freed here, or by the NIC thread's snapshot
+  c->shm->live_qps.fetch_sub(1);
   std::lock_guard<std::mutex> g(c->mu);
   for (auto it = c->qps.begin(); it != c->qps.end(); ++it) {
     if (it->get() == q) {
