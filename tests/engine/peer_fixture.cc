@@ -109,10 +109,11 @@ void PeerTestBase::prepareTransport(const std::string& transport) {
   ASSERT_NE(f, nullptr) << fv_config_;
   // PCI addresses: the NICs of tests/data/topology/2socket.xml (mlx5_0 on NUMA node 0,
   // mlx5_1 on node 1), for tests that load that topology (rdma_test.cc).
-  std::fputs("# written by the engine's peer tests (PeerTestBase)\n"
-             "device mlx5_0 pci=0000:13:00.0 link=ethernet ip=10.9.0.1 mtu=4096\n"
-             "device mlx5_1 pci=0000:53:00.0 link=ethernet ip=10.9.0.2 mtu=4096\n",
-             f);
+  std::fprintf(f,
+               "# written by the engine's peer tests (PeerTestBase)\n"
+               "device mlx5_0 pci=0000:13:00.0 link=ethernet ip=10.9.0.1 mtu=4096%s\n"
+               "device mlx5_1 pci=0000:53:00.0 link=ethernet ip=10.9.0.2 mtu=4096%s\n",
+               fv_device_extra_.c_str(), fv_device_extra_.c_str());
   std::fclose(f);
   setenv("MC_FAKE_VERBS_CONFIG", fv_config_.c_str(), 1);
   setenv("MC_FAKE_VERBS_FABRIC", fv_fabric_.c_str(), 1);

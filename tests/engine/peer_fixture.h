@@ -70,6 +70,8 @@ class PeerTestBase : public ::testing::Test {
   PeerId openPeer(TransferEngine& eng, const std::string& name);
   // The verbs emulator's fabric of this test (transport "rdma"; empty before first use).
   const std::string& fakeVerbsFabric() const { return fv_fabric_; }
+  // Appended to each emulated NIC's config line (" key=value"); set before the first engine.
+  void setFakeNicExtra(const std::string& extra) { fv_device_extra_ = extra; }
   // The peer will be killed by the test: TearDown does not require a clean exit.
   void markKilled(PeerProcess* p) { killed_.push_back(p); }
 
@@ -85,6 +87,7 @@ class PeerTestBase : public ::testing::Test {
   // transport "rdma": the emulator's config file and fabric (set up on first use).
   void prepareTransport(const std::string& transport);
   std::string fv_config_;
+  std::string fv_device_extra_;
   std::string fv_fabric_;
 };
 

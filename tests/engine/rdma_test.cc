@@ -472,6 +472,30 @@ TEST_F(RdmaTest, IdleEndpointsBeyondTheLimitAreClosedAndDialledAgain) {
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 
+// NICs whose max_mr_size (1 MiB) is below the regions' size: both sides register in chunks;
+// writes and reads that cross chunks (at odd offsets, from registered and from unregistered
+// memory) move every byte, over the NICs.
+TEST_F(RdmaTest, RegionsAboveMaxMrSizeAreRegisteredInChunks) {
+  setFakeNicExtra(" max_mr_size=1048576");
+  ASSERT_TRUE(setUp(6u << 20));
+  constexpr uint64_t kLen = (3u << 20) + 12345;
+  HostBuffer buf(5u << 20), back(5u << 20), plain(kLen);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 5u << 20));
+  const uint64_t remote = peer_->info().alloc_addr + 777;
+  const uint64_t tx0 = nic_[0]->txBytes() + nic_[1]->txBytes();
+  auto [a, b] = writeAndCount(buf, kLen, 131, 777);
+  EXPECT_GE(a + b, kLen) << "the NICs did not carry the write";
+  MC_ASSERT_OK(eng_->registerMemory(back.data(), 5u << 20));
+  MC_ASSERT_OK(transfer(*eng_, OpCode::kRead, back.data() + 4097, kLen, pid_, remote));
+  EXPECT_EQ(std::memcmp(back.data() + 4097, buf.data(), kLen), 0) << "a READ across chunks differs";
+  fillPattern(plain.data(), kLen, 132, 0);  // unregistered: through the bounce pool
+  MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, plain.data(), kLen, pid_, remote));
+  EXPECT_EQ(peer_->expect(remote, kLen, 132, 0), "");
+  EXPECT_GE(nic_[0]->txBytes() + nic_[1]->txBytes() - tx0, 2 * kLen);
+  MC_EXPECT_OK(eng_->unregisterMemory(back.data()));
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+}
+
 // A NIC that stops moving anything (no completion, not even an error): after MC_RDMA_STALL_MS
 // its QP is failed and its work moves to the other NIC; the write completes with its bytes.
 TEST_F(RdmaTest, StalledNicMovesTrafficToTheOtherNic) {

@@ -197,6 +197,9 @@ class RdmaTransportImpl final : public Transport {
   // that region's lkey on each NIC in `lkeys` (-1: not registered there; empty: the range is
   // not in one registered region): one lookup for all of a request's slices.
   std::vector<int> localKeys(const void* p, uint64_t len, std::vector<int64_t>* lkeys) const;
+  // Bytes from p to the end of the registered chunk holding it (0: not registered). A region
+  // above a NIC's max_mr_size is registered in chunks; an op must stay inside one.
+  uint64_t localSpan(const void* p) const;
   void addQp(Qp* q);
   void removeQp(Qp* q);
   // Peers whose failed lanes the prober reconnects.

@@ -329,31 +329,50 @@ class RdmaPeer final : public TransportPeer {
       if (dead_) return task->done(dead_why_);
     }
     std::vector<int64_t> rkeys, lkeys;
-    if (!findRemote(task->remote, task->length, &rkeys))
+    const bool one_remote = findRemote(task->remote, task->length, &rkeys);
+    if (!one_remote && !remoteCovers(task->remote, task->length))
       return task->done(MC_STATUS(kPermissionDenied,
                                   "rdma: [" << hex(task->remote) << ", +" << task->length
                                             << ") is not inside a region peer " << name_
                                             << " registered for rdma"));
     // The local memory's nearest NICs (none: the engine does not know the memory, which then
     // moves through the bounce pool's chunks).
-    const std::vector<int> mine = t_->localKeys(task->local, task->length, &lkeys);
+    std::vector<int> mine = t_->localKeys(task->local, task->length, &lkeys);
+    // Across chunks of a region registered in chunks (either side): no slice crosses a chunk's
+    // end, and each looks its keys up itself.
+    const uint64_t local_span = t_->localSpan(task->local);
+    const bool chunked = !one_remote || (local_span > 0 && local_span < task->length);
+    if (chunked) {
+      std::vector<int64_t> first;
+      mine = t_->localKeys(task->local, std::min(local_span, task->length), &first);
+    }
     const std::vector<int> near = t_->stripeAll() ? std::vector<int>{} : mine;
     uint64_t slice = t_->sliceBytes();
     BouncePool* b = t_->bounce();
     if (mine.empty() && b != nullptr) slice = std::min<uint64_t>(slice, b->chunkBytes());
-    int n = static_cast<int>((task->length + slice - 1) / slice);
     std::vector<Op*> ops;
-    ops.reserve(n);
-    auto* ts = new TaskState(task, n);
-    for (uint64_t off = 0; off < task->length; off += slice) {
+    ops.reserve((task->length + slice - 1) / slice);
+    for (uint64_t off = 0; off < task->length;) {
       auto* o = new Op();
-      o->ts = ts;
       o->op = task->op;
       o->len = std::min(slice, task->length - off);
       o->raddr = task->remote + off;
       o->user = static_cast<char*>(task->local) + off;
+      if (chunked) {
+        o->len = std::min(o->len, remoteSpan(o->raddr));
+        if (const uint64_t ls = t_->localSpan(o->user)) o->len = std::min(o->len, ls);
+      }
       ops.push_back(o);
+      if (o->len == 0) {  // the peer's regions changed under us
+        for (Op* x : ops) delete x;
+        return task->done(MC_STATUS(kPermissionDenied, "rdma: peer " << name_ << " no longer has "
+                                                           << hex(task->remote + off)
+                                                           << " registered"));
+      }
+      off += o->len;
     }
+    auto* ts = new TaskState(task, static_cast<int>(ops.size()));
+    for (Op* o : ops) o->ts = ts;
     std::vector<std::pair<Op*, Status>> failed;
     if (evicted_.load() > 0) wake();
     {
@@ -375,7 +394,8 @@ class RdmaPeer final : public TransportPeer {
         int lane = -1;
         for (size_t k = 0; st.ok() && k < use.size(); ++k) {
           int cand = use[(next + k) % use.size()];
-          st = bindWith(o, lanes_[static_cast<size_t>(cand)], rkeys, lkeys);
+          st = chunked ? bind(o, lanes_[static_cast<size_t>(cand)])
+                       : bindWith(o, lanes_[static_cast<size_t>(cand)], rkeys, lkeys);
           if (st.ok()) {
             lane = cand;
             break;
@@ -817,22 +837,58 @@ class RdmaPeer final : public TransportPeer {
 
   void setRegions(const SegmentDesc& d) {
     std::vector<RemoteRegion> rs;
-    for (const auto& r : d.regions) {
-      const std::string& k = r.keys[static_cast<int>(TransportKind::kRdma)];
-      if (k.empty()) continue;
-      RemoteRegion rr{r.addr, r.len, {}};
+    auto parseKeys = [](const std::string& k) {
+      std::vector<int64_t> out;
       std::stringstream in(k);
       std::string item;
       while (std::getline(in, item, ','))
-        rr.rkeys.push_back(item == "-" || item.empty()
-                               ? -1
-                               : static_cast<int64_t>(std::strtoul(item.c_str(), nullptr, 10)));
-      rs.push_back(std::move(rr));
+        out.push_back(item == "-" || item.empty()
+                          ? -1
+                          : static_cast<int64_t>(std::strtoul(item.c_str(), nullptr, 10)));
+      return out;
+    };
+    for (const auto& r : d.regions) {
+      const std::string& k = r.keys[static_cast<int>(TransportKind::kRdma)];
+      if (k.empty()) continue;
+      if (k.rfind("chunk=", 0) != 0) {
+        rs.push_back(RemoteRegion{r.addr, r.len, parseKeys(k)});
+        continue;
+      }
+      // Registered in chunks (rdma_transport.h): an entry per chunk.
+      std::stringstream in(k.substr(6));
+      std::string item;
+      std::getline(in, item, '/');
+      const uint64_t chunk = std::strtoull(item.c_str(), nullptr, 10);
+      for (uint64_t off = 0; chunk > 0 && off < r.len && std::getline(in, item, '/');
+           off += chunk)
+        rs.push_back(RemoteRegion{r.addr + off, std::min(chunk, r.len - off), parseKeys(item)});
     }
     std::sort(rs.begin(), rs.end(),
               [](const RemoteRegion& a, const RemoteRegion& b) { return a.addr < b.addr; });
     std::unique_lock<std::shared_mutex> g(regions_mu_);
     regions_ = std::move(rs);
+  }
+
+  // Bytes from addr to the end of the peer's registered chunk holding it (0: none).
+  uint64_t remoteSpan(uint64_t addr) const {
+    std::shared_lock<std::shared_mutex> g(regions_mu_);
+    auto it = std::upper_bound(regions_.begin(), regions_.end(), addr,
+                               [](uint64_t a, const RemoteRegion& r) { return a < r.addr; });
+    if (it == regions_.begin()) return 0;
+    --it;
+    return addr - it->addr < it->len ? it->len - (addr - it->addr) : 0;
+  }
+
+  // [addr, addr+len) lies in registered memory of the peer (in one chunk or several adjacent).
+  bool remoteCovers(uint64_t addr, uint64_t len) const {
+    while (len > 0) {
+      const uint64_t n = remoteSpan(addr);
+      if (n == 0) return false;
+      if (n >= len) return true;
+      addr += n;
+      len -= n;
+    }
+    return true;
   }
 
   bool findRemote(uint64_t addr, uint64_t len, std::vector<int64_t>* rkeys) const {

@@ -237,38 +237,63 @@ Status RdmaTransportImpl::registerRegion(Region* region) {
   std::vector<std::string> pcis;
   for (auto& n : nics_) pcis.push_back(n->pci);
   m.near = topo_->nearest(pcis, where);
-  std::string keys;
+  // A region larger than a NIC's max_mr_size is registered in chunks of the smallest
+  // max_mr_size (page multiples), the same on every NIC; each chunk is an entry of its own
+  // here and has its own keys in the descriptor (rdma_transport.h).
+  uint64_t chunk = region->len;
+  for (auto& n : nics_)
+    if (n->max_mr_size > 0) chunk = std::min(chunk, n->max_mr_size & ~uint64_t{4095});
+  if (chunk == 0) chunk = region->len;
+  const bool split = chunk < region->len;
+  std::string keys = split ? "chunk=" + std::to_string(chunk) : "";
+  std::vector<std::pair<uint64_t, LocalMr>> entries;
   bool any = false;
-  for (auto& n : nics_) {
-    ibv_mr* mr = nullptr;
-    if (region->len <= n->max_mr_size)
-      mr = ibv_reg_mr(n->pd, reinterpret_cast<void*>(region->addr), region->len, kAccess);
-    if (mr == nullptr) {
-      MC_LOG(WARN, RDMA) << "cannot register " << region->len << " bytes at " << hex(region->addr)
-                         << " with " << n->name << " (max_mr_size " << n->max_mr_size
-                         << "): rdma requests to it fail, from it bounce";
+  for (uint64_t off = 0; off < region->len; off += chunk) {
+    LocalMr c{std::min(chunk, region->len - off), {}, m.near};
+    const uint64_t addr = region->addr + off;
+    std::string ck;
+    for (auto& n : nics_) {
+      ibv_mr* mr = ibv_reg_mr(n->pd, reinterpret_cast<void*>(addr), c.len, kAccess);
+      if (mr == nullptr) {
+        MC_LOG(WARN, RDMA) << "cannot register " << c.len << " bytes at " << hex(addr) << " with "
+                           << n->name << " (max_mr_size " << n->max_mr_size
+                           << "): rdma requests to it fail, from it bounce";
+      }
+      c.mrs.push_back(mr);
+      any |= mr != nullptr;
+      ck += (ck.empty() ? "" : ",") + (mr ? std::to_string(mr->rkey) : std::string("-"));
     }
-    m.mrs.push_back(mr);
-    any |= mr != nullptr;
-    keys += (keys.empty() ? "" : ",") + (mr ? std::to_string(mr->rkey) : std::string("-"));
+    keys += (split ? "/" : "") + ck;
+    entries.emplace_back(addr, std::move(c));
   }
   region->keys[static_cast<int>(TransportKind::kRdma)] = any ? keys : "";
   std::unique_lock<std::shared_mutex> g(mr_mu_);
-  mrs_[region->addr] = std::move(m);
+  for (auto& [addr, c] : entries) mrs_[addr] = std::move(c);
   return Status::OK();
 }
 
 void RdmaTransportImpl::unregisterRegion(const Region& region) {
-  LocalMr m;
+  std::vector<LocalMr> gone;  // the region's chunks
   {
     std::unique_lock<std::shared_mutex> g(mr_mu_);
-    auto it = mrs_.find(region.addr);
-    if (it == mrs_.end()) return;
-    m = std::move(it->second);
-    mrs_.erase(it);
+    auto it = mrs_.lower_bound(region.addr);
+    while (it != mrs_.end() && it->first < region.addr + region.len) {
+      gone.push_back(std::move(it->second));
+      it = mrs_.erase(it);
+    }
   }
-  for (ibv_mr* mr : m.mrs)
-    if (mr != nullptr) ibv_dereg_mr(mr);
+  for (LocalMr& m : gone)
+    for (ibv_mr* mr : m.mrs)
+      if (mr != nullptr) ibv_dereg_mr(mr);
+}
+
+uint64_t RdmaTransportImpl::localSpan(const void* p) const {
+  uint64_t a = reinterpret_cast<uint64_t>(p);
+  std::shared_lock<std::shared_mutex> g(mr_mu_);
+  auto it = mrs_.upper_bound(a);
+  if (it == mrs_.begin()) return 0;
+  --it;
+  return a - it->first < it->second.len ? it->second.len - (a - it->first) : 0;
 }
 
 std::vector<int> RdmaTransportImpl::localKeys(const void* p, uint64_t len,

@@ -5,7 +5,9 @@
 //    address (from sysfs) places it in the machine's topology (engine/topology.h).
 //  - Memory: registerRegion registers the region with every NIC; the region's key
 //    (RegionDesc::keys[kRdma]) is the rkeys, one per NIC in the order of the endpoint data,
-//    comma separated ("-" where that NIC could not register it). The endpoint data
+//    comma separated ("-" where that NIC could not register it); a region above a NIC's
+//    max_mr_size is registered in chunks: "chunk=<bytes>/<keys of chunk 0>/<keys of chunk 1>/..."
+//    (work requests stay inside one chunk). The endpoint data
 //    (SegmentDesc::endpoints[kRdma]) is one line per NIC (rdma_nic.h NicAddress). Each region
 //    also gets its nearest NICs: same PCI switch as its GPU, else its NUMA node's, else all.
 //  - Lanes: MC_RDMA_QPS_PER_EP RC QPs per local NIC, to the peer's NIC of the same link layer
