@@ -36,12 +36,7 @@ class RdmaTest : public PeerTestBase {
     pid_ = openPeer(*eng_, "peer");
     if (pid_ == engine::kInvalidPeer) return false;
     EXPECT_EQ(eng_->peerTransport(pid_), "rdma");
-    for (int i = 0; i < 2; ++i) {
-      nic_[i] = std::make_unique<fakeverbs::NicControl>(fakeVerbsFabric(), "",
-                                                        "mlx5_" + std::to_string(i));
-      if (!nic_[i]->ok()) return false;
-    }
-    return true;
+    return openNicControls();
   }
   // Writes [buf, buf+len) to the peer's allocated region at `off`, checks the bytes arrived;
   // returns the bytes each NIC sent meanwhile.
@@ -54,6 +49,34 @@ class RdmaTest : public PeerTestBase {
     EXPECT_TRUE(st.ok()) << st.toString();
     EXPECT_EQ(peer_->expect(remote, len, seed, 0), "");
     return {nic_[0]->txBytes() - tx0, nic_[1]->txBytes() - tx1};
+  }
+
+  // The controls of both emulated NICs (the fabric exists once an engine was made).
+  bool openNicControls() {
+    for (int i = 0; i < 2; ++i) {
+      nic_[i] = std::make_unique<fakeverbs::NicControl>(fakeVerbsFabric(), "",
+                                                        "mlx5_" + std::to_string(i));
+      if (!nic_[i]->ok()) return false;
+    }
+    return true;
+  }
+  // Writes 4 MiB every 100 ms (5 s at most) until NIC `nic` (-1: either) carries bytes again;
+  // the bytes it carried in the write that saw it back (0: never).
+  uint64_t waitForNic(HostBuffer& buf, int nic, uint64_t seed) {
+    for (int i = 0; i < 50; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      auto [b0, b1] = writeAndCount(buf, 4u << 20, seed + i);
+      const uint64_t got = nic == 0 ? b0 : nic == 1 ? b1 : b0 + b1;
+      if (got > 0) return got;
+    }
+    return 0;
+  }
+  // Asks `p` to check `count` notifications from this engine (tests/engine/peer_main.cc).
+  bool startNotifyCheck(PeerProcess* p, int count, uint64_t remote, uint64_t tag_base,
+                        uint64_t seed, int timeout_ms) {
+    return p->send("notify_check " + std::to_string(count) + " " + std::to_string(remote) + " " +
+                   std::to_string(tag_base) + " " + std::to_string(seed) + " " +
+                   std::to_string(eng_->engineId()) + " " + std::to_string(timeout_ms));
   }
 
   PeerProcess* peer_ = nullptr;
@@ -128,9 +151,7 @@ TEST_F(RdmaTest, SeveralQpsPerNic) {
   ASSERT_NE(peer_, nullptr);
   eng_ = makeEngine("rdma");
   ASSERT_NE(eng_, nullptr);
-  for (int i = 0; i < 2; ++i)
-    nic_[i] = std::make_unique<fakeverbs::NicControl>(fakeVerbsFabric(), "",
-                                                      "mlx5_" + std::to_string(i));
+  ASSERT_TRUE(openNicControls());
   const uint64_t q0 = nic_[0]->nextQpn(), q1 = nic_[1]->nextQpn();
   pid_ = openPeer(*eng_, "peer");
   ASSERT_NE(pid_, engine::kInvalidPeer);
@@ -144,9 +165,7 @@ TEST_F(RdmaTest, SeveralQpsPerNic) {
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 
   const uint64_t remote = peer_->info().reg_addr;
-  ASSERT_TRUE(peer_->send("notify_check " + std::to_string(kCount) + " " + std::to_string(remote) +
-                          " " + std::to_string(kTagBase) + " " + std::to_string(kSeed) + " " +
-                          std::to_string(eng_->engineId()) + " 30000"));
+  ASSERT_TRUE(startNotifyCheck(peer_, kCount, remote, kTagBase, kSeed, 30000));
   HostBuffer local(notifyBytes(kCount));
   MC_ASSERT_OK(eng_->registerMemory(local.data(), notifyBytes(kCount)));
   for (int k = 0; k < kCount; ++k) {
@@ -186,11 +205,7 @@ TEST_F(RdmaTest, FailedWorkRequestMovesToTheOtherNic) {
   EXPECT_EQ(b0, 0u) << "mlx5_0 carried bytes while paused";
   EXPECT_GE(b1, 4u << 20);
   // Back after the retry delay (the prober reconnects it).
-  uint64_t back = 0;
-  for (int i = 0; i < 50 && back == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    back = writeAndCount(buf, 4u << 20, 40 + i).first;
-  }
+  const uint64_t back = waitForNic(buf, 0, 40);
   EXPECT_GT(back, 0u) << "mlx5_0 never carried bytes again";
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
@@ -204,9 +219,7 @@ TEST_F(RdmaTest, NotificationsSurviveFailover) {
   ScopedEnv retry("MC_RDMA_RETRY_MS", "200");
   ASSERT_TRUE(setUp(notifyBytes(kCount) + 8));
   const uint64_t remote = peer_->info().alloc_addr;
-  ASSERT_TRUE(peer_->send("notify_check " + std::to_string(kCount) + " " + std::to_string(remote) +
-                          " " + std::to_string(kTagBase) + " " + std::to_string(kSeed) + " " +
-                          std::to_string(eng_->engineId()) + " 30000"));
+  ASSERT_TRUE(startNotifyCheck(peer_, kCount, remote, kTagBase, kSeed, 30000));
   HostBuffer local(notifyBytes(kCount));
   MC_ASSERT_OK(eng_->registerMemory(local.data(), notifyBytes(kCount)));
   const uint64_t failed = nic_[0]->wrFailed() + nic_[1]->wrFailed();
@@ -246,11 +259,7 @@ TEST_F(RdmaTest, PortDownMovesTrafficToTheOtherNic) {
   EXPECT_GE(b0, 4u << 20);
   EXPECT_EQ(b1, 0u) << "mlx5_1 is down";
   nic_[1]->setPortUp(true);
-  uint64_t back = 0;
-  for (int i = 0; i < 50 && back == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    back = writeAndCount(buf, 4u << 20, 60 + i).second;
-  }
+  const uint64_t back = waitForNic(buf, 1, 60);
   EXPECT_GT(back, 0u) << "mlx5_1 never carried bytes again after its port came up";
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
@@ -316,9 +325,7 @@ TEST_F(RdmaTest, EveryNicDownTcpTakesOver) {
     nic_[0]->setPortUp(true);
     nic_[1]->setPortUp(true);
   }
-  ASSERT_TRUE(peer_->send("notify_check " + std::to_string(kCount) + " " + std::to_string(remote) +
-                          " " + std::to_string(kTagBase) + " " + std::to_string(kSeed) + " " +
-                          std::to_string(eng_->engineId()) + " 60000"));
+  ASSERT_TRUE(startNotifyCheck(peer_, kCount, remote, kTagBase, kSeed, 60000));
   HostBuffer local(notifyBytes(kCount));
   MC_ASSERT_OK(eng_->registerMemory(local.data(), notifyBytes(kCount)));
   std::vector<engine::BatchId> batches;
@@ -345,12 +352,7 @@ TEST_F(RdmaTest, EveryNicDownTcpTakesOver) {
   // The NICs are back once the prober reconnected them and tcp has nothing left.
   HostBuffer buf(4u << 20);
   MC_ASSERT_OK(eng_->registerMemory(buf.data(), 4u << 20));
-  uint64_t back = 0;
-  for (int i = 0; i < 50 && back == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    auto [b0, b1] = writeAndCount(buf, 4u << 20, 90 + i);
-    back = b0 + b1;
-  }
+  const uint64_t back = waitForNic(buf, -1, 90);
   EXPECT_GT(back, 0u) << "no NIC carried bytes again after the ports came up";
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
   MC_EXPECT_OK(eng_->unregisterMemory(local.data()));
@@ -368,9 +370,7 @@ TEST_F(RdmaTest, NicDownAtOpenIsConnectedLater) {
   ASSERT_NE(peer_, nullptr);
   eng_ = makeEngine("rdma");
   ASSERT_NE(eng_, nullptr);
-  for (int i = 0; i < 2; ++i)
-    nic_[i] = std::make_unique<fakeverbs::NicControl>(fakeVerbsFabric(), "",
-                                                      "mlx5_" + std::to_string(i));
+  ASSERT_TRUE(openNicControls());
   nic_[1]->setPortUp(false);
   pid_ = openPeer(*eng_, "peer");
   ASSERT_NE(pid_, engine::kInvalidPeer);
@@ -381,11 +381,7 @@ TEST_F(RdmaTest, NicDownAtOpenIsConnectedLater) {
   EXPECT_GE(a0, 8u << 20);
   EXPECT_EQ(a1, 0u) << "a NIC whose port is down carried bytes";
   nic_[1]->setPortUp(true);
-  uint64_t back = 0;
-  for (int i = 0; i < 50 && back == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    back = writeAndCount(buf, 4u << 20, 120 + i).second;
-  }
+  const uint64_t back = waitForNic(buf, 1, 120);
   EXPECT_GT(back, 0u) << "mlx5_1 never got a lane after its port came up";
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
@@ -409,9 +405,7 @@ TEST_F(RdmaTest, IdleEndpointsBeyondTheLimitAreClosedAndDialledAgain) {
   ASSERT_TRUE(p1 != nullptr && p2 != nullptr);
   eng_ = makeEngine("rdma");
   ASSERT_NE(eng_, nullptr);
-  for (int i = 0; i < 2; ++i)
-    nic_[i] = std::make_unique<fakeverbs::NicControl>(fakeVerbsFabric(), "",
-                                                      "mlx5_" + std::to_string(i));
+  ASSERT_TRUE(openNicControls());
   const int64_t qps0 = nic_[0]->liveQps();
   PeerId id1 = openPeer(*eng_, "p1");
   PeerId id2 = openPeer(*eng_, "p2");
@@ -444,9 +438,7 @@ TEST_F(RdmaTest, IdleEndpointsBeyondTheLimitAreClosedAndDialledAgain) {
   // Notifications to p1, each after a write, with p2 used in between so that p1's lanes are
   // closed and dialled again between them.
   const uint64_t remote = p1->info().reg_addr;
-  ASSERT_TRUE(p1->send("notify_check " + std::to_string(kCount) + " " + std::to_string(remote) +
-                       " " + std::to_string(kTagBase) + " " + std::to_string(kSeed) + " " +
-                       std::to_string(eng_->engineId()) + " 30000"));
+  ASSERT_TRUE(startNotifyCheck(p1, kCount, remote, kTagBase, kSeed, 30000));
   HostBuffer local(notifyBytes(kCount));
   MC_ASSERT_OK(eng_->registerMemory(local.data(), notifyBytes(kCount)));
   const uint64_t qpn2 = nic_[0]->nextQpn();
