@@ -380,8 +380,10 @@ class RdmaPeer final : public TransportPeer {
       last_used_ = Clock::now();
       std::vector<int> use = liveLanes(near);
       if (use.empty()) use = liveLanes({});
-      // No lane, or tcp still carries earlier work (which this must not overtake).
-      if (t_->tcpFallback() && (use.empty() || fb_pending_.load() > 0)) {
+      // No lane: tcp. (Once a lane is back new work takes it, even while tcp still carries
+      // older work: requests are not ordered among themselves, and a notification gets a part
+      // on tcp too while tcp holds work, so it still follows all of it.)
+      if (t_->tcpFallback() && use.empty()) {
         toFallback(ops, &failed);
         use.clear();
       }
@@ -731,9 +733,10 @@ class RdmaPeer final : public TransportPeer {
   }
 
   // ---- the tcp fallback (MC_RDMA_TCP_FALLBACK): work no lane can carry goes, in order, over
-  // the control link (the engine's authenticated tcp connection to the peer) until the queue
-  // is empty and a lane is back. One op at a time: a WRITE is on the target when its answer
-  // comes, so a notification behind it (here, or a part on a lane later) follows its bytes.
+  // the control link (the engine's authenticated tcp connection to the peer), while no lane
+  // is live. One op at a time: a WRITE is on the target when its answer comes, so a
+  // notification part behind it follows its bytes; a notification issued while the queue
+  // holds work has a part here as well as on the lanes that carried work.
 
   // Under mu_: queues `ops` (takes them); once the peer is closing they fail instead.
   void toFallback(std::vector<Op*>& ops, std::vector<std::pair<Op*, Status>>* failed) {

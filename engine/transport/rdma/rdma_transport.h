@@ -21,8 +21,8 @@
 //    order), `lane` the lane (a reconnected lane replaces its old QP at the target).
 //    "C <conn> <lane>" (answer "") closes a lane at the target: MC_RDMA_MAX_ENDPOINTS, the
 //    initiator's prober closes idle endpoints (a peer's lanes on one NIC) beyond it, and the
-//    peer's next request dials them again. The target creates its QP, posts its receives and moves it to RTR before it
-//    answers, so the initiator's first SEND finds it ready.
+//    peer's next request dials them again. The target creates its QP, posts its receives and
+//    moves it to RTR before it answers, so the initiator's first SEND finds it ready.
 //  - Data: READ/WRITE requests are cut into MC_RDMA_SLICE_BYTES slices posted as one-sided
 //    RDMA READ/WRITE round robin over the lanes of the local memory's nearest NICs
 //    (MC_RDMA_STRIPE=near; all: every lane), at most MC_RDMA_MAX_WR outstanding per QP (the
@@ -35,9 +35,16 @@
 //  - Failover (rdma_peer.cc): a work request that fails (error completion, a port down timing
 //    out) moves its QP to the error state; once the NIC flushed it, everything that QP held
 //    goes, in order, to another live lane, and the failed lane is reconnected by a prober
-//    thread after MC_RDMA_RETRY_MS (when its port is up). With no lane left a request fails
-//    naming the peer, the operation and every NIC's error. The peer's death is noticed by the
-//    tcp control link, which fails this peer through TransportPeer::fail() (final).
+//    thread after MC_RDMA_RETRY_MS (when its port is up). A QP with work outstanding and no
+//    completion for MC_RDMA_STALL_MS (a stalled NIC) is failed the same way. With no lane
+//    live, work goes over the control link (MC_RDMA_TCP_FALLBACK), in order, one at a time:
+//      "F W <addr> <target nic> <rkey> <len>\n<bytes>"  answer ""
+//      "F R <addr> <target nic> <rkey> <len>"           answer the bytes
+//      "F N <conn> <channel> <word> <tag>"              answer "" (a notification part)
+//    new work takes a lane again as soon as one is back (a notification also puts a part on
+//    tcp while tcp still carries work). Without the fallback a request fails naming the peer,
+//    the operation and every NIC's error. The peer's death is noticed by the tcp control
+//    link, which fails this peer through TransportPeer::fail() (final).
 #pragma once
 
 #include <memory>
