@@ -499,7 +499,8 @@ TEST_F(RdmaTest, StalledNicMovesTrafficToTheOtherNic) {
   nic_[1]->setStalled(true);
   const auto t0 = engine::Clock::now();
   writeAndCount(buf, 8u << 20, 101);
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(engine::Clock::now() - t0).count();
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(engine::Clock::now() - t0).count();
   EXPECT_LT(ms, 10000) << "the stalled NIC's work waited " << ms << " ms";
   auto [b0, b1] = writeAndCount(buf, 4u << 20, 102);
   EXPECT_GE(b0, 4u << 20);

@@ -673,8 +673,8 @@ class RdmaPeer final : public TransportPeer {
     if (l.remote_nic < 0 || static_cast<size_t>(l.remote_nic) >= rkeys.size() ||
         rkeys[static_cast<size_t>(l.remote_nic)] < 0)
       return MC_STATUS(kPermissionDenied, "rdma: peer " << name_ << "'s region at "
-                                                        << hex(o->raddr) << " has no key on its NIC "
-                                                        << l.remote_nic);
+                                                        << hex(o->raddr)
+                                                        << " has no key on its NIC " << l.remote_nic);
     o->rkey = static_cast<uint32_t>(rkeys[static_cast<size_t>(l.remote_nic)]);
     const size_t n = static_cast<size_t>(l.nic->index);
     if (n < lkeys.size() && lkeys[n] >= 0) {
@@ -743,8 +743,8 @@ class RdmaPeer final : public TransportPeer {
     {
       std::lock_guard<std::mutex> g(fb_mu_);
       if (fb_stop_) {
-        for (Op* o : ops) failed->emplace_back(o, MC_STATUS(kCancelled, "rdma: peer " << name_
-                                                                                      << " closed"));
+        for (Op* o : ops)
+          failed->emplace_back(o, MC_STATUS(kCancelled, "rdma: peer " << name_ << " closed"));
         ops.clear();
         return;
       }
