@@ -488,24 +488,51 @@ TEST_F(RdmaTest, RegionsAboveMaxMrSizeAreRegisteredInChunks) {
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 
-// A NIC that stops moving anything (no completion, not even an error): after MC_RDMA_STALL_MS
-// its QP is failed and its work moves to the other NIC; the write completes with its bytes.
-TEST_F(RdmaTest, StalledNicMovesTrafficToTheOtherNic) {
-  ScopedEnv retry("MC_RDMA_RETRY_MS", "600000");  // the stalled NIC stays out
+// A NIC that stops moving anything (no completion, not even an error) in the middle of a
+// write (both NICs capped at 1 Gbit/s so that the write is still going): after
+// MC_RDMA_STALL_MS its QP is failed and its work moves to the other NIC; the write completes
+// with its bytes, and the stalled NIC gets no new work. A port that goes down mid-write: the
+// same through the transport timeout.
+TEST_F(RdmaTest, NicStalledOrDownMidTransferMovesToTheOtherNic) {
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "600000");  // the failed NIC stays out
   ScopedEnv stall("MC_RDMA_STALL_MS", "300");
   ASSERT_TRUE(setUp());
-  HostBuffer buf(8u << 20);
-  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 8u << 20));
-  nic_[1]->setStalled(true);
-  const auto t0 = engine::Clock::now();
-  writeAndCount(buf, 8u << 20, 101);
-  const auto ms =
-      std::chrono::duration_cast<std::chrono::milliseconds>(engine::Clock::now() - t0).count();
-  EXPECT_LT(ms, 10000) << "the stalled NIC's work waited " << ms << " ms";
-  auto [b0, b1] = writeAndCount(buf, 4u << 20, 102);
-  EXPECT_GE(b0, 4u << 20);
-  EXPECT_EQ(b1, 0u) << "the stalled NIC got work again";
-  nic_[1]->setStalled(false);
+  constexpr uint64_t kLen = 16u << 20;  // 8 MiB per NIC: 67 ms at the cap
+  HostBuffer buf(kLen);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), kLen));
+  const uint64_t remote = peer_->info().alloc_addr;
+  for (int fault = 0; fault < 2; ++fault) {
+    SCOPED_TRACE(fault == 0 ? "stalled NIC" : "port down");
+    if (fault == 1) {  // a fresh engine: the first one left mlx5_1 out for good
+      nic_[1]->setStalled(false);
+      MC_ASSERT_OK(eng_->unregisterMemory(buf.data()));
+      eng_ = makeEngine("rdma", "parent2");
+      ASSERT_NE(eng_, nullptr);
+      pid_ = openPeer(*eng_, "peer");
+      ASSERT_NE(pid_, engine::kInvalidPeer);
+      MC_ASSERT_OK(eng_->registerMemory(buf.data(), kLen));
+    }
+    nic_[0]->setGbps(1);
+    nic_[1]->setGbps(1);
+    fillPattern(buf.data(), kLen, 101 + fault, 0);
+    const uint64_t tx1 = nic_[1]->txBytes();
+    auto id = eng_->submit({{OpCode::kWrite, buf.data(), kLen, pid_, remote}});
+    ASSERT_TRUE(id.ok()) << id.status().toString();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (fault == 0) nic_[1]->setStalled(true);
+    if (fault == 1) nic_[1]->setPortUp(false);
+    const uint64_t moved = nic_[1]->txBytes() - tx1;
+    MC_EXPECT_OK(eng_->wait(*id, engine::deadlineInMs(20000)));
+    EXPECT_GT(moved, 0u) << "mlx5_1 had not started: the fault was not mid-transfer";
+    EXPECT_LT(moved, kLen / 2) << "mlx5_1 had finished its share: the fault was not mid-transfer";
+    EXPECT_EQ(peer_->expect(remote, kLen, 101 + fault, 0), "");
+    nic_[0]->setGbps(0);
+    nic_[1]->setGbps(0);
+    auto [b0, b1] = writeAndCount(buf, 4u << 20, 110 + fault);
+    EXPECT_GE(b0, 4u << 20);
+    EXPECT_EQ(b1, 0u) << "the failed NIC got work again";
+  }
+  nic_[1]->setPortUp(true);
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 
