@@ -302,7 +302,7 @@ class RdmaPeer final : public TransportPeer {
     t_->removePeer(this);  // waits for a probe of this peer
     {
       std::lock_guard<std::mutex> g(fb_mu_);
-      fb_stop_ = true;  // what is queued still goes (or fails) first; nothing new joins it
+      fb_stop_ = true;  // what is queued fails (cancelled); nothing new joins it
     }
     fb_cv_.notify_all();
     if (fb_thread_.joinable()) fb_thread_.join();
@@ -764,20 +764,23 @@ class RdmaPeer final : public TransportPeer {
   void fallbackLoop() {
     for (;;) {
       Op* o = nullptr;
+      bool closing = false;  // the peer is being closed: what is queued fails, not carried
       {
         std::unique_lock<std::mutex> g(fb_mu_);
         fb_cv_.wait(g, [&] { return fb_stop_ || !fb_.empty(); });
         if (fb_.empty()) return;
         o = fb_.front();
         fb_.pop_front();
+        closing = fb_stop_;
       }
       Status st;
       bool dead;
       {
         std::lock_guard<std::recursive_mutex> g(mu_);
-        dead = dead_;
-        if (dead) st = dead_why_;
+        dead = dead_ || closing;
+        if (dead_) st = dead_why_;
       }
+      if (closing && st.ok()) st = MC_STATUS(kCancelled, "rdma: peer " << name_ << " closed");
       if (!dead) st = overTcp(*o);
       if (!dead && !st.ok()) {
         std::lock_guard<std::recursive_mutex> g(mu_);
