@@ -21,7 +21,10 @@ an iteration's time is the maximum over ranks; p50/p99 are over iterations.
 gbps = payload bytes this rank sends in the phase (rows x H x element size, ll: one per
 (token, expert), normal: one per (token, destination rank)) / p50 time.
 JSON: a list of {"impl", "mode", "phase", "world_size", "p50_us", "p99_us", "gbps"} plus the
-problem's parameters.
+problem's parameters ("hosts": true with --hosts).
+
+--hosts puts each rank on a simulated host (MC_HOST_ID), so that mooncake reaches every peer
+through the engine's one-sided writes and notifications (tcp here) instead of mapped memory.
 """
 
 import argparse
@@ -51,6 +54,10 @@ def parse():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", default="ll,normal")
     ap.add_argument("--json", default=None, help="write the records here")
+    ap.add_argument("--hosts", action="store_true",
+                    help="each rank on a simulated host of its own (MC_HOST_ID=host-<rank>): "
+                         "no buffer is mapped, every row moves through the engine (tcp, or "
+                         "rdma where a NIC reaches)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -202,7 +209,7 @@ def worker(a):
                                 "p50_us": round(p50, 1), "p99_us": round(p99, 1),
                                 "gbps": round(nbytes / (p50 * 1e-6) / 1e9, 3),
                                 "tokens": T, "hidden": H, "topk": K, "experts": E,
-                                "dtype": a.dtype})
+                                "dtype": a.dtype, "hosts": a.hosts})
     if me == 0:
         with open(os.path.join(a.out, "records.json"), "w") as f:
             json.dump(records, f)
@@ -229,8 +236,9 @@ def run_world(a, world):
                "--world", str(world), "--port", str(port), "--out", out,
                "--tokens", str(a.tokens), "--hidden", str(a.hidden), "--topk", str(a.topk),
                "--experts", str(a.experts), "--dtype", a.dtype, "--iters", str(a.iters),
-               "--warmup", str(a.warmup), "--modes", a.modes]
-        procs.append(subprocess.Popen(cmd, env=env))
+               "--warmup", str(a.warmup), "--modes", a.modes] + (["--hosts"] if a.hosts else [])
+        rank_env = dict(env, MC_HOST_ID=f"host-{r}") if a.hosts else env
+        procs.append(subprocess.Popen(cmd, env=rank_env))
     codes = [p.wait(1800) for p in procs]
     if any(codes):
         raise SystemExit(f"world {world}: rank exit codes {codes}")

@@ -124,11 +124,20 @@ void EpBuffer::setUp(size_t bytes) {
     if (!disable_p2p_)
       mapped_[r] = static_cast<char*>(eng.mappedAddress(g_.peers[r], all[r].base, bytes));
   }
-  registerSignalTarget(key_, this, &eng);
-  // Nobody signals before every rank registered its handler target.
-  int dummy = 0;
-  std::vector<int> sink(n);
-  g_.all_gather(&dummy, sink.data(), sizeof(int));
+  // Nobody signals before every rank registered its handler target; every rank fails alike
+  // when one could not (another buffer of its process has the key's low bits: 2^-32 odds).
+  int registered = registerSignalTarget(key_, this, &eng) ? 1 : 0;
+  std::vector<int> all_registered(n);
+  g_.all_gather(&registered, all_registered.data(), sizeof(int));
+  for (int r = 0; r < n; ++r) {
+    if (all_registered[r] != 0) continue;
+    if (registered != 0) unregisterSignalTarget(key_);
+    key_ = 0;
+    (void)eng.free(base_);
+    base_ = nullptr;
+    throw std::runtime_error(str("ep.Buffer: rank ", r, " already has a buffer with key ", std::hex,
+                                 static_cast<uint32_t>(all[0].key), "; create the buffer again"));
+  }
   int n_mapped = 0;
   for (auto* p : mapped_) n_mapped += p != nullptr;
   MC_LOG(INFO, EP) << "ep buffer rank " << g_.rank << "/" << n << ": " << bytes << " bytes, "
@@ -146,16 +155,28 @@ EpBuffer::~EpBuffer() {
   if (base_ != nullptr) (void)g_.engine->free(base_);
 }
 
-bool EpBuffer::storeSignal(uint64_t off, uint64_t value) {
-  if (off % 8 != 0 || !geo_.isSignalRange(off, 8)) return false;
-  signalWord(off)->store(value, std::memory_order_release);
+bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits) {
+  if (src < 0 || src >= g_.size || count > geo_.mailboxCap()) return false;
+  const auto* e = reinterpret_cast<const uint64_t*>(base_ + geo_.mailbox(half, kind, src));
+  bool ok = true;
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint64_t off = e[2 * i], value = e[2 * i + 1];
+    if (off % 8 != 0 || !geo_.isSignalRange(off, 8)) {
+      ok = false;
+      continue;
+    }
+    // An entry of a later round (this source's round of the same half went on while the
+    // notification of this one waited) is left to that round's notification.
+    if ((signalRound(value) & kRoundBitsMask) != round_bits) continue;
+    signalWord(off)->store(value, std::memory_order_release);
+  }
   ringDoorbell(base_);
-  return true;
+  return ok;
 }
 
 void EpBuffer::abandon(RoundKind kind, uint32_t round) {
   const int R = g_.size, me = g_.rank;
-  Writer w(*this, engine::deadlineInMs(timeout_ms_));
+  Writer w(*this, engine::deadlineInMs(timeout_ms_), kind, round);
   for (int step = 1; step < R; ++step) {
     const int o = (me + step) % R;
     w.signal(o, geo_.abandonSignal(round & 1, static_cast<int>(kind), me), makeSignal(round, 1));
@@ -354,7 +375,7 @@ void EpBuffer::dispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
   }
   // Pass 2: destination-major copies, starting after this rank so that ranks spread out;
   // each destination gets its signals as soon as its rows are in place.
-  Writer w(*this, engine::deadlineInMs(timeout_ms_));
+  Writer w(*this, engine::deadlineInMs(timeout_ms_), RoundKind::kDispatch, round);
   const size_t region = geo_.dispatchRegion(h);
   const int64_t RM = R * a.max_tokens;
   for (int step = 1; step <= R; ++step) {
@@ -503,7 +524,7 @@ void EpBuffer::combineSend(const LowLatencyCombineArgs& a, uint32_t round) {
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtypeBytes(a.dtype);
   const char* y = static_cast<const char*>(a.y);
   const size_t region = geo_.combineRegion(h);
-  Writer w(*this, engine::deadlineInMs(timeout_ms_));
+  Writer w(*this, engine::deadlineInMs(timeout_ms_), RoundKind::kCombine, round);
   for (int step = 1; step <= R; ++step) {
     const int r = (me + step) % R;
     if (a.active_ranks[r] == 0 || r == me) continue;  // own rows are read from y directly

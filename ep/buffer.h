@@ -199,8 +199,11 @@ class EpBuffer {
   // Runs fn on the calling thread once the queue is idle; rethrows its exception.
   void runSync(const std::function<void()>& fn);
 
-  // Stores a remote signal (the engine message handler's side). False if out of range.
-  bool storeSignal(uint64_t offset, uint64_t value);
+  // Stores the signals a source posted to its mailbox of (half, kind) (the engine notify
+  // handler's side; ep/peer_writer.h): `count` entries whose round's low 7 bits are
+  // `round_bits`. Entries outside the signal words, or of another round, are dropped. False
+  // when src, count or an entry is out of range.
+  bool takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits);
 
   class Writer;  // ep/peer_writer.h
 

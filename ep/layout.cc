@@ -17,16 +17,17 @@ BufferGeometry::BufferGeometry(size_t total_bytes, int world) : total_(total_byt
     os << "ep buffer: world size " << world << " outside [1, " << kMaxRanks << "]";
     throw std::invalid_argument(os.str());
   }
-  size_t fixed = kHeaderBytes + 2 * kSignalBytes;
+  size_t fixed = kHeaderBytes + 2 * (kSignalBytes + kMailboxBytes);
   if (total_bytes < fixed + 2 * 2 * kAlign) {
     std::ostringstream os;
-    os << "ep buffer: " << total_bytes << " bytes cannot hold the header and signal words ("
+    os << "ep buffer: " << total_bytes << " bytes cannot hold the header, signal words and mailboxes ("
        << fixed << " bytes) plus data; use Buffer.get_ep_buffer_size_hint()";
     throw std::invalid_argument(os.str());
   }
-  // Two halves of [signals | dispatch region | combine region], regions cache-line sized.
+  // Two halves of [signals | mailboxes | dispatch region | combine region], regions cache-line
+  // sized.
   region_ = (total_bytes - fixed) / 4 / kAlign * kAlign;
-  half_ = kSignalBytes + 2 * region_;
+  half_ = kSignalBytes + kMailboxBytes + 2 * region_;
 }
 
 bool BufferGeometry::isSignalRange(size_t off, size_t len) const {
@@ -85,7 +86,7 @@ size_t sizeHint(int64_t max_tokens, int64_t hidden, int world, int experts) {
                             (l.row_stride + 4 + 12 * kHintMaxTopk) +
                         8 * kAlign;
   size_t region = alignUp(std::max({l.dispatch_bytes, l.combine_bytes, normal}), kAlign);
-  return kHeaderBytes + 2 * (kSignalBytes + 2 * region);
+  return kHeaderBytes + 2 * (kSignalBytes + kMailboxBytes + 2 * region);
 }
 
 void validateTopk(const int64_t* topk_idx, int64_t tokens, int topk, int experts) {

@@ -13,6 +13,11 @@
 //        combine[kMaxRanks]         index = sending (owner) rank
 //        abandon[2][kMaxRanks]      [dispatch|combine][source rank]: makeSignal(round, 1)
 //                                   when that rank gave up the round (its input was bad)
+//     [mailbox: kMailboxBytes]      [dispatch|combine][source rank][mailboxCap()] entries of
+//                                   (signal offset, value), u64 each: a sender that reaches
+//                                   this buffer through the engine WRITEs its signals here
+//                                   with its data and then notify()s; the handler stores them
+//                                   (ep/peer_writer.h)
 //     [dispatch region]             LL: rows [L][R][M], src token ids [L][R][M] int32
 //                                   normal: rows [R][C], token ids [R][C], topk [R][C][K]
 //                                   int64, weights [R][C][K] f32 (C = per-source capacity)
@@ -37,6 +42,9 @@ constexpr size_t kHeaderBytes = 4096;
 constexpr int kMaxRanks = 1024;
 constexpr int kMaxSignals = 8192;  // bounds E = L * R in low-latency mode
 constexpr size_t kSignalBytes = (kMaxSignals + 3 * kMaxRanks) * sizeof(uint64_t);
+// Room for every source's mailbox of both kinds: mailboxCap(R) * R <= kMaxSignals + 3 * R.
+constexpr size_t kMailboxEntryBytes = 2 * sizeof(uint64_t);
+constexpr size_t kMailboxBytes = 2 * (kMaxSignals + 3 * kMaxRanks) * kMailboxEntryBytes;
 constexpr size_t kAlign = 64;
 
 inline size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -79,7 +87,18 @@ class BufferGeometry {
            (kMaxSignals + (1 + static_cast<size_t>(kind)) * kMaxRanks + static_cast<size_t>(src)) *
                sizeof(uint64_t);
   }
-  size_t dispatchRegion(int half) const { return halfBase(half) + kSignalBytes; }
+  // Entries one source can post per round and kind: a signal per local expert (low-latency
+  // dispatch; normal mode and combine send one) plus an abandon word, and one spare.
+  size_t mailboxCap() const { return (kMaxSignals + world_ - 1) / world_ + 2; }
+  // The mailbox of source `src` for rounds of `kind` (0: dispatch, 1: combine).
+  size_t mailbox(int half, int kind, int src) const {
+    return halfBase(half) + kSignalBytes +
+           (static_cast<size_t>(kind) * world_ + static_cast<size_t>(src)) * mailboxCap() *
+               kMailboxEntryBytes;
+  }
+  size_t dispatchRegion(int half) const {
+    return halfBase(half) + kSignalBytes + kMailboxBytes;
+  }
   size_t combineRegion(int half) const { return dispatchRegion(half) + region_; }
   // True when [off, off+len) is inside the signal words of either half.
   bool isSignalRange(size_t off, size_t len) const;

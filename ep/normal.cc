@@ -69,7 +69,7 @@ std::vector<int32_t> EpBuffer::normalDispatchSend(const NormalDispatchArgs& a, u
   std::vector<std::vector<int64_t>> topk(R);
   std::vector<std::vector<float>> weights(R);
   const size_t region = geo_.dispatchRegion(h);
-  Writer w(*this, engine::deadlineInMs(timeout_ms_));
+  Writer w(*this, engine::deadlineInMs(timeout_ms_), RoundKind::kDispatch, round);
   for (int step = 1; step <= R; ++step) {
     const int d = (me + step) % R;
     const auto& td = toks[d];
@@ -230,7 +230,7 @@ void EpBuffer::normalCombine(const NormalCombineArgs& a, uint32_t round) {
   // Send: rows received from source r go back to r, in the order they came.
   const char* y = static_cast<const char*>(a.y);
   const size_t region = geo_.combineRegion(h);
-  Writer w(*this, engine::deadlineInMs(timeout_ms_));
+  Writer w(*this, engine::deadlineInMs(timeout_ms_), RoundKind::kCombine, round);
   for (int step = 1; step <= R; ++step) {
     const int r = (me + step) % R;
     const int64_t c = a.recv_counts[r];

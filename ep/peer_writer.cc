@@ -8,38 +8,27 @@
 
 #include "engine/futex.h"
 #include "engine/log.h"
-#include "engine/wire.h"
 #include "pg/copy.h"
 
 namespace mooncake::ep {
 
 namespace {
 
-constexpr uint32_t kSignalMagic = 0x45505347u;  // "EPSG"
-
 std::mutex g_mu;
-std::unordered_map<uint64_t, EpBuffer*> g_targets;
-std::set<uint64_t> g_installed;  // engine ids carrying the handler
+std::unordered_map<uint32_t, EpBuffer*> g_targets;  // by the key's low 32 bits
+std::set<uint64_t> g_installed;                     // engine ids carrying the handler
 
-void onSignalMessage(engine::Message&& m) {
-  wire::Reader r(m.payload);
-  uint32_t magic = r.u32();
-  uint64_t key = r.u64();
-  uint32_t n = r.u32();
-  if (!r.ok() || magic != kSignalMagic || n > kMaxSignals + kMaxRanks) {
-    MC_LOG(WARN, EP) << "dropping a malformed EP signal message";
-    return;
-  }
+void onSignalNotify(const engine::Notification& n) {
+  const uint32_t count = static_cast<uint32_t>(n.tag & 0x3fff);
+  const int src = static_cast<int>((n.tag >> 14) & 0x3ff);
+  const int kind = static_cast<int>((n.tag >> 24) & 1);
+  const uint32_t round_bits = static_cast<uint32_t>((n.tag >> 25) & kRoundBitsMask);
   std::lock_guard<std::mutex> g(g_mu);
-  auto it = g_targets.find(key);
+  auto it = g_targets.find(static_cast<uint32_t>(n.tag >> 32));
   if (it == g_targets.end()) return;  // the buffer is gone; the round is over for it
-  for (uint32_t i = 0; i < n; ++i) {
-    uint64_t off = r.u64();
-    uint64_t val = r.u64();
-    if (!r.ok() || !it->second->storeSignal(off, val)) {
-      MC_LOG(WARN, EP) << "EP signal message with a bad entry (offset " << off << ")";
-      return;
-    }
+  if (!it->second->takeMailbox(static_cast<int>(round_bits & 1), kind, src, count, round_bits)) {
+    MC_LOG(WARN, EP) << "EP signals from rank " << src << " with a bad entry (count " << count
+                     << ")";
   }
 }
 
@@ -51,23 +40,35 @@ void ringDoorbell(char* base) {
   engine::futexWakeAll(bell);
 }
 
-void registerSignalTarget(uint64_t key, EpBuffer* buf, engine::TransferEngine* engine) {
+bool registerSignalTarget(uint64_t key, EpBuffer* buf, engine::TransferEngine* engine) {
   bool install = false;
   {
     std::lock_guard<std::mutex> g(g_mu);
-    g_targets[key] = buf;
+    if (!g_targets.emplace(static_cast<uint32_t>(key), buf).second) return false;
     install = g_installed.insert(engine->engineId()).second;
   }
-  if (install) engine->setMessageHandler(kEpSignalChannel, onSignalMessage);
+  if (install) engine->setNotifyHandler(kEpSignalChannel, onSignalNotify);
+  return true;
 }
 
 void unregisterSignalTarget(uint64_t key) {
   std::lock_guard<std::mutex> g(g_mu);
-  g_targets.erase(key);
+  g_targets.erase(static_cast<uint32_t>(key));
 }
 
-EpBuffer::Writer::Writer(EpBuffer& buf, engine::Deadline deadline)
-    : buf_(buf), deadline_(deadline), reqs_(buf.size()), sigs_(buf.size()) {}
+EpBuffer::Writer::Writer(EpBuffer& buf, engine::Deadline deadline, RoundKind kind,
+                         uint32_t round)
+    : buf_(buf),
+      deadline_(deadline),
+      kind_(kind),
+      round_(round),
+      reqs_(buf.size()),
+      sigs_(buf.size()) {}
+
+uint64_t EpBuffer::Writer::tag(uint32_t n) const {
+  return (buf_.key_ << 32) | (static_cast<uint64_t>(round_ & kRoundBitsMask) << 25) |
+         (static_cast<uint64_t>(kind_) << 24) | (static_cast<uint64_t>(buf_.g_.rank) << 14) | n;
+}
 
 void EpBuffer::Writer::copy(int r, size_t off, const void* src, size_t len) {
   if (len == 0) return;
@@ -121,42 +122,60 @@ void EpBuffer::Writer::commit(int r) {
 std::vector<int> EpBuffer::Writer::flush() {
   std::vector<int> failed;
   const int n = buf_.size();
+  const int kind = static_cast<int>(kind_);
   std::vector<engine::BatchId> batch(n, 0);
   std::vector<bool> ok(n, true);
+  // Each remote destination's signal entries, the source of the mailbox WRITE.
+  std::vector<std::vector<uint64_t>> box(n);
   engine::TransferEngine& eng = *buf_.g_.engine;
   for (int r = 0; r < n; ++r) {
-    if (buf_.mapped_[r] != nullptr || reqs_[r].empty()) continue;
-    auto id = eng.submit(reqs_[r]);
-    if (!id.ok()) {
-      MC_LOG(WARN, EP) << "ep: writes to rank " << r << " failed: " << id.status().toString();
+    if (buf_.mapped_[r] != nullptr) continue;
+    if (sigs_[r].size() > buf_.geo_.mailboxCap()) {  // the layout's bound: a bug if hit
+      MC_LOG(ERROR, EP) << "ep: " << sigs_[r].size() << " signals for rank " << r
+                        << " exceed the mailbox (" << buf_.geo_.mailboxCap() << ")";
       ok[r] = false;
-    } else {
+      continue;
+    }
+    for (const auto& sig : sigs_[r]) {
+      box[r].push_back(sig.first);
+      box[r].push_back(sig.second);
+    }
+    if (!box[r].empty())
+      reqs_[r].push_back({engine::OpCode::kWrite, box[r].data(), box[r].size() * 8,
+                          buf_.g_.peers[r],
+                          buf_.remote_[r] + buf_.geo_.mailbox(round_ & 1, kind, buf_.g_.rank)});
+    if (reqs_[r].empty()) continue;
+    auto id = eng.submit(reqs_[r]);
+    Status st = id.status();
+    if (id.ok()) {
       batch[r] = *id;
+      // Ordered after the writes just posted: r stores the entries once they are all there.
+      if (!sigs_[r].empty())
+        st = eng.notify(buf_.g_.peers[r], kEpSignalChannel,
+                        tag(static_cast<uint32_t>(sigs_[r].size())));
+    }
+    if (!st.ok()) {
+      MC_LOG(WARN, EP) << "ep: writes to rank " << r << " failed: " << st.toString();
+      ok[r] = false;
     }
   }
   for (int r = 0; r < n; ++r) commit(r);
   for (int r = 0; r < n; ++r) {
     if (buf_.mapped_[r] != nullptr) continue;
-    if (ok[r] && batch[r] != 0) {
+    if (batch[r] != 0) {
       Status st = eng.wait(batch[r], deadline_);
-      if (!st.ok()) {
-        MC_LOG(WARN, EP) << "ep: writes to rank " << r << " failed: " << st.toString();
-        ok[r] = false;
-      }
-    }
-    if (ok[r] && !sigs_[r].empty()) {
-      wire::Writer w;
-      w.u32(kSignalMagic);
-      w.u64(buf_.key_);
-      w.u32(static_cast<uint32_t>(sigs_[r].size()));
-      for (const auto& s : sigs_[r]) {
-        w.u64(s.first);
-        w.u64(s.second);
-      }
-      Status st = eng.sendMessage(buf_.g_.peers[r], kEpSignalChannel, w.data());
-      if (!st.ok()) {
-        MC_LOG(WARN, EP) << "ep: signal to rank " << r << " failed: " << st.toString();
-        ok[r] = false;
+      if (!st.ok() && ok[r]) {
+        // A peer that died once its notification was posted may have taken everything and
+        // exited (the notification travels behind the WRITEs, not behind their completions).
+        // Its fate is the receive side's business: a source that never signals is found dead
+        // there (waitSources), as a destination it no longer needs anything from us.
+        if (st.code() == Code::kPeerDead && !sigs_[r].empty()) {
+          MC_LOG(INFO, EP) << "ep: rank " << r << " is gone after its signals were posted: "
+                           << st.toString();
+        } else {
+          MC_LOG(WARN, EP) << "ep: writes to rank " << r << " failed: " << st.toString();
+          ok[r] = false;
+        }
       }
     }
     if (!ok[r]) failed.push_back(r);

@@ -1,12 +1,25 @@
-// EpBuffer::Writer: the writes of one send phase to every destination rank's buffer.
+// EpBuffer::Writer: the writes of one send phase (one round of one kind) to every destination
+// rank's buffer.
 //
 // Mapped destinations (same host): copy() is a memcpy into the peer's buffer right away and
 // commit(r) publishes r's signal words at once (release stores, then a doorbell wake), so a
 // receiver starts on one destination's rows while the sender fills the next. Remote
-// destinations: copy() queues an engine WRITE (the source must stay valid until flush());
-// flush() posts one batch per destination, waits for it and only then sends the signal
-// words as one engine message, which the destination's handler stores. A destination whose
-// writes fail (dead peer) is reported by flush(); the others are unaffected.
+// destinations, one-sided: copy() queues an engine WRITE (the source must stay valid until
+// flush()); flush() adds a WRITE of r's signal entries into this rank's mailbox in r's buffer
+// (ep/layout.h), posts each destination's writes as one batch and at once a notify() on
+// kEpSignalChannel, which the engine delivers only after those writes: r's handler then
+// stores the mailbox entries into its signal words (EpBuffer::takeMailbox). No round trip
+// sits between the data and the signals. flush() waits for the batches (the sources are
+// the caller's); a destination whose writes or notification could not be posted, or whose
+// writes failed for any reason but its death after the notification was posted, is reported
+// by flush(), the others are unaffected. (A peer may take its signals and exit before our
+// completions arrive; a dead source is found by the receive side, which waits for it.)
+//
+// Notification tag: bits 0-13 entry count, 14-23 source rank, 24 kind, 25-31 the round's
+// low 7 bits (bit 25 = half), 32-63 the buffer's key. A mailbox is reused two rounds of its
+// kind later, which the halves' rule already orders after the receiver is done with it; an
+// entry whose round does not match the tag's (a sender that went on after the receiver gave
+// up on it) is not stored.
 #pragma once
 
 #include <cstdint>
@@ -18,12 +31,14 @@
 
 namespace mooncake::ep {
 
-// Engine message channel of EP signal words ("EP\0\1").
+// Engine notification channel of EP signals ("EP\0\1").
 constexpr uint32_t kEpSignalChannel = 0x45500001u;
+// The bits of a round a notification tag carries.
+constexpr uint32_t kRoundBitsMask = 0x7f;
 
 class EpBuffer::Writer {
  public:
-  Writer(EpBuffer& buf, engine::Deadline deadline);
+  Writer(EpBuffer& buf, engine::Deadline deadline, RoundKind kind, uint32_t round);
 
   bool isMapped(int r) const { return buf_.mapped_[r] != nullptr; }
   // Local pointer to offset `off` of rank r's buffer; only for mapped ranks.
@@ -44,12 +59,18 @@ class EpBuffer::Writer {
  private:
   EpBuffer& buf_;
   engine::Deadline deadline_;
+  RoundKind kind_;
+  uint32_t round_;
   std::vector<std::vector<engine::TransferRequest>> reqs_;
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> sigs_;
+  // The notification telling rank r to take n mailbox entries.
+  uint64_t tag(uint32_t n) const;
 };
 
-// Installs the EP signal handler on the buffer's engine and makes the buffer findable by key.
-void registerSignalTarget(uint64_t key, EpBuffer* buf, engine::TransferEngine* engine);
+// Installs the EP notification handler on the buffer's engine and makes the buffer findable by
+// its key's low 32 bits (what a tag carries). False when another live buffer of this process
+// has the same low bits.
+bool registerSignalTarget(uint64_t key, EpBuffer* buf, engine::TransferEngine* engine);
 void unregisterSignalTarget(uint64_t key);
 
 // Bumps the doorbell word of a buffer (local or mapped) and wakes its sleepers.

@@ -16,10 +16,12 @@ constexpr int64_t kTimeoutUs = 20 * 1000 * 1000;
 class LowLatency : public ::testing::TestWithParam<int> {};
 
 // Two rounds, bf16 then fp32, both in flight at once; T differs per rank and is 0 on one.
-TEST_P(LowLatency, TwoRoundsInFlight) {
-  const int world = GetParam();
+// transport "": same host, buffers mapped; "tcp": every peer through engine WRITEs, signals
+// through the mailboxes and notifications of both halves.
+void twoRoundsInFlight(int world, const std::string& transport) {
   RunOptions o;
   o.world = world;
+  o.transport = transport;
   auto codes = pg::test::runRanks(o, [&](RankEnv& env) {
     Case a;
     a.world = world;
@@ -66,10 +68,13 @@ TEST_P(LowLatency, TwoRoundsInFlight) {
       rc.combineRecv(*buf);
       rc.checkCombine(env.rank);
     }
-    for (int r = 0; r < world; ++r) EXPECT_TRUE(buf->isMapped(r));
+    for (int r = 0; r < world; ++r)
+      EXPECT_EQ(buf->isMapped(r), transport.empty() || r == env.rank) << "rank " << r;
   });
   expectAllOk(codes);
 }
+
+TEST_P(LowLatency, TwoRoundsInFlight) { twoRoundsInFlight(GetParam(), ""); }
 
 // Every token of every rank to expert 0: rank 0 receives the capacity bound R*M rows.
 TEST_P(LowLatency, AllTokensToOneExpert) {
@@ -157,6 +162,8 @@ TEST(LowLatencyValidation, RefusedBeforeSending) {
 }
 
 // The remote path: engine WRITEs plus signal messages (tcp forced, nothing mapped).
+TEST(LowLatencyRemote, TwoRoundsInFlightOverTcp) { twoRoundsInFlight(3, "tcp"); }
+
 TEST(LowLatencyRemote, OverTcp) {
   RunOptions o;
   o.world = 3;
