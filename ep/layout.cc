@@ -20,8 +20,9 @@ BufferGeometry::BufferGeometry(size_t total_bytes, int world) : total_(total_byt
   size_t fixed = kHeaderBytes + 2 * (kSignalBytes + kMailboxBytes);
   if (total_bytes < fixed + 2 * 2 * kAlign) {
     std::ostringstream os;
-    os << "ep buffer: " << total_bytes << " bytes cannot hold the header, signal words and mailboxes ("
-       << fixed << " bytes) plus data; use Buffer.get_ep_buffer_size_hint()";
+    os << "ep buffer: " << total_bytes
+       << " bytes cannot hold the header, signal words and mailboxes (" << fixed
+       << " bytes) plus data; use Buffer.get_ep_buffer_size_hint()";
     throw std::invalid_argument(os.str());
   }
   // Two halves of [signals | mailboxes | dispatch region | combine region], regions cache-line
