@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "engine/log.h"
-#include "engine/transport/rdma/rdma_internal.h"
+#include "engine/transport/rdma/rdma_peer.h"
 
 namespace mooncake::engine::rdma {
 
@@ -254,687 +254,393 @@ void Qp::pumpLocked(std::vector<std::pair<Op*, Status>>* done) {
 }
 
 // ---------------------------------------------------------------------------------------
-// RdmaPeer
+// RdmaPeer (rdma_peer.h): data path, failover, regions
 
-namespace {
-
-// A remote region as this peer sees it: its rkey on each of the peer's NICs (-1: none).
-struct RemoteRegion {
-  uint64_t addr;
-  uint64_t len;
-  std::vector<int64_t> rkeys;
-};
-
-}  // namespace
-
-// Lanes: one QP per local NIC that reaches a NIC of the peer. A request's slices go over the
-// lanes of the NICs nearest to its local memory (MC_RDMA_STRIPE=near) or over all (all), round
-// robin; a notification goes over each lane that carried work since the last one
-// (rdma_notify.h). A lane whose QP fails gives its work to another lane (in order, so that a
-// notification part still follows the writes it covers) and is reconnected by the transport's
-// prober MC_RDMA_RETRY_MS later; when no lane is left, requests fail naming every NIC's error.
-class RdmaPeer final : public TransportPeer {
- public:
-  RdmaPeer(RdmaTransportImpl* t, std::vector<LaneInit> inits, const SegmentDesc& d,
-           uint64_t conn, std::shared_ptr<ControlLink> control)
-      : t_(t), name_(d.name), conn_(conn), control_(std::move(control)) {
-    lanes_of_nic_.assign(t_->nics().size(), {});
-    for (const LaneInit& in : inits) {
-      Lane l;
-      l.nic = in.nic;
-      l.remote_nic = in.remote_nic;
-      l.remote_ib = in.remote_ib;
-      l.id = in.id;
-      if (in.qp != nullptr) {
-        l.qp = newQp(in.nic, in.qp);
-      } else {  // its first dial failed: the prober dials it again
-        l.failed = true;
-        l.error = in.why;
-        l.retry_at = Clock::now() + t_->retryAfter();
-      }
-      lanes_of_nic_[static_cast<size_t>(in.nic->index)].push_back(static_cast<int>(lanes_.size()));
-      lanes_.push_back(std::move(l));
+RdmaPeer::RdmaPeer(RdmaTransportImpl* t, std::vector<LaneInit> inits, const SegmentDesc& d,
+                   uint64_t conn, std::shared_ptr<ControlLink> control)
+    : t_(t), name_(d.name), conn_(conn), control_(std::move(control)) {
+  lanes_of_nic_.assign(t_->nics().size(), {});
+  for (const LaneInit& in : inits) {
+    Lane l;
+    l.nic = in.nic;
+    l.remote_nic = in.remote_nic;
+    l.remote_ib = in.remote_ib;
+    l.id = in.id;
+    if (in.qp != nullptr) {
+      l.qp = newQp(in.nic, in.qp);
+    } else {  // its first dial failed: the prober dials it again
+      l.failed = true;
+      l.error = in.why;
+      l.retry_at = Clock::now() + t_->retryAfter();
     }
-    setRegions(d);
-    t_->addPeer(this);
+    lanes_of_nic_[static_cast<size_t>(in.nic->index)].push_back(static_cast<int>(lanes_.size()));
+    lanes_.push_back(std::move(l));
   }
-  ~RdmaPeer() override {
-    t_->removePeer(this);  // waits for a probe of this peer
-    {
-      std::lock_guard<std::mutex> g(fb_mu_);
-      fb_stop_ = true;  // what is queued fails (cancelled); nothing new joins it
-    }
-    fb_cv_.notify_all();
-    if (fb_thread_.joinable()) fb_thread_.join();
-    std::vector<Lane> lanes;
-    {
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      lanes.swap(lanes_);  // a give-back racing this finds no lane and fails its ops
-    }
-    lanes.clear();
-  }
-  bool ok() const {
-    bool any = false;
-    for (const Lane& l : lanes_) {
-      if (l.qp && !l.qp->ok()) return false;
-      any |= l.qp != nullptr;
-    }
-    return any;
-  }
+  setRegions(d);
+  t_->addPeer(this);
+}
 
-  void submit(Task* task) override {
-    if (task->length == 0) return task->done(Status::OK());
-    {
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      if (dead_) return task->done(dead_why_);
-    }
-    std::vector<int64_t> rkeys, lkeys;
-    const bool one_remote = findRemote(task->remote, task->length, &rkeys);
-    if (!one_remote && !remoteCovers(task->remote, task->length))
-      return task->done(MC_STATUS(kPermissionDenied,
-                                  "rdma: [" << hex(task->remote) << ", +" << task->length
-                                            << ") is not inside a region peer " << name_
-                                            << " registered for rdma"));
-    // The local memory's nearest NICs (none: the engine does not know the memory, which then
-    // moves through the bounce pool's chunks).
-    std::vector<int> mine = t_->localKeys(task->local, task->length, &lkeys);
-    // Across chunks of a region registered in chunks (either side): no slice crosses a chunk's
-    // end, and each looks its keys up itself.
-    const uint64_t local_span = t_->localSpan(task->local);
-    const bool chunked = !one_remote || (local_span > 0 && local_span < task->length);
-    if (chunked) {
-      std::vector<int64_t> first;
-      mine = t_->localKeys(task->local, std::min(local_span, task->length), &first);
-    }
-    const std::vector<int> near = t_->stripeAll() ? std::vector<int>{} : mine;
-    uint64_t slice = t_->sliceBytes();
-    BouncePool* b = t_->bounce();
-    if (mine.empty() && b != nullptr) slice = std::min<uint64_t>(slice, b->chunkBytes());
-    std::vector<Op*> ops;
-    ops.reserve((task->length + slice - 1) / slice);
-    for (uint64_t off = 0; off < task->length;) {
-      auto* o = new Op();
-      o->op = task->op;
-      o->len = std::min(slice, task->length - off);
-      o->raddr = task->remote + off;
-      o->user = static_cast<char*>(task->local) + off;
-      if (chunked) {
-        o->len = std::min(o->len, remoteSpan(o->raddr));
-        if (const uint64_t ls = t_->localSpan(o->user)) o->len = std::min(o->len, ls);
-      }
-      ops.push_back(o);
-      if (o->len == 0) {  // the peer's regions changed under us
-        for (Op* x : ops) delete x;
-        return task->done(MC_STATUS(kPermissionDenied, "rdma: peer " << name_ << " no longer has "
-                                                           << hex(task->remote + off)
-                                                           << " registered"));
-      }
-      off += o->len;
-    }
-    auto* ts = new TaskState(task, static_cast<int>(ops.size()));
-    for (Op* o : ops) o->ts = ts;
-    std::vector<std::pair<Op*, Status>> failed;
-    if (evicted_.load() > 0) wake();
-    {
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      last_used_ = Clock::now();
-      std::vector<int> use = liveLanes(near);
-      if (use.empty()) use = liveLanes({});
-      // No lane: tcp. (Once a lane is back new work takes it, even while tcp still carries
-      // older work: requests are not ordered among themselves, and a notification gets a part
-      // on tcp too while tcp holds work, so it still follows all of it.)
-      if (t_->tcpFallback() && use.empty()) {
-        toFallback(ops, &failed);
-        use.clear();
-      }
-      // Slices go round robin over the lanes, starting one further for each request (a
-      // request of one slice thus uses one lane, and a run of them all of them).
-      std::vector<std::vector<Op*>> per(lanes_.size());
-      size_t next = use.empty() ? 0 : rr_++ % use.size();
-      for (Op* o : ops) {
-        Status st = use.empty() ? everyNicFailed(*o) : Status::OK();
-        int lane = -1;
-        for (size_t k = 0; st.ok() && k < use.size(); ++k) {
-          int cand = use[(next + k) % use.size()];
-          st = chunked ? bind(o, lanes_[static_cast<size_t>(cand)])
-                       : bindWith(o, lanes_[static_cast<size_t>(cand)], rkeys, lkeys);
-          if (st.ok()) {
-            lane = cand;
-            break;
-          }
-        }
-        next = (next + 1) % std::max<size_t>(use.size(), 1);
-        if (lane < 0) {
-          failed.emplace_back(o, st);
-        } else {
-          per[static_cast<size_t>(lane)].push_back(o);
-        }
-      }
-      for (size_t i = 0; i < lanes_.size(); ++i) {
-        if (per[i].empty()) continue;
-        lanes_[i].dirty = true;
-        lanes_[i].qp->enqueue(per[i]);
-      }
-    }
-    finishOps(failed);
+RdmaPeer::~RdmaPeer() {
+  t_->removePeer(this);  // waits for a probe of this peer
+  {
+    std::lock_guard<std::mutex> g(fb_mu_);
+    fb_stop_ = true;  // what is queued fails (cancelled); nothing new joins it
   }
-
-  Status notify(uint32_t channel, uint64_t tag) override {
-    std::vector<std::pair<Op*, Status>> failed;
-    if (evicted_.load() > 0) wake();
-    {
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      if (dead_) return dead_why_;
-      last_used_ = Clock::now();
-      std::vector<int> live = liveLanes({});
-      const bool fb = t_->tcpFallback() && (live.empty() || fb_pending_.load() > 0);
-      if (live.empty() && !fb) {  // nothing could carry it (nor the writes it follows)
-        Op none;
-        return everyNicFailed(none);
-      }
-      // One part on each lane that carried work since the last notification (a failed lane
-      // still takes it: it gives it back behind that work), and one on the tcp fallback when
-      // it holds work. None of them: one part on a live lane (or on tcp when none is live).
-      std::vector<Lane*> parts;
-      for (Lane& l : lanes_)
-        if (l.dirty) parts.push_back(&l);
-      const bool fb_part = fb && (fb_pending_.load() > 0 || live.empty());
-      if (parts.empty() && !fb_part) parts.push_back(&lanes_[static_cast<size_t>(live[0])]);
-      const uint32_t total = static_cast<uint32_t>(parts.size()) + (fb_part ? 1 : 0);
-      const uint32_t seq = seq_;
-      seq_ = (seq_ + 1) & kNotifySeqMask;
-      auto part = [&](uint32_t i) {
-        auto* o = new Op();
-        o->channel = channel;
-        o->tag = tag;
-        o->word = notifyWord(total, i, seq);
-        return o;
-      };
-      for (size_t i = 0; i < parts.size(); ++i) {
-        std::vector<Op*> one{part(static_cast<uint32_t>(i))};
-        parts[i]->dirty = false;
-        parts[i]->qp->enqueue(one);
-      }
-      if (fb_part) {
-        std::vector<Op*> one{part(total - 1)};
-        toFallback(one, &failed);
-      }
-    }
-    finishOps(failed);
-    return Status::OK();
-  }
-
-  bool carriesMessages() const override { return false; }
-  Status sendMessage(uint32_t channel, std::string_view payload) override {
-    return MC_STATUS(kNotSupported, "rdma: messages go over the control link");
-  }
-
-  Status updateRemote(const SegmentDesc& remote) override {
-    setRegions(remote);
-    return Status::OK();
-  }
-
-  // The peer is gone (or the engine stops): final, nothing is rerouted or reconnected.
-  void fail(const Status& why) override {
-    std::vector<std::shared_ptr<Qp>> qps;
-    {
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      dead_ = true;
-      dead_why_ = why;
-      for (Lane& l : lanes_)
-        if (l.qp) qps.push_back(l.qp);
-    }
-    for (auto& q : qps) q->fail(why);
-  }
-
-  // MC_RDMA_MAX_ENDPOINTS (the transport's prober decides which): see EndpointState.
-  EndpointState endpointOn(int nic) {
-    EndpointState st;
+  fb_cv_.notify_all();
+  if (fb_thread_.joinable()) fb_thread_.join();
+  std::vector<Lane> lanes;
+  {
     std::lock_guard<std::recursive_mutex> g(mu_);
-    if (dead_ || nic < 0 || static_cast<size_t>(nic) >= lanes_of_nic_.size()) return st;
-    st.idle = fb_pending_.load() == 0;
-    for (int i : lanes_of_nic_[static_cast<size_t>(nic)]) {
-      Lane& l = lanes_[static_cast<size_t>(i)];
-      if (!l.qp || l.failed) continue;
-      st.connected = true;
-      st.idle = st.idle && l.qp->idle();
-    }
-    st.last_used = last_used_;
-    return st;
+    lanes.swap(lanes_);  // a give-back racing this finds no lane and fails its ops
   }
+  lanes.clear();
+}
 
-  // Closes the lanes on `nic` if they are still idle: this end's QPs, then the target's (told
-  // over the control link). Their writes completed, so no notification has to follow them.
-  // Serialised with wake() (wake_mu_), so a lane's close and its next dial reach the target in
-  // that order; neither holds mu_ while it waits for the target.
-  void evictOn(int nic) {
-    std::lock_guard<std::mutex> w(wake_mu_);
-    std::vector<std::shared_ptr<Qp>> gone;
-    std::vector<const Lane*> closed;
-    {
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      if (dead_ || nic < 0 || static_cast<size_t>(nic) >= lanes_of_nic_.size()) return;
-      if (fb_pending_.load() != 0) return;
-      for (int i : lanes_of_nic_[static_cast<size_t>(nic)]) {
-        Lane& l = lanes_[static_cast<size_t>(i)];
-        if (!l.qp || l.failed || !l.qp->idle()) return;
-      }
-      for (int i : lanes_of_nic_[static_cast<size_t>(nic)]) {
-        Lane& l = lanes_[static_cast<size_t>(i)];
-        gone.push_back(std::move(l.qp));
-        l.evicted = true;
-        l.dirty = false;
-        closed.push_back(&l);
-      }
-      evicted_.fetch_add(static_cast<int>(closed.size()));
-    }
-    gone.clear();
-    for (const Lane* l : closed) {
-      auto st = control_->exchange(TransportKind::kRdma,
-                                   "C " + std::to_string(conn_) + " " + std::to_string(l->id),
-                                   deadlineInMs(2000));
-      MC_LOG(INFO, RDMA) << "peer " << name_ << ": idle lane " << l->id << " on " << l->nic->name
-                         << " closed (MC_RDMA_MAX_ENDPOINTS)"
-                         << (st.ok() ? "" : "; the target was not told: " + st.status().message());
-    }
+void RdmaPeer::submit(Task* task) {
+  if (task->length == 0) return task->done(Status::OK());
+  {
+    std::lock_guard<std::recursive_mutex> g(mu_);
+    if (dead_) return task->done(dead_why_);
   }
-
-  // The prober: reconnects lanes that failed at least MC_RDMA_RETRY_MS ago, once their QP
-  // gave back everything, on a NIC whose port is up.
-  void probe() {
-    for (size_t i = 0;; ++i) {
-      Nic* nic = nullptr;
-      int rn = -1, id = 0;
-      bool rib = false;
-      {
-        std::lock_guard<std::recursive_mutex> g(mu_);
-        if (dead_ || i >= lanes_.size()) return;
-        Lane& l = lanes_[i];
-        if (!l.failed || Clock::now() < l.retry_at || (l.qp && l.qp->inflight() != 0)) continue;
-        l.retry_at = Clock::now() + t_->retryAfter();
-        nic = l.nic;
-        rn = l.remote_nic;
-        rib = l.remote_ib;
-        id = l.id;
-      }
-      ibv_port_attr pa{};
-      if (ibv_query_port(nic->ctx, 1, &pa) != 0 || pa.state != IBV_PORT_ACTIVE) continue;
-      auto raw = t_->dial(nic, rn, rib, conn_, id, *control_, name_, deadlineInMs(2000));
-      if (!raw.ok()) {
-        MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name
-                           << " not back yet: " << raw.status().toString();
-        continue;
-      }
-      std::shared_ptr<Qp> qp = newQp(nic, *raw);
-      std::shared_ptr<Qp> old;
-      {
-        std::lock_guard<std::recursive_mutex> g(mu_);
-        if (dead_ || i >= lanes_.size()) return;
-        old = std::move(lanes_[i].qp);
-        lanes_[i].qp = std::move(qp);
-        lanes_[i].failed = false;
-      }
-      MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name << " is back";
-      std::lock_guard<std::mutex> g(fb_mu_);
-      fb_warned_ = false;  // the next outage is reported again
-    }
+  std::vector<int64_t> rkeys, lkeys;
+  const bool one_remote = findRemote(task->remote, task->length, &rkeys);
+  if (!one_remote && !remoteCovers(task->remote, task->length))
+    return task->done(MC_STATUS(kPermissionDenied,
+                                "rdma: [" << hex(task->remote) << ", +" << task->length
+                                          << ") is not inside a region peer " << name_
+                                          << " registered for rdma"));
+  // The local memory's nearest NICs (none: the engine does not know the memory, which then
+  // moves through the bounce pool's chunks).
+  std::vector<int> mine = t_->localKeys(task->local, task->length, &lkeys);
+  // Across chunks of a region registered in chunks (either side): no slice crosses a chunk's
+  // end, and each looks its keys up itself.
+  const uint64_t local_span = t_->localSpan(task->local);
+  const bool chunked = !one_remote || (local_span > 0 && local_span < task->length);
+  if (chunked) {
+    std::vector<int64_t> first;
+    mine = t_->localKeys(task->local, std::min(local_span, task->length), &first);
   }
-
- private:
-  struct Lane {
-    std::shared_ptr<Qp> qp;  // null: not connected (failed at its first dial, or evicted)
-    bool evicted = false;    // closed while idle (MC_RDMA_MAX_ENDPOINTS): dialled on next use
-    Nic* nic = nullptr;
-    int remote_nic = -1;
-    bool remote_ib = false;
-    int id = 0;           // its number in the connection (LaneInit::id)
-    bool dirty = false;   // carried work since the last notification
-    bool failed = false;  // its QP gave its work back; reconnected at retry_at
-    Clock::time_point retry_at{};
-    Status error;  // why it failed last
-  };
-
-  std::shared_ptr<Qp> newQp(Nic* nic, ibv_qp* raw) {
-    return std::make_shared<Qp>(t_, nic, raw, name_,
-                                [this](Qp* from, std::vector<Op*> ops, const Status& why) {
-                                  giveBack(from, std::move(ops), why);
-                                });
-  }
-
-  // Dials the evicted lanes again (one that cannot be dialled now is left to the prober, as a
-  // failed one). Without mu_ while it waits for the target; callers that come meanwhile wait
-  // on wake_mu_ for the lanes to be back.
-  void wake() {
-    std::lock_guard<std::mutex> w(wake_mu_);
-    std::vector<size_t> todo;
-    {
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      if (dead_) return;
-      for (size_t i = 0; i < lanes_.size(); ++i)
-        if (lanes_[i].evicted) todo.push_back(i);
+  const std::vector<int> near = t_->stripeAll() ? std::vector<int>{} : mine;
+  uint64_t slice = t_->sliceBytes();
+  BouncePool* b = t_->bounce();
+  if (mine.empty() && b != nullptr) slice = std::min<uint64_t>(slice, b->chunkBytes());
+  std::vector<Op*> ops;
+  ops.reserve((task->length + slice - 1) / slice);
+  for (uint64_t off = 0; off < task->length;) {
+    auto* o = new Op();
+    o->op = task->op;
+    o->len = std::min(slice, task->length - off);
+    o->raddr = task->remote + off;
+    o->user = static_cast<char*>(task->local) + off;
+    if (chunked) {
+      o->len = std::min(o->len, remoteSpan(o->raddr));
+      if (const uint64_t ls = t_->localSpan(o->user)) o->len = std::min(o->len, ls);
     }
-    for (size_t i : todo) {
-      const Lane& l = lanes_[i];  // its NIC, remote NIC and id do not change
-      auto raw = t_->dial(l.nic, l.remote_nic, l.remote_ib, conn_, l.id, *control_, name_,
-                          deadlineInMs(5000));
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      last_used_ = Clock::now();  // the latest to be closed again
-      Lane& m = lanes_[i];
-      m.evicted = false;
-      evicted_.fetch_sub(1);
-      if (raw.ok() && !dead_) {
-        m.qp = newQp(m.nic, *raw);
-        continue;
-      }
-      if (raw.ok()) {
-        ibv_destroy_qp(*raw);
-        continue;
-      }
-      m.failed = true;
-      m.error = raw.status();
-      m.retry_at = Clock::now() + t_->retryAfter();
-      MC_LOG(WARN, RDMA) << "peer " << name_ << ": cannot dial evicted lane " << m.id << " on "
-                         << m.nic->name << " again: " << raw.status().toString();
+    ops.push_back(o);
+    if (o->len == 0) {  // the peer's regions changed under us
+      for (Op* x : ops) delete x;
+      return task->done(MC_STATUS(kPermissionDenied, "rdma: peer " << name_ << " no longer has "
+                                                         << hex(task->remote + off)
+                                                         << " registered"));
     }
+    off += o->len;
   }
-
-  // Lanes (indices) of the NICs in `nics` (all NICs when empty) whose QP has not failed.
-  std::vector<int> liveLanes(const std::vector<int>& nics) {
-    std::vector<int> out;
-    auto live = [&](int lane) {
-      const Lane& l = lanes_[static_cast<size_t>(lane)];
-      return !l.failed && l.qp && l.qp->failedStatus().ok();
-    };
-    if (nics.empty()) {
-      for (size_t i = 0; i < lanes_.size(); ++i)
-        if (live(static_cast<int>(i))) out.push_back(static_cast<int>(i));
-      return out;
+  auto* ts = new TaskState(task, static_cast<int>(ops.size()));
+  for (Op* o : ops) o->ts = ts;
+  std::vector<std::pair<Op*, Status>> failed;
+  if (evicted_.load() > 0) wake();
+  {
+    std::lock_guard<std::recursive_mutex> g(mu_);
+    last_used_ = Clock::now();
+    std::vector<int> use = liveLanes(near);
+    if (use.empty()) use = liveLanes({});
+    // No lane: tcp. (Once a lane is back new work takes it, even while tcp still carries
+    // older work: requests are not ordered among themselves, and a notification gets a part
+    // on tcp too while tcp holds work, so it still follows all of it.)
+    if (t_->tcpFallback() && use.empty()) {
+      toFallback(ops, &failed);
+      use.clear();
     }
-    for (int n : nics) {
-      if (n < 0 || static_cast<size_t>(n) >= lanes_of_nic_.size()) continue;
-      for (int lane : lanes_of_nic_[static_cast<size_t>(n)])
-        if (live(lane)) out.push_back(lane);
-    }
-    return out;
-  }
-
-  // Points a slice at `lane`: the remote key on its peer NIC and the local key on its NIC
-  // (through the bounce pool where the local memory is not registered there).
-  Status bind(Op* o, const Lane& l) {
-    std::vector<int64_t> rkeys, lkeys;
-    findRemote(o->raddr, o->len, &rkeys);
-    t_->localKeys(o->user, o->len, &lkeys);
-    return bindWith(o, l, rkeys, lkeys);
-  }
-  // The same with the keys of the op's remote region (by peer NIC) and local region (by NIC)
-  // looked up already (empty: none).
-  Status bindWith(Op* o, const Lane& l, const std::vector<int64_t>& rkeys,
-                  const std::vector<int64_t>& lkeys) {
-    if (l.remote_nic < 0 || static_cast<size_t>(l.remote_nic) >= rkeys.size() ||
-        rkeys[static_cast<size_t>(l.remote_nic)] < 0)
-      return MC_STATUS(kPermissionDenied, "rdma: peer " << name_ << "'s region at "
-                                                        << hex(o->raddr)
-                                                        << " has no key on its NIC " << l.remote_nic);
-    o->rkey = static_cast<uint32_t>(rkeys[static_cast<size_t>(l.remote_nic)]);
-    const size_t n = static_cast<size_t>(l.nic->index);
-    if (n < lkeys.size() && lkeys[n] >= 0) {
-      o->bounce = false;
-      o->local = o->user;
-      o->lkey = static_cast<uint32_t>(lkeys[n]);
-      return Status::OK();
-    }
-    BouncePool* b = t_->bounce();
-    if (b == nullptr || o->len > b->chunkBytes())
-      return MC_STATUS(kUnavailable, "rdma: the local memory of a request to " << name_
-                                         << " is not registered on " << l.nic->name
-                                         << " and cannot bounce");
-    o->bounce = true;
-    o->local = nullptr;
-    return Status::OK();
-  }
-
-  // A failed QP's work, in issue order: all of it to one live lane (a notification part then
-  // still follows the writes before it), or failed when none is left.
-  void giveBack(Qp* from, std::vector<Op*> ops, const Status& why) {
-    std::vector<std::pair<Op*, Status>> failed;
-    {
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      for (Lane& l : lanes_) {
-        if (l.qp.get() != from || l.failed) continue;
-        l.failed = true;
-        l.error = why;
-        l.retry_at = Clock::now() + t_->retryAfter();
-        MC_LOG(WARN, RDMA) << "peer " << name_ << ": " << why.message() << "; " << ops.size()
-                           << " work request(s) move to another NIC, " << l.nic->name
-                           << " is retried in " << t_->retryAfter().count() << " ms";
-      }
-      std::vector<int> live = dead_ ? std::vector<int>{} : liveLanes({});
-      int to = -1;
-      for (int cand : live) {
-        bool all = true;
-        for (Op* o : ops)
-          if (o->ts != nullptr && !bind(o, lanes_[static_cast<size_t>(cand)]).ok()) all = false;
-        if (all) {
-          to = cand;
+    // Slices go round robin over the lanes, starting one further for each request (a
+    // request of one slice thus uses one lane, and a run of them all of them).
+    std::vector<std::vector<Op*>> per(lanes_.size());
+    size_t next = use.empty() ? 0 : rr_++ % use.size();
+    for (Op* o : ops) {
+      Status st = use.empty() ? everyNicFailed(*o) : Status::OK();
+      int lane = -1;
+      for (size_t k = 0; st.ok() && k < use.size(); ++k) {
+        int cand = use[(next + k) % use.size()];
+        st = chunked ? bind(o, lanes_[static_cast<size_t>(cand)])
+                     : bindWith(o, lanes_[static_cast<size_t>(cand)], rkeys, lkeys);
+        if (st.ok()) {
+          lane = cand;
           break;
         }
       }
-      if (to < 0 && !dead_ && t_->tcpFallback()) {
-        toFallback(ops, &failed);
-      } else if (to < 0) {
-        for (Op* o : ops) failed.emplace_back(o, dead_ ? dead_why_ : everyNicFailed(*o));
+      next = (next + 1) % std::max<size_t>(use.size(), 1);
+      if (lane < 0) {
+        failed.emplace_back(o, st);
       } else {
-        Lane& l = lanes_[static_cast<size_t>(to)];
-        l.dirty = true;
-        l.qp->enqueue(ops);
+        per[static_cast<size_t>(lane)].push_back(o);
       }
     }
-    finishOps(failed);
+    for (size_t i = 0; i < lanes_.size(); ++i) {
+      if (per[i].empty()) continue;
+      lanes_[i].dirty = true;
+      lanes_[i].qp->enqueue(per[i]);
+    }
   }
+  finishOps(failed);
+}
 
-  // ---- the tcp fallback (MC_RDMA_TCP_FALLBACK): work no lane can carry goes, in order, over
-  // the control link (the engine's authenticated tcp connection to the peer), while no lane
-  // is live. One op at a time: a WRITE is on the target when its answer comes, so a
-  // notification part behind it follows its bytes; a notification issued while the queue
-  // holds work has a part here as well as on the lanes that carried work.
+Status RdmaPeer::notify(uint32_t channel, uint64_t tag) {
+  std::vector<std::pair<Op*, Status>> failed;
+  if (evicted_.load() > 0) wake();
+  {
+    std::lock_guard<std::recursive_mutex> g(mu_);
+    if (dead_) return dead_why_;
+    last_used_ = Clock::now();
+    std::vector<int> live = liveLanes({});
+    const bool fb = t_->tcpFallback() && (live.empty() || fb_pending_.load() > 0);
+    if (live.empty() && !fb) {  // nothing could carry it (nor the writes it follows)
+      Op none;
+      return everyNicFailed(none);
+    }
+    // One part on each lane that carried work since the last notification (a failed lane
+    // still takes it: it gives it back behind that work), and one on the tcp fallback when
+    // it holds work. None of them: one part on a live lane (or on tcp when none is live).
+    std::vector<Lane*> parts;
+    for (Lane& l : lanes_)
+      if (l.dirty) parts.push_back(&l);
+    const bool fb_part = fb && (fb_pending_.load() > 0 || live.empty());
+    if (parts.empty() && !fb_part) parts.push_back(&lanes_[static_cast<size_t>(live[0])]);
+    const uint32_t total = static_cast<uint32_t>(parts.size()) + (fb_part ? 1 : 0);
+    const uint32_t seq = seq_;
+    seq_ = (seq_ + 1) & kNotifySeqMask;
+    auto part = [&](uint32_t i) {
+      auto* o = new Op();
+      o->channel = channel;
+      o->tag = tag;
+      o->word = notifyWord(total, i, seq);
+      return o;
+    };
+    for (size_t i = 0; i < parts.size(); ++i) {
+      std::vector<Op*> one{part(static_cast<uint32_t>(i))};
+      parts[i]->dirty = false;
+      parts[i]->qp->enqueue(one);
+    }
+    if (fb_part) {
+      std::vector<Op*> one{part(total - 1)};
+      toFallback(one, &failed);
+    }
+  }
+  finishOps(failed);
+  return Status::OK();
+}
 
-  // Under mu_: queues `ops` (takes them); once the peer is closing they fail instead.
-  void toFallback(std::vector<Op*>& ops, std::vector<std::pair<Op*, Status>>* failed) {
+void RdmaPeer::fail(const Status& why) {
+  std::vector<std::shared_ptr<Qp>> qps;
+  {
+    std::lock_guard<std::recursive_mutex> g(mu_);
+    dead_ = true;
+    dead_why_ = why;
+    for (Lane& l : lanes_)
+      if (l.qp) qps.push_back(l.qp);
+  }
+  for (auto& q : qps) q->fail(why);
+}
+
+void RdmaPeer::probe() {
+  for (size_t i = 0;; ++i) {
+    Nic* nic = nullptr;
+    int rn = -1, id = 0;
+    bool rib = false;
     {
-      std::lock_guard<std::mutex> g(fb_mu_);
-      if (fb_stop_) {
-        for (Op* o : ops)
-          failed->emplace_back(o, MC_STATUS(kCancelled, "rdma: peer " << name_ << " closed"));
-        ops.clear();
-        return;
-      }
-      if (!fb_warned_) {
-        fb_warned_ = true;
-        MC_LOG(WARN, RDMA) << "peer " << name_ << ": no NIC reaches it; its requests go over "
-                              "the tcp control link until a NIC is back";
-      }
-      for (Op* o : ops) fb_.push_back(o);
-      fb_pending_.fetch_add(static_cast<int64_t>(ops.size()));
-      if (!fb_thread_.joinable()) fb_thread_ = std::thread([this] { fallbackLoop(); });
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      if (dead_ || i >= lanes_.size()) return;
+      Lane& l = lanes_[i];
+      if (!l.failed || Clock::now() < l.retry_at || (l.qp && l.qp->inflight() != 0)) continue;
+      l.retry_at = Clock::now() + t_->retryAfter();
+      nic = l.nic;
+      rn = l.remote_nic;
+      rib = l.remote_ib;
+      id = l.id;
     }
-    ops.clear();
-    fb_cv_.notify_one();
+    ibv_port_attr pa{};
+    if (ibv_query_port(nic->ctx, 1, &pa) != 0 || pa.state != IBV_PORT_ACTIVE) continue;
+    auto raw = t_->dial(nic, rn, rib, conn_, id, *control_, name_, deadlineInMs(2000));
+    if (!raw.ok()) {
+      MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name
+                         << " not back yet: " << raw.status().toString();
+      continue;
+    }
+    std::shared_ptr<Qp> qp = newQp(nic, *raw);
+    std::shared_ptr<Qp> old;
+    {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      if (dead_ || i >= lanes_.size()) return;
+      old = std::move(lanes_[i].qp);
+      lanes_[i].qp = std::move(qp);
+      lanes_[i].failed = false;
+    }
+    MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name << " is back";
+    std::lock_guard<std::mutex> g(fb_mu_);
+    fb_warned_ = false;  // the next outage is reported again
   }
+}
 
-  void fallbackLoop() {
-    for (;;) {
-      Op* o = nullptr;
-      bool closing = false;  // the peer is being closed: what is queued fails, not carried
-      {
-        std::unique_lock<std::mutex> g(fb_mu_);
-        fb_cv_.wait(g, [&] { return fb_stop_ || !fb_.empty(); });
-        if (fb_.empty()) return;
-        o = fb_.front();
-        fb_.pop_front();
-        closing = fb_stop_;
-      }
-      Status st;
-      bool dead;
-      {
-        std::lock_guard<std::recursive_mutex> g(mu_);
-        dead = dead_ || closing;
-        if (dead_) st = dead_why_;
-      }
-      if (closing && st.ok()) st = MC_STATUS(kCancelled, "rdma: peer " << name_ << " closed");
-      if (!dead) st = overTcp(*o);
-      if (!dead && !st.ok()) {
-        std::lock_guard<std::recursive_mutex> g(mu_);
-        Status nics = everyNicFailed(*o);
-        st = Status(nics.code(), nics.message() + " and over tcp: " + st.message());
-      }
-      std::vector<std::pair<Op*, Status>> done{{o, st}};
-      finishOps(done);
-      fb_pending_.fetch_sub(1);
-    }
+std::vector<int> RdmaPeer::liveLanes(const std::vector<int>& nics) {
+  std::vector<int> out;
+  auto live = [&](int lane) {
+    const Lane& l = lanes_[static_cast<size_t>(lane)];
+    return !l.failed && l.qp && l.qp->failedStatus().ok();
+  };
+  if (nics.empty()) {
+    for (size_t i = 0; i < lanes_.size(); ++i)
+      if (live(static_cast<int>(i))) out.push_back(static_cast<int>(i));
+    return out;
   }
+  for (int n : nics) {
+    if (n < 0 || static_cast<size_t>(n) >= lanes_of_nic_.size()) continue;
+    for (int lane : lanes_of_nic_[static_cast<size_t>(n)])
+      if (live(lane)) out.push_back(lane);
+  }
+  return out;
+}
 
-  // One op over the control link (requests "F ..." of rdma_transport.h).
-  Status overTcp(Op& o) {
-    constexpr uint64_t kPiece = 512 << 10;  // under the control link's 1 MiB exchange limit
-    const Deadline deadline = deadlineInMs(30000);
-    if (o.ts == nullptr) {
-      std::ostringstream req;
-      req << "F N " << conn_ << " " << o.channel << " " << o.word << " " << o.tag;
-      return control_->exchange(TransportKind::kRdma, req.str(), deadline).status();
-    }
-    std::vector<int64_t> rkeys;
-    if (!findRemote(o.raddr, o.len, &rkeys))
-      return MC_STATUS(kPermissionDenied, "[" << hex(o.raddr) << ", +" << o.len
-                                              << ") is not in a region peer " << name_
-                                              << " registered for rdma");
-    size_t nic = 0;
-    while (nic < rkeys.size() && rkeys[nic] < 0) ++nic;
-    if (nic == rkeys.size())
-      return MC_STATUS(kPermissionDenied, "peer " << name_ << "'s region has no key");
-    const bool write = o.op == OpCode::kWrite;
-    for (uint64_t off = 0; off < o.len; off += kPiece) {
-      const uint64_t n = std::min(kPiece, o.len - off);
-      std::ostringstream head;
-      head << "F " << (write ? "W " : "R ") << (o.raddr + off) << " " << nic << " "
-           << rkeys[nic] << " " << n << "\n";
-      std::string req = head.str();
-      if (write) req.append(o.user + off, n);
-      auto r = control_->exchange(TransportKind::kRdma, req, deadline);
-      if (!r.ok()) return r.status();
-      if (write) continue;
-      if (r->size() != n)
-        return MC_STATUS(kProtocol, "a READ over tcp returned " << r->size() << " of " << n
-                                                               << " bytes");
-      std::memcpy(o.user + off, r->data(), n);
-    }
+Status RdmaPeer::bind(Op* o, const Lane& l) {
+  std::vector<int64_t> rkeys, lkeys;
+  findRemote(o->raddr, o->len, &rkeys);
+  t_->localKeys(o->user, o->len, &lkeys);
+  return bindWith(o, l, rkeys, lkeys);
+}
+
+Status RdmaPeer::bindWith(Op* o, const Lane& l, const std::vector<int64_t>& rkeys,
+                          const std::vector<int64_t>& lkeys) {
+  if (l.remote_nic < 0 || static_cast<size_t>(l.remote_nic) >= rkeys.size() ||
+      rkeys[static_cast<size_t>(l.remote_nic)] < 0)
+    return MC_STATUS(kPermissionDenied, "rdma: peer " << name_ << "'s region at "
+                                                      << hex(o->raddr)
+                                                      << " has no key on its NIC " << l.remote_nic);
+  o->rkey = static_cast<uint32_t>(rkeys[static_cast<size_t>(l.remote_nic)]);
+  const size_t n = static_cast<size_t>(l.nic->index);
+  if (n < lkeys.size() && lkeys[n] >= 0) {
+    o->bounce = false;
+    o->local = o->user;
+    o->lkey = static_cast<uint32_t>(lkeys[n]);
     return Status::OK();
   }
+  BouncePool* b = t_->bounce();
+  if (b == nullptr || o->len > b->chunkBytes())
+    return MC_STATUS(kUnavailable, "rdma: the local memory of a request to " << name_
+                                       << " is not registered on " << l.nic->name
+                                       << " and cannot bounce");
+  o->bounce = true;
+  o->local = nullptr;
+  return Status::OK();
+}
 
-  // The error of a request no NIC can carry: every NIC's last error.
-  Status everyNicFailed(const Op& o) {
-    std::ostringstream os;
-    os << "rdma " << o.what() << " of " << o.len << " bytes to peer " << name_
-       << " failed on every NIC:";
-    for (const Lane& l : lanes_)
-      os << " " << l.nic->name << ": "
-         << (l.error.ok() && l.qp ? l.qp->failedStatus().message() : l.error.message()) << ";";
-    return Status(Code::kIo, os.str());
-  }
-
-  void setRegions(const SegmentDesc& d) {
-    std::vector<RemoteRegion> rs;
-    auto parseKeys = [](const std::string& k) {
-      std::vector<int64_t> out;
-      std::stringstream in(k);
-      std::string item;
-      while (std::getline(in, item, ','))
-        out.push_back(item == "-" || item.empty()
-                          ? -1
-                          : static_cast<int64_t>(std::strtoul(item.c_str(), nullptr, 10)));
-      return out;
-    };
-    for (const auto& r : d.regions) {
-      const std::string& k = r.keys[static_cast<int>(TransportKind::kRdma)];
-      if (k.empty()) continue;
-      if (k.rfind("chunk=", 0) != 0) {
-        rs.push_back(RemoteRegion{r.addr, r.len, parseKeys(k)});
-        continue;
+void RdmaPeer::giveBack(Qp* from, std::vector<Op*> ops, const Status& why) {
+  std::vector<std::pair<Op*, Status>> failed;
+  {
+    std::lock_guard<std::recursive_mutex> g(mu_);
+    for (Lane& l : lanes_) {
+      if (l.qp.get() != from || l.failed) continue;
+      l.failed = true;
+      l.error = why;
+      l.retry_at = Clock::now() + t_->retryAfter();
+      MC_LOG(WARN, RDMA) << "peer " << name_ << ": " << why.message() << "; " << ops.size()
+                         << " work request(s) move to another NIC, " << l.nic->name
+                         << " is retried in " << t_->retryAfter().count() << " ms";
+    }
+    std::vector<int> live = dead_ ? std::vector<int>{} : liveLanes({});
+    int to = -1;
+    for (int cand : live) {
+      bool all = true;
+      for (Op* o : ops)
+        if (o->ts != nullptr && !bind(o, lanes_[static_cast<size_t>(cand)]).ok()) all = false;
+      if (all) {
+        to = cand;
+        break;
       }
-      // Registered in chunks (rdma_transport.h): an entry per chunk.
-      std::stringstream in(k.substr(6));
-      std::string item;
-      std::getline(in, item, '/');
-      const uint64_t chunk = std::strtoull(item.c_str(), nullptr, 10);
-      for (uint64_t off = 0; chunk > 0 && off < r.len && std::getline(in, item, '/');
-           off += chunk)
-        rs.push_back(RemoteRegion{r.addr + off, std::min(chunk, r.len - off), parseKeys(item)});
     }
-    std::sort(rs.begin(), rs.end(),
-              [](const RemoteRegion& a, const RemoteRegion& b) { return a.addr < b.addr; });
-    std::unique_lock<std::shared_mutex> g(regions_mu_);
-    regions_ = std::move(rs);
-  }
-
-  // Bytes from addr to the end of the peer's registered chunk holding it (0: none).
-  uint64_t remoteSpan(uint64_t addr) const {
-    std::shared_lock<std::shared_mutex> g(regions_mu_);
-    auto it = std::upper_bound(regions_.begin(), regions_.end(), addr,
-                               [](uint64_t a, const RemoteRegion& r) { return a < r.addr; });
-    if (it == regions_.begin()) return 0;
-    --it;
-    return addr - it->addr < it->len ? it->len - (addr - it->addr) : 0;
-  }
-
-  // [addr, addr+len) lies in registered memory of the peer (in one chunk or several adjacent).
-  bool remoteCovers(uint64_t addr, uint64_t len) const {
-    while (len > 0) {
-      const uint64_t n = remoteSpan(addr);
-      if (n == 0) return false;
-      if (n >= len) return true;
-      addr += n;
-      len -= n;
+    if (to < 0 && !dead_ && t_->tcpFallback()) {
+      toFallback(ops, &failed);
+    } else if (to < 0) {
+      for (Op* o : ops) failed.emplace_back(o, dead_ ? dead_why_ : everyNicFailed(*o));
+    } else {
+      Lane& l = lanes_[static_cast<size_t>(to)];
+      l.dirty = true;
+      l.qp->enqueue(ops);
     }
-    return true;
   }
+  finishOps(failed);
+}
 
-  bool findRemote(uint64_t addr, uint64_t len, std::vector<int64_t>* rkeys) const {
-    std::shared_lock<std::shared_mutex> g(regions_mu_);
-    auto it = std::upper_bound(regions_.begin(), regions_.end(), addr,
-                               [](uint64_t a, const RemoteRegion& r) { return a < r.addr; });
-    if (it == regions_.begin()) return false;
-    --it;
-    if (addr - it->addr > it->len || len > it->len - (addr - it->addr)) return false;
-    if (rkeys != nullptr) *rkeys = it->rkeys;
-    return true;
+void RdmaPeer::setRegions(const SegmentDesc& d) {
+  std::vector<RemoteRegion> rs;
+  auto parseKeys = [](const std::string& k) {
+    std::vector<int64_t> out;
+    std::stringstream in(k);
+    std::string item;
+    while (std::getline(in, item, ','))
+      out.push_back(item == "-" || item.empty()
+                        ? -1
+                        : static_cast<int64_t>(std::strtoul(item.c_str(), nullptr, 10)));
+    return out;
+  };
+  for (const auto& r : d.regions) {
+    const std::string& k = r.keys[static_cast<int>(TransportKind::kRdma)];
+    if (k.empty()) continue;
+    if (k.rfind("chunk=", 0) != 0) {
+      rs.push_back(RemoteRegion{r.addr, r.len, parseKeys(k)});
+      continue;
+    }
+    // Registered in chunks (rdma_transport.h): an entry per chunk.
+    std::stringstream in(k.substr(6));
+    std::string item;
+    std::getline(in, item, '/');
+    const uint64_t chunk = std::strtoull(item.c_str(), nullptr, 10);
+    for (uint64_t off = 0; chunk > 0 && off < r.len && std::getline(in, item, '/');
+         off += chunk)
+      rs.push_back(RemoteRegion{r.addr + off, std::min(chunk, r.len - off), parseKeys(item)});
   }
+  std::sort(rs.begin(), rs.end(),
+            [](const RemoteRegion& a, const RemoteRegion& b) { return a.addr < b.addr; });
+  std::unique_lock<std::shared_mutex> g(regions_mu_);
+  regions_ = std::move(rs);
+}
 
-  RdmaTransportImpl* t_;
-  std::string name_;
-  const uint64_t conn_;
-  std::shared_ptr<ControlLink> control_;
-  // Lanes, their flags and the notification sequence. Recursive: a QP that fails while a
-  // caller enqueues on it gives its work back on that caller's thread.
-  std::recursive_mutex mu_;
-  std::vector<Lane> lanes_;
-  std::vector<std::vector<int>> lanes_of_nic_;  // local NIC index -> its lanes
-  size_t rr_ = 0;
-  uint32_t seq_ = 0;
-  std::atomic<int> evicted_{0};  // lanes evicted (dialled again by the next request)
-  Clock::time_point last_used_ = Clock::now();
-  std::mutex wake_mu_;  // serialises evictOn() and wake() (taken before mu_, never under it)
-  bool dead_ = false;
-  Status dead_why_;
-  mutable std::shared_mutex regions_mu_;
-  std::vector<RemoteRegion> regions_;
-  // The tcp fallback: ops in order, queued or being carried (fb_pending_), its thread.
-  std::mutex fb_mu_;
-  std::condition_variable fb_cv_;
-  std::deque<Op*> fb_;
-  std::atomic<int64_t> fb_pending_{0};
-  bool fb_stop_ = false;
-  bool fb_warned_ = false;
-  std::thread fb_thread_;
-};
+uint64_t RdmaPeer::remoteSpan(uint64_t addr) const {
+  std::shared_lock<std::shared_mutex> g(regions_mu_);
+  auto it = std::upper_bound(regions_.begin(), regions_.end(), addr,
+                             [](uint64_t a, const RemoteRegion& r) { return a < r.addr; });
+  if (it == regions_.begin()) return 0;
+  --it;
+  return addr - it->addr < it->len ? it->len - (addr - it->addr) : 0;
+}
+
+bool RdmaPeer::remoteCovers(uint64_t addr, uint64_t len) const {
+  while (len > 0) {
+    const uint64_t n = remoteSpan(addr);
+    if (n == 0) return false;
+    if (n >= len) return true;
+    addr += n;
+    len -= n;
+  }
+  return true;
+}
+
+bool RdmaPeer::findRemote(uint64_t addr, uint64_t len, std::vector<int64_t>* rkeys) const {
+  std::shared_lock<std::shared_mutex> g(regions_mu_);
+  auto it = std::upper_bound(regions_.begin(), regions_.end(), addr,
+                             [](uint64_t a, const RemoteRegion& r) { return a < r.addr; });
+  if (it == regions_.begin()) return false;
+  --it;
+  if (addr - it->addr > it->len || len > it->len - (addr - it->addr)) return false;
+  if (rkeys != nullptr) *rkeys = it->rkeys;
+  return true;
+}
 
 std::unique_ptr<TransportPeer> makeRdmaPeer(RdmaTransportImpl* t, std::vector<LaneInit> lanes,
                                             const SegmentDesc& remote, uint64_t conn,

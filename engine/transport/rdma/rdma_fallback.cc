@@ -1,0 +1,111 @@
+// RdmaPeer's tcp fallback (MC_RDMA_TCP_FALLBACK): work no lane can carry goes, in order, over
+// the control link (rdma_peer.h; the requests are "F ..." of rdma_transport.h).
+#include <cstring>
+#include <sstream>
+
+#include "engine/log.h"
+#include "engine/transport/rdma/rdma_peer.h"
+
+namespace mooncake::engine::rdma {
+
+void RdmaPeer::toFallback(std::vector<Op*>& ops, std::vector<std::pair<Op*, Status>>* failed) {
+  {
+    std::lock_guard<std::mutex> g(fb_mu_);
+    if (fb_stop_) {
+      for (Op* o : ops)
+        failed->emplace_back(o, MC_STATUS(kCancelled, "rdma: peer " << name_ << " closed"));
+      ops.clear();
+      return;
+    }
+    if (!fb_warned_) {
+      fb_warned_ = true;
+      MC_LOG(WARN, RDMA) << "peer " << name_ << ": no NIC reaches it; its requests go over "
+                            "the tcp control link until a NIC is back";
+    }
+    for (Op* o : ops) fb_.push_back(o);
+    fb_pending_.fetch_add(static_cast<int64_t>(ops.size()));
+    if (!fb_thread_.joinable()) fb_thread_ = std::thread([this] { fallbackLoop(); });
+  }
+  ops.clear();
+  fb_cv_.notify_one();
+}
+
+void RdmaPeer::fallbackLoop() {
+  for (;;) {
+    Op* o = nullptr;
+    bool closing = false;  // the peer is being closed: what is queued fails, not carried
+    {
+      std::unique_lock<std::mutex> g(fb_mu_);
+      fb_cv_.wait(g, [&] { return fb_stop_ || !fb_.empty(); });
+      if (fb_.empty()) return;
+      o = fb_.front();
+      fb_.pop_front();
+      closing = fb_stop_;
+    }
+    Status st;
+    bool dead;
+    {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      dead = dead_ || closing;
+      if (dead_) st = dead_why_;
+    }
+    if (closing && st.ok()) st = MC_STATUS(kCancelled, "rdma: peer " << name_ << " closed");
+    if (!dead) st = overTcp(*o);
+    if (!dead && !st.ok()) {
+      std::lock_guard<std::recursive_mutex> g(mu_);
+      Status nics = everyNicFailed(*o);
+      st = Status(nics.code(), nics.message() + " and over tcp: " + st.message());
+    }
+    std::vector<std::pair<Op*, Status>> done{{o, st}};
+    finishOps(done);
+    fb_pending_.fetch_sub(1);
+  }
+}
+
+Status RdmaPeer::overTcp(Op& o) {
+  constexpr uint64_t kPiece = 512 << 10;  // under the control link's 1 MiB exchange limit
+  const Deadline deadline = deadlineInMs(30000);
+  if (o.ts == nullptr) {
+    std::ostringstream req;
+    req << "F N " << conn_ << " " << o.channel << " " << o.word << " " << o.tag;
+    return control_->exchange(TransportKind::kRdma, req.str(), deadline).status();
+  }
+  std::vector<int64_t> rkeys;
+  if (!findRemote(o.raddr, o.len, &rkeys))
+    return MC_STATUS(kPermissionDenied, "[" << hex(o.raddr) << ", +" << o.len
+                                            << ") is not in a region peer " << name_
+                                            << " registered for rdma");
+  size_t nic = 0;
+  while (nic < rkeys.size() && rkeys[nic] < 0) ++nic;
+  if (nic == rkeys.size())
+    return MC_STATUS(kPermissionDenied, "peer " << name_ << "'s region has no key");
+  const bool write = o.op == OpCode::kWrite;
+  for (uint64_t off = 0; off < o.len; off += kPiece) {
+    const uint64_t n = std::min(kPiece, o.len - off);
+    std::ostringstream head;
+    head << "F " << (write ? "W " : "R ") << (o.raddr + off) << " " << nic << " "
+         << rkeys[nic] << " " << n << "\n";
+    std::string req = head.str();
+    if (write) req.append(o.user + off, n);
+    auto r = control_->exchange(TransportKind::kRdma, req, deadline);
+    if (!r.ok()) return r.status();
+    if (write) continue;
+    if (r->size() != n)
+      return MC_STATUS(kProtocol, "a READ over tcp returned " << r->size() << " of " << n
+                                                             << " bytes");
+    std::memcpy(o.user + off, r->data(), n);
+  }
+  return Status::OK();
+}
+
+Status RdmaPeer::everyNicFailed(const Op& o) {
+  std::ostringstream os;
+  os << "rdma " << o.what() << " of " << o.len << " bytes to peer " << name_
+     << " failed on every NIC:";
+  for (const Lane& l : lanes_)
+    os << " " << l.nic->name << ": "
+       << (l.error.ok() && l.qp ? l.qp->failedStatus().message() : l.error.message()) << ";";
+  return Status(Code::kIo, os.str());
+}
+
+}  // namespace mooncake::engine::rdma
