@@ -1,5 +1,5 @@
 // What the rdma transport's files share (rdma_transport.cc: NICs, memory, connections, the
-// target side; rdma_peer.cc: the initiator's QPs, slicing, striping and failover).
+// target side; rdma_peer.h/.cc: the initiator's QPs, slicing, striping and failover).
 #pragma once
 
 #include <infiniband/verbs.h>
@@ -257,7 +257,7 @@ class RdmaTransportImpl final : public Transport {
   std::thread prober_;
 };
 
-// A peer over lanes (one QP per local NIC that reaches one of its NICs); rdma_peer.cc.
+// A peer over lanes (one QP per local NIC that reaches one of its NICs); rdma_peer.h.
 std::unique_ptr<TransportPeer> makeRdmaPeer(RdmaTransportImpl* t, std::vector<LaneInit> lanes,
                                             const SegmentDesc& remote, uint64_t conn,
                                             std::shared_ptr<ControlLink> control);
