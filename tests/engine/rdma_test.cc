@@ -386,6 +386,58 @@ TEST_F(RdmaTest, NicDownAtOpenIsConnectedLater) {
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 
+// A RoCE NIC whose port is down when the engine starts is kept (its GID is known): it carries
+// nothing while down, and once its port is up the prober connects its lanes.
+TEST_F(RdmaTest, NicDownAtEngineStartJoinsOnceUp) {
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "200");
+  PeerConfig cfg;
+  cfg.transport = "rdma";
+  cfg.region_bytes = 16u << 20;
+  peer_ = spawnPeer(cfg);
+  ASSERT_NE(peer_, nullptr);
+  {
+    auto first = makeEngine("rdma", "starter");  // creates this host's emulated NICs
+    ASSERT_NE(first, nullptr);
+  }
+  ASSERT_TRUE(openNicControls());
+  nic_[1]->setPortUp(false);
+  eng_ = makeEngine("rdma");
+  ASSERT_NE(eng_, nullptr);
+  pid_ = openPeer(*eng_, "peer");
+  ASSERT_NE(pid_, engine::kInvalidPeer);
+  ASSERT_EQ(eng_->peerTransport(pid_), "rdma");
+  HostBuffer buf(8u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 8u << 20));
+  auto [a0, a1] = writeAndCount(buf, 8u << 20, 121);
+  EXPECT_GE(a0, 8u << 20);
+  EXPECT_EQ(a1, 0u) << "a NIC whose port is down carried bytes";
+  nic_[1]->setPortUp(true);
+  const uint64_t back = waitForNic(buf, 1, 130);
+  EXPECT_GT(back, 0u) << "mlx5_1, down when the engine started, never carried bytes once up";
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+}
+
+// Every port down when the engine starts: rdma is not offered (peers get tcp).
+TEST_F(RdmaTest, EveryPortDownAtEngineStartLeavesRdmaOut) {
+  {
+    auto first = makeEngine("rdma", "starter");
+    ASSERT_NE(first, nullptr);
+  }
+  ASSERT_TRUE(openNicControls());
+  nic_[0]->setPortUp(false);
+  nic_[1]->setPortUp(false);
+  engine::EngineOptions opt;
+  opt.name = "parent";
+  opt.transport = "rdma";
+  opt.secret = "job-secret";
+  auto eng = TransferEngine::create(opt);
+  nic_[0]->setPortUp(true);
+  nic_[1]->setPortUp(true);
+  ASSERT_FALSE(eng.ok()) << "MC_TRANSPORT=rdma with every port down made an engine";
+  EXPECT_NE(eng.status().message().find("every RoCE NIC is down"), std::string::npos)
+      << eng.status().toString();
+}
+
 // MC_RDMA_MAX_ENDPOINTS=1 with two peers: each NIC keeps lanes to one peer; the other's idle
 // lanes are closed at both ends (the QPs are gone from the NICs) and dialled again when it is
 // used. Bytes and notifications (in order, once) survive the closing and redialling.

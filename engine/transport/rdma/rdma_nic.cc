@@ -78,15 +78,19 @@ Result<std::unique_ptr<Nic>> openOne(ibv_device* dev, int index) {
     return MC_STATUS(kUnavailable, "rdma: cannot open " << n->name << ": " << strerror(errno));
   if (ibv_query_port(n->ctx, 1, &n->port) != 0)
     return MC_STATUS(kUnavailable, "rdma: cannot query port 1 of " << n->name);
-  if (n->port.state != IBV_PORT_ACTIVE)
-    return MC_STATUS(kUnavailable, "rdma: " << n->name << " port 1 is "
-                                            << ibv_port_state_str(n->port.state));
+  n->ib = n->port.link_layer == IBV_LINK_LAYER_INFINIBAND;
+  if (n->port.state != IBV_PORT_ACTIVE) {
+    if (n->ib)
+      return MC_STATUS(kUnavailable, "rdma: " << n->name << " port 1 is "
+                                              << ibv_port_state_str(n->port.state)
+                                              << " (InfiniBand: its LID is not known yet)");
+    n->down_at_start = true;
+  }
   ibv_device_attr da{};
   if (ibv_query_device(n->ctx, &da) != 0)
     return MC_STATUS(kUnavailable, "rdma: cannot query " << n->name);
   n->max_mr_size = da.max_mr_size;
   n->max_rd_atom = std::min(da.max_qp_rd_atom, da.max_qp_init_rd_atom);
-  n->ib = n->port.link_layer == IBV_LINK_LAYER_INFINIBAND;
   if (!n->ib) MC_RETURN_IF_ERROR(chooseGid(n.get()));
   n->pd = ibv_alloc_pd(n->ctx);
   n->channel = ibv_create_comp_channel(n->ctx);
@@ -106,6 +110,12 @@ Nic::~Nic() {
   if (channel != nullptr) ibv_destroy_comp_channel(channel);
   if (pd != nullptr) ibv_dealloc_pd(pd);
   if (ctx != nullptr) ibv_close_device(ctx);
+}
+
+int Nic::activeMtu() const {
+  ibv_port_attr now{};
+  if (ibv_query_port(ctx, 1, &now) == 0 && now.state == IBV_PORT_ACTIVE) return now.active_mtu;
+  return port.active_mtu;
 }
 
 void Nic::startPoller(int64_t spin_us) {
@@ -215,6 +225,16 @@ Result<std::vector<std::unique_ptr<Nic>>> openNics() {
     nics.push_back(std::move(n).value());
   }
   ibv_free_device_list(list);
+  bool any_up = false;
+  for (const auto& n : nics) any_up |= !n->down_at_start;
+  if (!any_up && !nics.empty()) {
+    why += (why.empty() ? "" : "; ") + std::string("the port of every RoCE NIC is down");
+    nics.clear();
+  }
+  for (const auto& n : nics) {
+    if (!n->down_at_start) continue;
+    MC_LOG(WARN, RDMA) << n->name << ": port 1 is down; its lanes connect once it is up";
+  }
   if (nics.empty())
     return MC_STATUS(kUnavailable, "rdma: no usable NIC among " << num << " device(s)"
                                                                << (filter.empty() ? "" : " (MC_RDMA_DEVICES=" + filter + ")")

@@ -70,7 +70,9 @@ Result<ibv_qp*> createQp(Nic* nic, int send_wr, int recv_wr) {
 Status connectQp(Nic* nic, ibv_qp* qp, uint32_t my_psn, const QpAddr& remote, bool remote_ib) {
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_RTR;
-  a.path_mtu = static_cast<ibv_mtu>(std::min<int>(nic->port.active_mtu, remote.mtu));
+  // A port that was down when the peer published its MTU may have reported none: at least 256.
+  a.path_mtu = static_cast<ibv_mtu>(
+      std::max<int>(IBV_MTU_256, std::min<int>(nic->activeMtu(), remote.mtu)));
   a.dest_qp_num = remote.qpn;
   a.rq_psn = remote.psn;
   a.max_dest_rd_atomic = static_cast<uint8_t>(rdAtom(*nic));
@@ -342,7 +344,7 @@ Result<ibv_qp*> RdmaTransportImpl::dial(Nic* nic, int remote_nic, bool remote_ib
   mine.psn = randomPsn();
   mine.lid = nic->port.lid;
   mine.gid = nic->gid;
-  mine.mtu = nic->port.active_mtu;
+  mine.mtu = nic->activeMtu();
   std::string req = "2 " + std::to_string(nic->index) + " " + std::to_string(remote_nic) + " " +
                     encodeQpAddr(mine) + " " + (nic->ib ? "1" : "0") + " " + std::to_string(conn) +
                     " " + std::to_string(lane);
@@ -465,7 +467,7 @@ void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
   mine.psn = randomPsn();
   mine.lid = nic->port.lid;
   mine.gid = nic->gid;
-  mine.mtu = nic->port.active_mtu;
+  mine.mtu = nic->activeMtu();
   Status st = connectQp(nic, tq->qp, mine.psn, peer, ib != 0);
   if (!st.ok()) return reply(st);
   {
