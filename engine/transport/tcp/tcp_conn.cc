@@ -36,23 +36,40 @@ void Core::setArmed(Conn& c, bool armed) {
   epoll_ctl(ep_fd_, EPOLL_CTL_MOD, c.fd, &ev);
 }
 
-// Queues a frame; writes it at once when nothing is queued before it. Never blocks.
-// With `owned`, the header's length is set to its size; otherwise the caller set it (a
-// READ_REQ's length is not its payload). False when the connection is closed.
+// Queues a frame; writes it at once when nothing is queued before it, unless the progress
+// thread sends it while it reads this connection (corked: written when the read ends). Other
+// threads' frames never wait for a read. Never blocks. With `owned`, the header's length is
+// set to its size; otherwise the caller set it (a READ_REQ's length is not its payload).
+// False when the connection is closed.
 bool Core::send(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned) {
+  std::lock_guard<std::mutex> g(c.out_mu);
+  if (!queueLocked(c, h, data, len, std::move(owned))) return false;
+  if (c.corked && std::this_thread::get_id() == loop_tid_.load()) return true;
+  if (!c.out_armed) flushLocked(c);  // armed: EPOLLOUT writes it
+  if (!c.outq.empty()) setArmed(c, true);
+  return true;
+}
+
+bool Core::queueLocked(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned) {
+  if (c.closed) return false;
   OutItem it;
   if (!owned.empty()) h.length = owned.size();
   encodeHeader(h, it.hdr);
   it.owned = std::move(owned);
   it.data = data;
   it.len = it.owned.empty() ? len : it.owned.size();
-  std::lock_guard<std::mutex> g(c.out_mu);
-  if (c.closed) return false;
   if (h.type == FrameType::kWrite) ++c.writes_queued;  // counted where NOTIFY reads it
   c.outq.push_back(std::move(it));
-  if (c.outq.size() == 1) flushLocked(c);
-  if (!c.outq.empty()) setArmed(c, true);
   return true;
+}
+
+// Writes what is queued (several frames per sendmsg), unless already waiting for room
+// (EPOLLOUT then writes it). Called by submitting threads, never while corked by themselves.
+void Core::kick(Conn& c) {
+  std::lock_guard<std::mutex> g(c.out_mu);
+  if (c.closed || c.outq.empty() || c.out_armed) return;
+  flushLocked(c);
+  if (!c.outq.empty()) setArmed(c, true);
 }
 
 // Writes as much of the queue as the socket takes (writev, header and payload in place).
@@ -95,6 +112,8 @@ void Core::flushLocked(Conn& c) {
     if (static_cast<size_t>(w) < total) break;  // the socket is full
   }
   if (c.outq.empty()) setArmed(c, false);
+  // A denied connection's last frame (the denial) is out: the initiator reads it, then EOF.
+  if (c.outq.empty() && c.denied && !c.broken) shutdown(c.fd, SHUT_WR);
 }
 
 // The raw close: no more output, out of epoll, fd closed. Idempotent.
@@ -166,9 +185,28 @@ void Core::onReadable(const std::shared_ptr<Conn>& c) {
       return closeConn(c, MC_STATUS(kPermissionDenied, "denied peer closed"));
     }
   }
+  // Frames this read makes us send (acks, answers) leave together when it ends, or before a
+  // long payload is read: one sendmsg for many small frames instead of one each.
+  auto uncork = [&k, this] {
+    std::lock_guard<std::mutex> g(k.out_mu);
+    if (!k.corked) return;
+    k.corked = false;
+    if (k.closed || k.outq.empty() || k.out_armed) return;
+    flushLocked(k);
+    if (!k.outq.empty()) setArmed(k, true);
+  };
+  {
+    std::lock_guard<std::mutex> g(k.out_mu);
+    k.corked = true;
+  }
+  struct Uncork {
+    decltype(uncork)& f;
+    ~Uncork() { f(); }
+  } at_end{uncork};
   size_t budget = kReadBudget;
   while (!k.closed && budget > 0) {
     ssize_t r;
+    if (k.in_payload && k.left >= kUncorkBytes) uncork();
     if (!k.in_payload) {
       r = recv(k.fd, k.hdr + k.hdr_got, kHeaderBytes - k.hdr_got, MSG_DONTWAIT);
     } else {
@@ -366,6 +404,7 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
         c->denied = true;
         {
           std::lock_guard<std::mutex> g(c->out_mu);
+          flushLocked(*c);  // now, corked or not (the read it came in ends here)
           if (c->outq.empty()) shutdown(c->fd, SHUT_WR);
         }
         return false;

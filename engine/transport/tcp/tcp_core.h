@@ -27,6 +27,8 @@ namespace mooncake::engine::tcp {
 constexpr uint64_t kWakeId = 0;
 constexpr uint64_t kListenId = 1;
 constexpr size_t kReadBudget = 16u << 20;  // bytes per connection per wake-up (fairness)
+// A payload at least this long is read with the connection's queued frames sent first.
+constexpr size_t kUncorkBytes = 256u << 10;
 
 inline std::string hexId(uint64_t v) {
   std::ostringstream os;
@@ -89,6 +91,9 @@ struct Conn {
   std::mutex out_mu;
   std::deque<OutItem> outq;
   bool out_armed = false;
+  // Set while the progress thread reads the connection: frames queued meanwhile (its acks,
+  // or a sender's) wait for the end of the read, which writes them together (see onReadable).
+  bool corked = false;
   bool closed = false;
   bool broken = false;
   uint64_t writes_queued = 0;  // WRITE frames queued on it so far (initiator side)
@@ -188,6 +193,9 @@ class Core : public std::enable_shared_from_this<Core> {
   int loopTimeoutMs() const;
   void addConn(const std::shared_ptr<Conn>& c);
   bool send(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned = {});
+  // Queues a frame without writing it (false: closed); kick() then writes what is queued.
+  bool queueLocked(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned);
+  void kick(Conn& c);
   void flushLocked(Conn& c);
   void setArmed(Conn& c, bool armed);
   void onReadable(const std::shared_ptr<Conn>& c);

@@ -15,6 +15,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 
+#include <algorithm>
 #include <future>
 #include <random>
 
@@ -522,9 +523,22 @@ void Core::submit(PeerState& p, Task* t) {
   if (!st.ok() || t->length == 0) return t->done(std::move(st));
   // No lock held: acks may complete slices (and the task) while later ones are still posted;
   // everything needed here was copied. A closed connection drops the frame: the failure
-  // path completes the slice.
-  for (const Post& post : posts)
-    send(*post.conn, post.h, post.data, post.data != nullptr ? post.h.length : 0);
+  // path completes the slice. Frames are queued per connection and then written together
+  // (several per sendmsg).
+  Conn* last = nullptr;
+  std::unique_lock<std::mutex> g;
+  std::vector<Conn*> touched;
+  for (const Post& post : posts) {
+    if (post.conn != last) {
+      if (g.owns_lock()) g.unlock();
+      g = std::unique_lock<std::mutex>(post.conn->out_mu);
+      last = post.conn;
+      if (std::find(touched.begin(), touched.end(), last) == touched.end()) touched.push_back(last);
+    }
+    queueLocked(*post.conn, post.h, post.data, post.data != nullptr ? post.h.length : 0, {});
+  }
+  if (g.owns_lock()) g.unlock();
+  for (Conn* c : touched) kick(*c);
 }
 
 // No waiting for acknowledgements: the NOTIFY names how many WRITE frames each data
