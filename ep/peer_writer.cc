@@ -12,6 +12,9 @@
 
 namespace mooncake::ep {
 
+static_assert(sizeof(std::pair<uint64_t, uint64_t>) == kMailboxEntryBytes,
+              "a queued signal is written to the mailbox as it is");
+
 namespace {
 
 std::mutex g_mu;
@@ -125,8 +128,6 @@ std::vector<int> EpBuffer::Writer::flush() {
   const int kind = static_cast<int>(kind_);
   std::vector<engine::BatchId> batch(n, 0);
   std::vector<bool> ok(n, true);
-  // Each remote destination's signal entries, the source of the mailbox WRITE.
-  std::vector<std::vector<uint64_t>> box(n);
   engine::TransferEngine& eng = *buf_.g_.engine;
   for (int r = 0; r < n; ++r) {
     if (buf_.mapped_[r] != nullptr) continue;
@@ -136,13 +137,10 @@ std::vector<int> EpBuffer::Writer::flush() {
       ok[r] = false;
       continue;
     }
-    for (const auto& sig : sigs_[r]) {
-      box[r].push_back(sig.first);
-      box[r].push_back(sig.second);
-    }
-    if (!box[r].empty())
-      reqs_[r].push_back({engine::OpCode::kWrite, box[r].data(), box[r].size() * 8,
-                          buf_.g_.peers[r],
+    // The queued (offset, value) pairs are the mailbox entries as they are laid out there.
+    if (!sigs_[r].empty())
+      reqs_[r].push_back({engine::OpCode::kWrite, sigs_[r].data(),
+                          sigs_[r].size() * kMailboxEntryBytes, buf_.g_.peers[r],
                           buf_.remote_[r] + buf_.geo_.mailbox(round_ & 1, kind, buf_.g_.rank)});
     if (reqs_[r].empty()) continue;
     auto id = eng.submit(reqs_[r]);
