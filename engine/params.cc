@@ -160,7 +160,15 @@ const std::vector<ParamDef>& table() {
        "all inputs) instead of reduce-scatter + all-gather."},
       {"MC_PG_NET_PIECE_BYTES", Type::kInt, "1048576",
        "Message size of the process group's non-shm path and of large send/recv: the size of "
-       "one receive slot (smaller in large groups: a group's slots take at most 64 MiB)."},
+       "one receive slot (smaller in large groups: a kind of group's slots take at most 32 "
+       "MiB per rank, and as much again for the staging copies)."},
+      {"MC_PG_NET_SLOTS", Type::kInt, "4",
+       "Receive slots per sender on the process group's non-shm path: collective messages "
+       "of at least MC_PG_NET_SLOT_MIN_BYTES are written one-sidedly into them (RDMA WRITEs "
+       "over rdma). 0: every message is two-sided."},
+      {"MC_PG_NET_SLOT_MIN_BYTES", Type::kInt, "4096",
+       "Smaller collective messages on the non-shm path are two-sided (one frame instead of "
+       "a write, a notification and a credit back)."},
       {"MC_PG_STREAM_OUT_BYTES", Type::kInt, "4194304",
        "Collective outputs (and EP normal-mode recv_x) at least this large are written with "
        "streaming (non-temporal) stores: they would leave the cache anyway, and this saves "

@@ -27,6 +27,8 @@ struct PgParams {
   size_t chunk_bytes;      // MC_PG_CHUNK_BYTES: allreduce pipeline step (<= half buffer)
   size_t flat_bytes;       // MC_PG_FLAT_BYTES: allreduce/reduce at or below: flat exchange
   size_t net_piece_bytes;  // MC_PG_NET_PIECE_BYTES: message size on the non-shm path
+  int net_slots;           // MC_PG_NET_SLOTS: receive slots per sender (0: two-sided only)
+  size_t net_slot_min_bytes;  // MC_PG_NET_SLOT_MIN_BYTES
   size_t stream_out_bytes;  // MC_PG_STREAM_OUT_BYTES: outputs this large: streaming stores
   ShmGroup::WaitOptions wait;
   bool hierarchical;  // MC_PG_HIERARCHICAL
@@ -48,6 +50,9 @@ class Communicator::Impl {
   std::unique_ptr<Health> health;
   std::unique_ptr<ShmGroup> shm;  // set when every peer's buffer is mapped here
   std::unique_ptr<NetGroup> net;  // used when shm is not
+  // Receive slots of the NetGroups (pg/net_group.h); shared by an elastic group's views and
+  // by sub-groups. Declared after `engine`: freed before it.
+  std::shared_ptr<NetAreas> net_areas;
   std::unique_ptr<P2p> p2p;
   // Groups spanning hosts whose same-host ranks all map each other (DESIGN.md section 4):
   // `local` runs shm algorithms over this host's ranks (index 0, the lowest rank, is the

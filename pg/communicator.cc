@@ -134,6 +134,16 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
   c.rank = options.rank;
   c.size = options.size;
   c.params = PgParams::load(options.buffer_bytes);
+  {
+    // Receive slots of the non-shm path, per rank (per slot of an elastic group): allocated
+    // when a group first takes that path. Pieces shrink so that they stay bounded.
+    const int cap = options.elastic.enabled && options.elastic.max_group_size > 0
+                        ? options.elastic.max_group_size
+                        : options.size;
+    const size_t piece_param = c.params.net_piece_bytes;
+    c.params.net_piece_bytes = NetAreas::pieceBytes(piece_param, cap, c.params.net_slots);
+    c.net_areas = std::make_shared<NetAreas>(cap, c.params.net_slots, c.params.net_piece_bytes);
+  }
   const Deadline dl = Clock::now() + c.opts.timeout;
 
   uint32_t p2p_ch = channelFor("p2p", g_name);
@@ -239,6 +249,10 @@ std::vector<int> Communicator::deadRanks() const {
 }
 const std::string& Communicator::path() const {
   return impl_->elastic ? impl_->elastic->path() : impl_->path;
+}
+
+uint64_t Communicator::netSlotSends() const {
+  return impl_->net_areas ? impl_->net_areas->slotSends() : 0;
 }
 
 bool Communicator::elastic() const { return impl_->elastic != nullptr; }

@@ -190,6 +190,9 @@ class Communicator {
   // messages), or "hierarchical: H hosts, L ranks on this one" (a group spanning hosts:
   // allreduce goes through shared memory within each host and messages between hosts).
   const std::string& path() const;
+  // Messages of this rank's collectives on the non-shm path written one-sidedly into a
+  // peer's receive slots so far (MC_PG_NET_SLOTS; the rest travel two-sided).
+  uint64_t netSlotSends() const;
 
   // ---- health ----
   // OK, or a CommError-worthy message naming the first dead rank.

@@ -28,6 +28,9 @@ PgParams PgParams::load(size_t buffer_bytes_override) {
   p.net_piece_bytes =
       static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_NET_PIECE_BYTES"), 4096)) &
       ~static_cast<size_t>(63);
+  p.net_slots = static_cast<int>(std::clamp<int64_t>(params::getInt("MC_PG_NET_SLOTS"), 0, 1024));
+  p.net_slot_min_bytes =
+      static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_NET_SLOT_MIN_BYTES"), 1));
   p.stream_out_bytes =
       static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_STREAM_OUT_BYTES"), 0));
   p.wait.spin_us = std::max<int64_t>(params::getInt("MC_PG_SPIN_US"), 0);
@@ -135,6 +138,7 @@ std::unique_ptr<Communicator::Impl> subGroup(const Communicator::Impl& parent,
   s->rdv = parent.rdv;
   s->opts = parent.opts;
   s->params = parent.params;
+  s->net_areas = parent.net_areas;
   s->size = static_cast<int>(ranks.size());
   std::vector<int> names;
   for (int i = 0; i < s->size; ++i) {
@@ -145,6 +149,20 @@ std::unique_ptr<Communicator::Impl> subGroup(const Communicator::Impl& parent,
   s->health = std::make_unique<Health>(parent.engine.get(), s->peers, s->rank,
                                        parent.opts.group_name, names);
   return s;
+}
+
+// A NetGroup over g's ranks with receive slots from c's areas of `kind`, indexed by each
+// rank's name (its rank in the user's group, or its slot in an elastic one).
+std::unique_ptr<NetGroup> makeNet(const Communicator::Impl& c, const Communicator::Impl& g,
+                                  const std::string& kind, uint32_t ch,
+                                  const std::vector<int>& names) {
+  std::vector<int> index;
+  for (int r = 0; r < g.size; ++r) index.push_back(names.empty() ? r : names[r]);
+  std::shared_ptr<NetArea> area = c.net_areas ? c.net_areas->get(kind, c.engine) : nullptr;
+  return std::make_unique<NetGroup>(c.engine.get(), g.health.get(), g.peers, g.rank, ch,
+                                    c.params.wait.health_us, c.params.net_piece_bytes,
+                                    std::move(area), std::move(index),
+                                    c.params.net_slot_min_bytes);
 }
 
 }  // namespace
@@ -195,8 +213,7 @@ void buildDataPlane(Communicator::Impl& c, const std::vector<char*>& bases,
     uint32_t ch = channelFor("coll" + chan_tag, g_name);
     claimChannel(engine, ch, g_name);
     c.channels.push_back(ch);
-    c.net = std::make_unique<NetGroup>(engine, c.health.get(), c.peers, c.rank, ch,
-                                       c.params.wait.health_us, c.params.net_piece_bytes);
+    c.net = makeNet(c, c, "coll", ch, names);
     if (retire) c.net->dropOnClose();
     c.net->start();
   }
@@ -218,9 +235,9 @@ void buildDataPlane(Communicator::Impl& c, const std::vector<char*>& bases,
       claimChannel(engine, hier_ch, g_name);
       c.channels.push_back(hier_ch);
       c.leaders = subGroup(c, leader_ranks, names);
-      c.leaders->net = std::make_unique<NetGroup>(
-          engine, c.leaders->health.get(), c.leaders->peers, c.leaders->rank, hier_ch,
-          c.params.wait.health_us, c.params.net_piece_bytes);
+      std::vector<int> leader_names;
+      for (int r : leader_ranks) leader_names.push_back(names.empty() ? r : names[r]);
+      c.leaders->net = makeNet(c, *c.leaders, "leaders", hier_ch, leader_names);
       if (retire) c.leaders->net->dropOnClose();
       c.leaders->net->start();
     }

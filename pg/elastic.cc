@@ -623,6 +623,7 @@ void Elastic::installPlane(const View& v, const std::vector<std::string>& modes,
   c.opts = root_.opts;
   c.params = root_.params;
   c.buffer_bytes = root_.buffer_bytes;  // the root's buffer (not owned here)
+  c.net_areas = root_.net_areas;
   c.size = static_cast<int>(p.slots.size());
   std::vector<char*> bases;
   std::vector<std::string> hosts;

@@ -1,17 +1,40 @@
 // NetGroup: the path for groups whose peers are not all mapped (tcp peers, other hosts,
-// MC_TRANSPORT=tcp). Collectives are built from ordered two-sided messages on a channel of
-// the group: the engine delivers each message to a handler that queues it per sender, so
-// sends never wait for the receiver (no deadlock in exchange patterns) and a receiver
-// takes the next message of a given sender. Every message carries the op's sequence
-// number and signature (OpSig); a difference means the ranks called different collectives or
-// shapes (CommError naming both calls). finishOp() completes the check for ranks that only
-// sent to, or only received from, a peer: the receiver acknowledges with an empty message of
-// the op, so every rank has heard from every rank it exchanged with.
+// MC_TRANSPORT=tcp). Collectives are built from ordered messages of a group: sends never
+// wait for the receiver (no deadlock in exchange patterns) and a receiver takes the next
+// message of a given sender. Every message carries the op's sequence number and signature
+// (OpSig); a difference means the ranks called different collectives or shapes (CommError
+// naming both calls). finishOp() completes the check for ranks that only sent to, or only
+// received from, a peer: the receiver acknowledges with an empty message of the op, so every
+// rank has heard from every rank it exchanged with.
+//
+// A message travels one of two ways (docs/rdma.md, "The process group between hosts"):
+// - one-sided, into a receive slot: every rank has, per sender, `slots` slots of
+//   kSlotHeaderBytes + pieceBytes() in registered memory (a NetArea, kept for the
+//   communicator's life) and grants them to the sender when the group starts (a message
+//   with their address and its engine descriptor). The sender copies header and payload
+//   into its registered staging copy of the slot, WRITEs it into the slot and notify()s the
+//   receiver on the group's channel; the engine delivers the notification after the bytes.
+//   The receiver reads the payload in place and gives the slot back (a credit
+//   notification). With no slot free at the receiver the message waits in a queue here and
+//   is posted by the thread that receives the credit. Over rdma these are RDMA WRITEs.
+// - two-sided: payloads under MC_PG_NET_SLOT_MIN_BYTES, empty acknowledgements, aborts, the
+//   grants, and every message of a group without slots (MC_PG_NET_SLOTS=0, a receiver whose
+//   grant has not arrived yet).
+// Messages of one sender carry a stream number, so the receiver takes them in the order
+// they were sent whichever way each travelled.
+//
+// Elastic groups build a NetGroup per view over the same NetArea: a sender's region at a
+// receiver is indexed by its slot (stable across views), a view's sender writes only after
+// the receiver granted the region in that view (so after the receiver stopped reading it
+// for the previous one), and a NetGroup waits for its writes before it goes (a sender whose
+// writes do not end there never writes to that receiver one-sidedly again).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -22,22 +45,92 @@
 
 namespace mooncake::pg {
 
+// Registered memory for one kind of NetGroup of a communicator ("coll", "leaders"): per
+// index (a rank, or an elastic group's slot) `slots` receive slots, and as many staging
+// slots per destination index. Freed with the communicator.
+class NetArea {
+ public:
+  static constexpr size_t kSlotHeaderBytes = 64;
+  // Null (logged) when the engine cannot allocate it.
+  static std::shared_ptr<NetArea> create(std::shared_ptr<engine::TransferEngine> engine,
+                                         int capacity, int slots, size_t payload);
+  ~NetArea();
+  int slots() const { return slots_; }
+  size_t payload() const { return payload_; }
+  size_t stride() const { return kSlotHeaderBytes + payload_; }
+  int capacity() const { return capacity_; }
+  char* recvSlot(int src_index, int k) const { return at(recv_, src_index, k); }
+  char* stagingSlot(int dst_index, int k) const { return at(staging_, dst_index, k); }
+  // A NetGroup could not wait out its writes to dst_index: later ones use messages to it.
+  void taint(int dst_index) { tainted_[dst_index].store(1); }
+  bool tainted(int dst_index) const { return tainted_[dst_index].load() != 0; }
+  // Messages written into receive slots through this area so far.
+  void countSlotSend() { slot_sends_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t slotSends() const { return slot_sends_.load(std::memory_order_relaxed); }
+
+ private:
+  NetArea() = default;
+  char* at(char* base, int index, int k) const {
+    return base + (static_cast<size_t>(index) * slots_ + k) * stride();
+  }
+  std::shared_ptr<engine::TransferEngine> engine_;
+  int capacity_ = 0, slots_ = 0;
+  size_t payload_ = 0;
+  char* recv_ = nullptr;
+  char* staging_ = nullptr;
+  std::unique_ptr<std::atomic<uint8_t>[]> tainted_;
+  std::atomic<uint64_t> slot_sends_{0};
+};
+
+// A communicator's NetAreas by kind, made when a NetGroup of that kind first needs one.
+// Elastic groups share the root's between views.
+class NetAreas {
+ public:
+  // capacity: ranks (slots of an elastic group); slots: MC_PG_NET_SLOTS (0: none);
+  // payload: the pieces' size (netPieceBytes).
+  NetAreas(int capacity, int slots, size_t payload)
+      : capacity_(capacity), slots_(slots), payload_(payload) {}
+  std::shared_ptr<NetArea> get(const std::string& kind,
+                               const std::shared_ptr<engine::TransferEngine>& engine);
+  // The size pieces are cut to: MC_PG_NET_PIECE_BYTES, smaller where capacity x slots slots
+  // of it would exceed kMaxAreaBytes. The same on every rank of a group whatever the
+  // allocations do (senders and receivers must cut alike).
+  static size_t pieceBytes(size_t piece_param, int capacity, int slots);
+  static constexpr size_t kMaxAreaBytes = 32u << 20;
+  uint64_t slotSends();  // over every kind
+
+ private:
+  int capacity_, slots_;
+  size_t payload_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<NetArea>> by_kind_;
+};
+
 class NetGroup {
  public:
-  static constexpr size_t kHeaderBytes = 32;
+  static constexpr size_t kHeaderBytes = 48;
+  struct Header;  // of every message (net_group.cc)
 
-  // A received message; data()/size() exclude the header.
+  // A received message; data()/size() exclude the header. Either a two-sided message's
+  // buffer or a receive slot of src (valid until recycle()).
   struct Msg {
     std::string buf;
-    const char* data() const { return buf.data() + kHeaderBytes; }
-    size_t size() const { return buf.size() - kHeaderBytes; }
+    const char* slot_data = nullptr;
+    size_t slot_len = 0;
+    int src = -1, slot = -1;
+    const char* data() const { return slot >= 0 ? slot_data : buf.data() + kHeaderBytes; }
+    size_t size() const { return slot >= 0 ? slot_len : buf.size() - kHeaderBytes; }
   };
 
+  // area (optional): receive slots and staging; index: each rank's index in it.
+  // slot_min_bytes: smaller payloads go as two-sided messages.
   NetGroup(engine::TransferEngine* engine, const Health* health,
            std::vector<engine::PeerId> peers, int rank, uint32_t channel, int64_t health_us,
-           size_t piece_bytes);
+           size_t piece_bytes, std::shared_ptr<NetArea> area = nullptr,
+           std::vector<int> index = {}, size_t slot_min_bytes = 0);
   ~NetGroup();
-  // Installs the message handler (before any peer can send to this group).
+  // Installs the message and notification handlers (before any peer can send to this
+  // group) and grants this rank's receive slots to every peer.
   void start();
 
   // Large payloads are cut into pieces of pieceBytes(); senders and receivers cut the same
@@ -47,7 +140,7 @@ class NetGroup {
   Msg take(const OpCtx& op, int src, size_t expect_len);
   void recv(const OpCtx& op, int src, void* out, size_t len);
   // Hands a consumed message's memory back to the engine (for the next received ones).
-  void recycle(Msg&& m) { engine_->recycleMessageBuffer(std::move(m.buf)); }
+  void recycle(Msg&& m);
   void sendPieces(const OpCtx& op, int dst, const void* data, size_t len);
   void recvPieces(const OpCtx& op, int src, void* out, size_t len);
   // Tells every peer (best effort) that this rank gave up on the group, blaming `blamed`
@@ -68,10 +161,31 @@ class NetGroup {
   void rootGo(const OpCtx& op, int root);
 
  private:
+  struct Entry {
+    std::string buf;  // a two-sided message (header + payload)
+    int slot = -1;    // or a receive slot
+    size_t len = 0;
+    uint64_t seq = 0;
+    uint64_t sig[2] = {0, 0};
+  };
+  struct Queued {  // a message waiting for a free slot at its receiver
+    std::string bytes;  // slot header + payload
+  };
   struct Queues {
     std::mutex mu;
     std::condition_variable cv;
-    std::vector<std::deque<std::string>> by_src;
+    std::vector<std::map<uint64_t, Entry>> by_src;  // by the sender's stream number
+    std::vector<uint64_t> next_in;                  // per sender: the stream number taken next
+    // Sending one-sidedly (per receiver): the address of our slots there (0: not granted),
+    // its descriptor to apply first, free slots, messages waiting for one, the batch that
+    // last wrote from each staging slot (0: none), a failure not reported yet.
+    std::vector<uint64_t> grant_addr;
+    std::vector<std::string> grant_seg;
+    std::vector<std::deque<int>> free;
+    std::vector<std::deque<Queued>> queued;
+    std::vector<std::vector<engine::BatchId>> staged;
+    Status failure;
+    int failed_dst = -1;
     std::vector<int> aborted;  // per peer: 0, or 2 + blamed rank (1: no rank in particular)
     std::vector<std::string> abort_reason;
     std::vector<uint8_t> abort_died;
@@ -94,6 +208,22 @@ class NetGroup {
   void track(const OpCtx& op);
   uint64_t op_seq_ = 0;
   std::vector<uint8_t> sent_, heard_;
+
+  // ---- receive slots ----
+  std::shared_ptr<NetArea> area_;
+  std::vector<int> index_;
+  size_t slot_min_ = 0;
+  std::vector<uint64_t> out_stream_;   // per receiver: the next stream number
+  bool slotsTo(int dst) const;
+  // Queues or posts a slot message (header already in `bytes`); false: use a message.
+  bool sendToSlot(const OpCtx& op, int dst, std::string* bytes, const void* data, size_t len);
+  // Writes a slot message (hdr, then len bytes of data) into slot k of dst, which this rank
+  // holds, and notifies dst. Called without q_->mu.
+  Status post(int dst, int k, const char* hdr, size_t hdr_len, const void* data, size_t len,
+              engine::Deadline deadline);
+  void onNotify(const engine::Notification& nt);
+  [[noreturn]] void failSend(const OpCtx& op, int dst, size_t len, const Status& st);
+  void throwIfSendFailed(const OpCtx& op);
 };
 
 }  // namespace mooncake::pg

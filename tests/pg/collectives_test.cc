@@ -197,6 +197,7 @@ void allCollectives(Communicator& c) {
 struct Param {
   std::string transport;
   int world;
+  int slots = -1;  // MC_PG_NET_SLOTS (-1: the default)
 };
 
 class PgCollectives : public ::testing::TestWithParam<Param> {};
@@ -208,7 +209,11 @@ TEST_P(PgCollectives, EveryOpEverySize) {
   o.deadline_s = 120;
   // Over messages, small pieces: the 2^20+3-element cases of every dtype then span many
   // pieces with odd tails (the default 1 MiB pieces are covered by the other suites).
+  // One slot per sender makes most messages wait for a credit; none makes every message
+  // two-sided.
+  const int slots = GetParam().slots;
   if (o.transport == "tcp") o.env = {{"MC_PG_NET_PIECE_BYTES", "65536"}};
+  if (slots >= 0) o.env.push_back({"MC_PG_NET_SLOTS", std::to_string(slots)});
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     // The path under test is the one asked for.
@@ -218,6 +223,12 @@ TEST_P(PgCollectives, EveryOpEverySize) {
       }
     }
     allCollectives(c);
+    // Over tcp the large messages went one-sidedly into receive slots (unless disabled).
+    if (o.transport == "tcp" && slots != 0) {
+      ASSERT_GT(c.netSlotSends(), 0u);
+    } else {
+      ASSERT_EQ(c.netSlotSends(), 0u);
+    }
   });
   for (int r = 0; r < o.world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
@@ -225,9 +236,12 @@ TEST_P(PgCollectives, EveryOpEverySize) {
 INSTANTIATE_TEST_SUITE_P(Transports, PgCollectives,
                          ::testing::Values(Param{"shm", 1}, Param{"shm", 2}, Param{"shm", 3},
                                            Param{"shm", 4}, Param{"tcp", 2}, Param{"tcp", 3},
-                                           Param{"tcp", 4}),
+                                           Param{"tcp", 4}, Param{"tcp", 3, 1},
+                                           Param{"tcp", 2, 0}),
                          [](const ::testing::TestParamInfo<Param>& i) {
-                           return i.param.transport + std::to_string(i.param.world);
+                           return i.param.transport + std::to_string(i.param.world) +
+                                  (i.param.slots >= 0 ? "_slots" + std::to_string(i.param.slots)
+                                                      : "");
                          });
 
 // Small comm buffers force many pipeline steps (chunking, both halves, slots) on every path.

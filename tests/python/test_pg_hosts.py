@@ -57,9 +57,9 @@ def test_rank_killed_on_one_host_is_named_on_both():
 @pytest.mark.skipif(_fake_verbs.library_dir() is None, reason="no verbs emulator (MC_WITH_RDMA=OFF)")
 def test_collectives_on_two_hosts_over_rdma_match_gloo():
     """Both simulated hosts have two emulated RoCE NICs: the engine links the hosts over rdma
-    (shm within a host). The group's cross-host traffic is two-sided messages today, which the
-    rdma transport keeps on its tcp control link (docs/rdma.md): this checks that the group is
-    correct and links its hosts over rdma, not that the NICs carry its bytes."""
+    (shm within a host), and the leaders' messages of 4 KiB and more are RDMA WRITEs into
+    their receive slots: the NICs carry the large all_reduce's bytes (the small messages stay
+    two-sided, on the rdma transport's tcp control link, docs/rdma.md)."""
     fabric = _fake_verbs.Fabric("pg", ["host-0", "host-1"])
 
     def env(r):
@@ -68,7 +68,9 @@ def test_collectives_on_two_hosts_over_rdma_match_gloo():
     p = Pool(4, timeout_s=120, env=fabric.env(), rank_env=env)
     try:
         p.check("allreduce", sizes=[0, 7, 1000], ops=("SUM", "MAX"))
+        before = [fabric.tx_bytes(h) for h in ("host-0", "host-1")]
         p.check("allreduce", sizes=[BIG], dtypes=("float32",), ops=("SUM",))
+        sent = [fabric.tx_bytes(h) - b for h, b in zip(("host-0", "host-1"), before)]
         p.check("broadcast", sizes=[1000], roots=[2])
         p.check("all_gather", sizes=[1000], api="tensor")
         p.check("reduce_scatter", sizes=[1000], api="tensor")
@@ -80,3 +82,7 @@ def test_collectives_on_two_hosts_over_rdma_match_gloo():
     assert logs.count("ready on hierarchical: 2 hosts, 2 ranks on this one") >= 4, logs[-3000:]
     assert " over rdma" in logs, "no peer was opened over rdma:\n" + logs[-3000:]
     assert " over tcp" not in logs, "a peer was opened over tcp:\n" + logs[-3000:]
+    # Each leader sends the other half of the 4 MiB tensor twice (reduce-scatter, all-gather)
+    # for each of the check's calls; the NICs must have carried at least one such half.
+    for host, n in zip(("host-0", "host-1"), sent):
+        assert n >= BIG * 4 // 2, f"{host}'s NICs sent {n} bytes during the large all_reduce"
