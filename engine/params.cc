@@ -164,8 +164,13 @@ const std::vector<ParamDef>& table() {
        "MiB per rank, and as much again for the staging copies)."},
       {"MC_PG_NET_SLOTS", Type::kInt, "4",
        "Receive slots per sender on the process group's non-shm path: collective messages "
-       "of at least MC_PG_NET_SLOT_MIN_BYTES are written one-sidedly into them (RDMA WRITEs "
-       "over rdma). 0: every message is two-sided."},
+       "of at least MC_PG_NET_SLOT_MIN_BYTES to the peers MC_PG_NET_ONE_SIDED names are "
+       "written one-sidedly into them. 0: every message is two-sided."},
+      {"MC_PG_NET_ONE_SIDED", Type::kString, "rdma",
+       "Which peers of the non-shm path get collective messages one-sidedly (into receive "
+       "slots): rdma (those reached over rdma, whose two-sided messages would take the tcp "
+       "control link), all (tcp peers too: there a one-sided write is itself a socket message "
+       "and the extra notification and credit frames cost time, docs/perf/pg.md), none."},
       {"MC_PG_NET_SLOT_MIN_BYTES", Type::kInt, "4096",
        "Smaller collective messages on the non-shm path are two-sided (one frame instead of "
        "a write, a notification and a credit back)."},

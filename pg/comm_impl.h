@@ -29,6 +29,7 @@ struct PgParams {
   size_t net_piece_bytes;  // MC_PG_NET_PIECE_BYTES: message size on the non-shm path
   int net_slots;           // MC_PG_NET_SLOTS: receive slots per sender (0: two-sided only)
   size_t net_slot_min_bytes;  // MC_PG_NET_SLOT_MIN_BYTES
+  std::string net_one_sided;  // MC_PG_NET_ONE_SIDED: rdma, all, none
   size_t stream_out_bytes;  // MC_PG_STREAM_OUT_BYTES: outputs this large: streaming stores
   ShmGroup::WaitOptions wait;
   bool hierarchical;  // MC_PG_HIERARCHICAL

@@ -31,6 +31,8 @@ PgParams PgParams::load(size_t buffer_bytes_override) {
   p.net_slots = static_cast<int>(std::clamp<int64_t>(params::getInt("MC_PG_NET_SLOTS"), 0, 1024));
   p.net_slot_min_bytes =
       static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_NET_SLOT_MIN_BYTES"), 1));
+  p.net_one_sided = params::getString("MC_PG_NET_ONE_SIDED");
+  if (p.net_one_sided != "all" && p.net_one_sided != "none") p.net_one_sided = "rdma";
   p.stream_out_bytes =
       static_cast<size_t>(std::max<int64_t>(params::getInt("MC_PG_STREAM_OUT_BYTES"), 0));
   p.wait.spin_us = std::max<int64_t>(params::getInt("MC_PG_SPIN_US"), 0);
@@ -158,10 +160,20 @@ std::unique_ptr<NetGroup> makeNet(const Communicator::Impl& c, const Communicato
                                   const std::vector<int>& names) {
   std::vector<int> index;
   for (int r = 0; r < g.size; ++r) index.push_back(names.empty() ? r : names[r]);
-  std::shared_ptr<NetArea> area = c.net_areas ? c.net_areas->get(kind, c.engine) : nullptr;
+  // The peers this rank grants receive slots to (MC_PG_NET_ONE_SIDED); an area only if any.
+  std::vector<uint8_t> grant(g.size, 0);
+  bool any = false;
+  for (int r = 0; r < g.size; ++r) {
+    if (r == g.rank || g.peers[r] == engine::kInvalidPeer) continue;
+    const std::string& mode = c.params.net_one_sided;
+    grant[r] = mode == "all" || (mode == "rdma" && c.engine->peerTransport(g.peers[r]) == "rdma");
+    any = any || grant[r];
+  }
+  std::shared_ptr<NetArea> area =
+      any && c.net_areas ? c.net_areas->get(kind, c.engine) : nullptr;
   return std::make_unique<NetGroup>(c.engine.get(), g.health.get(), g.peers, g.rank, ch,
                                     c.params.wait.health_us, c.params.net_piece_bytes,
-                                    std::move(area), std::move(index),
+                                    std::move(area), std::move(index), std::move(grant),
                                     c.params.net_slot_min_bytes);
 }
 

@@ -96,7 +96,8 @@ uint64_t NetAreas::slotSends() {
 NetGroup::NetGroup(engine::TransferEngine* engine, const Health* health,
                    std::vector<engine::PeerId> peers, int rank, uint32_t channel,
                    int64_t health_us, size_t piece_bytes, std::shared_ptr<NetArea> area,
-                   std::vector<int> index, size_t slot_min_bytes)
+                   std::vector<int> index, std::vector<uint8_t> grant,
+                   size_t slot_min_bytes)
     : engine_(engine),
       health_(health),
       peers_(std::move(peers)),
@@ -107,6 +108,7 @@ NetGroup::NetGroup(engine::TransferEngine* engine, const Health* health,
       q_(std::make_shared<Queues>()),
       area_(std::move(area)),
       index_(std::move(index)),
+      grant_(std::move(grant)),
       slot_min_(slot_min_bytes) {
   const size_t n = peers_.size();
   q_->by_src.resize(n);
@@ -121,6 +123,7 @@ NetGroup::NetGroup(engine::TransferEngine* engine, const Health* health,
   out_stream_.assign(n, 0);
   if (index_.empty())
     for (size_t r = 0; r < n; ++r) index_.push_back(static_cast<int>(r));
+  if (grant_.empty()) grant_.assign(n, 1);
   if (area_ != nullptr) {
     bool fits = area_->payload() >= piece_;
     for (int i : index_) fits = fits && i >= 0 && i < area_->capacity();
@@ -245,7 +248,7 @@ void NetGroup::start() {
   // keys). Sent two-sided; a peer sends one-sidedly only once it has it.
   const std::string seg = engine_->localSegment().serialize();
   for (size_t r = 0; r < peers_.size(); ++r) {
-    if (static_cast<int>(r) == rank_) continue;
+    if (static_cast<int>(r) == rank_ || !grant_[r]) continue;
     Header h{kMagic, rank_, kGrantSeq, {0, 0}, 0, 0};
     uint64_t addr = reinterpret_cast<uint64_t>(area_->recvSlot(index_[r], 0));
     uint32_t slots = static_cast<uint32_t>(area_->slots());
@@ -266,7 +269,7 @@ void NetGroup::onNotify(const engine::Notification& nt) {
     if (peers_[r] == nt.peer && nt.peer != engine::kInvalidPeer) src = static_cast<int>(r);
   const int k = static_cast<int>(nt.tag & 0xffff);
   std::unique_lock<std::mutex> g(q_->mu);
-  if (src < 0 || area_ == nullptr || k >= area_->slots() || src == rank_) {
+  if (src < 0 || area_ == nullptr || k >= area_->slots() || src == rank_ || !grant_[src]) {
     ++q_->bad;
     return;
   }

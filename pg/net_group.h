@@ -18,8 +18,10 @@
 //   notification). With no slot free at the receiver the message waits in a queue here and
 //   is posted by the thread that receives the credit. Over rdma these are RDMA WRITEs.
 // - two-sided: payloads under MC_PG_NET_SLOT_MIN_BYTES, empty acknowledgements, aborts, the
-//   grants, and every message of a group without slots (MC_PG_NET_SLOTS=0, a receiver whose
-//   grant has not arrived yet).
+//   grants, and every message to a receiver that granted no slots: by default a rank grants
+//   them to the peers it reaches over rdma only (MC_PG_NET_ONE_SIDED), since over tcp a
+//   one-sided write is itself a socket message and the notification and credit frames
+//   only add to it; also MC_PG_NET_SLOTS=0, or a grant that has not arrived yet.
 // Messages of one sender carry a stream number, so the receiver takes them in the order
 // they were sent whichever way each travelled.
 //
@@ -122,12 +124,14 @@ class NetGroup {
     size_t size() const { return slot >= 0 ? slot_len : buf.size() - kHeaderBytes; }
   };
 
-  // area (optional): receive slots and staging; index: each rank's index in it.
-  // slot_min_bytes: smaller payloads go as two-sided messages.
+  // area (optional): receive slots and staging; index: each rank's index in it; grant: the
+  // ranks this rank grants its slots to (empty: all); slot_min_bytes: smaller payloads go as
+  // two-sided messages.
   NetGroup(engine::TransferEngine* engine, const Health* health,
            std::vector<engine::PeerId> peers, int rank, uint32_t channel, int64_t health_us,
            size_t piece_bytes, std::shared_ptr<NetArea> area = nullptr,
-           std::vector<int> index = {}, size_t slot_min_bytes = 0);
+           std::vector<int> index = {}, std::vector<uint8_t> grant = {},
+           size_t slot_min_bytes = 0);
   ~NetGroup();
   // Installs the message and notification handlers (before any peer can send to this
   // group) and grants this rank's receive slots to every peer.
@@ -212,6 +216,7 @@ class NetGroup {
   // ---- receive slots ----
   std::shared_ptr<NetArea> area_;
   std::vector<int> index_;
+  std::vector<uint8_t> grant_;
   size_t slot_min_ = 0;
   std::vector<uint64_t> out_stream_;   // per receiver: the next stream number
   bool slotsTo(int dst) const;

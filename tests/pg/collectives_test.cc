@@ -197,7 +197,8 @@ void allCollectives(Communicator& c) {
 struct Param {
   std::string transport;
   int world;
-  int slots = -1;  // MC_PG_NET_SLOTS (-1: the default)
+  int slots = -1;         // MC_PG_NET_SLOTS (-1: the default)
+  std::string one_sided;  // MC_PG_NET_ONE_SIDED ("": the default, rdma peers only)
 };
 
 class PgCollectives : public ::testing::TestWithParam<Param> {};
@@ -209,11 +210,14 @@ TEST_P(PgCollectives, EveryOpEverySize) {
   o.deadline_s = 120;
   // Over messages, small pieces: the 2^20+3-element cases of every dtype then span many
   // pieces with odd tails (the default 1 MiB pieces are covered by the other suites).
-  // One slot per sender makes most messages wait for a credit; none makes every message
-  // two-sided.
+  // Over tcp the messages are two-sided by default; with MC_PG_NET_ONE_SIDED=all the large
+  // ones go into receive slots (the path rdma peers take). One slot per sender makes most
+  // messages wait for a credit.
   const int slots = GetParam().slots;
+  const std::string& one_sided = GetParam().one_sided;
   if (o.transport == "tcp") o.env = {{"MC_PG_NET_PIECE_BYTES", "65536"}};
   if (slots >= 0) o.env.push_back({"MC_PG_NET_SLOTS", std::to_string(slots)});
+  if (!one_sided.empty()) o.env.push_back({"MC_PG_NET_ONE_SIDED", one_sided});
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     // The path under test is the one asked for.
@@ -223,8 +227,8 @@ TEST_P(PgCollectives, EveryOpEverySize) {
       }
     }
     allCollectives(c);
-    // Over tcp the large messages went one-sidedly into receive slots (unless disabled).
-    if (o.transport == "tcp" && slots != 0) {
+    // The large messages went one-sidedly into receive slots where asked for, else none.
+    if (o.transport == "tcp" && slots != 0 && one_sided == "all") {
       ASSERT_GT(c.netSlotSends(), 0u);
     } else {
       ASSERT_EQ(c.netSlotSends(), 0u);
@@ -236,12 +240,14 @@ TEST_P(PgCollectives, EveryOpEverySize) {
 INSTANTIATE_TEST_SUITE_P(Transports, PgCollectives,
                          ::testing::Values(Param{"shm", 1}, Param{"shm", 2}, Param{"shm", 3},
                                            Param{"shm", 4}, Param{"tcp", 2}, Param{"tcp", 3},
-                                           Param{"tcp", 4}, Param{"tcp", 3, 1},
-                                           Param{"tcp", 2, 0}),
+                                           Param{"tcp", 4}, Param{"tcp", 2, -1, "all"},
+                                           Param{"tcp", 3, -1, "all"}, Param{"tcp", 4, -1, "all"},
+                                           Param{"tcp", 3, 1, "all"}, Param{"tcp", 2, 0, "all"}),
                          [](const ::testing::TestParamInfo<Param>& i) {
-                           return i.param.transport + std::to_string(i.param.world) +
-                                  (i.param.slots >= 0 ? "_slots" + std::to_string(i.param.slots)
-                                                      : "");
+                           const Param& p = i.param;
+                           return p.transport + std::to_string(p.world) +
+                                  (p.one_sided.empty() ? "" : "_onesided_" + p.one_sided) +
+                                  (p.slots >= 0 ? "_slots" + std::to_string(p.slots) : "");
                          });
 
 // Small comm buffers force many pipeline steps (chunking, both halves, slots) on every path.

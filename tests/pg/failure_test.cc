@@ -21,7 +21,7 @@ class PgFailure : public ::testing::TestWithParam<std::string> {};
 TEST_P(PgFailure, RankKilledBetweenOps) {
   RunOptions o;
   o.world = 3;
-  o.transport = GetParam();
+  useTransport(o, GetParam());
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     c.barrier();
@@ -66,7 +66,7 @@ TEST_P(PgFailure, RankKilledBetweenOps) {
 TEST_P(PgFailure, RankKilledDuringOps) {
   RunOptions o;
   o.world = 3;
-  o.transport = GetParam();
+  useTransport(o, GetParam());
   o.parent = [](const std::vector<pid_t>& pids, Shared* sh) {
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     while (sh->values[0].load() + sh->values[1].load() + sh->values[2].load() < 3 &&
@@ -104,7 +104,7 @@ TEST_P(PgFailure, RankKilledDuringOps) {
 TEST_P(PgFailure, RecvFromKilledRank) {
   RunOptions o;
   o.world = 2;
-  o.transport = GetParam();
+  useTransport(o, GetParam());
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     c.barrier();
@@ -126,7 +126,7 @@ TEST_P(PgFailure, RecvFromKilledRank) {
 TEST_P(PgFailure, WrongUseRaisesClearErrors) {
   RunOptions o;
   o.world = 2;
-  o.transport = GetParam();
+  useTransport(o, GetParam());
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     const int me = c.rank();
@@ -156,7 +156,7 @@ TEST_P(PgFailure, WrongUseRaisesClearErrors) {
   for (int r = 0; r < o.world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, PgFailure, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, PgFailure, ::testing::Values("shm", "tcp", "tcp_onesided"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 // Rank 1 arrives late: rank 0 times out (naming rank 1) and poisons the group; rank 1 then

@@ -99,7 +99,7 @@ TEST_P(PgMismatch, EveryRankRaisesNamingBothCalls) {
     SCOPED_TRACE(k.name);
     RunOptions o;
     o.world = world;
-    o.transport = transport;
+    useTransport(o, transport);
     o.comm_timeout = Ms(10000);
     o.deadline_s = 40;
     auto codes = runRanks(o, [&](RankEnv& env) {
@@ -135,7 +135,7 @@ TEST_P(PgMismatch, EveryRankRaisesNamingBothCalls) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Pg, PgMismatch,
-                         ::testing::Combine(::testing::Values("shm", "tcp"),
+                         ::testing::Combine(::testing::Values("shm", "tcp", "tcp_onesided"),
                                             ::testing::Values(2, 3)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_W" +

@@ -62,6 +62,19 @@ struct RunOptions {
   std::function<void(const std::vector<pid_t>& pids, Shared* shared)> parent;
 };
 
+// Sets o's transport from a test parameter: "shm", "tcp", or "tcp_onesided" (tcp, with every
+// collective message one-sided into receive slots, however small: the path rdma peers take,
+// MC_PG_NET_ONE_SIDED=all and MC_PG_NET_SLOT_MIN_BYTES=1).
+inline void useTransport(RunOptions& o, const std::string& param) {
+  if (param != "tcp_onesided") {
+    o.transport = param;
+    return;
+  }
+  o.transport = "tcp";
+  o.env.push_back({"MC_PG_NET_ONE_SIDED", "all"});
+  o.env.push_back({"MC_PG_NET_SLOT_MIN_BYTES", "1"});
+}
+
 // Exit status per process (world + extra): 0 ok, 1 test failure, 3 exception, 128+N killed
 // by signal N, 124 killed by the parent's deadline.
 std::vector<int> runRanks(const RunOptions& o, const std::function<void(RankEnv&)>& body);
