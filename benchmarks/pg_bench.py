@@ -231,11 +231,59 @@ def busy_loops(n):
     return [subprocess.Popen([PYTHON, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def run_torch(world, cfg, timeout_s):
+class FakeNics:
+    """--fake-nics: every simulated host gets two RoCE NICs of the verbs emulator (built in
+    the build tree: tests/fakes/verbs, docs/rdma.md), so that the engine links the hosts over
+    rdma. tx_bytes() reads the emulator's per-NIC counters (fake_verbs_control.h DevShm:
+    tx_bytes at offset 40)."""
+    NICS = ("mlx5_0", "mlx5_1")
+
+    def __init__(self, build_dir, hosts):
+        self.lib = os.path.join(build_dir, "tests", "fakes", "verbs", "lib")
+        if not os.path.exists(os.path.join(self.lib, "libibverbs.so.1")):
+            raise SystemExit(f"--fake-nics: no verbs emulator under {self.lib}")
+        self.name = f"pgbench{os.getpid()}"
+        self.hosts = sorted(set(hosts))
+        self.conf = f"/tmp/mcfv-{self.name}.conf"
+        with open(self.conf, "w") as f:
+            for h, host in enumerate(self.hosts):
+                for n, nic in enumerate(self.NICS):
+                    f.write(f"device {nic} host=bench-host-{host} pci=0000:{0x13 + 0x40 * n:02x}"
+                            f":00.0 link=ethernet ip=10.{h + 1}.0.{n + 1} mtu=4096\n")
+
+    def env(self, env):
+        path = env.get("LD_LIBRARY_PATH", "")
+        return dict(env, LD_LIBRARY_PATH=self.lib + (":" + path if path else ""),
+                    MC_FAKE_VERBS_CONFIG=self.conf, MC_FAKE_VERBS_FABRIC=self.name)
+
+    def tx_bytes(self):
+        out = {}
+        for host in self.hosts:
+            for nic in self.NICS:
+                path = f"/dev/shm/mcfv-{self.name}-dev-bench-host-{host}.{nic}"
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        out[f"{host}.{nic}"] = int.from_bytes(f.read(48)[40:48], "little")
+        return out
+
+    def close(self):
+        import glob
+        import shutil
+        for p in glob.glob(f"/dev/shm/mcfv-{self.name}-*"):
+            os.unlink(p)
+        for p in glob.glob(f"/tmp/mcfv-{self.name}-*-sysfs"):
+            shutil.rmtree(p, ignore_errors=True)
+        if os.path.exists(self.conf):
+            os.unlink(self.conf)
+
+
+def run_torch(world, cfg, timeout_s, nics=None):
     port = free_port()
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
+    if nics is not None:
+        env = nics.env(env)
     hosts = cfg.get("hosts")
     for r in range(world):
         cmd = [PYTHON, os.path.abspath(__file__), "--worker", "--rank", str(r), "--world",
@@ -404,6 +452,10 @@ def main():
     ap.add_argument("--hosts", help="one letter per rank (e.g. aabb): rank r pretends to be "
                     "on host hosts[r] (MC_HOST_ID), so mooncake treats the group as spanning "
                     "hosts (tcp between them); gloo is unaffected (loopback tcp either way)")
+    ap.add_argument("--fake-nics", metavar="BUILD_DIR",
+                    help="with --hosts: give every simulated host two RoCE NICs of the verbs "
+                    "emulator in BUILD_DIR (e.g. build), so that mooncake links the hosts over "
+                    "rdma; prints the bytes the NICs sent")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL:K=V[,K=V]",
                     help="also measure a mooncake group created with these MC_* settings, "
                     "reported as backend mooncake:LABEL (A/B in one run; repeatable)")
@@ -469,18 +521,26 @@ def main():
             if "mpi" in backends:
                 ap.error("--hosts simulates hosts for the engine only: leave mpi out")
             cfg["hosts"] = args.hosts
+        elif args.fake_nics:
+            ap.error("--fake-nics needs --hosts")
         torch_backends = [b for b in backends if b != "mpi" and ":" not in b]
         t0 = time.time()
         busy = busy_loops(args.busy)
+        nics = FakeNics(args.fake_nics, args.hosts) if args.fake_nics else None
         try:
             if torch_backends:
-                records += run_torch(w, dict(cfg, backends=torch_backends), args.timeout)
+                records += run_torch(w, dict(cfg, backends=torch_backends), args.timeout, nics)
             if "mpi" in backends:
                 records += run_mpi(w, cfg, args.timeout)
+            if nics is not None:
+                print(f"[world {w}: bytes the emulated NICs sent: {nics.tx_bytes()}]",
+                      file=sys.stderr)
         finally:
             for p in busy:
                 p.kill()
                 p.wait()
+            if nics is not None:
+                nics.close()
         print(f"[world {w}: measured in {time.time() - t0:.0f}s]", file=sys.stderr)
     records = [complete(r) for r in records]
     for w in worlds:

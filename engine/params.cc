@@ -160,9 +160,9 @@ const std::vector<ParamDef>& table() {
        "all inputs) instead of reduce-scatter + all-gather."},
       {"MC_PG_NET_PIECE_BYTES", Type::kInt, "1048576",
        "Message size of the process group's non-shm path and of large send/recv: the size of "
-       "one receive slot (smaller in large groups: a kind of group's slots take at most 32 "
+       "one receive slot (smaller in large groups: a kind of group's slots take at most 64 "
        "MiB per rank, and as much again for the staging copies)."},
-      {"MC_PG_NET_SLOTS", Type::kInt, "4",
+      {"MC_PG_NET_SLOTS", Type::kInt, "8",
        "Receive slots per sender on the process group's non-shm path: collective messages "
        "of at least MC_PG_NET_SLOT_MIN_BYTES to the peers MC_PG_NET_ONE_SIDED names are "
        "written one-sidedly into them. 0: every message is two-sided."},

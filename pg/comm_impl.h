@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -119,6 +120,9 @@ void releaseChannel(const engine::TransferEngine* e, uint32_t ch);
 // same: see buildDataPlane.
 std::string localMode(const PgParams& p, const std::vector<char*>& bases,
                       const std::vector<std::string>& hosts, int rank);
+
+// How a P2p of c gets its receive slots (c.net_areas, kind "p2p") when it first needs them.
+std::function<std::shared_ptr<NetArea>()> p2pArea(const Communicator::Impl& c);
 
 // Builds c's algorithms' state over its ranks: c.engine, rdv, opts, params, rank, size, peers
 // and buffer_bytes must be set. bases/hosts: per rank (bases[rank] = this rank's buffer);

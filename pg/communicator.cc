@@ -214,7 +214,9 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
   }
   buildDataPlane(c, bases, hosts, modes, "", 0, {}, false);
   c.p2p = std::make_unique<P2p>(engine.get(), c.health.get(), c.peers, c.rank, p2p_ch,
-                                c.params.wait.health_us, c.params.net_piece_bytes);
+                                c.params.wait.health_us, c.params.net_piece_bytes,
+                                p2pArea(c), c.params.net_one_sided,
+                                c.params.net_slot_min_bytes);
   c.p2p->start();
   MC_LOG(INFO, PG) << "group " << g << " rank " << c.rank << "/" << c.size << " ready on "
                    << c.path << ", buffer " << c.buffer_bytes

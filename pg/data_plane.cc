@@ -179,6 +179,14 @@ std::unique_ptr<NetGroup> makeNet(const Communicator::Impl& c, const Communicato
 
 }  // namespace
 
+std::function<std::shared_ptr<NetArea>()> p2pArea(const Communicator::Impl& c) {
+  std::shared_ptr<NetAreas> areas = c.net_areas;
+  std::shared_ptr<engine::TransferEngine> engine = c.engine;
+  return [areas, engine]() -> std::shared_ptr<NetArea> {
+    return areas ? areas->get("p2p", engine) : nullptr;
+  };
+}
+
 std::string localMode(const PgParams& p, const std::vector<char*>& bases,
                       const std::vector<std::string>& hosts, int rank) {
   bool all_mapped = true, local_mapped = true;

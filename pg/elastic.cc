@@ -171,7 +171,9 @@ void Elastic::start(Deadline deadline) {
     wake();
   });
   root_.p2p = std::make_unique<P2p>(&eng, root_.health.get(), root_.peers, slot_, p2p_channel_,
-                                    root_.params.wait.health_us, root_.params.net_piece_bytes);
+                                    root_.params.wait.health_us, root_.params.net_piece_bytes,
+                                    p2pArea(root_), root_.params.net_one_sided,
+                                    root_.params.net_slot_min_bytes);
   root_.p2p->start();
 
   if (!eo_.is_extension) {

@@ -44,69 +44,9 @@
 
 #include "engine/engine.h"
 #include "pg/health.h"
+#include "pg/net_slots.h"
 
 namespace mooncake::pg {
-
-// Registered memory for one kind of NetGroup of a communicator ("coll", "leaders"): per
-// index (a rank, or an elastic group's slot) `slots` receive slots, and as many staging
-// slots per destination index. Freed with the communicator.
-class NetArea {
- public:
-  static constexpr size_t kSlotHeaderBytes = 64;
-  // Null (logged) when the engine cannot allocate it.
-  static std::shared_ptr<NetArea> create(std::shared_ptr<engine::TransferEngine> engine,
-                                         int capacity, int slots, size_t payload);
-  ~NetArea();
-  int slots() const { return slots_; }
-  size_t payload() const { return payload_; }
-  size_t stride() const { return kSlotHeaderBytes + payload_; }
-  int capacity() const { return capacity_; }
-  char* recvSlot(int src_index, int k) const { return at(recv_, src_index, k); }
-  char* stagingSlot(int dst_index, int k) const { return at(staging_, dst_index, k); }
-  // A NetGroup could not wait out its writes to dst_index: later ones use messages to it.
-  void taint(int dst_index) { tainted_[dst_index].store(1); }
-  bool tainted(int dst_index) const { return tainted_[dst_index].load() != 0; }
-  // Messages written into receive slots through this area so far.
-  void countSlotSend() { slot_sends_.fetch_add(1, std::memory_order_relaxed); }
-  uint64_t slotSends() const { return slot_sends_.load(std::memory_order_relaxed); }
-
- private:
-  NetArea() = default;
-  char* at(char* base, int index, int k) const {
-    return base + (static_cast<size_t>(index) * slots_ + k) * stride();
-  }
-  std::shared_ptr<engine::TransferEngine> engine_;
-  int capacity_ = 0, slots_ = 0;
-  size_t payload_ = 0;
-  char* recv_ = nullptr;
-  char* staging_ = nullptr;
-  std::unique_ptr<std::atomic<uint8_t>[]> tainted_;
-  std::atomic<uint64_t> slot_sends_{0};
-};
-
-// A communicator's NetAreas by kind, made when a NetGroup of that kind first needs one.
-// Elastic groups share the root's between views.
-class NetAreas {
- public:
-  // capacity: ranks (slots of an elastic group); slots: MC_PG_NET_SLOTS (0: none);
-  // payload: the pieces' size (netPieceBytes).
-  NetAreas(int capacity, int slots, size_t payload)
-      : capacity_(capacity), slots_(slots), payload_(payload) {}
-  std::shared_ptr<NetArea> get(const std::string& kind,
-                               const std::shared_ptr<engine::TransferEngine>& engine);
-  // The size pieces are cut to: MC_PG_NET_PIECE_BYTES, smaller where capacity x slots slots
-  // of it would exceed kMaxAreaBytes. The same on every rank of a group whatever the
-  // allocations do (senders and receivers must cut alike).
-  static size_t pieceBytes(size_t piece_param, int capacity, int slots);
-  static constexpr size_t kMaxAreaBytes = 32u << 20;
-  uint64_t slotSends();  // over every kind
-
- private:
-  int capacity_, slots_;
-  size_t payload_;
-  std::mutex mu_;
-  std::map<std::string, std::shared_ptr<NetArea>> by_kind_;
-};
 
 class NetGroup {
  public:
@@ -172,24 +112,11 @@ class NetGroup {
     uint64_t seq = 0;
     uint64_t sig[2] = {0, 0};
   };
-  struct Queued {  // a message waiting for a free slot at its receiver
-    std::string bytes;  // slot header + payload
-  };
   struct Queues {
     std::mutex mu;
     std::condition_variable cv;
     std::vector<std::map<uint64_t, Entry>> by_src;  // by the sender's stream number
     std::vector<uint64_t> next_in;                  // per sender: the stream number taken next
-    // Sending one-sidedly (per receiver): the address of our slots there (0: not granted),
-    // its descriptor to apply first, free slots, messages waiting for one, the batch that
-    // last wrote from each staging slot (0: none), a failure not reported yet.
-    std::vector<uint64_t> grant_addr;
-    std::vector<std::string> grant_seg;
-    std::vector<std::deque<int>> free;
-    std::vector<std::deque<Queued>> queued;
-    std::vector<std::vector<engine::BatchId>> staged;
-    Status failure;
-    int failed_dst = -1;
     std::vector<int> aborted;  // per peer: 0, or 2 + blamed rank (1: no rank in particular)
     std::vector<std::string> abort_reason;
     std::vector<uint8_t> abort_died;
@@ -218,14 +145,8 @@ class NetGroup {
   std::vector<int> index_;
   std::vector<uint8_t> grant_;
   size_t slot_min_ = 0;
+  std::unique_ptr<SlotSender> slots_;  // with area_
   std::vector<uint64_t> out_stream_;   // per receiver: the next stream number
-  bool slotsTo(int dst) const;
-  // Queues or posts a slot message (header already in `bytes`); false: use a message.
-  bool sendToSlot(const OpCtx& op, int dst, std::string* bytes, const void* data, size_t len);
-  // Writes a slot message (hdr, then len bytes of data) into slot k of dst, which this rank
-  // holds, and notifies dst. Called without q_->mu.
-  Status post(int dst, int k, const char* hdr, size_t hdr_len, const void* data, size_t len,
-              engine::Deadline deadline);
   void onNotify(const engine::Notification& nt);
   [[noreturn]] void failSend(const OpCtx& op, int dst, size_t len, const Status& st);
   void throwIfSendFailed(const OpCtx& op);

@@ -1,5 +1,6 @@
 #include "pg/p2p.h"
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 
@@ -8,7 +9,8 @@
 namespace mooncake::pg {
 
 namespace {
-constexpr uint32_t kMagic = 0x4d504750;  // "MPGP"
+constexpr uint32_t kMagic = 0x4d504750;       // "MPGP"
+constexpr uint32_t kGrantMagic = 0x4d504747;  // "MPGG": a grant of slots (SlotSender::grantFor)
 
 struct Header {
   uint32_t magic;
@@ -17,21 +19,105 @@ struct Header {
   uint64_t id;
   uint64_t total;
   uint64_t offset;
+  uint64_t stream;  // per (sender, receiver)
+  uint64_t len;     // this piece's bytes
 };
+static_assert(sizeof(Header) <= NetArea::kSlotHeaderBytes, "slot header");
 }  // namespace
 
 P2p::P2p(engine::TransferEngine* engine, const Health* health, std::vector<engine::PeerId> peers,
-         int rank, uint32_t channel, int64_t health_us, size_t piece_bytes)
+         int rank, uint32_t channel, int64_t health_us, size_t piece_bytes,
+         std::function<std::shared_ptr<NetArea>()> area, std::string one_sided,
+         size_t slot_min_bytes)
     : engine_(engine),
       rank_(rank),
       channel_(channel),
       health_us_(health_us),
       piece_(piece_bytes),
-      box_(std::make_shared<Box>()) {
+      box_(std::make_shared<Box>()),
+      get_area_(std::move(area)),
+      one_sided_(std::move(one_sided)),
+      slot_min_(std::max<size_t>(slot_min_bytes, 1)) {
+  granted_.assign(peers.size(), 0);
+  known_.assign(peers.size(), 0);
   auto t = std::make_shared<Table>();
   t->peers = std::move(peers);
   t->health = health;
   table_ = std::move(t);
+}
+
+std::shared_ptr<SlotSender> P2p::slotSender() const {
+  std::lock_guard<std::mutex> g(table_mu_);
+  return slots_;
+}
+
+bool P2p::ensureSlotsLocked(const Table& t) {
+  if (slots_ != nullptr) return true;
+  if (!get_area_ || area_tried_) return false;
+  area_tried_ = true;
+  area_ = get_area_();
+  if (area_ == nullptr || area_->payload() < piece_ ||
+      area_->capacity() < static_cast<int>(t.peers.size()))
+    return false;
+  std::vector<int> index(t.peers.size());
+  for (size_t i = 0; i < index.size(); ++i) index[i] = static_cast<int>(i);
+  slots_ = std::make_shared<SlotSender>(engine_, channel_, area_, std::move(index));
+  return true;
+}
+
+void P2p::grantLocked(const Table& t) {
+  for (size_t s = 0; s < t.peers.size(); ++s) {
+    if (static_cast<int>(s) == rank_ || t.peers[s] == engine::kInvalidPeer) continue;
+    const uint64_t eng = t.engines.empty() ? 1 : t.engines[s];
+    if (eng == 0 || granted_[s] == eng || !grantSlotsTo(*engine_, t.peers[s], one_sided_))
+      continue;
+    if (!ensureSlotsLocked(t)) return;  // two-sided only
+    granted_[s] = eng;
+    Header h{kGrantMagic, rank_, 0, 0, 0, 0, 0, 0};
+    std::string p(reinterpret_cast<const char*>(&h), sizeof(h));
+    p += slots_->grantFor(static_cast<int>(s));
+    (void)engine_->sendMessageOwned(t.peers[s], channel_, std::move(p));  // dead: found later
+  }
+}
+
+void P2p::onGrant(int src, uint64_t engine, std::string grant) {
+  std::lock_guard<std::mutex> g(table_mu_);
+  if (src < 0 || static_cast<size_t>(src) >= table_->peers.size()) return;
+  if (!current(*table_, src, engine) || table_->peers[src] == engine::kInvalidPeer) {
+    early_grants_[engine] = {src, std::move(grant)};  // a process the table does not know yet
+    return;
+  }
+  // A grant can come before this rank granted anything itself (or if it grants nothing).
+  if (ensureSlotsLocked(*table_)) slots_->onGrant(src, std::move(grant));
+}
+
+void P2p::onNotify(const engine::Notification& nt) {
+  auto t = table();
+  int src = -1;
+  for (size_t r = 0; r < t->peers.size(); ++r)
+    if (t->peers[r] == nt.peer && nt.peer != engine::kInvalidPeer) src = static_cast<int>(r);
+  std::shared_ptr<SlotSender> slots = slotSender();
+  if (src < 0 || slots == nullptr || !current(*t, src, nt.src_engine)) return;
+  const int k = SlotSender::slotOf(nt.tag);
+  NetArea& area = slots->area();
+  if (k >= area.slots()) return;
+  if (SlotSender::kindOf(nt.tag) == SlotSender::kTagCredit) {
+    slots->onCredit(t->peers[src], src, k);
+    return;
+  }
+  if (SlotSender::kindOf(nt.tag) != SlotSender::kTagData) return;
+  // The piece is in slot k of src (the engine delivers a notification after the bytes): into
+  // the mailbox, and the slot goes back at once.
+  const char* slot = area.recvSlot(src, k);
+  Header h{};
+  std::memcpy(&h, slot, sizeof(h));
+  if (h.magic == kMagic && h.src == src && h.len <= area.payload()) {
+    std::string piece(sizeof(h) + h.len, '\0');
+    std::memcpy(piece.data(), slot, sizeof(h));
+    std::memcpy(piece.data() + sizeof(h), slot + NetArea::kSlotHeaderBytes, h.len);
+    box_->deliver(std::move(piece), nt.src_engine, false);
+  }
+  SlotSender::giveBack(engine_, t->peers[src], channel_, area, src, k);
 }
 
 std::shared_ptr<const P2p::Table> P2p::table() const {
@@ -58,6 +144,24 @@ void P2p::setPeers(std::vector<engine::PeerId> peers, std::vector<uint64_t> engi
     for (size_t i = 0; i < old.size() && i < t->engines.size(); ++i)
       if (old[i] != 0 && t->engines[i] != 0 && old[i] != t->engines[i]) retired_.insert(old[i]);
     table_ = t;
+    // A slot whose process changed: what we were sending it one-sidedly is dropped (the old
+    // process is gone); the new one gets a grant, and its early grant (if any) is applied.
+    for (size_t s = 0; s < t->engines.size() && s < known_.size(); ++s) {
+      const uint64_t e = t->engines[s];
+      if (e == 0 || e == known_[s]) continue;
+      if (known_[s] != 0 && slots_ != nullptr) slots_->reset(static_cast<int>(s));
+      known_[s] = e;
+    }
+    grantLocked(*t);
+    for (auto it = early_grants_.begin(); it != early_grants_.end();) {
+      const int s = it->second.first;
+      if (s >= 0 && static_cast<size_t>(s) < t->engines.size() && t->engines[s] == it->first) {
+        if (ensureSlotsLocked(*t)) slots_->onGrant(s, std::move(it->second.second));
+        it = early_grants_.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
   // Drop what processes that held a slot before sent: their messages can never match (a
   // receive from the slot means its current process). Processes this table does not know yet
@@ -70,28 +174,62 @@ void P2p::setPeers(std::vector<engine::PeerId> peers, std::vector<uint64_t> engi
   std::lock_guard<std::mutex> g(box_->mu);
   for (auto it = box_->ready.begin(); it != box_->ready.end();)
     it = retired.count(it->engine) ? box_->ready.erase(it) : std::next(it);
+  for (uint64_t e : retired) box_->streams.erase(e);
   box_->cv.notify_all();
 }
 
 P2p::~P2p() {
-  if (started_) engine_->setMessageHandler(channel_, nullptr);
+  if (started_) {
+    engine_->setMessageHandler(channel_, nullptr);
+    engine_->setNotifyHandler(channel_, nullptr);
+  }
+  std::lock_guard<std::mutex> g(table_mu_);
+  slots_.reset();  // waits for its writes
 }
 
 void P2p::start() {
   std::shared_ptr<Box> box = box_;
-  engine_->setMessageHandler(channel_, [box](engine::Message&& m) {
-    box->deliver(std::move(m.payload), m.src_engine);
+  engine_->setMessageHandler(channel_, [this, box](engine::Message&& m) {
+    Header h{};
+    if (m.payload.size() >= sizeof(h)) std::memcpy(&h, m.payload.data(), sizeof(h));
+    if (m.payload.size() >= sizeof(h) && h.magic == kGrantMagic) {
+      onGrant(h.src, m.src_engine, m.payload.substr(sizeof(h)));
+      return;
+    }
+    box->deliver(std::move(m.payload), m.src_engine, false);
   });
+  engine_->setNotifyHandler(channel_, [this](const engine::Notification& nt) { onNotify(nt); });
   started_ = true;
+  std::lock_guard<std::mutex> g(table_mu_);
+  if (table_->engines.empty()) grantLocked(*table_);  // a plain group (elastic: setPeers)
 }
 
-void P2p::Box::deliver(std::string&& payload, uint64_t engine) {
+void P2p::Box::deliver(std::string&& payload, uint64_t engine, bool self) {
   Header h{};
   if (payload.size() < sizeof(h)) return;
   std::memcpy(&h, payload.data(), sizeof(h));
-  size_t len = payload.size() - sizeof(h);
-  if (h.magic != kMagic || h.offset + len > h.total) return;
+  if (h.magic != kMagic || h.len != payload.size() - sizeof(h)) return;
   std::lock_guard<std::mutex> g(mu);
+  if (self) return take(std::move(payload), engine);
+  // In sending order: a piece ahead of its turn waits for the ones before it.
+  Stream& st = streams[engine];
+  if (h.stream < st.next) return;  // never: a duplicate
+  if (h.stream > st.next) {
+    st.held.emplace(h.stream, std::move(payload));
+    return;
+  }
+  take(std::move(payload), engine);
+  ++st.next;
+  for (auto it = st.held.begin(); it != st.held.end() && it->first == st.next;
+       it = st.held.erase(it), ++st.next)
+    take(std::move(it->second), engine);
+}
+
+void P2p::Box::take(std::string&& payload, uint64_t engine) {
+  Header h{};
+  std::memcpy(&h, payload.data(), sizeof(h));
+  const size_t len = h.len;
+  if (h.offset + len > h.total) return;
   if (h.offset == 0 && len == h.total) {
     payload.erase(0, sizeof(h));
     ready.push_back(Complete{h.src, h.tag, std::move(payload), engine});
@@ -125,20 +263,39 @@ void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
                         std::to_string(dst) + " (group " + t->health->group() +
                         "): it is not an active member",
                     dst, "send");
+  std::shared_ptr<SlotSender> slots =
+      dst != rank_ && bytes >= slot_min_ ? slotSender() : nullptr;
   std::lock_guard<std::mutex> g(send_mu_);
   uint64_t id = next_id_++;
   size_t off = 0;
   do {
     size_t len = std::min(piece_, bytes - off);
-    Header h{kMagic, rank_, tag, id, bytes, off};
+    const uint64_t stream = dst == rank_ ? 0 : out_stream_[t->peers[dst]]++;
+    Header h{kMagic, rank_, tag, id, bytes, off, stream, len};
+    Status st;
+    if (slots != nullptr &&
+        slots->send(t->peers[dst], dst, &h, sizeof(h), static_cast<const char*>(buf) + off, len,
+                    op.deadline, &st, "rank " + std::to_string(dst))) {
+      int failed = -1;
+      if (st.ok()) st = slots->takeFailure(&failed);
+      if (!st.ok()) {
+        t->health->check(op, failed >= 0 ? failed : dst);
+        throw CommError("mooncake pg: send of " + std::to_string(bytes) + " bytes to rank " +
+                            std::to_string(dst) + " (group " + t->health->group() +
+                            ") failed: " + st.toString(),
+                        dst, "send");
+      }
+      off += len;
+      continue;
+    }
     std::string payload;  // header + data, built without zero-filling first
     payload.reserve(sizeof(h) + len);
     payload.append(reinterpret_cast<const char*>(&h), sizeof(h));
     if (len > 0) payload.append(static_cast<const char*>(buf) + off, len);
     if (dst == rank_) {
-      box_->deliver(std::move(payload), engine_->engineId());
+      box_->deliver(std::move(payload), engine_->engineId(), true);
     } else {
-      Status st = engine_->sendMessageOwned(t->peers[dst], channel_, std::move(payload));
+      st = engine_->sendMessageOwned(t->peers[dst], channel_, std::move(payload));
       if (!st.ok()) {
         t->health->check(op, dst);
         throw CommError("mooncake pg: send of " + std::to_string(bytes) + " bytes to rank " +

@@ -1,8 +1,15 @@
-// Point-to-point send/recv over the engine's two-sided messages (a channel per group).
-// Eager: a message is delivered into the receiver's mailbox whether or not a matching recv
-// is posted, so isend/irecv patterns in any order never deadlock. Messages larger than a
-// piece are split and reassembled; recv matches by (src, tag), first arrived first
-// matched; src = -1 matches any sender. Any thread may send or receive.
+// Point-to-point send/recv over engine messages (a channel per group). Eager: a message is
+// delivered into the receiver's mailbox whether or not a matching recv is posted, so
+// isend/irecv patterns in any order never deadlock. Messages larger than a piece are split
+// and reassembled; recv matches by (src, tag), first sent first matched; src = -1 matches
+// any sender. Any thread may send or receive.
+//
+// Pieces of messages of MC_PG_NET_SLOT_MIN_BYTES and more to a peer that granted receive
+// slots (the peers reached over rdma, MC_PG_NET_ONE_SIDED; net_slots.h) are written
+// one-sidedly into them; the receiver copies each into its mailbox as it arrives and gives
+// the slot back at once. The rest are two-sided messages. Every piece carries a stream
+// number per (sender, receiver), so the mailbox takes them in sending order whichever way
+// each travelled.
 //
 // Elastic groups index ranks by slot, and a slot's process can change (a replacement): the
 // table of peers is swapped at each view (setPeers), and a message matches a receive from slot
@@ -12,6 +19,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -23,13 +31,18 @@
 
 #include "engine/engine.h"
 #include "pg/health.h"
+#include "pg/net_slots.h"
 
 namespace mooncake::pg {
 
 class P2p {
  public:
+  // area: receive slots when a peer first gets a grant (null: none); one_sided:
+  // MC_PG_NET_ONE_SIDED; slot_min_bytes: smaller messages go two-sided.
   P2p(engine::TransferEngine* engine, const Health* health, std::vector<engine::PeerId> peers,
-      int rank, uint32_t channel, int64_t health_us, size_t piece_bytes);
+      int rank, uint32_t channel, int64_t health_us, size_t piece_bytes,
+      std::function<std::shared_ptr<NetArea>()> area = nullptr, std::string one_sided = "none",
+      size_t slot_min_bytes = 0);
   ~P2p();
   void start();
   // Elastic groups: the peers by slot (kInvalidPeer: not active in the view), the engine id of
@@ -52,12 +65,19 @@ class P2p {
     uint64_t tag = 0;
     std::string data;
   };
+  struct Stream {  // what one sender's engine sent here, by stream number
+    uint64_t next = 0;
+    std::map<uint64_t, std::string> held;  // arrived ahead of `next`
+  };
   struct Box {
     std::mutex mu;
     std::condition_variable cv;
-    std::list<Complete> ready;                              // arrival order
+    std::list<Complete> ready;                              // sending order per sender
     std::map<std::pair<int, uint64_t>, Partial> partial;  // (src, message id)
-    void deliver(std::string&& payload, uint64_t engine);
+    std::map<uint64_t, Stream> streams;                   // by sender engine
+    // A piece (header + data) from `engine`; self: sent by this rank to itself (in order).
+    void deliver(std::string&& payload, uint64_t engine, bool self);
+    void take(std::string&& payload, uint64_t engine);  // mu held, in order
   };
   // Who is where (swapped whole by setPeers; readers take a snapshot).
   struct Table {
@@ -81,7 +101,26 @@ class P2p {
   std::shared_ptr<Box> box_;
   std::mutex send_mu_;  // keeps the pieces of one message together per sender
   uint64_t next_id_ = 1;
+  std::map<engine::PeerId, uint64_t> out_stream_;  // send_mu_: next stream number per peer
   bool started_ = false;
+
+  // ---- receive slots (net_slots.h) ----
+  std::function<std::shared_ptr<NetArea>()> get_area_;
+  std::string one_sided_;
+  size_t slot_min_;
+  std::shared_ptr<NetArea> area_;        // table_mu_; set once
+  std::shared_ptr<SlotSender> slots_;    // table_mu_; set once
+  std::vector<uint64_t> granted_;        // table_mu_: per slot, the engine granted to (1: a plain peer)
+  std::vector<uint64_t> known_;          // table_mu_: per slot, the engine the sender state is for
+  std::map<uint64_t, std::pair<int, std::string>> early_grants_;  // table_mu_: by engine
+  bool area_tried_ = false;              // table_mu_
+  std::shared_ptr<SlotSender> slotSender() const;
+  // Makes slots_ when it can (table_mu_ held); false: none (two-sided only).
+  bool ensureSlotsLocked(const Table& t);
+  // Grants slots to the table's peers that should have them and have not (table_mu_ held).
+  void grantLocked(const Table& t);
+  void onNotify(const engine::Notification& nt);
+  void onGrant(int src, uint64_t engine, std::string grant);
 };
 
 }  // namespace mooncake::pg

@@ -17,7 +17,7 @@ class PgP2p : public ::testing::TestWithParam<std::string> {};
 TEST_P(PgP2p, RingTagsAnySourceThreads) {
   RunOptions o;
   o.world = 3;
-  o.transport = GetParam();
+  useTransport(o, GetParam());
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     const int n = c.size(), me = c.rank(), next = (me + 1) % n, prev = (me + n - 1) % n;
@@ -41,6 +41,26 @@ TEST_P(PgP2p, RingTagsAnySourceThreads) {
       c.recv(&y, 4, 0, 2);
       EXPECT_EQ(x, 1);
       EXPECT_EQ(y, 2);
+    }
+    // One tag, large, large, small: taken in sending order. With tcp_onesided_large the
+    // second large message waits at the sender for the receiver's only slot while the small
+    // one leaves two-sided at once: the receiver puts them back in order.
+    if (me == 0) {
+      std::vector<char> big1(100000, 'a'), big2(100000, 'b');
+      char small = 'c';
+      c.send(big1.data(), big1.size(), 1, 42);
+      c.send(big2.data(), big2.size(), 1, 42);
+      c.send(&small, 1, 1, 42);
+    } else if (me == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // all three sent first
+      std::vector<char> r1(100000), r2(100000);
+      char r3 = 0;
+      c.recv(r1.data(), r1.size(), 0, 42);
+      c.recv(r2.data(), r2.size(), 0, 42);
+      c.recv(&r3, 1, 0, 42);
+      EXPECT_EQ(r1[99999], 'a');
+      EXPECT_EQ(r2[0], 'b');
+      EXPECT_EQ(r3, 'c');
     }
     // Any source: everyone else sends its rank to rank 0.
     if (me == 0) {
@@ -86,6 +106,11 @@ TEST_P(PgP2p, RingTagsAnySourceThreads) {
       }
     }
     c.barrier();
+    if (GetParam().rfind("tcp_onesided", 0) == 0) {
+      EXPECT_GT(c.netSlotSends(), 0u);
+    } else {
+      EXPECT_EQ(c.netSlotSends(), 0u);
+    }
   });
   for (int r = 0; r < o.world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
@@ -93,7 +118,7 @@ TEST_P(PgP2p, RingTagsAnySourceThreads) {
 TEST_P(PgP2p, SizeMismatchNamesBothSizes) {
   RunOptions o;
   o.world = 2;
-  o.transport = GetParam();
+  useTransport(o, GetParam());
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     if (c.rank() == 0) {
@@ -117,7 +142,8 @@ TEST_P(PgP2p, SizeMismatchNamesBothSizes) {
   for (int r = 0; r < o.world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, PgP2p, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, PgP2p, ::testing::Values("shm", "tcp", "tcp_onesided",
+                                                                 "tcp_onesided_large"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

@@ -62,17 +62,20 @@ struct RunOptions {
   std::function<void(const std::vector<pid_t>& pids, Shared* shared)> parent;
 };
 
-// Sets o's transport from a test parameter: "shm", "tcp", or "tcp_onesided" (tcp, with every
-// collective message one-sided into receive slots, however small: the path rdma peers take,
-// MC_PG_NET_ONE_SIDED=all and MC_PG_NET_SLOT_MIN_BYTES=1).
+// Sets o's transport from a test parameter: "shm", "tcp", "tcp_onesided" (tcp, with every
+// message one-sided into receive slots, however small: the path rdma peers take,
+// MC_PG_NET_ONE_SIDED=all and MC_PG_NET_SLOT_MIN_BYTES=1), or "tcp_onesided_large" (the
+// same for messages of 4 KiB and more, the default threshold, and one slot per sender, so
+// that large messages queue for credits while small ones go two-sided past them).
 inline void useTransport(RunOptions& o, const std::string& param) {
-  if (param != "tcp_onesided") {
+  if (param.rfind("tcp_onesided", 0) != 0) {
     o.transport = param;
     return;
   }
   o.transport = "tcp";
   o.env.push_back({"MC_PG_NET_ONE_SIDED", "all"});
-  o.env.push_back({"MC_PG_NET_SLOT_MIN_BYTES", "1"});
+  if (param == "tcp_onesided") o.env.push_back({"MC_PG_NET_SLOT_MIN_BYTES", "1"});
+  if (param == "tcp_onesided_large") o.env.push_back({"MC_PG_NET_SLOTS", "1"});
 }
 
 // Exit status per process (world + extra): 0 ok, 1 test failure, 3 exception, 128+N killed

@@ -58,6 +58,20 @@ def case_p2p(ctx, sizes=(0, 1, 7, 1000), dtypes=("float32", "int64", "bfloat16",
         for i, (w, o) in enumerate(zip(ws, outs)):
             w.wait()
             check(fails, f"non-overtaking message {i}", o, torch.full((1000,), float(i)))
+    # Same peer and tag, large and small alternating: still issue order (between hosts over
+    # rdma the large ones travel one-sidedly into receive slots, the small ones two-sided).
+    lens = [100000, 1, 100000, 1, 100000]
+    if me == 0:
+        ws = [dist.isend(torch.full((n,), float(i)), 1, tag=10) for i, n in enumerate(lens)]
+        for w in ws:
+            w.wait()
+    elif me == 1:
+        outs = [torch.empty(n) for n in lens]
+        ws = [dist.irecv(o, 0, tag=10) for o in outs]
+        for i, (w, o) in enumerate(zip(ws, outs)):
+            w.wait()
+            check(fails, f"non-overtaking mixed-size message {i}", o,
+                  torch.full((lens[i],), float(i)))
     # Receive from any source (own tag: an any-source receive matches any sender's message
     # with its tag, so the later sections must not use it).
     if me == 0:

@@ -57,9 +57,10 @@ def test_rank_killed_on_one_host_is_named_on_both():
 @pytest.mark.skipif(_fake_verbs.library_dir() is None, reason="no verbs emulator (MC_WITH_RDMA=OFF)")
 def test_collectives_on_two_hosts_over_rdma_match_gloo():
     """Both simulated hosts have two emulated RoCE NICs: the engine links the hosts over rdma
-    (shm within a host), and the leaders' messages of 4 KiB and more are RDMA WRITEs into
-    their receive slots: the NICs carry the large all_reduce's bytes (the small messages stay
-    two-sided, on the rdma transport's tcp control link, docs/rdma.md)."""
+    (shm within a host), and the leaders' messages and send/recv pieces of 4 KiB and more are
+    RDMA WRITEs into their receive slots: the NICs carry the large all_reduce's and the p2p
+    ring's bytes (the small messages stay two-sided, on the rdma transport's tcp control link,
+    docs/rdma.md)."""
     fabric = _fake_verbs.Fabric("pg", ["host-0", "host-1"])
 
     def env(r):
@@ -75,6 +76,9 @@ def test_collectives_on_two_hosts_over_rdma_match_gloo():
         p.check("all_gather", sizes=[1000], api="tensor")
         p.check("reduce_scatter", sizes=[1000], api="tensor")
         p.check("all_to_all_single", sizes=[1000], uneven=True)
+        before = [fabric.tx_bytes(h) for h in ("host-0", "host-1")]
+        p.check("p2p", sizes=[0, 7, 300000], dtypes=("float32",))
+        sent_p2p = [fabric.tx_bytes(h) - b for h, b in zip(("host-0", "host-1"), before)]
         logs = p.tails(400000)
     finally:
         p.close()
@@ -86,3 +90,7 @@ def test_collectives_on_two_hosts_over_rdma_match_gloo():
     # for each of the check's calls; the NICs must have carried at least one such half.
     for host, n in zip(("host-0", "host-1"), sent):
         assert n >= BIG * 4 // 2, f"{host}'s NICs sent {n} bytes during the large all_reduce"
+    # The p2p ring crosses hosts twice (rank 1 -> 2, 3 -> 0): its 1.2 MB messages are RDMA
+    # WRITEs into receive slots.
+    for host, n in zip(("host-0", "host-1"), sent_p2p):
+        assert n >= 300000 * 4, f"{host}'s NICs sent {n} bytes during the p2p case"
