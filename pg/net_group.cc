@@ -179,11 +179,11 @@ void NetGroup::onNotify(const engine::Notification& nt) {
     if (peers_[r] == nt.peer && nt.peer != engine::kInvalidPeer) src = static_cast<int>(r);
   const int k = SlotSender::slotOf(nt.tag);
   std::unique_lock<std::mutex> g(q_->mu);
-  if (src < 0 || area_ == nullptr || k >= area_->slots() || src == rank_ || !grant_[src]) {
+  if (src < 0 || area_ == nullptr || k >= area_->slots() || src == rank_) {
     ++q_->bad;
     return;
   }
-  if (SlotSender::kindOf(nt.tag) == SlotSender::kTagData) {
+  if (SlotSender::kindOf(nt.tag) == SlotSender::kTagData && grant_[src]) {
     // The bytes are in the slot (the engine delivers a notification after its sender's
     // writes): take the header from there.
     Header h{};
