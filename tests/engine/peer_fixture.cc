@@ -97,6 +97,16 @@ void PeerTestBase::TearDown() {
 
 uint16_t PeerTestBase::rdvPort() const { return server_->port(); }
 
+namespace {
+bool g_fv_config_written = false;  // some test of this process wrote an emulator config
+}  // namespace
+
+bool PeerTestBase::setFakeNicsInfiniBand() {
+  if (g_fv_config_written) return false;
+  fv_ib_ = true;
+  return true;
+}
+
 // rdma runs over the verbs emulator: a config with two RoCE NICs that every process of the
 // test sees, on a fabric of this test's own (its shared-memory files are removed in TearDown).
 // The environment is set before the first engine or peer, so peers inherit it.
@@ -109,14 +119,17 @@ void PeerTestBase::prepareTransport(const std::string& transport) {
   ASSERT_NE(f, nullptr) << fv_config_;
   // PCI addresses: the NICs of tests/data/topology/2socket.xml (mlx5_0 on NUMA node 0,
   // mlx5_1 on node 1), for tests that load that topology (rdma_test.cc).
+  const char* link0 = fv_ib_ ? "link=ib lid=11" : "link=ethernet ip=10.9.0.1";
+  const char* link1 = fv_ib_ ? "link=ib lid=12" : "link=ethernet ip=10.9.0.2";
   std::fprintf(f,
                "# written by the engine's peer tests (PeerTestBase)\n"
-               "device mlx5_0 pci=0000:13:00.0 link=ethernet ip=10.9.0.1 mtu=4096%s\n"
-               "device mlx5_1 pci=0000:53:00.0 link=ethernet ip=10.9.0.2 mtu=4096%s\n",
-               fv_device_extra_.c_str(), fv_device_extra_.c_str());
+               "device mlx5_0 pci=0000:13:00.0 %s mtu=4096%s\n"
+               "device mlx5_1 pci=0000:53:00.0 %s mtu=4096%s\n",
+               link0, fv_device_extra_.c_str(), link1, fv_device_extra_.c_str());
   std::fclose(f);
   setenv("MC_FAKE_VERBS_CONFIG", fv_config_.c_str(), 1);
   setenv("MC_FAKE_VERBS_FABRIC", fv_fabric_.c_str(), 1);
+  g_fv_config_written = true;
 }
 
 std::unique_ptr<TransferEngine> PeerTestBase::makeEngine(const std::string& transport,

@@ -72,6 +72,10 @@ class PeerTestBase : public ::testing::Test {
   const std::string& fakeVerbsFabric() const { return fv_fabric_; }
   // Appended to each emulated NIC's config line (" key=value"); set before the first engine.
   void setFakeNicExtra(const std::string& extra) { fv_device_extra_ = extra; }
+  // The emulated NICs are InfiniBand (addressed by LID) instead of RoCE (before any engine).
+  // The emulator reads its config once per process: false when an earlier test of this
+  // process already had it read the RoCE one (ctest runs every case in a process of its own).
+  bool setFakeNicsInfiniBand();
   // The peer will be killed by the test: TearDown does not require a clean exit.
   void markKilled(PeerProcess* p) { killed_.push_back(p); }
 
@@ -88,6 +92,7 @@ class PeerTestBase : public ::testing::Test {
   void prepareTransport(const std::string& transport);
   std::string fv_config_;
   std::string fv_device_extra_;
+  bool fv_ib_ = false;
   std::string fv_fabric_;
 };
 

@@ -401,6 +401,14 @@ TEST_F(RdmaTest, NicDownAtOpenIsConnectedLater) { downNicJoinsOnceUp(false, 111)
 // A RoCE NIC down at engine start is kept (its GID is known), not left out for good.
 TEST_F(RdmaTest, NicDownAtEngineStartJoinsOnceUp) { downNicJoinsOnceUp(true, 121); }
 
+// An InfiniBand NIC down at engine start is kept too: its LID (none while the port is down)
+// is read again when its lanes connect.
+TEST_F(RdmaTest, IbNicDownAtEngineStartJoinsOnceUp) {
+  if (!setFakeNicsInfiniBand())
+    GTEST_SKIP() << "the emulator already read a RoCE config in this process (run it alone)";
+  downNicJoinsOnceUp(true, 131);
+}
+
 // Every port down when the engine starts: rdma is not offered (peers get tcp).
 TEST_F(RdmaTest, EveryPortDownAtEngineStartLeavesRdmaOut) {
   {
@@ -418,7 +426,7 @@ TEST_F(RdmaTest, EveryPortDownAtEngineStartLeavesRdmaOut) {
   nic_[0]->setPortUp(true);
   nic_[1]->setPortUp(true);
   ASSERT_FALSE(eng.ok()) << "MC_TRANSPORT=rdma with every port down made an engine";
-  EXPECT_NE(eng.status().message().find("every RoCE NIC is down"), std::string::npos)
+  EXPECT_NE(eng.status().message().find("the port of every NIC is down"), std::string::npos)
       << eng.status().toString();
 }
 

@@ -79,13 +79,7 @@ Result<std::unique_ptr<Nic>> openOne(ibv_device* dev, int index) {
   if (ibv_query_port(n->ctx, 1, &n->port) != 0)
     return MC_STATUS(kUnavailable, "rdma: cannot query port 1 of " << n->name);
   n->ib = n->port.link_layer == IBV_LINK_LAYER_INFINIBAND;
-  if (n->port.state != IBV_PORT_ACTIVE) {
-    if (n->ib)
-      return MC_STATUS(kUnavailable, "rdma: " << n->name << " port 1 is "
-                                              << ibv_port_state_str(n->port.state)
-                                              << " (InfiniBand: its LID is not known yet)");
-    n->down_at_start = true;
-  }
+  if (n->port.state != IBV_PORT_ACTIVE) n->down_at_start = true;
   ibv_device_attr da{};
   if (ibv_query_device(n->ctx, &da) != 0)
     return MC_STATUS(kUnavailable, "rdma: cannot query " << n->name);
@@ -110,6 +104,12 @@ Nic::~Nic() {
   if (channel != nullptr) ibv_destroy_comp_channel(channel);
   if (pd != nullptr) ibv_dealloc_pd(pd);
   if (ctx != nullptr) ibv_close_device(ctx);
+}
+
+uint16_t Nic::lid() const {
+  ibv_port_attr now{};
+  if (ibv_query_port(ctx, 1, &now) == 0 && now.state == IBV_PORT_ACTIVE) return now.lid;
+  return port.lid;
 }
 
 int Nic::activeMtu() const {
@@ -228,7 +228,7 @@ Result<std::vector<std::unique_ptr<Nic>>> openNics() {
   bool any_up = false;
   for (const auto& n : nics) any_up |= !n->down_at_start;
   if (!any_up && !nics.empty()) {
-    why += (why.empty() ? "" : "; ") + std::string("the port of every RoCE NIC is down");
+    why += (why.empty() ? "" : "; ") + std::string("the port of every NIC is down");
     nics.clear();
   }
   for (const auto& n : nics) {

@@ -2,13 +2,14 @@
 // channel and a poller thread), opened from libibverbs' device list at start.
 //
 // Contracts:
-//  - openNics() opens every device (MC_RDMA_DEVICES filters by name) whose first port is
-//    ACTIVE, and a RoCE device whose port is down but has its GID (down_at_start): its lanes
-//    fail to connect until the port is up, then the prober connects them. An InfiniBand port
-//    that is down is skipped (its LID, which peers address it by, is assigned once it is up).
-//    At least one port must be ACTIVE. RoCE ports use the RoCE v2 GID that holds an
-//    IPv4-mapped address (or MC_RDMA_GID_INDEX when >= 0); InfiniBand ports are addressed by
-//    LID. The path MTU is the port's active MTU, read again at each connection (activeMtu()).
+//  - openNics() opens every device (MC_RDMA_DEVICES filters by name); one whose first port
+//    is down (down_at_start: a RoCE port that has its GID, or an InfiniBand port, whose LID
+//    is assigned once it is up) is kept: its lanes fail to connect until the port is up, then
+//    the prober connects them. At least one port must be ACTIVE. RoCE ports use the RoCE v2
+//    GID that holds an IPv4-mapped address (or MC_RDMA_GID_INDEX when >= 0); InfiniBand ports
+//    are addressed by LID. The LID and the path MTU (the port's active MTU) are read again at
+//    each connection (lid(), activeMtu()); the LID in the descriptor is the one at open and
+//    only informs (connections exchange the current one).
 //  - The poller busy-polls its CQ for MC_RDMA_SPIN_US after the last completion, then arms the
 //    CQ and sleeps on the completion channel (waking every 5 ms to notice stop()).
 //  - Every work request's wr_id is a CompletionTarget*: the poller calls its onCompletion() on
@@ -49,7 +50,7 @@ struct Nic {
   ibv_gid gid{};
   uint64_t max_mr_size = 0;
   int max_rd_atom = 16;  // outstanding RDMA READs per QP (device limit)
-  bool down_at_start = false;  // RoCE port down when opened (see openNics)
+  bool down_at_start = false;  // port down when opened (see openNics)
   std::thread poller;
   std::atomic<bool> stopping{false};
   // Called by the poller when it has been idle (no completion) for a while: lets the
@@ -59,6 +60,8 @@ struct Nic {
   ~Nic();
   // The port's active MTU now (enum ibv_mtu); the one read at open while the port is down.
   int activeMtu() const;
+  // The port's LID now (InfiniBand); the one read at open while the port is down.
+  uint16_t lid() const;
   void startPoller(int64_t spin_us);
   void stopPoller();
 };

@@ -342,7 +342,7 @@ Result<ibv_qp*> RdmaTransportImpl::dial(Nic* nic, int remote_nic, bool remote_ib
   QpAddr mine;
   mine.qpn = raw->qp_num;
   mine.psn = randomPsn();
-  mine.lid = nic->port.lid;
+  mine.lid = nic->lid();
   mine.gid = nic->gid;
   mine.mtu = nic->activeMtu();
   std::string req = "2 " + std::to_string(nic->index) + " " + std::to_string(remote_nic) + " " +
@@ -465,7 +465,7 @@ void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
   QpAddr mine;
   mine.qpn = tq->qp->qp_num;
   mine.psn = randomPsn();
-  mine.lid = nic->port.lid;
+  mine.lid = nic->lid();
   mine.gid = nic->gid;
   mine.mtu = nic->activeMtu();
   Status st = connectQp(nic, tq->qp, mine.psn, peer, ib != 0);

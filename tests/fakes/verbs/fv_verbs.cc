@@ -325,7 +325,7 @@ int ibv_query_port(ibv_context* ctx, uint8_t port, struct _compat_ibv_port_attr*
   a->gid_tbl_len = cfg.ngids;
   a->max_msg_sz = 1u << 31;
   a->pkey_tbl_len = 1;
-  a->lid = cfg.ib ? cfg.lid : 0;
+  a->lid = cfg.ib && up ? cfg.lid : 0;  // a down InfiniBand port has no LID (the SM assigns it)
   a->sm_lid = cfg.ib ? 1 : 0;
   a->active_width = 2;   // 4x
   a->active_speed = 64;  // HDR
