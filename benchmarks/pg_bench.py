@@ -232,49 +232,27 @@ def busy_loops(n):
 
 
 class FakeNics:
-    """--fake-nics: every simulated host gets two RoCE NICs of the verbs emulator (built in
-    the build tree: tests/fakes/verbs, docs/rdma.md), so that the engine links the hosts over
-    rdma. tx_bytes() reads the emulator's per-NIC counters (fake_verbs_control.h DevShm:
-    tx_bytes at offset 40)."""
-    NICS = ("mlx5_0", "mlx5_1")
+    """--fake-nics: every simulated host gets two RoCE NICs of the verbs emulator built in
+    BUILD_DIR (tests/fakes/verbs; set up by the tests' tests/python/_fake_verbs.Fabric), so
+    that the engine links the hosts over rdma; tx_bytes() reads the emulator's NIC counters."""
 
     def __init__(self, build_dir, hosts):
-        self.lib = os.path.join(build_dir, "tests", "fakes", "verbs", "lib")
-        if not os.path.exists(os.path.join(self.lib, "libibverbs.so.1")):
-            raise SystemExit(f"--fake-nics: no verbs emulator under {self.lib}")
-        self.name = f"pgbench{os.getpid()}"
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "python"))
+        os.environ["MC_TEST_BUILD_DIR"] = os.path.abspath(build_dir)
+        import _fake_verbs
+        if _fake_verbs.library_dir() is None:
+            raise SystemExit(f"--fake-nics: no verbs emulator in {build_dir}")
         self.hosts = sorted(set(hosts))
-        self.conf = f"/tmp/mcfv-{self.name}.conf"
-        with open(self.conf, "w") as f:
-            for h, host in enumerate(self.hosts):
-                for n, nic in enumerate(self.NICS):
-                    f.write(f"device {nic} host=bench-host-{host} pci=0000:{0x13 + 0x40 * n:02x}"
-                            f":00.0 link=ethernet ip=10.{h + 1}.0.{n + 1} mtu=4096\n")
+        self.fabric = _fake_verbs.Fabric("pgbench", [f"bench-host-{h}" for h in self.hosts])
 
     def env(self, env):
-        path = env.get("LD_LIBRARY_PATH", "")
-        return dict(env, LD_LIBRARY_PATH=self.lib + (":" + path if path else ""),
-                    MC_FAKE_VERBS_CONFIG=self.conf, MC_FAKE_VERBS_FABRIC=self.name)
+        return dict(env, **self.fabric.env())
 
     def tx_bytes(self):
-        out = {}
-        for host in self.hosts:
-            for nic in self.NICS:
-                path = f"/dev/shm/mcfv-{self.name}-dev-bench-host-{host}.{nic}"
-                if os.path.exists(path):
-                    with open(path, "rb") as f:
-                        out[f"{host}.{nic}"] = int.from_bytes(f.read(48)[40:48], "little")
-        return out
+        return {h: self.fabric.tx_bytes(f"bench-host-{h}") for h in self.hosts}
 
     def close(self):
-        import glob
-        import shutil
-        for p in glob.glob(f"/dev/shm/mcfv-{self.name}-*"):
-            os.unlink(p)
-        for p in glob.glob(f"/tmp/mcfv-{self.name}-*-sysfs"):
-            shutil.rmtree(p, ignore_errors=True)
-        if os.path.exists(self.conf):
-            os.unlink(self.conf)
+        self.fabric.close()
 
 
 def run_torch(world, cfg, timeout_s, nics=None):
