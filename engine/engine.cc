@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include "engine/bounce_pool.h"
+#include "engine/device/device.h"
 #include "engine/inbox.h"
 #include "engine/log.h"
 #include "engine/memory.h"
@@ -62,6 +63,7 @@ struct PeerEntry {
   std::unique_ptr<TransportPeer> control;  // tcp link: handshake, liveness (maybe data too)
   std::unique_ptr<TransportPeer> data_owned;
   TransportPeer* data = nullptr;
+  bool device_memory = false;  // the data transport reaches GPU memory (registered as kCuda)
   std::atomic<bool> dead{false};
   std::mutex mu;
   Status why;  // guarded by mu
@@ -81,6 +83,9 @@ class TransferEngine::Impl {
   std::unique_ptr<Transport> transports[kNumTransportKinds];  // by TransportKind (table order)
   int forced = -1;  // TransportKind forced by options / MC_TRANSPORT
   int64_t spin_us = params::getInt("MC_SPIN_US");  // read once: wait() is a hot path
+  // Regions of GPU memory registered (kCuda): while there are none, submit() does not look
+  // the local side of requests up.
+  std::atomic<int> device_regions{0};
 
   mutable std::shared_mutex peers_mu;
   std::vector<std::unique_ptr<PeerEntry>> peers;
@@ -123,7 +128,17 @@ class TransferEngine::Impl {
   std::deque<Notification> local_notifies;
   std::thread local_dispatcher;
 
-  ~Impl() { shutdown(); }
+  ~Impl() {
+    shutdown();
+    // GPU memory the engine allocated goes back to the device layer once no transport holds
+    // it registered (host memory goes with the registry).
+    for (auto& t : transports) t.reset();
+    if (device_regions.load() == 0) return;
+    auto dev = device::get();
+    for (const Region& r : registry.snapshot())
+      if (r.kind == MemoryKind::kCuda && r.engine_owned && dev.ok())
+        (void)(*dev)->free(reinterpret_cast<void*>(r.addr));
+  }
 
   void shutdown() {
     if (stopping.exchange(true)) return;
@@ -171,6 +186,25 @@ class TransferEngine::Impl {
       return st;
     }
     return p;
+  }
+
+  // A request to a peer whose transport cannot reach GPU memory (shm, tcp): its local side
+  // must not be GPU memory (registered as kCuda, or device memory the engine does not know;
+  // the transport would memcpy from it). Called only once GPU memory is about.
+  Status checkHostLocal(const TransferRequest& r, size_t i, PeerEntry* e) {
+    const uint64_t a = reinterpret_cast<uint64_t>(r.local);
+    auto region = registry.find(a, std::max<uint64_t>(r.length, 1));
+    bool gpu = region.has_value() && region->kind == MemoryKind::kCuda;
+    if (!region.has_value() && device::active()) {
+      auto dev = device::get();
+      gpu = dev.ok() && (*dev)->pointer(r.local).device;
+    }
+    if (!gpu) return Status::OK();
+    return MC_STATUS(kNotSupported, "request " << i << ": its local memory at " << r.local
+                                               << " is GPU memory and peer " << e->desc.name
+                                               << " is reached over " << transportName(e->kind)
+                                               << ", which moves host memory only (GPU memory "
+                                               << "goes over rdma in this build)");
   }
 
   BouncePool* bouncePool() {
@@ -569,11 +603,18 @@ const std::string& TransferEngine::name() const { return impl_->opts.name; }
 SegmentDesc TransferEngine::localSegment() const { return impl_->localSegment(); }
 
 Result<void*> TransferEngine::allocate(size_t len, MemoryKind kind, int device) {
-  if (kind != MemoryKind::kHost)
-    return MC_STATUS(kNotSupported, "allocate: CUDA memory needs the cuda transport (build "
-                                        << (MC_HAVE_CUDA ? "has CUDA" : "without CUDA")
-                                        << "; not implemented yet)");
-  return impl_->allocateRegistered(len);
+  if (kind == MemoryKind::kHost) return impl_->allocateRegistered(len);
+  auto dev = device::get();
+  if (!dev.ok())
+    return MC_STATUS(kNotSupported, "allocate: no GPU memory here: " << dev.status().message());
+  if (len == 0) return MC_STATUS(kInvalidArgument, "allocate: 0 bytes");
+  MC_ASSIGN_OR_RETURN(void* p, (*dev)->allocate(len, device < 0 ? 0 : device));
+  Status st = registerDevice(p, len, device < 0 ? 0 : device, true);
+  if (!st.ok()) {
+    (void)(*dev)->free(p);
+    return st;
+  }
+  return p;
 }
 
 Status TransferEngine::free(void* p) {
@@ -581,13 +622,50 @@ Status TransferEngine::free(void* p) {
   if (!r || r->addr != reinterpret_cast<uint64_t>(p) || !r->engine_owned)
     return MC_STATUS(kInvalidArgument, "pointer " << p << " was not allocated by the engine");
   impl_->unregisterWithTransports(*r);
+  if (r->kind == MemoryKind::kCuda) {
+    MC_RETURN_IF_ERROR(impl_->registry.remove(r->addr).status());
+    impl_->device_regions.fetch_sub(1);
+    auto dev = device::get();  // it made this allocation, so it exists
+    return dev.ok() ? (*dev)->free(p) : dev.status();
+  }
   return impl_->registry.freeShm(p);
+}
+
+Status TransferEngine::registerDevice(void* addr, size_t len, int device, bool owned) {
+  auto dev = device::get();
+  if (!dev.ok())
+    return MC_STATUS(kNotSupported, "registerMemory: CUDA memory at " << addr << ": "
+                                                                     << dev.status().message());
+  if (len == 0) return MC_STATUS(kInvalidArgument, "registerMemory: 0 bytes at " << addr);
+  device::PointerInfo first = (*dev)->pointer(addr);
+  device::PointerInfo last = (*dev)->pointer(static_cast<char*>(addr) + len - 1);
+  if (!first.device || !last.device || first.ordinal != last.ordinal)
+    return MC_STATUS(kInvalidArgument, "registerMemory: [" << addr << ", +" << len
+                                                           << ") is not memory of one "
+                                                           << (*dev)->name() << " device");
+  if (device >= 0 && device != first.ordinal)
+    return MC_STATUS(kInvalidArgument, "registerMemory: " << addr << " was given as device "
+                                                          << device << " but is on device "
+                                                          << first.ordinal);
+  Region r;
+  r.addr = reinterpret_cast<uint64_t>(addr);
+  r.len = len;
+  r.kind = MemoryKind::kCuda;
+  r.device = first.ordinal;
+  r.engine_owned = owned;
+  MC_RETURN_IF_ERROR(impl_->registerWithTransports(&r));
+  Status st = impl_->registry.add(r);
+  if (!st.ok()) {
+    impl_->unregisterWithTransports(r);
+    return st;
+  }
+  impl_->device_regions.fetch_add(1);
+  return Status::OK();
 }
 
 Status TransferEngine::registerMemory(void* addr, size_t len, MemoryKind kind, int device) {
   if (addr == nullptr) return MC_STATUS(kInvalidArgument, "registerMemory: null address");
-  if (kind != MemoryKind::kHost)
-    return MC_STATUS(kNotSupported, "registerMemory: CUDA memory is not supported yet");
+  if (kind == MemoryKind::kCuda) return registerDevice(addr, len, device, false);
   {
     Status mapped = checkMappedWritable(reinterpret_cast<uint64_t>(addr), len);
     if (!mapped.ok()) return Status(mapped.code(), "registerMemory: " + mapped.message());
@@ -613,6 +691,7 @@ Status TransferEngine::unregisterMemory(void* addr) {
                                                             << "engine; use free()");
   }
   impl_->unregisterWithTransports(*r);
+  if (r->kind == MemoryKind::kCuda) impl_->device_regions.fetch_sub(1);
   return Status::OK();
 }
 
@@ -665,6 +744,7 @@ Result<PeerId> TransferEngine::openPeer(const SegmentDesc& remote, Deadline dead
   auto entry = std::make_unique<PeerEntry>();
   entry->desc = remote;
   entry->kind = TransportKind(kind);
+  entry->device_memory = m.transports[kind]->reachesDeviceMemory();
   bool tcp_data = kind == static_cast<int>(TransportKind::kTcp);
   auto control = m.transports[static_cast<int>(TransportKind::kTcp)]->connect(remote, deadline,
                                                                               tcp_data, nullptr);
@@ -734,6 +814,9 @@ Result<BatchId> TransferEngine::submit(const std::vector<TransferRequest>& reque
     if (r.local == nullptr && r.length > 0)
       return MC_STATUS(kInvalidArgument, "request " << i << ": null local address");
     MC_RETURN_IF_ERROR(m.peerStatus(e));
+    if (!e->device_memory && (m.device_regions.load(std::memory_order_relaxed) > 0 ||
+                              device::active()))
+      MC_RETURN_IF_ERROR(m.checkHostLocal(r, i, e));
     targets[i] = e;
   }
   auto b = std::make_shared<Batch>();

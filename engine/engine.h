@@ -63,11 +63,14 @@ class TransferEngine {
   TransferEngine& operator=(const TransferEngine&) = delete;
 
   // ---- memory ----
-  // Registered host memory backed by shared memory (same-host peers map it directly).
+  // Registered host memory backed by shared memory (same-host peers map it directly), or
+  // (kCuda) memory of GPU `device` (default 0) from the device layer (engine/device/device.h).
   Result<void*> allocate(size_t len, MemoryKind kind = MemoryKind::kHost, int device = -1);
   Status free(void* p);
   // Makes any existing memory reachable by peers (host: via process_vm_* on the same host,
-  // via tcp otherwise; CUDA: via the CUDA/RDMA transports when built with them).
+  // via tcp otherwise). kCuda: memory of one GPU of the device layer (`device` -1 = the one it
+  // lives on); peers reach it over rdma only, until the cuda transport exists (shm and tcp
+  // refuse requests whose either side is GPU memory, naming the peer).
   Status registerMemory(void* addr, size_t len, MemoryKind kind = MemoryKind::kHost,
                         int device = -1);
   Status unregisterMemory(void* addr);
@@ -167,6 +170,7 @@ class TransferEngine {
 
  private:
   explicit TransferEngine(std::unique_ptr<Impl> impl);
+  Status registerDevice(void* addr, size_t len, int device, bool owned);
   std::unique_ptr<Impl> impl_;
 };
 

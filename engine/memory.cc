@@ -22,7 +22,7 @@ namespace mooncake::engine {
 MemoryRegistry::~MemoryRegistry() {
   std::lock_guard<std::mutex> g(mu_);
   for (auto& [addr, r] : regions_) {
-    if (r.engine_owned) {
+    if (r.engine_owned && r.kind == MemoryKind::kHost) {  // GPU memory: the engine frees it
       munmap(reinterpret_cast<void*>(r.addr), r.len);
       shm_unlink(r.shm_name.c_str());
     }

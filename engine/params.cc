@@ -113,6 +113,10 @@ const std::vector<ParamDef>& table() {
       {"MC_TOPOLOGY_XML", Type::kString, "",
        "hwloc XML file (lstopo's format) to read the machine's topology from instead of "
        "probing it: which NICs, GPUs and NUMA nodes are near each other."},
+      {"MC_DEVICE", Type::kString, "auto",
+       "The device layer for GPU memory (MemoryKind::kCuda): auto (the CUDA driver when one is "
+       "installed and sees a device), cuda, sim (a host simulation: device memory is shared host "
+       "memory; for tests) or none."},
       {"MC_BOUNCE_BYTES", Type::kInt, "67108864",
        "Registered host memory the engine lends to transports that need the local side of a "
        "request registered (rdma), for requests from unregistered memory; allocated on first "

@@ -156,6 +156,10 @@ class Transport {
   // The transport needs the local side of a request registered with it (rdma): requests
   // from other memory go through the engine's bounce pool (EngineContext::bounce).
   virtual bool needsRegisteredLocal() const { return false; }
+  // The transport moves GPU memory (regions of MemoryKind::kCuda, either side): rdma through
+  // dma-buf / GPUDirect registration. Others move host memory only; the engine keeps GPU
+  // memory away from them.
+  virtual bool reachesDeviceMemory() const { return false; }
   // Stops threads; called before the engine's memory goes away.
   virtual void stop() = 0;
 };

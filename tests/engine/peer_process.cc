@@ -151,6 +151,8 @@ class PeerMain {
       uint64_t b = reinterpret_cast<uint64_t>(base);
       return addr >= b && len <= n && addr - b <= n - len;
     };
+    for (auto& [p, n] : gpu_)
+      if (in(p, n)) return true;
     return in(alloc_, cfg_.region_bytes) || in(reg_, cfg_.region_bytes) || in(unreg_, kUnregBytes);
   }
 
@@ -183,6 +185,14 @@ class PeerMain {
     }
     if (cmd == "echo") return echo(static_cast<uint32_t>(num(s1)), static_cast<int>(num(s2)),
                                    static_cast<int>(num(s3)));
+    if (cmd == "alloc_gpu") {  // GPU memory of the device layer (MC_DEVICE), published
+      auto p = eng_->allocate(num(s1), engine::MemoryKind::kCuda, static_cast<int>(num(s3)));
+      if (!p.ok()) return "bad " + p.status().toString();
+      fillPattern(*p, num(s1), num(s2));  // a simulated device's memory is host memory
+      gpu_.emplace_back(*p, num(s1));
+      Status st = eng_->publish(*rdv_);
+      return st.ok() ? "ok " + std::to_string(reinterpret_cast<uint64_t>(*p)) : "bad " + st.toString();
+    }
     if (cmd == "unregister") {
       Status st = eng_->unregisterMemory(reinterpret_cast<void*>(num(s1)));
       if (st.ok()) st = eng_->publish(*rdv_);
@@ -248,6 +258,7 @@ class PeerMain {
   std::unique_ptr<engine::TcpRendezvousClient> rdv_;
   std::unique_ptr<TransferEngine> eng_;
   void* alloc_ = nullptr;
+  std::vector<std::pair<void*, uint64_t>> gpu_;  // alloc_gpu's allocations (the engine frees them)
   void* reg_ = nullptr;
   void* unreg_ = nullptr;
   std::string buf_;

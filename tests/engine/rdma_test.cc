@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 
+#include "engine/device/device.h"
 #include "tests/engine/peer_fixture.h"
 #include "tests/engine/test_util.h"
 #include "tests/fakes/verbs/fake_verbs_control.h"
@@ -530,6 +531,76 @@ TEST_F(RdmaTest, RegionsAboveMaxMrSizeAreRegisteredInChunks) {
   EXPECT_GE(nic_[0]->txBytes() + nic_[1]->txBytes() - tx0, 2 * kLen);
   MC_EXPECT_OK(eng_->unregisterMemory(back.data()));
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+}
+
+// GPU memory over rdma, with the device layer's simulation (MC_DEVICE=sim) standing in for a
+// GPU: both processes register it on every NIC through a dma-buf (the emulator counts dma-buf
+// MRs; it maps the dma-buf itself and addresses the MR by its iova, as a NIC does), and it
+// moves both ways with host or GPU memory on the other side. GPU memory the engine does not
+// know is refused (it cannot bounce through host memory), and so is GPU memory on either side
+// once only the tcp fallback is left. Freeing deregisters.
+TEST_F(RdmaTest, GpuMemoryIsRegisteredThroughDmabufAndMoves) {
+  ScopedEnv dev("MC_DEVICE", "sim");  // this process and the peer (it inherits it)
+  constexpr uint64_t kLen = (3u << 20) + 4096 * 3 + 123;
+  ASSERT_TRUE(setUp(4u << 20));
+  const int64_t mrs0 = nic_[0]->dmabufMrs() + nic_[1]->dmabufMrs();
+  const std::string r = peer_->call("alloc_gpu " + std::to_string(kLen) + " 600 1");
+  ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
+  const uint64_t remote_gpu = std::strtoull(r.c_str() + 3, nullptr, 10);
+  ASSERT_EQ(openPeer(*eng_, "peer"), pid_);  // its new descriptor
+  EXPECT_EQ(nic_[0]->dmabufMrs() + nic_[1]->dmabufMrs(), mrs0 + 2) << "the peer's GPU memory "
+                                                                       "is not a dma-buf MR "
+                                                                       "on each NIC";
+  auto gpu = eng_->allocate(kLen, engine::MemoryKind::kCuda, 0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status().toString();
+  EXPECT_EQ(nic_[0]->dmabufMrs() + nic_[1]->dmabufMrs(), mrs0 + 4);
+  auto* g = static_cast<uint8_t*>(*gpu);  // simulated device memory is host memory
+  HostBuffer host(kLen);
+  MC_ASSERT_OK(eng_->registerMemory(host.data(), kLen));
+  const uint64_t remote_host = peer_->info().alloc_addr;
+  const uint64_t tx0 = nic_[0]->txBytes() + nic_[1]->txBytes();
+
+  fillPattern(host.data(), kLen, 601, 0);  // host -> the peer's GPU
+  MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, host.data(), kLen, pid_, remote_gpu));
+  EXPECT_EQ(peer_->expect(remote_gpu, kLen, 601, 0), "");
+  fillPattern(g, kLen, 602, 0);  // GPU -> GPU
+  MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, g, kLen, pid_, remote_gpu));
+  EXPECT_EQ(peer_->expect(remote_gpu, kLen, 602, 0), "");
+  MC_ASSERT_OK(transfer(*eng_, OpCode::kRead, g + 77, 1u << 20, pid_, remote_host));  // host -> GPU
+  EXPECT_EQ(checkPattern(g + 77, 1u << 20, 1000, 0), "") << "a READ into GPU memory differs";
+  fillPattern(g, 1u << 20, 603, 0);  // GPU -> host
+  MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, g, 1u << 20, pid_, remote_host));
+  EXPECT_EQ(peer_->expect(remote_host, 1u << 20, 603, 0), "");
+  EXPECT_GE(nic_[0]->txBytes() + nic_[1]->txBytes() - tx0, 2 * kLen + (1u << 20))
+      << "the NICs did not carry the writes";
+
+  auto dev_layer = engine::device::get();
+  ASSERT_TRUE(dev_layer.ok());
+  auto loose = (*dev_layer)->allocate(1u << 16, 0);
+  ASSERT_TRUE(loose.ok());
+  Status st = transfer(*eng_, OpCode::kWrite, *loose, 1u << 16, pid_, remote_host);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.toString();
+  EXPECT_NE(st.message().find("register it"), std::string::npos) << st.toString();
+  MC_EXPECT_OK((*dev_layer)->free(*loose));
+
+  // Every port down: host memory goes over the tcp fallback, GPU memory does not.
+  nic_[0]->setPortUp(false);
+  nic_[1]->setPortUp(false);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  st = transfer(*eng_, OpCode::kWrite, g, 4096, pid_, remote_host);
+  EXPECT_FALSE(st.ok()) << "GPU memory went over tcp";
+  EXPECT_NE(st.message().find("GPU memory"), std::string::npos) << st.toString();
+  st = transfer(*eng_, OpCode::kWrite, host.data(), 4096, pid_, remote_gpu);
+  EXPECT_FALSE(st.ok()) << "the peer's GPU memory was written over tcp";
+  EXPECT_NE(st.message().find("GPU memory"), std::string::npos) << st.toString();
+  EXPECT_EQ(peer_->expect(remote_gpu, kLen, 602, 0), "");
+  MC_EXPECT_OK(transfer(*eng_, OpCode::kWrite, host.data(), 4096, pid_, remote_host));
+  nic_[0]->setPortUp(true);
+  nic_[1]->setPortUp(true);
+
+  MC_EXPECT_OK(eng_->free(*gpu));
+  EXPECT_EQ(nic_[0]->dmabufMrs() + nic_[1]->dmabufMrs(), mrs0 + 2) << "free left dma-buf MRs";
+  MC_EXPECT_OK(eng_->unregisterMemory(host.data()));
 }
 
 // A NIC that stops moving anything (no completion, not even an error) in the middle of a

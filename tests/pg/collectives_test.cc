@@ -238,9 +238,10 @@ TEST_P(PgCollectives, EveryOpEverySize) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, PgCollectives,
-                         ::testing::Values(Param{"shm", 1}, Param{"shm", 2}, Param{"shm", 3},
-                                           Param{"shm", 4}, Param{"tcp", 2}, Param{"tcp", 3},
-                                           Param{"tcp", 4}, Param{"tcp", 2, -1, "all"},
+                         ::testing::Values(Param{"shm", 1, -1, ""}, Param{"shm", 2, -1, ""},
+                                           Param{"shm", 3, -1, ""}, Param{"shm", 4, -1, ""},
+                                           Param{"tcp", 2, -1, ""}, Param{"tcp", 3, -1, ""},
+                                           Param{"tcp", 4, -1, ""}, Param{"tcp", 2, -1, "all"},
                                            Param{"tcp", 3, -1, "all"}, Param{"tcp", 4, -1, "all"},
                                            Param{"tcp", 3, 1, "all"}, Param{"tcp", 2, 0, "all"}),
                          [](const ::testing::TestParamInfo<Param>& i) {

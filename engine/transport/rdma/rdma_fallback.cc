@@ -70,6 +70,10 @@ Status RdmaPeer::overTcp(Op& o) {
     req << "F N " << conn_ << " " << o.channel << " " << o.word << " " << o.tag;
     return control_->exchange(TransportKind::kRdma, req.str(), deadline).status();
   }
+  if (t_->isDeviceMemory(o.user))
+    return MC_STATUS(kNotSupported, "the local side of an rdma " << o.what() << " to " << name_
+                                                                 << " is GPU memory, which "
+                                                                    "tcp cannot carry");
   std::vector<int64_t> rkeys;
   if (!findRemote(o.raddr, o.len, &rkeys))
     return MC_STATUS(kPermissionDenied, "[" << hex(o.raddr) << ", +" << o.len

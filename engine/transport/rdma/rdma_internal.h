@@ -177,6 +177,7 @@ class RdmaTransportImpl final : public Transport {
                   std::function<void(Result<std::string>)> reply) override;
   void onPeerGone(uint64_t engine_id) override;
   bool needsRegisteredLocal() const override { return true; }
+  bool reachesDeviceMemory() const override { return true; }
   void stop() override;
 
   // Creates a QP on `nic` and connects it to the peer's NIC `remote_nic` through `control`
@@ -200,6 +201,9 @@ class RdmaTransportImpl final : public Transport {
   // Bytes from p to the end of the registered chunk holding it (0: not registered). A region
   // above a NIC's max_mr_size is registered in chunks; an op must stay inside one.
   uint64_t localSpan(const void* p) const;
+  // Whether p is GPU memory: registered here as kCuda, or device memory the engine does not
+  // know (which cannot go through the bounce pool or the tcp fallback: both memcpy).
+  bool isDeviceMemory(const void* p) const;
   void addQp(Qp* q);
   void removeQp(Qp* q);
   // Peers whose failed lanes the prober reconnects.
@@ -214,7 +218,12 @@ class RdmaTransportImpl final : public Transport {
     uint64_t len;
     std::vector<ibv_mr*> mrs;  // by NIC (nullptr where it could not register)
     std::vector<int> near;     // the NICs nearest to it (Topology::nearest)
+    bool device = false;       // GPU memory (MemoryKind::kCuda)
   };
+  // Registers GPU memory [addr, addr+len) with `pd`: through a dma-buf from the device layer
+  // when it gives one, else ibv_reg_mr on the device address (GPUDirect, nvidia-peermem).
+  // Null with `why` when neither works.
+  ibv_mr* registerDeviceMr(ibv_pd* pd, uint64_t addr, uint64_t len, std::string* why);
   struct TargetQp;
   void probeLoop();
   // Under target_mu_: closes the target QP of lane `lane` of connection `conn` from `src`.

@@ -315,6 +315,11 @@ void RdmaPeer::submit(Task* task) {
   // Across chunks of a region registered in chunks (either side): no slice crosses a chunk's
   // end, and each looks its keys up itself.
   const uint64_t local_span = t_->localSpan(task->local);
+  if (local_span == 0 && t_->isDeviceMemory(task->local))
+    return task->done(MC_STATUS(kInvalidArgument,
+                                "rdma: the local memory of a request to " << name_ << " at "
+                                    << task->local << " is GPU memory the engine does not know: "
+                                                      "register it (MemoryKind::kCuda) first"));
   const bool chunked = !one_remote || (local_span > 0 && local_span < task->length);
   if (chunked) {
     std::vector<int64_t> first;

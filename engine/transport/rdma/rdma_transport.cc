@@ -3,10 +3,14 @@
 // rdma_peer.cc.
 #include "engine/transport/rdma/rdma_transport.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <thread>
 
+#include "engine/device/device.h"
 #include "engine/log.h"
 #include "engine/params.h"
 #include "engine/transport/rdma/rdma_internal.h"
@@ -250,12 +254,27 @@ Status RdmaTransportImpl::registerRegion(Region* region) {
   std::string keys = split ? "chunk=" + std::to_string(chunk) : "";
   std::vector<std::pair<uint64_t, LocalMr>> entries;
   bool any = false;
+  const bool gpu = region->kind == MemoryKind::kCuda;
   for (uint64_t off = 0; off < region->len; off += chunk) {
-    LocalMr c{std::min(chunk, region->len - off), {}, m.near};
+    LocalMr c{std::min(chunk, region->len - off), {}, m.near, gpu};
     const uint64_t addr = region->addr + off;
     std::string ck;
     for (auto& n : nics_) {
-      ibv_mr* mr = ibv_reg_mr(n->pd, reinterpret_cast<void*>(addr), c.len, kAccess);
+      std::string why;
+      ibv_mr* mr = gpu ? registerDeviceMr(n->pd, addr, c.len, &why)
+                       : ibv_reg_mr(n->pd, reinterpret_cast<void*>(addr), c.len, kAccess);
+      if (mr == nullptr && gpu) {
+        // GPU memory cannot bounce through host memory: every NIC must reach it.
+        c.mrs.push_back(nullptr);
+        entries.emplace_back(addr, std::move(c));
+        for (auto& [a, e] : entries)
+          for (ibv_mr* x : e.mrs)
+            if (x != nullptr) ibv_dereg_mr(x);
+        return MC_STATUS(kUnavailable, "rdma: cannot register GPU memory [" << hex(addr) << ", +"
+                                                                            << chunk << ") of device "
+                                                                            << region->device << " with "
+                                                                            << n->name << ": " << why);
+      }
       if (mr == nullptr) {
         MC_LOG(WARN, RDMA) << "cannot register " << c.len << " bytes at " << hex(addr) << " with "
                            << n->name << " (max_mr_size " << n->max_mr_size
@@ -287,6 +306,43 @@ void RdmaTransportImpl::unregisterRegion(const Region& region) {
   for (LocalMr& m : gone)
     for (ibv_mr* mr : m.mrs)
       if (mr != nullptr) ibv_dereg_mr(mr);
+}
+
+ibv_mr* RdmaTransportImpl::registerDeviceMr(ibv_pd* pd, uint64_t addr, uint64_t len,
+                                            std::string* why) {
+  auto dev = device::get();
+  if (dev.ok()) {
+    auto buf = (*dev)->exportDmabuf(reinterpret_cast<void*>(addr), len);
+    if (buf.ok()) {
+      ibv_mr* mr = ibv_reg_dmabuf_mr(pd, buf->offset, len, addr, buf->fd, kAccess);
+      const int e = errno;
+      close(buf->fd);  // the MR holds the dma-buf
+      if (mr != nullptr) return mr;
+      *why = std::string("ibv_reg_dmabuf_mr: ") + strerror(e);
+    } else {
+      *why = buf.status().message();
+    }
+  } else {
+    *why = dev.status().message();
+  }
+  ibv_mr* mr = ibv_reg_mr(pd, reinterpret_cast<void*>(addr), len, kAccess);
+  if (mr == nullptr) *why += std::string("; ibv_reg_mr: ") + strerror(errno);
+  return mr;
+}
+
+bool RdmaTransportImpl::isDeviceMemory(const void* p) const {
+  {
+    uint64_t a = reinterpret_cast<uint64_t>(p);
+    std::shared_lock<std::shared_mutex> g(mr_mu_);
+    auto it = mrs_.upper_bound(a);
+    if (it != mrs_.begin()) {
+      --it;
+      if (a - it->first < it->second.len) return it->second.device;
+    }
+  }
+  if (!device::active()) return false;
+  auto dev = device::get();
+  return dev.ok() && (*dev)->pointer(p).device;
 }
 
 uint64_t RdmaTransportImpl::localSpan(const void* p) const {
@@ -550,6 +606,11 @@ void RdmaTransportImpl::onFallback(const SegmentDesc& from, const std::string& r
          it->second.mrs[static_cast<size_t>(nic)] != nullptr &&
          it->second.mrs[static_cast<size_t>(nic)]->rkey == rkey;
   }
+  if (ok && it->second.device)
+    return reply(MC_STATUS(kNotSupported, "rdma (tcp fallback): [" << hex(addr) << ", +" << len
+                                              << ") from " << from.name
+                                              << " is GPU memory, which no NIC reaches now and "
+                                                 "tcp cannot carry"));
   if (!ok)
     return reply(MC_STATUS(kPermissionDenied, "rdma (tcp fallback): [" << hex(addr) << ", +" << len
                                                   << ") from " << from.name

@@ -25,7 +25,7 @@
 namespace mooncake::fakeverbs {
 
 constexpr uint32_t kDevMagic = 0x4d434656;  // "MCFV"
-constexpr uint32_t kDevVersion = 2;
+constexpr uint32_t kDevVersion = 3;
 
 // ibv_port_state values (verbs.h), repeated so that tests need not include verbs.h.
 constexpr uint32_t kPortDown = 1;
@@ -47,6 +47,7 @@ struct alignas(64) DevShm {
   std::atomic<uint64_t> wr_done;      // send work requests this NIC completed successfully
   std::atomic<uint64_t> wr_failed;    // send work requests completed with an error (any kind)
   std::atomic<int64_t> live_qps;      // QPs created on this NIC and not destroyed (all processes)
+  std::atomic<int64_t> dmabuf_mrs;    // MRs registered through ibv_reg_dmabuf_mr, not deregistered
 };
 
 // FNV-1a: the default fabric id from the config path (same in every process).
@@ -146,6 +147,7 @@ class NicControl {
   uint64_t nextQpn() const { return d_->next_qpn.load(); }
   // QPs that exist on the NIC now, in every process of the fabric.
   int64_t liveQps() const { return d_->live_qps.load(); }
+  int64_t dmabufMrs() const { return d_->dmabuf_mrs.load(); }
 
  private:
   DevShm* d_;

@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 
 #include <climits>
@@ -237,6 +238,56 @@ TEST(FakeVerbs, LocalKeysAreChecked) {
   ASSERT_TRUE(p.a.poll(&wc));
   EXPECT_EQ(wc.status, IBV_WC_LOC_PROT_ERR) << ibv_wc_status_str(wc.status);
   EXPECT_EQ(stateOf(p.a.qp), IBV_QPS_ERR);
+}
+
+// dma-buf MRs: the emulator maps the fd itself (host memory standing in for a GPU's) and the
+// MR lives at its iova, as with rdma-core: mr->addr is the iova, a peer's WRITE and the owner's
+// own gather list name iova addresses, the bytes are the fd's pages (at a non-page offset
+// too), the registration outlives the fd, and a range past the MR is refused.
+TEST(FakeVerbs, DmabufMrsLiveAtTheirIova) {
+  Pair p;
+  ASSERT_TRUE(p.open("mlx5_0", "mlx5_1"));
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  int fd = memfd_create("fv-dmabuf", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(4 * page)), 0);
+  char* view = static_cast<char*>(mmap(nullptr, 4 * page, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ASSERT_NE(view, MAP_FAILED);
+  const uint64_t off = page + 100, len = 2 * page;
+  const uint64_t iova = 0x7e0000000000ull + 100;  // nothing of this process is mapped there
+  const int all = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+  ibv_mr* mr = ibv_reg_dmabuf_mr(p.b.pd, off, len, iova, fd, all);
+  ASSERT_NE(mr, nullptr);
+  EXPECT_EQ(reinterpret_cast<uint64_t>(mr->addr), iova);
+  close(fd);
+  fill(p.a.buf.data(), len, 21);
+  ASSERT_EQ(p.a.post(IBV_WR_RDMA_WRITE, 1, 0, len - 10, iova + 10, mr->rkey), 0);
+  ibv_wc wc{};
+  ASSERT_TRUE(p.a.poll(&wc));
+  ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(std::memcmp(view + off + 10, p.a.buf.data(), len - 10), 0) << "not in the fd's pages";
+
+  std::memset(view + off + 200, 0x3c, 64);  // b's gather list names the MR's iova
+  ibv_sge sge{iova + 200, 64, mr->lkey};
+  ibv_send_wr wr{};
+  ibv_send_wr* bad = nullptr;
+  wr.wr_id = 2;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = IBV_WR_RDMA_WRITE;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.wr.rdma.remote_addr = reinterpret_cast<uint64_t>(p.a.buf.data()) + 4096;
+  wr.wr.rdma.rkey = p.a.mr->rkey;
+  ASSERT_EQ(ibv_post_send(p.b.qp, &wr, &bad), 0);
+  ASSERT_TRUE(p.b.poll(&wc));
+  ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+  for (int i = 0; i < 64; ++i) ASSERT_EQ(p.a.buf[4096 + i], 0x3c) << "byte " << i;
+
+  ASSERT_EQ(p.a.post(IBV_WR_RDMA_WRITE, 3, 0, 64, iova + len - 10, mr->rkey), 0);
+  ASSERT_TRUE(p.a.poll(&wc));
+  EXPECT_EQ(wc.status, IBV_WC_REM_ACCESS_ERR) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(ibv_dereg_mr(mr), 0);
+  munmap(view, 4 * page);
 }
 
 // WRITE_WITH_IMM and SEND each take a posted receive (immediate, bytes, order).

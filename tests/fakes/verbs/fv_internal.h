@@ -146,6 +146,11 @@ struct Mr {
   Pd* pd;
   int access;
   uint64_t iova;
+  // Where the bytes are in this process: mr.addr for ibv_reg_mr; for a dma-buf MR (whose
+  // mr.addr is its iova, as rdma-core sets it) the emulator's own mapping of the dma-buf.
+  char* host = nullptr;
+  void* map = nullptr;  // that mapping (dma-buf only), unmapped at deregistration
+  size_t map_len = 0;
 };
 
 struct Pd {

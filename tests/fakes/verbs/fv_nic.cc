@@ -118,8 +118,9 @@ void scatter(const std::vector<ibv_sge>& sge, uint64_t off, const char* src, siz
   }
 }
 
-// Local keys of a gather/scatter list (ctx->mu taken inside).
-bool localKeysOk(Qp* q, const std::vector<ibv_sge>& sge, bool write) {
+// Local keys of a gather/scatter list (ctx->mu taken inside). Once checked, each entry's
+// address is turned into where its bytes are in this process (a dma-buf MR's own mapping).
+bool localKeysOk(Qp* q, std::vector<ibv_sge>& sge, bool write) {
   std::lock_guard<std::mutex> g(q->ctx->mu);
   for (const auto& s : sge) {
     Mr* m = q->ctx->findMr(s.lkey);
@@ -127,6 +128,10 @@ bool localKeysOk(Qp* q, const std::vector<ibv_sge>& sge, bool write) {
     uint64_t lo = reinterpret_cast<uint64_t>(m->mr.addr);
     if (s.addr < lo || s.length > m->mr.length || s.addr - lo > m->mr.length - s.length) return false;
     if (write && !(m->access & IBV_ACCESS_LOCAL_WRITE)) return false;
+  }
+  for (auto& s : sge) {
+    Mr* m = q->ctx->findMr(s.lkey);
+    s.addr = reinterpret_cast<uint64_t>(m->host) + (s.addr - reinterpret_cast<uint64_t>(m->mr.addr));
   }
   return true;
 }
@@ -138,7 +143,7 @@ char* remoteTarget(Qp* q, uint32_t rkey, uint64_t raddr, uint64_t len, int need)
   Mr* m = q->ctx->findMr(rkey);
   if (m == nullptr || &m->pd->pd != q->qp.pd || !(m->access & need)) return nullptr;
   if (raddr < m->iova || len > m->mr.length || raddr - m->iova > m->mr.length - len) return nullptr;
-  return static_cast<char*>(m->mr.addr) + (raddr - m->iova);
+  return m->host + (raddr - m->iova);
 }
 
 void recvCompletion(Qp* q, const RecvWr& r, ibv_wc_status st, ibv_wc_opcode op, uint32_t len,

@@ -419,6 +419,7 @@ ibv_mr* ibv_reg_mr_iova2(ibv_pd* pd, void* addr, size_t length, uint64_t iova, u
   m->mr.pd = pd;
   m->mr.addr = addr;
   m->mr.length = length;
+  m->host = static_cast<char*>(addr);
   std::lock_guard<std::mutex> g(c->mu);
   // Keys: unique per context, not guessable from a neighbour (a stepping counter, mixed).
   c->next_key += 0x9e37;
@@ -435,16 +436,33 @@ ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
 }
 
 // dma-buf: the emulator has no device memory; it stands host memory in for it, so the fd
-// must map `length` bytes at `offset` (a memfd or shm file does). `iova` is the address
-// peers use.
+// must map `length` bytes at `offset` (a memfd or shm file does), which the emulator maps as
+// a NIC maps a GPU's pages. As with rdma-core, the MR's address space is `iova`: local
+// gather lists and peers' remote addresses both name iova addresses.
 ibv_mr* ibv_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
                           int access) {
-  void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t lo = offset / page * page;
+  const size_t map_len = static_cast<size_t>(offset - lo + length);
+  void* p = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(lo));
   if (p == MAP_FAILED) {
     errno = EINVAL;
     return nullptr;
   }
-  return ibv_reg_mr_iova2(pd, p, length, iova, static_cast<unsigned int>(access));
+  ibv_mr* mr = ibv_reg_mr_iova2(pd, reinterpret_cast<void*>(iova), length, iova,
+                                static_cast<unsigned int>(access));
+  if (mr == nullptr) {
+    int e = errno;
+    munmap(p, map_len);
+    errno = e;
+    return nullptr;
+  }
+  Mr* m = reinterpret_cast<Mr*>(mr);
+  m->host = static_cast<char*>(p) + (offset - lo);
+  m->map = p;
+  m->map_len = map_len;
+  m->pd->ctx->shm->dmabuf_mrs.fetch_add(1);
+  return mr;
 }
 
 int ibv_dereg_mr(ibv_mr* mr) {
@@ -453,6 +471,10 @@ int ibv_dereg_mr(ibv_mr* mr) {
   {
     std::lock_guard<std::mutex> g(c->mu);
     c->mrs.erase(mr->lkey);
+  }
+  if (m->map != nullptr) {
+    munmap(m->map, m->map_len);
+    c->shm->dmabuf_mrs.fetch_sub(1);
   }
   delete m;
   return 0;
