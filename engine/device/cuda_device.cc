@@ -4,7 +4,10 @@
 // machine (scripts/gpu_check.sh).
 #include <cuda.h>
 #include <dlfcn.h>
+#include <sched.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include <memory>
 #include <mutex>
@@ -30,6 +33,49 @@ struct Driver {
   decltype(&cuPointerGetAttribute) pointerGetAttribute = nullptr;
   decltype(&cuMemGetHandleForAddressRange) getHandleForAddressRange = nullptr;
   decltype(&cuGetErrorString) getErrorString = nullptr;
+  decltype(&cuMemGetAddressRange) getAddressRange = nullptr;
+  decltype(&cuIpcGetMemHandle) ipcGet = nullptr;
+  decltype(&cuIpcOpenMemHandle) ipcOpen = nullptr;
+  decltype(&cuIpcCloseMemHandle) ipcClose = nullptr;
+  decltype(&cuStreamCreate) streamCreate = nullptr;
+  decltype(&cuMemcpyAsync) memcpyAsync = nullptr;
+  decltype(&cuEventCreate) eventCreate = nullptr;
+  decltype(&cuEventRecord) eventRecord = nullptr;
+  decltype(&cuEventQuery) eventQuery = nullptr;
+  decltype(&cuEventDestroy) eventDestroy = nullptr;
+};
+
+std::string errorText(const Driver& d, CUresult r) {
+  const char* s = nullptr;
+  if (d.getErrorString != nullptr) d.getErrorString(r, &s);
+  return s != nullptr ? s : "CUDA error " + std::to_string(static_cast<int>(r));
+}
+
+class CudaEvent final : public Event {
+ public:
+  CudaEvent(const Driver* d, CUevent e) : d_(d), e_(e) {}
+  ~CudaEvent() override { d_->eventDestroy(e_); }
+  bool done() override { return d_->eventQuery(e_) != CUDA_ERROR_NOT_READY; }
+  Status wait(Deadline deadline) override {
+    // cuEventSynchronize has no deadline: poll, yielding, then sleeping a little.
+    for (int i = 0;; ++i) {
+      CUresult r = d_->eventQuery(e_);
+      if (r == CUDA_SUCCESS) return Status::OK();
+      if (r != CUDA_ERROR_NOT_READY)
+        return MC_STATUS(kInternal, "a CUDA copy failed: " << errorText(*d_, r));
+      if (Clock::now() >= deadline)
+        return MC_STATUS(kTimeout, "CUDA copies not done by the deadline");
+      if (i < 100) {
+        sched_yield();
+      } else {
+        usleep(20);
+      }
+    }
+  }
+
+ private:
+  const Driver* d_;
+  CUevent e_;
 };
 
 template <typename F>
@@ -94,6 +140,67 @@ class CudaDevice final : public Device {
     return DmaBuf{fd, a - lo};
   }
 
+  // The handle: the device ordinal (4 bytes) and CUDA's 64-byte handle of the allocation.
+  Result<std::string> exportIpc(const void* p, uint64_t* offset) override {
+    PointerInfo info = pointer(p);
+    if (!info.device) return MC_STATUS(kInvalidArgument, p << " is not CUDA device memory");
+    MC_RETURN_IF_ERROR(use(info.ordinal));
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    CUresult r = d_.getAddressRange(&base, &size, reinterpret_cast<CUdeviceptr>(p));
+    CUipcMemHandle h{};
+    if (r == CUDA_SUCCESS) r = d_.ipcGet(&h, base);
+    if (r != CUDA_SUCCESS) return MC_STATUS(kNotSupported, "cuIpcGetMemHandle(" << p << "): " << err(r));
+    *offset = reinterpret_cast<uint64_t>(p) - base;
+    std::string out(4 + sizeof h.reserved, '\0');
+    const int32_t ord = info.ordinal;
+    std::memcpy(out.data(), &ord, 4);
+    std::memcpy(out.data() + 4, h.reserved, sizeof h.reserved);
+    return out;
+  }
+
+  Result<void*> openIpc(const std::string& handle) override {
+    CUipcMemHandle h{};
+    if (handle.size() != 4 + sizeof h.reserved)
+      return MC_STATUS(kInvalidArgument, "not a CUDA IPC handle (" << handle.size() << " bytes)");
+    int32_t ord = 0;
+    std::memcpy(&ord, handle.data(), 4);
+    std::memcpy(h.reserved, handle.data() + 4, sizeof h.reserved);
+    // The exporter's ordinal names the same GPU here when both see the same devices.
+    MC_RETURN_IF_ERROR(use(ord < count() ? ord : 0));
+    CUdeviceptr p = 0;
+    CUresult r = d_.ipcOpen(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    if (r != CUDA_SUCCESS) return MC_STATUS(kUnavailable, "cuIpcOpenMemHandle: " << err(r));
+    return reinterpret_cast<void*>(p);
+  }
+
+  Status closeIpc(void* base) override {
+    CUresult r = d_.ipcClose(reinterpret_cast<CUdeviceptr>(base));
+    if (r != CUDA_SUCCESS) return MC_STATUS(kInvalidArgument, "cuIpcCloseMemHandle: " << err(r));
+    return Status::OK();
+  }
+
+  Status copyAsync(void* dst, const void* src, size_t len, int ordinal) override {
+    MC_ASSIGN_OR_RETURN(CUstream s, stream(ordinal));
+    if (len == 0) return Status::OK();
+    CUresult r = d_.memcpyAsync(reinterpret_cast<CUdeviceptr>(dst),
+                                reinterpret_cast<CUdeviceptr>(src), len, s);
+    if (r != CUDA_SUCCESS) return MC_STATUS(kInternal, "cuMemcpyAsync(" << len << "): " << err(r));
+    return Status::OK();
+  }
+
+  Result<std::unique_ptr<Event>> record(int ordinal) override {
+    MC_ASSIGN_OR_RETURN(CUstream s, stream(ordinal));
+    CUevent e = nullptr;
+    CUresult r = d_.eventCreate(&e, CU_EVENT_DISABLE_TIMING);
+    if (r == CUDA_SUCCESS) {
+      r = d_.eventRecord(e, s);
+      if (r != CUDA_SUCCESS) d_.eventDestroy(e);
+    }
+    if (r != CUDA_SUCCESS) return MC_STATUS(kInternal, "cuEventRecord: " << err(r));
+    return std::unique_ptr<Event>(new CudaEvent(&d_, e));
+  }
+
  private:
   // Makes device `ordinal`'s primary context current on this thread.
   Status use(int ordinal) {
@@ -115,14 +222,26 @@ class CudaDevice final : public Device {
     if (r != CUDA_SUCCESS) return MC_STATUS(kUnavailable, "cuCtxSetCurrent: " << err(r));
     return Status::OK();
   }
-  std::string err(CUresult r) const {
-    const char* s = nullptr;
-    if (d_.getErrorString != nullptr) d_.getErrorString(r, &s);
-    return s != nullptr ? s : "CUDA error " + std::to_string(static_cast<int>(r));
+  // Device `ordinal`'s copy stream (made current; created on first use, never destroyed:
+  // the layer lives as long as the process).
+  Result<CUstream> stream(int ordinal) {
+    MC_RETURN_IF_ERROR(use(ordinal));
+    std::lock_guard<std::mutex> g(mu_);
+    CUstream& s = streams_[static_cast<size_t>(ordinal)];
+    if (s == nullptr) {
+      CUresult r = d_.streamCreate(&s, CU_STREAM_NON_BLOCKING);
+      if (r != CUDA_SUCCESS) {
+        s = nullptr;
+        return MC_STATUS(kUnavailable, "cuStreamCreate on device " << ordinal << ": " << err(r));
+      }
+    }
+    return s;
   }
+  std::string err(CUresult r) const { return errorText(d_, r); }
   Driver d_;
   std::mutex mu_;
   std::vector<CUcontext> ctx_;
+  std::vector<CUstream> streams_ = std::vector<CUstream>(ctx_.size(), nullptr);
 };
 
 }  // namespace
@@ -138,7 +257,17 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
             load(lib, "cuCtxSetCurrent", &d.ctxSetCurrent) &&
             load(lib, "cuMemAlloc_v2", &d.memAlloc) && load(lib, "cuMemFree_v2", &d.memFree) &&
             load(lib, "cuPointerGetAttribute", &d.pointerGetAttribute) &&
-            load(lib, "cuGetErrorString", &d.getErrorString);
+            load(lib, "cuGetErrorString", &d.getErrorString) &&
+            load(lib, "cuMemGetAddressRange_v2", &d.getAddressRange) &&
+            load(lib, "cuIpcGetMemHandle", &d.ipcGet) &&
+            load(lib, "cuIpcOpenMemHandle_v2", &d.ipcOpen) &&
+            load(lib, "cuIpcCloseMemHandle", &d.ipcClose) &&
+            load(lib, "cuStreamCreate", &d.streamCreate) &&
+            load(lib, "cuMemcpyAsync", &d.memcpyAsync) &&
+            load(lib, "cuEventCreate", &d.eventCreate) &&
+            load(lib, "cuEventRecord", &d.eventRecord) &&
+            load(lib, "cuEventQuery", &d.eventQuery) &&
+            load(lib, "cuEventDestroy_v2", &d.eventDestroy);
   if (!ok) return MC_STATUS(kNotSupported, "the CUDA driver lacks an entry point: " << dlerror());
   (void)load(lib, "cuMemGetHandleForAddressRange", &d.getHandleForAddressRange);  // CUDA >= 11.7
   CUresult r = d.init(0);

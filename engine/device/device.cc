@@ -1,16 +1,21 @@
 // The device layer's choice (MC_DEVICE) and its host simulation. See device.h.
 #include "engine/device/device.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
+#include <thread>
 
 #include "engine/params.h"
 #include "mooncake/config.h"
@@ -24,14 +29,92 @@ Result<std::unique_ptr<Device>> makeCudaDevice();
 
 namespace {
 
+// A simulated copy stream: a thread that runs the copies queued on it in order.
+class SimStream {
+ public:
+  SimStream() : worker_([this] { run(); }) {}
+  ~SimStream() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+  void push(void* dst, const void* src, size_t len) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      q_.push_back({dst, src, len});
+      ++queued_;
+    }
+    cv_.notify_all();
+  }
+  uint64_t queued() {
+    std::lock_guard<std::mutex> g(mu_);
+    return queued_;
+  }
+  bool reached(uint64_t n) {
+    std::lock_guard<std::mutex> g(mu_);
+    return done_ >= n;
+  }
+  bool waitFor(uint64_t n, Deadline deadline) {
+    std::unique_lock<std::mutex> g(mu_);
+    return cv_.wait_until(g, deadline, [&] { return done_ >= n; });
+  }
+
+ private:
+  struct Copy {
+    void* dst;
+    const void* src;
+    size_t len;
+  };
+  void run() {
+    std::unique_lock<std::mutex> g(mu_);
+    for (;;) {
+      cv_.wait(g, [&] { return stop_ || !q_.empty(); });
+      if (q_.empty()) return;
+      Copy c = q_.front();
+      q_.pop_front();
+      g.unlock();
+      std::memmove(c.dst, c.src, c.len);
+      g.lock();
+      ++done_;
+      cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Copy> q_;
+  uint64_t queued_ = 0, done_ = 0;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+class SimEvent final : public Event {
+ public:
+  SimEvent(std::shared_ptr<SimStream> s, uint64_t n) : s_(std::move(s)), n_(n) {}
+  bool done() override { return s_->reached(n_); }
+  Status wait(Deadline deadline) override {
+    if (s_->waitFor(n_, deadline)) return Status::OK();
+    return MC_STATUS(kTimeout, "sim device: copies not done by the deadline");
+  }
+
+ private:
+  std::shared_ptr<SimStream> s_;
+  uint64_t n_;
+};
+
 // Device memory simulated by host memory: each allocation is a memfd mapped shared, so that
-// its "dma-buf" (the memfd) maps the same pages elsewhere, as a GPU's dma-buf does for a NIC.
+// its "dma-buf" (the memfd) maps the same pages elsewhere, as a GPU's dma-buf does for a NIC,
+// and another process maps it from its IPC handle ("sim <pid> <fd> <bytes> <ordinal>", opened
+// through /proc/<pid>/fd/<fd>: like a CUDA IPC handle, it works while the exporter lives).
 class SimDevice final : public Device {
  public:
   ~SimDevice() override {
+    for (auto& st : streams_) st.reset();  // their copies are done before the memory goes
     for (auto& [addr, a] : allocs_) {
       munmap(reinterpret_cast<void*>(addr), a.len);
-      close(a.fd);
+      if (a.fd >= 0) close(a.fd);
     }
   }
   const char* name() const override { return "sim"; }
@@ -70,6 +153,9 @@ class SimDevice final : public Device {
       if (it == allocs_.end())
         return MC_STATUS(kInvalidArgument, "sim device: " << p << " was not allocated here");
       a = it->second;
+      if (a.fd < 0)
+        return MC_STATUS(kInvalidArgument, "sim device: " << p << " was opened from an IPC "
+                                                          << "handle; use closeIpc");
       allocs_.erase(it);
     }
     munmap(p, a.len);
@@ -87,7 +173,7 @@ class SimDevice final : public Device {
     std::lock_guard<std::mutex> g(mu_);
     uint64_t base = 0;
     const Alloc* a = find(reinterpret_cast<uint64_t>(p), len, &base);
-    if (a == nullptr)
+    if (a == nullptr || a->fd < 0)
       return MC_STATUS(kInvalidArgument, "sim device: [" << p << ", +" << len
                                                          << ") is not inside one allocation");
     int fd = dup(a->fd);
@@ -95,12 +181,83 @@ class SimDevice final : public Device {
     return DmaBuf{fd, reinterpret_cast<uint64_t>(p) - base};
   }
 
+  Result<std::string> exportIpc(const void* p, uint64_t* offset) override {
+    std::lock_guard<std::mutex> g(mu_);
+    uint64_t base = 0;
+    const Alloc* a = find(reinterpret_cast<uint64_t>(p), 1, &base);
+    if (a == nullptr || a->fd < 0)
+      return MC_STATUS(kInvalidArgument, "sim device: " << p << " is not in an allocation");
+    *offset = reinterpret_cast<uint64_t>(p) - base;
+    std::ostringstream os;
+    os << "sim " << getpid() << " " << a->fd << " " << a->len << " " << a->ordinal;
+    return os.str();
+  }
+
+  Result<void*> openIpc(const std::string& handle) override {
+    std::istringstream in(handle);
+    std::string tag;
+    long pid = -1;
+    int fd = -1, ordinal = -1;
+    size_t len = 0;
+    if (!(in >> tag >> pid >> fd >> len >> ordinal) || tag != "sim" || len == 0)
+      return MC_STATUS(kInvalidArgument, "sim device: not a sim IPC handle");
+    if (pid == getpid())
+      return MC_STATUS(kInvalidArgument, "sim device: an IPC handle of this process");
+    const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+    int mine = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (mine < 0)
+      return MC_STATUS(kNotFound, "sim device: cannot open the allocation of process " << pid
+                                                                                       << ": " << strerror(errno));
+    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0);
+    close(mine);
+    if (p == MAP_FAILED)
+      return MC_STATUS(kResourceExhausted, "sim device: mmap of an IPC allocation: " << strerror(errno));
+    std::lock_guard<std::mutex> g(mu_);
+    allocs_[reinterpret_cast<uint64_t>(p)] = Alloc{len, -1, ordinal};
+    return p;
+  }
+
+  Status closeIpc(void* base) override {
+    size_t len = 0;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = allocs_.find(reinterpret_cast<uint64_t>(base));
+      if (it == allocs_.end() || it->second.fd >= 0)
+        return MC_STATUS(kInvalidArgument, "sim device: " << base << " was not opened from an "
+                                                          << "IPC handle");
+      len = it->second.len;
+      allocs_.erase(it);
+    }
+    munmap(base, len);
+    return Status::OK();
+  }
+
+  Status copyAsync(void* dst, const void* src, size_t len, int ordinal) override {
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
+    if (len > 0) s->push(dst, src, len);
+    return Status::OK();
+  }
+
+  Result<std::unique_ptr<Event>> record(int ordinal) override {
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
+    const uint64_t n = s->queued();
+    return std::unique_ptr<Event>(new SimEvent(std::move(s), n));
+  }
+
  private:
   struct Alloc {
     size_t len = 0;
-    int fd = -1;
+    int fd = -1;  // -1: opened from another process's IPC handle
     int ordinal = -1;
   };
+  Result<std::shared_ptr<SimStream>> stream(int ordinal) {
+    if (ordinal < 0 || ordinal >= kSimDevices)
+      return MC_STATUS(kInvalidArgument, "sim device " << ordinal << " does not exist");
+    std::lock_guard<std::mutex> g(mu_);
+    auto& s = streams_[static_cast<size_t>(ordinal)];
+    if (!s) s = std::make_shared<SimStream>();
+    return s;
+  }
   // Under mu_: the allocation holding [addr, addr+len), its start in *base.
   const Alloc* find(uint64_t addr, uint64_t len, uint64_t* base) const {
     auto it = allocs_.upper_bound(addr);
@@ -113,6 +270,7 @@ class SimDevice final : public Device {
   }
   mutable std::mutex mu_;
   std::map<uint64_t, Alloc> allocs_;
+  std::shared_ptr<SimStream> streams_[kSimDevices];
 };
 
 std::atomic<bool> g_active{false};

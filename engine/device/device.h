@@ -6,8 +6,9 @@
 //     allocation) that the engine must treat as device memory (never memcpy'd by shm or tcp),
 //     and its dma-buf is that memfd, which the verbs emulator maps like a NIC maps a GPU's BAR.
 // Chosen once per process by MC_DEVICE (auto: cuda when a driver and a device are there).
-// What is here today: allocation, pointer attributes and dma-buf export (what rdma needs to
-// register GPU memory). IPC handles, copies and events come with the cuda transport.
+// Allocation, pointer attributes, dma-buf export (rdma registers GPU memory with it), IPC
+// handles (a process of the same host maps another's allocation), copies on a per-device copy
+// stream, and events that complete after the copies queued before them.
 #pragma once
 
 #include <cstddef>
@@ -16,6 +17,7 @@
 #include <string>
 
 #include "engine/status.h"
+#include "engine/types.h"
 
 namespace mooncake::engine::device {
 
@@ -30,6 +32,15 @@ struct DmaBuf {
   uint64_t offset = 0;  // where the range starts within the dma-buf
 };
 
+// Completes once every copy queued on its stream before it was recorded has.
+class Event {
+ public:
+  virtual ~Event() = default;
+  virtual bool done() = 0;
+  // kTimeout when the copies are not done by `deadline`; an error when a copy failed.
+  virtual Status wait(Deadline deadline) = 0;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -40,6 +51,20 @@ class Device {
   virtual PointerInfo pointer(const void* p) const = 0;
   // A dma-buf for [p, p+len), which must lie in one allocation.
   virtual Result<DmaBuf> exportDmabuf(const void* p, size_t len) = 0;
+
+  // IPC: a handle (opaque bytes) naming the allocation that holds p, for another process of
+  // this host, and p's offset in that allocation. The exporter keeps the allocation alive.
+  virtual Result<std::string> exportIpc(const void* p, uint64_t* offset) = 0;
+  // Maps an allocation another process exported; its base here (device memory of this layer
+  // until closeIpc). A handle of this very process is refused, as CUDA refuses it.
+  virtual Result<void*> openIpc(const std::string& handle) = 0;
+  virtual Status closeIpc(void* base) = 0;
+
+  // Queues a copy of `len` bytes (device or host memory on either side) on device
+  // `ordinal`'s copy stream; a stream's copies run in the order queued.
+  virtual Status copyAsync(void* dst, const void* src, size_t len, int ordinal) = 0;
+  // An event on device `ordinal`'s copy stream (Event).
+  virtual Result<std::unique_ptr<Event>> record(int ordinal) = 0;
 };
 
 // The process's device layer (made on first call; MC_DEVICE). An error says why there is none

@@ -2,8 +2,10 @@
 // the engine's GPU-memory paths are tested over, and the choice by name.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -74,6 +76,78 @@ TEST(DeviceSim, DmabufMapsTheSamePages) {
   EXPECT_FALSE(d->exportDmabuf(c + len - 10, 20).ok()) << "a range past the allocation";
   int host = 0;
   EXPECT_FALSE(d->exportDmabuf(&host, sizeof host).ok());
+  EXPECT_TRUE(d->free(c).ok());
+}
+
+// Copies run on the device's stream in the order queued (the second reads what the first
+// wrote) and an event completes only after the copies queued before it.
+TEST(DeviceSim, CopiesRunInOrderAndEventsFollowThem) {
+  auto d = sim();
+  ASSERT_NE(d, nullptr);
+  const size_t len = 4u << 20;
+  auto a = d->allocate(len, 1), b = d->allocate(len, 1);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::string host(len, '\0');
+  for (size_t i = 0; i < len; ++i) host[i] = static_cast<char>(i * 13 + 5);
+  auto idle = d->record(1);
+  ASSERT_TRUE(idle.ok());
+  EXPECT_TRUE((*idle)->done()) << "an event with nothing before it";
+  for (int round = 0; round < 3; ++round) {
+    std::memset(*b, 0, len);
+    ASSERT_TRUE(d->copyAsync(*a, host.data(), len, 1).ok());  // host -> device
+    ASSERT_TRUE(d->copyAsync(*b, *a, len, 1).ok());           // device -> device, after it
+    auto ev = d->record(1);
+    ASSERT_TRUE(ev.ok());
+    ASSERT_TRUE((*ev)->wait(std::chrono::steady_clock::now() + std::chrono::seconds(10)).ok());
+    EXPECT_TRUE((*ev)->done());
+    ASSERT_EQ(std::memcmp(*b, host.data(), len), 0) << "round " << round;
+  }
+  EXPECT_FALSE(d->copyAsync(*a, *b, 16, engine::device::kSimDevices).ok());
+  EXPECT_TRUE(d->free(*a).ok());
+  EXPECT_TRUE(d->free(*b).ok());
+}
+
+// An IPC handle maps the allocation in another process (a forked child with its own device
+// layer): it reads what the exporter wrote and the exporter sees what it writes; the exporter
+// itself cannot open its own handle, and what was opened is closed with closeIpc, not freed.
+TEST(DeviceSim, IpcHandleMapsTheAllocationInAnotherProcess) {
+  auto d = sim();
+  ASSERT_NE(d, nullptr);
+  const size_t len = 1u << 16;
+  auto a = d->allocate(len, 3);
+  ASSERT_TRUE(a.ok());
+  char* c = static_cast<char*>(*a);
+  for (size_t i = 0; i < len; ++i) c[i] = static_cast<char>(i * 3 + 1);
+  uint64_t off = 0;
+  auto h = d->exportIpc(c + 4096, &off);
+  ASSERT_TRUE(h.ok()) << h.status().toString();
+  EXPECT_EQ(off, 4096u);
+  EXPECT_FALSE(d->openIpc(*h).ok()) << "a process opened its own IPC handle";
+  EXPECT_FALSE(d->openIpc("sim 1 2").ok());
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto mine = engine::device::make("sim");
+    if (!mine.ok()) _exit(10);
+    auto base = (*mine)->openIpc(*h);
+    if (!base.ok()) _exit(11);
+    char* v = static_cast<char*>(*base);
+    for (size_t i = 0; i < len; ++i)
+      if (v[i] != static_cast<char>(i * 3 + 1)) _exit(12);
+    auto info = (*mine)->pointer(v + 100);
+    if (!info.device || info.ordinal != 3) _exit(13);
+    if ((*mine)->free(v).ok()) _exit(14);
+    std::memset(v, 0x77, 100);
+    if (!(*mine)->closeIpc(v).ok()) _exit(15);
+    if ((*mine)->pointer(v).device) _exit(16);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child failed at step " << WEXITSTATUS(status) - 10;
+  for (int i = 0; i < 100; ++i) ASSERT_EQ(c[i], 0x77) << "byte " << i;
+  EXPECT_EQ(c[100], static_cast<char>(100 * 3 + 1));
   EXPECT_TRUE(d->free(c).ok());
 }
 
