@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU machine's check (issue 11): builds the engine's device layer against the CUDA
+# driver API's header and runs tests/gpu/device_check on the GPU (MC_DEVICE=cuda): allocation
+# and pointer attributes, copies and events, dma-buf export, an IPC handle opened by a second
+# process, and the device's own 64 MiB device-to-device copy rate. Log and JSON go to $OUT
+# (the device tool's output folder) or $GPU_CHECK_BUILD/out (default build-gpu-check/).
+#
+# It needs a C++17 compiler and the CUDA toolkit's include/ only: the GPU machine has no
+# protobuf or googletest, so this does not configure the whole project. What it does not run
+# yet: the cuda transport, CUDA tensors in the process group, the store on GPU buffers (none of
+# them exists yet).
+#
+#   scripts/gpu_check.sh          on the GPU machine
+#   scripts/gpu_check.sh --sim    a dry run anywhere: the same build, over the host simulation
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+DEVICE=cuda
+[[ "${1:-}" == "--sim" ]] && DEVICE=sim
+CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+B="${GPU_CHECK_BUILD:-$ROOT/build-gpu-check}"
+OUT="${OUT:-$B/out}"
+mkdir -p "$B/generated/mooncake" "$OUT"
+cat > "$B/generated/mooncake/config.h" <<'H'
+// Written by scripts/gpu_check.sh: the device layer with CUDA, nothing else.
+#pragma once
+#define MC_HAVE_CUDA 1
+#define MC_HAVE_RDMA 0
+#define MC_HAVE_TORCH 0
+#define MC_HAVE_HWLOC 0
+H
+CXX="${CXX:-g++}"
+t0=$SECONDS
+"$CXX" -std=c++17 -O2 -Wall -I"$ROOT" -I"$B/generated" -I"$CUDA_HOME/include" \
+  engine/status.cc engine/params.cc engine/log.cc engine/device/device.cc \
+  engine/device/cuda_device.cc tests/gpu/device_check.cc \
+  -o "$B/device_check" -ldl -lpthread 2>&1 | tee "$OUT/build.log"
+echo "gpu_check: built in $((SECONDS - t0)) s" | tee -a "$OUT/build.log"
+
+set +e
+{
+  echo "gpu_check: MC_DEVICE=$DEVICE, $(date -u +%FT%TZ), $(uname -n)"
+  if command -v nvidia-smi >/dev/null; then nvidia-smi -L; else echo "(no nvidia-smi)"; fi
+  MC_DEVICE="$DEVICE" "$B/device_check" --json "$OUT/device_check.json"
+} 2>&1 | tee "$OUT/gpu_check.log"
+rc=${PIPESTATUS[0]}
+set -e
+if ((rc == 0)); then
+  echo "gpu_check: OK ($DEVICE)" | tee -a "$OUT/gpu_check.log"
+else
+  echo "gpu_check: FAILED ($DEVICE, rc=$rc)" | tee -a "$OUT/gpu_check.log"
+fi
+exit "$rc"
