@@ -63,7 +63,13 @@ struct PeerEntry {
   std::unique_ptr<TransportPeer> control;  // tcp link: handshake, liveness (maybe data too)
   std::unique_ptr<TransportPeer> data_owned;
   TransportPeer* data = nullptr;
-  bool device_memory = false;  // the data transport reaches GPU memory (registered as kCuda)
+  // What moves GPU memory (MemoryKind::kCuda, either side) to this peer: `data` itself when
+  // its transport reaches GPU memory (rdma), a second transport's peer (cuda, same host), or
+  // none (requests with GPU memory are refused).
+  TransportPeer* device = nullptr;
+  std::unique_ptr<TransportPeer> device_owned;
+  TransportKind device_kind = TransportKind::kTcp;
+  std::atomic<int> remote_gpu_regions{0};  // GPU regions in the peer's descriptor
   std::atomic<bool> dead{false};
   std::mutex mu;
   Status why;  // guarded by mu
@@ -188,23 +194,68 @@ class TransferEngine::Impl {
     return p;
   }
 
-  // A request to a peer whose transport cannot reach GPU memory (shm, tcp): its local side
-  // must not be GPU memory (registered as kCuda, or device memory the engine does not know;
-  // the transport would memcpy from it). Called only once GPU memory is about.
-  Status checkHostLocal(const TransferRequest& r, size_t i, PeerEntry* e) {
+  // Where request i to peer e goes once GPU memory is about: its peer's data transport, or,
+  // when either side is GPU memory (registered as kCuda, device memory the engine does not
+  // know, or a GPU region of the peer), the transport that moves GPU memory to it; an error
+  // when there is none (shm and tcp would memcpy it).
+  Result<TransportPeer*> route(const TransferRequest& r, size_t i, PeerEntry* e) {
     const uint64_t a = reinterpret_cast<uint64_t>(r.local);
-    auto region = registry.find(a, std::max<uint64_t>(r.length, 1));
+    const uint64_t n = std::max<uint64_t>(r.length, 1);
+    auto region = registry.find(a, n);
     bool gpu = region.has_value() && region->kind == MemoryKind::kCuda;
     if (!region.has_value() && device::active()) {
       auto dev = device::get();
       gpu = dev.ok() && (*dev)->pointer(r.local).device;
     }
-    if (!gpu) return Status::OK();
-    return MC_STATUS(kNotSupported, "request " << i << ": its local memory at " << r.local
+    const char* side = "its local memory";
+    if (!gpu && e->remote_gpu_regions.load(std::memory_order_relaxed) > 0) {
+      std::lock_guard<std::mutex> g(e->mu);
+      const RegionDesc* rr = e->desc.findRegion(r.remote, n);
+      gpu = rr != nullptr && rr->kind == MemoryKind::kCuda;
+      side = "the peer's memory";
+    }
+    if (!gpu) return e->data;
+    if (e->device != nullptr) return e->device;
+    return MC_STATUS(kNotSupported, "request " << i << ": " << side << " at "
+                                               << (side[0] == 'i' ? a : r.remote)
                                                << " is GPU memory and peer " << e->desc.name
                                                << " is reached over " << transportName(e->kind)
-                                               << ", which moves host memory only (GPU memory "
-                                               << "goes over rdma in this build)");
+                                               << ", which moves host memory only; no transport "
+                                                  "here moves GPU memory to it (rdma between "
+                                                  "hosts, cuda on one host with the same device "
+                                                  "layer on both sides)");
+  }
+
+  // Chooses what moves GPU memory to a newly opened peer (PeerEntry::device). A forced
+  // transport (MC_TRANSPORT) is the only one used, for GPU memory too.
+  void connectDevice(PeerEntry* e, const SegmentDesc& local, const SegmentDesc& remote,
+                     Deadline deadline) {
+    if (transports[static_cast<int>(e->kind)]->reachesDeviceMemory()) {
+      e->device = e->data;
+      e->device_kind = e->kind;
+      return;
+    }
+    if (forced >= 0) return;
+    for (int k = 0; k < kNumTransportKinds; ++k) {
+      Transport* t = transports[k].get();
+      if (t == nullptr || !t->reachesDeviceMemory() || !t->canReach(local, remote)) continue;
+      auto p = t->connect(remote, deadline, true, e->control->controlLink());
+      if (!p.ok()) {
+        MC_LOG(WARN, ENGINE) << "GPU memory to " << remote.name << ": " << transportName(TransportKind(k))
+                             << " does not connect: " << p.status().message();
+        continue;
+      }
+      e->device_owned = std::move(p).value();
+      e->device = e->device_owned.get();
+      e->device_kind = TransportKind(k);
+      return;
+    }
+  }
+
+  static int gpuRegions(const SegmentDesc& d) {
+    int n = 0;
+    for (const RegionDesc& r : d.regions) n += r.kind == MemoryKind::kCuda;
+    return n;
   }
 
   BouncePool* bouncePool() {
@@ -289,6 +340,7 @@ class TransferEngine::Impl {
     else
       MC_LOG(WARN, ENGINE) << "peer " << e->desc.name << " failed: " << why.toString();
     if (e->data != nullptr && e->data != e->control.get()) e->data->fail(e->why);
+    if (e->device_owned) e->device_owned->fail(e->why);
     if (e->control) e->control->fail(e->why);
   }
 
@@ -582,6 +634,9 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
       m.transports[k].reset();
     }
   }
+  if (m.forced >= 0 && m.transports[m.forced] && !m.transports[m.forced]->movesHostMemory())
+    return MC_STATUS(kInvalidArgument, "transport '" << options.transport << "' moves GPU memory "
+                                                     << "only; it cannot be forced for every peer");
   if (options.name_with_port) {
     // The listener's port is known only now; nothing has used the name yet.
     SegmentDesc d;
@@ -660,6 +715,7 @@ Status TransferEngine::registerDevice(void* addr, size_t len, int device, bool o
     return st;
   }
   impl_->device_regions.fetch_add(1);
+  device::noteUse();
   return Status::OK();
 }
 
@@ -730,7 +786,8 @@ Result<PeerId> TransferEngine::openPeer(const SegmentDesc& remote, Deadline dead
     kind = m.forced;
   } else {
     for (int k = 0; k < kNumTransportKinds; ++k) {
-      if (m.transports[k] && m.transports[k]->canReach(local, remote)) {
+      if (m.transports[k] && m.transports[k]->movesHostMemory() &&
+          m.transports[k]->canReach(local, remote)) {
         kind = k;
         break;
       }
@@ -744,7 +801,7 @@ Result<PeerId> TransferEngine::openPeer(const SegmentDesc& remote, Deadline dead
   auto entry = std::make_unique<PeerEntry>();
   entry->desc = remote;
   entry->kind = TransportKind(kind);
-  entry->device_memory = m.transports[kind]->reachesDeviceMemory();
+  entry->remote_gpu_regions.store(Impl::gpuRegions(remote));
   bool tcp_data = kind == static_cast<int>(TransportKind::kTcp);
   auto control = m.transports[static_cast<int>(TransportKind::kTcp)]->connect(remote, deadline,
                                                                               tcp_data, nullptr);
@@ -758,6 +815,7 @@ Result<PeerId> TransferEngine::openPeer(const SegmentDesc& remote, Deadline dead
     entry->data_owned = std::move(data).value();
     entry->data = entry->data_owned.get();
   }
+  m.connectDevice(entry.get(), local, remote, deadline);
   std::unique_lock<std::shared_mutex> g(m.peers_mu);
   PeerId id = static_cast<PeerId>(m.peers.size());
   m.peers.push_back(std::move(entry));
@@ -783,8 +841,10 @@ Status TransferEngine::updatePeer(PeerId peer, const SegmentDesc& remote) {
     return MC_STATUS(kInvalidArgument, "updatePeer: descriptor of another engine");
   MC_RETURN_IF_ERROR(e->control->updateRemote(remote));
   if (e->data != e->control.get()) MC_RETURN_IF_ERROR(e->data->updateRemote(remote));
+  if (e->device_owned) MC_RETURN_IF_ERROR(e->device_owned->updateRemote(remote));
   std::lock_guard<std::mutex> g(e->mu);
   e->desc = remote;
+  e->remote_gpu_regions.store(Impl::gpuRegions(remote));
   return Status::OK();
 }
 
@@ -807,6 +867,7 @@ const SegmentDesc* TransferEngine::peerSegment(PeerId peer) const {
 Result<BatchId> TransferEngine::submit(const std::vector<TransferRequest>& requests) {
   Impl& m = *impl_;
   std::vector<PeerEntry*> targets(requests.size());
+  std::vector<TransportPeer*> routes(requests.size());  // data, or device for GPU memory
   for (size_t i = 0; i < requests.size(); ++i) {
     const auto& r = requests[i];
     PeerEntry* e = m.peer(r.peer);
@@ -814,10 +875,12 @@ Result<BatchId> TransferEngine::submit(const std::vector<TransferRequest>& reque
     if (r.local == nullptr && r.length > 0)
       return MC_STATUS(kInvalidArgument, "request " << i << ": null local address");
     MC_RETURN_IF_ERROR(m.peerStatus(e));
-    if (!e->device_memory && (m.device_regions.load(std::memory_order_relaxed) > 0 ||
-                              device::active()))
-      MC_RETURN_IF_ERROR(m.checkHostLocal(r, i, e));
     targets[i] = e;
+    routes[i] = e->data;
+    if (m.device_regions.load(std::memory_order_relaxed) > 0 || device::active() ||
+        e->remote_gpu_regions.load(std::memory_order_relaxed) > 0) {
+      MC_ASSIGN_OR_RETURN(routes[i], m.route(r, i, e));
+    }
   }
   auto b = std::make_shared<Batch>();
   BatchId id = m.next_batch.fetch_add(1);
@@ -839,7 +902,7 @@ Result<BatchId> TransferEngine::submit(const std::vector<TransferRequest>& reque
     t.length = r.length;
     t.remote = r.remote;
     t.on_done = [finish_one, i](Status s) { finish_one(i, std::move(s)); };
-    targets[i]->data->submit(&t);
+    routes[i]->submit(&t);
   }
   finish_one(requests.size(), Status::OK());  // drop the posting guard
   return id;
@@ -910,6 +973,12 @@ Status TransferEngine::notify(PeerId peer, uint32_t channel, uint64_t tag) {
   PeerEntry* e = impl_->peer(peer);
   if (e == nullptr) return MC_STATUS(kInvalidArgument, "notify: unknown peer " << peer);
   MC_RETURN_IF_ERROR(impl_->peerStatus(e));
+  if (e->device_owned) {
+    // GPU memory to this peer moves over another transport (cuda): the notification follows
+    // those writes too once they are done.
+    Status st = e->device_owned->quiesce(deadlineInMs(60000));
+    if (!st.ok()) return Status(st.code(), "notify: " + st.message());
+  }
   return e->data->notify(channel, tag);
 }
 

@@ -293,14 +293,13 @@ Result<std::unique_ptr<Device>> make(const std::string& want) {
 Result<Device*> get() {
   // Made once; a failure is kept too (the answer does not change within a process).
   static Result<std::unique_ptr<Device>>* made = [] {
-    auto* r = new Result<std::unique_ptr<Device>>(make(params::getString("MC_DEVICE")));
-    if (r->ok()) g_active.store(true, std::memory_order_release);
-    return r;
+    return new Result<std::unique_ptr<Device>>(make(params::getString("MC_DEVICE")));
   }();
   if (!made->ok()) return made->status();
   return made->value().get();
 }
 
 bool active() { return g_active.load(std::memory_order_acquire); }
+void noteUse() { g_active.store(true, std::memory_order_release); }
 
 }  // namespace mooncake::engine::device

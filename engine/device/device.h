@@ -73,8 +73,11 @@ Result<Device*> get();
 // A device layer of kind `which` (auto, cuda, sim, none), apart from the process's one: for
 // tests, and what get() makes from MC_DEVICE.
 Result<std::unique_ptr<Device>> make(const std::string& which);
-// Whether get() has made a device layer in this process (cheap; never makes one).
+// Whether GPU memory has been used in this process (registered, allocated or mapped from a
+// peer through the layer; noteUse()): until then the engine looks no request up for it.
+// Cheap; never makes a layer.
 bool active();
+void noteUse();
 
 // The simulation's device count.
 constexpr int kSimDevices = 8;

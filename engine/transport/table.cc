@@ -12,7 +12,7 @@ namespace {
 
 // Rows in TransportKind order (the priority order): cuda, shm, rdma, tcp.
 const TransportRow kTable[kNumTransportKinds] = {
-    {TransportKind::kCuda, "cuda", nullptr},  // not built yet: CUDA memory goes over the others
+    {TransportKind::kCuda, "cuda", &makeCudaTransport},  // GPU memory only (movesHostMemory)
     {TransportKind::kShm, "shm", &makeShmTransport},
 #if MC_HAVE_RDMA
     {TransportKind::kRdma, "rdma", &makeRdmaTransport},

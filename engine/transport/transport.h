@@ -112,6 +112,13 @@ class TransportPeer {
   virtual Status updateRemote(const SegmentDesc& remote) = 0;
   // Poison: fail pending and future tasks with `why`.
   virtual void fail(const Status& why) = 0;
+  // Waits until every task submitted here so far has moved its bytes (a transport whose
+  // tasks complete later than submit returns: cuda). The engine calls it before a
+  // notification it sends over another transport of the same peer.
+  virtual Status quiesce(Deadline deadline) {
+    (void)deadline;
+    return Status::OK();
+  }
   // The control link this peer carries (tcp only); nullptr for data-only transports.
   virtual std::shared_ptr<ControlLink> controlLink() { return nullptr; }
   // False: this transport moves data and notifications only; the engine sends the peer's
@@ -160,6 +167,9 @@ class Transport {
   // dma-buf / GPUDirect registration. Others move host memory only; the engine keeps GPU
   // memory away from them.
   virtual bool reachesDeviceMemory() const { return false; }
+  // False for a transport of GPU memory only (cuda): the engine never chooses it as a peer's
+  // transport for host memory, notifications and messages.
+  virtual bool movesHostMemory() const { return true; }
   // Stops threads; called before the engine's memory goes away.
   virtual void stop() = 0;
 };
@@ -187,5 +197,8 @@ std::unique_ptr<Transport> makeShmTransport(const TransportOptions& options);
 std::unique_ptr<Transport> makeTcpTransport(const TransportOptions& options);
 // Defined only in builds with MC_HAVE_RDMA (the table references it only then).
 std::unique_ptr<Transport> makeRdmaTransport(const TransportOptions& options);
+// Over the device layer (engine/device/device.h), in every build; it offers itself only where
+// a device layer exists (the CUDA driver, or MC_DEVICE=sim).
+std::unique_ptr<Transport> makeCudaTransport(const TransportOptions& options);
 
 }  // namespace mooncake::engine

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "engine/device/device.h"
 #include "tests/engine/peer_fixture.h"
@@ -101,6 +102,91 @@ TEST_P(GpuMemoryTest, RegistrationChecksTheMemoryIsOnTheDevice) {
   EXPECT_TRUE(eng->isRegistered(*p, 1u << 16));
   MC_EXPECT_OK(eng->unregisterMemory(*p));
   MC_EXPECT_OK((*dev_layer)->free(*p));
+}
+
+// The engine's own choice on one host (no forced transport): host memory over shm, GPU memory
+// (either side) over the cuda transport -- IPC handles and the device layer's copy stream --
+// with the peer's engine-allocated host memory on the other side too; a notification follows
+// the copies before it (the peer checks each write is visible when its tag arrives).
+class CudaSameHost : public PeerTestBase {};
+
+TEST_F(CudaSameHost, GpuMemoryMovesOverCudaHostOverShm) {
+  ScopedEnv dev("MC_DEVICE", "sim");
+  constexpr int kCount = 24;
+  constexpr uint64_t kLen = (2u << 20) + 333;
+  constexpr uint64_t kTagBase = 0xC0DA000000000000ull;
+  PeerConfig cfg;
+  cfg.region_bytes = 4u << 20;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  const std::string r = peer->call("alloc_gpu " + std::to_string(8u << 20) + " 700 1");
+  ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
+  const uint64_t remote_gpu = addrOf(r);
+  auto eng = makeEngine("");
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  EXPECT_EQ(eng->peerTransport(pid), "shm");
+  auto gpu = eng->allocate(8u << 20, engine::MemoryKind::kCuda, 0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status().toString();
+  auto* g = static_cast<uint8_t*>(*gpu);  // simulated device memory is host memory
+  HostBuffer host(kLen);
+  MC_ASSERT_OK(eng->registerMemory(host.data(), kLen));
+  std::vector<uint8_t> loose(kLen);  // unregistered host memory
+  const uint64_t remote_host = peer->info().alloc_addr;
+
+  fillPattern(host.data(), kLen, 701, 0);  // host -> the peer's GPU
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, host.data(), kLen, pid, remote_gpu + 5));
+  EXPECT_EQ(peer->expect(remote_gpu + 5, kLen, 701, 0), "");
+  fillPattern(g, kLen, 702, 0);  // GPU -> GPU
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, g, kLen, pid, remote_gpu));
+  EXPECT_EQ(peer->expect(remote_gpu, kLen, 702, 0), "");
+  MC_ASSERT_OK(transfer(*eng, OpCode::kRead, loose.data(), kLen, pid, remote_gpu));  // -> host
+  EXPECT_EQ(checkPattern(loose.data(), kLen, 702, 0), "");
+  MC_ASSERT_OK(transfer(*eng, OpCode::kRead, g + 9, kLen, pid, remote_host));  // host -> GPU
+  EXPECT_EQ(checkPattern(g + 9, kLen, allocSeed(cfg), 0), "");
+  fillPattern(g, kLen, 703, 0);  // GPU -> the peer's engine-allocated host memory
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, g, kLen, pid, remote_host));
+  EXPECT_EQ(peer->expect(remote_host, kLen, 703, 0), "");
+  // Host memory the peer registered (not engine-allocated) has nothing a copy can address.
+  Status st = transfer(*eng, OpCode::kWrite, g, 4096, pid, peer->info().reg_addr);
+  EXPECT_EQ(st.code(), Code::kNotSupported) << st.toString();
+  EXPECT_NE(st.message().find("not allocated by its engine"), std::string::npos) << st.toString();
+  // Host to host still goes over shm, untouched.
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, host.data(), 4096, pid, remote_host));
+  EXPECT_EQ(peer->expect(remote_host, 4096, 701, 0), "");
+
+  // Each write (submitted, not waited for) then a notification: it arrives after the bytes.
+  ASSERT_LE(notifyBytes(kCount), 8u << 20);
+  ASSERT_TRUE(peer->send("notify_check " + std::to_string(kCount) + " " +
+                         std::to_string(remote_gpu) + " " + std::to_string(kTagBase) +
+                         " 800 " + std::to_string(eng->engineId()) + " 30000"));
+  std::vector<engine::BatchId> ids;
+  for (int k = 0; k < kCount; ++k) {
+    Slot s = notifySlot(k);
+    fillPattern(g + s.offset, s.len, 800 + k, 0);
+    auto id = eng->submit({{OpCode::kWrite, g + s.offset, s.len, pid, remote_gpu + s.offset}});
+    ASSERT_TRUE(id.ok()) << id.status().toString();
+    ids.push_back(*id);
+    MC_ASSERT_OK(eng->notify(pid, kTagBase + k));
+  }
+  for (auto id : ids) MC_EXPECT_OK(eng->wait(id, engine::deadlineInMs(20000)));
+  std::string reply;
+  ASSERT_TRUE(peer->recv(&reply, 35000));
+  EXPECT_EQ(reply, "ok") << "the peer saw a notification before its write";
+  MC_EXPECT_OK(eng->free(*gpu));
+  MC_EXPECT_OK(eng->unregisterMemory(host.data()));
+}
+
+// The cuda transport moves GPU memory only: it cannot be forced for every peer.
+TEST(CudaTransport, CannotBeForced) {
+  ScopedEnv dev("MC_DEVICE", "sim");
+  engine::EngineOptions o;
+  o.secret = "job-secret";
+  o.transport = "cuda";
+  auto e = TransferEngine::create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("GPU memory only"), std::string::npos) << e.status().toString();
 }
 
 INSTANTIATE_TEST_SUITE_P(HostOnly, GpuMemoryTest, ::testing::Values("shm", "tcp"),
