@@ -16,11 +16,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "engine/device/device.h"
+#include "tests/gpu/check_util.h"
 
 extern char** environ;
 
@@ -29,24 +29,10 @@ namespace {
 using mooncake::Status;
 using mooncake::engine::deadlineInMs;
 using mooncake::engine::device::Device;
-
-void fill(std::vector<char>& v, uint64_t seed) {
-  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<char>((i * 131 + seed * 7) >> 3);
-}
-bool same(const std::vector<char>& v, uint64_t seed) {
-  std::vector<char> w(v.size());
-  fill(w, seed);
-  return v == w;
-}
-
-// Copies on device 0's stream, then waits for them (10 s).
-Status copyWait(Device& d, void* dst, const void* src, size_t len) {
-  Status st = d.copyAsync(dst, src, len, 0);
-  if (!st.ok()) return st;
-  auto ev = d.record(0);
-  if (!ev.ok()) return ev.status();
-  return (*ev)->wait(deadlineInMs(10000));
-}
+using mooncake::gpucheck::copyWait;
+using mooncake::gpucheck::fill;
+using mooncake::gpucheck::Row;
+using mooncake::gpucheck::same;
 
 std::string hexOf(const std::string& s) {
   static const char* k = "0123456789abcdef";
@@ -79,29 +65,19 @@ int ipcChild(Device& d, const std::string& handle, uint64_t off, size_t len, uin
   return 0;
 }
 
-struct Result {
-  std::string check;
-  bool ok;
-  std::string detail;
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  auto layer = mooncake::engine::device::get();
-  if (!layer.ok()) {
-    std::printf("{\"check\": \"layer\", \"ok\": false, \"detail\": \"%s\"}\n",
-                layer.status().message().c_str());
-    return 2;
-  }
-  Device& d = **layer;
+  Device* layer = mooncake::gpucheck::layerOrSay();
+  if (layer == nullptr) return 2;
+  Device& d = *layer;
   if (argc == 6 && std::strcmp(argv[1], "--ipc-child") == 0)
     return ipcChild(d, unhex(argv[2]), std::strtoull(argv[3], nullptr, 10),
                     std::strtoull(argv[4], nullptr, 10), std::strtoull(argv[5], nullptr, 10));
   std::string json_path;
   if (argc == 3 && std::strcmp(argv[1], "--json") == 0) json_path = argv[2];
 
-  std::vector<Result> out;
+  std::vector<Row> out;
   auto add = [&](const std::string& c, bool ok, const std::string& detail) {
     out.push_back({c, ok, detail});
   };
@@ -182,16 +158,5 @@ int main(int argc, char** argv) {
     (void)d.free(*b);
   }
 
-  bool all = true;
-  std::string lines;
-  for (const auto& r : out) {
-    all &= r.ok;
-    std::string detail;
-    for (char c : r.detail) detail += (c == '"' || c == '\\') ? '\'' : c;
-    lines += "{\"check\": \"" + r.check + "\", \"layer\": \"" + d.name() + "\", \"ok\": " +
-             (r.ok ? "true" : "false") + ", \"detail\": \"" + detail + "\"}\n";
-  }
-  std::fputs(lines.c_str(), stdout);
-  if (!json_path.empty()) std::ofstream(json_path) << lines;
-  return all ? 0 : 1;
+  return mooncake::gpucheck::report(out, d.name(), json_path) ? 0 : 1;
 }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "engine/device/device.h"
+#include "tests/gpu/check_util.h"
 #include "engine/engine.h"
 #include "engine/rendezvous.h"
 
@@ -32,24 +33,12 @@ using mooncake::engine::MemoryKind;
 using mooncake::engine::OpCode;
 using mooncake::engine::TransferEngine;
 using mooncake::engine::device::Device;
+using mooncake::gpucheck::copyWait;
+using mooncake::gpucheck::fill;
+using mooncake::gpucheck::Row;
+using mooncake::gpucheck::same;
 
 constexpr size_t kBig = 64u << 20;
-
-void fill(std::vector<char>& v, uint64_t seed) {
-  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<char>((i * 131 + seed * 7) >> 3);
-}
-bool same(const std::vector<char>& v, uint64_t seed) {
-  std::vector<char> w(v.size());
-  fill(w, seed);
-  return v == w;
-}
-Status copyWait(Device& d, void* dst, const void* src, size_t len) {
-  Status st = d.copyAsync(dst, src, len, 0);
-  if (!st.ok()) return st;
-  auto ev = d.record(0);
-  if (!ev.ok()) return ev.status();
-  return (*ev)->wait(deadlineInMs(20000));
-}
 
 std::unique_ptr<TransferEngine> engineNamed(const std::string& name, const std::string& secret) {
   mooncake::engine::EngineOptions o;
@@ -91,22 +80,12 @@ int child(Device& d, uint16_t port, const std::string& secret) {
   return verdict == "ok" ? 0 : 25;
 }
 
-struct Row {
-  std::string check;
-  bool ok;
-  std::string detail;
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  auto layer = mooncake::engine::device::get();
-  if (!layer.ok()) {
-    std::printf("{\"check\": \"layer\", \"ok\": false, \"detail\": \"%s\"}\n",
-                layer.status().message().c_str());
-    return 2;
-  }
-  Device& d = **layer;
+  Device* layer = mooncake::gpucheck::layerOrSay();
+  if (layer == nullptr) return 2;
+  Device& d = *layer;
   if (argc == 4 && std::strcmp(argv[1], "--child") == 0)
     return child(d, static_cast<uint16_t>(std::atoi(argv[2])), argv[3]);
 
@@ -120,16 +99,15 @@ int main(int argc, char** argv) {
                                server.status());
   auto eng = rdv.ok() ? engineNamed("parent", secret) : nullptr;
   if (!eng) {
-    std::printf("{\"check\": \"setup\", \"ok\": false, \"detail\": \"%s\"}\n",
-                rdv.ok() ? "engine" : rdv.status().message().c_str());
-    return 1;
+    return mooncake::gpucheck::report({{"setup", false, rdv.ok() ? "engine" : rdv.status().message()}},
+                                      d.name(), "") ? 0 : 1;
   }
   std::string port = std::to_string((*server)->port());
   char* args[] = {argv[0], const_cast<char*>("--child"), port.data(),
                   const_cast<char*>(secret.c_str()), nullptr};
   pid_t pid = -1;
   if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, args, environ) != 0) {
-    std::printf("{\"check\": \"setup\", \"ok\": false, \"detail\": \"spawn failed\"}\n");
+    mooncake::gpucheck::report({{"setup", false, "spawn failed"}}, d.name(), "");
     return 1;
   }
   auto remote = (*rdv)->wait("gpu_check/child_gpu", deadlineInMs(30000));
@@ -178,13 +156,5 @@ int main(int argc, char** argv) {
   bool exited = waitpid(pid, &status, 0) == pid && WIFEXITED(status);
   rows.push_back({"child_exit", exited && WEXITSTATUS(status) == 0,
                   exited ? "exit " + std::to_string(WEXITSTATUS(status)) : "no exit"});
-  bool all = true;
-  for (const auto& r : rows) {
-    all &= r.ok;
-    std::string detail;
-    for (char c : r.detail) detail += (c == '"' || c == '\\') ? '\'' : c;
-    std::printf("{\"check\": \"%s\", \"layer\": \"%s\", \"ok\": %s, \"detail\": \"%s\"}\n",
-                r.check.c_str(), d.name(), r.ok ? "true" : "false", detail.c_str());
-  }
-  return all ? 0 : 1;
+  return mooncake::gpucheck::report(rows, d.name(), "") ? 0 : 1;
 }

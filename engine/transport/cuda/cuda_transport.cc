@@ -63,10 +63,27 @@ bool fromHex(const std::string& h, std::string* out) {
 
 class CudaTransport;
 
+// What a peer's quiesce() waits on: its copies in flight (shared: the completer may still
+// count a copy down after the peer is gone).
+struct InFlight {
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t n = 0;
+  void add() {
+    std::lock_guard<std::mutex> g(mu);
+    ++n;
+  }
+  void done() {
+    std::lock_guard<std::mutex> g(mu);
+    if (--n == 0) cv.notify_all();
+  }
+};
+
 // A copy in flight: the task completes once `event` does.
 struct Flight {
   std::unique_ptr<device::Event> event;
   Task* task;
+  std::shared_ptr<InFlight> peer;
 };
 
 class CudaPeer final : public TransportPeer {
@@ -92,18 +109,9 @@ class CudaPeer final : public TransportPeer {
     if (fail_.ok()) fail_ = why;
   }
   Status quiesce(Deadline deadline) override {
-    std::unique_lock<std::mutex> g(*done_mu_);
-    if (done_cv_->wait_until(g, deadline, [&] { return pending_->load() == 0; }))
-      return Status::OK();
+    std::unique_lock<std::mutex> g(flight_->mu);
+    if (flight_->cv.wait_until(g, deadline, [&] { return flight_->n == 0; })) return Status::OK();
     return MC_STATUS(kTimeout, "cuda: copies to " << remote_.name << " not done by the deadline");
-  }
-  // Called by the transport's completer after a copy of this peer finished.
-  static void finished(const std::shared_ptr<std::atomic<int64_t>>& pending,
-                       const std::shared_ptr<std::mutex>& mu,
-                       const std::shared_ptr<std::condition_variable>& cv) {
-    std::lock_guard<std::mutex> g(*mu);
-    pending->fetch_sub(1);
-    cv->notify_all();
   }
 
  private:
@@ -122,9 +130,7 @@ class CudaPeer final : public TransportPeer {
   SegmentDesc remote_;
   Status fail_;
   std::map<std::string, Opened> opened_;  // by IPC handle or shm name
-  std::shared_ptr<std::atomic<int64_t>> pending_ = std::make_shared<std::atomic<int64_t>>(0);
-  std::shared_ptr<std::mutex> done_mu_ = std::make_shared<std::mutex>();
-  std::shared_ptr<std::condition_variable> done_cv_ = std::make_shared<std::condition_variable>();
+  std::shared_ptr<InFlight> flight_ = std::make_shared<InFlight>();
   friend class CudaTransport;
 };
 
@@ -204,8 +210,10 @@ class CudaTransport final : public Transport {
       q_.pop_front();
       g.unlock();
       Status st = f.event->wait(Clock::now() + std::chrono::seconds(60));
+      // The bytes are there (quiesce may return), then the task completes (its batch, and the
+      // peer once its last task is done, may go away inside done()).
+      f.peer->done();
       f.task->done(st.ok() ? st : Status(st.code(), "cuda: " + st.message()));
-      // (The peer may be gone once its last task completed: only shared state is touched.)
       g.lock();
     }
   }
@@ -295,16 +303,8 @@ void CudaPeer::submit(Task* task) {
                                          : dev_->copyAsync(here, there, task->length, gpu);
   auto ev = st.ok() ? dev_->record(gpu) : Result<std::unique_ptr<device::Event>>(st);
   if (!ev.ok()) return task->done(Status(ev.status().code(), "cuda: " + ev.status().message()));
-  pending_->fetch_add(1);
-  auto pending = pending_;
-  auto mu = done_mu_;
-  auto cv = done_cv_;
-  auto on_done = std::move(task->on_done);
-  task->on_done = [on_done, pending, mu, cv](Status s) {
-    on_done(std::move(s));
-    CudaPeer::finished(pending, mu, cv);
-  };
-  t_->push(Flight{std::move(ev).value(), task});
+  flight_->add();
+  t_->push(Flight{std::move(ev).value(), task, flight_});
 }
 
 }  // namespace
