@@ -17,6 +17,7 @@
 
 #include "engine/bounce_pool.h"
 #include "engine/device/device.h"
+#include "engine/device_staging.h"
 #include "engine/inbox.h"
 #include "engine/log.h"
 #include "engine/memory.h"
@@ -250,6 +251,13 @@ class TransferEngine::Impl {
       e->device_kind = TransportKind(k);
       return;
     }
+    // None reaches it: this side's GPU memory is staged through host memory over the peer's
+    // own transport (device_staging.h), where this process has a device layer at all.
+    auto dev = device::get();
+    if (!dev.ok()) return;
+    e->device_owned = makeStagingPeer(e->data, e->kind, *dev, &ctx, remote);
+    e->device = e->device_owned.get();
+    e->device_kind = e->kind;
   }
 
   static int gpuRegions(const SegmentDesc& d) {

@@ -178,6 +178,68 @@ TEST_F(CudaSameHost, GpuMemoryMovesOverCudaHostOverShm) {
   MC_EXPECT_OK(eng->unregisterMemory(host.data()));
 }
 
+// A peer on another (simulated) host reached over tcp, no rdma: this side's GPU memory is
+// staged through host memory (device_staging.h) both ways, in pieces (the request spans three),
+// a notification follows unwaited staged writes, and the peer's GPU memory is refused (staging
+// at the target is not built).
+TEST_F(CudaSameHost, GpuMemoryIsStagedOverTcpBetweenHosts) {
+  ScopedEnv dev("MC_DEVICE", "sim");
+  constexpr uint64_t kLen = (9u << 20) + 77;
+  constexpr int kCount = 16;
+  constexpr uint64_t kTagBase = 0x57A6000000000000ull;
+  PeerConfig cfg;
+  cfg.region_bytes = 10u << 20;
+  PeerProcess* peer = nullptr;
+  {
+    ScopedEnv there("MC_HOST_ID", "gpu-test-host-a");  // the peer inherits it
+    peer = spawnPeer(cfg);
+  }
+  ASSERT_NE(peer, nullptr);
+  const std::string r = peer->call("alloc_gpu 65536 900 0");
+  ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
+  const uint64_t remote_gpu = addrOf(r);
+  ScopedEnv here("MC_HOST_ID", "gpu-test-host-b");
+  auto eng = makeEngine("");
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  ASSERT_EQ(eng->peerTransport(pid), "tcp");
+  auto gpu = eng->allocate(kLen, engine::MemoryKind::kCuda, 0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status().toString();
+  auto* g = static_cast<uint8_t*>(*gpu);
+  const uint64_t remote_host = peer->info().alloc_addr;
+
+  MC_ASSERT_OK(transfer(*eng, OpCode::kRead, g, kLen, pid, remote_host));  // host there -> GPU
+  EXPECT_EQ(checkPattern(g, kLen, allocSeed(cfg), 0), "");
+  fillPattern(g, kLen, 901, 0);  // GPU -> host there
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, g, kLen, pid, remote_host));
+  EXPECT_EQ(peer->expect(remote_host, kLen, 901, 0), "");
+  HostBuffer host(4096);
+  Status st = transfer(*eng, OpCode::kWrite, host.data(), 4096, pid, remote_gpu);
+  EXPECT_EQ(st.code(), Code::kNotSupported) << st.toString();
+  EXPECT_NE(st.message().find("staging at the peer"), std::string::npos) << st.toString();
+  EXPECT_EQ(peer->expect(remote_gpu, 65536, 900, 0), "");
+
+  ASSERT_LE(notifyBytes(kCount), kLen);
+  ASSERT_TRUE(peer->send("notify_check " + std::to_string(kCount) + " " +
+                         std::to_string(remote_host) + " " + std::to_string(kTagBase) +
+                         " 950 " + std::to_string(eng->engineId()) + " 30000"));
+  std::vector<engine::BatchId> ids;
+  for (int k = 0; k < kCount; ++k) {
+    Slot s = notifySlot(k);
+    fillPattern(g + s.offset, s.len, 950 + k, 0);
+    auto id = eng->submit({{OpCode::kWrite, g + s.offset, s.len, pid, remote_host + s.offset}});
+    ASSERT_TRUE(id.ok()) << id.status().toString();
+    ids.push_back(*id);
+    MC_ASSERT_OK(eng->notify(pid, kTagBase + k));
+  }
+  for (auto id : ids) MC_EXPECT_OK(eng->wait(id, engine::deadlineInMs(20000)));
+  std::string reply;
+  ASSERT_TRUE(peer->recv(&reply, 35000));
+  EXPECT_EQ(reply, "ok") << "the peer saw a notification before its staged write";
+  MC_EXPECT_OK(eng->free(*gpu));
+}
+
 // The cuda transport moves GPU memory only: it cannot be forced for every peer.
 TEST(CudaTransport, CannotBeForced) {
   ScopedEnv dev("MC_DEVICE", "sim");

@@ -1,0 +1,171 @@
+// See device_staging.h. One worker thread per staging peer moves its tasks in order, each in
+// pieces of kStageBytes through one host buffer: a write copies a piece out of GPU memory and
+// sends it, a read receives a piece and copies it into GPU memory. Simple, not pipelined.
+#include "engine/device_staging.h"
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace mooncake::engine {
+
+namespace {
+
+constexpr uint64_t kStageBytes = 4u << 20;
+
+class StagingPeer final : public TransportPeer {
+ public:
+  StagingPeer(TransportPeer* host, TransportKind host_kind, device::Device* dev,
+              EngineContext* ctx, SegmentDesc remote)
+      : host_(host), host_kind_(host_kind), dev_(dev), ctx_(ctx), remote_(std::move(remote)),
+        stage_(kStageBytes), worker_([this] { run(); }) {}
+
+  ~StagingPeer() override {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stopping_ = true;
+      if (fail_.ok()) fail_ = MC_STATUS(kCancelled, "staging: peer " << remote_.name << " closed");
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  void submit(Task* t) override {
+    if (t->length == 0) return t->done(Status::OK());
+    std::unique_lock<std::mutex> g(mu_);
+    const RegionDesc* r = remote_.findRegion(t->remote, t->length);
+    if (r != nullptr && r->kind == MemoryKind::kCuda) {
+      g.unlock();
+      return t->done(MC_STATUS(kNotSupported,
+                               "the GPU memory of peer " << remote_.name << " is reached over "
+                                   << transportName(host_kind_) << " only through staging at the "
+                                   << "peer, which is not built (rdma or cuda reach it directly)"));
+    }
+    q_.push_back(t);
+    ++pending_;
+    g.unlock();
+    cv_.notify_all();
+  }
+  Status notify(uint32_t, uint64_t) override {
+    return MC_STATUS(kInternal, "staging: notifications go over the peer's host transport");
+  }
+  Status sendMessage(uint32_t, std::string_view) override {
+    return MC_STATUS(kInternal, "staging: messages go over the peer's host transport");
+  }
+  Status updateRemote(const SegmentDesc& remote) override {
+    std::lock_guard<std::mutex> g(mu_);
+    remote_ = remote;
+    return Status::OK();
+  }
+  void fail(const Status& why) override {
+    std::lock_guard<std::mutex> g(mu_);
+    if (fail_.ok()) fail_ = why;
+  }
+  Status quiesce(Deadline deadline) override {
+    std::unique_lock<std::mutex> g(mu_);
+    if (idle_cv_.wait_until(g, deadline, [&] { return pending_ == 0; })) return Status::OK();
+    return MC_STATUS(kTimeout, "staging: transfers to " << remote_.name
+                                                        << " not done by the deadline");
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> g(mu_);
+    for (;;) {
+      cv_.wait(g, [&] { return stopping_ || !q_.empty(); });
+      if (q_.empty()) return;
+      Task* t = q_.front();
+      q_.pop_front();
+      Status failed = fail_;
+      g.unlock();
+      Status st = failed.ok() ? move(t) : failed;
+      g.lock();
+      --pending_;  // the bytes moved (or never will) before the task completes
+      idle_cv_.notify_all();
+      g.unlock();
+      t->done(std::move(st));
+      g.lock();
+    }
+  }
+
+  // The GPU the local side is on (for its copy stream).
+  int gpuOf(const void* p, uint64_t len) const {
+    auto region = ctx_->registry->find(reinterpret_cast<uint64_t>(p), len);
+    if (region.has_value() && region->kind == MemoryKind::kCuda && region->device >= 0)
+      return region->device;
+    device::PointerInfo info = dev_->pointer(p);
+    return info.device && info.ordinal >= 0 ? info.ordinal : 0;
+  }
+
+  Status copyWait(void* dst, const void* src, uint64_t n, int gpu) {
+    MC_RETURN_IF_ERROR(dev_->copyAsync(dst, src, n, gpu));
+    MC_ASSIGN_OR_RETURN(auto ev, dev_->record(gpu));
+    return ev->wait(deadlineInMs(60000));
+  }
+
+  // One piece over the host transport, waited for (every task completes exactly once).
+  Status hostOp(OpCode op, uint64_t n, uint64_t remote) {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+    Status out;
+    Task s;
+    s.op = op;
+    s.local = stage_.data();
+    s.length = n;
+    s.remote = remote;
+    s.on_done = [&](Status x) {
+      std::lock_guard<std::mutex> g(m);
+      out = std::move(x);
+      done = true;
+      cv.notify_all();
+    };
+    host_->submit(&s);
+    std::unique_lock<std::mutex> g(m);
+    cv.wait(g, [&] { return done; });
+    return out;
+  }
+
+  Status move(Task* t) {
+    const int gpu = gpuOf(t->local, t->length);
+    char* local = static_cast<char*>(t->local);
+    for (uint64_t off = 0; off < t->length; off += kStageBytes) {
+      const uint64_t n = std::min(kStageBytes, t->length - off);
+      if (t->op == OpCode::kWrite) {
+        MC_RETURN_IF_ERROR(copyWait(stage_.data(), local + off, n, gpu));
+        MC_RETURN_IF_ERROR(hostOp(OpCode::kWrite, n, t->remote + off));
+      } else {
+        MC_RETURN_IF_ERROR(hostOp(OpCode::kRead, n, t->remote + off));
+        MC_RETURN_IF_ERROR(copyWait(local + off, stage_.data(), n, gpu));
+      }
+    }
+    return Status::OK();
+  }
+
+  TransportPeer* host_;
+  TransportKind host_kind_;
+  device::Device* dev_;
+  EngineContext* ctx_;
+  std::mutex mu_;
+  std::condition_variable cv_, idle_cv_;
+  SegmentDesc remote_;
+  Status fail_;
+  std::deque<Task*> q_;
+  int64_t pending_ = 0;
+  bool stopping_ = false;
+  std::vector<char> stage_;
+  std::thread worker_;
+};
+
+}  // namespace
+
+std::unique_ptr<TransportPeer> makeStagingPeer(TransportPeer* host, TransportKind host_kind,
+                                               device::Device* dev, EngineContext* ctx,
+                                               const SegmentDesc& remote) {
+  return std::unique_ptr<TransportPeer>(new StagingPeer(host, host_kind, dev, ctx, remote));
+}
+
+}  // namespace mooncake::engine

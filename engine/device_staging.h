@@ -1,0 +1,20 @@
+// GPU memory to a peer that no transport of GPU memory reaches (tcp between hosts without
+// rdma, or a same-host peer without the same device layer): the bytes are staged through host
+// memory here (device layer copies) and move over the peer's host transport. Only this side's
+// GPU memory is staged: a request into the peer's GPU memory is refused (staging there, on the
+// target, is not built).
+#pragma once
+
+#include <memory>
+
+#include "engine/device/device.h"
+#include "engine/transport/transport.h"
+
+namespace mooncake::engine {
+
+// `host` (the peer's data transport) outlives the result.
+std::unique_ptr<TransportPeer> makeStagingPeer(TransportPeer* host, TransportKind host_kind,
+                                               device::Device* dev, EngineContext* ctx,
+                                               const SegmentDesc& remote);
+
+}  // namespace mooncake::engine
