@@ -1,5 +1,5 @@
-// See device_staging.h. One worker thread per staging peer moves its tasks in order, each in
-// pieces of kStageBytes through one host buffer: a write copies a piece out of GPU memory and
+// See device_staging.h. One worker thread per staging peer (started by its first task) moves
+// its tasks in order, each in pieces of kStageBytes through one host buffer (allocated then): a write copies a piece out of GPU memory and
 // sends it, a read receives a piece and copies it into GPU memory. Simple, not pipelined.
 #include "engine/device_staging.h"
 
@@ -20,8 +20,7 @@ class StagingPeer final : public TransportPeer {
  public:
   StagingPeer(TransportPeer* host, TransportKind host_kind, device::Device* dev,
               EngineContext* ctx, SegmentDesc remote)
-      : host_(host), host_kind_(host_kind), dev_(dev), ctx_(ctx), remote_(std::move(remote)),
-        stage_(kStageBytes), worker_([this] { run(); }) {}
+      : host_(host), host_kind_(host_kind), dev_(dev), ctx_(ctx), remote_(std::move(remote)) {}
 
   ~StagingPeer() override {
     {
@@ -30,7 +29,7 @@ class StagingPeer final : public TransportPeer {
       if (fail_.ok()) fail_ = MC_STATUS(kCancelled, "staging: peer " << remote_.name << " closed");
     }
     cv_.notify_all();
-    worker_.join();
+    if (worker_.joinable()) worker_.join();
   }
 
   void submit(Task* t) override {
@@ -46,6 +45,8 @@ class StagingPeer final : public TransportPeer {
     }
     q_.push_back(t);
     ++pending_;
+    // Made on first use: every peer over tcp gets a staging peer where a device layer exists.
+    if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
     g.unlock();
     cv_.notify_all();
   }
@@ -131,6 +132,7 @@ class StagingPeer final : public TransportPeer {
 
   Status move(Task* t) {
     const int gpu = gpuOf(t->local, t->length);
+    if (stage_.empty()) stage_.resize(kStageBytes);  // only the worker touches it
     char* local = static_cast<char*>(t->local);
     for (uint64_t off = 0; off < t->length; off += kStageBytes) {
       const uint64_t n = std::min(kStageBytes, t->length - off);
