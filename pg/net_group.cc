@@ -51,6 +51,7 @@ NetGroup::NetGroup(engine::TransferEngine* engine, const Health* health,
   q_->by_src.resize(n);
   q_->next_in.assign(n, 0);
   q_->aborted.assign(n, 0);
+  q_->abort_seq.assign(n, 0);
   q_->abort_reason.resize(n);
   q_->abort_died.assign(n, 0);
   out_stream_.assign(n, 0);
@@ -145,6 +146,7 @@ void NetGroup::start() {
         q->abort_died[h.src] = 1;
       }
       q->aborted[h.src] = blamed >= 0 ? blamed + 2 : blamed == Health::kLeftView ? -1 : 1;
+      q->abort_seq[h.src] = h.sig[0];
       if (m.payload.size() > sizeof(h) + 4)
         q->abort_reason[h.src] = m.payload.substr(sizeof(h) + 4, 4096);
     } else if (h.seq == kGrantSeq) {
@@ -259,6 +261,7 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
   Msg m;
   Entry e;
   Clock::time_point dead_seen{};
+  Clock::time_point abort_seen{};  // an abort from a rank already past this op
   {
     std::unique_lock<std::mutex> g(q_->mu);
     auto& mp = q_->by_src[src];
@@ -272,6 +275,12 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
       if (ready()) break;
       for (size_t r = 0; r < q_->aborted.size(); ++r) {
         int a = q_->aborted[r];
+        if (a != 0 && q_->abort_seq[r] > op.seq && op.seq != 0) {
+          // r aborted a later op, so it got past this one: what this op waits for was sent
+          // before the abort and may still be on its way. Give it a short grace.
+          if (abort_seen == Clock::time_point{}) abort_seen = Clock::now();
+          if (Clock::now() - abort_seen < std::chrono::milliseconds(200)) continue;
+        }
         if (a != 0) {
           std::string reason = q_->abort_reason[r];
           bool died = q_->abort_died[r] != 0;
@@ -358,7 +367,10 @@ void NetGroup::recv(const OpCtx& op, int src, void* out, size_t len) {
 
 void NetGroup::abort(int blamed, const std::string& reason, bool died) {
   std::string payload(sizeof(Header) + 4, '\0');
-  Header h{kMagic, rank_, kAbortSeq, {0, 0}, 0, 0};
+  // sig[0]: the last op this rank took part in. A peer still in an earlier op may be
+  // waiting for messages this rank or others sent before the abort; they travel by other
+  // paths (one-sided writes and notifications, other senders' links) and may arrive after it.
+  Header h{kMagic, rank_, kAbortSeq, {op_seq_.load(std::memory_order_relaxed), 0}, 0, 0};
   int32_t b = blamed >= 0 && died ? (blamed | kAbortDied) : blamed;
   std::memcpy(payload.data(), &h, sizeof(h));
   std::memcpy(payload.data() + sizeof(h), &b, 4);

@@ -120,6 +120,7 @@ class NetGroup {
     std::vector<int> aborted;  // per peer: 0, or 2 + blamed rank (1: no rank in particular)
     std::vector<std::string> abort_reason;
     std::vector<uint8_t> abort_died;
+    std::vector<uint64_t> abort_seq;  // per peer: the last op it took part in when it aborted
     size_t bad = 0;            // malformed messages dropped
   };
 
@@ -137,7 +138,7 @@ class NetGroup {
   void throwIfAborted(const OpCtx& op);
   // The op in flight (the collective-running thread only): whom it sent to, heard from.
   void track(const OpCtx& op);
-  uint64_t op_seq_ = 0;
+  std::atomic<uint64_t> op_seq_{0};  // read by abort(), which an elastic controller may call
   std::vector<uint8_t> sent_, heard_;
 
   // ---- receive slots ----

@@ -37,10 +37,22 @@ engine::TcpRendezvousServer* server() {
 
 std::atomic<int> g_run{0};
 
+int failedParts() {
+  const ::testing::TestInfo* t = ::testing::UnitTest::GetInstance()->current_test_info();
+  if (t == nullptr) return ::testing::Test::HasFailure() ? 1 : 0;
+  int n = 0;
+  for (int i = 0; i < t->result()->total_part_count(); ++i)
+    n += t->result()->GetTestPartResult(i).failed() ? 1 : 0;
+  return n;
+}
+
 [[noreturn]] void childMain(const RunOptions& o, int rank, const std::string& group,
                             uint16_t port, Shared* shared,
                             const std::function<void(RankEnv&)>& body) {
   int code = 0;
+  // The child inherits the parent's record of this test: only failures it adds count (a
+  // failure of an earlier runRanks call in the same test must not fail every later one).
+  const int failed_before = failedParts();
   try {
     for (const auto& [k, v] : o.env) setenv(k.c_str(), v.c_str(), 1);
     if (o.rank_env)
@@ -71,7 +83,7 @@ std::atomic<int> g_run{0};
     }
     body(env);
     env.comm.reset();
-    code = ::testing::Test::HasFailure() ? 1 : 0;
+    code = failedParts() > failed_before ? 1 : 0;
   } catch (const std::exception& ex) {
     std::fprintf(stderr, "[rank %d] exception: %s\n", rank, ex.what());
     code = 3;
