@@ -108,12 +108,17 @@ class SimEvent final : public Event {
 // its "dma-buf" (the memfd) maps the same pages elsewhere, as a GPU's dma-buf does for a NIC,
 // and another process maps it from its IPC handle ("sim <pid> <fd> <bytes> <ordinal>", opened
 // through /proc/<pid>/fd/<fd>: like a CUDA IPC handle, it works while the exporter lives).
+// As on a GPU, host code cannot touch it: the address handed out maps the memfd with no
+// access (a load or store there faults, as dereferencing a device pointer does), and only the
+// layer's own copies go through a second, writable mapping. So a path that memcpy's GPU memory
+// crashes here, in the tests, and not first on the GPU machine.
 class SimDevice final : public Device {
  public:
   ~SimDevice() override {
     for (auto& st : streams_) st.reset();  // their copies are done before the memory goes
     for (auto& [addr, a] : allocs_) {
       munmap(reinterpret_cast<void*>(addr), a.len);
+      munmap(a.shadow, a.len);
       if (a.fd >= 0) close(a.fd);
     }
   }
@@ -134,15 +139,14 @@ class SimDevice final : public Device {
       close(fd);
       return MC_STATUS(kResourceExhausted, "sim device: " << mapped << " bytes: " << strerror(e));
     }
-    void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-      int e = errno;
+    auto m = mapBoth(fd, mapped);
+    if (!m.ok()) {
       close(fd);
-      return MC_STATUS(kResourceExhausted, "sim device: mmap " << mapped << ": " << strerror(e));
+      return m.status();
     }
     std::lock_guard<std::mutex> g(mu_);
-    allocs_[reinterpret_cast<uint64_t>(p)] = Alloc{mapped, fd, ordinal};
-    return p;
+    allocs_[reinterpret_cast<uint64_t>(m->first)] = Alloc{mapped, fd, ordinal, m->second};
+    return m->first;
   }
 
   Status free(void* p) override {
@@ -159,6 +163,7 @@ class SimDevice final : public Device {
       allocs_.erase(it);
     }
     munmap(p, a.len);
+    munmap(a.shadow, a.len);
     close(a.fd);
     return Status::OK();
   }
@@ -208,17 +213,17 @@ class SimDevice final : public Device {
     if (mine < 0)
       return MC_STATUS(kNotFound, "sim device: cannot open the allocation of process " << pid
                                                                                        << ": " << strerror(errno));
-    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0);
+    auto m = mapBoth(mine, len);
     close(mine);
-    if (p == MAP_FAILED)
-      return MC_STATUS(kResourceExhausted, "sim device: mmap of an IPC allocation: " << strerror(errno));
+    if (!m.ok()) return m.status();
     std::lock_guard<std::mutex> g(mu_);
-    allocs_[reinterpret_cast<uint64_t>(p)] = Alloc{len, -1, ordinal};
-    return p;
+    allocs_[reinterpret_cast<uint64_t>(m->first)] = Alloc{len, -1, ordinal, m->second};
+    return m->first;
   }
 
   Status closeIpc(void* base) override {
     size_t len = 0;
+    void* shadow = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = allocs_.find(reinterpret_cast<uint64_t>(base));
@@ -226,15 +231,25 @@ class SimDevice final : public Device {
         return MC_STATUS(kInvalidArgument, "sim device: " << base << " was not opened from an "
                                                           << "IPC handle");
       len = it->second.len;
+      shadow = it->second.shadow;
       allocs_.erase(it);
     }
     munmap(base, len);
+    munmap(shadow, len);
     return Status::OK();
   }
 
   Status copyAsync(void* dst, const void* src, size_t len, int ordinal) override {
     MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
-    if (len > 0) s->push(dst, src, len);
+    if (len == 0) return Status::OK();
+    void* to = nullptr;
+    const void* from = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      MC_ASSIGN_OR_RETURN(to, accessible(dst, len));
+      MC_ASSIGN_OR_RETURN(from, accessible(src, len));
+    }
+    s->push(to, from, len);
     return Status::OK();
   }
 
@@ -249,7 +264,40 @@ class SimDevice final : public Device {
     size_t len = 0;
     int fd = -1;  // -1: opened from another process's IPC handle
     int ordinal = -1;
+    void* shadow = nullptr;  // the writable mapping only copies use
   };
+  // The address handed out (no access) and the copies' writable mapping of fd's first `len`
+  // bytes.
+  static Result<std::pair<void*, void*>> mapBoth(int fd, size_t len) {
+    void* p = mmap(nullptr, len, PROT_NONE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+      return MC_STATUS(kResourceExhausted, "sim device: mmap " << len << ": " << strerror(errno));
+    void* shadow = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (shadow == MAP_FAILED) {
+      int e = errno;
+      munmap(p, len);
+      return MC_STATUS(kResourceExhausted, "sim device: mmap " << len << ": " << strerror(e));
+    }
+    return std::make_pair(p, shadow);
+  }
+  // Under mu_: where a copy reads or writes [p, p+len): the writable mapping for device
+  // memory, p itself for host memory. A range that is partly device memory is refused.
+  Result<void*> accessible(const void* p, size_t len) const {
+    const uint64_t a = reinterpret_cast<uint64_t>(p);
+    uint64_t base = 0;
+    if (const Alloc* in = find(a, len, &base); in != nullptr)
+      return static_cast<char*>(in->shadow) + (a - base);
+    auto next = allocs_.upper_bound(a);
+    bool overlaps = next != allocs_.end() && next->first - a < len;
+    if (next != allocs_.begin()) {
+      auto prev = std::prev(next);
+      overlaps = overlaps || a - prev->first < prev->second.len;
+    }
+    if (overlaps)
+      return MC_STATUS(kInvalidArgument, "sim device: a copy of [" << p << ", +" << len
+                                                                  << ") runs past an allocation's end");
+    return const_cast<void*>(p);
+  }
   Result<std::shared_ptr<SimStream>> stream(int ordinal) {
     if (ordinal < 0 || ordinal >= kSimDevices)
       return MC_STATUS(kInvalidArgument, "sim device " << ordinal << " does not exist");
@@ -297,6 +345,16 @@ Result<Device*> get() {
   }();
   if (!made->ok()) return made->status();
   return made->value().get();
+}
+
+Status copy(void* dst, const void* src, size_t len, Deadline deadline) {
+  if (len == 0) return Status::OK();
+  MC_ASSIGN_OR_RETURN(Device * d, get());
+  PointerInfo a = d->pointer(dst), b = d->pointer(src);
+  const int ordinal = a.device ? a.ordinal : b.device ? b.ordinal : 0;
+  MC_RETURN_IF_ERROR(d->copyAsync(dst, src, len, ordinal));
+  MC_ASSIGN_OR_RETURN(std::unique_ptr<Event> ev, d->record(ordinal));
+  return ev->wait(deadline);
 }
 
 bool active() { return g_active.load(std::memory_order_acquire); }

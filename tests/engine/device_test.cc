@@ -24,6 +24,20 @@ std::unique_ptr<Device> sim() {
   return d.ok() ? std::move(d).value() : nullptr;
 }
 
+// Host code cannot touch the simulation's device memory (as on a GPU): the tests move bytes in
+// and out with the layer's copies.
+Status copyWait(Device& d, void* dst, const void* src, size_t len, int ordinal) {
+  MC_RETURN_IF_ERROR(d.copyAsync(dst, src, len, ordinal));
+  MC_ASSIGN_OR_RETURN(std::unique_ptr<engine::device::Event> ev, d.record(ordinal));
+  return ev->wait(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+}
+
+std::string bytes(size_t len, int mul, int add) {
+  std::string s(len, '\0');
+  for (size_t i = 0; i < len; ++i) s[i] = static_cast<char>(i * mul + add);
+  return s;
+}
+
 TEST(DeviceSim, AllocationsAreDeviceMemoryOfTheirOrdinal) {
   auto d = sim();
   ASSERT_NE(d, nullptr);
@@ -56,7 +70,8 @@ TEST(DeviceSim, DmabufMapsTheSamePages) {
   auto p = d->allocate(len, 0);
   ASSERT_TRUE(p.ok()) << p.status().toString();
   char* c = static_cast<char*>(*p);
-  for (size_t i = 0; i < len; ++i) c[i] = static_cast<char>(i * 7 + 1);
+  const std::string pattern = bytes(len, 7, 1);
+  ASSERT_TRUE(copyWait(*d, c, pattern.data(), len, 0).ok());
   const size_t off = 5000, n = 6000;
   auto buf = d->exportDmabuf(c + off, n);
   ASSERT_TRUE(buf.ok()) << buf.status().toString();
@@ -67,10 +82,11 @@ TEST(DeviceSim, DmabufMapsTheSamePages) {
                  static_cast<off_t>(lo));
   ASSERT_NE(m, MAP_FAILED);
   char* v = static_cast<char*>(m) + (buf->offset - lo);
-  EXPECT_EQ(std::memcmp(v, c + off, n), 0);
+  EXPECT_EQ(std::memcmp(v, pattern.data() + off, n), 0);
   std::memset(v, 0x5a, 16);
-  EXPECT_EQ(c[off], 0x5a);
-  EXPECT_EQ(c[off + 15], 0x5a);
+  std::string back(16, '\0');
+  ASSERT_TRUE(copyWait(*d, back.data(), c + off, 16, 0).ok());
+  EXPECT_EQ(back, std::string(16, '\x5a'));
   munmap(m, buf->offset - lo + n);
   close(buf->fd);
   EXPECT_FALSE(d->exportDmabuf(c + len - 10, 20).ok()) << "a range past the allocation";
@@ -92,19 +108,43 @@ TEST(DeviceSim, CopiesRunInOrderAndEventsFollowThem) {
   auto idle = d->record(1);
   ASSERT_TRUE(idle.ok());
   EXPECT_TRUE((*idle)->done()) << "an event with nothing before it";
+  const std::string zeros(len, '\0');
   for (int round = 0; round < 3; ++round) {
-    std::memset(*b, 0, len);
+    ASSERT_TRUE(d->copyAsync(*b, zeros.data(), len, 1).ok());
     ASSERT_TRUE(d->copyAsync(*a, host.data(), len, 1).ok());  // host -> device
     ASSERT_TRUE(d->copyAsync(*b, *a, len, 1).ok());           // device -> device, after it
+    std::string back(len, '\1');
+    ASSERT_TRUE(d->copyAsync(back.data(), *b, len, 1).ok());  // device -> host, after that
     auto ev = d->record(1);
     ASSERT_TRUE(ev.ok());
     ASSERT_TRUE((*ev)->wait(std::chrono::steady_clock::now() + std::chrono::seconds(10)).ok());
     EXPECT_TRUE((*ev)->done());
-    ASSERT_EQ(std::memcmp(*b, host.data(), len), 0) << "round " << round;
+    ASSERT_TRUE(back == host) << "round " << round;
   }
   EXPECT_FALSE(d->copyAsync(*a, *b, 16, engine::device::kSimDevices).ok());
+  // A copy that runs past an allocation's end is refused, from either side of it.
+  EXPECT_FALSE(d->copyAsync(static_cast<char*>(*a) + len - 8, host.data(), 16, 1).ok());
+  EXPECT_FALSE(d->copyAsync(host.data(), static_cast<char*>(*a) + len - 8, 16, 1).ok());
   EXPECT_TRUE(d->free(*a).ok());
   EXPECT_TRUE(d->free(*b).ok());
+}
+
+// As on a GPU, host code cannot load or store device memory: it faults. (So a path that
+// memcpy's GPU memory crashes in the tests here, not first on a GPU machine.)
+TEST(DeviceSimDeathTest, HostAccessToDeviceMemoryFaults) {
+#ifdef GTEST_FLAG_SET
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+#else
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+#endif
+  auto d = sim();
+  ASSERT_NE(d, nullptr);
+  auto p = d->allocate(4096, 0);
+  ASSERT_TRUE(p.ok());
+  volatile char* c = static_cast<volatile char*>(*p);
+  EXPECT_DEATH(c[0] = 1, "");
+  EXPECT_DEATH((void)c[100], "");
+  EXPECT_TRUE(d->free(*p).ok());
 }
 
 // An IPC handle maps the allocation in another process (a forked child with its own device
@@ -117,7 +157,8 @@ TEST(DeviceSim, IpcHandleMapsTheAllocationInAnotherProcess) {
   auto a = d->allocate(len, 3);
   ASSERT_TRUE(a.ok());
   char* c = static_cast<char*>(*a);
-  for (size_t i = 0; i < len; ++i) c[i] = static_cast<char>(i * 3 + 1);
+  const std::string pattern = bytes(len, 3, 1);
+  ASSERT_TRUE(copyWait(*d, c, pattern.data(), len, 3).ok());
   uint64_t off = 0;
   auto h = d->exportIpc(c + 4096, &off);
   ASSERT_TRUE(h.ok()) << h.status().toString();
@@ -132,12 +173,13 @@ TEST(DeviceSim, IpcHandleMapsTheAllocationInAnotherProcess) {
     auto base = (*mine)->openIpc(*h);
     if (!base.ok()) _exit(11);
     char* v = static_cast<char*>(*base);
-    for (size_t i = 0; i < len; ++i)
-      if (v[i] != static_cast<char>(i * 3 + 1)) _exit(12);
+    std::string got(len, '\0');
+    if (!copyWait(**mine, got.data(), v, len, 3).ok() || got != pattern) _exit(12);
     auto info = (*mine)->pointer(v + 100);
     if (!info.device || info.ordinal != 3) _exit(13);
     if ((*mine)->free(v).ok()) _exit(14);
-    std::memset(v, 0x77, 100);
+    const std::string sevens(100, '\x77');
+    if (!copyWait(**mine, v, sevens.data(), 100, 3).ok()) _exit(17);
     if (!(*mine)->closeIpc(v).ok()) _exit(15);
     if ((*mine)->pointer(v).device) _exit(16);
     _exit(0);
@@ -146,8 +188,10 @@ TEST(DeviceSim, IpcHandleMapsTheAllocationInAnotherProcess) {
   ASSERT_EQ(waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << "the child failed at step " << WEXITSTATUS(status) - 10;
-  for (int i = 0; i < 100; ++i) ASSERT_EQ(c[i], 0x77) << "byte " << i;
-  EXPECT_EQ(c[100], static_cast<char>(100 * 3 + 1));
+  std::string back(101, '\0');
+  ASSERT_TRUE(copyWait(*d, back.data(), c, 101, 3).ok());
+  EXPECT_EQ(back.substr(0, 100), std::string(100, '\x77')) << "the child's write is not seen";
+  EXPECT_EQ(back[100], static_cast<char>(100 * 3 + 1));
   EXPECT_TRUE(d->free(c).ok());
 }
 

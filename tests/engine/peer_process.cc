@@ -188,7 +188,7 @@ class PeerMain {
     if (cmd == "alloc_gpu") {  // GPU memory of the device layer (MC_DEVICE), published
       auto p = eng_->allocate(num(s1), engine::MemoryKind::kCuda, static_cast<int>(num(s3)));
       if (!p.ok()) return "bad " + p.status().toString();
-      fillPattern(*p, num(s1), num(s2));  // a simulated device's memory is host memory
+      fillPattern(*p, num(s1), num(s2));  // through a device copy (test_util.h)
       gpu_.emplace_back(*p, num(s1));
       Status st = eng_->publish(*rdv_);
       return st.ok() ? "ok " + std::to_string(reinterpret_cast<uint64_t>(*p)) : "bad " + st.toString();

@@ -6,11 +6,13 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
 
+#include "engine/device/device.h"
 #include "engine/params.h"
 
 namespace mooncake::test {
@@ -66,7 +68,7 @@ inline uint8_t patternByte(uint64_t seed, uint64_t i) {
 }
 
 // Writes pattern(seed)[first, first+len) to p.
-inline void fillPattern(void* p, size_t len, uint64_t seed, uint64_t first = 0) {
+inline void fillPatternHost(void* p, size_t len, uint64_t seed, uint64_t first = 0) {
   auto* b = static_cast<uint8_t*>(p);
   size_t i = 0;
   for (; i < len && ((first + i) & 7) != 0; ++i) b[i] = patternByte(seed, first + i);
@@ -79,7 +81,7 @@ inline void fillPattern(void* p, size_t len, uint64_t seed, uint64_t first = 0) 
 
 // "" when p[0, len) equals pattern(seed)[first, first+len), else a description of the first
 // mismatch (index, got, want) and the number of differing bytes.
-inline std::string checkPattern(const void* p, size_t len, uint64_t seed, uint64_t first = 0) {
+inline std::string checkPatternHost(const void* p, size_t len, uint64_t seed, uint64_t first = 0) {
   const auto* b = static_cast<const uint8_t*>(p);
   bool same = true;
   size_t i = 0;
@@ -105,7 +107,7 @@ inline std::string checkPattern(const void* p, size_t len, uint64_t seed, uint64
 }
 
 // FNV-1a over 8-byte words plus the tail: a cheap fingerprint of a region.
-inline uint64_t checksum(const void* p, size_t len) {
+inline uint64_t checksumHost(const void* p, size_t len) {
   const auto* b = static_cast<const uint8_t*>(p);
   uint64_t h = 0xcbf29ce484222325ull ^ len;
   size_t i = 0;
@@ -136,6 +138,45 @@ inline std::string sizeName(uint64_t n) {
     os << n << "B";
   }
   return os.str();
+}
+
+// GPU memory of the process's device layer (MC_DEVICE; the simulation in tests) is not host
+// memory: host code cannot touch it, as on a GPU. The pattern helpers read and write it through
+// a host copy made by the layer; host memory directly.
+inline bool onDevice(const void* p) {
+  if (!engine::device::active()) return false;
+  auto d = engine::device::get();
+  return d.ok() && (*d)->pointer(p).device;
+}
+
+inline void deviceCopyOrDie(void* dst, const void* src, size_t len) {
+  Status st = engine::device::copy(dst, src, len, engine::deadlineInMs(30000));
+  if (!st.ok()) {
+    std::fprintf(stderr, "test_util: device copy of %zu bytes failed: %s\n", len,
+                 st.toString().c_str());
+    std::abort();
+  }
+}
+
+inline void fillPattern(void* p, size_t len, uint64_t seed, uint64_t first = 0) {
+  if (!onDevice(p)) return fillPatternHost(p, len, seed, first);
+  std::string host(len, '\0');
+  fillPatternHost(host.data(), len, seed, first);
+  deviceCopyOrDie(p, host.data(), len);
+}
+
+inline std::string checkPattern(const void* p, size_t len, uint64_t seed, uint64_t first = 0) {
+  if (!onDevice(p)) return checkPatternHost(p, len, seed, first);
+  std::string host(len, '\0');
+  deviceCopyOrDie(host.data(), p, len);
+  return checkPatternHost(host.data(), len, seed, first);
+}
+
+inline uint64_t checksum(const void* p, size_t len) {
+  if (!onDevice(p)) return checksumHost(p, len);
+  std::string host(len, '\0');
+  deviceCopyOrDie(host.data(), p, len);
+  return checksumHost(host.data(), len);
 }
 
 }  // namespace mooncake::test
