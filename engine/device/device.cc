@@ -347,6 +347,12 @@ Result<Device*> get() {
   return made->value().get();
 }
 
+bool isDeviceMemory(const void* p) {
+  if (!active()) return false;
+  auto d = get();
+  return d.ok() && (*d)->pointer(p).device;
+}
+
 Status copy(void* dst, const void* src, size_t len, Deadline deadline) {
   if (len == 0) return Status::OK();
   MC_ASSIGN_OR_RETURN(Device * d, get());

@@ -73,6 +73,10 @@ Result<Device*> get();
 // A device layer of kind `which` (auto, cuda, sim, none), apart from the process's one: for
 // tests, and what get() makes from MC_DEVICE.
 Result<std::unique_ptr<Device>> make(const std::string& which);
+// Whether p is GPU memory of the process's layer. False, without making a layer, while no
+// GPU memory has been used in this process (active()).
+bool isDeviceMemory(const void* p);
+
 // Copies len bytes (device or host memory on either side) through the process's layer on
 // the copy stream of the device involved (dst's, else src's, else 0) and waits for it.
 Status copy(void* dst, const void* src, size_t len, Deadline deadline);

@@ -200,7 +200,9 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
       char* out = records->back().data();
       encodeRecord(info, t.record_tag, out);
       if (inline_piece) {
-        std::memcpy(out + rb, src + t.piece_offset, t.piece_length);
+        if (ErrorCode ec = copyLocal(out + rb, src + t.piece_offset, t.piece_length);
+            ec != ErrorCode::OK)
+          return ec;
         reqs->push_back(
             {engine::OpCode::kWrite, out, rb + t.piece_length, *peer, t.record_address});
         continue;
@@ -213,7 +215,10 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
       // lent (a confused or hostile master must not make us write anywhere else).
       if (!inOwnSegment(start, rb + t.piece_length)) return ErrorCode::INVALID_WRITE;
       if (rec != nullptr) std::memcpy(reinterpret_cast<void*>(t.record_address), rec, rb);
-      std::memcpy(reinterpret_cast<void*>(t.data_address), src + t.piece_offset, t.piece_length);
+      if (ErrorCode ec = copyLocal(reinterpret_cast<void*>(t.data_address), src + t.piece_offset,
+                                   t.piece_length);
+          ec != ErrorCode::OK)
+        return ec;
     } else {
       if (rec != nullptr)
         reqs->push_back(

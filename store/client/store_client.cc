@@ -4,6 +4,9 @@
 #include <chrono>
 #include <cstring>
 
+#include "engine/device/device.h"
+#include "engine/log.h"
+
 namespace mooncake::store {
 namespace {
 
@@ -90,7 +93,18 @@ void StoreClient::forgetPeer(const std::string& client_id) {
 
 ErrorCode StoreClient::registerBuffer(void* addr, size_t len) {
   if (addr == nullptr || len == 0) return ErrorCode::INVALID_PARAMS;
-  if (!engine_->registerMemory(addr, len).ok()) return ErrorCode::INVALID_PARAMS;
+  // GPU memory (a serving process's KV cache) registers as such: the engine then moves it
+  // between the device and the peers without a bounce through pageable host memory.
+  engine::device::PointerInfo where;
+  if (auto layer = engine::device::get(); layer.ok()) where = (*layer)->pointer(addr);
+  Status st = where.device ? engine_->registerMemory(addr, len, engine::MemoryKind::kCuda,
+                                                     where.ordinal)
+                           : engine_->registerMemory(addr, len);
+  if (!st.ok()) {
+    MC_LOG(WARN, STORE) << "store client " << client_id_ << ": register_buffer(" << addr << ", "
+                        << len << "): " << st.toString();
+    return ErrorCode::INVALID_PARAMS;
+  }
   std::lock_guard<std::mutex> g(mu_);
   buffers_.emplace_back(reinterpret_cast<uintptr_t>(addr), len);
   return ErrorCode::OK;
@@ -114,6 +128,21 @@ bool StoreClient::isRegistered(const void* addr, size_t len) const {
 }
 
 // ---- data movement ----
+
+ErrorCode StoreClient::copyLocal(void* dst, const void* src, size_t len) const {
+  if (len == 0) return ErrorCode::OK;
+  if (!engine::device::isDeviceMemory(dst) && !engine::device::isDeviceMemory(src)) {
+    std::memcpy(dst, src, len);
+    return ErrorCode::OK;
+  }
+  // A caller's GPU buffer: host code cannot touch it; the device layer copies.
+  Status st = engine::device::copy(dst, src, len,
+                                   engine::deadlineInMs(options_.transfer_timeout_ms));
+  if (st.ok()) return ErrorCode::OK;
+  MC_LOG(WARN, STORE) << "store client " << client_id_ << ": device copy of " << len
+                      << " bytes: " << st.toString();
+  return ErrorCode::TRANSFER_FAIL;
+}
 
 bool StoreClient::inOwnSegment(uint64_t address, uint64_t len) const {
   const uint64_t seg = reinterpret_cast<uint64_t>(segment_);
@@ -143,10 +172,8 @@ ErrorCode StoreClient::planRange(const proto::Replica& r, uint64_t size, engine:
         if (!inOwnSegment(p.address(), p.length()))
           return write ? ErrorCode::INVALID_WRITE : ErrorCode::INVALID_READ;
         char* mine = reinterpret_cast<char*>(there);
-        if (write)
-          std::memcpy(mine, here, hi - lo);
-        else
-          std::memcpy(here, mine, hi - lo);
+        ErrorCode ec = write ? copyLocal(mine, here, hi - lo) : copyLocal(here, mine, hi - lo);
+        if (ec != ErrorCode::OK) return ec;
       } else {
         reqs->push_back({op, here, hi - lo, *peer, there});
       }

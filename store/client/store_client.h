@@ -162,6 +162,8 @@ class StoreClient {
   ErrorCode unregisterBuffer(void* addr);
   // True when [addr, addr+len) lies in a registered buffer (or in engine-allocated memory).
   bool isRegistered(const void* addr, size_t len) const;
+  // memcpy, or the device layer's copy when either side is GPU memory (a registered buffer).
+  ErrorCode copyLocal(void* dst, const void* src, size_t len) const;
 
  private:
   // The connection to the master that serves now.

@@ -143,11 +143,7 @@ inline std::string sizeName(uint64_t n) {
 // GPU memory of the process's device layer (MC_DEVICE; the simulation in tests) is not host
 // memory: host code cannot touch it, as on a GPU. The pattern helpers read and write it through
 // a host copy made by the layer; host memory directly.
-inline bool onDevice(const void* p) {
-  if (!engine::device::active()) return false;
-  auto d = engine::device::get();
-  return d.ok() && (*d)->pointer(p).device;
-}
+inline bool onDevice(const void* p) { return engine::device::isDeviceMemory(p); }
 
 inline void deviceCopyOrDie(void* dst, const void* src, size_t len) {
   Status st = engine::device::copy(dst, src, len, engine::deadlineInMs(30000));
