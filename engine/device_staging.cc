@@ -1,8 +1,11 @@
 // See device_staging.h. One worker thread per staging peer (started by its first task) moves
-// its tasks in order, each in pieces of kStageBytes through one host buffer (allocated then): a write copies a piece out of GPU memory and
-// sends it, a read receives a piece and copies it into GPU memory. Simple, not pipelined.
+// its tasks in order, each in pieces of kStageBytes through one host buffer (allocated then): a
+// write copies a piece out of GPU memory and sends it, a read receives a piece and copies it
+// into GPU memory. Simple, not pipelined. Host memory here (the peer's GPU memory on the
+// other side) goes over the host transport as it is; tcp stages it at the target.
 #include "engine/device_staging.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -36,12 +39,12 @@ class StagingPeer final : public TransportPeer {
     if (t->length == 0) return t->done(Status::OK());
     std::unique_lock<std::mutex> g(mu_);
     const RegionDesc* r = remote_.findRegion(t->remote, t->length);
-    if (r != nullptr && r->kind == MemoryKind::kCuda) {
+    if (r != nullptr && r->kind == MemoryKind::kCuda && host_kind_ != TransportKind::kTcp) {
       g.unlock();
       return t->done(MC_STATUS(kNotSupported,
                                "the GPU memory of peer " << remote_.name << " is reached over "
-                                   << transportName(host_kind_) << " only through staging at the "
-                                   << "peer, which is not built (rdma or cuda reach it directly)"));
+                                   << transportName(host_kind_) << ", which does not stage it at "
+                                   << "the peer (tcp does; rdma and cuda reach it directly)"));
     }
     q_.push_back(t);
     ++pending_;
@@ -92,13 +95,13 @@ class StagingPeer final : public TransportPeer {
     }
   }
 
-  // The GPU the local side is on (for its copy stream).
+  // The GPU the local side is on (for its copy stream), or -1 when it is host memory.
   int gpuOf(const void* p, uint64_t len) const {
     auto region = ctx_->registry->find(reinterpret_cast<uint64_t>(p), len);
-    if (region.has_value() && region->kind == MemoryKind::kCuda && region->device >= 0)
-      return region->device;
+    if (region.has_value() && region->kind == MemoryKind::kCuda)
+      return std::max(region->device, 0);
     device::PointerInfo info = dev_->pointer(p);
-    return info.device && info.ordinal >= 0 ? info.ordinal : 0;
+    return info.device ? std::max(info.ordinal, 0) : -1;
   }
 
   Status copyWait(void* dst, const void* src, uint64_t n, int gpu) {
@@ -108,14 +111,14 @@ class StagingPeer final : public TransportPeer {
   }
 
   // One piece over the host transport, waited for (every task completes exactly once).
-  Status hostOp(OpCode op, uint64_t n, uint64_t remote) {
+  Status hostOp(OpCode op, char* local, uint64_t n, uint64_t remote) {
     std::mutex m;
     std::condition_variable cv;
     bool done = false;
     Status out;
     Task s;
     s.op = op;
-    s.local = stage_.data();
+    s.local = local;
     s.length = n;
     s.remote = remote;
     s.on_done = [&](Status x) {
@@ -132,15 +135,18 @@ class StagingPeer final : public TransportPeer {
 
   Status move(Task* t) {
     const int gpu = gpuOf(t->local, t->length);
-    if (stage_.empty()) stage_.resize(kStageBytes);  // only the worker touches it
     char* local = static_cast<char*>(t->local);
+    // Host memory here (the peer's GPU memory is the reason this came here): as it is; the
+    // target stages it.
+    if (gpu < 0) return hostOp(t->op, local, t->length, t->remote);
+    if (stage_.empty()) stage_.resize(kStageBytes);  // only the worker touches it
     for (uint64_t off = 0; off < t->length; off += kStageBytes) {
       const uint64_t n = std::min(kStageBytes, t->length - off);
       if (t->op == OpCode::kWrite) {
         MC_RETURN_IF_ERROR(copyWait(stage_.data(), local + off, n, gpu));
-        MC_RETURN_IF_ERROR(hostOp(OpCode::kWrite, n, t->remote + off));
+        MC_RETURN_IF_ERROR(hostOp(OpCode::kWrite, stage_.data(), n, t->remote + off));
       } else {
-        MC_RETURN_IF_ERROR(hostOp(OpCode::kRead, n, t->remote + off));
+        MC_RETURN_IF_ERROR(hostOp(OpCode::kRead, stage_.data(), n, t->remote + off));
         MC_RETURN_IF_ERROR(copyWait(local + off, stage_.data(), n, gpu));
       }
     }

@@ -1,8 +1,9 @@
 // GPU memory to a peer that no transport of GPU memory reaches (tcp between hosts without
 // rdma, or a same-host peer without the same device layer): the bytes are staged through host
-// memory here (device layer copies) and move over the peer's host transport. Only this side's
-// GPU memory is staged: a request into the peer's GPU memory is refused (staging there, on the
-// target, is not built).
+// memory here (device layer copies) and move over the peer's host transport. The peer's GPU
+// memory is staged there, by its tcp transport (a frame into or out of a GPU region goes
+// through a host buffer and the device layer's copies); over any other host transport (shm
+// to a same-host peer without the same device layer) it is refused.
 #pragma once
 
 #include <memory>

@@ -180,8 +180,8 @@ TEST_F(CudaSameHost, GpuMemoryMovesOverCudaHostOverShm) {
 
 // A peer on another (simulated) host reached over tcp, no rdma: this side's GPU memory is
 // staged through host memory (device_staging.h) both ways, in pieces (the request spans three),
-// a notification follows unwaited staged writes, and the peer's GPU memory is refused (staging
-// at the target is not built).
+// the peer's GPU memory is staged there by its tcp transport (from and into host and GPU memory
+// here), and a notification follows unwaited staged writes on either side.
 TEST_F(CudaSameHost, GpuMemoryIsStagedOverTcpBetweenHosts) {
   ScopedEnv dev("MC_DEVICE", "sim");
   constexpr uint64_t kLen = (9u << 20) + 77;
@@ -195,7 +195,8 @@ TEST_F(CudaSameHost, GpuMemoryIsStagedOverTcpBetweenHosts) {
     peer = spawnPeer(cfg);
   }
   ASSERT_NE(peer, nullptr);
-  const std::string r = peer->call("alloc_gpu 65536 900 0");
+  constexpr uint64_t kPeerGpu = 5u << 20;
+  const std::string r = peer->call("alloc_gpu " + std::to_string(kPeerGpu) + " 900 0");
   ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
   const uint64_t remote_gpu = addrOf(r);
   ScopedEnv here("MC_HOST_ID", "gpu-test-host-b");
@@ -214,11 +215,18 @@ TEST_F(CudaSameHost, GpuMemoryIsStagedOverTcpBetweenHosts) {
   fillPattern(g, kLen, 901, 0);  // GPU -> host there
   MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, g, kLen, pid, remote_host));
   EXPECT_EQ(peer->expect(remote_host, kLen, 901, 0), "");
-  HostBuffer host(4096);
-  Status st = transfer(*eng, OpCode::kWrite, host.data(), 4096, pid, remote_gpu);
-  EXPECT_EQ(st.code(), Code::kNotSupported) << st.toString();
-  EXPECT_NE(st.message().find("staging at the peer"), std::string::npos) << st.toString();
-  EXPECT_EQ(peer->expect(remote_gpu, 65536, 900, 0), "");
+  // The peer's GPU memory, staged there: read into host and GPU memory here, written from both.
+  HostBuffer host(kPeerGpu);
+  MC_ASSERT_OK(transfer(*eng, OpCode::kRead, host.data(), kPeerGpu, pid, remote_gpu));
+  EXPECT_EQ(checkPattern(host.data(), kPeerGpu, 900, 0), "");
+  MC_ASSERT_OK(transfer(*eng, OpCode::kRead, g + 5, kPeerGpu - 9, pid, remote_gpu + 9));
+  EXPECT_EQ(checkPattern(g + 5, kPeerGpu - 9, 900, 9), "");
+  fillPattern(host.data() + 3, kPeerGpu - 3, 930, 0);  // host here -> GPU there
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, host.data() + 3, kPeerGpu - 3, pid, remote_gpu));
+  EXPECT_EQ(peer->expect(remote_gpu, kPeerGpu - 3, 930, 0), "");
+  fillPattern(g, kPeerGpu, 931, 0);  // GPU here -> GPU there
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, g, kPeerGpu, pid, remote_gpu));
+  EXPECT_EQ(peer->expect(remote_gpu, kPeerGpu, 931, 0), "");
 
   ASSERT_LE(notifyBytes(kCount), kLen);
   ASSERT_TRUE(peer->send("notify_check " + std::to_string(kCount) + " " +
@@ -237,6 +245,26 @@ TEST_F(CudaSameHost, GpuMemoryIsStagedOverTcpBetweenHosts) {
   std::string reply;
   ASSERT_TRUE(peer->recv(&reply, 35000));
   EXPECT_EQ(reply, "ok") << "the peer saw a notification before its staged write";
+
+  // Unwaited writes into the peer's GPU memory (staged at the target), each followed by a
+  // notification: the peer finds every write's bytes when its notification arrives.
+  ASSERT_LE(notifyBytes(kCount), kPeerGpu);
+  ASSERT_TRUE(peer->send("notify_check " + std::to_string(kCount) + " " +
+                         std::to_string(remote_gpu) + " " + std::to_string(kTagBase + 100) +
+                         " 970 " + std::to_string(eng->engineId()) + " 30000"));
+  ids.clear();
+  for (int k = 0; k < kCount; ++k) {
+    Slot s = notifySlot(k);
+    uint8_t* src = k % 2 == 0 ? host.data() + s.offset : g + s.offset;  // host, then GPU here
+    fillPattern(src, s.len, 970 + k, 0);
+    auto id = eng->submit({{OpCode::kWrite, src, s.len, pid, remote_gpu + s.offset}});
+    ASSERT_TRUE(id.ok()) << id.status().toString();
+    ids.push_back(*id);
+    MC_ASSERT_OK(eng->notify(pid, kTagBase + 100 + k));
+  }
+  for (auto id : ids) MC_EXPECT_OK(eng->wait(id, engine::deadlineInMs(20000)));
+  ASSERT_TRUE(peer->recv(&reply, 35000));
+  EXPECT_EQ(reply, "ok") << "a notification overtook a write staged at the target";
   MC_EXPECT_OK(eng->free(*gpu));
 }
 

@@ -5,12 +5,18 @@
 #include <sys/epoll.h>
 #include <sys/uio.h>
 
+#include "engine/device/device.h"
 #include "engine/log.h"
 #include "engine/secret.h"
 #include "engine/transport/tcp/tcp_core.h"
 #include "engine/transport/tcp/tcp_socket.h"
 
 namespace mooncake::engine::tcp {
+
+namespace {
+// A staged copy into or out of GPU memory (one frame's worth) that takes longer failed.
+constexpr int64_t kDeviceCopyMs = 30000;
+}  // namespace
 
 // ---------------------------------------------------------------- connections
 
@@ -321,25 +327,44 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
       return true;
     case FrameType::kWrite:
     case FrameType::kReadReq: {
-      // Target-side check: the whole range inside one registered host region.
+      // Target-side check: the whole range inside one registered region. GPU memory (kCuda)
+      // is staged here: the payload lands in a host buffer and the device layer copies it
+      // in (frameEnd), a read is copied out into a host buffer first.
       auto region = ctx_->registry->find(h.addr, h.length);
-      bool ok = h.length == 0 || (region.has_value() && region->kind == MemoryKind::kHost);
+      const bool gpu = region.has_value() && region->kind == MemoryKind::kCuda;
+      bool ok = h.length == 0 || (region.has_value() && region->kind == MemoryKind::kHost) || gpu;
       c->verdict = ok ? Code::kOk : Code::kPermissionDenied;
       if (!ok) {
         MC_LOG(WARN, TCP) << "refused " << (h.type == FrameType::kWrite ? "WRITE" : "READ")
                           << " of [" << hexId(h.addr) << ", +" << h.length << ") from "
-                          << c->src_name << ": not inside one registered host region";
+                          << c->src_name << ": not inside one registered region";
       }
       if (h.type == FrameType::kWrite)
-        return expectPayload(c, ok ? Conn::Sink::kMemory : Conn::Sink::kDiscard,
+        return expectPayload(c, !ok ? Conn::Sink::kDiscard
+                                : gpu && h.length > 0 ? Conn::Sink::kBuffer
+                                                      : Conn::Sink::kMemory,
                              reinterpret_cast<char*>(h.addr));
       FrameHeader resp;
       resp.type = FrameType::kReadResp;
       resp.req_id = h.req_id;
       resp.addr = h.addr;
+      std::string staged;
+      if (ok && gpu && h.length > 0) {
+        staged.resize(h.length);
+        Status st = device::copy(staged.data(), reinterpret_cast<const void*>(h.addr), h.length,
+                                 deadlineInMs(kDeviceCopyMs));
+        if (!st.ok()) {
+          MC_LOG(WARN, TCP) << "READ of GPU memory [" << hexId(h.addr) << ", +" << h.length
+                            << ") for " << c->src_name << ": " << st.toString();
+          ok = false;
+          c->verdict = Code::kInternal;
+          staged.clear();
+        }
+      }
       resp.status = static_cast<uint16_t>(c->verdict);
       resp.length = ok ? h.length : 0;
-      send(*c, resp, ok ? reinterpret_cast<const char*>(h.addr) : nullptr, resp.length);
+      send(*c, resp, ok && !gpu ? reinterpret_cast<const char*>(h.addr) : nullptr, resp.length,
+           std::move(staged));
       return true;
     }
     case FrameType::kWriteAck:
@@ -458,6 +483,17 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       return true;
     }
     case FrameType::kWrite: {
+      if (c->sink == Conn::Sink::kBuffer) {  // into GPU memory (frameStart): copy it in now
+        Status st = device::copy(reinterpret_cast<void*>(h.addr), c->buf.data(), c->buf.size(),
+                                 deadlineInMs(kDeviceCopyMs));
+        if (!st.ok()) {
+          MC_LOG(WARN, TCP) << "WRITE of GPU memory [" << hexId(h.addr) << ", +" << h.length
+                            << ") from " << c->src_name << ": " << st.toString();
+          c->verdict = Code::kInternal;
+        }
+        if (ctx_->buffers) ctx_->buffers->give(std::move(c->buf));
+        c->buf.clear();
+      }
       FrameHeader ack;
       ack.type = FrameType::kWriteAck;
       ack.req_id = h.req_id;
@@ -534,7 +570,7 @@ bool Core::completeSlice(PeerState& p, uint64_t req, Code code) {
       std::ostringstream os;
       os << "tcp peer " << p.label << " refused a " << op << " ["
          << hexId(s.ts->task->remote + s.offset) << ", +" << s.len << ")";
-      if (code == Code::kPermissionDenied) os << ": not inside one of its registered host regions";
+      if (code == Code::kPermissionDenied) os << ": not inside one of its registered regions";
       s.ts->status = Status(code, os.str());
     }
     if (--s.ts->remaining == 0) fin = s.ts;

@@ -53,9 +53,12 @@
 //
 // Guarantees and contracts:
 //  - Target-side safety: a WRITE or READ_REQ whose [addr, addr+length) is not inside ONE
-//    registered host region is refused with kPermissionDenied; a refused WRITE's payload is
+//    registered region is refused with kPermissionDenied; a refused WRITE's payload is
 //    read into scratch and dropped. Accepted payloads are received straight into the
-//    registered memory (no intermediate copy); READ_RESP payloads likewise go straight into
+//    registered host memory (no intermediate copy); a GPU region (kCuda) is staged: the
+//    payload lands in a host buffer and the device layer copies it in before the WRITE_ACK
+//    (so a NOTIFY held for it comes after), a READ is copied out into a host buffer first.
+//    READ_RESP payloads go straight into
 //    the initiator's buffer, and WRITE/READ_RESP payloads are sent from the user's/registered
 //    memory with writev (no copy). A region unregistered while a transfer into it is in
 //    flight is the application's race, as with RDMA.
