@@ -322,6 +322,7 @@ Status TransferEngine::updatePeer(PeerId peer, const SegmentDesc& remote) {
   MC_RETURN_IF_ERROR(e->control->updateRemote(remote));
   if (e->data != e->control.get()) MC_RETURN_IF_ERROR(e->data->updateRemote(remote));
   if (e->device_owned) MC_RETURN_IF_ERROR(e->device_owned->updateRemote(remote));
+  if (e->staged) MC_RETURN_IF_ERROR(e->staged->updateRemote(remote));
   std::lock_guard<std::mutex> g(e->mu);
   e->desc = remote;
   e->remote_gpu_regions.store(Impl::gpuRegions(remote));

@@ -113,10 +113,11 @@ Status TransferEngine::notify(PeerId peer, uint32_t channel, uint64_t tag) {
   PeerEntry* e = impl_->peer(peer);
   if (e == nullptr) return MC_STATUS(kInvalidArgument, "notify: unknown peer " << peer);
   MC_RETURN_IF_ERROR(impl_->peerStatus(e));
-  if (e->device_owned) {
-    // GPU memory to this peer moves over another transport (cuda): the notification follows
-    // those writes too once they are done.
-    Status st = e->device_owned->quiesce(deadlineInMs(60000));
+  // GPU memory to this peer moves over another transport (cuda, staging): the notification
+  // follows those writes too once they are done.
+  for (TransportPeer* t : {e->device_owned.get(), e->staged.get()}) {
+    if (t == nullptr) continue;
+    Status st = t->quiesce(deadlineInMs(60000));
     if (!st.ok()) return Status(st.code(), "notify: " + st.message());
   }
   return e->data->notify(channel, tag);

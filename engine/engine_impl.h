@@ -70,6 +70,9 @@ struct PeerEntry {
   TransportPeer* device = nullptr;
   std::unique_ptr<TransportPeer> device_owned;
   TransportKind device_kind = TransportKind::kTcp;
+  // With cuda as `device`: staging through host memory over `data`, for the peer's host
+  // memory that cuda cannot map (registered, not allocated by its engine).
+  std::unique_ptr<TransportPeer> staged;
   std::atomic<int> remote_gpu_regions{0};  // GPU regions in the peer's descriptor
   std::atomic<bool> dead{false};
   std::mutex mu;
@@ -218,6 +221,12 @@ class TransferEngine::Impl {
       where = r.remote;
     }
     if (!gpu) return e->data;
+    if (e->staged != nullptr) {
+      std::lock_guard<std::mutex> g(e->mu);
+      const RegionDesc* rr = e->desc.findRegion(r.remote, n);
+      if (rr != nullptr && rr->kind == MemoryKind::kHost && rr->shm_name.empty())
+        return e->staged.get();
+    }
     if (e->device != nullptr) return e->device;
     return MC_STATUS(kNotSupported, "request " << i << ": " << side << " at "
                                                << where
@@ -251,6 +260,8 @@ class TransferEngine::Impl {
       e->device_owned = std::move(p).value();
       e->device = e->device_owned.get();
       e->device_kind = TransportKind(k);
+      if (auto dev = device::get(); dev.ok() && TransportKind(k) == TransportKind::kCuda)
+        e->staged = makeStagingPeer(e->data, e->kind, *dev, &ctx, remote);
       return;
     }
     // None reaches it: this side's GPU memory is staged through host memory over the peer's
@@ -351,6 +362,7 @@ class TransferEngine::Impl {
       MC_LOG(WARN, ENGINE) << "peer " << e->desc.name << " failed: " << why.toString();
     if (e->data != nullptr && e->data != e->control.get()) e->data->fail(e->why);
     if (e->device_owned) e->device_owned->fail(e->why);
+    if (e->staged) e->staged->fail(e->why);
     if (e->control) e->control->fail(e->why);
   }
 

@@ -106,8 +106,9 @@ TEST_P(GpuMemoryTest, RegistrationChecksTheMemoryIsOnTheDevice) {
 
 // The engine's own choice on one host (no forced transport): host memory over shm, GPU memory
 // (either side) over the cuda transport -- IPC handles and the device layer's copy stream --
-// with the peer's engine-allocated host memory on the other side too; a notification follows
-// the copies before it (the peer checks each write is visible when its tag arrives).
+// with the peer's engine-allocated host memory on the other side too, and its registered host
+// memory (which cuda cannot map) staged through host memory here over shm; a notification
+// follows the copies before it (the peer checks each write is visible when its tag arrives).
 class CudaSameHost : public PeerTestBase {};
 
 TEST_F(CudaSameHost, GpuMemoryMovesOverCudaHostOverShm) {
@@ -129,7 +130,7 @@ TEST_F(CudaSameHost, GpuMemoryMovesOverCudaHostOverShm) {
   EXPECT_EQ(eng->peerTransport(pid), "shm");
   auto gpu = eng->allocate(8u << 20, engine::MemoryKind::kCuda, 0);
   ASSERT_TRUE(gpu.ok()) << gpu.status().toString();
-  auto* g = static_cast<uint8_t*>(*gpu);  // simulated device memory is host memory
+  auto* g = static_cast<uint8_t*>(*gpu);  // device memory: filled and checked through copies
   HostBuffer host(kLen);
   MC_ASSERT_OK(eng->registerMemory(host.data(), kLen));
   std::vector<uint8_t> loose(kLen);  // unregistered host memory
@@ -148,10 +149,14 @@ TEST_F(CudaSameHost, GpuMemoryMovesOverCudaHostOverShm) {
   fillPattern(g, kLen, 703, 0);  // GPU -> the peer's engine-allocated host memory
   MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, g, kLen, pid, remote_host));
   EXPECT_EQ(peer->expect(remote_host, kLen, 703, 0), "");
-  // Host memory the peer registered (not engine-allocated) has nothing a copy can address.
-  Status st = transfer(*eng, OpCode::kWrite, g, 4096, pid, peer->info().reg_addr);
-  EXPECT_EQ(st.code(), Code::kNotSupported) << st.toString();
-  EXPECT_NE(st.message().find("not allocated by its engine"), std::string::npos) << st.toString();
+  // Host memory the peer registered (not engine-allocated) is nothing cuda can map: staged
+  // through host memory here and moved over shm, both ways.
+  const uint64_t remote_reg = peer->info().reg_addr;
+  fillPattern(g + 1, kLen, 704, 0);
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, g + 1, kLen, pid, remote_reg));
+  EXPECT_EQ(peer->expect(remote_reg, kLen, 704, 0), "");
+  MC_ASSERT_OK(transfer(*eng, OpCode::kRead, g + 3, kLen - 10, pid, remote_reg + 10));
+  EXPECT_EQ(checkPattern(g + 3, kLen - 10, 704, 10), "");
   // Host to host still goes over shm, untouched.
   MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, host.data(), 4096, pid, remote_host));
   EXPECT_EQ(peer->expect(remote_host, 4096, 701, 0), "");
@@ -174,6 +179,25 @@ TEST_F(CudaSameHost, GpuMemoryMovesOverCudaHostOverShm) {
   std::string reply;
   ASSERT_TRUE(peer->recv(&reply, 35000));
   EXPECT_EQ(reply, "ok") << "the peer saw a notification before its write";
+
+  // The same into the peer's registered host memory (staged here, then shm).
+  constexpr int kStaged = 8;
+  ASSERT_LE(notifyBytes(kStaged), cfg.region_bytes);
+  ASSERT_TRUE(peer->send("notify_check " + std::to_string(kStaged) + " " +
+                         std::to_string(remote_reg) + " " + std::to_string(kTagBase + 100) +
+                         " 850 " + std::to_string(eng->engineId()) + " 30000"));
+  ids.clear();
+  for (int k = 0; k < kStaged; ++k) {
+    Slot s = notifySlot(k);
+    fillPattern(g + s.offset, s.len, 850 + k, 0);
+    auto id = eng->submit({{OpCode::kWrite, g + s.offset, s.len, pid, remote_reg + s.offset}});
+    ASSERT_TRUE(id.ok()) << id.status().toString();
+    ids.push_back(*id);
+    MC_ASSERT_OK(eng->notify(pid, kTagBase + 100 + k));
+  }
+  for (auto id : ids) MC_EXPECT_OK(eng->wait(id, engine::deadlineInMs(20000)));
+  ASSERT_TRUE(peer->recv(&reply, 35000));
+  EXPECT_EQ(reply, "ok") << "the peer saw a notification before its staged write";
   MC_EXPECT_OK(eng->free(*gpu));
   MC_EXPECT_OK(eng->unregisterMemory(host.data()));
 }
