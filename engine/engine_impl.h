@@ -239,7 +239,8 @@ class TransferEngine::Impl {
   }
 
   // Chooses what moves GPU memory to a newly opened peer (PeerEntry::device). A forced
-  // transport (MC_TRANSPORT) is the only one used, for GPU memory too.
+  // transport (MC_TRANSPORT) is the only one that moves bytes, for GPU memory too: through
+  // staging when it does not reach GPU memory itself.
   void connectDevice(PeerEntry* e, const SegmentDesc& local, const SegmentDesc& remote,
                      Deadline deadline) {
     if (transports[static_cast<int>(e->kind)]->reachesDeviceMemory()) {
@@ -247,8 +248,7 @@ class TransferEngine::Impl {
       e->device_kind = e->kind;
       return;
     }
-    if (forced >= 0) return;
-    for (int k = 0; k < kNumTransportKinds; ++k) {
+    for (int k = 0; k < kNumTransportKinds && forced < 0; ++k) {
       Transport* t = transports[k].get();
       if (t == nullptr || !t->reachesDeviceMemory() || !t->canReach(local, remote)) continue;
       auto p = t->connect(remote, deadline, true, e->control->controlLink());
