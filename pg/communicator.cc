@@ -14,6 +14,7 @@
 #include "engine/params.h"
 #include "engine/wire.h"
 #include "pg/comm_impl.h"
+#include "pg/device_stage.h"
 #include "pg/elastic.h"
 
 namespace mooncake::pg {
@@ -348,6 +349,13 @@ void Communicator::allReduce(const void* in, void* out, size_t count, DataType t
   checkReduce(t, op, "allreduce");
   checkPtr(in, count, "input", "allreduce");
   checkPtr(out, count, "output", "allreduce");
+  if (DeviceStage::any({in, out})) {
+    const size_t n = count * dtypeSize(t);
+    DeviceStage st("allreduce", n);
+    st.in(in, n);
+    allReduce(st.host(), st.host(), count, t, op);
+    return st.out(out, n);
+  }
   if (impl_->elastic)
     return impl_->elastic->allReduce(in, out, count, t, op,
                                      typedSig(OpKind::kAllReduce, count, t, op));
@@ -361,6 +369,14 @@ void Communicator::reduce(const void* in, void* out, size_t count, DataType t, R
   checkRoot(*impl_, root, "reduce");
   checkPtr(in, count, "input", "reduce");
   if (impl_->rank == root) checkPtr(out, count, "output", "reduce");
+  if (DeviceStage::any({in, out})) {
+    const size_t n = count * dtypeSize(t);
+    DeviceStage st("reduce", 2 * n);
+    st.in(in, n);
+    reduce(st.host(), st.host() + n, count, t, op, root);
+    if (impl_->rank == root) st.out(out, n, n);
+    return;
+  }
   if (impl_->elastic)
     return impl_->elastic->reduce(in, out, count, t, op, root,
                                   typedSig(OpKind::kReduce, count, t, op, root));
@@ -371,6 +387,13 @@ void Communicator::reduce(const void* in, void* out, size_t count, DataType t, R
 void Communicator::broadcast(void* buf, size_t bytes, int root) {
   checkRoot(*impl_, root, "broadcast");
   checkPtr(buf, bytes, "data", "broadcast");
+  if (DeviceStage::any({buf})) {
+    DeviceStage st("broadcast", bytes);
+    if (impl_->rank == root) st.in(buf, bytes);
+    broadcast(st.host(), bytes, root);
+    if (impl_->rank != root) st.out(buf, bytes);
+    return;
+  }
   if (impl_->elastic)
     return impl_->elastic->broadcast(buf, bytes, root, bytesSig(OpKind::kBroadcast, bytes, root));
   impl_->run("broadcast", bytesSig(OpKind::kBroadcast, bytes, root),
@@ -381,6 +404,13 @@ void Communicator::allGather(const void* in, void* out, size_t bytes, int blocks
   checkPtr(in, bytes, "input", "allgather");
   checkPtr(out, bytes, "output", "allgather");
   std::vector<size_t> sizes(impl_->elastic && blocks >= 0 ? blocks : pubSize(*impl_), bytes);
+  if (DeviceStage::any({in, out})) {
+    const size_t total = sizes.size() * bytes;
+    DeviceStage st("allgather", bytes + total);
+    st.in(in, bytes);
+    allGather(st.host(), st.host() + bytes, bytes, blocks);
+    return st.out(out, total, bytes);
+  }
   if (impl_->elastic)
     return impl_->elastic->allGatherV(in, out, sizes, "allgather",
                                       bytesSig(OpKind::kAllGather, bytes));
@@ -397,6 +427,13 @@ void Communicator::allGatherV(const void* in, void* out, const std::vector<size_
   size_t total = 0;
   for (size_t b : bytes) total += b;
   checkPtr(out, total, "output", "allgatherv");
+  if (DeviceStage::any({in, out})) {
+    const size_t mine = impl_->rank < static_cast<int>(bytes.size()) ? bytes[impl_->rank] : 0;
+    DeviceStage st("allgatherv", mine + total);
+    st.in(in, mine);
+    allGatherV(st.host(), st.host() + mine, bytes);
+    return st.out(out, total, mine);
+  }
   OpSig sig = bytesSig(OpKind::kAllGatherV, 0);
   sig.shape = hashSizes(bytes);
   if (impl_->elastic) return impl_->elastic->allGatherV(in, out, bytes, "allgatherv", sig);
@@ -408,6 +445,14 @@ void Communicator::gather(const void* in, void* out, size_t bytes, int root, int
   checkRoot(*impl_, root, "gather");
   checkPtr(in, bytes, "input", "gather");
   if (impl_->rank == root) checkPtr(out, bytes, "output", "gather");
+  if (DeviceStage::any({in, out})) {
+    const size_t total = (impl_->elastic && blocks >= 0 ? blocks : pubSize(*impl_)) * bytes;
+    DeviceStage st("gather", bytes + total);
+    st.in(in, bytes);
+    gather(st.host(), st.host() + bytes, bytes, root, blocks);
+    if (impl_->rank == root) st.out(out, total, bytes);
+    return;
+  }
   if (impl_->elastic)
     return impl_->elastic->gather(in, out, bytes, root, blocks,
                                   bytesSig(OpKind::kGather, bytes, root));
@@ -419,6 +464,13 @@ void Communicator::scatter(const void* in, void* out, size_t bytes, int root, in
   checkRoot(*impl_, root, "scatter");
   if (impl_->rank == root) checkPtr(in, bytes, "input", "scatter");
   checkPtr(out, bytes, "output", "scatter");
+  if (DeviceStage::any({in, out})) {
+    const size_t total = (impl_->elastic && blocks >= 0 ? blocks : pubSize(*impl_)) * bytes;
+    DeviceStage st("scatter", total + bytes);
+    if (impl_->rank == root) st.in(in, total);
+    scatter(st.host(), st.host() + total, bytes, root, blocks);
+    return st.out(out, bytes, total);
+  }
   if (impl_->elastic)
     return impl_->elastic->scatter(in, out, bytes, root, blocks,
                                    bytesSig(OpKind::kScatter, bytes, root));
@@ -431,6 +483,14 @@ void Communicator::reduceScatter(const void* in, void* out, size_t count, DataTy
   checkReduce(t, op, "reduce_scatter");
   checkPtr(in, count, "input", "reduce_scatter");
   checkPtr(out, count, "output", "reduce_scatter");
+  if (DeviceStage::any({in, out})) {
+    const size_t n = count * dtypeSize(t);
+    const size_t total = (impl_->elastic && blocks >= 0 ? blocks : pubSize(*impl_)) * n;
+    DeviceStage st("reduce_scatter", total + n);
+    st.in(in, total);
+    reduceScatter(st.host(), st.host() + total, count, t, op, blocks);
+    return st.out(out, n, total);
+  }
   if (impl_->elastic)
     return impl_->elastic->reduceScatter(in, out, count, t, op, blocks,
                                          typedSig(OpKind::kReduceScatter, count, t, op));
@@ -458,6 +518,15 @@ void Communicator::allToAllV(const void* in, const std::vector<size_t>& send_byt
   const char* ob = static_cast<const char*>(out);
   if (in_end > 0 && out_end > 0 && ib < ob + out_end && ob < ib + in_end)
     throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
+  if (DeviceStage::any({in, out})) {
+    DeviceStage st("alltoall", in_end + out_end);
+    st.in(in, in_end);
+    allToAllV(st.host(), send_bytes, send_offsets, st.host() + in_end, recv_bytes, recv_offsets);
+    for (size_t j = 0; j < n; ++j)  // only what was received: gaps in out stay as they were
+      if (recv_bytes[j] > 0)
+        st.out(static_cast<char*>(out) + recv_offsets[j], recv_bytes[j], in_end + recv_offsets[j]);
+    return;
+  }
   OpSig sig;
   sig.kind = OpKind::kAllToAll;  // the split sizes are checked pairwise by the algorithm
   if (impl_->elastic)
@@ -480,6 +549,11 @@ void Communicator::send(const void* buf, size_t bytes, int dst, uint64_t tag) {
     throw std::invalid_argument("mooncake pg: send: destination rank " + std::to_string(dst) +
                                 " is outside the group of size " + std::to_string(pubSize(*impl_)));
   checkPtr(buf, bytes, "send", "send");
+  if (DeviceStage::any({buf})) {
+    DeviceStage st("send", bytes);
+    st.in(buf, bytes);
+    return send(st.host(), bytes, dst, tag);
+  }
   if (impl_->elastic) return impl_->elastic->send(buf, bytes, dst, tag);
   impl_->p2p->send(buf, bytes, dst, tag, impl_->opts.timeout);
 }
@@ -489,6 +563,12 @@ int Communicator::recv(void* buf, size_t bytes, int src, uint64_t tag) {
     throw std::invalid_argument("mooncake pg: recv: source rank " + std::to_string(src) +
                                 " is outside the group of size " + std::to_string(pubSize(*impl_)));
   checkPtr(buf, bytes, "receive", "recv");
+  if (DeviceStage::any({buf})) {
+    DeviceStage st("recv", bytes);
+    const int from = recv(st.host(), bytes, src, tag);
+    st.out(buf, bytes);
+    return from;
+  }
   if (impl_->elastic) return impl_->elastic->recv(buf, bytes, src, tag);
   return impl_->p2p->recv(buf, bytes, src, tag, impl_->opts.timeout);
 }

@@ -97,6 +97,7 @@ class CudaDevice final : public Device {
     if (r != CUDA_SUCCESS)
       return MC_STATUS(kResourceExhausted, "cuMemAlloc(" << len << ") on device " << ordinal
                                                          << ": " << err(r));
+    noteUse();
     return reinterpret_cast<void*>(p);
   }
 

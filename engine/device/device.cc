@@ -146,6 +146,7 @@ class SimDevice final : public Device {
     }
     std::lock_guard<std::mutex> g(mu_);
     allocs_[reinterpret_cast<uint64_t>(m->first)] = Alloc{mapped, fd, ordinal, m->second};
+    noteUse();
     return m->first;
   }
 

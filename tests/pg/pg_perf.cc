@@ -4,6 +4,8 @@
 // Usage: pg_perf [--world N] [--transport tcp] [--async 1] [--ops allreduce,allgather,alltoall,
 //                 broadcast,reduce_scatter] [--sizes 4K,64K,1M,16M] [--min-ms 300]
 //                [--hosts aabb] (rank r looks like host letter r: groups spanning hosts)
+//                [--device cpu,sim] (buffers in host memory and/or GPU memory of the device
+//                layer's simulation, MC_DEVICE=sim: GPU memory is staged, pg/device_stage.h)
 // Full benchmarks against gloo and MPI: benchmarks/pg_bench.py.
 #include <algorithm>
 #include <cstdio>
@@ -13,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/device/device.h"
 #include "tests/pg/pg_harness.h"
 
 using namespace mooncake::pg;
@@ -53,6 +56,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> sizes = {"4K", "64K", "1M", "16M"};
   double min_ms = 300;
   bool async = false;  // run every op through enqueue() + Work::wait, as the torch adapter does
+  std::vector<std::string> devices = {"cpu"};
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--world") o.world = std::atoi(v.c_str());
@@ -61,6 +65,7 @@ int main(int argc, char** argv) {
     else if (k == "--sizes") sizes = split(v);
     else if (k == "--min-ms") min_ms = std::atof(v.c_str());
     else if (k == "--async") async = v == "1";
+    else if (k == "--device") devices = split(v);
     else if (k == "--hosts") {  // e.g. aabb: rank r pretends to be on host v[r] (MC_HOST_ID)
       o.rank_env = [v](int r) {
         return std::vector<std::pair<std::string, std::string>>{
@@ -69,14 +74,41 @@ int main(int argc, char** argv) {
     }
   }
   o.deadline_s = 600;
+  for (const auto& d : devices) {
+    if (d == "sim") o.env.push_back({"MC_DEVICE", "sim"});
+    else if (d != "cpu") {
+      std::fprintf(stderr, "pg_perf: --device %s: expected cpu or sim\n", d.c_str());
+      return 2;
+    }
+  }
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     const int n = c.size();
+    for (const auto& dev : devices)
     for (const auto& op : ops) {
       for (const auto& sz : sizes) {
         const size_t bytes = parseSize(sz);  // per-rank payload (nccl-tests "size")
         const size_t count = bytes / 4;
-        std::vector<float> in(count * n + 16, 1.0f), out(count * n + 16, 0.0f);
+        std::vector<float> host_in(count * n + 16, 1.0f), host_out(count * n + 16, 0.0f);
+        // "in" and "out": host vectors, or GPU memory of the simulated layer holding the same.
+        struct Span {
+          float* p;
+          float* data() const { return p; }
+        } in{host_in.data()}, out{host_out.data()};
+        void* gpu_in = nullptr;
+        void* gpu_out = nullptr;
+        auto layer = mooncake::engine::device::get();
+        if (dev == "sim") {
+          if (!layer.ok()) throw std::runtime_error(layer.status().toString());
+          const size_t nb = host_in.size() * 4;
+          auto a = (*layer)->allocate(nb, 0), b = (*layer)->allocate(nb, 0);
+          if (!a.ok() || !b.ok()) throw std::runtime_error("pg_perf: sim device allocation");
+          gpu_in = *a;
+          gpu_out = *b;
+          (void)mooncake::engine::device::copy(gpu_in, host_in.data(), nb, mooncake::engine::deadlineInMs(30000));
+          in.p = static_cast<float*>(gpu_in);
+          out.p = static_cast<float*>(gpu_out);
+        }
         std::vector<size_t> blk(n, bytes / n), offs(n);
         for (int j = 0; j < n; ++j) offs[j] = j * (bytes / n);
         auto run = [&] {
@@ -120,9 +152,13 @@ int main(int argc, char** argv) {
         double p50 = mx[mx.size() / 2], p99 = mx[std::min(mx.size() - 1, mx.size() * 99 / 100)];
         if (c.rank() == 0) {
           double algbw = bytes / (p50 * 1e-6) / 1e9;
-          std::printf("%-15s n=%d %10zu B  p50 %10.2f us  p99 %10.2f us  algbw %7.3f  busbw %7.3f GB/s\n",
-                      op.c_str(), n, bytes, p50, p99, algbw, algbw * busFactor(op, n));
+          std::printf("%-15s %-3s n=%d %10zu B  p50 %10.2f us  p99 %10.2f us  algbw %7.3f  busbw %7.3f GB/s\n",
+                      op.c_str(), dev.c_str(), n, bytes, p50, p99, algbw, algbw * busFactor(op, n));
           std::fflush(stdout);
+        }
+        if (gpu_in != nullptr) {
+          (void)(*layer)->free(gpu_in);
+          (void)(*layer)->free(gpu_out);
         }
       }
     }

@@ -1,0 +1,43 @@
+#include "pg/device_stage.h"
+
+#include <cstring>
+#include <string>
+
+#include "engine/device/device.h"
+#include "pg/communicator.h"
+
+namespace mooncake::pg {
+
+namespace {
+constexpr int64_t kCopyMs = 60000;
+
+void copyOrThrow(void* dst, const void* src, size_t n, const char* op, const char* what) {
+  if (n == 0) return;
+  if (!engine::device::isDeviceMemory(dst) && !engine::device::isDeviceMemory(src)) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  Status st = engine::device::copy(dst, src, n, engine::deadlineInMs(kCopyMs));
+  if (!st.ok())
+    throw CommError(std::string("mooncake pg: ") + op + ": copying " + std::to_string(n) +
+                        " bytes " + what + " GPU memory failed: " + st.toString(),
+                    -1, op);
+}
+}  // namespace
+
+bool DeviceStage::any(std::initializer_list<const void*> ps) {
+  if (!engine::device::active()) return false;
+  for (const void* p : ps)
+    if (p != nullptr && engine::device::isDeviceMemory(p)) return true;
+  return false;
+}
+
+void DeviceStage::in(const void* src, size_t n, size_t at) {
+  copyOrThrow(buf_.data() + at, src, n, op_, "out of");
+}
+
+void DeviceStage::out(void* dst, size_t n, size_t at) {
+  copyOrThrow(dst, buf_.data() + at, n, op_, "into");
+}
+
+}  // namespace mooncake::pg

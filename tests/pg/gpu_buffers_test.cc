@@ -1,0 +1,198 @@
+// Collectives and point-to-point calls on GPU memory (pg/device_stage.h), over the device
+// layer's simulation (MC_DEVICE=sim), whose device memory faults when host code touches it:
+// every op runs once on host buffers and once on GPU buffers holding the same inputs, and the
+// GPU results (copied back with the layer) must equal the host results byte for byte (the host
+// path is checked against a reference in collectives_test.cc). Outputs start as a sentinel, so
+// bytes an op must leave alone (all_to_all gaps, a reduce's non-root output) are checked too.
+// Over shm, tcp, tcp with one-sided messages, and a group spanning two simulated hosts.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+
+#include "engine/device/device.h"
+#include "tests/pg/pg_harness.h"
+#include "tests/pg/pg_reference.h"
+
+namespace mooncake::pg::test {
+namespace {
+
+using Buf = std::vector<char>;
+
+// GPU memory of the process's (simulated) device layer, freed at the end of the scope.
+class Gpu {
+ public:
+  explicit Gpu(size_t n, int ordinal) : n_(std::max<size_t>(n, 1)) {
+    auto layer = engine::device::get();
+    if (!layer.ok()) throw std::runtime_error(layer.status().toString());
+    dev_ = *layer;
+    auto p = dev_->allocate(n_, ordinal);
+    if (!p.ok()) throw std::runtime_error(p.status().toString());
+    p_ = static_cast<char*>(*p);
+  }
+  ~Gpu() { (void)dev_->free(p_); }
+  Gpu(const Gpu&) = delete;
+  Gpu& operator=(const Gpu&) = delete;
+  char* get() { return p_; }
+  void put(const Buf& h) { copy(p_, h.data(), std::min(h.size(), n_)); }
+  Buf read(size_t n) const {
+    Buf h(n);
+    copy(h.data(), p_, n);
+    return h;
+  }
+
+ private:
+  static void copy(void* dst, const void* src, size_t n) {
+    Status st = engine::device::copy(dst, src, n, engine::deadlineInMs(30000));
+    if (!st.ok()) throw std::runtime_error(st.toString());
+  }
+  engine::device::Device* dev_ = nullptr;
+  size_t n_;
+  char* p_ = nullptr;
+};
+
+Buf inputs(size_t bytes, int rank, uint32_t salt) {
+  Buf b(bytes);
+  fill(DataType::kUInt8, b.data(), bytes, rank, salt);
+  return b;
+}
+
+// The sentinel every output starts as.
+Buf sentinel(size_t bytes) { return Buf(bytes, static_cast<char>(0x5a)); }
+
+// Runs op on host buffers (in, out = sentinel) and on GPU buffers holding the same bytes, and
+// checks the outputs agree (and the inputs were left alone where the op only reads them).
+void same(Communicator& c, const char* what, const Buf& in, size_t out_bytes,
+          const std::function<void(const void* in, void* out)>& op) {
+  SCOPED_TRACE(std::string(what) + " rank " + std::to_string(c.rank()) + "/" +
+               std::to_string(c.size()));
+  Buf hin = in, hout = sentinel(out_bytes);
+  op(hin.data(), hout.data());
+  Gpu gin(in.size(), c.rank() % 2), gout(out_bytes, (c.rank() + 1) % 2);
+  gin.put(in);
+  gout.put(sentinel(out_bytes));
+  op(gin.get(), gout.get());
+  EXPECT_TRUE(gout.read(out_bytes) == hout) << what << ": GPU output differs from host output";
+  EXPECT_TRUE(gin.read(in.size()) == in) << what << ": GPU input changed";
+}
+
+void everyOp(Communicator& c) {
+  const int n = c.size(), me = c.rank();
+  const size_t count = (1u << 16) + 3;  // floats: 256 KiB + 12 B
+  const size_t fb = count * 4;
+  same(c, "allreduce float32 sum", inputs(fb, me, 1), fb, [&](const void* i, void* o) {
+    c.allReduce(i, o, count, DataType::kFloat32, ReduceOp::kSum);
+  });
+  same(c, "allreduce int64 max", inputs(8 * 1001, me, 2), 8 * 1001, [&](const void* i, void* o) {
+    c.allReduce(i, o, 1001, DataType::kInt64, ReduceOp::kMax);
+  });
+  {  // in place
+    Buf h = inputs(fb, me, 3);
+    Buf want = h;
+    c.allReduce(want.data(), want.data(), count, DataType::kFloat32, ReduceOp::kSum);
+    Gpu g(fb, 0);
+    g.put(h);
+    c.allReduce(g.get(), g.get(), count, DataType::kFloat32, ReduceOp::kSum);
+    EXPECT_TRUE(g.read(fb) == want) << "allreduce in place on GPU memory";
+  }
+  same(c, "reduce float32 sum to rank 1", inputs(fb, me, 4), fb, [&](const void* i, void* o) {
+    c.reduce(i, o, count, DataType::kFloat32, ReduceOp::kSum, 1);
+  });
+  for (int root : {0, n - 1}) {
+    Buf h = me == root ? inputs(fb + 5, root, 5) : sentinel(fb + 5);
+    Buf want = inputs(fb + 5, root, 5);
+    Gpu g(fb + 5, 1);
+    g.put(h);
+    c.broadcast(g.get(), fb + 5, root);
+    EXPECT_TRUE(g.read(fb + 5) == want) << "broadcast from " << root << " into GPU memory";
+  }
+  const size_t blk = 4096 + 5;
+  same(c, "allgather", inputs(blk, me, 6), n * blk,
+       [&](const void* i, void* o) { c.allGather(i, o, blk); });
+  std::vector<size_t> sizes(n);
+  for (int r = 0; r < n; ++r) sizes[r] = 1000 * (r + 1) + r;
+  const size_t total = std::accumulate(sizes.begin(), sizes.end(), size_t{0});
+  same(c, "allgatherv", inputs(sizes[me], me, 7), total,
+       [&](const void* i, void* o) { c.allGatherV(i, o, sizes); });
+  same(c, "gather to rank 0", inputs(blk, me, 8), n * blk,
+       [&](const void* i, void* o) { c.gather(i, o, blk, 0); });
+  same(c, "scatter from the last rank", inputs(n * blk, me, 9), blk,
+       [&](const void* i, void* o) { c.scatter(i, o, blk, n - 1); });
+  same(c, "reduce_scatter float64 min", inputs(8 * 777 * n, me, 10), 8 * 777,
+       [&](const void* i, void* o) {
+         c.reduceScatter(i, o, 777, DataType::kFloat64, ReduceOp::kMin);
+       });
+  {  // all_to_all with gaps in both buffers (and a pair that sends nothing)
+    std::vector<size_t> sb(n), so(n), rb(n), ro(n);
+    auto len = [](int from, int to) -> size_t { return from == to ? 0 : 3000 + 17 * from + to; };
+    size_t at = 0;
+    for (int j = 0; j < n; ++j) {
+      sb[j] = len(me, j);
+      so[j] = at + 11;
+      at = so[j] + sb[j];
+    }
+    const size_t in_bytes = at + 7;
+    at = 0;
+    for (int j = 0; j < n; ++j) {
+      rb[j] = len(j, me);
+      ro[j] = at + 13;
+      at = ro[j] + rb[j];
+    }
+    const size_t out_bytes = at + 9;
+    same(c, "all_to_all with gaps", inputs(in_bytes, me, 11), out_bytes,
+         [&](const void* i, void* o) { c.allToAllV(i, sb, so, o, rb, ro); });
+  }
+  {  // point to point: a ring, GPU to GPU
+    const size_t pb = 70000 + me;
+    Buf mine = inputs(pb, me, 12);
+    Gpu s(pb, 0), r(70000 + (me + n - 1) % n, 1);
+    s.put(mine);
+    const int to = (me + 1) % n, from = (me + n - 1) % n;
+    if (me % 2 == 0) {
+      c.send(s.get(), pb, to, 77);
+      EXPECT_EQ(c.recv(r.get(), 70000 + from, from, 77), from);
+    } else {
+      EXPECT_EQ(c.recv(r.get(), 70000 + from, from, 77), from);
+      c.send(s.get(), pb, to, 77);
+    }
+    EXPECT_TRUE(r.read(70000 + from) == inputs(70000 + from, from, 12)) << "recv into GPU memory";
+  }
+}
+
+class PgGpuBuffers : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(PgGpuBuffers, EveryOpMatchesTheHostPath) {
+  const auto [transport, world] = GetParam();
+  RunOptions o;
+  o.world = world;
+  o.deadline_s = 120;
+  o.env.push_back({"MC_DEVICE", "sim"});
+  if (transport == "hier") {  // two simulated hosts: shm within, tcp between
+    o.rank_env = [world = world](int r) {
+      return std::vector<std::pair<std::string, std::string>>{
+          {"MC_HOST_ID", r < world / 2 ? "gpu-pg-host-a" : "gpu-pg-host-b"}};
+    };
+  } else {
+    useTransport(o, transport);
+  }
+  auto codes = runRanks(o, [&](RankEnv& env) {
+    if (transport == "hier") {
+      EXPECT_NE(env.comm->path().find("hierarchical"), std::string::npos) << env.comm->path();
+    }
+    everyOp(*env.comm);
+  });
+  for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Pg, PgGpuBuffers,
+    ::testing::Values(std::make_tuple(std::string("shm"), 2), std::make_tuple(std::string("shm"), 3),
+                      std::make_tuple(std::string("tcp"), 3),
+                      std::make_tuple(std::string("tcp_onesided"), 2),
+                      std::make_tuple(std::string("hier"), 4)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_W" + std::to_string(std::get<1>(info.param));
+    });
+
+}  // namespace
+}  // namespace mooncake::pg::test
