@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/device/device.h"
 #include "engine/engine.h"
 #include "engine/p2p_sessions.h"
 #include "engine/params.h"
@@ -273,6 +274,43 @@ void registerEngineApis(py::module_& m) {
       "(None: they create their own again).");
   m.def("set_engine_host", &setSharedEngineHost, py::arg("host"),
         "The address the engine that the next mooncake process group creates binds.");
+
+  // The engine's device layer (engine/device/device.h) as the tests over its host simulation
+  // (MC_DEVICE=sim) use it: GPU memory that host code must not touch, made and read without
+  // torch (whose build here has no CUDA). With a CUDA torch, use CUDA tensors instead.
+  auto layer = [] {
+    auto d = engine::device::get();
+    if (!d.ok()) throw std::runtime_error("mooncake: no device layer: " + d.status().toString());
+    return *d;
+  };
+  m.def(
+      "_device_layer", [layer] { return std::string(layer()->name()); },
+      "The device layer's name (cuda, sim); raises when there is none.");
+  m.def(
+      "_device_alloc",
+      [layer](uint64_t nbytes, int ordinal) {
+        auto p = layer()->allocate(nbytes, ordinal);
+        if (!p.ok()) throw std::runtime_error("mooncake: " + p.status().toString());
+        return reinterpret_cast<uint64_t>(*p);
+      },
+      py::arg("nbytes"), py::arg("device") = 0, "GPU memory of the device layer (its address).");
+  m.def(
+      "_device_free",
+      [layer](uint64_t ptr) {
+        Status st = layer()->free(reinterpret_cast<void*>(ptr));
+        if (!st.ok()) throw std::runtime_error("mooncake: " + st.toString());
+      },
+      py::arg("ptr"));
+  m.def(
+      "_device_copy",
+      [](uint64_t dst, uint64_t src, uint64_t nbytes) {
+        Status st = engine::device::copy(reinterpret_cast<void*>(dst),
+                                         reinterpret_cast<const void*>(src), nbytes,
+                                         engine::deadlineInMs(60000));
+        if (!st.ok()) throw std::runtime_error("mooncake: " + st.toString());
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), Nogil(),
+      "Copies between GPU and host memory (either side) with the device layer, and waits.");
 }
 
 }  // namespace mooncake::torch_ext
