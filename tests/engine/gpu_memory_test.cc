@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,34 @@ class GpuMemoryTest : public PeerTestBase, public ::testing::WithParamInterface<
 
 uint64_t addrOf(const std::string& reply) {
   return std::strtoull(reply.c_str() + 3, nullptr, 10);  // "ok <address>"
+}
+
+// Tells the peer to check `count` notifications, then writes notification slot k (of local
+// memory local(k, slot), filled with pattern seed + k) to remote + the slot's offset, each
+// submitted and not waited for, followed by a notification tagged tag_base + k. The peer reads
+// each slot when its notification arrives. Returns its verdict: "ok", or what it found.
+std::string writesThenNotifies(TransferEngine& eng, PeerId pid, PeerProcess* peer, int count,
+                               uint64_t remote, uint64_t tag_base, uint64_t seed,
+                               const std::function<uint8_t*(const Slot&, int k)>& local) {
+  if (!peer->send("notify_check " + std::to_string(count) + " " + std::to_string(remote) + " " +
+                  std::to_string(tag_base) + " " + std::to_string(seed) + " " +
+                  std::to_string(eng.engineId()) + " 30000"))
+    return "the peer took no command";
+  std::vector<engine::BatchId> ids;
+  for (int k = 0; k < count; ++k) {
+    Slot s = notifySlot(k);
+    uint8_t* src = local(s, k);
+    fillPattern(src, s.len, seed + k, 0);
+    auto id = eng.submit({{OpCode::kWrite, src, s.len, pid, remote + s.offset}});
+    if (!id.ok()) return "submit " + std::to_string(k) + ": " + id.status().toString();
+    ids.push_back(*id);
+    Status st = eng.notify(pid, tag_base + k);
+    if (!st.ok()) return "notify " + std::to_string(k) + ": " + st.toString();
+  }
+  for (auto id : ids) MC_EXPECT_OK(eng.wait(id, engine::deadlineInMs(20000)));
+  std::string reply;
+  if (!peer->recv(&reply, 35000)) return "no verdict from the peer";
+  return reply;
 }
 
 TEST_P(GpuMemoryTest, ForcedHostTransportStagesGpuMemory) {
@@ -171,41 +200,18 @@ TEST_F(CudaSameHost, GpuMemoryMovesOverCudaHostOverShm) {
 
   // Each write (submitted, not waited for) then a notification: it arrives after the bytes.
   ASSERT_LE(notifyBytes(kCount), 8u << 20);
-  ASSERT_TRUE(peer->send("notify_check " + std::to_string(kCount) + " " +
-                         std::to_string(remote_gpu) + " " + std::to_string(kTagBase) +
-                         " 800 " + std::to_string(eng->engineId()) + " 30000"));
-  std::vector<engine::BatchId> ids;
-  for (int k = 0; k < kCount; ++k) {
-    Slot s = notifySlot(k);
-    fillPattern(g + s.offset, s.len, 800 + k, 0);
-    auto id = eng->submit({{OpCode::kWrite, g + s.offset, s.len, pid, remote_gpu + s.offset}});
-    ASSERT_TRUE(id.ok()) << id.status().toString();
-    ids.push_back(*id);
-    MC_ASSERT_OK(eng->notify(pid, kTagBase + k));
-  }
-  for (auto id : ids) MC_EXPECT_OK(eng->wait(id, engine::deadlineInMs(20000)));
-  std::string reply;
-  ASSERT_TRUE(peer->recv(&reply, 35000));
-  EXPECT_EQ(reply, "ok") << "the peer saw a notification before its write";
+  EXPECT_EQ(writesThenNotifies(*eng, pid, peer, kCount, remote_gpu, kTagBase, 800,
+                               [&](const Slot& s, int) { return g + s.offset; }),
+            "ok")
+      << "the peer saw a notification before its write";
 
   // The same into the peer's registered host memory (staged here, then shm).
   constexpr int kStaged = 8;
   ASSERT_LE(notifyBytes(kStaged), cfg.region_bytes);
-  ASSERT_TRUE(peer->send("notify_check " + std::to_string(kStaged) + " " +
-                         std::to_string(remote_reg) + " " + std::to_string(kTagBase + 100) +
-                         " 850 " + std::to_string(eng->engineId()) + " 30000"));
-  ids.clear();
-  for (int k = 0; k < kStaged; ++k) {
-    Slot s = notifySlot(k);
-    fillPattern(g + s.offset, s.len, 850 + k, 0);
-    auto id = eng->submit({{OpCode::kWrite, g + s.offset, s.len, pid, remote_reg + s.offset}});
-    ASSERT_TRUE(id.ok()) << id.status().toString();
-    ids.push_back(*id);
-    MC_ASSERT_OK(eng->notify(pid, kTagBase + 100 + k));
-  }
-  for (auto id : ids) MC_EXPECT_OK(eng->wait(id, engine::deadlineInMs(20000)));
-  ASSERT_TRUE(peer->recv(&reply, 35000));
-  EXPECT_EQ(reply, "ok") << "the peer saw a notification before its staged write";
+  EXPECT_EQ(writesThenNotifies(*eng, pid, peer, kStaged, remote_reg, kTagBase + 100, 850,
+                               [&](const Slot& s, int) { return g + s.offset; }),
+            "ok")
+      << "the peer saw a notification before its staged write";
   MC_EXPECT_OK(eng->free(*gpu));
   MC_EXPECT_OK(eng->unregisterMemory(host.data()));
 }
@@ -261,42 +267,20 @@ TEST_F(CudaSameHost, GpuMemoryIsStagedOverTcpBetweenHosts) {
   EXPECT_EQ(peer->expect(remote_gpu, kPeerGpu, 931, 0), "");
 
   ASSERT_LE(notifyBytes(kCount), kLen);
-  ASSERT_TRUE(peer->send("notify_check " + std::to_string(kCount) + " " +
-                         std::to_string(remote_host) + " " + std::to_string(kTagBase) +
-                         " 950 " + std::to_string(eng->engineId()) + " 30000"));
-  std::vector<engine::BatchId> ids;
-  for (int k = 0; k < kCount; ++k) {
-    Slot s = notifySlot(k);
-    fillPattern(g + s.offset, s.len, 950 + k, 0);
-    auto id = eng->submit({{OpCode::kWrite, g + s.offset, s.len, pid, remote_host + s.offset}});
-    ASSERT_TRUE(id.ok()) << id.status().toString();
-    ids.push_back(*id);
-    MC_ASSERT_OK(eng->notify(pid, kTagBase + k));
-  }
-  for (auto id : ids) MC_EXPECT_OK(eng->wait(id, engine::deadlineInMs(20000)));
-  std::string reply;
-  ASSERT_TRUE(peer->recv(&reply, 35000));
-  EXPECT_EQ(reply, "ok") << "the peer saw a notification before its staged write";
+  EXPECT_EQ(writesThenNotifies(*eng, pid, peer, kCount, remote_host, kTagBase, 950,
+                               [&](const Slot& s, int) { return g + s.offset; }),
+            "ok")
+      << "the peer saw a notification before its staged write";
 
   // Unwaited writes into the peer's GPU memory (staged at the target), each followed by a
   // notification: the peer finds every write's bytes when its notification arrives.
   ASSERT_LE(notifyBytes(kCount), kPeerGpu);
-  ASSERT_TRUE(peer->send("notify_check " + std::to_string(kCount) + " " +
-                         std::to_string(remote_gpu) + " " + std::to_string(kTagBase + 100) +
-                         " 970 " + std::to_string(eng->engineId()) + " 30000"));
-  ids.clear();
-  for (int k = 0; k < kCount; ++k) {
-    Slot s = notifySlot(k);
-    uint8_t* src = k % 2 == 0 ? host.data() + s.offset : g + s.offset;  // host, then GPU here
-    fillPattern(src, s.len, 970 + k, 0);
-    auto id = eng->submit({{OpCode::kWrite, src, s.len, pid, remote_gpu + s.offset}});
-    ASSERT_TRUE(id.ok()) << id.status().toString();
-    ids.push_back(*id);
-    MC_ASSERT_OK(eng->notify(pid, kTagBase + 100 + k));
-  }
-  for (auto id : ids) MC_EXPECT_OK(eng->wait(id, engine::deadlineInMs(20000)));
-  ASSERT_TRUE(peer->recv(&reply, 35000));
-  EXPECT_EQ(reply, "ok") << "a notification overtook a write staged at the target";
+  EXPECT_EQ(writesThenNotifies(*eng, pid, peer, kCount, remote_gpu, kTagBase + 100, 970,
+                               [&](const Slot& s, int k) {  // host, then GPU memory here
+                                 return k % 2 == 0 ? host.data() + s.offset : g + s.offset;
+                               }),
+            "ok")
+      << "a notification overtook a write staged at the target";
   MC_EXPECT_OK(eng->free(*gpu));
 }
 
