@@ -4,12 +4,16 @@
 # allocation and pointer attributes, copies and events, dma-buf export, an IPC handle opened by
 # a second process, the device's own 64 MiB device-to-device copy rate -- and
 # tests/gpu/engine_check: two processes' engines move 64 MiB GPU to GPU over the cuda transport
-# and back, and a notification follows a write not waited for. Log and JSON go to $OUT
+# and back, and a notification follows a write not waited for -- and tests/gpu/pg_check: a
+# 2-rank process group's allreduce, allgather, alltoall, broadcast and reduce_scatter on 16 MiB
+# of GPU memory (staged through host memory), checked and allreduce timed against host
+# buffers. Log and JSON go to $OUT
 # (the device tool's output folder) or $GPU_CHECK_BUILD/out (default build-gpu-check/).
 #
 # It needs a C++17 compiler and the CUDA toolkit's include/ only: the GPU machine has no
 # protobuf or googletest, so this does not configure the whole project. What it does not run
-# yet: CUDA tensors in the process group, the store on GPU buffers (neither exists yet), rdma.
+# yet: CUDA tensors through torch (the backend refuses them), the store (it needs protobuf),
+# rdma.
 #
 #   scripts/gpu_check.sh          on the GPU machine
 #   scripts/gpu_check.sh --sim    a dry run anywhere: the same build, over the host simulation
@@ -44,9 +48,16 @@ printf '%s\n' $SRCS | xargs -P "$(nproc)" -I{} sh -c \
   2>&1 | tee "$OUT/build.log"
 rm -f "$B/libmc_engine.a"
 ar rcs "$B/libmc_engine.a" "$B"/obj/*.o
-for check in device_check engine_check; do
-  "$CXX" "${FLAGS[@]}" "tests/gpu/$check.cc" "$B/libmc_engine.a" -o "$B/$check" -ldl -lpthread -lrt \
-    2>&1 | tee -a "$OUT/build.log"
+# The process group (its portable reduction kernels only: no AVX2 copies), for pg_check.
+mkdir -p "$B/pgobj"
+ls pg/*.cc pg/algorithms/*.cc | grep -v _avx2.cc | xargs -P "$(nproc)" -I{} sh -c \
+  '"$0" "$@" -c {} -o "'"$B"'/pgobj/$(echo {} | tr / _).o"' "$CXX" "${FLAGS[@]}" \
+  2>&1 | tee -a "$OUT/build.log"
+rm -f "$B/libmc_pg.a"
+ar rcs "$B/libmc_pg.a" "$B"/pgobj/*.o
+for check in device_check engine_check pg_check; do
+  "$CXX" "${FLAGS[@]}" "tests/gpu/$check.cc" "$B/libmc_pg.a" "$B/libmc_engine.a" -o "$B/$check" \
+    -ldl -lpthread -lrt 2>&1 | tee -a "$OUT/build.log"
 done
 echo "gpu_check: built in $((SECONDS - t0)) s" | tee -a "$OUT/build.log"
 
@@ -57,6 +68,7 @@ set +e
   r=0
   MC_DEVICE="$DEVICE" "$B/device_check" --json "$OUT/device_check.json" || r=$?
   MC_DEVICE="$DEVICE" timeout 300 "$B/engine_check" | tee "$OUT/engine_check.json" || r=$?
+  MC_DEVICE="$DEVICE" timeout 300 "$B/pg_check" | tee "$OUT/pg_check.json" || r=$?
   exit "$r"
 } 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}

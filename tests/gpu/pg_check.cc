@@ -1,0 +1,236 @@
+// pg_check: a 2-rank process group (two processes on one host) running collectives on GPU
+// memory (pg/device_stage.h: staged through host memory with the device layer's copies), on
+// whatever layer MC_DEVICE selects: the real GPU on the GPU machine (scripts/gpu_check.sh),
+// the host simulation here (ctest engine.pg_check_sim). Every result is copied back and
+// compared with what the inputs make; allreduce 16 MiB is timed on GPU and on host buffers.
+// No gtest, like device_check.
+//
+//   pg_check                      rank 0: rendezvous, spawns rank 1, reports
+//   pg_check --child PORT SECRET  rank 1
+// One JSON object per line on stdout (rank 0); exit status 0 when every check passed.
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/device/device.h"
+#include "engine/engine.h"
+#include "engine/rendezvous.h"
+#include "pg/communicator.h"
+#include "tests/gpu/check_util.h"
+
+extern char** environ;
+
+namespace {
+
+using mooncake::Status;
+using mooncake::engine::deadlineInMs;
+using mooncake::engine::device::Device;
+using mooncake::gpucheck::copyWait;
+using mooncake::gpucheck::Row;
+using mooncake::pg::Communicator;
+using mooncake::pg::DataType;
+using mooncake::pg::ReduceOp;
+
+constexpr size_t kFloats = 4u << 20;  // 16 MiB of float32
+
+// Rank r's input element i (exact in float32: small integers).
+float input(int r, size_t i) { return static_cast<float>(i % 251) + 1000.0f * r; }
+
+// GPU memory for one check, freed at the end of the scope.
+struct Gpu {
+  Device& d;
+  void* p = nullptr;
+  Gpu(Device& dev, size_t n) : d(dev) {
+    auto a = d.allocate(n, 0);
+    if (a.ok()) p = *a;
+  }
+  ~Gpu() {
+    if (p != nullptr) (void)d.free(p);
+  }
+};
+
+std::vector<Row> runChecks(Device& d, Communicator& c) {
+  std::vector<Row> rows;
+  const int me = c.rank(), n = c.size();
+  auto check = [&](const std::string& name, const std::function<std::string()>& fn) {
+    std::string why;
+    try {
+      why = fn();
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    rows.push_back({name, why.rfind("ok", 0) == 0, why});
+  };
+  std::vector<float> host(kFloats * n), back(kFloats * n);
+  for (size_t i = 0; i < kFloats; ++i) host[i] = input(me, i);
+  const size_t bytes = kFloats * 4;
+
+  check("allreduce_16MiB", [&]() -> std::string {
+    Gpu g(d, bytes);
+    if (g.p == nullptr) return "allocation failed";
+    Status st = copyWait(d, g.p, host.data(), bytes);
+    if (!st.ok()) return st.toString();
+    c.allReduce(g.p, g.p, kFloats, DataType::kFloat32, ReduceOp::kSum);
+    st = copyWait(d, back.data(), g.p, bytes);
+    if (!st.ok()) return st.toString();
+    for (size_t i = 0; i < kFloats; ++i) {
+      float want = 0;
+      for (int r = 0; r < n; ++r) want += input(r, i);
+      if (back[i] != want) return "element " + std::to_string(i) + " differs";
+    }
+    // Timing: best of 3 on GPU buffers against the same op on host buffers.
+    auto best = [&](void* buf) {
+      double t = 1e9;
+      for (int k = 0; k < 3; ++k) {
+        c.barrier();
+        auto t0 = std::chrono::steady_clock::now();
+        c.allReduce(buf, buf, kFloats, DataType::kFloat32, ReduceOp::kSum);
+        t = std::min(t, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      return t;
+    };
+    const double tg = best(g.p), th = best(back.data());
+    char s[128];
+    std::snprintf(s, sizeof s, "ok: GPU %.0f us, host %.0f us (%.2fx)", tg * 1e6, th * 1e6, tg / th);
+    return s;
+  });
+  check("allgather_16MiB", [&]() -> std::string {
+    Gpu in(d, bytes), out(d, bytes * n);
+    if (in.p == nullptr || out.p == nullptr) return "allocation failed";
+    Status st = copyWait(d, in.p, host.data(), bytes);
+    if (st.ok()) c.allGather(in.p, out.p, bytes);
+    if (st.ok()) st = copyWait(d, back.data(), out.p, bytes * n);
+    if (!st.ok()) return st.toString();
+    for (int r = 0; r < n; ++r)
+      for (size_t i = 0; i < kFloats; i += 4099)
+        if (back[r * kFloats + i] != input(r, i)) return "block " + std::to_string(r) + " differs";
+    return "ok";
+  });
+  check("alltoall_16MiB", [&]() -> std::string {
+    Gpu in(d, bytes), out(d, bytes);
+    if (in.p == nullptr || out.p == nullptr) return "allocation failed";
+    const size_t part = bytes / n;
+    std::vector<size_t> sz(n, part), off(n);
+    for (int j = 0; j < n; ++j) off[j] = j * part;
+    Status st = copyWait(d, in.p, host.data(), bytes);
+    if (st.ok()) c.allToAllV(in.p, sz, off, out.p, sz, off);
+    if (st.ok()) st = copyWait(d, back.data(), out.p, bytes);
+    if (!st.ok()) return st.toString();
+    const size_t per = kFloats / n;
+    for (int r = 0; r < n; ++r)  // block r came from rank r's block `me`
+      for (size_t i = 0; i < per; i += 1021)
+        if (back[r * per + i] != input(r, me * per + i))
+          return "block from rank " + std::to_string(r) + " differs";
+    return "ok";
+  });
+  check("broadcast_16MiB_from_rank_1", [&]() -> std::string {
+    Gpu g(d, bytes);
+    if (g.p == nullptr) return "allocation failed";
+    std::vector<float> mine(kFloats);
+    for (size_t i = 0; i < kFloats; ++i) mine[i] = me == 1 ? input(1, i) : -1.0f;
+    Status st = copyWait(d, g.p, mine.data(), bytes);
+    if (st.ok()) c.broadcast(g.p, bytes, 1);
+    if (st.ok()) st = copyWait(d, back.data(), g.p, bytes);
+    if (!st.ok()) return st.toString();
+    for (size_t i = 0; i < kFloats; i += 997)
+      if (back[i] != input(1, i)) return "element " + std::to_string(i) + " differs";
+    return "ok";
+  });
+  check("reduce_scatter_16MiB", [&]() -> std::string {
+    Gpu in(d, bytes), out(d, bytes / n);
+    if (in.p == nullptr || out.p == nullptr) return "allocation failed";
+    const size_t per = kFloats / n;
+    Status st = copyWait(d, in.p, host.data(), bytes);
+    if (st.ok()) c.reduceScatter(in.p, out.p, per, DataType::kFloat32, ReduceOp::kSum);
+    if (st.ok()) st = copyWait(d, back.data(), out.p, bytes / n);
+    if (!st.ok()) return st.toString();
+    for (size_t i = 0; i < per; i += 513) {
+      float want = 0;
+      for (int r = 0; r < n; ++r) want += input(r, me * per + i);
+      if (back[i] != want) return "element " + std::to_string(i) + " differs";
+    }
+    return "ok";
+  });
+  return rows;
+}
+
+int rank(Device& d, int me, uint16_t port, const std::string& secret) {
+  auto rdv = mooncake::engine::TcpRendezvousClient::connect("127.0.0.1", port, secret,
+                                                            deadlineInMs(10000));
+  if (!rdv.ok()) {
+    std::fprintf(stderr, "rank %d: rendezvous: %s\n", me, rdv.status().toString().c_str());
+    return 20;
+  }
+  mooncake::engine::EngineOptions o;
+  o.name = "pg-check-" + std::to_string(me);
+  o.secret = secret;
+  o.reach_host = "127.0.0.1";
+  auto eng = mooncake::engine::TransferEngine::create(o);
+  if (!eng.ok()) {
+    std::fprintf(stderr, "rank %d: engine: %s\n", me, eng.status().toString().c_str());
+    return 21;
+  }
+  mooncake::pg::CommOptions co;
+  co.rank = me;
+  co.size = 2;
+  co.group_name = "gpu_check";
+  co.timeout = std::chrono::seconds(60);
+  std::vector<Row> rows;
+  try {
+    auto comm = Communicator::create(std::shared_ptr<mooncake::engine::TransferEngine>(std::move(eng).value()),
+                                     std::shared_ptr<mooncake::engine::Rendezvous>(std::move(rdv).value()), co);
+    rows = runChecks(d, *comm);
+    rows.insert(rows.begin(), {"group", true, "2 ranks, path " + comm->path()});
+  } catch (const std::exception& e) {
+    rows.push_back({"group", false, e.what()});
+  }
+  if (me == 0) return mooncake::gpucheck::report(rows, d.name(), "") ? 0 : 1;
+  for (const auto& r : rows)
+    if (!r.ok) {
+      std::fprintf(stderr, "rank 1: %s: %s\n", r.check.c_str(), r.detail.c_str());
+      return 25;
+    }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Device* layer = mooncake::gpucheck::layerOrSay();
+  if (layer == nullptr) return 2;
+  if (argc == 4 && std::strcmp(argv[1], "--child") == 0)
+    return rank(*layer, 1, static_cast<uint16_t>(std::atoi(argv[2])), argv[3]);
+  const std::string secret = "pg-check-" + std::to_string(getpid()) + "-" +
+                             std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
+  auto server = mooncake::engine::TcpRendezvousServer::start("127.0.0.1", 0, secret);
+  if (!server.ok()) {
+    mooncake::gpucheck::report({{"setup", false, server.status().message()}}, layer->name(), "");
+    return 1;
+  }
+  std::string port = std::to_string((*server)->port());
+  char* args[] = {argv[0], const_cast<char*>("--child"), port.data(),
+                  const_cast<char*>(secret.c_str()), nullptr};
+  pid_t pid = -1;
+  if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, args, environ) != 0) {
+    mooncake::gpucheck::report({{"setup", false, "spawn failed"}}, layer->name(), "");
+    return 1;
+  }
+  int rc = rank(*layer, 0, (*server)->port(), secret);
+  int status = -1;
+  bool exited = waitpid(pid, &status, 0) == pid && WIFEXITED(status);
+  bool child_ok = exited && WEXITSTATUS(status) == 0;
+  mooncake::gpucheck::report({{"rank1_exit", child_ok,
+                               exited ? "exit " + std::to_string(WEXITSTATUS(status)) : "no exit"}},
+                             layer->name(), "");
+  return rc == 0 && child_ok ? 0 : 1;
+}
