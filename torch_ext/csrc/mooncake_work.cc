@@ -1,0 +1,172 @@
+// MooncakeWork: the c10d Work of the mooncake backend (torch_ext/csrc/process_group.h):
+// waiting runs the op on the caller when nobody has yet, futures, joined works of coalesced ops.
+#include <ATen/ATen.h>
+
+#include <mutex>
+#include <stdexcept>
+
+#include "torch_ext/csrc/convert.h"
+#include "torch_ext/csrc/process_group.h"
+
+namespace mooncake::torch_ext {
+
+using at::Tensor;
+
+// ---------------------------------------------------------------------------------------
+// MooncakeWork
+
+MooncakeWork::MooncakeWork(int rank, c10d::OpType type, const char* op,
+                           std::shared_ptr<const ErrorContext> ctx, std::vector<Tensor> outputs)
+    : c10d::Work(rank, type), op_(op), ctx_(std::move(ctx)), outputs_(std::move(outputs)) {}
+
+bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
+  // A plain wait runs the op here (with any earlier ones still pending) unless the worker has
+  // the queue; a timed wait keeps its bound and gives the queue to the worker (op_queue.h).
+  if (queue_ && !isCompleted()) {
+    if (timeout == kNoTimeout) queue_->runUpTo(queue_id_);
+    else queue_->handOff();
+  }
+  std::unique_lock lk(mutex_);
+  if (timeout == kNoTimeout) {
+    cv_.wait(lk, [&] { return completed_; });
+  } else if (!cv_.wait_for(lk, timeout, [&] { return completed_; })) {
+    std::rethrow_exception(backendError(ctx_->who + ": " + op_ + ": Work.wait timed out after " +
+                                        std::to_string(timeout.count()) + " ms (the op goes on)"));
+  }
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+void MooncakeWork::markFuture(const FuturePtr& f, std::exception_ptr e) {
+  if (e) {
+    f->setError(e);
+  } else {
+    f->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+void MooncakeWork::markResult(const FuturePtr& f, std::exception_ptr e) {
+#if MC_TORCH_HAS_WORK_RESULT
+  const auto r = e ? c10d::WorkResult::COMM_ERROR : c10d::WorkResult::SUCCESS;
+  f->markCompleted(c10::IValue(static_cast<int64_t>(r)));
+#else
+  (void)f;
+  (void)e;
+#endif
+}
+
+MooncakeWork::FuturePtr MooncakeWork::lazyFuture(FuturePtr MooncakeWork::*slot,
+                                                 const c10::TypePtr& type, bool result) {
+  std::unique_lock lk(mutex_);
+  if (this->*slot) return this->*slot;
+  this->*slot = c10::make_intrusive<c10::ivalue::Future>(type);
+  FuturePtr f = this->*slot;
+  const bool done = completed_;
+  std::exception_ptr e = exception_;
+  lk.unlock();
+  if (done) {  // complete() ran before the future existed
+    if (result) {
+      markResult(f, e);
+    } else {
+      markFuture(f, e);
+    }
+  }
+  return f;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> MooncakeWork::getFuture() {
+  static const auto type = c10::ListType::create(c10::TensorType::get());
+  return lazyFuture(&MooncakeWork::future_, type, /*result=*/false);
+}
+
+#if MC_TORCH_HAS_WORK_RESULT
+c10::intrusive_ptr<c10::ivalue::Future> MooncakeWork::getFutureResult() {
+  return lazyFuture(&MooncakeWork::result_future_, c10::IntType::get(), /*result=*/true);
+}
+#endif
+
+std::vector<Tensor> MooncakeWork::result() { return outputs_; }
+
+int MooncakeWork::sourceRank() const { return source_rank_.load(); }
+
+void MooncakeWork::setEvidence(std::vector<uint8_t> hint) {
+  std::lock_guard lk(mutex_);
+  local_success_ = false;
+  hint_ = std::move(hint);
+}
+
+bool MooncakeWork::localSuccess() const {
+  std::lock_guard lk(mutex_);
+  return local_success_;
+}
+
+std::vector<uint8_t> MooncakeWork::failedRanksHint() const {
+  std::lock_guard lk(mutex_);
+  std::vector<uint8_t> h = hint_;
+  h.resize(static_cast<size_t>(slots_), 0);
+  return h;
+}
+
+void MooncakeWork::complete(std::exception_ptr error) {
+  // Futures that exist are completed before the Work, so whoever returns from wait() can
+  // read them; one created concurrently (at most once each) is caught by the next round.
+  FuturePtr marked_f, marked_r;
+  for (;;) {
+    FuturePtr f, r;
+    {
+      std::lock_guard lk(mutex_);
+      if (future_ == marked_f && result_future_ == marked_r) {
+        completed_ = true;
+        exception_ = error;
+        break;
+      }
+      f = future_;
+      r = result_future_;
+    }
+    if (f && f != marked_f) markFuture(f, error);
+    if (r && r != marked_r) markResult(r, error);
+    marked_f = f;
+    marked_r = r;
+  }
+  cv_.notify_all();
+}
+
+c10::intrusive_ptr<MooncakeWork> MooncakeWork::joinAll(
+    int rank, c10d::OpType type, const char* op, std::shared_ptr<const ErrorContext> ctx,
+    std::vector<c10::intrusive_ptr<MooncakeWork>> works) {
+  std::vector<Tensor> outputs;
+  for (const auto& w : works) {
+    for (auto& t : w->outputs_) outputs.push_back(t);
+  }
+  auto joined = c10::make_intrusive<MooncakeWork>(rank, type, op, std::move(ctx), outputs);
+  if (works.empty()) {
+    joined->complete(nullptr);
+    return joined;
+  }
+  struct Join {
+    std::mutex mu;
+    size_t left;
+    std::exception_ptr first_error;
+  };
+  auto join = std::make_shared<Join>();
+  join->left = works.size();
+  for (const auto& w : works) {
+    // Runs on the thread that completes w (or here, when it already has).
+    w->getFuture()->addCallback([joined, join](c10::ivalue::Future& f) {
+      std::exception_ptr done_error;
+      {
+        std::lock_guard<std::mutex> lk(join->mu);
+        if (f.hasError() && !join->first_error) join->first_error = f.exception_ptr();
+        if (--join->left != 0) return;
+        done_error = join->first_error;
+      }
+      joined->complete(done_error);
+    });
+    // Waiting on the join runs the collectives among them like waiting on the last one would.
+    if (w->queue_ && (!joined->queue_ || w->queue_id_ > joined->queue_id_))
+      joined->setQueued(w->queue_, w->queue_id_);
+  }
+  return joined;
+}
+
+}  // namespace mooncake::torch_ext
