@@ -148,6 +148,11 @@ void allReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out
                DataType t, ReduceOp rop);
 void reduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,
             DataType t, ReduceOp rop, int root);
+// allreduce with GPU memory on either side, moved in and out of the shared comm buffers by
+// the device layer, when every rank maps every other's buffer (c.shm); false otherwise (the
+// caller stages it through host memory, pg/device_stage.h).
+bool allReduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                       size_t count, DataType t, ReduceOp rop);
 void reduceScatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                    size_t count, DataType t, ReduceOp rop);
 void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, int root);

@@ -350,6 +350,11 @@ void Communicator::allReduce(const void* in, void* out, size_t count, DataType t
   checkPtr(in, count, "input", "allreduce");
   checkPtr(out, count, "output", "allreduce");
   if (DeviceStage::any({in, out})) {
+    if (!impl_->elastic && impl_->shm && impl_->size > 1)  // one host: no staging
+      return impl_->run("allreduce", typedSig(OpKind::kAllReduce, count, t, op),
+                        [&](const OpCtx& o) {
+                          (void)algo::allReduceOnDevice(*impl_, o, in, out, count, t, op);
+                        });
     const size_t n = count * dtypeSize(t);
     DeviceStage st("allreduce", n);
     st.in(in, n);

@@ -31,4 +31,19 @@ class DeviceStage {
   std::vector<char> buf_;
 };
 
+// Copies between GPU and host memory queued on the device layer's copy stream of the GPU
+// involved (the first GPU pointer given), waited for together: for algorithms that move GPU
+// memory in and out of the shared comm buffers themselves (allreduce on one host).
+class DeviceCopies {
+ public:
+  explicit DeviceCopies(const char* op) : op_(op) {}
+  void add(void* dst, const void* src, size_t n);
+  void wait();  // throws CommError when a copy failed
+
+ private:
+  const char* op_;
+  int ordinal_ = -1;
+  bool pending_ = false;
+};
+
 }  // namespace mooncake::pg

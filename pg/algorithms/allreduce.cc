@@ -18,6 +18,7 @@
 
 #include "pg/comm_impl.h"
 #include "pg/copy.h"
+#include "pg/device_stage.h"
 
 namespace mooncake::pg::algo {
 
@@ -89,6 +90,46 @@ void shmTwoPhase(Communicator::Impl& c, const OpCtx& op, const void* in, void* o
     g.endStep(s);
   }
   if (so) streamFence();
+}
+
+// The 2-phase algorithm on GPU memory (in and out), for groups whose ranks all map each
+// other: the device layer copies each chunk whole into this rank's half (its own slice
+// too: host code cannot read the input) and the reduced slices out of the owners' halves
+// (its own too), so the bytes cross between GPU and host memory once each way, as a host
+// path's copies in and out do. Each rank reduces its slice in its half, in place.
+void shmTwoPhaseDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                       size_t count, DataType t, ReduceOp rop) {
+  ShmGroup& g = *c.shm;
+  const int n = c.size, me = c.rank;
+  const size_t es = dtypeSize(t), align = lineElems(es);
+  size_t chunk = std::min(g.halfBytes(), c.params.chunk_bytes) / es;
+  const size_t unit = align * static_cast<size_t>(n);
+  if (chunk >= unit) chunk -= chunk % unit;
+  std::vector<const void*> srcs(n);
+  DeviceCopies copies("allreduce");
+  for (size_t base = 0; base < count; base += chunk) {
+    const size_t m = std::min(chunk, count - base);
+    const char* cin = static_cast<const char*>(in) + base * es;
+    char* cout = static_cast<char*>(out) + base * es;
+    uint64_t s = g.beginStep(op, true);
+    char* mine = g.half(me, s);
+    copies.add(mine, cin, m * es);
+    copies.wait();
+    g.post(ShmGroup::kReady, s);
+    const size_t b = partBegin(m, n, me, align), e = partBegin(m, n, me + 1, align);
+    for (int r = 0; r < n; ++r) srcs[r] = g.half(r, s) + b * es;
+    g.waitAll(op, ShmGroup::kReady, s);
+    reduceInto(mine + b * es, nullptr, srcs.data(), n, e - b, t, rop);  // in place: allowed
+    g.post(ShmGroup::kReduced, s);
+    for (int j = 0; j < n; ++j) {
+      size_t jb = partBegin(m, n, j, align), je = partBegin(m, n, j + 1, align);
+      if (je == jb) continue;
+      if (j != me) g.wait(op, j, ShmGroup::kReduced, s);
+      copies.add(cout + jb * es, g.half(j, s) + jb * es, (je - jb) * es);
+    }
+    copies.wait();
+    g.endStep(s);
+  }
 }
 
 void netAllReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
@@ -179,6 +220,13 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size
 void allReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,
                DataType t, ReduceOp rop) {
   run(c, op, in, out, count, t, rop, -1);
+}
+
+bool allReduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                       size_t count, DataType t, ReduceOp rop) {
+  if (!c.shm || c.size == 1) return false;
+  if (count > 0) shmTwoPhaseDevice(c, op, in, out, count, t, rop);
+  return true;
 }
 
 void reduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,

@@ -4,7 +4,8 @@
 // GPU results (copied back with the layer) must equal the host results byte for byte (the host
 // path is checked against a reference in collectives_test.cc). Outputs start as a sentinel, so
 // bytes an op must leave alone (all_to_all gaps, a reduce's non-root output) are checked too.
-// Over shm, tcp, tcp with one-sided messages, and a group spanning two simulated hosts.
+// Over shm (where allreduce moves GPU memory in and out of the comm buffers itself, no
+// staging), tcp, tcp with one-sided messages, and a group spanning two simulated hosts.
 #include <gtest/gtest.h>
 
 #include <cstring>
