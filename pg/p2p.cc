@@ -311,6 +311,7 @@ void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
 int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milliseconds timeout) {
   OpCtx op{"recv", engine::Clock::now() + timeout, 0, timeout};
   Complete c;
+  engine::Clock::time_point dead_seen{};
   {
     std::unique_lock<std::mutex> g(box_->mu);
     for (;;) {
@@ -332,8 +333,18 @@ int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milli
         throw CommError("mooncake pg: recv from rank " + std::to_string(src) + " (group " +
                             t->health->group() + "): it is not an active member",
                         src, "recv");
-      // A specific source: only its death matters. Any source: any dead peer fails it.
-      if (src != rank_) t->health->check(op, src);
+      // A specific source: only its death matters. Any source: any dead peer fails it. A
+      // sender that sent and then exited: its last message may still be on its way through
+      // the engine's inbox and dispatcher (data precedes the EOF that reported the death),
+      // so a death is reported only after a short grace without the message.
+      if (src != rank_) {
+        try {
+          t->health->check(op, src);
+        } catch (const CommError&) {
+          if (dead_seen == engine::Clock::time_point{}) dead_seen = engine::Clock::now();
+          if (engine::Clock::now() - dead_seen > std::chrono::milliseconds(200)) throw;
+        }
+      }
       if (engine::Clock::now() >= op.deadline)
         t->health->timedOut(op, src, "no message with tag " + std::to_string(tag));
       g.lock();
