@@ -153,6 +153,11 @@ void reduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, s
 // caller stages it through host memory, pg/device_stage.h).
 bool allReduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                        size_t count, DataType t, ReduceOp rop);
+// allgatherv likewise (the input is this rank's block of the output or apart from it: the
+// device layer's copies have memcpy semantics). Both take the same steps as the host path,
+// so ranks with host buffers and ranks with GPU buffers meet in one op.
+bool allGatherVOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                        const std::vector<size_t>& bytes);
 void reduceScatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                    size_t count, DataType t, ReduceOp rop);
 void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, int root);

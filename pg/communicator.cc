@@ -410,6 +410,13 @@ void Communicator::allGather(const void* in, void* out, size_t bytes, int blocks
   checkPtr(out, bytes, "output", "allgather");
   std::vector<size_t> sizes(impl_->elastic && blocks >= 0 ? blocks : pubSize(*impl_), bytes);
   if (DeviceStage::any({in, out})) {
+    const char* own = static_cast<const char*>(out) + static_cast<size_t>(impl_->rank) * bytes;
+    const char* src = static_cast<const char*>(in);
+    const bool apart = own == src || own + bytes <= src || src + bytes <= own;
+    if (!impl_->elastic && impl_->shm && impl_->size > 1 && apart)  // one host: no staging
+      return impl_->run("allgather", bytesSig(OpKind::kAllGather, bytes), [&](const OpCtx& o) {
+        (void)algo::allGatherVOnDevice(*impl_, o, in, out, sizes);
+      });
     const size_t total = sizes.size() * bytes;
     DeviceStage st("allgather", bytes + total);
     st.in(in, bytes);

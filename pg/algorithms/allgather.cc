@@ -1,13 +1,15 @@
 // allGatherV (allGather is the equal-size case) and gather. Shm: every rank copies its
 // block (a half at a time) into its own half, flag, the receivers copy straight out of the
 // owners' halves. Messages: every rank sends its block to every receiver. Groups spanning
-// hosts: hierarchical (hierAllGatherV).
+// hosts: hierarchical (hierAllGatherV). GPU memory on one host: the same on shm, with the
+// device layer's copies in and out (allGatherVOnDevice).
 #include <algorithm>
 #include <cstring>
 #include <numeric>
 
 #include "pg/comm_impl.h"
 #include "pg/copy.h"
+#include "pg/device_stage.h"
 
 namespace mooncake::pg::algo {
 
@@ -101,6 +103,40 @@ void hierAllGatherV(Communicator::Impl& c, const OpCtx& op, const void* in, void
 }
 
 }  // namespace
+
+bool allGatherVOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                        const std::vector<size_t>& bytes) {
+  const int n = c.size, me = c.rank;
+  if (!c.shm || n == 1) return false;
+  std::vector<size_t> displ(n + 1, 0);
+  for (int r = 0; r < n; ++r) displ[r + 1] = displ[r] + bytes[r];
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  char* own = dst + displ[me];
+  DeviceCopies copies("allgather");
+  if (own != src) copies.add(own, src, bytes[me]);
+  ShmGroup& g = *c.shm;
+  const size_t chunk = g.halfBytes();
+  const size_t most = *std::max_element(bytes.begin(), bytes.end());
+  for (size_t off = 0; off < most; off += chunk) {
+    auto lenOf = [&](int r) { return bytes[r] > off ? std::min(chunk, bytes[r] - off) : 0; };
+    uint64_t s = g.beginStep(op, lenOf(me) > 0);
+    if (lenOf(me) > 0) copies.add(g.half(me, s), src + off, lenOf(me));
+    copies.wait();
+    g.post(ShmGroup::kReady, s);
+    for (int k = 1; k < n; ++k) {
+      int j = (me + k) % n;
+      size_t len = lenOf(j);
+      if (len == 0) continue;
+      g.wait(op, j, ShmGroup::kReady, s);
+      copies.add(dst + displ[j] + off, g.half(j, s), len);
+    }
+    copies.wait();
+    g.endStep(s);
+  }
+  copies.wait();
+  return true;
+}
 
 void allGatherV(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                 const std::vector<size_t>& bytes) {

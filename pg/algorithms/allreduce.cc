@@ -96,7 +96,8 @@ void shmTwoPhase(Communicator::Impl& c, const OpCtx& op, const void* in, void* o
 // other: the device layer copies each chunk whole into this rank's half (its own slice
 // too: host code cannot read the input) and the reduced slices out of the owners' halves
 // (its own too), so the bytes cross between GPU and host memory once each way, as a host
-// path's copies in and out do. Each rank reduces its slice in its half, in place.
+// path's copies in and out do. Each rank reduces its slice in its half, in place (no peer
+// reads a rank's own slice there before its kReduced: the steps match shmTwoPhase's).
 void shmTwoPhaseDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                        size_t count, DataType t, ReduceOp rop) {
   ShmGroup& g = *c.shm;
@@ -130,6 +131,29 @@ void shmTwoPhaseDevice(Communicator::Impl& c, const OpCtx& op, const void* in, v
     copies.wait();
     g.endStep(s);
   }
+}
+
+// The flat exchange on GPU memory: the same steps as shmFlat (so ranks with host and ranks
+// with GPU buffers can meet in one op): the input is copied whole into this rank's half,
+// every rank reduces all halves into a host buffer, which the device layer copies out.
+void shmFlatDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                   size_t count, DataType t, ReduceOp rop) {
+  ShmGroup& g = *c.shm;
+  const int n = c.size;
+  const size_t bytes = count * dtypeSize(t);
+  DeviceCopies copies("allreduce");
+  uint64_t s = g.beginStep(op, true);
+  copies.add(g.half(c.rank, s), in, bytes);
+  copies.wait();
+  g.post(ShmGroup::kReady, s);
+  std::vector<const void*> srcs(n);
+  for (int r = 0; r < n; ++r) srcs[r] = g.half(r, s);
+  g.waitAll(op, ShmGroup::kReady, s);
+  std::vector<char> result(bytes);
+  reduceInto(result.data(), nullptr, srcs.data(), n, count, t, rop);
+  g.endStep(s);
+  copies.add(out, result.data(), bytes);
+  copies.wait();
 }
 
 void netAllReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
@@ -225,7 +249,14 @@ void allReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out
 bool allReduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                        size_t count, DataType t, ReduceOp rop) {
   if (!c.shm || c.size == 1) return false;
-  if (count > 0) shmTwoPhaseDevice(c, op, in, out, count, t, rop);
+  if (count == 0) return true;
+  // The host path's choice (run()), so that host and GPU buffers of different ranks meet in
+  // the same steps.
+  const size_t bytes = count * dtypeSize(t);
+  if (bytes <= c.params.flat_bytes && bytes <= c.shm->halfBytes())
+    shmFlatDevice(c, op, in, out, count, t, rop);
+  else
+    shmTwoPhaseDevice(c, op, in, out, count, t, rop);
   return true;
 }
 

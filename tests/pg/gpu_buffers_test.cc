@@ -4,8 +4,9 @@
 // GPU results (copied back with the layer) must equal the host results byte for byte (the host
 // path is checked against a reference in collectives_test.cc). Outputs start as a sentinel, so
 // bytes an op must leave alone (all_to_all gaps, a reduce's non-root output) are checked too.
-// Over shm (where allreduce moves GPU memory in and out of the comm buffers itself, no
-// staging), tcp, tcp with one-sided messages, and a group spanning two simulated hosts.
+// Over shm (where allreduce and allgather move GPU memory in and out of the comm buffers
+// themselves, no staging; also with GPU and host buffers mixed across ranks), tcp, tcp with
+// one-sided messages, and a group spanning two simulated hosts.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -95,6 +96,47 @@ void everyOp(Communicator& c) {
     g.put(h);
     c.allReduce(g.get(), g.get(), count, DataType::kFloat32, ReduceOp::kSum);
     EXPECT_TRUE(g.read(fb) == want) << "allreduce in place on GPU memory";
+  }
+  {  // ranks with GPU buffers and ranks with host buffers in one op (even ranks on the GPU):
+     // the GPU path takes the host path's steps, flat exchange and 2-phase alike
+    for (size_t cnt : {size_t{100}, count}) {
+      const size_t nb = cnt * 4;
+      Buf h = inputs(nb, me, 13), want(nb);
+      c.allReduce(h.data(), want.data(), cnt, DataType::kFloat32, ReduceOp::kSum);
+      Buf got(nb);
+      if (me % 2 == 0) {
+        Gpu gi(nb, 0), go(nb, 1);
+        gi.put(h);
+        c.allReduce(gi.get(), go.get(), cnt, DataType::kFloat32, ReduceOp::kSum);
+        got = go.read(nb);
+      } else {
+        c.allReduce(h.data(), got.data(), cnt, DataType::kFloat32, ReduceOp::kSum);
+      }
+      EXPECT_TRUE(got == want) << "allreduce of " << cnt << " floats, GPU and host ranks mixed";
+    }
+    const size_t ab = 70001;
+    Buf h = inputs(ab, me, 14), want(ab * n), got(ab * n);
+    c.allGather(h.data(), want.data(), ab);
+    if (me % 2 == 0) {
+      Gpu gi(ab, 0), go(ab * n, 1);
+      gi.put(h);
+      c.allGather(gi.get(), go.get(), ab);
+      got = go.read(ab * n);
+    } else {
+      c.allGather(h.data(), got.data(), ab);
+    }
+    EXPECT_TRUE(got == want) << "allgather, GPU and host ranks mixed";
+  }
+  {  // allgather in place on GPU memory (the input is this rank's block of the output)
+    const size_t ab = 5000;
+    Buf h = inputs(ab, me, 15), want(ab * n);
+    c.allGather(h.data(), want.data(), ab);
+    Gpu g(ab * n, 0);
+    Buf start = sentinel(ab * n);
+    std::memcpy(start.data() + me * ab, h.data(), ab);
+    g.put(start);
+    c.allGather(g.get() + me * ab, g.get(), ab);
+    EXPECT_TRUE(g.read(ab * n) == want) << "allgather in place on GPU memory";
   }
   same(c, "reduce float32 sum to rank 1", inputs(fb, me, 4), fb, [&](const void* i, void* o) {
     c.reduce(i, o, count, DataType::kFloat32, ReduceOp::kSum, 1);
