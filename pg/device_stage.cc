@@ -1,6 +1,5 @@
 #include "pg/device_stage.h"
 
-#include <cstring>
 #include <string>
 
 #include "engine/device/device.h"
@@ -12,12 +11,7 @@ namespace {
 constexpr int64_t kCopyMs = 60000;
 
 void copyOrThrow(void* dst, const void* src, size_t n, const char* op, const char* what) {
-  if (n == 0) return;
-  if (!engine::device::isDeviceMemory(dst) && !engine::device::isDeviceMemory(src)) {
-    std::memcpy(dst, src, n);
-    return;
-  }
-  Status st = engine::device::copy(dst, src, n, engine::deadlineInMs(kCopyMs));
+  Status st = engine::device::copyAny(dst, src, n, engine::deadlineInMs(kCopyMs));
   if (!st.ok())
     throw CommError(std::string("mooncake pg: ") + op + ": copying " + std::to_string(n) +
                         " bytes " + what + " GPU memory failed: " + st.toString(),

@@ -81,6 +81,10 @@ bool isDeviceMemory(const void* p);
 // the copy stream of the device involved (dst's, else src's, else 0) and waits for it.
 Status copy(void* dst, const void* src, size_t len, Deadline deadline);
 
+// copy(), or a plain memcpy when neither side is GPU memory (isDeviceMemory): for callers
+// whose buffers are usually host memory (the store's and the process group's staging).
+Status copyAny(void* dst, const void* src, size_t len, Deadline deadline);
+
 // Whether GPU memory has been used in this process (registered, allocated or mapped from a
 // peer through the layer; noteUse()): until then the engine looks no request up for it.
 // Cheap; never makes a layer.

@@ -16,9 +16,12 @@ namespace mooncake::pg::algo {
 namespace {
 
 // root < 0: everyone receives (allgather); else only root does (gather). at (optional):
-// where rank r's block goes in out (default: the blocks back to back in rank order).
+// where rank r's block goes in out (default: the blocks back to back in rank order). dev
+// (shm only): in and out may be GPU memory, moved by the device layer's copies in the same
+// steps (allGatherVOnDevice).
 void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
-         const std::vector<size_t>& bytes, int root, const std::vector<size_t>* at = nullptr) {
+         const std::vector<size_t>& bytes, int root, const std::vector<size_t>* at = nullptr,
+         DeviceCopies* dev = nullptr) {
   const int n = c.size, me = c.rank;
   const bool receive = root < 0 || root == me;
   std::vector<size_t> displ(n + 1, 0);
@@ -31,7 +34,9 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
   if (receive && bytes[me] > 0 && dst + displ[me] != src) {
     char* mine = dst + displ[me];
     // Disjoint and large: streaming stores (no read-for-ownership of the output's lines).
-    if (so && (mine + bytes[me] <= src || src + bytes[me] <= mine))
+    if (dev != nullptr)
+      dev->add(mine, src, bytes[me]);  // disjoint (the caller's check)
+    else if (so && (mine + bytes[me] <= src || src + bytes[me] <= mine))
       copyToShared(mine, src, bytes[me]);
     else
       std::memmove(mine, src, bytes[me]);
@@ -57,7 +62,12 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
   for (size_t off = 0; off < most; off += chunk) {
     auto lenOf = [&](int r) { return bytes[r] > off ? std::min(chunk, bytes[r] - off) : 0; };
     uint64_t s = g.beginStep(op, lenOf(me) > 0);
-    if (lenOf(me) > 0) copyToShared(g.half(me, s), src + off, lenOf(me));
+    if (dev != nullptr) {
+      if (lenOf(me) > 0) dev->add(g.half(me, s), src + off, lenOf(me));
+      dev->wait();
+    } else if (lenOf(me) > 0) {
+      copyToShared(g.half(me, s), src + off, lenOf(me));
+    }
     g.post(ShmGroup::kReady, s);
     if (receive) {
       for (int k = 1; k < n; ++k) {
@@ -65,12 +75,16 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
         size_t len = lenOf(j);
         if (len == 0) continue;
         g.wait(op, j, ShmGroup::kReady, s);
-        copyOut(dst + displ[j] + off, g.half(j, s), len, so);
+        if (dev != nullptr)
+          dev->add(dst + displ[j] + off, g.half(j, s), len);
+        else
+          copyOut(dst + displ[j] + off, g.half(j, s), len, so);
       }
     }
+    if (dev != nullptr) dev->wait();  // out of this half before peers may reuse it
     g.endStep(s);
   }
-  if (so) streamFence();
+  if (so && dev == nullptr) streamFence();
 }
 
 // A group spanning hosts: the ranks of each host gather their blocks among themselves
@@ -106,35 +120,10 @@ void hierAllGatherV(Communicator::Impl& c, const OpCtx& op, const void* in, void
 
 bool allGatherVOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                         const std::vector<size_t>& bytes) {
-  const int n = c.size, me = c.rank;
-  if (!c.shm || n == 1) return false;
-  std::vector<size_t> displ(n + 1, 0);
-  for (int r = 0; r < n; ++r) displ[r + 1] = displ[r] + bytes[r];
-  const char* src = static_cast<const char*>(in);
-  char* dst = static_cast<char*>(out);
-  char* own = dst + displ[me];
+  if (!c.shm || c.size == 1) return false;
   DeviceCopies copies("allgather");
-  if (own != src) copies.add(own, src, bytes[me]);
-  ShmGroup& g = *c.shm;
-  const size_t chunk = g.halfBytes();
-  const size_t most = *std::max_element(bytes.begin(), bytes.end());
-  for (size_t off = 0; off < most; off += chunk) {
-    auto lenOf = [&](int r) { return bytes[r] > off ? std::min(chunk, bytes[r] - off) : 0; };
-    uint64_t s = g.beginStep(op, lenOf(me) > 0);
-    if (lenOf(me) > 0) copies.add(g.half(me, s), src + off, lenOf(me));
-    copies.wait();
-    g.post(ShmGroup::kReady, s);
-    for (int k = 1; k < n; ++k) {
-      int j = (me + k) % n;
-      size_t len = lenOf(j);
-      if (len == 0) continue;
-      g.wait(op, j, ShmGroup::kReady, s);
-      copies.add(dst + displ[j] + off, g.half(j, s), len);
-    }
-    copies.wait();
-    g.endStep(s);
-  }
-  copies.wait();
+  run(c, op, in, out, bytes, -1, nullptr, &copies);
+  copies.wait();  // the own block's copy when nothing else was waited for
   return true;
 }
 

@@ -130,14 +130,9 @@ bool StoreClient::isRegistered(const void* addr, size_t len) const {
 // ---- data movement ----
 
 ErrorCode StoreClient::copyLocal(void* dst, const void* src, size_t len) const {
-  if (len == 0) return ErrorCode::OK;
-  if (!engine::device::isDeviceMemory(dst) && !engine::device::isDeviceMemory(src)) {
-    std::memcpy(dst, src, len);
-    return ErrorCode::OK;
-  }
   // A caller's GPU buffer: host code cannot touch it; the device layer copies.
-  Status st = engine::device::copy(dst, src, len,
-                                   engine::deadlineInMs(options_.transfer_timeout_ms));
+  Status st = engine::device::copyAny(dst, src, len,
+                                      engine::deadlineInMs(options_.transfer_timeout_ms));
   if (st.ok()) return ErrorCode::OK;
   MC_LOG(WARN, STORE) << "store client " << client_id_ << ": device copy of " << len
                       << " bytes: " << st.toString();
