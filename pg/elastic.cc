@@ -579,8 +579,11 @@ std::vector<int> Elastic::runBarrier(const View& v, Deadline deadline) {
   uint64_t K = 0;
   for (const auto& [who, val] : by_proc)
     if (inW(who.first) && w.incarnation[who.first] == who.second) K = std::max(K, val.first);
-  skip_ = meW && K > my_count ? K - my_count : 0;
-  skip_hint_.assign(max_size_, 0);
+  // Skips an earlier barrier owed and this rank has not taken yet stay owed (they are ops of
+  // an older view: the others ran them before any op of W); then the ops of W others started.
+  const uint64_t owed = meW ? skip_ : 0;
+  if (owed == 0) skip_hint_.assign(max_size_, 0);
+  skip_ = owed + (meW && K > my_count ? K - my_count : 0);
   for (int s = 0; s < max_size_; ++s)
     if (inW(s) && !(v.active(s) && v.incarnation[s] == w.incarnation[s])) skip_hint_[s] = 1;
   // The new plane, over the new view's active slots.

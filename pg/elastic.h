@@ -15,10 +15,11 @@
 // Data plane, per view. Views that change the active slots (or the processes holding them)
 // run the view barrier: every live process active in the old or the new data view leaves the
 // old one (its peers still in an op of it fail that op at once), acknowledges the new epoch
-// with the number of ops it started in the old view and the path it can take, and waits for
-// the others' acknowledgements. K = the most ops any old member started: a member that
-// started fewer fails its next ops up to K without running them (local_success=false, the
-// others ran them in the old view), so every member runs op K+1 in the new view. The new data
+// with the number of ops it called in the old view (one that failed at its start counts) and
+// the path it can take, and waits for the others' acknowledgements. K = the most ops any old
+// member called: a member that called fewer fails its next ops up to K without running them
+// (local_success=false, the others ran them in the old view), after any such skips an earlier
+// barrier left it owing, so every member runs op K+1 in the new view. The new data
 // plane is a Communicator::Impl over the active slots (the algorithms run on it unchanged),
 // with shm flags tagged by the epoch and fresh message channels.
 //
@@ -212,7 +213,7 @@ class Elastic {
   std::mutex op_mu_;
   Plane plane_;
   View data_;                  // the view plane_ was built for (empty: none)
-  uint64_t count_ = 0;         // ops started on plane_
+  uint64_t count_ = 0;         // ops called on plane_ (run or failed)
   uint64_t skip_ = 0;          // ops to fail without running (the view barrier's K)
   std::vector<uint8_t> skip_hint_;
   bool broken_ = false;        // an op failed on plane_: later ops fail until a new plane

@@ -72,6 +72,9 @@ const Elastic::Plane& Elastic::enter(const char* name, int blocks) {
                             "for an activation",
                     -1, name);
   Communicator::Impl& c = *plane_.impl;
+  // This call is the view's op count_ whether it runs or fails below: the others may have run
+  // it, or failed it in the op, and the next view barrier must pair the ranks' next ops.
+  ++count_;
   if (blocks >= 0 && blocks != plane_.size) {
     // The caller sized its buffers before a view change: no rank can run it; fail it as a
     // failure of this view (the others see the abort and fail it too).
@@ -151,7 +154,7 @@ void Elastic::collective(const char* name, const OpSig& sig, int blocks, Fn&& fn
   std::lock_guard<std::mutex> lk(op_mu_);
   const Plane& p = enter(name, blocks);
   const milliseconds t = opTimeout(root_.opts, collectiveTimeout());
-  OpCtx op{name, Clock::now() + t, ++count_, t, sig};
+  OpCtx op{name, Clock::now() + t, count_, t, sig};
   try {
     fn(*p.impl, op, p);
     p.impl->finishOps(op);

@@ -316,6 +316,88 @@ INSTANTIATE_TEST_SUITE_P(
                       ModeCase{"framework", {false, false}}),
     [](const ::testing::TestParamInfo<ModeCase>& i) { return std::string(i.param.name); });
 
+// Op numbering across failures (framework-managed mode: no view until the ranks ask). Slot 1
+// enters op 1 and fails it (slot 2 dies).
+//  - "early": slot 0 calls op 1 after it has seen slot 2 dead, before any view: the op fails
+//    at its start, and it is slot 0's op 1 all the same. One view (the deactivation) follows.
+//  - "late": slot 0 calls op 1 only after two views with a data barrier each (the
+//    reconciliation slot 1 asks for, then the deactivation): its op 1 must fail without
+//    running, since slot 1 ran op 1 two views ago.
+// Either way op 2 then runs on both with op 2's data. Both were wrong once (an op failed at
+// its start did not count; a second view dropped the skips the first one owed): slot 0's
+// op k+1 ran with slot 1's op k.
+class PgElasticNumbering : public ::testing::TestWithParam<bool> {};
+
+TEST_P(PgElasticNumbering, OpsStayPairedAcrossViews) {
+  const bool early = GetParam();
+  RunOptions o = options("shm", 3);
+  o.parent = [](const std::vector<pid_t>& pids, Shared* sh) {
+    waitFor([&] { return sh->more[2].load() >= 1; }, 60);
+    std::this_thread::sleep_for(Ms(200));  // slot 1 waits in op 1
+    kill(pids[2], SIGKILL);
+    sh->more[3].store(1);
+  };
+  auto codes = runRanks(o, [&](RankEnv& env) {
+    Shared* sh = env.shared;
+    // "late": slot 1's op 1 waits for slot 0, which does not call it: give up after 1 s.
+    setCollectiveTimeout(std::chrono::seconds(1));
+    auto c = elasticComm(env, env.rank, 3, 3, false, Mode{false, false});
+    const size_t n = 1024;
+    auto allreduce = [&](int64_t salt) {
+      std::vector<int64_t> buf = input(env.rank, n, salt);
+      c->allReduce(buf.data(), buf.data(), n, DataType::kInt64, ReduceOp::kSum);
+      return buf;
+    };
+    std::vector<int64_t> got = allreduce(0);
+    EXPECT_EQ(got[0], val(0, 0, 0) + val(1, 0, 0) + val(2, 0, 0));
+    arrive(sh, 1, 3);
+    if (env.rank == 2) {
+      std::this_thread::sleep_for(std::chrono::seconds(30));  // killed before
+      return;
+    }
+    if (env.rank == 1) {
+      sh->more[2].store(1);
+      EXPECT_THROW(allreduce(1), PeerFailure);
+      if (!early) {
+        // A reconciliation with a new data plane (this rank's plane failed); slot 0's agent
+        // takes part in its barrier while slot 0 calls nothing.
+        EXPECT_NE(c->syncAfterFailure().status, SyncStatus::kRejected);
+        EXPECT_GT(c->epoch(), 1u);
+      }
+      sh->more[4].store(1);
+    } else {
+      ASSERT_TRUE(waitFor([&] { return sh->more[3].load() > 0; }, 30));
+      ASSERT_TRUE(waitFor([&] { return c->peerState({2})[0] == 0; }, 30));
+      if (early) EXPECT_THROW(allreduce(1), PeerFailure) << "op 1 with slot 2 dead";
+      ASSERT_TRUE(waitFor([&] { return sh->more[4].load() > 0; }, 30));
+      if (!early) ASSERT_TRUE(waitFor([&] { return c->epoch() > 1; }, 30));
+    }
+    ProposalResult r = c->deactivateRanks({2});
+    EXPECT_NE(r.status, ProposalStatus::kRejected) << r.reject_reason;
+    ASSERT_EQ(c->activeMask()[2], 0);
+    if (env.rank == 0 && !early) {
+      try {
+        allreduce(1);
+        ADD_FAILURE() << "slot 0's op 1 ran, but slot 1 ran op 1 two views ago";
+      } catch (const PeerFailure& f) {
+        EXPECT_NE(std::string(f.what()).find("did not run"), std::string::npos) << f.what();
+      }
+    }
+    for (int64_t salt : {2, 3}) {
+      got = allreduce(salt);
+      EXPECT_EQ(got[0], val(0, 0, salt) + val(1, 0, salt)) << "op " << salt;
+      EXPECT_EQ(got[n - 1], val(0, n - 1, salt) + val(1, n - 1, salt)) << "op " << salt;
+    }
+  });
+  EXPECT_EQ(codes[2], 128 + SIGKILL);
+  for (int r : {0, 1}) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Entry, PgElasticNumbering, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return std::string(i.param ? "early" : "late");
+                         });
+
 TEST(PgElasticOptions, InvalidCombinationsRejectedAtCreation) {
   RunOptions o = options("shm", 1);
   auto codes = runRanks(o, [&](RankEnv& env) {
