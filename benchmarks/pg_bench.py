@@ -161,23 +161,32 @@ def worker(args):
             else:
                 os.environ[k] = v
     records = []
-    # Memory-bandwidth reference: every rank copies a buffer of each size at the same time.
-    for nbytes in cfg["sizes"]:
-        src, dst = torch.zeros(nbytes // 4), torch.empty(nbytes // 4)
-        dst.copy_(src)
-        iters = cfg["iters"]
-        samples = torch.empty(iters, dtype=torch.float64)
+
+    def timed_loop(run, iters):
+        """(mean seconds per call, per-iteration times: max over ranks) of iters calls of run.
+        Samples go into a Python list (0.1 us a store), as pg_bench_mpi's go into numpy (0.2
+        us): a torch tensor's item store costs ~2 us, which on 4 ranks over 2 cores added
+        tens of microseconds to every op measured (docs/perf/pg.md)."""
+        samples = [0.0] * iters
         dist.barrier(group=ctl)
         start = time.perf_counter()
         for i in range(iters):
             t = time.perf_counter()
-            dst.copy_(src)
+            run()
             samples[i] = time.perf_counter() - t
         mean = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+        worst = torch.tensor(samples, dtype=torch.float64)
         dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=ctl)
-        dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=ctl)
-        records.append(summarize("memcpy", "memcpy", args.world, nbytes, float(mean),
-                                 samples.tolist(), 0, cfg["stat"]))
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=ctl)  # per-iteration max
+        return float(mean), worst.tolist()
+
+    # Memory-bandwidth reference: every rank copies a buffer of each size at the same time.
+    for nbytes in cfg["sizes"]:
+        src, dst = torch.zeros(nbytes // 4), torch.empty(nbytes // 4)
+        dst.copy_(src)
+        mean, samples = timed_loop(lambda: dst.copy_(src), cfg["iters"])
+        records.append(summarize("memcpy", "memcpy", args.world, nbytes, mean, samples, 0,
+                                 cfg["stat"]))
     measured = list(backends)
     if "mooncake" in measured:  # variants right after mooncake, as the driver lists them
         at = measured.index("mooncake") + 1
@@ -196,20 +205,11 @@ def worker(args):
                 one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(one, op=dist.ReduceOp.MAX, group=ctl)
                 iters = max(3, min(cfg["iters"], int(cfg["max_seconds"] / max(float(one), 1e-6))))
-                samples = torch.empty(iters, dtype=torch.float64)
-                dist.barrier(group=ctl)
-                start = time.perf_counter()
-                for i in range(iters):
-                    t = time.perf_counter()
-                    run()
-                    samples[i] = time.perf_counter() - t
-                mean = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-                dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=ctl)
-                dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=ctl)  # per-iteration max
+                mean, samples = timed_loop(run, iters)
                 bad = torch.tensor([wrong()], dtype=torch.int64)
                 dist.all_reduce(bad, group=ctl)
-                records.append(summarize(b, op, args.world, nbytes, float(mean),
-                                         samples.tolist(), int(bad), cfg["stat"]))
+                records.append(summarize(b, op, args.world, nbytes, mean, samples, int(bad),
+                                         cfg["stat"]))
     if args.rank == 0:
         print("PGBENCH_RESULTS " + json.dumps(records), flush=True)
     dist.barrier(group=ctl)
