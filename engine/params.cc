@@ -183,11 +183,11 @@ const std::vector<ParamDef>& table() {
        "streaming (non-temporal) stores: they would leave the cache anyway, and this saves "
        "reading every line first."},
       {"MC_PG_SPIN_US", Type::kInt, "50",
-       "Microseconds a process-group wait spins before it sleeps on a futex (2 when the "
+       "Microseconds a process-group wait spins before it sleeps on a futex (0 when the "
        "group's ranks outnumber the cores)."},
       {"MC_PG_YIELD_US", Type::kInt, "200",
        "When the group's ranks outnumber the cores: microseconds a wait yields the core "
-       "(sched_yield) after its short spin, before it sleeps on a futex."},
+       "(sched_yield) before it sleeps on a futex."},
       {"MC_PG_HANDOFF_US", Type::kInt, "1000",
        "torch backend: a collective is run by the thread that waits on it; one that no thread "
        "started is handed to the group's worker thread by the process's hand-off thread, which "

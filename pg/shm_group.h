@@ -11,10 +11,11 @@
 //   kReduced  (2-phase algorithms) the owner's reduced slice for step s is in its half
 //   kConsumed the owner finished reading peers' halves of step s: a writer reuses its
 //             half for step s+2 only when every peer consumed step s.
-// Waiting spins (MC_PG_SPIN_US), then yields (MC_PG_YIELD_US, only when ranks outnumber
-// cores), then sleeps on a futex on the flag word (the poster only calls futex_wake when a
-// waiter registered). Sleeping frees the core, which lets the scheduler move a waiting
-// peer onto it; the fast path (peer running on another core) makes no syscalls.
+// Waiting spins (MC_PG_SPIN_US, not when ranks outnumber cores), then yields (MC_PG_YIELD_US,
+// only when ranks outnumber cores), then sleeps on a futex on the flag word (the poster only
+// calls futex_wake when a waiter registered). Sleeping frees the core, which lets the
+// scheduler move a waiting peer onto it; the fast path (peer running on another core) makes
+// no syscalls.
 // Every wait checks, about every MC_PG_HEALTH_US: the op's deadline, the engine's view of
 // every peer (a dead process -> CommError naming it) and peers' abort words.
 //
