@@ -231,6 +231,8 @@ struct ModeCase {
   const char* name;
   Mode mode;
 };
+// gtest prints a parameter in the test's listing (and so in ctest's name): by name, not bytes.
+void PrintTo(const ModeCase& c, std::ostream* os) { *os << c.name; }
 
 class PgElasticMode : public ::testing::TestWithParam<ModeCase> {};
 
@@ -368,9 +370,13 @@ TEST_P(PgElasticNumbering, OpsStayPairedAcrossViews) {
     } else {
       ASSERT_TRUE(waitFor([&] { return sh->more[3].load() > 0; }, 30));
       ASSERT_TRUE(waitFor([&] { return c->peerState({2})[0] == 0; }, 30));
-      if (early) EXPECT_THROW(allreduce(1), PeerFailure) << "op 1 with slot 2 dead";
+      if (early) {
+        EXPECT_THROW(allreduce(1), PeerFailure) << "op 1 with slot 2 dead";
+      }
       ASSERT_TRUE(waitFor([&] { return sh->more[4].load() > 0; }, 30));
-      if (!early) ASSERT_TRUE(waitFor([&] { return c->epoch() > 1; }, 30));
+      if (!early) {
+        ASSERT_TRUE(waitFor([&] { return c->epoch() > 1; }, 30));
+      }
     }
     ProposalResult r = c->deactivateRanks({2});
     EXPECT_NE(r.status, ProposalStatus::kRejected) << r.reject_reason;
