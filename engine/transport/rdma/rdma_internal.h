@@ -100,7 +100,9 @@ class RdmaTransportImpl;
 // ops complete with its status.
 class Qp {
  public:
-  using Reroute = std::function<void(Qp* from, std::vector<Op*> ops, const Status& why)>;
+  // Called (without mu_) when the failed QP has work to give back; the owner takes it with
+  // takeBack() under its own lock.
+  using Reroute = std::function<void(Qp* from)>;
   Qp(RdmaTransportImpl* t, Nic* nic, ibv_qp* qp, std::string peer, Reroute reroute);
   ~Qp();
   Nic* nic() const { return nic_; }
@@ -115,6 +117,9 @@ class Qp {
   Status failedStatus();
   int inflight();
   bool idle();  // nothing queued or in flight
+  // Once failed (reroutably) with nothing in flight: every op it holds, in issue order, and
+  // the failure (empty otherwise). The owner calls it under its lock (Reroute).
+  std::vector<Op*> takeBack(Status* why);
   // A stalled NIC: work outstanding and nothing completed for `after`: fails the QP (its
   // work moves on as after an error completion). The prober calls it.
   void checkStall(Clock::time_point now, std::chrono::milliseconds after);
@@ -122,10 +127,10 @@ class Qp {
  private:
   void failLocked(const Status& why);
   void pumpLocked(std::vector<std::pair<Op*, Status>>* done);
-  // Under mu_: once failed (reroutably) with nothing in flight, the ops to give back.
-  std::vector<Op*> takeBackLocked();
-  // Hands what takeBackLocked() took to the owner (without mu_).
-  void giveBack(std::vector<Op*> ops, const Status& why);
+  // Under mu_: failed (reroutably), nothing in flight and ops held: counts a hand-back.
+  bool handBackDueLocked();
+  // Tells the owner (without mu_), which takes the ops with takeBack().
+  void handBack();
   void releaseChunk(Op* o);
 
   RdmaTransportImpl* t_;

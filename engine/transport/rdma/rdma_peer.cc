@@ -55,8 +55,7 @@ Qp::~Qp() {
 
 void Qp::enqueue(std::vector<Op*>& ops) {
   std::vector<std::pair<Op*, Status>> done;
-  std::vector<Op*> back;
-  Status why;
+  bool back = false;
   {
     std::lock_guard<std::mutex> g(mu_);
     if (failed_ && !reroutable_) {
@@ -67,34 +66,30 @@ void Qp::enqueue(std::vector<Op*>& ops) {
         pending_.push_back(o);
       }
       if (!failed_) pumpLocked(&done);
-      back = takeBackLocked();
-      why = why_;
+      back = handBackDueLocked();
     }
   }
   ops.clear();
   finishOps(done);
-  if (!back.empty()) giveBack(std::move(back), why);
+  if (back) handBack();
 }
 
 void Qp::pump() {
   std::vector<std::pair<Op*, Status>> done;
-  std::vector<Op*> back;
-  Status why;
+  bool back = false;
   {
     std::lock_guard<std::mutex> g(mu_);
     if (pending_.empty() || failed_) return;
     pumpLocked(&done);
-    back = takeBackLocked();
-    why = why_;
+    back = handBackDueLocked();
   }
   finishOps(done);
-  if (!back.empty()) giveBack(std::move(back), why);
+  if (back) handBack();
 }
 
 void Qp::complete(Op* o, const ibv_wc& wc) {
   std::vector<std::pair<Op*, Status>> done;
-  std::vector<Op*> back;
-  Status why;
+  bool back = false;
   {
     std::lock_guard<std::mutex> g(mu_);
     --inflight_;
@@ -121,11 +116,10 @@ void Qp::complete(Op* o, const ibv_wc& wc) {
         done.emplace_back(o, why_);
       }
     }
-    back = takeBackLocked();
-    why = why_;
+    back = handBackDueLocked();
   }
   finishOps(done);
-  if (!back.empty()) giveBack(std::move(back), why);
+  if (back) handBack();
 }
 
 void Qp::fail(const Status& why) {
@@ -178,20 +172,28 @@ void Qp::failLocked(const Status& why) {
   ibv_modify_qp(qp_, &a, IBV_QP_STATE);
 }
 
-std::vector<Op*> Qp::takeBackLocked() {
+bool Qp::handBackDueLocked() {
+  if (!failed_ || !reroutable_ || inflight_ != 0 || (orphans_.empty() && pending_.empty()))
+    return false;
+  ++handing_;
+  return true;
+}
+
+void Qp::handBack() {
+  reroute_(this);
+  std::lock_guard<std::mutex> g(mu_);
+  --handing_;
+}
+
+std::vector<Op*> Qp::takeBack(Status* why) {
+  std::lock_guard<std::mutex> g(mu_);
   std::vector<Op*> out;
   if (!failed_ || !reroutable_ || inflight_ != 0) return out;
   out.swap(orphans_);
   out.insert(out.end(), pending_.begin(), pending_.end());
   pending_.clear();
-  if (!out.empty()) ++handing_;
+  *why = why_;
   return out;
-}
-
-void Qp::giveBack(std::vector<Op*> ops, const Status& why) {
-  reroute_(this, std::move(ops), why);
-  std::lock_guard<std::mutex> g(mu_);
-  --handing_;
 }
 
 void Qp::releaseChunk(Op* o) {
@@ -464,7 +466,9 @@ void RdmaPeer::probe() {
       std::lock_guard<std::recursive_mutex> g(mu_);
       if (dead_ || i >= lanes_.size()) return;
       Lane& l = lanes_[i];
-      if (!l.failed || Clock::now() < l.retry_at || (l.qp && l.qp->inflight() != 0)) continue;
+      // Only once the failed QP holds nothing (work still in it or being handed back must
+      // reach another lane first: notifications issued meanwhile follow it there).
+      if (!l.failed || Clock::now() < l.retry_at || (l.qp && !l.qp->idle())) continue;
       l.retry_at = Clock::now() + t_->retryAfter();
       nic = l.nic;
       rn = l.remote_nic;
@@ -545,10 +549,16 @@ Status RdmaPeer::bindWith(Op* o, const Lane& l, const std::vector<int64_t>& rkey
   return Status::OK();
 }
 
-void RdmaPeer::giveBack(Qp* from, std::vector<Op*> ops, const Status& why) {
+void RdmaPeer::giveBack(Qp* from) {
   std::vector<std::pair<Op*, Status>> failed;
   {
     std::lock_guard<std::recursive_mutex> g(mu_);
+    // Taken under mu_, as notify() and submit() enqueue under it: what the QP held (writes,
+    // then the notification parts queued behind them) moves in one piece, and no notification
+    // is issued while work it must follow is between two QPs.
+    Status why;
+    std::vector<Op*> ops = from->takeBack(&why);
+    if (ops.empty()) return;  // an earlier hand-back of this QP took it
     for (Lane& l : lanes_) {
       if (l.qp.get() != from || l.failed) continue;
       l.failed = true;

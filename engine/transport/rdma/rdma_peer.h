@@ -90,10 +90,7 @@ class RdmaPeer final : public TransportPeer {
   };
 
   std::shared_ptr<Qp> newQp(Nic* nic, ibv_qp* raw) {
-    return std::make_shared<Qp>(t_, nic, raw, name_,
-                                [this](Qp* from, std::vector<Op*> ops, const Status& why) {
-                                  giveBack(from, std::move(ops), why);
-                                });
+    return std::make_shared<Qp>(t_, nic, raw, name_, [this](Qp* from) { giveBack(from); });
   }
 
   // Dials the evicted lanes again (one that cannot be dialled now is left to the prober, as a
@@ -114,7 +111,7 @@ class RdmaPeer final : public TransportPeer {
 
   // A failed QP's work, in issue order: all of it to one live lane (a notification part then
   // still follows the writes before it), or failed when none is left.
-  void giveBack(Qp* from, std::vector<Op*> ops, const Status& why);
+  void giveBack(Qp* from);
 
   // ---- the tcp fallback (MC_RDMA_TCP_FALLBACK): work no lane can carry goes, in order, over
   // the control link (the engine's authenticated tcp connection to the peer), while no lane
