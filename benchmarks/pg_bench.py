@@ -33,7 +33,8 @@ FACTORS = {"memcpy": lambda n: 1.0, "all_reduce": lambda n: 2 * (n - 1) / n, "al
            "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
            "broadcast": lambda n: 1.0}
 REDOP = {"all_reduce": "sum", "reduce_scatter": "sum"}
-COLORS = {"mooncake": "C0", "gloo": "C1", "mpi": "C2"}
+COLORS = {"mooncake": "C0", "gloo": "C1", "mpi": "C2", "mooncake@sim": "C3"}
+SIM = "mooncake@sim"  # the mooncake rows on GPU memory of the device layer's simulation
 
 
 def parse_size(s):
@@ -58,35 +59,72 @@ def free_port():
 # ---------------------------------------------------------------------------------------
 # Worker side (one process per rank; torch backends)
 
-def summarize(backend, op, world, nbytes, mean_s, samples_s, wrong, stat):
-    """One record. samples_s: per-iteration times, already the max over ranks."""
+def summarize(backend, op, world, nbytes, mean_s, samples_s, wrong, stat, device="cpu"):
+    """One record. samples_s: per-iteration times, already the max over ranks. device: where
+    the tensors were (cpu, sim)."""
     xs = sorted(samples_s)
     p50 = xs[len(xs) // 2] * 1e6
     p99 = xs[min(len(xs) - 1, int(len(xs) * 0.99))] * 1e6
-    return {"backend": backend, "op": op, "world_size": world, "bytes": nbytes,
+    return {"backend": backend, "device": device, "op": op, "world_size": world, "bytes": nbytes,
             "time_us": p50 if stat == "p50" else mean_s * 1e6, "wrong": wrong,
             "iters": len(xs), "mean_us": mean_s * 1e6, "p50_us": p50, "p99_us": p99}
 
 
-def torch_op(dist, torch, op, nbytes, group, use_base_api):
+class Memory:
+    """Where a benchmark's tensors live. device "cpu": plain torch tensors. "sim": GPU memory
+    of the engine's device layer over its host simulation (MC_DEVICE=sim; torch here has no
+    CUDA): CPU tensors whose storage the process group must move with the layer's copies only
+    (host code touching it faults), filled and read through mooncake._C._device_copy."""
+
+    def __init__(self, torch, device):
+        self.torch, self.device = torch, device
+        if device == "sim":
+            from mooncake import _C
+            self._C = _C
+
+    def zeros(self, n):
+        t = self.torch.zeros(n)
+        if self.device == "cpu":
+            return t
+        d = self._C._device_empty_like(t)
+        self.put(d, t)
+        return d
+
+    def put(self, t, host):
+        if self.device == "cpu":
+            t.copy_(host)
+        elif t.numel():
+            self._C._device_copy(t.data_ptr(), host.contiguous().data_ptr(), 4 * t.numel())
+
+    def get(self, t):
+        if self.device == "cpu":
+            return t
+        h = self.torch.empty(t.shape, dtype=t.dtype)
+        if t.numel():
+            self._C._device_copy(h.data_ptr(), t.data_ptr(), 4 * t.numel())
+        return h
+
+
+def torch_op(dist, torch, op, nbytes, group, use_base_api, device="cpu"):
     """(run, count_wrong) for op on group; inputs of run() are zeros (values stay finite)."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     n = nbytes // 4
     blk = n // W
     f32 = torch.float32
+    m = Memory(torch, device)
     if op == "all_reduce":
-        x = torch.zeros(n)
+        x = m.zeros(n)
 
         def run():
             dist.all_reduce(x, group=group)
 
         def wrong():
-            x.fill_(r + 1)
+            m.put(x, torch.full((n,), float(r + 1)))
             run()
-            return int((x != W * (W + 1) / 2).sum())
+            return int((m.get(x) != W * (W + 1) / 2).sum())
     elif op == "all_gather":
-        send, out = torch.zeros(blk), torch.empty(blk * W)
-        outs = list(out.split(blk)) if blk else [torch.empty(0) for _ in range(W)]
+        send, out = m.zeros(blk), m.zeros(blk * W)
+        outs = list(out.split(blk)) if blk else [m.zeros(0) for _ in range(W)]
 
         def run():
             if use_base_api:
@@ -95,40 +133,41 @@ def torch_op(dist, torch, op, nbytes, group, use_base_api):
                 dist.all_gather(outs, send, group=group)
 
         def wrong():
-            send.fill_(r + 1)
+            m.put(send, torch.full((blk,), float(r + 1)))
             run()
-            got = out if use_base_api else torch.cat(outs)
+            got = m.get(out) if use_base_api else torch.cat([m.get(o) for o in outs])
             return int((got != torch.arange(1, W + 1, dtype=f32).repeat_interleave(blk)).sum())
     elif op == "reduce_scatter":
-        send, out = torch.zeros(blk * W), torch.empty(blk)
+        send, out = m.zeros(blk * W), m.zeros(blk)
 
         def run():
             dist.reduce_scatter_tensor(out, send, group=group)
 
         def wrong():
-            send.copy_(((r + 1) * torch.arange(1, W + 1, dtype=f32)).repeat_interleave(blk))
+            m.put(send, ((r + 1) * torch.arange(1, W + 1, dtype=f32)).repeat_interleave(blk))
             run()
-            return int((out != (r + 1) * W * (W + 1) / 2).sum())
+            return int((m.get(out) != (r + 1) * W * (W + 1) / 2).sum())
     elif op == "all_to_all":
-        send, out = torch.zeros(blk * W), torch.empty(blk * W)
+        send, out = m.zeros(blk * W), m.zeros(blk * W)
 
         def run():
             dist.all_to_all_single(out, send, group=group)
 
         def wrong():
-            send.copy_((r * W + torch.arange(W, dtype=f32)).repeat_interleave(blk))
+            m.put(send, (r * W + torch.arange(W, dtype=f32)).repeat_interleave(blk))
             run()
-            return int((out != (torch.arange(W, dtype=f32) * W + r).repeat_interleave(blk)).sum())
+            exp = (torch.arange(W, dtype=f32) * W + r).repeat_interleave(blk)
+            return int((m.get(out) != exp).sum())
     elif op == "broadcast":
-        x = torch.zeros(n)
+        x = m.zeros(n)
 
         def run():
             dist.broadcast(x, src=0, group=group)
 
         def wrong():
-            x.fill_(42.0 if r == 0 else -1.0)
+            m.put(x, torch.full((n,), 42.0 if r == 0 else -1.0))
             run()
-            return int((x != 42.0).sum())
+            return int((m.get(x) != 42.0).sum())
     else:
         raise ValueError(f"unknown op {op}")
     return run, wrong
@@ -149,6 +188,8 @@ def worker(args):
     ctl = dist.new_group(backend="gloo")
     groups = {b: (None if b == backends[0] else ctl if b == "gloo" else dist.new_group(backend=b))
               for b in backends if ":" not in b}
+    if "sim" in cfg.get("devices", []):  # the default mooncake group on simulated GPU memory
+        groups[SIM] = groups["mooncake"]
     # A/B variants: more mooncake groups in the same processes, each created with its own
     # MC_* settings (read when a group is created), measured interleaved with the others.
     for label, env in cfg.get("variants", []):
@@ -191,12 +232,17 @@ def worker(args):
     if "mooncake" in measured:  # variants right after mooncake, as the driver lists them
         at = measured.index("mooncake") + 1
         measured[at:at] = [label for label, _ in cfg.get("variants", [])]
+        if "sim" in cfg.get("devices", []):
+            measured.insert(at, SIM)
+        if "cpu" not in cfg.get("devices", ["cpu"]):
+            measured.remove("mooncake")
     for op in cfg["ops"]:
         for nbytes in cfg["sizes"]:
             for b in measured:  # interleaved: noise hits every backend alike
                 if op == "reduce_scatter" and b == "gloo":
                     continue
-                run, wrong = torch_op(dist, torch, op, nbytes, groups[b], b != "gloo")
+                run, wrong = torch_op(dist, torch, op, nbytes, groups[b], b != "gloo",
+                                      "sim" if b == SIM else "cpu")
                 for _ in range(cfg["warmup"]):
                     run()
                 dist.barrier(group=ctl)
@@ -209,7 +255,7 @@ def worker(args):
                 bad = torch.tensor([wrong()], dtype=torch.int64)
                 dist.all_reduce(bad, group=ctl)
                 records.append(summarize(b, op, args.world, nbytes, mean, samples, int(bad),
-                                         cfg["stat"]))
+                                         cfg["stat"], "sim" if b == SIM else "cpu"))
     if args.rank == 0:
         print("PGBENCH_RESULTS " + json.dumps(records), flush=True)
     dist.barrier(group=ctl)
@@ -260,6 +306,8 @@ def run_torch(world, cfg, timeout_s, nics=None):
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
+    if "sim" in cfg.get("devices", []):
+        env["MC_DEVICE"] = "sim"
     if nics is not None:
         env = nics.env(env)
     hosts = cfg.get("hosts")
@@ -437,6 +485,11 @@ def main():
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL:K=V[,K=V]",
                     help="also measure a mooncake group created with these MC_* settings, "
                     "reported as backend mooncake:LABEL (A/B in one run; repeatable)")
+    ap.add_argument("--device", default="cpu", metavar="cpu,sim",
+                    help="where mooncake's tensors live: cpu (host tensors) and/or sim (GPU "
+                    "memory of the engine's device layer over its host simulation, "
+                    "MC_DEVICE=sim, reported as backend mooncake@sim); the baselines always "
+                    "use host tensors. JSON rows carry a device field")
     ap.add_argument("--busy", type=int, default=0, metavar="N",
                     help="run N busy-loop processes beside the benchmark (N = cores: one per "
                     "core)")
@@ -470,6 +523,15 @@ def main():
         variants.append(["mooncake:" + label, env])
     if variants and "mooncake" not in backends:
         ap.error("--variant needs the mooncake backend")
+    devices = [d.strip() for d in args.device.split(",") if d.strip()]
+    if not devices or any(d not in ("cpu", "sim") for d in devices):
+        ap.error(f"--device {args.device}: expected cpu, sim or both (cuda: not built yet)")
+    if "sim" in devices and "mooncake" not in backends:
+        ap.error("--device sim needs the mooncake backend")
+    if "sim" in devices and not args.replot:
+        backends.insert(backends.index("mooncake") + 1, SIM)
+        if "cpu" not in devices:
+            backends.remove("mooncake")
     if variants and not args.replot:
         at = backends.index("mooncake") + 1
         backends[at:at] = [label for label, _ in variants]
@@ -486,13 +548,13 @@ def main():
         backends = [b for b in backends if b in present]
         if "mooncake" in backends:
             at = backends.index("mooncake") + 1
-            backends[at:at] = sorted(b for b in present if b.startswith("mooncake:"))
+            backends[at:at] = sorted(b for b in present if b.startswith("mooncake:") or b == SIM)
         ops = [o for o in ops if any(r["op"] == o for r in records)]
     for w in ([] if args.replot else worlds):
         wsizes = [s - s % (4 * w) for s in sizes]  # whole float32 blocks per rank
         cfg = {"ops": ops, "sizes": wsizes, "iters": args.iters, "warmup": args.warmup,
                "max_seconds": args.max_seconds, "stat": args.stat, "hosts": None,
-               "variants": variants}
+               "variants": variants, "devices": devices}
         if args.hosts:
             if len(args.hosts) != w:
                 ap.error(f"--hosts {args.hosts} names {len(args.hosts)} ranks, not {w}")
@@ -501,7 +563,9 @@ def main():
             cfg["hosts"] = args.hosts
         elif args.fake_nics:
             ap.error("--fake-nics needs --hosts")
-        torch_backends = [b for b in backends if b != "mpi" and ":" not in b]
+        torch_backends = [b for b in backends if b != "mpi" and ":" not in b and b != SIM]
+        if SIM in backends and "mooncake" not in torch_backends:
+            torch_backends.insert(0, "mooncake")
         t0 = time.time()
         busy = busy_loops(args.busy)
         nics = FakeNics(args.fake_nics, args.hosts) if args.fake_nics else None

@@ -112,7 +112,7 @@ def main():
             bad = comm.allreduce(wrong(), op=MPI.SUM)
             xs = sorted(samples)
             p50 = xs[len(xs) // 2] * 1e6
-            records.append({"backend": "mpi", "op": op, "world_size": comm.size,
+            records.append({"backend": "mpi", "device": "cpu", "op": op, "world_size": comm.size,
                             "bytes": nbytes, "wrong": bad, "iters": iters,
                             "time_us": p50 if cfg.get("stat", "p50") == "p50" else t * 1e6,
                             "mean_us": t * 1e6, "p50_us": p50,

@@ -16,6 +16,7 @@
 
 #include "pg/communicator.h"
 #include "torch_ext/csrc/compat.h"
+#include "torch_ext/csrc/gpu_tensors.h"
 
 namespace mooncake::torch_ext {
 
@@ -75,6 +76,8 @@ inline std::optional<pg::ReduceOp> pgOp(const c10d::ReduceOp& op) {
   }
 }
 
+inline bool direct(const Tensor& t) { return t.is_contiguous() && !t.is_conj() && !t.is_neg(); }
+
 inline size_t nbytes(const Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
 
 // Validation on the caller's thread. Bad arguments are std::invalid_argument (Python:
@@ -89,14 +92,29 @@ class Check {
   }
   void tensor(const Tensor& t, const std::string& name) const {
     if (!t.defined()) fail(name + " is an undefined tensor");
-    if (!t.device().is_cpu()) {
-      throw std::runtime_error(std::string("mooncake: ") +
-                               (t.device().is_cuda() ? "CUDA" : t.device().str()) +
-                               " tensors are not supported yet in op " + op_ + " (" + name +
-                               " is on " + t.device().str() + ")");
+    if (t.is_cuda()) {
+      const std::string why = cudaUnavailableReason();
+      if (!why.empty()) {
+        throw std::runtime_error(who_ + ": " + op_ + ": " + name + " is a CUDA tensor (on " +
+                                 t.device().str() + "), but " + why);
+      }
+      bool seen = false;
+      for (const auto& d : cuda_) seen = seen || d == t.device();
+      if (!seen) cuda_.push_back(t.device());
+    } else if (!t.device().is_cpu()) {
+      throw std::runtime_error(who_ + ": " + op_ + ": " + name + " is on " + t.device().str() +
+                               "; the mooncake backend serves CPU and CUDA tensors");
     }
     if (t.layout() != at::kStrided) fail(name + ": only dense (strided) tensors are supported");
+    // GPU memory is handed to the communicator as it is (no staging copy by torch on the
+    // thread that runs the op), so it must be one dense block, as ProcessGroupNCCL requires.
+    if (onGpu(t) && !direct(t)) {
+      fail(name + " is in GPU memory and must be contiguous (and not a conjugate or negative "
+                  "view): call .contiguous() (or .resolve_conj()) first");
+    }
   }
+  // The CUDA devices of the tensors checked so far (for the op's StreamFence).
+  const std::vector<c10::Device>& cudaDevices() const { return cuda_; }
   void tensors(const std::vector<Tensor>& v, const std::string& name) const {
     for (size_t i = 0; i < v.size(); ++i) tensor(v[i], name + "[" + std::to_string(i) + "]");
   }
@@ -146,9 +164,8 @@ class Check {
  private:
   const std::string& who_;
   const char* op_;
+  mutable std::vector<c10::Device> cuda_;
 };
-
-inline bool direct(const Tensor& t) { return t.is_contiguous() && !t.is_conj() && !t.is_neg(); }
 
 // A contiguous stand-in for a user tensor: the tensor itself when it can be used as is,
 // else a copy (inputs) or scratch (outputs) that writeBack() copies into the user's tensor.
@@ -194,22 +211,24 @@ inline size_t totalBytes(const std::vector<Tensor>& ts) {
   return total;
 }
 
-// Packs tensors byte-wise, back to back, into dst (totalBytes(ts) bytes).
+// Packs tensors byte-wise, back to back, into dst (totalBytes(ts) bytes of host memory);
+// tensors in GPU memory are copied out by the device layer.
 inline void packBytes(uint8_t* dst, const std::vector<Tensor>& ts,
                       std::vector<size_t>* offsets = nullptr) {
   size_t off = 0;
   for (const auto& t : ts) {
     if (offsets) offsets->push_back(off);
-    Staged s = Staged::in(t);
-    if (s.bytes()) std::memcpy(dst + off, s.data(), s.bytes());
+    Staged s = Staged::in(t);  // GPU tensors are direct (Check::tensor): no torch copy here
+    copyBytes(dst + off, s.data(), s.bytes(), "packing the op's tensors");
     off += s.bytes();
   }
 }
 
-// Copies bytes out of a staging buffer into a user tensor (any layout).
+// Copies bytes out of a staging buffer into a user tensor (any layout; GPU memory through the
+// device layer).
 inline void unpackBytes(const uint8_t* src, Tensor& dst) {
   Staged s = Staged::out(dst);
-  if (s.bytes()) std::memcpy(s.data(), src, s.bytes());
+  copyBytes(s.data(), src, s.bytes(), "unpacking the op's results");
   s.writeBack();
 }
 

@@ -17,7 +17,16 @@ using at::Tensor;
 
 MooncakeWork::MooncakeWork(int rank, c10d::OpType type, const char* op,
                            std::shared_ptr<const ErrorContext> ctx, std::vector<Tensor> outputs)
-    : c10d::Work(rank, type), op_(op), ctx_(std::move(ctx)), outputs_(std::move(outputs)) {}
+    : c10d::Work(rank, type), op_(op), ctx_(std::move(ctx)), outputs_(std::move(outputs)) {
+  // A future holding CUDA tensors must name their devices (torch's Future then orders its
+  // consumers' streams after the completing thread's); host tensors need none.
+  for (const Tensor& t : outputs_) {
+    if (!t.defined() || !t.is_cuda()) continue;
+    bool seen = false;
+    for (const auto& d : devices_) seen = seen || d == t.device();
+    if (!seen) devices_.push_back(t.device());
+  }
+}
 
 bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
   // A plain wait runs the op here (with any earlier ones still pending) unless the worker has
@@ -59,7 +68,8 @@ MooncakeWork::FuturePtr MooncakeWork::lazyFuture(FuturePtr MooncakeWork::*slot,
                                                  const c10::TypePtr& type, bool result) {
   std::unique_lock lk(mutex_);
   if (this->*slot) return this->*slot;
-  this->*slot = c10::make_intrusive<c10::ivalue::Future>(type);
+  this->*slot = result ? c10::make_intrusive<c10::ivalue::Future>(type)
+                       : c10::make_intrusive<c10::ivalue::Future>(type, devices_);
   FuturePtr f = this->*slot;
   const bool done = completed_;
   std::exception_ptr e = exception_;

@@ -11,7 +11,9 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "mooncake/config.h"
 #include "torch_ext/csrc/convert.h"
+#include "torch_ext/csrc/gpu_tensors.h"
 #include "torch_ext/csrc/store_rendezvous.h"
 
 namespace mooncake::torch_ext {
@@ -108,6 +110,14 @@ ProcessGroupMooncake::~ProcessGroupMooncake() {
   sink_->pg = nullptr;
 }
 
+std::vector<std::string> ProcessGroupMooncake::devices() {
+#if MC_HAVE_CUDA
+  return {"cpu", "cuda"};
+#else
+  return {"cpu"};
+#endif
+}
+
 int ProcessGroupMooncake::globalRank(int group_rank) const {
   return opts_.global_ranks.empty() ? group_rank : static_cast<int>(opts_.global_ranks[group_rank]);
 }
@@ -165,15 +175,23 @@ void ProcessGroupMooncake::onViewChange(c10::intrusive_ptr<c10d::ProcessGroup>* 
   }
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(OpType type, const char* op,
+std::shared_ptr<const StreamFence> ProcessGroupMooncake::fence(const Check& ck) const {
+  if (ck.cudaDevices().empty()) return nullptr;
+  return std::make_shared<const StreamFence>(ck.cudaDevices());
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(const Check& ck, OpType type,
+                                                                const char* op,
                                                                 std::vector<Tensor> outputs,
                                                                 Body body) {
   auto work = c10::make_intrusive<MooncakeWork>(rank_, type, op, ectx_, std::move(outputs));
   work->setSlots(comm_->maxGroupSize());
   try {
-    auto id = queue_->submit(op, [work, body = std::move(body), ctx = ectx_, op]() {
+    auto id = queue_->submit(op, [work, body = std::move(body), ctx = ectx_, op, f = fence(ck),
+                                  timeout = opts_.timeout]() {
       std::exception_ptr err;
       try {
+        if (f) f->wait(op, timeout);  // the caller's kernels before the op have run
         at::NoGradGuard no_grad;  // copies into leaf tensors that require grad are ours
         body();
       } catch (const pg::PeerFailure& f) {
@@ -191,16 +209,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(OpType type, con
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::p2p(OpType type, const char* op,
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::p2p(const Check& ck, OpType type,
+                                                         const char* op,
                                                          const P2pLanes::Key& lane,
                                                          std::vector<Tensor> outputs,
                                                          std::function<void(MooncakeWork&)> body) {
   auto work = c10::make_intrusive<MooncakeWork>(rank_, type, op, ectx_, std::move(outputs));
   work->setSlots(comm_->maxGroupSize());
   // The lane task keeps the communicator alive: a recv may outlive this object.
-  lanes_->post(lane, [work, body = std::move(body), comm = comm_, ctx = ectx_, op]() {
+  lanes_->post(lane, [work, body = std::move(body), comm = comm_, ctx = ectx_, op, f = fence(ck),
+                       timeout = opts_.timeout]() {
     std::exception_ptr err;
     try {
+      if (f) f->wait(op, timeout);
       at::NoGradGuard no_grad;
       body(*work);
     } catch (const pg::PeerFailure& f) {
@@ -231,7 +252,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::broadcast(std::vector<Tenso
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
-  return collective(OpType::BROADCAST, "broadcast", tensors, [c, t, root] {
+  return collective(ck, OpType::BROADCAST, "broadcast", tensors, [c, t, root] {
     Staged s = Staged::in(t);
     c->broadcast(s.data(), s.bytes(), root);
     s.writeBack();
@@ -245,7 +266,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce(std::vector<Tenso
   auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
-  return collective(OpType::ALLREDUCE, "allreduce", tensors, [c, t, dt = dt, op = op] {
+  return collective(ck, OpType::ALLREDUCE, "allreduce", tensors, [c, t, dt = dt, op = op] {
     Staged s = Staged::in(t);
     c->allReduce(s.data(), s.data(), static_cast<size_t>(t.numel()), dt, op);
     s.writeBack();
@@ -262,7 +283,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce_coalesced(
   auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ts = tensors;
-  return collective(OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
+  return collective(ck, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
                     [c, ts, dt = dt, op = op, sc = scratch_]() mutable {
                       std::vector<size_t> offs;
                       const size_t total = totalBytes(ts);
@@ -283,7 +304,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce(std::vector<Tensor>&
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
-  return collective(OpType::REDUCE, "reduce", tensors, [c, t, dt = dt, op = op, root] {
+  return collective(ck, OpType::REDUCE, "reduce", tensors, [c, t, dt = dt, op = op, root] {
     Staged s = Staged::in(t);
     c->reduce(s.data(), s.data(), static_cast<size_t>(t.numel()), dt, op, root);
     s.writeBack();
@@ -306,7 +327,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
   pg::Communicator* c = comm_.get();
   Tensor in = inputs[0];
   std::vector<Tensor> outs = outputs[0];
-  return collective(OpType::ALLGATHER, "allgather", outs, [c, in, outs, sc = scratch_]() mutable {
+  return collective(ck, OpType::ALLGATHER, "allgather", outs, [c, in, outs, sc = scratch_]() mutable {
     Staged s = Staged::in(in);
     const size_t b = s.bytes();
     uint8_t* p = sc->get(1, b * outs.size());
@@ -353,7 +374,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
   const int n = size_;
-  return collective(OpType::_ALLGATHER_BASE, "_allgather_base", {output}, [c, in, out, n] {
+  return collective(ck, OpType::_ALLGATHER_BASE, "_allgather_base", {output}, [c, in, out, n] {
     Staged si = Staged::in(in), so = Staged::out(out);
     c->allGather(si.data(), so.data(), si.bytes(), n);
     so.writeBack();
@@ -385,7 +406,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs;
   const int n = size_;
-  return collective(OpType::ALLGATHER_COALESCED, "allgather_coalesced", flat_outs,
+  return collective(ck, OpType::ALLGATHER_COALESCED, "allgather_coalesced", flat_outs,
                     [c, ins, flat_outs, n, sc = scratch_]() mutable {
                       std::vector<size_t> offs;
                       const size_t b = totalBytes(ins);
@@ -422,7 +443,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::gather(
   pg::Communicator* c = comm_.get();
   Tensor in = inputs[0];
   const int n = size_;
-  return collective(OpType::GATHER, "gather", outs,
+  return collective(ck, OpType::GATHER, "gather", outs,
                     [c, in, outs, root, n, sc = scratch_]() mutable {
                       Staged s = Staged::in(in);
                       const size_t b = s.bytes();
@@ -455,7 +476,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
   pg::Communicator* c = comm_.get();
   Tensor out = outputs[0];
   const int n = size_;
-  return collective(OpType::SCATTER, "scatter", outputs, [c, ins, out, root, n, sc = scratch_] {
+  return collective(ck, OpType::SCATTER, "scatter", outputs, [c, ins, out, root, n, sc = scratch_] {
     uint8_t* p = nullptr;
     if (!ins.empty()) {
       p = sc->get(0, totalBytes(ins));
@@ -482,7 +503,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs[0];
   Tensor out = outputs[0];
-  return collective(OpType::REDUCE_SCATTER, "reduce_scatter", outputs,
+  return collective(ck, OpType::REDUCE_SCATTER, "reduce_scatter", outputs,
                     [c, ins, out, dt = dt, op = op, sc = scratch_] {
                       uint8_t* p = sc->get(0, totalBytes(ins));
                       packBytes(p, ins);
@@ -501,7 +522,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
   const int n = size_;
-  return collective(OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", {output},
+  return collective(ck, OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", {output},
                     [c, in, out, n, dt = dt, op = op] {
                       Staged si = Staged::in(in), so = Staged::out(out);
                       c->reduceScatter(si.data(), so.data(), static_cast<size_t>(out.numel()), dt,
@@ -522,7 +543,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall_base(
   splitBytes(ck, output, output_splits, size_, "output", &rb, &ro);
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
-  return collective(OpType::ALLTOALL_BASE, "alltoall_base", {output}, [c, in, out, sb, so, rb, ro] {
+  return collective(ck, OpType::ALLTOALL_BASE, "alltoall_base", {output}, [c, in, out, sb, so, rb, ro] {
     Staged si = Staged::in(in), sout = Staged::out(out);
     c->allToAllV(si.data(), sb, so, sout.data(), rb, ro);
     sout.writeBack();
@@ -553,7 +574,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall(std::vector<Tensor
   }
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs, outs = outputs;
-  return collective(OpType::ALLTOALL, "alltoall", outputs,
+  return collective(ck, OpType::ALLTOALL, "alltoall", outputs,
                     [c, ins, outs, sb, rb, ro, off, sc = scratch_]() mutable {
                       std::vector<size_t> so;
                       uint8_t* packed = sc->get(0, totalBytes(ins));
@@ -565,8 +586,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall(std::vector<Tensor
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::barrier(const c10d::BarrierOptions&) {
+  Check ck(who(), "barrier");
   pg::Communicator* c = comm_.get();
-  return collective(OpType::BARRIER, "barrier", {}, [c] { c->barrier(); });
+  return collective(ck, OpType::BARRIER, "barrier", {}, [c] { c->barrier(); });
 }
 
 #if MC_TORCH_HAS_BACKEND
@@ -581,7 +603,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coale
     checkGatherPair(ck, outputs[i], inputs[i], size_, "[" + std::to_string(i) + "]");
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs, outs = outputs;
-  return collective(OpType::COALESCED, "allgather_into_tensor_coalesced", outputs, [c, ins, outs] {
+  return collective(ck, OpType::COALESCED, "allgather_into_tensor_coalesced", outputs, [c, ins, outs] {
     for (size_t i = 0; i < ins.size(); ++i) {
       Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
       c->allGather(si.data(), so.data(), si.bytes());
@@ -605,7 +627,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coale
   }
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs, outs = outputs;
-  return collective(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs,
+  return collective(ck, OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs,
                     [c, ins, outs, types] {
                       for (size_t i = 0; i < ins.size(); ++i) {
                         Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
@@ -653,7 +675,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::send(std::vector<Tensor>& t
   ck.rank(dst, comm_->maxGroupSize(), "destination rank");
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
-  return p2p(OpType::SEND, "send", {dst, tag, 0}, tensors, [c, t, dst, tag](MooncakeWork&) {
+  return p2p(ck, OpType::SEND, "send", {dst, tag, 0}, tensors, [c, t, dst, tag](MooncakeWork&) {
     Staged s = Staged::in(t);
     c->send(s.data(), s.bytes(), dst, static_cast<uint64_t>(static_cast<int64_t>(tag)));
   });
@@ -666,7 +688,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::recv(std::vector<Tensor>& t
   ck.rank(src, comm_->maxGroupSize(), "source rank");
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
-  return p2p(OpType::RECV, "recv", {src, tag, 1}, tensors, [c, t, src, tag](MooncakeWork& w) {
+  return p2p(ck, OpType::RECV, "recv", {src, tag, 1}, tensors, [c, t, src, tag](MooncakeWork& w) {
     Staged s = Staged::out(t);
     w.setSourceRank(
         c->recv(s.data(), s.bytes(), src, static_cast<uint64_t>(static_cast<int64_t>(tag))));
@@ -680,7 +702,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::recvAnysource(std::vector<T
   ck.single(tensors, "tensor");
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
-  return p2p(
+  return p2p(ck,
       OpType::RECVANYSOURCE, "recvAnysource", {-1, tag, 1}, tensors, [c, t, tag](MooncakeWork& w) {
         Staged s = Staged::out(t);
         w.setSourceRank(

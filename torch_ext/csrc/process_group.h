@@ -34,6 +34,8 @@ namespace mooncake::torch_ext {
 
 class StoreRendezvous;
 class Scratch;        // convert.h
+class Check;          // convert.h
+class StreamFence;    // gpu_tensors.h
 struct ErrorContext;  // convert.h
 
 // One op in flight. Completion state lives in c10d::Work's own fields (mutex_, cv_,
@@ -90,6 +92,7 @@ class MooncakeWork : public c10d::Work {
   const char* op_;  // a string literal
   std::shared_ptr<const ErrorContext> ctx_;
   std::vector<at::Tensor> outputs_;
+  std::vector<c10::Device> devices_;  // the CUDA devices of outputs_ (getFuture's)
   FuturePtr future_;         // getFuture(), guarded by mutex_
   FuturePtr result_future_;  // getFutureResult(), guarded by mutex_
   std::atomic<int> source_rank_{-1};
@@ -129,8 +132,10 @@ class ProcessGroupMooncake : public BackendBase {
 
   const std::string getBackendName() const override { return "mooncake"; }
   // The device types whose tensors the ops take (Check::tensor in convert.h refuses the
-  // others); torch 2.x registers the backend for exactly these (mooncake._C.DEVICES).
-  static std::vector<std::string> devices() { return {"cpu"}; }
+  // others); torch 2.x registers the backend for exactly these (mooncake._C.DEVICES). "cuda"
+  // in a build with CUDA (a process whose engine has no CUDA device layer then refuses CUDA
+  // tensors with the reason).
+  static std::vector<std::string> devices();
   const MooncakeOptions& mooncakeOptions() const { return opts_; }
   pg::Communicator& communicator() { return *comm_; }
   // Elastic groups: the active slots as an int32 tensor (the caller's active_ranks mirror
@@ -201,11 +206,15 @@ class ProcessGroupMooncake : public BackendBase {
  private:
   using Body = std::function<void()>;
   // Enqueues body on the collective worker; its exceptions become the Work's error.
-  c10::intrusive_ptr<Work> collective(c10d::OpType type, const char* op,
+  // ck has checked the op's tensors: when CUDA tensors were among them, the op first waits
+  // for the caller's streams as they were at this call (StreamFence, gpu_tensors.h).
+  c10::intrusive_ptr<Work> collective(const Check& ck, c10d::OpType type, const char* op,
                                       std::vector<at::Tensor> outputs, Body body);
-  c10::intrusive_ptr<Work> p2p(c10d::OpType type, const char* op, const P2pLanes::Key& lane,
+  c10::intrusive_ptr<Work> p2p(const Check& ck, c10d::OpType type, const char* op,
+                               const P2pLanes::Key& lane,
                                std::vector<at::Tensor> outputs,
                                std::function<void(MooncakeWork&)> body);
+  std::shared_ptr<const StreamFence> fence(const Check& ck) const;  // null: no CUDA tensor
   // Records an op issued between startCoalescing and endCoalescing.
   void track(const c10::intrusive_ptr<MooncakeWork>& work);
   int globalRank(int group_rank) const;

@@ -1,0 +1,257 @@
+"""Process-group cases on tensors in GPU memory, run by test_pg_gpu_sim.py's pools (every rank
+with MC_DEVICE=sim: the engine's device layer simulates GPU memory in host memory that faults
+when host code touches it, and torch here has no CUDA). A "GPU tensor" is a CPU tensor whose
+storage is that memory (mooncake._C._device_empty_like); it is filled and read only through the
+layer's copies. Every op runs twice on the same mooncake group, once on GPU tensors and once on
+the same values in host tensors, and the two results must be the same bytes; the host path is
+the one the rest of the suite checks against gloo and local references (and the reductions
+here against a local reference too). A rank whose backend memcpy'd GPU memory would die.
+"""
+
+import torch
+import torch.distributed as dist
+
+from pg_cases import OPS, TOL, as_bytes, make, reference
+
+from mooncake import _C
+
+
+def to_gpu(t):
+    d = _C._device_empty_like(t)
+    if t.numel():
+        _C._device_copy(d.data_ptr(), t.contiguous().data_ptr(), t.numel() * t.element_size())
+    return d
+
+
+def to_host(d):
+    t = torch.empty(d.shape, dtype=d.dtype)
+    if t.numel():
+        _C._device_copy(t.data_ptr(), d.data_ptr(), t.numel() * t.element_size())
+    return t
+
+
+def _same(fails, desc, gpu, host):
+    g = to_host(gpu)
+    if g.shape != host.shape or not torch.equal(as_bytes(g), as_bytes(host)):
+        fails.append(f"{desc}: GPU result differs from the host path's")
+
+
+def _close(fails, desc, got, exp, dt):
+    rtol, atol = TOL.get(dt, (0, 0))
+    if got.dtype.is_floating_point:
+        ok = torch.allclose(got.double(), exp.double(), rtol=rtol, atol=atol)
+    else:
+        ok = torch.equal(got, exp)
+    if not ok:
+        fails.append(f"{desc}: differs from the local reference")
+
+
+def _compat_all_gather_tensor(out, inp):
+    f = getattr(dist, "all_gather_into_tensor", None) or dist._all_gather_base
+    return f(out, inp)
+
+
+def _compat_reduce_scatter_tensor(out, inp, op):
+    f = getattr(dist, "reduce_scatter_tensor", None) or dist._reduce_scatter_base
+    return f(out, inp, op=op)
+
+
+def case_gpu_reductions(ctx, sizes, dtypes, ops):
+    """all_reduce, reduce, reduce_scatter (list and tensor) on GPU tensors."""
+    fails = []
+    w, r = ctx.world, ctx.rank
+    for dt in dtypes:
+        for op in ops:
+            for n in sizes:
+                d = f"{dt} {op} n={n}"
+                ins = [make(dt, n, k, salt=1, op=op) for k in range(w)]
+                g = to_gpu(ins[r])
+                h = ins[r].clone()
+                dist.all_reduce(g, op=OPS[op])
+                dist.all_reduce(h, op=OPS[op])
+                _same(fails, "all_reduce " + d, g, h)
+                _close(fails, "all_reduce " + d, h, reference(ins, op, dt, w), dt)
+
+                root = w - 1
+                g = to_gpu(ins[r])
+                h = ins[r].clone()
+                dist.reduce(g, root, op=OPS[op])
+                dist.reduce(h, root, op=OPS[op])
+                if r == root:
+                    _same(fails, "reduce " + d, g, h)
+
+                big = [make(dt, n * w, k, salt=2, op=op) for k in range(w)]
+                gout, hout = to_gpu(torch.zeros(n, dtype=ins[0].dtype)), torch.zeros(n, dtype=ins[0].dtype)
+                _compat_reduce_scatter_tensor(gout, to_gpu(big[r]), OPS[op])
+                _compat_reduce_scatter_tensor(hout, big[r].clone(), OPS[op])
+                _same(fails, "reduce_scatter_tensor " + d, gout, hout)
+
+                glist = [to_gpu(c) for c in big[r].chunk(w)] if n else [to_gpu(big[r][:0])] * w
+                hlist = [c.clone() for c in big[r].chunk(w)] if n else [big[r][:0]] * w
+                gout, hout = to_gpu(torch.zeros(n, dtype=ins[0].dtype)), torch.zeros(n, dtype=ins[0].dtype)
+                dist.reduce_scatter(gout, glist, op=OPS[op])
+                dist.reduce_scatter(hout, hlist, op=OPS[op])
+                _same(fails, "reduce_scatter list " + d, gout, hout)
+    return fails
+
+
+def case_gpu_copies(ctx, sizes, dtypes):
+    """broadcast, all_gather (list, tensor, coalesced), gather, scatter, all_to_all (single
+    with uneven splits, list) and send/recv on GPU tensors, with GPU and host tensors mixed in
+    one call too."""
+    fails = []
+    w, r = ctx.world, ctx.rank
+    for dt in dtypes:
+        for n in sizes:
+            d = f"{dt} n={n}"
+            x = make(dt, n, r, salt=3)
+
+            g, h = to_gpu(x), x.clone()
+            dist.broadcast(g, 0)
+            dist.broadcast(h, 0)
+            _same(fails, "broadcast " + d, g, h)
+
+            gl = [to_gpu(torch.zeros_like(x)) for _ in range(w)]
+            hl = [torch.zeros_like(x) for _ in range(w)]
+            dist.all_gather(gl, to_gpu(x))
+            dist.all_gather(hl, x.clone())
+            for k in range(w):
+                _same(fails, f"all_gather list [{k}] " + d, gl[k], hl[k])
+
+            gt = to_gpu(torch.zeros(n * w, dtype=x.dtype))
+            ht = torch.zeros(n * w, dtype=x.dtype)
+            _compat_all_gather_tensor(gt, to_gpu(x))
+            _compat_all_gather_tensor(ht, x.clone())
+            _same(fails, "all_gather_into_tensor " + d, gt, ht)
+            mixed = torch.zeros(n * w, dtype=x.dtype)  # host output, GPU input
+            _compat_all_gather_tensor(mixed, to_gpu(x))
+            if not torch.equal(as_bytes(mixed), as_bytes(ht)):
+                fails.append("all_gather_into_tensor GPU input, host output " + d)
+
+            gl2 = [[to_gpu(torch.zeros_like(x)), to_gpu(torch.zeros(3, dtype=x.dtype))]
+                   for _ in range(w)]
+            hl2 = [[torch.zeros_like(x), torch.zeros(3, dtype=x.dtype)] for _ in range(w)]
+            y = make(dt, 3, r, salt=4)
+            dist.all_gather_coalesced(gl2, [to_gpu(x), to_gpu(y)])
+            dist.all_gather_coalesced(hl2, [x.clone(), y.clone()])
+            for k in range(w):
+                for j in range(2):
+                    _same(fails, f"all_gather_coalesced [{k}][{j}] " + d, gl2[k][j], hl2[k][j])
+
+            root = w - 1
+            gl = [to_gpu(torch.zeros_like(x)) for _ in range(w)] if r == root else None
+            hl = [torch.zeros_like(x) for _ in range(w)] if r == root else None
+            dist.gather(to_gpu(x), gl, dst=root)
+            dist.gather(x.clone(), hl, dst=root)
+            if r == root:
+                for k in range(w):
+                    _same(fails, f"gather [{k}] " + d, gl[k], hl[k])
+
+            src = [make(dt, n, k, salt=5) for k in range(w)]
+            g, h = to_gpu(torch.zeros_like(x)), torch.zeros_like(x)
+            dist.scatter(g, [to_gpu(s) for s in src] if r == 0 else None, src=0)
+            dist.scatter(h, [s.clone() for s in src] if r == 0 else None, src=0)
+            _same(fails, "scatter " + d, g, h)
+
+            # all_to_all_single, uneven: rank k sends k + j + 1 rows (2 columns) to rank j.
+            ins_rows = [r + j + 1 for j in range(w)]
+            outs_rows = [k + r + 1 for k in range(w)]
+            inp = make(dt, 2 * sum(ins_rows), r, salt=6).reshape(-1, 2)
+            gout = to_gpu(torch.zeros(sum(outs_rows), 2, dtype=x.dtype))
+            hout = torch.zeros(sum(outs_rows), 2, dtype=x.dtype)
+            dist.all_to_all_single(gout, to_gpu(inp), outs_rows, ins_rows)
+            dist.all_to_all_single(hout, inp.clone(), outs_rows, ins_rows)
+            _same(fails, "all_to_all_single uneven " + d, gout, hout)
+
+            ins = [make(dt, n + j, r, salt=7) for j in range(w)]
+            gouts = [to_gpu(torch.zeros(n + r, dtype=x.dtype)) for _ in range(w)]
+            houts = [torch.zeros(n + r, dtype=x.dtype) for _ in range(w)]
+            dist.all_to_all(gouts, [to_gpu(t) for t in ins])
+            dist.all_to_all(houts, [t.clone() for t in ins])
+            for k in range(w):
+                _same(fails, f"all_to_all list [{k}] " + d, gouts[k], houts[k])
+
+            if w > 1:  # a ring: send to the next rank, receive from the previous one
+                nxt, prv = (r + 1) % w, (r - 1) % w
+                g = to_gpu(torch.zeros_like(x))
+                reqs = [dist.isend(to_gpu(x), nxt, tag=9), dist.irecv(g, prv, tag=9)]
+                for q in reqs:
+                    q.wait()
+                _same(fails, "send/recv ring " + d, g, make(dt, n, prv, salt=3))
+    dist.barrier()
+    return fails
+
+
+def case_gpu_async(ctx, n=4096, ops=12):
+    """Several async ops on GPU tensors in flight at once, waited in reverse order."""
+    fails = []
+    w, r = ctx.world, ctx.rank
+    ins = [[make("float32", n, k, salt=100 + i) for k in range(w)] for i in range(ops)]
+    gs = [to_gpu(ins[i][r]) for i in range(ops)]
+    works = [dist.all_reduce(g, async_op=True) for g in gs]
+    for wk in reversed(works):
+        wk.wait()
+    for i in range(ops):
+        _close(fails, f"async all_reduce {i}", to_host(gs[i]), reference(ins[i], "SUM", "float32", w),
+               "float32")
+    return fails
+
+
+def case_gpu_errors(ctx):
+    """A non-contiguous tensor in GPU memory is refused on the caller's thread with a
+    ValueError naming the rank, the op and the tensor; the group goes on working."""
+    fails = []
+    g = to_gpu(torch.zeros(8, 8)).t()
+    for name, call in (("allreduce", lambda: dist.all_reduce(g)),
+                       ("broadcast", lambda: dist.broadcast(g, 0))):
+        try:
+            call()
+            fails.append(f"{name} on a non-contiguous GPU tensor did not raise")
+        except ValueError as e:
+            msg = str(e)
+            for want in (f"rank {ctx.rank}", name, "GPU memory", "contiguous"):
+                if want not in msg:
+                    fails.append(f"{name}: error {msg!r} does not name {want!r}")
+    h = to_gpu(torch.ones(16))
+    dist.all_reduce(h)
+    if not torch.equal(to_host(h), torch.full((16,), float(ctx.world))):
+        fails.append("all_reduce after the refused calls is wrong")
+    return fails
+
+
+def case_gpu_coalesced(ctx):
+    """torch >= 2.1: dist._coalescing_manager's fast paths (allgather_into_tensor_coalesced,
+    reduce_scatter_tensor_coalesced) and all_reduce_coalesced on GPU tensors."""
+    fails = []
+    w, r = ctx.world, ctx.rank
+    sizes = (1, 0, 1000)
+    ins = [make("int64", n, r, salt=400 + k) for k, n in enumerate(sizes)]
+    ys = [make("float32", n, r, salt=410 + k) for k, n in enumerate(sizes)]
+    g, h = [to_gpu(y) for y in ys], [y.clone() for y in ys]
+    dist.all_reduce_coalesced(g)
+    dist.all_reduce_coalesced(h)
+    for k in range(len(sizes)):
+        _same(fails, f"all_reduce_coalesced #{k}", g[k], h[k])
+    cm_fn = getattr(dist, "_coalescing_manager", None)
+    if cm_fn is None or "device" not in cm_fn.__code__.co_varnames:
+        return fails  # torch 1.13: no coalescing manager with these fast paths
+    gouts = [to_gpu(torch.zeros(w * n, dtype=torch.int64)) for n in sizes]
+    houts = [torch.zeros(w * n, dtype=torch.int64) for n in sizes]
+    for outs, make_in in ((gouts, to_gpu), (houts, torch.clone)):
+        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+            for o, x in zip(outs, ins):
+                dist.all_gather_into_tensor(o, make_in(x))
+        cm.wait()
+    for k in range(len(sizes)):
+        _same(fails, f"coalesced all_gather_into_tensor #{k}", gouts[k], houts[k])
+    big = [make("float64", w * n, r, salt=420 + k) for k, n in enumerate(sizes)]
+    gouts = [to_gpu(torch.zeros(n, dtype=torch.float64)) for n in sizes]
+    houts = [torch.zeros(n, dtype=torch.float64) for n in sizes]
+    for outs, make_in in ((gouts, to_gpu), (houts, torch.clone)):
+        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+            for o, x in zip(outs, big):
+                dist.reduce_scatter_tensor(o, make_in(x))
+        cm.wait()
+    for k in range(len(sizes)):
+        _same(fails, f"coalesced reduce_scatter_tensor #{k}", gouts[k], houts[k])
+    return fails

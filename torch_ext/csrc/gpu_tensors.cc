@@ -1,0 +1,88 @@
+// See gpu_tensors.h.
+#include "torch_ext/csrc/gpu_tensors.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <stdexcept>
+#include <thread>
+
+#include "engine/device/device.h"
+#include "mooncake/config.h"
+
+namespace mooncake::torch_ext {
+
+bool onGpu(const at::Tensor& t) {
+  if (t.is_cuda()) return true;
+  // Host-only processes pay one relaxed load (device::active()).
+  if (!t.device().is_cpu() || !engine::device::active() || t.numel() == 0) return false;
+  return engine::device::isDeviceMemory(t.data_ptr());
+}
+
+std::string cudaUnavailableReason() {
+#if MC_HAVE_CUDA
+  static const std::string reason = [] {
+    auto d = engine::device::get();
+    if (!d.ok()) return "the engine has no CUDA device layer: " + d.status().toString();
+    const std::string name = (*d)->name();
+    if (name != "cuda") return "the engine's device layer is '" + name + "' (MC_DEVICE), not cuda";
+    // Torch allocated these tensors, not the layer: from now on the engine and the
+    // communicator look pointers up (device::isDeviceMemory) instead of assuming host memory.
+    engine::device::noteUse();
+    return std::string();
+  }();
+  return reason;
+#else
+  return "this build of mooncake has no CUDA (configure with -DMC_WITH_CUDA=ON)";
+#endif
+}
+
+void copyBytes(void* dst, const void* src, size_t n, const char* op) {
+  if (n == 0) return;
+  // A copy that has not finished in a minute is stuck (a lost device): an error, not a hang.
+  Status st = engine::device::copyAny(dst, src, n, engine::deadlineInMs(60000));
+  if (!st.ok()) {
+    throw std::runtime_error(std::string(op) + ": copying " + std::to_string(n) +
+                             " bytes between GPU and host memory failed: " + st.toString());
+  }
+}
+
+struct StreamFence::Events {
+  std::vector<c10::Event> list;
+};
+
+StreamFence::StreamFence(const std::vector<c10::Device>& cuda_devices) {
+  if (cuda_devices.empty()) return;
+  events_ = std::make_unique<Events>();
+  // Through c10's device-guard interface (libc10), which the CUDA build of torch implements:
+  // the extension links no CUDA library of torch's and builds against CPU-only torch too.
+  c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+  for (const c10::Device& d : cuda_devices) {
+    events_->list.emplace_back(c10::DeviceType::CUDA);
+    events_->list.back().record(cuda.getStream(d));
+  }
+}
+
+StreamFence::~StreamFence() = default;
+
+void StreamFence::wait(const char* op, std::chrono::milliseconds timeout) const {
+  if (!events_) return;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (const c10::Event& e : events_->list) {
+    // Polled: a blocking event wait has no deadline. Short sleeps: the kernels the caller
+    // queued before the op usually finish within microseconds to milliseconds.
+    auto nap = std::chrono::microseconds(5);
+    while (!e.query()) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw std::runtime_error(std::string(op) +
+                                 ": the caller's CUDA stream did not reach the op within the "
+                                 "group timeout (" +
+                                 std::to_string(timeout.count()) + " ms)");
+      }
+      std::this_thread::sleep_for(nap);
+      if (nap < std::chrono::microseconds(500)) nap *= 2;
+    }
+  }
+}
+
+}  // namespace mooncake::torch_ext

@@ -1,0 +1,62 @@
+// Tensors in GPU memory given to the process group (docs/gpu.md): which tensors are, whether
+// this build and process can serve CUDA tensors, byte copies that work on either kind of
+// memory, and the ordering against the caller's CUDA stream.
+//
+// A tensor is "on the GPU" when it is a CUDA tensor or when its storage is GPU memory of the
+// engine's device layer (engine/device/device.h; over the host simulation, MC_DEVICE=sim, a
+// CPU tensor whose storage is the layer's memory: mooncake._C._device_empty_like makes them
+// for the tests). The communicator takes GPU memory in every op (pg/device_stage.h) and moves
+// it with the device layer's copies only, so the backend hands such tensors' pointers to it as
+// they are; nothing here touches their bytes from the host.
+//
+// CUDA stream semantics (ProcessGroupNCCL's model, partly): an op on CUDA tensors records an
+// event on the caller's current stream of each CUDA device involved, when it is issued; the
+// op does not touch those tensors before the events have completed (the kernels queued before
+// the call have produced its inputs). The op's own copies are waited for on the host by the
+// thread that runs it, so when its Work completes, its outputs are in GPU memory and kernels
+// queued afterwards on any stream see them. Work.wait() therefore blocks the calling host
+// thread until then, where NCCL's only makes the current stream wait (no host
+// synchronisation): that difference is documented, not hidden.
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace mooncake::torch_ext {
+
+// Whether t's bytes are GPU memory (a CUDA tensor, or device-layer memory under a CPU tensor).
+bool onGpu(const at::Tensor& t);
+
+// Empty when this process can serve CUDA tensors (a build with MC_WITH_CUDA whose device layer
+// is the CUDA driver's); else why not, for the error that names the op and the tensor. The
+// first CUDA tensor seen also tells the engine that GPU memory is in use (device::noteUse).
+std::string cudaUnavailableReason();
+
+// Byte copies between any two of host memory and GPU memory (the device layer's copies, waited
+// for; a plain memcpy between host buffers). Throws std::runtime_error naming `op`.
+void copyBytes(void* dst, const void* src, size_t n, const char* op);
+
+// The caller's CUDA streams at the time an op was issued (one event per CUDA device among the
+// op's tensors); empty for ops on host memory and on the simulation's memory.
+class StreamFence {
+ public:
+  // Records the events on the current thread's current streams.
+  explicit StreamFence(const std::vector<c10::Device>& cuda_devices);
+  ~StreamFence();
+  StreamFence(const StreamFence&) = delete;
+  StreamFence& operator=(const StreamFence&) = delete;
+  // Blocks until every event has completed; throws std::runtime_error naming `op` when one
+  // has not by `timeout`.
+  void wait(const char* op, std::chrono::milliseconds timeout) const;
+
+ private:
+  struct Events;
+  std::unique_ptr<Events> events_;
+};
+
+}  // namespace mooncake::torch_ext
