@@ -7,13 +7,17 @@
 # and back, and a notification follows a write not waited for -- and tests/gpu/pg_check: a
 # 2-rank process group's allreduce, allgather, alltoall, broadcast and reduce_scatter on 16 MiB
 # of GPU memory (staged through host memory), checked and allreduce timed against host
-# buffers. Log and JSON go to $OUT
+# buffers -- and tests/gpu/torch_check.py: the torch backend (built here against the machine's
+# torch as a module of its own) on CUDA tensors, 2 processes on GPU 0: every collective and
+# send/recv checked, an op waits for the caller's stream, a Work's future, and all_reduce,
+# all_gather, all_to_all timed 64 KiB..256 MiB against the device-to-device copy rate.
+# Log and JSON go to $OUT
 # (the device tool's output folder) or $GPU_CHECK_BUILD/out (default build-gpu-check/).
 #
 # It needs a C++17 compiler and the CUDA toolkit's include/ only: the GPU machine has no
 # protobuf or googletest, so this does not configure the whole project. What it does not run
-# yet: CUDA tensors through torch (the backend refuses them), the store (it needs protobuf),
-# rdma.
+# yet: the store (it needs protobuf), rdma, NCCL beside us (NCCL refuses two ranks on one GPU).
+# GPU_CHECK_TORCH=0 skips the torch module; GPU_CHECK_BENCH=0 the torch timings.
 #
 #   scripts/gpu_check.sh          on the GPU machine
 #   scripts/gpu_check.sh --sim    a dry run anywhere: the same build, over the host simulation
@@ -36,7 +40,8 @@ cat > "$B/generated/mooncake/config.h" <<'H'
 #define MC_HAVE_HWLOC 0
 H
 CXX="${CXX:-g++}"
-FLAGS=(-std=c++17 -O2 -Wall -I"$ROOT" -I"$B/generated" -I"$CUDA_HOME/include")
+# -fPIC: the torch check's module links the same archives.
+FLAGS=(-std=c++17 -O2 -Wall -fPIC -I"$ROOT" -I"$B/generated" -I"$CUDA_HOME/include")
 t0=$SECONDS
 # The engine without rdma and hwloc (nothing but libc, libdl, pthreads), one object per source.
 mkdir -p "$B/obj"
@@ -59,6 +64,67 @@ for check in device_check engine_check pg_check; do
   "$CXX" "${FLAGS[@]}" "tests/gpu/$check.cc" "$B/libmc_pg.a" "$B/libmc_engine.a" -o "$B/$check" \
     -ldl -lpthread -lrt 2>&1 | tee -a "$OUT/build.log"
 done
+# The torch backend alone (tests/gpu/torch_check_module.cc; mooncake._C needs the store's
+# protobuf and re2, which the GPU machine lacks), against the torch of $PYTHON.
+PYTHON="${MC_PYTHON:-python3}"
+TORCH_INFO=""
+if [[ "${GPU_CHECK_TORCH:-1}" == 1 ]]; then
+  # One line each: "cflag F", "lflag F", "suffix S", "about TEXT".
+  TORCH_INFO=$("$PYTHON" - <<'P' 2>/dev/null || true
+import sysconfig, torch, torch.utils.cpp_extension as c
+v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+for p in c.include_paths() + [sysconfig.get_paths()["include"]]:
+    print("cflag -isystem" + p)  # (their warnings are not ours)
+print("cflag -std=" + ("c++20" if v >= (2, 13) else "c++17"))  # 2.13's headers need C++20
+print("cflag -D_GLIBCXX_USE_CXX11_ABI=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI))
+for k in ("COMPILER_TYPE", "STDLIB", "BUILD_ABI"):  # pybind11 shares types only when equal
+    if getattr(torch._C, "_PYBIND11_" + k, None):
+        print('cflag -DPYBIND11_%s="%s"' % (k, getattr(torch._C, "_PYBIND11_" + k)))
+for p in c.library_paths():
+    print("lflag -L" + p)
+    print("lflag -Wl,-rpath," + p)
+print("suffix " + sysconfig.get_config_var("EXT_SUFFIX"))
+print("about torch %s, CUDA %s, GPU available: %s" % (torch.__version__, torch.version.cuda,
+                                                      torch.cuda.is_available()))
+P
+)
+fi
+MODULE=""
+TORCH_BUILD_FAILED=0
+if [[ -n "$TORCH_INFO" ]]; then
+  TFLAGS=(-O2 -Wall -fPIC -fvisibility=hidden -I"$ROOT" -I"$B/generated" -I"$CUDA_HOME/include"
+          -DTORCH_EXTENSION_NAME=mc_torch_check)
+  LFLAGS=()
+  while read -r kind rest; do
+    case "$kind" in
+      cflag) TFLAGS+=("$rest") ;;
+      lflag) LFLAGS+=("$rest") ;;
+      suffix) MODULE="$B/mc_torch_check$rest" ;;
+      about) echo "gpu_check: $rest" | tee -a "$OUT/build.log" ;;
+    esac
+  done <<<"$TORCH_INFO"
+  build_module() {  # (called in a condition: set -e is off inside, hence the returns)
+    mkdir -p "$B/torchobj" || return 1
+    ls torch_ext/csrc/{process_group,mooncake_work,op_queue,store_rendezvous,gpu_tensors}.cc \
+       torch_ext/csrc/engine_handle.cc tests/gpu/torch_check_module.cc |
+      xargs -P "$(nproc)" -I{} sh -c \
+        '"$0" "$@" -c {} -o "'"$B"'/torchobj/$(echo {} | tr / _).o"' "$CXX" "${TFLAGS[@]}" \
+      2>&1 | tee -a "$OUT/build.log" || return 1
+    "$CXX" -shared -o "$MODULE" "$B"/torchobj/*.o "$B/libmc_pg.a" "$B/libmc_engine.a" \
+      "${LFLAGS[@]}" -ltorch -ltorch_cpu -ltorch_python -lc10 -ldl -lpthread -lrt 2>&1 |
+      tee -a "$OUT/build.log" || return 1
+  }
+  # A failed module build is reported (the check fails) but the other checks still run.
+  if ! build_module; then
+    echo "gpu_check: building the torch check's module FAILED (see build.log)" |
+      tee -a "$OUT/build.log"
+    rm -f "$MODULE"
+    TORCH_BUILD_FAILED=1
+  fi
+else
+  echo "gpu_check: no torch through $PYTHON (or GPU_CHECK_TORCH=0): the torch check is skipped" |
+    tee -a "$OUT/build.log"
+fi
 echo "gpu_check: built in $((SECONDS - t0)) s" | tee -a "$OUT/build.log"
 
 set +e
@@ -69,6 +135,15 @@ set +e
   MC_DEVICE="$DEVICE" "$B/device_check" --json "$OUT/device_check.json" || r=$?
   MC_DEVICE="$DEVICE" timeout 300 "$B/engine_check" | tee "$OUT/engine_check.json" || r=$?
   MC_DEVICE="$DEVICE" timeout 300 "$B/pg_check" | tee "$OUT/pg_check.json" || r=$?
+  if ((TORCH_BUILD_FAILED)); then
+    echo '{"check": "torch_check", "ok": false, "detail": "the module did not build"}'
+    r=1
+  elif [[ -n "$MODULE" && -f "$MODULE" ]]; then
+    BENCH=(--bench)
+    [[ "${GPU_CHECK_BENCH:-1}" == 1 ]] || BENCH=()
+    "$PYTHON" tests/gpu/torch_check.py --module-dir "$B" --device "$DEVICE" "${BENCH[@]}" |
+      tee "$OUT/torch_check.json" || r=$?
+  fi
   exit "$r"
 } 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}

@@ -79,11 +79,21 @@ inside() {
   [[ ${a:-} == tests/* ]] || args+=(tests/python) # no test path given: all of them
   MC_TEST_BUILD_DIR=/src/$BUILD timeout -k 30 $PYTEST_LIMIT_S \
     python3 -m pytest -q -p no:cacheprovider -rs "${args[@]}" || pytest_rc=$?
-  local t_end=$SECONDS
+  local t_end=$SECONDS gpu_rc=0 gpu_note="skipped (no CUDA headers mounted at /cuda)"
+  # scripts/gpu_check.sh's dry run against this torch (the GPU machine's torch is 2.x too):
+  # it builds the torch backend as a module of its own with the compiler alone and runs its
+  # check over the device layer's simulation. (This build has no CUDA, so its ctest has no
+  # dry run of its own; the CUDA headers come from the host's toolkit, mounted at /cuda.)
+  if [[ -f /cuda/include/cuda.h ]]; then
+    CUDA_HOME=/cuda MC_PYTHON=python3 GPU_CHECK_BUILD=/src/$BUILD/gpu_check GPU_CHECK_BENCH=0 \
+      timeout 600 bash scripts/gpu_check.sh --sim >$BUILD/gpu_check.log 2>&1 || gpu_rc=$?
+    gpu_note="rc=$gpu_rc $(($SECONDS - t_end))s"
+    ((gpu_rc == 0)) || tail -40 $BUILD/gpu_check.log >&2
+  fi
   echo "test_torch2 (inside): $(python3 -c 'import sys, torch; print(f"torch {torch.__version__}, python {sys.version.split()[0]}")');" \
     "build $((t_built - t0))s, ctest rc=$ctest_rc $((t_ctest - t_built))s," \
-    "pytest rc=$pytest_rc $((t_end - t_ctest))s"
-  ((ctest_rc == 0 && pytest_rc == 0))
+    "pytest rc=$pytest_rc $((t_end - t_ctest))s, gpu_check --sim $gpu_note"
+  ((ctest_rc == 0 && pytest_rc == 0 && gpu_rc == 0))
 }
 
 # ------------------------------------------------------------------------------------------
@@ -194,6 +204,7 @@ main() {
   mount_root "$RFS"
   mnt "$RFS/src" --bind "$ROOT"
   mnt "$RFS/ccache" --bind "$CCACHE"
+  [[ ! -f /usr/local/cuda/include/cuda.h ]] || mnt "$RFS/cuda" --bind /usr/local/cuda
 
   local rc=0
   chroot_run "$RFS" bash /src/scripts/test_torch2.sh --inside "$@" || rc=$?

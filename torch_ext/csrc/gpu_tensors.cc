@@ -1,9 +1,11 @@
 // See gpu_tensors.h.
 #include "torch_ext/csrc/gpu_tensors.h"
 
+#include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <thread>
 
@@ -35,6 +37,18 @@ std::string cudaUnavailableReason() {
 #else
   return "this build of mooncake has no CUDA (configure with -DMC_WITH_CUDA=ON)";
 #endif
+}
+
+at::Tensor deviceEmptyLike(const at::Tensor& like, int device) {
+  auto d = engine::device::get();
+  if (!d.ok()) throw std::runtime_error("mooncake: no device layer: " + d.status().toString());
+  engine::device::Device* layer = *d;
+  const size_t n = std::max<size_t>(static_cast<size_t>(like.numel()) * like.element_size(), 1);
+  auto p = layer->allocate(n, device);
+  if (!p.ok()) throw std::runtime_error("mooncake: " + p.status().toString());
+  return at::from_blob(
+      *p, like.sizes(), [layer](void* q) { (void)layer->free(q); },
+      at::TensorOptions().dtype(like.scalar_type()).device(at::kCPU));
 }
 
 void copyBytes(void* dst, const void* src, size_t n, const char* op) {

@@ -37,6 +37,11 @@ bool onGpu(const at::Tensor& t);
 // first CUDA tensor seen also tells the engine that GPU memory is in use (device::noteUse).
 std::string cudaUnavailableReason();
 
+// A CPU tensor of like's shape and dtype whose storage is GPU memory of the engine's device
+// layer on `device` (freed with the tensor): for tests and benchmarks over the simulation
+// (MC_DEVICE=sim), where torch has no CUDA. Host code must not touch its bytes.
+at::Tensor deviceEmptyLike(const at::Tensor& like, int device);
+
 // Byte copies between any two of host memory and GPU memory (the device layer's copies, waited
 // for; a plain memcpy between host buffers). Throws std::runtime_error naming `op`.
 void copyBytes(void* dst, const void* src, size_t n, const char* op);

@@ -4,12 +4,11 @@
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
-#include <algorithm>
 #include <optional>
 #include <torch/csrc/utils/pybind.h>
 
-#include "engine/device/device.h"
 #include "engine/secret.h"
+#include "torch_ext/csrc/gpu_tensors.h"
 #include "torch_ext/csrc/process_group.h"
 
 namespace py = pybind11;
@@ -97,20 +96,7 @@ void registerPgApis(py::module_& m) {
   // torch has no CUDA: a CPU tensor whose storage is GPU memory of the engine's layer (freed
   // with the tensor). Host code must not read or write it (over the simulation it faults):
   // fill and read it with _device_copy; the process group takes it like a CUDA tensor's memory.
-  m.def(
-      "_device_empty_like",
-      [](const at::Tensor& like, int device) {
-        auto d = engine::device::get();
-        if (!d.ok()) throw std::runtime_error("mooncake: no device layer: " + d.status().toString());
-        engine::device::Device* layer = *d;
-        const size_t n = std::max<size_t>(static_cast<size_t>(like.numel()) * like.element_size(), 1);
-        auto p = layer->allocate(n, device);
-        if (!p.ok()) throw std::runtime_error("mooncake: " + p.status().toString());
-        return at::from_blob(
-            *p, like.sizes(), [layer](void* q) { (void)layer->free(q); },
-            at::TensorOptions().dtype(like.scalar_type()).device(at::kCPU));
-      },
-      py::arg("like"), py::arg("device") = 0,
+  m.def("_device_empty_like", &deviceEmptyLike, py::arg("like"), py::arg("device") = 0,
       "A tensor of like's shape and dtype in GPU memory of the engine's device layer (tests).");
 }
 

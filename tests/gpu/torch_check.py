@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""The torch backend on GPU tensors, 2 processes on one device (scripts/gpu_check.sh runs it).
+
+    torch_check.py --module-dir DIR --device cuda   on the GPU machine: CUDA tensors on cuda:0
+    torch_check.py --module-dir DIR --device sim    here: tensors in the device layer's
+                                                     simulated GPU memory (MC_DEVICE=sim)
+
+DIR holds mc_torch_check (tests/gpu/torch_check_module.cc: the backend alone, built by
+gpu_check.sh against the machine's torch). Every rank runs the collectives and send/recv on
+GPU tensors and checks each result against what the inputs make (small integers: exact in
+every dtype used); with CUDA it also checks that an op waits for the kernels the caller queued
+before it on its current stream (a fill queued behind a 0.1 s GPU sleep), that a Work's future
+carries the result, and times all_reduce, all_gather and all_to_all against the device's own
+device-to-device copy rate. One JSON object per line on stdout (rank 0's); exit status 0 when
+every check passed.
+"""
+
+import argparse
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(a):
+    port = free_port()
+    env = dict(os.environ, MC_DEVICE=a.device, MC_SECRET=secrets.token_hex(16),
+               OMP_NUM_THREADS="1")
+    procs = []
+    for r in range(a.world):
+        cmd = [sys.executable, os.path.abspath(__file__), "--module-dir", a.module_dir,
+               "--device", a.device, "--world", str(a.world), "--rank", str(r), "--port",
+               str(port)] + (["--bench"] if a.bench else [])
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env))
+    outs, rcs = [], []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=a.timeout)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0] + "\n[killed after the timeout]")
+        rcs.append(p.returncode)
+    for r, out in enumerate(outs):
+        for line in out.splitlines():
+            if r == 0 and line.startswith("{"):
+                print(line, flush=True)
+            elif not line.startswith("{"):
+                print(f"[rank {r}] {line}", file=sys.stderr)
+    if any(rcs):
+        print(json.dumps({"check": "torch_check", "ok": False, "detail": f"exit codes {rcs}"}))
+        return 1
+    return 0
+
+
+def worker(a):
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, a.module_dir)
+    import mc_torch_check as M
+
+    def creator(store, rank, size, timeout):
+        return M.ProcessGroupMooncake(store, rank, size, timeout)
+
+    try:
+        dist.Backend.register_backend("mooncake", creator, devices=list(M.DEVICES))
+    except TypeError:  # torch 1.13: no devices argument
+        dist.Backend.register_backend("mooncake", creator)
+    try:
+        dist.init_process_group("mooncake", init_method=f"tcp://127.0.0.1:{a.port}",
+                                rank=a.rank, world_size=a.world)
+    except RuntimeError as e:  # a torch built without libuv (Debian's 2.6) asks for the old store
+        if "libuv" not in str(e):
+            raise
+        os.environ["USE_LIBUV"] = "0"
+        dist.init_process_group("mooncake", init_method=f"tcp://127.0.0.1:{a.port}",
+                                rank=a.rank, world_size=a.world)
+    W, me, cuda = a.world, a.rank, a.device == "cuda"
+    rows, failed = [], [False]
+
+    def row(d):
+        rows.append(d)
+        if d.get("ok") is False:
+            failed[0] = True
+
+    if cuda:
+        torch.cuda.set_device(0)  # every rank on GPU 0: CUDA IPC works within one device
+
+        def gpu(t):
+            return t.to("cuda")
+
+        def host(t):
+            return t.cpu()
+    else:
+        assert M._device_layer() == "sim"
+
+        def gpu(t):
+            d = M._device_empty_like(t)
+            if t.numel():
+                M._device_copy(d.data_ptr(), t.contiguous().data_ptr(), t.numel() * t.element_size())
+            return d
+
+        def host(d):
+            t = torch.empty(d.shape, dtype=d.dtype)
+            if t.numel():
+                M._device_copy(t.data_ptr(), d.data_ptr(), t.numel() * t.element_size())
+            return t
+
+    def inp(r, n, dt=torch.float32, salt=0):
+        return ((torch.arange(n, dtype=torch.int64) * (salt + 1) + 7 * r) % 17).to(dt)
+
+    def check(name, got, exp):
+        ok = got.shape == exp.shape and torch.equal(got, exp)
+        row({"check": name, "ok": bool(ok)})
+
+    ag = getattr(dist, "all_gather_into_tensor", None) or dist._all_gather_base
+    rs = getattr(dist, "reduce_scatter_tensor", None) or dist._reduce_scatter_base
+    for n in (4099, 1 << 20):
+        for dt, op, name in ((torch.float32, dist.ReduceOp.SUM, "sum"),
+                             (torch.bfloat16, dist.ReduceOp.SUM, "sum"),
+                             (torch.int64, dist.ReduceOp.MAX, "max")):
+            x = gpu(inp(me, n, dt))
+            dist.all_reduce(x, op=op)
+            ins = torch.stack([inp(r, n, dt) for r in range(W)])
+            exp = ins.sum(0).to(dt) if name == "sum" else ins.max(0).values
+            check(f"all_reduce {name} {dt} n={n}", host(x), exp)
+        x = gpu(inp(me, n, salt=1))
+        dist.broadcast(x, W - 1)
+        check(f"broadcast n={n}", host(x), inp(W - 1, n, salt=1))
+        out = gpu(torch.zeros(W * n))
+        ag(out, gpu(inp(me, n, salt=2)))
+        check(f"all_gather_into_tensor n={n}", host(out),
+              torch.cat([inp(r, n, salt=2) for r in range(W)]))
+        outs = [gpu(torch.zeros(n)) for _ in range(W)]
+        dist.all_gather(outs, gpu(inp(me, n, salt=3)))
+        check(f"all_gather list n={n}", torch.cat([host(o) for o in outs]),
+              torch.cat([inp(r, n, salt=3) for r in range(W)]))
+        out = gpu(torch.zeros(n))
+        rs(out, gpu(torch.cat([inp(me, n, salt=4 + k) for k in range(W)])))
+        check(f"reduce_scatter_tensor n={n}", host(out),
+              sum(inp(r, n, salt=4 + me) for r in range(W)))
+        # all_to_all_single, uneven: rank k sends (k + j + 1) * 3 elements to rank j.
+        sizes_in = [(me + j + 1) * 3 for j in range(W)]
+        sizes_out = [(k + me + 1) * 3 for k in range(W)]
+        src = inp(me, sum(sizes_in), salt=5)
+        out = gpu(torch.zeros(sum(sizes_out)))
+        dist.all_to_all_single(out, gpu(src), sizes_out, sizes_in)
+        exp = []
+        for k in range(W):
+            sk = [(k + j + 1) * 3 for j in range(W)]
+            exp.append(inp(k, sum(sk), salt=5)[sum(sk[:me]):sum(sk[:me + 1])])
+        check(f"all_to_all_single uneven n={n}", host(out), torch.cat(exp))
+        got = gpu(torch.zeros(n))
+        reqs = [dist.isend(gpu(inp(me, n, salt=6)), (me + 1) % W),
+                dist.irecv(got, (me - 1) % W)]
+        for q in reqs:
+            q.wait()
+        check(f"send/recv ring n={n}", host(got), inp((me - 1) % W, n, salt=6))
+    dist.barrier()
+
+    try:
+        dist.all_reduce(gpu(torch.zeros(8, 8)).t())
+        row({"check": "non-contiguous GPU tensor refused", "ok": False, "detail": "no error"})
+    except ValueError as e:
+        row({"check": "non-contiguous GPU tensor refused", "ok": "contiguous" in str(e),
+             "detail": str(e)[:200]})
+
+    if cuda:
+        # The op must wait for what the caller queued before it on its current stream: a fill
+        # queued behind a 0.1 s GPU sleep, on a side stream.
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            x = torch.zeros(1 << 20, device="cuda")
+            torch.cuda._sleep(200_000_000)
+            x.fill_(me + 1)
+            dist.all_reduce(x)
+            got = x.cpu()
+        check("all_reduce waits for the caller's stream", got,
+              torch.full((1 << 20,), float(W * (W + 1) // 2)))
+        x = gpu(inp(me, 4099))
+        fut = dist.all_reduce(x, async_op=True).get_future()
+        res = fut.wait()
+        check("Work future carries the result", res[0].cpu(), sum(inp(r, 4099) for r in range(W)))
+
+    if a.bench:
+        bench(torch, dist, ag, gpu, cuda, W, me, row)
+    dist.barrier()
+    if me == 0:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+    dist.destroy_process_group()
+    return 1 if failed[0] else 0
+
+
+def bench(torch, dist, ag, gpu, cuda, W, me, row):
+    """all_reduce, all_gather, all_to_all on GPU tensors, 64 KiB .. 256 MiB (sim: .. 1 MiB,
+    against host tensors), median time of rank 0; with CUDA, against the device's own 256 MiB
+    device-to-device copy rate."""
+    sizes = [64 << 10, 1 << 20, 16 << 20, 256 << 20] if cuda else [64 << 10, 1 << 20]
+    limit = None
+    if cuda:
+        src = torch.ones(64 << 20, device="cuda")
+        dst = torch.empty_like(src)
+        best = None
+        for _ in range(5):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            dst.copy_(src)
+            e1.record()
+            e1.synchronize()
+            t = e0.elapsed_time(e1) / 1e3
+            best = t if best is None else min(best, t)
+        limit = (256 << 20) / best / 1e9  # bytes read (== written) per second
+        del src, dst
+        row({"bench": "d2d_copy", "bytes": 256 << 20, "gbps": round(limit, 2)})
+    factor = {"all_reduce": 2 * (W - 1) / W, "all_gather": (W - 1) / W, "all_to_all": (W - 1) / W}
+    for nbytes in sizes:
+        n = nbytes // 4
+        for where in (["cuda"] if cuda else ["sim", "cpu"]):
+            mk = gpu if where != "cpu" else (lambda t: t)
+            x = mk(torch.zeros(n))
+            send, out = mk(torch.zeros(n // W)), mk(torch.zeros(n))
+            a2a_in = mk(torch.zeros(n))
+            ops = {"all_reduce": lambda: dist.all_reduce(x),
+                   "all_gather": lambda: ag(out, send),
+                   "all_to_all": lambda: dist.all_to_all_single(out, a2a_in)}
+            for op, fn in ops.items():
+                iters = 5 if nbytes >= (16 << 20) else 30
+                fn()
+                ts = []
+                for _ in range(iters):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    ts.append(time.perf_counter() - t0)
+                t = sorted(ts)[len(ts) // 2]
+                busbw = nbytes / t / 1e9 * factor[op]
+                r = {"bench": op, "device": where, "world": W, "bytes": nbytes,
+                     "time_us": round(t * 1e6, 1), "busbw_gbps": round(busbw, 3)}
+                if limit:
+                    r["vs_d2d"] = round(busbw / limit, 3)
+                row(r)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--module-dir", required=True)
+    ap.add_argument("--device", choices=["cuda", "sim"], default="cuda")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--port", type=int)
+    a = ap.parse_args()
+    return worker(a) if a.rank is not None else launch(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
