@@ -4,7 +4,9 @@ simulation (MC_DEVICE=sim): its GPU memory faults when host code touches it, so 
 memcpy's the buffer kills the client. The client runs in a child process (the device layer is
 chosen once per process) beside a master and a holder that lends host memory, on one host (the
 cuda transport moves the GPU side) and on two simulated hosts (tcp, staged through host memory).
-Every byte is checked through the layer's copies."""
+Every byte is checked through the layer's copies. The tensor calls too: tensors in GPU memory
+written (put_tensor, the tensor-parallel split), and read into a registered GPU buffer
+(get_tensor_into and its batch and tp forms return tensors viewing that buffer)."""
 import os
 import subprocess
 import sys
@@ -81,8 +83,75 @@ print("ok", flush=True)
 """
 
 
-@pytest.mark.parametrize("hosts", ["one", "two"])
-def test_gpu_buffers(hosts):
+TENSOR_CLIENT = r"""
+import sys
+import torch
+from mooncake import _C
+from mooncake.store import MooncakeDistributedStore
+
+assert _C._device_layer() == "sim", _C._device_layer()
+MiB = 1 << 20
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", "", 0, 16 * MiB, "tcp", "", sys.argv[1]) == 0
+
+
+def to_gpu(t):
+    d = _C._device_empty_like(t)
+    _C._device_copy(d.data_ptr(), t.contiguous().data_ptr(), t.numel() * t.element_size())
+    return d
+
+
+def to_host(d):
+    assert _C._is_device_memory(d.data_ptr()), "not a view of GPU memory"
+    t = torch.empty(d.shape, dtype=d.dtype)
+    _C._device_copy(t.data_ptr(), d.data_ptr(), t.numel() * t.element_size())
+    return t
+
+
+def obj_bytes(t):
+    return 12 + 8 * t.dim() + t.numel() * t.element_size()
+
+
+x = torch.randn(64, 33)
+y = torch.arange(1000, dtype=torch.int16)
+z = torch.randn(4, 6).to(torch.bfloat16)
+assert s.put_tensor("t/x", to_gpu(x)) == 0
+assert s.put_tensor("t/y", to_gpu(y)) == 0
+assert torch.equal(s.get_tensor("t/x"), x), "put_tensor of a GPU tensor"
+assert torch.equal(s.get_tensor("t/y"), y)
+
+buf = _C._device_alloc(4 * MiB, 0)
+assert s.register_buffer(buf, 4 * MiB) == 0
+v = s.get_tensor_into("t/x", buf, 4 * MiB)
+assert v is not None and v.shape == x.shape and v.dtype == x.dtype
+assert torch.equal(to_host(v), x), "get_tensor_into a GPU buffer"
+vs = s.batch_get_tensor_into(["t/x", "t/y"], [buf, buf + 2 * MiB], [2 * MiB, 2 * MiB])
+assert torch.equal(to_host(vs[0]), x) and torch.equal(to_host(vs[1]), y), "batch_get_tensor_into"
+
+# The GPU buffer holds t/y's object now (at buf + 2 MiB): store it again from there.
+assert s.put_tensor_from("t/y2", buf + 2 * MiB, obj_bytes(y)) == 0
+assert torch.equal(s.get_tensor("t/y2"), y), "put_tensor_from a GPU buffer"
+
+# Tensor parallel: shards of a GPU tensor along dim 1 (views that are not contiguous).
+assert s.put_tensor_with_tp("t/z", to_gpu(z), tp_size=2, split_dim=1) == 0
+for r in range(2):
+    want = z.chunk(2, 1)[r]
+    assert torch.equal(s.get_tensor_with_tp("t/z", tp_rank=r, tp_size=2, split_dim=1), want)
+    g = s.get_tensor_with_tp_into("t/z", buf + r * MiB, MiB, tp_rank=r, tp_size=2, split_dim=1)
+    assert torch.equal(to_host(g), want), "get_tensor_with_tp_into a GPU buffer"
+# ... and from a GPU buffer holding the whole serialized tensor (t/x's object at buf).
+assert s.get_tensor_into("t/x", buf, 4 * MiB) is not None
+assert s.put_tensor_with_tp_from("t/xs", buf, obj_bytes(x), tp_size=2, split_dim=0) == 0
+assert torch.equal(s.get_tensor_with_tp("t/xs", tp_rank=1, tp_size=2), x.chunk(2, 0)[1])
+
+assert s.unregister_buffer(buf) == 0
+_C._device_free(buf)
+s.close()
+print("ok", flush=True)
+"""
+
+
+def run_client(script, hosts):
     m = Master()
     holder_env = {"MC_HOST_ID": "gpu-store-host-a"} if hosts == "two" else {}
     h = Holder(m.addr, 32 << 20, env=holder_env)
@@ -90,10 +159,20 @@ def test_gpu_buffers(hosts):
         env = dict(os.environ, MC_DEVICE="sim")
         if hosts == "two":
             env["MC_HOST_ID"] = "gpu-store-host-b"
-        r = subprocess.run([sys.executable, "-c", CLIENT, m.addr], env=env, capture_output=True,
+        r = subprocess.run([sys.executable, "-c", script, m.addr], env=env, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.strip().endswith("ok"), \
             f"client exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     finally:
         h.close()
         m.close()
+
+
+@pytest.mark.parametrize("hosts", ["one", "two"])
+def test_gpu_tensor_calls(hosts):
+    run_client(TENSOR_CLIENT, hosts)
+
+
+@pytest.mark.parametrize("hosts", ["one", "two"])
+def test_gpu_buffers(hosts):
+    run_client(CLIENT, hosts)

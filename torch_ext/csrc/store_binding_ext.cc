@@ -4,6 +4,10 @@
 // Python side (mooncake/store.py) adds upstream's names, defaults and return conventions.
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <string>
+
+#include "engine/device/device.h"
 #include "torch_ext/csrc/store_py.h"
 
 namespace mooncake::torch_ext {
@@ -75,17 +79,29 @@ std::string tensorHeader(const at::Tensor& t) {
 }
 
 // A tensor over [p, p + n) (a serialized tensor object), without a copy; None when malformed.
+// The object may be in GPU memory of the engine's device layer (a registered GPU buffer that
+// get_into filled): the header is read with the layer's copies and the tensor views that
+// memory (a CUDA tensor on the buffer's device; over the simulation a CPU tensor on its
+// memory, which host code must not touch).
 py::object tensorView(const char* p, uint64_t n) {
   if (n < 12) return py::none();
+  char head[12 + 8 * 64];
+  const bool gpu = engine::device::isDeviceMemory(p);
+  const char* h = p;
+  if (gpu) {
+    const size_t hn = std::min<uint64_t>(n, sizeof head);
+    if (!engine::device::copy(head, p, hn, engine::deadlineInMs(60000)).ok()) return py::none();
+    h = head;
+  }
   uint32_t magic, dtype, ndim;
-  std::memcpy(&magic, p, 4);
-  std::memcpy(&dtype, p + 4, 4);
-  std::memcpy(&ndim, p + 8, 4);
+  std::memcpy(&magic, h, 4);
+  std::memcpy(&dtype, h + 4, 4);
+  std::memcpy(&ndim, h + 8, 4);
   if (magic != kTensorMagic || ndim > 64 || n < 12 + 8ull * ndim ||
       dtype >= static_cast<uint32_t>(at::ScalarType::NumOptions))
     return py::none();
   std::vector<int64_t> shape(ndim);
-  std::memcpy(shape.data(), p + 12, 8ull * ndim);
+  std::memcpy(shape.data(), h + 12, 8ull * ndim);
   auto opts = at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype));
   int64_t numel = 1;
   for (int64_t d : shape) {
@@ -95,6 +111,12 @@ py::object tensorView(const char* p, uint64_t n) {
   const uint64_t hdr = 12 + 8ull * ndim;
   if (n - hdr != static_cast<uint64_t>(numel) * at::elementSize(opts.dtype().toScalarType()))
     return py::none();
+  if (gpu) {
+    auto layer = engine::device::get();
+    if (layer.ok() && std::string((*layer)->name()) == "cuda")
+      opts = opts.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(
+                                                   (*layer)->pointer(p).ordinal)));
+  }
   return py::cast(at::from_blob(const_cast<char*>(p + hdr), shape, opts));
 }
 
@@ -236,7 +258,11 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
           Nogil());
 
   m.def("tensor_header", [](const at::Tensor& t) { return py::bytes(tensorHeader(t)); },
-        "Header of a serialized tensor object for a contiguous CPU tensor.");
+        "Header of a serialized tensor object for a contiguous tensor.");
+  m.def(
+      "_is_device_memory",
+      [](uintptr_t ptr) { return engine::device::isDeviceMemory(reinterpret_cast<void*>(ptr)); },
+      "Whether the address is GPU memory of the engine's device layer.");
   m.def(
       "tensor_view",
       [](uintptr_t ptr, uint64_t size) { return tensorView(reinterpret_cast<const char*>(ptr), size); },

@@ -1,7 +1,9 @@
 """The tensor calls of MooncakeDistributedStore (upstream's names and return conventions).
 
 A tensor object is a small header (dtype, shape) followed by the tensor's bytes, written and read
-whole (CPU tensors; a non-contiguous one is made contiguous). Tensor-parallel calls store shard
+whole (a non-contiguous tensor is made contiguous). Tensors to write may be CUDA tensors (copied
+to the host first: the object is one piece, header and bytes); the ``*_into`` calls on a
+registered GPU buffer move the bytes straight into it and return a tensor viewing it there. Tensor-parallel calls store shard
 ``i`` of ``tp_size`` under ``f"{key}_tp_{i}"`` (upstream's key naming); the unified parallel
 calls (``*_with_parallelism``) take one "tp" axis and use the same shard keys (other axis kinds
 are refused with INVALID_PARAMS; docs/compat.md).
@@ -15,9 +17,31 @@ from ._store_types import ReadTarget, native_config
 _BAD = -600
 
 
+def _host(t):
+    """t itself when its bytes are host memory; else a CPU copy (a CUDA tensor through torch,
+    so after the kernels queued on the current stream; a tensor on the device layer's
+    simulated GPU memory through the layer's copies, whole storage first: host code must not
+    touch that memory); None for a tensor on another device."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    if t.device.type == "cuda":
+        return t.detach().cpu()
+    if t.device.type != "cpu":
+        return None
+    st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+    n = st.nbytes()
+    if n == 0 or not _C._is_device_memory(st.data_ptr()):
+        return t
+    raw = torch.empty(n, dtype=torch.uint8)
+    _C._device_copy(raw.data_ptr(), st.data_ptr(), n)
+    return torch.as_strided(raw.view(t.dtype), t.size(), t.stride(), t.storage_offset())
+
+
 def _tensor_parts(t):
-    """(header bytes, data as a bytes-like) of a CPU tensor, or None."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+    """(header bytes, data as a bytes-like) of a tensor (GPU tensors through a host copy), or
+    None."""
+    t = _host(t)
+    if t is None:
         return None
     t = t.detach().contiguous()
     data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() > 0 else b""
