@@ -219,6 +219,21 @@ def case_gpu_errors(ctx):
     return fails
 
 
+def _coalesced_twice(fails, name, op, outs, ins):
+    """op(out, in) for each pair inside one coalescing manager, on GPU tensors and again on host
+    tensors; the outputs must be the same bytes."""
+    got = {}
+    for where, move in (("gpu", to_gpu), ("host", torch.clone)):
+        placed = [move(o) for o in outs]
+        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+            for o, x in zip(placed, ins):
+                op(o, move(x))
+        cm.wait()
+        got[where] = placed
+    for k, (g, h) in enumerate(zip(got["gpu"], got["host"])):
+        _same(fails, f"coalesced {name} #{k}", g, h)
+
+
 def case_gpu_coalesced(ctx):
     """torch >= 2.1: dist._coalescing_manager's fast paths (allgather_into_tensor_coalesced,
     reduce_scatter_tensor_coalesced) and all_reduce_coalesced on GPU tensors."""
@@ -235,23 +250,9 @@ def case_gpu_coalesced(ctx):
     cm_fn = getattr(dist, "_coalescing_manager", None)
     if cm_fn is None or "device" not in cm_fn.__code__.co_varnames:
         return fails  # torch 1.13: no coalescing manager with these fast paths
-    gouts = [to_gpu(torch.zeros(w * n, dtype=torch.int64)) for n in sizes]
-    houts = [torch.zeros(w * n, dtype=torch.int64) for n in sizes]
-    for outs, make_in in ((gouts, to_gpu), (houts, torch.clone)):
-        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
-            for o, x in zip(outs, ins):
-                dist.all_gather_into_tensor(o, make_in(x))
-        cm.wait()
-    for k in range(len(sizes)):
-        _same(fails, f"coalesced all_gather_into_tensor #{k}", gouts[k], houts[k])
+    outs = [torch.zeros(w * n, dtype=torch.int64) for n in sizes]
+    _coalesced_twice(fails, "all_gather_into_tensor", dist.all_gather_into_tensor, outs, ins)
     big = [make("float64", w * n, r, salt=420 + k) for k, n in enumerate(sizes)]
-    gouts = [to_gpu(torch.zeros(n, dtype=torch.float64)) for n in sizes]
-    houts = [torch.zeros(n, dtype=torch.float64) for n in sizes]
-    for outs, make_in in ((gouts, to_gpu), (houts, torch.clone)):
-        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
-            for o, x in zip(outs, big):
-                dist.reduce_scatter_tensor(o, make_in(x))
-        cm.wait()
-    for k in range(len(sizes)):
-        _same(fails, f"coalesced reduce_scatter_tensor #{k}", gouts[k], houts[k])
+    outs = [torch.zeros(n, dtype=torch.float64) for n in sizes]
+    _coalesced_twice(fails, "reduce_scatter_tensor", dist.reduce_scatter_tensor, outs, big)
     return fails

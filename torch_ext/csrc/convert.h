@@ -98,9 +98,7 @@ class Check {
         throw std::runtime_error(who_ + ": " + op_ + ": " + name + " is a CUDA tensor (on " +
                                  t.device().str() + "), but " + why);
       }
-      bool seen = false;
-      for (const auto& d : cuda_) seen = seen || d == t.device();
-      if (!seen) cuda_.push_back(t.device());
+      noteCudaDevice(t, &cuda_);
     } else if (!t.device().is_cpu()) {
       throw std::runtime_error(who_ + ": " + op_ + ": " + name + " is on " + t.device().str() +
                                "; the mooncake backend serves CPU and CUDA tensors");

@@ -14,6 +14,12 @@
 
 namespace mooncake::torch_ext {
 
+void noteCudaDevice(const at::Tensor& t, std::vector<c10::Device>* devices) {
+  if (!t.defined() || !t.is_cuda()) return;
+  if (std::find(devices->begin(), devices->end(), t.device()) == devices->end())
+    devices->push_back(t.device());
+}
+
 bool onGpu(const at::Tensor& t) {
   if (t.is_cuda()) return true;
   // Host-only processes pay one relaxed load (device::active()).

@@ -29,6 +29,9 @@
 
 namespace mooncake::torch_ext {
 
+// Adds t's device to *devices when t is a CUDA tensor on a device not listed yet.
+void noteCudaDevice(const at::Tensor& t, std::vector<c10::Device>* devices);
+
 // Whether t's bytes are GPU memory (a CUDA tensor, or device-layer memory under a CPU tensor).
 bool onGpu(const at::Tensor& t);
 

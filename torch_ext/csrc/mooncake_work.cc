@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "torch_ext/csrc/convert.h"
+#include "torch_ext/csrc/gpu_tensors.h"
 #include "torch_ext/csrc/process_group.h"
 
 namespace mooncake::torch_ext {
@@ -20,12 +21,7 @@ MooncakeWork::MooncakeWork(int rank, c10d::OpType type, const char* op,
     : c10d::Work(rank, type), op_(op), ctx_(std::move(ctx)), outputs_(std::move(outputs)) {
   // A future holding CUDA tensors must name their devices (torch's Future then orders its
   // consumers' streams after the completing thread's); host tensors need none.
-  for (const Tensor& t : outputs_) {
-    if (!t.defined() || !t.is_cuda()) continue;
-    bool seen = false;
-    for (const auto& d : devices_) seen = seen || d == t.device();
-    if (!seen) devices_.push_back(t.device());
-  }
+  for (const Tensor& t : outputs_) noteCudaDevice(t, &devices_);
 }
 
 bool MooncakeWork::wait(std::chrono::milliseconds timeout) {

@@ -3,8 +3,8 @@
 A tensor object is a small header (dtype, shape) followed by the tensor's bytes, written and read
 whole (a non-contiguous tensor is made contiguous). Tensors to write may be CUDA tensors (copied
 to the host first: the object is one piece, header and bytes); the ``*_into`` calls on a
-registered GPU buffer move the bytes straight into it and return a tensor viewing it there. Tensor-parallel calls store shard
-``i`` of ``tp_size`` under ``f"{key}_tp_{i}"`` (upstream's key naming); the unified parallel
+registered GPU buffer move the bytes straight into it and return a tensor viewing it there.
+Tensor-parallel calls store shard ``i`` of ``tp_size`` under ``f"{key}_tp_{i}"`` (upstream's key naming); the unified parallel
 calls (``*_with_parallelism``) take one "tp" axis and use the same shard keys (other axis kinds
 are refused with INVALID_PARAMS; docs/compat.md).
 """
@@ -155,7 +155,8 @@ class TensorApi:
     def _write_tp(self, key, tensor, config, tp_size, split_dim, upsert):
         if int(tp_size) <= 1:
             return self._write_tensor(key, tensor, config, upsert)
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or \
+        tensor = _host(tensor)  # once for all shards (a shard's own staging is then a no-op)
+        if tensor is None or tensor.dim() == 0 or \
                 not -tensor.dim() <= split_dim < tensor.dim() or \
                 tensor.shape[split_dim] % int(tp_size) != 0:
             return _BAD
