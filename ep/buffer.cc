@@ -70,6 +70,10 @@ std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes, bool dis
   b->spin_us_ = params::getInt("MC_EP_SPIN_US");
   b->timeout_ms_ = std::max<int64_t>(1, params::getInt("MC_EP_TIMEOUT_MS"));
   b->stream_out_bytes_ = std::max<int64_t>(0, params::getInt("MC_PG_STREAM_OUT_BYTES"));
+  const std::string kernels = params::getString("MC_EP_KERNELS");
+  if (kernels != "cpu" && kernels != "host")
+    invalid("ep.Buffer", str("MC_EP_KERNELS=", kernels, ": cpu or host"));
+  b->host_kernels_ = kernels == "host";
   b->setUp(bytes);
   return b;
 }
@@ -348,6 +352,11 @@ void EpBuffer::validate(const LowLatencyDispatchArgs& a) const {
   if (a.hidden <= 0) invalid(op, str("hidden size ", a.hidden));
   if (a.topk <= 0) invalid(op, str("topk_idx has ", a.topk, " columns"));
   if (a.timeout_us < -1) invalid(op, str("timeout_us=", a.timeout_us, " (-1: no timeout)"));
+  if (a.dtype == DType::kFp8 && a.hidden % num::kFp8Group != 0)
+    invalid(op, str("use_fp8 needs a hidden size that is a multiple of ", num::kFp8Group, ", got ",
+                    a.hidden));
+  if (a.dtype == DType::kFp8 && a.recv_scales == nullptr)
+    invalid(op, "use_fp8 without an output for the scales");
   auto l = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
   if (std::max(l.dispatch_bytes, l.combine_bytes) > geo_.regionBytes())
     invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),
@@ -357,11 +366,21 @@ void EpBuffer::validate(const LowLatencyDispatchArgs& a) const {
 }
 
 void EpBuffer::dispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
+  if (kernelPath()) return kernelDispatchSend(a, round);
   const int R = g_.size, me = g_.rank, h = round & 1;
   const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
   const int L = lay.local_experts;
-  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtypeBytes(a.dtype);
+  // Rows travel in their wire format: the caller's rows, or (fp8) each token quantized once.
+  const size_t row_bytes = wireRowBytes(a.hidden, a.dtype);
   const char* x = static_cast<const char*>(a.x);
+  std::vector<uint8_t> packed;
+  if (a.dtype == DType::kFp8) {
+    packed.resize(static_cast<size_t>(a.tokens) * row_bytes);
+    for (int64_t t = 0; t < a.tokens; ++t)
+      num::quantizeRow(static_cast<const uint16_t*>(a.x) + t * a.hidden, a.hidden,
+                       packed.data() + t * row_bytes);
+    x = reinterpret_cast<const char*>(packed.data());
+  }
   // Pass 1: slot of each (token, expert) pair, grouped by destination rank.
   std::vector<uint32_t> count(a.experts, 0);
   std::vector<std::vector<int32_t>> tokens_of(a.experts);  // source token ids per expert
@@ -386,8 +405,13 @@ void EpBuffer::dispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
       // dispatchRecv places the other sources' blocks after them.
       for (int l = 0; l < L; ++l) {
         const auto& toks = tokens_of[me * L + l];
-        char* dst = static_cast<char*>(a.recv_x) + l * RM * row_bytes;
-        gatherRows(dst, row_bytes, x, row_bytes, toks.data(), toks.size());
+        if (a.dtype == DType::kFp8) {
+          for (size_t j = 0; j < toks.size(); ++j)
+            storeRecvRows(a, l * RM + j, x + toks[j] * row_bytes, row_bytes, 1, false);
+        } else {
+          char* dst = static_cast<char*>(a.recv_x) + l * RM * row_bytes;
+          gatherRows(dst, row_bytes, x, row_bytes, toks.data(), toks.size());
+        }
         std::memcpy(a.src_info + l * RM, toks.data(), toks.size() * 4);
       }
       continue;
@@ -404,14 +428,36 @@ void EpBuffer::dispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
   for (int r : w.flush()) a.active_ranks[r] = 0;
 }
 
+void EpBuffer::storeRecvRows(const LowLatencyDispatchArgs& a, int64_t first, const char* src,
+                             size_t src_stride, int64_t n, bool stream) {
+  if (a.dtype != DType::kFp8) {
+    const size_t row_bytes = wireRowBytes(a.hidden, a.dtype);
+    char* dst = static_cast<char*>(a.recv_x) + first * row_bytes;
+    if (src_stride == row_bytes) {
+      pg::copyOut(dst, src, n * row_bytes, stream);
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        pg::copyOut(dst + j * row_bytes, src + j * src_stride, row_bytes, stream);
+    }
+    return;
+  }
+  // fp8: the e4m3 bytes to recv_x, the scales after them to recv_scales.
+  const int64_t groups = a.hidden / num::kFp8Group;
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = src + j * src_stride;
+    pg::copyOut(static_cast<char*>(a.recv_x) + (first + j) * a.hidden, row, a.hidden, stream);
+    std::memcpy(a.recv_scales + (first + j) * groups, row + a.hidden, groups * 4);
+  }
+}
+
 void EpBuffer::dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
+  if (kernelPath()) return kernelDispatchRecv(a, round);
   const int R = g_.size, h = round & 1;
   const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
   const int L = lay.local_experts;
   const int64_t RM = R * a.max_tokens;
-  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtypeBytes(a.dtype);
+  const size_t row_bytes = wireRowBytes(a.hidden, a.dtype);
   const char* region = base_ + geo_.dispatchRegion(h);
-  char* recv_x = static_cast<char*>(a.recv_x);
   const int me = g_.rank;
   // A large recv_x (by its capacity) is written with streaming stores, as in normal mode.
   const bool stream =
@@ -445,14 +491,7 @@ void EpBuffer::dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
         throw std::runtime_error(str("dispatch: rank ", r, " sent ", c, " rows for local expert ",
                                      l, ", above M=", a.max_tokens, " (M differs across ranks?)"));
       const int64_t b = begin[l];
-      char* dst = recv_x + (l * RM + b) * row_bytes;
-      const char* src = region + lay.dispatchRow(l, r, 0);
-      if (lay.row_stride == row_bytes) {
-        pg::copyOut(dst, src, c * row_bytes, stream);
-      } else {
-        for (int64_t j = 0; j < c; ++j)
-          pg::copyOut(dst + j * row_bytes, src + j * lay.row_stride, row_bytes, stream);
-      }
+      storeRecvRows(a, l * RM + b, region + lay.dispatchRow(l, r, 0), lay.row_stride, c, stream);
       std::memcpy(a.src_info + l * RM + b, region + lay.dispatchSrc(l, r, 0), c * 4);
       a.layout_range[l * R + r] = (b << 32) | c;
       begin[l] = b + c;
@@ -491,6 +530,7 @@ void EpBuffer::validate(const LowLatencyCombineArgs& a) const {
     invalid(op, str("topk_idx has ", a.tokens, " rows; the handle's M is ", a.max_tokens));
   if (a.topk <= 0) invalid(op, str("topk_idx has ", a.topk, " columns"));
   if (a.timeout_us < -1) invalid(op, str("timeout_us=", a.timeout_us, " (-1: no timeout)"));
+  if (a.dtype == DType::kFp8) invalid(op, "y must be bfloat16 or float32, not fp8");
   auto l = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
   if (std::max(l.dispatch_bytes, l.combine_bytes) > geo_.regionBytes())
     invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),
@@ -517,6 +557,7 @@ void EpBuffer::validate(const LowLatencyCombineArgs& a) const {
 }
 
 void EpBuffer::combineSend(const LowLatencyCombineArgs& a, uint32_t round) {
+  if (kernelPath()) return kernelCombineSend(a, round);
   const int R = g_.size, me = g_.rank, h = round & 1;
   const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
   const int L = lay.local_experts;
@@ -544,6 +585,7 @@ void EpBuffer::combineSend(const LowLatencyCombineArgs& a, uint32_t round) {
 }
 
 void EpBuffer::combineRecv(const LowLatencyCombineArgs& a, uint32_t round) {
+  if (kernelPath()) return kernelCombineRecv(a, round);
   const int R = g_.size, h = round & 1;
   const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
   const int L = lay.local_experts;

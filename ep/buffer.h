@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "ep/kernels/ll_kernels.h"
 #include "ep/layout.h"
 
 namespace mooncake::pg {
@@ -70,7 +71,7 @@ struct EpGroup {
 EpGroup groupOf(std::shared_ptr<pg::Communicator> comm);
 
 struct LowLatencyDispatchArgs {
-  const void* x = nullptr;  // [T][H]
+  const void* x = nullptr;  // [T][H] (bfloat16 when dtype is kFp8)
   DType dtype = DType::kBFloat16;
   int64_t tokens = 0, hidden = 0;
   const int64_t* topk_idx = nullptr;  // [T][K], -1 = none
@@ -80,7 +81,8 @@ struct LowLatencyDispatchArgs {
   int experts = 0;                  // E
   int64_t timeout_us = 0;
   // outputs
-  void* recv_x = nullptr;           // [L][R*M][H]
+  void* recv_x = nullptr;           // [L][R*M][H] (kFp8: e4m3 bytes)
+  float* recv_scales = nullptr;     // [L][R*M][H/128] (kFp8 only)
   int32_t* recv_count = nullptr;    // [L]
   int32_t* src_info = nullptr;      // [L][R*M]
   int64_t* layout_range = nullptr;  // [L][R]: (begin << 32) | count
@@ -166,6 +168,10 @@ class EpBuffer {
   size_t bytes() const { return geo_.totalBytes(); }
   // True when rank r's buffer is reached with direct stores (mapped), false over the engine.
   bool isMapped(int r) const { return mapped_[r] != nullptr; }
+  // MC_EP_KERNELS=host with every rank's buffer mapped: the low-latency calls run the CUDA
+  // kernels' bodies (ep/kernels/ll_kernels.h) on the calling thread instead of the CPU
+  // path's loops (ep/ll_host.cc).
+  bool kernelPath() const;
 
   // ---- low-latency mode: validate* throw std::invalid_argument; next*Round reserve a
   // round (call in program order); send then recv complete the operation. ----
@@ -222,6 +228,18 @@ class EpBuffer {
                    const std::function<bool(int)>& arrived,
                    const std::function<void(int)>& on_arrival,
                    const std::function<void(int)>& on_silent);
+  kern::LlArgs kernelArgs(uint32_t round, RoundKind kind, int experts, int64_t max_tokens,
+                          int64_t hidden, DType dtype);
+  void kernelDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round);
+  void kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round);
+  void kernelCombineSend(const LowLatencyCombineArgs& a, uint32_t round);
+  void kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round);
+  // Logs the silent sources of a kernel call, throws for the ones that gave up the round.
+  void kernelOutcome(const char* op, RoundKind kind, uint32_t round,
+                     const std::vector<int32_t>& decision, const std::vector<int32_t>& was_active);
+  // Rows [first, first+n) of recv_x (and, fp8, recv_scales) from n wire rows at src.
+  static void storeRecvRows(const LowLatencyDispatchArgs& a, int64_t first, const char* src,
+                            size_t src_stride, int64_t n, bool stream);
   bool peerDead(int r) const;
   bool abandoned(RoundKind kind, uint32_t round, int r);
   // Wraps a wait's arrival test so that a source that gave up the round counts as arrived
@@ -248,6 +266,8 @@ class EpBuffer {
   // recv_x (both modes) at least this large is written with streaming stores
   // (MC_PG_STREAM_OUT_BYTES: the same rule as the process group's large outputs).
   int64_t stream_out_bytes_ = 4 << 20;
+  bool host_kernels_ = false;           // MC_EP_KERNELS=host
+  std::vector<int32_t> self_count_[2];  // kernel path: own rows per local expert, per half
 
   std::mutex q_mu_;
   std::condition_variable q_cv_;

@@ -8,8 +8,12 @@
 
 namespace mooncake::ep {
 
-size_t dtypeBytes(DType t) { return t == DType::kBFloat16 ? 2 : 4; }
-const char* dtypeName(DType t) { return t == DType::kBFloat16 ? "bfloat16" : "float32"; }
+size_t dtypeBytes(DType t) {
+  return t == DType::kBFloat16 ? 2 : t == DType::kFloat32 ? 4 : 1;
+}
+const char* dtypeName(DType t) {
+  return t == DType::kBFloat16 ? "bfloat16" : t == DType::kFloat32 ? "float32" : "fp8 (e4m3)";
+}
 
 BufferGeometry::BufferGeometry(size_t total_bytes, int world) : total_(total_bytes), world_(world) {
   if (world < 1 || world > kMaxRanks) {

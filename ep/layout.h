@@ -32,11 +32,21 @@
 #include <string>
 #include <vector>
 
+#include "ep/kernels/numerics.h"
+
 namespace mooncake::ep {
 
-enum class DType : uint8_t { kBFloat16 = 0, kFloat32 = 1 };
-size_t dtypeBytes(DType t);
+// kFp8: low-latency dispatch only. The caller's x is bfloat16; each token travels as its
+// e4m3 row and one float32 scale per 128 channels (num::quantizeRow), and arrives split into
+// recv_x (e4m3 bytes) and recv_scales.
+enum class DType : uint8_t { kBFloat16 = 0, kFloat32 = 1, kFp8 = 2 };
+size_t dtypeBytes(DType t);  // of one element of recv_x (kFp8: 1)
 const char* dtypeName(DType t);
+// Bytes of one token as it travels (kFp8: H + 4 * H / 128).
+inline size_t wireRowBytes(int64_t hidden, DType t) {
+  if (t == DType::kFp8) return num::fp8RowBytes(hidden);
+  return static_cast<size_t>(hidden) * (t == DType::kBFloat16 ? 2 : 4);
+}
 
 constexpr size_t kHeaderBytes = 4096;
 constexpr int kMaxRanks = 1024;
@@ -49,10 +59,8 @@ constexpr size_t kAlign = 64;
 
 inline size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
-// Row stride in the buffer: H elements rounded up to a cache line.
-inline size_t rowStride(int64_t hidden, DType t) {
-  return alignUp(static_cast<size_t>(hidden) * dtypeBytes(t), kAlign);
-}
+// Row stride in the buffer: a token's wire row rounded up to a cache line.
+inline size_t rowStride(int64_t hidden, DType t) { return alignUp(wireRowBytes(hidden, t), kAlign); }
 
 // Signal words carry the round so a word left by an earlier round (or by a rank that died
 // before writing this round's) never matches. Rounds start at 1; a zeroed word is "never".
@@ -182,20 +190,9 @@ void dispatchLayout(const int64_t* topk_idx, int64_t tokens, int topk, int exper
                     int32_t* tokens_per_rank, int32_t* tokens_per_expert,
                     uint8_t* is_token_in_rank);
 
-// ---- element conversion (bit-exact with torch's bfloat16) ----
-inline float bf16ToFloat(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t floatToBf16(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as c10::BFloat16
-  u += ((u >> 16) & 1u) + 0x7fffu;                     // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
+// ---- element conversion (bit-exact with torch's bfloat16; ep/kernels/numerics.h) ----
+using num::bf16ToFloat;
+using num::floatToBf16;
 
 // dst row j (stride dst_stride) = src row idx[j] (stride row_bytes), for j < n; runs of
 // consecutive indices are copied with one memcpy when the strides match.

@@ -37,6 +37,7 @@ void EpBuffer::validate(const NormalDispatchArgs& a) const {
   const int R = g_.size;
   if (a.tokens < 0 || a.hidden <= 0)
     invalid(op, str("x has shape [", a.tokens, ", ", a.hidden, "]"));
+  if (a.dtype == DType::kFp8) invalid(op, "fp8 is a low-latency dispatch format only");
   if (a.with_topk_idx) {
     if (a.experts <= 0 || a.experts % R != 0 || a.experts > kMaxSignals)
       invalid(op,
@@ -207,6 +208,7 @@ void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
 void EpBuffer::validate(const NormalCombineArgs& a) const {
   const std::string op = "normal_combine";
   if (a.hidden <= 0 || a.tokens < 0) invalid(op, str("bad shapes: H=", a.hidden, " T=", a.tokens));
+  if (a.dtype == DType::kFp8) invalid(op, "fp8 is a low-latency dispatch format only");
   if (a.with_weights && a.topk <= 0) invalid(op, "topk_weights has no columns");
   int64_t n = 0;
   for (int r = 0; r < g_.size; ++r) {

@@ -7,7 +7,10 @@
 # and back, and a notification follows a write not waited for -- and tests/gpu/pg_check: a
 # 2-rank process group's allreduce, allgather, alltoall, broadcast and reduce_scatter on 16 MiB
 # of GPU memory (staged through host memory), checked and allreduce timed against host
-# buffers -- and tests/gpu/torch_check.py: the torch backend (built here against the machine's
+# buffers -- and tests/gpu/ep_kernel_check: the EP low-latency kernels (ep/kernels/
+# ll_kernels.cu) for 2-4 ranks simulated on GPU 0 against a reference and bit for bit against
+# the same bodies on the host, a silent rank marked inactive by the kernels' deadline, and
+# dispatch/combine timed at 128 x 7168 x top-8 -- and tests/gpu/torch_check.py: the torch backend (built here against the machine's
 # torch as a module of its own) on CUDA tensors, 2 processes on GPU 0: every collective and
 # send/recv checked, an op waits for the caller's stream, a Work's future, and all_reduce,
 # all_gather, all_to_all timed 64 KiB..256 MiB against the device-to-device copy rate.
@@ -125,6 +128,26 @@ else
   echo "gpu_check: no torch through $PYTHON (or GPU_CHECK_TORCH=0): the torch check is skipped" |
     tee -a "$OUT/build.log"
 fi
+# The EP low-latency kernels (ep/kernels/ll_kernels.cu) and their check (tests/gpu/
+# ep_kernel_check.cc): the host executor's build with the compiler alone, the CUDA one with
+# nvcc (sm_90, GPU_CHECK_ARCH to change) where the toolkit has it -- a dry run still compiles
+# and links the kernels.
+"$CXX" "${FLAGS[@]}" -ffp-contract=off tests/gpu/ep_kernel_check.cc ep/layout.cc \
+  -o "$B/ep_kernel_check" -lpthread 2>&1 | tee -a "$OUT/build.log"
+EP_CUDA_BUILT=0
+if [[ -x "$CUDA_HOME/bin/nvcc" ]]; then
+  NV=("$CUDA_HOME/bin/nvcc" -std=c++17 -O2 -arch="${GPU_CHECK_ARCH:-sm_90}" --fmad=false
+      -Xcompiler -ffp-contract=off -DMC_EP_CHECK_CUDA -I"$ROOT" -I"$B/generated")
+  mkdir -p "$B/epobj"
+  if "${NV[@]}" -x cu -c tests/gpu/ep_kernel_check.cc -o "$B/epobj/check.o" &&
+     "${NV[@]}" -c tests/gpu/ep_kernel_check_cuda.cu -o "$B/epobj/exec.o" &&
+     "${NV[@]}" -c ep/kernels/ll_kernels.cu -o "$B/epobj/kernels.o" &&
+     "$CXX" "${FLAGS[@]}" -ffp-contract=off -c ep/layout.cc -o "$B/epobj/layout.o" &&
+     "${NV[@]}" "$B"/epobj/*.o -o "$B/ep_kernel_check_cuda" -lpthread; then
+    EP_CUDA_BUILT=1
+  fi 2>&1 | tee -a "$OUT/build.log"
+  [[ -x "$B/ep_kernel_check_cuda" ]] && EP_CUDA_BUILT=1
+fi
 echo "gpu_check: built in $((SECONDS - t0)) s" | tee -a "$OUT/build.log"
 
 set +e
@@ -135,6 +158,22 @@ set +e
   MC_DEVICE="$DEVICE" "$B/device_check" --json "$OUT/device_check.json" || r=$?
   MC_DEVICE="$DEVICE" timeout 300 "$B/engine_check" | tee "$OUT/engine_check.json" || r=$?
   MC_DEVICE="$DEVICE" timeout 300 "$B/pg_check" | tee "$OUT/pg_check.json" || r=$?
+  # EP kernels: on the GPU against the reference and the host executor, timed; a dry run runs
+  # the host executor (the CUDA build must still have compiled where nvcc is).
+  if [[ "$DEVICE" == cuda ]]; then
+    if ((EP_CUDA_BUILT)); then
+      timeout 300 "$B/ep_kernel_check_cuda" cuda "$OUT/ep_kernel_check.json" || r=$?
+    else
+      echo '{"check": "ep kernels", "ok": false, "detail": "ep_kernel_check_cuda did not build"}'
+      r=1
+    fi
+  else
+    timeout 300 "$B/ep_kernel_check" host "$OUT/ep_kernel_check.json" || r=$?
+    if [[ -x "$CUDA_HOME/bin/nvcc" ]] && ((!EP_CUDA_BUILT)); then
+      echo '{"check": "ep kernels (nvcc)", "ok": false, "detail": "the CUDA kernels did not compile"}'
+      r=1
+    fi
+  fi
   if ((TORCH_BUILD_FAILED)); then
     echo '{"check": "torch_check", "ok": false, "detail": "the module did not build"}'
     r=1

@@ -213,6 +213,151 @@ def case_ll_modes(ctx):
     return fails
 
 
+# ---- fp8 dispatch: references from the format's definition ----
+
+def _e4m3_values():
+    """The 127 non-negative finite e4m3fn values, by code (0x00..0x7e), from the fields."""
+    vals = []
+    for c in range(0x7f):
+        e, m = c >> 3, c & 7
+        vals.append(m * 2.0 ** -9 if e == 0 else (8 + m) * 2.0 ** (e - 10))
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+def e4m3_ref(v):
+    """float32 tensor -> uint8 codes: nearest value, ties to the even code, saturating at 448
+    (no NaN in the inputs here)."""
+    vals = _e4m3_values()
+    a = v.abs().double().reshape(-1, 1)
+    d = (a - vals.reshape(1, -1)).abs()
+    best = d.min(dim=1, keepdim=True).values
+    ties = d == best
+    # Of the (at most two) nearest codes take the even one.
+    codes = torch.arange(0x7f).reshape(1, -1).expand_as(d)
+    even = ties & (codes % 2 == 0)
+    pick = torch.where(even.any(dim=1), (even * 1).argmax(dim=1), (ties * 1).argmax(dim=1))
+    pick = torch.where(a.flatten() >= 448.0, torch.full_like(pick, 0x7e), pick)
+    sign = torch.signbit(v.reshape(-1)).to(torch.int64) * 0x80
+    return (pick + sign).to(torch.uint8).reshape(v.shape)
+
+
+def fp8_ref(x):
+    """DeepEP's per-token, per-128-channel fp8 cast of bf16 x [T, H]: (codes uint8 [T, H],
+    scales float32 [T, H/128], the multipliers 448 / amax applied before the cast)."""
+    T, H = x.shape
+    xf = x.float().reshape(T, H // 128, 128)
+    amax = xf.abs().amax(dim=-1).clamp(min=1e-4) if T else torch.zeros(0, H // 128)
+    mul = torch.full_like(amax, 448.0) / amax
+    scale = amax * torch.tensor(1.0 / 448.0, dtype=torch.float32)
+    return e4m3_ref(xf * mul.unsqueeze(-1)).reshape(T, H), scale, mul
+
+
+def fp8_inputs(cfg, r):
+    """Wide-ranged bf16 rows (the identity encoding scaled per group, and noise), one group
+    all zero on odd tokens (its scale is the margin's)."""
+    x, topk, w = cfg.inputs(r)
+    g = torch.Generator().manual_seed(cfg.seed * 7919 + r)
+    T, H = x.shape
+    noise = torch.randn((T, H), generator=g) * torch.logspace(-3, 3, H // 128).repeat_interleave(128)
+    xf = x.float() + noise
+    xf[1::2, :128] = 0.0
+    return xf.to(torch.bfloat16), topk, w
+
+
+def case_ll_fp8(ctx):
+    """use_fp8 dispatch: every received row's e4m3 bytes and scales equal the format's
+    reference of its source token (bit for bit; on torch >= 2.1 also torch's own float8 cast),
+    then a bf16 combine of the dequantized rows against the plain-torch reference."""
+    R, me = ctx.world, ctx.rank
+    cfg = Cfg(R, H=384, seed=71, tokens=[20, 0, 17, 9][:R])
+    buf = ctx.buffer(cfg.M, cfg.H, cfg.E)
+    active = torch.ones(R, dtype=torch.int32)
+    x, topk, w = fp8_inputs(cfg, me)
+    recv, cnt, handle, _, _ = buf.dispatch(x, topk, active, cfg.M, cfg.E, use_fp8=True)
+    fails = []
+    if not isinstance(recv, tuple) or len(recv) != 2:
+        return [f"use_fp8 recv_x is {type(recv).__name__}, not (e4m3, scales)"]
+    q, scales = recv
+    has_fp8 = hasattr(torch, "float8_e4m3fn")
+    want_dtype = torch.float8_e4m3fn if has_fp8 else torch.uint8
+    if q.dtype != want_dtype or scales.dtype != torch.float32:
+        fails.append(f"dtypes {q.dtype}, {scales.dtype}")
+    if tuple(q.shape) != (cfg.L, R * cfg.M, cfg.H) or \
+            tuple(scales.shape) != (cfg.L, R * cfg.M, cfg.H // 128):
+        fails.append(f"shapes {tuple(q.shape)}, {tuple(scales.shape)}")
+    codes = q.view(torch.uint8)
+    src_info, layout = handle[0], handle[1]
+    refs = {r: fp8_ref(fp8_inputs(cfg, r)[0]) for r in range(R)}
+    for l in range(cfg.L):
+        e = me * cfg.L + l
+        total = 0
+        for r in range(R):
+            v = int(layout[l, r])
+            b, c = v >> 32, v & 0xFFFFFFFF
+            topk_r = fp8_inputs(cfg, r)[1]
+            want = [t for t in range(cfg.tokens[r]) if bool((topk_r[t] == e).any())]
+            got = src_info[l, b:b + c].long()
+            if sorted(got.tolist()) != want:
+                fails.append(f"expert {e} from rank {r}: tokens {got.tolist()}, want {want}")
+                continue
+            total += c
+            rq, rs, rmul = refs[r]
+            if not torch.equal(codes[l, b:b + c], rq[got]):
+                n = int((codes[l, b:b + c] != rq[got]).sum())
+                fails.append(f"expert {e} from rank {r}: {n} e4m3 bytes differ from the reference")
+            if not torch.equal(scales[l, b:b + c].view(torch.int32), rs[got].view(torch.int32)):
+                fails.append(f"expert {e} from rank {r}: scales differ from the reference")
+            if has_fp8 and c:
+                xr = fp8_inputs(cfg, r)[0][got].float().reshape(c, cfg.H // 128, 128)
+                torch_q = (xr * rmul[got].unsqueeze(-1)).to(torch.float8_e4m3fn)
+                if not torch.equal(torch_q.view(torch.uint8).reshape(c, -1), codes[l, b:b + c]):
+                    fails.append(f"expert {e} from rank {r}: differs from torch's float8 cast")
+        if int(cnt[l]) != total:
+            fails.append(f"expert {e}: recv_count {int(cnt[l])} != {total}")
+    # Combine (bf16) of the dequantized rows, against the reference on dequantized inputs.
+    deq = torch.zeros((cfg.L, R * cfg.M, cfg.H), dtype=torch.bfloat16)
+    for l in range(cfg.L):
+        n = int(cnt[l])
+        vals = _e4m3_values()
+        mag = vals[(codes[l, :n] & 0x7f).long()]
+        sgn = 1.0 - 2.0 * (codes[l, :n] >> 7).double()
+        f = (mag * sgn).float().reshape(n, cfg.H // 128, 128) * scales[l, :n].unsqueeze(-1)
+        deq[l, :n] = f.reshape(n, cfg.H).to(torch.bfloat16)
+    y = ll_y(cfg, me, deq, cnt)
+    out, _, _ = buf.combine(y, topk, w, active, TIMEOUT_US, handle)
+
+    class Deq(Cfg):
+        def inputs(self, r):
+            xr, tr, wr = fp8_inputs(cfg, r)
+            rq, rs, _ = fp8_ref(xr)
+            mag = _e4m3_values()[(rq & 0x7f).long()] * (1.0 - 2.0 * (rq >> 7).double())
+            T = len(xr)
+            xd = (mag.float().reshape(T, cfg.H // 128, 128) * rs.unsqueeze(-1)).reshape(T, cfg.H)
+            return xd.to(torch.bfloat16), tr, wr
+
+    dcfg = Deq(R, H=cfg.H, seed=cfg.seed, tokens=cfg.tokens)
+    fails += check_ll_combine(dcfg, me, out, active, "fp8-combine")
+    if active.tolist() != [1] * R:
+        fails.append(f"active_ranks changed: {active.tolist()}")
+    return fails
+
+
+def case_kernel_path(ctx):
+    """Under MC_EP_KERNELS=host the buffer's low-latency calls run the kernels' bodies (every
+    peer is mapped here), and a disable_p2p buffer still runs the CPU path."""
+    import torch.distributed as dist
+    buf = ctx.buffer(24, 96, 4 * ctx.world)
+    fails = []
+    want = "kernels on host" if os.environ.get("MC_EP_KERNELS") == "host" else "cpu"
+    if buf._impl.low_latency_executor() != want:
+        fails.append(f"executor {buf._impl.low_latency_executor()!r}, want {want!r}")
+    if ctx.world > 1:
+        nb = Buffer(dist.group.WORLD, 1 << 24, disable_p2p=True)
+        if nb._impl.low_latency_executor() != "cpu":
+            fails.append("a disable_p2p buffer runs " + nb._impl.low_latency_executor())
+    return fails
+
+
 def case_validation(ctx):
     """Bad arguments raise ValueError on every rank before anything is sent."""
     R, me = ctx.world, ctx.rank
@@ -247,7 +392,11 @@ def case_validation(ctx):
     expect(lambda: buf.dispatch(x, topk, act.long(), cfg.M, cfg.E), "int64 active_ranks",
            "active_ranks")
     expect(lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E + 1), "E % R != 0", "multiple")
-    expect(lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E, use_fp8=True), "use_fp8", "fp8")
+    expect(lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E, use_fp8=True), "use_fp8, H=96",
+           "multiple of 128")
+    x128 = torch.zeros((cfg.tokens[me], 128))
+    expect(lambda: buf.dispatch(x128, topk, act, cfg.M, cfg.E, use_fp8=True),
+           "use_fp8, float32 x", "bfloat16")
     expect(lambda: buf.normal_dispatch(x, bad, w, cfg.E), "normal: expert id", "expert id")
     expect(lambda: buf.get_dispatch_layout(dup, cfg.E), "layout: duplicate", "twice")
     gloo = torch.distributed.new_group(backend="gloo")

@@ -23,7 +23,7 @@ import _fake_verbs  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON = sys.executable  # as harness.PYTHON
 WORKER = os.path.join(HERE, "_ep_worker.py")
-MAIN_CASES = ["ll_modes", "validation", "one_rank_bad_input", "normal", "normal_autograd",
+MAIN_CASES = ["kernel_path", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input", "normal", "normal_autograd",
               "upstream_api"]
 KILL_CASES = ["kill_between_rounds", "kill_between_dispatch_and_combine"]
 
@@ -131,6 +131,39 @@ def test_ep_killed_rank(world, case):
     for r in range(world):
         if r not in {VICTIMS[c](world) for c in KILL_CASES}:
             assert codes[r] == 0, _report(world, r, case, codes[r], tails)
+
+
+# The CUDA kernels' bodies (ep/kernels/ll_kernels.h) run on the host (MC_EP_KERNELS=host):
+# the low-latency cases against the same plain-torch reference, and a rank killed between
+# rounds and between dispatch and combine marked inactive by the bodies' own deadline.
+KERNEL_CASES = ["kernel_path", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input",
+                "upstream_api"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ep_kernel_bodies_on_host(world):
+    key = ("kernels", world)
+    _runs[key] = run_ranks(world, KERNEL_CASES, env={"MC_EP_KERNELS": "host"})
+    results, codes, tails = _runs[key]
+    for case in KERNEL_CASES:
+        for r in range(world):
+            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
+            assert res == [], _report(world, r, case, res, tails)
+
+
+def test_ep_kernel_bodies_on_host_killed_rank():
+    world = 3
+    results, codes, tails = run_ranks(world, KILL_CASES, env={"MC_EP_KERNELS": "host"})
+    dead = {VICTIMS[c](world) for c in KILL_CASES}
+    for v in dead:
+        assert codes[v] == -9, f"victim rank {v} exit {codes[v]}\n{tails[v]}"
+    for case in KILL_CASES:
+        gone = {VICTIMS[c](world) for c in KILL_CASES[:KILL_CASES.index(case) + 1]}
+        for r in range(world):
+            if r in gone:
+                continue
+            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
+            assert res == [], _report(world, r, case, res, tails)
 
 
 @pytest.mark.skipif(_fake_verbs.library_dir() is None, reason="no verbs emulator (MC_WITH_RDMA=OFF)")

@@ -40,6 +40,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #endif
 #define MC_TORCH_HAS_WORK_RESULT (MC_TORCH_VERSION >= 205)
+// at::kFloat8_e4m3fn (EP's fp8 dispatch returns uint8 bytes of the same format before 2.1).
+#define MC_TORCH_HAS_FP8 (MC_TORCH_VERSION >= 201)
 
 #include <c10/util/Exception.h>
 

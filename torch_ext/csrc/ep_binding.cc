@@ -20,6 +20,7 @@
 
 #include "ep/buffer.h"
 #include "ep/layout.h"
+#include "torch_ext/csrc/compat.h"
 #include "torch_ext/csrc/process_group.h"
 
 namespace py = pybind11;
@@ -52,6 +53,14 @@ ep::DType hiddenType(const Tensor& t, const char* op, const char* name) {
 at::ScalarType scalarOf(ep::DType t) {
   return t == ep::DType::kBFloat16 ? at::kBFloat16 : at::kFloat;
 }
+
+// The dtype of fp8 dispatch's recv_x: e4m3fn, or its bytes where torch has no fp8 type.
+constexpr at::ScalarType kFp8Scalar =
+#if MC_TORCH_HAS_FP8
+    at::kFloat8_e4m3fn;
+#else
+    at::kByte;
+#endif
 
 // A CPU tensor of `dtype` with `dims` dimensions, contiguous (copied if needed).
 Tensor input(const Tensor& t, at::ScalarType dtype, int64_t dims, const char* op,
@@ -173,6 +182,9 @@ class PyEpBuffer {
   int rank() const { return buf_->rank(); }
   int size() const { return buf_->size(); }
   int64_t bytes() const { return static_cast<int64_t>(buf_->bytes()); }
+  // What runs low-latency calls: "cpu" (ep/buffer.cc's loops) or "kernels on host"
+  // (MC_EP_KERNELS=host: the CUDA kernels' bodies on the calling thread).
+  std::string lowLatencyExecutor() const { return buf_->kernelPath() ? "kernels on host" : "cpu"; }
   bool isMapped(int r) const {
     if (r < 0 || r >= buf_->size()) bad("is_mapped: rank ", r, " out of range");
     return buf_->isMapped(r);
@@ -218,9 +230,10 @@ class PyEpBuffer {
                      bool return_hook) {
     RoundGuard guard(this, RoundKind::kDispatch);
     const char* op = "dispatch";
-    if (use_fp8) bad(op, ": use_fp8 needs the CUDA kernels, which this build does not have");
     const int R = buf_->size();
     const ep::DType dt = hiddenType(x_in, op, "x");
+    if (use_fp8 && dt != ep::DType::kBFloat16)
+      bad(op, ": use_fp8 quantizes bfloat16 x, got ", x_in.scalar_type());
     Tensor x = input(x_in, scalarOf(dt), 2, op, "x");
     Tensor topk = input(topk_in, at::kLong, 2, op, "topk_idx");
     if (topk.size(0) != x.size(0))
@@ -229,14 +242,19 @@ class PyEpBuffer {
     if (E <= 0 || E % R != 0) bad(op, ": num_experts=", E, " must be a positive multiple of ", R);
     if (M <= 0) bad(op, ": num_max_dispatch_tokens_per_rank=", M);
     const int64_t L = E / R, H = x.size(1);
+    if (use_fp8 && H % ep::num::kFp8Group != 0)
+      bad(op, ": use_fp8 needs a hidden size that is a multiple of ", ep::num::kFp8Group, ", got ",
+          H);
     auto opts = at::TensorOptions().device(at::kCPU);
-    Tensor recv_x = pool_.get(L, {R * M, H}, scalarOf(dt), false);
+    Tensor recv_x = pool_.get(L, {R * M, H}, use_fp8 ? kFp8Scalar : scalarOf(dt), false);
+    Tensor recv_scales;  // [L, R*M, H/128] float32 (fp8)
+    if (use_fp8) recv_scales = pool_.get(L, {R * M, H / ep::num::kFp8Group}, at::kFloat, false);
     Tensor recv_count = at::empty({L}, opts.dtype(at::kInt));
     Tensor src_info = at::empty({L, R * M}, opts.dtype(at::kInt));
     Tensor layout = at::empty({L, R}, opts.dtype(at::kLong));
     ep::LowLatencyDispatchArgs a;
     a.x = x.data_ptr();
-    a.dtype = dt;
+    a.dtype = use_fp8 ? ep::DType::kFp8 : dt;
     a.tokens = x.size(0);
     a.hidden = H;
     a.topk_idx = topk.data_ptr<int64_t>();
@@ -246,11 +264,12 @@ class PyEpBuffer {
     a.experts = static_cast<int>(E);
     a.timeout_us = timeout_us;
     a.recv_x = recv_x.data_ptr();
+    a.recv_scales = use_fp8 ? recv_scales.data_ptr<float>() : nullptr;
     a.recv_count = recv_count.data_ptr<int32_t>();
     a.src_info = src_info.data_ptr<int32_t>();
     a.layout_range = layout.data_ptr<int64_t>();
-    auto keep =
-        std::make_shared<Keep>(Keep{{x, topk, active, recv_x, recv_count, src_info, layout}});
+    auto keep = std::make_shared<Keep>(
+        Keep{{x, topk, active, recv_x, recv_scales, recv_count, src_info, layout}});
     py::object event = py::none(), hook = py::none();
     {
       py::gil_scoped_release nogil;
@@ -266,7 +285,8 @@ class PyEpBuffer {
       auto recv = [b, a, round, keep] { b->dispatchRecv(a, round); };
       run(send, recv, async_finish, return_hook, &event, &hook);
     }
-    return py::make_tuple(recv_x, recv_count, src_info, layout, event, hook);
+    py::object scales = use_fp8 ? py::cast(recv_scales) : py::none();
+    return py::make_tuple(recv_x, scales, recv_count, src_info, layout, event, hook);
   }
 
   py::tuple combine(const Tensor& y_in, const Tensor& topk_in, const Tensor& w_in,
@@ -550,6 +570,7 @@ void registerEpApis(py::module_& m) {
       .def_property_readonly("group_size", &PyEpBuffer::size)
       .def_property_readonly("num_bytes", &PyEpBuffer::bytes)
       .def("is_mapped", &PyEpBuffer::isMapped, py::arg("rank"))
+      .def("low_latency_executor", &PyEpBuffer::lowLatencyExecutor)
       .def("dispatch", &PyEpBuffer::dispatch, py::arg("x"), py::arg("topk_idx"),
            py::arg("active_ranks"), py::arg("num_max_dispatch_tokens_per_rank"),
            py::arg("num_experts"), py::arg("timeout_us"), py::arg("use_fp8"),

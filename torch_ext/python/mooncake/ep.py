@@ -15,8 +15,14 @@ process group.
 The buffer is allocated once from the group's transfer engine (registered memory) and
 every rank writes the rows it sends straight into the destination's buffer (one copy per
 token on one host). Every rank must call dispatch/combine in the same order with the same
-M, H, E and dtype. Only CPU tensors are supported in this build (the CUDA kernels are a
-later addition behind the same buffer layout); ``use_fp8`` raises ValueError.
+M, H, E and dtype. Only CPU tensors are supported in this build (the CUDA kernels'
+bodies exist, ep/kernels/ll_kernels.h, but no GPU tensor reaches them yet; docs/ep.md).
+
+``use_fp8=True`` (low-latency dispatch, bfloat16 x, H a multiple of 128) sends each token as
+DeepEP does: per 128 channels, amax = max(|x|, 1e-4), the bytes e4m3(x * 448 / amax) and the
+scale amax / 448; recv_x is then the tuple (e4m3 [L, R*M, H], scales float32 [L, R*M,
+H/128]) with x ~= e4m3.float() * scale. The e4m3 tensor is torch.float8_e4m3fn (its raw bytes
+as uint8 on torch < 2.1). The rounding is ep/kernels/numerics.h's, shared with the kernels.
 
 Failure awareness (low-latency mode): ``active_ranks`` (int32 [R], 1 = active) is updated
 in place: a rank that sends nothing within ``timeout_us`` is set to 0, counted as having
@@ -119,7 +125,8 @@ class Buffer:
                  return_recv_hook=False):
         """Sends each token once to each of its experts.
 
-        Returns (recv_x [L, R*M, H], recv_count int32 [L], handle, event, hook). For local
+        Returns (recv_x [L, R*M, H], recv_count int32 [L], handle, event, hook); with
+        use_fp8, recv_x is (e4m3 [L, R*M, H], scales float32 [L, R*M, H/128]). For local
         expert l, rows [0, recv_count[l]) hold one contiguous block per active source rank
         r at handle's layout_range[l][r] = (begin << 32) | count; src_info[l][i] is the
         source token index. With async_finish the outputs are filled once event.wait()
@@ -127,10 +134,12 @@ class Buffer:
         """
         with self._round("dispatch"):
             M, E, tmo = int(num_max_dispatch_tokens_per_rank), int(num_experts), int(timeout_us)
-        recv_x, recv_count, src_info, layout, event, hook = self._impl.dispatch(
+        recv_x, scales, recv_count, src_info, layout, event, hook = self._impl.dispatch(
             x, topk_idx, active_ranks, M, E, tmo, bool(use_fp8), bool(async_finish),
             bool(return_recv_hook))
         handle = EpHandle(src_info, layout, M, int(x.shape[1]), E)
+        if use_fp8:
+            recv_x = (recv_x, scales)
         return recv_x, recv_count, handle, event, hook
 
     def combine(self, y, topk_idx, topk_weights, active_ranks, timeout_us, handle,

@@ -76,7 +76,8 @@ class Buffer:
     def dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
                  timeout_us, use_fp8=None, async_finish=False, return_recv_hook=False):
         """Returns (recv_x, recv_count, handle, EventOverlap, hook). use_fp8=None means bf16
-        rows here (this build has no fp8 path; upstream's None picks fp8 on CUDA)."""
+        rows here (upstream's None picks fp8 on CUDA); True sends fp8 and recv_x is
+        (e4m3, scales), as upstream."""
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set")
         recv_x, count, handle, event, hook = self._buf.dispatch(

@@ -1,0 +1,109 @@
+// CUDA executor of the low-latency kernels' bodies (ep/kernels/ll_kernels.h): a lane is a
+// thread of the block (blockDim a multiple of 32), signal words are read and written with
+// system-scope acquire/release (peers' buffers are CUDA IPC mappings or host memory), the
+// deadline clock is %globaltimer. The same bodies run on the host in the tests
+// (ep/kernels/host_lanes.h); see ep/kernels/ll_launch.h for what is launched when.
+#include <cuda_runtime.h>
+
+#include "ep/kernels/ll_kernels.h"
+#include "ep/kernels/ll_launch.h"
+
+namespace mooncake::ep::kern {
+
+struct CudaLanes {
+  __device__ int lane() const { return static_cast<int>(threadIdx.x); }
+  __device__ int lanes() const { return static_cast<int>(blockDim.x); }
+  __device__ void sync() { __syncthreads(); }
+  // Block-wide: how many lanes below this one have flag set, and how many in all.
+  __device__ int count(bool flag, int* total) {
+    __shared__ int per_warp[32];
+    const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    if (l == 0) per_warp[w] = __popc(ballot);
+    __syncthreads();
+    int before = __popc(ballot & ((1u << l) - 1u)), all = 0;
+    for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) {
+      if (i < w) before += per_warp[i];
+      all += per_warp[i];
+    }
+    __syncthreads();  // per_warp is read by every lane before the next call writes it
+    *total = all;
+    return before;
+  }
+  __device__ int32_t share(int32_t v) {
+    __shared__ int32_t s;
+    __syncthreads();
+    if (threadIdx.x == 0) s = v;
+    __syncthreads();
+    const int32_t r = s;
+    __syncthreads();
+    return r;
+  }
+  __device__ uint64_t loadAcquire(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+  }
+  __device__ void storeRelease(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  }
+  __device__ void fenceSystem() { __threadfence_system(); }
+  __device__ int32_t cas(int32_t* p, int32_t expected, int32_t desired) {
+    return atomicCAS_system(reinterpret_cast<int*>(p), expected, desired);
+  }
+  __device__ void ringDoorbell(uint32_t* p) { atomicAdd_system(reinterpret_cast<unsigned*>(p), 1u); }
+  __device__ int64_t nowUs() const {
+    uint64_t ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    return static_cast<int64_t>(ns / 1000);
+  }
+  __device__ void pause() { __nanosleep(256); }
+};
+
+namespace {
+
+__global__ void dispatchSendKernel(LlArgs p, int32_t* toks) {
+  CudaLanes ln;
+  dispatchSend(p, blockIdx.x, ln, toks + static_cast<int64_t>(blockIdx.x) * p.max_tokens);
+}
+__global__ void dispatchRecvKernel(LlArgs p) {
+  CudaLanes ln;
+  dispatchRecv(p, blockIdx.x, ln, ln.nowUs());
+}
+__global__ void combineSendKernel(LlArgs p) {
+  CudaLanes ln;
+  combineSend(p, blockIdx.x, ln);
+}
+__global__ void combineWaitKernel(LlArgs p) {
+  CudaLanes ln;
+  combineWait(p, blockIdx.x, ln, ln.nowUs());
+}
+__global__ void combineRecvKernel(LlArgs p) {
+  CudaLanes ln;
+  combineRecvToken(p, blockIdx.x, ln);
+}
+
+int asInt(cudaError_t e) { return static_cast<int>(e); }
+
+}  // namespace
+
+int launchDispatchSend(const LlArgs& p, int experts, int32_t* toks, void* stream) {
+  dispatchSendKernel<<<experts, kLanes, 0, static_cast<cudaStream_t>(stream)>>>(p, toks);
+  return asInt(cudaGetLastError());
+}
+int launchDispatchRecv(const LlArgs& p, void* stream) {
+  dispatchRecvKernel<<<p.local_experts, kLanes, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return asInt(cudaGetLastError());
+}
+int launchCombineSend(const LlArgs& p, void* stream) {
+  combineSendKernel<<<p.world, kLanes, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return asInt(cudaGetLastError());
+}
+int launchCombineRecv(const LlArgs& p, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  combineWaitKernel<<<p.world, kLanes, 0, s>>>(p);
+  if (p.tokens > 0) combineRecvKernel<<<static_cast<unsigned>(p.tokens), kLanes, 0, s>>>(p);
+  return asInt(cudaGetLastError());
+}
+
+}  // namespace mooncake::ep::kern

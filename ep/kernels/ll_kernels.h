@@ -1,0 +1,379 @@
+// The low-latency dispatch/combine kernels' bodies, written once for two executors:
+//   - ep/kernels/ll_kernels.cu: CUDA blocks (CudaLanes: a lane is a thread of the block),
+//     compiled by nvcc when MC_WITH_CUDA is on;
+//   - ep/kernels/host_lanes.h: one host thread per "block", one lane (HostLanes), which
+//     ep/buffer.cc runs instead of its own loops when MC_EP_KERNELS=host and every peer's
+//     buffer is mapped, so the Python and C++ EP tests check these bodies against the
+//     plain-torch reference here, where no GPU is.
+// Same buffer layout and signal protocol as the CPU path (ep/layout.h, ep/kernels/README.md):
+// a rank running these bodies interoperates with one running ep/buffer.cc's loops.
+//
+// Only mapped peers: every rank's buffer is addressed directly (peers[r], this process's view
+// of rank r's buffer: shm here, CUDA IPC on a GPU). Rows of one expert go in token order, so
+// slots, src_info and recv_x equal the CPU path's (which lists tokens in the same order).
+//
+// The Lanes interface (L is the executor's type):
+//   lane(), lanes()                  this lane's index, the block's width
+//   sync()                           block barrier
+//   count(flag, &total)              flags of lanes below this one; total of the block
+//   share(v)                         lane 0's v, to every lane
+//   loadAcquire(p), storeRelease(p, v), fenceSystem()   u64 words seen by other processes
+//   cas(p, expected, desired)        int32 compare-and-swap, returns the old value
+//   ringDoorbell(p)                  wakes the host waiters of a buffer (host: futex)
+//   nowUs(), pause()                 a clock for deadlines, a polite spin
+#pragma once
+
+#include <cstdint>
+
+#include "ep/kernels/numerics.h"
+
+namespace mooncake::ep::kern {
+
+// Decisions about a source (dispatch) or owner (combine), one int32 each, shared by blocks.
+enum Decision : int32_t { kUndecided = 0, kArrived = 1, kSilent = 2, kGaveUp = 3 };
+// Error codes a body leaves in LlArgs::error (the first one wins); error_rank says who.
+enum Error : int32_t {
+  kNoError = 0,
+  kTooManyRows = 1,    // dispatch: a source sent more than M rows for an expert
+  kWrongRowCount = 2,  // combine: an owner returned another number of rows than expected
+  kNoOwnRow = 3,       // combine: the handle has no row of this rank for a token's expert
+};
+constexpr int kMaxTopk = 32;
+constexpr int kDtypeBf16 = 0, kDtypeF32 = 1, kDtypeFp8 = 2;  // ep::DType's values
+
+MC_HD uint64_t makeSignal(uint32_t round, uint32_t count) {
+  return (static_cast<uint64_t>(round) << 32) | count;
+}
+
+// Everything a body needs, plain values and pointers (copied to the device by value).
+struct LlArgs {
+  int me = 0, world = 1, local_experts = 1, topk = 0, dtype = kDtypeBf16;
+  int64_t max_tokens = 0, hidden = 0, tokens = 0;
+  uint32_t round = 0;
+  int64_t timeout_us = -1;  // -1: no deadline
+  // Each rank's buffer as this process addresses it, and offsets in a buffer (this round's
+  // half): ep::BufferGeometry and ep::LowLatencyLayout's numbers.
+  char* const* peers = nullptr;
+  uint64_t dispatch_region = 0, combine_region = 0;
+  uint64_t dispatch_signals = 0;  // dispatchSignal(half, 0)
+  uint64_t combine_signals = 0;   // combineSignal(half, 0)
+  uint64_t abandon_signals = 0;   // abandonSignal(half, kind, 0) of this call's kind
+  uint64_t row_stride = 0, src_base = 0;
+  // The caller's tensors.
+  const void* x = nullptr;
+  const int64_t* topk_idx = nullptr;
+  const float* topk_weights = nullptr;
+  int32_t* active = nullptr;
+  void* recv_x = nullptr;
+  float* recv_scales = nullptr;
+  int32_t* recv_count = nullptr;
+  int32_t* src_info = nullptr;
+  int64_t* layout_range = nullptr;
+  const void* y = nullptr;
+  void* out = nullptr;
+  // Scratch, zeroed before each call's kernels: decision[R], self_count[L], error[2].
+  int32_t* decision = nullptr;
+  int32_t* self_count = nullptr;
+  int32_t* error = nullptr;  // [0] code, [1] rank
+};
+
+// ---- pieces ----
+
+MC_HD uint64_t inputRowBytes(const LlArgs& p) {
+  return static_cast<uint64_t>(p.hidden) * (p.dtype == kDtypeF32 ? 4u : 2u);
+}
+MC_HD uint64_t wireRowBytes(const LlArgs& p) {
+  return p.dtype == kDtypeFp8 ? num::fp8RowBytes(p.hidden) : inputRowBytes(p);
+}
+MC_HD void copyBytes(void* dst, const void* src, uint64_t n) {
+  // 4-byte words when both sides allow (rows are whole elements), else bytes.
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n) & 3u) == 0) {
+    uint32_t* d = static_cast<uint32_t*>(dst);
+    const uint32_t* s = static_cast<const uint32_t*>(src);
+    for (uint64_t i = 0; i < n / 4; ++i) d[i] = s[i];
+  } else {
+    char* d = static_cast<char*>(dst);
+    const char* s = static_cast<const char*>(src);
+    for (uint64_t i = 0; i < n; ++i) d[i] = s[i];
+  }
+}
+MC_HD void setError(const LlArgs& p, int32_t code, int32_t rank) {
+  // First error wins; a benign race between blocks leaves one of them.
+  if (p.error[0] == kNoError) {
+    p.error[1] = rank;
+    p.error[0] = code;
+  }
+}
+
+// Token t of the caller's x as a wire row at dst (fp8: quantized, scales after the bytes).
+MC_HD void writeWireRow(const LlArgs& p, int64_t t, char* dst) {
+  const char* src = static_cast<const char*>(p.x) + t * inputRowBytes(p);
+  if (p.dtype == kDtypeFp8)
+    num::quantizeRow(reinterpret_cast<const uint16_t*>(src), p.hidden, reinterpret_cast<uint8_t*>(dst));
+  else
+    copyBytes(dst, src, inputRowBytes(p));
+}
+
+// Output row `row` of recv_x (and recv_scales) from a wire row.
+MC_HD void storeRecvRow(const LlArgs& p, int64_t row, const char* wire) {
+  if (p.dtype != kDtypeFp8) {
+    copyBytes(static_cast<char*>(p.recv_x) + row * inputRowBytes(p), wire, inputRowBytes(p));
+    return;
+  }
+  const int64_t groups = p.hidden / num::kFp8Group;
+  copyBytes(static_cast<char*>(p.recv_x) + row * p.hidden, wire, p.hidden);
+  copyBytes(p.recv_scales + row * groups, wire + p.hidden, groups * 4);
+}
+
+// Output row `row` of recv_x straight from token t of x (the rank's own experts).
+MC_HD void storeOwnRow(const LlArgs& p, int64_t row, int64_t t) {
+  const char* src = static_cast<const char*>(p.x) + t * inputRowBytes(p);
+  if (p.dtype != kDtypeFp8) {
+    copyBytes(static_cast<char*>(p.recv_x) + row * inputRowBytes(p), src, inputRowBytes(p));
+    return;
+  }
+  const int64_t groups = p.hidden / num::kFp8Group;
+  for (int64_t g = 0; g < groups; ++g)
+    p.recv_scales[row * groups + g] =
+        num::quantizeGroup(reinterpret_cast<const uint16_t*>(src) + g * num::kFp8Group,
+                           static_cast<uint8_t*>(p.recv_x) + row * p.hidden + g * num::kFp8Group);
+}
+
+MC_HD bool routesTo(const LlArgs& p, int64_t t, int64_t e) {
+  for (int k = 0; k < p.topk; ++k)
+    if (p.topk_idx[t * p.topk + k] == e) return true;
+  return false;
+}
+
+// Decides once, for all blocks, whether `src` delivered this round: all `words` signal words
+// from `first` (stride `stride`) carry the round (kArrived), its abandon word does (kGaveUp),
+// or the deadline passed first (kSilent; active[src] = 0). Lane 0 waits; all lanes return it.
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD int32_t decide(const LlArgs& p, Ln& ln, int src, const char* mine, uint64_t first,
+                     uint64_t stride, int words, int64_t start_us) {
+  int32_t d = kUndecided;
+  if (ln.lane() == 0) {
+    int32_t* slot = p.decision + src;
+    d = ln.cas(slot, kUndecided, kUndecided);  // (a read other blocks' writes are seen by)
+    if (d == kUndecided && p.active[src] == 0) d = kSilent;  // not waited for at all
+    while (d == kUndecided) {
+      bool all = true;
+      for (int i = 0; i < words && all; ++i)
+        all = static_cast<uint32_t>(
+                  ln.loadAcquire(reinterpret_cast<const uint64_t*>(mine + first + i * stride)) >>
+                  32) == p.round;
+      int32_t want = kUndecided;
+      if (all) {
+        want = kArrived;
+      } else if (ln.loadAcquire(reinterpret_cast<const uint64_t*>(mine + p.abandon_signals +
+                                                                  src * 8u)) ==
+                 makeSignal(p.round, 1)) {
+        want = kGaveUp;
+      } else if (p.timeout_us >= 0 && ln.nowUs() - start_us >= p.timeout_us) {
+        want = kSilent;
+      }
+      if (want != kUndecided) {
+        const int32_t old = ln.cas(slot, kUndecided, want);
+        d = old == kUndecided ? want : old;
+        if (d == kSilent) p.active[src] = 0;
+      } else {
+        ln.pause();
+        d = ln.cas(slot, kUndecided, kUndecided);
+      }
+    }
+  }
+  return ln.share(d);
+}
+
+// ---- dispatch ----
+
+// Block `e` (global expert): sends this rank's tokens routed to e, in token order, to its
+// owner's dispatch region [l][me][slot] (or, own experts, to recv_x's first block), then the
+// signal word (round, rows). `toks` is scratch of M entries for the block.
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void dispatchSend(const LlArgs& p, int e, Ln& ln, int32_t* toks) {
+  const int L = p.local_experts, o = e / L, l = e % L;
+  if (p.active[o] == 0) return;
+  int64_t n = 0;
+  for (int64_t t0 = 0; t0 < p.tokens; t0 += ln.lanes()) {
+    const int64_t t = t0 + ln.lane();
+    const bool hit = t < p.tokens && routesTo(p, t, e);
+    int total = 0;
+    const int before = ln.count(hit, &total);
+    if (hit) toks[n + before] = static_cast<int32_t>(t);
+    n += total;
+  }
+  ln.sync();
+  const int64_t RM = static_cast<int64_t>(p.world) * p.max_tokens;
+  if (o == p.me) {
+    for (int64_t j = ln.lane(); j < n; j += ln.lanes()) {
+      storeOwnRow(p, l * RM + j, toks[j]);
+      p.src_info[l * RM + j] = toks[j];
+    }
+    if (ln.lane() == 0) p.self_count[l] = static_cast<int32_t>(n);
+    return;
+  }
+  char* dst = p.peers[o];
+  const uint64_t block = (static_cast<uint64_t>(l) * p.world + p.me) * p.max_tokens;
+  for (int64_t j = ln.lane(); j < n; j += ln.lanes()) {
+    writeWireRow(p, toks[j], dst + p.dispatch_region + (block + j) * p.row_stride);
+    *reinterpret_cast<int32_t*>(dst + p.dispatch_region + p.src_base + (block + j) * 4) = toks[j];
+  }
+  ln.fenceSystem();  // every lane's rows before lane 0's release of the signal
+  ln.sync();
+  if (ln.lane() == 0) {
+    ln.storeRelease(
+        reinterpret_cast<uint64_t*>(dst + p.dispatch_signals + (static_cast<uint64_t>(l) * p.world + p.me) * 8),
+        makeSignal(p.round, static_cast<uint32_t>(n)));
+    ln.ringDoorbell(reinterpret_cast<uint32_t*>(dst));
+  }
+}
+
+// Block `l` (local expert): recv_x's blocks in source order from this rank (own rows, which
+// dispatchSend of the same call wrote) on; a source counts once all its L signal words carry
+// the round (decide). layout_range[l][r] = (begin << 32) | count; empty blocks at the end.
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void dispatchRecv(const LlArgs& p, int l, Ln& ln, int64_t start_us) {
+  const int R = p.world, L = p.local_experts, me = p.me;
+  const int64_t RM = static_cast<int64_t>(R) * p.max_tokens;
+  const char* mine = p.peers[me];
+  int64_t begin = p.active[me] != 0 ? p.self_count[l] : 0;
+  if (ln.lane() == 0)
+    for (int r = 0; r < R; ++r) p.layout_range[l * R + r] = r == me ? begin : 0;
+  for (int step = 1; step < R; ++step) {
+    const int r = (me + step) % R;
+    const int32_t d = decide(p, ln, r, mine, p.dispatch_signals + static_cast<uint64_t>(r) * 8,
+                             static_cast<uint64_t>(R) * 8, L, start_us);
+    if (d != kArrived) continue;
+    const uint64_t w = ln.loadAcquire(reinterpret_cast<const uint64_t*>(
+        mine + p.dispatch_signals + (static_cast<uint64_t>(l) * R + r) * 8));
+    const int64_t c = static_cast<uint32_t>(w);
+    if (c > p.max_tokens) {
+      if (ln.lane() == 0) setError(p, kTooManyRows, r);
+      continue;
+    }
+    const uint64_t block = (static_cast<uint64_t>(l) * R + r) * p.max_tokens;
+    for (int64_t j = ln.lane(); j < c; j += ln.lanes()) {
+      storeRecvRow(p, l * RM + begin + j, mine + p.dispatch_region + (block + j) * p.row_stride);
+      p.src_info[l * RM + begin + j] =
+          *reinterpret_cast<const int32_t*>(mine + p.dispatch_region + p.src_base + (block + j) * 4);
+    }
+    if (ln.lane() == 0) p.layout_range[l * R + r] = (begin << 32) | c;
+    begin += c;
+  }
+  ln.sync();
+  if (ln.lane() == 0) {
+    p.recv_count[l] = static_cast<int32_t>(begin);
+    for (int r = 0; r < R; ++r)
+      if ((p.layout_range[l * R + r] & 0xffffffff) == 0) p.layout_range[l * R + r] = begin << 32;
+  }
+}
+
+// ---- combine ----
+
+// Block `r` (destination rank): this rank's expert outputs for r's tokens go to r's combine
+// region row (global expert, token), then one signal word (round, rows).
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void combineSend(const LlArgs& p, int r, Ln& ln) {
+  const int R = p.world, L = p.local_experts, me = p.me;
+  if (r == me || p.active[r] == 0) return;
+  const int64_t RM = static_cast<int64_t>(R) * p.max_tokens;
+  const uint64_t row_bytes = inputRowBytes(p);
+  char* dst = p.peers[r];
+  uint32_t rows = 0;
+  for (int l = 0; l < L; ++l) {
+    const int64_t v = p.layout_range[l * R + r];
+    const int64_t b = v >> 32, c = v & 0xffffffff;
+    for (int64_t i = b + ln.lane(); i < b + c; i += ln.lanes()) {
+      const uint64_t row = static_cast<uint64_t>(me * L + l) * p.max_tokens + p.src_info[l * RM + i];
+      copyBytes(dst + p.combine_region + row * p.row_stride,
+                static_cast<const char*>(p.y) + (l * RM + i) * row_bytes, row_bytes);
+    }
+    rows += static_cast<uint32_t>(c);
+  }
+  ln.fenceSystem();
+  ln.sync();
+  if (ln.lane() == 0) {
+    ln.storeRelease(reinterpret_cast<uint64_t*>(dst + p.combine_signals + static_cast<uint64_t>(me) * 8),
+                    makeSignal(p.round, rows));
+    ln.ringDoorbell(reinterpret_cast<uint32_t*>(dst));
+  }
+}
+
+// Block `o` (owner rank) of the combine's wait: decides o and checks its row count against
+// this rank's topk_idx. Run for every owner before combineRecvToken.
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void combineWait(const LlArgs& p, int o, Ln& ln, int64_t start_us) {
+  if (o == p.me) return;
+  const int32_t d = decide(p, ln, o, p.peers[p.me], p.combine_signals + static_cast<uint64_t>(o) * 8,
+                           8, 1, start_us);
+  if (d != kArrived || ln.lane() != 0) return;
+  uint32_t expected = 0;
+  for (int64_t i = 0; i < p.tokens * p.topk; ++i)
+    if (p.topk_idx[i] >= 0 && p.topk_idx[i] / p.local_experts == o) ++expected;
+  const uint64_t w = ln.loadAcquire(
+      reinterpret_cast<const uint64_t*>(p.peers[p.me] + p.combine_signals + static_cast<uint64_t>(o) * 8));
+  if (static_cast<uint32_t>(w) != expected) setError(p, kWrongRowCount, o);
+}
+
+MC_HD float loadElem(const void* row, int64_t h, int dtype) {
+  if (dtype == kDtypeF32) return static_cast<const float*>(row)[h];
+  return num::bf16ToFloat(static_cast<const uint16_t*>(row)[h]);
+}
+
+// Block `t` (token): out[t] = ((0 + w_0 * row_0) + w_1 * row_1) + ... over k ascending whose
+// owner is active, in float32, rounded once (ep::combineRows' order: bit-exact with it).
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void combineRecvToken(const LlArgs& p, int64_t t, Ln& ln) {
+  const int R = p.world, L = p.local_experts, me = p.me;
+  const int64_t RM = static_cast<int64_t>(R) * p.max_tokens;
+  const uint64_t row_bytes = inputRowBytes(p);
+  const char* rows[kMaxTopk];
+  float ws[kMaxTopk];
+  int n = 0;
+  for (int k = 0; k < p.topk; ++k) {
+    const int64_t e = p.topk_idx[t * p.topk + k];
+    if (e < 0) continue;
+    const int o = static_cast<int>(e / L);
+    if (p.active[o] == 0) continue;
+    const char* row = nullptr;
+    if (o == me) {  // this rank's own output for (e, t): y's self block, found by src_info
+      const int l = static_cast<int>(e - static_cast<int64_t>(me) * L);
+      const int64_t v = p.layout_range[l * R + me];
+      for (int64_t i = v >> 32; i < (v >> 32) + (v & 0xffffffff); ++i)
+        if (p.src_info[l * RM + i] == t) {
+          row = static_cast<const char*>(p.y) + (l * RM + i) * row_bytes;
+          break;
+        }
+      if (row == nullptr) {
+        if (ln.lane() == 0) setError(p, kNoOwnRow, static_cast<int32_t>(t));
+        return;
+      }
+    } else {
+      row = p.peers[me] + p.combine_region +
+            (static_cast<uint64_t>(e) * p.max_tokens + t) * p.row_stride;
+    }
+    rows[n] = row;
+    ws[n++] = p.topk_weights[t * p.topk + k];
+  }
+  char* out = static_cast<char*>(p.out) + t * row_bytes;
+  for (int64_t h = ln.lane(); h < p.hidden; h += ln.lanes()) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const float prod = ws[i] * loadElem(rows[i], h, p.dtype);
+      acc = i == 0 ? 0.0f + prod : acc + prod;
+    }
+    if (p.dtype == kDtypeF32)
+      reinterpret_cast<float*>(out)[h] = acc;
+    else
+      reinterpret_cast<uint16_t*>(out)[h] = num::floatToBf16(acc);
+  }
+}
+
+}  // namespace mooncake::ep::kern

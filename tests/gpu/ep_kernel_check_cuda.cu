@@ -1,0 +1,86 @@
+// GPU 0's executor for tests/gpu/ep_kernel_check (ep/kernels/ll_kernels.cu's launchers on one
+// stream). Built with nvcc together with ep_kernel_check.cc (-DMC_EP_CHECK_CUDA).
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+
+#include "ep/kernels/ll_launch.h"
+#include "tests/gpu/ep_kernel_exec.h"
+
+namespace mooncake::ep::kern {
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+void checkLaunch(int e, const char* what) { check(static_cast<cudaError_t>(e), what); }
+
+class CudaExec : public Exec {
+ public:
+  CudaExec() { check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate"); }
+  ~CudaExec() override { cudaStreamDestroy(s_); }
+  const char* name() const override { return "cuda"; }
+  void* alloc(size_t n) override {
+    void* p = nullptr;
+    check(cudaMalloc(&p, n == 0 ? 1 : n), "cudaMalloc");
+    check(cudaMemset(p, 0, n == 0 ? 1 : n), "cudaMemset");
+    return p;
+  }
+  void release(void* p) override { cudaFree(p); }
+  void upload(void* dst, const void* src, size_t n) override {
+    check(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, s_), "upload");
+    check(cudaStreamSynchronize(s_), "upload");
+  }
+  void download(void* dst, const void* src, size_t n) override {
+    check(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, s_), "download");
+    check(cudaStreamSynchronize(s_), "download");
+  }
+  void zero(void* p, size_t n) override { check(cudaMemsetAsync(p, 0, n, s_), "cudaMemsetAsync"); }
+  void dispatchSend(const LlArgs& p, int experts, int32_t* toks) override {
+    checkLaunch(launchDispatchSend(p, experts, toks, s_), "dispatch send launch");
+  }
+  void dispatchRecv(const LlArgs& p) override {
+    checkLaunch(launchDispatchRecv(p, s_), "dispatch recv launch");
+  }
+  void combineSend(const LlArgs& p) override {
+    checkLaunch(launchCombineSend(p, s_), "combine send launch");
+  }
+  void combineRecv(const LlArgs& p) override {
+    checkLaunch(launchCombineRecv(p, s_), "combine recv launch");
+  }
+  void finish() override { check(cudaStreamSynchronize(s_), "kernels"); }
+  double copyRateGBs(size_t bytes) override {
+    void *a = alloc(bytes), *b = alloc(bytes);
+    check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s_), "d2d");
+    finish();
+    const int n = 20;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n; ++i)
+      check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s_), "d2d");
+    finish();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    release(a);
+    release(b);
+    return static_cast<double>(bytes) * n / s / 1e9;
+  }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Exec> makeCudaExec(std::string* why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    *why = e != cudaSuccess ? cudaGetErrorString(e) : "no CUDA device";
+    return nullptr;
+  }
+  return std::make_unique<CudaExec>();
+}
+
+}  // namespace mooncake::ep::kern
