@@ -311,7 +311,10 @@ class TransferEngine::Impl {
   }
 
   Status peerStatus(const PeerEntry* e) const {
-    if (!e->dead.load(std::memory_order_acquire)) return Status::OK();
+    if (!e->dead.load(std::memory_order_acquire)) {
+      // The control link may already fail requests while the engine has not heard yet.
+      return e->control ? e->control->health() : Status::OK();
+    }
     std::lock_guard<std::mutex> g(const_cast<PeerEntry*>(e)->mu);
     return e->why;
   }

@@ -112,6 +112,10 @@ class TransportPeer {
   virtual Status updateRemote(const SegmentDesc& remote) = 0;
   // Poison: fail pending and future tasks with `why`.
   virtual void fail(const Status& why) = 0;
+  // The failure this link already fails new tasks with (OK while none). The engine's
+  // peerStatus() consults it: a link fails its tasks as soon as it sees the peer go, a moment
+  // before the engine itself hears of it (tcp: on its progress thread).
+  virtual Status health() { return Status::OK(); }
   // Waits until every task submitted here so far has moved its bytes (a transport whose
   // tasks complete later than submit returns: cuda). The engine calls it before a
   // notification it sends over another transport of the same peer.

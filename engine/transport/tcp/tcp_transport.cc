@@ -702,6 +702,13 @@ class TcpPeer : public TransportPeer {
     return Status::OK();
   }
   void fail(const Status& why) override { st_->core->fail(st_, why); }
+  Status health() override {
+    std::lock_guard<std::mutex> g(st_->mu);
+    if (!st_->failed) return Status::OK();
+    return st_->why.code() == Code::kPeerDead
+               ? st_->why
+               : MC_STATUS(kPeerDead, "tcp peer " << st_->label << " lost: " << st_->why.message());
+  }
 
  private:
   std::shared_ptr<PeerState> st_;
