@@ -8,25 +8,29 @@
 //     to one expert, two rounds (both buffer halves);
 //   - a rank that sends nothing: the others mark it inactive by the bodies' own deadline
 //     (timeout_us) and finish.
-// Executors: "host" (HostLanes, one thread: runs everywhere, ctest ep.kernel_check_host) and
-// "cuda" (ep/kernels/ll_kernels.cu on GPU 0, built with nvcc by scripts/gpu_check.sh and in
+// Executors: "host" (HostLanes, one thread: runs everywhere, ctest ep.kernel_check_host),
+// "threads" (each block's lanes are 5 host threads with barriers: the multi-lane logic, ctest
+// ep.kernel_check_threads; compared with "host" bit for bit) and "cuda" (ep/kernels/ll_kernels.cu on GPU 0, built with nvcc by scripts/gpu_check.sh and in
 // the build when MC_WITH_CUDA; only runs where a GPU is). With "cuda" the results must also
 // equal the host executor's bit for bit, and dispatch/combine are timed at 128 tokens x 7168
 // x top-8 (all ranks' kernels on one GPU, one stream: sends, then receives) beside the GPU's
 // device-to-device copy rate.
 //
-//   ep_kernel_check host|cuda [json path]
+//   ep_kernel_check host|threads|cuda [json path]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ep/kernels/host_lanes.h"
@@ -83,6 +87,107 @@ std::unique_ptr<kern::Exec> kern::makeCudaExec(std::string* why) {
 }
 namespace {
 #endif
+
+// ---- the threads executor: each block's lanes are host threads (kThreadLanes of them, not
+// a multiple of anything on purpose), so the bodies' multi-lane logic -- striding, count(),
+// share(), the barriers' placement, lane 0's waits -- runs here as on a GPU block. ----
+constexpr int kThreadLanes = 5;
+
+class BlockThreads {
+ public:
+  explicit BlockThreads(int n) : n_(n), flags_(n) {}
+  int size() const { return n_; }
+  void barrier() {
+    std::unique_lock<std::mutex> g(mu_);
+    const uint64_t gen = gen_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(g, [&] { return gen_ != gen; });
+  }
+  std::vector<int>& flags() { return flags_; }
+  int32_t& shared() { return shared_; }
+
+ private:
+  const int n_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  uint64_t gen_ = 0;
+  std::vector<int> flags_;
+  int32_t shared_ = 0;
+};
+
+struct ThreadLanes : kern::HostLanes {
+  ThreadLanes(BlockThreads* b, int id) : b_(b), id_(id) {}
+  int lane() const { return id_; }
+  int lanes() const { return b_->size(); }
+  void sync() { b_->barrier(); }
+  int count(bool flag, int* total) {
+    b_->flags()[id_] = flag ? 1 : 0;
+    b_->barrier();
+    int before = 0, all = 0;
+    for (int i = 0; i < b_->size(); ++i) {
+      before += i < id_ ? b_->flags()[i] : 0;
+      all += b_->flags()[i];
+    }
+    b_->barrier();
+    *total = all;
+    return before;
+  }
+  int32_t share(int32_t v) {
+    b_->barrier();
+    if (id_ == 0) b_->shared() = v;
+    b_->barrier();
+    const int32_t r = b_->shared();
+    b_->barrier();
+    return r;
+  }
+
+ private:
+  BlockThreads* b_;
+  int id_;
+};
+
+// Runs body(lanes) on kThreadLanes threads as one block.
+template <typename Body>
+void runBlock(Body body) {
+  BlockThreads b(kThreadLanes);
+  std::vector<std::thread> ts;
+  for (int i = 0; i < kThreadLanes; ++i)
+    ts.emplace_back([&b, i, &body] {
+      ThreadLanes ln(&b, i);
+      body(ln);
+    });
+  for (auto& t : ts) t.join();
+}
+
+class ThreadsExec : public HostExec {
+ public:
+  const char* name() const override { return "threads"; }
+  void dispatchSend(const kern::LlArgs& p, int experts, int32_t* toks) override {
+    for (int e = 0; e < experts; ++e)
+      runBlock([&](ThreadLanes& ln) { kern::dispatchSend(p, e, ln, toks + e * p.max_tokens); });
+  }
+  void dispatchRecv(const kern::LlArgs& p) override {
+    const int64_t start = kern::HostLanes().nowUs();
+    for (int l = 0; l < p.local_experts; ++l)
+      runBlock([&](ThreadLanes& ln) { kern::dispatchRecv(p, l, ln, start); });
+  }
+  void combineSend(const kern::LlArgs& p) override {
+    for (int r = 0; r < p.world; ++r) runBlock([&](ThreadLanes& ln) { kern::combineSend(p, r, ln); });
+  }
+  void combineRecv(const kern::LlArgs& p) override {
+    const int64_t start = kern::HostLanes().nowUs();
+    for (int o = 0; o < p.world; ++o)
+      runBlock([&](ThreadLanes& ln) { kern::combineWait(p, o, ln, start); });
+    for (int64_t t = 0; t < p.tokens; ++t)
+      runBlock([&](ThreadLanes& ln) { kern::combineRecvToken(p, t, ln); });
+  }
+};
 
 struct Shape {
   int R, M, H, E, K;
@@ -575,9 +680,12 @@ int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "host";
   const std::string json = argc > 2 ? argv[2] : "";
   HostExec host;
+  ThreadsExec threads;
   std::unique_ptr<kern::Exec> cuda;
   kern::Exec* ex = &host;
-  if (which == "cuda") {
+  if (which == "threads") {
+    ex = &threads;
+  } else if (which == "cuda") {
     std::string why;
     cuda = kern::makeCudaExec(&why);
     if (!cuda) {
@@ -597,7 +705,7 @@ int main(int argc, char** argv) {
   rows.push_back(runShape(*ex, ref, {3, 24, 128, 6, 2, ep::DType::kBFloat16, 0, 8}, -1, -1));
   rows.push_back(runShape(*ex, ref, {4, 20, 128, 8, 2, ep::DType::kFloat32, -1, 9}, 3, 20000));
   rows.push_back(runShape(*ex, ref, {3, 20, 256, 6, 3, ep::DType::kFp8, -1, 10}, 1, 20000));
-  if (ex != &host)
+  if (ex == cuda.get())
     for (int R : {2, 4}) rows.push_back(timeShape(*ex, R));
   bool all = true;
   std::string lines;
