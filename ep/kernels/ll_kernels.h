@@ -85,16 +85,28 @@ MC_HD uint64_t inputRowBytes(const LlArgs& p) {
 MC_HD uint64_t wireRowBytes(const LlArgs& p) {
   return p.dtype == kDtypeFp8 ? num::fp8RowBytes(p.hidden) : inputRowBytes(p);
 }
-MC_HD void copyBytes(void* dst, const void* src, uint64_t n) {
-  // 4-byte words when both sides allow (rows are whole elements), else bytes.
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n) & 3u) == 0) {
+// The block's lanes copy n bytes together: 16-byte words when both sides and n allow (rows in
+// the buffer are 64-byte aligned), else 4-byte words, else bytes.
+struct alignas(16) Word16 {
+  uint32_t w[4];
+};
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void laneCopy(Ln& ln, void* dst, const void* src, uint64_t n) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n;
+  const uint64_t lane = ln.lane(), lanes = ln.lanes();
+  if ((a & 15u) == 0) {
+    Word16* d = static_cast<Word16*>(dst);
+    const Word16* s = static_cast<const Word16*>(src);
+    for (uint64_t i = lane; i < n / 16; i += lanes) d[i] = s[i];
+  } else if ((a & 3u) == 0) {
     uint32_t* d = static_cast<uint32_t*>(dst);
     const uint32_t* s = static_cast<const uint32_t*>(src);
-    for (uint64_t i = 0; i < n / 4; ++i) d[i] = s[i];
+    for (uint64_t i = lane; i < n / 4; i += lanes) d[i] = s[i];
   } else {
     char* d = static_cast<char*>(dst);
     const char* s = static_cast<const char*>(src);
-    for (uint64_t i = 0; i < n; ++i) d[i] = s[i];
+    for (uint64_t i = lane; i < n; i += lanes) d[i] = s[i];
   }
 }
 MC_HD void setError(const LlArgs& p, int32_t code, int32_t rank) {
@@ -105,38 +117,49 @@ MC_HD void setError(const LlArgs& p, int32_t code, int32_t rank) {
   }
 }
 
-// Token t of the caller's x as a wire row at dst (fp8: quantized, scales after the bytes).
-MC_HD void writeWireRow(const LlArgs& p, int64_t t, char* dst) {
-  const char* src = static_cast<const char*>(p.x) + t * inputRowBytes(p);
-  if (p.dtype == kDtypeFp8)
-    num::quantizeRow(reinterpret_cast<const uint16_t*>(src), p.hidden, reinterpret_cast<uint8_t*>(dst));
-  else
-    copyBytes(dst, src, inputRowBytes(p));
+// fp8: group g of a bf16 row quantized into q (128 bytes) and its scale stored at *scale.
+MC_HD void quantizeInto(const char* x_row, int64_t g, uint8_t* q, void* scale) {
+  const float s =
+      num::quantizeGroup(reinterpret_cast<const uint16_t*>(x_row) + g * num::kFp8Group, q);
+  memcpy(scale, &s, 4);
 }
 
-// Output row `row` of recv_x (and recv_scales) from a wire row.
-MC_HD void storeRecvRow(const LlArgs& p, int64_t row, const char* wire) {
-  if (p.dtype != kDtypeFp8) {
-    copyBytes(static_cast<char*>(p.recv_x) + row * inputRowBytes(p), wire, inputRowBytes(p));
-    return;
-  }
+// Token t of the caller's x as a wire row at dst, by the block's lanes (fp8: a group each,
+// the scales after the bytes).
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void writeWireRow(Ln& ln, const LlArgs& p, int64_t t, char* dst) {
+  const char* src = static_cast<const char*>(p.x) + t * inputRowBytes(p);
+  if (p.dtype != kDtypeFp8) return laneCopy(ln, dst, src, inputRowBytes(p));
+  for (int64_t g = ln.lane(); g < p.hidden / num::kFp8Group; g += ln.lanes())
+    quantizeInto(src, g, reinterpret_cast<uint8_t*>(dst) + g * num::kFp8Group,
+                 dst + p.hidden + g * 4);
+}
+
+// Output row `row` of recv_x (and recv_scales) from a wire row, by the block's lanes.
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void storeRecvRow(Ln& ln, const LlArgs& p, int64_t row, const char* wire) {
+  if (p.dtype != kDtypeFp8)
+    return laneCopy(ln, static_cast<char*>(p.recv_x) + row * inputRowBytes(p), wire,
+                    inputRowBytes(p));
   const int64_t groups = p.hidden / num::kFp8Group;
-  copyBytes(static_cast<char*>(p.recv_x) + row * p.hidden, wire, p.hidden);
-  copyBytes(p.recv_scales + row * groups, wire + p.hidden, groups * 4);
+  laneCopy(ln, static_cast<char*>(p.recv_x) + row * p.hidden, wire, p.hidden);
+  laneCopy(ln, p.recv_scales + row * groups, wire + p.hidden, groups * 4);
 }
 
 // Output row `row` of recv_x straight from token t of x (the rank's own experts).
-MC_HD void storeOwnRow(const LlArgs& p, int64_t row, int64_t t) {
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void storeOwnRow(Ln& ln, const LlArgs& p, int64_t row, int64_t t) {
   const char* src = static_cast<const char*>(p.x) + t * inputRowBytes(p);
-  if (p.dtype != kDtypeFp8) {
-    copyBytes(static_cast<char*>(p.recv_x) + row * inputRowBytes(p), src, inputRowBytes(p));
-    return;
-  }
+  if (p.dtype != kDtypeFp8)
+    return laneCopy(ln, static_cast<char*>(p.recv_x) + row * inputRowBytes(p), src,
+                    inputRowBytes(p));
   const int64_t groups = p.hidden / num::kFp8Group;
-  for (int64_t g = 0; g < groups; ++g)
-    p.recv_scales[row * groups + g] =
-        num::quantizeGroup(reinterpret_cast<const uint16_t*>(src) + g * num::kFp8Group,
-                           static_cast<uint8_t*>(p.recv_x) + row * p.hidden + g * num::kFp8Group);
+  for (int64_t g = ln.lane(); g < groups; g += ln.lanes())
+    quantizeInto(src, g, static_cast<uint8_t*>(p.recv_x) + row * p.hidden + g * num::kFp8Group,
+                 p.recv_scales + row * groups + g);
 }
 
 MC_HD bool routesTo(const LlArgs& p, int64_t t, int64_t e) {
@@ -208,19 +231,17 @@ MC_HD void dispatchSend(const LlArgs& p, int e, Ln& ln, int32_t* toks) {
   ln.sync();
   const int64_t RM = static_cast<int64_t>(p.world) * p.max_tokens;
   if (o == p.me) {
-    for (int64_t j = ln.lane(); j < n; j += ln.lanes()) {
-      storeOwnRow(p, l * RM + j, toks[j]);
-      p.src_info[l * RM + j] = toks[j];
-    }
+    for (int64_t j = 0; j < n; ++j) storeOwnRow(ln, p, l * RM + j, toks[j]);
+    for (int64_t j = ln.lane(); j < n; j += ln.lanes()) p.src_info[l * RM + j] = toks[j];
     if (ln.lane() == 0) p.self_count[l] = static_cast<int32_t>(n);
     return;
   }
   char* dst = p.peers[o];
   const uint64_t block = (static_cast<uint64_t>(l) * p.world + p.me) * p.max_tokens;
-  for (int64_t j = ln.lane(); j < n; j += ln.lanes()) {
-    writeWireRow(p, toks[j], dst + p.dispatch_region + (block + j) * p.row_stride);
+  for (int64_t j = 0; j < n; ++j)
+    writeWireRow(ln, p, toks[j], dst + p.dispatch_region + (block + j) * p.row_stride);
+  for (int64_t j = ln.lane(); j < n; j += ln.lanes())
     *reinterpret_cast<int32_t*>(dst + p.dispatch_region + p.src_base + (block + j) * 4) = toks[j];
-  }
   ln.fenceSystem();  // every lane's rows before lane 0's release of the signal
   ln.sync();
   if (ln.lane() == 0) {
@@ -256,11 +277,11 @@ MC_HD void dispatchRecv(const LlArgs& p, int l, Ln& ln, int64_t start_us) {
       continue;
     }
     const uint64_t block = (static_cast<uint64_t>(l) * R + r) * p.max_tokens;
-    for (int64_t j = ln.lane(); j < c; j += ln.lanes()) {
-      storeRecvRow(p, l * RM + begin + j, mine + p.dispatch_region + (block + j) * p.row_stride);
+    for (int64_t j = 0; j < c; ++j)
+      storeRecvRow(ln, p, l * RM + begin + j, mine + p.dispatch_region + (block + j) * p.row_stride);
+    for (int64_t j = ln.lane(); j < c; j += ln.lanes())
       p.src_info[l * RM + begin + j] =
           *reinterpret_cast<const int32_t*>(mine + p.dispatch_region + p.src_base + (block + j) * 4);
-    }
     if (ln.lane() == 0) p.layout_range[l * R + r] = (begin << 32) | c;
     begin += c;
   }
@@ -288,10 +309,10 @@ MC_HD void combineSend(const LlArgs& p, int r, Ln& ln) {
   for (int l = 0; l < L; ++l) {
     const int64_t v = p.layout_range[l * R + r];
     const int64_t b = v >> 32, c = v & 0xffffffff;
-    for (int64_t i = b + ln.lane(); i < b + c; i += ln.lanes()) {
+    for (int64_t i = b; i < b + c; ++i) {
       const uint64_t row = static_cast<uint64_t>(me * L + l) * p.max_tokens + p.src_info[l * RM + i];
-      copyBytes(dst + p.combine_region + row * p.row_stride,
-                static_cast<const char*>(p.y) + (l * RM + i) * row_bytes, row_bytes);
+      laneCopy(ln, dst + p.combine_region + row * p.row_stride,
+               static_cast<const char*>(p.y) + (l * RM + i) * row_bytes, row_bytes);
     }
     rows += static_cast<uint32_t>(c);
   }
