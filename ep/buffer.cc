@@ -18,9 +18,6 @@ namespace {
 
 using engine::Clock;
 
-// How long signals of a peer already seen dead are still awaited (see waitSources).
-constexpr auto kDeadPeerGrace = std::chrono::milliseconds(100);
-
 [[noreturn]] void invalid(const std::string& op, const std::string& what) {
   throw std::invalid_argument(op + ": " + what);
 }
@@ -531,6 +528,9 @@ void EpBuffer::validate(const LowLatencyCombineArgs& a) const {
   if (a.topk <= 0) invalid(op, str("topk_idx has ", a.topk, " columns"));
   if (a.timeout_us < -1) invalid(op, str("timeout_us=", a.timeout_us, " (-1: no timeout)"));
   if (a.dtype == DType::kFp8) invalid(op, "y must be bfloat16 or float32, not fp8");
+  if (kernelPath() && a.topk > kern::kMaxTopk)
+    invalid(op, str("topk_idx has ", a.topk, " columns; the kernels take at most ", kern::kMaxTopk,
+                    " (MC_EP_KERNELS=host)"));
   auto l = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
   if (std::max(l.dispatch_bytes, l.combine_bytes) > geo_.regionBytes())
     invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),

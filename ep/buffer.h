@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "ep/kernels/host_lanes.h"
 #include "ep/kernels/ll_kernels.h"
 #include "ep/layout.h"
 
@@ -241,6 +242,12 @@ class EpBuffer {
   static void storeRecvRows(const LowLatencyDispatchArgs& a, int64_t first, const char* src,
                             size_t src_stride, int64_t n, bool stream);
   bool peerDead(int r) const;
+  // A peer seen dead may have sent everything just before it went: its signal message can
+  // still be queued in this engine behind the notice of its death. Waits allow this long.
+  static constexpr std::chrono::milliseconds kDeadPeerGrace{100};
+  // HostLanes for a kernel call's waits: a source is gone once its engine peer has been dead
+  // for kDeadPeerGrace (the CPU path's rule), checked at most every millisecond per rank.
+  kern::HostLanes watchingLanes() const;
   bool abandoned(RoundKind kind, uint32_t round, int r);
   // Wraps a wait's arrival test so that a source that gave up the round counts as arrived
   // (recorded in *gave_up instead of handled); throwIfAbandoned() then reports them.

@@ -2,6 +2,8 @@
 // this thread by ep/kernels/host_lanes.h (MC_EP_KERNELS=host): one call per block, in an
 // order that lets a single thread finish every block (a dispatch's sends before its
 // receives, a combine's owner waits before its tokens).
+#include <chrono>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 
@@ -21,6 +23,26 @@ std::string str(const A&... a) {
 }
 
 }  // namespace
+
+kern::HostLanes EpBuffer::watchingLanes() const {
+  using Clock = std::chrono::steady_clock;
+  struct Watch {
+    std::vector<Clock::time_point> dead_since, next_check;
+  };
+  auto w = std::make_shared<Watch>();
+  w->dead_since.assign(g_.size, Clock::time_point::max());
+  w->next_check.assign(g_.size, Clock::time_point::min());
+  kern::HostLanes ln;
+  ln.gone = [this, w](int r) {
+    const auto now = Clock::now();
+    if (w->dead_since[r] == Clock::time_point::max() && now >= w->next_check[r]) {
+      w->next_check[r] = now + std::chrono::milliseconds(1);
+      if (peerDead(r)) w->dead_since[r] = now;
+    }
+    return w->dead_since[r] != Clock::time_point::max() && now - w->dead_since[r] >= kDeadPeerGrace;
+  };
+  return ln;
+}
 
 bool EpBuffer::kernelPath() const {
   if (!host_kernels_) return false;
@@ -107,7 +129,7 @@ void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
   std::vector<int32_t> decision(g_.size, kern::kUndecided), error(2, kern::kNoError);
   p.decision = decision.data();
   p.error = error.data();
-  kern::HostLanes ln;
+  kern::HostLanes ln = watchingLanes();
   const int64_t start = ln.nowUs();
   for (int l = 0; l < p.local_experts; ++l) kern::dispatchRecv(p, l, ln, start);
   kernelOutcome("dispatch", RoundKind::kDispatch, round, decision, was_active);
@@ -131,9 +153,6 @@ void EpBuffer::kernelCombineSend(const LowLatencyCombineArgs& a, uint32_t round)
 void EpBuffer::kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round) {
   kern::LlArgs p =
       kernelArgs(round, RoundKind::kCombine, a.experts, a.max_tokens, a.hidden, a.dtype);
-  if (a.topk > kern::kMaxTopk)
-    throw std::invalid_argument(str("combine: topk ", a.topk, " above ", kern::kMaxTopk,
-                                    " (MC_EP_KERNELS=host)"));
   p.y = a.y;
   p.tokens = a.tokens;
   p.topk = a.topk;
@@ -148,7 +167,7 @@ void EpBuffer::kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
   std::vector<int32_t> decision(g_.size, kern::kUndecided), error(2, kern::kNoError);
   p.decision = decision.data();
   p.error = error.data();
-  kern::HostLanes ln;
+  kern::HostLanes ln = watchingLanes();
   const int64_t start = ln.nowUs();
   for (int o = 0; o < g_.size; ++o) kern::combineWait(p, o, ln, start);
   kernelOutcome("combine", RoundKind::kCombine, round, decision, was_active);

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <thread>
 
 #include "engine/futex.h"
@@ -42,6 +43,10 @@ struct HostLanes {
         .count();
   }
   void pause() { std::this_thread::yield(); }
+  // Set by the caller that knows the peers (ep/ll_host.cc: the engine's view, with the CPU
+  // path's grace for signals still queued behind a death notice); unset: nobody is gone.
+  std::function<bool(int)> gone;
+  bool peerGone(int r) const { return gone && gone(r); }
 };
 
 }  // namespace mooncake::ep::kern

@@ -58,6 +58,7 @@ struct CudaLanes {
     return static_cast<int64_t>(ns / 1000);
   }
   __device__ void pause() { __nanosleep(256); }
+  __device__ bool peerGone(int) const { return false; }
 };
 
 namespace {

@@ -21,6 +21,8 @@
 //   cas(p, expected, desired)        int32 compare-and-swap, returns the old value
 //   ringDoorbell(p)                  wakes the host waiters of a buffer (host: futex)
 //   nowUs(), pause()                 a clock for deadlines, a polite spin
+//   peerGone(r)                      rank r is known dead (host: its engine peer, after a
+//                                    grace; a kernel: never, it has timeout_us only)
 #pragma once
 
 #include <cstdint>
@@ -193,7 +195,8 @@ MC_HD int32_t decide(const LlArgs& p, Ln& ln, int src, const char* mine, uint64_
                                                                   src * 8u)) ==
                  makeSignal(p.round, 1)) {
         want = kGaveUp;
-      } else if (p.timeout_us >= 0 && ln.nowUs() - start_us >= p.timeout_us) {
+      } else if ((p.timeout_us >= 0 && ln.nowUs() - start_us >= p.timeout_us) ||
+                 ln.peerGone(src)) {
         want = kSilent;
       }
       if (want != kUndecided) {

@@ -699,7 +699,14 @@ def case_kill_between_dispatch_and_combine(ctx):
     ctx.wait_all("dispatched", ranks=[r for r in range(R) if active[r]])
     if me == victim:
         _kill_self()
-    out, _, _ = buf.combine(ll_y(cfg, me, recv_x, cnt), topk, w, active, 3_000_000, handle)
+    # EP_CASES_COMBINE_NO_TIMEOUT=1: timeout_us=-1, so only the engine's notice of the death
+    # can end the wait (within a second: the notice, then the 100 ms grace).
+    no_timeout = os.environ.get("EP_CASES_COMBINE_NO_TIMEOUT") == "1"
+    t0 = time.time()
+    out, _, _ = buf.combine(ll_y(cfg, me, recv_x, cnt), topk, w, active,
+                            -1 if no_timeout else 3_000_000, handle)
+    if no_timeout and time.time() - t0 > 2.0:
+        fails.append(f"combine without a timeout took {time.time() - t0:.1f}s to drop the dead rank")
     if int(active[victim]) != 0:
         fails.append(f"victim still active: {active.tolist()}")
     fails += check_ll_combine(cfg, me, out, active, "combine")

@@ -152,8 +152,11 @@ def test_ep_kernel_bodies_on_host(world):
 
 
 def test_ep_kernel_bodies_on_host_killed_rank():
+    """(The combine after the second death waits without a timeout: the engine's notice of the
+    death ends it, as on the CPU path.)"""
     world = 3
-    results, codes, tails = run_ranks(world, KILL_CASES, env={"MC_EP_KERNELS": "host"})
+    results, codes, tails = run_ranks(world, KILL_CASES, env={
+        "MC_EP_KERNELS": "host", "EP_CASES_COMBINE_NO_TIMEOUT": "1"})
     dead = {VICTIMS[c](world) for c in KILL_CASES}
     for v in dead:
         assert codes[v] == -9, f"victim rank {v} exit {codes[v]}\n{tails[v]}"
