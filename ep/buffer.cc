@@ -10,6 +10,7 @@
 #include "engine/log.h"
 #include "engine/params.h"
 #include "ep/peer_writer.h"
+#include "ep/str.h"
 #include "pg/copy.h"
 
 namespace mooncake::ep {
@@ -22,12 +23,6 @@ using engine::Clock;
   throw std::invalid_argument(op + ": " + what);
 }
 
-template <typename... A>
-std::string str(const A&... a) {
-  std::ostringstream os;
-  (os << ... << a);
-  return os.str();
-}
 
 // timeout_us -1 (Mooncake EP's "no timeout"): a source is waited for until it delivers, its
 // engine peer is seen dead, or it gives the round up.

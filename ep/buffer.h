@@ -230,14 +230,16 @@ class EpBuffer {
                    const std::function<void(int)>& on_arrival,
                    const std::function<void(int)>& on_silent);
   kern::LlArgs kernelArgs(uint32_t round, RoundKind kind, int experts, int64_t max_tokens,
-                          int64_t hidden, DType dtype);
+                          int64_t hidden, DType dtype) const;
+  kern::LlArgs kernelArgs(const LowLatencyDispatchArgs& a, uint32_t round) const;
+  kern::LlArgs kernelArgs(const LowLatencyCombineArgs& a, uint32_t round) const;
   void kernelDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round);
   void kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round);
   void kernelCombineSend(const LowLatencyCombineArgs& a, uint32_t round);
   void kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round);
   // Logs the silent sources of a kernel call, throws for the ones that gave up the round.
-  void kernelOutcome(const char* op, RoundKind kind, uint32_t round,
-                     const std::vector<int32_t>& decision, const std::vector<int32_t>& was_active);
+  void kernelOutcome(const char* op, uint32_t round, const std::vector<int32_t>& decision,
+                     const std::vector<int32_t>& was_active);
   // Rows [first, first+n) of recv_x (and, fp8, recv_scales) from n wire rows at src.
   static void storeRecvRows(const LowLatencyDispatchArgs& a, int64_t first, const char* src,
                             size_t src_stride, int64_t n, bool stream);

@@ -4,25 +4,14 @@
 // receives, a combine's owner waits before its tokens).
 #include <chrono>
 #include <memory>
-#include <sstream>
 #include <stdexcept>
 
 #include "engine/log.h"
 #include "ep/buffer.h"
 #include "ep/kernels/host_lanes.h"
+#include "ep/str.h"
 
 namespace mooncake::ep {
-
-namespace {
-
-template <typename... A>
-std::string str(const A&... a) {
-  std::ostringstream os;
-  (os << ... << a);
-  return os.str();
-}
-
-}  // namespace
 
 kern::HostLanes EpBuffer::watchingLanes() const {
   using Clock = std::chrono::steady_clock;
@@ -52,7 +41,7 @@ bool EpBuffer::kernelPath() const {
 }
 
 kern::LlArgs EpBuffer::kernelArgs(uint32_t round, RoundKind kind, int experts, int64_t max_tokens,
-                                  int64_t hidden, DType dtype) {
+                                  int64_t hidden, DType dtype) const {
   const int h = round & 1;
   const auto lay = LowLatencyLayout::make(g_.size, experts, max_tokens, hidden, dtype);
   kern::LlArgs p;
@@ -74,10 +63,41 @@ kern::LlArgs EpBuffer::kernelArgs(uint32_t round, RoundKind kind, int experts, i
   return p;
 }
 
-void EpBuffer::kernelOutcome(const char* op, RoundKind kind, uint32_t round,
-                             const std::vector<int32_t>& decision,
+kern::LlArgs EpBuffer::kernelArgs(const LowLatencyDispatchArgs& a, uint32_t round) const {
+  kern::LlArgs p =
+      kernelArgs(round, RoundKind::kDispatch, a.experts, a.max_tokens, a.hidden, a.dtype);
+  p.x = a.x;
+  p.tokens = a.tokens;
+  p.topk_idx = a.topk_idx;
+  p.topk = a.topk;
+  p.active = a.active_ranks;
+  p.timeout_us = a.timeout_us;
+  p.recv_x = a.recv_x;
+  p.recv_scales = a.recv_scales;
+  p.recv_count = a.recv_count;
+  p.src_info = a.src_info;
+  p.layout_range = a.layout_range;
+  return p;
+}
+
+kern::LlArgs EpBuffer::kernelArgs(const LowLatencyCombineArgs& a, uint32_t round) const {
+  kern::LlArgs p =
+      kernelArgs(round, RoundKind::kCombine, a.experts, a.max_tokens, a.hidden, a.dtype);
+  p.y = a.y;
+  p.tokens = a.tokens;
+  p.topk = a.topk;
+  p.topk_idx = a.topk_idx;
+  p.topk_weights = a.topk_weights;
+  p.active = a.active_ranks;
+  p.timeout_us = a.timeout_us;
+  p.src_info = const_cast<int32_t*>(a.src_info);  // (read only by the combine bodies)
+  p.layout_range = const_cast<int64_t*>(a.layout_range);
+  p.out = a.out;
+  return p;
+}
+
+void EpBuffer::kernelOutcome(const char* op, uint32_t round, const std::vector<int32_t>& decision,
                              const std::vector<int32_t>& was_active) {
-  (void)kind;
   std::vector<int> gave_up;
   for (int r = 0; r < g_.size; ++r) {
     if (decision[r] == kern::kGaveUp) gave_up.push_back(r);
@@ -90,16 +110,7 @@ void EpBuffer::kernelOutcome(const char* op, RoundKind kind, uint32_t round,
 }
 
 void EpBuffer::kernelDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
-  kern::LlArgs p = kernelArgs(round, RoundKind::kDispatch, a.experts, a.max_tokens, a.hidden,
-                              a.dtype);
-  p.x = a.x;
-  p.tokens = a.tokens;
-  p.topk_idx = a.topk_idx;
-  p.topk = a.topk;
-  p.active = a.active_ranks;
-  p.recv_x = a.recv_x;
-  p.recv_scales = a.recv_scales;
-  p.src_info = a.src_info;
+  kern::LlArgs p = kernelArgs(a, round);
   std::vector<int32_t>& own = self_count_[round & 1];
   own.assign(p.local_experts, 0);
   p.self_count = own.data();
@@ -113,15 +124,7 @@ void EpBuffer::kernelDispatchSend(const LowLatencyDispatchArgs& a, uint32_t roun
 }
 
 void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
-  kern::LlArgs p = kernelArgs(round, RoundKind::kDispatch, a.experts, a.max_tokens, a.hidden,
-                              a.dtype);
-  p.active = a.active_ranks;
-  p.timeout_us = a.timeout_us;
-  p.recv_x = a.recv_x;
-  p.recv_scales = a.recv_scales;
-  p.recv_count = a.recv_count;
-  p.src_info = a.src_info;
-  p.layout_range = a.layout_range;
+  kern::LlArgs p = kernelArgs(a, round);
   std::vector<int32_t>& own = self_count_[round & 1];
   own.resize(p.local_experts, 0);
   p.self_count = own.data();
@@ -132,7 +135,7 @@ void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
   kern::HostLanes ln = watchingLanes();
   const int64_t start = ln.nowUs();
   for (int l = 0; l < p.local_experts; ++l) kern::dispatchRecv(p, l, ln, start);
-  kernelOutcome("dispatch", RoundKind::kDispatch, round, decision, was_active);
+  kernelOutcome("dispatch", round, decision, was_active);
   if (error[0] == kern::kTooManyRows)
     throw std::runtime_error(str("dispatch: rank ", error[1], " sent more than M=", a.max_tokens,
                                  " rows for a local expert of rank ", g_.rank,
@@ -140,29 +143,13 @@ void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
 }
 
 void EpBuffer::kernelCombineSend(const LowLatencyCombineArgs& a, uint32_t round) {
-  kern::LlArgs p =
-      kernelArgs(round, RoundKind::kCombine, a.experts, a.max_tokens, a.hidden, a.dtype);
-  p.y = a.y;
-  p.active = a.active_ranks;
-  p.src_info = const_cast<int32_t*>(a.src_info);  // (read only by combineSend)
-  p.layout_range = const_cast<int64_t*>(a.layout_range);
+  kern::LlArgs p = kernelArgs(a, round);
   kern::HostLanes ln;
   for (int step = 1; step < g_.size; ++step) kern::combineSend(p, (g_.rank + step) % g_.size, ln);
 }
 
 void EpBuffer::kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round) {
-  kern::LlArgs p =
-      kernelArgs(round, RoundKind::kCombine, a.experts, a.max_tokens, a.hidden, a.dtype);
-  p.y = a.y;
-  p.tokens = a.tokens;
-  p.topk = a.topk;
-  p.topk_idx = a.topk_idx;
-  p.topk_weights = a.topk_weights;
-  p.active = a.active_ranks;
-  p.timeout_us = a.timeout_us;
-  p.src_info = const_cast<int32_t*>(a.src_info);  // (read only by the combine bodies)
-  p.layout_range = const_cast<int64_t*>(a.layout_range);
-  p.out = a.out;
+  kern::LlArgs p = kernelArgs(a, round);
   const std::vector<int32_t> was_active(a.active_ranks, a.active_ranks + g_.size);
   std::vector<int32_t> decision(g_.size, kern::kUndecided), error(2, kern::kNoError);
   p.decision = decision.data();
@@ -170,7 +157,7 @@ void EpBuffer::kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
   kern::HostLanes ln = watchingLanes();
   const int64_t start = ln.nowUs();
   for (int o = 0; o < g_.size; ++o) kern::combineWait(p, o, ln, start);
-  kernelOutcome("combine", RoundKind::kCombine, round, decision, was_active);
+  kernelOutcome("combine", round, decision, was_active);
   if (error[0] == kern::kWrongRowCount)
     throw std::runtime_error(str("combine: rank ", error[1], " returned another number of rows "
                                  "to rank ", g_.rank,

@@ -9,18 +9,13 @@
 #include "engine/log.h"
 #include "ep/buffer.h"
 #include "ep/peer_writer.h"
+#include "ep/str.h"
 #include "pg/copy.h"
 
 namespace mooncake::ep {
 
 namespace {
 
-template <typename... A>
-std::string str(const A&... a) {
-  std::ostringstream os;
-  (os << ... << a);
-  return os.str();
-}
 
 [[noreturn]] void invalid(const std::string& op, const std::string& what) {
   throw std::invalid_argument(op + ": " + what);
