@@ -206,9 +206,10 @@ const std::vector<ParamDef>& table() {
        "Microseconds an EP receiver spins on its signal words before it sleeps on the buffer's "
        "doorbell (futex)."},
       {"MC_EP_KERNELS", Type::kString, "cpu",
-       "Low-latency EP calls on CPU tensors: cpu (the CPU path's loops) or host (the CUDA "
-       "kernels' bodies, ep/kernels/ll_kernels.h, run on the calling thread; only where every "
-       "peer's buffer is mapped, else cpu): how the kernels' logic is tested without a GPU."},
+       "EP calls on CPU tensors: cpu (the CPU path's loops), host (the CUDA kernels' bodies, "
+       "ep/kernels/, one lane on the calling thread) or threads (the same with 4 lane threads a "
+       "block); host and threads only where every peer's buffer is mapped, else cpu: how the "
+       "kernels' logic is tested without a GPU."},
       {"MC_EP_TIMEOUT_MS", Type::kInt, "30000",
        "Deadline of EP normal-mode waits and of EP writes to peers reached over the engine "
        "(low-latency receives use the call's timeout_us instead)."},

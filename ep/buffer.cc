@@ -63,9 +63,9 @@ std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes, bool dis
   b->timeout_ms_ = std::max<int64_t>(1, params::getInt("MC_EP_TIMEOUT_MS"));
   b->stream_out_bytes_ = std::max<int64_t>(0, params::getInt("MC_PG_STREAM_OUT_BYTES"));
   const std::string kernels = params::getString("MC_EP_KERNELS");
-  if (kernels != "cpu" && kernels != "host")
-    invalid("ep.Buffer", str("MC_EP_KERNELS=", kernels, ": cpu or host"));
-  b->host_kernels_ = kernels == "host";
+  if (kernels != "cpu" && kernels != "host" && kernels != "threads")
+    invalid("ep.Buffer", str("MC_EP_KERNELS=", kernels, ": cpu, host or threads"));
+  b->kernel_lanes_ = kernels == "host" ? 1 : kernels == "threads" ? kThreadLanes : 0;
   b->setUp(bytes);
   return b;
 }

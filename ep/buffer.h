@@ -49,6 +49,7 @@
 #include "engine/engine.h"
 #include "ep/kernels/host_lanes.h"
 #include "ep/kernels/ll_kernels.h"
+#include "ep/kernels/normal_kernels.h"
 #include "ep/layout.h"
 
 namespace mooncake::pg {
@@ -169,9 +170,9 @@ class EpBuffer {
   size_t bytes() const { return geo_.totalBytes(); }
   // True when rank r's buffer is reached with direct stores (mapped), false over the engine.
   bool isMapped(int r) const { return mapped_[r] != nullptr; }
-  // MC_EP_KERNELS=host with every rank's buffer mapped: the low-latency calls run the CUDA
-  // kernels' bodies (ep/kernels/ll_kernels.h) on the calling thread instead of the CPU
-  // path's loops (ep/ll_host.cc).
+  // MC_EP_KERNELS=host or threads with every rank's buffer mapped: low-latency and normal
+  // calls run the CUDA kernels' bodies (ep/kernels/ll_kernels.h, normal_kernels.h) on host
+  // lanes instead of the CPU path's loops (ep/ll_host.cc).
   bool kernelPath() const;
 
   // ---- low-latency mode: validate* throw std::invalid_argument; next*Round reserve a
@@ -237,6 +238,14 @@ class EpBuffer {
   void kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round);
   void kernelCombineSend(const LowLatencyCombineArgs& a, uint32_t round);
   void kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round);
+  kern::NormalArgs normalArgs(uint32_t round, RoundKind kind, int topk, int64_t hidden,
+                              DType dtype) const;
+  std::vector<int32_t> kernelNormalDispatchSend(const NormalDispatchArgs& a, uint32_t round);
+  void kernelNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
+                                const std::vector<int32_t>& counts, const NormalDispatchOutputs& o);
+  void kernelNormalCombine(const NormalCombineArgs& a, uint32_t round);
+  // Normal mode's waits: throws for a rank that gave up, then for the first silent one.
+  void kernelNormalOutcome(const char* op, uint32_t round, const std::vector<int32_t>& decision);
   // Logs the silent sources of a kernel call, throws for the ones that gave up the round.
   void kernelOutcome(const char* op, uint32_t round, const std::vector<int32_t>& decision,
                      const std::vector<int32_t>& was_active);
@@ -247,6 +256,7 @@ class EpBuffer {
   // A peer seen dead may have sent everything just before it went: its signal message can
   // still be queued in this engine behind the notice of its death. Waits allow this long.
   static constexpr std::chrono::milliseconds kDeadPeerGrace{100};
+  static constexpr int kThreadLanes = 4;  // lanes a block under MC_EP_KERNELS=threads
   // HostLanes for a kernel call's waits: a source is gone once its engine peer has been dead
   // for kDeadPeerGrace (the CPU path's rule), checked at most every millisecond per rank.
   kern::HostLanes watchingLanes() const;
@@ -275,7 +285,7 @@ class EpBuffer {
   // recv_x (both modes) at least this large is written with streaming stores
   // (MC_PG_STREAM_OUT_BYTES: the same rule as the process group's large outputs).
   int64_t stream_out_bytes_ = 4 << 20;
-  bool host_kernels_ = false;           // MC_EP_KERNELS=host
+  int kernel_lanes_ = 0;                // MC_EP_KERNELS: cpu 0, host 1, threads kThreadLanes
   std::vector<int32_t> self_count_[2];  // kernel path: own rows per local expert, per half
 
   std::mutex q_mu_;

@@ -1,7 +1,8 @@
-// The low-latency calls through the CUDA kernels' bodies (ep/kernels/ll_kernels.h) run on
-// this thread by ep/kernels/host_lanes.h (MC_EP_KERNELS=host): one call per block, in an
-// order that lets a single thread finish every block (a dispatch's sends before its
-// receives, a combine's owner waits before its tokens).
+// Low-latency and normal calls through the CUDA kernels' bodies (ep/kernels/ll_kernels.h,
+// normal_kernels.h) run by ep/kernels/host_lanes.h (MC_EP_KERNELS=host: one lane on the calling
+// thread; threads: 4 lane threads a block): blocks one after another, in an order that lets
+// them all finish (a call's sends before its waits, its waits before its receives).
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <stdexcept>
@@ -34,7 +35,7 @@ kern::HostLanes EpBuffer::watchingLanes() const {
 }
 
 bool EpBuffer::kernelPath() const {
-  if (!host_kernels_) return false;
+  if (kernel_lanes_ == 0) return false;
   for (char* m : mapped_)
     if (m == nullptr) return false;
   return true;
@@ -117,10 +118,10 @@ void EpBuffer::kernelDispatchSend(const LowLatencyDispatchArgs& a, uint32_t roun
   std::vector<int32_t> toks(static_cast<size_t>(a.max_tokens));
   kern::HostLanes ln;
   const int R = g_.size, L = p.local_experts;
-  for (int step = 1; step <= R; ++step) {  // other ranks first, from the next one on
-    const int o = (g_.rank + step) % R;
-    for (int l = 0; l < L; ++l) kern::dispatchSend(p, o * L + l, ln, toks.data());
-  }
+  // Experts of the other ranks first, from the next rank on.
+  kern::runBlocks(R * L, kernel_lanes_, ln, [&](auto& lanes, int i) {
+    kern::dispatchSend(p, ((g_.rank + 1 + i / L) % R) * L + i % L, lanes, toks.data());
+  });
 }
 
 void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
@@ -134,7 +135,8 @@ void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
   p.error = error.data();
   kern::HostLanes ln = watchingLanes();
   const int64_t start = ln.nowUs();
-  for (int l = 0; l < p.local_experts; ++l) kern::dispatchRecv(p, l, ln, start);
+  kern::runBlocks(p.local_experts, kernel_lanes_, ln,
+                  [&](auto& lanes, int l) { kern::dispatchRecv(p, l, lanes, start); });
   kernelOutcome("dispatch", round, decision, was_active);
   if (error[0] == kern::kTooManyRows)
     throw std::runtime_error(str("dispatch: rank ", error[1], " sent more than M=", a.max_tokens,
@@ -145,7 +147,9 @@ void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
 void EpBuffer::kernelCombineSend(const LowLatencyCombineArgs& a, uint32_t round) {
   kern::LlArgs p = kernelArgs(a, round);
   kern::HostLanes ln;
-  for (int step = 1; step < g_.size; ++step) kern::combineSend(p, (g_.rank + step) % g_.size, ln);
+  kern::runBlocks(g_.size - 1, kernel_lanes_, ln, [&](auto& lanes, int i) {
+    kern::combineSend(p, (g_.rank + 1 + i) % g_.size, lanes);
+  });
 }
 
 void EpBuffer::kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round) {
@@ -156,18 +160,167 @@ void EpBuffer::kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
   p.error = error.data();
   kern::HostLanes ln = watchingLanes();
   const int64_t start = ln.nowUs();
-  for (int o = 0; o < g_.size; ++o) kern::combineWait(p, o, ln, start);
+  kern::runBlocks(g_.size, kernel_lanes_, ln,
+                  [&](auto& lanes, int o) { kern::combineWait(p, o, lanes, start); });
   kernelOutcome("combine", round, decision, was_active);
   if (error[0] == kern::kWrongRowCount)
     throw std::runtime_error(str("combine: rank ", error[1], " returned another number of rows "
                                  "to rank ", g_.rank,
                                  " than its topk_idx routes there (topk_idx differs from the "
                                  "dispatch's?)"));
-  for (int64_t t = 0; t < a.tokens; ++t) kern::combineRecvToken(p, t, ln);
+  kern::runBlocks(static_cast<int>(a.tokens), kernel_lanes_, ln,
+                  [&](auto& lanes, int t) { kern::combineRecvToken(p, t, lanes); });
   if (error[0] == kern::kNoOwnRow)
     throw std::runtime_error(str("combine: the handle has no row for token ", error[1],
                                  " of an expert of rank ", g_.rank,
                                  " (handle from another dispatch?)"));
+}
+
+// ---- normal mode ----
+
+kern::NormalArgs EpBuffer::normalArgs(uint32_t round, RoundKind kind, int topk, int64_t hidden,
+                                      DType dtype) const {
+  const int h = round & 1;
+  const auto nl = NormalLayout::make(geo_.regionBytes(), g_.size, topk, hidden, dtype);
+  kern::NormalArgs p;
+  p.me = g_.rank;
+  p.world = g_.size;
+  p.topk = topk;
+  p.dtype = static_cast<int>(dtype);
+  p.hidden = hidden;
+  p.round = round;
+  p.timeout_us = timeout_ms_ * 1000;
+  p.peers = mapped_.data();
+  p.dispatch_region = geo_.dispatchRegion(h);
+  p.combine_region = geo_.combineRegion(h);
+  p.dispatch_signals = geo_.dispatchSignal(h, 0);
+  p.combine_signals = geo_.combineSignal(h, 0);
+  p.abandon_signals = geo_.abandonSignal(h, static_cast<int>(kind), 0);
+  p.capacity = nl.capacity;
+  p.row_stride = nl.row_stride;
+  p.src_base = nl.src_base;
+  p.topk_base = nl.topk_base;
+  p.weight_base = nl.weight_base;
+  p.cweight_base = nl.cweight_base;
+  return p;
+}
+
+void EpBuffer::kernelNormalOutcome(const char* op, uint32_t round,
+                                   const std::vector<int32_t>& decision) {
+  std::vector<int> gave_up;
+  int silent = -1;
+  for (int r = 0; r < g_.size; ++r) {
+    if (decision[r] == kern::kGaveUp) gave_up.push_back(r);
+    if (decision[r] == kern::kSilent && silent < 0) silent = r;
+  }
+  throwIfAbandoned(op, round, gave_up);
+  if (silent >= 0)
+    throw std::runtime_error(str(op, ": rank ", g_.rank, " got nothing from rank ", silent,
+                                 " within ", timeout_ms_, " ms (MC_EP_TIMEOUT_MS); peer dead?"));
+}
+
+std::vector<int32_t> EpBuffer::kernelNormalDispatchSend(const NormalDispatchArgs& a,
+                                                        uint32_t round) {
+  const int R = g_.size;
+  kern::NormalArgs p = normalArgs(round, RoundKind::kDispatch, a.topk, a.hidden, a.dtype);
+  p.x = a.x;
+  p.tokens = a.tokens;
+  p.in_rank = a.is_token_in_rank;
+  p.with_topk = a.with_topk_idx;
+  p.with_weights = a.with_weights;
+  p.topk_idx = a.topk_idx;
+  p.topk_weights = a.topk_weights;
+  std::vector<int32_t> toks(static_cast<size_t>(std::max<int64_t>(1, a.tokens)));
+  kern::HostLanes ln;
+  kern::runBlocks(R, kernel_lanes_, ln, [&](auto& lanes, int i) {
+    kern::normalDispatchSend(p, (g_.rank + 1 + i) % R, lanes, toks.data());
+  });
+  std::vector<int32_t> counts(R, 0), active(R, 1), decision(R, kern::kUndecided),
+      error(2, kern::kNoError);
+  p.counts = counts.data();
+  p.active = active.data();
+  p.decision = decision.data();
+  p.error = error.data();
+  kern::HostLanes wl = watchingLanes();
+  const int64_t start = wl.nowUs();
+  kern::runBlocks(R, kernel_lanes_, wl,
+                  [&](auto& lanes, int r) { kern::normalDispatchWait(p, r, lanes, start); });
+  kernelNormalOutcome("normal_dispatch", round, decision);
+  if (error[0] == kern::kTooManyRows)
+    throw std::runtime_error(str("normal_dispatch: rank ", error[1], " sent ", counts[error[1]],
+                                 " rows, above capacity ", p.capacity,
+                                 " (H, K or dtype differ across ranks?)"));
+  return counts;
+}
+
+void EpBuffer::kernelNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
+                                        const std::vector<int32_t>& counts,
+                                        const NormalDispatchOutputs& o) {
+  const int R = g_.size;
+  kern::NormalArgs p = normalArgs(round, RoundKind::kDispatch, a.topk, a.hidden, a.dtype);
+  p.x = a.x;
+  p.tokens = a.tokens;
+  p.in_rank = a.is_token_in_rank;
+  p.with_topk = a.with_topk_idx;
+  p.with_weights = a.with_weights;
+  p.topk_idx = a.topk_idx;
+  p.topk_weights = a.topk_weights;
+  p.local_experts = a.with_topk_idx ? a.experts / R : 0;
+  p.expert_alignment = a.expert_alignment;
+  p.counts = const_cast<int32_t*>(counts.data());  // (read only by the receive)
+  p.recv_x = o.recv_x;
+  p.recv_src_idx = o.recv_src_idx;
+  p.recv_topk_idx = o.recv_topk_idx;
+  p.recv_topk_weights = o.recv_topk_weights;
+  p.num_recv_per_expert = o.num_recv_per_expert;
+  if (a.with_topk_idx) std::fill(o.num_recv_per_expert, o.num_recv_per_expert + p.local_experts, 0);
+  std::vector<int32_t> toks(static_cast<size_t>(std::max<int64_t>(1, a.tokens))),
+      error(2, kern::kNoError);
+  p.error = error.data();
+  kern::HostLanes ln;
+  kern::runBlocks(R, kernel_lanes_, ln,
+                  [&](auto& lanes, int r) { kern::normalDispatchRecv(p, r, lanes, toks.data()); });
+  if (error[0] == kern::kWrongRowCount)
+    throw std::runtime_error(str("normal_dispatch: rank ", g_.rank,
+                                 " counted another number of own rows than it signalled"));
+  kern::runBlocks(1, kernel_lanes_, ln, [&](auto& lanes, int) { kern::normalAlign(p, lanes); });
+}
+
+void EpBuffer::kernelNormalCombine(const NormalCombineArgs& a, uint32_t round) {
+  const int R = g_.size, me = g_.rank;
+  kern::NormalArgs p = normalArgs(round, RoundKind::kCombine, a.topk, a.hidden, a.dtype);
+  p.y = a.y;
+  p.recv_counts = a.recv_counts;
+  p.with_weights = a.with_weights;
+  p.weights = a.weights;
+  p.in_rank = a.is_token_in_rank;
+  p.tokens = a.tokens;
+  p.out = a.out;
+  p.out_weights = a.out_weights;
+  kern::HostLanes ln;
+  kern::runBlocks(R - 1, kernel_lanes_, ln, [&](auto& lanes, int i) {
+    kern::normalCombineSend(p, (me + 1 + i) % R, lanes);
+  });
+  int64_t sent_me = 0;
+  for (int64_t t = 0; t < a.tokens; ++t) sent_me += a.is_token_in_rank[t * R + me] != 0;
+  if (sent_me != a.recv_counts[me])
+    throw std::runtime_error(str("normal_combine: rank ", me, " sent itself ", sent_me,
+                                 " rows but the handle says ", a.recv_counts[me]));
+  std::vector<int32_t> active(R, 1), decision(R, kern::kUndecided), error(2, kern::kNoError);
+  p.active = active.data();
+  p.decision = decision.data();
+  p.error = error.data();
+  kern::HostLanes wl = watchingLanes();
+  const int64_t start = wl.nowUs();
+  kern::runBlocks(R, kernel_lanes_, wl,
+                  [&](auto& lanes, int d) { kern::normalCombineWait(p, d, lanes, start); });
+  kernelNormalOutcome("normal_combine", round, decision);
+  if (error[0] == kern::kWrongRowCount)
+    throw std::runtime_error(str("normal_combine: rank ", error[1],
+                                 " returned another number of rows to rank ", me,
+                                 " than it was sent (handle from another dispatch?)"));
+  kern::runBlocks(static_cast<int>(a.tokens), kernel_lanes_, ln,
+                  [&](auto& lanes, int t) { kern::normalCombineToken(p, t, lanes); });
 }
 
 }  // namespace mooncake::ep

@@ -53,6 +53,8 @@ void EpBuffer::validate(const NormalDispatchArgs& a) const {
 }
 
 std::vector<int32_t> EpBuffer::normalDispatchSend(const NormalDispatchArgs& a, uint32_t round) {
+  if (kernelPath()) return kernelNormalDispatchSend(a, round);
+
   const int R = g_.size, me = g_.rank, h = round & 1;
   const auto nl = NormalLayout::make(geo_.regionBytes(), R, a.topk, a.hidden, a.dtype);
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtypeBytes(a.dtype);
@@ -130,6 +132,8 @@ std::vector<int32_t> EpBuffer::normalDispatchSend(const NormalDispatchArgs& a, u
 void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                                   const std::vector<int32_t>& counts,
                                   const NormalDispatchOutputs& o) {
+  if (kernelPath()) return kernelNormalDispatchRecv(a, round, counts, o);
+
   const int R = g_.size, me = g_.rank, h = round & 1;
   const auto nl = NormalLayout::make(geo_.regionBytes(), R, a.topk, a.hidden, a.dtype);
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtypeBytes(a.dtype);
@@ -204,6 +208,9 @@ void EpBuffer::validate(const NormalCombineArgs& a) const {
   const std::string op = "normal_combine";
   if (a.hidden <= 0 || a.tokens < 0) invalid(op, str("bad shapes: H=", a.hidden, " T=", a.tokens));
   if (a.dtype == DType::kFp8) invalid(op, "fp8 is a low-latency dispatch format only");
+  if (kernelPath() && g_.size > kern::kMaxCombineRanks)
+    invalid(op, str("the kernels combine over at most ", kern::kMaxCombineRanks, " ranks, the group has ",
+                    g_.size, " (MC_EP_KERNELS=host)"));
   if (a.with_weights && a.topk <= 0) invalid(op, "topk_weights has no columns");
   int64_t n = 0;
   for (int r = 0; r < g_.size; ++r) {
@@ -218,6 +225,8 @@ void EpBuffer::validate(const NormalCombineArgs& a) const {
 }
 
 void EpBuffer::normalCombine(const NormalCombineArgs& a, uint32_t round) {
+  if (kernelPath()) return kernelNormalCombine(a, round);
+
   const int R = g_.size, me = g_.rank, h = round & 1;
   const auto nl = NormalLayout::make(geo_.regionBytes(), R, a.topk, a.hidden, a.dtype);
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtypeBytes(a.dtype);

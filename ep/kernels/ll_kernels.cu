@@ -7,6 +7,7 @@
 
 #include "ep/kernels/ll_kernels.h"
 #include "ep/kernels/ll_launch.h"
+#include "ep/kernels/normal_kernels.h"
 
 namespace mooncake::ep::kern {
 
@@ -51,6 +52,7 @@ struct CudaLanes {
   __device__ int32_t cas(int32_t* p, int32_t expected, int32_t desired) {
     return atomicCAS_system(reinterpret_cast<int*>(p), expected, desired);
   }
+  __device__ void add(int32_t* p, int32_t v) { atomicAdd(reinterpret_cast<int*>(p), v); }
   __device__ void ringDoorbell(uint32_t* p) { atomicAdd_system(reinterpret_cast<unsigned*>(p), 1u); }
   __device__ int64_t nowUs() const {
     uint64_t ns;
@@ -84,6 +86,35 @@ __global__ void combineRecvKernel(LlArgs p) {
   combineRecvToken(p, blockIdx.x, ln);
 }
 
+__global__ void normalDispatchSendKernel(NormalArgs p, int32_t* toks) {
+  CudaLanes ln;
+  normalDispatchSend(p, blockIdx.x, ln, toks + static_cast<int64_t>(blockIdx.x) * p.tokens);
+}
+__global__ void normalDispatchWaitKernel(NormalArgs p) {
+  CudaLanes ln;
+  normalDispatchWait(p, blockIdx.x, ln, ln.nowUs());
+}
+__global__ void normalDispatchRecvKernel(NormalArgs p, int32_t* toks) {
+  CudaLanes ln;
+  normalDispatchRecv(p, blockIdx.x, ln, toks + static_cast<int64_t>(blockIdx.x) * p.tokens);
+}
+__global__ void normalAlignKernel(NormalArgs p) {
+  CudaLanes ln;
+  normalAlign(p, ln);
+}
+__global__ void normalCombineSendKernel(NormalArgs p) {
+  CudaLanes ln;
+  normalCombineSend(p, blockIdx.x, ln);
+}
+__global__ void normalCombineWaitKernel(NormalArgs p) {
+  CudaLanes ln;
+  normalCombineWait(p, blockIdx.x, ln, ln.nowUs());
+}
+__global__ void normalCombineTokenKernel(NormalArgs p) {
+  CudaLanes ln;
+  normalCombineToken(p, blockIdx.x, ln);
+}
+
 int asInt(cudaError_t e) { return static_cast<int>(e); }
 
 }  // namespace
@@ -104,6 +135,26 @@ int launchCombineRecv(const LlArgs& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   combineWaitKernel<<<p.world, kLanes, 0, s>>>(p);
   if (p.tokens > 0) combineRecvKernel<<<static_cast<unsigned>(p.tokens), kLanes, 0, s>>>(p);
+  return asInt(cudaGetLastError());
+}
+
+int launchNormalDispatchSend(const NormalArgs& p, int32_t* toks, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  normalDispatchSendKernel<<<p.world, kLanes, 0, s>>>(p, toks);
+  normalDispatchWaitKernel<<<p.world, kLanes, 0, s>>>(p);
+  return asInt(cudaGetLastError());
+}
+int launchNormalDispatchRecv(const NormalArgs& p, int32_t* toks, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  normalDispatchRecvKernel<<<p.world, kLanes, 0, s>>>(p, toks);
+  normalAlignKernel<<<1, kLanes, 0, s>>>(p);
+  return asInt(cudaGetLastError());
+}
+int launchNormalCombine(const NormalArgs& p, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  normalCombineSendKernel<<<p.world, kLanes, 0, s>>>(p);
+  normalCombineWaitKernel<<<p.world, kLanes, 0, s>>>(p);
+  if (p.tokens > 0) normalCombineTokenKernel<<<static_cast<unsigned>(p.tokens), kLanes, 0, s>>>(p);
   return asInt(cudaGetLastError());
 }
 

@@ -19,6 +19,7 @@
 //   share(v)                         lane 0's v, to every lane
 //   loadAcquire(p), storeRelease(p, v), fenceSystem()   u64 words seen by other processes
 //   cas(p, expected, desired)        int32 compare-and-swap, returns the old value
+//   add(p, v)                        int32 atomic add (device scope is enough)
 //   ringDoorbell(p)                  wakes the host waiters of a buffer (host: futex)
 //   nowUs(), pause()                 a clock for deadlines, a polite spin
 //   peerGone(r)                      rank r is known dead (host: its engine peer, after a
@@ -170,12 +171,13 @@ MC_HD bool routesTo(const LlArgs& p, int64_t t, int64_t e) {
   return false;
 }
 
+// (Args: LlArgs or NormalArgs: decision, active, round, abandon_signals, timeout_us.)
 // Decides once, for all blocks, whether `src` delivered this round: all `words` signal words
 // from `first` (stride `stride`) carry the round (kArrived), its abandon word does (kGaveUp),
 // or the deadline passed first (kSilent; active[src] = 0). Lane 0 waits; all lanes return it.
 MC_HD_TEMPLATE
-template <class Ln>
-MC_HD int32_t decide(const LlArgs& p, Ln& ln, int src, const char* mine, uint64_t first,
+template <class Ln, class Args>
+MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* mine, uint64_t first,
                      uint64_t stride, int words, int64_t start_us) {
   int32_t d = kUndecided;
   if (ln.lane() == 0) {

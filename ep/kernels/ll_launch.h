@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "ep/kernels/ll_kernels.h"
+#include "ep/kernels/normal_kernels.h"
 
 namespace mooncake::ep::kern {
 
@@ -21,5 +22,13 @@ int launchDispatchSend(const LlArgs& p, int experts, int32_t* toks, void* stream
 int launchDispatchRecv(const LlArgs& p, void* stream);
 int launchCombineSend(const LlArgs& p, void* stream);
 int launchCombineRecv(const LlArgs& p, void* stream);
+
+// Normal mode (ep/kernels/normal_kernels.h). toks: device scratch of R * T int32.
+//   dispatch: launchNormalDispatchSend (sends, then the waits that fill counts), the host
+//             reads counts and sizes the outputs, launchNormalDispatchRecv (receive, align)
+//   combine:  launchNormalCombine (sends, waits, then a block per token)
+int launchNormalDispatchSend(const NormalArgs& p, int32_t* toks, void* stream);
+int launchNormalDispatchRecv(const NormalArgs& p, int32_t* toks, void* stream);
+int launchNormalCombine(const NormalArgs& p, void* stream);
 
 }  // namespace mooncake::ep::kern

@@ -20,17 +20,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "ep/kernels/host_lanes.h"
@@ -89,103 +86,36 @@ namespace {
 #endif
 
 // ---- the threads executor: each block's lanes are host threads (kThreadLanes of them, not
-// a multiple of anything on purpose), so the bodies' multi-lane logic -- striding, count(),
-// share(), the barriers' placement, lane 0's waits -- runs here as on a GPU block. ----
+// a multiple of anything on purpose; ep/kernels/host_lanes.h runBlocks), so the bodies'
+// multi-lane logic runs here as on a GPU block. ----
 constexpr int kThreadLanes = 5;
-
-class BlockThreads {
- public:
-  explicit BlockThreads(int n) : n_(n), flags_(n) {}
-  int size() const { return n_; }
-  void barrier() {
-    std::unique_lock<std::mutex> g(mu_);
-    const uint64_t gen = gen_;
-    if (++arrived_ == n_) {
-      arrived_ = 0;
-      ++gen_;
-      cv_.notify_all();
-      return;
-    }
-    cv_.wait(g, [&] { return gen_ != gen; });
-  }
-  std::vector<int>& flags() { return flags_; }
-  int32_t& shared() { return shared_; }
-
- private:
-  const int n_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int arrived_ = 0;
-  uint64_t gen_ = 0;
-  std::vector<int> flags_;
-  int32_t shared_ = 0;
-};
-
-struct ThreadLanes : kern::HostLanes {
-  ThreadLanes(BlockThreads* b, int id) : b_(b), id_(id) {}
-  int lane() const { return id_; }
-  int lanes() const { return b_->size(); }
-  void sync() { b_->barrier(); }
-  int count(bool flag, int* total) {
-    b_->flags()[id_] = flag ? 1 : 0;
-    b_->barrier();
-    int before = 0, all = 0;
-    for (int i = 0; i < b_->size(); ++i) {
-      before += i < id_ ? b_->flags()[i] : 0;
-      all += b_->flags()[i];
-    }
-    b_->barrier();
-    *total = all;
-    return before;
-  }
-  int32_t share(int32_t v) {
-    b_->barrier();
-    if (id_ == 0) b_->shared() = v;
-    b_->barrier();
-    const int32_t r = b_->shared();
-    b_->barrier();
-    return r;
-  }
-
- private:
-  BlockThreads* b_;
-  int id_;
-};
-
-// Runs body(lanes) on kThreadLanes threads as one block.
-template <typename Body>
-void runBlock(Body body) {
-  BlockThreads b(kThreadLanes);
-  std::vector<std::thread> ts;
-  for (int i = 0; i < kThreadLanes; ++i)
-    ts.emplace_back([&b, i, &body] {
-      ThreadLanes ln(&b, i);
-      body(ln);
-    });
-  for (auto& t : ts) t.join();
-}
 
 class ThreadsExec : public HostExec {
  public:
   const char* name() const override { return "threads"; }
   void dispatchSend(const kern::LlArgs& p, int experts, int32_t* toks) override {
-    for (int e = 0; e < experts; ++e)
-      runBlock([&](ThreadLanes& ln) { kern::dispatchSend(p, e, ln, toks + e * p.max_tokens); });
+    kern::HostLanes base;
+    kern::runBlocks(experts, kThreadLanes, base, [&](auto& ln, int e) {
+      kern::dispatchSend(p, e, ln, toks + e * p.max_tokens);
+    });
   }
   void dispatchRecv(const kern::LlArgs& p) override {
-    const int64_t start = kern::HostLanes().nowUs();
-    for (int l = 0; l < p.local_experts; ++l)
-      runBlock([&](ThreadLanes& ln) { kern::dispatchRecv(p, l, ln, start); });
+    kern::HostLanes base;
+    const int64_t start = base.nowUs();
+    kern::runBlocks(p.local_experts, kThreadLanes, base,
+                    [&](auto& ln, int l) { kern::dispatchRecv(p, l, ln, start); });
   }
   void combineSend(const kern::LlArgs& p) override {
-    for (int r = 0; r < p.world; ++r) runBlock([&](ThreadLanes& ln) { kern::combineSend(p, r, ln); });
+    kern::HostLanes base;
+    kern::runBlocks(p.world, kThreadLanes, base, [&](auto& ln, int r) { kern::combineSend(p, r, ln); });
   }
   void combineRecv(const kern::LlArgs& p) override {
-    const int64_t start = kern::HostLanes().nowUs();
-    for (int o = 0; o < p.world; ++o)
-      runBlock([&](ThreadLanes& ln) { kern::combineWait(p, o, ln, start); });
-    for (int64_t t = 0; t < p.tokens; ++t)
-      runBlock([&](ThreadLanes& ln) { kern::combineRecvToken(p, t, ln); });
+    kern::HostLanes base;
+    const int64_t start = base.nowUs();
+    kern::runBlocks(p.world, kThreadLanes, base,
+                    [&](auto& ln, int o) { kern::combineWait(p, o, ln, start); });
+    kern::runBlocks(static_cast<int>(p.tokens), kThreadLanes, base,
+                    [&](auto& ln, int t) { kern::combineRecvToken(p, t, ln); });
   }
 };
 

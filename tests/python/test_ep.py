@@ -133,18 +133,17 @@ def test_ep_killed_rank(world, case):
             assert codes[r] == 0, _report(world, r, case, codes[r], tails)
 
 
-# The CUDA kernels' bodies (ep/kernels/ll_kernels.h) run on the host (MC_EP_KERNELS=host):
-# the low-latency cases against the same plain-torch reference, and a rank killed between
-# rounds and between dispatch and combine marked inactive by the bodies' own deadline.
+# The CUDA kernels' bodies (ep/kernels/ll_kernels.h, normal_kernels.h) run on the host
+# (MC_EP_KERNELS=host: one lane; threads: 4 lane threads a block): the low-latency and normal
+# cases against the same plain-torch reference, and a rank killed between rounds and between
+# dispatch and combine marked inactive by the bodies' own deadline or the engine's notice.
 KERNEL_CASES = ["kernel_path", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input",
-                "upstream_api"]
+                "normal", "normal_autograd", "upstream_api"]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_ep_kernel_bodies_on_host(world):
-    key = ("kernels", world)
-    _runs[key] = run_ranks(world, KERNEL_CASES, env={"MC_EP_KERNELS": "host"})
-    results, codes, tails = _runs[key]
+@pytest.mark.parametrize("world,lanes", [(2, "host"), (3, "host"), (4, "host"), (3, "threads")])
+def test_ep_kernel_bodies_on_host(world, lanes):
+    results, codes, tails = run_ranks(world, KERNEL_CASES, env={"MC_EP_KERNELS": lanes})
     for case in KERNEL_CASES:
         for r in range(world):
             res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))

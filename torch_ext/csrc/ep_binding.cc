@@ -182,8 +182,8 @@ class PyEpBuffer {
   int rank() const { return buf_->rank(); }
   int size() const { return buf_->size(); }
   int64_t bytes() const { return static_cast<int64_t>(buf_->bytes()); }
-  // What runs low-latency calls: "cpu" (ep/buffer.cc's loops) or "kernels on host"
-  // (MC_EP_KERNELS=host: the CUDA kernels' bodies on the calling thread).
+  // What runs the calls: "cpu" (ep/buffer.cc's and normal.cc's loops) or "kernels on host"
+  // (MC_EP_KERNELS=host or threads: the CUDA kernels' bodies on host lanes).
   std::string lowLatencyExecutor() const { return buf_->kernelPath() ? "kernels on host" : "cpu"; }
   bool isMapped(int r) const {
     if (r < 0 || r >= buf_->size()) bad("is_mapped: rank ", r, " out of range");
