@@ -112,7 +112,8 @@ MC_HD void laneCopy(Ln& ln, void* dst, const void* src, uint64_t n) {
     for (uint64_t i = lane; i < n; i += lanes) d[i] = s[i];
   }
 }
-MC_HD void setError(const LlArgs& p, int32_t code, int32_t rank) {
+template <class Args>  // LlArgs or NormalArgs
+MC_HD void setError(const Args& p, int32_t code, int32_t rank) {
   // First error wins; a benign race between blocks leaves one of them.
   if (p.error[0] == kNoError) {
     p.error[1] = rank;
@@ -352,6 +353,25 @@ MC_HD float loadElem(const void* row, int64_t h, int dtype) {
   return num::bf16ToFloat(static_cast<const uint16_t*>(row)[h]);
 }
 
+// out = ((0 + w_0 * row_0) + w_1 * row_1) + ... (ws == nullptr: no multiplications) in float32,
+// rounded once to dtype: ep::combineRows' order and rounding, by the block's lanes.
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void sumRows(Ln& ln, char* out, const char* const* rows, const float* ws, int n, int dtype,
+                   int64_t hidden) {
+  for (int64_t h = ln.lane(); h < hidden; h += ln.lanes()) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const float v = ws ? ws[i] * loadElem(rows[i], h, dtype) : loadElem(rows[i], h, dtype);
+      acc = i == 0 ? 0.0f + v : acc + v;
+    }
+    if (dtype == kDtypeF32)
+      reinterpret_cast<float*>(out)[h] = acc;
+    else
+      reinterpret_cast<uint16_t*>(out)[h] = num::floatToBf16(acc);
+  }
+}
+
 // Block `t` (token): out[t] = ((0 + w_0 * row_0) + w_1 * row_1) + ... over k ascending whose
 // owner is active, in float32, rounded once (ep::combineRows' order: bit-exact with it).
 MC_HD_TEMPLATE
@@ -388,18 +408,7 @@ MC_HD void combineRecvToken(const LlArgs& p, int64_t t, Ln& ln) {
     rows[n] = row;
     ws[n++] = p.topk_weights[t * p.topk + k];
   }
-  char* out = static_cast<char*>(p.out) + t * row_bytes;
-  for (int64_t h = ln.lane(); h < p.hidden; h += ln.lanes()) {
-    float acc = 0.0f;
-    for (int i = 0; i < n; ++i) {
-      const float prod = ws[i] * loadElem(rows[i], h, p.dtype);
-      acc = i == 0 ? 0.0f + prod : acc + prod;
-    }
-    if (p.dtype == kDtypeF32)
-      reinterpret_cast<float*>(out)[h] = acc;
-    else
-      reinterpret_cast<uint16_t*>(out)[h] = num::floatToBf16(acc);
-  }
+  sumRows(ln, static_cast<char*>(p.out) + t * row_bytes, rows, ws, n, p.dtype, p.hidden);
 }
 
 }  // namespace mooncake::ep::kern

@@ -64,12 +64,6 @@ MC_HD uint64_t normalRow(const NormalArgs& p, int src, int64_t j) {
 MC_HD uint64_t normalSlot(const NormalArgs& p, int src, int64_t j) {
   return static_cast<uint64_t>(src) * p.capacity + j;
 }
-MC_HD void setError(const NormalArgs& p, int32_t code, int32_t rank) {
-  if (p.error[0] == kNoError) {
-    p.error[1] = rank;
-    p.error[0] = code;
-  }
-}
 
 // The tokens of this rank routed to rank d, ascending, into toks (all lanes); returns how many.
 MC_HD_TEMPLATE
@@ -267,19 +261,7 @@ MC_HD void normalCombineToken(const NormalArgs& p, int64_t t, Ln& ln) {
     }
     ++n;
   }
-  char* out = static_cast<char*>(p.out) + t * rowBytes(p);
-  for (int64_t h = ln.lane(); h < p.hidden; h += ln.lanes()) {
-    float acc = 0.0f;
-    for (int i = 0; i < n; ++i) {
-      const float v = p.dtype == kDtypeF32 ? reinterpret_cast<const float*>(rows[i])[h]
-                                           : num::bf16ToFloat(reinterpret_cast<const uint16_t*>(rows[i])[h]);
-      acc = i == 0 ? 0.0f + v : acc + v;
-    }
-    if (p.dtype == kDtypeF32)
-      reinterpret_cast<float*>(out)[h] = acc;
-    else
-      reinterpret_cast<uint16_t*>(out)[h] = num::floatToBf16(acc);
-  }
+  sumRows(ln, static_cast<char*>(p.out) + t * rowBytes(p), rows, nullptr, n, p.dtype, p.hidden);
   if (p.with_weights)
     for (int k = ln.lane(); k < K; k += ln.lanes()) {
       float s = 0.0f;
