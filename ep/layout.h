@@ -62,13 +62,10 @@ inline size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 // Row stride in the buffer: a token's wire row rounded up to a cache line.
 inline size_t rowStride(int64_t hidden, DType t) { return alignUp(wireRowBytes(hidden, t), kAlign); }
 
-// Signal words carry the round so a word left by an earlier round (or by a rank that died
-// before writing this round's) never matches. Rounds start at 1; a zeroed word is "never".
-inline uint64_t makeSignal(uint32_t round, uint32_t count) {
-  return (static_cast<uint64_t>(round) << 32) | count;
-}
-inline uint32_t signalRound(uint64_t s) { return static_cast<uint32_t>(s >> 32); }
-inline uint32_t signalCount(uint64_t s) { return static_cast<uint32_t>(s & 0xffffffffu); }
+// Signal words: (round << 32) | count (ep/kernels/numerics.h).
+using num::makeSignal;
+using num::signalCount;
+using num::signalRound;
 
 // Offsets (bytes from the buffer base) of everything in one rank's buffer.
 class BufferGeometry {

@@ -14,6 +14,11 @@
 
 namespace mooncake::ep {
 
+// The kernels take the dtype as an int (ep/kernels/ll_kernels.h does not include layout.h).
+static_assert(static_cast<int>(DType::kBFloat16) == kern::kDtypeBf16 &&
+              static_cast<int>(DType::kFloat32) == kern::kDtypeF32 &&
+              static_cast<int>(DType::kFp8) == kern::kDtypeFp8);
+
 kern::HostLanes EpBuffer::watchingLanes() const {
   using Clock = std::chrono::steady_clock;
   struct Watch {

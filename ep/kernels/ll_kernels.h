@@ -44,9 +44,9 @@ enum Error : int32_t {
 constexpr int kMaxTopk = 32;
 constexpr int kDtypeBf16 = 0, kDtypeF32 = 1, kDtypeFp8 = 2;  // ep::DType's values
 
-MC_HD uint64_t makeSignal(uint32_t round, uint32_t count) {
-  return (static_cast<uint64_t>(round) << 32) | count;
-}
+using num::makeSignal;
+using num::signalCount;
+using num::signalRound;
 
 // Everything a body needs, plain values and pointers (copied to the device by value).
 struct LlArgs {
@@ -188,9 +188,8 @@ MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* mine, uint64_t 
     while (d == kUndecided) {
       bool all = true;
       for (int i = 0; i < words && all; ++i)
-        all = static_cast<uint32_t>(
-                  ln.loadAcquire(reinterpret_cast<const uint64_t*>(mine + first + i * stride)) >>
-                  32) == p.round;
+        all = signalRound(ln.loadAcquire(
+                  reinterpret_cast<const uint64_t*>(mine + first + i * stride))) == p.round;
       int32_t want = kUndecided;
       if (all) {
         want = kArrived;
@@ -277,7 +276,7 @@ MC_HD void dispatchRecv(const LlArgs& p, int l, Ln& ln, int64_t start_us) {
     if (d != kArrived) continue;
     const uint64_t w = ln.loadAcquire(reinterpret_cast<const uint64_t*>(
         mine + p.dispatch_signals + (static_cast<uint64_t>(l) * R + r) * 8));
-    const int64_t c = static_cast<uint32_t>(w);
+    const int64_t c = signalCount(w);
     if (c > p.max_tokens) {
       if (ln.lane() == 0) setError(p, kTooManyRows, r);
       continue;
@@ -345,7 +344,7 @@ MC_HD void combineWait(const LlArgs& p, int o, Ln& ln, int64_t start_us) {
     if (p.topk_idx[i] >= 0 && p.topk_idx[i] / p.local_experts == o) ++expected;
   const uint64_t w = ln.loadAcquire(
       reinterpret_cast<const uint64_t*>(p.peers[p.me] + p.combine_signals + static_cast<uint64_t>(o) * 8));
-  if (static_cast<uint32_t>(w) != expected) setError(p, kWrongRowCount, o);
+  if (signalCount(w) != expected) setError(p, kWrongRowCount, o);
 }
 
 MC_HD float loadElem(const void* row, int64_t h, int dtype) {

@@ -128,7 +128,7 @@ MC_HD void normalDispatchWait(const NormalArgs& p, int r, Ln& ln, int64_t start_
   if (d != kArrived || ln.lane() != 0) return;
   const uint64_t w = ln.loadAcquire(
       reinterpret_cast<const uint64_t*>(mine + p.dispatch_signals + static_cast<uint64_t>(r) * 8));
-  const int64_t c = static_cast<uint32_t>(w);
+  const int64_t c = signalCount(w);
   if (c > p.capacity) setError(p, kTooManyRows, r);
   p.counts[r] = static_cast<int32_t>(c);
 }
@@ -231,7 +231,7 @@ MC_HD void normalCombineWait(const NormalArgs& p, int d, Ln& ln, int64_t start_u
   for (int64_t t = 0; t < p.tokens; ++t) sent += p.in_rank[t * p.world + d] != 0;
   const uint64_t w = ln.loadAcquire(
       reinterpret_cast<const uint64_t*>(mine + p.combine_signals + static_cast<uint64_t>(d) * 8));
-  if (static_cast<uint32_t>(w) != sent) setError(p, kWrongRowCount, d);
+  if (signalCount(w) != sent) setError(p, kWrongRowCount, d);
 }
 
 // Block `t`: out[t] = the rows t came back with, summed over destinations in rank order

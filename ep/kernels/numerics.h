@@ -1,4 +1,4 @@
-// Element arithmetic of expert parallelism shared by the CPU path (ep/*.cc) and the CUDA
+// Signal words and element arithmetic of expert parallelism shared by the CPU path (ep/*.cc) and the CUDA
 // kernels (ep/kernels/*.cu): one definition of every rounding, compiled for the host by the
 // C++ compiler and for the device by nvcc, so that what the host tests check (tests/ep/
 // numerics_test.cc, the Python EP tests) is the arithmetic the kernels run.
@@ -40,6 +40,15 @@ MC_HD float bitsFloat(uint32_t u) {
   memcpy(&f, &u, 4);
   return f;
 }
+
+// ---- signal words ----
+// Signal words carry the round so a word left by an earlier round (or by a rank that died
+// before writing this round's) never matches. Rounds start at 1; a zeroed word is "never".
+MC_HD uint64_t makeSignal(uint32_t round, uint32_t count) {
+  return (static_cast<uint64_t>(round) << 32) | count;
+}
+MC_HD uint32_t signalRound(uint64_t s) { return static_cast<uint32_t>(s >> 32); }
+MC_HD uint32_t signalCount(uint64_t s) { return static_cast<uint32_t>(s & 0xffffffffu); }
 
 // ---- bfloat16 ----
 MC_HD float bf16ToFloat(uint16_t v) { return bitsFloat(static_cast<uint32_t>(v) << 16); }
