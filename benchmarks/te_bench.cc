@@ -42,9 +42,12 @@
 // (tests/fakes/verbs, 2 NICs capped at --nic-gbps; te_rdma.h). Engine rows use one NIC
 // (MC_RDMA_DEVICES = the first), the largest size also both ("nics" in the JSON); the
 // baseline "verbs_raw" posts and polls the same WRITEs on one raw RC QP of the first NIC
-// without the engine (1 MiB work requests, 64 outstanding: the engine's defaults), and
-// "write_rtt" is one 4 KiB WRITE until its completion (the raw round trip the engine's
-// notify_rtt compares to).
+// without the engine (1 MiB work requests, 64 outstanding: the engine's defaults),
+// "write_rtt" is one 4 KiB WRITE until its completion (the raw round trip issue 10 compares
+// the engine's notify_rtt to), and verbs_raw "notify_rtt" is the engine's notify_rtt done
+// with raw verbs: a 4 KiB WRITE and a 16-byte SEND behind it, the target's thread polls its
+// CQ (yielding between empty polls, so that the emulator's NIC threads get a core) and
+// answers with a SEND.
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -405,6 +408,11 @@ std::vector<Row> benchRdma(me::Rendezvous& rdv, uint16_t rdv_port, const Options
   }
   std::vector<Row> rows;
   auto raw_row = [&](const char* op, uint64_t size, const mb::rdma::RawResult& res) {
+    if (res.iters == 0) {  // the raw loop failed (it said why) or its target did
+      std::fprintf(stderr, "te_bench: the raw-verbs %s of %s failed\n", op,
+                   mb::fmtSize(size).c_str());
+      std::exit(2);
+    }
     Row r;
     r.transport = "verbs_raw";
     r.op = op;
@@ -427,8 +435,11 @@ std::vector<Row> benchRdma(me::Rendezvous& rdv, uint16_t rdv_port, const Options
       const int iters = itersFor(o, size);
       raw_row("write", size, raw.write(size, 1u << 20, iters, warmupFor(o, iters)));
     }
-    if (o.notify_rtt)
-      raw_row("write_rtt", 4096, raw.write(4096, 4096, o.rtt_iters, std::max(10, o.rtt_iters / 10)));
+    if (o.notify_rtt) {
+      const int warm = std::max(10, o.rtt_iters / 10);
+      raw_row("write_rtt", 4096, raw.write(4096, 4096, o.rtt_iters, warm));
+      raw_row("notify_rtt", 4096, raw.pingPong(o.rtt_iters, warm));
+    }
   }
   setenv("MC_RDMA_DEVICES", nics[0].c_str(), 1);  // the engine (and its target) on one NIC
   auto one = benchTransport("rdma", rdv, rdv_port, o, 1);
@@ -471,6 +482,11 @@ void printRdmaRatios(const std::vector<Row>& rows) {
   if (rtt != nullptr && raw_rtt != nullptr && raw_rtt->p50_us > 0)
     std::printf("ratio: rdma 4K write+notify round trip p50 / raw write round trip p50 = %.1f / "
                 "%.1f us = %.2fx\n", rtt->p50_us, raw_rtt->p50_us, rtt->p50_us / raw_rtt->p50_us);
+  const Row* raw_pp = findNics(rows, "verbs_raw", "notify_rtt", 4096, 1);
+  if (rtt != nullptr && raw_pp != nullptr && raw_pp->p50_us > 0)
+    std::printf("ratio: rdma 4K write+notify round trip p50 / raw write+send ping-pong p50 = "
+                "%.1f / %.1f us = %.2fx\n", rtt->p50_us, raw_pp->p50_us,
+                rtt->p50_us / raw_pp->p50_us);
 }
 #endif
 

@@ -7,6 +7,7 @@
 #include <infiniband/verbs.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -73,6 +74,11 @@ inline void useEmulatorIfNoNic(int argc, char** argv, double nic_gbps) {
 
 // ---------------------------------------------------------------- raw verbs
 
+// The ping-pong's message: what the engine's notification is (16 bytes, a SEND from
+// registered memory); receives posted ahead on each side.
+constexpr uint32_t kPingBytes = 16;
+constexpr uint32_t kPingRecvs = 16;
+
 // One side of a raw RC connection on one NIC: PD, CQ, one MR over `len` bytes, one QP.
 struct RawSide {
   ibv_context* ctx = nullptr;
@@ -117,7 +123,7 @@ struct RawSide {
     ia.send_cq = ia.recv_cq = cq;
     ia.qp_type = IBV_QPT_RC;
     ia.cap.max_send_wr = static_cast<uint32_t>(max_wr);
-    ia.cap.max_recv_wr = 1;
+    ia.cap.max_recv_wr = kPingRecvs;
     ia.cap.max_send_sge = ia.cap.max_recv_sge = 1;
     qp = ibv_create_qp(pd, &ia);
     if (qp == nullptr) return false;
@@ -174,6 +180,65 @@ struct RawSide {
                                      IBV_QP_MAX_QP_RD_ATOMIC) == 0;
   }
 
+  // The last 2 * kPingBytes of the buffer: a receive slot and a send slot for the ping-pong
+  // (the WRITEs of the ping-pong stay in the first 4 KiB).
+  char* pingRecvSlot() { return buf.data() + buf.size() - 2 * kPingBytes; }
+  char* pingSendSlot() { return buf.data() + buf.size() - kPingBytes; }
+
+  bool postRecv() {
+    ibv_sge sge{reinterpret_cast<uint64_t>(pingRecvSlot()), kPingBytes, mr->lkey};
+    ibv_recv_wr wr{};
+    ibv_recv_wr* bad = nullptr;
+    wr.wr_id = 1;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    return ibv_post_recv(qp, &wr, &bad) == 0;
+  }
+
+  bool post(ibv_wr_opcode op, uint64_t local_off, uint32_t len, uint64_t raddr, uint32_t rkey) {
+    ibv_sge sge{reinterpret_cast<uint64_t>(buf.data() + local_off), len, mr->lkey};
+    ibv_send_wr wr{};
+    ibv_send_wr* bad = nullptr;
+    wr.wr_id = 2;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = op;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.rdma.remote_addr = raddr;
+    wr.wr.rdma.rkey = rkey;
+    return ibv_post_send(qp, &wr, &bad) == 0;
+  }
+  bool postSend() { return post(IBV_WR_SEND, buf.size() - kPingBytes, kPingBytes, 0, 0); }
+
+  // Busy-polls until `recvs` receives and `sends` send completions came (all successful).
+  // Completions that come early (the peer's next message while this side waits for its own
+  // send's completion) count for the next call.
+  bool reap(int recvs, int sends) {
+    recvs -= early_recvs;
+    sends -= early_sends;
+    ibv_wc wc[8];
+    while (recvs > 0 || sends > 0) {
+      int k = ibv_poll_cq(cq, 8, wc);
+      if (k < 0) return false;
+      if (k == 0) sched_yield();
+      for (int j = 0; j < k; ++j) {
+        if (wc[j].status != IBV_WC_SUCCESS) {
+          std::fprintf(stderr, "verbs_raw ping-pong: %s\n", ibv_wc_status_str(wc[j].status));
+          return false;
+        }
+        if (wc[j].opcode == IBV_WC_RECV) {
+          --recvs;
+        } else {
+          --sends;
+        }
+      }
+    }
+    early_recvs = -recvs;
+    early_sends = -sends;
+    return true;
+  }
+  int early_recvs = 0, early_sends = 0;
+
   ~RawSide() {
     if (qp) ibv_destroy_qp(qp);
     if (mr) ibv_dereg_mr(mr);
@@ -210,8 +275,21 @@ inline int runRawTarget(uint16_t port, const std::string& nic, uint64_t len, int
   if (!recvBytes(fd, &theirs, sizeof theirs) || !s.connect(psn, theirs) ||
       !sendBytes(fd, &me, sizeof me))
     return 2;
-  char done = 0;
-  (void)recvBytes(fd, &done, 1);
+  // Commands from the initiator: 'p' + u32 count: answer that many ping-pong messages
+  // (busy-polling, as perftest's latency tests do), then say so; anything else: done.
+  char cmd = 0;
+  while (recvBytes(fd, &cmd, 1) && cmd == 'p') {
+    uint32_t count = 0;
+    if (!recvBytes(fd, &count, sizeof count)) break;
+    bool ok = true;
+    for (uint32_t i = 0; ok && i < kPingRecvs; ++i) ok = s.postRecv();
+    const char ready = ok ? 1 : 0;
+    if (!sendBytes(fd, &ready, 1) || !ok) break;
+    for (uint32_t i = 0; ok && i < count; ++i)
+      ok = s.reap(1, 0) && s.postRecv() && s.postSend() && s.reap(0, 1);
+    const char fin = ok ? 1 : 0;
+    if (!sendBytes(fd, &fin, 1)) break;
+  }
   close(fd);
   return 0;
 }
@@ -261,6 +339,41 @@ class RawInitiator {
     }
     double end = nowUs();
     r.gbps = static_cast<double>(size) * iters / ((end - start) * 1e-6) / 1e9;
+    r.p50_us = percentile(lat, 50);
+    r.p99_us = percentile(lat, 99);
+    r.iters = iters;
+    return r;
+  }
+
+  // The raw form of the engine's notify_rtt: a 4 KiB WRITE, then a 16-byte SEND behind it
+  // (what the engine's notification is), the target's thread busy-polls its CQ and answers
+  // with a SEND; one sample is the time from the WRITE's post to the answer's receive.
+  RawResult pingPong(int iters, int warm) {
+    RawResult r;
+    const uint32_t count = static_cast<uint32_t>(warm + iters);
+    char ready = 0;
+    const char cmd = 'p';
+    if (!sendBytes(fd_, &cmd, 1) || !sendBytes(fd_, &count, sizeof count) ||
+        !recvBytes(fd_, &ready, 1) || ready != 1)
+      return r;
+    for (uint32_t i = 0; i < kPingRecvs; ++i)
+      if (!side_.postRecv()) return r;
+    std::vector<double> lat;
+    double total = 0;
+    for (int i = 0; i < warm + iters; ++i) {
+      double t0 = nowUs();
+      if (!side_.post(IBV_WR_RDMA_WRITE, 0, 4096, remote_.addr, remote_.rkey) ||
+          !side_.postSend() || !side_.reap(1, 2) || !side_.postRecv())
+        return r;
+      double t1 = nowUs();
+      if (i >= warm) {
+        lat.push_back(t1 - t0);
+        total += t1 - t0;
+      }
+    }
+    char fin = 0;
+    if (!recvBytes(fd_, &fin, 1) || fin != 1) return r;
+    r.gbps = 4096.0 * iters / (total * 1e-6) / 1e9;
     r.p50_us = percentile(lat, 50);
     r.p99_us = percentile(lat, 99);
     r.iters = iters;
