@@ -102,6 +102,7 @@ void EpBuffer::setUp(size_t bytes) {
 
   mapped_.assign(n, nullptr);
   remote_.assign(n, 0);
+  engine_ids_.assign(n, 0);
   for (int r = 0; r < n; ++r) {
     remote_[r] = all[r].base;
     if (r == g_.rank) {
@@ -113,6 +114,7 @@ void EpBuffer::setUp(size_t bytes) {
     if (!desc.ok())
       throw std::runtime_error(
           str("ep.Buffer: bad segment descriptor from rank ", r, ": ", desc.status().toString()));
+    engine_ids_[r] = desc->engine_id;
     Status st = eng.updatePeer(g_.peers[r], *desc);
     if (!st.ok())
       throw std::runtime_error(str("ep.Buffer: cannot update peer rank ", r, ": ", st.toString()));
@@ -134,6 +136,7 @@ void EpBuffer::setUp(size_t bytes) {
     throw std::runtime_error(str("ep.Buffer: rank ", r, " already has a buffer with key ", std::hex,
                                  static_cast<uint32_t>(all[0].key), "; create the buffer again"));
   }
+  if (kernel_lanes_ > 0) watchPeers();
   int n_mapped = 0;
   for (auto* p : mapped_) n_mapped += p != nullptr;
   MC_LOG(INFO, EP) << "ep buffer rank " << g_.rank << "/" << n << ": " << bytes << " bytes, "
@@ -147,6 +150,7 @@ EpBuffer::~EpBuffer() {
   }
   q_cv_.notify_all();
   if (worker_.joinable()) worker_.join();
+  if (gone_handler_ != 0) g_.engine->removePeerGoneHandler(gone_handler_);
   if (key_ != 0) unregisterSignalTarget(key_);
   if (base_ != nullptr) (void)g_.engine->free(base_);
 }
@@ -216,6 +220,19 @@ void EpBuffer::throwIfAbandoned(const char* op, uint32_t round,
      << " (their own call was invalid and raised there); this call's output is incomplete. "
         "The next round is in step on every rank.";
   throw std::runtime_error(os.str());
+}
+
+void EpBuffer::watchPeers() {
+  gone_.reset(new int32_t[static_cast<size_t>(g_.size)]());
+  gone_handler_ = g_.engine->addPeerGoneHandler(
+      [this](uint64_t engine_id, const std::string&, const Status&) {
+        for (int r = 0; r < g_.size; ++r)
+          if (r != g_.rank && engine_ids_[r] == engine_id)
+            __atomic_store_n(&gone_[r], 1, __ATOMIC_RELEASE);
+      });
+  // Gone before the handler was there: the engine said so already.
+  for (int r = 0; r < g_.size; ++r)
+    if (peerDead(r)) __atomic_store_n(&gone_[r], 1, __ATOMIC_RELEASE);
 }
 
 bool EpBuffer::peerDead(int r) const {

@@ -256,10 +256,13 @@ class EpBuffer {
   // A peer seen dead may have sent everything just before it went: its signal message can
   // still be queued in this engine behind the notice of its death. Waits allow this long.
   static constexpr std::chrono::milliseconds kDeadPeerGrace{100};
+  static constexpr int64_t kGoneGraceUs =
+      std::chrono::duration_cast<std::chrono::microseconds>(kDeadPeerGrace).count();
   static constexpr int kThreadLanes = 4;  // lanes a block under MC_EP_KERNELS=threads
-  // HostLanes for a kernel call's waits: a source is gone once its engine peer has been dead
-  // for kDeadPeerGrace (the CPU path's rule), checked at most every millisecond per rank.
-  kern::HostLanes watchingLanes() const;
+  // The kernels' view of dead ranks (ll_kernels.h, "Dead ranks"): gone_[r] is set to 1 by the
+  // engine's peer-gone handler for rank r's engine (and, for a rank already dead when the
+  // buffer was made, at set-up); the kernel waits read it while they run.
+  void watchPeers();
   bool abandoned(RoundKind kind, uint32_t round, int r);
   // Wraps a wait's arrival test so that a source that gave up the round counts as arrived
   // (recorded in *gave_up instead of handled); throwIfAbandoned() then reports them.
@@ -275,6 +278,9 @@ class EpBuffer {
   BufferGeometry geo_;
   char* base_ = nullptr;
   uint64_t key_ = 0;
+  std::vector<uint64_t> engine_ids_;      // each rank's engine id (its segment's)
+  std::unique_ptr<int32_t[]> gone_;       // kernel path: watchPeers()
+  uint64_t gone_handler_ = 0;             // its engine peer-gone handler (0: none)
   std::vector<char*> mapped_;     // local view of each rank's buffer, nullptr if remote
   bool disable_p2p_ = false;
   std::vector<uint64_t> remote_;  // each rank's buffer address in its own process

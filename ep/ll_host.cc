@@ -19,26 +19,6 @@ static_assert(static_cast<int>(DType::kBFloat16) == kern::kDtypeBf16 &&
               static_cast<int>(DType::kFloat32) == kern::kDtypeF32 &&
               static_cast<int>(DType::kFp8) == kern::kDtypeFp8);
 
-kern::HostLanes EpBuffer::watchingLanes() const {
-  using Clock = std::chrono::steady_clock;
-  struct Watch {
-    std::vector<Clock::time_point> dead_since, next_check;
-  };
-  auto w = std::make_shared<Watch>();
-  w->dead_since.assign(g_.size, Clock::time_point::max());
-  w->next_check.assign(g_.size, Clock::time_point::min());
-  kern::HostLanes ln;
-  ln.gone = [this, w](int r) {
-    const auto now = Clock::now();
-    if (w->dead_since[r] == Clock::time_point::max() && now >= w->next_check[r]) {
-      w->next_check[r] = now + std::chrono::milliseconds(1);
-      if (peerDead(r)) w->dead_since[r] = now;
-    }
-    return w->dead_since[r] != Clock::time_point::max() && now - w->dead_since[r] >= kDeadPeerGrace;
-  };
-  return ln;
-}
-
 bool EpBuffer::kernelPath() const {
   if (kernel_lanes_ == 0) return false;
   for (char* m : mapped_)
@@ -58,6 +38,8 @@ kern::LlArgs EpBuffer::kernelArgs(uint32_t round, RoundKind kind, int experts, i
   p.max_tokens = max_tokens;
   p.hidden = hidden;
   p.round = round;
+  p.gone = gone_.get();
+  p.gone_grace_us = kGoneGraceUs;
   p.peers = mapped_.data();
   p.dispatch_region = geo_.dispatchRegion(h);
   p.combine_region = geo_.combineRegion(h);
@@ -138,7 +120,7 @@ void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
   std::vector<int32_t> decision(g_.size, kern::kUndecided), error(2, kern::kNoError);
   p.decision = decision.data();
   p.error = error.data();
-  kern::HostLanes ln = watchingLanes();
+  kern::HostLanes ln;
   const int64_t start = ln.nowUs();
   kern::runBlocks(p.local_experts, kernel_lanes_, ln,
                   [&](auto& lanes, int l) { kern::dispatchRecv(p, l, lanes, start); });
@@ -163,7 +145,7 @@ void EpBuffer::kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
   std::vector<int32_t> decision(g_.size, kern::kUndecided), error(2, kern::kNoError);
   p.decision = decision.data();
   p.error = error.data();
-  kern::HostLanes ln = watchingLanes();
+  kern::HostLanes ln;
   const int64_t start = ln.nowUs();
   kern::runBlocks(g_.size, kernel_lanes_, ln,
                   [&](auto& lanes, int o) { kern::combineWait(p, o, lanes, start); });
@@ -195,6 +177,8 @@ kern::NormalArgs EpBuffer::normalArgs(uint32_t round, RoundKind kind, int topk, 
   p.hidden = hidden;
   p.round = round;
   p.timeout_us = timeout_ms_ * 1000;
+  p.gone = gone_.get();
+  p.gone_grace_us = kGoneGraceUs;
   p.peers = mapped_.data();
   p.dispatch_region = geo_.dispatchRegion(h);
   p.combine_region = geo_.combineRegion(h);
@@ -246,7 +230,7 @@ std::vector<int32_t> EpBuffer::kernelNormalDispatchSend(const NormalDispatchArgs
   p.active = active.data();
   p.decision = decision.data();
   p.error = error.data();
-  kern::HostLanes wl = watchingLanes();
+  kern::HostLanes wl;
   const int64_t start = wl.nowUs();
   kern::runBlocks(R, kernel_lanes_, wl,
                   [&](auto& lanes, int r) { kern::normalDispatchWait(p, r, lanes, start); });
@@ -315,7 +299,7 @@ void EpBuffer::kernelNormalCombine(const NormalCombineArgs& a, uint32_t round) {
   p.active = active.data();
   p.decision = decision.data();
   p.error = error.data();
-  kern::HostLanes wl = watchingLanes();
+  kern::HostLanes wl;
   const int64_t start = wl.nowUs();
   kern::runBlocks(R, kernel_lanes_, wl,
                   [&](auto& lanes, int d) { kern::normalCombineWait(p, d, lanes, start); });

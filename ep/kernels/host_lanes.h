@@ -8,7 +8,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -47,11 +46,8 @@ struct HostLanes {
                std::chrono::steady_clock::now().time_since_epoch())
         .count();
   }
+  int32_t loadFlag(const int32_t* p) const { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
   void pause() { std::this_thread::yield(); }
-  // Set by the caller that knows the peers (ep/ll_host.cc: the engine's view, with the CPU
-  // path's grace for signals still queued behind a death notice); unset: nobody is gone.
-  std::function<bool(int)> gone;
-  bool peerGone(int r) const { return gone && gone(r); }
 };
 
 // Lanes that are host threads: a block of n lanes runs as n threads with barriers, so the

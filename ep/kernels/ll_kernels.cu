@@ -59,8 +59,12 @@ struct CudaLanes {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
     return static_cast<int64_t>(ns / 1000);
   }
+  __device__ int32_t loadFlag(const int32_t* p) const {
+    int32_t v;  // host-mapped memory the host writes while the kernel runs
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+  }
   __device__ void pause() { __nanosleep(256); }
-  __device__ bool peerGone(int) const { return false; }
 };
 
 namespace {

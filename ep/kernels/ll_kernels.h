@@ -21,9 +21,12 @@
 //   cas(p, expected, desired)        int32 compare-and-swap, returns the old value
 //   add(p, v)                        int32 atomic add (device scope is enough)
 //   ringDoorbell(p)                  wakes the host waiters of a buffer (host: futex)
+//   loadFlag(p)                      an int32 another thread or the host writes (acquire)
 //   nowUs(), pause()                 a clock for deadlines, a polite spin
-//   peerGone(r)                      rank r is known dead (host: its engine peer, after a
-//                                    grace; a kernel: never, it has timeout_us only)
+// Dead ranks: the caller passes `gone`, an int32 per rank that the host sets once the engine
+// reports the rank's process gone (memory the kernels can read while they run: host memory,
+// or host-mapped memory for a GPU); a wait gives a gone rank gone_grace_us more (its last
+// signal may be behind the notice) and then counts it silent, with or without timeout_us.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +57,8 @@ struct LlArgs {
   int64_t max_tokens = 0, hidden = 0, tokens = 0;
   uint32_t round = 0;
   int64_t timeout_us = -1;  // -1: no deadline
+  const int32_t* gone = nullptr;  // [R] or null (see "Dead ranks" above)
+  int64_t gone_grace_us = 0;
   // Each rank's buffer as this process addresses it, and offsets in a buffer (this round's
   // half): ep::BufferGeometry and ep::LowLatencyLayout's numbers.
   char* const* peers = nullptr;
@@ -182,6 +187,7 @@ MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* mine, uint64_t 
                      uint64_t stride, int words, int64_t start_us) {
   int32_t d = kUndecided;
   if (ln.lane() == 0) {
+    int64_t gone_at = -1;  // when this wait first saw src's gone flag
     int32_t* slot = p.decision + src;
     d = ln.cas(slot, kUndecided, kUndecided);  // (a read other blocks' writes are seen by)
     if (d == kUndecided && p.active[src] == 0) d = kSilent;  // not waited for at all
@@ -197,9 +203,12 @@ MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* mine, uint64_t 
                                                                   src * 8u)) ==
                  makeSignal(p.round, 1)) {
         want = kGaveUp;
-      } else if ((p.timeout_us >= 0 && ln.nowUs() - start_us >= p.timeout_us) ||
-                 ln.peerGone(src)) {
-        want = kSilent;
+      } else {
+        const int64_t now = ln.nowUs();
+        if (gone_at < 0 && p.gone != nullptr && ln.loadFlag(p.gone + src) != 0) gone_at = now;
+        if ((p.timeout_us >= 0 && now - start_us >= p.timeout_us) ||
+            (gone_at >= 0 && now - gone_at >= p.gone_grace_us))
+          want = kSilent;
       }
       if (want != kUndecided) {
         const int32_t old = ln.cas(slot, kUndecided, want);

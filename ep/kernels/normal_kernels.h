@@ -23,6 +23,8 @@ struct NormalArgs {
   int64_t hidden = 0, tokens = 0;
   uint32_t round = 0;
   int64_t timeout_us = -1;
+  const int32_t* gone = nullptr;  // [R] or null (ll_kernels.h, "Dead ranks")
+  int64_t gone_grace_us = 0;
   char* const* peers = nullptr;
   uint64_t dispatch_region = 0, combine_region = 0;
   uint64_t dispatch_signals = 0, combine_signals = 0, abandon_signals = 0;

@@ -7,7 +7,8 @@
 //   - bf16, float32 and fp8 dispatch; topk 1..11 with -1 entries, empty experts, every token
 //     to one expert, two rounds (both buffer halves);
 //   - a rank that sends nothing: the others mark it inactive by the bodies' own deadline
-//     (timeout_us) and finish.
+//     (timeout_us) and finish; and without a deadline, once the host raises the rank's gone
+//     flag (LlArgs::gone) while the waits run, after gone_grace_us.
 // Executors: "host" (HostLanes, one thread: runs everywhere, ctest ep.kernel_check_host),
 // "threads" (each block's lanes are 5 host threads with barriers: the multi-lane logic, ctest
 // ep.kernel_check_threads; compared with "host" bit for bit) and "cuda" (ep/kernels/ll_kernels.cu on GPU 0, built with nvcc by scripts/gpu_check.sh and in
@@ -28,6 +29,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ep/kernels/host_lanes.h"
@@ -53,6 +55,11 @@ class HostExec : public kern::Exec {
   void upload(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
   void download(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
   void zero(void* p, size_t n) override { std::memset(p, 0, n); }
+  int32_t* allocFlags(int n, int32_t** kernel_view) override {
+    *kernel_view = static_cast<int32_t*>(alloc(sizeof(int32_t) * n));
+    return *kernel_view;
+  }
+  void releaseFlags(int32_t* host) override { release(host); }
   void dispatchSend(const kern::LlArgs& p, int experts, int32_t* toks) override {
     kern::HostLanes ln;
     for (int e = 0; e < experts; ++e) kern::dispatchSend(p, e, ln, toks + e * p.max_tokens);
@@ -194,6 +201,8 @@ struct RankOutput {
   }
 };
 
+constexpr int64_t kGoneGraceUs = 5000;
+
 // R simulated ranks on one executor.
 class World {
  public:
@@ -207,6 +216,7 @@ class World {
     }
     std::vector<char*> host_peers;
     for (void* b : bufs_) host_peers.push_back(static_cast<char*>(b));
+    gone_host_ = ex.allocFlags(s.R, &gone_view_);
     peers_ = ex.alloc(sizeof(char*) * s.R);
     ex.upload(peers_, host_peers.data(), sizeof(char*) * s.R);
     for (int r = 0; r < s.R; ++r) in_.push_back(makeInput(s, r));
@@ -242,6 +252,19 @@ class World {
         ex_.release(p);
     for (void* b : bufs_) ex_.release(b);
     ex_.release(peers_);
+    ex_.releaseFlags(gone_host_);
+  }
+  // Rank r's gone flag goes up `ms` after this call, from another thread (as the engine's
+  // peer-gone handler would), while the waits run; joined by the next round's start.
+  void markGoneAfter(int r, int ms) {
+    if (raiser_.joinable()) raiser_.join();
+    raiser_ = std::thread([this, r, ms] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      __atomic_store_n(&gone_host_[r], 1, __ATOMIC_RELEASE);
+    });
+  }
+  void joinRaiser() {
+    if (raiser_.joinable()) raiser_.join();
   }
   const RankInput& input(int r) const { return in_[r]; }
   int local() const { return L_; }
@@ -259,6 +282,8 @@ class World {
     p.hidden = s_.H;
     p.tokens = in_[r].T;
     p.round = round;
+    p.gone = gone_view_;
+    p.gone_grace_us = kGoneGraceUs;
     p.peers = static_cast<char* const*>(peers_);
     p.dispatch_region = geo_.dispatchRegion(h);
     p.combine_region = geo_.combineRegion(h);
@@ -407,6 +432,9 @@ class World {
   int L_ = 0;
   std::vector<void*> bufs_;
   void* peers_ = nullptr;
+  int32_t* gone_host_ = nullptr;
+  int32_t* gone_view_ = nullptr;
+  std::thread raiser_;
   std::vector<RankInput> in_;
   std::vector<Dev> dev_;
   std::vector<std::vector<uint8_t>> ys_;
@@ -535,8 +563,12 @@ struct Result {
 };
 
 // Runs one shape on `ex` (and, when given, the same on `ref` for a bit-for-bit comparison).
-Result runShape(kern::Exec& ex, kern::Exec* ref, const Shape& s, int silent, int64_t timeout_us) {
-  Result res{"ll " + describe(s) + (silent >= 0 ? " silent rank " + std::to_string(silent) : ""),
+// gone_after_ms >= 0: the silent rank's gone flag goes up that long into the first round (the
+// waits have no deadline then: timeout_us -1).
+Result runShape(kern::Exec& ex, kern::Exec* ref, const Shape& s, int silent, int64_t timeout_us,
+                int gone_after_ms = -1) {
+  Result res{"ll " + describe(s) + (silent >= 0 ? " silent rank " + std::to_string(silent) : "") +
+                 (gone_after_ms >= 0 ? " gone" : ""),
              true, ""};
   World w(ex, s);
   std::unique_ptr<World> wr;
@@ -544,12 +576,16 @@ Result runShape(kern::Exec& ex, kern::Exec* ref, const Shape& s, int silent, int
   std::ostringstream detail;
   for (uint32_t round = 1; round <= 2 && res.ok; ++round) {
     const auto t0 = std::chrono::steady_clock::now();
+    if (gone_after_ms >= 0 && round == 1) w.markGoneAfter(silent, gone_after_ms);
     w.dispatch(round, silent, timeout_us);
     w.combine(round, silent, timeout_us);
+    w.joinRaiser();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (wr) {
+      if (gone_after_ms >= 0 && round == 1) wr->markGoneAfter(silent, 0);
       wr->dispatch(round, silent, timeout_us);
       wr->combine(round, silent, timeout_us);
+      wr->joinRaiser();
     }
     if (w.error() != 0) {
       res.ok = false;
@@ -635,6 +671,7 @@ int main(int argc, char** argv) {
   rows.push_back(runShape(*ex, ref, {3, 24, 128, 6, 2, ep::DType::kBFloat16, 0, 8}, -1, -1));
   rows.push_back(runShape(*ex, ref, {4, 20, 128, 8, 2, ep::DType::kFloat32, -1, 9}, 3, 20000));
   rows.push_back(runShape(*ex, ref, {3, 20, 256, 6, 3, ep::DType::kFp8, -1, 10}, 1, 20000));
+  rows.push_back(runShape(*ex, ref, {3, 16, 128, 6, 2, ep::DType::kBFloat16, -1, 11}, 2, -1, 30));
   if (ex == cuda.get())
     for (int R : {2, 4}) rows.push_back(timeShape(*ex, R));
   bool all = true;

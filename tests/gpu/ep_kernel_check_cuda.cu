@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -39,6 +40,16 @@ class CudaExec : public Exec {
     check(cudaStreamSynchronize(s_), "download");
   }
   void zero(void* p, size_t n) override { check(cudaMemsetAsync(p, 0, n, s_), "cudaMemsetAsync"); }
+  int32_t* allocFlags(int n, int32_t** kernel_view) override {
+    void* h = nullptr;
+    check(cudaHostAlloc(&h, sizeof(int32_t) * n, cudaHostAllocMapped), "cudaHostAlloc(mapped)");
+    std::memset(h, 0, sizeof(int32_t) * n);
+    void* d = nullptr;
+    check(cudaHostGetDevicePointer(&d, h, 0), "cudaHostGetDevicePointer");
+    *kernel_view = static_cast<int32_t*>(d);
+    return static_cast<int32_t*>(h);
+  }
+  void releaseFlags(int32_t* host) override { cudaFreeHost(host); }
   void dispatchSend(const LlArgs& p, int experts, int32_t* toks) override {
     checkLaunch(launchDispatchSend(p, experts, toks, s_), "dispatch send launch");
   }

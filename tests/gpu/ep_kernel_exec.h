@@ -20,6 +20,10 @@ class Exec {
   virtual void upload(void* dst, const void* src, size_t n) = 0;
   virtual void download(void* dst, const void* src, size_t n) = 0;
   virtual void zero(void* p, size_t n) = 0;
+  // n int32 flags the host writes while kernels run and the kernels read (host memory; for
+  // a GPU, host-mapped pinned memory): the host's pointer, and in *kernel_view the kernels'.
+  virtual int32_t* allocFlags(int n, int32_t** kernel_view) = 0;
+  virtual void releaseFlags(int32_t* host) = 0;
   // One rank's phases (queued in order; finish() waits for all and throws on a fault).
   virtual void dispatchSend(const LlArgs& p, int experts, int32_t* toks) = 0;
   virtual void dispatchRecv(const LlArgs& p) = 0;
