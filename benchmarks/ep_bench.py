@@ -25,6 +25,13 @@ problem's parameters ("hosts": true with --hosts).
 
 --hosts puts each rank on a simulated host (MC_HOST_ID), so that mooncake reaches every peer
 through the engine's one-sided writes and notifications (tcp here) instead of mapped memory.
+
+Mode "ll_fp8" (--modes ll_fp8, bfloat16 only, hidden a multiple of 128): mooncake dispatches
+with use_fp8=True (DeepEP's e4m3 rows with per-128-channel float32 scales: H + H/32 bytes a
+row, quantized by the sender) and combines bf16 expert outputs of the received shape; the
+reference is the gloo bf16 path of "ll" (no fp8 reference exists here), so its ratio is what
+a user gains from fp8 against the bf16 all-to-all, not an fp8-against-fp8 comparison. Its
+dispatch gbps counts the fp8 bytes.
 """
 
 import argparse
@@ -52,7 +59,7 @@ def parse():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--modes", default="ll,normal")
+    ap.add_argument("--modes", default="ll,normal", help="ll, normal, ll_fp8 (comma list)")
     ap.add_argument("--json", default=None, help="write the records here")
     ap.add_argument("--hosts", action="store_true",
                     help="each rank on a simulated host of its own (MC_HOST_ID=host-<rank>): "
@@ -158,6 +165,20 @@ def worker(a):
         recv_x, handle = st
         buf.combine(recv_x, topk, w, active, 60_000_000, handle)
 
+    fp8_y = None
+
+    def mc_fp8_dispatch():
+        (q, scales), cnt, handle, _, _ = buf.dispatch(x, topk, active, T, E,
+                                                      timeout_us=60_000_000, use_fp8=True)
+        return q, handle
+
+    def mc_fp8_combine(st):
+        nonlocal fp8_y
+        q, handle = st
+        if fp8_y is None:  # expert outputs of the received shape (bf16), made once
+            fp8_y = torch.randn(q.shape, generator=g).to(dtype)
+        buf.combine(fp8_y, topk, w, active, 60_000_000, handle)
+
     def mc_normal_dispatch():
         recv_x, _, _, _, h = buf.normal_dispatch(x, topk, w, E)
         return recv_x, h
@@ -170,8 +191,13 @@ def worker(a):
         ("gloo_ref", "ll"): (gloo_ll_dispatch, lambda st: gloo_ll_combine(*st)),
         ("mooncake", "normal"): (mc_normal_dispatch, mc_normal_combine),
         ("gloo_ref", "normal"): (gloo_normal_dispatch, lambda st: gloo_normal_combine(*st)),
+        ("mooncake", "ll_fp8"): (mc_fp8_dispatch, mc_fp8_combine),
+        ("gloo_ref", "ll_fp8"): (gloo_ll_dispatch, lambda st: gloo_ll_combine(*st)),
     }
-    payload = {"ll": int(per_expert.sum()) * H * elem, "normal": int(n_send.sum()) * H * elem}
+    payload = {"ll": int(per_expert.sum()) * H * elem, "normal": int(n_send.sum()) * H * elem,
+               "ll_fp8": int(per_expert.sum()) * H * elem}
+    # mooncake's fp8 dispatch sends H + H/32 bytes a row (its combine sends bf16 rows).
+    fp8_dispatch_bytes = int(per_expert.sum()) * (H + H // 32)
     records = []
     for mode in a.modes.split(","):
         # The implementations alternate iteration by iteration, so both see the same load.
@@ -205,6 +231,9 @@ def worker(a):
                 p50 = float(per_iter.quantile(0.5)) * 1e6
                 p99 = float(per_iter.quantile(0.99)) * 1e6
                 nbytes = payload[mode] * (2 if phase == "both" else 1)
+                if mode == "ll_fp8" and impl == "mooncake":
+                    nbytes = {"dispatch": fp8_dispatch_bytes, "combine": payload[mode],
+                              "both": fp8_dispatch_bytes + payload[mode]}[phase]
                 records.append({"impl": impl, "mode": mode, "phase": phase, "world_size": R,
                                 "p50_us": round(p50, 1), "p99_us": round(p99, 1),
                                 "gbps": round(nbytes / (p50 * 1e-6) / 1e9, 3),
@@ -251,6 +280,8 @@ def main():
     if a.worker:
         return worker(a)
     records = []
+    if "ll_fp8" in a.modes.split(",") and (a.dtype != "bfloat16" or a.hidden % 128):
+        raise SystemExit("--modes ll_fp8 needs --dtype bfloat16 and --hidden a multiple of 128")
     for world in [int(w) for w in a.world_sizes.split(",")]:
         if a.experts % world:
             raise SystemExit(f"--experts {a.experts} is not divisible by world size {world}")

@@ -101,8 +101,7 @@ MC_HD float fp8Scale(float amax) { return (amax > kFp8Margin ? amax : kFp8Margin
 MC_HD float quantizeGroup(const uint16_t* x, uint8_t* out) {
   float amax = 0.0f;
   for (int i = 0; i < kFp8Group; ++i) {
-    const float a = bf16ToFloat(x[i]);
-    const float m = a < 0.0f ? -a : a;
+    const float m = bf16ToFloat(static_cast<uint16_t>(x[i] & 0x7fffu));  // |x|, no branch
     amax = m > amax ? m : amax;  // (a NaN never wins: the comparison is false)
   }
   const float mul = fp8Multiplier(amax);
