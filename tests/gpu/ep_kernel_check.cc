@@ -9,6 +9,8 @@
 //   - a rank that sends nothing: the others mark it inactive by the bodies' own deadline
 //     (timeout_us) and finish; and without a deadline, once the host raises the rank's gone
 //     flag (LlArgs::gone) while the waits run, after gone_grace_us.
+// And normal mode (tests/gpu/ep_normal_check.h): dispatch with top-k and weights, then combine,
+// each rank's calls concurrent with the others', against its own naive reference.
 // Executors: "host" (HostLanes, one thread: runs everywhere, ctest ep.kernel_check_host),
 // "threads" (each block's lanes are 5 host threads with barriers: the multi-lane logic, ctest
 // ep.kernel_check_threads; compared with "host" bit for bit) and "cuda" (ep/kernels/ll_kernels.cu on GPU 0, built with nvcc by scripts/gpu_check.sh and in
@@ -79,8 +81,51 @@ class HostExec : public kern::Exec {
     for (int o = 0; o < p.world; ++o) kern::combineWait(p, o, ln, start);
     for (int64_t t = 0; t < p.tokens; ++t) kern::combineRecvToken(p, t, ln);
   }
-  void finish() override {}
+  // Normal mode: each call on a thread of its own (the ranks' calls wait for each other),
+  // its blocks one after another with lanes_ lanes each, in the launchers' order.
+  void normalDispatchSend(int, const kern::NormalArgs& p, int32_t* toks) override {
+    const int lanes = lanes_;
+    calls_.emplace_back([p, toks, lanes] {
+      kern::HostLanes base;
+      kern::runBlocks(p.world, lanes, base, [&](auto& ln, int d) {
+        kern::normalDispatchSend(p, d, ln, toks + d * p.tokens);
+      });
+      const int64_t start = base.nowUs();
+      kern::runBlocks(p.world, lanes, base,
+                      [&](auto& ln, int r) { kern::normalDispatchWait(p, r, ln, start); });
+    });
+  }
+  void normalDispatchRecv(int, const kern::NormalArgs& p, int32_t* toks) override {
+    const int lanes = lanes_;
+    calls_.emplace_back([p, toks, lanes] {
+      kern::HostLanes base;
+      kern::runBlocks(p.world, lanes, base, [&](auto& ln, int r) {
+        kern::normalDispatchRecv(p, r, ln, toks + r * p.tokens);
+      });
+      kern::runBlocks(1, lanes, base, [&](auto& ln, int) { kern::normalAlign(p, ln); });
+    });
+  }
+  void normalCombine(int, const kern::NormalArgs& p) override {
+    const int lanes = lanes_;
+    calls_.emplace_back([p, lanes] {
+      kern::HostLanes base;
+      kern::runBlocks(p.world, lanes, base, [&](auto& ln, int r) { kern::normalCombineSend(p, r, ln); });
+      const int64_t start = base.nowUs();
+      kern::runBlocks(p.world, lanes, base,
+                      [&](auto& ln, int d) { kern::normalCombineWait(p, d, ln, start); });
+      kern::runBlocks(static_cast<int>(p.tokens), lanes, base,
+                      [&](auto& ln, int t) { kern::normalCombineToken(p, t, ln); });
+    });
+  }
+  void finish() override {
+    for (auto& t : calls_) t.join();
+    calls_.clear();
+  }
   double copyRateGBs(size_t) override { return 0; }
+
+ protected:
+  int lanes_ = 1;
+  std::vector<std::thread> calls_;
 };
 
 #ifndef MC_EP_CHECK_CUDA
@@ -99,6 +144,7 @@ constexpr int kThreadLanes = 5;
 
 class ThreadsExec : public HostExec {
  public:
+  ThreadsExec() { lanes_ = kThreadLanes; }
   const char* name() const override { return "threads"; }
   void dispatchSend(const kern::LlArgs& p, int experts, int32_t* toks) override {
     kern::HostLanes base;
@@ -642,6 +688,8 @@ Result timeShape(kern::Exec& ex, int R) {
 
 }  // namespace
 
+#include "tests/gpu/ep_normal_check.h"
+
 int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "host";
   const std::string json = argc > 2 ? argv[2] : "";
@@ -672,6 +720,13 @@ int main(int argc, char** argv) {
   rows.push_back(runShape(*ex, ref, {4, 20, 128, 8, 2, ep::DType::kFloat32, -1, 9}, 3, 20000));
   rows.push_back(runShape(*ex, ref, {3, 20, 256, 6, 3, ep::DType::kFp8, -1, 10}, 1, 20000));
   rows.push_back(runShape(*ex, ref, {3, 16, 128, 6, 2, ep::DType::kBFloat16, -1, 11}, 2, -1, 30));
+  // Normal mode: bf16 and float32, top-k with -1 entries, an alignment, every token to one
+  // expert.
+  rows.push_back(runNormalShape(*ex, {2, 24, 256, 8, 3, ep::DType::kBFloat16, -1, 21}, 1));
+  rows.push_back(runNormalShape(*ex, {3, 20, 128, 6, 2, ep::DType::kFloat32, -1, 22}, 4));
+  rows.push_back(runNormalShape(*ex, {4, 16, 128, 8, 4, ep::DType::kFloat32, -1, 25}, 1));
+  rows.push_back(runNormalShape(*ex, {4, 17, 384, 16, 11, ep::DType::kBFloat16, -1, 23}, 1));
+  rows.push_back(runNormalShape(*ex, {4, 12, 128, 8, 2, ep::DType::kBFloat16, 5, 24}, 8));
   if (ex == cuda.get())
     for (int R : {2, 4}) rows.push_back(timeShape(*ex, R));
   bool all = true;

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "ep/kernels/ll_launch.h"
 #include "tests/gpu/ep_kernel_exec.h"
@@ -22,7 +23,10 @@ void checkLaunch(int e, const char* what) { check(static_cast<cudaError_t>(e), w
 class CudaExec : public Exec {
  public:
   CudaExec() { check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate"); }
-  ~CudaExec() override { cudaStreamDestroy(s_); }
+  ~CudaExec() override {
+    for (cudaStream_t s : ranks_) cudaStreamDestroy(s);
+    cudaStreamDestroy(s_);
+  }
   const char* name() const override { return "cuda"; }
   void* alloc(size_t n) override {
     void* p = nullptr;
@@ -62,7 +66,19 @@ class CudaExec : public Exec {
   void combineRecv(const LlArgs& p) override {
     checkLaunch(launchCombineRecv(p, s_), "combine recv launch");
   }
-  void finish() override { check(cudaStreamSynchronize(s_), "kernels"); }
+  void normalDispatchSend(int rank, const NormalArgs& p, int32_t* toks) override {
+    checkLaunch(launchNormalDispatchSend(p, toks, rankStream(rank)), "normal dispatch send launch");
+  }
+  void normalDispatchRecv(int rank, const NormalArgs& p, int32_t* toks) override {
+    checkLaunch(launchNormalDispatchRecv(p, toks, rankStream(rank)), "normal dispatch recv launch");
+  }
+  void normalCombine(int rank, const NormalArgs& p) override {
+    checkLaunch(launchNormalCombine(p, rankStream(rank)), "normal combine launch");
+  }
+  void finish() override {
+    check(cudaStreamSynchronize(s_), "kernels");
+    for (cudaStream_t s : ranks_) check(cudaStreamSynchronize(s), "kernels");
+  }
   double copyRateGBs(size_t bytes) override {
     void *a = alloc(bytes), *b = alloc(bytes);
     check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s_), "d2d");
@@ -79,7 +95,19 @@ class CudaExec : public Exec {
   }
 
  private:
+  // A stream per rank for the normal calls (a rank's wait kernels spin until the others'
+  // send kernels, on their own streams, have run).
+  cudaStream_t rankStream(int rank) {
+    check(cudaStreamSynchronize(s_), "zero/upload before a normal call");  // (other stream)
+    while (static_cast<int>(ranks_.size()) <= rank) {
+      cudaStream_t s = nullptr;
+      check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      ranks_.push_back(s);
+    }
+    return ranks_[rank];
+  }
   cudaStream_t s_ = nullptr;
+  std::vector<cudaStream_t> ranks_;
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "ep/kernels/ll_kernels.h"
+#include "ep/kernels/normal_kernels.h"
 
 namespace mooncake::ep::kern {
 
@@ -29,6 +30,12 @@ class Exec {
   virtual void dispatchRecv(const LlArgs& p) = 0;
   virtual void combineSend(const LlArgs& p) = 0;
   virtual void combineRecv(const LlArgs& p) = 0;
+  // Normal mode: one call of rank `rank`, in ep/kernels/ll_launch.h's launch order, running
+  // concurrently with the other ranks' calls (host: a thread each; cuda: the rank's stream),
+  // as the calls of separate processes do. toks: R * T int32 of scratch.
+  virtual void normalDispatchSend(int rank, const NormalArgs& p, int32_t* toks) = 0;
+  virtual void normalDispatchRecv(int rank, const NormalArgs& p, int32_t* toks) = 0;
+  virtual void normalCombine(int rank, const NormalArgs& p) = 0;
   virtual void finish() = 0;
   // Device-to-device copy rate of `bytes` (GB/s), 0 where it means nothing (host).
   virtual double copyRateGBs(size_t bytes) = 0;
