@@ -139,6 +139,18 @@ struct LowLatencyLayout {
   static LowLatencyLayout make(int world, int experts, int64_t max_tokens, int64_t hidden, DType t);
 };
 
+// The kernels' argument structs (kern::LlArgs, kern::NormalArgs) carry a round's offsets in a
+// buffer: its half's regions and signal words, and the abandon words of the call's kind.
+template <class Args>
+void setRoundOffsets(Args& p, const BufferGeometry& g, uint32_t round, int kind) {
+  const int h = static_cast<int>(round & 1);
+  p.dispatch_region = g.dispatchRegion(h);
+  p.combine_region = g.combineRegion(h);
+  p.dispatch_signals = g.dispatchSignal(h, 0);
+  p.combine_signals = g.combineSignal(h, 0);
+  p.abandon_signals = g.abandonSignal(h, kind, 0);
+}
+
 // Normal-mode layout inside a region: C rows per source rank.
 struct NormalLayout {
   int world = 0, topk = 0;
@@ -163,6 +175,16 @@ struct NormalLayout {
   }
   // The largest C whose dispatch and combine layouts fit in region_bytes.
   static NormalLayout make(size_t region_bytes, int world, int topk, int64_t hidden, DType t);
+  // Copies the numbers kern::NormalArgs needs into it.
+  template <class Args>
+  void setArgs(Args& p) const {
+    p.capacity = capacity;
+    p.row_stride = row_stride;
+    p.src_base = src_base;
+    p.topk_base = topk_base;
+    p.weight_base = weight_base;
+    p.cweight_base = cweight_base;
+  }
 };
 
 // Buffer bytes that make low-latency calls with these bounds fit, for either dtype, and

@@ -28,7 +28,6 @@ bool EpBuffer::kernelPath() const {
 
 kern::LlArgs EpBuffer::kernelArgs(uint32_t round, RoundKind kind, int experts, int64_t max_tokens,
                                   int64_t hidden, DType dtype) const {
-  const int h = round & 1;
   const auto lay = LowLatencyLayout::make(g_.size, experts, max_tokens, hidden, dtype);
   kern::LlArgs p;
   p.me = g_.rank;
@@ -41,11 +40,7 @@ kern::LlArgs EpBuffer::kernelArgs(uint32_t round, RoundKind kind, int experts, i
   p.gone = gone_.get();
   p.gone_grace_us = kGoneGraceUs;
   p.peers = mapped_.data();
-  p.dispatch_region = geo_.dispatchRegion(h);
-  p.combine_region = geo_.combineRegion(h);
-  p.dispatch_signals = geo_.dispatchSignal(h, 0);
-  p.combine_signals = geo_.combineSignal(h, 0);
-  p.abandon_signals = geo_.abandonSignal(h, static_cast<int>(kind), 0);
+  setRoundOffsets(p, geo_, round, static_cast<int>(kind));
   p.row_stride = lay.row_stride;
   p.src_base = lay.src_base;
   return p;
@@ -167,7 +162,6 @@ void EpBuffer::kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
 
 kern::NormalArgs EpBuffer::normalArgs(uint32_t round, RoundKind kind, int topk, int64_t hidden,
                                       DType dtype) const {
-  const int h = round & 1;
   const auto nl = NormalLayout::make(geo_.regionBytes(), g_.size, topk, hidden, dtype);
   kern::NormalArgs p;
   p.me = g_.rank;
@@ -180,17 +174,8 @@ kern::NormalArgs EpBuffer::normalArgs(uint32_t round, RoundKind kind, int topk, 
   p.gone = gone_.get();
   p.gone_grace_us = kGoneGraceUs;
   p.peers = mapped_.data();
-  p.dispatch_region = geo_.dispatchRegion(h);
-  p.combine_region = geo_.combineRegion(h);
-  p.dispatch_signals = geo_.dispatchSignal(h, 0);
-  p.combine_signals = geo_.combineSignal(h, 0);
-  p.abandon_signals = geo_.abandonSignal(h, static_cast<int>(kind), 0);
-  p.capacity = nl.capacity;
-  p.row_stride = nl.row_stride;
-  p.src_base = nl.src_base;
-  p.topk_base = nl.topk_base;
-  p.weight_base = nl.weight_base;
-  p.cweight_base = nl.cweight_base;
+  setRoundOffsets(p, geo_, round, static_cast<int>(kind));
+  nl.setArgs(p);
   return p;
 }
 

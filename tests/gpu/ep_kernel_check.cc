@@ -270,11 +270,11 @@ class World {
     for (int r = 0; r < s.R; ++r) {
       Dev d;
       const RankInput& in = in_[r];
-      d.x = put(s.dtype == ep::DType::kFloat32 ? static_cast<const void*>(in.x32.data())
+      d.x = ex.put(s.dtype == ep::DType::kFloat32 ? static_cast<const void*>(in.x32.data())
                                                 : static_cast<const void*>(in.x16.data()),
                 in.T * inRowBytes(s));
-      d.topk = put(in.topk.data(), in.topk.size() * 8);
-      d.w = put(in.w.data(), in.w.size() * 4);
+      d.topk = ex.put(in.topk.data(), in.topk.size() * 8);
+      d.w = ex.put(in.w.data(), in.w.size() * 4);
       d.active = ex.alloc(4 * s.R);
       d.recv_x = ex.alloc(L_ * RM * outRowBytes(s));
       d.recv_scales = ex.alloc(L_ * RM * (s.H / num::kFp8Group) * 4 + 4);
@@ -316,7 +316,6 @@ class World {
   int local() const { return L_; }
 
   kern::LlArgs args(int r, uint32_t round, bool combine, ep::DType dt) {
-    const int h = round & 1;
     const auto lay = ep::LowLatencyLayout::make(s_.R, s_.E, s_.M, s_.H, dt);
     kern::LlArgs p;
     p.me = r;
@@ -331,11 +330,7 @@ class World {
     p.gone = gone_view_;
     p.gone_grace_us = kGoneGraceUs;
     p.peers = static_cast<char* const*>(peers_);
-    p.dispatch_region = geo_.dispatchRegion(h);
-    p.combine_region = geo_.combineRegion(h);
-    p.dispatch_signals = geo_.dispatchSignal(h, 0);
-    p.combine_signals = geo_.combineSignal(h, 0);
-    p.abandon_signals = geo_.abandonSignal(h, combine ? 1 : 0, 0);
+    ep::setRoundOffsets(p, geo_, round, combine ? 1 : 0);
     p.row_stride = lay.row_stride;
     p.src_base = lay.src_base;
     const Dev& d = dev_[r];
@@ -466,11 +461,6 @@ class World {
     void *x, *topk, *w, *active, *recv_x, *recv_scales, *recv_count, *src_info, *layout, *y, *out,
         *toks, *decision, *self_count, *error;
   };
-  void* put(const void* src, size_t n) {
-    void* p = ex_.alloc(n);
-    if (n) ex_.upload(p, src, n);
-    return p;
-  }
   kern::Exec& ex_;
   Shape s_;
   size_t bytes_ = 0;

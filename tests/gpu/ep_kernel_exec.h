@@ -21,6 +21,12 @@ class Exec {
   virtual void upload(void* dst, const void* src, size_t n) = 0;
   virtual void download(void* dst, const void* src, size_t n) = 0;
   virtual void zero(void* p, size_t n) = 0;
+  // alloc + upload.
+  void* put(const void* src, size_t n) {
+    void* p = alloc(n);
+    if (n) upload(p, src, n);
+    return p;
+  }
   // n int32 flags the host writes while kernels run and the kernels read (host memory; for
   // a GPU, host-mapped pinned memory): the host's pointer, and in *kernel_view the kernels'.
   virtual int32_t* allocFlags(int n, int32_t** kernel_view) = 0;

@@ -40,12 +40,12 @@ class NormalWorld {
         }
       in_rank_.push_back(in_rank);
       Dev d;
-      d.x = put(s.dtype == ep::DType::kFloat32 ? static_cast<const void*>(in.x32.data())
+      d.x = ex.put(s.dtype == ep::DType::kFloat32 ? static_cast<const void*>(in.x32.data())
                                                 : static_cast<const void*>(in.x16.data()),
                 in.T * row);
-      d.in_rank = put(in_rank.data(), in_rank.size());
-      d.topk = put(in.topk.data(), in.topk.size() * 8);
-      d.w = put(in.w.data(), in.w.size() * 4);
+      d.in_rank = ex.put(in_rank.data(), in_rank.size());
+      d.topk = ex.put(in.topk.data(), in.topk.size() * 8);
+      d.w = ex.put(in.w.data(), in.w.size() * 4);
       const int64_t N = static_cast<int64_t>(s.R) * s.M;  // at most M rows from each source
       d.recv_x = ex.alloc(N * row);
       d.recv_src = ex.alloc(N * 4);
@@ -74,7 +74,6 @@ class NormalWorld {
   }
 
   kern::NormalArgs args(int r, uint32_t round, bool combine) {
-    const int h = round & 1;
     const auto nl = ep::NormalLayout::make(geo_.regionBytes(), s_.R, s_.K, s_.H, s_.dtype);
     kern::NormalArgs p;
     p.me = r;
@@ -85,17 +84,8 @@ class NormalWorld {
     p.round = round;
     p.timeout_us = 10'000'000;
     p.peers = static_cast<char* const*>(peers_);
-    p.dispatch_region = geo_.dispatchRegion(h);
-    p.combine_region = geo_.combineRegion(h);
-    p.dispatch_signals = geo_.dispatchSignal(h, 0);
-    p.combine_signals = geo_.combineSignal(h, 0);
-    p.abandon_signals = geo_.abandonSignal(h, combine ? 1 : 0, 0);
-    p.capacity = nl.capacity;
-    p.row_stride = nl.row_stride;
-    p.src_base = nl.src_base;
-    p.topk_base = nl.topk_base;
-    p.weight_base = nl.weight_base;
-    p.cweight_base = nl.cweight_base;
+    ep::setRoundOffsets(p, geo_, round, combine ? 1 : 0);
+    nl.setArgs(p);
     const Dev& d = dev_[r];
     p.tokens = in_[r].T;
     p.in_rank = static_cast<const uint8_t*>(d.in_rank);
@@ -310,11 +300,6 @@ class NormalWorld {
       if (e[0] != 0) return e[0];
     }
     return 0;
-  }
-  void* put(const void* src, size_t n) {
-    void* p = ex_.alloc(n);
-    if (n) ex_.upload(p, src, n);
-    return p;
   }
   kern::Exec& ex_;
   Shape s_;
