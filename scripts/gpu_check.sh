@@ -9,8 +9,9 @@
 # of GPU memory (staged through host memory), checked and allreduce timed against host
 # buffers -- and tests/gpu/ep_kernel_check: the EP low-latency kernels (ep/kernels/
 # ll_kernels.cu) for 2-4 ranks simulated on GPU 0 against a reference and bit for bit against
-# the same bodies on the host, a silent rank marked inactive by the kernels' deadline, and
-# dispatch/combine timed at 128 x 7168 x top-8 -- and tests/gpu/torch_check.py: the torch backend (built here against the machine's
+# the same bodies on the host, a silent rank marked inactive by the kernels' deadline or by its
+# gone flag (host-mapped memory raised while they wait), normal-mode dispatch + combine (a
+# stream per rank), and dispatch/combine timed at 128 x 7168 x top-8 -- and tests/gpu/torch_check.py: the torch backend (built here against the machine's
 # torch as a module of its own) on CUDA tensors, 2 processes on GPU 0: every collective and
 # send/recv checked, an op waits for the caller's stream, a Work's future, and all_reduce,
 # all_gather, all_to_all timed 64 KiB..256 MiB against the device-to-device copy rate.
