@@ -212,15 +212,25 @@ struct RawSide {
 
   // Busy-polls until `recvs` receives and `sends` send completions came (all successful).
   // Completions that come early (the peer's next message while this side waits for its own
-  // send's completion) count for the next call.
+  // send's completion) count for the next call. False after 10 s without a completion (the
+  // other side failed: this side must not spin on).
   bool reap(int recvs, int sends) {
     recvs -= early_recvs;
     sends -= early_sends;
     ibv_wc wc[8];
+    double last = nowUs();
     while (recvs > 0 || sends > 0) {
       int k = ibv_poll_cq(cq, 8, wc);
       if (k < 0) return false;
-      if (k == 0) sched_yield();
+      if (k == 0) {
+        if (nowUs() - last > 10e6) {
+          std::fprintf(stderr, "verbs_raw ping-pong: no completion for 10 s\n");
+          return false;
+        }
+        sched_yield();
+      } else {
+        last = nowUs();
+      }
       for (int j = 0; j < k; ++j) {
         if (wc[j].status != IBV_WC_SUCCESS) {
           std::fprintf(stderr, "verbs_raw ping-pong: %s\n", ibv_wc_status_str(wc[j].status));
