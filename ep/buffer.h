@@ -240,6 +240,8 @@ class EpBuffer {
   void kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round);
   kern::NormalArgs normalArgs(uint32_t round, RoundKind kind, int topk, int64_t hidden,
                               DType dtype) const;
+  // normalArgs() with a dispatch call's inputs.
+  kern::NormalArgs normalArgs(const NormalDispatchArgs& a, uint32_t round) const;
   std::vector<int32_t> kernelNormalDispatchSend(const NormalDispatchArgs& a, uint32_t round);
   void kernelNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                                 const std::vector<int32_t>& counts, const NormalDispatchOutputs& o);

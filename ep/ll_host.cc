@@ -193,9 +193,7 @@ void EpBuffer::kernelNormalOutcome(const char* op, uint32_t round,
                                  " within ", timeout_ms_, " ms (MC_EP_TIMEOUT_MS); peer dead?"));
 }
 
-std::vector<int32_t> EpBuffer::kernelNormalDispatchSend(const NormalDispatchArgs& a,
-                                                        uint32_t round) {
-  const int R = g_.size;
+kern::NormalArgs EpBuffer::normalArgs(const NormalDispatchArgs& a, uint32_t round) const {
   kern::NormalArgs p = normalArgs(round, RoundKind::kDispatch, a.topk, a.hidden, a.dtype);
   p.x = a.x;
   p.tokens = a.tokens;
@@ -204,6 +202,13 @@ std::vector<int32_t> EpBuffer::kernelNormalDispatchSend(const NormalDispatchArgs
   p.with_weights = a.with_weights;
   p.topk_idx = a.topk_idx;
   p.topk_weights = a.topk_weights;
+  return p;
+}
+
+std::vector<int32_t> EpBuffer::kernelNormalDispatchSend(const NormalDispatchArgs& a,
+                                                        uint32_t round) {
+  const int R = g_.size;
+  kern::NormalArgs p = normalArgs(a, round);
   std::vector<int32_t> toks(static_cast<size_t>(std::max<int64_t>(1, a.tokens)));
   kern::HostLanes ln;
   kern::runBlocks(R, kernel_lanes_, ln, [&](auto& lanes, int i) {
@@ -215,9 +220,8 @@ std::vector<int32_t> EpBuffer::kernelNormalDispatchSend(const NormalDispatchArgs
   p.active = active.data();
   p.decision = decision.data();
   p.error = error.data();
-  kern::HostLanes wl;
-  const int64_t start = wl.nowUs();
-  kern::runBlocks(R, kernel_lanes_, wl,
+  const int64_t start = ln.nowUs();
+  kern::runBlocks(R, kernel_lanes_, ln,
                   [&](auto& lanes, int r) { kern::normalDispatchWait(p, r, lanes, start); });
   kernelNormalOutcome("normal_dispatch", round, decision);
   if (error[0] == kern::kTooManyRows)
@@ -231,14 +235,7 @@ void EpBuffer::kernelNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t ro
                                         const std::vector<int32_t>& counts,
                                         const NormalDispatchOutputs& o) {
   const int R = g_.size;
-  kern::NormalArgs p = normalArgs(round, RoundKind::kDispatch, a.topk, a.hidden, a.dtype);
-  p.x = a.x;
-  p.tokens = a.tokens;
-  p.in_rank = a.is_token_in_rank;
-  p.with_topk = a.with_topk_idx;
-  p.with_weights = a.with_weights;
-  p.topk_idx = a.topk_idx;
-  p.topk_weights = a.topk_weights;
+  kern::NormalArgs p = normalArgs(a, round);
   p.local_experts = a.with_topk_idx ? a.experts / R : 0;
   p.expert_alignment = a.expert_alignment;
   p.counts = const_cast<int32_t*>(counts.data());  // (read only by the receive)
@@ -284,9 +281,8 @@ void EpBuffer::kernelNormalCombine(const NormalCombineArgs& a, uint32_t round) {
   p.active = active.data();
   p.decision = decision.data();
   p.error = error.data();
-  kern::HostLanes wl;
-  const int64_t start = wl.nowUs();
-  kern::runBlocks(R, kernel_lanes_, wl,
+  const int64_t start = ln.nowUs();
+  kern::runBlocks(R, kernel_lanes_, ln,
                   [&](auto& lanes, int d) { kern::normalCombineWait(p, d, lanes, start); });
   kernelNormalOutcome("normal_combine", round, decision);
   if (error[0] == kern::kWrongRowCount)

@@ -62,24 +62,31 @@ class HostExec : public kern::Exec {
     return *kernel_view;
   }
   void releaseFlags(int32_t* host) override { release(host); }
+  // Low latency: the blocks one after another on the calling thread, lanes_ lanes each
+  // (ep/kernels/host_lanes.h runBlocks: 1 runs on the calling thread itself).
   void dispatchSend(const kern::LlArgs& p, int experts, int32_t* toks) override {
-    kern::HostLanes ln;
-    for (int e = 0; e < experts; ++e) kern::dispatchSend(p, e, ln, toks + e * p.max_tokens);
+    kern::HostLanes base;
+    kern::runBlocks(experts, lanes_, base, [&](auto& ln, int e) {
+      kern::dispatchSend(p, e, ln, toks + e * p.max_tokens);
+    });
   }
   void dispatchRecv(const kern::LlArgs& p) override {
-    kern::HostLanes ln;
-    const int64_t start = ln.nowUs();
-    for (int l = 0; l < p.local_experts; ++l) kern::dispatchRecv(p, l, ln, start);
+    kern::HostLanes base;
+    const int64_t start = base.nowUs();
+    kern::runBlocks(p.local_experts, lanes_, base,
+                    [&](auto& ln, int l) { kern::dispatchRecv(p, l, ln, start); });
   }
   void combineSend(const kern::LlArgs& p) override {
-    kern::HostLanes ln;
-    for (int r = 0; r < p.world; ++r) kern::combineSend(p, r, ln);
+    kern::HostLanes base;
+    kern::runBlocks(p.world, lanes_, base, [&](auto& ln, int r) { kern::combineSend(p, r, ln); });
   }
   void combineRecv(const kern::LlArgs& p) override {
-    kern::HostLanes ln;
-    const int64_t start = ln.nowUs();
-    for (int o = 0; o < p.world; ++o) kern::combineWait(p, o, ln, start);
-    for (int64_t t = 0; t < p.tokens; ++t) kern::combineRecvToken(p, t, ln);
+    kern::HostLanes base;
+    const int64_t start = base.nowUs();
+    kern::runBlocks(p.world, lanes_, base,
+                    [&](auto& ln, int o) { kern::combineWait(p, o, ln, start); });
+    kern::runBlocks(static_cast<int>(p.tokens), lanes_, base,
+                    [&](auto& ln, int t) { kern::combineRecvToken(p, t, ln); });
   }
   // Normal mode: each call on a thread of its own (the ranks' calls wait for each other),
   // its blocks one after another with lanes_ lanes each, in the launchers' order.
@@ -146,30 +153,6 @@ class ThreadsExec : public HostExec {
  public:
   ThreadsExec() { lanes_ = kThreadLanes; }
   const char* name() const override { return "threads"; }
-  void dispatchSend(const kern::LlArgs& p, int experts, int32_t* toks) override {
-    kern::HostLanes base;
-    kern::runBlocks(experts, kThreadLanes, base, [&](auto& ln, int e) {
-      kern::dispatchSend(p, e, ln, toks + e * p.max_tokens);
-    });
-  }
-  void dispatchRecv(const kern::LlArgs& p) override {
-    kern::HostLanes base;
-    const int64_t start = base.nowUs();
-    kern::runBlocks(p.local_experts, kThreadLanes, base,
-                    [&](auto& ln, int l) { kern::dispatchRecv(p, l, ln, start); });
-  }
-  void combineSend(const kern::LlArgs& p) override {
-    kern::HostLanes base;
-    kern::runBlocks(p.world, kThreadLanes, base, [&](auto& ln, int r) { kern::combineSend(p, r, ln); });
-  }
-  void combineRecv(const kern::LlArgs& p) override {
-    kern::HostLanes base;
-    const int64_t start = base.nowUs();
-    kern::runBlocks(p.world, kThreadLanes, base,
-                    [&](auto& ln, int o) { kern::combineWait(p, o, ln, start); });
-    kern::runBlocks(static_cast<int>(p.tokens), kThreadLanes, base,
-                    [&](auto& ln, int t) { kern::combineRecvToken(p, t, ln); });
-  }
 };
 
 struct Shape {
