@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "pg/communicator.h"
+#include "pg/device_stage.h"
 #include "pg/copy.h"
 #include "pg/health.h"
 #include "pg/net_group.h"
@@ -51,6 +52,7 @@ class Communicator::Impl {
   size_t buffer_bytes = 0;
   std::unique_ptr<Health> health;
   std::unique_ptr<ShmGroup> shm;  // set when every peer's buffer is mapped here
+  std::unique_ptr<DeviceHalves> dev_halves;  // with shm: GPU halves, made on first GPU data
   std::unique_ptr<NetGroup> net;  // used when shm is not
   // Receive slots of the NetGroups (pg/net_group.h); shared by an elastic group's views and
   // by sub-groups. Declared after `engine`: freed before it.

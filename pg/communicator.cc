@@ -258,6 +258,10 @@ uint64_t Communicator::netSlotSends() const {
   return impl_->net_areas ? impl_->net_areas->slotSends() : 0;
 }
 
+uint64_t Communicator::deviceHalfSteps() const {
+  return impl_->dev_halves ? impl_->dev_halves->deviceSteps() : 0;
+}
+
 bool Communicator::elastic() const { return impl_->elastic != nullptr; }
 int Communicator::maxGroupSize() const {
   return impl_->elastic ? impl_->elastic->maxSize() : impl_->size;

@@ -193,6 +193,9 @@ class Communicator {
   // Messages of this rank's collectives on the non-shm path written one-sidedly into a
   // peer's receive slots so far (MC_PG_NET_SLOTS; the rest travel two-sided).
   uint64_t netSlotSends() const;
+  // Steps of this rank's collectives whose GPU data went device to device through its GPU
+  // comm halves (same-host groups; pg/device_stage.h DeviceHalves) so far.
+  uint64_t deviceHalfSteps() const;
 
   // ---- health ----
   // OK, or a CommError-worthy message naming the first dead rank.

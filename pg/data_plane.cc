@@ -227,6 +227,7 @@ void buildDataPlane(Communicator::Impl& c, const std::vector<char*>& bases,
          leader_ranks.size() < static_cast<size_t>(c.size);
 
   c.health = std::make_unique<Health>(engine, c.peers, c.rank, g_name, names);
+  c.dev_halves.reset();  // they belong to the previous plane's ShmGroup
   if (shm) {
     c.shm = std::make_unique<ShmGroup>(c.health.get(), bases, c.buffer_bytes, c.rank,
                                        shmWait(c.params, c.size), epoch);

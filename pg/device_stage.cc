@@ -1,9 +1,14 @@
 #include "pg/device_stage.h"
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "engine/device/device.h"
+#include "engine/log.h"
 #include "pg/communicator.h"
+#include "pg/health.h"
+#include "pg/shm_group.h"
 
 namespace mooncake::pg {
 
@@ -65,6 +70,77 @@ void DeviceCopies::wait() {
     throw CommError(std::string("mooncake pg: ") + op_ + ": copying GPU memory failed: " +
                         st.toString(),
                     -1, op_);
+}
+
+DeviceHalves::DeviceHalves(ShmGroup& g)
+    : g_(g), opened_(g.size(), nullptr), opened_base_(g.size(), nullptr) {}
+
+DeviceHalves::~DeviceHalves() {
+  auto layer = engine::device::get();
+  if (!layer.ok()) return;
+  for (void* b : opened_base_)
+    if (b != nullptr) (void)(*layer)->closeIpc(b);
+  if (own_ != nullptr) (void)(*layer)->free(own_);
+}
+
+char* DeviceHalves::writeTarget(uint64_t s, const void* src) {
+  ShmGroup::DeviceHalfInfo& mine = g_.deviceHalfInfo(g_.rank());
+  const int h = static_cast<int>(s & 1);
+  auto layer = engine::device::get();
+  engine::device::PointerInfo pi;
+  if (layer.ok()) pi = (*layer)->pointer(src);
+  if (pi.device && own_ == nullptr && !own_failed_) {
+    // First GPU data: allocate both halves on its device and publish their IPC handle.
+    const size_t len = 2 * g_.halfBytes();
+    auto mem = (*layer)->allocate(len, pi.ordinal);
+    uint64_t offset = 0;
+    Result<std::string> handle = mem.ok() ? (*layer)->exportIpc(*mem, &offset)
+                                          : Result<std::string>(mem.status());
+    if (handle.ok() && handle->size() <= sizeof(mine.handle)) {
+      own_ = static_cast<char*>(*mem);
+      engine::device::noteUse();
+      std::memcpy(mine.handle, handle->data(), handle->size());
+      mine.handle_len = static_cast<uint32_t>(handle->size());
+      mine.offset = offset;
+      mine.ordinal = pi.ordinal;
+      mine.ready.store(1, std::memory_order_release);
+    } else {
+      own_failed_ = true;
+      if (mem.ok()) (void)(*layer)->free(*mem);
+      MC_LOG(WARN, PG) << "GPU comm halves unavailable ("
+                       << (handle.ok() ? std::string("IPC handle too long")
+                                       : handle.status().toString())
+                       << "): GPU data goes through host memory";
+    }
+  }
+  const bool device = pi.device && own_ != nullptr;
+  g_.setGpuHalf(s, device);
+  if (!device) return g_.half(g_.rank(), s);
+  ++device_steps_;
+  return own_ + h * g_.halfBytes();
+}
+
+const char* DeviceHalves::peerHalf(const OpCtx& op, int r, uint64_t s) {
+  const ShmGroup::DeviceHalfInfo& info = g_.deviceHalfInfo(r);
+  const int h = static_cast<int>(s & 1);
+  if (opened_[r] == nullptr) {
+    auto fail = [&](const std::string& why) {
+      throw CommError("mooncake pg: " + std::string(op.name) + ": opening rank " +
+                          std::to_string(r) + "'s GPU comm halves failed: " + why,
+                      r, op.name);
+    };
+    if (info.ready.load(std::memory_order_acquire) == 0 ||
+        info.handle_len > sizeof(info.handle))
+      fail("it published no handle");
+    auto layer = engine::device::get();
+    if (!layer.ok()) fail(layer.status().toString());
+    auto base = (*layer)->openIpc(std::string(info.handle, info.handle_len));
+    if (!base.ok()) fail(base.status().toString());
+    engine::device::noteUse();
+    opened_base_[r] = *base;
+    opened_[r] = static_cast<char*>(*base) + info.offset;
+  }
+  return opened_[r] + h * g_.halfBytes();
 }
 
 }  // namespace mooncake::pg

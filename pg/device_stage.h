@@ -8,10 +8,14 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <initializer_list>
 #include <vector>
 
 namespace mooncake::pg {
+
+class ShmGroup;
+struct OpCtx;
 
 class DeviceStage {
  public:
@@ -44,6 +48,39 @@ class DeviceCopies {
   const char* op_;
   int ordinal_ = -1;
   bool pending_ = false;
+};
+
+// GPU halves beside a same-host group's host halves: a rank whose data of a step is GPU
+// memory copies it into its own GPU half (device to device) instead of the host half, and
+// says so in its header (ShmGroup::DeviceHalfInfo) before it posts the step; a peer copies it
+// out of that half, which it opens once through the device layer's IPC handle, straight into
+// its own output. GPU bytes then never cross host memory. The halves are allocated on first
+// use (2 x the host half's size, on the device of the first GPU data) and live as long as this
+// object (one per group view); a rank whose allocation fails keeps using its host half.
+class DeviceHalves {
+ public:
+  explicit DeviceHalves(ShmGroup& g);
+  ~DeviceHalves();
+  DeviceHalves(const DeviceHalves&) = delete;
+  DeviceHalves& operator=(const DeviceHalves&) = delete;
+
+  // Where this rank writes its data of step s: its GPU half when src is GPU memory and the
+  // half could be had, else the host half. Records the choice for the peers (before the step
+  // is posted: ShmGroup::setGpuHalf).
+  char* writeTarget(uint64_t s, const void* src);
+  // Rank r's GPU half of step s (ShmGroup::gpuHalf said the data is there), opened here on
+  // first use; a failure throws CommError naming r.
+  const char* peerHalf(const OpCtx& op, int r, uint64_t s);
+  // Steps whose data this rank wrote into its GPU half so far (tests).
+  uint64_t deviceSteps() const { return device_steps_; }
+
+ private:
+  ShmGroup& g_;
+  char* own_ = nullptr;  // 2 halves of GPU memory, or null
+  bool own_failed_ = false;
+  std::vector<char*> opened_;  // peers' GPU halves as mapped here (by rank)
+  std::vector<void*> opened_base_;  // what to close
+  uint64_t device_steps_ = 0;
 };
 
 }  // namespace mooncake::pg

@@ -128,6 +128,12 @@ bool ShmGroup::finishOp(const OpCtx& op) {
   return true;
 }
 
+void ShmGroup::setGpuHalf(uint64_t s, bool on) {
+  std::atomic<uint32_t>& w = hdr(rank_)->flags[kReady].gpu_halves;
+  const uint32_t bit = 1u << (s & 1), v = w.load(std::memory_order_relaxed);
+  if (((v & bit) != 0) != on) w.store(on ? v | bit : v & ~bit, std::memory_order_relaxed);
+}
+
 void ShmGroup::barrierOp(const OpCtx& op) {
   if (size() == 1) return;
   uint64_t s = beginStep(op, false);

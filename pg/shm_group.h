@@ -91,13 +91,33 @@ class ShmGroup {
   // An op that used no group at all (zero bytes): one barrier step, which checks agreement.
   void barrierOp(const OpCtx& op);
 
+  // GPU halves beside the host halves (pg/device_stage.h, DeviceHalves): each rank may keep
+  // its data of a step in GPU memory of its own that peers open through the device layer's
+  // IPC handle published here, written once by the owner (then ready, with release).
+  struct alignas(128) DeviceHalfInfo {
+    std::atomic<uint32_t> ready;  // 1: handle, offset and ordinal are set
+    uint32_t handle_len;
+    uint64_t offset;  // of the halves in the allocation the handle names
+    int32_t ordinal;
+    char handle[356];
+  };
+  DeviceHalfInfo& deviceHalfInfo(int r) const { return hdr(r)->dev; }
+  // Whether this rank's data of step s is in its GPU half (set before posting the step), and
+  // whether rank r's is (after waiting for its kReady of step s).
+  void setGpuHalf(uint64_t s, bool on);
+  bool gpuHalf(int r, uint64_t s) const {
+    return (hdr(r)->flags[kReady].gpu_halves.load(std::memory_order_relaxed) >> (s & 1)) & 1u;
+  }
+
  private:
   // The op descriptor: [0] the op it describes (0: none yet), [1..2] OpSig::pack.
   using Desc = std::atomic<uint64_t>[3];
   struct alignas(128) Line {
     std::atomic<uint64_t> v;
     std::atomic<uint32_t> waiters;  // processes sleeping on v (futex)
-    uint32_t pad;
+    // kReady line only: bit h set when the data of the step using half h is in the owner's
+    // GPU half (setGpuHalf), in the line every reader loads first.
+    std::atomic<uint32_t> gpu_halves;
     // Used in the kReady line only: the descriptors by op parity, in the same 64 bytes as the
     // flag every peer reads first, so the check costs no extra cache miss.
     Desc desc[2];
@@ -108,6 +128,7 @@ class ShmGroup {
     // 0 or: epoch (low 32 bits) << 32 | kAbortDied? | kAbortLeft? | code, code = 2 + the rank
     // blamed (1: no rank in particular).
     Line abort;
+    DeviceHalfInfo dev;
   };
   static constexpr uint64_t kAbortDied = uint64_t{1} << 31;
   static constexpr uint64_t kAbortLeft = uint64_t{1} << 30;

@@ -2,10 +2,12 @@
 // block (a half at a time) into its own half, flag, the receivers copy straight out of the
 // owners' halves. Messages: every rank sends its block to every receiver. Groups spanning
 // hosts: hierarchical (hierAllGatherV). GPU memory on one host: the same on shm, with the
-// device layer's copies in and out (allGatherVOnDevice).
+// device layer's copies in and out (allGatherVOnDevice), a rank's GPU block through its GPU
+// halves (DeviceHalves: device to device, never through host memory).
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <optional>
 
 #include "pg/comm_impl.h"
 #include "pg/copy.h"
@@ -57,15 +59,23 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
     return;
   }
   ShmGroup& g = *c.shm;
+  // A rank's GPU block goes through its GPU halves (device to device; DeviceHalves), which a
+  // peer with host buffers reads with the device layer's copies too.
+  auto halves = [&]() -> DeviceHalves& {
+    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g);
+    return *c.dev_halves;
+  };
+  std::optional<DeviceCopies> own_dev;  // a host-buffer rank's copies out of GPU halves
   const size_t chunk = g.halfBytes();
   const size_t most = *std::max_element(bytes.begin(), bytes.end());
   for (size_t off = 0; off < most; off += chunk) {
     auto lenOf = [&](int r) { return bytes[r] > off ? std::min(chunk, bytes[r] - off) : 0; };
     uint64_t s = g.beginStep(op, lenOf(me) > 0);
     if (dev != nullptr) {
-      if (lenOf(me) > 0) dev->add(g.half(me, s), src + off, lenOf(me));
+      if (lenOf(me) > 0) dev->add(halves().writeTarget(s, src), src + off, lenOf(me));
       dev->wait();
     } else if (lenOf(me) > 0) {
+      g.setGpuHalf(s, false);
       copyToShared(g.half(me, s), src + off, lenOf(me));
     }
     g.post(ShmGroup::kReady, s);
@@ -75,13 +85,18 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
         size_t len = lenOf(j);
         if (len == 0) continue;
         g.wait(op, j, ShmGroup::kReady, s);
-        if (dev != nullptr)
+        if (g.gpuHalf(j, s)) {
+          DeviceCopies& d = dev != nullptr ? *dev : own_dev ? *own_dev : own_dev.emplace(op.name);
+          d.add(dst + displ[j] + off, halves().peerHalf(op, j, s), len);
+        } else if (dev != nullptr) {
           dev->add(dst + displ[j] + off, g.half(j, s), len);
-        else
+        } else {
           copyOut(dst + displ[j] + off, g.half(j, s), len, so);
+        }
       }
     }
     if (dev != nullptr) dev->wait();  // out of this half before peers may reuse it
+    if (own_dev) own_dev->wait();
     g.endStep(s);
   }
   if (so && dev == nullptr) streamFence();
