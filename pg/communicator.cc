@@ -397,6 +397,11 @@ void Communicator::broadcast(void* buf, size_t bytes, int root) {
   checkRoot(*impl_, root, "broadcast");
   checkPtr(buf, bytes, "data", "broadcast");
   if (DeviceStage::any({buf})) {
+    if (!impl_->elastic && impl_->shm && impl_->size > 1)  // one host: no staging
+      return impl_->run("broadcast", bytesSig(OpKind::kBroadcast, bytes, root),
+                        [&](const OpCtx& o) {
+                          (void)algo::broadcastOnDevice(*impl_, o, buf, bytes, root);
+                        });
     DeviceStage st("broadcast", bytes);
     if (impl_->rank == root) st.in(buf, bytes);
     broadcast(st.host(), bytes, root);

@@ -1,12 +1,17 @@
 // broadcast and scatter: the root copies into its half, the others copy straight out of
 // it (shm, pipelined through the two halves; broadcast in steps of about a quarter of the
 // payload); over messages the root sends to each rank; groups spanning hosts broadcast
-// hierarchically (one copy per host over messages).
+// hierarchically (one copy per host over messages). GPU memory on one host
+// (broadcastOnDevice): the same steps with the device layer's copies, the root's data through
+// its GPU halves (device to device).
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <optional>
 
 #include "pg/comm_impl.h"
 #include "pg/copy.h"
+#include "pg/device_stage.h"
 
 namespace mooncake::pg::algo {
 
@@ -33,6 +38,25 @@ void hierBroadcast(Communicator::Impl& c, const OpCtx& op, char* p, size_t bytes
 
 }  // namespace
 
+namespace {
+
+// dev (shm only): buf is GPU memory, moved by the device layer's copies: the root's through
+// its GPU halves (DeviceHalves), device to device. A receiver reads a root's GPU half with the
+// device layer's copies whatever its own buffer is.
+void shmBroadcast(Communicator::Impl& c, const OpCtx& op, char* p, size_t bytes, int root,
+                  DeviceCopies* dev);
+
+}  // namespace
+
+bool broadcastOnDevice(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes,
+                       int root) {
+  if (!c.shm || c.size == 1) return false;
+  if (bytes == 0) return true;
+  DeviceCopies copies("broadcast");
+  shmBroadcast(c, op, static_cast<char*>(buf), bytes, root, &copies);
+  return true;
+}
+
 void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, int root) {
   if (bytes == 0 || c.size == 1) return;
   const int me = c.rank;
@@ -46,7 +70,20 @@ void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, 
     }
     return;
   }
+  shmBroadcast(c, op, p, bytes, root, nullptr);
+}
+
+namespace {
+
+void shmBroadcast(Communicator::Impl& c, const OpCtx& op, char* p, size_t bytes, int root,
+                  DeviceCopies* dev) {
+  const int me = c.rank;
   ShmGroup& g = *c.shm;
+  auto halves = [&]() -> DeviceHalves& {
+    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g);
+    return *c.dev_halves;
+  };
+  std::optional<DeviceCopies> own_dev;  // a host buffer's copies out of the root's GPU half
   // Pipelined in about four steps (at least 64 KiB each): the root fills one half while the
   // others copy the previous step out of the other, instead of copying everything in before
   // anyone copies out. Measured with pg_perf at 2 ranks: 1 MiB 99 -> 33 us, 4 MiB 476 ->
@@ -63,20 +100,37 @@ void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, 
     const size_t len = std::min(chunk, bytes - off);
     s = g.beginStep(op, me == root);
     if (me == root) {
-      copyToShared(g.half(me, s), p + off, len);
+      if (dev != nullptr) {
+        dev->add(halves().writeTarget(s, p), p + off, len);
+        dev->wait();
+      } else {
+        g.setGpuHalf(s, false);
+        copyToShared(g.half(me, s), p + off, len);
+      }
       g.post(ShmGroup::kReady, s);
     } else {
       g.announce(s);
       g.wait(op, root, ShmGroup::kReady, s);
-      copyOut(p + off, g.half(root, s), len, so);
+      if (g.gpuHalf(root, s)) {
+        DeviceCopies& d = dev != nullptr ? *dev : own_dev ? *own_dev : own_dev.emplace(op.name);
+        d.add(p + off, halves().peerHalf(op, root, s), len);
+        d.wait();  // out of the half before the root may reuse it
+      } else if (dev != nullptr) {
+        dev->add(p + off, g.half(root, s), len);
+        dev->wait();
+      } else {
+        copyOut(p + off, g.half(root, s), len, so);
+      }
     }
     g.endStep(s);
   }
-  if (so) streamFence();
+  if (so && dev == nullptr) streamFence();
   if (me == root)
     for (int r = 0; r < c.size; ++r)
       if (r != me) g.wait(op, r, ShmGroup::kReady, s);
 }
+
+}  // namespace
 
 void scatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t bytes,
              int root) {

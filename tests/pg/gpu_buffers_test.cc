@@ -138,6 +138,23 @@ void everyOp(Communicator& c) {
     c.allGather(g.get() + me * ab, g.get(), ab);
     EXPECT_TRUE(g.read(ab * n) == want) << "allgather in place on GPU memory";
   }
+  for (int root : {0, n - 1}) {  // GPU and host ranks mixed (even ranks on the GPU)
+    const size_t bb = 3 * 70001;  // several steps of the pipeline
+    Buf want = inputs(bb, root, 16);
+    Buf h = me == root ? want : sentinel(bb);
+    const uint64_t gpu_steps = c.deviceHalfSteps();
+    if (me % 2 == 0) {
+      Gpu g(bb, 1);
+      g.put(h);
+      c.broadcast(g.get(), bb, root);
+      EXPECT_TRUE(g.read(bb) == want) << "broadcast from " << root << ", ranks mixed, GPU here";
+    } else {
+      c.broadcast(h.data(), bb, root);
+      EXPECT_TRUE(h == want) << "broadcast from " << root << ", ranks mixed, host here";
+    }
+    // A GPU root on one host sends from its GPU halves.
+    if (me == root && me % 2 == 0 && c.path() == "shm") EXPECT_GT(c.deviceHalfSteps(), gpu_steps);
+  }
   same(c, "reduce float32 sum to rank 1", inputs(fb, me, 4), fb, [&](const void* i, void* o) {
     c.reduce(i, o, count, DataType::kFloat32, ReduceOp::kSum, 1);
   });
