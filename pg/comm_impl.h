@@ -177,6 +177,13 @@ void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
                const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
                void* out, const std::vector<size_t>& recv_bytes,
                const std::vector<size_t>& recv_offsets);
+// allToAllV() on GPU memory (in and/or out) through shared memory without staging; false when
+// the group is not shm (the caller stages it).
+bool allToAllVOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in,
+                       const std::vector<size_t>& send_bytes,
+                       const std::vector<size_t>& send_offsets, void* out,
+                       const std::vector<size_t>& recv_bytes,
+                       const std::vector<size_t>& recv_offsets);
 void barrier(Communicator::Impl& c, const OpCtx& op);
 
 // [begin, end) of part j when `count` elements are cut into n parts whose boundaries are

@@ -540,6 +540,13 @@ void Communicator::allToAllV(const void* in, const std::vector<size_t>& send_byt
   if (in_end > 0 && out_end > 0 && ib < ob + out_end && ob < ib + in_end)
     throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
   if (DeviceStage::any({in, out})) {
+    OpSig sig;
+    sig.kind = OpKind::kAllToAll;
+    if (!impl_->elastic && impl_->shm && impl_->size > 1)  // one host: no staging
+      return impl_->run("alltoall", sig, [&](const OpCtx& o) {
+        (void)algo::allToAllVOnDevice(*impl_, o, in, send_bytes, send_offsets, out, recv_bytes,
+                                      recv_offsets);
+      });
     DeviceStage st("alltoall", in_end + out_end);
     st.in(in, in_end);
     allToAllV(st.host(), send_bytes, send_offsets, st.host() + in_end, recv_bytes, recv_offsets);

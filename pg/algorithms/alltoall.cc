@@ -4,11 +4,16 @@
 // Shm: each step, every rank copies the next slot of its block for rank j into slot j of its
 // half; rank j copies it out.
 // Groups spanning hosts: same-host blocks through shared memory, the rest over messages.
+// GPU memory on one host (allToAllVOnDevice): the same steps with the device layer's copies,
+// a GPU input's slots through the rank's GPU halves (device to device).
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <optional>
 
 #include "pg/comm_impl.h"
 #include "pg/copy.h"
+#include "pg/device_stage.h"
 
 namespace mooncake::pg::algo {
 
@@ -29,6 +34,12 @@ void validate(const Communicator::Impl& c, const OpCtx& op, const std::vector<ui
                          j, op.name);
     }
 }
+
+void shmAllToAllV(Communicator::Impl& c, const OpCtx& op, const char* src,
+                  const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
+                  char* dst, const std::vector<size_t>& recv_bytes,
+                  const std::vector<size_t>& recv_offsets, const std::vector<uint64_t>& mine,
+                  DeviceCopies* dev);
 
 }  // namespace
 
@@ -91,12 +102,52 @@ void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
       std::memcpy(dst + recv_offsets[0], src + send_offsets[0], send_bytes[0]);
     return;
   }
+  shmAllToAllV(c, op, src, send_bytes, send_offsets, dst, recv_bytes, recv_offsets, mine,
+               nullptr);
+}
 
-  // Shm: the size rows travel with the first step's data (each rank's half starts with its
-  // row, the slots follow), so the exchange costs no round of its own. The first step's
-  // slots are filled from this rank's own send sizes; every rank reads every row before it
-  // copies anything out, checks the matrix and derives the number of further steps from it.
+bool allToAllVOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in,
+                       const std::vector<size_t>& send_bytes,
+                       const std::vector<size_t>& send_offsets, void* out,
+                       const std::vector<size_t>& recv_bytes,
+                       const std::vector<size_t>& recv_offsets) {
+  const int n = c.size;
+  if (!c.shm || n == 1) return false;
+  std::vector<uint64_t> mine(2 * n);
+  for (int j = 0; j < n; ++j) {
+    mine[j] = send_bytes[j];
+    mine[n + j] = recv_bytes[j];
+  }
+  DeviceCopies copies("alltoall");
+  shmAllToAllV(c, op, static_cast<const char*>(in), send_bytes, send_offsets,
+               static_cast<char*>(out), recv_bytes, recv_offsets, mine, &copies);
+  return true;
+}
+
+namespace {
+
+// Shm: the size rows travel with the first step's data (each rank's half starts with its
+// row, the slots follow), so the exchange costs no round of its own. The first step's
+// slots are filled from this rank's own send sizes; every rank reads every row before it
+// copies anything out, checks the matrix and derives the number of further steps from it.
+// dev: in and out may be GPU memory, moved by the device layer's copies; a rank whose input
+// is GPU memory puts its slots in its GPU half (the rows stay in the host half), and a peer
+// reads them from there with the device layer's copies, whatever its own output is.
+void shmAllToAllV(Communicator::Impl& c, const OpCtx& op, const char* src,
+                  const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
+                  char* dst, const std::vector<size_t>& recv_bytes,
+                  const std::vector<size_t>& recv_offsets, const std::vector<uint64_t>& mine,
+                  DeviceCopies* dev) {
+  const int n = c.size, me = c.rank;
+  (void)recv_bytes;
+  std::vector<uint64_t> sizes(2 * n * n);
+  const size_t row = 2 * n * sizeof(uint64_t);
   ShmGroup& g = *c.shm;
+  auto halves = [&]() -> DeviceHalves& {
+    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g);
+    return *c.dev_halves;
+  };
+  std::optional<DeviceCopies> own_dev;  // a host output's copies out of peers' GPU halves
   const size_t head = (row + 63) & ~static_cast<size_t>(63);
   const size_t slot = ((g.halfBytes() - head) / n) & ~static_cast<size_t>(63);
   if (slot == 0)
@@ -117,9 +168,19 @@ void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
     uint64_t s = g.beginStep(op, writes);
     char* h = g.half(me, s);
     if (first) std::memcpy(h, mine.data(), row);
-    for (int j = 0; j < n; ++j) {
-      size_t len = j == me ? 0 : lenOf(me, j);
-      if (len > 0) copyToSharedNoFence(h + head + j * slot, src + send_offsets[j] + off, len);
+    if (dev != nullptr) {
+      char* slots = halves().writeTarget(s, src);  // the GPU half, or h
+      for (int j = 0; j < n; ++j) {
+        size_t len = j == me ? 0 : lenOf(me, j);
+        if (len > 0) dev->add(slots + head + j * slot, src + send_offsets[j] + off, len);
+      }
+      dev->wait();
+    } else {
+      g.setGpuHalf(s, false);
+      for (int j = 0; j < n; ++j) {
+        size_t len = j == me ? 0 : lenOf(me, j);
+        if (len > 0) copyToSharedNoFence(h + head + j * slot, src + send_offsets[j] + off, len);
+      }
     }
     streamFence();
     g.post(ShmGroup::kReady, s);
@@ -143,20 +204,36 @@ void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
       so = received >= c.params.stream_out_bytes;
       // This rank's own block: streaming stores too when the output is large (no
       // read-for-ownership of lines that leave the cache anyway).
-      if (send_bytes[me] > 0 && dst + recv_offsets[me] != src + send_offsets[me])
-        copyOut(dst + recv_offsets[me], src + send_offsets[me], send_bytes[me], so);
+      if (send_bytes[me] > 0 && dst + recv_offsets[me] != src + send_offsets[me]) {
+        if (dev != nullptr)
+          dev->add(dst + recv_offsets[me], src + send_offsets[me], send_bytes[me]);
+        else
+          copyOut(dst + recv_offsets[me], src + send_offsets[me], send_bytes[me], so);
+      }
     }
     for (int k = 1; k < n; ++k) {
       int r = (me + k) % n;
       size_t len = lenOf(r, me);
       if (len == 0) continue;
       g.wait(op, r, ShmGroup::kReady, s);
-      copyOut(dst + recv_offsets[r] + off, g.half(r, s) + head + me * slot, len, so);
+      char* to = dst + recv_offsets[r] + off;
+      if (g.gpuHalf(r, s)) {
+        DeviceCopies& d = dev != nullptr ? *dev : own_dev ? *own_dev : own_dev.emplace(op.name);
+        d.add(to, halves().peerHalf(op, r, s) + head + me * slot, len);
+      } else if (dev != nullptr) {
+        dev->add(to, g.half(r, s) + head + me * slot, len);
+      } else {
+        copyOut(to, g.half(r, s) + head + me * slot, len, so);
+      }
     }
+    if (dev != nullptr) dev->wait();  // out of the peers' halves before they may reuse them
+    if (own_dev) own_dev->wait();
     g.endStep(s);
     if (off + slot >= most) break;
   }
   if (so) streamFence();
 }
+
+}  // namespace
 
 }  // namespace mooncake::pg::algo

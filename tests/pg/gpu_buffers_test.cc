@@ -201,6 +201,24 @@ void everyOp(Communicator& c) {
     const size_t out_bytes = at + 9;
     same(c, "all_to_all with gaps", inputs(in_bytes, me, 11), out_bytes,
          [&](const void* i, void* o) { c.allToAllV(i, sb, so, o, rb, ro); });
+    // GPU and host buffers mixed: even ranks send from GPU memory into a host buffer, odd
+    // ranks from host memory into GPU memory.
+    Buf in = inputs(in_bytes, me, 17), want = sentinel(out_bytes);
+    c.allToAllV(in.data(), sb, so, want.data(), rb, ro);
+    const uint64_t gpu_steps = c.deviceHalfSteps();
+    Buf got = sentinel(out_bytes);
+    if (me % 2 == 0) {
+      Gpu gi(in_bytes, 0);
+      gi.put(in);
+      c.allToAllV(gi.get(), sb, so, got.data(), rb, ro);
+      if (c.path() == "shm") EXPECT_GT(c.deviceHalfSteps(), gpu_steps);  // slots in GPU halves
+    } else {
+      Gpu go(out_bytes, 1);
+      go.put(sentinel(out_bytes));
+      c.allToAllV(in.data(), sb, so, go.get(), rb, ro);
+      got = go.read(out_bytes);
+    }
+    EXPECT_TRUE(got == want) << "all_to_all, GPU and host buffers mixed";
   }
   {  // point to point: a ring, GPU to GPU
     const size_t pb = 70000 + me;
