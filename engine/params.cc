@@ -198,6 +198,11 @@ const std::vector<ParamDef>& table() {
       {"MC_PG_HIERARCHICAL", Type::kBool, "1",
        "Groups that span hosts: allreduce within each host through shared memory first, then "
        "between one leader per host (0: every rank exchanges messages with every other)."},
+      {"MC_PG_GPU_HALVES", Type::kBool, "1",
+       "Same-host groups: allgather, broadcast and all_to_all put a rank's GPU data into GPU "
+       "comm halves of its own that peers open through the device layer's IPC (device to "
+       "device). 0: this rank's GPU data goes through the host halves (peers still read others' "
+       "GPU halves)."},
       {"MC_PG_ELASTIC_POLL_MS", Type::kInt, "50",
        "Elastic groups: how often each communicator's agent reads the group's views and "
        "observation requests from the store when no doorbell or peer death woke it first."},

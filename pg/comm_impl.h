@@ -35,6 +35,7 @@ struct PgParams {
   size_t stream_out_bytes;  // MC_PG_STREAM_OUT_BYTES: outputs this large: streaming stores
   ShmGroup::WaitOptions wait;
   bool hierarchical;  // MC_PG_HIERARCHICAL
+  bool gpu_halves;    // MC_PG_GPU_HALVES
   static PgParams load(size_t buffer_bytes_override);
 };
 

@@ -39,6 +39,7 @@ PgParams PgParams::load(size_t buffer_bytes_override) {
   p.wait.yield_us = std::max<int64_t>(params::getInt("MC_PG_YIELD_US"), 0);
   p.wait.health_us = std::max<int64_t>(params::getInt("MC_PG_HEALTH_US"), 100);
   p.hierarchical = params::getBool("MC_PG_HIERARCHICAL");
+  p.gpu_halves = params::getBool("MC_PG_GPU_HALVES");
   return p;
 }
 

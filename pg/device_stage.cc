@@ -72,8 +72,8 @@ void DeviceCopies::wait() {
                     -1, op_);
 }
 
-DeviceHalves::DeviceHalves(ShmGroup& g)
-    : g_(g), opened_(g.size(), nullptr), opened_base_(g.size(), nullptr) {}
+DeviceHalves::DeviceHalves(ShmGroup& g, bool enabled)
+    : g_(g), own_failed_(!enabled), opened_(g.size(), nullptr), opened_base_(g.size(), nullptr) {}
 
 DeviceHalves::~DeviceHalves() {
   auto layer = engine::device::get();

@@ -59,7 +59,8 @@ class DeviceCopies {
 // object (one per group view); a rank whose allocation fails keeps using its host half.
 class DeviceHalves {
  public:
-  explicit DeviceHalves(ShmGroup& g);
+  // enabled false (MC_PG_GPU_HALVES=0): this rank's data always goes through its host half.
+  DeviceHalves(ShmGroup& g, bool enabled);
   ~DeviceHalves();
   DeviceHalves(const DeviceHalves&) = delete;
   DeviceHalves& operator=(const DeviceHalves&) = delete;

@@ -62,7 +62,7 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
   // A rank's GPU block goes through its GPU halves (device to device; DeviceHalves), which a
   // peer with host buffers reads with the device layer's copies too.
   auto halves = [&]() -> DeviceHalves& {
-    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g);
+    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g, c.params.gpu_halves);
     return *c.dev_halves;
   };
   std::optional<DeviceCopies> own_dev;  // a host-buffer rank's copies out of GPU halves

@@ -144,7 +144,7 @@ void shmAllToAllV(Communicator::Impl& c, const OpCtx& op, const char* src,
   const size_t row = 2 * n * sizeof(uint64_t);
   ShmGroup& g = *c.shm;
   auto halves = [&]() -> DeviceHalves& {
-    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g);
+    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g, c.params.gpu_halves);
     return *c.dev_halves;
   };
   std::optional<DeviceCopies> own_dev;  // a host output's copies out of peers' GPU halves

@@ -80,7 +80,7 @@ void shmBroadcast(Communicator::Impl& c, const OpCtx& op, char* p, size_t bytes,
   const int me = c.rank;
   ShmGroup& g = *c.shm;
   auto halves = [&]() -> DeviceHalves& {
-    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g);
+    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g, c.params.gpu_halves);
     return *c.dev_halves;
   };
   std::optional<DeviceCopies> own_dev;  // a host buffer's copies out of the root's GPU half
