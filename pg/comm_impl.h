@@ -164,6 +164,12 @@ bool allGatherVOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, 
 void reduceScatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                    size_t count, DataType t, ReduceOp rop);
 void broadcast(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes, int root);
+// gather() and scatter() on GPU memory through shared memory without staging; false when the
+// group is not shm (the caller stages it). in and out must not overlap.
+bool gatherOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                    size_t bytes, int root);
+bool scatterOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                     size_t bytes, int root);
 // broadcast() on GPU memory (buf) through shared memory without staging; false when the group
 // is not shm (the caller stages it).
 bool broadcastOnDevice(Communicator::Impl& c, const OpCtx& op, void* buf, size_t bytes,

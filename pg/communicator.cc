@@ -414,15 +414,23 @@ void Communicator::broadcast(void* buf, size_t bytes, int root) {
              [&](const OpCtx& o) { algo::broadcast(*impl_, o, buf, bytes, root); });
 }
 
+namespace {
+// A rank's own block `own` of an output and its input: the same place (in place) or apart;
+// the device paths copy the own block as one disjoint copy.
+bool disjointOrSame(const char* own, const void* in, size_t bytes) {
+  const char* src = static_cast<const char*>(in);
+  return own == src || own + bytes <= src || src + bytes <= own;
+}
+}  // namespace
+
 void Communicator::allGather(const void* in, void* out, size_t bytes, int blocks) {
   checkPtr(in, bytes, "input", "allgather");
   checkPtr(out, bytes, "output", "allgather");
   std::vector<size_t> sizes(impl_->elastic && blocks >= 0 ? blocks : pubSize(*impl_), bytes);
   if (DeviceStage::any({in, out})) {
     const char* own = static_cast<const char*>(out) + static_cast<size_t>(impl_->rank) * bytes;
-    const char* src = static_cast<const char*>(in);
-    const bool apart = own == src || own + bytes <= src || src + bytes <= own;
-    if (!impl_->elastic && impl_->shm && impl_->size > 1 && apart)  // one host: no staging
+    if (!impl_->elastic && impl_->shm && impl_->size > 1 &&
+        disjointOrSame(own, in, bytes))  // one host: no staging
       return impl_->run("allgather", bytesSig(OpKind::kAllGather, bytes), [&](const OpCtx& o) {
         (void)algo::allGatherVOnDevice(*impl_, o, in, out, sizes);
       });
@@ -448,15 +456,22 @@ void Communicator::allGatherV(const void* in, void* out, const std::vector<size_
   size_t total = 0;
   for (size_t b : bytes) total += b;
   checkPtr(out, total, "output", "allgatherv");
+  OpSig sig = bytesSig(OpKind::kAllGatherV, 0);
+  sig.shape = hashSizes(bytes);
   if (DeviceStage::any({in, out})) {
     const size_t mine = impl_->rank < static_cast<int>(bytes.size()) ? bytes[impl_->rank] : 0;
+    size_t at = 0;
+    for (int r = 0; r < impl_->rank && r < static_cast<int>(bytes.size()); ++r) at += bytes[r];
+    if (!impl_->elastic && impl_->shm && impl_->size > 1 &&
+        disjointOrSame(static_cast<const char*>(out) + at, in, mine))  // one host: no staging
+      return impl_->run("allgatherv", sig, [&](const OpCtx& o) {
+        (void)algo::allGatherVOnDevice(*impl_, o, in, out, bytes);
+      });
     DeviceStage st("allgatherv", mine + total);
     st.in(in, mine);
     allGatherV(st.host(), st.host() + mine, bytes);
     return st.out(out, total, mine);
   }
-  OpSig sig = bytesSig(OpKind::kAllGatherV, 0);
-  sig.shape = hashSizes(bytes);
   if (impl_->elastic) return impl_->elastic->allGatherV(in, out, bytes, "allgatherv", sig);
   impl_->run("allgatherv", sig,
              [&](const OpCtx& o) { algo::allGatherV(*impl_, o, in, out, bytes); });
@@ -467,6 +482,12 @@ void Communicator::gather(const void* in, void* out, size_t bytes, int root, int
   checkPtr(in, bytes, "input", "gather");
   if (impl_->rank == root) checkPtr(out, bytes, "output", "gather");
   if (DeviceStage::any({in, out})) {
+    const char* own = static_cast<const char*>(out) + static_cast<size_t>(impl_->rank) * bytes;
+    const bool apart = impl_->rank != root || disjointOrSame(own, in, bytes);
+    if (!impl_->elastic && impl_->shm && impl_->size > 1 && apart)  // one host: no staging
+      return impl_->run("gather", bytesSig(OpKind::kGather, bytes, root), [&](const OpCtx& o) {
+        (void)algo::gatherOnDevice(*impl_, o, in, out, bytes, root);
+      });
     const size_t total = (impl_->elastic && blocks >= 0 ? blocks : pubSize(*impl_)) * bytes;
     DeviceStage st("gather", bytes + total);
     st.in(in, bytes);
@@ -487,6 +508,12 @@ void Communicator::scatter(const void* in, void* out, size_t bytes, int root, in
   checkPtr(out, bytes, "output", "scatter");
   if (DeviceStage::any({in, out})) {
     const size_t total = (impl_->elastic && blocks >= 0 ? blocks : pubSize(*impl_)) * bytes;
+    const char* own = static_cast<const char*>(in) + static_cast<size_t>(impl_->rank) * bytes;
+    const bool apart = impl_->rank != root || disjointOrSame(own, out, bytes);
+    if (!impl_->elastic && impl_->shm && impl_->size > 1 && apart)  // one host: no staging
+      return impl_->run("scatter", bytesSig(OpKind::kScatter, bytes, root), [&](const OpCtx& o) {
+        (void)algo::scatterOnDevice(*impl_, o, in, out, bytes, root);
+      });
     DeviceStage st("scatter", total + bytes);
     if (impl_->rank == root) st.in(in, total);
     scatter(st.host(), st.host() + total, bytes, root, blocks);

@@ -153,4 +153,13 @@ void gather(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, s
   run(c, op, in, out, std::vector<size_t>(c.size, bytes), root);
 }
 
+bool gatherOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                    size_t bytes, int root) {
+  if (!c.shm || c.size == 1) return false;
+  DeviceCopies copies("gather");
+  run(c, op, in, out, std::vector<size_t>(c.size, bytes), root, nullptr, &copies);
+  copies.wait();  // the own block's copy when nothing else was waited for
+  return true;
+}
+
 }  // namespace mooncake::pg::algo

@@ -132,14 +132,22 @@ void shmBroadcast(Communicator::Impl& c, const OpCtx& op, char* p, size_t bytes,
 
 }  // namespace
 
-void scatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t bytes,
-             int root) {
-  if (bytes == 0) return;
+namespace {
+
+// dev (shm only): in (root) and out may be GPU memory, moved by the device layer's copies; a
+// GPU root's slots go through its GPU halves, which every receiver reads with the device
+// layer's copies whatever its own buffer is.
+void scatterImpl(Communicator::Impl& c, const OpCtx& op, const char* src, char* dst,
+                 size_t bytes, int root, DeviceCopies* dev) {
   const int n = c.size, me = c.rank;
-  const char* src = static_cast<const char*>(in);
-  char* dst = static_cast<char*>(out);
-  if (me == root && dst != src + static_cast<size_t>(me) * bytes)
-    std::memcpy(dst, src + static_cast<size_t>(me) * bytes, bytes);
+  if (me == root && dst != src + static_cast<size_t>(me) * bytes) {
+    if (dev != nullptr) {
+      dev->add(dst, src + static_cast<size_t>(me) * bytes, bytes);
+      dev->wait();
+    } else {
+      std::memcpy(dst, src + static_cast<size_t>(me) * bytes, bytes);
+    }
+  }
   if (n == 1) return;
   if (!c.shm) {
     if (me == root) {
@@ -153,22 +161,64 @@ void scatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, 
     return;
   }
   ShmGroup& g = *c.shm;
+  auto halves = [&]() -> DeviceHalves& {
+    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g, c.params.gpu_halves);
+    return *c.dev_halves;
+  };
+  std::optional<DeviceCopies> own_dev;  // a host output's copies out of the root's GPU half
   const size_t slot = (g.halfBytes() / n) & ~static_cast<size_t>(63);
   for (size_t off = 0; off < bytes; off += slot) {
     const size_t len = std::min(slot, bytes - off);
     uint64_t s = g.beginStep(op, me == root);
     if (me == root) {
-      char* h = g.half(me, s);
-      for (int j = 0; j < n; ++j)
-        if (j != me) copyToSharedNoFence(h + j * slot, src + static_cast<size_t>(j) * bytes + off, len);
-      streamFence();
+      if (dev != nullptr) {
+        char* h = halves().writeTarget(s, src);  // the GPU half, or the host half
+        for (int j = 0; j < n; ++j)
+          if (j != me) dev->add(h + j * slot, src + static_cast<size_t>(j) * bytes + off, len);
+        dev->wait();
+      } else {
+        g.setGpuHalf(s, false);
+        char* h = g.half(me, s);
+        for (int j = 0; j < n; ++j)
+          if (j != me)
+            copyToSharedNoFence(h + j * slot, src + static_cast<size_t>(j) * bytes + off, len);
+        streamFence();
+      }
       g.post(ShmGroup::kReady, s);
     } else {
       g.wait(op, root, ShmGroup::kReady, s);
-      copyFromShared(dst + off, g.half(root, s) + me * slot, len);
+      if (g.gpuHalf(root, s)) {
+        DeviceCopies& d = dev != nullptr ? *dev : own_dev ? *own_dev : own_dev.emplace(op.name);
+        d.add(dst + off, halves().peerHalf(op, root, s) + me * slot, len);
+        d.wait();  // out of the half before the root may reuse it
+      } else if (dev != nullptr) {
+        dev->add(dst + off, g.half(root, s) + me * slot, len);
+        dev->wait();
+      } else {
+        copyFromShared(dst + off, g.half(root, s) + me * slot, len);
+      }
     }
     g.endStep(s);
   }
+}
+
+}  // namespace
+
+void scatter(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t bytes,
+             int root) {
+  if (bytes == 0) return;
+  scatterImpl(c, op, static_cast<const char*>(in), static_cast<char*>(out), bytes, root,
+              nullptr);
+}
+
+bool scatterOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                     size_t bytes, int root) {
+  if (!c.shm || c.size == 1) return false;
+  if (bytes == 0) return true;
+  DeviceCopies copies("scatter");
+  scatterImpl(c, op, static_cast<const char*>(in), static_cast<char*>(out), bytes, root,
+              &copies);
+  return true;
 }
 
 }  // namespace mooncake::pg::algo

@@ -178,6 +178,39 @@ void everyOp(Communicator& c) {
        [&](const void* i, void* o) { c.gather(i, o, blk, 0); });
   same(c, "scatter from the last rank", inputs(n * blk, me, 9), blk,
        [&](const void* i, void* o) { c.scatter(i, o, blk, n - 1); });
+  {  // scatter and gather with GPU and host ranks mixed (even ranks on the GPU), roots of both
+    for (int root : {0, n - 1}) {
+      Buf all = inputs(n * blk, root, 18), want(all.begin() + me * blk, all.begin() + (me + 1) * blk);
+      Buf got(blk);
+      if (me % 2 == 0) {
+        Gpu gi(n * blk, 0), go(blk, 1);
+        gi.put(all);
+        go.put(sentinel(blk));
+        c.scatter(gi.get(), go.get(), blk, root);
+        got = go.read(blk);
+      } else {
+        Buf o = sentinel(blk);
+        c.scatter(all.data(), o.data(), blk, root);
+        got = o;
+      }
+      EXPECT_TRUE(got == want) << "scatter from " << root << ", ranks mixed";
+      Buf mine = inputs(blk, me, 19), gathered = sentinel(n * blk), expect;
+      for (int r = 0; r < n; ++r) {
+        Buf b = inputs(blk, r, 19);
+        expect.insert(expect.end(), b.begin(), b.end());
+      }
+      if (me % 2 == 0) {
+        Gpu gi(blk, 1), go(n * blk, 0);
+        gi.put(mine);
+        go.put(sentinel(n * blk));
+        c.gather(gi.get(), go.get(), blk, root);
+        gathered = go.read(n * blk);
+      } else {
+        c.gather(mine.data(), gathered.data(), blk, root);
+      }
+      if (me == root) EXPECT_TRUE(gathered == expect) << "gather to " << root << ", ranks mixed";
+    }
+  }
   same(c, "reduce_scatter float64 min", inputs(8 * 777 * n, me, 10), 8 * 777,
        [&](const void* i, void* o) {
          c.reduceScatter(i, o, 777, DataType::kFloat64, ReduceOp::kMin);
