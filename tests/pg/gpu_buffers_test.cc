@@ -153,7 +153,9 @@ void everyOp(Communicator& c) {
       EXPECT_TRUE(h == want) << "broadcast from " << root << ", ranks mixed, host here";
     }
     // A GPU root on one host sends from its GPU halves.
-    if (me == root && me % 2 == 0 && c.path() == "shm") EXPECT_GT(c.deviceHalfSteps(), gpu_steps);
+    if (me == root && me % 2 == 0 && c.path() == "shm") {
+      EXPECT_GT(c.deviceHalfSteps(), gpu_steps);
+    }
   }
   same(c, "reduce float32 sum to rank 1", inputs(fb, me, 4), fb, [&](const void* i, void* o) {
     c.reduce(i, o, count, DataType::kFloat32, ReduceOp::kSum, 1);
@@ -208,7 +210,9 @@ void everyOp(Communicator& c) {
       } else {
         c.gather(mine.data(), gathered.data(), blk, root);
       }
-      if (me == root) EXPECT_TRUE(gathered == expect) << "gather to " << root << ", ranks mixed";
+      if (me == root) {
+        EXPECT_TRUE(gathered == expect) << "gather to " << root << ", ranks mixed";
+      }
     }
   }
   same(c, "reduce_scatter float64 min", inputs(8 * 777 * n, me, 10), 8 * 777,
@@ -244,7 +248,9 @@ void everyOp(Communicator& c) {
       Gpu gi(in_bytes, 0);
       gi.put(in);
       c.allToAllV(gi.get(), sb, so, got.data(), rb, ro);
-      if (c.path() == "shm") EXPECT_GT(c.deviceHalfSteps(), gpu_steps);  // slots in GPU halves
+      if (c.path() == "shm") {
+        EXPECT_GT(c.deviceHalfSteps(), gpu_steps);  // its slots went through its GPU halves
+      }
     } else {
       Gpu go(out_bytes, 1);
       go.put(sentinel(out_bytes));
