@@ -165,10 +165,6 @@ class TransferEngine {
   // A local pointer to the peer's [remote, remote+len) when it is mapped here (shm), else
   // nullptr. Valid until the peer is closed or unregisters the region.
   void* mappedAddress(PeerId peer, uint64_t remote, uint64_t len);
-  // The same for the peer's GPU memory (MemoryKind::kCuda regions): where its allocation is
-  // mapped here through the device layer's IPC (the cuda transport's cache), a device address
-  // of this process; nullptr when no transport maps it (another host, no cuda transport).
-  void* mappedDeviceAddress(PeerId peer, uint64_t remote, uint64_t len);
 
   class Impl;
 

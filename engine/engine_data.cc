@@ -248,11 +248,5 @@ void* TransferEngine::mappedAddress(PeerId peer, uint64_t remote, uint64_t len) 
   return e->data->mappedAddress(remote, len);
 }
 
-void* TransferEngine::mappedDeviceAddress(PeerId peer, uint64_t remote, uint64_t len) {
-  PeerEntry* e = impl_->peer(peer);
-  if (e == nullptr || e->device == nullptr) return nullptr;
-  return e->device->mappedAddress(remote, len);
-}
-
 }  // namespace mooncake::engine
 

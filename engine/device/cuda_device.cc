@@ -201,12 +201,6 @@ class CudaDevice final : public Device {
     if (r != CUDA_SUCCESS) return MC_STATUS(kInternal, "cuEventRecord: " << err(r));
     return std::unique_ptr<Event>(new CudaEvent(&d_, e));
   }
-  Result<void*> hostView(const void* p, size_t len) override {
-    (void)len;
-    if (!pointer(p).device) return const_cast<void*>(p);
-    return MC_STATUS(kNotSupported, "cuda: device memory is not host-addressable");
-  }
-
 
  private:
   // Makes device `ordinal`'s primary context current on this thread.

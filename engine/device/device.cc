@@ -260,11 +260,6 @@ class SimDevice final : public Device {
     return std::unique_ptr<Event>(new SimEvent(std::move(s), n));
   }
 
-  Result<void*> hostView(const void* p, size_t len) override {
-    std::lock_guard<std::mutex> g(mu_);
-    return accessible(p, len);
-  }
-
  private:
   struct Alloc {
     size_t len = 0;

@@ -65,11 +65,6 @@ class Device {
   virtual Status copyAsync(void* dst, const void* src, size_t len, int ordinal) = 0;
   // An event on device `ordinal`'s copy stream (Event).
   virtual Result<std::unique_ptr<Event>> record(int ordinal) = 0;
-  // A host address through which host code may read and write [p, p+len): host memory is its
-  // own view; the simulation's device memory (an allocation or an opened IPC handle) has its
-  // writable mapping; a GPU's device memory has none (kNotSupported). For host executors of
-  // device code in the tests (the EP kernels' bodies over the simulation).
-  virtual Result<void*> hostView(const void* p, size_t len) = 0;
 };
 
 // The process's device layer (made on first call; MC_DEVICE). An error says why there is none

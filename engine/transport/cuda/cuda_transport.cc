@@ -108,16 +108,6 @@ class CudaPeer final : public TransportPeer {
     std::lock_guard<std::mutex> g(mu_);
     if (fail_.ok()) fail_ = why;
   }
-  // The peer's GPU memory as this process addresses it (its IPC handle opened once, cached
-  // like a copy's); nullptr for its host memory or a range outside its GPU regions.
-  void* mappedAddress(uint64_t remote, uint64_t len) override {
-    std::lock_guard<std::mutex> g(mu_);
-    const RegionDesc* r = remote_.findRegion(remote, len);
-    if (r == nullptr || r->kind != MemoryKind::kCuda) return nullptr;
-    int gpu = -1;
-    auto p = resolve(remote, len, &gpu);
-    return p.ok() ? *p : nullptr;
-  }
   Status quiesce(Deadline deadline) override {
     std::unique_lock<std::mutex> g(flight_->mu);
     if (flight_->cv.wait_until(g, deadline, [&] { return flight_->n == 0; })) return Status::OK();
