@@ -9,9 +9,11 @@
 
 #include <cstring>
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/device/device.h"
@@ -43,6 +45,9 @@ struct Driver {
   decltype(&cuEventRecord) eventRecord = nullptr;
   decltype(&cuEventQuery) eventQuery = nullptr;
   decltype(&cuEventDestroy) eventDestroy = nullptr;
+  decltype(&cuModuleLoadData) moduleLoadData = nullptr;
+  decltype(&cuModuleGetFunction) moduleGetFunction = nullptr;
+  decltype(&cuLaunchKernel) launchKernel = nullptr;
 };
 
 std::string errorText(const Driver& d, CUresult r) {
@@ -202,6 +207,21 @@ class CudaDevice final : public Device {
     return std::unique_ptr<Event>(new CudaEvent(&d_, e));
   }
 
+  Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
+                size_t params_len, int ordinal) override {
+    if (k.image == nullptr || k.name == nullptr)
+      return MC_STATUS(kNotSupported, "kernel " << (k.name ? k.name : "?")
+                                                << ": this build has no CUDA image of it");
+    MC_ASSIGN_OR_RETURN(CUstream s, stream(ordinal));
+    MC_ASSIGN_OR_RETURN(CUfunction f, function(k, ordinal));
+    size_t len = params_len;
+    void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, const_cast<void*>(params),
+                     CU_LAUNCH_PARAM_BUFFER_SIZE, &len, CU_LAUNCH_PARAM_END};
+    CUresult r = d_.launchKernel(f, grid, 1, 1, block, 1, 1, 0, s, nullptr, extra);
+    if (r != CUDA_SUCCESS) return MC_STATUS(kInternal, "cuLaunchKernel(" << k.name << "): " << err(r));
+    return Status::OK();
+  }
+
  private:
   // Makes device `ordinal`'s primary context current on this thread.
   Status use(int ordinal) {
@@ -238,11 +258,33 @@ class CudaDevice final : public Device {
     }
     return s;
   }
+  // k's function on device `ordinal` (its module loaded once per device; stream() made the
+  // context current).
+  Result<CUfunction> function(const Kernel& k, int ordinal) {
+    std::lock_guard<std::mutex> g(mu_);
+    const auto key = std::make_tuple(k.image, std::string(k.name), ordinal);
+    if (auto it = functions_.find(key); it != functions_.end()) return it->second;
+    CUmodule& m = modules_[{k.image, ordinal}];
+    CUresult r = CUDA_SUCCESS;
+    if (m == nullptr) r = d_.moduleLoadData(&m, k.image);
+    if (r != CUDA_SUCCESS) {
+      m = nullptr;
+      return MC_STATUS(kNotSupported, "loading the kernels of " << k.name << " on device "
+                                                               << ordinal << ": " << err(r));
+    }
+    CUfunction f = nullptr;
+    r = d_.moduleGetFunction(&f, m, k.name);
+    if (r != CUDA_SUCCESS) return MC_STATUS(kNotFound, "kernel " << k.name << ": " << err(r));
+    functions_[key] = f;
+    return f;
+  }
   std::string err(CUresult r) const { return errorText(d_, r); }
   Driver d_;
   std::mutex mu_;
   std::vector<CUcontext> ctx_;
   std::vector<CUstream> streams_ = std::vector<CUstream>(ctx_.size(), nullptr);
+  std::map<std::pair<const void*, int>, CUmodule> modules_;  // never unloaded (as streams)
+  std::map<std::tuple<const void*, std::string, int>, CUfunction> functions_;
 };
 
 }  // namespace
@@ -268,7 +310,10 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
             load(lib, "cuEventCreate", &d.eventCreate) &&
             load(lib, "cuEventRecord", &d.eventRecord) &&
             load(lib, "cuEventQuery", &d.eventQuery) &&
-            load(lib, "cuEventDestroy_v2", &d.eventDestroy);
+            load(lib, "cuEventDestroy_v2", &d.eventDestroy) &&
+            load(lib, "cuModuleLoadData", &d.moduleLoadData) &&
+            load(lib, "cuModuleGetFunction", &d.moduleGetFunction) &&
+            load(lib, "cuLaunchKernel", &d.launchKernel);
   if (!ok) return MC_STATUS(kNotSupported, "the CUDA driver lacks an entry point: " << dlerror());
   (void)load(lib, "cuMemGetHandleForAddressRange", &d.getHandleForAddressRange);  // CUDA >= 11.7
   CUresult r = d.init(0);

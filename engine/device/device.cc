@@ -10,12 +10,14 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "engine/params.h"
 #include "mooncake/config.h"
@@ -41,14 +43,9 @@ class SimStream {
     cv_.notify_all();
     worker_.join();
   }
-  void push(void* dst, const void* src, size_t len) {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      q_.push_back({dst, src, len});
-      ++queued_;
-    }
-    cv_.notify_all();
-  }
+  void push(void* dst, const void* src, size_t len) { enqueue({dst, src, len, nullptr}); }
+  // A simulated kernel: runs in order with the copies; a failure fails later events' waits.
+  void push(std::function<Status()> task) { enqueue({nullptr, nullptr, 0, std::move(task)}); }
   uint64_t queued() {
     std::lock_guard<std::mutex> g(mu_);
     return queued_;
@@ -57,9 +54,13 @@ class SimStream {
     std::lock_guard<std::mutex> g(mu_);
     return done_ >= n;
   }
-  bool waitFor(uint64_t n, Deadline deadline) {
+  // Ok once the first n items are done; kTimeout past the deadline; a kernel's failure.
+  Status waitFor(uint64_t n, Deadline deadline) {
     std::unique_lock<std::mutex> g(mu_);
-    return cv_.wait_until(g, deadline, [&] { return done_ >= n; });
+    if (!cv_.wait_until(g, deadline, [&] { return done_ >= n; }))
+      return MC_STATUS(kTimeout, "sim device: copies not done by the deadline");
+    if (failed_at_ != 0 && failed_at_ <= n) return failure_;
+    return Status::OK();
   }
 
  private:
@@ -67,18 +68,35 @@ class SimStream {
     void* dst;
     const void* src;
     size_t len;
+    std::function<Status()> task;  // a kernel instead of a copy
   };
+  void enqueue(Copy c) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      q_.push_back(std::move(c));
+      ++queued_;
+    }
+    cv_.notify_all();
+  }
   void run() {
     std::unique_lock<std::mutex> g(mu_);
     for (;;) {
       cv_.wait(g, [&] { return stop_ || !q_.empty(); });
       if (q_.empty()) return;
-      Copy c = q_.front();
+      Copy c = std::move(q_.front());
       q_.pop_front();
       g.unlock();
-      std::memmove(c.dst, c.src, c.len);
+      Status st;
+      if (c.task)
+        st = c.task();
+      else
+        std::memmove(c.dst, c.src, c.len);
       g.lock();
       ++done_;
+      if (!st.ok() && failed_at_ == 0) {
+        failed_at_ = done_;
+        failure_ = st;
+      }
       cv_.notify_all();
     }
   }
@@ -86,6 +104,8 @@ class SimStream {
   std::condition_variable cv_;
   std::deque<Copy> q_;
   uint64_t queued_ = 0, done_ = 0;
+  uint64_t failed_at_ = 0;  // the first failed kernel's place (1-based), 0: none
+  Status failure_;
   bool stop_ = false;
   std::thread worker_;
 };
@@ -94,10 +114,7 @@ class SimEvent final : public Event {
  public:
   SimEvent(std::shared_ptr<SimStream> s, uint64_t n) : s_(std::move(s)), n_(n) {}
   bool done() override { return s_->reached(n_); }
-  Status wait(Deadline deadline) override {
-    if (s_->waitFor(n_, deadline)) return Status::OK();
-    return MC_STATUS(kTimeout, "sim device: copies not done by the deadline");
-  }
+  Status wait(Deadline deadline) override { return s_->waitFor(n_, deadline); }
 
  private:
   std::shared_ptr<SimStream> s_;
@@ -258,6 +275,32 @@ class SimDevice final : public Device {
     MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
     const uint64_t n = s->queued();
     return std::unique_ptr<Event>(new SimEvent(std::move(s), n));
+  }
+
+  Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
+                size_t params_len, int ordinal) override {
+    if (k.host == nullptr)
+      return MC_STATUS(kNotSupported, "sim device: kernel " << (k.name ? k.name : "?")
+                                                            << " has no host form");
+    if (params_len > 4096 || grid == 0 || block == 0)
+      return MC_STATUS(kInvalidArgument, "sim device: launch of " << (k.name ? k.name : "?")
+                                                                  << ": bad shape or parameters");
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
+    auto copy = std::make_shared<std::vector<char>>(static_cast<const char*>(params),
+                                                    static_cast<const char*>(params) + params_len);
+    auto host = k.host;
+    s->push([this, host, copy]() -> Status {
+      struct View final : HostView {
+        const SimDevice* d;
+        Result<void*> at(const void* p, size_t len) const override {
+          std::lock_guard<std::mutex> g(d->mu_);
+          return d->accessible(p, len);
+        }
+      } view;
+      view.d = this;
+      return host(copy->data(), view);
+    });
+    return Status::OK();
   }
 
  private:

@@ -41,6 +41,28 @@ class Event {
   virtual Status wait(Deadline deadline) = 0;
 };
 
+// Where a simulated kernel reads and writes [p, p+len): the host view of device memory (or
+// p itself for host memory). Only the simulation has one; an error when the range runs past
+// an allocation's end.
+class HostView {
+ public:
+  virtual ~HostView() = default;
+  virtual Result<void*> at(const void* p, size_t len) const = 0;
+};
+
+// Device code the layer runs on a device's copy stream, in order with the copies queued
+// there (and completing the events recorded after it). One definition, two forms:
+//   - CUDA: the kernel `name` (extern "C") of the module `image` (a fatbin or PTX, loaded
+//     once per device), launched with grid x block threads and `params` as its one
+//     by-value struct parameter (CU_LAUNCH_PARAM_BUFFER_POINTER); no image: CUDA refuses it;
+//   - sim: `host(params, view)` on the stream's thread, which reaches memory through `view`
+//     (device memory is not host-accessible in the simulation either).
+struct Kernel {
+  const void* image = nullptr;
+  const char* name = nullptr;
+  Status (*host)(const void* params, const HostView& view) = nullptr;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -65,6 +87,10 @@ class Device {
   virtual Status copyAsync(void* dst, const void* src, size_t len, int ordinal) = 0;
   // An event on device `ordinal`'s copy stream (Event).
   virtual Result<std::unique_ptr<Event>> record(int ordinal) = 0;
+  // Queues kernel k on device `ordinal`'s copy stream (Kernel); params (params_len bytes, at
+  // most 4096) are copied. A failure of the kernel's host form fails the next event's wait.
+  virtual Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
+                        size_t params_len, int ordinal) = 0;
 };
 
 // The process's device layer (made on first call; MC_DEVICE). An error says why there is none
