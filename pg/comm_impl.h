@@ -99,6 +99,12 @@ class Communicator::Impl {
   void abortGroups(int blamed, const std::string& why);
 };
 
+// The group view's GPU halves (pg/device_stage.h), made on first use; needs c.shm.
+inline DeviceHalves& deviceHalves(Communicator::Impl& c) {
+  if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(*c.shm, c.params.gpu_halves);
+  return *c.dev_halves;
+}
+
 // ---- set-up shared by plain groups and the views of elastic ones (pg/data_plane.cc) ----
 
 // What a rank publishes about itself: its engine, its comm buffer and its segment.
@@ -147,6 +153,28 @@ class UsageError : public CommError {
 
 // ---- algorithm families: each picks shm or net and handles size() == 1 ----
 namespace algo {
+
+// The sources of a rank's share of a reducing step on one host (allreduce, reduce_scatter):
+// peer r's data is in its GPU half or its host half (ShmGroup::gpuHalf, read after waiting for
+// r's kReady); this rank's own source is given.
+struct StepSources {
+  std::vector<const void*> p;
+  std::vector<char> gpu;  // p[r] is GPU memory
+  bool all_gpu = false;
+  explicit StepSources(int n) : p(n), gpu(n) {}
+  // Peers' sources at byte `at` of their halves of step s.
+  void build(Communicator::Impl& c, const OpCtx& op, uint64_t s, const void* mine, bool mine_gpu,
+             size_t at);
+};
+// Whether a peer's data of step s is in its GPU half (after waiting for every kReady).
+bool anyPeerOnGpu(Communicator::Impl& c, uint64_t s);
+// A reduction whose sources are partly GPU memory (src.gpu) where the GPU cannot run it (some
+// source is host memory, or no GPU form here): the GPU sources are copied into host memory
+// with the device layer's copies, the CPU reduces, and the result goes to dst and dst2 (each
+// GPU or host memory: *_gpu; either may be null).
+void reduceMixed(const OpCtx& op, void* dst, bool dst_gpu, void* dst2, bool dst2_gpu,
+                 const StepSources& src, size_t count, DataType t, ReduceOp rop);
+
 void allReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,
                DataType t, ReduceOp rop);
 void reduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,
@@ -154,6 +182,9 @@ void reduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, s
 // allreduce with GPU memory on either side, moved in and out of the shared comm buffers by
 // the device layer, when every rank maps every other's buffer (c.shm); false otherwise (the
 // caller stages it through host memory, pg/device_stage.h).
+// reduceScatter of GPU memory on one host (false: not this group's path; stage instead).
+bool reduceScatterOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                           size_t count, DataType t, ReduceOp rop);
 bool allReduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                        size_t count, DataType t, ReduceOp rop);
 // allgatherv likewise (the input is this rank's block of the output or apart from it: the

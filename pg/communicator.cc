@@ -532,6 +532,11 @@ void Communicator::reduceScatter(const void* in, void* out, size_t count, DataTy
   checkPtr(in, count, "input", "reduce_scatter");
   checkPtr(out, count, "output", "reduce_scatter");
   if (DeviceStage::any({in, out})) {
+    if (!impl_->elastic && impl_->shm && impl_->size > 1)  // one host: no staging
+      return impl_->run("reduce_scatter", typedSig(OpKind::kReduceScatter, count, t, op),
+                        [&](const OpCtx& o) {
+                          (void)algo::reduceScatterOnDevice(*impl_, o, in, out, count, t, op);
+                        });
     const size_t n = count * dtypeSize(t);
     const size_t total = (impl_->elastic && blocks >= 0 ? blocks : pubSize(*impl_)) * n;
     DeviceStage st("reduce_scatter", total + n);

@@ -2,11 +2,14 @@
 // code queued on the device layer's copy stream, in order with the copies queued there, so
 // that GPU data is reduced where it lives. One arithmetic (pg/device_reduce_body.h) in two
 // forms: a CUDA kernel (pg/device_reduce.cu, built by nvcc into the library when CMake finds
-// the toolkit) and the host form the device layer's simulation runs (MC_DEVICE=sim), which
-// the tests here compare with reduceInto bit for bit.
+// the toolkit) and its host form (deviceReduceOnHost), which tests/pg/device_reduce_test.cc
+// compares with the CPU's reduceInto bit for bit. The device layer's simulation (MC_DEVICE=sim)
+// runs reduceInto itself on its stream (as fast as the host path it stands beside; the same
+// results, complex PRODUCT's last bits aside).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "pg/types.h"
 
@@ -24,6 +27,9 @@ bool deviceReduceAsync(void* dst, void* dst2, const void* const* srcs, int n, si
 // The host form on host memory, run here and now (tests): false as above.
 bool deviceReduceOnHost(void* dst, void* dst2, const void* const* srcs, int n, size_t count,
                         DataType t, ReduceOp op);
+
+// Reductions queued on a device by this process so far (tests).
+uint64_t deviceReduceLaunches();
 
 // Whether a kernel image is built in (a CUDA build); the simulation needs none.
 bool deviceReduceHasImage();

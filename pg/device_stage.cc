@@ -7,6 +7,7 @@
 #include "engine/device/device.h"
 #include "engine/log.h"
 #include "pg/communicator.h"
+#include "pg/device_reduce.h"
 #include "pg/health.h"
 #include "pg/shm_group.h"
 
@@ -55,6 +56,20 @@ void DeviceCopies::add(void* dst, const void* src, size_t n) {
                         std::to_string(n) + " bytes of GPU memory failed: " + st.toString(),
                     -1, op_);
   pending_ = true;
+}
+
+bool DeviceCopies::reduce(void* dst, void* dst2, const void* const* srcs, int n, size_t count,
+                          DataType t, ReduceOp op) {
+  if (ordinal_ < 0) {
+    auto layer = engine::device::get();
+    if (!layer.ok()) return false;
+    engine::device::PointerInfo a = (*layer)->pointer(dst != nullptr ? dst : dst2);
+    if (!a.device) return false;
+    ordinal_ = a.ordinal;
+  }
+  if (!deviceReduceAsync(dst, dst2, srcs, n, count, t, op, ordinal_, op_)) return false;
+  pending_ = true;
+  return true;
 }
 
 void DeviceCopies::wait() {

@@ -10,7 +10,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <vector>
+
+#include "pg/types.h"
 
 namespace mooncake::pg {
 
@@ -42,13 +45,24 @@ class DeviceCopies {
  public:
   explicit DeviceCopies(const char* op) : op_(op) {}
   void add(void* dst, const void* src, size_t n);
-  void wait();  // throws CommError when a copy failed
+  // Queues dst (and dst2) = the reduction of srcs (pg/device_reduce.h) after the copies queued
+  // so far, on the same stream. False, with nothing queued, when it has no GPU form here.
+  bool reduce(void* dst, void* dst2, const void* const* srcs, int n, size_t count, DataType t,
+              ReduceOp op);
+  void wait();  // throws CommError when a copy or a reduction failed
 
  private:
   const char* op_;
   int ordinal_ = -1;
   bool pending_ = false;
 };
+
+// `dev` when given, else `own`, made on first use: the copies a step queues out of a peer's GPU
+// half (a rank with host buffers makes its own).
+inline DeviceCopies& copiesFor(DeviceCopies* dev, std::optional<DeviceCopies>& own, const char* op) {
+  if (dev != nullptr) return *dev;
+  return own ? *own : own.emplace(op);
+}
 
 // GPU halves beside a same-host group's host halves: a rank whose data of a step is GPU
 // memory copies it into its own GPU half (device to device) instead of the host half, and

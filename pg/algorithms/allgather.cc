@@ -61,10 +61,6 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
   ShmGroup& g = *c.shm;
   // A rank's GPU block goes through its GPU halves (device to device; DeviceHalves), which a
   // peer with host buffers reads with the device layer's copies too.
-  auto halves = [&]() -> DeviceHalves& {
-    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g, c.params.gpu_halves);
-    return *c.dev_halves;
-  };
   std::optional<DeviceCopies> own_dev;  // a host-buffer rank's copies out of GPU halves
   const size_t chunk = g.halfBytes();
   const size_t most = *std::max_element(bytes.begin(), bytes.end());
@@ -72,7 +68,7 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
     auto lenOf = [&](int r) { return bytes[r] > off ? std::min(chunk, bytes[r] - off) : 0; };
     uint64_t s = g.beginStep(op, lenOf(me) > 0);
     if (dev != nullptr) {
-      if (lenOf(me) > 0) dev->add(halves().writeTarget(s, src), src + off, lenOf(me));
+      if (lenOf(me) > 0) dev->add(deviceHalves(c).writeTarget(s, src), src + off, lenOf(me));
       dev->wait();
     } else if (lenOf(me) > 0) {
       g.setGpuHalf(s, false);
@@ -86,8 +82,8 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
         if (len == 0) continue;
         g.wait(op, j, ShmGroup::kReady, s);
         if (g.gpuHalf(j, s)) {
-          DeviceCopies& d = dev != nullptr ? *dev : own_dev ? *own_dev : own_dev.emplace(op.name);
-          d.add(dst + displ[j] + off, halves().peerHalf(op, j, s), len);
+          DeviceCopies& d = copiesFor(dev, own_dev, op.name);
+          d.add(dst + displ[j] + off, deviceHalves(c).peerHalf(op, j, s), len);
         } else if (dev != nullptr) {
           dev->add(dst + displ[j] + off, g.half(j, s), len);
         } else {

@@ -15,6 +15,8 @@
 // slice to its owner, who reduces the n contributions in rank order at once; all-gather
 // by sending the reduced slice to everyone): the same rank-order result as on shm.
 #include <cstring>
+#include <optional>
+#include <utility>
 
 #include "pg/comm_impl.h"
 #include "pg/copy.h"
@@ -32,13 +34,20 @@ void shmFlat(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, 
   const int n = c.size, me = c.rank;
   const size_t bytes = count * dtypeSize(t);
   uint64_t s = g.beginStep(op, true);
+  g.setGpuHalf(s, false);
   copyToShared(g.half(me, s), in, bytes);
   g.post(ShmGroup::kReady, s);
   if (root < 0 || root == me) {
     std::vector<const void*> srcs(n);
     for (int r = 0; r < n; ++r) srcs[r] = r == me ? in : g.half(r, s);
     g.waitAll(op, ShmGroup::kReady, s);
-    reduceInto(out, nullptr, srcs.data(), n, count, t, rop);
+    if (anyPeerOnGpu(c, s)) {  // a peer with GPU data (shmFlatDevice)
+      StepSources src(n);
+      src.build(c, op, s, in, false, 0);
+      reduceMixed(op, out, false, nullptr, false, src, count, t, rop);
+    } else {
+      reduceInto(out, nullptr, srcs.data(), n, count, t, rop);
+    }
   }
   g.endStep(s);
 }
@@ -54,11 +63,13 @@ void shmTwoPhase(Communicator::Impl& c, const OpCtx& op, const void* in, void* o
   if (chunk >= unit) chunk -= chunk % unit;
   std::vector<const void*> srcs(n);
   const bool so = count * es >= c.params.stream_out_bytes;
+  std::optional<DeviceCopies> own_dev;  // copies out of peers' GPU halves
   for (size_t base = 0; base < count; base += chunk) {
     const size_t m = std::min(chunk, count - base);
     const char* cin = static_cast<const char*>(in) + base * es;
     char* cout = out != nullptr ? static_cast<char*>(out) + base * es : nullptr;
     uint64_t s = g.beginStep(op, true);
+    g.setGpuHalf(s, false);
     char* mine = g.half(me, s);
     for (int j = 0; j < n; ++j) {
       if (j == me) continue;
@@ -70,7 +81,12 @@ void shmTwoPhase(Communicator::Impl& c, const OpCtx& op, const void* in, void* o
     const size_t b = partBegin(m, n, me, align), e = partBegin(m, n, me + 1, align);
     for (int r = 0; r < n; ++r) srcs[r] = r == me ? cin + b * es : g.half(r, s) + b * es;
     g.waitAll(op, ShmGroup::kReady, s);
-    if (root < 0) {  // result into my output and, for the others, into my half
+    const bool peer_gpu = root < 0 && anyPeerOnGpu(c, s);  // (reduce: no peer stages on GPU)
+    if (peer_gpu) {  // a peer with GPU data (shmTwoPhaseDevice): read it with device copies
+      StepSources src(n);
+      src.build(c, op, s, cin + b * es, false, b * es);
+      if (e > b) reduceMixed(op, cout + b * es, false, mine + b * es, false, src, e - b, t, rop);
+    } else if (root < 0) {  // result into my output and, for the others, into my half
       reduceInto(cout + b * es, mine + b * es, srcs.data(), n, e - b, t, rop, so);
     } else if (root == me) {
       reduceInto(cout + b * es, nullptr, srcs.data(), n, e - b, t, rop, so);
@@ -84,20 +100,28 @@ void shmTwoPhase(Communicator::Impl& c, const OpCtx& op, const void* in, void* o
         size_t jb = partBegin(m, n, j, align), je = partBegin(m, n, j + 1, align);
         if (je == jb) continue;
         g.wait(op, j, ShmGroup::kReduced, s);
-        copyOut(cout + jb * es, g.half(j, s) + jb * es, (je - jb) * es, so);
+        if (peer_gpu && g.gpuHalf(j, s))
+          copiesFor(nullptr, own_dev, op.name)
+              .add(cout + jb * es, deviceHalves(c).peerHalf(op, j, s) + jb * es, (je - jb) * es);
+        else
+          copyOut(cout + jb * es, g.half(j, s) + jb * es, (je - jb) * es, so);
       }
     }
+    if (own_dev) own_dev->wait();
     g.endStep(s);
   }
   if (so) streamFence();
 }
 
-// The 2-phase algorithm on GPU memory (in and out), for groups whose ranks all map each
-// other: the device layer copies each chunk whole into this rank's half (its own slice
-// too: host code cannot read the input) and the reduced slices out of the owners' halves
-// (its own too), so the bytes cross between GPU and host memory once each way, as a host
-// path's copies in and out do. Each rank reduces its slice in its half, in place (no peer
-// reads a rank's own slice there before its kReduced: the steps match shmTwoPhase's).
+// The 2-phase algorithm on GPU memory, in the same steps as shmTwoPhase (so that ranks with
+// host and with GPU buffers meet in one op). This rank's GPU chunk goes, its own slice aside,
+// into its GPU half (DeviceHalves: device to device); when every rank's data of the step is in
+// GPU halves, the device reduces this rank's slice from the peers' halves (opened through IPC)
+// and its own input into its output and its half (pg/device_reduce.h: a CUDA kernel on the
+// copy stream), and the other reduced slices are copied out of the owners' halves, so no byte
+// crosses host memory. Otherwise (a peer's data in its host half, GPU halves off or
+// unavailable, no kernel image) the slice is reduced on the CPU from host copies
+// (reduceMixed), the result placed in this rank's half of the kind it used.
 void shmTwoPhaseDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                        size_t count, DataType t, ReduceOp rop) {
   ShmGroup& g = *c.shm;
@@ -106,54 +130,68 @@ void shmTwoPhaseDevice(Communicator::Impl& c, const OpCtx& op, const void* in, v
   size_t chunk = std::min(g.halfBytes(), c.params.chunk_bytes) / es;
   const size_t unit = align * static_cast<size_t>(n);
   if (chunk >= unit) chunk -= chunk % unit;
-  std::vector<const void*> srcs(n);
+  const bool out_gpu = DeviceStage::any({out});
+  StepSources src(n);
   DeviceCopies copies("allreduce");
   for (size_t base = 0; base < count; base += chunk) {
     const size_t m = std::min(chunk, count - base);
     const char* cin = static_cast<const char*>(in) + base * es;
     char* cout = static_cast<char*>(out) + base * es;
     uint64_t s = g.beginStep(op, true);
-    char* mine = g.half(me, s);
-    copies.add(mine, cin, m * es);
+    char* mine = deviceHalves(c).writeTarget(s, cin);
+    const bool mine_gpu = g.gpuHalf(me, s);
+    const size_t b = partBegin(m, n, me, align), e = partBegin(m, n, me + 1, align);
+    if (mine_gpu) {  // the own slice is read from the input
+      copies.add(mine, cin, b * es);
+      copies.add(mine + e * es, cin + e * es, (m - e) * es);
+    } else {
+      copies.add(mine, cin, m * es);
+    }
     copies.wait();
     g.post(ShmGroup::kReady, s);
-    const size_t b = partBegin(m, n, me, align), e = partBegin(m, n, me + 1, align);
-    for (int r = 0; r < n; ++r) srcs[r] = g.half(r, s) + b * es;
     g.waitAll(op, ShmGroup::kReady, s);
-    reduceInto(mine + b * es, nullptr, srcs.data(), n, e - b, t, rop);  // in place: allowed
+    src.build(c, op, s, mine_gpu ? cin + b * es : mine + b * es, mine_gpu, b * es);
+    if (e > b) {
+      if (!(src.all_gpu && out_gpu &&
+            copies.reduce(cout + b * es, mine + b * es, src.p.data(), n, e - b, t, rop)))
+        reduceMixed(op, cout + b * es, out_gpu, mine + b * es, mine_gpu, src, e - b, t, rop);
+      copies.wait();
+    }
     g.post(ShmGroup::kReduced, s);
     for (int j = 0; j < n; ++j) {
       size_t jb = partBegin(m, n, j, align), je = partBegin(m, n, j + 1, align);
-      if (je == jb) continue;
-      if (j != me) g.wait(op, j, ShmGroup::kReduced, s);
-      copies.add(cout + jb * es, g.half(j, s) + jb * es, (je - jb) * es);
+      if (je == jb || j == me) continue;
+      g.wait(op, j, ShmGroup::kReduced, s);
+      const char* h = g.gpuHalf(j, s) ? deviceHalves(c).peerHalf(op, j, s) : g.half(j, s);
+      copies.add(cout + jb * es, h + jb * es, (je - jb) * es);
     }
     copies.wait();
     g.endStep(s);
   }
 }
 
-// The flat exchange on GPU memory: the same steps as shmFlat (so ranks with host and ranks
-// with GPU buffers can meet in one op): the input is copied whole into this rank's half,
-// every rank reduces all halves into a host buffer, which the device layer copies out.
+// The flat exchange on GPU memory: the same steps as shmFlat. The input goes whole into this
+// rank's half (its GPU half when it can: device to device); every rank reduces all halves into
+// its output, on the device when every half is GPU memory, else on the CPU (reduceMixed).
 void shmFlatDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                    size_t count, DataType t, ReduceOp rop) {
   ShmGroup& g = *c.shm;
-  const int n = c.size;
   const size_t bytes = count * dtypeSize(t);
+  const bool out_gpu = DeviceStage::any({out});
   DeviceCopies copies("allreduce");
   uint64_t s = g.beginStep(op, true);
-  copies.add(g.half(c.rank, s), in, bytes);
+  char* mine = deviceHalves(c).writeTarget(s, in);
+  const bool mine_gpu = g.gpuHalf(c.rank, s);
+  copies.add(mine, in, bytes);
   copies.wait();
   g.post(ShmGroup::kReady, s);
-  std::vector<const void*> srcs(n);
-  for (int r = 0; r < n; ++r) srcs[r] = g.half(r, s);
   g.waitAll(op, ShmGroup::kReady, s);
-  std::vector<char> result(bytes);
-  reduceInto(result.data(), nullptr, srcs.data(), n, count, t, rop);
-  g.endStep(s);
-  copies.add(out, result.data(), bytes);
+  StepSources src(c.size);
+  src.build(c, op, s, mine, mine_gpu, 0);
+  if (!(src.all_gpu && out_gpu && copies.reduce(out, nullptr, src.p.data(), c.size, count, t, rop)))
+    reduceMixed(op, out, out_gpu, nullptr, false, src, count, t, rop);
   copies.wait();
+  g.endStep(s);
 }
 
 void netAllReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
@@ -240,6 +278,61 @@ void run(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size
 }
 
 }  // namespace
+
+void StepSources::build(Communicator::Impl& c, const OpCtx& op, uint64_t s, const void* mine,
+                        bool mine_gpu, size_t at) {
+  ShmGroup& g = *c.shm;
+  all_gpu = true;
+  for (int r = 0; r < c.size; ++r) {
+    if (r == c.rank) {
+      p[r] = mine;
+      gpu[r] = mine_gpu;
+    } else {
+      gpu[r] = g.gpuHalf(r, s);
+      p[r] = (gpu[r] ? deviceHalves(c).peerHalf(op, r, s) : g.half(r, s)) + at;
+    }
+    all_gpu = all_gpu && gpu[r];
+  }
+}
+
+bool anyPeerOnGpu(Communicator::Impl& c, uint64_t s) {
+  for (int r = 0; r < c.size; ++r)
+    if (r != c.rank && c.shm->gpuHalf(r, s)) return true;
+  return false;
+}
+
+void reduceMixed(const OpCtx& op, void* dst, bool dst_gpu, void* dst2, bool dst2_gpu,
+                 const StepSources& src, size_t count, DataType t, ReduceOp rop) {
+  const int n = static_cast<int>(src.p.size());
+  const size_t bytes = count * dtypeSize(t);
+  DeviceCopies copies(op.name);
+  std::vector<std::vector<char>> tmp;
+  tmp.reserve(n + 1);
+  std::vector<const void*> hs(n);
+  for (int r = 0; r < n; ++r) {
+    if (!src.gpu[r]) {
+      hs[r] = src.p[r];
+      continue;
+    }
+    tmp.emplace_back(bytes);
+    copies.add(tmp.back().data(), src.p[r], bytes);
+    hs[r] = tmp.back().data();
+  }
+  copies.wait();
+  tmp.emplace_back(bytes);
+  char* res = tmp.back().data();
+  reduceInto(res, nullptr, hs.data(), n, count, t, rop);
+  for (auto [d, gpu] : {std::pair<void*, bool>{dst, dst_gpu}, {dst2, dst2_gpu}}) {
+    if (d == nullptr) continue;
+    if (gpu)
+      copies.add(d, res, bytes);
+    else
+      std::memcpy(d, res, bytes);
+  }
+  copies.wait();
+}
+
+
 
 void allReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,
                DataType t, ReduceOp rop) {

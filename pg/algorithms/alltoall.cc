@@ -143,10 +143,6 @@ void shmAllToAllV(Communicator::Impl& c, const OpCtx& op, const char* src,
   std::vector<uint64_t> sizes(2 * n * n);
   const size_t row = 2 * n * sizeof(uint64_t);
   ShmGroup& g = *c.shm;
-  auto halves = [&]() -> DeviceHalves& {
-    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g, c.params.gpu_halves);
-    return *c.dev_halves;
-  };
   std::optional<DeviceCopies> own_dev;  // a host output's copies out of peers' GPU halves
   const size_t head = (row + 63) & ~static_cast<size_t>(63);
   const size_t slot = ((g.halfBytes() - head) / n) & ~static_cast<size_t>(63);
@@ -169,7 +165,7 @@ void shmAllToAllV(Communicator::Impl& c, const OpCtx& op, const char* src,
     char* h = g.half(me, s);
     if (first) std::memcpy(h, mine.data(), row);
     if (dev != nullptr) {
-      char* slots = halves().writeTarget(s, src);  // the GPU half, or h
+      char* slots = deviceHalves(c).writeTarget(s, src);  // the GPU half, or h
       for (int j = 0; j < n; ++j) {
         size_t len = j == me ? 0 : lenOf(me, j);
         if (len > 0) dev->add(slots + head + j * slot, src + send_offsets[j] + off, len);
@@ -218,8 +214,8 @@ void shmAllToAllV(Communicator::Impl& c, const OpCtx& op, const char* src,
       g.wait(op, r, ShmGroup::kReady, s);
       char* to = dst + recv_offsets[r] + off;
       if (g.gpuHalf(r, s)) {
-        DeviceCopies& d = dev != nullptr ? *dev : own_dev ? *own_dev : own_dev.emplace(op.name);
-        d.add(to, halves().peerHalf(op, r, s) + head + me * slot, len);
+        DeviceCopies& d = copiesFor(dev, own_dev, op.name);
+        d.add(to, deviceHalves(c).peerHalf(op, r, s) + head + me * slot, len);
       } else if (dev != nullptr) {
         dev->add(to, g.half(r, s) + head + me * slot, len);
       } else {

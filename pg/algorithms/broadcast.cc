@@ -79,10 +79,6 @@ void shmBroadcast(Communicator::Impl& c, const OpCtx& op, char* p, size_t bytes,
                   DeviceCopies* dev) {
   const int me = c.rank;
   ShmGroup& g = *c.shm;
-  auto halves = [&]() -> DeviceHalves& {
-    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g, c.params.gpu_halves);
-    return *c.dev_halves;
-  };
   std::optional<DeviceCopies> own_dev;  // a host buffer's copies out of the root's GPU half
   // Pipelined in about four steps (at least 64 KiB each): the root fills one half while the
   // others copy the previous step out of the other, instead of copying everything in before
@@ -101,7 +97,7 @@ void shmBroadcast(Communicator::Impl& c, const OpCtx& op, char* p, size_t bytes,
     s = g.beginStep(op, me == root);
     if (me == root) {
       if (dev != nullptr) {
-        dev->add(halves().writeTarget(s, p), p + off, len);
+        dev->add(deviceHalves(c).writeTarget(s, p), p + off, len);
         dev->wait();
       } else {
         g.setGpuHalf(s, false);
@@ -112,8 +108,8 @@ void shmBroadcast(Communicator::Impl& c, const OpCtx& op, char* p, size_t bytes,
       g.announce(s);
       g.wait(op, root, ShmGroup::kReady, s);
       if (g.gpuHalf(root, s)) {
-        DeviceCopies& d = dev != nullptr ? *dev : own_dev ? *own_dev : own_dev.emplace(op.name);
-        d.add(p + off, halves().peerHalf(op, root, s), len);
+        DeviceCopies& d = copiesFor(dev, own_dev, op.name);
+        d.add(p + off, deviceHalves(c).peerHalf(op, root, s), len);
         d.wait();  // out of the half before the root may reuse it
       } else if (dev != nullptr) {
         dev->add(p + off, g.half(root, s), len);
@@ -161,10 +157,6 @@ void scatterImpl(Communicator::Impl& c, const OpCtx& op, const char* src, char* 
     return;
   }
   ShmGroup& g = *c.shm;
-  auto halves = [&]() -> DeviceHalves& {
-    if (!c.dev_halves) c.dev_halves = std::make_unique<DeviceHalves>(g, c.params.gpu_halves);
-    return *c.dev_halves;
-  };
   std::optional<DeviceCopies> own_dev;  // a host output's copies out of the root's GPU half
   const size_t slot = (g.halfBytes() / n) & ~static_cast<size_t>(63);
   for (size_t off = 0; off < bytes; off += slot) {
@@ -172,7 +164,7 @@ void scatterImpl(Communicator::Impl& c, const OpCtx& op, const char* src, char* 
     uint64_t s = g.beginStep(op, me == root);
     if (me == root) {
       if (dev != nullptr) {
-        char* h = halves().writeTarget(s, src);  // the GPU half, or the host half
+        char* h = deviceHalves(c).writeTarget(s, src);  // the GPU half, or the host half
         for (int j = 0; j < n; ++j)
           if (j != me) dev->add(h + j * slot, src + static_cast<size_t>(j) * bytes + off, len);
         dev->wait();
@@ -188,8 +180,8 @@ void scatterImpl(Communicator::Impl& c, const OpCtx& op, const char* src, char* 
     } else {
       g.wait(op, root, ShmGroup::kReady, s);
       if (g.gpuHalf(root, s)) {
-        DeviceCopies& d = dev != nullptr ? *dev : own_dev ? *own_dev : own_dev.emplace(op.name);
-        d.add(dst + off, halves().peerHalf(op, root, s) + me * slot, len);
+        DeviceCopies& d = copiesFor(dev, own_dev, op.name);
+        d.add(dst + off, deviceHalves(c).peerHalf(op, root, s) + me * slot, len);
         d.wait();  // out of the half before the root may reuse it
       } else if (dev != nullptr) {
         dev->add(dst + off, g.half(root, s) + me * slot, len);

@@ -13,6 +13,8 @@
 #include <numeric>
 
 #include "engine/device/device.h"
+#include "pg/device_reduce.h"
+#include "pg/reduce.h"
 #include "tests/pg/pg_harness.h"
 #include "tests/pg/pg_reference.h"
 
@@ -88,6 +90,16 @@ void everyOp(Communicator& c) {
   same(c, "allreduce int64 max", inputs(8 * 1001, me, 2), 8 * 1001, [&](const void* i, void* o) {
     c.allReduce(i, o, 1001, DataType::kInt64, ReduceOp::kMax);
   });
+  // Every rank on the GPU, flat exchange and 2-phase, 16-bit floats and integers: on one host
+  // each rank's slice is reduced by the device (pg/device_reduce.h) out of the peers' GPU halves.
+  for (size_t cnt : {size_t{100}, size_t{(1u << 17) + 5}}) {
+    same(c, "allreduce bfloat16 sum", inputs(2 * cnt, me, 21), 2 * cnt,
+         [&](const void* i, void* o) { c.allReduce(i, o, cnt, DataType::kBFloat16, ReduceOp::kSum); });
+    same(c, "allreduce float16 avg", inputs(2 * cnt, me, 22), 2 * cnt,
+         [&](const void* i, void* o) { c.allReduce(i, o, cnt, DataType::kFloat16, ReduceOp::kAvg); });
+    same(c, "allreduce int32 min", inputs(4 * cnt, me, 23), 4 * cnt,
+         [&](const void* i, void* o) { c.allReduce(i, o, cnt, DataType::kInt32, ReduceOp::kMin); });
+  }
   {  // in place
     Buf h = inputs(fb, me, 3);
     Buf want = h;
@@ -101,8 +113,13 @@ void everyOp(Communicator& c) {
      // the GPU path takes the host path's steps, flat exchange and 2-phase alike
     for (size_t cnt : {size_t{100}, count}) {
       const size_t nb = cnt * 4;
-      Buf h = inputs(nb, me, 13), want(nb);
-      c.allReduce(h.data(), want.data(), cnt, DataType::kFloat32, ReduceOp::kSum);
+      // The reference from every rank's inputs, here (see reduce_scatter below).
+      std::vector<Buf> all;
+      std::vector<const void*> ins;
+      for (int r = 0; r < n; ++r) all.push_back(inputs(nb, r, 13));
+      for (int r = 0; r < n; ++r) ins.push_back(all[r].data());
+      Buf h = all[me], want(nb);
+      reduceInto(want.data(), nullptr, ins.data(), n, cnt, DataType::kFloat32, ReduceOp::kSum);
       Buf got(nb);
       if (me % 2 == 0) {
         Gpu gi(nb, 0), go(nb, 1);
@@ -219,6 +236,30 @@ void everyOp(Communicator& c) {
        [&](const void* i, void* o) {
          c.reduceScatter(i, o, 777, DataType::kFloat64, ReduceOp::kMin);
        });
+  {  // blocks larger than a step's slot (several steps), all ranks on the GPU, then mixed
+    const size_t cnt = (size_t{1} << 20) + 17, bb = 2 * cnt;  // bfloat16: 2 MiB + 34 B a block
+    same(c, "reduce_scatter bfloat16 sum, several steps", inputs(bb * n, me, 15), bb,
+         [&](const void* i, void* o) {
+           c.reduceScatter(i, o, cnt, DataType::kBFloat16, ReduceOp::kSum);
+         });
+    // The reference from every rank's inputs, here (not a host-buffer run first: that would
+    // leave the same bytes in the host halves that a wrong read would then find).
+    std::vector<Buf> all;
+    std::vector<const void*> mine_of;
+    for (int r = 0; r < n; ++r) all.push_back(inputs(bb * n, r, 16));
+    for (int r = 0; r < n; ++r) mine_of.push_back(all[r].data() + me * bb);
+    Buf h = all[me], want(bb), got(bb);
+    reduceInto(want.data(), nullptr, mine_of.data(), n, cnt, DataType::kBFloat16, ReduceOp::kSum);
+    if (me % 2 == 0) {
+      Gpu gi(bb * n, 0), go(bb, 1);
+      gi.put(h);
+      c.reduceScatter(gi.get(), go.get(), cnt, DataType::kBFloat16, ReduceOp::kSum);
+      got = go.read(bb);
+    } else {
+      c.reduceScatter(h.data(), got.data(), cnt, DataType::kBFloat16, ReduceOp::kSum);
+    }
+    EXPECT_TRUE(got == want) << "reduce_scatter, GPU and host ranks mixed";
+  }
   {  // all_to_all with gaps in both buffers (and a pair that sends nothing)
     std::vector<size_t> sb(n), so(n), rb(n), ro(n);
     auto len = [](int from, int to) -> size_t { return from == to ? 0 : 3000 + 17 * from + to; };
@@ -296,12 +337,16 @@ TEST_P(PgGpuBuffers, EveryOpMatchesTheHostPath) {
     if (transport == "hier") {
       EXPECT_NE(env.comm->path().find("hierarchical"), std::string::npos) << env.comm->path();
     }
+    const uint64_t reductions = deviceReduceLaunches();
     everyOp(*env.comm);
-    // On one host the GPU blocks of the allgathers went device to device (GPU halves).
+    // On one host the GPU blocks went device to device (GPU halves) and the allreduces of
+    // GPU data were reduced by the device.
     if (transport == "shm") {
       EXPECT_GT(env.comm->deviceHalfSteps(), 0u);
+      EXPECT_GE(deviceReduceLaunches() - reductions, 10u);
     } else {
       EXPECT_EQ(env.comm->deviceHalfSteps(), 0u);
+      EXPECT_EQ(deviceReduceLaunches(), reductions);
     }
   });
   for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
