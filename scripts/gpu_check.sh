@@ -6,7 +6,8 @@
 # tests/gpu/engine_check: two processes' engines move 64 MiB GPU to GPU over the cuda transport
 # and back, and a notification follows a write not waited for -- and tests/gpu/pg_check: a
 # 2-rank process group's allreduce, allgather, alltoall, broadcast and reduce_scatter on 16 MiB
-# of GPU memory (staged through host memory), checked and allreduce timed against host
+# of GPU memory (through GPU comm halves, reduced by pg/device_reduce.cu, built here by nvcc),
+# checked, GPU allreduces equal to host ones bit for bit, and allreduce timed against host
 # buffers -- and tests/gpu/ep_kernel_check: the EP low-latency kernels (ep/kernels/
 # ll_kernels.cu) for 2-4 ranks simulated on GPU 0 against a reference and bit for bit against
 # the same bodies on the host, a silent rank marked inactive by the kernels' deadline or by its
@@ -62,6 +63,25 @@ mkdir -p "$B/pgobj"
 ls pg/*.cc pg/algorithms/*.cc | grep -v _avx2.cc | xargs -P "$(nproc)" -I{} sh -c \
   '"$0" "$@" -c {} -o "'"$B"'/pgobj/$(echo {} | tr / _).o"' "$CXX" "${FLAGS[@]}" \
   2>&1 | tee -a "$OUT/build.log"
+# The reduction kernel (pg/device_reduce.cu) as a fatbin embedded in the library, as CMake
+# does (pg/CMakeLists.txt), where nvcc is; without it the GPU's reductions run on the CPU.
+REDUCE_KERNEL=0
+if [[ -x "$CUDA_HOME/bin/nvcc" ]]; then
+  if "$CUDA_HOME/bin/nvcc" -std=c++17 -O3 --fmad=false -I"$ROOT" --fatbin \
+       -arch="${GPU_CHECK_ARCH:-sm_90}" pg/device_reduce.cu -o "$B/device_reduce.fatbin" \
+       2>&1 | tee -a "$OUT/build.log" &&
+     "$CUDA_HOME/bin/bin2c" --const --name mc_pg_reduce_fatbin "$B/device_reduce.fatbin" \
+       > "$B/generated/device_reduce_fatbin.inc" &&
+     "${CC:-gcc}" -O2 -fPIC -I"$B/generated" -c pg/device_reduce_image.c \
+       -o "$B/pgobj/reduce_image.o" &&
+     "$CXX" "${FLAGS[@]}" -DMC_PG_HAVE_REDUCE_IMAGE=1 -c pg/device_reduce.cc \
+       -o "$B/pgobj/pg_device_reduce.cc.o"; then
+    REDUCE_KERNEL=1
+  else
+    echo "gpu_check: the reduction kernel did not build (see build.log)" | tee -a "$OUT/build.log"
+    rm -f "$B/pgobj/reduce_image.o"
+  fi
+fi
 rm -f "$B/libmc_pg.a"
 ar rcs "$B/libmc_pg.a" "$B"/pgobj/*.o
 for check in device_check engine_check pg_check; do
@@ -160,6 +180,10 @@ set +e
   MC_DEVICE="$DEVICE" "$B/device_check" --json "$OUT/device_check.json" || r=$?
   MC_DEVICE="$DEVICE" timeout 300 "$B/engine_check" | tee "$OUT/engine_check.json" || r=$?
   MC_DEVICE="$DEVICE" timeout 300 "$B/pg_check" | tee "$OUT/pg_check.json" || r=$?
+  if [[ -x "$CUDA_HOME/bin/nvcc" ]] && ((!REDUCE_KERNEL)); then
+    echo '{"check": "pg reduction kernel (nvcc)", "ok": false, "detail": "it did not build"}'
+    r=1
+  fi
   # EP kernels: on the GPU against the reference and the host executor, timed; a dry run runs
   # the host executor (the CUDA build must still have compiled where nvcc is).
   if [[ "$DEVICE" == cuda ]]; then

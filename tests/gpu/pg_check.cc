@@ -1,8 +1,9 @@
 // pg_check: a 2-rank process group (two processes on one host) running collectives on GPU
-// memory (pg/device_stage.h: staged through host memory with the device layer's copies), on
+// memory (one host: the GPU halves, pg/device_stage.h; reductions by pg/device_reduce.h), on
 // whatever layer MC_DEVICE selects: the real GPU on the GPU machine (scripts/gpu_check.sh),
 // the host simulation here (ctest engine.pg_check_sim). Every result is copied back and
-// compared with what the inputs make; allreduce 16 MiB is timed on GPU and on host buffers.
+// compared with what the inputs make; allreduce 16 MiB is timed on GPU and on host buffers;
+// GPU allreduces of 16-bit floats and integers equal the host's bit for bit.
 // No gtest, like device_check.
 //
 //   pg_check                      rank 0: rendezvous, spawns rank 1, reports
@@ -26,6 +27,8 @@
 #include "engine/engine.h"
 #include "engine/rendezvous.h"
 #include "pg/communicator.h"
+#include "pg/device_reduce.h"
+#include "pg/types.h"
 #include "tests/gpu/check_util.h"
 
 extern char** environ;
@@ -103,6 +106,40 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
     char s[128];
     std::snprintf(s, sizeof s, "ok: GPU %.0f us, host %.0f us (%.2fx)", tg * 1e6, th * 1e6, tg / th);
     return s;
+  });
+  // The reduction kernel (pg/device_reduce.cu) against the CPU's reduceInto: the same
+  // allreduce on GPU and on host buffers must agree bit for bit (fp16/bf16 rounding, int AVG),
+  // and the GPU ones must have been reduced by the device.
+  check("allreduce_kernel_vs_host", [&]() -> std::string {
+    const bool kernel = std::string(d.name()) == "sim" || mooncake::pg::deviceReduceHasImage();
+    const uint64_t launches = mooncake::pg::deviceReduceLaunches();
+    struct Case {
+      DataType t;
+      ReduceOp op;
+      size_t count;
+    };
+    for (Case k : {Case{DataType::kBFloat16, ReduceOp::kSum, 4099}, Case{DataType::kFloat16, ReduceOp::kAvg, 1 << 20},
+                   Case{DataType::kInt64, ReduceOp::kAvg, 3001}, Case{DataType::kFloat32, ReduceOp::kMax, 1 << 19}}) {
+      const size_t es = mooncake::pg::dtypeSize(k.t), nb = k.count * es;
+      std::vector<unsigned char> in(nb), want(nb), got(nb);
+      for (size_t i = 0; i < nb; ++i) in[i] = static_cast<unsigned char>((i * 131 + me * 71 + 7) % 251);
+      if (k.t == DataType::kFloat16 || k.t == DataType::kBFloat16)  // no inf/NaN inputs
+        for (size_t i = 1; i < nb; i += 2) in[i] &= 0x3f;
+      c.allReduce(in.data(), want.data(), k.count, k.t, k.op);
+      Gpu g(d, nb);
+      if (g.p == nullptr) return "allocation failed";
+      Status st = copyWait(d, g.p, in.data(), nb);
+      if (st.ok()) c.allReduce(g.p, g.p, k.count, k.t, k.op);
+      if (st.ok()) st = copyWait(d, got.data(), g.p, nb);
+      if (!st.ok()) return st.toString();
+      if (got != want)
+        return std::string(mooncake::pg::dtypeName(k.t)) + " " + mooncake::pg::reduceOpName(k.op) +
+               ": GPU result differs from the host's";
+    }
+    const uint64_t ran = mooncake::pg::deviceReduceLaunches() - launches;
+    if (kernel && ran == 0) return "the GPU allreduces were not reduced by the device";
+    return "ok: " + std::to_string(ran) + " device reductions" +
+           (kernel ? "" : " (no kernel image in this build: reduced on the CPU)");
   });
   check("allgather_16MiB", [&]() -> std::string {
     Gpu in(d, bytes), out(d, bytes * n);
