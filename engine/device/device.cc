@@ -33,7 +33,12 @@ Result<std::unique_ptr<Device>> makeCudaDevice();
 
 namespace {
 
-// A simulated copy stream: a thread that runs the copies queued on it in order.
+// A simulated copy stream: a thread that runs the copies (and simulated kernels) queued on it
+// in order. A host thread waiting for the stream runs the next items itself while the worker
+// is not running one (still one at a time, in order): a condition-variable handoff to the
+// worker and back costs a futex wake on each side, several times the copy itself for the
+// small steps of a collective, which a GPU's stream does not pay. Items nobody waits for run
+// on the worker, asynchronously.
 class SimStream {
  public:
   SimStream() : worker_([this] { run(); }) {}
@@ -58,10 +63,18 @@ class SimStream {
   }
   // Ok once the first n items are done; kTimeout past the deadline; a kernel's failure.
   Status waitFor(uint64_t n, Deadline deadline) {
-    spinUntil([&] { return done_seen_.load(std::memory_order_acquire) >= n; });
     std::unique_lock<std::mutex> g(mu_);
-    if (!cv_.wait_until(g, deadline, [&] { return done_ >= n; }))
-      return MC_STATUS(kTimeout, "sim device: copies not done by the deadline");
+    while (done_ < n) {
+      if (!busy_ && !q_.empty()) {
+        runFront(g);
+        continue;
+      }
+      g.unlock();  // the worker runs an item: poll a little before sleeping
+      spinUntil([&] { return done_seen_.load(std::memory_order_acquire) >= n; });
+      g.lock();
+      if (!cv_.wait_until(g, deadline, [&] { return done_ >= n || (!busy_ && !q_.empty()); }))
+        return MC_STATUS(kTimeout, "sim device: copies not done by the deadline");
+    }
     if (failed_at_ != 0 && failed_at_ <= n) return failure_;
     return Status::OK();
   }
@@ -82,41 +95,44 @@ class SimStream {
     }
     cv_.notify_all();
   }
-  // A waiter (or the idle worker) polls for a few microseconds before it sleeps: a handoff
-  // through the condition variable costs a futex wake on each side, several times the
-  // copy itself for the small steps of a collective, which a GPU's stream does not pay.
   template <class Pred>
   static void spinUntil(Pred done) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(30);
     while (!done() && std::chrono::steady_clock::now() < until) sched_yield();
   }
+  // Under mu_ (held on return), with the queue not empty and no item running: runs the next.
+  void runFront(std::unique_lock<std::mutex>& g) {
+    Copy c = std::move(q_.front());
+    q_.pop_front();
+    busy_ = true;
+    g.unlock();
+    Status st;
+    if (c.task)
+      st = c.task();
+    else
+      std::memmove(c.dst, c.src, c.len);
+    g.lock();
+    busy_ = false;
+    ++done_;
+    done_seen_.store(done_, std::memory_order_release);
+    if (!st.ok() && failed_at_ == 0) {
+      failed_at_ = done_;
+      failure_ = st;
+    }
+    cv_.notify_all();
+  }
   void run() {
     std::unique_lock<std::mutex> g(mu_);
     for (;;) {
-      if (q_.empty() && !stop_) {
+      if (q_.empty() && !stop_) {  // poll a little for the next item before sleeping
         const uint64_t seen = queued_;
         g.unlock();
         spinUntil([&] { return queued_seen_.load(std::memory_order_acquire) != seen; });
         g.lock();
       }
-      cv_.wait(g, [&] { return stop_ || !q_.empty(); });
-      if (q_.empty()) return;
-      Copy c = std::move(q_.front());
-      q_.pop_front();
-      g.unlock();
-      Status st;
-      if (c.task)
-        st = c.task();
-      else
-        std::memmove(c.dst, c.src, c.len);
-      g.lock();
-      ++done_;
-      done_seen_.store(done_, std::memory_order_release);
-      if (!st.ok() && failed_at_ == 0) {
-        failed_at_ = done_;
-        failure_ = st;
-      }
-      cv_.notify_all();
+      cv_.wait(g, [&] { return (stop_ && q_.empty() && !busy_) || (!q_.empty() && !busy_); });
+      if (q_.empty()) return;  // stopping, everything done
+      runFront(g);
     }
   }
   std::mutex mu_;
@@ -126,6 +142,7 @@ class SimStream {
   std::atomic<uint64_t> queued_seen_{0}, done_seen_{0};  // queued_ and done_, for spinning
   uint64_t failed_at_ = 0;  // the first failed kernel's place (1-based), 0: none
   Status failure_;
+  bool busy_ = false;  // an item is running (on the worker or a waiter)
   bool stop_ = false;
   std::thread worker_;
 };
