@@ -185,6 +185,9 @@ void reduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, s
 // reduceScatter of GPU memory on one host (false: not this group's path; stage instead).
 bool reduceScatterOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                            size_t count, DataType t, ReduceOp rop);
+// reduce of GPU memory on one host (the same steps as reduce's host path; false: stage).
+bool reduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                    size_t count, DataType t, ReduceOp rop, int root);
 bool allReduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                        size_t count, DataType t, ReduceOp rop);
 // allgatherv likewise (the input is this rank's block of the output or apart from it: the

@@ -379,6 +379,11 @@ void Communicator::reduce(const void* in, void* out, size_t count, DataType t, R
   checkPtr(in, count, "input", "reduce");
   if (impl_->rank == root) checkPtr(out, count, "output", "reduce");
   if (DeviceStage::any({in, out})) {
+    if (!impl_->elastic && impl_->shm && impl_->size > 1)  // one host: no staging
+      return impl_->run("reduce", typedSig(OpKind::kReduce, count, t, op, root),
+                        [&](const OpCtx& o) {
+                          (void)algo::reduceOnDevice(*impl_, o, in, out, count, t, op, root);
+                        });
     const size_t n = count * dtypeSize(t);
     DeviceStage st("reduce", 2 * n);
     st.in(in, n);

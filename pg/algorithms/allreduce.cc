@@ -81,11 +81,13 @@ void shmTwoPhase(Communicator::Impl& c, const OpCtx& op, const void* in, void* o
     const size_t b = partBegin(m, n, me, align), e = partBegin(m, n, me + 1, align);
     for (int r = 0; r < n; ++r) srcs[r] = r == me ? cin + b * es : g.half(r, s) + b * es;
     g.waitAll(op, ShmGroup::kReady, s);
-    const bool peer_gpu = root < 0 && anyPeerOnGpu(c, s);  // (reduce: no peer stages on GPU)
+    const bool peer_gpu = anyPeerOnGpu(c, s);
     if (peer_gpu) {  // a peer with GPU data (shmTwoPhaseDevice): read it with device copies
       StepSources src(n);
       src.build(c, op, s, cin + b * es, false, b * es);
-      if (e > b) reduceMixed(op, cout + b * es, false, mine + b * es, false, src, e - b, t, rop);
+      if (e > b)
+        reduceMixed(op, root < 0 || root == me ? cout + b * es : nullptr, false,
+                    root != me ? mine + b * es : nullptr, false, src, e - b, t, rop);
     } else if (root < 0) {  // result into my output and, for the others, into my half
       reduceInto(cout + b * es, mine + b * es, srcs.data(), n, e - b, t, rop, so);
     } else if (root == me) {
@@ -123,7 +125,7 @@ void shmTwoPhase(Communicator::Impl& c, const OpCtx& op, const void* in, void* o
 // unavailable, no kernel image) the slice is reduced on the CPU from host copies
 // (reduceMixed), the result placed in this rank's half of the kind it used.
 void shmTwoPhaseDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
-                       size_t count, DataType t, ReduceOp rop) {
+                       size_t count, DataType t, ReduceOp rop, int root) {
   ShmGroup& g = *c.shm;
   const int n = c.size, me = c.rank;
   const size_t es = dtypeSize(t), align = lineElems(es);
@@ -136,7 +138,7 @@ void shmTwoPhaseDevice(Communicator::Impl& c, const OpCtx& op, const void* in, v
   for (size_t base = 0; base < count; base += chunk) {
     const size_t m = std::min(chunk, count - base);
     const char* cin = static_cast<const char*>(in) + base * es;
-    char* cout = static_cast<char*>(out) + base * es;
+    char* cout = out != nullptr ? static_cast<char*>(out) + base * es : nullptr;
     uint64_t s = g.beginStep(op, true);
     char* mine = deviceHalves(c).writeTarget(s, cin);
     const bool mine_gpu = g.gpuHalf(me, s);
@@ -152,13 +154,18 @@ void shmTwoPhaseDevice(Communicator::Impl& c, const OpCtx& op, const void* in, v
     g.waitAll(op, ShmGroup::kReady, s);
     src.build(c, op, s, mine_gpu ? cin + b * es : mine + b * es, mine_gpu, b * es);
     if (e > b) {
-      if (!(src.all_gpu && out_gpu &&
-            copies.reduce(cout + b * es, mine + b * es, src.p.data(), n, e - b, t, rop)))
-        reduceMixed(op, cout + b * es, out_gpu, mine + b * es, mine_gpu, src, e - b, t, rop);
+      // allreduce: into the output and the half; reduce: the root's into its output, the
+      // others' into their halves, where the root copies them from.
+      char* to = root < 0 || root == me ? cout + b * es : nullptr;
+      char* to_half = root != me ? mine + b * es : nullptr;
+      const bool on_device = src.all_gpu && (to == nullptr || out_gpu) &&
+                             (to_half == nullptr || mine_gpu);
+      if (!(on_device && copies.reduce(to, to_half, src.p.data(), n, e - b, t, rop)))
+        reduceMixed(op, to, out_gpu, to_half, mine_gpu, src, e - b, t, rop);
       copies.wait();
     }
     g.post(ShmGroup::kReduced, s);
-    for (int j = 0; j < n; ++j) {
+    for (int j = 0; j < n && (root < 0 || root == me); ++j) {
       size_t jb = partBegin(m, n, j, align), je = partBegin(m, n, j + 1, align);
       if (je == jb || j == me) continue;
       g.wait(op, j, ShmGroup::kReduced, s);
@@ -174,7 +181,7 @@ void shmTwoPhaseDevice(Communicator::Impl& c, const OpCtx& op, const void* in, v
 // rank's half (its GPU half when it can: device to device); every rank reduces all halves into
 // its output, on the device when every half is GPU memory, else on the CPU (reduceMixed).
 void shmFlatDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
-                   size_t count, DataType t, ReduceOp rop) {
+                   size_t count, DataType t, ReduceOp rop, int root) {
   ShmGroup& g = *c.shm;
   const size_t bytes = count * dtypeSize(t);
   const bool out_gpu = DeviceStage::any({out});
@@ -185,12 +192,15 @@ void shmFlatDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void*
   copies.add(mine, in, bytes);
   copies.wait();
   g.post(ShmGroup::kReady, s);
-  g.waitAll(op, ShmGroup::kReady, s);
-  StepSources src(c.size);
-  src.build(c, op, s, mine, mine_gpu, 0);
-  if (!(src.all_gpu && out_gpu && copies.reduce(out, nullptr, src.p.data(), c.size, count, t, rop)))
-    reduceMixed(op, out, out_gpu, nullptr, false, src, count, t, rop);
-  copies.wait();
+  if (root < 0 || root == c.rank) {
+    g.waitAll(op, ShmGroup::kReady, s);
+    StepSources src(c.size);
+    src.build(c, op, s, mine, mine_gpu, 0);
+    if (!(src.all_gpu && out_gpu &&
+          copies.reduce(out, nullptr, src.p.data(), c.size, count, t, rop)))
+      reduceMixed(op, out, out_gpu, nullptr, false, src, count, t, rop);
+    copies.wait();
+  }
   g.endStep(s);
 }
 
@@ -339,18 +349,30 @@ void allReduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out
   run(c, op, in, out, count, t, rop, -1);
 }
 
-bool allReduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
-                       size_t count, DataType t, ReduceOp rop) {
+namespace {
+bool onDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,
+              DataType t, ReduceOp rop, int root) {
   if (!c.shm || c.size == 1) return false;
   if (count == 0) return true;
   // The host path's choice (run()), so that host and GPU buffers of different ranks meet in
   // the same steps.
   const size_t bytes = count * dtypeSize(t);
   if (bytes <= c.params.flat_bytes && bytes <= c.shm->halfBytes())
-    shmFlatDevice(c, op, in, out, count, t, rop);
+    shmFlatDevice(c, op, in, out, count, t, rop, root);
   else
-    shmTwoPhaseDevice(c, op, in, out, count, t, rop);
+    shmTwoPhaseDevice(c, op, in, out, count, t, rop, root);
   return true;
+}
+}  // namespace
+
+bool allReduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                       size_t count, DataType t, ReduceOp rop) {
+  return onDevice(c, op, in, out, count, t, rop, -1);
+}
+
+bool reduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
+                    size_t count, DataType t, ReduceOp rop, int root) {
+  return onDevice(c, op, in, c.rank == root ? out : nullptr, count, t, rop, root);
 }
 
 void reduce(Communicator::Impl& c, const OpCtx& op, const void* in, void* out, size_t count,

@@ -177,6 +177,34 @@ void everyOp(Communicator& c) {
   same(c, "reduce float32 sum to rank 1", inputs(fb, me, 4), fb, [&](const void* i, void* o) {
     c.reduce(i, o, count, DataType::kFloat32, ReduceOp::kSum, 1);
   });
+  same(c, "reduce bfloat16 max to rank 0 (flat)", inputs(2 * 999, me, 24), 2 * 999,
+       [&](const void* i, void* o) { c.reduce(i, o, 999, DataType::kBFloat16, ReduceOp::kMax, 0); });
+  for (size_t cnt : {size_t{100}, count}) {  // reduce, GPU and host ranks mixed, both roots
+    const size_t nb = cnt * 4;
+    std::vector<Buf> all;
+    std::vector<const void*> ins;
+    for (int r = 0; r < n; ++r) all.push_back(inputs(nb, r, 25));
+    for (int r = 0; r < n; ++r) ins.push_back(all[r].data());
+    Buf want(nb);
+    reduceInto(want.data(), nullptr, ins.data(), n, cnt, DataType::kFloat32, ReduceOp::kSum);
+    for (int root : {0, n - 1}) {
+      Buf got = sentinel(nb);
+      if (me % 2 == 0) {
+        Gpu gi(nb, 0), go(nb, 1);
+        gi.put(all[me]);
+        go.put(got);
+        c.reduce(gi.get(), go.get(), cnt, DataType::kFloat32, ReduceOp::kSum, root);
+        got = go.read(nb);
+      } else {
+        c.reduce(all[me].data(), got.data(), cnt, DataType::kFloat32, ReduceOp::kSum, root);
+      }
+      if (me == root) {
+        EXPECT_TRUE(got == want) << "reduce of " << cnt << " floats to " << root << ", ranks mixed";
+      } else {
+        EXPECT_TRUE(got == sentinel(nb)) << "reduce wrote a non-root's output";
+      }
+    }
+  }
   for (int root : {0, n - 1}) {
     Buf h = me == root ? inputs(fb + 5, root, 5) : sentinel(fb + 5);
     Buf want = inputs(fb + 5, root, 5);
@@ -343,7 +371,7 @@ TEST_P(PgGpuBuffers, EveryOpMatchesTheHostPath) {
     // GPU data were reduced by the device.
     if (transport == "shm") {
       EXPECT_GT(env.comm->deviceHalfSteps(), 0u);
-      EXPECT_GE(deviceReduceLaunches() - reductions, 10u);
+      EXPECT_GE(deviceReduceLaunches() - reductions, 12u);
     } else {
       EXPECT_EQ(env.comm->deviceHalfSteps(), 0u);
       EXPECT_EQ(deviceReduceLaunches(), reductions);
