@@ -117,7 +117,6 @@ char* DeviceHalves::writeTarget(uint64_t s, const void* src) {
       std::memcpy(mine.handle, handle->data(), handle->size());
       mine.handle_len = static_cast<uint32_t>(handle->size());
       mine.offset = offset;
-      mine.ordinal = pi.ordinal;
       mine.ready.store(1, std::memory_order_release);
     } else {
       own_failed_ = true;

@@ -95,10 +95,9 @@ class ShmGroup {
   // its data of a step in GPU memory of its own that peers open through the device layer's
   // IPC handle published here, written once by the owner (then ready, with release).
   struct alignas(128) DeviceHalfInfo {
-    std::atomic<uint32_t> ready;  // 1: handle, offset and ordinal are set
+    std::atomic<uint32_t> ready;  // 1: handle and offset are set
     uint32_t handle_len;
     uint64_t offset;  // of the halves in the allocation the handle names
-    int32_t ordinal;
     char handle[356];
   };
   DeviceHalfInfo& deviceHalfInfo(int r) const { return hdr(r)->dev; }

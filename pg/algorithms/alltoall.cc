@@ -37,9 +37,8 @@ void validate(const Communicator::Impl& c, const OpCtx& op, const std::vector<ui
 
 void shmAllToAllV(Communicator::Impl& c, const OpCtx& op, const char* src,
                   const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
-                  char* dst, const std::vector<size_t>& recv_bytes,
-                  const std::vector<size_t>& recv_offsets, const std::vector<uint64_t>& mine,
-                  DeviceCopies* dev);
+                  char* dst, const std::vector<size_t>& recv_offsets,
+                  const std::vector<uint64_t>& mine, DeviceCopies* dev);
 
 }  // namespace
 
@@ -102,8 +101,7 @@ void allToAllV(Communicator::Impl& c, const OpCtx& op, const void* in,
       std::memcpy(dst + recv_offsets[0], src + send_offsets[0], send_bytes[0]);
     return;
   }
-  shmAllToAllV(c, op, src, send_bytes, send_offsets, dst, recv_bytes, recv_offsets, mine,
-               nullptr);
+  shmAllToAllV(c, op, src, send_bytes, send_offsets, dst, recv_offsets, mine, nullptr);
 }
 
 bool allToAllVOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in,
@@ -120,7 +118,7 @@ bool allToAllVOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in,
   }
   DeviceCopies copies("alltoall");
   shmAllToAllV(c, op, static_cast<const char*>(in), send_bytes, send_offsets,
-               static_cast<char*>(out), recv_bytes, recv_offsets, mine, &copies);
+               static_cast<char*>(out), recv_offsets, mine, &copies);
   return true;
 }
 
@@ -135,11 +133,9 @@ namespace {
 // reads them from there with the device layer's copies, whatever its own output is.
 void shmAllToAllV(Communicator::Impl& c, const OpCtx& op, const char* src,
                   const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
-                  char* dst, const std::vector<size_t>& recv_bytes,
-                  const std::vector<size_t>& recv_offsets, const std::vector<uint64_t>& mine,
-                  DeviceCopies* dev) {
+                  char* dst, const std::vector<size_t>& recv_offsets,
+                  const std::vector<uint64_t>& mine, DeviceCopies* dev) {
   const int n = c.size, me = c.rank;
-  (void)recv_bytes;
   std::vector<uint64_t> sizes(2 * n * n);
   const size_t row = 2 * n * sizeof(uint64_t);
   ShmGroup& g = *c.shm;
