@@ -354,7 +354,10 @@ void Communicator::allReduce(const void* in, void* out, size_t count, DataType t
   checkPtr(in, count, "input", "allreduce");
   checkPtr(out, count, "output", "allreduce");
   if (DeviceStage::any({in, out})) {
-    if (!impl_->elastic && impl_->shm && impl_->size > 1)  // one host: no staging
+    // One host, or hosts whose ranks map each other (not AVG: hierAllReduce's rule): the
+    // device paths; else staged.
+    if (!impl_->elastic && impl_->size > 1 &&
+        (impl_->shm || (impl_->local && op != ReduceOp::kAvg)))
       return impl_->run("allreduce", typedSig(OpKind::kAllReduce, count, t, op),
                         [&](const OpCtx& o) {
                           (void)algo::allReduceOnDevice(*impl_, o, in, out, count, t, op);

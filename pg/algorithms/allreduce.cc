@@ -367,7 +367,29 @@ bool onDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
 
 bool allReduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
                        size_t count, DataType t, ReduceOp rop) {
-  return onDevice(c, op, in, out, count, t, rop, -1);
+  if (c.shm || !c.local || rop == ReduceOp::kAvg) return onDevice(c, op, in, out, count, t, rop, -1);
+  // A group spanning hosts (hierAllReduce's steps): reduce onto the host's leader on the
+  // device (GPU halves, device reductions), the leaders' allreduce between hosts through a
+  // host buffer (the messages are host memory), broadcast back on the device. Only leaders'
+  // bytes cross host memory, once each way.
+  if (count == 0) return true;
+  Communicator::Impl& local = *c.local;
+  const size_t bytes = count * dtypeSize(t);
+  if (local.size > 1) {
+    if (!reduceOnDevice(local, op, in, out, count, t, rop, 0)) return false;
+  } else if (in != out) {
+    DeviceCopies copies("allreduce");
+    copies.add(out, in, bytes);
+    copies.wait();
+  }
+  if (c.leaders) {
+    DeviceStage st("allreduce", bytes);
+    st.in(out, bytes);
+    run(*c.leaders, op, st.host(), st.host(), count, t, rop, -1);
+    st.out(out, bytes);
+  }
+  if (local.size > 1) (void)broadcastOnDevice(local, op, out, bytes, 0);
+  return true;
 }
 
 bool reduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void* out,
