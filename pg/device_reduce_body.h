@@ -1,7 +1,7 @@
 // The GPU reduction's arithmetic, one definition for both of its forms: compiled by nvcc into
-// the kernel (pg/device_reduce.cu) and by the C++ compiler into the host form that the device
-// layer's simulation runs (pg/device_reduce.cc), so that the tests here check the arithmetic
-// the kernel runs. Element k of the result is computed from element k of every source, in
+// the kernel (pg/device_reduce.cu) and by the C++ compiler into the host form
+// (deviceReduceOnHost, pg/device_reduce.cc), so that the tests here check the arithmetic the
+// kernel runs; the 16-bit conversions are pg/float16.h's, the CPU kernels' own. Element k of the result is computed from element k of every source, in
 // the semantics of pg/reduce.h (left fold in the order given, fp16/bf16 in float32 rounded
 // once to nearest even, integer AVG on 64-bit sums truncated, bool as logical ops) and equal
 // to reduceInto's bit for bit (the host tests check it), complex PRODUCT aside (the CPU's
@@ -10,15 +10,9 @@
 // Internal to pg/device_reduce.*.
 #pragma once
 
-#include <cstdint>
-#include <cstring>
+#include <stdint.h>
 
-#if defined(__CUDACC__)
-#define MC_PG_HD __host__ __device__ __forceinline__
-#else
-#include <cmath>
-#define MC_PG_HD inline
-#endif
+#include "pg/float16.h"  // the conversions, and MC_PG_HD
 
 namespace mooncake::pg::devred {
 
@@ -41,46 +35,6 @@ struct Params {
 // static_asserts in device_reduce.cc, so this header needs no host-only include).
 enum : uint8_t { kF32, kF64, kF16, kBF16, kI8, kI16, kI32, kI64, kU8, kBool, kC64, kC128 };
 enum : uint8_t { kSum, kAvg, kProd, kMin, kMax, kBand, kBor, kBxor };
-
-MC_PG_HD uint32_t bitsOf(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-}
-MC_PG_HD float floatOf(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-MC_PG_HD float halfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  if (exp == 0) return floatOf(sign | bitsOf(static_cast<float>(man) * (1.0f / 16777216.0f)));
-  if (exp == 31) return floatOf(sign | 0x7f800000u | (man << 13));
-  return floatOf(sign | ((exp + 112u) << 23) | (man << 13));
-}
-
-MC_PG_HD uint16_t floatToHalf(float f) {
-  const uint32_t x = bitsOf(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  const uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u)  // inf or NaN (quieted, the payload's top bits kept)
-    return sign | 0x7c00u | (ax > 0x7f800000u ? (0x200u | ((ax >> 13) & 0x3ffu)) : 0u);
-  if (ax >= 0x477ff000u) return sign | 0x7c00u;  // rounds to infinity
-  if (ax < 0x38800000u)  // half subnormal: scaled by 2^24 (exact), rounded to nearest even
-    return sign | static_cast<uint16_t>(static_cast<int>(rintf(floatOf(ax) * 16777216.0f)));
-  uint32_t r = ax - 0x38000000u;
-  r += 0xfffu + ((r >> 13) & 1u);
-  return sign | static_cast<uint16_t>(r >> 13);
-}
-
-MC_PG_HD float bf16ToFloat(uint16_t h) { return floatOf(static_cast<uint32_t>(h) << 16); }
-MC_PG_HD uint16_t floatToBf16(float f) {
-  const uint32_t x = bitsOf(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
 
 // ---- element operations on the accumulation type ----
 // Integer SUM/PRODUCT narrower than unsigned run in unsigned (no signed-overflow UB from
@@ -123,12 +77,12 @@ struct Plain {
   MC_PG_HD static T out(A v) { return static_cast<T>(v); }
 };
 struct Half {
-  MC_PG_HD static float in(uint16_t v) { return halfToFloat(v); }
-  MC_PG_HD static uint16_t out(float v) { return floatToHalf(v); }
+  MC_PG_HD static float in(uint16_t v) { return detail::halfToFloatInline(v); }
+  MC_PG_HD static uint16_t out(float v) { return detail::floatToHalfInline(v); }
 };
 struct Bf16 {
-  MC_PG_HD static float in(uint16_t v) { return bf16ToFloat(v); }
-  MC_PG_HD static uint16_t out(float v) { return floatToBf16(v); }
+  MC_PG_HD static float in(uint16_t v) { return detail::bf16ToFloatInline(v); }
+  MC_PG_HD static uint16_t out(float v) { return detail::floatToBf16Inline(v); }
 };
 
 // Element k: fold the n sources left, AVG divides by n, the result to dst and dst2.

@@ -16,18 +16,10 @@
 #include "engine/device/device.h"
 #include "pg/communicator.h"
 #include "pg/reduce.h"
+#include "tests/pg/pg_reference.h"
 
 namespace mooncake::pg::test {
 namespace {
-
-const DataType kAllTypes[] = {DataType::kFloat32, DataType::kFloat64,  DataType::kFloat16,
-                              DataType::kBFloat16, DataType::kInt8,    DataType::kInt16,
-                              DataType::kInt32,   DataType::kInt64,    DataType::kUInt8,
-                              DataType::kBool,    DataType::kComplex64, DataType::kComplex128};
-const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg,  ReduceOp::kProduct, ReduceOp::kMin,
-                            ReduceOp::kMax, ReduceOp::kBand, ReduceOp::kBor,     ReduceOp::kBxor};
-
-bool isComplex(DataType t) { return t == DataType::kComplex64 || t == DataType::kComplex128; }
 
 // Random values of type t: any finite bit pattern for 16-bit floats (subnormals, the largest
 // values, whose sums overflow), wide-ranging finite floats, any integer, 0/1 bools.

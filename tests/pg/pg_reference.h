@@ -13,6 +13,19 @@
 
 namespace mooncake::pg::test {
 
+// Every dtype and every op (reduceSupported says which pairs exist).
+inline constexpr DataType kAllTypes[] = {
+    DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16,
+    DataType::kInt8,    DataType::kInt16,   DataType::kInt32,   DataType::kInt64,
+    DataType::kUInt8,   DataType::kBool,    DataType::kComplex64, DataType::kComplex128};
+inline constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kProduct,
+                                       ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kBand,
+                                       ReduceOp::kBor, ReduceOp::kBxor};
+
+inline bool isComplex(DataType t) {
+  return t == DataType::kComplex64 || t == DataType::kComplex128;
+}
+
 inline float f16ToF(uint16_t h) {
   _Float16 x;
   std::memcpy(&x, &h, 2);

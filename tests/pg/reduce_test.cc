@@ -15,15 +15,6 @@
 namespace mooncake::pg::test {
 namespace {
 
-const DataType kAllTypes[] = {DataType::kFloat32, DataType::kFloat64,  DataType::kFloat16,
-                              DataType::kBFloat16, DataType::kInt8,    DataType::kInt16,
-                              DataType::kInt32,   DataType::kInt64,    DataType::kUInt8,
-                              DataType::kBool,    DataType::kComplex64, DataType::kComplex128};
-const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg,  ReduceOp::kProduct, ReduceOp::kMin,
-                            ReduceOp::kMax, ReduceOp::kBand, ReduceOp::kBor,     ReduceOp::kBxor};
-
-bool isComplex(DataType t) { return t == DataType::kComplex64 || t == DataType::kComplex128; }
-
 TEST(PgReduce, EveryTypeOpAndArity) {
   for (DataType t : kAllTypes) {
     for (ReduceOp op : kAllOps) {
