@@ -92,6 +92,11 @@ void everyOp(Communicator& c) {
   });
   // Every rank on the GPU, flat exchange and 2-phase, 16-bit floats and integers: on one host
   // each rank's slice is reduced by the device (pg/device_reduce.h) out of the peers' GPU halves.
+  // Several 2-phase steps (MC_PG_CHUNK_BYTES is 2 MiB): 5 MiB + 12 B of floats.
+  same(c, "allreduce float32 sum, several steps", inputs(4 * ((5u << 18) + 3), me, 26),
+       4 * ((5u << 18) + 3), [&](const void* i, void* o) {
+         c.allReduce(i, o, (5u << 18) + 3, DataType::kFloat32, ReduceOp::kSum);
+       });
   for (size_t cnt : {size_t{100}, size_t{(1u << 17) + 5}}) {
     same(c, "allreduce bfloat16 sum", inputs(2 * cnt, me, 21), 2 * cnt,
          [&](const void* i, void* o) { c.allReduce(i, o, cnt, DataType::kBFloat16, ReduceOp::kSum); });
@@ -111,7 +116,7 @@ void everyOp(Communicator& c) {
   }
   {  // ranks with GPU buffers and ranks with host buffers in one op (even ranks on the GPU):
      // the GPU path takes the host path's steps, flat exchange and 2-phase alike
-    for (size_t cnt : {size_t{100}, count}) {
+    for (size_t cnt : {size_t{100}, count, size_t{(5u << 18) + 3}}) {
       const size_t nb = cnt * 4;
       // The reference from every rank's inputs, here (see reduce_scatter below).
       std::vector<Buf> all;
