@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/device/device.h"
+#include "engine/log.h"
 #include "pg/communicator.h"
 #include "pg/device_reduce_body.h"
 #include "pg/reduce.h"
@@ -132,7 +133,16 @@ bool deviceReduceAsync(void* dst, void* dst2, const void* const* srcs, int n, si
   constexpr unsigned kBlock = 256;
   const uint64_t blocks = (count + kBlock - 1) / kBlock;
   const unsigned grid = static_cast<unsigned>(blocks < 4096 ? blocks : 4096);
+  static std::atomic<bool> unloadable{false};  // this GPU cannot run the built image
+  if (unloadable.load(std::memory_order_relaxed)) return false;
   Status st = (*layer)->launch(kernel(), grid, kBlock, &p, sizeof p, ordinal);
+  if (st.code() == Code::kNotSupported) {
+    // No image for this GPU's architecture (MC_CUDA_ARCHS): reduce on the CPU from now on.
+    if (!unloadable.exchange(true))
+      MC_LOG(WARN, PG) << "the GPU reduction kernel cannot run here (" << st.toString()
+                       << "): GPU reductions run on the CPU";
+    return false;
+  }
   if (!st.ok())
     throw CommError(std::string("mooncake pg: ") + op_name + ": the GPU reduction (" +
                         dtypeName(t) + ", " + reduceOpName(op) + ", " + std::to_string(count) +
