@@ -138,9 +138,10 @@ bool deviceReduceAsync(void* dst, void* dst2, const void* const* srcs, int n, si
   Status st = (*layer)->launch(kernel(), grid, kBlock, &p, sizeof p, ordinal);
   if (st.code() == Code::kNotSupported) {
     // No image for this GPU's architecture (MC_CUDA_ARCHS): reduce on the CPU from now on.
-    if (!unloadable.exchange(true))
+    if (!unloadable.exchange(true)) {
       MC_LOG(WARN, PG) << "the GPU reduction kernel cannot run here (" << st.toString()
                        << "): GPU reductions run on the CPU";
+    }
     return false;
   }
   if (!st.ok())

@@ -12,6 +12,8 @@
 
 #include <stdint.h>
 
+#include <initializer_list>
+
 #include "pg/float16.h"  // the conversions, and MC_PG_HD
 
 namespace mooncake::pg::devred {

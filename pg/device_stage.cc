@@ -60,16 +60,31 @@ void DeviceCopies::add(void* dst, const void* src, size_t n) {
 
 bool DeviceCopies::reduce(void* dst, void* dst2, const void* const* srcs, int n, size_t count,
                           DataType t, ReduceOp op) {
+  auto layer = engine::device::get();
+  if (!layer.ok()) return false;
   if (ordinal_ < 0) {
-    auto layer = engine::device::get();
-    if (!layer.ok()) return false;
     engine::device::PointerInfo a = (*layer)->pointer(dst != nullptr ? dst : dst2);
     if (!a.device) return false;
     ordinal_ = a.ordinal;
   }
+  // Every pointer must be reachable by a kernel on this device (another GPU's memory only
+  // with peer access): else the caller reduces on the CPU.
+  for (const void* p : {static_cast<const void*>(dst), static_cast<const void*>(dst2)})
+    if (p != nullptr && !(*layer)->canAccess(ordinal_, p)) return false;
+  for (int j = 0; j < n; ++j)
+    if (!(*layer)->canAccess(ordinal_, srcs[j])) return false;
   if (!deviceReduceAsync(dst, dst2, srcs, n, count, t, op, ordinal_, op_)) return false;
   pending_ = true;
   return true;
+}
+
+void DeviceCopies::drain() noexcept {
+  if (!pending_) return;
+  pending_ = false;
+  auto layer = engine::device::get();
+  if (!layer.ok()) return;
+  auto ev = (*layer)->record(ordinal_);
+  if (ev.ok()) (void)(*ev)->wait(engine::deadlineInMs(kCopyMs));
 }
 
 void DeviceCopies::wait() {

@@ -50,6 +50,9 @@ class DeviceCopies {
   bool reduce(void* dst, void* dst2, const void* const* srcs, int n, size_t count, DataType t,
               ReduceOp op);
   void wait();  // throws CommError when a copy or a reduction failed
+  // Waits for what was queued, ignoring failures: before memory a queued copy may still touch
+  // is freed on an error path.
+  void drain() noexcept;
 
  private:
   const char* op_;

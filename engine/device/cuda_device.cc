@@ -48,6 +48,8 @@ struct Driver {
   decltype(&cuModuleLoadData) moduleLoadData = nullptr;
   decltype(&cuModuleGetFunction) moduleGetFunction = nullptr;
   decltype(&cuLaunchKernel) launchKernel = nullptr;
+  decltype(&cuDeviceCanAccessPeer) canAccessPeer = nullptr;  // optional
+  decltype(&cuCtxEnablePeerAccess) enablePeerAccess = nullptr;  // optional
 };
 
 std::string errorText(const Driver& d, CUresult r) {
@@ -207,6 +209,36 @@ class CudaDevice final : public Device {
     return std::unique_ptr<Event>(new CudaEvent(&d_, e));
   }
 
+  bool canAccess(int ordinal, const void* p) override {
+    const PointerInfo i = pointer(p);
+    if (!i.device || ordinal < 0 || ordinal >= count()) return false;
+    if (i.ordinal == ordinal) return true;
+    if (d_.canAccessPeer == nullptr || d_.enablePeerAccess == nullptr) return false;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = peer_.find({ordinal, i.ordinal});
+      if (it != peer_.end()) return it->second;
+    }
+    // Peer access from `ordinal`'s context to the other device's (both primary contexts).
+    bool ok = false;
+    CUdevice a = 0, b = 0;
+    int can = 0;
+    if (use(i.ordinal).ok() && d_.deviceGet(&a, ordinal) == CUDA_SUCCESS &&
+        d_.deviceGet(&b, i.ordinal) == CUDA_SUCCESS &&
+        d_.canAccessPeer(&can, a, b) == CUDA_SUCCESS && can != 0 && use(ordinal).ok()) {
+      CUcontext other = nullptr;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        other = ctx_[static_cast<size_t>(i.ordinal)];
+      }
+      CUresult r = d_.enablePeerAccess(other, 0);
+      ok = r == CUDA_SUCCESS || r == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    peer_[{ordinal, i.ordinal}] = ok;
+    return ok;
+  }
+
   Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
                 size_t params_len, int ordinal) override {
     if (k.image == nullptr || k.name == nullptr)
@@ -269,8 +301,14 @@ class CudaDevice final : public Device {
     if (m == nullptr) r = d_.moduleLoadData(&m, k.image);
     if (r != CUDA_SUCCESS) {
       m = nullptr;
-      return MC_STATUS(kNotSupported, "loading the kernels of " << k.name << " on device "
-                                                               << ordinal << ": " << err(r));
+      // No image this GPU can run is kNotSupported (callers fall back for good); anything
+      // else (out of memory, say) is an error of this launch only.
+      const bool unsupported = r == CUDA_ERROR_NO_BINARY_FOR_GPU || r == CUDA_ERROR_INVALID_PTX ||
+                               r == CUDA_ERROR_UNSUPPORTED_PTX_VERSION ||
+                               r == CUDA_ERROR_INVALID_IMAGE;
+      return Status(unsupported ? Code::kNotSupported : Code::kUnavailable,
+                    "loading the kernels of " + std::string(k.name) + " on device " +
+                        std::to_string(ordinal) + ": " + err(r));
     }
     CUfunction f = nullptr;
     r = d_.moduleGetFunction(&f, m, k.name);
@@ -285,6 +323,7 @@ class CudaDevice final : public Device {
   std::vector<CUstream> streams_ = std::vector<CUstream>(ctx_.size(), nullptr);
   std::map<std::pair<const void*, int>, CUmodule> modules_;  // never unloaded (as streams)
   std::map<std::tuple<const void*, std::string, int>, CUfunction> functions_;
+  std::map<std::pair<int, int>, bool> peer_;  // (from, to): canAccess's answers
 };
 
 }  // namespace
@@ -316,6 +355,8 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
             load(lib, "cuLaunchKernel", &d.launchKernel);
   if (!ok) return MC_STATUS(kNotSupported, "the CUDA driver lacks an entry point: " << dlerror());
   (void)load(lib, "cuMemGetHandleForAddressRange", &d.getHandleForAddressRange);  // CUDA >= 11.7
+  (void)load(lib, "cuDeviceCanAccessPeer", &d.canAccessPeer);
+  (void)load(lib, "cuCtxEnablePeerAccess", &d.enablePeerAccess);
   CUresult r = d.init(0);
   int n = 0;
   if (r == CUDA_SUCCESS) r = d.deviceGetCount(&n);

@@ -61,7 +61,8 @@ class SimStream {
     std::lock_guard<std::mutex> g(mu_);
     return done_ >= n;
   }
-  // Ok once the first n items are done; kTimeout past the deadline; a kernel's failure.
+  // Ok once the first n items are done; kTimeout past the deadline; the first failed
+  // kernel's error for every n at or past it (sticky, as a CUDA fault).
   Status waitFor(uint64_t n, Deadline deadline) {
     std::unique_lock<std::mutex> g(mu_);
     while (done_ < n) {
@@ -107,10 +108,16 @@ class SimStream {
     busy_ = true;
     g.unlock();
     Status st;
-    if (c.task)
-      st = c.task();
-    else
-      std::memmove(c.dst, c.src, c.len);
+    try {
+      if (c.task)
+        st = c.task();
+      else
+        std::memmove(c.dst, c.src, c.len);
+    } catch (const std::exception& e) {
+      st = MC_STATUS(kInternal, "sim device: a kernel threw: " << e.what());
+    } catch (...) {
+      st = MC_STATUS(kInternal, "sim device: a kernel threw");
+    }
     g.lock();
     busy_ = false;
     ++done_;
@@ -312,6 +319,10 @@ class SimDevice final : public Device {
     MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
     const uint64_t n = s->queued();
     return std::unique_ptr<Event>(new SimEvent(std::move(s), n));
+  }
+
+  bool canAccess(int ordinal, const void*) override {
+    return ordinal >= 0 && ordinal < kSimDevices;
   }
 
   Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,

@@ -88,9 +88,14 @@ class Device {
   // An event on device `ordinal`'s copy stream (Event).
   virtual Result<std::unique_ptr<Event>> record(int ordinal) = 0;
   // Queues kernel k on device `ordinal`'s copy stream (Kernel); params (params_len bytes, at
-  // most 4096) are copied. A failure of the kernel's host form fails the next event's wait.
+  // most 4096) are copied. A failed kernel fails the wait of every event recorded after it on
+  // that stream (as a fault poisons a CUDA context).
   virtual Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
                         size_t params_len, int ordinal) = 0;
+  // Whether a kernel on device `ordinal` may load and store at p: device memory of that
+  // device, or of another that it has peer access to (enabled here on first ask). CUDA:
+  // pageable host memory never; the simulation: any memory.
+  virtual bool canAccess(int ordinal, const void* p) = 0;
 };
 
 // The process's device layer (made on first call; MC_DEVICE). An error says why there is none

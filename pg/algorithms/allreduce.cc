@@ -134,7 +134,7 @@ void shmTwoPhaseDevice(Communicator::Impl& c, const OpCtx& op, const void* in, v
   if (chunk >= unit) chunk -= chunk % unit;
   const bool out_gpu = DeviceStage::any({out});
   StepSources src(n);
-  DeviceCopies copies("allreduce");
+  DeviceCopies copies(op.name);
   // The copies out of a step are waited for with the next step's copies in (one host wait
   // fewer per step); its kConsumed is posted after that wait.
   uint64_t unconsumed = 0;
@@ -190,7 +190,7 @@ void shmFlatDevice(Communicator::Impl& c, const OpCtx& op, const void* in, void*
   ShmGroup& g = *c.shm;
   const size_t bytes = count * dtypeSize(t);
   const bool out_gpu = DeviceStage::any({out});
-  DeviceCopies copies("allreduce");
+  DeviceCopies copies(op.name);
   uint64_t s = g.beginStep(op, true);
   char* mine = deviceHalves(c).writeTarget(s, in);
   const bool mine_gpu = g.gpuHalf(c.rank, s);
@@ -324,27 +324,32 @@ void reduceMixed(const OpCtx& op, void* dst, bool dst_gpu, void* dst2, bool dst2
   std::vector<std::vector<char>> tmp;
   tmp.reserve(n + 1);
   std::vector<const void*> hs(n);
-  for (int r = 0; r < n; ++r) {
-    if (!src.gpu[r]) {
-      hs[r] = src.p[r];
-      continue;
+  try {
+    for (int r = 0; r < n; ++r) {
+      if (!src.gpu[r]) {
+        hs[r] = src.p[r];
+        continue;
+      }
+      tmp.emplace_back(bytes);
+      copies.add(tmp.back().data(), src.p[r], bytes);
+      hs[r] = tmp.back().data();
     }
+    copies.wait();
     tmp.emplace_back(bytes);
-    copies.add(tmp.back().data(), src.p[r], bytes);
-    hs[r] = tmp.back().data();
+    char* res = tmp.back().data();
+    reduceInto(res, nullptr, hs.data(), n, count, t, rop);
+    for (auto [d, gpu] : {std::pair<void*, bool>{dst, dst_gpu}, {dst2, dst2_gpu}}) {
+      if (d == nullptr) continue;
+      if (gpu)
+        copies.add(d, res, bytes);
+      else
+        std::memcpy(d, res, bytes);
+    }
+    copies.wait();
+  } catch (...) {
+    copies.drain();  // no queued copy may outlive tmp
+    throw;
   }
-  copies.wait();
-  tmp.emplace_back(bytes);
-  char* res = tmp.back().data();
-  reduceInto(res, nullptr, hs.data(), n, count, t, rop);
-  for (auto [d, gpu] : {std::pair<void*, bool>{dst, dst_gpu}, {dst2, dst2_gpu}}) {
-    if (d == nullptr) continue;
-    if (gpu)
-      copies.add(d, res, bytes);
-    else
-      std::memcpy(d, res, bytes);
-  }
-  copies.wait();
 }
 
 
@@ -383,7 +388,7 @@ bool allReduceOnDevice(Communicator::Impl& c, const OpCtx& op, const void* in, v
   if (local.size > 1) {
     if (!reduceOnDevice(local, op, in, out, count, t, rop, 0)) return false;
   } else if (in != out) {
-    DeviceCopies copies("allreduce");
+    DeviceCopies copies(op.name);
     copies.add(out, in, bytes);
     copies.wait();
   }

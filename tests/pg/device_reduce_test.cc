@@ -195,13 +195,15 @@ TEST_F(SimDeviceReduce, QueuedAfterCopiesInPlaceAndSecondDestination) {
 TEST_F(SimDeviceReduce, ARangePastAnAllocationFailsTheNextWait) {
   engine::device::Device* dev = layer();
   ASSERT_NE(dev, nullptr);
-  auto a = dev->allocate(4096, 0);
+  // On its own device: a failure is sticky for the stream (as a CUDA fault).
+  constexpr int kOrdinal = engine::device::kSimDevices - 1;
+  auto a = dev->allocate(4096, kOrdinal);
   ASSERT_TRUE(a.ok());
   const void* srcs[2] = {*a, *a};
   // 2048 floats = 8 KiB from a 4 KiB allocation.
   ASSERT_TRUE(deviceReduceAsync(*a, nullptr, srcs, 2, 2048, DataType::kFloat32, ReduceOp::kSum,
-                                0, "allreduce"));
-  auto ev = dev->record(0);
+                                kOrdinal, "allreduce"));
+  auto ev = dev->record(kOrdinal);
   ASSERT_TRUE(ev.ok());
   Status st = (*ev)->wait(engine::deadlineInMs(30000));
   EXPECT_FALSE(st.ok());

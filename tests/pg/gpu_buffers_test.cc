@@ -72,6 +72,14 @@ void same(Communicator& c, const char* what, const Buf& in, size_t out_bytes,
                std::to_string(c.size()));
   Buf hin = in, hout = sentinel(out_bytes);
   op(hin.data(), hout.data());
+  // Overwrite both host halves of every rank's comm buffer (an allgather of 3 half-sizes of
+  // junk a rank): a GPU run that wrongly read a peer's host half would otherwise find the
+  // host run's bytes still there (same step parity) and pass.
+  if (c.path() != "net") {
+    const size_t junk = 9u << 20;
+    Buf mine(junk, static_cast<char>(0x40 + c.rank())), all(junk * c.size());
+    c.allGather(mine.data(), all.data(), junk);
+  }
   Gpu gin(in.size(), c.rank() % 2), gout(out_bytes, (c.rank() + 1) % 2);
   gin.put(in);
   gout.put(sentinel(out_bytes));
