@@ -50,6 +50,9 @@ struct Driver {
   decltype(&cuLaunchKernel) launchKernel = nullptr;
   decltype(&cuDeviceCanAccessPeer) canAccessPeer = nullptr;  // optional
   decltype(&cuCtxEnablePeerAccess) enablePeerAccess = nullptr;  // optional
+  decltype(&cuMemHostAlloc) memHostAlloc = nullptr;                  // optional
+  decltype(&cuMemHostGetDevicePointer) hostGetDevicePointer = nullptr;  // optional
+  decltype(&cuStreamWaitValue32) streamWaitValue32 = nullptr;        // optional
 };
 
 std::string errorText(const Driver& d, CUresult r) {
@@ -239,6 +242,45 @@ class CudaDevice final : public Device {
     return ok;
   }
 
+  Result<uint32_t*> allocHostWords(size_t n) override {
+    if (d_.memHostAlloc == nullptr || d_.hostGetDevicePointer == nullptr ||
+        d_.streamWaitValue32 == nullptr)
+      return MC_STATUS(kNotSupported, "the CUDA driver has no stream memory operations");
+    if (n == 0) return MC_STATUS(kInvalidArgument, "0 host words");
+    MC_RETURN_IF_ERROR(use(0));
+    void* p = nullptr;
+    // Portable: usable from every context; device-mapped: streams read it.
+    CUresult r = d_.memHostAlloc(&p, n * sizeof(uint32_t),
+                                 CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+    if (r != CUDA_SUCCESS)
+      return MC_STATUS(kResourceExhausted, "cuMemHostAlloc(" << n * sizeof(uint32_t)
+                                                             << "): " << err(r));
+    std::memset(p, 0, n * sizeof(uint32_t));
+    return static_cast<uint32_t*>(p);
+  }
+
+  Status waitWord(int ordinal, const void* stream, const uint32_t* word,
+                  uint32_t value) override {
+    if (d_.streamWaitValue32 == nullptr || d_.hostGetDevicePointer == nullptr)
+      return MC_STATUS(kNotSupported, "the CUDA driver has no cuStreamWaitValue32");
+    CUstream s = nullptr;
+    if (stream == kCopyStream) {
+      MC_ASSIGN_OR_RETURN(s, this->stream(ordinal));
+    } else {
+      MC_RETURN_IF_ERROR(use(ordinal));
+      s = static_cast<CUstream>(const_cast<void*>(stream));
+    }
+    CUdeviceptr dp = 0;
+    CUresult r = d_.hostGetDevicePointer(&dp, const_cast<uint32_t*>(word), 0);
+    if (r == CUDA_SUCCESS) r = d_.streamWaitValue32(s, dp, value, CU_STREAM_WAIT_VALUE_GEQ);
+    if (r == CUDA_ERROR_NOT_SUPPORTED)
+      return MC_STATUS(kNotSupported, "cuStreamWaitValue32 on device " << ordinal << ": "
+                                                                       << err(r));
+    if (r != CUDA_SUCCESS)
+      return MC_STATUS(kInternal, "cuStreamWaitValue32 on device " << ordinal << ": " << err(r));
+    return Status::OK();
+  }
+
   Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
                 size_t params_len, int ordinal) override {
     if (k.image == nullptr || k.name == nullptr)
@@ -357,6 +399,9 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
   (void)load(lib, "cuMemGetHandleForAddressRange", &d.getHandleForAddressRange);  // CUDA >= 11.7
   (void)load(lib, "cuDeviceCanAccessPeer", &d.canAccessPeer);
   (void)load(lib, "cuCtxEnablePeerAccess", &d.enablePeerAccess);
+  (void)load(lib, "cuMemHostAlloc", &d.memHostAlloc);
+  (void)load(lib, "cuMemHostGetDevicePointer_v2", &d.hostGetDevicePointer);
+  (void)load(lib, "cuStreamWaitValue32_v2", &d.streamWaitValue32);
   CUresult r = d.init(0);
   int n = 0;
   if (r == CUDA_SUCCESS) r = d.deviceGetCount(&n);

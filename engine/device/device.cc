@@ -47,12 +47,18 @@ class SimStream {
       std::lock_guard<std::mutex> g(mu_);
       stop_ = true;
     }
+    stopping_.store(true, std::memory_order_release);  // a gate still closed gives up
     cv_.notify_all();
     worker_.join();
   }
   void push(void* dst, const void* src, size_t len) { enqueue({dst, src, len, nullptr}); }
   // A simulated kernel: runs in order with the copies; a failure fails later events' waits.
   void push(std::function<Status()> task) { enqueue({nullptr, nullptr, 0, std::move(task)}); }
+  // A gate: later items wait until (int32_t)(*word - value) >= 0. Only the worker runs it
+  // (a waiting host thread could not keep its deadline inside it).
+  void pushGate(const uint32_t* word, uint32_t value) {
+    enqueue({nullptr, nullptr, 0, nullptr, word, value});
+  }
   uint64_t queued() {
     std::lock_guard<std::mutex> g(mu_);
     return queued_;
@@ -66,14 +72,14 @@ class SimStream {
   Status waitFor(uint64_t n, Deadline deadline) {
     std::unique_lock<std::mutex> g(mu_);
     while (done_ < n) {
-      if (!busy_ && !q_.empty()) {
+      if (waiterMayRun()) {
         runFront(g);
         continue;
       }
       g.unlock();  // the worker runs an item: poll a little before sleeping
       spinUntil([&] { return done_seen_.load(std::memory_order_acquire) >= n; });
       g.lock();
-      if (!cv_.wait_until(g, deadline, [&] { return done_ >= n || (!busy_ && !q_.empty()); }))
+      if (!cv_.wait_until(g, deadline, [&] { return done_ >= n || waiterMayRun(); }))
         return MC_STATUS(kTimeout, "sim device: copies not done by the deadline");
     }
     if (failed_at_ != 0 && failed_at_ <= n) return failure_;
@@ -86,7 +92,11 @@ class SimStream {
     const void* src;
     size_t len;
     std::function<Status()> task;  // a kernel instead of a copy
+    const uint32_t* word = nullptr;  // a gate instead of a copy (pushGate)
+    uint32_t value = 0;
   };
+  // Under mu_: the next item may run on a waiting host thread.
+  bool waiterMayRun() const { return !busy_ && !q_.empty() && q_.front().word == nullptr; }
   void enqueue(Copy c) {
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -109,10 +119,15 @@ class SimStream {
     g.unlock();
     Status st;
     try {
-      if (c.task)
+      if (c.word != nullptr) {
+        while (static_cast<int32_t>(__atomic_load_n(c.word, __ATOMIC_ACQUIRE) - c.value) < 0 &&
+               !stopping_.load(std::memory_order_acquire))
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+      } else if (c.task) {
         st = c.task();
-      else
+      } else {
         std::memmove(c.dst, c.src, c.len);
+      }
     } catch (const std::exception& e) {
       st = MC_STATUS(kInternal, "sim device: a kernel threw: " << e.what());
     } catch (...) {
@@ -151,6 +166,7 @@ class SimStream {
   Status failure_;
   bool busy_ = false;  // an item is running (on the worker or a waiter)
   bool stop_ = false;
+  std::atomic<bool> stopping_{false};
   std::thread worker_;
 };
 
@@ -325,6 +341,23 @@ class SimDevice final : public Device {
     return ordinal >= 0 && ordinal < kSimDevices;
   }
 
+  Result<uint32_t*> allocHostWords(size_t n) override {
+    if (n == 0) return MC_STATUS(kInvalidArgument, "sim device: 0 host words");
+    auto words = std::make_unique<uint32_t[]>(n);  // zeroed
+    std::lock_guard<std::mutex> g(mu_);
+    words_.push_back(std::move(words));
+    return words_.back().get();
+  }
+
+  Status waitWord(int ordinal, const void* on, const uint32_t* word, uint32_t value) override {
+    if (on != kCopyStream)
+      return MC_STATUS(kInvalidArgument, "sim device: no stream but the copy streams");
+    if (word == nullptr) return MC_STATUS(kInvalidArgument, "sim device: no word to wait on");
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
+    s->pushGate(word, value);
+    return Status::OK();
+  }
+
   Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
                 size_t params_len, int ordinal) override {
     if (k.host == nullptr)
@@ -411,11 +444,48 @@ class SimDevice final : public Device {
   mutable std::mutex mu_;
   std::map<uint64_t, Alloc> allocs_;
   std::shared_ptr<SimStream> streams_[kSimDevices];
+  std::vector<std::unique_ptr<uint32_t[]>> words_;  // allocHostWords' (freed with the layer)
 };
 
 std::atomic<bool> g_active{false};
 
+const char g_copy_stream_tag = 0;
+
+// The process's gates (acquireGate): words handed out in blocks, each with its last value.
+struct GatePool {
+  std::mutex mu;
+  std::vector<Gate> free;  // opened gates: word and the value it holds
+};
+GatePool& gatePool() {
+  static GatePool* p = new GatePool();  // never destroyed: streams may wait on its words
+  return *p;
+}
+
 }  // namespace
+
+const void* const kCopyStream = &g_copy_stream_tag;
+
+Result<Gate> acquireGate() {
+  GatePool& p = gatePool();
+  std::lock_guard<std::mutex> g(p.mu);
+  if (p.free.empty()) {
+    MC_ASSIGN_OR_RETURN(Device * d, get());
+    constexpr size_t kBlock = 256;
+    MC_ASSIGN_OR_RETURN(uint32_t * words, d->allocHostWords(kBlock));
+    for (size_t i = kBlock; i-- > 0;) p.free.push_back(Gate{words + i, 0});
+  }
+  Gate gate = p.free.back();
+  p.free.pop_back();
+  ++gate.value;  // the word holds the last value; this use opens at the next
+  return gate;
+}
+
+void openGate(const Gate& gate) {
+  __atomic_store_n(gate.word, gate.value, __ATOMIC_RELEASE);
+  GatePool& p = gatePool();
+  std::lock_guard<std::mutex> g(p.mu);
+  p.free.push_back(gate);
+}
 
 Result<std::unique_ptr<Device>> make(const std::string& want) {
   if (want == "sim") return std::unique_ptr<Device>(new SimDevice());

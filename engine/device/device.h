@@ -63,6 +63,9 @@ struct Kernel {
   Status (*host)(const void* params, const HostView& view) = nullptr;
 };
 
+// Names the layer's own copy stream where a stream is asked for (Device::waitWord).
+extern const void* const kCopyStream;
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -96,6 +99,20 @@ class Device {
   // device, or of another that it has peer access to (enabled here on first ask). CUDA:
   // pageable host memory never; the simulation: any memory.
   virtual bool canAccess(int ordinal, const void* p) = 0;
+
+  // Host words a stream waits for: what lets Work.wait() order a caller's stream after an op
+  // that the host drives, without blocking the host (torch_ext/csrc/gpu_tensors.h).
+  // allocHostWords: n zeroed 32-bit words of host memory the devices can read (CUDA: pinned
+  // and mapped, cuMemHostAlloc), never freed (a stream may wait on one at any time).
+  // waitWord: queues on `stream` (a CUstream of the caller's on device `ordinal`, such as
+  // torch's current stream, nullptr being CUDA's legacy default stream; kCopyStream: the
+  // layer's copy stream of `ordinal`) a wait that holds the stream's later work until
+  // (int32_t)(*word - value) >= 0, the cyclic comparison of cuStreamWaitValue32's GEQ. The
+  // host stores the word with release semantics. kNotSupported where the device cannot; the
+  // simulation has no streams but its copy streams.
+  virtual Result<uint32_t*> allocHostWords(size_t n) = 0;
+  virtual Status waitWord(int ordinal, const void* stream, const uint32_t* word,
+                          uint32_t value) = 0;
 };
 
 // The process's device layer (made on first call; MC_DEVICE). An error says why there is none
@@ -121,6 +138,19 @@ Status copyAny(void* dst, const void* src, size_t len, Deadline deadline);
 // Cheap; never makes a layer.
 bool active();
 void noteUse();
+
+// A gate a stream can wait on (Device::waitWord): a word of the process's pool of host words
+// and the value that opens it. The pool hands a word out again only after it was opened, with
+// the next value: words only grow, so a stream still waiting on an earlier use of a word is
+// released too (the comparison is cyclic; a word wraps after 2^31 uses).
+struct Gate {
+  uint32_t* word = nullptr;
+  uint32_t value = 0;
+};
+// A closed gate from the pool of the process's layer (words allocated 256 at a time).
+Result<Gate> acquireGate();
+// Opens g (a release store of its value) and returns its word to the pool. Once per gate.
+void openGate(const Gate& g);
 
 // The simulation's device count.
 constexpr int kSimDevices = 8;

@@ -12,6 +12,7 @@
 
 #include "engine/device/device.h"
 #include "mooncake/config.h"
+#include "tests/engine/test_util.h"
 
 namespace mooncake::test {
 namespace {
@@ -193,6 +194,100 @@ TEST(DeviceSim, IpcHandleMapsTheAllocationInAnotherProcess) {
   EXPECT_EQ(back.substr(0, 100), std::string(100, '\x77')) << "the child's write is not seen";
   EXPECT_EQ(back[100], static_cast<char>(100 * 3 + 1));
   EXPECT_TRUE(d->free(c).ok());
+}
+
+// A stream held by a host word (what Work.wait() queues on the caller's stream, gpu_tensors.h):
+// what follows the wait runs once the word reaches the value, compared cyclically; a host
+// thread waiting for the stream does not run the gate itself (it keeps its deadline).
+TEST(DeviceSim, AHostWordHoldsTheStream) {
+  using engine::device::kCopyStream;
+  auto d = sim();
+  ASSERT_NE(d, nullptr);
+  auto words = d->allocHostWords(4);
+  ASSERT_TRUE(words.ok()) << words.status().toString();
+  uint32_t* w = *words;
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(w[i], 0u) << "words start zeroed";
+  const size_t len = 1u << 16;
+  auto a = d->allocate(len, 2);
+  ASSERT_TRUE(a.ok());
+  const std::string host = bytes(len, 7, 3), zeros(len, '\0');
+  ASSERT_TRUE(copyWait(*d, *a, zeros.data(), len, 2).ok());
+
+  // Cyclic: 0xfffffff0 is "before" 0x10 (the word wrapped past the value's use).
+  w[1] = 0xfffffff0u;
+  ASSERT_TRUE(d->waitWord(2, kCopyStream, &w[1], 0x10u).ok());
+  ASSERT_TRUE(d->copyAsync(*a, host.data(), len, 2).ok());
+  auto ev = d->record(2);
+  ASSERT_TRUE(ev.ok());
+  auto soon = [] { return std::chrono::steady_clock::now() + std::chrono::milliseconds(30); };
+  Status st = (*ev)->wait(soon());
+  EXPECT_EQ(st.code(), Code::kTimeout) << "the copy ran past a closed gate: " << st.toString();
+  EXPECT_FALSE((*ev)->done());
+  __atomic_store_n(&w[1], 0x0fu, __ATOMIC_RELEASE);  // one short of the value
+  EXPECT_EQ((*ev)->wait(soon()).code(), Code::kTimeout);
+  __atomic_store_n(&w[1], 0x10u, __ATOMIC_RELEASE);
+  MC_EXPECT_OK((*ev)->wait(std::chrono::steady_clock::now() + std::chrono::seconds(10)));
+  std::string back(len, '\1');
+  ASSERT_TRUE(copyWait(*d, back.data(), *a, len, 2).ok());
+  EXPECT_TRUE(back == host) << "the copy behind the gate did not run once it opened";
+
+  // A value already reached (or passed) does not hold the stream.
+  ASSERT_TRUE(d->waitWord(2, kCopyStream, &w[1], 0x0fu).ok());
+  ASSERT_TRUE(copyWait(*d, back.data(), *a, len, 2).ok());
+  // The simulation has no streams but its copy streams; a bad device is refused.
+  int not_a_stream = 0;
+  EXPECT_EQ(d->waitWord(2, &not_a_stream, &w[2], 1).code(), Code::kInvalidArgument);
+  EXPECT_FALSE(d->waitWord(engine::device::kSimDevices, kCopyStream, &w[2], 1).ok());
+  EXPECT_TRUE(d->free(*a).ok());
+}
+
+// The process's gates: closed when handed out, opened once, and a word handed out again holds
+// a stream with its next value while a stream waiting on its earlier use goes on.
+class DeviceGates : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { setenv("MC_DEVICE", "sim", 1); }
+};
+
+TEST_F(DeviceGates, OpenOnceAndReuseWithTheNextValue) {
+  using engine::device::kCopyStream;
+  auto layer = engine::device::get();
+  ASSERT_TRUE(layer.ok()) << layer.status().toString();
+  ASSERT_STREQ((*layer)->name(), "sim");
+  auto g1 = engine::device::acquireGate();
+  ASSERT_TRUE(g1.ok()) << g1.status().toString();
+  EXPECT_LT(static_cast<int32_t>(__atomic_load_n(g1->word, __ATOMIC_ACQUIRE) - g1->value), 0)
+      << "a gate handed out is closed";
+  auto g2 = engine::device::acquireGate();
+  ASSERT_TRUE(g2.ok());
+  EXPECT_NE(g1->word, g2->word) << "two closed gates share a word";
+
+  ASSERT_TRUE((*layer)->waitWord(5, kCopyStream, g1->word, g1->value).ok());
+  auto ev = (*layer)->record(5);
+  ASSERT_TRUE(ev.ok());
+  EXPECT_EQ((*ev)->wait(std::chrono::steady_clock::now() + std::chrono::milliseconds(30)).code(),
+            Code::kTimeout);
+  engine::device::openGate(*g1);
+  MC_EXPECT_OK((*ev)->wait(std::chrono::steady_clock::now() + std::chrono::seconds(10)));
+
+  // g1's word comes back (the pool is last in, first out) with the next value: closed again,
+  // and a wait on the old value still passes.
+  auto g3 = engine::device::acquireGate();
+  ASSERT_TRUE(g3.ok());
+  EXPECT_EQ(g3->word, g1->word);
+  EXPECT_EQ(g3->value, g1->value + 1);
+  ASSERT_TRUE((*layer)->waitWord(5, kCopyStream, g1->word, g1->value).ok());
+  auto passed = (*layer)->record(5);
+  ASSERT_TRUE(passed.ok());
+  MC_EXPECT_OK((*passed)->wait(std::chrono::steady_clock::now() + std::chrono::seconds(10)));
+  ASSERT_TRUE((*layer)->waitWord(5, kCopyStream, g3->word, g3->value).ok());
+  auto held = (*layer)->record(5);
+  ASSERT_TRUE(held.ok());
+  EXPECT_EQ(
+      (*held)->wait(std::chrono::steady_clock::now() + std::chrono::milliseconds(30)).code(),
+      Code::kTimeout);
+  engine::device::openGate(*g3);
+  engine::device::openGate(*g2);
+  MC_EXPECT_OK((*held)->wait(std::chrono::steady_clock::now() + std::chrono::seconds(10)));
 }
 
 TEST(DeviceChoice, ByName) {

@@ -15,17 +15,6 @@
 #include "tests/engine/peer_process.h"
 #include "tests/engine/test_util.h"
 
-#define MC_ASSERT_OK(expr)                                   \
-  do {                                                       \
-    ::mooncake::Status mc_t_st_ = (expr);                    \
-    ASSERT_TRUE(mc_t_st_.ok()) << #expr << " -> " << mc_t_st_.toString(); \
-  } while (0)
-#define MC_EXPECT_OK(expr)                                   \
-  do {                                                       \
-    ::mooncake::Status mc_t_st_ = (expr);                    \
-    EXPECT_TRUE(mc_t_st_.ok()) << #expr << " -> " << mc_t_st_.toString(); \
-  } while (0)
-
 // The transports the engine's parameterised suites run over: rdma (over the verbs emulator,
 // tests/fakes/verbs, which ctest puts in LD_LIBRARY_PATH) where the build has it.
 #if MC_HAVE_RDMA

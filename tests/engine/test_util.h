@@ -15,6 +15,18 @@
 #include "engine/device/device.h"
 #include "engine/params.h"
 
+// gtest checks of a Status, naming the expression and the error.
+#define MC_ASSERT_OK(expr)                                   \
+  do {                                                       \
+    ::mooncake::Status mc_t_st_ = (expr);                    \
+    ASSERT_TRUE(mc_t_st_.ok()) << #expr << " -> " << mc_t_st_.toString(); \
+  } while (0)
+#define MC_EXPECT_OK(expr)                                   \
+  do {                                                       \
+    ::mooncake::Status mc_t_st_ = (expr);                    \
+    EXPECT_TRUE(mc_t_st_.ok()) << #expr << " -> " << mc_t_st_.toString(); \
+  } while (0)
+
 namespace mooncake::test {
 
 // Sets (value != nullptr) or unsets an environment variable for one scope (parameters are read
