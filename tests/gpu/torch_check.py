@@ -9,7 +9,8 @@ DIR holds mc_torch_check (tests/gpu/torch_check_module.cc: the backend alone, bu
 gpu_check.sh against the machine's torch). Every rank runs the collectives and send/recv on
 GPU tensors and checks each result against what the inputs make (small integers: exact in
 every dtype used); with CUDA it also checks that an op waits for the kernels the caller queued
-before it on its current stream (a fill queued behind a 0.1 s GPU sleep), that a Work's future
+before it on its current stream (a fill queued behind a 0.1 s GPU sleep), that Work.wait()
+makes the current stream wait without blocking the host, that a Work's future
 carries the result, and times all_reduce, all_gather and all_to_all against the device's own
 device-to-device copy rate. One JSON object per line on stdout (rank 0's); exit status 0 when
 every check passed.
@@ -189,6 +190,30 @@ def worker(a):
             got = x.cpu()
         check("all_reduce waits for the caller's stream", got,
               torch.full((1 << 20,), float(W * (W + 1) // 2)))
+        # Work.wait() makes the current stream wait, not the host (as NCCL's): with the op held
+        # behind a GPU sleep on the stream, wait() returns long before the sleep ends, the op is
+        # not complete then, and a kernel queued after wait() sees the reduced values.
+        cycles = 400_000_000
+        t0 = time.time()
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+        sleep_s = time.time() - t0
+        with torch.cuda.stream(s):
+            x = torch.zeros(1 << 20, device="cuda")
+            torch.cuda._sleep(cycles)
+            x.fill_(me + 1)
+            t0 = time.time()
+            w = dist.all_reduce(x, async_op=True)
+            w.wait()
+            wait_s = time.time() - t0
+            done_then = w.is_completed()
+            y = x * 2
+            got = y.cpu()
+        check("Work.wait() orders the stream: a kernel after it sees the result", got,
+              torch.full((1 << 20,), float(W * (W + 1))))
+        row({"check": "Work.wait() does not block the host", "ok": wait_s < 0.5 * sleep_s
+             and not done_then, "detail": "wait %.4f s, the stream's sleep %.4f s, completed "
+             "when wait returned: %s" % (wait_s, sleep_s, done_then)})
         x = gpu(inp(me, 4099))
         fut = dist.all_reduce(x, async_op=True).get_future()
         res = fut.wait()

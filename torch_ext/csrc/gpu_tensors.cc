@@ -5,11 +5,15 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <stdexcept>
+#include <mutex>
 #include <thread>
 
 #include "engine/device/device.h"
+#include "engine/log.h"
 #include "mooncake/config.h"
 
 namespace mooncake::torch_ext {
@@ -65,6 +69,51 @@ void copyBytes(void* dst, const void* src, size_t n, const char* op) {
     throw std::runtime_error(std::string(op) + ": copying " + std::to_string(n) +
                              " bytes between GPU and host memory failed: " + st.toString());
   }
+}
+
+namespace {
+
+// torch's CUDAStream::stream() (libc10_cuda, loaded by a CUDA build of torch), or nullptr.
+// CUDAStream's one data member is its c10::Stream, so a c10::Stream stands in for `this`.
+using CudaStreamOf = void* (*)(const c10::Stream*);
+CudaStreamOf cudaStreamOf(std::string* why) {
+  static std::string missing;
+  static const CudaStreamOf fn = []() -> CudaStreamOf {
+    void* lib = dlopen("libc10_cuda.so", RTLD_NOLOAD | RTLD_LAZY);
+    if (lib == nullptr) {
+      missing = "torch's libc10_cuda.so is not loaded";
+      return nullptr;
+    }
+    void* sym = dlsym(lib, "_ZNK3c104cuda10CUDAStream6streamEv");
+    if (sym == nullptr) missing = "libc10_cuda.so has no c10::cuda::CUDAStream::stream()";
+    return reinterpret_cast<CudaStreamOf>(sym);
+  }();
+  *why = missing;
+  return fn;
+}
+
+}  // namespace
+
+bool streamWaitGate(const std::vector<c10::Device>& devices, const engine::device::Gate& gate) {
+  static std::once_flag logged;
+  auto cannot = [&](const std::string& why) {
+    std::call_once(logged, [&] {
+      MC_LOG(WARN, PG) << "Work.wait() on CUDA tensors blocks the calling thread: " << why;
+    });
+    return false;
+  };
+  std::string why;
+  CudaStreamOf stream_of = cudaStreamOf(&why);
+  if (stream_of == nullptr) return cannot(why);
+  auto d = engine::device::get();
+  if (!d.ok()) return cannot(d.status().toString());
+  c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+  for (const c10::Device& dev : devices) {
+    const c10::Stream s = cuda.getStream(dev);
+    Status st = (*d)->waitWord(dev.index(), stream_of(&s), gate.word, gate.value);
+    if (!st.ok()) return cannot(st.toString());
+  }
+  return true;
 }
 
 struct StreamFence::Events {

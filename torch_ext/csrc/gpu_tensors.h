@@ -14,9 +14,13 @@
 // op does not touch those tensors before the events have completed (the kernels queued before
 // the call have produced its inputs). The op's own copies are waited for on the host by the
 // thread that runs it, so when its Work completes, its outputs are in GPU memory and kernels
-// queued afterwards on any stream see them. Work.wait() therefore blocks the calling host
-// thread until then, where NCCL's only makes the current stream wait (no host
-// synchronisation): that difference is documented, not hidden.
+// queued afterwards on any stream see them. Work.wait() (without a timeout) on an op with
+// CUDA outputs that has not completed makes the caller's current stream of each output device
+// wait for it, as NCCL's does, and returns: a gate (a host word, engine/device/device.h) is
+// queued on the stream with cuStreamWaitValue32, and the op's thread opens it when the op
+// completes, failed or not. No host synchronisation. Where that cannot be done (torch's CUDA
+// streams out of reach, a driver without stream memory operations; logged once) and with
+// MC_PG_BLOCKING_WAIT=1, wait() blocks the calling thread until the op completes instead.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -26,6 +30,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "engine/device/device.h"
 
 namespace mooncake::torch_ext {
 
@@ -51,6 +57,12 @@ void copyBytes(void* dst, const void* src, size_t n, const char* op);
 
 // The caller's CUDA streams at the time an op was issued (one event per CUDA device among the
 // op's tensors); empty for ops on host memory and on the simulation's memory.
+// Queues on the caller's current CUDA stream of each device in `devices` a wait for `gate`
+// (Device::waitWord). False where this process cannot (why is logged once): the caller then
+// waits on the host. The stream handle comes from torch's libc10_cuda, looked up at run time
+// (CUDAStream::stream(); the extension links no CUDA library of torch's).
+bool streamWaitGate(const std::vector<c10::Device>& devices, const engine::device::Gate& gate);
+
 class StreamFence {
  public:
   // Records the events on the current thread's current streams.

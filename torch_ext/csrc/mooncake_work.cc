@@ -5,6 +5,8 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "engine/log.h"
+#include "engine/params.h"
 #include "torch_ext/csrc/convert.h"
 #include "torch_ext/csrc/gpu_tensors.h"
 #include "torch_ext/csrc/process_group.h"
@@ -25,6 +27,7 @@ MooncakeWork::MooncakeWork(int rank, c10d::OpType type, const char* op,
 }
 
 bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
+  if (!devices_.empty() && timeout == kNoTimeout && waitOnStreams()) return true;
   // A plain wait runs the op here (with any earlier ones still pending) unless the worker has
   // the queue; a timed wait keeps its bound and gives the queue to the worker (op_queue.h).
   if (queue_ && !isCompleted()) {
@@ -39,6 +42,29 @@ bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
                                         std::to_string(timeout.count()) + " ms (the op goes on)"));
   }
   if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+bool MooncakeWork::waitOnStreams() {
+  static const bool blocking = params::getBool("MC_PG_BLOCKING_WAIT");
+  if (blocking) return false;
+  engine::device::Gate gate;
+  {
+    std::lock_guard lk(mutex_);
+    if (completed_) {  // its copies are done: the outputs are there for any stream
+      if (exception_) std::rethrow_exception(exception_);
+      return true;
+    }
+    if (!gate_) {
+      auto g = engine::device::acquireGate();
+      if (!g.ok()) return false;
+      gate_ = *g;
+    }
+    gate = *gate_;
+  }
+  if (!streamWaitGate(devices_, gate)) return false;
+  // Nobody runs the op on this thread now: the worker takes it (op_queue.h).
+  if (queue_) queue_->handOff();
   return true;
 }
 
@@ -117,6 +143,7 @@ void MooncakeWork::complete(std::exception_ptr error) {
   // Futures that exist are completed before the Work, so whoever returns from wait() can
   // read them; one created concurrently (at most once each) is caught by the next round.
   FuturePtr marked_f, marked_r;
+  std::optional<engine::device::Gate> gate;
   for (;;) {
     FuturePtr f, r;
     {
@@ -124,6 +151,8 @@ void MooncakeWork::complete(std::exception_ptr error) {
       if (future_ == marked_f && result_future_ == marked_r) {
         completed_ = true;
         exception_ = error;
+        gate = gate_;
+        gate_.reset();
         break;
       }
       f = future_;
@@ -133,6 +162,15 @@ void MooncakeWork::complete(std::exception_ptr error) {
     if (r && r != marked_r) markResult(r, error);
     marked_f = f;
     marked_r = r;
+  }
+  if (gate) {
+    // Streams that waited go on, also after a failure (the error stays with the Work, its
+    // future and the log; a stream never waits forever).
+    if (error) {
+      MC_LOG(WARN, PG) << ctx_->who << ": " << op_ << " failed after Work.wait() had queued "
+                       << "the CUDA streams' wait; they go on with its outputs unfinished";
+    }
+    engine::device::openGate(*gate);
   }
   cv_.notify_all();
 }

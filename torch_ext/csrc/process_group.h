@@ -22,6 +22,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
+#include "engine/device/device.h"
 #include "pg/communicator.h"
 #include "torch_ext/csrc/compat.h"
 #if MC_TORCH_HAS_BACKEND
@@ -46,7 +47,8 @@ class MooncakeWork : public c10d::Work {
   MooncakeWork(int rank, c10d::OpType type, const char* op, std::shared_ptr<const ErrorContext> ctx,
                std::vector<at::Tensor> outputs);
 
-  // timeout 0 (kNoTimeout): until the op ends (every op is bounded by the group timeout).
+  // timeout 0 (kNoTimeout): until the op ends (every op is bounded by the group timeout);
+  // with CUDA outputs, the caller's current streams wait instead of the host (gpu_tensors.h).
   bool wait(std::chrono::milliseconds timeout) override;
   // Created on first use (most ops are only waited on); completed with the output tensors
   // or the op's error. Completed before wait() returns when it existed by then.
@@ -88,6 +90,8 @@ class MooncakeWork : public c10d::Work {
   // Returns *slot (guarded by mutex_), creating it on first use; completed at once when the
   // Work already is.
   FuturePtr lazyFuture(FuturePtr MooncakeWork::*slot, const c10::TypePtr& type, bool result);
+  // wait() on CUDA outputs: the current streams wait for the op's gate. False: the host waits.
+  bool waitOnStreams();
 
   const char* op_;  // a string literal
   std::shared_ptr<const ErrorContext> ctx_;
@@ -101,6 +105,8 @@ class MooncakeWork : public c10d::Work {
   int slots_ = 0;                  // the group's rank slots (set before the Work is returned)
   bool local_success_ = true;      // guarded by mutex_
   std::vector<uint8_t> hint_;      // guarded by mutex_; empty: no failure
+  // Opened by complete() (guarded by mutex_): a stream waits on it (waitOnStreams).
+  std::optional<engine::device::Gate> gate_;
 };
 
 struct MooncakeOptions {
