@@ -26,6 +26,11 @@ MooncakeWork::MooncakeWork(int rank, c10d::OpType type, const char* op,
   for (const Tensor& t : outputs_) noteCudaDevice(t, &devices_);
 }
 
+MooncakeWork::~MooncakeWork() {
+  // Never completed (it cannot happen: every op completes; a safeguard): no stream waits on.
+  if (gate_) engine::device::openGate(*gate_);
+}
+
 bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
   if (!devices_.empty() && timeout == kNoTimeout && waitOnStreams()) return true;
   // A plain wait runs the op here (with any earlier ones still pending) unless the worker has
@@ -51,8 +56,8 @@ bool MooncakeWork::waitOnStreams() {
   engine::device::Gate gate;
   {
     std::lock_guard lk(mutex_);
-    if (completed_) {  // its copies are done: the outputs are there for any stream
-      if (exception_) std::rethrow_exception(exception_);
+    if (ready_) {  // its copies are done: the outputs are there for any stream
+      if (ready_error_) std::rethrow_exception(ready_error_);
       return true;
     }
     if (!gate_) {
@@ -142,8 +147,25 @@ std::vector<uint8_t> MooncakeWork::failedRanksHint() const {
 void MooncakeWork::complete(std::exception_ptr error) {
   // Futures that exist are completed before the Work, so whoever returns from wait() can
   // read them; one created concurrently (at most once each) is caught by the next round.
-  FuturePtr marked_f, marked_r;
+  // The outputs are in place: streams that wait go on first, before any future's callback
+  // runs here (one that synchronises with such a stream would otherwise wait forever). They go
+  // on after a failure too: the error stays with the Work, its future and the log.
   std::optional<engine::device::Gate> gate;
+  {
+    std::lock_guard lk(mutex_);
+    ready_ = true;
+    ready_error_ = error;
+    gate = gate_;
+    gate_.reset();
+  }
+  if (gate) {
+    if (error) {
+      MC_LOG(WARN, PG) << ctx_->who << ": " << op_ << " failed after Work.wait() had queued "
+                       << "the CUDA streams' wait; they go on with its outputs unfinished";
+    }
+    engine::device::openGate(*gate);
+  }
+  FuturePtr marked_f, marked_r;
   for (;;) {
     FuturePtr f, r;
     {
@@ -151,8 +173,6 @@ void MooncakeWork::complete(std::exception_ptr error) {
       if (future_ == marked_f && result_future_ == marked_r) {
         completed_ = true;
         exception_ = error;
-        gate = gate_;
-        gate_.reset();
         break;
       }
       f = future_;
@@ -162,15 +182,6 @@ void MooncakeWork::complete(std::exception_ptr error) {
     if (r && r != marked_r) markResult(r, error);
     marked_f = f;
     marked_r = r;
-  }
-  if (gate) {
-    // Streams that waited go on, also after a failure (the error stays with the Work, its
-    // future and the log; a stream never waits forever).
-    if (error) {
-      MC_LOG(WARN, PG) << ctx_->who << ": " << op_ << " failed after Work.wait() had queued "
-                       << "the CUDA streams' wait; they go on with its outputs unfinished";
-    }
-    engine::device::openGate(*gate);
   }
   cv_.notify_all();
 }

@@ -46,6 +46,7 @@ class MooncakeWork : public c10d::Work {
  public:
   MooncakeWork(int rank, c10d::OpType type, const char* op, std::shared_ptr<const ErrorContext> ctx,
                std::vector<at::Tensor> outputs);
+  ~MooncakeWork() override;
 
   // timeout 0 (kNoTimeout): until the op ends (every op is bounded by the group timeout);
   // with CUDA outputs, the caller's current streams wait instead of the host (gpu_tensors.h).
@@ -107,6 +108,8 @@ class MooncakeWork : public c10d::Work {
   std::vector<uint8_t> hint_;      // guarded by mutex_; empty: no failure
   // Opened by complete() (guarded by mutex_): a stream waits on it (waitOnStreams).
   std::optional<engine::device::Gate> gate_;
+  bool ready_ = false;              // complete() began: the outputs are in place (mutex_)
+  std::exception_ptr ready_error_;  // and the op's error (mutex_)
 };
 
 struct MooncakeOptions {
