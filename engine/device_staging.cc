@@ -139,7 +139,10 @@ class StagingPeer final : public TransportPeer {
     // Host memory here (the peer's GPU memory is the reason this came here): as it is; the
     // target stages it.
     if (gpu < 0) return hostOp(t->op, local, t->length, t->remote);
-    if (stage_.empty()) stage_.resize(kStageBytes);  // only the worker touches it
+    if (stage_.empty()) {  // only the worker touches it
+      stage_.resize(kStageBytes);
+      stage_pin_ = device::PinnedRange(dev_, stage_.data(), stage_.size());
+    }
     for (uint64_t off = 0; off < t->length; off += kStageBytes) {
       const uint64_t n = std::min(kStageBytes, t->length - off);
       if (t->op == OpCode::kWrite) {
@@ -165,6 +168,7 @@ class StagingPeer final : public TransportPeer {
   int64_t pending_ = 0;
   bool stopping_ = false;
   std::vector<char> stage_;
+  device::PinnedRange stage_pin_;  // stage_, pinned for the device layer's copies
   std::thread worker_;
 };
 

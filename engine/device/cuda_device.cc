@@ -53,6 +53,8 @@ struct Driver {
   decltype(&cuMemHostAlloc) memHostAlloc = nullptr;                  // optional
   decltype(&cuMemHostGetDevicePointer) hostGetDevicePointer = nullptr;  // optional
   decltype(&cuStreamWaitValue32) streamWaitValue32 = nullptr;        // optional
+  decltype(&cuMemHostRegister) hostRegister = nullptr;               // optional
+  decltype(&cuMemHostUnregister) hostUnregister = nullptr;           // optional
 };
 
 std::string errorText(const Driver& d, CUresult r) {
@@ -281,6 +283,28 @@ class CudaDevice final : public Device {
     return Status::OK();
   }
 
+  Status pinHost(void* p, size_t len) override {
+    if (d_.hostRegister == nullptr || d_.hostUnregister == nullptr)
+      return MC_STATUS(kNotSupported, "the CUDA driver has no cuMemHostRegister");
+    MC_RETURN_IF_ERROR(use(0));
+    CUresult r = d_.hostRegister(p, len, CU_MEMHOSTREGISTER_PORTABLE);
+    if (r == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
+      return MC_STATUS(kAlreadyExists, "host memory at " << p << " is pinned already");
+    if (r != CUDA_SUCCESS)
+      return MC_STATUS(kUnavailable, "cuMemHostRegister(" << p << ", " << len << "): " << err(r));
+    return Status::OK();
+  }
+
+  Status unpinHost(void* p) override {
+    if (d_.hostUnregister == nullptr) return MC_STATUS(kNotSupported, "no cuMemHostUnregister");
+    MC_RETURN_IF_ERROR(use(0));
+    CUresult r = d_.hostUnregister(p);
+    if (r != CUDA_SUCCESS) return MC_STATUS(kInvalidArgument, "cuMemHostUnregister(" << p << "): " << err(r));
+    return Status::OK();
+  }
+
+  uint64_t pageableCopies() const override { return 0; }
+
   Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
                 size_t params_len, int ordinal) override {
     if (k.image == nullptr || k.name == nullptr)
@@ -402,6 +426,8 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
   (void)load(lib, "cuMemHostAlloc", &d.memHostAlloc);
   (void)load(lib, "cuMemHostGetDevicePointer_v2", &d.hostGetDevicePointer);
   (void)load(lib, "cuStreamWaitValue32_v2", &d.streamWaitValue32);
+  (void)load(lib, "cuMemHostRegister_v2", &d.hostRegister);
+  (void)load(lib, "cuMemHostUnregister", &d.hostUnregister);
   CUresult r = d.init(0);
   int n = 0;
   if (r == CUDA_SUCCESS) r = d.deviceGetCount(&n);

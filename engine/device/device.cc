@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/log.h"
 #include "engine/params.h"
 #include "mooncake/config.h"
 
@@ -326,6 +327,10 @@ class SimDevice final : public Device {
       std::lock_guard<std::mutex> g(mu_);
       MC_ASSIGN_OR_RETURN(to, accessible(dst, len));
       MC_ASSIGN_OR_RETURN(from, accessible(src, len));
+      // Device memory on one side only: the other is host memory, pinned or not.
+      const bool dev_dst = to != dst, dev_src = from != src;
+      if (dev_dst != dev_src && !pinnedLocked(dev_dst ? src : dst, len))
+        pageable_.fetch_add(1, std::memory_order_relaxed);
     }
     s->push(to, from, len);
     return Status::OK();
@@ -348,6 +353,30 @@ class SimDevice final : public Device {
     words_.push_back(std::move(words));
     return words_.back().get();
   }
+
+  Status pinHost(void* p, size_t len) override {
+    if (p == nullptr || len == 0) return MC_STATUS(kInvalidArgument, "sim device: pin of nothing");
+    std::lock_guard<std::mutex> g(mu_);
+    if (find(reinterpret_cast<uint64_t>(p), 1, nullptr) != nullptr)
+      return MC_STATUS(kInvalidArgument, "sim device: " << p << " is device memory, not host");
+    const uint64_t a = reinterpret_cast<uint64_t>(p);
+    auto next = pinned_.upper_bound(a);
+    const bool overlaps = (next != pinned_.end() && next->first - a < len) ||
+                          (next != pinned_.begin() && a - std::prev(next)->first <
+                                                          std::prev(next)->second);
+    if (overlaps) return MC_STATUS(kAlreadyExists, "sim device: " << p << " is pinned already");
+    pinned_[a] = len;
+    return Status::OK();
+  }
+
+  Status unpinHost(void* p) override {
+    std::lock_guard<std::mutex> g(mu_);
+    if (pinned_.erase(reinterpret_cast<uint64_t>(p)) == 0)
+      return MC_STATUS(kInvalidArgument, "sim device: " << p << " was not pinned here");
+    return Status::OK();
+  }
+
+  uint64_t pageableCopies() const override { return pageable_.load(std::memory_order_relaxed); }
 
   Status waitWord(int ordinal, const void* on, const uint32_t* word, uint32_t value) override {
     if (on != kCopyStream)
@@ -431,6 +460,14 @@ class SimDevice final : public Device {
     if (!s) s = std::make_shared<SimStream>();
     return s;
   }
+  // Under mu_: whether host memory [p, p+len) lies in one pinned range.
+  bool pinnedLocked(const void* p, size_t len) const {
+    const uint64_t a = reinterpret_cast<uint64_t>(p);
+    auto it = pinned_.upper_bound(a);
+    if (it == pinned_.begin()) return false;
+    --it;
+    return a - it->first < it->second && len <= it->second - (a - it->first);
+  }
   // Under mu_: the allocation holding [addr, addr+len), its start in *base.
   const Alloc* find(uint64_t addr, uint64_t len, uint64_t* base) const {
     auto it = allocs_.upper_bound(addr);
@@ -445,6 +482,8 @@ class SimDevice final : public Device {
   std::map<uint64_t, Alloc> allocs_;
   std::shared_ptr<SimStream> streams_[kSimDevices];
   std::vector<std::unique_ptr<uint32_t[]>> words_;  // allocHostWords' (freed with the layer)
+  std::map<uint64_t, size_t> pinned_;                // pinHost's ranges
+  std::atomic<uint64_t> pageable_{0};               // pageableCopies()
 };
 
 std::atomic<bool> g_active{false};
@@ -464,6 +503,33 @@ GatePool& gatePool() {
 }  // namespace
 
 const void* const kCopyStream = &g_copy_stream_tag;
+
+PinnedRange::PinnedRange(Device* dev, void* p, size_t len) {
+  if (dev == nullptr || p == nullptr || len == 0) return;
+  Status st = dev->pinHost(p, len);
+  if (st.ok()) {
+    dev_ = dev;
+    p_ = p;
+  } else if (st.code() != Code::kAlreadyExists) {
+    static std::once_flag logged;
+    std::call_once(logged, [&] {
+      MC_LOG(WARN, ENGINE) << "host memory left pageable for GPU copies: " << st.toString();
+    });
+  }
+}
+
+PinnedRange::~PinnedRange() {
+  if (dev_ != nullptr) (void)dev_->unpinHost(p_);
+}
+
+PinnedRange& PinnedRange::operator=(PinnedRange&& o) noexcept {
+  if (this != &o) {
+    if (dev_ != nullptr) (void)dev_->unpinHost(p_);
+    dev_ = std::exchange(o.dev_, nullptr);
+    p_ = std::exchange(o.p_, nullptr);
+  }
+  return *this;
+}
 
 Result<Gate> acquireGate() {
   GatePool& p = gatePool();

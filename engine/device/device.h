@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "engine/status.h"
 #include "engine/types.h"
@@ -113,6 +114,37 @@ class Device {
   virtual Result<uint32_t*> allocHostWords(size_t n) = 0;
   virtual Status waitWord(int ordinal, const void* stream, const uint32_t* word,
                           uint32_t value) = 0;
+
+  // Page-locks host memory [p, p+len) for the devices (CUDA: cuMemHostRegister, portable).
+  // Copies between it and device memory then run as DMA straight from it; from pageable
+  // memory the driver first bounces them through a staging buffer of its own (and the copy
+  // is partly synchronous). kAlreadyExists when part of the range is pinned already (by this
+  // layer or by the application: then not the caller's to unpin). unpinHost(p) undoes
+  // pinHost(p, ...).
+  virtual Status pinHost(void* p, size_t len) = 0;
+  virtual Status unpinHost(void* p) = 0;
+  // Copies queued so far between device memory and host memory that was not pinned: the
+  // simulation counts them (tests check that a path pins the host memory it moves); CUDA
+  // does not count (0).
+  virtual uint64_t pageableCopies() const = 0;
+};
+
+// Host memory pinned for as long as it lives (Device::pinHost / unpinHost), when it can be:
+// memory already pinned, or a refusal, leaves it as it is (copies still work, bounced by the
+// driver), logged once per process.
+class PinnedRange {
+ public:
+  PinnedRange() = default;
+  PinnedRange(Device* dev, void* p, size_t len);
+  ~PinnedRange();
+  PinnedRange(PinnedRange&& o) noexcept { *this = std::move(o); }
+  PinnedRange& operator=(PinnedRange&& o) noexcept;
+  PinnedRange(const PinnedRange&) = delete;
+  PinnedRange& operator=(const PinnedRange&) = delete;
+
+ private:
+  Device* dev_ = nullptr;  // set while this object pinned p_
+  void* p_ = nullptr;
 };
 
 // The process's device layer (made on first call; MC_DEVICE). An error says why there is none

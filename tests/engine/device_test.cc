@@ -241,6 +241,38 @@ TEST(DeviceSim, AHostWordHoldsTheStream) {
   EXPECT_TRUE(d->free(*a).ok());
 }
 
+// Pinned host memory: copies between it and device memory are not counted as pageable, copies
+// from other host memory are; ranges do not overlap; PinnedRange unpins when it goes.
+TEST(DeviceSim, PinnedHostMemoryAndPageableCopies) {
+  auto d = sim();
+  ASSERT_NE(d, nullptr);
+  const size_t len = 1u << 16, half = len / 2;
+  auto dev = d->allocate(len, 0);
+  ASSERT_TRUE(dev.ok());
+  std::string pinned = bytes(len, 3, 1), loose = bytes(len, 5, 2);
+  const uint64_t before = d->pageableCopies();
+  {
+    engine::device::PinnedRange pin(d.get(), pinned.data(), half);
+    EXPECT_EQ(d->pinHost(pinned.data() + 100, 10).code(), Code::kAlreadyExists)
+        << "overlapping pins";
+    EXPECT_EQ(d->pinHost(*dev, 10).code(), Code::kInvalidArgument) << "device memory pinned";
+    ASSERT_TRUE(copyWait(*d, *dev, pinned.data(), half, 0).ok());
+    ASSERT_TRUE(copyWait(*d, pinned.data() + 8, *dev, half - 8, 0).ok());
+    EXPECT_EQ(d->pageableCopies(), before) << "copies of pinned memory counted";
+    ASSERT_TRUE(copyWait(*d, *dev, loose.data(), len, 0).ok());
+    EXPECT_EQ(d->pageableCopies(), before + 1);
+    ASSERT_TRUE(copyWait(*d, *dev, pinned.data(), len, 0).ok());  // runs past the pinned half
+    EXPECT_EQ(d->pageableCopies(), before + 2);
+    ASSERT_TRUE(copyWait(*d, loose.data(), pinned.data(), len, 0).ok());  // host to host
+    EXPECT_EQ(d->pageableCopies(), before + 2) << "a host-to-host copy counted";
+  }
+  EXPECT_EQ(d->unpinHost(pinned.data()).code(), Code::kInvalidArgument)
+      << "PinnedRange did not unpin (or unpinned twice)";
+  MC_EXPECT_OK(d->pinHost(pinned.data(), len));
+  MC_EXPECT_OK(d->unpinHost(pinned.data()));
+  EXPECT_TRUE(d->free(*dev).ok());
+}
+
 // The process's gates: closed when handed out, opened once, and a word handed out again holds
 // a stream with its next value while a stream waiting on its earlier use goes on.
 class DeviceGates : public ::testing::Test {

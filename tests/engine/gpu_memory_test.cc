@@ -172,27 +172,47 @@ TEST_F(CudaSameHost, GpuMemoryMovesOverCudaHostOverShm) {
   MC_ASSERT_OK(eng->registerMemory(host.data(), kLen));
   std::vector<uint8_t> loose(kLen);  // unregistered host memory
   const uint64_t remote_host = peer->info().alloc_addr;
+  // Host memory the engine knows (registered here, the peer's engine-allocated regions, the
+  // staging buffer) is pinned for the copies; only unregistered host memory is not.
+  auto layer = engine::device::get();
+  ASSERT_TRUE(layer.ok());
+  uint64_t pageable = 0;
+  auto pageableSince = [&] {
+    const uint64_t now = (*layer)->pageableCopies(), d = now - pageable;
+    pageable = now;
+    return d;
+  };
 
   fillPattern(host.data(), kLen, 701, 0);  // host -> the peer's GPU
+  pageableSince();
   MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, host.data(), kLen, pid, remote_gpu + 5));
+  EXPECT_EQ(pageableSince(), 0u) << "registered host memory was copied pageable";
   EXPECT_EQ(peer->expect(remote_gpu + 5, kLen, 701, 0), "");
   fillPattern(g, kLen, 702, 0);  // GPU -> GPU
   MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, g, kLen, pid, remote_gpu));
   EXPECT_EQ(peer->expect(remote_gpu, kLen, 702, 0), "");
+  pageableSince();
   MC_ASSERT_OK(transfer(*eng, OpCode::kRead, loose.data(), kLen, pid, remote_gpu));  // -> host
+  EXPECT_GE(pageableSince(), 1u) << "the count misses a pageable copy";
   EXPECT_EQ(checkPattern(loose.data(), kLen, 702, 0), "");
+  pageableSince();
   MC_ASSERT_OK(transfer(*eng, OpCode::kRead, g + 9, kLen, pid, remote_host));  // host -> GPU
+  EXPECT_EQ(pageableSince(), 0u) << "the peer's engine-allocated memory was copied pageable";
   EXPECT_EQ(checkPattern(g + 9, kLen, allocSeed(cfg), 0), "");
   fillPattern(g, kLen, 703, 0);  // GPU -> the peer's engine-allocated host memory
+  pageableSince();
   MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, g, kLen, pid, remote_host));
+  EXPECT_EQ(pageableSince(), 0u);
   EXPECT_EQ(peer->expect(remote_host, kLen, 703, 0), "");
   // Host memory the peer registered (not engine-allocated) is nothing cuda can map: staged
   // through host memory here and moved over shm, both ways.
   const uint64_t remote_reg = peer->info().reg_addr;
   fillPattern(g + 1, kLen, 704, 0);
+  pageableSince();
   MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, g + 1, kLen, pid, remote_reg));
   EXPECT_EQ(peer->expect(remote_reg, kLen, 704, 0), "");
   MC_ASSERT_OK(transfer(*eng, OpCode::kRead, g + 3, kLen - 10, pid, remote_reg + 10));
+  EXPECT_EQ(pageableSince(), 0u) << "the staging buffer was copied pageable";
   EXPECT_EQ(checkPattern(g + 3, kLen - 10, 704, 10), "");
   // Host to host still goes over shm, untouched.
   MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, host.data(), 4096, pid, remote_host));

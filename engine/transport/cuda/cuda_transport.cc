@@ -8,7 +8,11 @@
 //   engines); a task completes when the event recorded after its copy does.
 // - The other side of a copy may be host memory: here any (the copy engines read pageable
 //   memory too), at the peer only the regions the engine allocated (shared-memory files,
-//   mapped once): other host memory of a peer has nothing a copy could address.
+//   mapped once): other host memory of a peer has nothing a copy could address. Host memory
+//   the engine knows is pinned for the devices (Device::pinHost) on its first copy: a peer's
+//   region when it is mapped, a region registered here (the whole region, until it is
+//   unregistered). Only unregistered host memory here is copied pageable (the driver then
+//   bounces it through a staging buffer of its own).
 // - Only requests with GPU memory on a side come here: the engine sends host<->host requests,
 //   notifications and messages to the peer's host transport (shm), and before a notification
 //   waits until this peer's copies are done (quiesce), so that it still follows them.
@@ -119,6 +123,7 @@ class CudaPeer final : public TransportPeer {
     char* base = nullptr;
     uint64_t len = 0;
     bool ipc = false;  // else a mapped shm file
+    device::PinnedRange pin;  // a mapped shm file, pinned while mapped
   };
   // A pointer here for [remote, remote+len) of the peer, and the GPU it is on (-1: host).
   Result<char*> resolve(uint64_t remote, uint64_t len, int* gpu);
@@ -179,6 +184,22 @@ class CudaTransport final : public Transport {
     return std::unique_ptr<TransportPeer>(new CudaPeer(this, dev_, ctx_, remote));
   }
 
+  void unregisterRegion(const Region& region) override {
+    device::PinnedRange unpin;  // released outside the lock
+    std::lock_guard<std::mutex> g(pin_mu_);
+    auto it = pinned_.find(region.addr);
+    if (it == pinned_.end()) return;
+    unpin = std::move(it->second);
+    pinned_.erase(it);
+  }
+
+  // A host region registered here, pinned on its first copy to or from GPU memory.
+  void pinLocal(const Region& r) {
+    std::lock_guard<std::mutex> g(pin_mu_);
+    if (pinned_.count(r.addr) != 0) return;
+    pinned_.emplace(r.addr, device::PinnedRange(dev_, reinterpret_cast<void*>(r.addr), r.len));
+  }
+
   bool reachesDeviceMemory() const override { return true; }
   bool movesHostMemory() const override { return false; }
 
@@ -225,6 +246,8 @@ class CudaTransport final : public Transport {
   std::deque<Flight> q_;
   bool stopping_ = false;
   std::thread completer_;
+  std::mutex pin_mu_;
+  std::map<uint64_t, device::PinnedRange> pinned_;  // by region start (pinLocal)
 };
 
 CudaPeer::~CudaPeer() {
@@ -233,6 +256,7 @@ CudaPeer::~CudaPeer() {
     if (o.ipc) {
       (void)dev_->closeIpc(o.base);
     } else {
+      o.pin = device::PinnedRange();  // unpinned before it is unmapped
       unmapShm(o.base, o.len);
     }
   }
@@ -260,7 +284,7 @@ Result<char*> CudaPeer::resolve(uint64_t remote, uint64_t len, int* gpu) {
         return Status(base.status().code(), "cuda: GPU memory of peer " + remote_.name + ": " +
                                                 base.status().message());
       device::noteUse();
-      it = opened_.emplace(handle, Opened{static_cast<char*>(*base), 0, true}).first;
+      it = opened_.emplace(handle, Opened{static_cast<char*>(*base), 0, true, {}}).first;
     }
     *gpu = r->device;
     return it->second.base + off + in_region;
@@ -276,7 +300,9 @@ Result<char*> CudaPeer::resolve(uint64_t remote, uint64_t len, int* gpu) {
     if (p == nullptr)
       return MC_STATUS(kUnavailable, "cuda: cannot map " << r->shm_name << " of peer "
                                                          << remote_.name);
-    it = opened_.emplace(r->shm_name, Opened{static_cast<char*>(p), r->len, false}).first;
+    it = opened_.emplace(r->shm_name, Opened{static_cast<char*>(p), r->len, false,
+                                             device::PinnedRange(dev_, p, r->len)})
+             .first;
   }
   *gpu = -1;
   return it->second.base + in_region;
@@ -297,6 +323,7 @@ void CudaPeer::submit(Task* task) {
   // the stream of the peer's GPU (mapped here).
   auto local = ctx_->registry->find(reinterpret_cast<uint64_t>(task->local), task->length);
   if (local.has_value() && local->kind == MemoryKind::kCuda) gpu = local->device;
+  if (local.has_value() && local->kind == MemoryKind::kHost) t_->pinLocal(*local);
   if (gpu < 0 || gpu >= dev_->count()) gpu = 0;
   char* here = static_cast<char*>(task->local);
   Status st = task->op == OpCode::kWrite ? dev_->copyAsync(there, here, task->length, gpu)
