@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 
 #include "engine/device/device.h"
@@ -25,6 +28,73 @@ void copyOrThrow(void* dst, const void* src, size_t n, const char* op, const cha
 }
 }  // namespace
 
+// A staging buffer: its memory and, where the device layer could, its pin.
+struct DeviceStage::Buffer {
+  std::unique_ptr<char[]> mem;
+  size_t cap = 0;
+  engine::device::PinnedRange pin;
+};
+
+namespace {
+
+constexpr size_t kMinStage = 64u << 10;      // smallest pooled size
+constexpr size_t kMaxPooled = 256u << 20;    // larger: per call, pageable
+constexpr size_t kIdlePerSize = 2;           // idle buffers kept per size
+constexpr size_t kIdleBytes = 512u << 20;    // and in all
+
+// Idle staging buffers by size (a power of two), kept for the process's life.
+struct StagePool {
+  std::mutex mu;
+  std::map<size_t, std::vector<std::unique_ptr<DeviceStage::Buffer>>> idle;
+  size_t idle_bytes = 0;
+};
+StagePool& stagePool() {
+  static StagePool* p = new StagePool();  // never destroyed (used until the process ends)
+  return *p;
+}
+
+size_t stageSize(size_t bytes) {
+  size_t cap = kMinStage;
+  while (cap < bytes) cap <<= 1;
+  return cap;
+}
+
+}  // namespace
+
+DeviceStage::DeviceStage(const char* op, size_t bytes) : op_(op) {
+  const size_t cap = bytes > kMaxPooled ? std::max<size_t>(bytes, 1) : stageSize(bytes);
+  if (cap <= kMaxPooled) {
+    StagePool& p = stagePool();
+    std::lock_guard<std::mutex> g(p.mu);
+    auto it = p.idle.find(cap);
+    if (it != p.idle.end() && !it->second.empty()) {
+      buf_ = std::move(it->second.back());
+      it->second.pop_back();
+      p.idle_bytes -= cap;
+      return;
+    }
+  }
+  buf_ = std::make_unique<Buffer>();
+  buf_->mem.reset(new char[cap]);
+  buf_->cap = cap;
+  if (cap <= kMaxPooled) {
+    auto layer = engine::device::get();
+    if (layer.ok()) buf_->pin = engine::device::PinnedRange(*layer, buf_->mem.get(), cap);
+  }
+}
+
+DeviceStage::~DeviceStage() {
+  if (!buf_ || buf_->cap > kMaxPooled) return;
+  StagePool& p = stagePool();
+  std::lock_guard<std::mutex> g(p.mu);
+  auto& list = p.idle[buf_->cap];
+  if (list.size() >= kIdlePerSize || p.idle_bytes + buf_->cap > kIdleBytes) return;
+  p.idle_bytes += buf_->cap;
+  list.push_back(std::move(buf_));
+}
+
+char* DeviceStage::host() { return buf_->mem.get(); }
+
 bool DeviceStage::any(std::initializer_list<const void*> ps) {
   if (!engine::device::active()) return false;
   for (const void* p : ps)
@@ -33,11 +103,11 @@ bool DeviceStage::any(std::initializer_list<const void*> ps) {
 }
 
 void DeviceStage::in(const void* src, size_t n, size_t at) {
-  copyOrThrow(buf_.data() + at, src, n, op_, "out of");
+  copyOrThrow(host() + at, src, n, op_, "out of");
 }
 
 void DeviceStage::out(void* dst, size_t n, size_t at) {
-  copyOrThrow(dst, buf_.data() + at, n, op_, "into");
+  copyOrThrow(dst, host() + at, n, op_, "into");
 }
 
 void DeviceCopies::add(void* dst, const void* src, size_t n) {

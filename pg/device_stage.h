@@ -1,6 +1,6 @@
 // GPU memory given to a collective or a point-to-point call (device memory of the engine's
 // device layer, engine/device/device.h) is staged through host memory: the call's GPU inputs
-// are copied into a host buffer with the layer's copies, the host algorithm runs on it, and
+// are copied into a pinned host buffer with the layer's copies, the host algorithm runs on it, and
 // the results are copied back. Correct on any device and over every path (shm, net,
 // hierarchical, elastic); not fast: two extra copies, each waited for by the host, and the
 // reduction runs on the CPU (no GPU kernels yet; docs/gpu.md). Host code never touches the
@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -26,8 +27,15 @@ class DeviceStage {
   // process (engine::device::active()): host-only jobs pay one relaxed load.
   static bool any(std::initializer_list<const void*> ps);
 
-  DeviceStage(const char* op, size_t bytes) : op_(op), buf_(bytes) {}
-  char* host() { return buf_.data(); }
+  // A host buffer of at least `bytes` (contents undefined), from a pool of buffers pinned for
+  // the device layer's copies once and reused (up to 256 MiB; larger ones are made per call
+  // and left pageable: pinning them each time would cost more than the driver's bounce).
+  DeviceStage(const char* op, size_t bytes);
+  ~DeviceStage();
+  DeviceStage(const DeviceStage&) = delete;
+  DeviceStage& operator=(const DeviceStage&) = delete;
+  char* host();
+  struct Buffer;  // (pg/device_stage.cc)
   // Copies n bytes of src (GPU or host memory) to host() + at.
   void in(const void* src, size_t n, size_t at = 0);
   // Copies n bytes at host() + at to dst (GPU or host memory).
@@ -35,7 +43,7 @@ class DeviceStage {
 
  private:
   const char* op_;
-  std::vector<char> buf_;
+  std::unique_ptr<Buffer> buf_;
 };
 
 // Copies between GPU and host memory queued on the device layer's copy stream of the GPU

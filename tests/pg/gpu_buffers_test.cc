@@ -83,7 +83,14 @@ void same(Communicator& c, const char* what, const Buf& in, size_t out_bytes,
   Gpu gin(in.size(), c.rank() % 2), gout(out_bytes, (c.rank() + 1) % 2);
   gin.put(in);
   gout.put(sentinel(out_bytes));
+  // GPU data in and out: nothing is copied between GPU memory and pageable host memory
+  // (staging goes through pinned buffers; on one host it stays in GPU memory).
+  auto layer = engine::device::get();
+  ASSERT_TRUE(layer.ok());
+  const uint64_t pageable = (*layer)->pageableCopies();
   op(gin.get(), gout.get());
+  EXPECT_EQ((*layer)->pageableCopies() - pageable, 0u)
+      << what << ": GPU data copied to or from pageable host memory";
   EXPECT_TRUE(gout.read(out_bytes) == hout) << what << ": GPU output differs from host output";
   EXPECT_TRUE(gin.read(in.size()) == in) << what << ": GPU input changed";
 }
