@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 
+#include "engine/device/device.h"
 #include "engine/log.h"
 #include "store/client/store_client.h"
 #include "store/master/record.h"
@@ -194,7 +195,10 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
       if (t.data_address != t.record_address + rb) return ErrorCode::INVALID_WRITE;
       // A small piece for a peer travels with its record: one write instead of two (each
       // costs a system call on the shm transport's cold-page path).
-      const bool inline_piece = *peer != engine::kInvalidPeer && t.piece_length <= kInlineBytes;
+      // Not from GPU memory: the record is pageable host memory, and the piece goes from the
+      // device straight to the peer instead.
+      const bool inline_piece = *peer != engine::kInvalidPeer && t.piece_length <= kInlineBytes &&
+                                !engine::device::isDeviceMemory(src + t.piece_offset);
       // capacity reserved by the caller: pointers stay valid
       records->emplace_back(rb + (inline_piece ? t.piece_length : 0), '\0');
       char* out = records->back().data();

@@ -107,6 +107,13 @@ ErrorCode StoreClient::registerBuffer(void* addr, size_t len) {
   }
   std::lock_guard<std::mutex> g(mu_);
   buffers_.emplace_back(reinterpret_cast<uintptr_t>(addr), len);
+  // GPU data will move between the buffer and this client's own segment (copyLocal): pinned,
+  // the copy engines DMA it straight (the driver would bounce pageable memory).
+  if (where.device && segment_ != nullptr && !segment_pinned_) {
+    segment_pinned_ = true;
+    if (auto layer = engine::device::get(); layer.ok())
+      segment_pin_ = engine::device::PinnedRange(*layer, segment_, options_.segment_size);
+  }
   return ErrorCode::OK;
 }
 

@@ -41,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/device/device.h"
 #include "engine/engine.h"
 #include "store/client/rpc.h"
 #include "store/master/error_codes.h"
@@ -292,6 +293,9 @@ class StoreClient {
   std::string client_id_;
   std::string segment_name_;
   void* segment_ = nullptr;
+  // segment_, pinned for the device layer's copies once a GPU buffer is registered (mu_).
+  engine::device::PinnedRange segment_pin_;
+  bool segment_pinned_ = false;  // tried (mu_)
   uint64_t record_tag_ = 0;
   std::atomic<bool> closed_{false};
 

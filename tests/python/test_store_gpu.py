@@ -22,12 +22,13 @@ pytestmark = pytest.mark.skipif(master_bin() is None, reason="mooncake_master no
 CLIENT = r"""
 import ctypes, os, sys
 from mooncake import _C
-from mooncake.store import MooncakeDistributedStore
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
 assert _C._device_layer() == "sim", _C._device_layer()
 MiB = 1 << 20
 s = MooncakeDistributedStore()
-assert s.setup("127.0.0.1", "", 0, 16 * MiB, "tcp", "", sys.argv[1]) == 0
+# A segment of its own (16 MiB) beside the holder's, and a 16 MiB local buffer.
+assert s.setup("127.0.0.1", "", 16 * MiB, 16 * MiB, "tcp", "", sys.argv[1]) == 0
 
 
 def to_host(ptr, n):
@@ -45,30 +46,54 @@ g = _C._device_alloc(4 * MiB, 0)
 loose = _C._device_alloc(MiB, 1)  # never registered
 assert s.register_buffer(g, 4 * MiB) == 0
 
+
+def pinned_only(what, call):
+    # The bytes move between GPU memory and pinned host memory only (the store's segments,
+    # the engine's staging), never through pageable host memory.
+    before = _C._device_pageable_copies()
+    r = call()
+    assert _C._device_pageable_copies() == before, what + " copied through pageable memory"
+    return r
+
+
 v1 = os.urandom(3 * MiB + 5)
 assert s.put("gpu/v1", v1) == 0
-assert s.get_into("gpu/v1", g, 4 * MiB) == len(v1)
+assert pinned_only("get_into", lambda: s.get_into("gpu/v1", g, 4 * MiB)) == len(v1)
 assert to_host(g, len(v1)) == v1, "get_into a GPU buffer"
 
 v2 = os.urandom(70000)
 to_gpu(g + MiB + 3, v2)
-assert s.put_from("gpu/v2", g + MiB + 3, len(v2)) == 0
+assert pinned_only("put_from", lambda: s.put_from("gpu/v2", g + MiB + 3, len(v2))) == 0
 assert s.get("gpu/v2") == v2, "put_from a GPU buffer"
+
+# An object in this client's own segment: copied here between it and the GPU buffer.
+own = ReplicateConfig()
+own.preferred_segment = s.get_hostname()
+v4 = os.urandom(MiB + 9)
+to_gpu(g, v4)
+assert pinned_only("put_from own segment", lambda: s.put_from("gpu/v4", g, len(v4), own)) == 0
+desc = s.get_replica_desc("gpu/v4")[0].get_memory_descriptor().buffer_descriptor
+assert desc.transport_endpoint == s.get_hostname(), "not placed in this client's segment"
+assert s.get("gpu/v4") == v4
+to_gpu(g, bytes(len(v4)))
+assert pinned_only("get_into own segment", lambda: s.get_into("gpu/v4", g, 4 * MiB)) == len(v4)
+assert to_host(g, len(v4)) == v4
 
 v3 = os.urandom(100)  # small enough to travel inside its record
 to_gpu(g + 7, v3)
 assert s.put_from("gpu/v3", g + 7, len(v3)) == 0
 assert s.get("gpu/v3") == v3
 
-assert s.batch_get_into(["gpu/v2", "gpu/v3"], [g + 2 * MiB, g + 3 * MiB], [MiB, MiB]) == \
-    [len(v2), len(v3)]
+assert pinned_only("batch_get_into", lambda: s.batch_get_into(
+    ["gpu/v2", "gpu/v3"], [g + 2 * MiB, g + 3 * MiB], [MiB, MiB])) == [len(v2), len(v3)]
 assert to_host(g + 2 * MiB, len(v2)) == v2 and to_host(g + 3 * MiB, len(v3)) == v3
 
 parts = [os.urandom(1000 + 999 * i) for i in range(3)]
 for i, p in enumerate(parts):
     to_gpu(g + i * MiB, p)
-assert s.batch_put_from([f"gpu/b{i}" for i in range(3)], [g + i * MiB for i in range(3)],
-                        [len(p) for p in parts]) == [0, 0, 0]
+assert pinned_only("batch_put_from", lambda: s.batch_put_from(
+    [f"gpu/b{i}" for i in range(3)], [g + i * MiB for i in range(3)],
+    [len(p) for p in parts])) == [0, 0, 0]
 assert [s.get(f"gpu/b{i}") for i in range(3)] == parts
 
 # GPU memory that was never registered is refused, as any unregistered buffer is.

@@ -311,6 +311,10 @@ void registerEngineApis(py::module_& m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), Nogil(),
       "Copies between GPU and host memory (either side) with the device layer, and waits.");
+  m.def(
+      "_device_pageable_copies", [layer] { return layer()->pageableCopies(); },
+      "Copies so far between GPU memory and host memory that was not pinned (counted by the "
+      "simulation only; 0 from CUDA).");
 }
 
 }  // namespace mooncake::torch_ext
