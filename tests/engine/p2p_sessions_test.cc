@@ -17,17 +17,7 @@
 #include "engine/engine.h"
 #include "engine/p2p_sessions.h"
 #include "tests/common/test_secret.h"
-
-#define MC_ASSERT_OK(expr)                                                \
-  do {                                                                    \
-    ::mooncake::Status mc_t_st_ = (expr);                                 \
-    ASSERT_TRUE(mc_t_st_.ok()) << #expr << " -> " << mc_t_st_.toString(); \
-  } while (0)
-#define MC_EXPECT_OK(expr)                                                \
-  do {                                                                    \
-    ::mooncake::Status mc_t_st_ = (expr);                                 \
-    EXPECT_TRUE(mc_t_st_.ok()) << #expr << " -> " << mc_t_st_.toString(); \
-  } while (0)
+#include "tests/engine/test_util.h"
 
 namespace mooncake::engine {
 namespace {
