@@ -143,6 +143,60 @@ int main(int argc, char** argv) {
       add("ipc", ok, ran ? "child exit " + std::to_string(WEXITSTATUS(status)) : "spawn failed");
     }
 
+    // A host word holds the copy stream (what Work.wait() queues on the caller's stream): the
+    // event after it is not done while the word is short of the value, and is once it is set.
+    {
+      auto words = d.allocHostWords(4);
+      auto gate = words.ok() ? mooncake::engine::device::acquireGate() : mooncake::Result<mooncake::engine::device::Gate>(
+                                                                      words.status());
+      std::string why;
+      bool ok = false;
+      if (!gate.ok()) {
+        why = gate.status().toString();
+      } else if (Status w = d.waitWord(0, mooncake::engine::device::kCopyStream, gate->word, gate->value);
+                 !w.ok()) {
+        why = w.toString();
+      } else {
+        Status c = d.copyAsync(*b, *a, 1u << 20, 0);
+        auto ev = d.record(0);
+        if (!c.ok() || !ev.ok()) {
+          why = c.ok() ? ev.status().toString() : c.toString();
+        } else {
+          usleep(50000);
+          const bool held = !(*ev)->done();
+          mooncake::engine::device::openGate(*gate);
+          Status done = (*ev)->wait(deadlineInMs(10000));
+          ok = held && done.ok();
+          why = std::string(held ? "held while closed" : "NOT held while closed") +
+                ", then " + (done.ok() ? "released" : done.toString());
+        }
+      }
+      add("stream_waits_on_host_word", ok, why);
+    }
+
+    // Pinned against pageable host memory, host -> device 64 MiB (pinHost: the engine's,
+    // the store's and the process group's staging memory).
+    {
+      std::vector<char> host(big);
+      fill(host, 3);
+      auto rate = [&](const char* what) -> std::string {
+        Status st = copyWait(d, *a, host.data(), big);
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < 5 && st.ok(); ++i) st = d.copyAsync(*a, host.data(), big, 0);
+        auto ev = d.record(0);
+        if (st.ok()) st = ev.ok() ? (*ev)->wait(deadlineInMs(60000)) : ev.status();
+        double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        char buf[96];
+        std::snprintf(buf, sizeof buf, "%s %.1f GB/s", what, st.ok() ? big * 5 / sec / 1e9 : 0.0);
+        return st.ok() ? buf : std::string(what) + " " + st.toString();
+      };
+      const std::string pageable = rate("pageable");
+      Status pin = d.pinHost(host.data(), big);
+      const std::string pinned = pin.ok() ? rate("pinned") : "pinHost: " + pin.toString();
+      if (pin.ok()) pin = d.unpinHost(host.data());
+      add("h2d_pinned_vs_pageable_64MiB", pin.ok(), pageable + ", " + pinned);
+    }
+
     // The device's own device-to-device copy rate (the bound for collectives on it).
     const int iters = 10;
     Status warm = copyWait(d, *b, *a, big);
