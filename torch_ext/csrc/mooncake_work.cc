@@ -145,8 +145,6 @@ std::vector<uint8_t> MooncakeWork::failedRanksHint() const {
 }
 
 void MooncakeWork::complete(std::exception_ptr error) {
-  // Futures that exist are completed before the Work, so whoever returns from wait() can
-  // read them; one created concurrently (at most once each) is caught by the next round.
   // The outputs are in place: streams that wait go on first, before any future's callback
   // runs here (one that synchronises with such a stream would otherwise wait forever). They go
   // on after a failure too: the error stays with the Work, its future and the log.
@@ -165,6 +163,8 @@ void MooncakeWork::complete(std::exception_ptr error) {
     }
     engine::device::openGate(*gate);
   }
+  // Futures that exist are completed before the Work, so whoever returns from wait() can
+  // read them; one created concurrently (at most once each) is caught by the next round.
   FuturePtr marked_f, marked_r;
   for (;;) {
     FuturePtr f, r;
