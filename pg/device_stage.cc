@@ -62,8 +62,9 @@ size_t stageSize(size_t bytes) {
 }  // namespace
 
 DeviceStage::DeviceStage(const char* op, size_t bytes) : op_(op) {
-  const size_t cap = bytes > kMaxPooled ? std::max<size_t>(bytes, 1) : stageSize(bytes);
-  if (cap <= kMaxPooled) {
+  const bool pooled = bytes <= kMaxPooled;
+  const size_t cap = pooled ? stageSize(bytes) : bytes;
+  if (pooled) {
     StagePool& p = stagePool();
     std::lock_guard<std::mutex> g(p.mu);
     auto it = p.idle.find(cap);
@@ -77,7 +78,7 @@ DeviceStage::DeviceStage(const char* op, size_t bytes) : op_(op) {
   buf_ = std::make_unique<Buffer>();
   buf_->mem.reset(new char[cap]);
   buf_->cap = cap;
-  if (cap <= kMaxPooled) {
+  if (pooled) {
     auto layer = engine::device::get();
     if (layer.ok()) buf_->pin = engine::device::PinnedRange(*layer, buf_->mem.get(), cap);
   }

@@ -174,6 +174,9 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
                                    uint64_t put_id, uint64_t size, uint8_t flags, const char* src,
                                    std::vector<std::string>* records,
                                    std::vector<engine::TransferRequest>* reqs) {
+  // A piece from GPU memory is not inlined into its record (pageable host memory): it goes
+  // from the device straight to the peer. One lookup: every piece is of the same buffer.
+  const bool src_on_gpu = size > 0 && engine::device::isDeviceMemory(src);
   for (const WriteTarget& t : targets) {
     auto peer = peerFor(t.client_id);
     if (!peer.ok()) {
@@ -195,10 +198,8 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
       if (t.data_address != t.record_address + rb) return ErrorCode::INVALID_WRITE;
       // A small piece for a peer travels with its record: one write instead of two (each
       // costs a system call on the shm transport's cold-page path).
-      // Not from GPU memory: the record is pageable host memory, and the piece goes from the
-      // device straight to the peer instead.
-      const bool inline_piece = *peer != engine::kInvalidPeer && t.piece_length <= kInlineBytes &&
-                                !engine::device::isDeviceMemory(src + t.piece_offset);
+      const bool inline_piece =
+          *peer != engine::kInvalidPeer && t.piece_length <= kInlineBytes && !src_on_gpu;
       // capacity reserved by the caller: pointers stay valid
       records->emplace_back(rb + (inline_piece ? t.piece_length : 0), '\0');
       char* out = records->back().data();
