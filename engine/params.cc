@@ -207,6 +207,10 @@ const std::vector<ParamDef>& table() {
        "comm halves of its own that peers open through the device layer's IPC (device to "
        "device). 0: this rank's GPU data goes through the host halves (peers still read others' "
        "GPU halves)."},
+      {"MC_PG_GPU_P2P", Type::kBool, "1",
+       "Plain groups: send/recv of GPU memory to a rank on the same host goes device to device "
+       "through staging buffers in the sender's GPU memory that the receiver opens through the "
+       "device layer's IPC. 0: through pinned host memory and the engine's messages."},
       {"MC_PG_ELASTIC_POLL_MS", Type::kInt, "50",
        "Elastic groups: how often each communicator's agent reads the group's views and "
        "observation requests from the store when no doorbell or peer death woke it first."},

@@ -258,6 +258,10 @@ uint64_t Communicator::netSlotSends() const {
   return impl_->net_areas ? impl_->net_areas->slotSends() : 0;
 }
 
+uint64_t Communicator::p2pDeviceMessages() const {
+  return impl_->p2p ? impl_->p2p->deviceMessages() : 0;
+}
+
 uint64_t Communicator::deviceHalfSteps() const {
   return impl_->dev_halves ? impl_->dev_halves->deviceSteps() : 0;
 }
@@ -617,13 +621,13 @@ void Communicator::send(const void* buf, size_t bytes, int dst, uint64_t tag) {
     throw std::invalid_argument("mooncake pg: send: destination rank " + std::to_string(dst) +
                                 " is outside the group of size " + std::to_string(pubSize(*impl_)));
   checkPtr(buf, bytes, "send", "send");
-  if (DeviceStage::any({buf})) {
+  if (!impl_->elastic) return impl_->p2p->send(buf, bytes, dst, tag, impl_->opts.timeout);
+  if (DeviceStage::any({buf})) {  // GPU data of an elastic group: through host memory
     DeviceStage st("send", bytes);
     st.in(buf, bytes);
-    return send(st.host(), bytes, dst, tag);
+    return impl_->elastic->send(st.host(), bytes, dst, tag);
   }
-  if (impl_->elastic) return impl_->elastic->send(buf, bytes, dst, tag);
-  impl_->p2p->send(buf, bytes, dst, tag, impl_->opts.timeout);
+  impl_->elastic->send(buf, bytes, dst, tag);
 }
 
 int Communicator::recv(void* buf, size_t bytes, int src, uint64_t tag) {
@@ -631,14 +635,14 @@ int Communicator::recv(void* buf, size_t bytes, int src, uint64_t tag) {
     throw std::invalid_argument("mooncake pg: recv: source rank " + std::to_string(src) +
                                 " is outside the group of size " + std::to_string(pubSize(*impl_)));
   checkPtr(buf, bytes, "receive", "recv");
-  if (DeviceStage::any({buf})) {
+  if (!impl_->elastic) return impl_->p2p->recv(buf, bytes, src, tag, impl_->opts.timeout);
+  if (DeviceStage::any({buf})) {  // GPU data of an elastic group: through host memory
     DeviceStage st("recv", bytes);
-    const int from = recv(st.host(), bytes, src, tag);
+    const int from = impl_->elastic->recv(st.host(), bytes, src, tag);
     st.out(buf, bytes);
     return from;
   }
-  if (impl_->elastic) return impl_->elastic->recv(buf, bytes, src, tag);
-  return impl_->p2p->recv(buf, bytes, src, tag, impl_->opts.timeout);
+  return impl_->elastic->recv(buf, bytes, src, tag);
 }
 
 }  // namespace mooncake::pg

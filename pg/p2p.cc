@@ -4,13 +4,20 @@
 #include <cstring>
 #include <set>
 
+#include "engine/params.h"
 #include "pg/communicator.h"
+#include "pg/device_stage.h"
 
 namespace mooncake::pg {
 
 namespace {
 constexpr uint32_t kMagic = 0x4d504750;       // "MPGP"
 constexpr uint32_t kGrantMagic = 0x4d504747;  // "MPGG": a grant of slots (SlotSender::grantFor)
+constexpr uint32_t kReleaseMagic = 0x4d504752;  // "MPGR": a GPU staging buffer is free (tag: token)
+constexpr uint32_t kFlagDevice = 1;  // the payload describes a GPU staging buffer (p2p_device.h)
+// How long a group's end waits for same-host receivers to copy GPU messages out of the staging
+// buffers it is about to free.
+constexpr int64_t kDrainMs = 5000;
 
 struct Header {
   uint32_t magic;
@@ -21,6 +28,7 @@ struct Header {
   uint64_t offset;
   uint64_t stream;  // per (sender, receiver)
   uint64_t len;     // this piece's bytes
+  uint32_t flags;   // kFlagDevice
 };
 static_assert(sizeof(Header) <= NetArea::kSlotHeaderBytes, "slot header");
 }  // namespace
@@ -37,7 +45,8 @@ P2p::P2p(engine::TransferEngine* engine, const Health* health, std::vector<engin
       box_(std::make_shared<Box>()),
       get_area_(std::move(area)),
       one_sided_(std::move(one_sided)),
-      slot_min_(std::max<size_t>(slot_min_bytes, 1)) {
+      slot_min_(std::max<size_t>(slot_min_bytes, 1)),
+      device_p2p_(params::getBool("MC_PG_GPU_P2P")) {
   granted_.assign(peers.size(), 0);
   known_.assign(peers.size(), 0);
   auto t = std::make_shared<Table>();
@@ -73,7 +82,7 @@ void P2p::grantLocked(const Table& t) {
       continue;
     if (!ensureSlotsLocked(t)) return;  // two-sided only
     granted_[s] = eng;
-    Header h{kGrantMagic, rank_, 0, 0, 0, 0, 0, 0};
+    Header h{kGrantMagic, rank_, 0, 0, 0, 0, 0, 0, 0};
     std::string p(reinterpret_cast<const char*>(&h), sizeof(h));
     p += slots_->grantFor(static_cast<int>(s));
     (void)engine_->sendMessageOwned(t.peers[s], channel_, std::move(p));  // dead: found later
@@ -179,6 +188,18 @@ void P2p::setPeers(std::vector<engine::PeerId> peers, std::vector<uint64_t> engi
 }
 
 P2p::~P2p() {
+  // GPU messages nobody received here: their senders' buffers are free again. Then wait (a
+  // bounded time) for same-host receivers still to take what this rank staged for them.
+  std::vector<std::pair<int, uint64_t>> unread;
+  {
+    std::lock_guard<std::mutex> g(box_->mu);
+    for (const Complete& c : box_->ready)
+      if (c.device) unread.emplace_back(c.src, DeviceOutbox::tokenOf(c.data));
+  }
+  for (const auto& [src, token] : unread) releaseDevice(src, token);
+  if (outbox_.held() > 0)
+    outbox_.drain([this](engine::PeerId p) { return engine_->peerStatus(p).ok(); },
+                  engine::deadlineInMs(kDrainMs));
   if (started_) {
     engine_->setMessageHandler(channel_, nullptr);
     engine_->setNotifyHandler(channel_, nullptr);
@@ -194,6 +215,10 @@ void P2p::start() {
     if (m.payload.size() >= sizeof(h)) std::memcpy(&h, m.payload.data(), sizeof(h));
     if (m.payload.size() >= sizeof(h) && h.magic == kGrantMagic) {
       onGrant(h.src, m.src_engine, m.payload.substr(sizeof(h)));
+      return;
+    }
+    if (m.payload.size() >= sizeof(h) && h.magic == kReleaseMagic) {
+      outbox_.release(h.tag);
       return;
     }
     box->deliver(std::move(m.payload), m.src_engine, false);
@@ -229,6 +254,12 @@ void P2p::Box::take(std::string&& payload, uint64_t engine) {
   Header h{};
   std::memcpy(&h, payload.data(), sizeof(h));
   const size_t len = h.len;
+  if (h.flags & kFlagDevice) {  // one piece: the descriptor of a GPU message
+    payload.erase(0, sizeof(h));
+    ready.push_back(Complete{h.src, h.tag, std::move(payload), engine, true, h.total});
+    cv.notify_all();
+    return;
+  }
   if (h.offset + len > h.total) return;
   if (h.offset == 0 && len == h.total) {
     payload.erase(0, sizeof(h));
@@ -254,6 +285,46 @@ void P2p::Box::take(std::string&& payload, uint64_t engine) {
   }
 }
 
+bool P2p::sendDevice(const Table& t, const OpCtx& op, const void* buf, size_t bytes, int dst,
+                     uint64_t tag) {
+  // Plain groups only (an elastic group's slots change processes), peers on this host.
+  if (!device_p2p_ || dst == rank_ || bytes == 0 || !t.engines.empty() ||
+      engine_->peerTransport(t.peers[dst]) != "shm")
+    return false;
+  std::optional<std::string> desc = outbox_.stage(buf, bytes, t.peers[dst], "send");
+  if (!desc) return false;
+  Status st;
+  {
+    std::lock_guard<std::mutex> g(send_mu_);
+    Header h{kMagic, rank_, tag, next_id_++, bytes, 0, out_stream_[t.peers[dst]]++,
+             desc->size(), kFlagDevice};
+    std::string payload(reinterpret_cast<const char*>(&h), sizeof(h));
+    payload += *desc;
+    st = engine_->sendMessageOwned(t.peers[dst], channel_, std::move(payload));
+  }
+  if (!st.ok()) {
+    outbox_.release(DeviceOutbox::tokenOf(*desc));
+    t.health->check(op, dst);
+    throw CommError("mooncake pg: send of " + std::to_string(bytes) + " bytes to rank " +
+                        std::to_string(dst) + " (group " + t.health->group() +
+                        ") failed: " + st.toString(),
+                    dst, "send");
+  }
+  ++device_messages_;
+  return true;
+}
+
+void P2p::releaseDevice(int src, uint64_t token) {
+  auto t = table();
+  if (src < 0 || static_cast<size_t>(src) >= t->peers.size() ||
+      t->peers[src] == engine::kInvalidPeer)
+    return;
+  Header h{kReleaseMagic, rank_, token, 0, 0, 0, 0, 0, 0};
+  // A sender that is gone needs no answer.
+  (void)engine_->sendMessage(t->peers[src], channel_,
+                             std::string_view(reinterpret_cast<const char*>(&h), sizeof(h)));
+}
+
 void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
                std::chrono::milliseconds timeout) {
   OpCtx op{"send", engine::Clock::now() + timeout, 0, timeout};
@@ -263,6 +334,13 @@ void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
                         std::to_string(dst) + " (group " + t->health->group() +
                         "): it is not an active member",
                     dst, "send");
+  std::optional<DeviceStage> staged;  // GPU data that goes through host memory
+  if (DeviceStage::any({buf})) {
+    if (sendDevice(*t, op, buf, bytes, dst, tag)) return;
+    staged.emplace("send", bytes);
+    staged->in(buf, bytes);
+    buf = staged->host();
+  }
   std::shared_ptr<SlotSender> slots =
       dst != rank_ && bytes >= slot_min_ ? slotSender() : nullptr;
   std::lock_guard<std::mutex> g(send_mu_);
@@ -271,7 +349,7 @@ void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
   do {
     size_t len = std::min(piece_, bytes - off);
     const uint64_t stream = dst == rank_ ? 0 : out_stream_[t->peers[dst]]++;
-    Header h{kMagic, rank_, tag, id, bytes, off, stream, len};
+    Header h{kMagic, rank_, tag, id, bytes, off, stream, len, 0};
     Status st;
     if (slots != nullptr &&
         slots->send(t->peers[dst], dst, &h, sizeof(h), static_cast<const char*>(buf) + off, len,
@@ -350,14 +428,31 @@ int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milli
       g.lock();
     }
   }
-  if (c.data.size() != bytes)
+  const size_t got = c.device ? c.bytes : c.data.size();
+  if (got != bytes) {
+    if (c.device) releaseDevice(c.src, DeviceOutbox::tokenOf(c.data));
     throw CommError("mooncake pg: recv size mismatch on rank " + std::to_string(rank_) +
                         " (group " + table()->health->group() + "): rank " + std::to_string(c.src) +
-                        " sent " + std::to_string(c.data.size()) + " bytes with tag " +
+                        " sent " + std::to_string(got) + " bytes with tag " +
                         std::to_string(tag) + " but the receive buffer holds " +
                         std::to_string(bytes) + " bytes",
                     c.src, "recv");
-  if (bytes > 0) std::memcpy(buf, c.data.data(), bytes);
+  }
+  if (c.device) {
+    struct Release {  // the sender's buffer is free again, whether the copy worked or not
+      P2p* p;
+      const Complete& c;
+      ~Release() { p->releaseDevice(c.src, DeviceOutbox::tokenOf(c.data)); }
+    } release{this, c};
+    inbox_.take(c.data, c.engine, c.src, buf, bytes, "recv");
+    ++device_messages_;
+  } else if (bytes > 0 && DeviceStage::any({buf})) {
+    DeviceStage st("recv", bytes);
+    std::memcpy(st.host(), c.data.data(), bytes);
+    st.out(buf, bytes);
+  } else if (bytes > 0) {
+    std::memcpy(buf, c.data.data(), bytes);
+  }
   return c.src;
 }
 

@@ -16,8 +16,14 @@
 // s only when it came from the engine that holds s now. Messages of a replaced process are
 // dropped; messages of a process this rank does not know yet (it joined, and sent, before
 // this rank applied the view) wait in the mailbox.
+//
+// GPU memory (plain groups): a message from GPU memory to a peer on this host (reached over
+// shm) travels device to device through a staging buffer of the sender's GPU memory
+// (pg/p2p_device.h); else GPU data is staged through pinned host memory. A receive into GPU
+// memory takes either kind.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <cstdint>
@@ -32,6 +38,7 @@
 #include "engine/engine.h"
 #include "pg/health.h"
 #include "pg/net_slots.h"
+#include "pg/p2p_device.h"
 
 namespace mooncake::pg {
 
@@ -51,15 +58,20 @@ class P2p {
   void setPeers(std::vector<engine::PeerId> peers, std::vector<uint64_t> engines,
                 std::shared_ptr<const Health> health);
 
+  // buf and the receive buffer may be GPU memory of the device layer (engine/device/device.h).
   void send(const void* buf, size_t bytes, int dst, uint64_t tag, std::chrono::milliseconds timeout);
   int recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milliseconds timeout);
+  // GPU messages sent and received device to device so far (tests).
+  uint64_t deviceMessages() const { return device_messages_.load(); }
 
  private:
   struct Complete {
     int src;
     uint64_t tag;
-    std::string data;
+    std::string data;     // the message, or (device) its descriptor
     uint64_t engine = 0;  // the sender's engine
+    bool device = false;  // in the sender's GPU staging buffer (p2p_device.h)
+    uint64_t bytes = 0;   // device: the message's size
   };
   struct Partial {
     uint64_t tag = 0;
@@ -120,6 +132,16 @@ class P2p {
   // Grants slots to the table's peers that should have them and have not (table_mu_ held).
   void grantLocked(const Table& t);
   void onNotify(const engine::Notification& nt);
+  // A GPU message to a same-host peer, device to device; false: it must go through host memory.
+  bool sendDevice(const Table& t, const OpCtx& op, const void* buf, size_t bytes, int dst,
+                  uint64_t tag);
+  // Tells rank src's process that its staging buffer `token` is free again.
+  void releaseDevice(int src, uint64_t token);
+
+  bool device_p2p_;  // MC_PG_GPU_P2P
+  DeviceOutbox outbox_;
+  DeviceInbox inbox_;
+  std::atomic<uint64_t> device_messages_{0};
   void onGrant(int src, uint64_t engine, std::string grant);
 };
 

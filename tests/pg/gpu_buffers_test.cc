@@ -354,12 +354,27 @@ void everyOp(Communicator& c) {
     Gpu s(pb, 0), r(70000 + (me + n - 1) % n, 1);
     s.put(mine);
     const int to = (me + 1) % n, from = (me + n - 1) % n;
+    auto layer = engine::device::get();
+    ASSERT_TRUE(layer.ok());
+    const uint64_t pageable = (*layer)->pageableCopies(), dev_msgs = c.p2pDeviceMessages();
     if (me % 2 == 0) {
       c.send(s.get(), pb, to, 77);
       EXPECT_EQ(c.recv(r.get(), 70000 + from, from, 77), from);
     } else {
       EXPECT_EQ(c.recv(r.get(), 70000 + from, from, 77), from);
       c.send(s.get(), pb, to, 77);
+    }
+    EXPECT_EQ((*layer)->pageableCopies() - pageable, 0u) << "send/recv of GPU memory";
+    // Between ranks of one host the message went device to device (one send and one receive
+    // here); else through pinned host memory.
+    auto same_host = [&](int a, int b) {
+      if (c.path() == "shm") return true;
+      if (c.path().find("hierarchical") == std::string::npos) return false;
+      return (a < n / 2) == (b < n / 2);  // the test's two simulated hosts
+    };
+    if (n > 1) {
+      EXPECT_EQ(c.p2pDeviceMessages() - dev_msgs,
+                uint64_t{same_host(me, to)} + uint64_t{same_host(me, from)});
     }
     EXPECT_TRUE(r.read(70000 + from) == inputs(70000 + from, from, 12)) << "recv into GPU memory";
   }
@@ -412,6 +427,107 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) {
       return std::get<0>(info.param) + "_W" + std::to_string(std::get<1>(info.param));
     });
+
+// GPU messages between ranks of one host go device to device through the sender's staging
+// buffers (pg/p2p_device.h). Eager: the sender returns and reuses its buffer before the receiver
+// posts its recv; messages of both kinds keep their sending order; a recv into host memory
+// takes a GPU message; a size mismatch names the sender and frees its buffer; once the staging
+// pool is full of unreceived messages the next one goes through host memory, and the pool is
+// used again after they were received; a sender whose group ends right after its sends still
+// delivers them.
+TEST(PgGpuP2p, SameHostMessagesMoveDeviceToDevice) {
+  RunOptions o;
+  o.world = 2;
+  o.deadline_s = 120;
+  o.transport = "shm";
+  o.env.push_back({"MC_DEVICE", "sim"});
+  auto codes = runRanks(o, [&](RankEnv& env) {
+    Communicator& c = *env.comm;
+    const int me = c.rank();
+    auto layer = engine::device::get();
+    ASSERT_TRUE(layer.ok());
+    const std::vector<size_t> sizes = {1, (64u << 10) + 1, 3u << 20};
+    const size_t big = 64u << 20;  // 4 of these fill the pool (DeviceOutbox::kPoolBytes)
+    if (me == 0) {
+      Gpu s(big, 0);
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        s.put(inputs(sizes[i], 0, 40 + i));
+        c.send(s.get(), sizes[i], 1, 5);
+        s.put(Buf(sizes[i], 'x'));  // reused at once: the message keeps what was sent
+      }
+      Buf host = inputs(1000, 0, 49);
+      c.send(host.data(), host.size(), 1, 5);  // a host message behind the GPU ones
+      EXPECT_EQ(c.p2pDeviceMessages(), sizes.size());
+      s.put(inputs(5000, 0, 50));
+      c.send(s.get(), 5000, 1, 6);  // received with the wrong size
+      for (int i = 0; i < 5; ++i) {
+        s.put(inputs(big, 0, 60 + i));
+        c.send(s.get(), big, 1, 7);
+      }
+      // The first sends held three small buffers until rank 1 received them (after the
+      // barrier below): only 3 of the 64 MiB ones fit beside them; the rest went through host
+      // memory.
+      EXPECT_EQ(c.p2pDeviceMessages(), sizes.size() + 1 + 3);
+      c.barrier();
+      c.barrier();  // rank 1 received everything: the pool is free again
+      const uint64_t before = c.p2pDeviceMessages();
+      for (int i = 0; i < 2; ++i) {
+        s.put(inputs(big, 0, 70 + i));
+        c.send(s.get(), big, 1, 8);
+      }
+      EXPECT_EQ(c.p2pDeviceMessages() - before, 2u);
+      env.comm.reset();  // ends the group before rank 1 received those two
+      return;
+    }
+    c.barrier();
+    // The receives copy nothing between GPU memory and pageable host memory (the checks'
+    // reads do: they are left out).
+    uint64_t pageable = 0;
+    auto recv = [&](void* buf, size_t bytes, uint64_t tag) {
+      const uint64_t before = (*layer)->pageableCopies();
+      const int from = c.recv(buf, bytes, 0, tag);
+      pageable += (*layer)->pageableCopies() - before;
+      return from;
+    };
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      SCOPED_TRACE("message " + std::to_string(i));
+      if (i == 1) {  // into host memory
+        Buf h(sizes[i]);
+        EXPECT_EQ(recv(h.data(), h.size(), 5), 0);
+        EXPECT_TRUE(h == inputs(sizes[i], 0, 40 + i));
+      } else {
+        Gpu r(sizes[i], 1);
+        EXPECT_EQ(recv(r.get(), sizes[i], 5), 0);
+        EXPECT_TRUE(r.read(sizes[i]) == inputs(sizes[i], 0, 40 + i));
+      }
+    }
+    Gpu r(big, 1);
+    EXPECT_EQ(recv(r.get(), 1000, 5), 0);
+    EXPECT_TRUE(r.read(1000) == inputs(1000, 0, 49)) << "the host message, into GPU memory";
+    EXPECT_EQ(c.p2pDeviceMessages(), sizes.size());
+    try {
+      c.recv(r.get(), 4000, 0, 6);
+      ADD_FAILURE() << "a receive of 4000 bytes took a 5000-byte GPU message";
+    } catch (const CommError& e) {
+      EXPECT_EQ(e.peerRank(), 0);
+      EXPECT_NE(std::string(e.what()).find("sent 5000 bytes"), std::string::npos) << e.what();
+    }
+    for (int i = 0; i < 5; ++i) {
+      EXPECT_EQ(recv(r.get(), big, 7), 0);
+      EXPECT_TRUE(r.read(big) == inputs(big, 0, 60 + i)) << "64 MiB message " << i;
+    }
+    EXPECT_EQ(c.p2pDeviceMessages(), sizes.size() + 3);
+    c.barrier();
+    // Rank 0 ends its group once it sent these: they are still here.
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(recv(r.get(), big, 8), 0);
+      EXPECT_TRUE(r.read(big) == inputs(big, 0, 70 + i)) << "after the sender's group ended";
+    }
+    EXPECT_EQ(c.p2pDeviceMessages(), sizes.size() + 3 + 2);
+    EXPECT_EQ(pageable, 0u) << "GPU messages received through pageable host memory";
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
 
 }  // namespace
 }  // namespace mooncake::pg::test

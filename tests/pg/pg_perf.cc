@@ -2,7 +2,7 @@
 // (shm, or tcp with --transport tcp) and prints nccl-tests-like rows per op and size:
 //   op size_bytes time_us(p50 of per-iteration max over ranks) algbw busbw (GB/s)
 // Usage: pg_perf [--world N] [--transport tcp] [--async 1] [--ops allreduce,allgather,alltoall,
-//                 broadcast,reduce_scatter] [--sizes 4K,64K,1M,16M] [--min-ms 300]
+//                 broadcast,reduce_scatter,sendrecv] [--sizes 4K,64K,1M,16M] [--min-ms 300]
 //                [--hosts aabb] (rank r looks like host letter r: groups spanning hosts)
 //                [--device cpu,sim] (buffers in host memory and/or GPU memory of the device
 //                layer's simulation, MC_DEVICE=sim: GPU memory is staged, pg/device_stage.h)
@@ -42,7 +42,7 @@ std::vector<std::string> split(const std::string& s) {
 
 double busFactor(const std::string& op, int n) {
   if (op == "allreduce") return 2.0 * (n - 1) / n;
-  if (op == "broadcast") return 1.0;
+  if (op == "broadcast" || op == "sendrecv") return 1.0;
   return static_cast<double>(n - 1) / n;
 }
 
@@ -122,6 +122,10 @@ int main(int argc, char** argv) {
             c.broadcast(in.data(), bytes, 0);
           else if (op == "reduce_scatter")
             c.reduceScatter(in.data(), out.data(), count / n, DataType::kFloat32, ReduceOp::kSum);
+          else if (op == "sendrecv") {  // a ring: to the next rank, from the previous one
+            c.send(in.data(), bytes, (c.rank() + 1) % n, 1);
+            (void)c.recv(out.data(), bytes, (c.rank() + n - 1) % n, 1);
+          }
         };
         auto once = [&] {
           if (async) {
