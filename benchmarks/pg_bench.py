@@ -8,7 +8,9 @@
 Prints nccl-tests columns (size, count, type, redop, time, algbw, busbw, #wrong) per
 backend. Sizes follow nccl-tests: the size of the full buffer (all_gather: the gathered
 output; reduce_scatter: the input; all_to_all: what each rank sends). busbw = algbw x
-factor: all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast 1.
+factor: all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast and
+sendrecv (a ring: each rank sends the size to the next rank and receives it from the previous
+one, as nccl-tests' sendrecv) 1.
 time is the median over iterations of the slowest rank's time per op (--stat mean: the
 mean, as nccl-tests; on a shared 2-core box the median is what survives noise). mooncake and gloo run interleaved in the
 same processes (a gloo group beside the mooncake default group); mpi runs under mpirun
@@ -31,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON = "/usr/bin/python3"
 FACTORS = {"memcpy": lambda n: 1.0, "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
            "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-           "broadcast": lambda n: 1.0}
+           "broadcast": lambda n: 1.0, "sendrecv": lambda n: 1.0}
 REDOP = {"all_reduce": "sum", "reduce_scatter": "sum"}
 COLORS = {"mooncake": "C0", "gloo": "C1", "mpi": "C2", "mooncake@sim": "C3"}
 SIM = "mooncake@sim"  # the mooncake rows on GPU memory of the device layer's simulation
@@ -168,6 +170,21 @@ def torch_op(dist, torch, op, nbytes, group, use_base_api, device="cpu"):
             m.put(x, torch.full((n,), 42.0 if r == 0 else -1.0))
             run()
             return int((m.get(x) != 42.0).sum())
+    elif op == "sendrecv":  # a ring, as nccl-tests' sendrecv: nbytes to the next rank and
+        send, out = m.zeros(n), m.zeros(n)  # nbytes from the previous one, concurrently
+        nxt, prv = (r + 1) % W, (r - 1) % W
+        if group is not None:
+            nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
+
+        def run():
+            reqs = [dist.isend(send, nxt, group=group), dist.irecv(out, prv, group=group)]
+            for q in reqs:
+                q.wait()
+
+        def wrong():
+            m.put(send, torch.full((n,), float(r + 1)))
+            run()
+            return int((m.get(out) != float((r - 1) % W + 1)).sum())
     else:
         raise ValueError(f"unknown op {op}")
     return run, wrong

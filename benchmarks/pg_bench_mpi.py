@@ -72,6 +72,17 @@ def expected_and_run(comm, op, nbytes):
             x[:] = 42.0 if r == 0 else -1.0
             run()
             return int(np.count_nonzero(x != 42.0))
+    elif op == "sendrecv":  # a ring: nbytes to the next rank, nbytes from the previous one
+        send = np.zeros(n, np.float32)
+        out = np.empty(n, np.float32)
+
+        def run():
+            comm.Sendrecv(send, dest=(r + 1) % W, recvbuf=out, source=(r - 1) % W)
+
+        def wrong():
+            send[:] = r + 1
+            run()
+            return int(np.count_nonzero(out != (r - 1) % W + 1))
     else:
         raise ValueError(op)
     return run, wrong

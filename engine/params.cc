@@ -211,6 +211,10 @@ const std::vector<ParamDef>& table() {
        "Plain groups: send/recv of GPU memory to a rank on the same host goes device to device "
        "through staging buffers in the sender's GPU memory that the receiver opens through the "
        "device layer's IPC. 0: through pinned host memory and the engine's messages."},
+      {"MC_PG_P2P_STAGE_BYTES", Type::kInt, "131072",
+       "Plain groups: send/recv of host memory of at least this many bytes to a rank on the "
+       "same host goes through staging buffers in the sender's shared memory that the "
+       "receiver copies out of (two copies), instead of the engine's messages (0: never)."},
       {"MC_PG_ELASTIC_POLL_MS", Type::kInt, "50",
        "Elastic groups: how often each communicator's agent reads the group's views and "
        "observation requests from the store when no doorbell or peer death woke it first."},

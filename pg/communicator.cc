@@ -262,6 +262,10 @@ uint64_t Communicator::p2pDeviceMessages() const {
   return impl_->p2p ? impl_->p2p->deviceMessages() : 0;
 }
 
+uint64_t Communicator::p2pHostStagedMessages() const {
+  return impl_->p2p ? impl_->p2p->hostStagedMessages() : 0;
+}
+
 uint64_t Communicator::deviceHalfSteps() const {
   return impl_->dev_halves ? impl_->dev_halves->deviceSteps() : 0;
 }

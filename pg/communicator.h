@@ -196,9 +196,11 @@ class Communicator {
   // Steps of this rank's collectives whose GPU data went device to device through its GPU
   // comm halves (same-host groups; pg/device_stage.h DeviceHalves) so far.
   uint64_t deviceHalfSteps() const;
-  // Point-to-point messages of GPU memory this rank sent or received device to device (to and
-  // from same-host peers of a plain group; pg/p2p_device.h) so far.
+  // Point-to-point messages this rank sent or received through staging buffers (to and from
+  // same-host peers of a plain group; pg/p2p_stage.h) so far: of GPU memory (device to
+  // device), of host memory.
   uint64_t p2pDeviceMessages() const;
+  uint64_t p2pHostStagedMessages() const;
 
   // ---- health ----
   // OK, or a CommError-worthy message naming the first dead rank.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
+#include <tuple>
 
 #include "engine/params.h"
 #include "pg/communicator.h"
@@ -13,9 +14,11 @@ namespace mooncake::pg {
 namespace {
 constexpr uint32_t kMagic = 0x4d504750;       // "MPGP"
 constexpr uint32_t kGrantMagic = 0x4d504747;  // "MPGG": a grant of slots (SlotSender::grantFor)
-constexpr uint32_t kReleaseMagic = 0x4d504752;  // "MPGR": a GPU staging buffer is free (tag: token)
-constexpr uint32_t kFlagDevice = 1;  // the payload describes a GPU staging buffer (p2p_device.h)
-// How long a group's end waits for same-host receivers to copy GPU messages out of the staging
+constexpr uint32_t kReleaseMagic = 0x4d504752;  // "MPGR": a staging buffer is free (tag: token)
+// Header::flags: the payload describes a staging buffer (p2p_stage.h) of host or GPU memory.
+constexpr uint32_t kFlagStaged = 1;
+constexpr uint32_t kFlagDevice = 2;
+// How long a group's end waits for same-host receivers to copy messages out of the staging
 // buffers it is about to free.
 constexpr int64_t kDrainMs = 5000;
 
@@ -28,7 +31,7 @@ struct Header {
   uint64_t offset;
   uint64_t stream;  // per (sender, receiver)
   uint64_t len;     // this piece's bytes
-  uint32_t flags;   // kFlagDevice
+  uint32_t flags;   // kFlagStaged, kFlagDevice
 };
 static_assert(sizeof(Header) <= NetArea::kSlotHeaderBytes, "slot header");
 }  // namespace
@@ -46,7 +49,12 @@ P2p::P2p(engine::TransferEngine* engine, const Health* health, std::vector<engin
       get_area_(std::move(area)),
       one_sided_(std::move(one_sided)),
       slot_min_(std::max<size_t>(slot_min_bytes, 1)),
-      device_p2p_(params::getBool("MC_PG_GPU_P2P")) {
+      device_p2p_(params::getBool("MC_PG_GPU_P2P")),
+      host_stage_min_(static_cast<size_t>(
+          std::max<int64_t>(params::getInt("MC_PG_P2P_STAGE_BYTES"), 0))),
+      gpu_out_(engine, true),
+      host_out_(engine, false),
+      inbox_(engine) {
   granted_.assign(peers.size(), 0);
   known_.assign(peers.size(), 0);
   auto t = std::make_shared<Table>();
@@ -188,18 +196,19 @@ void P2p::setPeers(std::vector<engine::PeerId> peers, std::vector<uint64_t> engi
 }
 
 P2p::~P2p() {
-  // GPU messages nobody received here: their senders' buffers are free again. Then wait (a
+  // Staged messages nobody received here: their senders' buffers are free again. Then wait (a
   // bounded time) for same-host receivers still to take what this rank staged for them.
-  std::vector<std::pair<int, uint64_t>> unread;
+  std::vector<std::tuple<int, uint32_t, uint64_t>> unread;
   {
     std::lock_guard<std::mutex> g(box_->mu);
     for (const Complete& c : box_->ready)
-      if (c.device) unread.emplace_back(c.src, DeviceOutbox::tokenOf(c.data));
+      if (c.staged) unread.emplace_back(c.src, c.staged, stageToken(c.data));
   }
-  for (const auto& [src, token] : unread) releaseDevice(src, token);
-  if (outbox_.held() > 0)
-    outbox_.drain([this](engine::PeerId p) { return engine_->peerStatus(p).ok(); },
-                  engine::deadlineInMs(kDrainMs));
+  for (const auto& [src, flags, token] : unread) releaseStaged(src, flags, token);
+  const engine::Deadline end = engine::deadlineInMs(kDrainMs);
+  auto alive = [this](engine::PeerId p) { return engine_->peerStatus(p).ok(); };
+  for (StageOutbox* o : {&gpu_out_, &host_out_})
+    if (o->held() > 0) o->drain(alive, end);
   if (started_) {
     engine_->setMessageHandler(channel_, nullptr);
     engine_->setNotifyHandler(channel_, nullptr);
@@ -218,7 +227,7 @@ void P2p::start() {
       return;
     }
     if (m.payload.size() >= sizeof(h) && h.magic == kReleaseMagic) {
-      outbox_.release(h.tag);
+      (h.flags & kFlagDevice ? gpu_out_ : host_out_).release(h.tag);
       return;
     }
     box->deliver(std::move(m.payload), m.src_engine, false);
@@ -254,9 +263,9 @@ void P2p::Box::take(std::string&& payload, uint64_t engine) {
   Header h{};
   std::memcpy(&h, payload.data(), sizeof(h));
   const size_t len = h.len;
-  if (h.flags & kFlagDevice) {  // one piece: the descriptor of a GPU message
+  if (h.flags & kFlagStaged) {  // one piece: the descriptor of a staged message
     payload.erase(0, sizeof(h));
-    ready.push_back(Complete{h.src, h.tag, std::move(payload), engine, true, h.total});
+    ready.push_back(Complete{h.src, h.tag, std::move(payload), engine, h.flags, h.total});
     cv.notify_all();
     return;
   }
@@ -285,41 +294,43 @@ void P2p::Box::take(std::string&& payload, uint64_t engine) {
   }
 }
 
-bool P2p::sendDevice(const Table& t, const OpCtx& op, const void* buf, size_t bytes, int dst,
-                     uint64_t tag) {
+bool P2p::sendStaged(const Table& t, const OpCtx& op, const void* buf, size_t bytes, int dst,
+                     uint64_t tag, bool device) {
   // Plain groups only (an elastic group's slots change processes), peers on this host.
-  if (!device_p2p_ || dst == rank_ || bytes == 0 || !t.engines.empty() ||
+  if (dst == rank_ || bytes == 0 || !t.engines.empty() ||
       engine_->peerTransport(t.peers[dst]) != "shm")
     return false;
-  std::optional<std::string> desc = outbox_.stage(buf, bytes, t.peers[dst], "send");
+  StageOutbox& out = device ? gpu_out_ : host_out_;
+  std::optional<std::string> desc = out.stage(buf, bytes, t.peers[dst], "send");
   if (!desc) return false;
+  const uint32_t flags = kFlagStaged | (device ? kFlagDevice : 0);
   Status st;
   {
     std::lock_guard<std::mutex> g(send_mu_);
     Header h{kMagic, rank_, tag, next_id_++, bytes, 0, out_stream_[t.peers[dst]]++,
-             desc->size(), kFlagDevice};
+             desc->size(), flags};
     std::string payload(reinterpret_cast<const char*>(&h), sizeof(h));
     payload += *desc;
     st = engine_->sendMessageOwned(t.peers[dst], channel_, std::move(payload));
   }
   if (!st.ok()) {
-    outbox_.release(DeviceOutbox::tokenOf(*desc));
+    out.release(stageToken(*desc));
     t.health->check(op, dst);
     throw CommError("mooncake pg: send of " + std::to_string(bytes) + " bytes to rank " +
                         std::to_string(dst) + " (group " + t.health->group() +
                         ") failed: " + st.toString(),
                     dst, "send");
   }
-  ++device_messages_;
+  ++(device ? device_messages_ : host_staged_);
   return true;
 }
 
-void P2p::releaseDevice(int src, uint64_t token) {
+void P2p::releaseStaged(int src, uint32_t flags, uint64_t token) {
   auto t = table();
   if (src < 0 || static_cast<size_t>(src) >= t->peers.size() ||
       t->peers[src] == engine::kInvalidPeer)
     return;
-  Header h{kReleaseMagic, rank_, token, 0, 0, 0, 0, 0, 0};
+  Header h{kReleaseMagic, rank_, token, 0, 0, 0, 0, 0, flags};
   // A sender that is gone needs no answer.
   (void)engine_->sendMessage(t->peers[src], channel_,
                              std::string_view(reinterpret_cast<const char*>(&h), sizeof(h)));
@@ -336,11 +347,14 @@ void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
                     dst, "send");
   std::optional<DeviceStage> staged;  // GPU data that goes through host memory
   if (DeviceStage::any({buf})) {
-    if (sendDevice(*t, op, buf, bytes, dst, tag)) return;
+    if (device_p2p_ && sendStaged(*t, op, buf, bytes, dst, tag, true)) return;
     staged.emplace("send", bytes);
     staged->in(buf, bytes);
     buf = staged->host();
   }
+  if (host_stage_min_ > 0 && bytes >= host_stage_min_ &&
+      sendStaged(*t, op, buf, bytes, dst, tag, false))
+    return;
   std::shared_ptr<SlotSender> slots =
       dst != rank_ && bytes >= slot_min_ ? slotSender() : nullptr;
   std::lock_guard<std::mutex> g(send_mu_);
@@ -386,6 +400,19 @@ void P2p::send(const void* buf, size_t bytes, int dst, uint64_t tag,
   } while (off < bytes);
 }
 
+bool P2p::takeLocked(int src, uint64_t tag, Complete* out) {
+  auto t = table();
+  for (auto it = box_->ready.begin(); it != box_->ready.end(); ++it) {
+    if ((src < 0 || it->src == src) && it->tag == tag &&
+        (it->engine == engine_->engineId() || current(*t, it->src, it->engine))) {
+      *out = std::move(*it);
+      box_->ready.erase(it);
+      return true;
+    }
+  }
+  return false;
+}
+
 int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milliseconds timeout) {
   OpCtx op{"recv", engine::Clock::now() + timeout, 0, timeout};
   Complete c;
@@ -393,20 +420,10 @@ int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milli
   {
     std::unique_lock<std::mutex> g(box_->mu);
     for (;;) {
-      auto t = table();
-      auto it = box_->ready.begin();
-      for (; it != box_->ready.end(); ++it)
-        if ((src < 0 || it->src == src) && it->tag == tag &&
-            (it->engine == engine_->engineId() || current(*t, it->src, it->engine)))
-          break;
-      if (it != box_->ready.end()) {
-        c = std::move(*it);
-        box_->ready.erase(it);
-        break;
-      }
+      if (takeLocked(src, tag, &c)) break;
       box_->cv.wait_for(g, std::chrono::microseconds(health_us_));
       g.unlock();
-      t = table();
+      auto t = table();
       if (src >= 0 && src != rank_ && t->peers[src] == engine::kInvalidPeer)
         throw CommError("mooncake pg: recv from rank " + std::to_string(src) + " (group " +
                             t->health->group() + "): it is not an active member",
@@ -428,9 +445,13 @@ int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milli
       g.lock();
     }
   }
-  const size_t got = c.device ? c.bytes : c.data.size();
+  return finishRecv(c, buf, bytes, tag);
+}
+
+int P2p::finishRecv(Complete& c, void* buf, size_t bytes, uint64_t tag) {
+  const size_t got = c.staged ? c.bytes : c.data.size();
   if (got != bytes) {
-    if (c.device) releaseDevice(c.src, DeviceOutbox::tokenOf(c.data));
+    if (c.staged) releaseStaged(c.src, c.staged, stageToken(c.data));
     throw CommError("mooncake pg: recv size mismatch on rank " + std::to_string(rank_) +
                         " (group " + table()->health->group() + "): rank " + std::to_string(c.src) +
                         " sent " + std::to_string(got) + " bytes with tag " +
@@ -438,14 +459,14 @@ int P2p::recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milli
                         std::to_string(bytes) + " bytes",
                     c.src, "recv");
   }
-  if (c.device) {
+  if (c.staged) {
     struct Release {  // the sender's buffer is free again, whether the copy worked or not
       P2p* p;
       const Complete& c;
-      ~Release() { p->releaseDevice(c.src, DeviceOutbox::tokenOf(c.data)); }
+      ~Release() { p->releaseStaged(c.src, c.staged, stageToken(c.data)); }
     } release{this, c};
-    inbox_.take(c.data, c.engine, c.src, buf, bytes, "recv");
-    ++device_messages_;
+    inbox_.take(c.data, c.engine, table()->peers[c.src], c.src, buf, bytes, "recv");
+    ++(c.staged & kFlagDevice ? device_messages_ : host_staged_);
   } else if (bytes > 0 && DeviceStage::any({buf})) {
     DeviceStage st("recv", bytes);
     std::memcpy(st.host(), c.data.data(), bytes);

@@ -17,10 +17,11 @@
 // dropped; messages of a process this rank does not know yet (it joined, and sent, before
 // this rank applied the view) wait in the mailbox.
 //
-// GPU memory (plain groups): a message from GPU memory to a peer on this host (reached over
-// shm) travels device to device through a staging buffer of the sender's GPU memory
-// (pg/p2p_device.h); else GPU data is staged through pinned host memory. A receive into GPU
-// memory takes either kind.
+// Plain groups, peers on this host (reached over shm): a message from GPU memory travels
+// device to device through a staging buffer of the sender's GPU memory, a host message of
+// MC_PG_P2P_STAGE_BYTES and more through one of its shared host memory (pg/p2p_stage.h);
+// else GPU data is staged through pinned host memory into the engine's messages. A receive
+// into GPU or host memory takes every kind.
 #pragma once
 
 #include <atomic>
@@ -38,7 +39,7 @@
 #include "engine/engine.h"
 #include "pg/health.h"
 #include "pg/net_slots.h"
-#include "pg/p2p_device.h"
+#include "pg/p2p_stage.h"
 
 namespace mooncake::pg {
 
@@ -61,17 +62,19 @@ class P2p {
   // buf and the receive buffer may be GPU memory of the device layer (engine/device/device.h).
   void send(const void* buf, size_t bytes, int dst, uint64_t tag, std::chrono::milliseconds timeout);
   int recv(void* buf, size_t bytes, int src, uint64_t tag, std::chrono::milliseconds timeout);
-  // GPU messages sent and received device to device so far (tests).
+  // Messages sent and received through staging buffers so far (GPU ones: device to device;
+  // host ones), for tests.
   uint64_t deviceMessages() const { return device_messages_.load(); }
+  uint64_t hostStagedMessages() const { return host_staged_.load(); }
 
  private:
   struct Complete {
     int src;
     uint64_t tag;
-    std::string data;     // the message, or (device) its descriptor
+    std::string data;     // the message, or (staged) its descriptor
     uint64_t engine = 0;  // the sender's engine
-    bool device = false;  // in the sender's GPU staging buffer (p2p_device.h)
-    uint64_t bytes = 0;   // device: the message's size
+    uint32_t staged = 0;  // in a staging buffer of the sender (p2p_stage.h): kFlag* of p2p.cc
+    uint64_t bytes = 0;   // staged: the message's size
   };
   struct Partial {
     uint64_t tag = 0;
@@ -132,16 +135,25 @@ class P2p {
   // Grants slots to the table's peers that should have them and have not (table_mu_ held).
   void grantLocked(const Table& t);
   void onNotify(const engine::Notification& nt);
-  // A GPU message to a same-host peer, device to device; false: it must go through host memory.
-  bool sendDevice(const Table& t, const OpCtx& op, const void* buf, size_t bytes, int dst,
-                  uint64_t tag);
-  // Tells rank src's process that its staging buffer `token` is free again.
-  void releaseDevice(int src, uint64_t token);
+  // The first message in the mailbox that a receive (src, tag) matches, taken out (box_->mu).
+  bool takeLocked(int src, uint64_t tag, Complete* out);
+  // The end of a receive: the size check, the copy into buf; the sender's rank.
+  int finishRecv(Complete& c, void* buf, size_t bytes, uint64_t tag);
+  // A message to a same-host peer through a staging buffer (device: GPU data, device to
+  // device); false: it must go the other way.
+  bool sendStaged(const Table& t, const OpCtx& op, const void* buf, size_t bytes, int dst,
+                  uint64_t tag, bool device);
+  // Tells rank src's process that its staging buffer `token` (of the pool `flags` names) is
+  // free again.
+  void releaseStaged(int src, uint32_t flags, uint64_t token);
 
-  bool device_p2p_;  // MC_PG_GPU_P2P
-  DeviceOutbox outbox_;
-  DeviceInbox inbox_;
+  bool device_p2p_;         // MC_PG_GPU_P2P
+  size_t host_stage_min_;   // MC_PG_P2P_STAGE_BYTES (0: never)
+  StageOutbox gpu_out_;
+  StageOutbox host_out_;
+  StageInbox inbox_;
   std::atomic<uint64_t> device_messages_{0};
+  std::atomic<uint64_t> host_staged_{0};
   void onGrant(int src, uint64_t engine, std::string grant);
 };
 

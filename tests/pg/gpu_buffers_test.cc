@@ -428,14 +428,19 @@ INSTANTIATE_TEST_SUITE_P(
       return std::get<0>(info.param) + "_W" + std::to_string(std::get<1>(info.param));
     });
 
-// GPU messages between ranks of one host go device to device through the sender's staging
-// buffers (pg/p2p_device.h). Eager: the sender returns and reuses its buffer before the receiver
-// posts its recv; messages of both kinds keep their sending order; a recv into host memory
-// takes a GPU message; a size mismatch names the sender and frees its buffer; once the staging
-// pool is full of unreceived messages the next one goes through host memory, and the pool is
-// used again after they were received; a sender whose group ends right after its sends still
-// delivers them.
-TEST(PgGpuP2p, SameHostMessagesMoveDeviceToDevice) {
+// Messages between ranks of one host through the sender's staging buffers (pg/p2p_stage.h):
+// GPU ones device to device, host ones of MC_PG_P2P_STAGE_BYTES (128 KiB) and more through
+// shared memory. Eager: the sender returns and reuses its buffer before the receiver posts its
+// recv; a message of the other path behind the staged ones keeps its place; a recv into the
+// other kind of memory takes a staged message; a size mismatch names the sender and frees its
+// buffer; once the pool is full of unreceived messages the next one goes the other way, and
+// the pool is used again after they were received; a sender whose group ends right after its
+// sends still delivers them, from a buffer the receiver never opened before too (the
+// simulation poisons freed device memory, and a freed host buffer can no longer be mapped).
+class PgStagedP2p : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PgStagedP2p, SameHostMessagesGoThroughTheSendersBuffers) {
+  const bool gpu = GetParam() == "gpu";
   RunOptions o;
   o.world = 2;
   o.deadline_s = 120;
@@ -446,36 +451,51 @@ TEST(PgGpuP2p, SameHostMessagesMoveDeviceToDevice) {
     const int me = c.rank();
     auto layer = engine::device::get();
     ASSERT_TRUE(layer.ok());
-    const std::vector<size_t> sizes = {1, (64u << 10) + 1, 3u << 20};
-    const size_t big = 64u << 20;  // 4 of these fill the pool (DeviceOutbox::kPoolBytes)
+    auto staged = [&] { return gpu ? c.p2pDeviceMessages() : c.p2pHostStagedMessages(); };
+    // Memory of the kind under test, and of the other kind.
+    struct Mem {
+      std::unique_ptr<Gpu> g;
+      Buf h;
+      Mem(bool on_gpu, size_t n, int ordinal) {
+        if (on_gpu) g = std::make_unique<Gpu>(n, ordinal); else h.resize(n);
+      }
+      char* get() { return g ? g->get() : h.data(); }
+      void put(const Buf& b) {
+        if (g) g->put(b); else std::memcpy(h.data(), b.data(), b.size());
+      }
+      Buf read(size_t n) { return g ? g->read(n) : Buf(h.begin(), h.begin() + n); }
+    };
+    const std::vector<size_t> sizes = {128u << 10, (128u << 10) + 1, 3u << 20};
+    const size_t big = 64u << 20;  // 4 of these fill a pool (StageOutbox::kPoolBytes)
+    const size_t fresh = 16u << 20;  // a buffer size the pool has not made before phase 2
     if (me == 0) {
-      Gpu s(big, 0);
+      Mem s(gpu, big, 0);
       for (size_t i = 0; i < sizes.size(); ++i) {
         s.put(inputs(sizes[i], 0, 40 + i));
         c.send(s.get(), sizes[i], 1, 5);
         s.put(Buf(sizes[i], 'x'));  // reused at once: the message keeps what was sent
       }
-      Buf host = inputs(1000, 0, 49);
-      c.send(host.data(), host.size(), 1, 5);  // a host message behind the GPU ones
-      EXPECT_EQ(c.p2pDeviceMessages(), sizes.size());
-      s.put(inputs(5000, 0, 50));
-      c.send(s.get(), 5000, 1, 6);  // received with the wrong size
+      Buf small = inputs(1000, 0, 49);  // host memory below the threshold: a message
+      c.send(small.data(), small.size(), 1, 5);
+      EXPECT_EQ(staged(), sizes.size());
+      s.put(inputs(140000, 0, 50));
+      c.send(s.get(), 140000, 1, 6);  // received with the wrong size
       for (int i = 0; i < 5; ++i) {
         s.put(inputs(big, 0, 60 + i));
         c.send(s.get(), big, 1, 7);
       }
-      // The first sends held three small buffers until rank 1 received them (after the
-      // barrier below): only 3 of the 64 MiB ones fit beside them; the rest went through host
-      // memory.
-      EXPECT_EQ(c.p2pDeviceMessages(), sizes.size() + 1 + 3);
+      // The first sends hold four small buffers until rank 1 received them (after the
+      // barrier below): only 3 of the 64 MiB ones fit beside them; the rest went the other way
+      // (each after waiting a little for a buffer to come back).
+      EXPECT_EQ(staged(), sizes.size() + 1 + 3);
       c.barrier();
       c.barrier();  // rank 1 received everything: the pool is free again
-      const uint64_t before = c.p2pDeviceMessages();
-      for (int i = 0; i < 2; ++i) {
-        s.put(inputs(big, 0, 70 + i));
-        c.send(s.get(), big, 1, 8);
-      }
-      EXPECT_EQ(c.p2pDeviceMessages() - before, 2u);
+      const uint64_t before = staged();
+      s.put(inputs(big, 0, 70));
+      c.send(s.get(), big, 1, 8);
+      s.put(inputs(fresh, 0, 71));
+      c.send(s.get(), fresh, 1, 8);
+      EXPECT_EQ(staged() - before, 2u);
       env.comm.reset();  // ends the group before rank 1 received those two
       return;
     }
@@ -491,43 +511,41 @@ TEST(PgGpuP2p, SameHostMessagesMoveDeviceToDevice) {
     };
     for (size_t i = 0; i < sizes.size(); ++i) {
       SCOPED_TRACE("message " + std::to_string(i));
-      if (i == 1) {  // into host memory
-        Buf h(sizes[i]);
-        EXPECT_EQ(recv(h.data(), h.size(), 5), 0);
-        EXPECT_TRUE(h == inputs(sizes[i], 0, 40 + i));
-      } else {
-        Gpu r(sizes[i], 1);
-        EXPECT_EQ(recv(r.get(), sizes[i], 5), 0);
-        EXPECT_TRUE(r.read(sizes[i]) == inputs(sizes[i], 0, 40 + i));
-      }
+      Mem r(i == 1 ? !gpu : gpu, sizes[i], 1);  // message 1 into the other kind of memory
+      EXPECT_EQ(recv(r.get(), sizes[i], 5), 0);
+      EXPECT_TRUE(r.read(sizes[i]) == inputs(sizes[i], 0, 40 + i));
     }
-    Gpu r(big, 1);
+    Mem r(gpu, big, 1);
     EXPECT_EQ(recv(r.get(), 1000, 5), 0);
-    EXPECT_TRUE(r.read(1000) == inputs(1000, 0, 49)) << "the host message, into GPU memory";
-    EXPECT_EQ(c.p2pDeviceMessages(), sizes.size());
+    EXPECT_TRUE(r.read(1000) == inputs(1000, 0, 49)) << "the message behind the staged ones";
+    EXPECT_EQ(staged(), sizes.size());
     try {
-      c.recv(r.get(), 4000, 0, 6);
-      ADD_FAILURE() << "a receive of 4000 bytes took a 5000-byte GPU message";
+      recv(r.get(), 135000, 6);
+      ADD_FAILURE() << "a receive of 135000 bytes took a 140000-byte message";
     } catch (const CommError& e) {
       EXPECT_EQ(e.peerRank(), 0);
-      EXPECT_NE(std::string(e.what()).find("sent 5000 bytes"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("sent 140000 bytes"), std::string::npos) << e.what();
     }
     for (int i = 0; i < 5; ++i) {
       EXPECT_EQ(recv(r.get(), big, 7), 0);
       EXPECT_TRUE(r.read(big) == inputs(big, 0, 60 + i)) << "64 MiB message " << i;
     }
-    EXPECT_EQ(c.p2pDeviceMessages(), sizes.size() + 3);
+    EXPECT_EQ(staged(), sizes.size() + 3);
     c.barrier();
     // Rank 0 ends its group once it sent these: they are still here.
-    for (int i = 0; i < 2; ++i) {
-      EXPECT_EQ(recv(r.get(), big, 8), 0);
-      EXPECT_TRUE(r.read(big) == inputs(big, 0, 70 + i)) << "after the sender's group ended";
-    }
-    EXPECT_EQ(c.p2pDeviceMessages(), sizes.size() + 3 + 2);
-    EXPECT_EQ(pageable, 0u) << "GPU messages received through pageable host memory";
+    EXPECT_EQ(recv(r.get(), big, 8), 0);
+    EXPECT_TRUE(r.read(big) == inputs(big, 0, 70)) << "after the sender's group ended";
+    EXPECT_EQ(recv(r.get(), fresh, 8), 0);
+    EXPECT_TRUE(r.read(fresh) == inputs(fresh, 0, 71))
+        << "from a new buffer, after the sender's group ended";
+    EXPECT_EQ(staged(), sizes.size() + 3 + 2);
+    EXPECT_EQ(pageable, 0u) << "messages received through pageable host memory";
   });
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
+
+INSTANTIATE_TEST_SUITE_P(Pg, PgStagedP2p, ::testing::Values("gpu", "host"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace mooncake::pg::test

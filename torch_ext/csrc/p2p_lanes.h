@@ -41,6 +41,40 @@ class P2pLanes {
     lane.tasks.push_back(std::move(task));
     if (lane.running) return;  // the thread draining this lane will get to it
     lane.running = true;
+    readyLocked(key);
+  }
+
+  // Runs task on the calling thread when its lane has nothing queued or running, holding the
+  // lane meanwhile so that posts to it queue behind (order kept); then hands what was posted
+  // meanwhile to a thread. False, without running it: the lane is busy (post it instead).
+  bool runInline(const Key& key, const std::function<void()>& task) {
+    {
+      std::lock_guard<std::mutex> lk(s_->mu);
+      Lane& lane = s_->lanes[key];
+      if (lane.running) return false;
+      lane.running = true;
+    }
+    auto release = [&] {
+      std::lock_guard<std::mutex> lk(s_->mu);
+      if (s_->lanes[key].tasks.empty()) {
+        s_->lanes.erase(key);
+      } else {
+        readyLocked(key);
+      }
+    };
+    try {
+      task();
+    } catch (...) {
+      release();
+      throw;
+    }
+    release();
+    return true;
+  }
+
+ private:
+  // A lane with tasks and no thread: queue it for one (s_->mu held).
+  void readyLocked(const Key& key) {
     s_->ready.push_back(key);
     // Every ready lane needs a thread of its own: the running ones may block for long (a
     // recv waiting for a send posted after it, to oneself or by the peer). An idle thread
@@ -55,7 +89,6 @@ class P2pLanes {
     }
   }
 
- private:
   struct Lane {
     std::deque<std::function<void()>> tasks;
     bool running = false;

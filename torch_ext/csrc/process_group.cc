@@ -209,16 +209,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(const Check& ck,
   return work;
 }
 
+// Sends of host memory up to this size run on the caller's thread (ProcessGroupMooncake::p2p).
+constexpr size_t kInlineSendBytes = size_t{64} << 10;
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::p2p(const Check& ck, OpType type,
                                                          const char* op,
                                                          const P2pLanes::Key& lane,
                                                          std::vector<Tensor> outputs,
                                                          std::function<void(MooncakeWork&)> body) {
+  const size_t bytes = outputs.empty() ? 0 : nbytes(outputs[0]);
   auto work = c10::make_intrusive<MooncakeWork>(rank_, type, op, ectx_, std::move(outputs));
   work->setSlots(comm_->maxGroupSize());
+  std::shared_ptr<const StreamFence> f = fence(ck);
+  // A small send of host memory runs on the calling thread when its lane is idle: it is eager
+  // (into the peer's mailbox or a staging buffer, pg/p2p.h), and handing it to a lane thread
+  // and its completion back to a waiter cost two thread wake-ups, more than the send itself.
+  const bool run_here = type == OpType::SEND && f == nullptr && bytes <= kInlineSendBytes;
   // The lane task keeps the communicator alive: a recv may outlive this object.
-  lanes_->post(lane, [work, body = std::move(body), comm = comm_, ctx = ectx_, op, f = fence(ck),
-                       timeout = opts_.timeout]() {
+  auto task = [work, body = std::move(body), comm = comm_, ctx = ectx_, op, f,
+               timeout = opts_.timeout]() {
     std::exception_ptr err;
     try {
       if (f) f->wait(op, timeout);
@@ -230,7 +239,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::p2p(const Check& ck, OpType
       err = translateError(*ctx, op, std::current_exception());
     }
     work->complete(err);
-  });
+  };
+  if (!run_here || !lanes_->runInline(lane, task)) lanes_->post(lane, std::move(task));
   track(work);
   return work;
 }
