@@ -121,21 +121,56 @@ __global__ void normalCombineTokenKernel(NormalArgs p) {
 
 int asInt(cudaError_t e) { return static_cast<int>(e); }
 
+// Every kernel of this file loaded before the first launch. With lazy loading (CUDA's default
+// since 12.2) a kernel loads at its first launch, and loading may wait for the context's
+// running kernels: a wait kernel spinning on a peer whose send kernel this thread has yet to
+// launch then stalls the launch until its deadline (the GPU machine's first run, 2026-12-04:
+// normal mode's first round on one GPU -- rank 0's wait went silent after 10 s and its token
+// kernel read the weights before they came). cudaFuncGetAttributes loads a kernel.
+int loadAll() {
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(dispatchSendKernel),
+      reinterpret_cast<const void*>(dispatchRecvKernel),
+      reinterpret_cast<const void*>(combineSendKernel),
+      reinterpret_cast<const void*>(combineWaitKernel),
+      reinterpret_cast<const void*>(combineRecvKernel),
+      reinterpret_cast<const void*>(normalDispatchSendKernel),
+      reinterpret_cast<const void*>(normalDispatchWaitKernel),
+      reinterpret_cast<const void*>(normalDispatchRecvKernel),
+      reinterpret_cast<const void*>(normalAlignKernel),
+      reinterpret_cast<const void*>(normalCombineSendKernel),
+      reinterpret_cast<const void*>(normalCombineWaitKernel),
+      reinterpret_cast<const void*>(normalCombineTokenKernel)};
+  for (const void* k : kernels) {
+    cudaFuncAttributes a;
+    if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return asInt(e);
+  }
+  return 0;
+}
+int loaded() {
+  static const int e = loadAll();  // (once per process, thread-safe)
+  return e;
+}
+
 }  // namespace
 
 int launchDispatchSend(const LlArgs& p, int experts, int32_t* toks, void* stream) {
+  if (int e = loaded()) return e;
   dispatchSendKernel<<<experts, kLanes, 0, static_cast<cudaStream_t>(stream)>>>(p, toks);
   return asInt(cudaGetLastError());
 }
 int launchDispatchRecv(const LlArgs& p, void* stream) {
+  if (int e = loaded()) return e;
   dispatchRecvKernel<<<p.local_experts, kLanes, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return asInt(cudaGetLastError());
 }
 int launchCombineSend(const LlArgs& p, void* stream) {
+  if (int e = loaded()) return e;
   combineSendKernel<<<p.world, kLanes, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return asInt(cudaGetLastError());
 }
 int launchCombineRecv(const LlArgs& p, void* stream) {
+  if (int e = loaded()) return e;
   auto s = static_cast<cudaStream_t>(stream);
   combineWaitKernel<<<p.world, kLanes, 0, s>>>(p);
   if (p.tokens > 0) combineRecvKernel<<<static_cast<unsigned>(p.tokens), kLanes, 0, s>>>(p);
@@ -143,18 +178,21 @@ int launchCombineRecv(const LlArgs& p, void* stream) {
 }
 
 int launchNormalDispatchSend(const NormalArgs& p, int32_t* toks, void* stream) {
+  if (int e = loaded()) return e;
   auto s = static_cast<cudaStream_t>(stream);
   normalDispatchSendKernel<<<p.world, kLanes, 0, s>>>(p, toks);
   normalDispatchWaitKernel<<<p.world, kLanes, 0, s>>>(p);
   return asInt(cudaGetLastError());
 }
 int launchNormalDispatchRecv(const NormalArgs& p, int32_t* toks, void* stream) {
+  if (int e = loaded()) return e;
   auto s = static_cast<cudaStream_t>(stream);
   normalDispatchRecvKernel<<<p.world, kLanes, 0, s>>>(p, toks);
   normalAlignKernel<<<1, kLanes, 0, s>>>(p);
   return asInt(cudaGetLastError());
 }
 int launchNormalCombine(const NormalArgs& p, void* stream) {
+  if (int e = loaded()) return e;
   auto s = static_cast<cudaStream_t>(stream);
   normalCombineSendKernel<<<p.world, kLanes, 0, s>>>(p);
   normalCombineWaitKernel<<<p.world, kLanes, 0, s>>>(p);

@@ -10,6 +10,8 @@
 //     rounded once; out_weights[t] = the returned weights summed alike.
 #pragma once
 
+#include <iomanip>
+#include <sstream>
 #include "ep/kernels/normal_kernels.h"
 
 namespace {
@@ -98,6 +100,7 @@ class NormalWorld {
   // normal_dispatch on every rank (with top-k and weights), then normal_combine of fresh y
   // with the received weights; returns the first error code any rank left (0: none).
   int32_t round(uint32_t round) {
+    wait_problem_.clear();
     std::vector<int32_t> ones(s_.R, 1);
     auto fresh = [&](int r) {
       ex_.upload(dev_[r].active, ones.data(), 4 * s_.R);
@@ -112,6 +115,7 @@ class NormalWorld {
     for (int r = 0; r < s_.R; ++r) ex_.normalDispatchSend(r, dispatchArgs(r, round), toks(r));
     ex_.finish();
     if (int32_t e = errors()) return e;
+    if (!allArrived("dispatch", true)) return 0;
     counts_.assign(s_.R, std::vector<int32_t>(s_.R));
     for (int r = 0; r < s_.R; ++r) ex_.download(counts_[r].data(), dev_[r].counts, 4 * s_.R);
     for (int r = 0; r < s_.R; ++r) ex_.normalDispatchRecv(r, dispatchArgs(r, round), toks(r));
@@ -147,8 +151,14 @@ class NormalWorld {
       ex_.normalCombine(r, p);
     }
     ex_.finish();
-    return errors();
+    if (int32_t e = errors()) return e;
+    allArrived("combine", false);
+    return 0;
   }
+
+  // "" when every rank saw every peer's signal in the last round's phases; else which rank gave
+  // up on whom (a wait that ran into its deadline reads the rows it has, whatever they are).
+  const std::string& waitProblem() const { return wait_problem_; }
 
   // Compares rank me's outputs with the reference; "" when equal.
   std::string check(int me) {
@@ -249,7 +259,10 @@ class NormalWorld {
         float acc = 0.0f;
         for (const float* w : ws) acc += w[k];
         if (std::memcmp(&out_w[t * K + k], &acc, 4) != 0) {
-          err << "rank " << me << " combine token " << t << " weight " << k << " differs";
+          err << "rank " << me << " combine token " << t << " weight " << k << " differs: got " << std::setprecision(9)
+              << out_w[t * K + k] << ", want " << acc << " (the sum of";
+          for (const float* w : ws) err << " " << w[k];
+          err << ")";
           return err.str();
         }
       }
@@ -293,6 +306,22 @@ class NormalWorld {
     }
     return c.data() + pos * s_.K;
   }
+  // Every rank's decisions after a phase: each peer (and itself, in the dispatch) arrived.
+  bool allArrived(const char* phase, bool self) {
+    for (int r = 0; r < s_.R; ++r) {
+      std::vector<int32_t> dec(s_.R);
+      ex_.download(dec.data(), dev_[r].decision, 4 * s_.R);
+      for (int d = 0; d < s_.R; ++d) {
+        if ((d == r && !self) || dec[d] == kern::kArrived) continue;
+        std::ostringstream os;
+        os << "the " << phase << " of rank " << r << " did not see rank " << d
+           << " arrive (decision " << dec[d] << ", " << (dec[d] == kern::kSilent ? "silent: its deadline passed" : "not arrived") << ")";
+        wait_problem_ = os.str();
+        return false;
+      }
+    }
+    return true;
+  }
   int32_t errors() {
     for (int r = 0; r < s_.R; ++r) {
       int32_t e[2];
@@ -315,6 +344,7 @@ class NormalWorld {
   std::vector<std::vector<int32_t>> counts_;  // [rank][source]
   std::vector<std::vector<uint8_t>> ys_;
   std::vector<std::vector<float>> wcache_;
+  std::string wait_problem_;
 };
 
 // Two rounds (both buffer halves) of normal dispatch + combine on `ex` against the reference
@@ -327,6 +357,11 @@ Result runNormalShape(kern::Exec& ex, const Shape& s, int alignment) {
     if (int32_t e = w.round(round)) {
       res.ok = false;
       detail << "round " << round << ": error code " << e;
+      break;
+    }
+    if (!w.waitProblem().empty()) {
+      res.ok = false;
+      detail << "round " << round << ": " << w.waitProblem();
       break;
     }
     for (int r = 0; r < s.R && res.ok; ++r) {
