@@ -16,6 +16,9 @@
 # torch as a module of its own) on CUDA tensors, 2 processes on GPU 0: every collective and
 # send/recv checked, an op waits for the caller's stream, a Work's future, and all_reduce,
 # all_gather, all_to_all timed 64 KiB..256 MiB against the device-to-device copy rate.
+# A module that carries libstdc++ code of its own is linked again against the libstdc++ torch's
+# process runs on (the GPU machine's first run crashed on that); a crash in the torch check
+# prints its native stack with the module's frames named.
 # Log and JSON go to $OUT
 # (the device tool's output folder) or $GPU_CHECK_BUILD/out (default build-gpu-check/).
 #
@@ -108,6 +111,11 @@ for p in c.library_paths():
     print("lflag -L" + p)
     print("lflag -Wl,-rpath," + p)
 print("suffix " + sysconfig.get_config_var("EXT_SUFFIX"))
+try:  # the libstdc++ that torch's process runs on (for the relink below)
+    with open("/proc/self/maps") as maps:
+        print("stdcxx " + next(l.split()[-1] for l in maps if "/libstdc++.so" in l))
+except (OSError, StopIteration):
+    pass
 print("about torch %s, CUDA %s, GPU available: %s" % (torch.__version__, torch.version.cuda,
                                                       torch.cuda.is_available()))
 P
@@ -119,11 +127,13 @@ if [[ -n "$TORCH_INFO" ]]; then
   TFLAGS=(-O2 -Wall -fPIC -fvisibility=hidden -I"$ROOT" -I"$B/generated" -I"$CUDA_HOME/include"
           -DTORCH_EXTENSION_NAME=mc_torch_check)
   LFLAGS=()
+  STDCXX=""
   while read -r kind rest; do
     case "$kind" in
       cflag) TFLAGS+=("$rest") ;;
       lflag) LFLAGS+=("$rest") ;;
       suffix) MODULE="$B/mc_torch_check$rest" ;;
+      stdcxx) STDCXX="$rest" ;;
       about) echo "gpu_check: $rest" | tee -a "$OUT/build.log" ;;
     esac
   done <<<"$TORCH_INFO"
@@ -134,9 +144,34 @@ if [[ -n "$TORCH_INFO" ]]; then
       xargs -P "$(nproc)" -I{} sh -c \
         '"$0" "$@" -c {} -o "'"$B"'/torchobj/$(echo {} | tr / _).o"' "$CXX" "${TFLAGS[@]}" \
       2>&1 | tee -a "$OUT/build.log" || return 1
+    # (GPU_CHECK_MODULE_LDFLAGS: extra flags for this link; -static-libstdc++ reproduces below.)
+    # shellcheck disable=SC2086
     "$CXX" -shared -o "$MODULE" "$B"/torchobj/*.o "$B/libmc_pg.a" "$B/libmc_engine.a" \
-      "${LFLAGS[@]}" -ltorch -ltorch_cpu -ltorch_python -lc10 -ldl -lpthread -lrt 2>&1 |
-      tee -a "$OUT/build.log" || return 1
+      "${LFLAGS[@]}" -ltorch -ltorch_cpu -ltorch_python -lc10 -ldl -lpthread -lrt \
+      ${GPU_CHECK_MODULE_LDFLAGS:-} 2>&1 | tee -a "$OUT/build.log" || return 1
+    # The module must run on the libstdc++ of the process that loads it. On the GPU machine
+    # (2026-12-04) the link above put libstdc++'s own code (std::codecvt, ostream::_M_insert)
+    # into the module: a second copy whose locale facet ids disagree with the loaded one's, and
+    # the first number an ostringstream formatted (tcp's labelOf, creating the group) crashed
+    # both ranks. Where that happens, link again against the loaded copy and nothing else.
+    if ownStdcxx; then
+      echo "gpu_check: the module carries libstdc++ code of its own; linking it again against" \
+           "${STDCXX:-(none found)}, the copy torch's process runs on" | tee -a "$OUT/build.log"
+      [[ -n "$STDCXX" ]] || return 1
+      "$CXX" -shared -nodefaultlibs -o "$MODULE" "$B"/torchobj/*.o "$B/libmc_pg.a" \
+        "$B/libmc_engine.a" "${LFLAGS[@]}" -ltorch -ltorch_cpu -ltorch_python -lc10 "$STDCXX" \
+        -lm -lgcc_s -lgcc -lc -ldl -lpthread -lrt 2>&1 | tee -a "$OUT/build.log" || return 1
+      if ownStdcxx; then
+        echo "gpu_check: the module still carries libstdc++ code" | tee -a "$OUT/build.log"
+        return 1
+      fi
+    fi
+  }
+  ownStdcxx() {  # libstdc++'s out-of-line members defined (and exported) by the module
+    local n  # (grep -c reads all of nm's output: grep -q would stop it, a failure under pipefail)
+    n=$(nm -D --defined-only "$MODULE" 2>/dev/null |
+        grep -cE ' (_ZNSo9_M_insertI|_ZNKSt7codecvtI|_ZNSt6locale)' || true)
+    ((n > 0))
   }
   # A failed module build is reported (the check fails) but the other checks still run.
   if ! build_module; then
@@ -170,6 +205,20 @@ if [[ -x "$CUDA_HOME/bin/nvcc" ]]; then
     tee -a "$OUT/build.log" || true  # (a failed build is reported when the checks run)
   [[ -x "$B/ep_kernel_check_cuda" ]] && EP_CUDA_BUILT=1
 fi
+# A crash in the torch check explains itself: tests/gpu/crash_backtrace.c, preloaded, writes the
+# native stack; symbolize (below) names the module's frames.
+CRASH_BT=""
+if "${CC:-gcc}" -shared -fPIC -O1 tests/gpu/crash_backtrace.c -o "$B/crash_backtrace.so" \
+     2>&1 | tee -a "$OUT/build.log"; then
+  CRASH_BT="$B/crash_backtrace.so"
+fi
+symbolize() {  # $1: a log with native backtraces; prints the module's frames, named
+  grep -o 'mc_torch_check[^ (]*\.so(+0x[0-9a-f]*)' "$1" | sort -u | while read -r f; do
+    local off=${f##*(+}
+    off=${off%)}
+    echo "  $f = $(addr2line -f -C -e "$MODULE" "$off" 2>/dev/null | head -1 | cut -c1-240)"
+  done
+}
 echo "gpu_check: built in $((SECONDS - t0)) s" | tee -a "$OUT/build.log"
 
 set +e
@@ -206,8 +255,14 @@ set +e
   elif [[ -n "$MODULE" && -f "$MODULE" ]]; then
     BENCH=(--bench)
     [[ "${GPU_CHECK_BENCH:-1}" == 1 ]] || BENCH=()
-    "$PYTHON" tests/gpu/torch_check.py --module-dir "$B" --device "$DEVICE" "${BENCH[@]}" |
+    PYTHONFAULTHANDLER=1 LD_PRELOAD="$CRASH_BT" "$PYTHON" tests/gpu/torch_check.py \
+      --module-dir "$B" --device "$DEVICE" "${BENCH[@]}" 2>"$OUT/torch_check.err" |
       tee "$OUT/torch_check.json" || r=$?
+    cat "$OUT/torch_check.err"
+    if grep -q "native backtrace" "$OUT/torch_check.err"; then
+      echo "gpu_check: the module's frames in the native backtraces above:"
+      symbolize "$OUT/torch_check.err"
+    fi
   fi
   exit "$r"
 } 2>&1 | tee "$OUT/gpu_check.log"
