@@ -7,8 +7,8 @@
 # and back, and a notification follows a write not waited for -- and tests/gpu/pg_check: a
 # 2-rank process group's allreduce, allgather, alltoall, broadcast and reduce_scatter on 16 MiB
 # of GPU memory (through GPU comm halves, reduced by pg/device_reduce.cu, built here by nvcc),
-# checked, GPU allreduces equal to host ones bit for bit, and allreduce timed against host
-# buffers -- and tests/gpu/ep_kernel_check: the EP low-latency kernels (ep/kernels/
+# checked, GPU allreduces equal to host ones bit for bit, allreduce timed against host
+# buffers, and a send/recv exchange that must go device to device -- and tests/gpu/ep_kernel_check: the EP low-latency kernels (ep/kernels/
 # ll_kernels.cu) for 2-4 ranks simulated on GPU 0 against a reference and bit for bit against
 # the same bodies on the host, a silent rank marked inactive by the kernels' deadline or by its
 # gone flag (host-mapped memory raised while they wait), normal-mode dispatch + combine (a

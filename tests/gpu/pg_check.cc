@@ -198,6 +198,43 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
     }
     return "ok";
   });
+  // Send/recv of GPU memory between the two ranks (one host): device to device through the
+  // sender's staging buffers (pg/p2p_stage.h), counted by p2pDeviceMessages; timed, best of
+  // 3 exchanges, against the same exchange of host buffers.
+  check("sendrecv_16MiB", [&]() -> std::string {
+    Gpu src(d, bytes), dst(d, bytes);
+    if (src.p == nullptr || dst.p == nullptr) return "allocation failed";
+    const int peer = 1 - me;
+    Status st = copyWait(d, src.p, host.data(), bytes);
+    if (!st.ok()) return st.toString();
+    const uint64_t before = c.p2pDeviceMessages();
+    c.send(src.p, bytes, peer, 7);
+    c.recv(dst.p, bytes, peer, 7);
+    const uint64_t moved = c.p2pDeviceMessages() - before;
+    st = copyWait(d, back.data(), dst.p, bytes);
+    if (!st.ok()) return st.toString();
+    for (size_t i = 0; i < kFloats; ++i)
+      if (back[i] != input(peer, i)) return "element " + std::to_string(i) + " differs";
+    if (moved != 2)
+      return std::to_string(moved) + " of this rank's 2 messages went device to device";
+    auto best = [&](const void* from, void* to) {
+      double t = 1e9;
+      for (int k = 0; k < 3; ++k) {
+        c.barrier();
+        auto t0 = std::chrono::steady_clock::now();
+        c.send(from, bytes, peer, 8);
+        c.recv(to, bytes, peer, 8);
+        t = std::min(t, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      return t;
+    };
+    std::vector<float> host_out(kFloats);
+    const double tg = best(src.p, dst.p), th = best(host.data(), host_out.data());
+    char s[160];
+    std::snprintf(s, sizeof s, "ok: device to device; GPU %.0f us, host %.0f us (%.2fx)",
+                  tg * 1e6, th * 1e6, tg / th);
+    return s;
+  });
   return rows;
 }
 
