@@ -124,9 +124,9 @@ int asInt(cudaError_t e) { return static_cast<int>(e); }
 // Every kernel of this file loaded before the first launch. With lazy loading (CUDA's default
 // since 12.2) a kernel loads at its first launch, and loading may wait for the context's
 // running kernels: a wait kernel spinning on a peer whose send kernel this thread has yet to
-// launch then stalls the launch until its deadline (the GPU machine's first run, 2026-12-04:
-// normal mode's first round on one GPU -- rank 0's wait went silent after 10 s and its token
-// kernel read the weights before they came). cudaFuncGetAttributes loads a kernel.
+// launch then stalls the launch until its deadline. That is how we read the GPU machine's first
+// run (2026-12-04, docs/gpu.md): in normal mode's first round on one GPU, rank 0's combined
+// weights came out 0 while its rows were right. cudaFuncGetAttributes loads a kernel.
 int loadAll() {
   const void* kernels[] = {
       reinterpret_cast<const void*>(dispatchSendKernel),

@@ -259,8 +259,8 @@ class NormalWorld {
         float acc = 0.0f;
         for (const float* w : ws) acc += w[k];
         if (std::memcmp(&out_w[t * K + k], &acc, 4) != 0) {
-          err << "rank " << me << " combine token " << t << " weight " << k << " differs: got " << std::setprecision(9)
-              << out_w[t * K + k] << ", want " << acc << " (the sum of";
+          err << "rank " << me << " combine token " << t << " weight " << k << " differs: got "
+              << std::setprecision(9) << out_w[t * K + k] << ", want " << acc << " (the sum of";
           for (const float* w : ws) err << " " << w[k];
           err << ")";
           return err.str();
@@ -315,7 +315,8 @@ class NormalWorld {
         if ((d == r && !self) || dec[d] == kern::kArrived) continue;
         std::ostringstream os;
         os << "the " << phase << " of rank " << r << " did not see rank " << d
-           << " arrive (decision " << dec[d] << ", " << (dec[d] == kern::kSilent ? "silent: its deadline passed" : "not arrived") << ")";
+           << " arrive (decision " << dec[d] << ", "
+           << (dec[d] == kern::kSilent ? "silent: its deadline passed" : "not arrived") << ")";
         wait_problem_ = os.str();
         return false;
       }
