@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# The GPU machine's check (issue 11): builds the engine (without rdma and hwloc) against the
-# CUDA driver API's header and runs on the GPU (MC_DEVICE=cuda) tests/gpu/device_check --
-# allocation and pointer attributes, copies and events, dma-buf export, an IPC handle opened by
-# a second process, the device's own 64 MiB device-to-device copy rate -- and
-# tests/gpu/engine_check: two processes' engines move 64 MiB GPU to GPU over the cuda transport
-# and back, and a notification follows a write not waited for -- and tests/gpu/pg_check: a
-# 2-rank process group's allreduce, allgather, alltoall, broadcast and reduce_scatter on 16 MiB
-# of GPU memory (through GPU comm halves, reduced by pg/device_reduce.cu, built here by nvcc),
-# checked, GPU allreduces equal to host ones bit for bit, allreduce timed against host
-# buffers, and a send/recv exchange that must go device to device -- and tests/gpu/ep_kernel_check: the EP low-latency kernels (ep/kernels/
-# ll_kernels.cu) for 2-4 ranks simulated on GPU 0 against a reference and bit for bit against
-# the same bodies on the host, a silent rank marked inactive by the kernels' deadline or by its
-# gone flag (host-mapped memory raised while they wait), normal-mode dispatch + combine (a
-# stream per rank), and dispatch/combine timed at 128 x 7168 x top-8 -- and tests/gpu/torch_check.py: the torch backend (built here against the machine's
-# torch as a module of its own) on CUDA tensors, 2 processes on GPU 0: every collective and
-# send/recv checked, an op waits for the caller's stream, a Work's future, and all_reduce,
-# all_gather, all_to_all timed 64 KiB..256 MiB against the device-to-device copy rate.
-# A module that carries libstdc++ code of its own is linked again against the libstdc++ torch's
-# process runs on (the GPU machine's first run crashed on that); a crash in the torch check
-# prints its native stack with the module's frames named.
+# The GPU machine's check (issue 11): builds the engine (without rdma and hwloc) against the CUDA
+# driver API's header and runs on the GPU (MC_DEVICE=cuda) tests/gpu/device_check -- allocation
+# and pointer attributes, copies and events, dma-buf export, an IPC handle opened by a second
+# process, the device's own 64 MiB device-to-device copy rate -- and tests/gpu/engine_check: two
+# processes' engines move 64 MiB GPU to GPU over the cuda transport and back, and a notification
+# follows a write not waited for -- and tests/gpu/pg_check: a 2-rank process group's allreduce,
+# allgather, alltoall, broadcast and reduce_scatter on 16 MiB of GPU memory (through GPU comm
+# halves, reduced by pg/device_reduce.cu, built here by nvcc), checked, GPU allreduces equal to
+# host ones bit for bit, allreduce timed against host buffers, and a send/recv exchange that must
+# go device to device -- and tests/gpu/ep_kernel_check: the EP low-latency kernels
+# (ep/kernels/ll_kernels.cu) for 2-4 ranks simulated on GPU 0 against a reference and bit for bit
+# against the same bodies on the host, a silent rank marked inactive by the kernels' deadline or
+# by its gone flag (host-mapped memory raised while they wait), normal-mode dispatch + combine (a
+# stream per rank), and dispatch/combine timed at 128 x 7168 x top-8 -- and
+# tests/gpu/torch_check.py: the torch backend (built here against the machine's torch as a module
+# of its own) on CUDA tensors, 2 processes on GPU 0: every collective and send/recv checked, an op
+# waits for the caller's stream, a Work's future, and all_reduce, all_gather, all_to_all timed 64
+# KiB..256 MiB against the device-to-device copy rate. A module that carries libstdc++ code of its
+# own is linked again against the libstdc++ torch's process runs on (the GPU machine's first run
+# crashed on that); a crash in the torch check prints its native stack with the module's frames
+# named.
 # Log and JSON go to $OUT
 # (the device tool's output folder) or $GPU_CHECK_BUILD/out (default build-gpu-check/).
 #
