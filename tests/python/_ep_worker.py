@@ -1,16 +1,60 @@
 """One rank of an EP test run: initialises the default group with backend "mooncake", runs
 the named cases of ep_cases.py in order and writes {case: failures | "error: ..."} as JSON
-after each case (so a rank killed on purpose leaves what it had). Exits with os._exit so a
-dead peer cannot hang the teardown."""
+after each case (so a rank killed on purpose leaves what it had). Before it exits it waits
+(at most WAIT_PEERS_S) until every other rank has finished its cases or is gone: a rank's last
+writes and notifications to a peer may still be on their way when its own cases end, and an
+exit drops them (CI saw it once: rank 0 exited right after its last normal_combine over the
+verbs emulator and rank 1 never got rank 0's rows). Exits with os._exit so a dead peer cannot
+hang the teardown."""
 
 import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+WAIT_PEERS_S = 30.0
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # (a zombie is gone for our purpose: its parent has not reaped it yet)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for_peers(a, names):
+    """Until every other rank has written all of `names` or its process is gone (bounded)."""
+    deadline = time.monotonic() + WAIT_PEERS_S
+    pending = set(range(a.world)) - {a.rank}
+    while pending and time.monotonic() < deadline:
+        for r in sorted(pending):
+            try:
+                with open(f"{a.out}/rank{r}.json") as f:
+                    theirs = json.load(f)
+                done = all(n in theirs for n in names)
+            except (OSError, ValueError):
+                done = False
+            try:
+                with open(f"{a.out}/rank{r}.pid") as f:
+                    gone = not _alive(int(f.read()))
+            except (OSError, ValueError):
+                gone = False
+            if done or gone:
+                pending.discard(r)
+        time.sleep(0.02)
 
 
 def main():
@@ -22,6 +66,9 @@ def main():
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     results = {}
+    with open(f"{a.out}/rank{a.rank}.pid.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(f"{a.out}/rank{a.rank}.pid.tmp", f"{a.out}/rank{a.rank}.pid")
 
     def save():
         tmp = f"{a.out}/rank{a.rank}.json.tmp"
@@ -45,12 +92,14 @@ def main():
         results["__init__"] = "error: " + traceback.format_exc()
         save()
         os._exit(1)
-    for name in a.cases.split(","):
+    names = a.cases.split(",")
+    for name in names:
         try:
             results[name] = getattr(ep_cases, "case_" + name)(ctx)
         except BaseException:
             results[name] = "error: " + traceback.format_exc()
         save()
+    wait_for_peers(a, names)
     sys.stdout.flush()
     os._exit(0)
 
