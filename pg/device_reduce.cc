@@ -153,6 +153,13 @@ bool deviceReduceAsync(void* dst, void* dst2, const void* const* srcs, int n, si
   return true;
 }
 
+Status prepareDeviceReduce(int ordinal) {
+  auto layer = engine::device::get();
+  if (!layer.ok()) return layer.status();
+  Status st = (*layer)->load(kernel(), ordinal);
+  return st.code() == Code::kNotSupported ? Status::OK() : st;
+}
+
 uint64_t deviceReduceLaunches() { return g_launches.load(std::memory_order_relaxed); }
 
 }  // namespace mooncake::pg

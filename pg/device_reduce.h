@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "engine/status.h"
 #include "pg/types.h"
 
 namespace mooncake::pg {
@@ -27,6 +28,11 @@ bool deviceReduceAsync(void* dst, void* dst2, const void* const* srcs, int n, si
 // The host form on host memory, run here and now (tests): false as above.
 bool deviceReduceOnHost(void* dst, void* dst2, const void* const* srcs, int n, size_t count,
                         DataType t, ReduceOp op);
+
+// Loads the reduction kernel on device `ordinal` now (engine::device::Device::load: a caller
+// that gates a stream on an op's completion must, before its first gate). OK without a GPU
+// form (the CPU reduces then).
+Status prepareDeviceReduce(int ordinal);
 
 // Reductions queued on a device by this process so far (tests).
 uint64_t deviceReduceLaunches();

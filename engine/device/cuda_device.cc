@@ -44,10 +44,11 @@ struct Driver {
   decltype(&cuEventCreate) eventCreate = nullptr;
   decltype(&cuEventRecord) eventRecord = nullptr;
   decltype(&cuEventQuery) eventQuery = nullptr;
-  decltype(&cuEventDestroy) eventDestroy = nullptr;
   decltype(&cuModuleLoadData) moduleLoadData = nullptr;
   decltype(&cuModuleGetFunction) moduleGetFunction = nullptr;
   decltype(&cuLaunchKernel) launchKernel = nullptr;
+  decltype(&cuFuncLoad) funcLoad = nullptr;                          // optional (12.4)
+  decltype(&cuFuncGetAttribute) funcGetAttribute = nullptr;          // optional
   decltype(&cuDeviceCanAccessPeer) canAccessPeer = nullptr;  // optional
   decltype(&cuCtxEnablePeerAccess) enablePeerAccess = nullptr;  // optional
   decltype(&cuMemHostAlloc) memHostAlloc = nullptr;                  // optional
@@ -63,10 +64,26 @@ std::string errorText(const Driver& d, CUresult r) {
   return s != nullptr ? s : "CUDA error " + std::to_string(static_cast<int>(r));
 }
 
+// Events are created ahead and reused, never destroyed while the layer lives: the driver takes
+// a context-wide lock to destroy (and create) one that a synchronous call holds while it waits,
+// and the caller's thread may be in such a call behind a gate that only our op opens (the
+// first GPU run's torch check: the op thread in cuEventDestroy, the main thread in tensor.cpu()
+// behind Work.wait()'s gate on torch's stream; neither returned). Per device (an event belongs
+// to a context).
+struct EventPool {
+  static constexpr size_t kAhead = 64;  // made with the device's copy stream
+  std::mutex mu;
+  std::vector<std::vector<CUevent>> spare;
+};
+
 class CudaEvent final : public Event {
  public:
-  CudaEvent(const Driver* d, CUevent e) : d_(d), e_(e) {}
-  ~CudaEvent() override { d_->eventDestroy(e_); }
+  CudaEvent(const Driver* d, CUevent e, EventPool* pool, int ordinal)
+      : d_(d), e_(e), pool_(pool), ordinal_(ordinal) {}
+  ~CudaEvent() override {
+    std::lock_guard<std::mutex> g(pool_->mu);
+    pool_->spare[static_cast<size_t>(ordinal_)].push_back(e_);
+  }
   bool done() override { return d_->eventQuery(e_) != CUDA_ERROR_NOT_READY; }
   Status wait(Deadline deadline) override {
     // cuEventSynchronize has no deadline: poll, yielding, then sleeping a little.
@@ -88,6 +105,8 @@ class CudaEvent final : public Event {
  private:
   const Driver* d_;
   CUevent e_;
+  EventPool* pool_;
+  int ordinal_;
 };
 
 template <typename F>
@@ -98,7 +117,9 @@ bool load(void* lib, const char* sym, F* out) {
 
 class CudaDevice final : public Device {
  public:
-  explicit CudaDevice(Driver d, int n) : d_(d), ctx_(static_cast<size_t>(n), nullptr) {}
+  explicit CudaDevice(Driver d, int n) : d_(d), ctx_(static_cast<size_t>(n), nullptr) {
+    events_.spare.resize(ctx_.size());
+  }
   const char* name() const override { return "cuda"; }
   int count() const override { return static_cast<int>(ctx_.size()); }
 
@@ -205,13 +226,22 @@ class CudaDevice final : public Device {
   Result<std::unique_ptr<Event>> record(int ordinal) override {
     MC_ASSIGN_OR_RETURN(CUstream s, stream(ordinal));
     CUevent e = nullptr;
-    CUresult r = d_.eventCreate(&e, CU_EVENT_DISABLE_TIMING);
-    if (r == CUDA_SUCCESS) {
-      r = d_.eventRecord(e, s);
-      if (r != CUDA_SUCCESS) d_.eventDestroy(e);
+    {
+      std::lock_guard<std::mutex> g(events_.mu);
+      auto& spare = events_.spare[static_cast<size_t>(ordinal)];
+      if (!spare.empty()) {
+        e = spare.back();
+        spare.pop_back();
+      }
     }
+    // (More than kAhead events outstanding: one more is made, which is what EventPool avoids
+    // on the common path.)
+    CUresult r = e != nullptr ? CUDA_SUCCESS : d_.eventCreate(&e, CU_EVENT_DISABLE_TIMING);
+    if (r != CUDA_SUCCESS) return MC_STATUS(kInternal, "cuEventCreate: " << err(r));
+    auto ev = std::unique_ptr<Event>(new CudaEvent(&d_, e, &events_, ordinal));
+    r = d_.eventRecord(e, s);  // (a failed record still returns e to the pool with ev)
     if (r != CUDA_SUCCESS) return MC_STATUS(kInternal, "cuEventRecord: " << err(r));
-    return std::unique_ptr<Event>(new CudaEvent(&d_, e));
+    return ev;
   }
 
   bool canAccess(int ordinal, const void* p) override {
@@ -305,6 +335,14 @@ class CudaDevice final : public Device {
 
   uint64_t pageableCopies() const override { return 0; }
 
+  Status load(const Kernel& k, int ordinal) override {
+    MC_RETURN_IF_ERROR(stream(ordinal).status());  // (and its events: made now too)
+    if (k.image == nullptr || k.name == nullptr)
+      return MC_STATUS(kNotSupported, "kernel " << (k.name ? k.name : "?")
+                                                << ": this build has no CUDA image of it");
+    return function(k, ordinal).status();
+  }
+
   Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
                 size_t params_len, int ordinal) override {
     if (k.image == nullptr || k.name == nullptr)
@@ -353,6 +391,14 @@ class CudaDevice final : public Device {
         s = nullptr;
         return MC_STATUS(kUnavailable, "cuStreamCreate on device " << ordinal << ": " << err(r));
       }
+      // The device's events, made now with its stream (EventPool).
+      std::lock_guard<std::mutex> ge(events_.mu);
+      auto& spare = events_.spare[static_cast<size_t>(ordinal)];
+      for (size_t i = 0; i < EventPool::kAhead; ++i) {
+        CUevent e = nullptr;
+        if (d_.eventCreate(&e, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) break;
+        spare.push_back(e);
+      }
     }
     return s;
   }
@@ -379,6 +425,16 @@ class CudaDevice final : public Device {
     CUfunction f = nullptr;
     r = d_.moduleGetFunction(&f, m, k.name);
     if (r != CUDA_SUCCESS) return MC_STATUS(kNotFound, "kernel " << k.name << ": " << err(r));
+    // Loaded now, not at its first launch (Device::load says why): cuFuncLoad where the
+    // driver has it, else an attribute query, which loads a lazily loaded function.
+    if (d_.funcLoad != nullptr) {
+      r = d_.funcLoad(f);
+    } else if (d_.funcGetAttribute != nullptr) {
+      int unused = 0;
+      r = d_.funcGetAttribute(&unused, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f);
+    }
+    if (r != CUDA_SUCCESS)
+      return MC_STATUS(kUnavailable, "loading kernel " << k.name << ": " << err(r));
     functions_[key] = f;
     return f;
   }
@@ -387,6 +443,7 @@ class CudaDevice final : public Device {
   std::mutex mu_;
   std::vector<CUcontext> ctx_;
   std::vector<CUstream> streams_ = std::vector<CUstream>(ctx_.size(), nullptr);
+  EventPool events_;
   std::map<std::pair<const void*, int>, CUmodule> modules_;  // never unloaded (as streams)
   std::map<std::tuple<const void*, std::string, int>, CUfunction> functions_;
   std::map<std::pair<int, int>, bool> peer_;  // (from, to): canAccess's answers
@@ -415,7 +472,6 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
             load(lib, "cuEventCreate", &d.eventCreate) &&
             load(lib, "cuEventRecord", &d.eventRecord) &&
             load(lib, "cuEventQuery", &d.eventQuery) &&
-            load(lib, "cuEventDestroy_v2", &d.eventDestroy) &&
             load(lib, "cuModuleLoadData", &d.moduleLoadData) &&
             load(lib, "cuModuleGetFunction", &d.moduleGetFunction) &&
             load(lib, "cuLaunchKernel", &d.launchKernel);
@@ -426,6 +482,8 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
   (void)load(lib, "cuMemHostAlloc", &d.memHostAlloc);
   (void)load(lib, "cuMemHostGetDevicePointer_v2", &d.hostGetDevicePointer);
   (void)load(lib, "cuStreamWaitValue32_v2", &d.streamWaitValue32);
+  (void)load(lib, "cuFuncLoad", &d.funcLoad);
+  (void)load(lib, "cuFuncGetAttribute", &d.funcGetAttribute);
   (void)load(lib, "cuMemHostRegister_v2", &d.hostRegister);
   (void)load(lib, "cuMemHostUnregister", &d.hostUnregister);
   CUresult r = d.init(0);

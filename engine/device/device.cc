@@ -391,6 +391,13 @@ class SimDevice final : public Device {
     return Status::OK();
   }
 
+  Status load(const Kernel& k, int ordinal) override {
+    if (k.host == nullptr)
+      return MC_STATUS(kNotSupported, "sim device: kernel " << (k.name ? k.name : "?")
+                                                            << " has no host form");
+    return stream(ordinal).status();
+  }
+
   Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
                 size_t params_len, int ordinal) override {
     if (k.host == nullptr)

@@ -96,6 +96,12 @@ class Device {
   // that stream (as a fault poisons a CUDA context).
   virtual Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
                         size_t params_len, int ordinal) = 0;
+  // Loads kernel k on device `ordinal` now (launch loads it otherwise). CUDA loads a kernel
+  // lazily by default (CUDA_MODULE_LOADING), at its first launch, and loading synchronises the
+  // context: a first launch queued while a stream waits on a host word that only this launch's
+  // completion opens (waitWord) would never return. Callers that gate streams load first.
+  // kNotSupported as launch's.
+  virtual Status load(const Kernel& k, int ordinal) = 0;
   // Whether a kernel on device `ordinal` may load and store at p: device memory of that
   // device, or of another that it has peer access to (enabled here on first ask). CUDA:
   // pageable host memory never; the simulation: any memory.

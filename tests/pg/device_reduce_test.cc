@@ -211,6 +211,23 @@ TEST_F(SimDeviceReduce, ARangePastAnAllocationFailsTheNextWait) {
   ASSERT_TRUE(dev->free(*a).ok());
 }
 
+// Loading ahead (what the torch backend does before its first stream gate): the kernel's host
+// form loads on every device; an ordinal past the devices and a kernel without a form for this
+// layer are refused, and prepareDeviceReduce passes the refusal of a missing form over (the CPU
+// reduces then) but not a bad device.
+TEST_F(SimDeviceReduce, LoadedAheadOfTheFirstLaunch) {
+  engine::device::Device* dev = layer();
+  ASSERT_NE(dev, nullptr);
+  for (int d = 0; d < engine::device::kSimDevices; ++d) {
+    Status st = prepareDeviceReduce(d);
+    EXPECT_TRUE(st.ok()) << st.toString();
+  }
+  EXPECT_FALSE(prepareDeviceReduce(engine::device::kSimDevices).ok());
+  engine::device::Kernel none;
+  none.name = "no_host_form";
+  EXPECT_EQ(dev->load(none, 0).code(), Code::kNotSupported);
+}
+
 TEST_F(SimDeviceReduce, NoGpuFormForUnsupportedCalls) {
   engine::device::Device* dev = layer();
   ASSERT_NE(dev, nullptr);

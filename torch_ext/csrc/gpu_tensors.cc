@@ -10,10 +10,12 @@
 #include <algorithm>
 #include <stdexcept>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "engine/device/device.h"
 #include "engine/log.h"
+#include "pg/device_reduce.h"
 #include "mooncake/config.h"
 
 namespace mooncake::torch_ext {
@@ -109,6 +111,18 @@ bool streamWaitGate(const std::vector<c10::Device>& devices, const engine::devic
   if (!d.ok()) return cannot(d.status().toString());
   c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
   for (const c10::Device& dev : devices) {
+    // The kernels an op may launch are loaded before the first gate on this device: loaded at
+    // a first launch behind the gate instead, they would wait for it (Device::load).
+    static std::mutex mu;
+    static std::set<int> loaded;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (!loaded.count(dev.index())) {
+        Status st = pg::prepareDeviceReduce(dev.index());
+        if (!st.ok()) return cannot("the GPU reduction kernel did not load: " + st.toString());
+        loaded.insert(dev.index());
+      }
+    }
     const c10::Stream s = cuda.getStream(dev);
     Status st = (*d)->waitWord(dev.index(), stream_of(&s), gate.word, gate.value);
     if (!st.ok()) return cannot(st.toString());

@@ -14,13 +14,17 @@
 // op does not touch those tensors before the events have completed (the kernels queued before
 // the call have produced its inputs). The op's own copies are waited for on the host by the
 // thread that runs it, so when its Work completes, its outputs are in GPU memory and kernels
-// queued afterwards on any stream see them. Work.wait() (without a timeout) on an op with
-// CUDA outputs that has not completed makes the caller's current stream of each output device
-// wait for it, as NCCL's does, and returns: a gate (a host word, engine/device/device.h) is
-// queued on the stream with cuStreamWaitValue32, and the op's thread opens it when the op
-// completes, failed or not. No host synchronisation. Where that cannot be done (torch's CUDA
-// streams out of reach, a driver without stream memory operations; logged once) and with
-// MC_PG_BLOCKING_WAIT=1, wait() blocks the calling thread until the op completes instead.
+// queued afterwards on any stream see them. Work.wait() blocks the calling thread until the op
+// completes (MC_PG_BLOCKING_WAIT=1, the default). With MC_PG_BLOCKING_WAIT=0, Work.wait()
+// (without a timeout) on an op with CUDA outputs that has not completed makes the caller's
+// current stream of each output device wait for it, as NCCL's does, and returns: a gate (a
+// host word, engine/device/device.h) is queued on the stream with cuStreamWaitValue32, and the
+// op's thread opens it when the op completes, failed or not. No host synchronisation -- but a
+// driver call on the op's path that takes the driver's context lock then deadlocks with a
+// synchronous copy of the caller's queued behind the gate (the GPU machine's second session,
+// docs/gpu.md): the op's path must not create or destroy events, load kernels or streams.
+// Where the gate cannot be queued (torch's CUDA streams out of reach, a driver without stream
+// memory operations; logged once), wait() blocks instead.
 #pragma once
 
 #include <ATen/Tensor.h>
