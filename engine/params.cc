@@ -193,10 +193,11 @@ const std::vector<ParamDef>& table() {
        "started is handed to the group's worker thread by the process's hand-off thread, which "
        "looks this often while ops are pending (backing off to 16x while it finds none). 0: "
        "every op goes to the worker when it is issued."},
-      {"MC_PG_BLOCKING_WAIT", Type::kBool, "0",
+      {"MC_PG_BLOCKING_WAIT", Type::kBool, "1",
        "torch backend, ops on CUDA tensors: Work.wait() blocks the calling thread until the op "
-       "completes (like TORCH_NCCL_BLOCKING_WAIT=1) instead of making the current CUDA "
-       "streams wait for it."},
+       "completes (like TORCH_NCCL_BLOCKING_WAIT=1). 0: it makes the caller's current CUDA "
+       "streams wait for the op instead (a gate, as NCCL's wait), which deadlocked on the GPU "
+       "machine's first run and whose fix has not run on a GPU yet (docs/gpu.md)."},
       {"MC_PG_HEALTH_US", Type::kInt, "1000",
        "How often a waiting process-group op checks peer liveness and its deadline."},
       {"MC_PG_HIERARCHICAL", Type::kBool, "1",
