@@ -19,14 +19,17 @@
 # KiB..256 MiB against the device-to-device copy rate. A module that carries libstdc++ code of its
 # own is linked again against the libstdc++ torch's process runs on (the GPU machine's first run
 # crashed on that); a crash in the torch check prints its native stack with the module's frames
-# named.
+# named, and a hang every thread's stack. The torch check runs twice: Work.wait() as shipped
+# (blocking) with the timings, then Work.wait() as a stream gate (MC_PG_BLOCKING_WAIT=0).
 # Log and JSON go to $OUT
 # (the device tool's output folder) or $GPU_CHECK_BUILD/out (default build-gpu-check/).
 #
 # It needs a C++17 compiler and the CUDA toolkit's include/ only: the GPU machine has no
 # protobuf or googletest, so this does not configure the whole project. What it does not run
 # yet: the store (it needs protobuf), rdma, NCCL beside us (NCCL refuses two ranks on one GPU).
-# GPU_CHECK_TORCH=0 skips the torch module; GPU_CHECK_BENCH=0 the torch timings.
+# GPU_CHECK_TORCH=0 skips the torch module; GPU_CHECK_BENCH=0 the torch timings; GPU_CHECK_GATE=0
+# the torch check's second pass (Work.wait() as a stream gate); GPU_CHECK_ONLY=torch runs the
+# torch check alone (a diagnosis); GPU_CHECK_TORCH_TIMEOUT (150 s) bounds each torch pass.
 #
 #   scripts/gpu_check.sh          on the GPU machine
 #   scripts/gpu_check.sh --sim    a dry run anywhere: the same build, over the host simulation
@@ -192,7 +195,8 @@ fi
 "$CXX" "${FLAGS[@]}" -ffp-contract=off tests/gpu/ep_kernel_check.cc ep/layout.cc \
   -o "$B/ep_kernel_check" -lpthread 2>&1 | tee -a "$OUT/build.log"
 EP_CUDA_BUILT=0
-if [[ -x "$CUDA_HOME/bin/nvcc" ]]; then
+ONLY="${GPU_CHECK_ONLY:-}"  # "torch": the torch check alone (a diagnosis; the EP kernels not built)
+if [[ -x "$CUDA_HOME/bin/nvcc" && "$ONLY" != torch ]]; then
   NV=("$CUDA_HOME/bin/nvcc" -std=c++17 -O2 -arch="${GPU_CHECK_ARCH:-sm_90}" --fmad=false
       -Xcompiler -ffp-contract=off -DMC_EP_CHECK_CUDA -I"$ROOT" -I"$B/generated")
   # (A binary left by an earlier build must not count: built means built now.)
@@ -226,10 +230,18 @@ set +e
 {
   echo "gpu_check: MC_DEVICE=$DEVICE, $(date -u +%FT%TZ), $(uname -n)"
   if command -v nvidia-smi >/dev/null; then nvidia-smi -L; else echo "(no nvidia-smi)"; fi
+  # What the machine runs (whether binaries built elsewhere could run here, and what the store
+  # would need): the OS, glibc, the newest libstdc++ ABI, protobuf and re2.
+  echo "machine: $(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-?}"); $(ldd --version 2>&1 |
+    head -1); $(strings "$(g++ -print-file-name=libstdc++.so.6)" 2>/dev/null |
+    grep -o 'GLIBCXX_3\.4\.[0-9]*' | sort -t. -k3 -n | tail -1); protobuf/re2:" \
+    "$(ls /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/local/lib 2>/dev/null |
+    grep -E '^lib(protobuf|re2)\.so' | sort -u | tr '\n' ' ')$(command -v protoc || true)"
   r=0
+  if [[ "$ONLY" != torch ]]; then
   MC_DEVICE="$DEVICE" "$B/device_check" --json "$OUT/device_check.json" || r=$?
-  MC_DEVICE="$DEVICE" timeout 300 "$B/engine_check" | tee "$OUT/engine_check.json" || r=$?
-  MC_DEVICE="$DEVICE" timeout 300 "$B/pg_check" | tee "$OUT/pg_check.json" || r=$?
+  MC_DEVICE="$DEVICE" timeout 90 "$B/engine_check" | tee "$OUT/engine_check.json" || r=$?
+  MC_DEVICE="$DEVICE" timeout 120 "$B/pg_check" | tee "$OUT/pg_check.json" || r=$?
   if [[ -x "$CUDA_HOME/bin/nvcc" ]] && ((!REDUCE_KERNEL)); then
     echo '{"check": "pg reduction kernel (nvcc)", "ok": false, "detail": "it did not build"}'
     r=1
@@ -238,7 +250,7 @@ set +e
   # the host executor (the CUDA build must still have compiled where nvcc is).
   if [[ "$DEVICE" == cuda ]]; then
     if ((EP_CUDA_BUILT)); then
-      timeout 300 "$B/ep_kernel_check_cuda" cuda "$OUT/ep_kernel_check.json" || r=$?
+      timeout 150 "$B/ep_kernel_check_cuda" cuda "$OUT/ep_kernel_check.json" || r=$?
     else
       echo '{"check": "ep kernels", "ok": false, "detail": "ep_kernel_check_cuda did not build"}'
       r=1
@@ -250,20 +262,34 @@ set +e
       r=1
     fi
   fi
+  fi  # (not GPU_CHECK_ONLY=torch)
   if ((TORCH_BUILD_FAILED)); then
     echo '{"check": "torch_check", "ok": false, "detail": "the module did not build"}'
     r=1
   elif [[ -n "$MODULE" && -f "$MODULE" ]]; then
-    BENCH=(--bench)
-    [[ "${GPU_CHECK_BENCH:-1}" == 1 ]] || BENCH=()
-    PYTHONFAULTHANDLER=1 LD_PRELOAD="$CRASH_BT" "$PYTHON" tests/gpu/torch_check.py \
-      --module-dir "$B" --device "$DEVICE" "${BENCH[@]}" 2>"$OUT/torch_check.err" |
-      tee "$OUT/torch_check.json" || r=$?
-    cat "$OUT/torch_check.err"
-    if grep -q "native backtrace" "$OUT/torch_check.err"; then
-      echo "gpu_check: the module's frames in the native backtraces above:"
-      symbolize "$OUT/torch_check.err"
-    fi
+    # As shipped (Work.wait() blocks, MC_PG_BLOCKING_WAIT=1), timed; then, on CUDA, with the
+    # stream gate (MC_PG_BLOCKING_WAIT=0), which deadlocked on the GPU machine's first runs
+    # (docs/gpu.md), untimed. Each under a deadline: a rank that hangs has every thread's stack
+    # written (torch_check.py) and the check fails.
+    TT="${GPU_CHECK_TORCH_TIMEOUT:-150}"
+    MODES=(blocking)
+    [[ "$DEVICE" == cuda && "${GPU_CHECK_GATE:-1}" == 1 ]] && MODES+=(gate)
+    for mode in "${MODES[@]}"; do
+      BENCH=()
+      [[ $mode == blocking && "${GPU_CHECK_BENCH:-1}" == 1 ]] && BENCH=(--bench)
+      name=torch_check
+      [[ $mode == gate ]] && name=torch_check_gate
+      echo "gpu_check: the torch check, Work.wait() $mode"
+      MC_PG_BLOCKING_WAIT=$([[ $mode == gate ]] && echo 0 || echo 1) PYTHONFAULTHANDLER=1 \
+        LD_PRELOAD="$CRASH_BT" timeout -s INT -k 10 $((TT + 40)) \
+        "$PYTHON" tests/gpu/torch_check.py --timeout "$TT" --module-dir "$B" \
+        --device "$DEVICE" "${BENCH[@]}" 2>"$OUT/$name.err" | tee "$OUT/$name.json" || r=$?
+      cat "$OUT/$name.err"
+      if grep -q "native backtrace" "$OUT/$name.err"; then
+        echo "gpu_check: the module's frames in the native backtraces above:"
+        symbolize "$OUT/$name.err"
+      fi
+    done
   fi
   exit "$r"
 } 2>&1 | tee "$OUT/gpu_check.log"
