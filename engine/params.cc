@@ -117,6 +117,10 @@ const std::vector<ParamDef>& table() {
        "The device layer for GPU memory (MemoryKind::kCuda): auto (the CUDA driver when one is "
        "installed and sees a device), cuda, sim (a host simulation: device memory is shared host "
        "memory; for tests) or none."},
+      {"MC_DEVICE_SPIN_US", Type::kInt, "200",
+       "CUDA: how long a host thread that waits for the device's copies or kernels (an event of "
+       "the engine's copy stream) polls, yielding, before it sleeps 20 us at a time: a step of "
+       "a GPU collective on small data finishes within it."},
       {"MC_BOUNCE_BYTES", Type::kInt, "67108864",
        "Registered host memory the engine lends to transports that need the local side of a "
        "request registered (rdma), for requests from unregistered memory; allocated on first "

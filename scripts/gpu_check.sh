@@ -7,10 +7,11 @@
 # follows a write not waited for -- and tests/gpu/pg_check: a 2-rank process group's allreduce,
 # allgather, alltoall, broadcast and reduce_scatter on 16 MiB of GPU memory (through GPU comm
 # halves, reduced by pg/device_reduce.cu, built here by nvcc), checked, GPU allreduces equal to
-# host ones bit for bit, allreduce timed against host buffers, and a send/recv exchange that must
-# go device to device -- and tests/gpu/ep_kernel_check: the EP low-latency kernels
-# (ep/kernels/ll_kernels.cu) for 2-4 ranks simulated on GPU 0 against a reference and bit for bit
-# against the same bodies on the host, a silent rank marked inactive by the kernels' deadline or
+# host ones bit for bit, allreduce timed against host buffers (16 MiB; 64 KiB, once more with
+# MC_DEVICE_SPIN_US=0), and a send/recv exchange that must go device to device -- and
+# tests/gpu/ep_kernel_check: the EP low-latency kernels (ep/kernels/ll_kernels.cu) for 2-4
+# ranks simulated on GPU 0 against a reference and bit for bit against the same bodies on the
+# host, a silent rank marked inactive by the kernels' deadline or
 # by its gone flag (host-mapped memory raised while they wait), normal-mode dispatch + combine (a
 # stream per rank), and dispatch/combine timed at 128 x 7168 x top-8 -- and
 # tests/gpu/torch_check.py: the torch backend (built here against the machine's torch as a module
@@ -242,6 +243,10 @@ set +e
   MC_DEVICE="$DEVICE" "$B/device_check" --json "$OUT/device_check.json" || r=$?
   MC_DEVICE="$DEVICE" timeout 90 "$B/engine_check" | tee "$OUT/engine_check.json" || r=$?
   MC_DEVICE="$DEVICE" timeout 120 "$B/pg_check" | tee "$OUT/pg_check.json" || r=$?
+  if [[ "$DEVICE" == cuda ]]; then  # (the waits' polling: MC_DEVICE_SPIN_US against none)
+    MC_DEVICE=cuda MC_DEVICE_SPIN_US=0 timeout 120 "$B/pg_check" |
+      tee "$OUT/pg_check_spin0.json" || r=$?
+  fi
   if [[ -x "$CUDA_HOME/bin/nvcc" ]] && ((!REDUCE_KERNEL)); then
     echo '{"check": "pg reduction kernel (nvcc)", "ok": false, "detail": "it did not build"}'
     r=1

@@ -7,6 +7,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 
 #include <map>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "engine/device/device.h"
+#include "engine/params.h"
 
 namespace mooncake::engine::device {
 
@@ -86,15 +88,19 @@ class CudaEvent final : public Event {
   }
   bool done() override { return d_->eventQuery(e_) != CUDA_ERROR_NOT_READY; }
   Status wait(Deadline deadline) override {
-    // cuEventSynchronize has no deadline: poll, yielding, then sleeping a little.
-    for (int i = 0;; ++i) {
+    // cuEventSynchronize has no deadline: poll, yielding for MC_DEVICE_SPIN_US (a sleep costs
+    // ~60-80 us with the kernel's timer slack, more than a small step's copies take), then
+    // sleeping a little.
+    static const auto spin = std::chrono::microseconds(params::getInt("MC_DEVICE_SPIN_US"));
+    const auto spin_until = Clock::now() + spin;
+    for (;;) {
       CUresult r = d_->eventQuery(e_);
       if (r == CUDA_SUCCESS) return Status::OK();
       if (r != CUDA_ERROR_NOT_READY)
         return MC_STATUS(kInternal, "a CUDA copy failed: " << errorText(*d_, r));
-      if (Clock::now() >= deadline)
-        return MC_STATUS(kTimeout, "CUDA copies not done by the deadline");
-      if (i < 100) {
+      const auto now = Clock::now();
+      if (now >= deadline) return MC_STATUS(kTimeout, "CUDA copies not done by the deadline");
+      if (now < spin_until) {
         sched_yield();
       } else {
         usleep(20);

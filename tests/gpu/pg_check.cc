@@ -25,6 +25,7 @@
 
 #include "engine/device/device.h"
 #include "engine/engine.h"
+#include "engine/params.h"
 #include "engine/rendezvous.h"
 #include "pg/communicator.h"
 #include "pg/device_reduce.h"
@@ -105,6 +106,33 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
     const double tg = best(g.p), th = best(back.data());
     char s[128];
     std::snprintf(s, sizeof s, "ok: GPU %.0f us, host %.0f us (%.2fx)", tg * 1e6, th * 1e6, tg / th);
+    return s;
+  });
+  // Small-op latency: 64 KiB allreduce, median of 50, GPU against host buffers (each step of a
+  // GPU op waits for its copies on the host: MC_DEVICE_SPIN_US says how long it polls before it
+  // sleeps; gpu_check.sh runs this check with the default and with 0).
+  check("allreduce_64KiB", [&]() -> std::string {
+    const size_t count = 16384;
+    Gpu g(d, count * 4);
+    if (g.p == nullptr) return "allocation failed";
+    Status st = copyWait(d, g.p, host.data(), count * 4);
+    if (!st.ok()) return st.toString();
+    auto median = [&](void* buf) {
+      std::vector<double> ts;
+      for (int k = 0; k < 50; ++k) {
+        c.barrier();
+        auto t0 = std::chrono::steady_clock::now();
+        c.allReduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum);
+        ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      std::sort(ts.begin(), ts.end());
+      return ts[ts.size() / 2];
+    };
+    const double tg = median(g.p), th = median(back.data());
+    char s[160];
+    std::snprintf(s, sizeof s, "ok: GPU p50 %.0f us, host p50 %.0f us (%.2fx), MC_DEVICE_SPIN_US=%lld",
+                  tg * 1e6, th * 1e6, tg / th,
+                  static_cast<long long>(mooncake::params::getInt("MC_DEVICE_SPIN_US")));
     return s;
   });
   // The reduction kernel (pg/device_reduce.cu) against the CPU's reduceInto: the same
