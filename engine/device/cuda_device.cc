@@ -230,7 +230,17 @@ class CudaDevice final : public Device {
   }
 
   Result<std::unique_ptr<Event>> record(int ordinal) override {
-    MC_ASSIGN_OR_RETURN(CUstream s, stream(ordinal));
+    return recordOn(ordinal, kCopyStream);
+  }
+
+  Result<std::unique_ptr<Event>> recordOn(int ordinal, const void* on) override {
+    CUstream s = nullptr;
+    if (on == kCopyStream) {
+      MC_ASSIGN_OR_RETURN(s, stream(ordinal));
+    } else {
+      MC_RETURN_IF_ERROR(use(ordinal));
+      s = static_cast<CUstream>(const_cast<void*>(on));
+    }
     CUevent e = nullptr;
     {
       std::lock_guard<std::mutex> g(events_.mu);

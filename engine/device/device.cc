@@ -340,6 +340,12 @@ class SimDevice final : public Device {
     return Status::OK();
   }
 
+  Result<std::unique_ptr<Event>> recordOn(int ordinal, const void* stream) override {
+    if (stream != kCopyStream)
+      return MC_STATUS(kNotSupported, "sim device: no stream but the copy stream");
+    return record(ordinal);
+  }
+
   Result<std::unique_ptr<Event>> record(int ordinal) override {
     MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
     const uint64_t n = s->queued();

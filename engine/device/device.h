@@ -91,6 +91,10 @@ class Device {
   virtual Status copyAsync(void* dst, const void* src, size_t len, int ordinal) = 0;
   // An event on device `ordinal`'s copy stream (Event).
   virtual Result<std::unique_ptr<Event>> record(int ordinal) = 0;
+  // An event on `stream` of device `ordinal`, named as waitWord names it (kCopyStream, or a
+  // CUstream of the caller's such as torch's current one, nullptr the legacy default stream).
+  // The simulation has its copy streams only: kNotSupported for any other.
+  virtual Result<std::unique_ptr<Event>> recordOn(int ordinal, const void* stream) = 0;
   // Queues kernel k on device `ordinal`'s copy stream (Kernel); params (params_len bytes, at
   // most 4096) are copied. A failed kernel fails the wait of every event recorded after it on
   // that stream (as a fault poisons a CUDA context).

@@ -122,6 +122,12 @@ TEST(DeviceSim, CopiesRunInOrderAndEventsFollowThem) {
     EXPECT_TRUE((*ev)->done());
     ASSERT_TRUE(back == host) << "round " << round;
   }
+  // recordOn: the copy stream named as waitWord names it; the simulation has no other stream.
+  ASSERT_TRUE(d->copyAsync(*b, *a, len, 1).ok());
+  auto on = d->recordOn(1, engine::device::kCopyStream);
+  ASSERT_TRUE(on.ok()) << on.status().toString();
+  EXPECT_TRUE((*on)->wait(std::chrono::steady_clock::now() + std::chrono::seconds(10)).ok());
+  EXPECT_EQ(d->recordOn(1, nullptr).status().code(), Code::kNotSupported);
   EXPECT_FALSE(d->copyAsync(*a, *b, 16, engine::device::kSimDevices).ok());
   // A copy that runs past an allocation's end is refused, from either side of it.
   EXPECT_FALSE(d->copyAsync(static_cast<char*>(*a) + len - 8, host.data(), 16, 1).ok());

@@ -131,18 +131,33 @@ bool streamWaitGate(const std::vector<c10::Device>& devices, const engine::devic
 }
 
 struct StreamFence::Events {
+  // The device layer's events where it can record on torch's stream: they come from a pool and
+  // go back to it, so the op's thread that drops the fence makes no driver call that could meet
+  // a gate (gpu_tensors.h); c10's otherwise.
+  std::vector<std::unique_ptr<engine::device::Event>> layer;
   std::vector<c10::Event> list;
 };
 
 StreamFence::StreamFence(const std::vector<c10::Device>& cuda_devices) {
   if (cuda_devices.empty()) return;
   events_ = std::make_unique<Events>();
+  std::string why;
+  CudaStreamOf stream_of = cudaStreamOf(&why);
+  auto layer = engine::device::get();
   // Through c10's device-guard interface (libc10), which the CUDA build of torch implements:
   // the extension links no CUDA library of torch's and builds against CPU-only torch too.
   c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
   for (const c10::Device& d : cuda_devices) {
+    const c10::Stream s = cuda.getStream(d);
+    if (stream_of != nullptr && layer.ok()) {
+      auto ev = (*layer)->recordOn(d.index(), stream_of(&s));
+      if (ev.ok()) {
+        events_->layer.push_back(std::move(*ev));
+        continue;
+      }
+    }
     events_->list.emplace_back(c10::DeviceType::CUDA);
-    events_->list.back().record(cuda.getStream(d));
+    events_->list.back().record(s);
   }
 }
 
@@ -150,6 +165,18 @@ StreamFence::~StreamFence() = default;
 
 void StreamFence::wait(const char* op, std::chrono::milliseconds timeout) const {
   if (!events_) return;
+  for (const auto& e : events_->layer) {
+    Status st = e->wait(engine::deadlineInMs(static_cast<int64_t>(timeout.count())));
+    if (st.code() == Code::kTimeout) {
+      throw std::runtime_error(std::string(op) +
+                               ": the caller's CUDA stream did not reach the op within the "
+                               "group timeout (" +
+                               std::to_string(timeout.count()) + " ms)");
+    }
+    if (!st.ok())
+      throw std::runtime_error(std::string(op) + ": the caller's CUDA stream failed before the op: " +
+                               st.toString());
+  }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (const c10::Event& e : events_->list) {
     // Polled: a blocking event wait has no deadline. Short sleeps: the kernels the caller
