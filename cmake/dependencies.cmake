@@ -37,11 +37,15 @@ list(APPEND _mc_deps_summary "protobuf ${Protobuf_VERSION} (${_mc_pb_how})")
 # ---- googletest ----------------------------------------------------------------------------
 # FindGTest prefers GTestConfig.cmake (Debian 12 and 13 both ship it) and falls back to the
 # bare libraries; gmock only comes with the package.
-find_package(GTest REQUIRED)
-if(NOT TARGET GTest::gtest_main)
-  message(FATAL_ERROR "GTest found without GTest::gtest_main; install libgtest-dev")
+if(MC_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+  if(NOT TARGET GTest::gtest_main)
+    message(FATAL_ERROR "GTest found without GTest::gtest_main; install libgtest-dev")
+  endif()
+  list(APPEND _mc_deps_summary "gtest ${GTest_VERSION}")
+else()
+  list(APPEND _mc_deps_summary "no tests (MC_BUILD_TESTS=OFF)")
 endif()
-list(APPEND _mc_deps_summary "gtest ${GTest_VERSION}")
 
 # ---- cpp-httplib ---------------------------------------------------------------------------
 # Upstream cpp-httplib is one header (everything inline). Debian builds it as a compiled

@@ -1,6 +1,8 @@
 #include "store/master/master_service.h"
 
+#if MC_STORE_HAVE_RE2
 #include <re2/re2.h>
+#endif
 
 #include <algorithm>
 #include <random>
@@ -532,6 +534,12 @@ ErrorOr<uint64_t> MasterService::removeByRegex(const std::string& regex, bool fo
   // '(a|a)*b' cannot stall the master), and the compiled program's memory is bounded. It has
   // no backreferences or lookaround (docs/store.md); such patterns are INVALID_PARAMS.
   if (regex.empty() || regex.size() > config_.max_regex_length) return ErrorCode::INVALID_PARAMS;
+#if !MC_STORE_HAVE_RE2
+  // A master built without RE2 (store/CMakeLists.txt) matches no pattern rather than run one
+  // through a backtracking engine.
+  (void)force;
+  return ErrorCode::UNAVAILABLE_IN_CURRENT_MODE;
+#else
   RE2::Options opt;
   opt.set_log_errors(false);
   opt.set_max_mem(8 << 20);
@@ -540,6 +548,7 @@ ErrorOr<uint64_t> MasterService::removeByRegex(const std::string& regex, bool fo
   std::lock_guard<std::mutex> lock(mu_);
   return removeMatchingLocked([&](const std::string& k) { return RE2::PartialMatch(k, re); },
                               force);
+#endif
 }
 
 uint64_t MasterService::removeAll(bool force) {
