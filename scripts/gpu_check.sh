@@ -21,7 +21,8 @@
 # own is linked again against the libstdc++ torch's process runs on (the GPU machine's first run
 # crashed on that); a crash in the torch check prints its native stack with the module's frames
 # named, and a hang every thread's stack. The torch check runs twice: Work.wait() as shipped
-# (blocking) with the timings, then Work.wait() as a stream gate (MC_PG_BLOCKING_WAIT=0).
+# (blocking) with the timings, then Work.wait() as a stream gate (MC_PG_BLOCKING_WAIT=0); and,
+# on CUDA, once more through the package itself, mooncake._C built by CMake without its tests.
 # Log and JSON go to $OUT
 # (the device tool's output folder) or $GPU_CHECK_BUILD/out (default build-gpu-check/).
 #
@@ -30,7 +31,8 @@
 # yet: the store (it needs protobuf), rdma, NCCL beside us (NCCL refuses two ranks on one GPU).
 # GPU_CHECK_TORCH=0 skips the torch module; GPU_CHECK_BENCH=0 the torch timings; GPU_CHECK_GATE=0
 # the torch check's second pass (Work.wait() as a stream gate); GPU_CHECK_ONLY=torch runs the
-# torch check alone (a diagnosis); GPU_CHECK_TORCH_TIMEOUT (150 s) bounds each torch pass.
+# torch check alone (a diagnosis); GPU_CHECK_TORCH_TIMEOUT (150 s) bounds each torch pass;
+# GPU_CHECK_PACKAGE=0 skips the package (=1 builds it in a dry run too).
 #
 #   scripts/gpu_check.sh          on the GPU machine
 #   scripts/gpu_check.sh --sim    a dry run anywhere: the same build, over the host simulation
@@ -189,6 +191,34 @@ else
   echo "gpu_check: no torch through $PYTHON (or GPU_CHECK_TORCH=0): the torch check is skipped" |
     tee -a "$OUT/build.log"
 fi
+# The package itself (mooncake._C: the backend with the store, EP and the engine bindings) built
+# by CMake against the machine's torch, without the tests (MC_BUILD_TESTS=OFF: the machine has
+# no googletest, and no re2, which the store's master then goes without), rdma or hwloc; the
+# torch check runs through it too. On CUDA by default; GPU_CHECK_PACKAGE=0 skips it, =1 builds
+# it in a dry run too (minutes on 2 cores).
+PKG_DIR=""
+PKG_FAILED=0
+PKG_DEFAULT=0
+[[ "$DEVICE" == cuda ]] && PKG_DEFAULT=1
+if [[ "${GPU_CHECK_PACKAGE:-$PKG_DEFAULT}" == 1 && -n "$TORCH_INFO" ]]; then
+  t1=$SECONDS
+  GEN=()
+  command -v ninja >/dev/null && GEN=(-G Ninja)
+  if command -v cmake >/dev/null &&
+     cmake -S "$ROOT" -B "$B/pkg" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DMC_BUILD_TESTS=OFF \
+       -DMC_WITH_RDMA=OFF -DMC_WITH_HWLOC=OFF -DMC_CUDA_HOME="$CUDA_HOME" \
+       -DMC_PYTHON="$(command -v "$PYTHON")" > "$OUT/package.log" 2>&1 &&
+     cmake --build "$B/pkg" --target mooncake_python -j "$(nproc)" >> "$OUT/package.log" 2>&1; then
+    PKG_DIR="$B/pkg/python"
+    echo "gpu_check: the package (CMake, MC_BUILD_TESTS=OFF) built in $((SECONDS - t1)) s" |
+      tee -a "$OUT/build.log"
+  else
+    PKG_FAILED=1
+    echo "gpu_check: the package did not build (package.log; cmake: $(command -v cmake ||
+      echo none)):" | tee -a "$OUT/build.log"
+    tail -25 "$OUT/package.log" | tee -a "$OUT/build.log"
+  fi
+fi
 # The EP low-latency kernels (ep/kernels/ll_kernels.cu) and their check (tests/gpu/
 # ep_kernel_check.cc): the host executor's build with the compiler alone, the CUDA one with
 # nvcc (sm_90, GPU_CHECK_ARCH to change) where the toolkit has it -- a dry run still compiles
@@ -295,6 +325,18 @@ set +e
         symbolize "$OUT/$name.err"
       fi
     done
+  fi
+  if ((PKG_FAILED)); then
+    echo '{"check": "package", "ok": false, "detail": "CMake did not build it (package.log)"}'
+    r=1
+  elif [[ -n "$PKG_DIR" ]]; then
+    echo "gpu_check: the torch check through the package (CMake's mooncake._C)"
+    MC_PG_BLOCKING_WAIT=1 PYTHONFAULTHANDLER=1 LD_PRELOAD="$CRASH_BT" \
+      timeout -s INT -k 10 $((${GPU_CHECK_TORCH_TIMEOUT:-150} + 40)) \
+      "$PYTHON" tests/gpu/torch_check.py --timeout "${GPU_CHECK_TORCH_TIMEOUT:-150}" \
+      --package-dir "$PKG_DIR" --device "$DEVICE" 2>"$OUT/torch_check_package.err" |
+      tee "$OUT/torch_check_package.json" || r=$?
+    cat "$OUT/torch_check_package.err"
   fi
   exit "$r"
 } 2>&1 | tee "$OUT/gpu_check.log"

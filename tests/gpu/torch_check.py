@@ -6,9 +6,10 @@
                                                      simulated GPU memory (MC_DEVICE=sim)
 
 DIR holds mc_torch_check (tests/gpu/torch_check_module.cc: the backend alone, built by
-gpu_check.sh against the machine's torch). Every rank runs the collectives and send/recv on
-GPU tensors and checks each result against what the inputs make (small integers: exact in
-every dtype used); with CUDA it also checks that an op waits for the kernels the caller queued
+gpu_check.sh against the machine's torch); --package-dir DIR instead runs the checks through
+the mooncake package of a CMake build (DIR = <build>/python). Every rank runs the collectives
+and send/recv on GPU tensors and checks each result against what the inputs make (small
+integers: exact in every dtype used); with CUDA it also checks that an op waits for the kernels the caller queued
 before it on its current stream (a fill queued behind a 0.1 s GPU sleep), that Work.wait()
 makes the current stream wait without blocking the host, that a Work's future
 carries the result, and times all_reduce, all_gather and all_to_all against the device's own
@@ -69,7 +70,9 @@ def launch(a):
                OMP_NUM_THREADS="1")
     procs = []
     for r in range(a.world):
-        cmd = [sys.executable, os.path.abspath(__file__), "--module-dir", a.module_dir,
+        where = (["--package-dir", a.package_dir] if a.package_dir else
+                 ["--module-dir", a.module_dir])
+        cmd = [sys.executable, os.path.abspath(__file__)] + where + [
                "--device", a.device, "--world", str(a.world), "--rank", str(r), "--port",
                str(port), "--timeout", str(a.timeout)] + (["--bench"] if a.bench else [])
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -113,22 +116,28 @@ def worker(a):
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, a.module_dir)
-    import mc_torch_check as M
-
     def step(what):  # (progress, should it hang)
         print("step %s (%.1f s)" % (what, time.monotonic() - t_start), file=sys.stderr, flush=True)
 
-    def creator(store, rank, size, timeout):
-        step("creating the backend")
-        pg = M.ProcessGroupMooncake(store, rank, size, timeout)
-        step("backend created")
-        return pg
+    if a.package_dir:  # the package itself: importing it registers "mooncake"
+        sys.path.insert(0, a.package_dir)
+        import mooncake
+        M = mooncake._C
+        step("mooncake imported from " + os.path.dirname(mooncake.__file__))
+    else:
+        sys.path.insert(0, a.module_dir)
+        import mc_torch_check as M
 
-    try:
-        dist.Backend.register_backend("mooncake", creator, devices=list(M.DEVICES))
-    except TypeError:  # torch 1.13: no devices argument
-        dist.Backend.register_backend("mooncake", creator)
+        def creator(store, rank, size, timeout):
+            step("creating the backend")
+            pg = M.ProcessGroupMooncake(store, rank, size, timeout)
+            step("backend created")
+            return pg
+
+        try:
+            dist.Backend.register_backend("mooncake", creator, devices=list(M.DEVICES))
+        except TypeError:  # torch 1.13: no devices argument
+            dist.Backend.register_backend("mooncake", creator)
     try:
         dist.init_process_group("mooncake", init_method=f"tcp://127.0.0.1:{a.port}",
                                 rank=a.rank, world_size=a.world)
@@ -340,7 +349,10 @@ def bench(torch, dist, ag, gpu, cuda, W, me, row):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--module-dir", required=True)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--module-dir", help="holds mc_torch_check (the backend alone)")
+    where.add_argument("--package-dir", help="holds the mooncake package (<build>/python of a "
+                       "CMake build): the checks run through it")
     ap.add_argument("--device", choices=["cuda", "sim"], default="cuda")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--bench", action="store_true")
