@@ -68,10 +68,10 @@ std::string errorText(const Driver& d, CUresult r) {
 
 // Events are created ahead and reused, never destroyed while the layer lives: the driver takes
 // a context-wide lock to destroy (and create) one that a synchronous call holds while it waits,
-// and the caller's thread may be in such a call behind a gate that only our op opens (the
-// first GPU run's torch check: the op thread in cuEventDestroy, the main thread in tensor.cpu()
-// behind Work.wait()'s gate on torch's stream; neither returned). Per device (an event belongs
-// to a context).
+// and the caller's thread may be in such a call behind a gate that only our op opens (the GPU
+// machine's second session, the torch check: the op thread in cuEventDestroy, the main thread
+// in tensor.cpu() behind Work.wait()'s gate on torch's stream; neither returned). Per device
+// (an event belongs to a context).
 struct EventPool {
   static constexpr size_t kAhead = 64;  // made with the device's copy stream
   std::mutex mu;
