@@ -256,6 +256,24 @@ symbolize() {  # $1: a log with native backtraces; prints the module's frames, n
   done
 }
 echo "gpu_check: built in $((SECONDS - t0)) s" | tee -a "$OUT/build.log"
+# One pass of the torch check: torch_pass NAME BLOCKING_WAIT ARGS... (its rows in $OUT/NAME.json,
+# its stderr in $OUT/NAME.err and the log). Under a deadline (GPU_CHECK_TORCH_TIMEOUT, 150 s):
+# a rank that hangs has every thread's stack written (torch_check.py) and the pass fails.
+TT="${GPU_CHECK_TORCH_TIMEOUT:-150}"
+torch_pass() {
+  local name=$1 blocking=$2
+  shift 2
+  MC_PG_BLOCKING_WAIT=$blocking PYTHONFAULTHANDLER=1 LD_PRELOAD="$CRASH_BT" \
+    timeout -s INT -k 10 $((TT + 40)) "$PYTHON" tests/gpu/torch_check.py --timeout "$TT" \
+    --device "$DEVICE" "$@" 2>"$OUT/$name.err" | tee "$OUT/$name.json"
+  local rc=${PIPESTATUS[0]}
+  cat "$OUT/$name.err"
+  if grep -q "native backtrace" "$OUT/$name.err"; then
+    echo "gpu_check: the module's frames in the native backtraces above:"
+    symbolize "$OUT/$name.err"
+  fi
+  return "$rc"
+}
 
 set +e
 {
@@ -303,40 +321,23 @@ set +e
     r=1
   elif [[ -n "$MODULE" && -f "$MODULE" ]]; then
     # As shipped (Work.wait() blocks, MC_PG_BLOCKING_WAIT=1), timed; then, on CUDA, with the
-    # stream gate (MC_PG_BLOCKING_WAIT=0), which deadlocked on the GPU machine's first runs
-    # (docs/gpu.md), untimed. Each under a deadline: a rank that hangs has every thread's stack
-    # written (torch_check.py) and the check fails.
-    TT="${GPU_CHECK_TORCH_TIMEOUT:-150}"
-    MODES=(blocking)
-    [[ "$DEVICE" == cuda && "${GPU_CHECK_GATE:-1}" == 1 ]] && MODES+=(gate)
-    for mode in "${MODES[@]}"; do
-      BENCH=()
-      [[ $mode == blocking && "${GPU_CHECK_BENCH:-1}" == 1 ]] && BENCH=(--bench)
-      name=torch_check
-      [[ $mode == gate ]] && name=torch_check_gate
-      echo "gpu_check: the torch check, Work.wait() $mode"
-      MC_PG_BLOCKING_WAIT=$([[ $mode == gate ]] && echo 0 || echo 1) PYTHONFAULTHANDLER=1 \
-        LD_PRELOAD="$CRASH_BT" timeout -s INT -k 10 $((TT + 40)) \
-        "$PYTHON" tests/gpu/torch_check.py --timeout "$TT" --module-dir "$B" \
-        --device "$DEVICE" "${BENCH[@]}" 2>"$OUT/$name.err" | tee "$OUT/$name.json" || r=$?
-      cat "$OUT/$name.err"
-      if grep -q "native backtrace" "$OUT/$name.err"; then
-        echo "gpu_check: the module's frames in the native backtraces above:"
-        symbolize "$OUT/$name.err"
-      fi
-    done
+    # stream gate (MC_PG_BLOCKING_WAIT=0), which deadlocked on the GPU machine's second session
+    # (docs/gpu.md), untimed.
+    BENCH=()
+    [[ "${GPU_CHECK_BENCH:-1}" == 1 ]] && BENCH=(--bench)
+    echo "gpu_check: the torch check, Work.wait() blocking"
+    torch_pass torch_check 1 --module-dir "$B" "${BENCH[@]}" || r=$?
+    if [[ "$DEVICE" == cuda && "${GPU_CHECK_GATE:-1}" == 1 ]]; then
+      echo "gpu_check: the torch check, Work.wait() as a stream gate"
+      torch_pass torch_check_gate 0 --module-dir "$B" || r=$?
+    fi
   fi
   if ((PKG_FAILED)); then
     echo '{"check": "package", "ok": false, "detail": "CMake did not build it (package.log)"}'
     r=1
   elif [[ -n "$PKG_DIR" ]]; then
     echo "gpu_check: the torch check through the package (CMake's mooncake._C)"
-    MC_PG_BLOCKING_WAIT=1 PYTHONFAULTHANDLER=1 LD_PRELOAD="$CRASH_BT" \
-      timeout -s INT -k 10 $((${GPU_CHECK_TORCH_TIMEOUT:-150} + 40)) \
-      "$PYTHON" tests/gpu/torch_check.py --timeout "${GPU_CHECK_TORCH_TIMEOUT:-150}" \
-      --package-dir "$PKG_DIR" --device "$DEVICE" 2>"$OUT/torch_check_package.err" |
-      tee "$OUT/torch_check_package.json" || r=$?
-    cat "$OUT/torch_check_package.err"
+    torch_pass torch_check_package 1 --package-dir "$PKG_DIR" || r=$?
   fi
   exit "$r"
 } 2>&1 | tee "$OUT/gpu_check.log"

@@ -63,6 +63,20 @@ struct Gpu {
   }
 };
 
+// Seconds each of `iters` allreduces of `count` floats in place on buf took (each after a
+// barrier), sorted.
+std::vector<double> allReduceTimes(Communicator& c, void* buf, size_t count, int iters) {
+  std::vector<double> ts;
+  for (int k = 0; k < iters; ++k) {
+    c.barrier();
+    auto t0 = std::chrono::steady_clock::now();
+    c.allReduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum);
+    ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ts.begin(), ts.end());
+  return ts;
+}
+
 std::vector<Row> runChecks(Device& d, Communicator& c) {
   std::vector<Row> rows;
   const int me = c.rank(), n = c.size();
@@ -93,17 +107,8 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
       if (back[i] != want) return "element " + std::to_string(i) + " differs";
     }
     // Timing: best of 3 on GPU buffers against the same op on host buffers.
-    auto best = [&](void* buf) {
-      double t = 1e9;
-      for (int k = 0; k < 3; ++k) {
-        c.barrier();
-        auto t0 = std::chrono::steady_clock::now();
-        c.allReduce(buf, buf, kFloats, DataType::kFloat32, ReduceOp::kSum);
-        t = std::min(t, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      }
-      return t;
-    };
-    const double tg = best(g.p), th = best(back.data());
+    const double tg = allReduceTimes(c, g.p, kFloats, 3)[0];
+    const double th = allReduceTimes(c, back.data(), kFloats, 3)[0];
     char s[128];
     std::snprintf(s, sizeof s, "ok: GPU %.0f us, host %.0f us (%.2fx)", tg * 1e6, th * 1e6, tg / th);
     return s;
@@ -117,18 +122,8 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
     if (g.p == nullptr) return "allocation failed";
     Status st = copyWait(d, g.p, host.data(), count * 4);
     if (!st.ok()) return st.toString();
-    auto median = [&](void* buf) {
-      std::vector<double> ts;
-      for (int k = 0; k < 50; ++k) {
-        c.barrier();
-        auto t0 = std::chrono::steady_clock::now();
-        c.allReduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum);
-        ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      }
-      std::sort(ts.begin(), ts.end());
-      return ts[ts.size() / 2];
-    };
-    const double tg = median(g.p), th = median(back.data());
+    const double tg = allReduceTimes(c, g.p, count, 50)[25];
+    const double th = allReduceTimes(c, back.data(), count, 50)[25];
     char s[160];
     std::snprintf(s, sizeof s, "ok: GPU p50 %.0f us, host p50 %.0f us (%.2fx), MC_DEVICE_SPIN_US=%lld",
                   tg * 1e6, th * 1e6, tg / th,

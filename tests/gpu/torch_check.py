@@ -9,13 +9,14 @@ DIR holds mc_torch_check (tests/gpu/torch_check_module.cc: the backend alone, bu
 gpu_check.sh against the machine's torch); --package-dir DIR instead runs the checks through
 the mooncake package of a CMake build (DIR = <build>/python). Every rank runs the collectives
 and send/recv on GPU tensors and checks each result against what the inputs make (small
-integers: exact in every dtype used); with CUDA it also checks that an op waits for the kernels the caller queued
-before it on its current stream (a fill queued behind a 0.1 s GPU sleep), that Work.wait()
-makes the current stream wait without blocking the host, that a Work's future
-carries the result, and times all_reduce, all_gather and all_to_all against the device's own
+integers: exact in every dtype used); with CUDA it also checks that an op waits for the
+kernels the caller queued before it on its current stream (a fill queued behind a 0.1 s GPU
+sleep), that a kernel queued after Work.wait() sees the result, that wait() returned with the
+op completed (the default, MC_PG_BLOCKING_WAIT=1) or, with MC_PG_BLOCKING_WAIT=0 in the
+environment, without blocking the host (the stream gate), that a Work's future carries the
+result, and times all_reduce, all_gather and all_to_all against the device's own
 device-to-device copy rate. One JSON object per line on stdout (rank 0's); exit status 0 when
-every check passed. MC_PG_BLOCKING_WAIT=0 in the environment checks the stream gate instead of
-the default blocking wait (the Work.wait() rows).
+every check passed.
 """
 
 import argparse

@@ -165,8 +165,9 @@ StreamFence::~StreamFence() = default;
 
 void StreamFence::wait(const char* op, std::chrono::milliseconds timeout) const {
   if (!events_) return;
+  const engine::Deadline deadline = engine::deadlineIn(timeout);
   for (const auto& e : events_->layer) {
-    Status st = e->wait(engine::deadlineInMs(static_cast<int64_t>(timeout.count())));
+    Status st = e->wait(deadline);
     if (st.code() == Code::kTimeout) {
       throw std::runtime_error(std::string(op) +
                                ": the caller's CUDA stream did not reach the op within the "
@@ -177,7 +178,6 @@ void StreamFence::wait(const char* op, std::chrono::milliseconds timeout) const 
       throw std::runtime_error(std::string(op) + ": the caller's CUDA stream failed before the op: " +
                                st.toString());
   }
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (const c10::Event& e : events_->list) {
     // Polled: a blocking event wait has no deadline. Short sleeps: the kernels the caller
     // queued before the op usually finish within microseconds to milliseconds.
