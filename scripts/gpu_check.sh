@@ -57,6 +57,15 @@ H
 CXX="${CXX:-g++}"
 # -fPIC: the torch check's module links the same archives.
 FLAGS=(-std=c++17 -O2 -Wall -fPIC -I"$ROOT" -I"$B/generated" -I"$CUDA_HOME/include")
+# Compiles go through ccache where there is one (GPU_CHECK_CCACHE=0: never): the dry run is
+# part of the test suite, and a checkout's second run, or another clone's, then compiles
+# nothing that has not changed. Paths under the checkout are hashed relative to it.
+CCACHE=()
+if [[ "${GPU_CHECK_CCACHE:-1}" == 1 ]] && command -v ccache >/dev/null; then
+  CCACHE=(ccache)
+  export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$ROOT}"
+fi
+CXXC=("${CCACHE[@]}" "$CXX") # compile only (a link through ccache is not cached)
 t0=$SECONDS
 # The engine without rdma and hwloc (nothing but libc, libdl, pthreads), one object per source.
 mkdir -p "$B/obj"
@@ -64,27 +73,27 @@ SRCS=$(ls engine/*.cc engine/transport/table.cc engine/transport/shm/*.cc \
           engine/transport/tcp/*.cc engine/transport/cuda/*.cc engine/device/*.cc |
        grep -v mc_params_main.cc)
 printf '%s\n' $SRCS | xargs -P "$(nproc)" -I{} sh -c \
-  '"$0" "$@" -c {} -o "'"$B"'/obj/$(echo {} | tr / _).o"' "$CXX" "${FLAGS[@]}" \
+  '"$0" "$@" -c {} -o "'"$B"'/obj/$(echo {} | tr / _).o"' "${CXXC[@]}" "${FLAGS[@]}" \
   2>&1 | tee "$OUT/build.log"
 rm -f "$B/libmc_engine.a"
 ar rcs "$B/libmc_engine.a" "$B"/obj/*.o
 # The process group (its portable reduction kernels only: no AVX2 copies), for pg_check.
 mkdir -p "$B/pgobj"
 ls pg/*.cc pg/algorithms/*.cc | grep -v _avx2.cc | xargs -P "$(nproc)" -I{} sh -c \
-  '"$0" "$@" -c {} -o "'"$B"'/pgobj/$(echo {} | tr / _).o"' "$CXX" "${FLAGS[@]}" \
+  '"$0" "$@" -c {} -o "'"$B"'/pgobj/$(echo {} | tr / _).o"' "${CXXC[@]}" "${FLAGS[@]}" \
   2>&1 | tee -a "$OUT/build.log"
 # The reduction kernel (pg/device_reduce.cu) as a fatbin embedded in the library, as CMake
 # does (pg/CMakeLists.txt), where nvcc is; without it the GPU's reductions run on the CPU.
 REDUCE_KERNEL=0
 if [[ -x "$CUDA_HOME/bin/nvcc" ]]; then
-  if "$CUDA_HOME/bin/nvcc" -std=c++17 -O3 --fmad=false -I"$ROOT" --fatbin \
+  if "${CCACHE[@]}" "$CUDA_HOME/bin/nvcc" -std=c++17 -O3 --fmad=false -I"$ROOT" --fatbin \
        -arch="${GPU_CHECK_ARCH:-sm_90}" pg/device_reduce.cu -o "$B/device_reduce.fatbin" \
        2>&1 | tee -a "$OUT/build.log" &&
      "$CUDA_HOME/bin/bin2c" --const --name mc_pg_reduce_fatbin "$B/device_reduce.fatbin" \
        > "$B/generated/device_reduce_fatbin.inc" &&
-     "${CC:-gcc}" -O2 -fPIC -I"$B/generated" -c pg/device_reduce_image.c \
+     "${CCACHE[@]}" "${CC:-gcc}" -O2 -fPIC -I"$B/generated" -c pg/device_reduce_image.c \
        -o "$B/pgobj/reduce_image.o" &&
-     "$CXX" "${FLAGS[@]}" -DMC_PG_HAVE_REDUCE_IMAGE=1 -c pg/device_reduce.cc \
+     "${CXXC[@]}" "${FLAGS[@]}" -DMC_PG_HAVE_REDUCE_IMAGE=1 -c pg/device_reduce.cc \
        -o "$B/pgobj/pg_device_reduce.cc.o"; then
     REDUCE_KERNEL=1
   else
@@ -94,9 +103,11 @@ if [[ -x "$CUDA_HOME/bin/nvcc" ]]; then
 fi
 rm -f "$B/libmc_pg.a"
 ar rcs "$B/libmc_pg.a" "$B"/pgobj/*.o
+mkdir -p "$B/checkobj"
 for check in device_check engine_check pg_check; do
-  "$CXX" "${FLAGS[@]}" "tests/gpu/$check.cc" "$B/libmc_pg.a" "$B/libmc_engine.a" -o "$B/$check" \
-    -ldl -lpthread -lrt 2>&1 | tee -a "$OUT/build.log"
+  { "${CXXC[@]}" "${FLAGS[@]}" -c "tests/gpu/$check.cc" -o "$B/checkobj/$check.o" &&
+    "$CXX" "$B/checkobj/$check.o" "$B/libmc_pg.a" "$B/libmc_engine.a" -o "$B/$check" \
+      -ldl -lpthread -lrt; } 2>&1 | tee -a "$OUT/build.log"
 done
 # The torch backend alone (tests/gpu/torch_check_module.cc; mooncake._C needs the store's
 # protobuf and re2, which the GPU machine lacks), against the torch of $PYTHON.
@@ -149,7 +160,7 @@ if [[ -n "$TORCH_INFO" ]]; then
     ls torch_ext/csrc/{process_group,mooncake_work,op_queue,store_rendezvous,gpu_tensors}.cc \
        torch_ext/csrc/engine_handle.cc tests/gpu/torch_check_module.cc |
       xargs -P "$(nproc)" -I{} sh -c \
-        '"$0" "$@" -c {} -o "'"$B"'/torchobj/$(echo {} | tr / _).o"' "$CXX" "${TFLAGS[@]}" \
+        '"$0" "$@" -c {} -o "'"$B"'/torchobj/$(echo {} | tr / _).o"' "${CXXC[@]}" "${TFLAGS[@]}" \
       2>&1 | tee -a "$OUT/build.log" || return 1
     # (GPU_CHECK_MODULE_LDFLAGS: extra flags for this link; -static-libstdc++ reproduces below.)
     # shellcheck disable=SC2086
@@ -228,7 +239,7 @@ fi
 EP_CUDA_BUILT=0
 ONLY="${GPU_CHECK_ONLY:-}"  # "torch": the torch check alone (a diagnosis; the EP kernels not built)
 if [[ -x "$CUDA_HOME/bin/nvcc" && "$ONLY" != torch ]]; then
-  NV=("$CUDA_HOME/bin/nvcc" -std=c++17 -O2 -arch="${GPU_CHECK_ARCH:-sm_90}" --fmad=false
+  NV=("${CCACHE[@]}" "$CUDA_HOME/bin/nvcc" -std=c++17 -O2 -arch="${GPU_CHECK_ARCH:-sm_90}" --fmad=false
       -Xcompiler -ffp-contract=off -DMC_EP_CHECK_CUDA -I"$ROOT" -I"$B/generated")
   # (A binary left by an earlier build must not count: built means built now.)
   rm -rf "$B/epobj" "$B/ep_kernel_check_cuda"
@@ -236,7 +247,7 @@ if [[ -x "$CUDA_HOME/bin/nvcc" && "$ONLY" != torch ]]; then
   { "${NV[@]}" -x cu -c tests/gpu/ep_kernel_check.cc -o "$B/epobj/check.o" &&
     "${NV[@]}" -c tests/gpu/ep_kernel_check_cuda.cu -o "$B/epobj/exec.o" &&
     "${NV[@]}" -c ep/kernels/ll_kernels.cu -o "$B/epobj/kernels.o" &&
-    "$CXX" "${FLAGS[@]}" -ffp-contract=off -c ep/layout.cc -o "$B/epobj/layout.o" &&
+    "${CXXC[@]}" "${FLAGS[@]}" -ffp-contract=off -c ep/layout.cc -o "$B/epobj/layout.o" &&
     "${NV[@]}" "$B"/epobj/*.o -o "$B/ep_kernel_check_cuda" -lpthread; } 2>&1 |
     tee -a "$OUT/build.log" || true  # (a failed build is reported when the checks run)
   [[ -x "$B/ep_kernel_check_cuda" ]] && EP_CUDA_BUILT=1

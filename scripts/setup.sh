@@ -18,7 +18,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 PACKAGES=(
-  build-essential cmake ninja-build pkgconf
+  build-essential cmake ninja-build pkgconf ccache
   libgtest-dev libgmock-dev
   python3-torch python3-pytest python3-numpy pybind11-dev python3-pybind11
   libprotobuf-dev protobuf-compiler libcpp-httplib-dev libre2-dev pkg-config
@@ -55,9 +55,18 @@ fi
 # Configure once; after that ninja re-runs cmake by itself whenever a CMakeLists.txt or
 # *.cmake file changes (configuring again by hand would cost ~10 s: it imports torch to
 # detect MC_WITH_TORCH). The log is shown only when configuring fails.
+# Compiles go through ccache (CCACHE_DIR, default ~/.cache/ccache), with paths hashed relative
+# to the checkout: a second clone on the same machine (CI's clean clone) compiles only what
+# differs. MOONCAKE_CCACHE=0 configures without it.
+LAUNCHER=()
+if [[ "${MOONCAKE_CCACHE:-1}" != 0 ]] && command -v ccache >/dev/null; then
+  LAUNCHER=("-DCMAKE_C_COMPILER_LAUNCHER=env;CCACHE_BASEDIR=$ROOT;ccache"
+            "-DCMAKE_CXX_COMPILER_LAUNCHER=env;CCACHE_BASEDIR=$ROOT;ccache")
+fi
 if [[ ! -f build/build.ninja || ! -f build/CMakeCache.txt ]]; then
   mkdir -p build
-  if ! cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >build/configure.log 2>&1; then
+  if ! cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${LAUNCHER[@]}" \
+      >build/configure.log 2>&1; then
     cat build/configure.log >&2
     echo "setup: cmake configure failed (log: build/configure.log)" >&2
     exit 1
