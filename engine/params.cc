@@ -202,6 +202,10 @@ const std::vector<ParamDef>& table() {
        "completes (like TORCH_NCCL_BLOCKING_WAIT=1). 0: it makes the caller's current CUDA "
        "streams wait for the op instead (a gate, as NCCL's wait), which deadlocked on the GPU "
        "machine's first run and whose fix has not run on a GPU yet (docs/gpu.md)."},
+      {"MC_PG_PROFILE", Type::kBool, "0",
+       "Process group: time every op and the phases inside it (waits for peers' flags, waits "
+       "for GPU copies, queueing GPU work) in process-wide counters (pg/profile.h), which "
+       "pg_perf --profile 1 and tests/gpu/pg_check print. Off: one relaxed load per phase."},
       {"MC_PG_HEALTH_US", Type::kInt, "1000",
        "How often a waiting process-group op checks peer liveness and its deadline."},
       {"MC_PG_HIERARCHICAL", Type::kBool, "1",

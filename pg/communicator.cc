@@ -16,6 +16,7 @@
 #include "pg/comm_impl.h"
 #include "pg/device_stage.h"
 #include "pg/elastic.h"
+#include "pg/profile.h"
 
 namespace mooncake::pg {
 
@@ -59,6 +60,7 @@ void Communicator::Impl::run(const char* name, const OpSig& sig, Fn&& fn) {
                         " that already failed: " + broken_what,
                     broken_rank, name);
   }
+  profile::Scope timed(profile::kOp);
   OpCtx op{name, Clock::now() + opts.timeout, ++op_seq, opts.timeout, sig};  // timeout clamped
   try {
     fn(op);

@@ -12,6 +12,7 @@
 #include "pg/communicator.h"
 #include "pg/device_reduce.h"
 #include "pg/health.h"
+#include "pg/profile.h"
 #include "pg/shm_group.h"
 
 namespace mooncake::pg {
@@ -113,6 +114,7 @@ void DeviceStage::out(void* dst, size_t n, size_t at) {
 
 void DeviceCopies::add(void* dst, const void* src, size_t n) {
   if (n == 0) return;
+  profile::Scope timed(profile::kDeviceQueue);
   auto layer = engine::device::get();
   Status st = layer.status();
   if (st.ok()) {
@@ -131,6 +133,7 @@ void DeviceCopies::add(void* dst, const void* src, size_t n) {
 
 bool DeviceCopies::reduce(void* dst, void* dst2, const void* const* srcs, int n, size_t count,
                           DataType t, ReduceOp op) {
+  profile::Scope timed(profile::kDeviceQueue);
   auto layer = engine::device::get();
   if (!layer.ok()) return false;
   if (ordinal_ < 0) {
@@ -161,6 +164,7 @@ void DeviceCopies::drain() noexcept {
 void DeviceCopies::wait() {
   if (!pending_) return;
   pending_ = false;
+  profile::Scope timed(profile::kDeviceWait);
   auto layer = engine::device::get();
   Status st = layer.status();
   if (st.ok()) {

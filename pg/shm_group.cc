@@ -7,6 +7,7 @@
 
 #include "engine/futex.h"
 #include "pg/communicator.h"
+#include "pg/profile.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -161,6 +162,7 @@ void ShmGroup::wait(const OpCtx& op, int r, Flag f, uint64_t s) {
   const uint64_t t = target(s);
   uint64_t v = l.v.load(std::memory_order_acquire);
   if (v < t) {
+    profile::Scope timed(profile::kFlagWait);
     slowWait(op, r, l, t);
     v = l.v.load(std::memory_order_acquire);
   }

@@ -7,8 +7,9 @@
 # follows a write not waited for -- and tests/gpu/pg_check: a 2-rank process group's allreduce,
 # allgather, alltoall, broadcast and reduce_scatter on 16 MiB of GPU memory (through GPU comm
 # halves, reduced by pg/device_reduce.cu, built here by nvcc), checked, GPU allreduces equal to
-# host ones bit for bit, allreduce timed against host buffers (16 MiB; 64 KiB, once more with
-# MC_DEVICE_SPIN_US=0), and a send/recv exchange that must go device to device -- and
+# host ones bit for bit, allreduce timed against host buffers (16 MiB; 64 KiB; each with its
+# time by phase, pg/profile.h; once more with MC_DEVICE_SPIN_US=0, once more in 16 MiB steps),
+# and a send/recv exchange that must go device to device -- and
 # tests/gpu/ep_kernel_check: the EP low-latency kernels (ep/kernels/ll_kernels.cu) for 2-4
 # ranks simulated on GPU 0 against a reference and bit for bit against the same bodies on the
 # host, a silent rank marked inactive by the kernels' deadline or
@@ -305,6 +306,10 @@ set +e
   if [[ "$DEVICE" == cuda ]]; then  # (the waits' polling: MC_DEVICE_SPIN_US against none)
     MC_DEVICE=cuda MC_DEVICE_SPIN_US=0 timeout 120 "$B/pg_check" |
       tee "$OUT/pg_check_spin0.json" || r=$?
+    # (steps: a 16 MiB allreduce in one 16 MiB step instead of eight of 2 MiB; with the
+    # checks' time by phase, whether the GPU path's time goes per step)
+    MC_DEVICE=cuda MC_PG_BUFFER_BYTES=67108864 MC_PG_CHUNK_BYTES=16777216 timeout 120 \
+      "$B/pg_check" | tee "$OUT/pg_check_bigsteps.json" || r=$?
   fi
   if [[ -x "$CUDA_HOME/bin/nvcc" ]] && ((!REDUCE_KERNEL)); then
     echo '{"check": "pg reduction kernel (nvcc)", "ok": false, "detail": "it did not build"}'

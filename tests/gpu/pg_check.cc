@@ -29,6 +29,7 @@
 #include "engine/rendezvous.h"
 #include "pg/communicator.h"
 #include "pg/device_reduce.h"
+#include "pg/profile.h"
 #include "pg/types.h"
 #include "tests/gpu/check_util.h"
 
@@ -64,15 +65,21 @@ struct Gpu {
 };
 
 // Seconds each of `iters` allreduces of `count` floats in place on buf took (each after a
-// barrier), sorted.
-std::vector<double> allReduceTimes(Communicator& c, void* buf, size_t count, int iters) {
+// barrier), sorted; with `phases`, this rank's time in them by phase (pg/profile.h; the
+// barriers not counted) goes there too.
+std::vector<double> allReduceTimes(Communicator& c, void* buf, size_t count, int iters,
+                                   std::string* phases = nullptr) {
   std::vector<double> ts;
+  if (phases != nullptr) (void)mooncake::pg::profile::take(true);
   for (int k = 0; k < iters; ++k) {
     c.barrier();
+    if (phases != nullptr) mooncake::pg::profile::setEnabled(true);
     auto t0 = std::chrono::steady_clock::now();
     c.allReduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum);
     ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    mooncake::pg::profile::setEnabled(false);
   }
+  if (phases != nullptr) *phases = mooncake::pg::profile::format(mooncake::pg::profile::take(true));
   std::sort(ts.begin(), ts.end());
   return ts;
 }
@@ -107,11 +114,12 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
       if (back[i] != want) return "element " + std::to_string(i) + " differs";
     }
     // Timing: best of 3 on GPU buffers against the same op on host buffers.
-    const double tg = allReduceTimes(c, g.p, kFloats, 3)[0];
-    const double th = allReduceTimes(c, back.data(), kFloats, 3)[0];
+    std::string pg, ph;
+    const double tg = allReduceTimes(c, g.p, kFloats, 3, &pg)[0];
+    const double th = allReduceTimes(c, back.data(), kFloats, 3, &ph)[0];
     char s[128];
     std::snprintf(s, sizeof s, "ok: GPU %.0f us, host %.0f us (%.2fx)", tg * 1e6, th * 1e6, tg / th);
-    return s;
+    return s + ("; GPU by phase: " + pg) + ("; host by phase: " + ph);
   });
   // Small-op latency: 64 KiB allreduce, median of 50, GPU against host buffers (each step of a
   // GPU op waits for its copies on the host: MC_DEVICE_SPIN_US says how long it polls before it
@@ -122,13 +130,14 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
     if (g.p == nullptr) return "allocation failed";
     Status st = copyWait(d, g.p, host.data(), count * 4);
     if (!st.ok()) return st.toString();
-    const double tg = allReduceTimes(c, g.p, count, 50)[25];
-    const double th = allReduceTimes(c, back.data(), count, 50)[25];
+    std::string pg, ph;
+    const double tg = allReduceTimes(c, g.p, count, 50, &pg)[25];
+    const double th = allReduceTimes(c, back.data(), count, 50, &ph)[25];
     char s[160];
     std::snprintf(s, sizeof s, "ok: GPU p50 %.0f us, host p50 %.0f us (%.2fx), MC_DEVICE_SPIN_US=%lld",
                   tg * 1e6, th * 1e6, tg / th,
                   static_cast<long long>(mooncake::params::getInt("MC_DEVICE_SPIN_US")));
-    return s;
+    return s + ("; GPU by phase: " + pg) + ("; host by phase: " + ph);
   });
   // The reduction kernel (pg/device_reduce.cu) against the CPU's reduceInto: the same
   // allreduce on GPU and on host buffers must agree bit for bit (fp16/bf16 rounding, int AVG),

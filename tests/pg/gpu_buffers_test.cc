@@ -9,11 +9,14 @@
 // one-sided messages, and a group spanning two simulated hosts.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #include "engine/device/device.h"
 #include "pg/device_reduce.h"
+#include "pg/profile.h"
 #include "pg/reduce.h"
 #include "tests/pg/pg_harness.h"
 #include "tests/pg/pg_reference.h"
@@ -546,6 +549,78 @@ TEST_P(PgStagedP2p, SameHostMessagesGoThroughTheSendersBuffers) {
 
 INSTANTIATE_TEST_SUITE_P(Pg, PgStagedP2p, ::testing::Values("gpu", "host"),
                          [](const auto& info) { return info.param; });
+
+// pg/profile.h: off, nothing is counted; on, every allreduce counts once as an op; GPU ones on
+// one host spend time waiting for and queueing device work and host ones none; a wait for a
+// peer that is late shows as a flag wait of about its lateness; no phase adds up to more than
+// the ops it is part of.
+TEST(PgProfile, PhasesOfGpuAndHostAllreduces) {
+  RunOptions o;
+  o.world = 2;
+  o.deadline_s = 60;
+  o.env.push_back({"MC_DEVICE", "sim"});
+  o.env.push_back({"MC_PG_PROFILE", "0"});
+  auto codes = runRanks(o, [&](RankEnv& env) {
+    Communicator& c = *env.comm;
+    const size_t count = 1 << 18;  // 1 MiB of floats: the 2-phase algorithm
+    std::vector<float> h(count, 1.0f);
+    Gpu g(count * 4, 0);
+    g.put(Buf(count * 4, 0));
+    (void)profile::take(true);
+    c.allReduce(h.data(), h.data(), count, DataType::kFloat32, ReduceOp::kSum);
+    EXPECT_EQ(profile::take(true).count[profile::kOp], 0u) << "counted while off";
+    profile::setEnabled(true);
+    for (int i = 0; i < 4; ++i)
+      c.allReduce(g.get(), g.get(), count, DataType::kFloat32, ReduceOp::kSum);
+    const profile::Totals gpu = profile::take(true);
+    for (int i = 0; i < 4; ++i)
+      c.allReduce(h.data(), h.data(), count, DataType::kFloat32, ReduceOp::kSum);
+    const profile::Totals host = profile::take(true);
+    // Rank 1 comes 30 ms late: rank 0 waits for its flag.
+    if (c.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    c.allReduce(h.data(), h.data(), count, DataType::kFloat32, ReduceOp::kSum);
+    const profile::Totals late = profile::take(true);
+    profile::setEnabled(false);
+
+    EXPECT_EQ(gpu.count[profile::kOp], 4u);
+    EXPECT_EQ(host.count[profile::kOp], 4u);
+    EXPECT_GE(gpu.count[profile::kDeviceWait], 4u);
+    EXPECT_GE(gpu.count[profile::kDeviceQueue], 4u);
+    EXPECT_GT(gpu.ns[profile::kDeviceWait], 0u);
+    EXPECT_EQ(host.count[profile::kDeviceWait], 0u);
+    EXPECT_EQ(host.count[profile::kDeviceQueue], 0u);
+    if (c.rank() == 0) {
+      EXPECT_GE(late.count[profile::kFlagWait], 1u);
+      EXPECT_GE(late.ns[profile::kFlagWait], 20'000'000u) << profile::format(late);
+    }
+    for (const profile::Totals* t : {&gpu, &host, &late}) {
+      uint64_t parts = 0;
+      for (int p = profile::kOp + 1; p < profile::kPhases; ++p) parts += t->ns[p];
+      EXPECT_GT(t->ns[profile::kOp], 0u);
+      EXPECT_LE(parts, t->ns[profile::kOp]) << profile::format(*t);
+    }
+    EXPECT_EQ(profile::format(gpu).rfind("4 ops, ", 0), 0u) << profile::format(gpu);
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+// An op scope inside another on the same thread (a group's op run by a subgroup) counts once.
+TEST(PgProfile, NestedOpsCountOnce) {
+  profile::setEnabled(true);
+  (void)profile::take(true);
+  {
+    profile::Scope outer(profile::kOp);
+    profile::Scope inner(profile::kOp);
+    profile::Scope wait(profile::kFlagWait);
+  }
+  { profile::Scope again(profile::kOp); }
+  const profile::Totals t = profile::take(true);
+  profile::setEnabled(false);
+  EXPECT_EQ(t.count[profile::kOp], 2u);
+  EXPECT_EQ(t.count[profile::kFlagWait], 1u);
+  { profile::Scope off(profile::kOp); }
+  EXPECT_EQ(profile::take(true).count[profile::kOp], 0u);
+}
 
 }  // namespace
 }  // namespace mooncake::pg::test

@@ -6,6 +6,7 @@
 //                [--hosts aabb] (rank r looks like host letter r: groups spanning hosts)
 //                [--device cpu,sim] (buffers in host memory and/or GPU memory of the device
 //                layer's simulation, MC_DEVICE=sim: GPU memory is staged, pg/device_stage.h)
+//                [--profile 1] (after each row, rank 0's time per op by phase: pg/profile.h)
 // Full benchmarks against gloo and MPI: benchmarks/pg_bench.py.
 #include <algorithm>
 #include <cstdio>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "engine/device/device.h"
+#include "pg/profile.h"
 #include "tests/pg/pg_harness.h"
 
 using namespace mooncake::pg;
@@ -56,6 +58,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> sizes = {"4K", "64K", "1M", "16M"};
   double min_ms = 300;
   bool async = false;  // run every op through enqueue() + Work::wait, as the torch adapter does
+  bool prof = false;
   std::vector<std::string> devices = {"cpu"};
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
@@ -66,6 +69,7 @@ int main(int argc, char** argv) {
     else if (k == "--min-ms") min_ms = std::atof(v.c_str());
     else if (k == "--async") async = v == "1";
     else if (k == "--device") devices = split(v);
+    else if (k == "--profile") prof = v == "1";
     else if (k == "--hosts") {  // e.g. aabb: rank r pretends to be on host v[r] (MC_HOST_ID)
       o.rank_env = [v](int r) {
         return std::vector<std::pair<std::string, std::string>>{
@@ -144,10 +148,19 @@ int main(int argc, char** argv) {
         std::vector<double> ts;
         ts.reserve(iters);
         c.barrier();
+        if (prof) {
+          profile::setEnabled(true);
+          (void)profile::take(true);
+        }
         for (int64_t i = 0; i < iters; ++i) {
           int64_t a = monotonicNs();
           once();
           ts.push_back((monotonicNs() - a) / 1e3);
+        }
+        profile::Totals phases;
+        if (prof) {
+          phases = profile::take(true);
+          profile::setEnabled(false);
         }
         // Per-iteration time as the slowest rank saw it.
         std::vector<double> mx(ts.size());
@@ -158,6 +171,7 @@ int main(int argc, char** argv) {
           double algbw = bytes / (p50 * 1e-6) / 1e9;
           std::printf("%-15s %-3s n=%d %10zu B  p50 %10.2f us  p99 %10.2f us  algbw %7.3f  busbw %7.3f GB/s\n",
                       op.c_str(), dev.c_str(), n, bytes, p50, p99, algbw, algbw * busFactor(op, n));
+          if (prof) std::printf("  rank 0 by phase: %s\n", profile::format(phases).c_str());
           std::fflush(stdout);
         }
         if (gpu_in != nullptr) {
