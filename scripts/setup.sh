@@ -56,12 +56,14 @@ fi
 # *.cmake file changes (configuring again by hand would cost ~10 s: it imports torch to
 # detect MC_WITH_TORCH). The log is shown only when configuring fails.
 # Compiles go through ccache (CCACHE_DIR, default ~/.cache/ccache), with paths hashed relative
-# to the checkout: a second clone on the same machine (CI's clean clone) compiles only what
-# differs. MOONCAKE_CCACHE=0 configures without it.
+# to the checkout and the build directory's own path left out of the hash: a second clone on
+# the same machine, wherever it is (CI's clean clone), compiles only what differs. (The price:
+# an object taken from the cache names the directory of the clone that compiled it first in
+# its debug info. MOONCAKE_CCACHE=0 configures without ccache.)
 LAUNCHER=()
 if [[ "${MOONCAKE_CCACHE:-1}" != 0 ]] && command -v ccache >/dev/null; then
-  LAUNCHER=("-DCMAKE_C_COMPILER_LAUNCHER=env;CCACHE_BASEDIR=$ROOT;ccache"
-            "-DCMAKE_CXX_COMPILER_LAUNCHER=env;CCACHE_BASEDIR=$ROOT;ccache")
+  LAUNCHER=("-DCMAKE_C_COMPILER_LAUNCHER=env;CCACHE_BASEDIR=$ROOT;CCACHE_NOHASHDIR=1;ccache"
+            "-DCMAKE_CXX_COMPILER_LAUNCHER=env;CCACHE_BASEDIR=$ROOT;CCACHE_NOHASHDIR=1;ccache")
 fi
 if [[ ! -f build/build.ninja || ! -f build/CMakeCache.txt ]]; then
   mkdir -p build
