@@ -221,7 +221,8 @@ def worker(args):
     records = []
 
     def timed_loop(run, iters):
-        """(mean seconds per call, per-iteration times: max over ranks) of iters calls of run.
+        """(mean seconds per call, per-iteration times: max over ranks; this rank's own mean)
+        of iters calls of run.
         Samples go into a Python list (0.1 us a store), as pg_bench_mpi's go into numpy (0.2
         us): a torch tensor's item store costs ~2 us, which on 4 ranks over 2 cores added
         tens of microseconds to every op measured (docs/perf/pg.md)."""
@@ -232,17 +233,18 @@ def worker(args):
             t = time.perf_counter()
             run()
             samples[i] = time.perf_counter() - t
-        mean = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+        own = (time.perf_counter() - start) / iters
+        mean = torch.tensor([own], dtype=torch.float64)
         worst = torch.tensor(samples, dtype=torch.float64)
         dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=ctl)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=ctl)  # per-iteration max
-        return float(mean), worst.tolist()
+        return float(mean), worst.tolist(), own
 
     # Memory-bandwidth reference: every rank copies a buffer of each size at the same time.
     for nbytes in cfg["sizes"]:
         src, dst = torch.zeros(nbytes // 4), torch.empty(nbytes // 4)
         dst.copy_(src)
-        mean, samples = timed_loop(lambda: dst.copy_(src), cfg["iters"])
+        mean, samples, _ = timed_loop(lambda: dst.copy_(src), cfg["iters"])
         records.append(summarize("memcpy", "memcpy", args.world, nbytes, mean, samples, 0,
                                  cfg["stat"]))
     measured = list(backends)
@@ -268,11 +270,20 @@ def worker(args):
                 one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(one, op=dist.ReduceOp.MAX, group=ctl)
                 iters = max(3, min(cfg["iters"], int(cfg["max_seconds"] / max(float(one), 1e-6))))
-                mean, samples = timed_loop(run, iters)
+                profiled = cfg.get("profile") and b != "gloo"
+                if profiled:  # the group's time by phase in these calls (pg/profile.h)
+                    from mooncake import _C
+                    _C._pg_profile(True, True)
+                mean, samples, own = timed_loop(run, iters)
+                phases = _C._pg_profile(False, True) if profiled else None
                 bad = torch.tensor([wrong()], dtype=torch.int64)
                 dist.all_reduce(bad, group=ctl)
-                records.append(summarize(b, op, args.world, nbytes, mean, samples, int(bad),
-                                         cfg["stat"], "sim" if b == SIM else "cpu"))
+                rec = summarize(b, op, args.world, nbytes, mean, samples, int(bad),
+                                cfg["stat"], "sim" if b == SIM else "cpu")
+                if phases is not None:  # this rank's means per call, in us
+                    rec["phases_us"] = {k: ns / iters / 1e3 for k, (_, ns) in phases.items()}
+                    rec["phases_us"]["call"] = own * 1e6
+                records.append(rec)
     if args.rank == 0:
         print("PGBENCH_RESULTS " + json.dumps(records), flush=True)
     dist.barrier(group=ctl)
@@ -510,6 +521,10 @@ def main():
     ap.add_argument("--busy", type=int, default=0, metavar="N",
                     help="run N busy-loop processes beside the benchmark (N = cores: one per "
                     "core)")
+    ap.add_argument("--profile", action="store_true",
+                    help="mooncake backends: rank 0's time per call inside the group by phase "
+                         "(pg/profile.h): the whole op, waits for peers' flags, GPU waits; "
+                         "printed after the tables and kept in the records (phases_us)")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--plot", help="write a busbw plot (PNG) here")
     ap.add_argument("--markdown", help="write the tables as Markdown here")
@@ -571,7 +586,7 @@ def main():
         wsizes = [s - s % (4 * w) for s in sizes]  # whole float32 blocks per rank
         cfg = {"ops": ops, "sizes": wsizes, "iters": args.iters, "warmup": args.warmup,
                "max_seconds": args.max_seconds, "stat": args.stat, "hosts": None,
-               "variants": variants, "devices": devices}
+               "variants": variants, "devices": devices, "profile": args.profile}
         if args.hosts:
             if len(args.hosts) != w:
                 ap.error(f"--hosts {args.hosts} names {len(args.hosts)} ranks, not {w}")
@@ -605,6 +620,18 @@ def main():
     for w in worlds:
         print_tables([r for r in records if r["world_size"] == w], backends, ops,
                      sorted({r["bytes"] for r in records if r["world_size"] == w}), [w])
+    prof = [r for r in records if r.get("phases_us")]
+    if prof:
+        print("\n# time by phase, rank 0's means in us per call: the call as Python saw it, the "
+              "group's op(s) inside it, inside those the waits for peers' flags and for GPU work; "
+              "torch+py = call - op")
+        print(f"{'backend':>14} {'op':>14} {'world':>5} {'size':>6} {'call':>8} {'op':>8} "
+              f"{'flag wait':>9} {'dev wait':>8} {'torch+py':>8}")
+        for r in prof:
+            p = r["phases_us"]
+            print(f"{r['backend']:>14} {r['op']:>14} {r['world_size']:>5} "
+                  f"{fmt_size(r['bytes']):>6} {p['call']:8.1f} {p['op']:8.1f} "
+                  f"{p['flag wait']:9.1f} {p['device wait']:8.1f} {p['call'] - p['op']:8.1f}")
     if args.json and not args.replot:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -209,6 +209,31 @@ def case_async(ctx, count=8):
     return fails
 
 
+def case_profile(ctx, calls=3):
+    """The group's phase timers through mooncake._C._pg_profile (pg/profile.h): off, nothing is
+    counted; on, each all_reduce counts as one op, with some time; reset zeroes them."""
+    from mooncake import _C
+    fails = []
+    t = torch.ones(1000)
+    _C._pg_profile(False, True)
+    dist.all_reduce(t)
+    if _C._pg_profile()["op"] != (0, 0):
+        fails.append(f"counted while off: {_C._pg_profile()}")
+    _C._pg_profile(True, True)
+    for _ in range(calls):
+        dist.all_reduce(t)
+    got = _C._pg_profile(False, True)
+    n, ns = got["op"]
+    if n != calls or ns <= 0:
+        fails.append(f"{calls} all_reduces counted as {n} ops taking {ns} ns: {got}")
+    waits = sum(v[1] for k, v in got.items() if k != "op")
+    if waits > ns:
+        fails.append(f"the phases inside the ops ({waits} ns) exceed the ops ({ns} ns): {got}")
+    if _C._pg_profile()["op"] != (0, 0):
+        fails.append("reset did not zero the counters")
+    return fails
+
+
 def case_handoff(ctx, bound_s=5.0):
     """Collectives that no thread waits on still run (op_queue.h: a wait runs its op on the
     waiting thread; the others go to the worker): an op only polled with is_completed(), one

@@ -1,5 +1,5 @@
-"""Point-to-point, subgroups with non-contiguous ranks, async ops in flight, object
-collectives, non-contiguous layouts and argument errors."""
+"""Point-to-point, subgroups with non-contiguous ranks, async ops in flight, the group's phase
+timers, object collectives, non-contiguous layouts and argument errors."""
 
 import pytest
 
@@ -22,6 +22,11 @@ def test_subgroups_non_contiguous_ranks(pool, world):
 @pytest.mark.parametrize("world", [1, 2, 4], ids=lambda w: f"w{w}")
 def test_async_ops_in_flight(pool, world):
     pool.check("async")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], ids=lambda w: f"w{w}")
+def test_phase_timers(pool, world):
+    pool.check("profile")
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"w{w}")

@@ -8,6 +8,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "engine/secret.h"
+#include "pg/profile.h"
 #include "torch_ext/csrc/gpu_tensors.h"
 #include "torch_ext/csrc/process_group.h"
 
@@ -98,6 +99,24 @@ void registerPgApis(py::module_& m) {
   // fill and read it with _device_copy; the process group takes it like a CUDA tensor's memory.
   m.def("_device_empty_like", &deviceEmptyLike, py::arg("like"), py::arg("device") = 0,
       "A tensor of like's shape and dtype in GPU memory of the engine's device layer (tests).");
+
+  // The process group's time by phase (pg/profile.h), process-wide: for benchmarks
+  // (benchmarks/pg_bench.py --profile) and tests.
+  m.def(
+      "_pg_profile",
+      [](std::optional<bool> enable, bool reset) {
+        if (enable) pg::profile::setEnabled(*enable);
+        const pg::profile::Totals t = pg::profile::take(reset);
+        py::dict d;
+        for (int p = 0; p < pg::profile::kPhases; ++p)
+          d[py::str(pg::profile::name(static_cast<pg::profile::Phase>(p)))] =
+              py::make_tuple(t.count[p], t.ns[p]);
+        return d;
+      },
+      py::arg("enable") = py::none(), py::arg("reset") = false,
+      "Turns the process group's phase timers on or off (None: as they are) and returns "
+      "{phase: (count, ns)} so far (zeroed when reset): 'op' (every op), 'flag wait', "
+      "'device wait', 'device queue' (inside ops; pg/profile.h).");
 }
 
 }  // namespace
