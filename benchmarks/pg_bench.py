@@ -219,6 +219,10 @@ def worker(args):
             else:
                 os.environ[k] = v
     records = []
+    pg_profile = None
+    if cfg.get("profile"):
+        from mooncake import _C
+        pg_profile = _C._pg_profile
 
     def timed_loop(run, iters):
         """(mean seconds per call, per-iteration times: max over ranks; this rank's own mean)
@@ -270,12 +274,11 @@ def worker(args):
                 one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(one, op=dist.ReduceOp.MAX, group=ctl)
                 iters = max(3, min(cfg["iters"], int(cfg["max_seconds"] / max(float(one), 1e-6))))
-                profiled = cfg.get("profile") and b != "gloo"
+                profiled = pg_profile is not None and b != "gloo"
                 if profiled:  # the group's time by phase in these calls (pg/profile.h)
-                    from mooncake import _C
-                    _C._pg_profile(True, True)
+                    pg_profile(True, True)
                 mean, samples, own = timed_loop(run, iters)
-                phases = _C._pg_profile(False, True) if profiled else None
+                phases = pg_profile(False, True) if profiled else None
                 bad = torch.tensor([wrong()], dtype=torch.int64)
                 dist.all_reduce(bad, group=ctl)
                 rec = summarize(b, op, args.world, nbytes, mean, samples, int(bad),

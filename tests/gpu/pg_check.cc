@@ -65,21 +65,21 @@ struct Gpu {
 };
 
 // Seconds each of `iters` allreduces of `count` floats in place on buf took (each after a
-// barrier), sorted; with `phases`, this rank's time in them by phase (pg/profile.h; the
-// barriers not counted) goes there too.
+// barrier), sorted; this rank's time in them by phase (pg/profile.h; the barriers not counted)
+// goes to `phases`.
 std::vector<double> allReduceTimes(Communicator& c, void* buf, size_t count, int iters,
-                                   std::string* phases = nullptr) {
+                                   std::string& phases) {
   std::vector<double> ts;
-  if (phases != nullptr) (void)mooncake::pg::profile::take(true);
+  (void)mooncake::pg::profile::take(true);
   for (int k = 0; k < iters; ++k) {
     c.barrier();
-    if (phases != nullptr) mooncake::pg::profile::setEnabled(true);
+    mooncake::pg::profile::setEnabled(true);
     auto t0 = std::chrono::steady_clock::now();
     c.allReduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum);
     ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     mooncake::pg::profile::setEnabled(false);
   }
-  if (phases != nullptr) *phases = mooncake::pg::profile::format(mooncake::pg::profile::take(true));
+  phases = mooncake::pg::profile::format(mooncake::pg::profile::take(true));
   std::sort(ts.begin(), ts.end());
   return ts;
 }
@@ -115,8 +115,8 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
     }
     // Timing: best of 3 on GPU buffers against the same op on host buffers.
     std::string pg, ph;
-    const double tg = allReduceTimes(c, g.p, kFloats, 3, &pg)[0];
-    const double th = allReduceTimes(c, back.data(), kFloats, 3, &ph)[0];
+    const double tg = allReduceTimes(c, g.p, kFloats, 3, pg)[0];
+    const double th = allReduceTimes(c, back.data(), kFloats, 3, ph)[0];
     char s[128];
     std::snprintf(s, sizeof s, "ok: GPU %.0f us, host %.0f us (%.2fx)", tg * 1e6, th * 1e6, tg / th);
     return s + ("; GPU by phase: " + pg) + ("; host by phase: " + ph);
@@ -131,8 +131,8 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
     Status st = copyWait(d, g.p, host.data(), count * 4);
     if (!st.ok()) return st.toString();
     std::string pg, ph;
-    const double tg = allReduceTimes(c, g.p, count, 50, &pg)[25];
-    const double th = allReduceTimes(c, back.data(), count, 50, &ph)[25];
+    const double tg = allReduceTimes(c, g.p, count, 50, pg)[25];
+    const double th = allReduceTimes(c, back.data(), count, 50, ph)[25];
     char s[160];
     std::snprintf(s, sizeof s, "ok: GPU p50 %.0f us, host p50 %.0f us (%.2fx), MC_DEVICE_SPIN_US=%lld",
                   tg * 1e6, th * 1e6, tg / th,
