@@ -19,9 +19,6 @@ namespace {
 
 using engine::Clock;
 
-[[noreturn]] void invalid(const std::string& op, const std::string& what) {
-  throw std::invalid_argument(op + ": " + what);
-}
 
 
 // timeout_us -1 (Mooncake EP's "no timeout"): a source is waited for until it delivers, its
@@ -50,7 +47,8 @@ struct RankInfo {
 // ---------------------------------------------------------------------------------------
 // set-up
 
-std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes, bool disable_p2p) {
+std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes, bool disable_p2p,
+                                           int device) {
   if (group.engine == nullptr || !group.all_gather ||
       static_cast<int>(group.peers.size()) != group.size || group.rank < 0 ||
       group.rank >= group.size)
@@ -66,7 +64,11 @@ std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes, bool dis
   if (kernels != "cpu" && kernels != "host" && kernels != "threads")
     invalid("ep.Buffer", str("MC_EP_KERNELS=", kernels, ": cpu, host or threads"));
   b->kernel_lanes_ = kernels == "host" ? 1 : kernels == "threads" ? kThreadLanes : 0;
-  b->setUp(bytes);
+  b->device_ = device;
+  if (device >= 0)
+    b->setUpDevice(bytes);
+  else
+    b->setUp(bytes);
   return b;
 }
 
@@ -152,7 +154,10 @@ EpBuffer::~EpBuffer() {
   if (worker_.joinable()) worker_.join();
   if (gone_handler_ != 0) g_.engine->removePeerGoneHandler(gone_handler_);
   if (key_ != 0) unregisterSignalTarget(key_);
-  if (base_ != nullptr) (void)g_.engine->free(base_);
+  if (device_ >= 0)
+    freeDevice();
+  else if (base_ != nullptr)
+    (void)g_.engine->free(base_);
 }
 
 bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits) {
@@ -175,6 +180,7 @@ bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t
 }
 
 void EpBuffer::abandon(RoundKind kind, uint32_t round) {
+  if (device_ >= 0) return deviceAbandon(kind, round);
   const int R = g_.size, me = g_.rank;
   Writer w(*this, engine::deadlineInMs(timeout_ms_), kind, round);
   for (int step = 1; step < R; ++step) {
@@ -223,16 +229,19 @@ void EpBuffer::throwIfAbandoned(const char* op, uint32_t round,
 }
 
 void EpBuffer::watchPeers() {
-  gone_.reset(new int32_t[static_cast<size_t>(g_.size)]());
+  if (gone_ptr_ == nullptr) {  // (device mode set host-mapped words already)
+    gone_.reset(new int32_t[static_cast<size_t>(g_.size)]());
+    gone_ptr_ = gone_.get();
+  }
   gone_handler_ = g_.engine->addPeerGoneHandler(
       [this](uint64_t engine_id, const std::string&, const Status&) {
         for (int r = 0; r < g_.size; ++r)
           if (r != g_.rank && engine_ids_[r] == engine_id)
-            __atomic_store_n(&gone_[r], 1, __ATOMIC_RELEASE);
+            __atomic_store_n(&gone_ptr_[r], 1, __ATOMIC_RELEASE);
       });
   // Gone before the handler was there: the engine said so already.
   for (int r = 0; r < g_.size; ++r)
-    if (peerDead(r)) __atomic_store_n(&gone_[r], 1, __ATOMIC_RELEASE);
+    if (peerDead(r)) __atomic_store_n(&gone_ptr_[r], 1, __ATOMIC_RELEASE);
 }
 
 bool EpBuffer::peerDead(int r) const {
@@ -371,6 +380,11 @@ void EpBuffer::validate(const LowLatencyDispatchArgs& a) const {
     invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),
                     " needs ", sizeHint(a.max_tokens, a.hidden, R, a.experts),
                     " buffer bytes; this buffer has ", geo_.totalBytes()));
+  if (device_ >= 0) {  // the indices are GPU memory: check a host copy
+    validateTopk(hostCopy(a.topk_idx, a.tokens * a.topk, op.c_str()).data(), a.tokens, a.topk,
+                 a.experts);
+    return;
+  }
   validateTopk(a.topk_idx, a.tokens, a.topk, a.experts);
 }
 
@@ -547,18 +561,32 @@ void EpBuffer::validate(const LowLatencyCombineArgs& a) const {
   if (std::max(l.dispatch_bytes, l.combine_bytes) > geo_.regionBytes())
     invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),
                     " does not fit this buffer (", geo_.totalBytes(), " bytes)"));
-  validateTopk(a.topk_idx, a.tokens, a.topk, a.experts);
   const int L = a.experts / R;
   const int64_t RM = R * a.max_tokens;
+  // A GPU buffer's arguments are GPU memory: the checks read host copies.
+  std::vector<int64_t> topk_h, layout_h;
+  std::vector<int32_t> src_h;
+  const int64_t* topk_idx = a.topk_idx;
+  const int64_t* layout_range = a.layout_range;
+  const int32_t* src_info = a.src_info;
+  if (device_ >= 0) {
+    topk_h = hostCopy(a.topk_idx, a.tokens * a.topk, op.c_str());
+    layout_h = hostCopy(a.layout_range, static_cast<int64_t>(L) * R, op.c_str());
+    src_h = hostCopy(a.src_info, L * RM, op.c_str());
+    topk_idx = topk_h.data();
+    layout_range = layout_h.data();
+    src_info = src_h.data();
+  }
+  validateTopk(topk_idx, a.tokens, a.topk, a.experts);
   for (int l = 0; l < L; ++l) {
     int64_t end = 0;
     for (int r = 0; r < R; ++r) {
-      int64_t v = a.layout_range[l * R + r];
+      int64_t v = layout_range[l * R + r];
       int64_t b = v >> 32, c = v & 0xffffffff;
       if (b < 0 || c > a.max_tokens || b + c > RM)
         invalid(op, str("layout_range[", l, "][", r, "] = ", v, " is outside [0, R*M)"));
       for (int64_t i = b; i < b + c; ++i) {
-        int32_t t = a.src_info[l * RM + i];
+        int32_t t = src_info[l * RM + i];
         if (t < 0 || t >= a.max_tokens)
           invalid(op, str("src_info[", l, "][", i, "] = ", t, " is not a token index < M"));
       }

@@ -48,6 +48,7 @@
 
 #include "engine/engine.h"
 #include "ep/kernels/host_lanes.h"
+#include "ep/kernels/ll_entry.h"
 #include "ep/kernels/ll_kernels.h"
 #include "ep/kernels/normal_kernels.h"
 #include "ep/layout.h"
@@ -159,8 +160,10 @@ class EpBuffer {
  public:
   // Collective over the group: allocates `bytes` from the engine, exchanges addresses.
   // disable_p2p: reach every peer with engine WRITEs, never by mapping its buffer (Mooncake
-  // EP's switch off of its NVLink/IPC path).
-  static std::unique_ptr<EpBuffer> create(EpGroup group, size_t bytes, bool disable_p2p = false);
+  // EP's switch off of its NVLink/IPC path). device >= 0: the buffer is GPU memory of that
+  // device of the engine's device layer ("Device mode" below).
+  static std::unique_ptr<EpBuffer> create(EpGroup group, size_t bytes, bool disable_p2p = false,
+                                          int device = -1);
   ~EpBuffer();
   EpBuffer(const EpBuffer&) = delete;
   EpBuffer& operator=(const EpBuffer&) = delete;
@@ -170,9 +173,19 @@ class EpBuffer {
   size_t bytes() const { return geo_.totalBytes(); }
   // True when rank r's buffer is reached with direct stores (mapped), false over the engine.
   bool isMapped(int r) const { return mapped_[r] != nullptr; }
+  // Device mode (ep/ll_device.cc): the buffer is GPU memory of device `device()` of the
+  // engine's device layer (engine/device/device.h: CUDA, or its host simulation in the tests),
+  // every rank's buffer is opened here through its IPC handle (so every rank must be on this
+  // host), and the low-latency calls queue the kernels (ep/kernels/ll_entry.h) on the device's
+  // copy stream; every pointer of a call's arguments is then GPU memory, but active_ranks'
+  // dead-rank flags, which are host-mapped words. Each call waits on the host for its kernels
+  // (no CUDA graph capture), and reads back the per-source decisions to report silent ranks
+  // and errors as the host paths do. Both modes.
+  bool onDevice() const { return device_ >= 0; }
+  int device() const { return device_; }
   // MC_EP_KERNELS=host or threads with every rank's buffer mapped: low-latency and normal
   // calls run the CUDA kernels' bodies (ep/kernels/ll_kernels.h, normal_kernels.h) on host
-  // lanes instead of the CPU path's loops (ep/ll_host.cc).
+  // lanes instead of the CPU path's loops (ep/ll_host.cc). Always in device mode.
   bool kernelPath() const;
 
   // ---- low-latency mode: validate* throw std::invalid_argument; next*Round reserve a
@@ -242,6 +255,8 @@ class EpBuffer {
                               DType dtype) const;
   // normalArgs() with a dispatch call's inputs.
   kern::NormalArgs normalArgs(const NormalDispatchArgs& a, uint32_t round) const;
+  // ... and with a combine call's.
+  kern::NormalArgs normalArgs(const NormalCombineArgs& a, uint32_t round) const;
   std::vector<int32_t> kernelNormalDispatchSend(const NormalDispatchArgs& a, uint32_t round);
   void kernelNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                                 const std::vector<int32_t>& counts, const NormalDispatchOutputs& o);
@@ -265,6 +280,29 @@ class EpBuffer {
   // engine's peer-gone handler for rank r's engine (and, for a rank already dead when the
   // buffer was made, at set-up); the kernel waits read it while they run.
   void watchPeers();
+  // ---- device mode (ep/ll_device.cc) ----
+  void setUpDevice(size_t bytes);
+  void freeDevice();
+  void deviceCopy(void* dst, const void* src, size_t len, const char* op) const;
+  std::vector<int64_t> hostCopy(const int64_t* p, int64_t n, const char* op) const;
+  std::vector<int32_t> hostCopy(const int32_t* p, int64_t n, const char* op) const;
+  std::vector<uint8_t> hostCopy(const uint8_t* p, int64_t n, const char* op) const;
+  char* deviceScratch(size_t toks_bytes);
+  kern::LlLaunch deviceLaunchArgs(kern::LlArgs p, int experts, uint32_t round);
+  kern::NormalLaunch deviceNormalLaunch(kern::NormalArgs p, int64_t rows);
+  void deviceLaunch(kern::LlLaunch l, kern::LlStage stage, unsigned grid, const char* op);
+  void deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsigned grid, const char* op);
+  void deviceSync(const char* op, engine::Deadline deadline);
+  std::vector<int32_t> deviceOutcome(const kern::LlLaunch& l, int32_t error[2], const char* op);
+  void deviceDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round);
+  void deviceDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round);
+  void deviceCombineSend(const LowLatencyCombineArgs& a, uint32_t round);
+  void deviceCombineRecv(const LowLatencyCombineArgs& a, uint32_t round);
+  void deviceAbandon(RoundKind kind, uint32_t round);
+  std::vector<int32_t> deviceNormalDispatchSend(const NormalDispatchArgs& a, uint32_t round);
+  void deviceNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
+                                const std::vector<int32_t>& counts, const NormalDispatchOutputs& o);
+  void deviceNormalCombine(const NormalCombineArgs& a, uint32_t round);
   bool abandoned(RoundKind kind, uint32_t round, int r);
   // Wraps a wait's arrival test so that a source that gave up the round counts as arrived
   // (recorded in *gave_up instead of handled); throwIfAbandoned() then reports them.
@@ -281,7 +319,13 @@ class EpBuffer {
   char* base_ = nullptr;
   uint64_t key_ = 0;
   std::vector<uint64_t> engine_ids_;      // each rank's engine id (its segment's)
-  std::unique_ptr<int32_t[]> gone_;       // kernel path: watchPeers()
+  std::unique_ptr<int32_t[]> gone_;       // kernel path on host memory: watchPeers()
+  int32_t* gone_ptr_ = nullptr;           // the flags the kernels read (gone_, or host words)
+  int device_ = -1;                       // device mode: the ordinal
+  std::vector<void*> opened_;             // device mode: peers' allocations opened here
+  char** dev_peers_ = nullptr;            // device mode: mapped_ in GPU memory
+  char* scratch_ = nullptr;               // device mode: the kernels' scratch
+  size_t scratch_bytes_ = 0;
   uint64_t gone_handler_ = 0;             // its engine peer-gone handler (0: none)
   std::vector<char*> mapped_;     // local view of each rank's buffer, nullptr if remote
   bool disable_p2p_ = false;

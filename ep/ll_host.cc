@@ -20,6 +20,7 @@ static_assert(static_cast<int>(DType::kBFloat16) == kern::kDtypeBf16 &&
               static_cast<int>(DType::kFp8) == kern::kDtypeFp8);
 
 bool EpBuffer::kernelPath() const {
+  if (device_ >= 0) return true;
   if (kernel_lanes_ == 0) return false;
   for (char* m : mapped_)
     if (m == nullptr) return false;
@@ -37,7 +38,7 @@ kern::LlArgs EpBuffer::kernelArgs(uint32_t round, RoundKind kind, int experts, i
   p.max_tokens = max_tokens;
   p.hidden = hidden;
   p.round = round;
-  p.gone = gone_.get();
+  p.gone = gone_ptr_;
   p.gone_grace_us = kGoneGraceUs;
   p.peers = mapped_.data();
   setRoundOffsets(p, geo_, round, static_cast<int>(kind));
@@ -93,6 +94,7 @@ void EpBuffer::kernelOutcome(const char* op, uint32_t round, const std::vector<i
 }
 
 void EpBuffer::kernelDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
+  if (device_ >= 0) return deviceDispatchSend(a, round);
   kern::LlArgs p = kernelArgs(a, round);
   std::vector<int32_t>& own = self_count_[round & 1];
   own.assign(p.local_experts, 0);
@@ -107,6 +109,7 @@ void EpBuffer::kernelDispatchSend(const LowLatencyDispatchArgs& a, uint32_t roun
 }
 
 void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
+  if (device_ >= 0) return deviceDispatchRecv(a, round);
   kern::LlArgs p = kernelArgs(a, round);
   std::vector<int32_t>& own = self_count_[round & 1];
   own.resize(p.local_experts, 0);
@@ -127,6 +130,7 @@ void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
 }
 
 void EpBuffer::kernelCombineSend(const LowLatencyCombineArgs& a, uint32_t round) {
+  if (device_ >= 0) return deviceCombineSend(a, round);
   kern::LlArgs p = kernelArgs(a, round);
   kern::HostLanes ln;
   kern::runBlocks(g_.size - 1, kernel_lanes_, ln, [&](auto& lanes, int i) {
@@ -135,6 +139,7 @@ void EpBuffer::kernelCombineSend(const LowLatencyCombineArgs& a, uint32_t round)
 }
 
 void EpBuffer::kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round) {
+  if (device_ >= 0) return deviceCombineRecv(a, round);
   kern::LlArgs p = kernelArgs(a, round);
   const std::vector<int32_t> was_active(a.active_ranks, a.active_ranks + g_.size);
   std::vector<int32_t> decision(g_.size, kern::kUndecided), error(2, kern::kNoError);
@@ -171,7 +176,7 @@ kern::NormalArgs EpBuffer::normalArgs(uint32_t round, RoundKind kind, int topk, 
   p.hidden = hidden;
   p.round = round;
   p.timeout_us = timeout_ms_ * 1000;
-  p.gone = gone_.get();
+  p.gone = gone_ptr_;
   p.gone_grace_us = kGoneGraceUs;
   p.peers = mapped_.data();
   setRoundOffsets(p, geo_, round, static_cast<int>(kind));
@@ -205,8 +210,22 @@ kern::NormalArgs EpBuffer::normalArgs(const NormalDispatchArgs& a, uint32_t roun
   return p;
 }
 
+kern::NormalArgs EpBuffer::normalArgs(const NormalCombineArgs& a, uint32_t round) const {
+  kern::NormalArgs p = normalArgs(round, RoundKind::kCombine, a.topk, a.hidden, a.dtype);
+  p.y = a.y;
+  p.recv_counts = a.recv_counts;
+  p.with_weights = a.with_weights;
+  p.weights = a.weights;
+  p.in_rank = a.is_token_in_rank;
+  p.tokens = a.tokens;
+  p.out = a.out;
+  p.out_weights = a.out_weights;
+  return p;
+}
+
 std::vector<int32_t> EpBuffer::kernelNormalDispatchSend(const NormalDispatchArgs& a,
                                                         uint32_t round) {
+  if (device_ >= 0) return deviceNormalDispatchSend(a, round);
   const int R = g_.size;
   kern::NormalArgs p = normalArgs(a, round);
   std::vector<int32_t> toks(static_cast<size_t>(std::max<int64_t>(1, a.tokens)));
@@ -234,6 +253,7 @@ std::vector<int32_t> EpBuffer::kernelNormalDispatchSend(const NormalDispatchArgs
 void EpBuffer::kernelNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                                         const std::vector<int32_t>& counts,
                                         const NormalDispatchOutputs& o) {
+  if (device_ >= 0) return deviceNormalDispatchRecv(a, round, counts, o);
   const int R = g_.size;
   kern::NormalArgs p = normalArgs(a, round);
   p.local_experts = a.with_topk_idx ? a.experts / R : 0;
@@ -258,16 +278,9 @@ void EpBuffer::kernelNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t ro
 }
 
 void EpBuffer::kernelNormalCombine(const NormalCombineArgs& a, uint32_t round) {
+  if (device_ >= 0) return deviceNormalCombine(a, round);
   const int R = g_.size, me = g_.rank;
-  kern::NormalArgs p = normalArgs(round, RoundKind::kCombine, a.topk, a.hidden, a.dtype);
-  p.y = a.y;
-  p.recv_counts = a.recv_counts;
-  p.with_weights = a.with_weights;
-  p.weights = a.weights;
-  p.in_rank = a.is_token_in_rank;
-  p.tokens = a.tokens;
-  p.out = a.out;
-  p.out_weights = a.out_weights;
+  kern::NormalArgs p = normalArgs(a, round);
   kern::HostLanes ln;
   kern::runBlocks(R - 1, kernel_lanes_, ln, [&](auto& lanes, int i) {
     kern::normalCombineSend(p, (me + 1 + i) % R, lanes);

@@ -14,22 +14,25 @@
 
 namespace mooncake::ep {
 
-namespace {
-
-
-[[noreturn]] void invalid(const std::string& op, const std::string& what) {
-  throw std::invalid_argument(op + ": " + what);
-}
-
-}  // namespace
-
 int64_t EpBuffer::normalCapacity(int64_t hidden, DType t, int topk) const {
   return NormalLayout::make(geo_.regionBytes(), g_.size, topk, hidden, t).capacity;
 }
 
-void EpBuffer::validate(const NormalDispatchArgs& a) const {
+void EpBuffer::validate(const NormalDispatchArgs& a_in) const {
   const std::string op = "normal_dispatch";
   const int R = g_.size;
+  // A GPU buffer's arguments are GPU memory: the checks read host copies.
+  NormalDispatchArgs a = a_in;
+  std::vector<int64_t> topk_h;
+  std::vector<uint8_t> in_rank_h;
+  if (device_ >= 0 && a.tokens >= 0) {
+    if (a.with_topk_idx && a.topk > 0) {
+      topk_h = hostCopy(a.topk_idx, a.tokens * a.topk, op.c_str());
+      a.topk_idx = topk_h.data();
+    }
+    in_rank_h = hostCopy(a.is_token_in_rank, a.tokens * R, op.c_str());
+    a.is_token_in_rank = in_rank_h.data();
+  }
   if (a.tokens < 0 || a.hidden <= 0)
     invalid(op, str("x has shape [", a.tokens, ", ", a.hidden, "]"));
   if (a.dtype == DType::kFp8) invalid(op, "fp8 is a low-latency dispatch format only");
@@ -204,8 +207,14 @@ void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
   }
 }
 
-void EpBuffer::validate(const NormalCombineArgs& a) const {
+void EpBuffer::validate(const NormalCombineArgs& a_in) const {
   const std::string op = "normal_combine";
+  NormalCombineArgs a = a_in;
+  std::vector<int32_t> counts_h;
+  if (device_ >= 0) {  // (GPU memory: a host copy)
+    counts_h = hostCopy(a.recv_counts, g_.size, op.c_str());
+    a.recv_counts = counts_h.data();
+  }
   if (a.hidden <= 0 || a.tokens < 0) invalid(op, str("bad shapes: H=", a.hidden, " T=", a.tokens));
   if (a.dtype == DType::kFp8) invalid(op, "fp8 is a low-latency dispatch format only");
   if (kernelPath() && g_.size > kern::kMaxCombineRanks)

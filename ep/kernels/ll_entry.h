@@ -1,0 +1,60 @@
+// The entry points of the EP kernels that the engine's device layer launches
+// (engine/device/device.h, Kernel): `mc_ep_ll` (low latency, one by-value LlLaunch) and
+// `mc_ep_normal` (normal mode, one NormalLaunch), grid and stage as below.
+// Its CUDA form is ep/kernels/ll_entry.cu (nvcc builds it into a fatbin that ep/ll_device.cc
+// embeds); its simulation form (ep/ll_device.cc) runs the same bodies on the simulated
+// stream's thread, every address through the layer's host view. What a GPU-memory EP buffer
+// (ep/buffer.h, device mode) queues for a call, in order on the device's copy stream:
+//   dispatch: kDispatchSend (E blocks), kDispatchRecv (L blocks)
+//   combine:  kCombineSend (R blocks), kCombineWait (R blocks), kCombineToken (T blocks)
+//   normal dispatch: kNormalDispatchSend (R), kNormalDispatchWait (R); the host reads the
+//                    counts and sizes the outputs; kNormalDispatchRecv (R), kNormalAlign (1)
+//   normal combine:  kNormalCombineSend (R), kNormalCombineWait (R), kNormalCombineToken (T)
+#pragma once
+
+#include <cstdint>
+
+#include "ep/kernels/ll_kernels.h"
+#include "ep/kernels/normal_kernels.h"
+
+namespace mooncake::ep::kern {
+
+enum LlStage : int32_t {
+  kDispatchSend = 0,
+  kDispatchRecv = 1,
+  kCombineSend = 2,
+  kCombineWait = 3,
+  kCombineToken = 4,
+};
+
+struct LlLaunch {
+  LlArgs p;
+  int32_t* toks = nullptr;   // kDispatchSend: E * max_tokens int32 of device scratch
+  uint64_t peer_bytes = 0;   // the size of every rank's buffer (the simulation maps them)
+  int32_t stage = kDispatchSend;
+  int32_t experts = 0;       // E (kDispatchSend's blocks)
+};
+
+enum NormalStage : int32_t {
+  kNormalDispatchSend = 0,
+  kNormalDispatchWait = 1,
+  kNormalDispatchRecv = 2,
+  kNormalAlign = 3,
+  kNormalCombineSend = 4,
+  kNormalCombineWait = 5,
+  kNormalCombineToken = 6,
+};
+
+struct NormalLaunch {
+  NormalArgs p;
+  int32_t* toks = nullptr;  // send and receive: R * max(1, tokens) int32 of device scratch
+  uint64_t peer_bytes = 0;
+  int64_t rows = 0;         // N: rows the dispatch receives, or the combine sends back
+  int32_t stage = kNormalDispatchSend;
+};
+
+constexpr const char* kLlEntryName = "mc_ep_ll";
+constexpr const char* kNormalEntryName = "mc_ep_normal";
+constexpr unsigned kEntryLanes = 256;  // threads per block on a GPU
+
+}  // namespace mooncake::ep::kern

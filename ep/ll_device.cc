@@ -1,0 +1,655 @@
+// An EP buffer in GPU memory (ep/buffer.h, "Device mode"): set-up through the engine's device
+// layer (allocation, IPC handles of every rank's buffer), and the low-latency calls as the
+// kernels' entry point (ep/kernels/ll_entry.h) queued on the device's copy stream: its CUDA
+// form from the fatbin built out of ep/kernels/ll_entry.cu, its simulation form below (the same
+// bodies on the simulated stream's thread, every address through the layer's host view), so
+// that everything but the CUDA executor itself is tested on a machine without a GPU.
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "engine/device/device.h"
+#include "engine/log.h"
+#include "ep/buffer.h"
+#include "ep/kernels/host_lanes.h"
+#include "ep/kernels/ll_entry.h"
+#include "ep/str.h"
+
+#if MC_EP_HAVE_LL_IMAGE
+// The fatbin of ep/kernels/ll_entry.cu (ep/ll_entry_image.c).
+extern "C" const unsigned char mc_ep_ll_fatbin[];
+extern "C" const size_t mc_ep_ll_fatbin_len;
+#endif
+
+namespace mooncake::ep {
+
+namespace dev = engine::device;
+
+namespace {
+
+// [p, p+len) as the simulated kernel reaches it (null and empty ranges stay as they are).
+template <class T>
+Status mapInto(const dev::HostView& view, T*& p, uint64_t len) {
+  if (p == nullptr || len == 0) return Status::OK();
+  MC_ASSIGN_OR_RETURN(void* h, view.at(p, len));
+  p = static_cast<T*>(h);
+  return Status::OK();
+}
+
+// The peers' buffers as the simulated kernel reaches them: the table itself, then each entry
+// (held in *keep, which p then points into).
+Status mapPeers(const dev::HostView& view, char* const*& peers, int R, uint64_t bytes,
+                std::vector<char*>* keep) {
+  MC_RETURN_IF_ERROR(mapInto(view, peers, R * 8u));
+  keep->assign(peers, peers + R);
+  for (char*& b : *keep) MC_RETURN_IF_ERROR(mapInto(view, b, bytes));
+  peers = keep->data();
+  return Status::OK();
+}
+
+// The simulation's form of mc_ep_ll: the blocks one after another on this thread, in the order
+// ep/ll_host.cc runs them (a call's sends to other ranks first).
+Status simEntry(const void* params, const dev::HostView& view) {
+  kern::LlLaunch l;
+  std::memcpy(&l, params, sizeof l);
+  kern::LlArgs& p = l.p;
+  const int R = p.world, L = p.local_experts, me = p.me;
+  const uint64_t RM = static_cast<uint64_t>(R) * p.max_tokens, T = p.tokens, K = p.topk;
+  const uint64_t in_row = kern::inputRowBytes(p);
+  const uint64_t recv_row = p.dtype == kern::kDtypeFp8 ? p.hidden : in_row;
+  MC_RETURN_IF_ERROR(mapInto(view, p.x, T * in_row));
+  MC_RETURN_IF_ERROR(mapInto(view, p.topk_idx, T * K * 8));
+  MC_RETURN_IF_ERROR(mapInto(view, p.topk_weights, T * K * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, p.active, R * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.gone, R * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.recv_x, L * RM * recv_row));
+  MC_RETURN_IF_ERROR(mapInto(view, p.recv_scales, L * RM * (p.hidden / num::kFp8Group) * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, p.recv_count, L * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.src_info, L * RM * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, p.layout_range, static_cast<uint64_t>(L) * R * 8));
+  MC_RETURN_IF_ERROR(mapInto(view, p.y, L * RM * in_row));
+  MC_RETURN_IF_ERROR(mapInto(view, p.out, T * in_row));
+  MC_RETURN_IF_ERROR(mapInto(view, p.decision, R * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.self_count, L * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.error, 8));
+  MC_RETURN_IF_ERROR(mapInto(view, l.toks, static_cast<uint64_t>(l.experts) * p.max_tokens * 4));
+  std::vector<char*> peers;
+  MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
+  kern::HostLanes ln;
+  const int64_t start = ln.nowUs();
+  switch (l.stage) {
+    case kern::kDispatchSend:
+      for (int i = 0; i < R * L; ++i)
+        kern::dispatchSend(p, ((me + 1 + i / L) % R) * L + i % L, ln, l.toks);
+      break;
+    case kern::kDispatchRecv:
+      for (int b = 0; b < L; ++b) kern::dispatchRecv(p, b, ln, start);
+      break;
+    case kern::kCombineSend:
+      for (int i = 0; i < R; ++i) kern::combineSend(p, (me + 1 + i) % R, ln);
+      break;
+    case kern::kCombineWait:
+      for (int o = 0; o < R; ++o) kern::combineWait(p, o, ln, start);
+      break;
+    case kern::kCombineToken:
+      for (uint64_t t = 0; t < T; ++t) kern::combineRecvToken(p, static_cast<int64_t>(t), ln);
+      break;
+    default:
+      return MC_STATUS(kInvalidArgument, "mc_ep_ll: stage " << l.stage);
+  }
+  return Status::OK();
+}
+
+// The simulation's form of mc_ep_normal, in ep/ll_host.cc's order.
+Status simNormal(const void* params, const dev::HostView& view) {
+  kern::NormalLaunch l;
+  std::memcpy(&l, params, sizeof l);
+  kern::NormalArgs& p = l.p;
+  const int R = p.world, me = p.me;
+  const uint64_t T = p.tokens, K = p.topk, N = l.rows, row = kern::rowBytes(p);
+  MC_RETURN_IF_ERROR(mapInto(view, p.x, T * row));
+  MC_RETURN_IF_ERROR(mapInto(view, p.in_rank, T * R));
+  MC_RETURN_IF_ERROR(mapInto(view, p.topk_idx, T * K * 8));
+  MC_RETURN_IF_ERROR(mapInto(view, p.topk_weights, T * K * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, p.counts, R * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.recv_x, N * row));
+  MC_RETURN_IF_ERROR(mapInto(view, p.recv_src_idx, N * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, p.recv_topk_idx, N * K * 8));
+  MC_RETURN_IF_ERROR(mapInto(view, p.recv_topk_weights, N * K * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, p.num_recv_per_expert, p.local_experts * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.y, N * row));
+  MC_RETURN_IF_ERROR(mapInto(view, p.recv_counts, R * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.weights, N * K * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, p.out, T * row));
+  MC_RETURN_IF_ERROR(mapInto(view, p.out_weights, T * K * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, p.active, R * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.decision, R * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.error, 8));
+  MC_RETURN_IF_ERROR(mapInto(view, p.gone, R * 4u));
+  MC_RETURN_IF_ERROR(mapInto(view, l.toks, static_cast<uint64_t>(R) * std::max<uint64_t>(T, 1) * 4));
+  std::vector<char*> peers;
+  MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
+  kern::HostLanes ln;
+  const int64_t start = ln.nowUs();
+  switch (l.stage) {
+    case kern::kNormalDispatchSend:
+      for (int i = 0; i < R; ++i) kern::normalDispatchSend(p, (me + 1 + i) % R, ln, l.toks);
+      break;
+    case kern::kNormalDispatchWait:
+      for (int r = 0; r < R; ++r) kern::normalDispatchWait(p, r, ln, start);
+      break;
+    case kern::kNormalDispatchRecv:
+      for (int r = 0; r < R; ++r) kern::normalDispatchRecv(p, r, ln, l.toks);
+      break;
+    case kern::kNormalAlign:
+      kern::normalAlign(p, ln);
+      break;
+    case kern::kNormalCombineSend:
+      for (int i = 0; i < R; ++i) kern::normalCombineSend(p, (me + 1 + i) % R, ln);
+      break;
+    case kern::kNormalCombineWait:
+      for (int d = 0; d < R; ++d) kern::normalCombineWait(p, d, ln, start);
+      break;
+    case kern::kNormalCombineToken:
+      for (uint64_t t = 0; t < T; ++t) kern::normalCombineToken(p, static_cast<int64_t>(t), ln);
+      break;
+    default:
+      return MC_STATUS(kInvalidArgument, "mc_ep_normal: stage " << l.stage);
+  }
+  return Status::OK();
+}
+
+// The kernels' image (CUDA builds), one module for both entry points.
+const void* entryImage() {
+#if MC_EP_HAVE_LL_IMAGE
+  // An 8-byte aligned copy (the driver reads the fatbin's header in place).
+  static const std::vector<uint64_t>* image = [] {
+    auto* v = new std::vector<uint64_t>((mc_ep_ll_fatbin_len + 7) / 8);
+    std::memcpy(v->data(), mc_ep_ll_fatbin, mc_ep_ll_fatbin_len);
+    return v;
+  }();
+  return image->data();
+#else
+  return nullptr;
+#endif
+}
+
+dev::Kernel entryKernel(const char* name, Status (*host)(const void*, const dev::HostView&)) {
+  dev::Kernel k;
+  k.image = entryImage();
+  k.name = name;
+  k.host = host;
+  return k;
+}
+
+dev::Device* layerOr(const char* what) {
+  auto layer = dev::get();
+  if (!layer.ok())
+    throw std::runtime_error(str(what, ": no GPU device layer: ", layer.status().toString()));
+  return *layer;
+}
+
+// What each rank publishes about its GPU buffer.
+struct DeviceInfo {
+  uint64_t ok = 0;  // 1: its buffer is made and exported
+  uint64_t bytes = 0;
+  uint64_t offset = 0;  // of the buffer in the allocation the handle names
+  uint64_t engine_id = 0;
+  uint32_t handle_len = 0;
+  uint32_t host_len = 0;
+  char handle[384] = {};
+  char host[128] = {};
+};
+
+constexpr size_t kScratchCounts = 2 * kMaxSignals;  // self_count of each half
+
+// Where the kernels' scratch lives in the buffer's scratch allocation (device memory).
+struct Scratch {
+  int32_t* self_count;  // [2][kMaxSignals]: low latency, kept from a dispatch's send to its recv
+  int32_t* decision;    // [R]
+  int32_t* error;       // [2]
+  int32_t* active;      // [R]: normal mode (all 1)
+  int32_t* counts;      // [R]: normal dispatch
+  int32_t* toks;        // the blocks' token lists
+};
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+size_t scratchFixed(int R) { return kScratchCounts * 4 + 4 * align256(static_cast<size_t>(R) * 4 + 8); }
+Scratch scratchAt(char* base, int R) {
+  const size_t slot = align256(static_cast<size_t>(R) * 4 + 8);
+  char* p = base + kScratchCounts * 4;
+  return Scratch{reinterpret_cast<int32_t*>(base), reinterpret_cast<int32_t*>(p),
+                 reinterpret_cast<int32_t*>(p + slot), reinterpret_cast<int32_t*>(p + 2 * slot),
+                 reinterpret_cast<int32_t*>(p + 3 * slot),
+                 reinterpret_cast<int32_t*>(p + 4 * slot)};
+}
+
+}  // namespace
+
+void EpBuffer::setUpDevice(size_t bytes) {
+  const char* what = "ep.Buffer on GPU memory";
+  dev::Device* layer = layerOr(what);
+  engine::TransferEngine& eng = *g_.engine;
+  const int n = g_.size;
+  if (disable_p2p_)
+    invalid("ep.Buffer", "disable_p2p is for host buffers: a GPU buffer's peers are opened "
+                         "through IPC handles");
+  // This rank's buffer: allocated, zeroed (signal words start at round 0), its IPC handle.
+  // A failure here is published in the exchange below, so that every rank fails alike.
+  DeviceInfo mine;
+  std::string own_error;
+  auto mem = layer->allocate(bytes, device_);
+  if (mem.ok()) {
+    base_ = static_cast<char*>(*mem);
+    dev::noteUse();
+    const size_t chunk = std::min<size_t>(bytes, 16u << 20);
+    std::vector<char> zeros(chunk, 0);
+    for (size_t off = 0; off < bytes && own_error.empty(); off += chunk) {
+      Status st = dev::copy(base_ + off, zeros.data(), std::min(chunk, bytes - off),
+                            engine::deadlineInMs(timeout_ms_));
+      if (!st.ok()) own_error = str("zeroing the buffer: ", st.toString());
+    }
+  } else {
+    own_error = str("allocating ", bytes, " bytes on device ", device_, ": ",
+                    mem.status().toString());
+  }
+  const engine::SegmentDesc self = eng.localSegment();
+  if (own_error.empty()) {
+    auto handle = layer->exportIpc(base_, &mine.offset);
+    if (!handle.ok())
+      own_error = str("exporting an IPC handle: ", handle.status().toString());
+    else if (handle->size() > sizeof(mine.handle) || self.host_id.size() > sizeof(mine.host))
+      own_error = "IPC handle or host id too long";
+    else {
+      mine.handle_len = static_cast<uint32_t>(handle->size());
+      std::memcpy(mine.handle, handle->data(), handle->size());
+    }
+  }
+  mine.ok = own_error.empty() ? 1 : 0;
+  mine.bytes = bytes;
+  mine.engine_id = self.engine_id;
+  mine.host_len = static_cast<uint32_t>(std::min(self.host_id.size(), sizeof(mine.host)));
+  std::memcpy(mine.host, self.host_id.data(), mine.host_len);
+  std::vector<DeviceInfo> all(n);
+  g_.all_gather(&mine, all.data(), sizeof(DeviceInfo));
+  // Every rank sees the same table, so every rank refuses alike.
+  auto hostOf = [&](int r) {
+    return std::string(all[r].host, std::min<size_t>(all[r].host_len, sizeof all[r].host));
+  };
+  for (int r = 0; r < n; ++r) {
+    if (all[r].ok == 0) {
+      freeDevice();
+      throw std::runtime_error(str(what, ": rank ", r, " could not make its buffer",
+                                   r == g_.rank ? ": " + own_error : std::string()));
+    }
+    if (all[r].bytes != bytes) {
+      freeDevice();
+      invalid("ep.Buffer", str("num_ep_buffer_bytes differs across ranks: rank ", g_.rank,
+                               " has ", bytes, ", rank ", r, " has ", all[r].bytes));
+    }
+    if (hostOf(r) != hostOf(0)) {
+      freeDevice();
+      throw std::runtime_error(str(what, " needs every rank on one host (CUDA IPC): rank ", r,
+                                   " is on host '", hostOf(r), "', rank 0 on '", hostOf(0),
+                                   "'; across hosts use a CPU buffer (the host proxy for GPU "
+                                   "buffers on other hosts is not built)"));
+    }
+  }
+  mapped_.assign(n, nullptr);
+  remote_.assign(n, 0);
+  engine_ids_.assign(n, 0);
+  opened_.assign(n, nullptr);
+  std::string open_error;
+  for (int r = 0; r < n; ++r) {
+    engine_ids_[r] = all[r].engine_id;
+    if (r == g_.rank) {
+      mapped_[r] = base_;
+      continue;
+    }
+    auto base = layer->openIpc(std::string(all[r].handle, all[r].handle_len));
+    if (!base.ok()) {
+      open_error = str("opening rank ", r, "'s buffer: ", base.status().toString());
+      break;
+    }
+    opened_[r] = *base;
+    mapped_[r] = static_cast<char*>(*base) + all[r].offset;
+  }
+  // The peers' table and the scratch the kernels use, and the dead-rank flags they read.
+  if (open_error.empty()) {
+    auto table = layer->allocate(n * sizeof(char*), device_);
+    if (table.ok()) {
+      dev_peers_ = static_cast<char**>(*table);
+      Status st = dev::copy(dev_peers_, mapped_.data(), n * sizeof(char*),
+                            engine::deadlineInMs(timeout_ms_));
+      if (!st.ok()) open_error = str("writing the peers' table: ", st.toString());
+    } else {
+      open_error = str("allocating the peers' table: ", table.status().toString());
+    }
+  }
+  if (open_error.empty()) {
+    auto words = layer->allocHostWords(static_cast<size_t>(n));
+    if (words.ok())
+      gone_ptr_ = reinterpret_cast<int32_t*>(*words);
+    else
+      open_error = str("host-mapped flags: ", words.status().toString());
+  }
+  int ok = open_error.empty() ? 1 : 0;
+  std::vector<int> all_ok(n);
+  g_.all_gather(&ok, all_ok.data(), sizeof(int));
+  for (int r = 0; r < n; ++r) {
+    if (all_ok[r] != 0) continue;
+    freeDevice();
+    throw std::runtime_error(str(what, ": rank ", r, " could not set up",
+                                 open_error.empty() ? std::string() : ": " + open_error));
+  }
+  watchPeers();
+  MC_LOG(INFO, EP) << "ep buffer rank " << g_.rank << "/" << n << ": " << bytes
+                   << " bytes of GPU memory on " << layer->name() << " device " << device_
+                   << ", every rank's buffer opened through its IPC handle";
+}
+
+void EpBuffer::freeDevice() {
+  auto layer = dev::get();
+  if (!layer.ok()) return;
+  for (void*& b : opened_)
+    if (b != nullptr) (void)(*layer)->closeIpc(b), b = nullptr;
+  if (dev_peers_ != nullptr) (void)(*layer)->free(dev_peers_), dev_peers_ = nullptr;
+  if (scratch_ != nullptr) (void)(*layer)->free(scratch_), scratch_ = nullptr;
+  scratch_bytes_ = 0;
+  if (base_ != nullptr) (void)(*layer)->free(base_), base_ = nullptr;
+}
+
+void EpBuffer::deviceCopy(void* dst, const void* src, size_t len, const char* op) const {
+  if (len == 0) return;
+  Status st = dev::copy(dst, src, len, engine::deadlineInMs(timeout_ms_));
+  if (!st.ok())
+    throw std::runtime_error(str(op, ": rank ", g_.rank, ": GPU copy of ", len,
+                                 " bytes failed: ", st.toString()));
+}
+
+char* EpBuffer::deviceScratch(size_t toks_bytes) {
+  const size_t need = scratchFixed(g_.size) + toks_bytes;
+  if (need > scratch_bytes_) {  // the kernels of earlier calls are done (deviceSync)
+    dev::Device* layer = layerOr("ep");
+    const size_t len = need;  // (grows with the largest call seen: a rare reallocation)
+    auto mem = layer->allocate(len, device_);
+    if (!mem.ok())
+      throw std::runtime_error(str("ep: rank ", g_.rank, ": GPU scratch of ", need,
+                                   " bytes: ", mem.status().toString()));
+    if (scratch_ != nullptr) {  // a dispatch sent but not yet received keeps its self_count
+      Status st = dev::copy(*mem, scratch_, kScratchCounts * 4, engine::deadlineInMs(timeout_ms_));
+      (void)layer->free(scratch_);
+      if (!st.ok()) {
+        (void)layer->free(*mem);
+        scratch_ = nullptr;
+        scratch_bytes_ = 0;
+        throw std::runtime_error(str("ep: rank ", g_.rank, ": moving the GPU scratch: ",
+                                     st.toString()));
+      }
+    }
+    scratch_ = static_cast<char*>(*mem);
+    scratch_bytes_ = len;
+  }
+  return scratch_;
+}
+
+kern::LlLaunch EpBuffer::deviceLaunchArgs(kern::LlArgs p, int experts, uint32_t round) {
+  const size_t toks = static_cast<size_t>(experts) * static_cast<size_t>(p.max_tokens) * 4;
+  const Scratch sc = scratchAt(deviceScratch(toks), g_.size);
+  kern::LlLaunch l;
+  p.peers = dev_peers_;
+  p.gone = gone_ptr_;
+  p.self_count = sc.self_count + (round & 1) * kMaxSignals;
+  p.decision = sc.decision;
+  p.error = sc.error;
+  l.p = p;
+  l.toks = sc.toks;
+  l.peer_bytes = geo_.totalBytes();
+  l.experts = experts;
+  return l;
+}
+
+// Queues an entry point's stage on the device's copy stream.
+static void launchEntry(const dev::Kernel& k, const void* params, size_t len, unsigned grid,
+                        int device, int rank, const char* op) {
+  if (grid == 0) return;
+  Status st = layerOr(op)->launch(k, grid, kern::kEntryLanes, params, len, device);
+  if (!st.ok())
+    throw std::runtime_error(str(op, ": rank ", rank, ": launching ", k.name, " on device ",
+                                 device, " failed: ", st.toString()));
+}
+
+void EpBuffer::deviceLaunch(kern::LlLaunch l, kern::LlStage stage, unsigned grid,
+                            const char* op) {
+  static const dev::Kernel k = entryKernel(kern::kLlEntryName, &simEntry);
+  l.stage = stage;
+  launchEntry(k, &l, sizeof l, grid, device_, g_.rank, op);
+}
+
+void EpBuffer::deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsigned grid,
+                            const char* op) {
+  static const dev::Kernel k = entryKernel(kern::kNormalEntryName, &simNormal);
+  l.stage = stage;
+  launchEntry(k, &l, sizeof l, grid, device_, g_.rank, op);
+}
+
+void EpBuffer::deviceSync(const char* op, engine::Deadline deadline) {
+  auto ev = layerOr(op)->record(device_);
+  Status st = ev.ok() ? (*ev)->wait(deadline) : ev.status();
+  if (!st.ok())
+    throw std::runtime_error(str(op, ": rank ", g_.rank, ": the kernels on device ", device_,
+                                 " did not complete: ", st.toString()));
+}
+
+// The host's bound on a call's waiting kernels: timeout_us and the dead-peer grace, with
+// MC_EP_TIMEOUT_MS of slack; none when the call has no timeout (the kernels then end when
+// every source arrived or was seen gone).
+static engine::Deadline waitBound(int64_t timeout_us, int64_t slack_ms) {
+  if (timeout_us < 0) return engine::noDeadline();
+  return engine::Clock::now() + std::chrono::microseconds(timeout_us) +
+         std::chrono::milliseconds(100 + slack_ms);
+}
+
+std::vector<int32_t> EpBuffer::deviceOutcome(const kern::LlLaunch& l, int32_t error[2],
+                                             const char* op) {
+  std::vector<int32_t> decision(g_.size);
+  deviceCopy(decision.data(), l.p.decision, decision.size() * 4, op);
+  deviceCopy(error, l.p.error, 8, op);
+  return decision;
+}
+
+void EpBuffer::deviceDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
+  kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), a.experts, round);
+  deviceLaunch(l, kern::kDispatchSend, static_cast<unsigned>(a.experts), "dispatch");
+  // The caller's x may be reused once the call returns: its rows are out.
+  deviceSync("dispatch", engine::deadlineInMs(timeout_ms_));
+}
+
+void EpBuffer::deviceDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
+  kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), a.experts, round);
+  std::vector<int32_t> was_active(g_.size);
+  deviceCopy(was_active.data(), a.active_ranks, was_active.size() * 4, "dispatch");
+  const std::vector<int32_t> zeros(g_.size + 2, 0);
+  deviceCopy(l.p.decision, zeros.data(), g_.size * 4, "dispatch");
+  deviceCopy(l.p.error, zeros.data(), 8, "dispatch");
+  deviceLaunch(l, kern::kDispatchRecv, static_cast<unsigned>(l.p.local_experts), "dispatch");
+  deviceSync("dispatch", waitBound(a.timeout_us, timeout_ms_));
+  int32_t error[2];
+  const std::vector<int32_t> decision = deviceOutcome(l, error, "dispatch");
+  kernelOutcome("dispatch", round, decision, was_active);
+  if (error[0] == kern::kTooManyRows)
+    throw std::runtime_error(str("dispatch: rank ", error[1], " sent more than M=", a.max_tokens,
+                                 " rows for a local expert of rank ", g_.rank,
+                                 " (M differs across ranks?)"));
+}
+
+void EpBuffer::deviceCombineSend(const LowLatencyCombineArgs& a, uint32_t round) {
+  kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), 0, round);
+  deviceLaunch(l, kern::kCombineSend, static_cast<unsigned>(g_.size), "combine");
+  deviceSync("combine", engine::deadlineInMs(timeout_ms_));
+}
+
+void EpBuffer::deviceCombineRecv(const LowLatencyCombineArgs& a, uint32_t round) {
+  kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), 0, round);
+  std::vector<int32_t> was_active(g_.size);
+  deviceCopy(was_active.data(), a.active_ranks, was_active.size() * 4, "combine");
+  const std::vector<int32_t> zeros(g_.size + 2, 0);
+  deviceCopy(l.p.decision, zeros.data(), g_.size * 4, "combine");
+  deviceCopy(l.p.error, zeros.data(), 8, "combine");
+  deviceLaunch(l, kern::kCombineWait, static_cast<unsigned>(g_.size), "combine");
+  deviceLaunch(l, kern::kCombineToken, static_cast<unsigned>(a.tokens), "combine");
+  deviceSync("combine", waitBound(a.timeout_us, timeout_ms_));
+  int32_t error[2];
+  const std::vector<int32_t> decision = deviceOutcome(l, error, "combine");
+  kernelOutcome("combine", round, decision, was_active);
+  if (error[0] == kern::kWrongRowCount)
+    throw std::runtime_error(str("combine: rank ", error[1], " returned another number of rows "
+                                 "to rank ", g_.rank,
+                                 " than its topk_idx routes there (topk_idx differs from the "
+                                 "dispatch's?)"));
+  if (error[0] == kern::kNoOwnRow)
+    throw std::runtime_error(str("combine: the handle has no row for token ", error[1],
+                                 " of an expert of rank ", g_.rank,
+                                 " (handle from another dispatch?)"));
+}
+
+void EpBuffer::deviceAbandon(RoundKind kind, uint32_t round) {
+  const uint64_t v = makeSignal(round, 1);
+  for (int step = 1; step < g_.size; ++step) {
+    const int o = (g_.rank + step) % g_.size;
+    try {
+      deviceCopy(mapped_[o] + geo_.abandonSignal(round & 1, static_cast<int>(kind), g_.rank), &v,
+                 8, "abandon");
+    } catch (const std::exception& e) {  // best effort, as the host buffer's abandon
+      MC_LOG(WARN, EP) << e.what();
+    }
+  }
+}
+
+// ---- normal mode ----
+
+kern::NormalLaunch EpBuffer::deviceNormalLaunch(kern::NormalArgs p, int64_t rows) {
+  const int R = g_.size;
+  const size_t toks = static_cast<size_t>(R) * static_cast<size_t>(std::max<int64_t>(1, p.tokens)) * 4;
+  const Scratch sc = scratchAt(deviceScratch(toks), R);
+  p.peers = dev_peers_;
+  p.gone = gone_ptr_;
+  p.active = sc.active;
+  p.decision = sc.decision;
+  p.error = sc.error;
+  kern::NormalLaunch l;
+  l.p = p;
+  l.toks = sc.toks;
+  l.peer_bytes = geo_.totalBytes();
+  l.rows = rows;
+  // Normal mode has no mask: every rank active; no source decided yet; no error.
+  const std::vector<int32_t> ones(R, 1), zeros(R + 2, 0);
+  deviceCopy(sc.active, ones.data(), R * 4, "normal");
+  deviceCopy(sc.decision, zeros.data(), R * 4, "normal");
+  deviceCopy(sc.error, zeros.data(), 8, "normal");
+  return l;
+}
+
+std::vector<int32_t> EpBuffer::deviceNormalDispatchSend(const NormalDispatchArgs& a,
+                                                        uint32_t round) {
+  const char* op = "normal_dispatch";
+  const int R = g_.size;
+  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), 0);
+  const Scratch sc = scratchAt(scratch_, R);
+  l.p.counts = sc.counts;
+  deviceLaunch(l, kern::kNormalDispatchSend, static_cast<unsigned>(R), op);
+  deviceLaunch(l, kern::kNormalDispatchWait, static_cast<unsigned>(R), op);
+  deviceSync(op, waitBound(timeout_ms_ * 1000, timeout_ms_));
+  std::vector<int32_t> decision(R), counts(R), error(2);
+  deviceCopy(decision.data(), sc.decision, R * 4, op);
+  deviceCopy(error.data(), sc.error, 8, op);
+  deviceCopy(counts.data(), sc.counts, R * 4, op);
+  kernelNormalOutcome(op, round, decision);
+  if (error[0] == kern::kTooManyRows)
+    throw std::runtime_error(str(op, ": rank ", error[1], " sent ", counts[error[1]],
+                                 " rows, above capacity ", l.p.capacity,
+                                 " (H, K or dtype differ across ranks?)"));
+  return counts;
+}
+
+void EpBuffer::deviceNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
+                                        const std::vector<int32_t>& counts,
+                                        const NormalDispatchOutputs& o) {
+  const char* op = "normal_dispatch";
+  const int R = g_.size;
+  int64_t n = 0;
+  for (int32_t c : counts) n += c;
+  kern::NormalArgs p = normalArgs(a, round);
+  p.local_experts = a.with_topk_idx ? a.experts / R : 0;
+  p.expert_alignment = a.expert_alignment;
+  p.recv_x = o.recv_x;
+  p.recv_src_idx = o.recv_src_idx;
+  p.recv_topk_idx = o.recv_topk_idx;
+  p.recv_topk_weights = o.recv_topk_weights;
+  p.num_recv_per_expert = o.num_recv_per_expert;
+  kern::NormalLaunch l = deviceNormalLaunch(p, n);
+  const Scratch sc = scratchAt(scratch_, R);
+  deviceCopy(sc.counts, counts.data(), R * 4, op);
+  l.p.counts = sc.counts;
+  if (a.with_topk_idx) {
+    const std::vector<int32_t> zeros(p.local_experts, 0);
+    deviceCopy(o.num_recv_per_expert, zeros.data(), zeros.size() * 4, op);
+  }
+  deviceLaunch(l, kern::kNormalDispatchRecv, static_cast<unsigned>(R), op);
+  deviceLaunch(l, kern::kNormalAlign, 1, op);
+  deviceSync(op, engine::deadlineInMs(timeout_ms_));
+  int32_t error[2];
+  deviceCopy(error, sc.error, 8, op);
+  if (error[0] == kern::kWrongRowCount)
+    throw std::runtime_error(str(op, ": rank ", g_.rank,
+                                 " counted another number of own rows than it signalled"));
+}
+
+void EpBuffer::deviceNormalCombine(const NormalCombineArgs& a, uint32_t round) {
+  const char* op = "normal_combine";
+  const int R = g_.size, me = g_.rank;
+  // The handle's counts and routing, read here for the row count and the check below.
+  const std::vector<int32_t> recv_counts = hostCopy(a.recv_counts, R, op);
+  std::vector<uint8_t> in_rank(static_cast<size_t>(a.tokens) * R);
+  deviceCopy(in_rank.data(), a.is_token_in_rank, in_rank.size(), op);
+  int64_t n = 0, sent_me = 0;
+  for (int32_t c : recv_counts) n += c;
+  for (int64_t t = 0; t < a.tokens; ++t) sent_me += in_rank[t * R + me] != 0;
+  if (sent_me != recv_counts[me])
+    throw std::runtime_error(str(op, ": rank ", me, " sent itself ", sent_me,
+                                 " rows but the handle says ", recv_counts[me]));
+  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), n);
+  const Scratch sc = scratchAt(scratch_, R);
+  deviceLaunch(l, kern::kNormalCombineSend, static_cast<unsigned>(R), op);
+  deviceLaunch(l, kern::kNormalCombineWait, static_cast<unsigned>(R), op);
+  deviceLaunch(l, kern::kNormalCombineToken, static_cast<unsigned>(a.tokens), op);
+  deviceSync(op, waitBound(timeout_ms_ * 1000, timeout_ms_));
+  std::vector<int32_t> decision(R), error(2);
+  deviceCopy(decision.data(), sc.decision, R * 4, op);
+  deviceCopy(error.data(), sc.error, 8, op);
+  kernelNormalOutcome(op, round, decision);
+  if (error[0] == kern::kWrongRowCount)
+    throw std::runtime_error(str(op, ": rank ", error[1], " returned another number of rows to rank ",
+                                 me, " than it was sent (handle from another dispatch?)"));
+}
+
+std::vector<int64_t> EpBuffer::hostCopy(const int64_t* p, int64_t n, const char* op) const {
+  std::vector<int64_t> v(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  deviceCopy(v.data(), p, v.size() * 8, op);
+  return v;
+}
+
+std::vector<uint8_t> EpBuffer::hostCopy(const uint8_t* p, int64_t n, const char* op) const {
+  std::vector<uint8_t> v(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  deviceCopy(v.data(), p, v.size(), op);
+  return v;
+}
+
+std::vector<int32_t> EpBuffer::hostCopy(const int32_t* p, int64_t n, const char* op) const {
+  std::vector<int32_t> v(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  deviceCopy(v.data(), p, v.size() * 4, op);
+  return v;
+}
+
+}  // namespace mooncake::ep
