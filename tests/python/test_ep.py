@@ -150,12 +150,9 @@ def test_ep_kernel_bodies_on_host(world, lanes):
             assert res == [], _report(world, r, case, res, tails)
 
 
-def test_ep_kernel_bodies_on_host_killed_rank():
-    """(The combine after the second death waits without a timeout: the engine's notice of the
-    death ends it, as on the CPU path.)"""
-    world = 3
-    results, codes, tails = run_ranks(world, KILL_CASES, env={
-        "MC_EP_KERNELS": "host", "EP_CASES_COMBINE_NO_TIMEOUT": "1"})
+def _check_kills(world, results, codes, tails):
+    """Both kill cases' victims died by SIGKILL; every survivor passed every case it ran after
+    the deaths so far."""
     dead = {VICTIMS[c](world) for c in KILL_CASES}
     for v in dead:
         assert codes[v] == -9, f"victim rank {v} exit {codes[v]}\n{tails[v]}"
@@ -166,6 +163,51 @@ def test_ep_kernel_bodies_on_host_killed_rank():
                 continue
             res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
             assert res == [], _report(world, r, case, res, tails)
+
+
+def test_ep_kernel_bodies_on_host_killed_rank():
+    """(The combine after the second death waits without a timeout: the engine's notice of the
+    death ends it, as on the CPU path.)"""
+    world = 3
+    _check_kills(world, *run_ranks(world, KILL_CASES, env={
+        "MC_EP_KERNELS": "host", "EP_CASES_COMBINE_NO_TIMEOUT": "1"}))
+
+
+GPU_ENV = {"MC_DEVICE": "sim", "EP_CASES_GPU": "1"}
+GPU_CASES = ["gpu_buffer", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input", "normal",
+             "normal_autograd"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ep_gpu_buffers_sim(world):
+    """Buffers in GPU memory of the device layer's simulation (memory that faults when host
+    code touches it; peers' buffers opened through IPC handles, the kernels' entry point run on
+    the simulated stream): the low-latency, fp8, normal and autograd cases against the
+    plain-torch reference, validation and one rank's bad input, through ep_cases.GpuBuffer,
+    and the GPU buffer's refusals."""
+    results, codes, tails = run_ranks(world, GPU_CASES, env=GPU_ENV)
+    for case in GPU_CASES:
+        for r in range(world):
+            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
+            assert res == [], _report(world, r, case, res, tails)
+
+
+def test_ep_gpu_buffers_sim_killed_rank():
+    """Both kill cases on GPU buffers: the dead ranks' host-mapped flags end the kernels' waits
+    (the combine after the second death has no timeout)."""
+    world = 3
+    _check_kills(world, *run_ranks(world, KILL_CASES,
+                                   env=dict(GPU_ENV, EP_CASES_COMBINE_NO_TIMEOUT="1")))
+
+
+def test_ep_gpu_buffer_across_hosts_refused():
+    """A GPU buffer needs every rank on one host (CUDA IPC): over two simulated hosts every
+    rank's constructor fails with an error that says so."""
+    results, codes, tails = run_ranks(2, ["gpu_buffer"], env=GPU_ENV,
+                                      rank_env=lambda r: {"MC_HOST_ID": f"host-{r}"})
+    for r in range(2):
+        res = results[r].get("gpu_buffer", results[r].get("__init__", ""))
+        assert isinstance(res, str) and "one host" in res, _report(2, r, "gpu_buffer", res, tails)
 
 
 @pytest.mark.skipif(_fake_verbs.library_dir() is None, reason="no verbs emulator (MC_WITH_RDMA=OFF)")

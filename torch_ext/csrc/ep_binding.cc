@@ -18,9 +18,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "engine/device/device.h"
 #include "ep/buffer.h"
 #include "ep/layout.h"
 #include "torch_ext/csrc/compat.h"
+#include "torch_ext/csrc/gpu_tensors.h"
 #include "torch_ext/csrc/process_group.h"
 
 namespace py = pybind11;
@@ -66,7 +68,9 @@ constexpr at::ScalarType kFp8Scalar =
 Tensor input(const Tensor& t, at::ScalarType dtype, int64_t dims, const char* op,
              const char* name) {
   if (!t.defined()) bad(op, ": ", name, " is undefined");
-  if (!t.device().is_cpu()) bad(op, ": ", name, " must be a CPU tensor (CUDA kernels not built)");
+  if (!t.device().is_cpu() || (engine::device::active() && onGpu(t)))
+    bad(op, ": ", name, " must be a CPU tensor in host memory (a buffer made without device= and "
+        "normal mode take those)");
   if (t.scalar_type() != dtype) bad(op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
   if (t.dim() != dims) bad(op, ": ", name, " must be ", dims, "-D, got shape ", shapeOf(t));
   return t.contiguous();
@@ -165,17 +169,31 @@ class PyHook {
 
 class PyEpBuffer {
  public:
-  PyEpBuffer(c10::intrusive_ptr<ProcessGroupMooncake> pg, int64_t bytes, bool disable_p2p)
-      : pg_(std::move(pg)) {
+  // device: -1 for a host buffer, else the ordinal of the engine's device layer that holds it
+  // (ep/buffer.h, "Device mode"); cuda: the caller asked for CUDA (the layer must be CUDA's).
+  PyEpBuffer(c10::intrusive_ptr<ProcessGroupMooncake> pg, int64_t bytes, bool disable_p2p,
+             int64_t device, bool cuda)
+      : pg_(std::move(pg)), device_(static_cast<int>(device)) {
     if (!pg_) bad("ep.Buffer: group is None");
     if (bytes <= 0) bad("ep.Buffer: num_ep_buffer_bytes must be positive, got ", bytes);
+    if (device_ >= 0) {
+      auto layer = engine::device::get();
+      if (!layer.ok())
+        throw std::runtime_error("ep.Buffer on GPU memory: no device layer: " +
+                                 layer.status().toString());
+      cuda_ = std::string((*layer)->name()) == "cuda";
+      if (cuda && !cuda_) bad("ep.Buffer(device='cuda'): ", cudaUnavailableReason());
+      if (device_ >= (*layer)->count())
+        bad("ep.Buffer: device ", device_, " does not exist (", (*layer)->count(), " on ",
+            (*layer)->name(), ")");
+    }
     // Non-owning view of the group's communicator that keeps the group alive.
     auto keep = pg_;
     std::shared_ptr<pg::Communicator> comm(&pg_->communicator(),
                                            [keep](pg::Communicator*) mutable { keep.reset(); });
     py::gil_scoped_release nogil;
     buf_ = ep::EpBuffer::create(ep::groupOf(std::move(comm)), static_cast<size_t>(bytes),
-                                disable_p2p);
+                                disable_p2p, device_);
   }
   ~PyEpBuffer() { dropBuffer(buf_); }
 
@@ -184,7 +202,14 @@ class PyEpBuffer {
   int64_t bytes() const { return static_cast<int64_t>(buf_->bytes()); }
   // What runs the calls: "cpu" (ep/buffer.cc's and normal.cc's loops) or "kernels on host"
   // (MC_EP_KERNELS=host or threads: the CUDA kernels' bodies on host lanes).
-  std::string lowLatencyExecutor() const { return buf_->kernelPath() ? "kernels on host" : "cpu"; }
+  // A GPU buffer: "kernels on <layer> device <n>".
+  std::string lowLatencyExecutor() const {
+    if (buf_->onDevice())
+      return "kernels on " + std::string(cuda_ ? "cuda" : "sim") + " device " +
+             std::to_string(device_);
+    return buf_->kernelPath() ? "kernels on host" : "cpu";
+  }
+  int64_t device() const { return device_; }
   bool isMapped(int r) const {
     if (r < 0 || r >= buf_->size()) bad("is_mapped: rank ", r, " out of range");
     return buf_->isMapped(r);
@@ -225,6 +250,82 @@ class PyEpBuffer {
     bool armed_ = true;
   };
 
+  // An argument of a call: a CPU tensor for a host buffer (input()); for a GPU buffer a
+  // contiguous tensor in GPU memory of the buffer's device (a CUDA tensor, or over the
+  // simulation a tensor on the layer's memory).
+  Tensor arg(const Tensor& t, at::ScalarType dtype, int64_t dims, const char* op,
+             const char* name) const {
+    if (device_ < 0) return input(t, dtype, dims, op, name);
+    if (!t.defined()) bad(op, ": ", name, " is undefined");
+    checkOnDevice(t, op, name);
+    if (t.scalar_type() != dtype) bad(op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+    if (t.dim() != dims) bad(op, ": ", name, " must be ", dims, "-D, got shape ", shapeOf(t));
+    if (!t.is_contiguous()) bad(op, ": ", name, " must be contiguous (a GPU buffer's call)");
+    return t;
+  }
+  void checkOnDevice(const Tensor& t, const char* op, const char* name) const {
+    const char* where = cuda_ ? "a CUDA tensor" : "GPU memory of the device layer";
+    if (t.numel() == 0) return;  // (its pointer is not read)
+    if (!onGpu(t))
+      bad(op, ": ", name, " must be ", where, " on device ", device_,
+          " (this ep.Buffer is GPU memory), got a tensor on ", t.device());
+    auto layer = engine::device::get();
+    const engine::device::PointerInfo pi =
+        layer.ok() ? (*layer)->pointer(t.data_ptr()) : engine::device::PointerInfo{};
+    if (pi.device && pi.ordinal != device_)
+      bad(op, ": ", name, " is on device ", pi.ordinal, ", this ep.Buffer on device ", device_);
+  }
+  void checkActiveArg(const Tensor& a, int world, const char* op) const {
+    if (device_ < 0) return checkActive(a, world, op);
+    if (!a.defined() || a.scalar_type() != at::kInt || a.dim() != 1 || a.size(0) != world ||
+        !a.is_contiguous())
+      bad(op, ": active_ranks must be a contiguous int32 tensor of shape [", world, "], got ",
+          a.defined() ? shapeOf(a) : std::string("undefined"));
+    checkOnDevice(a, op, "active_ranks");
+  }
+  // An output: from the pool (host buffer), or GPU memory of the buffer's device.
+  Tensor output(int64_t n, std::vector<int64_t> rest, at::ScalarType dtype, bool slack) {
+    if (device_ < 0) return pool_.get(n, std::move(rest), dtype, slack);
+    std::vector<int64_t> shape{n};
+    shape.insert(shape.end(), rest.begin(), rest.end());
+    if (cuda_)
+      return at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
+    return deviceEmpty(shape, dtype, device_);
+  }
+  Tensor small(std::vector<int64_t> shape, at::ScalarType dtype) {
+    if (device_ < 0) return at::empty(shape, at::TensorOptions().dtype(dtype));
+    const int64_t n = shape[0];
+    return output(n, std::vector<int64_t>(shape.begin() + 1, shape.end()), dtype, false);
+  }
+  // CUDA buffers: the call's inputs come from kernels queued on the caller's current stream;
+  // before it reads them (its checks, its kernels) the call waits on the host for what was
+  // queued there until now. Called on the caller's thread.
+  void awaitCallerStream(const char* op, int64_t timeout_us) const {
+    if (!cuda_) return;
+    StreamFence fence(std::vector<c10::Device>{c10::Device(at::kCUDA, device_)});
+    if (PyGILState_Check()) {  // (some callers hold the GIL here)
+      py::gil_scoped_release nogil;
+      fence.wait(op, timeoutOf(timeout_us));
+    } else {
+      fence.wait(op, timeoutOf(timeout_us));
+    }
+  }
+  // A GPU buffer's argument read on the host (a host copy), or the tensor itself.
+  Tensor hostOf(const Tensor& t, const char* op) const {
+    if (device_ < 0) return t;
+    Tensor h = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
+    copyBytes(h.data_ptr(), t.data_ptr(), h.numel() * h.element_size(), op);
+    return h;
+  }
+  // A host tensor's copy in the GPU buffer's memory (the tensor itself for a host buffer).
+  Tensor onDevice(const Tensor& h, const char* op) {
+    if (device_ < 0) return h;
+    std::vector<int64_t> shape(h.sizes().begin(), h.sizes().end());
+    Tensor d = small(shape, h.scalar_type());
+    copyBytes(d.data_ptr(), h.data_ptr(), h.numel() * h.element_size(), op);
+    return d;
+  }
+
   py::tuple dispatch(const Tensor& x_in, const Tensor& topk_in, const Tensor& active, int64_t M,
                      int64_t E, int64_t timeout_us, bool use_fp8, bool async_finish,
                      bool return_hook) {
@@ -234,24 +335,23 @@ class PyEpBuffer {
     const ep::DType dt = hiddenType(x_in, op, "x");
     if (use_fp8 && dt != ep::DType::kBFloat16)
       bad(op, ": use_fp8 quantizes bfloat16 x, got ", x_in.scalar_type());
-    Tensor x = input(x_in, scalarOf(dt), 2, op, "x");
-    Tensor topk = input(topk_in, at::kLong, 2, op, "topk_idx");
+    Tensor x = arg(x_in, scalarOf(dt), 2, op, "x");
+    Tensor topk = arg(topk_in, at::kLong, 2, op, "topk_idx");
     if (topk.size(0) != x.size(0))
       bad(op, ": topk_idx has ", topk.size(0), " rows, x has ", x.size(0));
-    checkActive(active, R, op);
+    checkActiveArg(active, R, op);
     if (E <= 0 || E % R != 0) bad(op, ": num_experts=", E, " must be a positive multiple of ", R);
     if (M <= 0) bad(op, ": num_max_dispatch_tokens_per_rank=", M);
     const int64_t L = E / R, H = x.size(1);
     if (use_fp8 && H % ep::num::kFp8Group != 0)
       bad(op, ": use_fp8 needs a hidden size that is a multiple of ", ep::num::kFp8Group, ", got ",
           H);
-    auto opts = at::TensorOptions().device(at::kCPU);
-    Tensor recv_x = pool_.get(L, {R * M, H}, use_fp8 ? kFp8Scalar : scalarOf(dt), false);
+    Tensor recv_x = output(L, {R * M, H}, use_fp8 ? kFp8Scalar : scalarOf(dt), false);
     Tensor recv_scales;  // [L, R*M, H/128] float32 (fp8)
-    if (use_fp8) recv_scales = pool_.get(L, {R * M, H / ep::num::kFp8Group}, at::kFloat, false);
-    Tensor recv_count = at::empty({L}, opts.dtype(at::kInt));
-    Tensor src_info = at::empty({L, R * M}, opts.dtype(at::kInt));
-    Tensor layout = at::empty({L, R}, opts.dtype(at::kLong));
+    if (use_fp8) recv_scales = output(L, {R * M, H / ep::num::kFp8Group}, at::kFloat, false);
+    Tensor recv_count = small({L}, at::kInt);
+    Tensor src_info = small({L, R * M}, at::kInt);
+    Tensor layout = small({L, R}, at::kLong);
     ep::LowLatencyDispatchArgs a;
     a.x = x.data_ptr();
     a.dtype = use_fp8 ? ep::DType::kFp8 : dt;
@@ -273,6 +373,7 @@ class PyEpBuffer {
     py::object event = py::none(), hook = py::none();
     {
       py::gil_scoped_release nogil;
+      awaitCallerStream(op, timeout_us);
       buf_->validate(a);
       uint32_t round;
       {
@@ -297,12 +398,12 @@ class PyEpBuffer {
     const char* op = "combine";
     const int R = buf_->size();
     const ep::DType dt = hiddenType(y_in, op, "y");
-    Tensor y = input(y_in, scalarOf(dt), 3, op, "y");
-    Tensor topk = input(topk_in, at::kLong, 2, op, "topk_idx");
-    Tensor w = input(w_in, at::kFloat, 2, op, "topk_weights");
-    Tensor src_info = input(src_info_in, at::kInt, 2, op, "handle src_info");
-    Tensor layout = input(layout_in, at::kLong, 2, op, "handle layout_range");
-    checkActive(active, R, op);
+    Tensor y = arg(y_in, scalarOf(dt), 3, op, "y");
+    Tensor topk = arg(topk_in, at::kLong, 2, op, "topk_idx");
+    Tensor w = arg(w_in, at::kFloat, 2, op, "topk_weights");
+    Tensor src_info = arg(src_info_in, at::kInt, 2, op, "handle src_info");
+    Tensor layout = arg(layout_in, at::kLong, 2, op, "handle layout_range");
+    checkActiveArg(active, R, op);
     if (E <= 0 || E % R != 0) bad(op, ": handle's num_experts=", E, " does not fit ", R, " ranks");
     const int64_t L = E / R, T = topk.size(0), K = topk.size(1);
     if (y.size(0) != L || y.size(1) != R * M || y.size(2) != H)
@@ -316,12 +417,13 @@ class PyEpBuffer {
     Tensor out;
     if (out_opt.has_value() && out_opt->defined()) {
       out = *out_opt;
-      if (!out.device().is_cpu() || out.scalar_type() != scalarOf(dt) || out.dim() != 2 ||
-          out.size(0) != T || out.size(1) != H || !out.is_contiguous())
-        bad(op, ": out must be a contiguous CPU ", scalarOf(dt), " tensor of shape [", T, ", ", H,
-            "], got ", shapeOf(out));
+      if ((device_ < 0 && !out.device().is_cpu()) || out.scalar_type() != scalarOf(dt) ||
+          out.dim() != 2 || out.size(0) != T || out.size(1) != H || !out.is_contiguous())
+        bad(op, ": out must be a contiguous ", device_ < 0 ? "CPU " : "", scalarOf(dt),
+            " tensor of shape [", T, ", ", H, "], got ", shapeOf(out));
+      if (device_ >= 0) checkOnDevice(out, op, "out");
     } else {
-      out = pool_.get(T, {H}, scalarOf(dt));
+      out = output(T, {H}, scalarOf(dt), true);
     }
     ep::LowLatencyCombineArgs a;
     a.y = y.data_ptr();
@@ -342,6 +444,7 @@ class PyEpBuffer {
     py::object event = py::none(), hook = py::none();
     {
       py::gil_scoped_release nogil;
+      awaitCallerStream(op, timeout_us);
       buf_->validate(a);
       uint32_t round;
       {
@@ -360,54 +463,59 @@ class PyEpBuffer {
   py::tuple dispatchLayout(const Tensor& topk_in, int64_t E) {
     const char* op = "get_dispatch_layout";
     const int R = buf_->size();
-    Tensor topk = input(topk_in, at::kLong, 2, op, "topk_idx");
+    Tensor topk = arg(topk_in, at::kLong, 2, op, "topk_idx");
     if (E <= 0 || E % R != 0) bad(op, ": num_experts=", E, " must be a positive multiple of ", R);
     const int64_t T = topk.size(0);
     const int K = static_cast<int>(topk.size(1));
-    ep::validateTopk(topk.data_ptr<int64_t>(), T, K, static_cast<int>(E));
+    awaitCallerStream(op, -1);
+    Tensor topk_h = hostOf(topk, op);  // (computed on the host; a GPU buffer gets GPU tensors)
+    ep::validateTopk(topk_h.data_ptr<int64_t>(), T, K, static_cast<int>(E));
     Tensor per_rank = at::empty({R}, at::kInt), per_expert = at::empty({E}, at::kInt);
     Tensor in_rank = at::empty({T, R}, at::kBool);
-    ep::dispatchLayout(topk.data_ptr<int64_t>(), T, K, static_cast<int>(E), R,
+    ep::dispatchLayout(topk_h.data_ptr<int64_t>(), T, K, static_cast<int>(E), R,
                        per_rank.data_ptr<int32_t>(), per_expert.data_ptr<int32_t>(),
                        reinterpret_cast<uint8_t*>(in_rank.data_ptr<bool>()));
-    return py::make_tuple(per_rank, per_expert, in_rank);
+    return py::make_tuple(onDevice(per_rank, op), onDevice(per_expert, op), onDevice(in_rank, op));
   }
 
   // Normal dispatch; routing from topk_idx, or from is_token_in_rank (a cached dispatch).
   py::tuple normalDispatch(const Tensor& x_in, std::optional<Tensor> topk_opt,
                            std::optional<Tensor> w_opt, int64_t E, int64_t alignment,
                            std::optional<Tensor> in_rank_opt) {
-    RoundGuard guard(this, RoundKind::kDispatch);
     const char* op = "normal_dispatch";
+    RoundGuard guard(this, RoundKind::kDispatch);
     const int R = buf_->size();
     const ep::DType dt = hiddenType(x_in, op, "x");
-    Tensor x = input(x_in, scalarOf(dt), 2, op, "x");
+    Tensor x = arg(x_in, scalarOf(dt), 2, op, "x");
     const int64_t T = x.size(0), H = x.size(1);
     const bool with_topk = topk_opt.has_value() && topk_opt->defined();
     const bool with_w = w_opt.has_value() && w_opt->defined();
     Tensor topk, w, in_rank;
     int K = 0;
     if (with_topk) {
-      topk = input(*topk_opt, at::kLong, 2, op, "topk_idx");
+      topk = arg(*topk_opt, at::kLong, 2, op, "topk_idx");
       if (topk.size(0) != T) bad(op, ": topk_idx has ", topk.size(0), " rows, x has ", T);
       K = static_cast<int>(topk.size(1));
       if (E <= 0 || E % R != 0) bad(op, ": num_experts=", E, " must be a positive multiple of ", R);
-      ep::validateTopk(topk.data_ptr<int64_t>(), T, K, static_cast<int>(E));
+      awaitCallerStream(op, -1);  // (a GPU buffer's topk_idx is read here)
+      Tensor topk_h = hostOf(topk, op);
+      ep::validateTopk(topk_h.data_ptr<int64_t>(), T, K, static_cast<int>(E));
       in_rank = at::empty({T, R}, at::kBool);
       Tensor pr = at::empty({R}, at::kInt), pe = at::empty({E}, at::kInt);
-      ep::dispatchLayout(topk.data_ptr<int64_t>(), T, K, static_cast<int>(E), R,
+      ep::dispatchLayout(topk_h.data_ptr<int64_t>(), T, K, static_cast<int>(E), R,
                          pr.data_ptr<int32_t>(), pe.data_ptr<int32_t>(),
                          reinterpret_cast<uint8_t*>(in_rank.data_ptr<bool>()));
+      in_rank = onDevice(in_rank, op);
     } else {
       if (!in_rank_opt.has_value() || !in_rank_opt->defined())
         bad(op, ": needs topk_idx or a handle");
-      in_rank = input(*in_rank_opt, at::kBool, 2, op, "handle is_token_in_rank");
+      in_rank = arg(*in_rank_opt, at::kBool, 2, op, "handle is_token_in_rank");
       if (in_rank.size(0) != T || in_rank.size(1) != R)
         bad(op, ": handle routes ", in_rank.size(0), " tokens over ", in_rank.size(1),
             " ranks; x has ", T, " tokens and the group ", R, " ranks");
     }
     if (with_w) {
-      w = input(*w_opt, at::kFloat, 2, op, "topk_weights");
+      w = arg(*w_opt, at::kFloat, 2, op, "topk_weights");
       if (w.size(0) != T || (with_topk && w.size(1) != K))
         bad(op, ": topk_weights shape ", shapeOf(w), " does not match [", T, ", K]");
       K = static_cast<int>(w.size(1));
@@ -428,6 +536,7 @@ class PyEpBuffer {
     Tensor recv_x, recv_src, recv_topk, recv_w, per_expert, counts_t;
     {
       py::gil_scoped_release nogil;
+      awaitCallerStream(op, -1);
       buf_->validate(a);
       buf_->runSync([&] {
         uint32_t round;
@@ -439,21 +548,22 @@ class PyEpBuffer {
         std::vector<int32_t> counts = buf_->normalDispatchSend(a, round);
         int64_t n = 0;
         for (int32_t c : counts) n += c;
-        recv_x = pool_.get(n, {H}, scalarOf(dt));
-        recv_src = at::empty({n}, at::kInt);
+        recv_x = output(n, {H}, scalarOf(dt), true);
+        recv_src = small({n}, at::kInt);
         counts_t = at::empty({R}, at::kInt);
         std::copy(counts.begin(), counts.end(), counts_t.data_ptr<int32_t>());
+        counts_t = onDevice(counts_t, op);
         ep::NormalDispatchOutputs o;
         o.recv_x = recv_x.data_ptr();
         o.recv_src_idx = recv_src.data_ptr<int32_t>();
         if (with_topk) {
-          recv_topk = at::empty({n, K}, at::kLong);
-          per_expert = at::empty({E / R}, at::kInt);
+          recv_topk = small({n, K}, at::kLong);
+          per_expert = small({E / R}, at::kInt);
           o.recv_topk_idx = recv_topk.data_ptr<int64_t>();
           o.num_recv_per_expert = per_expert.data_ptr<int32_t>();
         }
         if (with_w) {
-          recv_w = at::empty({n, K}, at::kFloat);
+          recv_w = small({n, K}, at::kFloat);
           o.recv_topk_weights = recv_w.data_ptr<float>();
         }
         buf_->normalDispatchRecv(a, round, counts, o);
@@ -466,27 +576,28 @@ class PyEpBuffer {
 
   py::tuple normalCombine(const Tensor& y_in, const Tensor& counts_in, const Tensor& in_rank_in,
                           std::optional<Tensor> w_opt) {
-    RoundGuard guard(this, RoundKind::kCombine);
     const char* op = "normal_combine";
+    RoundGuard guard(this, RoundKind::kCombine);
     const int R = buf_->size();
     const ep::DType dt = hiddenType(y_in, op, "y");
-    Tensor y = input(y_in, scalarOf(dt), 2, op, "y");
-    Tensor counts = input(counts_in, at::kInt, 1, op, "handle recv_counts");
-    Tensor in_rank = input(in_rank_in, at::kBool, 2, op, "handle is_token_in_rank");
+    Tensor y = arg(y_in, scalarOf(dt), 2, op, "y");
+    Tensor counts = arg(counts_in, at::kInt, 1, op, "handle recv_counts");
+    Tensor in_rank = arg(in_rank_in, at::kBool, 2, op, "handle is_token_in_rank");
     if (counts.size(0) != R || in_rank.size(1) != R)
       bad(op, ": the handle belongs to a group of another size");
-    const int64_t n = counts.sum().item<int64_t>();
+    awaitCallerStream(op, -1);  // (a GPU buffer's handle is read here)
+    const int64_t n = hostOf(counts, op).sum().item<int64_t>();
     if (y.size(0) != n) bad(op, ": y has ", y.size(0), " rows; the dispatch delivered ", n);
     const bool with_w = w_opt.has_value() && w_opt->defined();
     Tensor w;
     if (with_w) {
-      w = input(*w_opt, at::kFloat, 2, op, "topk_weights");
+      w = arg(*w_opt, at::kFloat, 2, op, "topk_weights");
       if (w.size(0) != n) bad(op, ": topk_weights has ", w.size(0), " rows, y has ", n);
     }
     const int64_t T = in_rank.size(0), H = y.size(1);
     const int K = with_w ? static_cast<int>(w.size(1)) : 0;
-    Tensor out = pool_.get(T, {H}, scalarOf(dt));
-    Tensor out_w = with_w ? at::empty({T, K}, at::kFloat) : Tensor();
+    Tensor out = output(T, {H}, scalarOf(dt), true);
+    Tensor out_w = with_w ? small({T, K}, at::kFloat) : Tensor();
     ep::NormalCombineArgs a;
     a.y = y.data_ptr();
     a.dtype = dt;
@@ -545,7 +656,16 @@ class PyEpBuffer {
     }
   }
 
+  // How long a GPU buffer's call waits for the kernels the caller queued before it.
+  static std::chrono::milliseconds timeoutOf(int64_t timeout_us) {
+    return std::chrono::milliseconds(timeout_us < 0 ? 24LL * 3600 * 1000
+                                                    : std::max<int64_t>(timeout_us / 1000, 0) +
+                                                          60000);
+  }
+
   c10::intrusive_ptr<ProcessGroupMooncake> pg_;
+  int device_ = -1;    // GPU buffer: its device (ep/buffer.h, "Device mode")
+  bool cuda_ = false;  // ... of the CUDA device layer (else the simulation's)
   std::shared_ptr<ep::EpBuffer> buf_;  // shared with hooks, which may outlive this object
   std::mutex mu_;
   TensorPool pool_;
@@ -564,8 +684,10 @@ void registerEpApis(py::module_& m) {
                                               "Completes the receive half of an EP operation.")
       .def("__call__", &PyHook::call);
   py::class_<PyEpBuffer, std::shared_ptr<PyEpBuffer>>(m, "EpBuffer")
-      .def(py::init<c10::intrusive_ptr<ProcessGroupMooncake>, int64_t, bool>(), py::arg("group"),
-           py::arg("num_bytes"), py::arg("disable_p2p") = false)
+      .def(py::init<c10::intrusive_ptr<ProcessGroupMooncake>, int64_t, bool, int64_t, bool>(),
+           py::arg("group"), py::arg("num_bytes"), py::arg("disable_p2p") = false,
+           py::arg("device") = -1, py::arg("cuda") = false)
+      .def_property_readonly("device", &PyEpBuffer::device)
       .def_property_readonly("rank", &PyEpBuffer::rank)
       .def_property_readonly("group_size", &PyEpBuffer::size)
       .def_property_readonly("num_bytes", &PyEpBuffer::bytes)

@@ -52,15 +52,22 @@ std::string cudaUnavailableReason() {
 }
 
 at::Tensor deviceEmptyLike(const at::Tensor& like, int device) {
+  return deviceEmpty(like.sizes(), like.scalar_type(), device);
+}
+
+at::Tensor deviceEmpty(at::IntArrayRef shape, at::ScalarType dtype, int device) {
   auto d = engine::device::get();
   if (!d.ok()) throw std::runtime_error("mooncake: no device layer: " + d.status().toString());
   engine::device::Device* layer = *d;
-  const size_t n = std::max<size_t>(static_cast<size_t>(like.numel()) * like.element_size(), 1);
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  const size_t n =
+      std::max<size_t>(static_cast<size_t>(numel) * c10::elementSize(dtype), 1);
   auto p = layer->allocate(n, device);
   if (!p.ok()) throw std::runtime_error("mooncake: " + p.status().toString());
   return at::from_blob(
-      *p, like.sizes(), [layer](void* q) { (void)layer->free(q); },
-      at::TensorOptions().dtype(like.scalar_type()).device(at::kCPU));
+      *p, shape, [layer](void* q) { (void)layer->free(q); },
+      at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
 void copyBytes(void* dst, const void* src, size_t n, const char* op) {

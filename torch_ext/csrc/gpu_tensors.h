@@ -54,6 +54,8 @@ std::string cudaUnavailableReason();
 // layer on `device` (freed with the tensor): for tests and benchmarks over the simulation
 // (MC_DEVICE=sim), where torch has no CUDA. Host code must not touch its bytes.
 at::Tensor deviceEmptyLike(const at::Tensor& like, int device);
+// The same with a shape and dtype.
+at::Tensor deviceEmpty(at::IntArrayRef shape, at::ScalarType dtype, int device);
 
 // Byte copies between any two of host memory and GPU memory (the device layer's copies, waited
 // for; a plain memcpy between host buffers). Throws std::runtime_error naming `op`.

@@ -15,8 +15,16 @@ process group.
 The buffer is allocated once from the group's transfer engine (registered memory) and
 every rank writes the rows it sends straight into the destination's buffer (one copy per
 token on one host). Every rank must call dispatch/combine in the same order with the same
-M, H, E and dtype. Only CPU tensors are supported in this build (the CUDA kernels'
-bodies exist, ep/kernels/ll_kernels.h, but no GPU tensor reaches them yet; docs/ep.md).
+M, H, E and dtype.
+
+``Buffer(..., device="cuda")`` (or ``"cuda:N"``, a torch.device, or ``"gpu[:N]"``: device N
+of the engine's device layer, the host simulation under ``MC_DEVICE=sim``) puts the buffer in
+GPU memory: every rank's buffer is opened through its CUDA IPC handle (all ranks on one
+host), dispatch/combine of both modes take tensors on that device (x, topk_idx,
+topk_weights, active_ranks and the handles) and return outputs there, and the kernels
+(ep/kernels/ll_kernels.h, normal_kernels.h) do the copies. Each call waits on the host for
+the kernels the caller queued on its current stream and for its own (no CUDA graph capture
+yet). Groups spanning hosts need a CPU buffer (docs/ep.md).
 
 ``use_fp8=True`` (low-latency dispatch, bfloat16 x, H a multiple of 128) sends each token as
 DeepEP does: per 128 channels, amax = max(|x|, 1e-4), the bytes e4m3(x * 448 / amax) and the
@@ -60,6 +68,29 @@ def _mooncake_backend(group):
                      f"'mooncake', got {type(group).__name__}")
 
 
+def _device_arg(device):
+    """(ordinal, cuda) for Buffer's device argument; (-1, False): host memory."""
+    if device is None:
+        return -1, False
+    if isinstance(device, torch.device):
+        kind, index = device.type, device.index
+    else:
+        kind, _, idx = str(device).partition(":")
+        try:
+            index = int(idx) if idx else None
+        except ValueError:
+            raise ValueError(f"ep.Buffer: device {device!r}: expected cpu, cuda[:N] or gpu[:N]")
+    if kind == "cpu":
+        return -1, False
+    if kind == "cuda":
+        if index is None:
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return int(index), True
+    if kind == "gpu":
+        return int(index or 0), False
+    raise ValueError(f"ep.Buffer: device {device!r}: expected cpu, cuda[:N] or gpu[:N]")
+
+
 class EpHandle(tuple):
     """Low-latency dispatch handle: (src_info, layout_range, M, H, E)."""
 
@@ -93,16 +124,22 @@ class NormalHandle(tuple):
 class Buffer:
     """An EP buffer on a mooncake process group (collective: every rank constructs it)."""
 
-    def __init__(self, group=None, num_ep_buffer_bytes=None, disable_p2p=False):
+    def __init__(self, group=None, num_ep_buffer_bytes=None, disable_p2p=False, device=None):
         """disable_p2p: reach every peer through engine WRITEs, never by storing into its
-        mapped buffer (Mooncake EP's switch off of its NVLink/IPC path; results are the same)."""
+        mapped buffer (Mooncake EP's switch off of its NVLink/IPC path; results are the same).
+        device: None or "cpu" (host memory), "cuda[:N]" / torch.device (GPU memory of CUDA
+        device N, default the current one), "gpu[:N]" (device N of the engine's device layer,
+        whichever it is: CUDA, or the host simulation of the tests)."""
         backend = _mooncake_backend(group)
         if not num_ep_buffer_bytes:
             raise ValueError("num_ep_buffer_bytes is required and positive "
                              "(Buffer.get_ep_buffer_size_hint)")
+        ordinal, cuda = _device_arg(device)
         self.group = group
         self._backend = backend  # keeps the group's communicator and engine alive
-        self._impl = _C.EpBuffer(backend, int(num_ep_buffer_bytes), bool(disable_p2p))
+        self._impl = _C.EpBuffer(backend, int(num_ep_buffer_bytes), bool(disable_p2p), ordinal,
+                                 cuda)
+        self.device = None if ordinal < 0 else (f"cuda:{ordinal}" if cuda else f"gpu:{ordinal}")
         self.disable_p2p = bool(disable_p2p)
         self.rank = self._impl.rank
         self.group_size = self._impl.group_size
