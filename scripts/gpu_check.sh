@@ -18,7 +18,10 @@
 # tests/gpu/torch_check.py: the torch backend (built here against the machine's torch as a module
 # of its own) on CUDA tensors, 2 processes on GPU 0: every collective and send/recv checked, an op
 # waits for the caller's stream, a Work's future, and all_reduce, all_gather, all_to_all timed 64
-# KiB..256 MiB against the device-to-device copy rate. A module that carries libstdc++ code of its
+# KiB..256 MiB against the device-to-device copy rate, and mooncake.ep's low-latency dispatch/
+# combine on a buffer in GPU memory (the kernels' entry point, ep/kernels/ll_entry.cu) equal
+# bit for bit to a host buffer's on the same inputs, bf16 and fp8, timed at 128 x 7168 x top-8
+# with --bench. A module that carries libstdc++ code of its
 # own is linked again against the libstdc++ torch's process runs on (the GPU machine's first run
 # crashed on that); a crash in the torch check prints its native stack with the module's frames
 # named, and a hang every thread's stack. The torch check runs twice: Work.wait() as shipped
@@ -104,6 +107,32 @@ if [[ -x "$CUDA_HOME/bin/nvcc" ]]; then
 fi
 rm -f "$B/libmc_pg.a"
 ar rcs "$B/libmc_pg.a" "$B"/pgobj/*.o
+# Expert parallelism (ep/*.cc, portable combine only) for the torch check's EP step, with the
+# low-latency kernels' entry point (ep/kernels/ll_entry.cu) as a fatbin embedded as CMake does
+# (ep/CMakeLists.txt) where nvcc is; without it a GPU buffer's launch is refused on CUDA.
+mkdir -p "$B/eplib"
+EP_FLAGS=("${FLAGS[@]}" -ffp-contract=off)
+EP_KERNEL=0
+if [[ -x "$CUDA_HOME/bin/nvcc" ]]; then
+  if "${CCACHE[@]}" "$CUDA_HOME/bin/nvcc" -std=c++17 -O3 --fmad=false -I"$ROOT" --fatbin \
+       -arch="${GPU_CHECK_ARCH:-sm_90}" ep/kernels/ll_entry.cu -o "$B/ll_entry.fatbin" \
+       2>&1 | tee -a "$OUT/build.log" &&
+     "$CUDA_HOME/bin/bin2c" --const --name mc_ep_ll_fatbin "$B/ll_entry.fatbin" \
+       > "$B/generated/ll_entry_fatbin.inc" &&
+     "${CCACHE[@]}" "${CC:-gcc}" -O2 -fPIC -I"$B/generated" -c ep/ll_entry_image.c \
+       -o "$B/eplib/ll_entry_image.o"; then
+    EP_KERNEL=1
+    EP_FLAGS+=(-DMC_EP_HAVE_LL_IMAGE=1)
+  else
+    echo "gpu_check: the EP kernels' fatbin did not build (see build.log)" | tee -a "$OUT/build.log"
+    rm -f "$B/eplib/ll_entry_image.o"
+  fi
+fi
+ls ep/{layout,ll_host,ll_device,buffer,normal,peer_writer,group}.cc | xargs -P "$(nproc)" -I{} \
+  sh -c '"$0" "$@" -c {} -o "'"$B"'/eplib/$(echo {} | tr / _).o"' "${CXXC[@]}" "${EP_FLAGS[@]}" \
+  2>&1 | tee -a "$OUT/build.log"
+rm -f "$B/libmc_ep.a"
+ar rcs "$B/libmc_ep.a" "$B"/eplib/*.o
 mkdir -p "$B/checkobj"
 for check in device_check engine_check pg_check; do
   { "${CXXC[@]}" "${FLAGS[@]}" -c "tests/gpu/$check.cc" -o "$B/checkobj/$check.o" &&
@@ -159,13 +188,13 @@ if [[ -n "$TORCH_INFO" ]]; then
   build_module() {  # (called in a condition: set -e is off inside, hence the returns)
     mkdir -p "$B/torchobj" || return 1
     ls torch_ext/csrc/{process_group,mooncake_work,op_queue,store_rendezvous,gpu_tensors}.cc \
-       torch_ext/csrc/engine_handle.cc tests/gpu/torch_check_module.cc |
+       torch_ext/csrc/{engine_handle,ep_binding}.cc tests/gpu/torch_check_module.cc |
       xargs -P "$(nproc)" -I{} sh -c \
         '"$0" "$@" -c {} -o "'"$B"'/torchobj/$(echo {} | tr / _).o"' "${CXXC[@]}" "${TFLAGS[@]}" \
       2>&1 | tee -a "$OUT/build.log" || return 1
     # (GPU_CHECK_MODULE_LDFLAGS: extra flags for this link; -static-libstdc++ reproduces below.)
     # shellcheck disable=SC2086
-    "$CXX" -shared -o "$MODULE" "$B"/torchobj/*.o "$B/libmc_pg.a" "$B/libmc_engine.a" \
+    "$CXX" -shared -o "$MODULE" "$B"/torchobj/*.o "$B/libmc_ep.a" "$B/libmc_pg.a" "$B/libmc_engine.a" \
       "${LFLAGS[@]}" -ltorch -ltorch_cpu -ltorch_python -lc10 -ldl -lpthread -lrt \
       ${GPU_CHECK_MODULE_LDFLAGS:-} 2>&1 | tee -a "$OUT/build.log" || return 1
     # The module must run on the libstdc++ of the process that loads it. On the GPU machine
@@ -177,7 +206,7 @@ if [[ -n "$TORCH_INFO" ]]; then
       echo "gpu_check: the module carries libstdc++ code of its own; linking it again against" \
            "${STDCXX:-(none found)}, the copy torch's process runs on" | tee -a "$OUT/build.log"
       [[ -n "$STDCXX" ]] || return 1
-      "$CXX" -shared -nodefaultlibs -o "$MODULE" "$B"/torchobj/*.o "$B/libmc_pg.a" \
+      "$CXX" -shared -nodefaultlibs -o "$MODULE" "$B"/torchobj/*.o "$B/libmc_ep.a" "$B/libmc_pg.a" \
         "$B/libmc_engine.a" "${LFLAGS[@]}" -ltorch -ltorch_cpu -ltorch_python -lc10 "$STDCXX" \
         -lm -lgcc_s -lgcc -lc -ldl -lpthread -lrt 2>&1 | tee -a "$OUT/build.log" || return 1
       if ownStdcxx; then
@@ -313,6 +342,10 @@ set +e
   fi
   if [[ -x "$CUDA_HOME/bin/nvcc" ]] && ((!REDUCE_KERNEL)); then
     echo '{"check": "pg reduction kernel (nvcc)", "ok": false, "detail": "it did not build"}'
+    r=1
+  fi
+  if [[ -x "$CUDA_HOME/bin/nvcc" ]] && ((!EP_KERNEL)); then
+    echo '{"check": "EP kernels fatbin (nvcc)", "ok": false, "detail": "it did not build"}'
     r=1
   fi
   # EP kernels: on the GPU against the reference and the host executor, timed; a dry run runs

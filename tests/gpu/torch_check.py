@@ -286,6 +286,10 @@ def worker(a):
         res = fut.wait()
         check("Work future carries the result", res[0].cpu(), sum(inp(r, 4099) for r in range(W)))
 
+    if hasattr(M, "EpBuffer"):
+        ep_check(torch, dist, M, gpu, host, cuda, W, me, row, a.bench)
+    else:
+        row({"check": "ep on a GPU buffer", "ok": False, "detail": "the module has no EpBuffer"})
     if a.bench:
         bench(torch, dist, ag, gpu, cuda, W, me, row)
     dist.barrier()
@@ -294,6 +298,116 @@ def worker(a):
             print(json.dumps(r), flush=True)
     dist.destroy_process_group()
     return 1 if failed[0] else 0
+
+
+def ep_check(torch, dist, M, gpu, host, cuda, W, me, row, timed):
+    """mooncake.ep on a buffer in GPU memory (EpBuffer device 0: the kernels' entry points
+    ep/kernels/ll_entry.cu, or the simulation's form of them) against a buffer in host memory
+    (the CPU path) on the same inputs: low latency (recv_count, every received row, src_info,
+    layout_range and the combined rows, in bf16 and fp8) and normal mode (every output of
+    dispatch and combine) equal bit for bit. Timed (cuda, --bench): low-latency dispatch and
+    combine p50 at 128 x 7168 x top-8, E = 8 per rank."""
+    pg = dist.distributed_c10d._get_default_group()
+    backend = pg
+    if hasattr(pg, "_get_backend"):  # torch >= 2.1: the facade over the backends
+        backend = pg._get_backend(torch.device("cuda" if cuda else "cpu"))
+    T, H, K = (128, 7168, 8) if cuda else (32, 512, 4)
+    E = 8 * W
+    L = E // W
+    nbytes = M.EpBuffer.size_hint(T, H, W, E)
+    cpu_buf = M.EpBuffer(backend, nbytes, False, -1, False)
+    gpu_buf = M.EpBuffer(backend, nbytes, False, 0, cuda)
+    row({"check": "ep GPU buffer executor", "ok": gpu_buf.low_latency_executor().startswith(
+        "kernels on " + ("cuda" if cuda else "sim")), "detail": gpu_buf.low_latency_executor()})
+
+    def inputs(r, seed):
+        g = torch.Generator().manual_seed(seed * 7919 + r)
+        x = (torch.randn((T, H), generator=g) * 3).to(torch.bfloat16)
+        topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        topk[torch.rand((T, K), generator=g) < 0.1] = -1
+        w = torch.rand((T, K), generator=g)
+        return x, topk.to(torch.int64), w
+
+    def round_on(buf, on_gpu, x, topk, w, fp8):
+        put = gpu if on_gpu else (lambda t: t)
+        act = put(torch.ones(W, dtype=torch.int32))
+        rx, scales, cnt, src, lay, _, _ = buf.dispatch(put(x), put(topk), act, T, E, 10_000_000,
+                                                       fp8, False, False)
+        # The experts' outputs: each received row scaled by its expert (on the host, so that
+        # both buffers combine the same bytes).
+        cnt_h, rx_h = host(cnt) if on_gpu else cnt, host(rx) if on_gpu else rx
+        y = torch.zeros((L, W * T, H), dtype=torch.bfloat16)
+        if not fp8:
+            for l in range(L):
+                n = int(cnt_h[l])
+                y[l, :n] = (rx_h[l, :n].float() * (1 + (me * L + l) / 8)).to(torch.bfloat16)
+        out, _, _ = buf.combine(put(y), put(topk), put(w), act, 10_000_000, src, lay, T, H, E,
+                                False, False, None)
+        got = [cnt, rx, src, lay, out] + ([scales] if fp8 else [])
+        return [host(t) if on_gpu else t for t in got]
+
+    ok, detail = True, ""
+    for fp8 in (False, True):
+        x, topk, w = inputs(me, 5 + fp8)
+        ref = round_on(cpu_buf, False, x, topk, w, fp8)
+        got = round_on(gpu_buf, True, x, topk, w, fp8)
+        cnt = ref[0]
+        same = torch.equal(got[0], cnt) and torch.equal(got[3], ref[3])
+        for l in range(L):  # rows past recv_count are not the call's
+            n = int(cnt[l])
+            same = same and torch.equal(got[1][l, :n].view(torch.uint8),
+                                        ref[1][l, :n].view(torch.uint8))
+            same = same and torch.equal(got[2][l, :n], ref[2][l, :n])
+            if fp8:
+                same = same and torch.equal(got[5][l, :n], ref[5][l, :n])
+        same = same and torch.equal(got[4].view(torch.int16), ref[4].view(torch.int16))
+        if not same:
+            ok, detail = False, detail + ("fp8 " if fp8 else "bf16 ") + "differs; "
+    row({"check": "ep on a GPU buffer equals the host buffer (bf16, fp8)", "ok": ok,
+         "detail": detail or "T=%d H=%d K=%d E=%d" % (T, H, K, E)})
+
+    # Normal mode: dispatch (topk_idx and weights, expert alignment 4) and combine.
+    def normal_on(buf, on_gpu, x, topk, w):
+        put = gpu if on_gpu else (lambda t: t)
+        back = host if on_gpu else (lambda t: t)
+        rx, rt, rw, per, src, counts, in_rank = buf.normal_dispatch(put(x), put(topk), put(w), E,
+                                                                    4, None)
+        y = (back(rx).float() * (1 + me / 8)).to(torch.bfloat16)
+        out, out_w = buf.normal_combine(put(y), counts, in_rank, rw)
+        return [back(t) for t in (rx, rt, rw, per, src, counts, in_rank, out, out_w)]
+
+    x, topk, w = inputs(me, 7)
+    ref = normal_on(cpu_buf, False, x, topk, w)
+    got = normal_on(gpu_buf, True, x, topk, w)
+    def bits(t):  # (bf16 compared as its bytes: bit for bit)
+        return t.view(torch.uint8) if t.dtype == torch.bfloat16 else t
+
+    same = all(g.shape == r.shape and torch.equal(bits(g), bits(r)) for g, r in zip(got, ref))
+    row({"check": "ep normal mode on a GPU buffer equals the host buffer", "ok": bool(same),
+         "detail": "rows received %d" % int(ref[0].shape[0])})
+    if not (timed and cuda):
+        return
+    x, topk, w = inputs(me, 9)
+    xg, tg, wg = gpu(x), gpu(topk), gpu(w)
+    act = gpu(torch.ones(W, dtype=torch.int32))
+    ts_d, ts_c = [], []
+    for i in range(23):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rx, _, cnt, src, lay, _, _ = gpu_buf.dispatch(xg, tg, act, T, E, 10_000_000, False, False,
+                                                      False)
+        t1 = time.perf_counter()
+        out, _, _ = gpu_buf.combine(rx, tg, wg, act, 10_000_000, src, lay, T, H, E, False, False,
+                                    None)
+        t2 = time.perf_counter()
+        if i >= 3:
+            ts_d.append(t1 - t0)
+            ts_c.append(t2 - t1)
+    ts_d.sort()
+    ts_c.sort()
+    row({"bench": "ep ll on a GPU buffer", "tokens": T, "hidden": H, "topk": K, "experts": E,
+         "world": W, "dispatch_p50_us": ts_d[len(ts_d) // 2] * 1e6,
+         "combine_p50_us": ts_c[len(ts_c) // 2] * 1e6})
 
 
 def bench(torch, dist, ag, gpu, cuda, W, me, row):

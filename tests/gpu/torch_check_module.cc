@@ -4,7 +4,8 @@
 // protobuf, re2 or googletest, so the whole mooncake._C with its store cannot be built
 // there). The backend is the same code as mooncake._C's (torch_ext/csrc/process_group.cc);
 // this file only binds its constructor, without the Python package's group naming and secret
-// exchange (the check gives every rank MC_SECRET).
+// exchange (the check gives every rank MC_SECRET), and expert parallelism's buffer
+// (torch_ext/csrc/ep_binding.cc, mooncake._C.EpBuffer's binding: the check's EP step).
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
@@ -18,6 +19,11 @@
 #include "torch_ext/csrc/process_group.h"
 
 namespace py = pybind11;
+
+namespace mooncake::torch_ext {
+void registerEpApis(py::module_& m);  // torch_ext/csrc/ep_binding.cc
+}
+
 using mooncake::torch_ext::BackendBase;
 using mooncake::torch_ext::MooncakeOptions;
 using mooncake::torch_ext::ProcessGroupMooncake;
@@ -35,6 +41,7 @@ PYBIND11_MODULE(mc_torch_check, m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>());
   m.attr("DEVICES") = py::cast(ProcessGroupMooncake::devices());
+  mooncake::torch_ext::registerEpApis(m);
   m.attr("BACKEND_BASE") = py::str(mooncake::torch_ext::kBackendBasePyName);
   m.def("_device_empty_like", &mooncake::torch_ext::deviceEmptyLike, py::arg("like"),
         py::arg("device") = 0);
