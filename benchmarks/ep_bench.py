@@ -26,6 +26,13 @@ problem's parameters ("hosts": true with --hosts).
 --hosts puts each rank on a simulated host (MC_HOST_ID), so that mooncake reaches every peer
 through the engine's one-sided writes and notifications (tcp here) instead of mapped memory.
 
+--device cuda (or gpu: the engine's device layer, MC_DEVICE=sim here) puts the buffer and every
+tensor in GPU memory (Buffer(..., device=...), docs/ep.md "GPU buffers"; all ranks on
+device 0). The reference is then "copy_ref": one device-to-device copy of
+the phase's payload bytes (a phase of "both": two), timed the same way in the same processes
+-- the device's copy rate, the limit the issue holds the kernels to. Over the simulation its
+numbers say nothing about a GPU.
+
 Mode "ll_fp8" (--modes ll_fp8, bfloat16 only, hidden a multiple of 128): mooncake dispatches
 with use_fp8=True (DeepEP's e4m3 rows with per-128-channel float32 scales: H + H/32 bytes a
 row, quantized by the sender) and combines bf16 expert outputs of the received shape; the
@@ -65,6 +72,10 @@ def parse():
                     help="each rank on a simulated host of its own (MC_HOST_ID=host-<rank>): "
                          "no buffer is mapped, every row moves through the engine (tcp, or "
                          "rdma where a NIC reaches)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "gpu"],
+                    help="where the buffer and tensors live (cuda, or gpu: the engine's device "
+                         "layer, e.g. its simulation with MC_DEVICE=sim); not cpu: against a "
+                         "device-to-device copy of the same bytes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -82,7 +93,7 @@ def worker(a):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    import mooncake  # noqa: F401
+    import mooncake
     from mooncake.ep import Buffer
 
     dist.init_process_group("mooncake", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank,
@@ -98,7 +109,24 @@ def worker(a):
     w = torch.rand((T, K), generator=g)
     active = torch.ones(R, dtype=torch.int32)
     elem = x.element_size()
-    buf = Buffer(None, Buffer.get_ep_buffer_size_hint(T, H, R, E))
+    dev = a.device
+    if dev == "cuda":
+        torch.cuda.set_device(0)
+
+    def put(t):  # a host tensor's copy on the benchmark's device
+        if dev == "cpu":
+            return t
+        if dev == "cuda":
+            return t.cuda()
+        d = mooncake._C._device_empty_like(t)
+        if t.numel():
+            mooncake._C._device_copy(d.data_ptr(), t.contiguous().data_ptr(),
+                                     t.numel() * t.element_size())
+        return d
+
+    buf = Buffer(None, Buffer.get_ep_buffer_size_hint(T, H, R, E),
+                 device=None if dev == "cpu" else dev)
+    xd, topkd, wd, actd = put(x), put(topk), put(w), put(active)
 
     # ---- gloo reference (Megatron all-to-all dispatcher) ----
     flat_e = topk.flatten()
@@ -158,17 +186,17 @@ def worker(a):
 
     # ---- mooncake ----
     def mc_ll_dispatch():
-        recv_x, cnt, handle, _, _ = buf.dispatch(x, topk, active, T, E, timeout_us=60_000_000)
+        recv_x, cnt, handle, _, _ = buf.dispatch(xd, topkd, actd, T, E, timeout_us=60_000_000)
         return recv_x, handle
 
     def mc_ll_combine(st):
         recv_x, handle = st
-        buf.combine(recv_x, topk, w, active, 60_000_000, handle)
+        buf.combine(recv_x, topkd, wd, actd, 60_000_000, handle)
 
     fp8_y = None
 
     def mc_fp8_dispatch():
-        (q, scales), cnt, handle, _, _ = buf.dispatch(x, topk, active, T, E,
+        (q, scales), cnt, handle, _, _ = buf.dispatch(xd, topkd, actd, T, E,
                                                       timeout_us=60_000_000, use_fp8=True)
         return q, handle
 
@@ -176,11 +204,11 @@ def worker(a):
         nonlocal fp8_y
         q, handle = st
         if fp8_y is None:  # expert outputs of the received shape (bf16), made once
-            fp8_y = torch.randn(q.shape, generator=g).to(dtype)
-        buf.combine(fp8_y, topk, w, active, 60_000_000, handle)
+            fp8_y = put(torch.randn(q.shape, generator=g).to(dtype))
+        buf.combine(fp8_y, topkd, wd, actd, 60_000_000, handle)
 
     def mc_normal_dispatch():
-        recv_x, _, _, _, h = buf.normal_dispatch(x, topk, w, E)
+        recv_x, _, _, _, h = buf.normal_dispatch(xd, topkd, wd, E)
         return recv_x, h
 
     def mc_normal_combine(st):
@@ -196,14 +224,31 @@ def worker(a):
     }
     payload = {"ll": int(per_expert.sum()) * H * elem, "normal": int(n_send.sum()) * H * elem,
                "ll_fp8": int(per_expert.sum()) * H * elem}
+    impls = IMPLS
+    if dev != "cpu":  # the reference: the device's own copy of the payload
+        impls = ("mooncake", "copy_ref")
+        nbytes_max = max(payload.values())
+        src = put(torch.zeros(nbytes_max, dtype=torch.uint8))
+        dst = put(torch.zeros(nbytes_max, dtype=torch.uint8))
+
+        def dcopy(n):
+            if dev == "cuda":
+                dst[:n].copy_(src[:n])
+                torch.cuda.synchronize()
+            else:
+                mooncake._C._device_copy(dst.data_ptr(), src.data_ptr(), n)
+
+        for mode in ("ll", "ll_fp8", "normal"):
+            ops[("copy_ref", mode)] = (lambda m=mode: dcopy(payload[m]),
+                                       lambda st, m=mode: dcopy(payload[m]))
     # mooncake's fp8 dispatch sends H + H/32 bytes a row (its combine sends bf16 rows).
     fp8_dispatch_bytes = int(per_expert.sum()) * (H + H // 32)
     records = []
     for mode in a.modes.split(","):
         # The implementations alternate iteration by iteration, so both see the same load.
-        times = {(impl, p): [] for impl in IMPLS for p in PHASES}
+        times = {(impl, p): [] for impl in impls for p in PHASES}
         for it in range(a.warmup + a.iters):
-            for impl in IMPLS:
+            for impl in impls:
                 disp, comb = ops[(impl, mode)]
                 dist.barrier(group=gloo)
                 t0 = time.perf_counter()
@@ -222,7 +267,7 @@ def worker(a):
                     times[(impl, "dispatch")].append(t1 - t0)
                     times[(impl, "combine")].append(t3 - t2)
                     times[(impl, "both")].append(t5 - t4)
-        for impl in IMPLS:
+        for impl in impls:
             for phase in PHASES:
                 mine = torch.tensor(times[(impl, phase)], dtype=torch.float64)
                 allt = [torch.empty_like(mine) for _ in range(R)]
@@ -238,7 +283,7 @@ def worker(a):
                                 "p50_us": round(p50, 1), "p99_us": round(p99, 1),
                                 "gbps": round(nbytes / (p50 * 1e-6) / 1e9, 3),
                                 "tokens": T, "hidden": H, "topk": K, "experts": E,
-                                "dtype": a.dtype, "hosts": a.hosts})
+                                "dtype": a.dtype, "hosts": a.hosts, "device": dev})
     if me == 0:
         with open(os.path.join(a.out, "records.json"), "w") as f:
             json.dump(records, f)
@@ -265,7 +310,8 @@ def run_world(a, world):
                "--world", str(world), "--port", str(port), "--out", out,
                "--tokens", str(a.tokens), "--hidden", str(a.hidden), "--topk", str(a.topk),
                "--experts", str(a.experts), "--dtype", a.dtype, "--iters", str(a.iters),
-               "--warmup", str(a.warmup), "--modes", a.modes] + (["--hosts"] if a.hosts else [])
+               "--warmup", str(a.warmup), "--modes", a.modes, "--device", a.device] + (
+                   ["--hosts"] if a.hosts else [])
         rank_env = dict(env, MC_HOST_ID=f"host-{r}") if a.hosts else env
         procs.append(subprocess.Popen(cmd, env=rank_env))
     codes = [p.wait(1800) for p in procs]
@@ -287,9 +333,9 @@ def main():
             raise SystemExit(f"--experts {a.experts} is not divisible by world size {world}")
         records += run_world(a, world)
     print(f"{'impl':>9} {'mode':>6} {'phase':>8} {'W':>2} {'p50_us':>10} {'p99_us':>10} "
-          f"{'GB/s':>7} {'vs gloo':>8}")
+          f"{'GB/s':>7} {'vs ref':>8}")
     ref = {(r["mode"], r["phase"], r["world_size"]): r["p50_us"]
-           for r in records if r["impl"] == "gloo_ref"}
+           for r in records if r["impl"] in ("gloo_ref", "copy_ref")}
     for r in records:
         ratio = r["p50_us"] / ref[(r["mode"], r["phase"], r["world_size"])]
         print(f"{r['impl']:>9} {r['mode']:>6} {r['phase']:>8} {r['world_size']:>2} "
