@@ -177,8 +177,8 @@ class EpBuffer {
   // engine's device layer (engine/device/device.h: CUDA, or its host simulation in the tests),
   // every rank's buffer is opened here through its IPC handle (so every rank must be on this
   // host), and the low-latency calls queue the kernels (ep/kernels/ll_entry.h) on the device's
-  // copy stream; every pointer of a call's arguments is then GPU memory, but active_ranks'
-  // dead-rank flags, which are host-mapped words. Each call waits on the host for its kernels
+  // copy stream; every pointer of a call's arguments (active_ranks too) is then GPU memory;
+  // the dead-rank flags the kernels read are host-mapped words. Each call waits on the host for its kernels
   // (no CUDA graph capture), and reads back the per-source decisions to report silent ranks
   // and errors as the host paths do. Both modes.
   bool onDevice() const { return device_ >= 0; }

@@ -49,6 +49,13 @@ Status mapPeers(const dev::HostView& view, char* const*& peers, int R, uint64_t 
   return Status::OK();
 }
 
+// A GPU buffer has no host waiters to wake: its lanes ring no doorbell (nor do the CUDA ones,
+// ll_entry.cu), which spares a futex wake (here) or a system-scope atomic on a peer GPU's
+// memory (there) per signal.
+struct SimLanes : kern::HostLanes {
+  void ringDoorbell(uint32_t*) {}
+};
+
 // The simulation's form of mc_ep_ll: the blocks one after another on this thread, in the order
 // ep/ll_host.cc runs them (a call's sends to other ranks first).
 Status simEntry(const void* params, const dev::HostView& view) {
@@ -77,7 +84,7 @@ Status simEntry(const void* params, const dev::HostView& view) {
   MC_RETURN_IF_ERROR(mapInto(view, l.toks, static_cast<uint64_t>(l.experts) * p.max_tokens * 4));
   std::vector<char*> peers;
   MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
-  kern::HostLanes ln;
+  SimLanes ln;
   const int64_t start = ln.nowUs();
   switch (l.stage) {
     case kern::kDispatchSend:
@@ -131,7 +138,7 @@ Status simNormal(const void* params, const dev::HostView& view) {
   MC_RETURN_IF_ERROR(mapInto(view, l.toks, static_cast<uint64_t>(R) * std::max<uint64_t>(T, 1) * 4));
   std::vector<char*> peers;
   MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
-  kern::HostLanes ln;
+  SimLanes ln;
   const int64_t start = ln.nowUs();
   switch (l.stage) {
     case kern::kNormalDispatchSend:
@@ -184,6 +191,15 @@ dev::Kernel entryKernel(const char* name, Status (*host)(const void*, const dev:
   return k;
 }
 
+const dev::Kernel& llKernel() {
+  static const dev::Kernel k = entryKernel(kern::kLlEntryName, &simEntry);
+  return k;
+}
+const dev::Kernel& normalKernel() {
+  static const dev::Kernel k = entryKernel(kern::kNormalEntryName, &simNormal);
+  return k;
+}
+
 dev::Device* layerOr(const char* what) {
   auto layer = dev::get();
   if (!layer.ok())
@@ -229,17 +245,19 @@ Scratch scratchAt(char* base, int R) {
 
 void EpBuffer::setUpDevice(size_t bytes) {
   const char* what = "ep.Buffer on GPU memory";
-  dev::Device* layer = layerOr(what);
   engine::TransferEngine& eng = *g_.engine;
   const int n = g_.size;
   if (disable_p2p_)
     invalid("ep.Buffer", "disable_p2p is for host buffers: a GPU buffer's peers are opened "
                          "through IPC handles");
-  // This rank's buffer: allocated, zeroed (signal words start at round 0), its IPC handle.
+  // This rank's buffer: allocated, zeroed (signal words start at round 0), its IPC handle,
+  // and the kernels loaded (loading synchronises the device: not in the middle of a call).
   // A failure here is published in the exchange below, so that every rank fails alike.
   DeviceInfo mine;
   std::string own_error;
-  auto mem = layer->allocate(bytes, device_);
+  auto got = dev::get();
+  dev::Device* layer = got.ok() ? *got : nullptr;
+  Result<void*> mem = got.ok() ? layer->allocate(bytes, device_) : Result<void*>(got.status());
   if (mem.ok()) {
     base_ = static_cast<char*>(*mem);
     dev::noteUse();
@@ -253,6 +271,11 @@ void EpBuffer::setUpDevice(size_t bytes) {
   } else {
     own_error = str("allocating ", bytes, " bytes on device ", device_, ": ",
                     mem.status().toString());
+  }
+  for (const dev::Kernel* k : {&llKernel(), &normalKernel()}) {
+    if (!own_error.empty()) break;
+    Status st = layer->load(*k, device_);
+    if (!st.ok()) own_error = str("loading ", k->name, ": ", st.toString());
   }
   const engine::SegmentDesc self = eng.localSegment();
   if (own_error.empty()) {
@@ -314,6 +337,13 @@ void EpBuffer::setUpDevice(size_t bytes) {
     }
     opened_[r] = *base;
     mapped_[r] = static_cast<char*>(*base) + all[r].offset;
+    // The kernels on device_ store into it: its GPU must be device_ or a peer of it (the
+    // layer enables peer access on this first ask).
+    if (!layer->canAccess(device_, mapped_[r])) {
+      open_error = str("rank ", r, "'s buffer is on a GPU that device ", device_,
+                       " cannot reach (no peer access)");
+      break;
+    }
   }
   // The peers' table and the scratch the kernels use, and the dead-rank flags they read.
   if (open_error.empty()) {
@@ -422,16 +452,14 @@ static void launchEntry(const dev::Kernel& k, const void* params, size_t len, un
 
 void EpBuffer::deviceLaunch(kern::LlLaunch l, kern::LlStage stage, unsigned grid,
                             const char* op) {
-  static const dev::Kernel k = entryKernel(kern::kLlEntryName, &simEntry);
   l.stage = stage;
-  launchEntry(k, &l, sizeof l, grid, device_, g_.rank, op);
+  launchEntry(llKernel(), &l, sizeof l, grid, device_, g_.rank, op);
 }
 
 void EpBuffer::deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsigned grid,
                             const char* op) {
-  static const dev::Kernel k = entryKernel(kern::kNormalEntryName, &simNormal);
   l.stage = stage;
-  launchEntry(k, &l, sizeof l, grid, device_, g_.rank, op);
+  launchEntry(normalKernel(), &l, sizeof l, grid, device_, g_.rank, op);
 }
 
 void EpBuffer::deviceSync(const char* op, engine::Deadline deadline) {
@@ -497,8 +525,8 @@ void EpBuffer::deviceCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
   const std::vector<int32_t> zeros(g_.size + 2, 0);
   deviceCopy(l.p.decision, zeros.data(), g_.size * 4, "combine");
   deviceCopy(l.p.error, zeros.data(), 8, "combine");
+  // The waits, then (as the host paths) an error before anything is written to out.
   deviceLaunch(l, kern::kCombineWait, static_cast<unsigned>(g_.size), "combine");
-  deviceLaunch(l, kern::kCombineToken, static_cast<unsigned>(a.tokens), "combine");
   deviceSync("combine", waitBound(a.timeout_us, timeout_ms_));
   int32_t error[2];
   const std::vector<int32_t> decision = deviceOutcome(l, error, "combine");
@@ -508,6 +536,9 @@ void EpBuffer::deviceCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
                                  "to rank ", g_.rank,
                                  " than its topk_idx routes there (topk_idx differs from the "
                                  "dispatch's?)"));
+  deviceLaunch(l, kern::kCombineToken, static_cast<unsigned>(a.tokens), "combine");
+  deviceSync("combine", engine::deadlineInMs(timeout_ms_));
+  deviceCopy(error, l.p.error, 8, "combine");
   if (error[0] == kern::kNoOwnRow)
     throw std::runtime_error(str("combine: the handle has no row for token ", error[1],
                                  " of an expert of rank ", g_.rank,
@@ -609,21 +640,22 @@ void EpBuffer::deviceNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t ro
 void EpBuffer::deviceNormalCombine(const NormalCombineArgs& a, uint32_t round) {
   const char* op = "normal_combine";
   const int R = g_.size, me = g_.rank;
-  // The handle's counts and routing, read here for the row count and the check below.
+  // The handle's counts (the rows sent back) and routing, read here.
   const std::vector<int32_t> recv_counts = hostCopy(a.recv_counts, R, op);
-  std::vector<uint8_t> in_rank(static_cast<size_t>(a.tokens) * R);
-  deviceCopy(in_rank.data(), a.is_token_in_rank, in_rank.size(), op);
+  const std::vector<uint8_t> in_rank = hostCopy(a.is_token_in_rank, a.tokens * R, op);
   int64_t n = 0, sent_me = 0;
   for (int32_t c : recv_counts) n += c;
   for (int64_t t = 0; t < a.tokens; ++t) sent_me += in_rank[t * R + me] != 0;
+  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), n);
+  const Scratch sc = scratchAt(scratch_, R);
+  // As the host paths: the rows go back first (the peers wait for them), then this rank's
+  // own check, the waits, and the sums only when nothing failed.
+  deviceLaunch(l, kern::kNormalCombineSend, static_cast<unsigned>(R), op);
+  deviceSync(op, engine::deadlineInMs(timeout_ms_));
   if (sent_me != recv_counts[me])
     throw std::runtime_error(str(op, ": rank ", me, " sent itself ", sent_me,
                                  " rows but the handle says ", recv_counts[me]));
-  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), n);
-  const Scratch sc = scratchAt(scratch_, R);
-  deviceLaunch(l, kern::kNormalCombineSend, static_cast<unsigned>(R), op);
   deviceLaunch(l, kern::kNormalCombineWait, static_cast<unsigned>(R), op);
-  deviceLaunch(l, kern::kNormalCombineToken, static_cast<unsigned>(a.tokens), op);
   deviceSync(op, waitBound(timeout_ms_ * 1000, timeout_ms_));
   std::vector<int32_t> decision(R), error(2);
   deviceCopy(decision.data(), sc.decision, R * 4, op);
@@ -632,6 +664,8 @@ void EpBuffer::deviceNormalCombine(const NormalCombineArgs& a, uint32_t round) {
   if (error[0] == kern::kWrongRowCount)
     throw std::runtime_error(str(op, ": rank ", error[1], " returned another number of rows to rank ",
                                  me, " than it was sent (handle from another dispatch?)"));
+  deviceLaunch(l, kern::kNormalCombineToken, static_cast<unsigned>(a.tokens), op);
+  deviceSync(op, engine::deadlineInMs(timeout_ms_));
 }
 
 std::vector<int64_t> EpBuffer::hostCopy(const int64_t* p, int64_t n, const char* op) const {

@@ -9,8 +9,14 @@
 
 using namespace mooncake::ep::kern;
 
+// A GPU buffer's peers have no host waiters (no futex sleeps on its doorbell): no system-scope
+// atomic on a peer GPU's memory per signal.
+struct EntryLanes : CudaLanes {
+  __device__ void ringDoorbell(uint32_t*) {}
+};
+
 extern "C" __global__ void mc_ep_ll(LlLaunch l) {
-  CudaLanes ln;
+  EntryLanes ln;
   const int b = static_cast<int>(blockIdx.x);
   switch (l.stage) {
     case kDispatchSend:
@@ -34,7 +40,7 @@ extern "C" __global__ void mc_ep_ll(LlLaunch l) {
 }
 
 extern "C" __global__ void mc_ep_normal(NormalLaunch l) {
-  CudaLanes ln;
+  EntryLanes ln;
   const int b = static_cast<int>(blockIdx.x);
   int32_t* toks = l.toks + static_cast<int64_t>(b) * (l.p.tokens > 0 ? l.p.tokens : 1);
   switch (l.stage) {

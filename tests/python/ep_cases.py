@@ -875,6 +875,17 @@ def case_gpu_buffer(ctx):
         fails.append("a GPU buffer with disable_p2p was made")
     except ValueError:
         pass
+    # One rank cannot make its buffer (a device that does not exist): every rank's constructor
+    # fails, naming it, instead of the others waiting in the exchange.
+    t0 = time.time()
+    try:
+        Buffer(dist.group.WORLD, 1 << 20, device="gpu:9" if me == 0 else "gpu")
+        fails.append("a buffer was made with rank 0 on a device that does not exist")
+    except RuntimeError as ex:
+        if "rank 0" not in str(ex):
+            fails.append(f"the failed set-up does not name rank 0: {ex}")
+    if time.time() - t0 > 10:
+        fails.append(f"the failed set-up took {time.time() - t0:.1f} s")
     fails += ll_round(ctx, cfg, act, "after the refusals")
     # Two dispatches in flight (hooks), the second with a larger E * M: the kernels' scratch
     # grows between the first one's send and its receive, which must keep what the send left
