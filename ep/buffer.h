@@ -266,6 +266,11 @@ class EpBuffer {
   // Logs the silent sources of a kernel call, throws for the ones that gave up the round.
   void kernelOutcome(const char* op, uint32_t round, const std::vector<int32_t>& decision,
                      const std::vector<int32_t>& was_active);
+  // Throws the error a call's kernels left in their error word (LlArgs/NormalArgs::error), if
+  // any, as the host paths word it (op: "dispatch", "combine", "normal_dispatch" or
+  // "normal_combine"; counts and capacity: a normal dispatch's).
+  void throwKernelError(const char* op, const int32_t* error, int64_t max_tokens = 0,
+                        const int32_t* counts = nullptr, int64_t capacity = 0) const;
   // Rows [first, first+n) of recv_x (and, fp8, recv_scales) from n wire rows at src.
   static void storeRecvRows(const LowLatencyDispatchArgs& a, int64_t first, const char* src,
                             size_t src_stride, int64_t n, bool stream);

@@ -506,10 +506,7 @@ void EpBuffer::deviceDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
   int32_t error[2];
   const std::vector<int32_t> decision = deviceOutcome(l, error, "dispatch");
   kernelOutcome("dispatch", round, decision, was_active);
-  if (error[0] == kern::kTooManyRows)
-    throw std::runtime_error(str("dispatch: rank ", error[1], " sent more than M=", a.max_tokens,
-                                 " rows for a local expert of rank ", g_.rank,
-                                 " (M differs across ranks?)"));
+  throwKernelError("dispatch", error, a.max_tokens);
 }
 
 void EpBuffer::deviceCombineSend(const LowLatencyCombineArgs& a, uint32_t round) {
@@ -531,18 +528,11 @@ void EpBuffer::deviceCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
   int32_t error[2];
   const std::vector<int32_t> decision = deviceOutcome(l, error, "combine");
   kernelOutcome("combine", round, decision, was_active);
-  if (error[0] == kern::kWrongRowCount)
-    throw std::runtime_error(str("combine: rank ", error[1], " returned another number of rows "
-                                 "to rank ", g_.rank,
-                                 " than its topk_idx routes there (topk_idx differs from the "
-                                 "dispatch's?)"));
+  throwKernelError("combine", error, a.max_tokens);
   deviceLaunch(l, kern::kCombineToken, static_cast<unsigned>(a.tokens), "combine");
   deviceSync("combine", engine::deadlineInMs(timeout_ms_));
   deviceCopy(error, l.p.error, 8, "combine");
-  if (error[0] == kern::kNoOwnRow)
-    throw std::runtime_error(str("combine: the handle has no row for token ", error[1],
-                                 " of an expert of rank ", g_.rank,
-                                 " (handle from another dispatch?)"));
+  throwKernelError("combine", error, a.max_tokens);
 }
 
 void EpBuffer::deviceAbandon(RoundKind kind, uint32_t round) {
@@ -597,10 +587,7 @@ std::vector<int32_t> EpBuffer::deviceNormalDispatchSend(const NormalDispatchArgs
   deviceCopy(error.data(), sc.error, 8, op);
   deviceCopy(counts.data(), sc.counts, R * 4, op);
   kernelNormalOutcome(op, round, decision);
-  if (error[0] == kern::kTooManyRows)
-    throw std::runtime_error(str(op, ": rank ", error[1], " sent ", counts[error[1]],
-                                 " rows, above capacity ", l.p.capacity,
-                                 " (H, K or dtype differ across ranks?)"));
+  throwKernelError(op, error.data(), 0, counts.data(), l.p.capacity);
   return counts;
 }
 
@@ -632,9 +619,7 @@ void EpBuffer::deviceNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t ro
   deviceSync(op, engine::deadlineInMs(timeout_ms_));
   int32_t error[2];
   deviceCopy(error, sc.error, 8, op);
-  if (error[0] == kern::kWrongRowCount)
-    throw std::runtime_error(str(op, ": rank ", g_.rank,
-                                 " counted another number of own rows than it signalled"));
+  throwKernelError(op, error);
 }
 
 void EpBuffer::deviceNormalCombine(const NormalCombineArgs& a, uint32_t round) {
@@ -661,9 +646,7 @@ void EpBuffer::deviceNormalCombine(const NormalCombineArgs& a, uint32_t round) {
   deviceCopy(decision.data(), sc.decision, R * 4, op);
   deviceCopy(error.data(), sc.error, 8, op);
   kernelNormalOutcome(op, round, decision);
-  if (error[0] == kern::kWrongRowCount)
-    throw std::runtime_error(str(op, ": rank ", error[1], " returned another number of rows to rank ",
-                                 me, " than it was sent (handle from another dispatch?)"));
+  throwKernelError(op, error.data());
   deviceLaunch(l, kern::kNormalCombineToken, static_cast<unsigned>(a.tokens), op);
   deviceSync(op, engine::deadlineInMs(timeout_ms_));
 }

@@ -93,6 +93,40 @@ void EpBuffer::kernelOutcome(const char* op, uint32_t round, const std::vector<i
   throwIfAbandoned(op, round, gave_up);
 }
 
+void EpBuffer::throwKernelError(const char* op, const int32_t* error, int64_t max_tokens,
+                                const int32_t* counts, int64_t capacity) const {
+  const std::string o(op);
+  const bool normal = o.rfind("normal_", 0) == 0;
+  switch (error[0]) {
+    case kern::kTooManyRows:
+      if (normal)
+        throw std::runtime_error(str(op, ": rank ", error[1], " sent ", counts[error[1]],
+                                     " rows, above capacity ", capacity,
+                                     " (H, K or dtype differ across ranks?)"));
+      throw std::runtime_error(str(op, ": rank ", error[1], " sent more than M=", max_tokens,
+                                   " rows for a local expert of rank ", g_.rank,
+                                   " (M differs across ranks?)"));
+    case kern::kWrongRowCount:
+      if (o == "normal_dispatch")
+        throw std::runtime_error(str(op, ": rank ", g_.rank,
+                                     " counted another number of own rows than it signalled"));
+      if (normal)
+        throw std::runtime_error(str(op, ": rank ", error[1],
+                                     " returned another number of rows to rank ", g_.rank,
+                                     " than it was sent (handle from another dispatch?)"));
+      throw std::runtime_error(str(op, ": rank ", error[1], " returned another number of rows "
+                                   "to rank ", g_.rank,
+                                   " than its topk_idx routes there (topk_idx differs from the "
+                                   "dispatch's?)"));
+    case kern::kNoOwnRow:
+      throw std::runtime_error(str(op, ": the handle has no row for token ", error[1],
+                                   " of an expert of rank ", g_.rank,
+                                   " (handle from another dispatch?)"));
+    default:
+      return;
+  }
+}
+
 void EpBuffer::kernelDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
   if (device_ >= 0) return deviceDispatchSend(a, round);
   kern::LlArgs p = kernelArgs(a, round);
@@ -123,10 +157,7 @@ void EpBuffer::kernelDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
   kern::runBlocks(p.local_experts, kernel_lanes_, ln,
                   [&](auto& lanes, int l) { kern::dispatchRecv(p, l, lanes, start); });
   kernelOutcome("dispatch", round, decision, was_active);
-  if (error[0] == kern::kTooManyRows)
-    throw std::runtime_error(str("dispatch: rank ", error[1], " sent more than M=", a.max_tokens,
-                                 " rows for a local expert of rank ", g_.rank,
-                                 " (M differs across ranks?)"));
+  throwKernelError("dispatch", error.data(), a.max_tokens);
 }
 
 void EpBuffer::kernelCombineSend(const LowLatencyCombineArgs& a, uint32_t round) {
@@ -150,17 +181,10 @@ void EpBuffer::kernelCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
   kern::runBlocks(g_.size, kernel_lanes_, ln,
                   [&](auto& lanes, int o) { kern::combineWait(p, o, lanes, start); });
   kernelOutcome("combine", round, decision, was_active);
-  if (error[0] == kern::kWrongRowCount)
-    throw std::runtime_error(str("combine: rank ", error[1], " returned another number of rows "
-                                 "to rank ", g_.rank,
-                                 " than its topk_idx routes there (topk_idx differs from the "
-                                 "dispatch's?)"));
+  throwKernelError("combine", error.data(), a.max_tokens);
   kern::runBlocks(static_cast<int>(a.tokens), kernel_lanes_, ln,
                   [&](auto& lanes, int t) { kern::combineRecvToken(p, t, lanes); });
-  if (error[0] == kern::kNoOwnRow)
-    throw std::runtime_error(str("combine: the handle has no row for token ", error[1],
-                                 " of an expert of rank ", g_.rank,
-                                 " (handle from another dispatch?)"));
+  throwKernelError("combine", error.data(), a.max_tokens);
 }
 
 // ---- normal mode ----
@@ -243,10 +267,7 @@ std::vector<int32_t> EpBuffer::kernelNormalDispatchSend(const NormalDispatchArgs
   kern::runBlocks(R, kernel_lanes_, ln,
                   [&](auto& lanes, int r) { kern::normalDispatchWait(p, r, lanes, start); });
   kernelNormalOutcome("normal_dispatch", round, decision);
-  if (error[0] == kern::kTooManyRows)
-    throw std::runtime_error(str("normal_dispatch: rank ", error[1], " sent ", counts[error[1]],
-                                 " rows, above capacity ", p.capacity,
-                                 " (H, K or dtype differ across ranks?)"));
+  throwKernelError("normal_dispatch", error.data(), 0, counts.data(), p.capacity);
   return counts;
 }
 
@@ -271,9 +292,7 @@ void EpBuffer::kernelNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t ro
   kern::HostLanes ln;
   kern::runBlocks(R, kernel_lanes_, ln,
                   [&](auto& lanes, int r) { kern::normalDispatchRecv(p, r, lanes, toks.data()); });
-  if (error[0] == kern::kWrongRowCount)
-    throw std::runtime_error(str("normal_dispatch: rank ", g_.rank,
-                                 " counted another number of own rows than it signalled"));
+  throwKernelError("normal_dispatch", error.data());
   kern::runBlocks(1, kernel_lanes_, ln, [&](auto& lanes, int) { kern::normalAlign(p, lanes); });
 }
 
@@ -298,10 +317,7 @@ void EpBuffer::kernelNormalCombine(const NormalCombineArgs& a, uint32_t round) {
   kern::runBlocks(R, kernel_lanes_, ln,
                   [&](auto& lanes, int d) { kern::normalCombineWait(p, d, lanes, start); });
   kernelNormalOutcome("normal_combine", round, decision);
-  if (error[0] == kern::kWrongRowCount)
-    throw std::runtime_error(str("normal_combine: rank ", error[1],
-                                 " returned another number of rows to rank ", me,
-                                 " than it was sent (handle from another dispatch?)"));
+  throwKernelError("normal_combine", error.data());
   kern::runBlocks(static_cast<int>(a.tokens), kernel_lanes_, ln,
                   [&](auto& lanes, int t) { kern::normalCombineToken(p, t, lanes); });
 }

@@ -905,3 +905,31 @@ def case_gpu_buffer(ctx):
     if act.tolist() != [1] * R:
         fails.append(f"active_ranks became {act.tolist()}")
     return fails
+
+
+def case_mismatched_combine(ctx):
+    """A combine whose topk_idx routes nothing (every entry -1) after a dispatch that sent rows
+    to other ranks: every rank that sent such rows gets a RuntimeError saying its topk_idx
+    differs from the dispatch's (the owners returned rows it does not expect), whichever path
+    runs the call (CPU loops, kernels on host lanes, kernels on a GPU buffer); a round after it
+    is in step and right."""
+    R, me = ctx.world, ctx.rank
+    cfg = Cfg(R, seed=81)
+    buf = ctx.buffer(cfg.M, cfg.H, cfg.E)
+    act = torch.ones(R, dtype=torch.int32)
+    x, topk, w = cfg.inputs(me)
+    fails = []
+    recv_x, cnt, handle, _, _ = buf.dispatch(x, topk, act, cfg.M, cfg.E, timeout_us=TIMEOUT_US)
+    sent_away = bool(((topk >= 0) & (topk // cfg.L != me)).any())
+    try:
+        buf.combine(ll_y(cfg, me, recv_x, cnt), torch.full_like(topk, -1), w, act, TIMEOUT_US,
+                    handle)
+        if sent_away:
+            fails.append("a combine routed elsewhere than its dispatch raised nothing")
+    except RuntimeError as ex:
+        if not sent_away or "topk_idx differs from the dispatch" not in str(ex):
+            fails.append(f"unexpected error (rows sent away: {sent_away}): {ex}")
+    if act.tolist() != [1] * R:
+        fails.append(f"active_ranks became {act.tolist()}")
+    fails += ll_round(ctx, Cfg(R, seed=82), act, "after the mismatched combine")
+    return fails

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON = sys.executable  # as harness.PYTHON
 WORKER = os.path.join(HERE, "_ep_worker.py")
 MAIN_CASES = ["kernel_path", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input", "normal", "normal_autograd",
-              "upstream_api"]
+              "upstream_api", "mismatched_combine"]
 KILL_CASES = ["kill_between_rounds", "kill_between_dispatch_and_combine"]
 
 _runs = {}
@@ -138,7 +138,7 @@ def test_ep_killed_rank(world, case):
 # cases against the same plain-torch reference, and a rank killed between rounds and between
 # dispatch and combine marked inactive by the bodies' own deadline or the engine's notice.
 KERNEL_CASES = ["kernel_path", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input",
-                "normal", "normal_autograd", "upstream_api"]
+                "normal", "normal_autograd", "upstream_api", "mismatched_combine"]
 
 
 @pytest.mark.parametrize("world,lanes", [(2, "host"), (3, "host"), (4, "host"), (3, "threads")])
@@ -175,7 +175,7 @@ def test_ep_kernel_bodies_on_host_killed_rank():
 
 GPU_ENV = {"MC_DEVICE": "sim", "EP_CASES_GPU": "1"}
 GPU_CASES = ["gpu_buffer", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input", "normal",
-             "normal_autograd"]
+             "normal_autograd", "mismatched_combine"]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
