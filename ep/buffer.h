@@ -289,9 +289,9 @@ class EpBuffer {
   void setUpDevice(size_t bytes);
   void freeDevice();
   void deviceCopy(void* dst, const void* src, size_t len, const char* op) const;
-  std::vector<int64_t> hostCopy(const int64_t* p, int64_t n, const char* op) const;
-  std::vector<int32_t> hostCopy(const int32_t* p, int64_t n, const char* op) const;
-  std::vector<uint8_t> hostCopy(const uint8_t* p, int64_t n, const char* op) const;
+  // n elements of GPU memory at p, on the host (int64_t, int32_t and uint8_t: ll_device.cc).
+  template <class T>
+  std::vector<T> hostCopy(const T* p, int64_t n, const char* op) const;
   char* deviceScratch(size_t toks_bytes);
   kern::LlLaunch deviceLaunchArgs(kern::LlArgs p, int experts, uint32_t round);
   kern::NormalLaunch deviceNormalLaunch(kern::NormalArgs p, int64_t rows);

@@ -651,22 +651,14 @@ void EpBuffer::deviceNormalCombine(const NormalCombineArgs& a, uint32_t round) {
   deviceSync(op, engine::deadlineInMs(timeout_ms_));
 }
 
-std::vector<int64_t> EpBuffer::hostCopy(const int64_t* p, int64_t n, const char* op) const {
-  std::vector<int64_t> v(static_cast<size_t>(std::max<int64_t>(n, 0)));
-  deviceCopy(v.data(), p, v.size() * 8, op);
+template <class T>
+std::vector<T> EpBuffer::hostCopy(const T* p, int64_t n, const char* op) const {
+  std::vector<T> v(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  deviceCopy(v.data(), p, v.size() * sizeof(T), op);
   return v;
 }
-
-std::vector<uint8_t> EpBuffer::hostCopy(const uint8_t* p, int64_t n, const char* op) const {
-  std::vector<uint8_t> v(static_cast<size_t>(std::max<int64_t>(n, 0)));
-  deviceCopy(v.data(), p, v.size(), op);
-  return v;
-}
-
-std::vector<int32_t> EpBuffer::hostCopy(const int32_t* p, int64_t n, const char* op) const {
-  std::vector<int32_t> v(static_cast<size_t>(std::max<int64_t>(n, 0)));
-  deviceCopy(v.data(), p, v.size() * 4, op);
-  return v;
-}
+template std::vector<int64_t> EpBuffer::hostCopy(const int64_t*, int64_t, const char*) const;
+template std::vector<int32_t> EpBuffer::hostCopy(const int32_t*, int64_t, const char*) const;
+template std::vector<uint8_t> EpBuffer::hostCopy(const uint8_t*, int64_t, const char*) const;
 
 }  // namespace mooncake::ep

@@ -183,7 +183,7 @@ def test_ep_gpu_buffers_sim(world):
     """Buffers in GPU memory of the device layer's simulation (memory that faults when host
     code touches it; peers' buffers opened through IPC handles, the kernels' entry point run on
     the simulated stream): the low-latency, fp8, normal and autograd cases against the
-    plain-torch reference, validation and one rank's bad input, through ep_cases.GpuBuffer,
+    plain-torch reference, validation and one rank's bad input, through ep_cases_gpu.GpuBuffer,
     and the GPU buffer's refusals."""
     results, codes, tails = run_ranks(world, GPU_CASES, env=GPU_ENV)
     for case in GPU_CASES:
