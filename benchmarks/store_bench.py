@@ -23,6 +23,11 @@ the median of each figure (each run is kept in the JSON under "runs").
 "failover": seconds from the kill to the first put that succeeds on the new leader, and the
 number of puts acknowledged before the kill that no longer read back with their bytes ("lost",
 which must be 0). Repeated --failover-repeat times (median).
+
+--gpu sim|cuda: one holder lending its segment in host memory, then one lending it in GPU
+memory (MC_STORE_SEGMENT_DEVICE=0); a client on the same host times get_into a registered GPU
+buffer (p50 of --gpu-iters) and, in the same process, the device's own copy of the same bytes
+between two GPU buffers (the limit). Row "get_into_gpu": gbps, d2d_gbps and vs_d2d.
 """
 import argparse
 import glob
@@ -313,6 +318,109 @@ def replay_trace(addr, path, block_bytes, limit):
             "failed_puts": failed_puts}
 
 
+# ---------------------------------------------------------------- GPU buffers (--gpu)
+
+def gpu_holder(addr, segment, device, where, ready, stop):
+    # The device layer and the segment's place are read once per process, at its first use.
+    os.environ["MC_DEVICE"] = device
+    os.environ["MC_STORE_SEGMENT_DEVICE"] = "0" if where == "gpu" else "cpu"
+    st = _mc_store(addr, segment)
+    ready.set()
+    stop.wait()
+    st.close()
+
+
+def gpu_client(addr, device, size, iters, out):
+    try:
+        out.put(gpu_client_run(addr, device, size, iters))
+    except BaseException as e:  # noqa: BLE001 -- the parent waits for a reply either way
+        out.put({"error": repr(e)})
+        raise
+
+
+def gpu_client_run(addr, device, size, iters):
+    os.environ["MC_DEVICE"] = device
+    from mooncake import _C
+    from mooncake.store import MooncakeDistributedStore
+    st = MooncakeDistributedStore()
+    assert st.setup("bench-gpu", "", 0, size + (1 << 20), "tcp", "", addr) == 0
+    g = _C._device_alloc(size, 0)
+    g2 = _C._device_alloc(size, 0)
+    assert st.register_buffer(g, size) == 0
+    val = os.urandom(size)
+    key = f"gpu-obj/{size}"
+    assert st.put(key, val) == 0
+    lat = []
+    for i in range(iters + 2):
+        a = time.perf_counter()
+        n = st.get_into(key, g, size)
+        if i >= 2:  # two warm-up calls (peer mapping, pinning)
+            lat.append(time.perf_counter() - a)
+        assert n == size, n
+    back = bytearray(size)
+    import ctypes
+    _C._device_copy(ctypes.addressof((ctypes.c_char * size).from_buffer(back)), g, size)
+    assert bytes(back) == val, "get_into a GPU buffer: wrong bytes"
+    copy = []
+    for i in range(iters + 2):
+        a = time.perf_counter()
+        _C._device_copy(g2, g, size)
+        if i >= 2:
+            copy.append(time.perf_counter() - a)
+    assert st.unregister_buffer(g) == 0
+    _C._device_free(g)
+    _C._device_free(g2)
+    st.close()
+    return {"get_into": lat, "d2d": copy, "layer": _C._device_layer()}
+
+
+def run_gpu(ctx, device, sizes, iters):
+    """get_into a GPU buffer from a holder's segment in host memory and in GPU memory, against
+    the device's own device-to-device copy of the same bytes, timed in the same client process
+    (issue 11's bar: >= 0.5x that copy at 64 MiB)."""
+    records = []
+    for where in ("host", "gpu"):
+        port = free_port()
+        master = subprocess.Popen([find_master(), "--host", "127.0.0.1", "--port", str(port),
+                                   "--metrics-port", "0", "--rebuild-quiet-ms", "200"],
+                                  stdout=subprocess.PIPE, text=True)
+        stop, ready = ctx.Event(), ctx.Event()
+        try:
+            if "ready" not in master.stdout.readline():
+                sys.exit("store_bench: mooncake_master did not start")
+            addr = f"127.0.0.1:{port}"
+            holder = ctx.Process(target=gpu_holder, daemon=True,
+                                 args=(addr, 2 * max(sizes) + (16 << 20), device, where, ready,
+                                       stop))
+            holder.start()
+            if not ready.wait(60):
+                sys.exit("store_bench: the GPU holder did not set up")
+            for size in sizes:
+                q = ctx.Queue()
+                c = ctx.Process(target=gpu_client, args=(addr, device, size, iters, q))
+                c.start()
+                r = q.get(timeout=600)
+                c.join(60)
+                if "error" in r:
+                    sys.exit(f"store_bench: the GPU client failed: {r['error']}")
+                p50, d50 = pct(r["get_into"], 50), pct(r["d2d"], 50)
+                rec = {"op": "get_into_gpu", "segment": where, "device": r["layer"],
+                       "bytes": size, "iters": iters, "p50_us": p50 * 1e6,
+                       "p99_us": pct(r["get_into"], 99) * 1e6, "gbps": size / p50 / 1e9,
+                       "d2d_p50_us": d50 * 1e6, "d2d_gbps": size / d50 / 1e9,
+                       "vs_d2d": d50 / p50}
+                records.append(rec)
+                print(f"get_into a GPU buffer from a {where} segment ({r['layer']}), "
+                      f"{size >> 10} KiB: p50 {p50 * 1e6:.1f} us ({rec['gbps']:.2f} GB/s); the "
+                      f"device's own copy {d50 * 1e6:.1f} us ({rec['d2d_gbps']:.2f} GB/s): "
+                      f"{rec['vs_d2d']:.2f}x", flush=True)
+        finally:
+            stop.set()
+            master.terminate()
+            master.wait(10)
+    return records
+
+
 # ---------------------------------------------------------------- main
 
 def median(xs):
@@ -524,6 +632,10 @@ def main():
     ap.add_argument("--failover", action="store_true", help="the failover rows only")
     ap.add_argument("--failover-repeat", type=int, default=3)
     ap.add_argument("--leader-ttl-s", type=int, default=3)
+    ap.add_argument("--gpu", default="", metavar="DEVICE",
+                    help="sim or cuda: get_into a GPU buffer from host and GPU segments against "
+                         "the device's own copy (--sizes, default 64M; --gpu-iters)")
+    ap.add_argument("--gpu-iters", type=int, default=20)
     args = ap.parse_args()
 
     # The engine's defaults, MC_SPIN_US included (recorded as spin_us). Earlier versions set
@@ -532,6 +644,13 @@ def main():
     # clients alike (docs/perf/store.md).
     spin_us = int(os.environ.get("MC_SPIN_US", "50"))
     ctx = mp.get_context("spawn")
+    if args.gpu:
+        sizes = [parse_size(x) for x in (args.sizes if "--sizes" in sys.argv else "64M").split(",")]
+        records = run_gpu(ctx, args.gpu, sizes, args.gpu_iters)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+        return
     if args.failover:
         records = run_failover(ctx, args.failover_repeat, args.leader_ttl_s)
         if args.json:

@@ -267,10 +267,25 @@ class TransferEngine::Impl {
     // None reaches it: this side's GPU memory is staged through host memory over the peer's
     // own transport (device_staging.h), where this process has a device layer at all.
     auto dev = device::get();
-    if (!dev.ok()) return;
+    if (!dev.ok()) {
+      // No device layer here (a store master, a CPU-only process): every local buffer is host
+      // memory, and the peer's GPU memory is reached over tcp, whose target side copies it
+      // to and from its device (the control connection when the peer's data goes over shm).
+      if (tcpCarriesDevice(e)) {
+        e->device = e->kind == TransportKind::kTcp ? e->data : e->control.get();
+        e->device_kind = TransportKind::kTcp;
+      }
+      return;
+    }
     e->device_owned = makeStagingPeer(e->data, e->kind, *dev, &ctx, remote);
     e->device = e->device_owned.get();
     e->device_kind = e->kind;
+  }
+
+  // The peer's control connection is tcp (always, engine.cc) and its target side stages GPU
+  // memory through host memory; only a forced transport (MC_TRANSPORT) keeps bytes off it.
+  bool tcpCarriesDevice(const PeerEntry* e) const {
+    return e->control != nullptr && (forced < 0 || forced == static_cast<int>(TransportKind::kTcp));
   }
 
   static int gpuRegions(const SegmentDesc& d) {

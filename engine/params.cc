@@ -257,6 +257,10 @@ const std::vector<ParamDef>& table() {
       {"MC_STORE_ONE_RTT_PUT", Type::kBool, "1",
        "Store clients put through slabs (one round trip to the master per put or batch); 0: the "
        "PutStart/PutEnd path (two round trips), kept for comparison."},
+      {"MC_STORE_SEGMENT_DEVICE", Type::kString, "",
+       "Where a store client's segment (the memory it lends to the store) lives: empty or cpu: "
+       "host memory; cuda:N (or gpu:N, N): GPU memory of device N, through the engine's device "
+       "layer (MC_DEVICE), so that gets into and puts from GPU buffers move device to device."},
       {"MC_STORE_CLUSTER_ID", Type::kString, "mooncake",
        "Store cluster an etcd:// master address (clients) or mooncake_master --etcd-endpoints "
        "(without --cluster-id) belongs to: its etcd keys live under mooncake-store/<id>/."},

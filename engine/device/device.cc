@@ -333,8 +333,10 @@ class SimDevice final : public Device {
       MC_ASSIGN_OR_RETURN(from, accessible(src, len));
       // Device memory on one side only: the other is host memory, pinned or not.
       const bool dev_dst = to != dst, dev_src = from != src;
-      if (dev_dst != dev_src && !pinnedLocked(dev_dst ? src : dst, len))
+      if (dev_dst != dev_src && !pinnedLocked(dev_dst ? src : dst, len)) {
         pageable_.fetch_add(1, std::memory_order_relaxed);
+        pageable_bytes_.fetch_add(len, std::memory_order_relaxed);
+      }
     }
     s->push(to, from, len);
     return Status::OK();
@@ -387,6 +389,9 @@ class SimDevice final : public Device {
   }
 
   uint64_t pageableCopies() const override { return pageable_.load(std::memory_order_relaxed); }
+  uint64_t pageableBytes() const override {
+    return pageable_bytes_.load(std::memory_order_relaxed);
+  }
 
   Status waitWord(int ordinal, const void* on, const uint32_t* word, uint32_t value) override {
     if (on != kCopyStream)
@@ -501,6 +506,7 @@ class SimDevice final : public Device {
   std::vector<std::unique_ptr<uint32_t[]>> words_;  // allocHostWords' (freed with the layer)
   std::map<uint64_t, size_t> pinned_;                // pinHost's ranges
   std::atomic<uint64_t> pageable_{0};               // pageableCopies()
+  std::atomic<uint64_t> pageable_bytes_{0};         // pageableBytes()
 };
 
 std::atomic<bool> g_active{false};

@@ -137,6 +137,8 @@ class Device {
   // simulation counts them (tests check that a path pins the host memory it moves); CUDA
   // does not count (0).
   virtual uint64_t pageableCopies() const = 0;
+  // The bytes those copies moved (the simulation; CUDA: 0).
+  virtual uint64_t pageableBytes() const { return 0; }
 };
 
 // Host memory pinned for as long as it lives (Device::pinHost / unpinHost), when it can be:

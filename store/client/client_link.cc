@@ -57,11 +57,10 @@ ErrorOr<std::unique_ptr<StoreClient>> StoreClient::create(engine::TransferEngine
   c->options_.use_slabs = options.use_slabs && params::getBool("MC_STORE_ONE_RTT_PUT");
   c->client_id_ = engine->name();
   c->segment_name_ = c->client_id_;  // preferred_segment names a client
-  if (options.segment_size > 0) {
-    auto mem = engine->allocate(options.segment_size);
-    if (!mem.ok()) return ErrorCode::NO_AVAILABLE_HANDLE;
-    c->segment_ = *mem;
-    while (c->record_tag_ == 0) c->record_tag_ = c->rng_();  // 0 means "no records"
+  std::string why;
+  if (ErrorCode ec = c->allocateSegment(&why); ec != ErrorCode::OK) {
+    MC_LOG(WARN, STORE) << "store client " << c->client_id_ << ": " << why;
+    return ec;
   }
   if (local_master != nullptr) {
     auto link = std::make_shared<Link>();
@@ -133,15 +132,7 @@ ErrorOr<std::unique_ptr<StoreClient>> StoreClient::connect(engine::TransferEngin
       return ErrorCode::INVALID_PARAMS;
     }
   }
-  if (options.segment_size > 0) {
-    auto mem = engine->allocate(options.segment_size);
-    if (!mem.ok()) {
-      *why = mem.status().toString();
-      return ErrorCode::NO_AVAILABLE_HANDLE;
-    }
-    c->segment_ = *mem;
-    while (c->record_tag_ == 0) c->record_tag_ = c->rng_();  // 0 means "no records"
-  }
+  if (ErrorCode ec = c->allocateSegment(why); ec != ErrorCode::OK) return ec;
   // A master (or a leader) may still be starting: keep trying for a while.
   const auto deadline =
       Clock::now() + milliseconds(std::max<int64_t>(options.rpc_timeout_ms, 10000));
@@ -154,6 +145,52 @@ ErrorOr<std::unique_ptr<StoreClient>> StoreClient::connect(engine::TransferEngin
   if (ec != ErrorCode::OK) return ec;
   if (ErrorCode e = c->startHeartbeat(); e != ErrorCode::OK) return e;
   return ErrorOr<std::unique_ptr<StoreClient>>(std::move(c));
+}
+
+namespace {
+
+// MC_STORE_SEGMENT_DEVICE: -1 host memory, N a device; false when it names neither.
+bool segmentDeviceFromParams(int* device) {
+  std::string v = params::getString("MC_STORE_SEGMENT_DEVICE");
+  if (v.empty() || v == "cpu" || v == "host") {
+    *device = -1;
+    return true;
+  }
+  for (const char* prefix : {"cuda:", "gpu:"})
+    if (v.rfind(prefix, 0) == 0) v = v.substr(std::strlen(prefix));
+  if (v == "cuda" || v == "gpu") v = "0";
+  if (v.empty() || v.size() > 4 || v.find_first_not_of("0123456789") != std::string::npos)
+    return false;
+  *device = std::stoi(v);
+  return true;
+}
+
+}  // namespace
+
+ErrorCode StoreClient::allocateSegment(std::string* why) {
+  if (options_.segment_size == 0) return ErrorCode::OK;
+  if (options_.segment_device == StoreClientOptions::kSegmentDeviceFromParams &&
+      !segmentDeviceFromParams(&options_.segment_device)) {
+    *why = "MC_STORE_SEGMENT_DEVICE='" + params::getString("MC_STORE_SEGMENT_DEVICE") +
+           "' names no device (cpu, cuda:N, gpu:N or N)";
+    return ErrorCode::INVALID_PARAMS;
+  }
+  const bool gpu = options_.segment_device >= 0;
+  auto mem = gpu ? engine_->allocate(options_.segment_size, engine::MemoryKind::kCuda,
+                                     options_.segment_device)
+                 : engine_->allocate(options_.segment_size);
+  if (!mem.ok()) {
+    *why = "cannot allocate a segment of " + std::to_string(options_.segment_size) + " bytes" +
+           (gpu ? " on GPU " + std::to_string(options_.segment_device) : std::string()) + ": " +
+           mem.status().toString();
+    return ErrorCode::NO_AVAILABLE_HANDLE;
+  }
+  segment_ = *mem;
+  // Device memory comes uncleared: what an earlier process left there is never taken for a
+  // record, whose magic carries this segment's random tag (and whose header a checksum covers).
+  segment_on_device_ = gpu;
+  while (record_tag_ == 0) record_tag_ = rng_();  // 0 means "no records"
+  return ErrorCode::OK;
 }
 
 ErrorCode StoreClient::startHeartbeat() {
@@ -391,13 +428,7 @@ ErrorCode StoreClient::reportRecords(Link& link) {
     if (err == ErrorCode::OK) err = ec;
     req.clear_records();
   };
-  HoleMap holes(engine_->localSegment(), segment_, options_.segment_size);
-  std::function<std::pair<uint64_t, uint64_t>(uint64_t)> next;
-  if (holes.usable()) next = [&](uint64_t off) { return holes.next(off); };
-  const char* base = static_cast<const char*>(segment_);
-  scanRecords(
-      base, options_.segment_size, record_tag_,
-      [&](uint64_t off, const RecordInfo& r) {
+  scanOwnRecords([&](uint64_t off, const RecordInfo& r) {
         if (!r.committed) {  // a put that never ended: revoked
           ++pending;
           return;
@@ -413,26 +444,39 @@ ErrorCode StoreClient::reportRecords(Link& link) {
         x->set_offset(off);
         ++reported;
         if (static_cast<size_t>(req.records_size()) >= kReportBatch) send(false);
-      },
-      next);
+      });
   send(true);
   MC_LOG(INFO, STORE) << "store client " << client_id_ << ": reported " << reported << " records ("
                       << pending << " unfinished) to the master";
   return err;
 }
 
-void StoreClient::wipeOwnRecords() {
+void StoreClient::scanOwnRecords(const std::function<void(uint64_t, const RecordInfo&)>& fn) {
   if (segment_ == nullptr) return;
+  if (segment_on_device_) {  // read through a host window, a device copy at a time
+    char* seg = static_cast<char*>(segment_);
+    scanRecords(
+        [&](uint64_t off, uint64_t len, char* out) {
+          return copySegment(out, seg + off, len) == ErrorCode::OK;
+        },
+        options_.segment_size, record_tag_, fn);
+    return;
+  }
   HoleMap holes(engine_->localSegment(), segment_, options_.segment_size);
   std::function<std::pair<uint64_t, uint64_t>(uint64_t)> next;
   if (holes.usable()) next = [&](uint64_t off) { return holes.next(off); };
+  scanRecords(static_cast<const char*>(segment_), options_.segment_size, record_tag_, fn, next);
+}
+
+void StoreClient::wipeOwnRecords() {
   char* base = static_cast<char*>(segment_);
-  scanRecords(
-      base, options_.segment_size, record_tag_,
-      [&](uint64_t off, const RecordInfo&) {
-        reinterpret_cast<std::atomic<uint64_t>*>(base + off)->store(0, std::memory_order_release);
-      },
-      next);
+  const uint64_t zero = 0;
+  scanOwnRecords([&](uint64_t off, const RecordInfo&) {
+    if (segment_on_device_)
+      (void)copySegment(base + off, &zero, sizeof(zero));
+    else
+      reinterpret_cast<std::atomic<uint64_t>*>(base + off)->store(0, std::memory_order_release);
+  });
 }
 
 // ---------------------------------------------------------------- calls

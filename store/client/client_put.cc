@@ -219,7 +219,10 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
       // Never trust a placement with a raw pointer: it must lie inside the segment this client
       // lent (a confused or hostile master must not make us write anywhere else).
       if (!inOwnSegment(start, rb + t.piece_length)) return ErrorCode::INVALID_WRITE;
-      if (rec != nullptr) std::memcpy(reinterpret_cast<void*>(t.record_address), rec, rb);
+      if (rec != nullptr)
+        if (ErrorCode ec = copySegment(reinterpret_cast<void*>(t.record_address), rec, rb);
+            ec != ErrorCode::OK)
+          return ec;
       if (ErrorCode ec = copyLocal(reinterpret_cast<void*>(t.data_address), src + t.piece_offset,
                                    t.piece_length);
           ec != ErrorCode::OK)
@@ -248,7 +251,12 @@ ErrorCode StoreClient::commit(const std::vector<WriteTarget>& targets, uint64_t 
     if (!peer.ok()) continue;
     if (*peer == engine::kInvalidPeer) {
       if (!inOwnSegment(at, 8)) continue;
-      reinterpret_cast<std::atomic<uint64_t>*>(at)->store(word, std::memory_order_release);
+      if (segment_on_device_) {
+        if (copySegment(reinterpret_cast<void*>(at), &word, sizeof(word)) != ErrorCode::OK)
+          continue;
+      } else {
+        reinterpret_cast<std::atomic<uint64_t>*>(at)->store(word, std::memory_order_release);
+      }
       ++committed;
     } else {
       // Through the engine, not a store through mappedAddress: the record's page is usually
@@ -448,8 +456,13 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
   auto t1 = Clock::now();
   ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
   bool ok = ec == ErrorCode::OK;
-  if (ok && !reqs.empty())
-    ok = engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok();
+  if (ok && !reqs.empty()) {
+    Status st = engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms));
+    ok = st.ok();
+    if (!ok)
+      MC_LOG(WARN, STORE) << "store client " << client_id_ << ": put of '" << key << "' ("
+                          << size << " bytes): " << st.toString();
+  }
   t_phases.write_ns = nsSince(t1);
   if (!ok) {
     proto::PutRevokeRequest rq;

@@ -1,5 +1,6 @@
 #include "store/client/rpc.h"
 
+#include "engine/device/device.h"
 #include "engine/log.h"
 
 #include <sched.h>
@@ -66,12 +67,13 @@ MasterRpcServer::~MasterRpcServer() {
 
 bool MasterRpcServer::wipe(const std::string& client_id, uint64_t address, uint64_t token) {
   // Runs under the service's lock: only non-blocking work here.
-  if (client_id == engine_->name()) {  // our own segment (a master embedded in a client)
+  const bool own = client_id == engine_->name();  // a master embedded in a client
+  if (own && !engine::device::isDeviceMemory(reinterpret_cast<const void*>(address))) {
     std::memset(reinterpret_cast<void*>(address), 0, 8);
     return true;
   }
   engine::PeerId peer = engine::kInvalidPeer;
-  {
+  if (!own) {  // (our own GPU segment: a device copy, on the wipe thread)
     std::lock_guard<std::mutex> g(mu_);
     auto n = by_name_.find(client_id);
     if (n != by_name_.end()) {
@@ -107,7 +109,12 @@ void MasterRpcServer::wipeLoop() {
       if (n != by_name_.end()) engine_id = n->second;
     }
     bool ok = false;
-    if (engine_id != 0 && zeros_ != nullptr) {
+    if (w.client_id == engine_->name()) {  // our own segment in GPU memory: a device copy
+      static const uint64_t kZero = 0;
+      ok = engine::device::copy(reinterpret_cast<void*>(w.address), &kZero, 8,
+                                engine::deadlineInMs(2000))
+               .ok();
+    } else if (engine_id != 0 && zeros_ != nullptr) {
       auto peer = engine_->peerOf(engine_id, engine::deadlineInMs(2000));
       if (peer.ok()) {
         std::vector<engine::TransferRequest> req{

@@ -109,7 +109,7 @@ ErrorCode StoreClient::registerBuffer(void* addr, size_t len) {
   buffers_.emplace_back(reinterpret_cast<uintptr_t>(addr), len);
   // GPU data will move between the buffer and this client's own segment (copyLocal): pinned,
   // the copy engines DMA it straight (the driver would bounce pageable memory).
-  if (where.device && segment_ != nullptr && !segment_pinned_) {
+  if (where.device && segment_ != nullptr && !segment_on_device_ && !segment_pinned_) {
     segment_pinned_ = true;
     if (auto layer = engine::device::get(); layer.ok())
       segment_pin_ = engine::device::PinnedRange(*layer, segment_, options_.segment_size);
@@ -144,6 +144,14 @@ ErrorCode StoreClient::copyLocal(void* dst, const void* src, size_t len) const {
   MC_LOG(WARN, STORE) << "store client " << client_id_ << ": device copy of " << len
                       << " bytes: " << st.toString();
   return ErrorCode::TRANSFER_FAIL;
+}
+
+ErrorCode StoreClient::copySegment(void* dst, const void* src, size_t len) const {
+  if (!segment_on_device_) {
+    std::memcpy(dst, src, len);
+    return ErrorCode::OK;
+  }
+  return copyLocal(dst, src, len);
 }
 
 bool StoreClient::inOwnSegment(uint64_t address, uint64_t len) const {

@@ -31,6 +31,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -46,6 +47,7 @@
 #include "store/client/rpc.h"
 #include "store/master/error_codes.h"
 #include "store/master/master_types.h"
+#include "store/master/record.h"
 
 namespace mooncake::store {
 
@@ -67,6 +69,10 @@ struct StoreClientOptions {
   std::string cluster_id;        // etcd: the store cluster (mooncake_master --cluster-id)
   int64_t etcd_lease_ttl_s = 3;  // etcd: TTL of this client's membership key
   bool use_slabs = true;         // the one-round-trip put path
+  // Where the segment is allocated: -1 host memory, N >= 0 GPU memory of device N (the
+  // engine's device layer), kSegmentDeviceFromParams: as MC_STORE_SEGMENT_DEVICE says.
+  static constexpr int kSegmentDeviceFromParams = -2;
+  int segment_device = kSegmentDeviceFromParams;
 };
 
 class StoreClient {
@@ -293,6 +299,14 @@ class StoreClient {
   std::string client_id_;
   std::string segment_name_;
   void* segment_ = nullptr;
+  bool segment_on_device_ = false;  // segment_ is GPU memory: host code never loads from it
+  // Allocates segment_ (options_.segment_size bytes, where options_.segment_device says).
+  ErrorCode allocateSegment(std::string* why);
+  // Copies between this client's segment and host memory when the segment is GPU memory,
+  // with memcpy when it is not (records and commit words: a few bytes).
+  ErrorCode copySegment(void* dst, const void* src, size_t len) const;
+  // Calls fn(offset, record) for every record in this client's segment (host or GPU memory).
+  void scanOwnRecords(const std::function<void(uint64_t, const RecordInfo&)>& fn);
   // segment_, pinned for the device layer's copies once a GPU buffer is registered (mu_).
   engine::device::PinnedRange segment_pin_;
   bool segment_pinned_ = false;  // tried (mu_)

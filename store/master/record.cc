@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 namespace mooncake::store {
 
@@ -83,7 +84,12 @@ bool decodeRecord(const char* p, uint64_t avail, uint64_t segment_tag, RecordInf
   return true;
 }
 
-void scanRecords(const char* base, uint64_t size, uint64_t segment_tag,
+namespace {
+
+// The walk of both scanRecords: at(off, need) returns the segment's byte `off` with at least
+// min(need, size - off) bytes readable after it (nullptr: unreadable, the walk ends).
+template <typename At>
+void walkRecords(At&& at, uint64_t size, uint64_t segment_tag,
                  const std::function<void(uint64_t, const RecordInfo&)>& fn,
                  const std::function<std::pair<uint64_t, uint64_t>(uint64_t)>& next_data) {
   const uint64_t magic = recordMagic(segment_tag);
@@ -99,21 +105,53 @@ void scanRecords(const char* base, uint64_t size, uint64_t segment_tag,
       data_end = std::max(end, off + kRecordAlign);
       if (off + kRecordHeaderBytes > size) return;
     }
-    if (load<uint64_t>(base + off) == magic &&
-        decodeRecord(base + off, size - off, segment_tag, &rec)) {
-      fn(off, rec);
-      if (!rec.committed) {
-        // Never committed (a put revoked or cut short): its memory may have been handed out
-        // again around it, so the records of live objects can lie inside its length.
-        off += kRecordAlign;
+    const char* p = at(off, kRecordHeaderBytes);
+    if (p == nullptr) return;
+    if (load<uint64_t>(p) == magic) {
+      p = at(off, recordBytes(kMaxKey));  // decodeRecord reads the header and the key
+      if (p == nullptr) return;
+      if (decodeRecord(p, size - off, segment_tag, &rec)) {
+        fn(off, rec);
+        if (!rec.committed) {
+          // Never committed (a put revoked or cut short): its memory may have been handed out
+          // again around it, so the records of live objects can lie inside its length.
+          off += kRecordAlign;
+          continue;
+        }
+        uint64_t len = recordAllocBytes(rec.key.size(), rec.piece_length);
+        off += (len + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
         continue;
       }
-      uint64_t len = recordAllocBytes(rec.key.size(), rec.piece_length);
-      off += (len + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
-      continue;
     }
     off += kRecordAlign;
   }
+}
+
+}  // namespace
+
+void scanRecords(const char* base, uint64_t size, uint64_t segment_tag,
+                 const std::function<void(uint64_t, const RecordInfo&)>& fn,
+                 const std::function<std::pair<uint64_t, uint64_t>(uint64_t)>& next_data) {
+  walkRecords([base](uint64_t off, uint64_t) { return base + off; }, size, segment_tag, fn,
+              next_data);
+}
+
+void scanRecords(const std::function<bool(uint64_t, uint64_t, char*)>& read, uint64_t size,
+                 uint64_t segment_tag, const std::function<void(uint64_t, const RecordInfo&)>& fn,
+                 uint64_t window) {
+  window = std::max<uint64_t>(window, 2 * recordBytes(kMaxKey));
+  std::string buf(std::min(window, size), '\0');
+  uint64_t lo = 0, hi = 0;  // the segment's [lo, hi) is in buf
+  auto at = [&](uint64_t off, uint64_t need) -> const char* {
+    need = std::min(need, size - off);
+    if (off < lo || off + need > hi) {
+      lo = off;
+      hi = std::min(size, off + buf.size());
+      if (!read(lo, hi - lo, buf.data())) return nullptr;
+    }
+    return buf.data() + (off - lo);
+  };
+  walkRecords(at, size, segment_tag, fn, nullptr);
 }
 
 }  // namespace mooncake::store

@@ -57,10 +57,11 @@ def master_bin():
 
 
 class Master:
-    def __init__(self, *extra, env=None, preexec_fn=None, host_flag=True):
+    def __init__(self, *extra, env=None, preexec_fn=None, host_flag=True, port=None):
         """extra: more mooncake_master flags. env: extra environment. host_flag=False starts it
-        without --host (its default, 127.0.0.1)."""
-        self.port = free_port()
+        without --host (its default, 127.0.0.1). port: the port (a master restarted where its
+        clients look for it); default a free one."""
+        self.port = port or free_port()
         host = "127.0.0.1"
         if "--host" in extra:
             host = extra[list(extra).index("--host") + 1]

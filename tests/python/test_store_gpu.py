@@ -6,7 +6,10 @@ chosen once per process) beside a master and a holder that lends host memory, on
 cuda transport moves the GPU side) and on two simulated hosts (tcp, staged through host memory).
 Every byte is checked through the layer's copies. The tensor calls too: tensors in GPU memory
 written (put_tensor, the tensor-parallel split), and read into a registered GPU buffer
-(get_tensor_into and its batch and tp forms return tensors viewing that buffer)."""
+(get_tensor_into and its batch and tp forms return tensors viewing that buffer).
+Segments in GPU memory (MC_STORE_SEGMENT_DEVICE): the same calls with every client's segment
+there, and the objects of a GPU segment found again by a restarted master (the owner walks its
+records through host copies)."""
 import os
 import subprocess
 import sys
@@ -47,12 +50,21 @@ loose = _C._device_alloc(MiB, 1)  # never registered
 assert s.register_buffer(g, 4 * MiB) == 0
 
 
-def pinned_only(what, call):
+GPU_SEGMENTS = bool(os.environ.get("MC_STORE_SEGMENT_DEVICE"))
+
+
+def pinned_only(what, call, pieces=0):
     # The bytes move between GPU memory and pinned host memory only (the store's segments,
-    # the engine's staging), never through pageable host memory.
-    before = _C._device_pageable_copies()
+    # the engine's staging), never through pageable host memory. Puts into segments in GPU
+    # memory write each piece's record header (64 bytes + the key) and commit word from host
+    # memory: at most 256 bytes a piece, never the data.
+    before, before_bytes = _C._device_pageable_copies(), _C._device_pageable_bytes()
     r = call()
-    assert _C._device_pageable_copies() == before, what + " copied through pageable memory"
+    if GPU_SEGMENTS and pieces:
+        moved = _C._device_pageable_bytes() - before_bytes
+        assert moved <= 256 * pieces, f"{what} copied {moved} bytes through pageable memory"
+    else:
+        assert _C._device_pageable_copies() == before, what + " copied through pageable memory"
     return r
 
 
@@ -63,7 +75,7 @@ assert to_host(g, len(v1)) == v1, "get_into a GPU buffer"
 
 v2 = os.urandom(70000)
 to_gpu(g + MiB + 3, v2)
-assert pinned_only("put_from", lambda: s.put_from("gpu/v2", g + MiB + 3, len(v2))) == 0
+assert pinned_only("put_from", lambda: s.put_from("gpu/v2", g + MiB + 3, len(v2)), 1) == 0
 assert s.get("gpu/v2") == v2, "put_from a GPU buffer"
 
 # An object in this client's own segment: copied here between it and the GPU buffer.
@@ -71,7 +83,8 @@ own = ReplicateConfig()
 own.preferred_segment = s.get_hostname()
 v4 = os.urandom(MiB + 9)
 to_gpu(g, v4)
-assert pinned_only("put_from own segment", lambda: s.put_from("gpu/v4", g, len(v4), own)) == 0
+assert pinned_only("put_from own segment", lambda: s.put_from("gpu/v4", g, len(v4), own),
+                   1) == 0
 desc = s.get_replica_desc("gpu/v4")[0].get_memory_descriptor().buffer_descriptor
 assert desc.transport_endpoint == s.get_hostname(), "not placed in this client's segment"
 assert s.get("gpu/v4") == v4
@@ -93,7 +106,7 @@ for i, p in enumerate(parts):
     to_gpu(g + i * MiB, p)
 assert pinned_only("batch_put_from", lambda: s.batch_put_from(
     [f"gpu/b{i}" for i in range(3)], [g + i * MiB for i in range(3)],
-    [len(p) for p in parts])) == [0, 0, 0]
+    [len(p) for p in parts]), 3) == [0, 0, 0]
 assert [s.get(f"gpu/b{i}") for i in range(3)] == parts
 
 # GPU memory that was never registered is refused, as any unregistered buffer is.
@@ -176,12 +189,48 @@ print("ok", flush=True)
 """
 
 
-def run_client(script, hosts):
+RESTART_CLIENT = r"""
+import os, sys
+from mooncake import _C
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+assert _C._device_layer() == "sim", _C._device_layer()
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", "", 16 << 20, 16 << 20, "tcp", "", sys.argv[1]) == 0
+own = ReplicateConfig()
+own.preferred_segment = s.get_hostname()
+vals = {f"r/{i}": os.urandom(100 + 40000 * i) for i in range(6)}
+for k, v in vals.items():
+    rc = s.put(k, v, own)
+    assert rc == 0, (k, rc)
+assert s.remove("r/0") == 0
+seg = s.get_replica_desc("r/1")[0].get_memory_descriptor().buffer_descriptor
+assert _C._is_device_memory(seg.buffer_address), "the segment is not GPU memory"
+print("put", flush=True)
+sys.stdin.readline()  # the master was restarted
+import time
+deadline = time.time() + 30
+while s.get("r/5") != vals["r/5"]:
+    assert time.time() < deadline, "the restarted master never learnt r/5"
+    time.sleep(0.1)
+for k, v in vals.items():
+    got = s.get(k)
+    assert got == (b"" if k == "r/0" else v), (k, len(got))
+s.close()
+print("ok", flush=True)
+"""
+
+
+def run_client(script, hosts, segment_device=None):
     m = Master()
     holder_env = {"MC_HOST_ID": "gpu-store-host-a"} if hosts == "two" else {}
+    if segment_device is not None:
+        holder_env.update(MC_DEVICE="sim", MC_STORE_SEGMENT_DEVICE=segment_device)
     h = Holder(m.addr, 32 << 20, env=holder_env)
     try:
         env = dict(os.environ, MC_DEVICE="sim")
+        if segment_device is not None:
+            env["MC_STORE_SEGMENT_DEVICE"] = segment_device
         if hosts == "two":
             env["MC_HOST_ID"] = "gpu-store-host-b"
         r = subprocess.run([sys.executable, "-c", script, m.addr], env=env, capture_output=True,
@@ -201,3 +250,32 @@ def test_gpu_tensor_calls(hosts):
 @pytest.mark.parametrize("hosts", ["one", "two"])
 def test_gpu_buffers(hosts):
     run_client(CLIENT, hosts)
+
+
+@pytest.mark.parametrize("hosts", ["one", "two"])
+def test_gpu_segments(hosts):
+    """Every segment in GPU memory: puts land there, gets and get_into GPU buffers read it."""
+    run_client(CLIENT, hosts, segment_device="cuda:0")
+
+
+def test_gpu_segment_survives_master_restart():
+    m = Master()
+    env = dict(os.environ, MC_DEVICE="sim", MC_STORE_SEGMENT_DEVICE="gpu:1")
+    c = subprocess.Popen([sys.executable, "-c", RESTART_CLIENT, m.addr], env=env, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    m2 = None
+    try:
+        line = c.stdout.readline()
+        assert line.strip() == "put", line + c.stderr.read()[-4000:]
+        m.proc.kill()
+        m.proc.wait(10)
+        m2 = Master(port=m.port)
+        c.stdin.write("restarted\n")
+        c.stdin.flush()
+        out, err = c.communicate(timeout=60)
+        assert c.returncode == 0 and out.strip().endswith("ok"), \
+            f"client exited {c.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+    finally:
+        if c.poll() is None:
+            c.kill()
+        (m2 or m).close()

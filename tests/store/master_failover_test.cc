@@ -4,9 +4,12 @@
 // store_ha_test.cc.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
+#include <random>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "store/master/master_service.h"
@@ -148,6 +151,63 @@ TEST(Records, EncodeDecodeCommitAndScan) {
       });
   ASSERT_EQ(found.size(), 1u);
   EXPECT_EQ(found[0].second, "second");
+}
+
+// A segment the host cannot load from (GPU memory) is walked through a host window that the
+// reader fills: the same records as the direct walk, with records (long keys included) across
+// every window boundary, committed ones stepped over, uncommitted ones stepped into; a reader
+// that fails ends the walk there.
+TEST(Records, ScanThroughAReadWindowFindsTheSame) {
+  std::vector<char> seg(3 * kMiB + 4096, 0);
+  const uint64_t tag = 0xfeed;
+  std::mt19937_64 rng(7);
+  uint64_t off = 0;
+  int n = 0;
+  while (true) {
+    RecordInfo r;
+    r.key = std::string(rng() % 3 == 0 ? 40000 + rng() % 25000 : 1 + rng() % 200,
+                        static_cast<char>('a' + n % 26));
+    r.put_id = 100 + n;
+    r.object_size = r.piece_length = 1 + rng() % 50000;
+    const uint64_t len = recordAllocBytes(r.key.size(), r.piece_length);
+    if (off + len > seg.size()) break;
+    encodeRecord(r, tag, seg.data() + off);
+    if (n % 4 != 3) std::memcpy(seg.data() + off + kRecordCommitOffset, &r.put_id, 8);
+    off += (len + kRecordAlign - 1) / kRecordAlign * kRecordAlign + kRecordAlign * (rng() % 3);
+    ++n;
+  }
+  ASSERT_GT(n, 20);
+  using Found = std::vector<std::tuple<uint64_t, std::string, bool>>;
+  Found direct, windowed;
+  scanRecords(seg.data(), seg.size(), tag, [&](uint64_t o, const RecordInfo& x) {
+    direct.emplace_back(o, x.key, x.committed);
+  });
+  uint64_t reads = 0;
+  auto read = [&](uint64_t o, uint64_t len, char* out) {
+    EXPECT_LE(o + len, seg.size());
+    std::memcpy(out, seg.data() + o, len);
+    ++reads;
+    return true;
+  };
+  scanRecords(read, seg.size(), tag,
+              [&](uint64_t o, const RecordInfo& x) { windowed.emplace_back(o, x.key, x.committed); },
+              1);  // the smallest window: two of the largest record's header and key
+  EXPECT_EQ(windowed, direct);
+  EXPECT_GE(direct.size(), static_cast<size_t>(n));  // uncommitted ones may hide more
+  EXPECT_GT(reads, 10u) << "the window did not move";
+  // The reader fails past 1 MiB: the walk stops there, having reported what lay before.
+  windowed.clear();
+  scanRecords(
+      [&](uint64_t o, uint64_t len, char* out) {
+        if (o + len > kMiB) return false;
+        std::memcpy(out, seg.data() + o, len);
+        return true;
+      },
+      seg.size(), tag,
+      [&](uint64_t o, const RecordInfo& x) { windowed.emplace_back(o, x.key, x.committed); }, 1);
+  ASSERT_FALSE(windowed.empty());
+  EXPECT_LT(windowed.size(), direct.size());
+  EXPECT_TRUE(std::equal(windowed.begin(), windowed.end(), direct.begin()));
 }
 
 class FailoverTest : public ::testing::Test {

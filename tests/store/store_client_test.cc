@@ -36,6 +36,7 @@ struct Embedded {
   std::vector<std::unique_ptr<StoreClient>> clients;
 
   std::vector<std::string> host_ids;  // MC_HOST_ID per client engine (simulated hosts)
+  int seg_device = store::StoreClientOptions::kSegmentDeviceFromParams;  // the first client's
 
   bool start(int n, uint64_t seg = kSeg) {
     engine::EngineOptions mo;
@@ -59,6 +60,7 @@ struct Embedded {
       // collide on shm file names (engine bug, reported), which real deployments (one engine
       // per process) never hit.
       so.segment_size = i == 0 ? seg : 0;
+      so.segment_device = seg_device;
       auto c = StoreClient::create(engs.back().get(), &rdv, nullptr, so);
       if (!c.ok()) return false;
       clients.push_back(std::move(c).value());
@@ -362,6 +364,132 @@ TEST_P(StoreGpuBuffers, GetIntoAndPutFromGpuMemory) {
 
 INSTANTIATE_TEST_SUITE_P(Store, StoreGpuBuffers, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "TwoHosts" : "OneHost"; });
+
+// A segment in GPU memory (MC_STORE_SEGMENT_DEVICE, StoreClientOptions::segment_device), over
+// the simulation (host code touching it faults): the objects live in device memory; a peer on
+// another (simulated) host puts and gets them staged over tcp, the owner with device copies
+// (records and commit words included), GPU buffers to and from it device to device; the
+// master's wipes after a remove reach it (the key is put again and read). Peers on one host
+// reach a GPU segment through its IPC handle, which the engines of one process cannot open
+// (CUDA refuses a process its own handles; the simulation too): tests/python/test_store_gpu.py
+// covers one host with a process per client.
+class StoreGpuSegment : public ::testing::TestWithParam<bool> {};
+
+TEST_P(StoreGpuSegment, ObjectsLiveInGpuMemory) {
+  ASSERT_TRUE(GetParam()) << "two simulated hosts only (see above)";
+  ScopedEnv dev("MC_DEVICE", "sim");
+  auto layer = engine::device::get();
+  ASSERT_TRUE(layer.ok()) << layer.status().toString();
+  Embedded s;
+  s.seg_device = 1;
+  s.host_ids = {"gpu-seg-host-a", "gpu-seg-host-b"};
+  ASSERT_TRUE(s.start(2, 64u << 20));
+  auto& a = *s.clients[0];  // lends the segment (GPU 1) every object lives in
+  auto& b = *s.clients[1];
+  constexpr size_t kCap = 4u << 20;
+  auto ga = (*layer)->allocate(kCap, 0), gb = (*layer)->allocate(kCap, 0);
+  ASSERT_TRUE(ga.ok() && gb.ok());
+  char* da = static_cast<char*>(*ga);
+  char* db = static_cast<char*>(*gb);
+  ASSERT_EQ(a.registerBuffer(da, kCap), ErrorCode::OK);
+  ASSERT_EQ(b.registerBuffer(db, kCap), ErrorCode::OK);
+  auto inGpuMemory = [&](const std::string& key) {
+    auto rl = b.replicaList(key);
+    if (!rl.ok() || rl->replicas_size() == 0) return false;
+    for (const auto& p : rl->replicas(0).pieces()) {
+      auto where = (*layer)->pointer(reinterpret_cast<const void*>(p.address()));
+      if (!where.device || where.ordinal != 1) return false;
+    }
+    return true;
+  };
+  for (size_t n : {100ul, 4096ul, 65536ul + 7, 3ul << 20}) {
+    SCOPED_TRACE(n);
+    // Host memory of a peer -> the GPU segment; read back by the peer and by the owner.
+    const std::string kb = "seg/host-b/" + std::to_string(n);
+    const std::string vb = valueFor(kb, n);
+    ASSERT_EQ(b.put(kb, vb.data(), n), ErrorCode::OK);
+    EXPECT_TRUE(inGpuMemory(kb));
+    auto got = b.get(kb);
+    ASSERT_TRUE(got.ok()) << toInt(got.error());
+    EXPECT_TRUE(*got == vb);
+    got = a.get(kb);
+    ASSERT_TRUE(got.ok()) << toInt(got.error());
+    EXPECT_TRUE(*got == vb);
+    // ... into GPU buffers: a peer's (device to device over cuda, or staged) and the owner's.
+    auto r = b.getInto(kb, db + 8, kCap - 8);
+    ASSERT_TRUE(r.ok()) << toInt(r.error());
+    EXPECT_EQ(*r, n);
+    EXPECT_EQ(checkPattern(db + 8, n, keySeed(kb)), "");
+    r = a.getInto(kb, da, kCap);
+    ASSERT_TRUE(r.ok()) << toInt(r.error());
+    EXPECT_EQ(checkPattern(da, n, keySeed(kb)), "");
+    // The owner's host memory and GPU buffer -> its own GPU segment (device copies only).
+    const std::string ka = "seg/host-a/" + std::to_string(n);
+    const std::string va = valueFor(ka, n);
+    ASSERT_EQ(a.put(ka, va.data(), n), ErrorCode::OK);
+    got = b.get(ka);
+    ASSERT_TRUE(got.ok()) << toInt(got.error());
+    EXPECT_TRUE(*got == va);
+    const std::string kg = "seg/gpu-a/" + std::to_string(n);
+    fillPattern(da + 5, n, keySeed(kg));
+    ASSERT_EQ(a.put(kg, da + 5, n), ErrorCode::OK);
+    EXPECT_TRUE(inGpuMemory(kg));
+    got = b.get(kg);
+    ASSERT_TRUE(got.ok()) << toInt(got.error());
+    EXPECT_EQ(checkPattern(got->data(), got->size(), keySeed(kg)), "");
+    // A peer's GPU buffer -> the GPU segment.
+    const std::string kd = "seg/gpu-b/" + std::to_string(n);
+    fillPattern(db + 3, n, keySeed(kd));
+    ASSERT_EQ(b.put(kd, db + 3, n), ErrorCode::OK);
+    r = a.getInto(kd, da, kCap);
+    ASSERT_TRUE(r.ok()) << toInt(r.error());
+    EXPECT_EQ(checkPattern(da, n, keySeed(kd)), "");
+    // Removed (the master wipes its records in GPU memory), put again with other bytes.
+    ASSERT_EQ(b.remove(kb, true), ErrorCode::OK);  // force: our reads hold leases
+    EXPECT_EQ(b.get(kb).error(), ErrorCode::OBJECT_NOT_FOUND);
+    const std::string vb2 = valueFor(kb + "/again", n);
+    ASSERT_EQ(b.put(kb, vb2.data(), n), ErrorCode::OK);
+    got = a.get(kb);
+    ASSERT_TRUE(got.ok()) << toInt(got.error());
+    EXPECT_TRUE(*got == vb2);
+  }
+  // A batch into slices of one GPU buffer.
+  std::vector<std::string> keys;
+  std::vector<std::pair<void*, size_t>> bufs;
+  for (int i = 0; i < 16; ++i) {
+    keys.push_back("seg/batch/" + std::to_string(i));
+    const std::string v = valueFor(keys.back(), 1000 + 37 * i);
+    ASSERT_EQ(b.put(keys.back(), v.data(), v.size()), ErrorCode::OK);
+    bufs.emplace_back(db + i * 8192, 8192);
+  }
+  auto res = b.batchGetInto(keys, bufs);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(res[i].ok()) << i;
+    EXPECT_EQ(*res[i], 1000 + 37 * i);
+    EXPECT_EQ(checkPattern(bufs[i].first, *res[i], keySeed(keys[i])), "") << i;
+  }
+  EXPECT_EQ(b.unregisterBuffer(db), ErrorCode::OK);
+  EXPECT_EQ(a.unregisterBuffer(da), ErrorCode::OK);
+  s.clients.clear();
+  EXPECT_TRUE((*layer)->free(da).ok());
+  EXPECT_TRUE((*layer)->free(db).ok());
+}
+
+// Where a segment cannot be: a device the layer does not have, a value naming none.
+TEST_P(StoreGpuSegment, BadDeviceIsRefused) {
+  ScopedEnv dev("MC_DEVICE", "sim");
+  {
+    Embedded s;
+    s.seg_device = 64;
+    EXPECT_FALSE(s.start(1));
+  }
+  ScopedEnv bad("MC_STORE_SEGMENT_DEVICE", "cuda:x");
+  Embedded s;
+  EXPECT_FALSE(s.start(1));
+}
+
+INSTANTIATE_TEST_SUITE_P(Store, StoreGpuSegment, ::testing::Values(true),
+                         [](const auto&) { return std::string("TwoHosts"); });
 
 // An in-process master on the same engine as its client: calls skip the messages entirely.
 TEST(StoreClientEmbedded, LocalMasterOnSameEngine) {

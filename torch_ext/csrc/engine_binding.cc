@@ -315,6 +315,9 @@ void registerEngineApis(py::module_& m) {
       "_device_pageable_copies", [layer] { return layer()->pageableCopies(); },
       "Copies so far between GPU memory and host memory that was not pinned (counted by the "
       "simulation only; 0 from CUDA).");
+  m.def(
+      "_device_pageable_bytes", [layer] { return layer()->pageableBytes(); },
+      "The bytes those copies moved (the simulation only; 0 from CUDA).");
 }
 
 }  // namespace mooncake::torch_ext
