@@ -36,7 +36,8 @@
 # GPU_CHECK_TORCH=0 skips the torch module; GPU_CHECK_BENCH=0 the torch timings; GPU_CHECK_GATE=0
 # the torch check's second pass (Work.wait() as a stream gate); GPU_CHECK_ONLY=torch runs the
 # torch check alone (a diagnosis); GPU_CHECK_TORCH_TIMEOUT (150 s) bounds each torch pass;
-# GPU_CHECK_PACKAGE=0 skips the package (=1 builds it in a dry run too).
+# GPU_CHECK_PACKAGE=0 skips the package (=1 builds it in a dry run too); with the package, the
+# store's get_into a GPU buffer is timed (GPU_CHECK_STORE=0 skips it).
 #
 #   scripts/gpu_check.sh          on the GPU machine
 #   scripts/gpu_check.sh --sim    a dry run anywhere: the same build, over the host simulation
@@ -249,7 +250,8 @@ if [[ "${GPU_CHECK_PACKAGE:-$PKG_DEFAULT}" == 1 && -n "$TORCH_INFO" ]]; then
      cmake -S "$ROOT" -B "$B/pkg" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DMC_BUILD_TESTS=OFF \
        -DMC_WITH_RDMA=OFF -DMC_WITH_HWLOC=OFF -DMC_CUDA_HOME="$CUDA_HOME" \
        -DMC_PYTHON="$(command -v "$PYTHON")" > "$OUT/package.log" 2>&1 &&
-     cmake --build "$B/pkg" --target mooncake_python -j "$(nproc)" >> "$OUT/package.log" 2>&1; then
+     cmake --build "$B/pkg" --target mooncake_python mooncake_master -j "$(nproc)" \
+       >> "$OUT/package.log" 2>&1; then
     PKG_DIR="$B/pkg/python"
     echo "gpu_check: the package (CMake, MC_BUILD_TESTS=OFF) built in $((SECONDS - t1)) s" |
       tee -a "$OUT/build.log"
@@ -387,6 +389,15 @@ set +e
   elif [[ -n "$PKG_DIR" ]]; then
     echo "gpu_check: the torch check through the package (CMake's mooncake._C)"
     torch_pass torch_check_package 1 --package-dir "$PKG_DIR" || r=$?
+    # The store: get_into a GPU buffer (64 MiB) from a segment in host memory and from one in
+    # GPU memory (MC_STORE_SEGMENT_DEVICE), against the device's own copy (issue 11's bar:
+    # >= 0.5x it), through the package and its mooncake_master.
+    if [[ "${GPU_CHECK_STORE:-1}" == 1 ]]; then
+      echo "gpu_check: the store, get_into a GPU buffer (benchmarks/store_bench.py --gpu)"
+      PYTHONPATH="$PKG_DIR" MC_MASTER_BIN="$B/pkg/store/mooncake_master" \
+        timeout -s INT -k 10 180 "$PYTHON" benchmarks/store_bench.py --gpu "$DEVICE" \
+        --sizes 1M,64M --json "$OUT/store_gpu.json" || r=$?
+    fi
   fi
   exit "$r"
 } 2>&1 | tee "$OUT/gpu_check.log"

@@ -273,6 +273,26 @@ TEST(StoreClientEmbedded, SpoofedMountIsRefused) {
               ErrorCode::OK);
 }
 
+// 16 objects put by `writer`, read by `reader` with one batchGetInto into 8 KiB slices of the
+// GPU buffer `gpu`, every byte checked.
+void batchIntoGpuSlices(StoreClient& writer, StoreClient& reader, char* gpu,
+                        const std::string& prefix) {
+  std::vector<std::string> keys;
+  std::vector<std::pair<void*, size_t>> bufs;
+  for (int i = 0; i < 16; ++i) {
+    keys.push_back(prefix + std::to_string(i));
+    const std::string v = valueFor(keys.back(), 1000 + 37 * i);
+    ASSERT_EQ(writer.put(keys.back(), v.data(), v.size()), ErrorCode::OK);
+    bufs.emplace_back(gpu + i * 8192, 8192);
+  }
+  auto res = reader.batchGetInto(keys, bufs);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(res[i].ok()) << i;
+    EXPECT_EQ(*res[i], 1000 + 37 * i);
+    EXPECT_EQ(checkPattern(bufs[i].first, *res[i], keySeed(keys[i])), "") << i;
+  }
+}
+
 // GPU buffers (issue 11), over the device layer's simulation, whose device memory faults when
 // host code touches it: a client registers GPU memory once (register_buffer finds it is
 // device memory); get_into and put_from move bytes between it and a peer's segment (the cuda
@@ -332,21 +352,7 @@ TEST_P(StoreGpuBuffers, GetIntoAndPutFromGpuMemory) {
     EXPECT_EQ(got->size(), n);
     EXPECT_EQ(checkPattern(got->data(), got->size(), keySeed(ka)), "");
   }
-  // A batch into slices of one GPU buffer.
-  std::vector<std::string> keys;
-  std::vector<std::pair<void*, size_t>> bufs;
-  for (int i = 0; i < 16; ++i) {
-    keys.push_back("gpu/batch/" + std::to_string(i));
-    const std::string v = valueFor(keys.back(), 1000 + 37 * i);
-    ASSERT_EQ(a.put(keys.back(), v.data(), v.size()), ErrorCode::OK);
-    bufs.emplace_back(db + i * 8192, 8192);
-  }
-  auto res = b.batchGetInto(keys, bufs);
-  for (size_t i = 0; i < keys.size(); ++i) {
-    ASSERT_TRUE(res[i].ok()) << i;
-    EXPECT_EQ(*res[i], 1000 + 37 * i);
-    EXPECT_EQ(checkPattern(bufs[i].first, *res[i], keySeed(keys[i])), "") << i;
-  }
+  batchIntoGpuSlices(a, b, db, "gpu/batch/");  // a batch into slices of one GPU buffer
   // GPU memory that was never registered: not a buffer of the client (the Python API refuses
   // it, as upstream's does); the C++ call still moves it with device copies over cuda and
   // staging (rdma would refuse it), never with host code (the simulation would fault).
@@ -453,21 +459,7 @@ TEST_P(StoreGpuSegment, ObjectsLiveInGpuMemory) {
     ASSERT_TRUE(got.ok()) << toInt(got.error());
     EXPECT_TRUE(*got == vb2);
   }
-  // A batch into slices of one GPU buffer.
-  std::vector<std::string> keys;
-  std::vector<std::pair<void*, size_t>> bufs;
-  for (int i = 0; i < 16; ++i) {
-    keys.push_back("seg/batch/" + std::to_string(i));
-    const std::string v = valueFor(keys.back(), 1000 + 37 * i);
-    ASSERT_EQ(b.put(keys.back(), v.data(), v.size()), ErrorCode::OK);
-    bufs.emplace_back(db + i * 8192, 8192);
-  }
-  auto res = b.batchGetInto(keys, bufs);
-  for (size_t i = 0; i < keys.size(); ++i) {
-    ASSERT_TRUE(res[i].ok()) << i;
-    EXPECT_EQ(*res[i], 1000 + 37 * i);
-    EXPECT_EQ(checkPattern(bufs[i].first, *res[i], keySeed(keys[i])), "") << i;
-  }
+  batchIntoGpuSlices(b, b, db, "seg/batch/");  // a batch into slices of one GPU buffer
   EXPECT_EQ(b.unregisterBuffer(db), ErrorCode::OK);
   EXPECT_EQ(a.unregisterBuffer(da), ErrorCode::OK);
   s.clients.clear();
