@@ -21,9 +21,14 @@ constexpr uint64_t kStageBytes = 4u << 20;
 
 class StagingPeer final : public TransportPeer {
  public:
-  StagingPeer(TransportPeer* host, TransportKind host_kind, device::Device* dev,
-              EngineContext* ctx, SegmentDesc remote)
-      : host_(host), host_kind_(host_kind), dev_(dev), ctx_(ctx), remote_(std::move(remote)) {}
+  StagingPeer(TransportPeer* host, TransportKind host_kind, TransportPeer* gpu_host,
+              device::Device* dev, EngineContext* ctx, SegmentDesc remote)
+      : host_(host),
+        host_kind_(host_kind),
+        gpu_host_(host_kind == TransportKind::kTcp ? host : gpu_host),
+        dev_(dev),
+        ctx_(ctx),
+        remote_(std::move(remote)) {}
 
   ~StagingPeer() override {
     {
@@ -39,7 +44,7 @@ class StagingPeer final : public TransportPeer {
     if (t->length == 0) return t->done(Status::OK());
     std::unique_lock<std::mutex> g(mu_);
     const RegionDesc* r = remote_.findRegion(t->remote, t->length);
-    if (r != nullptr && r->kind == MemoryKind::kCuda && host_kind_ != TransportKind::kTcp) {
+    if (r != nullptr && r->kind == MemoryKind::kCuda && gpu_host_ == nullptr) {
       g.unlock();
       return t->done(MC_STATUS(kNotSupported,
                                "the GPU memory of peer " << remote_.name << " is reached over "
@@ -95,8 +100,10 @@ class StagingPeer final : public TransportPeer {
     }
   }
 
-  // The GPU the local side is on (for its copy stream), or -1 when it is host memory.
+  // The GPU the local side is on (for its copy stream), or -1 when it is host memory (always,
+  // in a process without a device layer).
   int gpuOf(const void* p, uint64_t len) const {
+    if (dev_ == nullptr) return -1;
     auto region = ctx_->registry->find(reinterpret_cast<uint64_t>(p), len);
     if (region.has_value() && region->kind == MemoryKind::kCuda)
       return std::max(region->device, 0);
@@ -110,8 +117,8 @@ class StagingPeer final : public TransportPeer {
     return ev->wait(deadlineInMs(60000));
   }
 
-  // One piece over the host transport, waited for (every task completes exactly once).
-  Status hostOp(OpCode op, char* local, uint64_t n, uint64_t remote) {
+  // One piece over `via` (a host transport), waited for (every task completes exactly once).
+  Status hostOp(TransportPeer* via, OpCode op, char* local, uint64_t n, uint64_t remote) {
     std::mutex m;
     std::condition_variable cv;
     bool done = false;
@@ -127,7 +134,7 @@ class StagingPeer final : public TransportPeer {
       done = true;
       cv.notify_all();
     };
-    host_->submit(&s);
+    via->submit(&s);
     std::unique_lock<std::mutex> g(m);
     cv.wait(g, [&] { return done; });
     return out;
@@ -136,9 +143,18 @@ class StagingPeer final : public TransportPeer {
   Status move(Task* t) {
     const int gpu = gpuOf(t->local, t->length);
     char* local = static_cast<char*>(t->local);
+    // The peer's GPU memory goes where the target stages it: tcp (the peer's data transport,
+    // or else the engine's tcp control connection to it).
+    TransportPeer* via = host_;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      const RegionDesc* r = remote_.findRegion(t->remote, t->length);
+      if (r != nullptr && r->kind == MemoryKind::kCuda) via = gpu_host_;
+    }
+    if (via == nullptr) return MC_STATUS(kUnavailable, "staging: peer's GPU memory unreachable");
     // Host memory here (the peer's GPU memory is the reason this came here): as it is; the
     // target stages it.
-    if (gpu < 0) return hostOp(t->op, local, t->length, t->remote);
+    if (gpu < 0) return hostOp(via, t->op, local, t->length, t->remote);
     if (stage_.empty()) {  // only the worker touches it
       stage_.resize(kStageBytes);
       stage_pin_ = device::PinnedRange(dev_, stage_.data(), stage_.size());
@@ -147,9 +163,9 @@ class StagingPeer final : public TransportPeer {
       const uint64_t n = std::min(kStageBytes, t->length - off);
       if (t->op == OpCode::kWrite) {
         MC_RETURN_IF_ERROR(copyWait(stage_.data(), local + off, n, gpu));
-        MC_RETURN_IF_ERROR(hostOp(OpCode::kWrite, stage_.data(), n, t->remote + off));
+        MC_RETURN_IF_ERROR(hostOp(via, OpCode::kWrite, stage_.data(), n, t->remote + off));
       } else {
-        MC_RETURN_IF_ERROR(hostOp(OpCode::kRead, stage_.data(), n, t->remote + off));
+        MC_RETURN_IF_ERROR(hostOp(via, OpCode::kRead, stage_.data(), n, t->remote + off));
         MC_RETURN_IF_ERROR(copyWait(local + off, stage_.data(), n, gpu));
       }
     }
@@ -158,7 +174,8 @@ class StagingPeer final : public TransportPeer {
 
   TransportPeer* host_;
   TransportKind host_kind_;
-  device::Device* dev_;
+  TransportPeer* gpu_host_;  // what moves bytes into and out of the peer's GPU memory (tcp)
+  device::Device* dev_;      // null in a process without a device layer
   EngineContext* ctx_;
   std::mutex mu_;
   std::condition_variable cv_, idle_cv_;
@@ -175,9 +192,10 @@ class StagingPeer final : public TransportPeer {
 }  // namespace
 
 std::unique_ptr<TransportPeer> makeStagingPeer(TransportPeer* host, TransportKind host_kind,
-                                               device::Device* dev, EngineContext* ctx,
-                                               const SegmentDesc& remote) {
-  return std::unique_ptr<TransportPeer>(new StagingPeer(host, host_kind, dev, ctx, remote));
+                                               TransportPeer* gpu_host, device::Device* dev,
+                                               EngineContext* ctx, const SegmentDesc& remote) {
+  return std::unique_ptr<TransportPeer>(
+      new StagingPeer(host, host_kind, gpu_host, dev, ctx, remote));
 }
 
 }  // namespace mooncake::engine

@@ -261,31 +261,21 @@ class TransferEngine::Impl {
       e->device = e->device_owned.get();
       e->device_kind = TransportKind(k);
       if (auto dev = device::get(); dev.ok() && TransportKind(k) == TransportKind::kCuda)
-        e->staged = makeStagingPeer(e->data, e->kind, *dev, &ctx, remote);
+        e->staged = makeStagingPeer(e->data, e->kind, nullptr, *dev, &ctx, remote);
       return;
     }
     // None reaches it: this side's GPU memory is staged through host memory over the peer's
-    // own transport (device_staging.h), where this process has a device layer at all.
+    // own transport (device_staging.h), and the peer's GPU memory goes over tcp, whose target
+    // side stages it: the peer's data transport when that is tcp, else the engine's tcp control
+    // connection to it (a process without a device layer, a store master wiping a record in a
+    // GPU segment on its host; not when another transport is forced).
     auto dev = device::get();
-    if (!dev.ok()) {
-      // No device layer here (a store master, a CPU-only process): every local buffer is host
-      // memory, and the peer's GPU memory is reached over tcp, whose target side copies it
-      // to and from its device (the control connection when the peer's data goes over shm).
-      if (tcpCarriesDevice(e)) {
-        e->device = e->kind == TransportKind::kTcp ? e->data : e->control.get();
-        e->device_kind = TransportKind::kTcp;
-      }
-      return;
-    }
-    e->device_owned = makeStagingPeer(e->data, e->kind, *dev, &ctx, remote);
+    TransportPeer* gpu_host =
+        forced < 0 || forced == static_cast<int>(TransportKind::kTcp) ? e->control.get() : nullptr;
+    e->device_owned =
+        makeStagingPeer(e->data, e->kind, gpu_host, dev.ok() ? *dev : nullptr, &ctx, remote);
     e->device = e->device_owned.get();
     e->device_kind = e->kind;
-  }
-
-  // The peer's control connection is tcp (always, engine.cc) and its target side stages GPU
-  // memory through host memory; only a forced transport (MC_TRANSPORT) keeps bytes off it.
-  bool tcpCarriesDevice(const PeerEntry* e) const {
-    return e->control != nullptr && (forced < 0 || forced == static_cast<int>(TransportKind::kTcp));
   }
 
   static int gpuRegions(const SegmentDesc& d) {

@@ -345,7 +345,11 @@ ErrorCode StoreClient::registerWith(Link& link, bool need_remount, uint64_t epoc
     if (need_remount && !new_master && reported_epoch_ == epoch) {
       // The same master forgot us (it expired us): it dropped every object in our segment, so
       // our records must go before anyone reports them to a later master.
-      wipeOwnRecords();
+      if (!wipeOwnRecords()) {  // a GPU segment the device layer could not read or write
+        MC_LOG(WARN, STORE) << "store client " << client_id_
+                            << ": could not wipe the records of its segment; will try again";
+        return ErrorCode::TRANSFER_FAIL;
+      }
       if (ErrorCode ec = mount(link, false); ec != ErrorCode::OK) return ec;
     } else if (need_remount || reported_epoch_ != epoch) {
       // A master that has not had our whole report (new, or an earlier report broke off): mount
@@ -428,7 +432,7 @@ ErrorCode StoreClient::reportRecords(Link& link) {
     if (err == ErrorCode::OK) err = ec;
     req.clear_records();
   };
-  scanOwnRecords([&](uint64_t off, const RecordInfo& r) {
+  const bool walked = scanOwnRecords([&](uint64_t off, const RecordInfo& r) {
         if (!r.committed) {  // a put that never ended: revoked
           ++pending;
           return;
@@ -445,38 +449,47 @@ ErrorCode StoreClient::reportRecords(Link& link) {
         ++reported;
         if (static_cast<size_t>(req.records_size()) >= kReportBatch) send(false);
       });
+  if (!walked) {
+    // Not the whole report: the master must not take it for one (it drops what it staged
+    // when this client mounts again, which the retry does).
+    MC_LOG(WARN, STORE) << "store client " << client_id_ << ": could not read its GPU segment "
+                        << "to report its records; will try again";
+    return ErrorCode::TRANSFER_FAIL;
+  }
   send(true);
   MC_LOG(INFO, STORE) << "store client " << client_id_ << ": reported " << reported << " records ("
                       << pending << " unfinished) to the master";
   return err;
 }
 
-void StoreClient::scanOwnRecords(const std::function<void(uint64_t, const RecordInfo&)>& fn) {
-  if (segment_ == nullptr) return;
+bool StoreClient::scanOwnRecords(const std::function<void(uint64_t, const RecordInfo&)>& fn) {
+  if (segment_ == nullptr) return true;
   if (segment_on_device_) {  // read through a host window, a device copy at a time
     char* seg = static_cast<char*>(segment_);
-    scanRecords(
+    return scanRecords(
         [&](uint64_t off, uint64_t len, char* out) {
           return copySegment(out, seg + off, len) == ErrorCode::OK;
         },
         options_.segment_size, record_tag_, fn);
-    return;
   }
   HoleMap holes(engine_->localSegment(), segment_, options_.segment_size);
   std::function<std::pair<uint64_t, uint64_t>(uint64_t)> next;
   if (holes.usable()) next = [&](uint64_t off) { return holes.next(off); };
   scanRecords(static_cast<const char*>(segment_), options_.segment_size, record_tag_, fn, next);
+  return true;
 }
 
-void StoreClient::wipeOwnRecords() {
+bool StoreClient::wipeOwnRecords() {
   char* base = static_cast<char*>(segment_);
   const uint64_t zero = 0;
-  scanOwnRecords([&](uint64_t off, const RecordInfo&) {
+  bool wiped = true;
+  const bool walked = scanOwnRecords([&](uint64_t off, const RecordInfo&) {
     if (segment_on_device_)
-      (void)copySegment(base + off, &zero, sizeof(zero));
+      wiped = copySegment(base + off, &zero, sizeof(zero)) == ErrorCode::OK && wiped;
     else
       reinterpret_cast<std::atomic<uint64_t>*>(base + off)->store(0, std::memory_order_release);
   });
+  return walked && wiped;
 }
 
 // ---------------------------------------------------------------- calls

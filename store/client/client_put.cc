@@ -219,10 +219,11 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
       // Never trust a placement with a raw pointer: it must lie inside the segment this client
       // lent (a confused or hostile master must not make us write anywhere else).
       if (!inOwnSegment(start, rb + t.piece_length)) return ErrorCode::INVALID_WRITE;
-      if (rec != nullptr)
+      if (rec != nullptr) {
         if (ErrorCode ec = copySegment(reinterpret_cast<void*>(t.record_address), rec, rb);
             ec != ErrorCode::OK)
           return ec;
+      }
       if (ErrorCode ec = copyLocal(reinterpret_cast<void*>(t.data_address), src + t.piece_offset,
                                    t.piece_length);
           ec != ErrorCode::OK)
@@ -459,9 +460,10 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
   if (ok && !reqs.empty()) {
     Status st = engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms));
     ok = st.ok();
-    if (!ok)
+    if (!ok) {
       MC_LOG(WARN, STORE) << "store client " << client_id_ << ": put of '" << key << "' ("
                           << size << " bytes): " << st.toString();
+    }
   }
   t_phases.write_ns = nsSince(t1);
   if (!ok) {

@@ -240,7 +240,7 @@ class StoreClient {
   ErrorCode registerWith(Link& link, bool need_remount, uint64_t epoch);
   ErrorCode mount(Link& link, bool will_report);
   ErrorCode reportRecords(Link& link);
-  void wipeOwnRecords();
+  bool wipeOwnRecords();
   void heartbeatLoop();
   void membershipTick();
   std::shared_ptr<engine::Rendezvous> rendezvous();
@@ -305,8 +305,9 @@ class StoreClient {
   // Copies between this client's segment and host memory when the segment is GPU memory,
   // with memcpy when it is not (records and commit words: a few bytes).
   ErrorCode copySegment(void* dst, const void* src, size_t len) const;
-  // Calls fn(offset, record) for every record in this client's segment (host or GPU memory).
-  void scanOwnRecords(const std::function<void(uint64_t, const RecordInfo&)>& fn);
+  // Calls fn(offset, record) for every record in this client's segment (host or GPU memory);
+  // false when part of a GPU segment could not be read (fn saw a prefix of the records).
+  bool scanOwnRecords(const std::function<void(uint64_t, const RecordInfo&)>& fn);
   // segment_, pinned for the device layer's copies once a GPU buffer is registered (mu_).
   engine::device::PinnedRange segment_pin_;
   bool segment_pinned_ = false;  // tried (mu_)

@@ -89,7 +89,7 @@ namespace {
 // The walk of both scanRecords: at(off, need) returns the segment's byte `off` with at least
 // min(need, size - off) bytes readable after it (nullptr: unreadable, the walk ends).
 template <typename At>
-void walkRecords(At&& at, uint64_t size, uint64_t segment_tag,
+bool walkRecords(At&& at, uint64_t size, uint64_t segment_tag,
                  const std::function<void(uint64_t, const RecordInfo&)>& fn,
                  const std::function<std::pair<uint64_t, uint64_t>(uint64_t)>& next_data) {
   const uint64_t magic = recordMagic(segment_tag);
@@ -100,16 +100,16 @@ void walkRecords(At&& at, uint64_t size, uint64_t segment_tag,
   while (off + kRecordHeaderBytes <= size) {
     if (next_data && off >= data_end) {
       auto [d, end] = next_data(off);
-      if (d >= size) return;
+      if (d >= size) return true;
       if (d > off) off = (d + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
       data_end = std::max(end, off + kRecordAlign);
-      if (off + kRecordHeaderBytes > size) return;
+      if (off + kRecordHeaderBytes > size) return true;
     }
     const char* p = at(off, kRecordHeaderBytes);
-    if (p == nullptr) return;
+    if (p == nullptr) return false;
     if (load<uint64_t>(p) == magic) {
       p = at(off, recordBytes(kMaxKey));  // decodeRecord reads the header and the key
-      if (p == nullptr) return;
+      if (p == nullptr) return false;
       if (decodeRecord(p, size - off, segment_tag, &rec)) {
         fn(off, rec);
         if (!rec.committed) {
@@ -125,6 +125,7 @@ void walkRecords(At&& at, uint64_t size, uint64_t segment_tag,
     }
     off += kRecordAlign;
   }
+  return true;
 }
 
 }  // namespace
@@ -132,11 +133,11 @@ void walkRecords(At&& at, uint64_t size, uint64_t segment_tag,
 void scanRecords(const char* base, uint64_t size, uint64_t segment_tag,
                  const std::function<void(uint64_t, const RecordInfo&)>& fn,
                  const std::function<std::pair<uint64_t, uint64_t>(uint64_t)>& next_data) {
-  walkRecords([base](uint64_t off, uint64_t) { return base + off; }, size, segment_tag, fn,
-              next_data);
+  (void)walkRecords([base](uint64_t off, uint64_t) { return base + off; }, size, segment_tag, fn,
+                    next_data);
 }
 
-void scanRecords(const std::function<bool(uint64_t, uint64_t, char*)>& read, uint64_t size,
+bool scanRecords(const std::function<bool(uint64_t, uint64_t, char*)>& read, uint64_t size,
                  uint64_t segment_tag, const std::function<void(uint64_t, const RecordInfo&)>& fn,
                  uint64_t window) {
   window = std::max<uint64_t>(window, 2 * recordBytes(kMaxKey));
@@ -151,7 +152,7 @@ void scanRecords(const std::function<bool(uint64_t, uint64_t, char*)>& read, uin
     }
     return buf.data() + (off - lo);
   };
-  walkRecords(at, size, segment_tag, fn, nullptr);
+  return walkRecords(at, size, segment_tag, fn, nullptr);
 }
 
 }  // namespace mooncake::store

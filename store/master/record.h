@@ -73,9 +73,10 @@ void scanRecords(const char* base, uint64_t size, uint64_t segment_tag,
 
 // The same walk over a segment the host cannot load from (GPU memory): read(off, len, out)
 // copies [off, off + len) of the segment into out (false: it could not, and the walk stops
-// there). The walk reads through a host window of `window` bytes (at least the largest
-// record's header and key), so a segment of any size costs that much host memory.
-void scanRecords(const std::function<bool(uint64_t, uint64_t, char*)>& read, uint64_t size,
+// there and returns false: what it reported is a prefix, not the segment's records). The walk
+// reads through a host window of `window` bytes (at least the largest record's header and
+// key), so a segment of any size costs that much host memory.
+bool scanRecords(const std::function<bool(uint64_t, uint64_t, char*)>& read, uint64_t size,
                  uint64_t segment_tag, const std::function<void(uint64_t, const RecordInfo&)>& fn,
                  uint64_t window = 4ull << 20);
 

@@ -1,8 +1,9 @@
 // GPU memory (MemoryKind::kCuda) against real peer processes, over the device layer's host
 // simulation (MC_DEVICE=sim, whose device memory faults when host code touches it): a forced
 // host transport (shm, tcp) moves GPU memory here through staging in host memory, and the
-// peer's GPU memory over tcp through staging at the peer (over shm it is refused, naming peer
-// and transport); on one host without a forced transport the cuda transport moves it, between
+// peer's GPU memory over tcp through staging at the peer (over a forced shm it is refused,
+// naming peer and transport; unforced, a process without a device layer reaches it over its
+// tcp control connection); on one host without a forced transport the cuda transport moves it, between
 // hosts tcp with staging. (Over rdma GPU memory moves directly: rdma_test.cc.)
 #include <gtest/gtest.h>
 
@@ -302,6 +303,53 @@ TEST_F(CudaSameHost, GpuMemoryIsStagedOverTcpBetweenHosts) {
             "ok")
       << "a notification overtook a write staged at the target";
   MC_EXPECT_OK(eng->free(*gpu));
+}
+
+// A process without a device layer (a store master, a CPU-only client) and a same-host peer's
+// GPU memory: its data goes over shm, which cannot reach GPU memory, so reads and writes of the
+// peer's GPU memory go over the engine's tcp control connection, staged at the peer; a
+// notification still follows the writes before it.
+TEST_F(CudaSameHost, WithoutADeviceLayerThePeersGpuMemoryGoesOverTcp) {
+  constexpr uint64_t kPeerGpu = 5u << 20;
+  constexpr int kCount = 16;
+  PeerConfig cfg;
+  cfg.region_bytes = 1u << 20;
+  PeerProcess* peer = nullptr;
+  {
+    ScopedEnv there("MC_DEVICE", "sim");  // the peer inherits it
+    peer = spawnPeer(cfg);
+  }
+  ASSERT_NE(peer, nullptr);
+  const std::string r = peer->call("alloc_gpu " + std::to_string(kPeerGpu) + " 960 0");
+  ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
+  const uint64_t remote_gpu = addrOf(r);
+  ScopedEnv none("MC_DEVICE", "none");
+  auto eng = makeEngine("");
+  ASSERT_NE(eng, nullptr);
+  EXPECT_FALSE(engine::device::get().ok()) << "this process has a device layer";
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  ASSERT_EQ(eng->peerTransport(pid), "shm");
+  HostBuffer host(kPeerGpu);
+  MC_ASSERT_OK(eng->registerMemory(host.data(), kPeerGpu));
+  MC_ASSERT_OK(transfer(*eng, OpCode::kRead, host.data(), kPeerGpu, pid, remote_gpu));
+  EXPECT_EQ(checkPattern(host.data(), kPeerGpu, 960, 0), "");
+  fillPattern(host.data() + 8, 5000, 961, 0);
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, host.data() + 8, 5000, pid, remote_gpu + 64));
+  EXPECT_EQ(peer->expect(remote_gpu + 64, 5000, 961, 0), "");
+  EXPECT_EQ(peer->expect(remote_gpu + 64 + 5000, kPeerGpu - 64 - 5000, 960, 64 + 5000), "")
+      << "bytes past the write changed";
+  // The peer's host memory still goes over shm.
+  const uint64_t remote_host = peer->info().alloc_addr;
+  fillPattern(host.data(), 4096, 962, 0);
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, host.data(), 4096, pid, remote_host));
+  EXPECT_EQ(peer->expect(remote_host, 4096, 962, 0), "");
+  ASSERT_LE(notifyBytes(kCount), kPeerGpu);
+  EXPECT_EQ(writesThenNotifies(*eng, pid, peer, kCount, remote_gpu, 0x57A7000000000000ull, 980,
+                               [&](const Slot& s, int) { return host.data() + s.offset; }),
+            "ok")
+      << "a notification over shm overtook a write that went over tcp";
+  MC_EXPECT_OK(eng->unregisterMemory(host.data()));
 }
 
 // The cuda transport moves GPU memory only: it cannot be forced for every peer.

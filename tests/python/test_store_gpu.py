@@ -87,6 +87,7 @@ assert pinned_only("put_from own segment", lambda: s.put_from("gpu/v4", g, len(v
                    1) == 0
 desc = s.get_replica_desc("gpu/v4")[0].get_memory_descriptor().buffer_descriptor
 assert desc.transport_endpoint == s.get_hostname(), "not placed in this client's segment"
+assert _C._is_device_memory(desc.buffer_address) == GPU_SEGMENTS, "the segment's memory"
 assert s.get("gpu/v4") == v4
 to_gpu(g, bytes(len(v4)))
 assert pinned_only("get_into own segment", lambda: s.get_into("gpu/v4", g, 4 * MiB)) == len(v4)
@@ -203,12 +204,23 @@ vals = {f"r/{i}": os.urandom(100 + 40000 * i) for i in range(6)}
 for k, v in vals.items():
     rc = s.put(k, v, own)
     assert rc == 0, (k, rc)
-assert s.remove("r/0") == 0
-seg = s.get_replica_desc("r/1")[0].get_memory_descriptor().buffer_descriptor
+seg = s.get_replica_desc("r/0")[0].get_memory_descriptor().buffer_descriptor
 assert _C._is_device_memory(seg.buffer_address), "the segment is not GPU memory"
+assert s.remove("r/0", force=True) == 0  # (get_replica_desc leased it)
+# The master wipes r/0's record (its magic, the first word of the 128 bytes before the piece:
+# 64 of header, the key padded to 64) asynchronously: wait until it landed, else a master
+# killed now would leave it to come back.
+import ctypes, time
+word = ctypes.c_uint64(1)
+deadline = time.time() + 10
+while True:
+    _C._device_copy(ctypes.addressof(word), seg.buffer_address - 128, 8)
+    if word.value == 0:
+        break
+    assert time.time() < deadline, "the master never wiped r/0's record"
+    time.sleep(0.01)
 print("put", flush=True)
 sys.stdin.readline()  # the master was restarted
-import time
 deadline = time.time() + 30
 while s.get("r/5") != vals["r/5"]:
     assert time.time() < deadline, "the restarted master never learnt r/5"

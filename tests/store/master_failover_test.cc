@@ -156,7 +156,7 @@ TEST(Records, EncodeDecodeCommitAndScan) {
 // A segment the host cannot load from (GPU memory) is walked through a host window that the
 // reader fills: the same records as the direct walk, with records (long keys included) across
 // every window boundary, committed ones stepped over, uncommitted ones stepped into; a reader
-// that fails ends the walk there.
+// that fails ends the walk there, and the walk says so.
 TEST(Records, ScanThroughAReadWindowFindsTheSame) {
   std::vector<char> seg(3 * kMiB + 4096, 0);
   const uint64_t tag = 0xfeed;
@@ -189,22 +189,24 @@ TEST(Records, ScanThroughAReadWindowFindsTheSame) {
     ++reads;
     return true;
   };
-  scanRecords(read, seg.size(), tag,
-              [&](uint64_t o, const RecordInfo& x) { windowed.emplace_back(o, x.key, x.committed); },
-              1);  // the smallest window: two of the largest record's header and key
+  EXPECT_TRUE(scanRecords(
+      read, seg.size(), tag,
+      [&](uint64_t o, const RecordInfo& x) { windowed.emplace_back(o, x.key, x.committed); },
+      1));  // the smallest window: two of the largest record's header and key
   EXPECT_EQ(windowed, direct);
   EXPECT_GE(direct.size(), static_cast<size_t>(n));  // uncommitted ones may hide more
   EXPECT_GT(reads, 10u) << "the window did not move";
-  // The reader fails past 1 MiB: the walk stops there, having reported what lay before.
+  // The reader fails past 1 MiB: the walk stops there, having reported what lay before, and
+  // says it did not finish.
   windowed.clear();
-  scanRecords(
+  EXPECT_FALSE(scanRecords(
       [&](uint64_t o, uint64_t len, char* out) {
         if (o + len > kMiB) return false;
         std::memcpy(out, seg.data() + o, len);
         return true;
       },
       seg.size(), tag,
-      [&](uint64_t o, const RecordInfo& x) { windowed.emplace_back(o, x.key, x.committed); }, 1);
+      [&](uint64_t o, const RecordInfo& x) { windowed.emplace_back(o, x.key, x.committed); }, 1));
   ASSERT_FALSE(windowed.empty());
   EXPECT_LT(windowed.size(), direct.size());
   EXPECT_TRUE(std::equal(windowed.begin(), windowed.end(), direct.begin()));

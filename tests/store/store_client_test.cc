@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -13,6 +14,7 @@
 #include "engine/transport/tcp/tcp_transport.h"
 #include "store/client/rpc.h"
 #include "store/master/master_service.h"
+#include "store/master/record.h"
 #include "tests/store/store_harness.h"
 #include "tests/common/test_secret.h"
 
@@ -450,9 +452,21 @@ TEST_P(StoreGpuSegment, ObjectsLiveInGpuMemory) {
     r = a.getInto(kd, da, kCap);
     ASSERT_TRUE(r.ok()) << toInt(r.error());
     EXPECT_EQ(checkPattern(da, n, keySeed(kd)), "");
-    // Removed (the master wipes its records in GPU memory), put again with other bytes.
+    // Removed: the master wipes its record in GPU memory (the magic, the first word of the
+    // record in front of the piece); then put again with other bytes.
+    auto rl = b.replicaList(kb);
+    ASSERT_TRUE(rl.ok() && rl->replicas_size() == 1 && rl->replicas(0).pieces_size() == 1);
+    const uint64_t record = rl->replicas(0).pieces(0).address() - store::recordBytes(kb.size());
     ASSERT_EQ(b.remove(kb, true), ErrorCode::OK);  // force: our reads hold leases
     EXPECT_EQ(b.get(kb).error(), ErrorCode::OBJECT_NOT_FOUND);
+    uint64_t magic = 1;
+    for (int i = 0; i < 1000 && magic != 0; ++i) {
+      ASSERT_TRUE(engine::device::copy(&magic, reinterpret_cast<const void*>(record), 8,
+                                       engine::deadlineInMs(1000))
+                      .ok());
+      if (magic != 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(magic, 0u) << "the master's wipe did not reach the record in GPU memory";
     const std::string vb2 = valueFor(kb + "/again", n);
     ASSERT_EQ(b.put(kb, vb2.data(), n), ErrorCode::OK);
     got = a.get(kb);
