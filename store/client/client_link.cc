@@ -466,8 +466,15 @@ bool StoreClient::scanOwnRecords(const std::function<void(uint64_t, const Record
   if (segment_ == nullptr) return true;
   if (segment_on_device_) {  // read through a host window, a device copy at a time
     char* seg = static_cast<char*>(segment_);
+    engine::device::PinnedRange pin;  // the walk's window (one buffer), pinned at its first read
+    char* pinned = nullptr;
     return scanRecords(
         [&](uint64_t off, uint64_t len, char* out) {
+          if (pinned == nullptr) {
+            pinned = out;
+            if (auto layer = engine::device::get(); layer.ok())
+              pin = engine::device::PinnedRange(*layer, out, len);
+          }
           return copySegment(out, seg + off, len) == ErrorCode::OK;
         },
         options_.segment_size, record_tag_, fn);

@@ -75,7 +75,8 @@ void scanRecords(const char* base, uint64_t size, uint64_t segment_tag,
 // copies [off, off + len) of the segment into out (false: it could not, and the walk stops
 // there and returns false: what it reported is a prefix, not the segment's records). The walk
 // reads through a host window of `window` bytes (at least the largest record's header and
-// key), so a segment of any size costs that much host memory.
+// key), so a segment of any size costs that much host memory; `out` is always the window's
+// start, and the first read fills the whole window (or the whole segment when smaller).
 bool scanRecords(const std::function<bool(uint64_t, uint64_t, char*)>& read, uint64_t size,
                  uint64_t segment_tag, const std::function<void(uint64_t, const RecordInfo&)>& fn,
                  uint64_t window = 4ull << 20);
