@@ -350,23 +350,25 @@ def gpu_client_run(addr, device, size, iters):
     val = os.urandom(size)
     key = f"gpu-obj/{size}"
     assert st.put(key, val) == 0
-    lat = []
-    for i in range(iters + 2):
-        a = time.perf_counter()
+    def timed(call):  # seconds per call, after two warm-up calls (peer mapping, pinning)
+        out = []
+        for i in range(iters + 2):
+            a = time.perf_counter()
+            call()
+            if i >= 2:
+                out.append(time.perf_counter() - a)
+        return out
+
+    def get_into():
         n = st.get_into(key, g, size)
-        if i >= 2:  # two warm-up calls (peer mapping, pinning)
-            lat.append(time.perf_counter() - a)
         assert n == size, n
+
+    lat = timed(get_into)
     back = bytearray(size)
     import ctypes
     _C._device_copy(ctypes.addressof((ctypes.c_char * size).from_buffer(back)), g, size)
     assert bytes(back) == val, "get_into a GPU buffer: wrong bytes"
-    copy = []
-    for i in range(iters + 2):
-        a = time.perf_counter()
-        _C._device_copy(g2, g, size)
-        if i >= 2:
-            copy.append(time.perf_counter() - a)
+    copy = timed(lambda: _C._device_copy(g2, g, size))
     assert st.unregister_buffer(g) == 0
     _C._device_free(g)
     _C._device_free(g2)

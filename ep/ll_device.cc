@@ -89,19 +89,19 @@ Status simEntry(const void* params, const dev::HostView& view) {
   switch (l.stage) {
     case kern::kDispatchSend:
       for (int i = 0; i < R * L; ++i)
-        kern::dispatchSend(p, ((me + 1 + i / L) % R) * L + i % L, ln, l.toks);
+        kern::llBlock(l, ((me + 1 + i / L) % R) * L + i % L, ln, start);
       break;
     case kern::kDispatchRecv:
-      for (int b = 0; b < L; ++b) kern::dispatchRecv(p, b, ln, start);
+      for (int b = 0; b < L; ++b) kern::llBlock(l, b, ln, start);
       break;
     case kern::kCombineSend:
-      for (int i = 0; i < R; ++i) kern::combineSend(p, (me + 1 + i) % R, ln);
+      for (int i = 0; i < R; ++i) kern::llBlock(l, (me + 1 + i) % R, ln, start);
       break;
     case kern::kCombineWait:
-      for (int o = 0; o < R; ++o) kern::combineWait(p, o, ln, start);
+      for (int o = 0; o < R; ++o) kern::llBlock(l, o, ln, start);
       break;
     case kern::kCombineToken:
-      for (uint64_t t = 0; t < T; ++t) kern::combineRecvToken(p, static_cast<int64_t>(t), ln);
+      for (uint64_t t = 0; t < T; ++t) kern::llBlock(l, static_cast<int>(t), ln, start);
       break;
     default:
       return MC_STATUS(kInvalidArgument, "mc_ep_ll: stage " << l.stage);
@@ -140,31 +140,28 @@ Status simNormal(const void* params, const dev::HostView& view) {
   MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
   SimLanes ln;
   const int64_t start = ln.nowUs();
+  // Sends to other ranks first (ll_host.cc's order); the rest block by block.
+  const bool sends = l.stage == kern::kNormalDispatchSend || l.stage == kern::kNormalCombineSend;
+  int64_t blocks = 0;
   switch (l.stage) {
     case kern::kNormalDispatchSend:
-      for (int i = 0; i < R; ++i) kern::normalDispatchSend(p, (me + 1 + i) % R, ln, l.toks);
-      break;
     case kern::kNormalDispatchWait:
-      for (int r = 0; r < R; ++r) kern::normalDispatchWait(p, r, ln, start);
-      break;
     case kern::kNormalDispatchRecv:
-      for (int r = 0; r < R; ++r) kern::normalDispatchRecv(p, r, ln, l.toks);
+    case kern::kNormalCombineSend:
+    case kern::kNormalCombineWait:
+      blocks = R;
       break;
     case kern::kNormalAlign:
-      kern::normalAlign(p, ln);
-      break;
-    case kern::kNormalCombineSend:
-      for (int i = 0; i < R; ++i) kern::normalCombineSend(p, (me + 1 + i) % R, ln);
-      break;
-    case kern::kNormalCombineWait:
-      for (int d = 0; d < R; ++d) kern::normalCombineWait(p, d, ln, start);
+      blocks = 1;
       break;
     case kern::kNormalCombineToken:
-      for (uint64_t t = 0; t < T; ++t) kern::normalCombineToken(p, static_cast<int64_t>(t), ln);
+      blocks = static_cast<int64_t>(T);
       break;
     default:
       return MC_STATUS(kInvalidArgument, "mc_ep_normal: stage " << l.stage);
   }
+  for (int64_t i = 0; i < blocks; ++i)
+    kern::normalBlock(l, static_cast<int>(sends ? (me + 1 + i) % R : i), ln, start);
   return Status::OK();
 }
 

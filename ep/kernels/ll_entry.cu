@@ -17,55 +17,10 @@ struct EntryLanes : CudaLanes {
 
 extern "C" __global__ void mc_ep_ll(LlLaunch l) {
   EntryLanes ln;
-  const int b = static_cast<int>(blockIdx.x);
-  switch (l.stage) {
-    case kDispatchSend:
-      dispatchSend(l.p, b, ln, l.toks + static_cast<int64_t>(b) * l.p.max_tokens);
-      break;
-    case kDispatchRecv:
-      dispatchRecv(l.p, b, ln, ln.nowUs());
-      break;
-    case kCombineSend:
-      combineSend(l.p, b, ln);
-      break;
-    case kCombineWait:
-      combineWait(l.p, b, ln, ln.nowUs());
-      break;
-    case kCombineToken:
-      combineRecvToken(l.p, b, ln);
-      break;
-    default:
-      break;
-  }
+  llBlock(l, static_cast<int>(blockIdx.x), ln, ln.nowUs());
 }
 
 extern "C" __global__ void mc_ep_normal(NormalLaunch l) {
   EntryLanes ln;
-  const int b = static_cast<int>(blockIdx.x);
-  int32_t* toks = l.toks + static_cast<int64_t>(b) * (l.p.tokens > 0 ? l.p.tokens : 1);
-  switch (l.stage) {
-    case kNormalDispatchSend:
-      normalDispatchSend(l.p, b, ln, toks);
-      break;
-    case kNormalDispatchWait:
-      normalDispatchWait(l.p, b, ln, ln.nowUs());
-      break;
-    case kNormalDispatchRecv:
-      normalDispatchRecv(l.p, b, ln, toks);
-      break;
-    case kNormalAlign:
-      normalAlign(l.p, ln);
-      break;
-    case kNormalCombineSend:
-      normalCombineSend(l.p, b, ln);
-      break;
-    case kNormalCombineWait:
-      normalCombineWait(l.p, b, ln, ln.nowUs());
-      break;
-    case kNormalCombineToken:
-      normalCombineToken(l.p, b, ln);
-      break;
-    default:
-      break;
-  }
+  normalBlock(l, static_cast<int>(blockIdx.x), ln, ln.nowUs());
 }

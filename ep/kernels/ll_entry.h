@@ -53,6 +53,64 @@ struct NormalLaunch {
   int32_t stage = kNormalDispatchSend;
 };
 
+// Block b of a stage: the one body both forms run (ll_entry.cu: one CUDA block each, `start`
+// its own clock; the simulation: block after block, `start` the stage's). Each block has its
+// own part of `toks`.
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void llBlock(const LlLaunch& l, int b, Ln& ln, int64_t start) {
+  switch (l.stage) {
+    case kDispatchSend:
+      dispatchSend(l.p, b, ln, l.toks + static_cast<int64_t>(b) * l.p.max_tokens);
+      break;
+    case kDispatchRecv:
+      dispatchRecv(l.p, b, ln, start);
+      break;
+    case kCombineSend:
+      combineSend(l.p, b, ln);
+      break;
+    case kCombineWait:
+      combineWait(l.p, b, ln, start);
+      break;
+    case kCombineToken:
+      combineRecvToken(l.p, b, ln);
+      break;
+    default:
+      break;
+  }
+}
+
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void normalBlock(const NormalLaunch& l, int b, Ln& ln, int64_t start) {
+  int32_t* toks = l.toks + static_cast<int64_t>(b) * (l.p.tokens > 0 ? l.p.tokens : 1);
+  switch (l.stage) {
+    case kNormalDispatchSend:
+      normalDispatchSend(l.p, b, ln, toks);
+      break;
+    case kNormalDispatchWait:
+      normalDispatchWait(l.p, b, ln, start);
+      break;
+    case kNormalDispatchRecv:
+      normalDispatchRecv(l.p, b, ln, toks);
+      break;
+    case kNormalAlign:
+      normalAlign(l.p, ln);
+      break;
+    case kNormalCombineSend:
+      normalCombineSend(l.p, b, ln);
+      break;
+    case kNormalCombineWait:
+      normalCombineWait(l.p, b, ln, start);
+      break;
+    case kNormalCombineToken:
+      normalCombineToken(l.p, b, ln);
+      break;
+    default:
+      break;
+  }
+}
+
 constexpr const char* kLlEntryName = "mc_ep_ll";
 constexpr const char* kNormalEntryName = "mc_ep_normal";
 constexpr unsigned kEntryLanes = 256;  // threads per block on a GPU
