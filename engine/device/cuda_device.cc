@@ -56,6 +56,8 @@ struct Driver {
   decltype(&cuMemHostAlloc) memHostAlloc = nullptr;                  // optional
   decltype(&cuMemHostGetDevicePointer) hostGetDevicePointer = nullptr;  // optional
   decltype(&cuStreamWaitValue32) streamWaitValue32 = nullptr;        // optional
+  decltype(&cuStreamWriteValue32) streamWriteValue32 = nullptr;      // optional
+  decltype(&cuMemsetD32Async) memsetD32Async = nullptr;              // optional
   decltype(&cuMemHostRegister) hostRegister = nullptr;               // optional
   decltype(&cuMemHostUnregister) hostUnregister = nullptr;           // optional
 };
@@ -220,8 +222,9 @@ class CudaDevice final : public Device {
     return Status::OK();
   }
 
-  Status copyAsync(void* dst, const void* src, size_t len, int ordinal) override {
-    MC_ASSIGN_OR_RETURN(CUstream s, stream(ordinal));
+  Status copyAsyncOn(void* dst, const void* src, size_t len, int ordinal,
+                     const void* on) override {
+    MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, on));
     if (len == 0) return Status::OK();
     CUresult r = d_.memcpyAsync(reinterpret_cast<CUdeviceptr>(dst),
                                 reinterpret_cast<CUdeviceptr>(src), len, s);
@@ -234,13 +237,7 @@ class CudaDevice final : public Device {
   }
 
   Result<std::unique_ptr<Event>> recordOn(int ordinal, const void* on) override {
-    CUstream s = nullptr;
-    if (on == kCopyStream) {
-      MC_ASSIGN_OR_RETURN(s, stream(ordinal));
-    } else {
-      MC_RETURN_IF_ERROR(use(ordinal));
-      s = static_cast<CUstream>(const_cast<void*>(on));
-    }
+    MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, on));
     CUevent e = nullptr;
     {
       std::lock_guard<std::mutex> g(events_.mu);
@@ -311,15 +308,9 @@ class CudaDevice final : public Device {
                   uint32_t value) override {
     if (d_.streamWaitValue32 == nullptr || d_.hostGetDevicePointer == nullptr)
       return MC_STATUS(kNotSupported, "the CUDA driver has no cuStreamWaitValue32");
-    CUstream s = nullptr;
-    if (stream == kCopyStream) {
-      MC_ASSIGN_OR_RETURN(s, this->stream(ordinal));
-    } else {
-      MC_RETURN_IF_ERROR(use(ordinal));
-      s = static_cast<CUstream>(const_cast<void*>(stream));
-    }
+    MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, stream));
     CUdeviceptr dp = 0;
-    CUresult r = d_.hostGetDevicePointer(&dp, const_cast<uint32_t*>(word), 0);
+    CUresult r = wordAddress(word, &dp);
     if (r == CUDA_SUCCESS) r = d_.streamWaitValue32(s, dp, value, CU_STREAM_WAIT_VALUE_GEQ);
     if (r == CUDA_ERROR_NOT_SUPPORTED)
       return MC_STATUS(kNotSupported, "cuStreamWaitValue32 on device " << ordinal << ": "
@@ -327,6 +318,36 @@ class CudaDevice final : public Device {
     if (r != CUDA_SUCCESS)
       return MC_STATUS(kInternal, "cuStreamWaitValue32 on device " << ordinal << ": " << err(r));
     return Status::OK();
+  }
+
+  Status writeWord(int ordinal, const void* stream, uint32_t* word, uint32_t value) override {
+    if (d_.streamWriteValue32 == nullptr || d_.hostGetDevicePointer == nullptr)
+      return MC_STATUS(kNotSupported, "the CUDA driver has no cuStreamWriteValue32");
+    MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, stream));
+    CUdeviceptr dp = 0;
+    CUresult r = wordAddress(word, &dp);
+    // Default flags: a memory barrier before the write, so the stream's earlier writes (the
+    // copies a peer reads once it sees the word) are visible first.
+    if (r == CUDA_SUCCESS) r = d_.streamWriteValue32(s, dp, value, CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (r == CUDA_ERROR_NOT_SUPPORTED)
+      return MC_STATUS(kNotSupported, "cuStreamWriteValue32 on device " << ordinal << ": "
+                                                                        << err(r));
+    if (r != CUDA_SUCCESS)
+      return MC_STATUS(kInternal, "cuStreamWriteValue32 on device " << ordinal << ": " << err(r));
+    return Status::OK();
+  }
+
+  Status storeWord(uint32_t* word, uint32_t value, Deadline deadline) override {
+    if (d_.memsetD32Async == nullptr)
+      return MC_STATUS(kNotSupported, "the CUDA driver has no cuMemsetD32Async");
+    const PointerInfo pi = pointer(word);
+    if (!pi.device) return MC_STATUS(kInvalidArgument, "storeWord: " << word << " is not GPU memory");
+    // On the copy stream, which holds no caller's work (and no gate).
+    MC_ASSIGN_OR_RETURN(CUstream s, stream(pi.ordinal));
+    CUresult r = d_.memsetD32Async(reinterpret_cast<CUdeviceptr>(word), value, 1, s);
+    if (r != CUDA_SUCCESS) return MC_STATUS(kInternal, "cuMemsetD32Async: " << err(r));
+    MC_ASSIGN_OR_RETURN(std::unique_ptr<Event> ev, record(pi.ordinal));
+    return ev->wait(deadline);
   }
 
   Status pinHost(void* p, size_t len) override {
@@ -359,12 +380,12 @@ class CudaDevice final : public Device {
     return function(k, ordinal).status();
   }
 
-  Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
-                size_t params_len, int ordinal) override {
+  Status launchOn(const Kernel& k, unsigned grid, unsigned block, const void* params,
+                  size_t params_len, int ordinal, const void* on) override {
     if (k.image == nullptr || k.name == nullptr)
       return MC_STATUS(kNotSupported, "kernel " << (k.name ? k.name : "?")
                                                 << ": this build has no CUDA image of it");
-    MC_ASSIGN_OR_RETURN(CUstream s, stream(ordinal));
+    MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, on));
     MC_ASSIGN_OR_RETURN(CUfunction f, function(k, ordinal));
     size_t len = params_len;
     void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, const_cast<void*>(params),
@@ -375,6 +396,22 @@ class CudaDevice final : public Device {
   }
 
  private:
+  // The stream `on` names (kCopyStream: the layer's copy stream of `ordinal`; else a CUstream
+  // of the caller's), with `ordinal`'s context current.
+  Result<CUstream> streamFor(int ordinal, const void* on) {
+    if (on == kCopyStream) return stream(ordinal);
+    MC_RETURN_IF_ERROR(use(ordinal));
+    return static_cast<CUstream>(const_cast<void*>(on));
+  }
+  // Where a stream memory operation finds `word`: device memory as it is, a host word (mapped,
+  // allocHostWords) through its device pointer.
+  CUresult wordAddress(const uint32_t* word, CUdeviceptr* out) {
+    if (pointer(word).device) {
+      *out = reinterpret_cast<CUdeviceptr>(word);
+      return CUDA_SUCCESS;
+    }
+    return d_.hostGetDevicePointer(out, const_cast<uint32_t*>(word), 0);
+  }
   // Makes device `ordinal`'s primary context current on this thread.
   Status use(int ordinal) {
     if (ordinal < 0 || ordinal >= count())
@@ -498,6 +535,8 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
   (void)load(lib, "cuMemHostAlloc", &d.memHostAlloc);
   (void)load(lib, "cuMemHostGetDevicePointer_v2", &d.hostGetDevicePointer);
   (void)load(lib, "cuStreamWaitValue32_v2", &d.streamWaitValue32);
+  (void)load(lib, "cuStreamWriteValue32_v2", &d.streamWriteValue32);
+  (void)load(lib, "cuMemsetD32Async", &d.memsetD32Async);
   (void)load(lib, "cuFuncLoad", &d.funcLoad);
   (void)load(lib, "cuFuncGetAttribute", &d.funcGetAttribute);
   (void)load(lib, "cuMemHostRegister_v2", &d.hostRegister);

@@ -39,7 +39,9 @@ namespace {
 // is not running one (still one at a time, in order): a condition-variable handoff to the
 // worker and back costs a futex wake on each side, several times the copy itself for the
 // small steps of a collective, which a GPU's stream does not pay. Items nobody waits for run
-// on the worker, asynchronously.
+// on the worker, asynchronously. A gate (waitWord) at the front holds everything behind it;
+// whoever finds it open passes it, and while a host thread waits for the stream, that thread
+// polls a closed gate itself (keeping its deadline) and the worker leaves it alone.
 class SimStream {
  public:
   SimStream() : worker_([this] { run(); }) {}
@@ -55,8 +57,7 @@ class SimStream {
   void push(void* dst, const void* src, size_t len) { enqueue({dst, src, len, nullptr}); }
   // A simulated kernel: runs in order with the copies; a failure fails later events' waits.
   void push(std::function<Status()> task) { enqueue({nullptr, nullptr, 0, std::move(task)}); }
-  // A gate: later items wait until (int32_t)(*word - value) >= 0. Only the worker runs it
-  // (a waiting host thread could not keep its deadline inside it).
+  // A gate: later items wait until (int32_t)(*word - value) >= 0.
   void pushGate(const uint32_t* word, uint32_t value) {
     enqueue({nullptr, nullptr, 0, nullptr, word, value});
   }
@@ -72,15 +73,39 @@ class SimStream {
   // kernel's error for every n at or past it (sticky, as a CUDA fault).
   Status waitFor(uint64_t n, Deadline deadline) {
     std::unique_lock<std::mutex> g(mu_);
+    ++waiters_;
+    struct Leave {
+      SimStream* s;
+      ~Leave() {
+        --s->waiters_;
+        s->cv_.notify_all();  // the worker may poll a gate again
+      }
+    } leave{this};
     while (done_ < n) {
       if (waiterMayRun()) {
         runFront(g);
         continue;
       }
+      if (!busy_) {
+        if (!frontGateClosed()) {
+          if (done_ >= n || waiterMayRun()) continue;  // gates passed just now
+        } else {  // poll it here, yielding the core in between
+          g.unlock();
+          sched_yield();
+          g.lock();
+          if (std::chrono::steady_clock::now() >= deadline && done_ < n && !busy_ &&
+              frontGateClosed())
+            return MC_STATUS(kTimeout, "sim device: a stream gate still closed at the deadline");
+          continue;
+        }
+      }
       g.unlock();  // the worker runs an item: poll a little before sleeping
       spinUntil([&] { return done_seen_.load(std::memory_order_acquire) >= n; });
       g.lock();
-      if (!cv_.wait_until(g, deadline, [&] { return done_ >= n || waiterMayRun(); }))
+      if (!cv_.wait_until(g, deadline, [&] {
+            return done_ >= n || waiterMayRun() ||
+                   (!busy_ && !q_.empty() && q_.front().word != nullptr);  // a gate to poll
+          }))
         return MC_STATUS(kTimeout, "sim device: copies not done by the deadline");
     }
     if (failed_at_ != 0 && failed_at_ <= n) return failure_;
@@ -98,6 +123,24 @@ class SimStream {
   };
   // Under mu_: the next item may run on a waiting host thread.
   bool waiterMayRun() const { return !busy_ && !q_.empty() && q_.front().word == nullptr; }
+  static bool gateOpen(const Copy& c) {
+    return static_cast<int32_t>(__atomic_load_n(c.word, __ATOMIC_ACQUIRE) - c.value) >= 0;
+  }
+  // Under mu_, no item running: passes the open gates at the front; true when the front is a
+  // closed one.
+  bool frontGateClosed() {
+    bool passed = false;
+    while (!q_.empty() && q_.front().word != nullptr && gateOpen(q_.front())) {
+      q_.pop_front();
+      ++done_;
+      passed = true;
+    }
+    if (passed) {
+      done_seen_.store(done_, std::memory_order_release);
+      cv_.notify_all();
+    }
+    return !q_.empty() && q_.front().word != nullptr;
+  }
   void enqueue(Copy c) {
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -120,11 +163,7 @@ class SimStream {
     g.unlock();
     Status st;
     try {
-      if (c.word != nullptr) {
-        while (static_cast<int32_t>(__atomic_load_n(c.word, __ATOMIC_ACQUIRE) - c.value) < 0 &&
-               !stopping_.load(std::memory_order_acquire))
-          std::this_thread::sleep_for(std::chrono::microseconds(20));
-      } else if (c.task) {
+      if (c.task) {
         st = c.task();
       } else {
         std::memmove(c.dst, c.src, c.len);
@@ -153,9 +192,28 @@ class SimStream {
         spinUntil([&] { return queued_seen_.load(std::memory_order_acquire) != seen; });
         g.lock();
       }
-      cv_.wait(g, [&] { return (stop_ && q_.empty() && !busy_) || (!q_.empty() && !busy_); });
+      cv_.wait(g, [&] {
+        return (stop_ && q_.empty() && !busy_) ||
+               (!q_.empty() && !busy_ && (q_.front().word == nullptr || waiters_ == 0));
+      });
       if (q_.empty()) return;  // stopping, everything done
-      runFront(g);
+      if (frontGateClosed()) {
+        // Nobody waits for the stream: poll the gate here every 20 us (sleeping: spinning
+        // would take a core from the processes that open it); a waiter that comes takes over
+        // (polling faster, to its deadline); a stopping stream gives up.
+        if (stop_) {
+          q_.pop_front();
+          ++done_;
+          done_seen_.store(done_, std::memory_order_release);
+          cv_.notify_all();
+          continue;
+        }
+        g.unlock();
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+        g.lock();
+        continue;
+      }
+      if (!q_.empty()) runFront(g);  // (gates passed just now may have emptied it)
     }
   }
   std::mutex mu_;
@@ -166,6 +224,7 @@ class SimStream {
   uint64_t failed_at_ = 0;  // the first failed kernel's place (1-based), 0: none
   Status failure_;
   bool busy_ = false;  // an item is running (on the worker or a waiter)
+  int waiters_ = 0;    // host threads in waitFor
   bool stop_ = false;
   std::atomic<bool> stopping_{false};
   std::thread worker_;
@@ -322,7 +381,10 @@ class SimDevice final : public Device {
     return Status::OK();
   }
 
-  Status copyAsync(void* dst, const void* src, size_t len, int ordinal) override {
+  Status copyAsyncOn(void* dst, const void* src, size_t len, int ordinal,
+                     const void* on) override {
+    if (on != kCopyStream)
+      return MC_STATUS(kNotSupported, "sim device: no stream but the copy stream");
     MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
     if (len == 0) return Status::OK();
     void* to = nullptr;
@@ -398,7 +460,32 @@ class SimDevice final : public Device {
       return MC_STATUS(kInvalidArgument, "sim device: no stream but the copy streams");
     if (word == nullptr) return MC_STATUS(kInvalidArgument, "sim device: no word to wait on");
     MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
-    s->pushGate(word, value);
+    MC_ASSIGN_OR_RETURN(uint32_t * at, wordAt(word));
+    s->pushGate(at, value);
+    return Status::OK();
+  }
+
+  Status writeWord(int ordinal, const void* on, uint32_t* word, uint32_t value) override {
+    if (on != kCopyStream)
+      return MC_STATUS(kInvalidArgument, "sim device: no stream but the copy streams");
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
+    MC_ASSIGN_OR_RETURN(uint32_t * at, wordAt(word));
+    s->push([at, value]() -> Status {
+      __atomic_store_n(at, value, __ATOMIC_RELEASE);
+      return Status::OK();
+    });
+    return Status::OK();
+  }
+
+  Status storeWord(uint32_t* word, uint32_t value, Deadline) override {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (find(reinterpret_cast<uint64_t>(word), sizeof *word, nullptr) == nullptr)
+        return MC_STATUS(kInvalidArgument, "sim device: storeWord: " << word
+                                                                     << " is not device memory");
+    }
+    MC_ASSIGN_OR_RETURN(uint32_t * at, wordAt(word));
+    __atomic_store_n(at, value, __ATOMIC_RELEASE);
     return Status::OK();
   }
 
@@ -409,8 +496,10 @@ class SimDevice final : public Device {
     return stream(ordinal).status();
   }
 
-  Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
-                size_t params_len, int ordinal) override {
+  Status launchOn(const Kernel& k, unsigned grid, unsigned block, const void* params,
+                  size_t params_len, int ordinal, const void* on) override {
+    if (on != kCopyStream)
+      return MC_STATUS(kNotSupported, "sim device: no stream but the copy stream");
     if (k.host == nullptr)
       return MC_STATUS(kNotSupported, "sim device: kernel " << (k.name ? k.name : "?")
                                                             << " has no host form");
@@ -481,6 +570,12 @@ class SimDevice final : public Device {
     auto& s = streams_[static_cast<size_t>(ordinal)];
     if (!s) s = std::make_shared<SimStream>();
     return s;
+  }
+  // Where the stream reads or writes a word: its writable mapping when it is device memory.
+  Result<uint32_t*> wordAt(const uint32_t* word) {
+    std::lock_guard<std::mutex> g(mu_);
+    MC_ASSIGN_OR_RETURN(void* at, accessible(word, sizeof *word));
+    return static_cast<uint32_t*>(at);
   }
   // Under mu_: whether host memory [p, p+len) lies in one pinned range.
   bool pinnedLocked(const void* p, size_t len) const {

@@ -88,7 +88,14 @@ class Device {
 
   // Queues a copy of `len` bytes (device or host memory on either side) on device
   // `ordinal`'s copy stream; a stream's copies run in the order queued.
-  virtual Status copyAsync(void* dst, const void* src, size_t len, int ordinal) = 0;
+  Status copyAsync(void* dst, const void* src, size_t len, int ordinal) {
+    return copyAsyncOn(dst, src, len, ordinal, kCopyStream);
+  }
+  // The same on `stream` of device `ordinal` (kCopyStream, or a CUstream of the caller's such
+  // as torch's current one). The simulation has its copy streams only: kNotSupported for any
+  // other.
+  virtual Status copyAsyncOn(void* dst, const void* src, size_t len, int ordinal,
+                             const void* stream) = 0;
   // An event on device `ordinal`'s copy stream (Event).
   virtual Result<std::unique_ptr<Event>> record(int ordinal) = 0;
   // An event on `stream` of device `ordinal`, named as waitWord names it (kCopyStream, or a
@@ -98,8 +105,13 @@ class Device {
   // Queues kernel k on device `ordinal`'s copy stream (Kernel); params (params_len bytes, at
   // most 4096) are copied. A failed kernel fails the wait of every event recorded after it on
   // that stream (as a fault poisons a CUDA context).
-  virtual Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
-                        size_t params_len, int ordinal) = 0;
+  Status launch(const Kernel& k, unsigned grid, unsigned block, const void* params,
+                size_t params_len, int ordinal) {
+    return launchOn(k, grid, block, params, params_len, ordinal, kCopyStream);
+  }
+  // The same on `stream` (as copyAsyncOn's).
+  virtual Status launchOn(const Kernel& k, unsigned grid, unsigned block, const void* params,
+                          size_t params_len, int ordinal, const void* stream) = 0;
   // Loads kernel k on device `ordinal` now (launch loads it otherwise). CUDA loads a kernel
   // lazily by default (CUDA_MODULE_LOADING), at its first launch, and loading synchronises the
   // context: a first launch queued while a stream waits on a host word that only this launch's
@@ -121,9 +133,20 @@ class Device {
   // (int32_t)(*word - value) >= 0, the cyclic comparison of cuStreamWaitValue32's GEQ. The
   // host stores the word with release semantics. kNotSupported where the device cannot; the
   // simulation has no streams but its copy streams.
+  // waitWord's word may also be device memory of this layer (a peer's mapped through IPC
+  // too): what streams of several processes synchronise on (pg/stream_ops.h).
   virtual Result<uint32_t*> allocHostWords(size_t n) = 0;
   virtual Status waitWord(int ordinal, const void* stream, const uint32_t* word,
                           uint32_t value) = 0;
+  // Queues on `stream` a store of `value` into `word` (device memory of this layer, its own or
+  // a peer's mapped through IPC, or a host word) that follows the stream's earlier work and
+  // makes that work's writes visible first (CUDA: cuStreamWriteValue32 with its memory
+  // barrier). kNotSupported as waitWord's.
+  virtual Status writeWord(int ordinal, const void* stream, uint32_t* word, uint32_t value) = 0;
+  // Stores `value` into `word` (device memory of this layer) now, on no stream the caller's
+  // work may be held behind: what releases a stream waiting on the word (waitWord) when the
+  // peer that should have written it is gone. Waits (to `deadline`) until the store is done.
+  virtual Status storeWord(uint32_t* word, uint32_t value, Deadline deadline) = 0;
 
   // Page-locks host memory [p, p+len) for the devices (CUDA: cuMemHostRegister, portable).
   // Copies between it and device memory then run as DMA straight from it; from pageable

@@ -205,6 +205,56 @@ TEST(DeviceSim, IpcHandleMapsTheAllocationInAnotherProcess) {
 // A stream held by a host word (what Work.wait() queues on the caller's stream, gpu_tensors.h):
 // what follows the wait runs once the word reaches the value, compared cyclically; a host
 // thread waiting for the stream does not run the gate itself (it keeps its deadline).
+// What pg/stream_ops.h builds on: words in device memory written by one stream (writeWord,
+// after its earlier work) and waited on by another (waitWord), and storeWord releasing a wait
+// from the host; here two devices' streams of one layer stand in for two processes' streams.
+TEST(DeviceSim, StreamsMeetOnWordsInDeviceMemory) {
+  using engine::device::kCopyStream;
+  auto d = sim();
+  ASSERT_NE(d, nullptr);
+  const size_t len = 1u << 16;
+  auto words = d->allocate(4096, 3);
+  auto a = d->allocate(len, 3);
+  auto b = d->allocate(len, 4);
+  ASSERT_TRUE(words.ok() && a.ok() && b.ok());
+  uint32_t* w = static_cast<uint32_t*>(*words);
+  const auto far = [] { return std::chrono::steady_clock::now() + std::chrono::seconds(10); };
+  for (int i = 0; i < 4; ++i) MC_ASSERT_OK(d->storeWord(&w[i], 0, far()));
+  const std::string host = bytes(len, 5, 9), zeros(len, '\0');
+  ASSERT_TRUE(copyWait(*d, *b, zeros.data(), len, 4).ok());
+
+  // Stream 4 waits for word 0, then copies a -> b; stream 3 fills a, then raises word 0.
+  MC_ASSERT_OK(d->waitWord(4, kCopyStream, &w[0], 1));
+  MC_ASSERT_OK(d->copyAsync(*b, *a, len, 4));
+  auto ev4 = d->record(4);
+  ASSERT_TRUE(ev4.ok());
+  auto soon = [] { return std::chrono::steady_clock::now() + std::chrono::milliseconds(30); };
+  EXPECT_EQ((*ev4)->wait(soon()).code(), Code::kTimeout) << "ran past a closed device word";
+  MC_ASSERT_OK(d->copyAsync(*a, host.data(), len, 3));
+  MC_ASSERT_OK(d->writeWord(3, kCopyStream, &w[0], 1));
+  MC_EXPECT_OK((*ev4)->wait(far()));
+  std::string back(len, '\1');
+  ASSERT_TRUE(copyWait(*d, back.data(), *b, len, 4).ok());
+  EXPECT_TRUE(back == host) << "the copy behind the word did not see the data written before it";
+
+  // A wait nobody will open is released from the host.
+  MC_ASSERT_OK(d->waitWord(4, kCopyStream, &w[1], 7));
+  auto held = d->record(4);
+  ASSERT_TRUE(held.ok());
+  EXPECT_EQ((*held)->wait(soon()).code(), Code::kTimeout);
+  MC_ASSERT_OK(d->storeWord(&w[1], 7u + (1u << 30), far()));
+  MC_EXPECT_OK((*held)->wait(far()));
+  // storeWord takes device memory only; the simulation has its copy streams only.
+  uint32_t on_host = 0;
+  EXPECT_EQ(d->storeWord(&on_host, 1, far()).code(), Code::kInvalidArgument);
+  int not_a_stream = 0;
+  EXPECT_EQ(d->writeWord(3, &not_a_stream, &w[2], 1).code(), Code::kInvalidArgument);
+  EXPECT_EQ(d->copyAsyncOn(*a, *b, 16, 3, &not_a_stream).code(), Code::kNotSupported);
+  EXPECT_TRUE(d->free(*a).ok());
+  EXPECT_TRUE(d->free(*b).ok());
+  EXPECT_TRUE(d->free(*words).ok());
+}
+
 TEST(DeviceSim, AHostWordHoldsTheStream) {
   using engine::device::kCopyStream;
   auto d = sim();
