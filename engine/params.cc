@@ -198,7 +198,8 @@ const std::vector<ParamDef>& table() {
        "looks this often while ops are pending (backing off to 16x while it finds none). 0: "
        "every op goes to the worker when it is issued."},
       {"MC_PG_BLOCKING_WAIT", Type::kBool, "1",
-       "torch backend, ops on CUDA tensors: Work.wait() blocks the calling thread until the op "
+       "torch backend, host-driven ops on CUDA tensors (all but a stream-ordered all_reduce, "
+       "MC_PG_STREAM_OPS): Work.wait() blocks the calling thread until the op "
        "completes (like TORCH_NCCL_BLOCKING_WAIT=1). 0: it makes the caller's current CUDA "
        "streams wait for the op instead (a gate, as NCCL's wait), which deadlocked on the GPU "
        "machine's first run and whose fix has not run on a GPU yet (docs/gpu.md)."},
@@ -216,6 +217,21 @@ const std::vector<ParamDef>& table() {
        "comm halves of its own that peers open through the device layer's IPC (device to "
        "device). 0: this rank's GPU data goes through the host halves (peers still read others' "
        "GPU halves)."},
+      {"MC_PG_STREAM_OPS", Type::kString, "auto",
+       "Same-host groups, allreduce of GPU memory (torch backend): queued on the caller's "
+       "stream -- copies, stream memory operations on flag words in the ranks' GPU memory and "
+       "the reduction kernel -- so no host thread waits for it (pg/stream_ops.h); all ranks "
+       "of a group must then call allreduce on GPU tensors. auto: with the CUDA device layer "
+       "(the simulation's stream is host threads competing with the ranks for the cores, "
+       "slower than its host-driven path: docs/gpu.md); 1: with any device layer (tests); 0: "
+       "never (the host-driven path)."},
+      {"MC_PG_STREAM_OPS_CHUNK_BYTES", Type::kInt, "8388608",
+       "Stream-ordered allreduce: bytes per step; each rank keeps two buffers of this size in "
+       "GPU memory per group."},
+      {"MC_PG_STREAM_OPS_ONESHOT_BYTES", Type::kInt, "262144",
+       "Stream-ordered allreduce of at most this many bytes: every rank reduces the whole "
+       "op from every rank's buffer (one exchange a step); larger ones reduce a slice each "
+       "and copy the others' slices (two exchanges, 1/n of the reduction work). Not tuned."},
       {"MC_PG_GPU_P2P", Type::kBool, "1",
        "Plain groups: send/recv of GPU memory to a rank on the same host goes device to device "
        "through staging buffers in the sender's GPU memory that the receiver opens through the "

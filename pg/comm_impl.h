@@ -17,6 +17,7 @@
 #include "pg/p2p.h"
 #include "pg/reduce.h"
 #include "pg/shm_group.h"
+#include "pg/stream_ops.h"
 #include "pg/work.h"
 
 namespace mooncake::pg {
@@ -36,6 +37,10 @@ struct PgParams {
   ShmGroup::WaitOptions wait;
   bool hierarchical;  // MC_PG_HIERARCHICAL
   bool gpu_halves;    // MC_PG_GPU_HALVES
+  enum class StreamOpsMode { kOff, kAuto, kOn };
+  StreamOpsMode stream_ops;  // MC_PG_STREAM_OPS
+  size_t stream_chunk_bytes;  // MC_PG_STREAM_OPS_CHUNK_BYTES
+  size_t stream_oneshot_bytes;  // MC_PG_STREAM_OPS_ONESHOT_BYTES
   static PgParams load(size_t buffer_bytes_override);
 };
 
@@ -54,6 +59,8 @@ class Communicator::Impl {
   std::unique_ptr<Health> health;
   std::unique_ptr<ShmGroup> shm;  // set when every peer's buffer is mapped here
   std::unique_ptr<DeviceHalves> dev_halves;  // with shm: GPU halves, made on first GPU data
+  std::mutex stream_ops_mu;
+  std::unique_ptr<StreamOps> stream_ops;  // with shm: made on the first stream-ordered op
   std::unique_ptr<NetGroup> net;  // used when shm is not
   // Receive slots of the NetGroups (pg/net_group.h); shared by an elastic group's views and
   // by sub-groups. Declared after `engine`: freed before it.

@@ -98,6 +98,7 @@ void Communicator::Impl::abortGroups(int blamed, const std::string& why) {
 
 Communicator::Impl::~Impl() {
   worker.reset();  // drains the queued ops and joins, while the groups they use still exist
+  stream_ops.reset();  // (its buffers' descriptions live in shm's header)
   elastic.reset();  // stops the controller (its agent uses p2p and the engine) first
   p2p.reset();
   leaders.reset();
@@ -383,6 +384,57 @@ void Communicator::allReduce(const void* in, void* out, size_t count, DataType t
                                      typedSig(OpKind::kAllReduce, count, t, op));
   impl_->run("allreduce", typedSig(OpKind::kAllReduce, count, t, op),
              [&](const OpCtx& o) { algo::allReduce(*impl_, o, in, out, count, t, op); });
+}
+
+namespace {
+struct StreamOpTicket final : Communicator::StreamOp {
+  StreamOps* ops;
+  std::shared_ptr<StreamOps::Ticket> t;
+  bool waited = false;
+  void wait() override {
+    if (waited) return;
+    waited = true;
+    ops->finish(*t);
+  }
+  Status orderAfter(const void* stream) override { return ops->orderAfter(*t, stream); }
+};
+}  // namespace
+
+std::shared_ptr<Communicator::StreamOp> Communicator::allReduceOnStream(const void* in,
+                                                                        void* out, size_t count,
+                                                                        DataType t, ReduceOp op,
+                                                                        const void* stream) {
+  checkReduce(t, op, "allreduce");
+  checkPtr(in, count, "input", "allreduce");
+  checkPtr(out, count, "output", "allreduce");
+  Impl& c = *impl_;
+  using Mode = PgParams::StreamOpsMode;
+  if (c.params.stream_ops == Mode::kOff || c.elastic || !c.shm || c.size < 2 || count == 0 ||
+      !DeviceStage::any({in, out}))
+    return nullptr;
+  auto layer = engine::device::get();
+  if (!layer.ok()) return nullptr;
+  if (c.params.stream_ops == Mode::kAuto && std::string((*layer)->name()) != "cuda")
+    return nullptr;
+  const engine::device::PointerInfo a = (*layer)->pointer(in), b = (*layer)->pointer(out);
+  if (!a.device || !b.device || a.ordinal != b.ordinal) return nullptr;
+  StreamOps* ops = nullptr;
+  {
+    std::lock_guard<std::mutex> g(c.stream_ops_mu);
+    if (!c.stream_ops) c.stream_ops = std::make_unique<StreamOps>(c);
+    ops = c.stream_ops.get();
+  }
+  auto tk = ops->allReduce(in, out, count, t, op, a.ordinal, stream);
+  if (!tk) return nullptr;
+  auto r = std::make_shared<StreamOpTicket>();
+  r->ops = ops;
+  r->t = std::move(tk);
+  return r;
+}
+
+uint64_t Communicator::streamOps() const {
+  std::lock_guard<std::mutex> g(impl_->stream_ops_mu);
+  return impl_->stream_ops ? impl_->stream_ops->issued() : 0;
 }
 
 void Communicator::reduce(const void* in, void* out, size_t count, DataType t, ReduceOp op,

@@ -152,6 +152,27 @@ class Communicator {
 
   // ---- collectives on contiguous host memory; in == out allowed where it makes sense ----
   void allReduce(const void* in, void* out, size_t count, DataType t, ReduceOp op);
+
+  // Same-host groups, GPU memory (pg/stream_ops.h, docs/gpu.md "Stream-ordered allreduce"):
+  // queues the allreduce on `stream` of the device where in and out lie (a CUstream of the
+  // caller's, such as torch's current one; engine::device::kCopyStream over the simulation)
+  // and returns without waiting for it. Null when the group does not take this path (elastic,
+  // spanning hosts, MC_PG_STREAM_OPS=0, host memory, a rank that could not set it up): the
+  // caller runs allReduce instead. The first call sets the path up on every rank (a host wait
+  // for the peers, once). The returned op's wait() blocks until it is done and throws its
+  // CommError (a dead or aborting peer, mismatched calls, the group timeout); every op must be
+  // waited for, in issue order, by the thread that runs the group's ops.
+  class StreamOp {
+   public:
+    virtual ~StreamOp() = default;
+    virtual void wait() = 0;
+    // Queues on `stream` (another stream of the op's device) a wait for the op's end.
+    virtual Status orderAfter(const void* stream) = 0;
+  };
+  std::shared_ptr<StreamOp> allReduceOnStream(const void* in, void* out, size_t count,
+                                              DataType t, ReduceOp op, const void* stream);
+  // Stream-ordered ops issued by this rank so far (tests).
+  uint64_t streamOps() const;
   void reduce(const void* in, void* out, size_t count, DataType t, ReduceOp op, int root);
   void broadcast(void* buf, size_t bytes, int root);
   // out holds size() blocks of `bytes`, rank order. blocks (elastic groups): the number of

@@ -40,6 +40,17 @@ PgParams PgParams::load(size_t buffer_bytes_override) {
   p.wait.health_us = std::max<int64_t>(params::getInt("MC_PG_HEALTH_US"), 100);
   p.hierarchical = params::getBool("MC_PG_HIERARCHICAL");
   p.gpu_halves = params::getBool("MC_PG_GPU_HALVES");
+  const std::string so = params::getString("MC_PG_STREAM_OPS");
+  p.stream_ops = so == "1" || so == "on" || so == "true"
+                     ? PgParams::StreamOpsMode::kOn
+                     : (so == "0" || so == "off" || so == "false" ? PgParams::StreamOpsMode::kOff
+                                                                  : PgParams::StreamOpsMode::kAuto);
+  // Whole 4 KiB pages, so that every element size divides it.
+  p.stream_chunk_bytes = static_cast<size_t>(std::max<int64_t>(
+                             params::getInt("MC_PG_STREAM_OPS_CHUNK_BYTES"), 4096)) &
+                         ~static_cast<size_t>(4095);
+  p.stream_oneshot_bytes = static_cast<size_t>(
+      std::max<int64_t>(params::getInt("MC_PG_STREAM_OPS_ONESHOT_BYTES"), 0));
   return p;
 }
 

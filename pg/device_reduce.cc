@@ -121,7 +121,8 @@ bool deviceReduceOnHost(void* dst, void* dst2, const void* const* srcs, int n, s
 }
 
 bool deviceReduceAsync(void* dst, void* dst2, const void* const* srcs, int n, size_t count,
-                       DataType t, ReduceOp op, int ordinal, const char* op_name) {
+                       DataType t, ReduceOp op, int ordinal, const char* op_name,
+                       const void* stream) {
   dr::Params p;
   if (!fill(&p, dst, dst2, srcs, n, count, t, op)) return false;
   auto layer = engine::device::get();
@@ -135,7 +136,7 @@ bool deviceReduceAsync(void* dst, void* dst2, const void* const* srcs, int n, si
   const unsigned grid = static_cast<unsigned>(blocks < 4096 ? blocks : 4096);
   static std::atomic<bool> unloadable{false};  // this GPU cannot run the built image
   if (unloadable.load(std::memory_order_relaxed)) return false;
-  Status st = (*layer)->launch(kernel(), grid, kBlock, &p, sizeof p, ordinal);
+  Status st = (*layer)->launchOn(kernel(), grid, kBlock, &p, sizeof p, ordinal, stream);
   if (st.code() == Code::kNotSupported) {
     // No image for this GPU's architecture (MC_CUDA_ARCHS): reduce on the CPU from now on.
     if (!unloadable.exchange(true)) {

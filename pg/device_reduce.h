@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "engine/device/device.h"
 #include "engine/status.h"
 #include "pg/types.h"
 
@@ -22,8 +23,10 @@ namespace mooncake::pg {
 // the srcs. False, with nothing queued, when there is no GPU form for the call (no device
 // layer, a CUDA build without the kernel image, n above 64, a pair reduceSupported refuses):
 // the caller reduces on the host. A failed launch throws CommError naming `op_name`.
+// `stream`: the layer's copy stream by default, or a stream of the caller's (Device::launchOn).
 bool deviceReduceAsync(void* dst, void* dst2, const void* const* srcs, int n, size_t count,
-                       DataType t, ReduceOp op, int ordinal, const char* op_name);
+                       DataType t, ReduceOp op, int ordinal, const char* op_name,
+                       const void* stream = engine::device::kCopyStream);
 
 // The host form on host memory, run here and now (tests): false as above.
 bool deviceReduceOnHost(void* dst, void* dst2, const void* const* srcs, int n, size_t count,

@@ -202,6 +202,13 @@ void ShmGroup::checkPeers(const OpCtx& op, int waiting_for) const {
   // dead rank further down a chain of waits is reported through its waiter's abort word.
   // Abort words first: a peer that gave up (and may have exited since) says more than its
   // death does.
+  checkAborts(op);
+  health_->check(op, waiting_for);
+  if (engine::Clock::now() >= op.deadline)
+    health_->timedOut(op, waiting_for, "shared-memory flag not posted");
+}
+
+void ShmGroup::checkAborts(const OpCtx& op) const {
   const uint64_t my_epoch = epoch_ & 0xffffffffu;
   for (int r = 0; r < size(); ++r) {
     if (r == rank_) continue;
@@ -215,9 +222,6 @@ void ShmGroup::checkPeers(const OpCtx& op, int waiting_for) const {
     health_->aborted(op, r, code >= 2 ? static_cast<int>(code - 2) : -1, "",
                      (a & kAbortDied) != 0);
   }
-  health_->check(op, waiting_for);
-  if (engine::Clock::now() >= op.deadline)
-    health_->timedOut(op, waiting_for, "shared-memory flag not posted");
 }
 
 // s: the flag value to wait for (target() of a step).

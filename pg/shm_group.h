@@ -108,6 +108,30 @@ class ShmGroup {
     return (hdr(r)->flags[kReady].gpu_halves.load(std::memory_order_relaxed) >> (s & 1)) & 1u;
   }
 
+  // Stream-ordered ops (pg/stream_ops.h): rank r's GPU buffers and flag words, published once
+  // by their owner, and the signature of each of its stream ops, by sequence number in a ring
+  // (written when the op is issued, read by peers when theirs completes).
+  struct alignas(128) StreamInfo {
+    std::atomic<uint32_t> state;  // StreamOps::State
+    uint32_t handle_len;
+    uint64_t offset;  // of the buffers in the allocation the handle names
+    char handle[356];
+  };
+  static constexpr int kStreamRing = 64;
+  struct StreamSig {
+    std::atomic<uint64_t> seq;  // the op's sequence number (stored last, with release)
+    std::atomic<uint64_t> w[2];  // OpSig::pack
+  };
+  StreamInfo& streamInfo(int r) const { return hdr(r)->stream; }
+  StreamSig& streamSig(int r, uint64_t seq) const {
+    return hdr(r)->stream_sigs[seq % kStreamRing];
+  }
+  // What every wait checks (see above), once, for every peer: their abort words, whether they
+  // are alive, the op's deadline. Throws CommError.
+  void checkHealth(const OpCtx& op) const { checkPeers(op, -1); }
+  // Only the abort words: a peer that gave up on the group throws here.
+  void checkAborts(const OpCtx& op) const;
+
  private:
   // The op descriptor: [0] the op it describes (0: none yet), [1..2] OpSig::pack.
   using Desc = std::atomic<uint64_t>[3];
@@ -128,6 +152,8 @@ class ShmGroup {
     // blamed (1: no rank in particular).
     Line abort;
     DeviceHalfInfo dev;
+    StreamInfo stream;
+    StreamSig stream_sigs[kStreamRing];
   };
   static constexpr uint64_t kAbortDied = uint64_t{1} << 31;
   static constexpr uint64_t kAbortLeft = uint64_t{1} << 30;

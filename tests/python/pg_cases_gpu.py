@@ -8,6 +8,9 @@ the one the rest of the suite checks against gloo and local references (and the 
 here against a local reference too). A rank whose backend memcpy'd GPU memory would die.
 """
 
+import os
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -256,3 +259,88 @@ def case_gpu_coalesced(ctx):
     outs = [torch.zeros(n, dtype=torch.float64) for n in sizes]
     _coalesced_twice(fails, "reduce_scatter_tensor", dist.reduce_scatter_tensor, outs, big)
     return fails
+
+
+# ---- stream-ordered allreduce (pg/stream_ops.h) ---------------------------------------------
+
+def _backend():
+    g = dist.distributed_c10d._get_default_group()
+    return g._get_backend(torch.device("cpu")) if hasattr(g, "_get_backend") else g
+
+
+def case_gpu_stream_ops(ctx, expect_stream, sizes=(1, 1000, 2**18 + 3), async_ops=40):
+    """all_reduce on GPU tensors: on one host it is queued on the stream (the backend's count of
+    stream-ordered ops grows by one a call), elsewhere, or with MC_PG_STREAM_OPS=0, it is not;
+    either way the result is the host path's bytes and the local reference's values, for ops of
+    many steps (the pool may set a small MC_PG_STREAM_OPS_CHUNK_BYTES) and with more ops in flight
+    than the signature ring holds at once (waited in reverse order)."""
+    fails = []
+    w, r = ctx.world, ctx.rank
+    be = _backend()
+    before = be._stream_ops()
+    calls = 0
+    for dt, op in (("float32", "SUM"), ("bfloat16", "SUM"), ("int64", "MAX"), ("float32", "AVG")):
+        for n in sizes:
+            ins = [make(dt, n, k, salt=11) for k in range(w)]
+            g, h = to_gpu(ins[r]), ins[r].clone()
+            dist.all_reduce(g, op=OPS[op])
+            dist.all_reduce(h, op=OPS[op])
+            calls += 1
+            desc = f"stream all_reduce {dt} {op} x {n}"
+            _same(fails, desc, g, h)
+            _close(fails, desc, h, reference(ins, op, dt, w), dt)
+    ins = [[make("float32", 3000, k, salt=200 + i) for k in range(w)] for i in range(async_ops)]
+    gs = [to_gpu(ins[i][r]) for i in range(async_ops)]
+    works = [dist.all_reduce(g, async_op=True) for g in gs]
+    calls += async_ops
+    for wk in reversed(works):
+        wk.wait()
+    for i in range(async_ops):
+        _close(fails, f"async stream all_reduce {i}", to_host(gs[i]),
+               reference(ins[i], "SUM", "float32", w), "float32")
+    got = be._stream_ops() - before
+    want = calls if expect_stream else 0
+    if got != want:
+        fails.append(f"{got} stream-ordered ops for {calls} all_reduce calls (expected {want})")
+    return fails
+
+
+def _raised(call):
+    t0 = time.time()
+    try:
+        call()
+    except RuntimeError as e:
+        return {"raised": True, "msg": str(e), "type": type(e).__name__,
+                "elapsed": time.time() - t0}
+    return {"raised": False, "elapsed": time.time() - t0}
+
+
+def case_gpu_stream_mismatch(ctx):
+    """Rank r calls all_reduce on 1000 + r elements of GPU memory: every rank raises, naming
+    the calls; a later op raises too (the group failed)."""
+    g = to_gpu(torch.ones(1000 + ctx.rank))
+    res = _raised(lambda: dist.all_reduce(g))
+    res["later"] = _raised(lambda: dist.all_reduce(to_gpu(torch.ones(4))))
+    return res
+
+
+def case_gpu_stream_die(ctx, victim, at):
+    """One all_reduce on GPU memory (the path is set up), then `victim` exits at wall-clock
+    time `at`; the others call all_reduce on GPU memory after it and report how they failed."""
+    g = to_gpu(torch.ones(64))
+    dist.all_reduce(g)
+    if ctx.rank == victim:
+        time.sleep(max(0.0, at - time.time()))
+        os._exit(17)
+    time.sleep(max(0.0, at + 0.3 - time.time()))
+    res = _raised(lambda: dist.all_reduce(g))
+    res["later"] = _raised(lambda: dist.all_reduce(g))
+    return res
+
+
+def case_gpu_stream_absent(ctx, absent):
+    """Rank `absent` never calls all_reduce on GPU memory: the others' first one (which sets
+    the path up on every rank) fails by the group timeout, naming it."""
+    if ctx.rank == absent:
+        return {"absent": True}
+    return _raised(lambda: dist.all_reduce(to_gpu(torch.ones(10))))

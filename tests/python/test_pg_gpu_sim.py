@@ -5,16 +5,19 @@ simulated hosts (hierarchical, tcp between them); async ops; a non-contiguous GP
 refused with a clear error. Real CUDA tensors need a CUDA build of torch and a GPU
 (scripts/gpu_check.sh)."""
 
+import time
+
 import pytest
 
-from harness import Pool
+from harness import Pool, torch_version
 
 pytestmark = pytest.mark.isolated
 
 SIZES = [0, 1, 1000, 2**18 + 3]
 
 
-def run_all(p, sizes, dtypes_red, dtypes_copy):
+def run_all(p, sizes, dtypes_red, dtypes_copy, stream=True):
+    p.check("gpu_stream_ops", expect_stream=stream, sizes=sizes[1:])
     p.check("gpu_reductions", sizes=sizes, dtypes=dtypes_red, ops=("SUM", "MAX", "AVG"))
     p.check("gpu_reductions", sizes=[7], dtypes=("int64", "uint8"), ops=("SUM", "BXOR", "MIN"))
     p.check("gpu_copies", sizes=sizes, dtypes=dtypes_copy)
@@ -25,17 +28,91 @@ def run_all(p, sizes, dtypes_red, dtypes_copy):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_op_on_gpu_tensors_one_host(world):
-    p = Pool(world, timeout_s=120, env={"MC_DEVICE": "sim"}, gloo=False)
+    """At 2 ranks allreduce takes the host-driven path (MC_PG_STREAM_OPS=auto, the simulation's
+    default), at 3 the stream-ordered one (pg/stream_ops.h)."""
+    stream = world == 3
+    env = {"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1" if stream else "auto"}
+    p = Pool(world, timeout_s=120, env=env, gloo=False)
     try:
-        run_all(p, SIZES, ("float32", "bfloat16"), ("float32", "int8"))
+        run_all(p, SIZES, ("float32", "bfloat16"), ("float32", "int8"), stream=stream)
     finally:
         p.close()
 
 
 def test_every_op_on_gpu_tensors_two_hosts():
-    p = Pool(4, timeout_s=120, env={"MC_DEVICE": "sim"}, gloo=False,
+    p = Pool(4, timeout_s=120, env={"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1"}, gloo=False,
              rank_env=lambda r: {"MC_HOST_ID": f"host-{r // 2}"})
     try:
-        run_all(p, [0, 1000, 2**17 + 1], ("float32",), ("float16",))
+        run_all(p, [0, 1000, 2**17 + 1], ("float32",), ("float16",), stream=False)
     finally:
         p.close()
+
+
+# ---- stream-ordered allreduce (pg/stream_ops.h) ----------------------------------------------
+
+def failure_type():
+    return "DistBackendError" if torch_version() >= (2, 1) else "RuntimeError"
+
+
+@pytest.mark.parametrize("env", [
+    {"MC_PG_STREAM_OPS": "1", "MC_PG_STREAM_OPS_CHUNK_BYTES": "4096"},
+    {"MC_PG_STREAM_OPS": "1", "MC_PG_STREAM_OPS_CHUNK_BYTES": "4096",
+     "MC_PG_STREAM_OPS_ONESHOT_BYTES": "0"},
+    {"MC_PG_STREAM_OPS": "0"}], ids=["small_steps", "small_steps_two_shots", "off"])
+def test_stream_allreduce(env):
+    """Steps of 4 KiB (a 1 MiB all_reduce takes 257 of them, through both buffers many times),
+    one shot up to 256 KiB and two shots above it, or two shots at every size; and the path
+    turned off (the host-driven path, still right)."""
+    p = Pool(2, timeout_s=120, env=dict({"MC_DEVICE": "sim"}, **env), gloo=False)
+    try:
+        p.check("gpu_stream_ops", expect_stream=env["MC_PG_STREAM_OPS"] != "0",
+                sizes=(1, 5000, 2**18 + 3))
+    finally:
+        p.close()
+
+
+def test_stream_allreduce_mismatch_raises_everywhere():
+    p = Pool(2, timeout_s=30, env={"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1"}, gloo=False)
+    try:
+        res = p.run("gpu_stream_mismatch", timeout_s=60)
+    finally:
+        p.kill()
+    for r, x in enumerate(res):
+        assert x["raised"], f"rank {r}: mismatched all_reduce did not raise"
+        msg = x["msg"]
+        for want in ("allreduce(float32 x 1000", "allreduce(float32 x 1001", "mooncake"):
+            assert want in msg, f"rank {r}: error does not name {want!r}: {msg}"
+        assert x["type"] == failure_type(), f"rank {r}: {x['type']}: {msg}"
+        assert x["later"]["raised"], f"rank {r}: an op after the failure did not raise"
+
+
+def test_stream_allreduce_dead_peer_is_named_within_2s():
+    p = Pool(3, timeout_s=120, env={"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1"}, gloo=False)
+    try:
+        at = time.time() + 1.0
+        p.start("gpu_stream_die", victim=1, at=at)
+        res = p.collect(ranks=[0, 2], timeout_s=60)
+    finally:
+        p.kill()
+    for r, x in zip([0, 2], res):
+        assert x["raised"], f"rank {r}: all_reduce with a dead peer did not raise"
+        msg = x["msg"]
+        print(f"rank {r}: raised after {x['elapsed']:.3f}s: {msg}")
+        assert "rank 1" in msg and "allreduce" in msg, f"rank {r}: {msg}"
+        assert x["elapsed"] < 2.0, f"rank {r}: raised {x['elapsed']:.2f}s into the call: {msg}"
+        assert x["type"] == failure_type(), f"rank {r}: {x['type']}: {msg}"
+        assert x["later"]["raised"], f"rank {r}: an op after the failure did not raise"
+
+
+def test_stream_allreduce_absent_rank_times_out():
+    p = Pool(2, timeout_s=2, env={"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1"}, gloo=False)
+    try:
+        res = p.run("gpu_stream_absent", absent=1, timeout_s=60)
+    finally:
+        p.kill()
+    x = res[0]
+    print(f"rank 0: {x}")
+    assert x["raised"], f"all_reduce with an absent rank returned after {x['elapsed']:.1f}s"
+    assert 1.5 <= x["elapsed"] <= 10, f"raised after {x['elapsed']:.1f}s, the timeout was 2s"
+    for want in ("rank 1", "stream-ordered", "MC_PG_STREAM_OPS=0"):
+        assert want in x["msg"], f"error does not name {want!r}: {x['msg']}"

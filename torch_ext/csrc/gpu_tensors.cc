@@ -103,6 +103,21 @@ CudaStreamOf cudaStreamOf(std::string* why) {
 
 }  // namespace
 
+std::optional<const void*> currentStream(const c10::Device& d) {
+  std::string why;
+  CudaStreamOf stream_of = cudaStreamOf(&why);
+  if (stream_of == nullptr || !d.is_cuda()) return std::nullopt;
+  c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+  const c10::Stream s = cuda.getStream(d);
+  return static_cast<const void*>(stream_of(&s));
+}
+
+std::optional<const void*> opStream(const at::Tensor& t) {
+  if (t.is_cuda()) return currentStream(t.device());
+  if (onGpu(t)) return engine::device::kCopyStream;
+  return std::nullopt;
+}
+
 bool streamWaitGate(const std::vector<c10::Device>& devices, const engine::device::Gate& gate) {
   static std::once_flag logged;
   auto cannot = [&](const std::string& why) {

@@ -9,6 +9,9 @@
 // it with the device layer's copies only, so the backend hands such tensors' pointers to it as
 // they are; nothing here touches their bytes from the host.
 //
+// all_reduce of a GPU tensor on one host is stream-ordered (pg/stream_ops.h,
+// ProcessGroupMooncake::streamAllReduce): queued on torch's current stream when issued, no host
+// thread waits for it, Work.wait() orders the current stream after it. The other ops:
 // CUDA stream semantics (ProcessGroupNCCL's model, partly): an op on CUDA tensors records an
 // event on the caller's current stream of each CUDA device involved, when it is issued; the
 // op does not touch those tensors before the events have completed (the kernels queued before
@@ -32,6 +35,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,6 +72,14 @@ void copyBytes(void* dst, const void* src, size_t n, const char* op);
 // waits on the host. The stream handle comes from torch's libc10_cuda, looked up at run time
 // (CUDAStream::stream(); the extension links no CUDA library of torch's).
 bool streamWaitGate(const std::vector<c10::Device>& devices, const engine::device::Gate& gate);
+
+// torch's current CUDA stream of device d (a CUstream); nullopt where this process cannot name
+// it (torch's libc10_cuda not loaded, or without CUDAStream::stream()).
+std::optional<const void*> currentStream(const c10::Device& d);
+// The stream a stream-ordered op on t is queued on (pg/stream_ops.h): torch's current stream of
+// t's device for a CUDA tensor, the device layer's copy stream for a tensor in the simulation's
+// memory (MC_DEVICE=sim); nullopt where there is none to name.
+std::optional<const void*> opStream(const at::Tensor& t);
 
 class StreamFence {
  public:

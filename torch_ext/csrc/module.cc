@@ -63,7 +63,10 @@ void registerPgApis(py::module_& m) {
           "timeout", [](ProcessGroupMooncake& self) { return self.mooncakeOptions().timeout; })
       .def(
           "dead_ranks", [](ProcessGroupMooncake& self) { return self.communicator().deadRanks(); },
-          "Group ranks the communicator has seen die.", py::call_guard<py::gil_scoped_release>());
+          "Group ranks the communicator has seen die.", py::call_guard<py::gil_scoped_release>())
+      .def(
+          "_stream_ops", [](ProcessGroupMooncake& self) { return self.communicator().streamOps(); },
+          "Stream-ordered ops this rank issued (pg/stream_ops.h; tests).");
 
   m.def(
       "job_secret_configured",

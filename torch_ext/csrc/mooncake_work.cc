@@ -51,6 +51,22 @@ bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
 }
 
 bool MooncakeWork::waitOnStreams() {
+  if (stream_op_) {
+    {
+      std::lock_guard lk(mutex_);
+      if (completed_ && exception_) std::rethrow_exception(exception_);
+    }
+    for (const c10::Device& d : devices_) {
+      auto s = currentStream(d);
+      if (!s || *s == issue_stream_) continue;
+      Status st = stream_op_->orderAfter(*s);
+      if (!st.ok())
+        std::rethrow_exception(backendError(ctx_->who + ": " + op_ +
+                                            ": ordering the current stream after the op: " +
+                                            st.toString()));
+    }
+    return true;
+  }
   static const bool blocking = params::getBool("MC_PG_BLOCKING_WAIT");
   if (blocking) return false;
   engine::device::Gate gate;

@@ -209,6 +209,44 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(const Check& ck,
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamAllReduce(const Tensor& t,
+                                                                     pg::DataType dt,
+                                                                     pg::ReduceOp op) {
+  const char* name = "allreduce";
+  std::optional<const void*> stream = opStream(t);
+  if (!stream) return {};
+  std::shared_ptr<pg::Communicator::StreamOp> so;
+  try {
+    so = comm_->allReduceOnStream(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
+                                  dt, op, *stream);
+  } catch (...) {
+    std::rethrow_exception(translateError(*ectx_, name, std::current_exception()));
+  }
+  if (!so) return {};
+  auto work = c10::make_intrusive<MooncakeWork>(rank_, OpType::ALLREDUCE, name, ectx_,
+                                                std::vector<Tensor>{t});
+  work->setSlots(comm_->maxGroupSize());
+  work->setOnStream(so, *stream);
+  try {
+    // The queued task is the host's only part: it waits for the op's end on the stream and
+    // checks it (a dead peer, a mismatch), in issue order with the group's other ops.
+    auto id = queue_->submit(name, [work, so, ctx = ectx_, name]() {
+      std::exception_ptr err;
+      try {
+        so->wait();
+      } catch (...) {
+        err = translateError(*ctx, name, std::current_exception());
+      }
+      work->complete(err);
+    });
+    work->setQueued(queue_, id);
+  } catch (...) {
+    std::rethrow_exception(translateError(*ectx_, name, std::current_exception()));
+  }
+  track(work);
+  return work;
+}
+
 // Sends of host memory up to this size run on the caller's thread (ProcessGroupMooncake::p2p).
 constexpr size_t kInlineSendBytes = size_t{64} << 10;
 
@@ -276,6 +314,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce(std::vector<Tenso
   auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
+  if (onGpu(t))
+    if (auto w = streamAllReduce(t, dt, op)) return w;
   return collective(ck, OpType::ALLREDUCE, "allreduce", tensors, [c, t, dt = dt, op = op] {
     Staged s = Staged::in(t);
     c->allReduce(s.data(), s.data(), static_cast<size_t>(t.numel()), dt, op);

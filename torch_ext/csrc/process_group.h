@@ -83,6 +83,13 @@ class MooncakeWork : public c10d::Work {
     queue_ = std::move(q);
     queue_id_ = id;
   }
+  // A stream-ordered op (pg/stream_ops.h), queued on `stream` when it was issued: wait()
+  // without a timeout returns at once, the caller's current stream, when it is another one,
+  // made to wait for the op (NCCL's wait); MC_PG_BLOCKING_WAIT does not apply.
+  void setOnStream(std::shared_ptr<pg::Communicator::StreamOp> op, const void* stream) {
+    stream_op_ = std::move(op);
+    issue_stream_ = stream;
+  }
 
  private:
   using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
@@ -108,6 +115,8 @@ class MooncakeWork : public c10d::Work {
   std::vector<uint8_t> hint_;      // guarded by mutex_; empty: no failure
   // Opened by complete() (guarded by mutex_): a stream waits on it (waitOnStreams).
   std::optional<engine::device::Gate> gate_;
+  std::shared_ptr<pg::Communicator::StreamOp> stream_op_;  // setOnStream's
+  const void* issue_stream_ = nullptr;
   bool ready_ = false;              // complete() began: the outputs are in place (mutex_)
   std::exception_ptr ready_error_;  // and the op's error (mutex_)
 };
@@ -219,6 +228,10 @@ class ProcessGroupMooncake : public BackendBase {
   // for the caller's streams as they were at this call (StreamFence, gpu_tensors.h).
   c10::intrusive_ptr<Work> collective(const Check& ck, c10d::OpType type, const char* op,
                                       std::vector<at::Tensor> outputs, Body body);
+  // allreduce of a tensor in GPU memory queued on its stream (pg/stream_ops.h), with a Work
+  // whose queued task waits for it; null when the group does not take that path.
+  c10::intrusive_ptr<Work> streamAllReduce(const at::Tensor& t, pg::DataType dt,
+                                           pg::ReduceOp op);
   c10::intrusive_ptr<Work> p2p(const Check& ck, c10d::OpType type, const char* op,
                                const P2pLanes::Key& lane,
                                std::vector<at::Tensor> outputs,

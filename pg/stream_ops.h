@@ -1,0 +1,134 @@
+// Stream-ordered collectives on GPU memory in same-host groups: the op is queued on a stream of
+// the caller's (torch's current CUDA stream) when it is issued -- copies, stream memory
+// operations on flag words in the ranks' GPU memory, the reduction kernel -- and no host thread
+// waits for any of it, as NCCL's ops are. The host-driven device paths (pg/device_stage.h) wait
+// on the host three times a step, which capped a GPU allreduce at ~5 GB/s on an H200
+// (docs/gpu.md); these do not.
+//
+// Each rank owns one allocation of GPU memory, opened by every peer through the device layer's
+// IPC:
+//
+//   [words: per source rank r, `arrive` at r*128 and `done` at r*128+64] [buffer 0] [buffer 1]
+//
+// An op is cut into steps of at most MC_PG_STREAM_OPS_CHUNK_BYTES; step s uses buffer (s & 1).
+// Ranks meet through exchanges: each one raises an epoch (1, 2, ...; numbered alike on every
+// rank, since every rank derives the steps from the same sizes) and, on rank i's stream, writes
+// it into every peer r's arrive[i] (Device::writeWord: after the stream's earlier work, with a
+// memory barrier), then waits until its own arrive[r] >= it for every peer (Device::waitWord).
+// Allreduce, step s, on rank i's stream:
+//   1. copy its piece of the input into its own buffer (s & 1); exchange;
+//   2. one shot (ops up to MC_PG_STREAM_OPS_ONESHOT_BYTES): the reduction kernel
+//      (pg/device_reduce.h: rank order, so every rank gets the same bits) reads buffer (s & 1)
+//      of every rank and writes the output piece. Two shots (larger ops): it reduces slice i
+//      of the step only, into its output and back into its own buffer; exchange; then copies
+//      every peer's reduced slice out of that peer's buffer into its output.
+// A rank writes buffer (s & 1) again at step s+2 only after step s+1's first exchange: every
+// peer's stream then copied step s+1 in, so it is done with step s, which read that buffer.
+// After an op's last step every rank writes its epoch into every peer's done[i]: what a rank
+// whose group ends waits for before it frees its buffers (peers may still be reading them);
+// and into its own done[i], which another stream of its own can wait on (orderAfter).
+//
+// Setup (first op, once per group, on the host): allocate, publish the IPC handle in the
+// comm buffer's header (ShmGroup::StreamInfo), open every peer's, check that the device can
+// reach them, publish whether it could; the ops run on streams only when every rank could.
+//
+// The host learns about an op only afterwards: finish() (the torch backend runs it on the
+// group's worker, like a host-driven op) waits for an event recorded after the op, checking
+// peers' health, their abort words and the deadline meanwhile, then compares every peer's
+// signature of the op (OpSig, published in the header's ring when the op was issued): a
+// mismatch is a MismatchError naming both calls. On any failure it releases its own stream
+// (Device::storeWord raises every arrive word past every epoch, so no stream waits for a rank
+// that is gone), marks the group failed and aborts its host groups, which makes the peers'
+// finish() fail too and release theirs. A failed op's output is undefined.
+//
+// All ranks must issue the same stream ops in the same order (NCCL's rule); a group in which
+// one rank calls allreduce on host memory while another calls it on GPU memory fails (the
+// host rank never sets up, the GPU rank's setup times out) -- MC_PG_STREAM_OPS=0 takes every
+// rank to the host-driven path.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/device/device.h"
+#include "pg/communicator.h"
+#include "pg/health.h"
+#include "pg/shm_group.h"
+#include "pg/types.h"
+
+namespace mooncake::pg {
+
+class StreamOps {
+ public:
+  enum State : uint32_t { kNone = 0, kPublished = 1, kUsable = 2, kUnusable = 3 };
+  // One op in flight.
+  struct Ticket {
+    uint64_t seq = 0;  // stream ops of this group, from 1
+    OpCtx op{};        // name, signature, deadline (from issue), seq
+    uint32_t last_epoch = 0;
+    std::unique_ptr<engine::device::Event> done;  // recorded on the stream after the op
+  };
+
+  explicit StreamOps(Communicator::Impl& c);
+  ~StreamOps();
+  StreamOps(const StreamOps&) = delete;
+  StreamOps& operator=(const StreamOps&) = delete;
+
+  // Queues an allreduce of `count` elements of GPU memory on `stream` of device `ordinal` (where
+  // in and out lie). Null, with nothing queued, when the group does not take this path (setup
+  // failed on some rank); throws CommError for a failed setup or launch, UsageError for memory
+  // on another device than the group's buffers.
+  std::shared_ptr<Ticket> allReduce(const void* in, void* out, size_t count, DataType t,
+                                    ReduceOp op, int ordinal, const void* stream);
+  // Waits until the ticket's op is done, then checks it (see above). Throws CommError.
+  // Called once per ticket, in issue order, by the thread that runs the group's ops.
+  void finish(Ticket& t);
+
+  // Queues on `stream` (of the op's device) a wait until the ticket's op is done there:
+  // Work.wait() on another stream than the op's. (Raised past every epoch by a failure.)
+  Status orderAfter(const Ticket& t, const void* stream);
+
+  uint64_t issued() const;  // stream ops issued so far (tests)
+
+ private:
+  // At most this many ops issued and not finished: the signature ring must still hold an op's
+  // entry when the last peer checks it.
+  static constexpr uint64_t kMaxInFlight = ShmGroup::kStreamRing / 2;
+  bool setUp(int ordinal, const OpCtx& op);  // under mu_; false: not usable by every rank
+  uint32_t* words(int owner, int from, bool done) const;
+  char* buffer(int owner, uint64_t step) const;
+  void publishSig(const Ticket& t);
+  // Every peer's signature of t's op against this rank's (MismatchError). strict: a peer whose
+  // entry is not t's op went out of step (CommError); else such a peer is skipped.
+  void checkSigs(const Ticket& t, bool strict) const;
+  // Marks the group failed (later ops throw e's text) and aborts its host groups.
+  void breakGroup(const CommError& e);
+  // breakGroup, then releases this rank's stream from every wait.
+  void fail(const Ticket& t, const CommError& e);
+  // The group's end: waits (bounded) until every peer's stream finished the last op.
+  void drain();
+
+  Communicator::Impl& c_;
+  const size_t chunk_;
+  mutable std::mutex mu_;  // issue state below
+  std::condition_variable finished_cv_;
+  int state_ = -1;  // -1: not set up; kUsable / kUnusable
+  int ordinal_ = -1;
+  char* own_ = nullptr;  // this rank's allocation
+  std::vector<char*> base_;       // every rank's allocation as mapped here (own_ for this rank)
+  std::vector<void*> opened_;     // peers' IPC mappings, to close
+  size_t words_bytes_ = 0;
+  uint32_t epoch_ = 0;    // last epoch issued
+  uint64_t step_ = 0;     // last step issued (its buffer: step & 1)
+  uint64_t seq_ = 0;      // last op issued
+  uint64_t finished_ = 0;  // ops finished (guarded by mu_)
+  uint32_t finished_epoch_ = 0;
+  bool failed_ = false;
+};
+
+}  // namespace mooncake::pg
