@@ -371,16 +371,20 @@ set +e
     echo '{"check": "torch_check", "ok": false, "detail": "the module did not build"}'
     r=1
   elif [[ -n "$MODULE" && -f "$MODULE" ]]; then
-    # As shipped (Work.wait() blocks, MC_PG_BLOCKING_WAIT=1), timed; then, on CUDA, with the
-    # stream gate (MC_PG_BLOCKING_WAIT=0), which deadlocked on the GPU machine's second session
-    # (docs/gpu.md), untimed.
+    # As shipped (host-driven ops' Work.wait() blocks, MC_PG_BLOCKING_WAIT=1; all_reduce is
+    # stream-ordered), timed; then, on CUDA, with the stream gate (MC_PG_BLOCKING_WAIT=0),
+    # which deadlocked on the GPU machine's second session (docs/gpu.md), all_reduce timed.
     BENCH=()
     [[ "${GPU_CHECK_BENCH:-1}" == 1 ]] && BENCH=(--bench)
     echo "gpu_check: the torch check, Work.wait() blocking"
     torch_pass torch_check 1 --module-dir "$B" "${BENCH[@]}" || r=$?
+    # (The first pass's all_reduce of CUDA tensors is stream-ordered, pg/stream_ops.h; this
+    # one takes the host-driven path, MC_PG_STREAM_OPS=0, so that the gate is what orders the
+    # streams, and times all_reduce that way for the A/B.)
     if [[ "$DEVICE" == cuda && "${GPU_CHECK_GATE:-1}" == 1 ]]; then
-      echo "gpu_check: the torch check, Work.wait() as a stream gate"
-      torch_pass torch_check_gate 0 --module-dir "$B" || r=$?
+      echo "gpu_check: the torch check, host-driven all_reduce, Work.wait() as a stream gate"
+      MC_PG_STREAM_OPS=0 torch_pass torch_check_gate 0 --module-dir "$B" "${BENCH[@]}" \
+        --bench-ops all_reduce || r=$?
     fi
   fi
   if ((PKG_FAILED)); then

@@ -75,7 +75,8 @@ def launch(a):
                  ["--module-dir", a.module_dir])
         cmd = [sys.executable, os.path.abspath(__file__)] + where + [
                "--device", a.device, "--world", str(a.world), "--rank", str(r), "--port",
-               str(port), "--timeout", str(a.timeout)] + (["--bench"] if a.bench else [])
+               str(port), "--timeout", str(a.timeout)] + (
+                   ["--bench", "--bench-ops", a.bench_ops] if a.bench else [])
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, env=env))
     # One deadline for all ranks; a rank still running then is shown (its Python stacks, written
@@ -181,6 +182,13 @@ def worker(a):
                 M._device_copy(t.data_ptr(), d.data_ptr(), t.numel() * t.element_size())
             return t
 
+    def stream_ops():  # stream-ordered ops this rank issued (None: the module cannot say)
+        g = dist.distributed_c10d._get_default_group()
+        be = g._get_backend(torch.device("cuda" if cuda else "cpu")) \
+            if hasattr(g, "_get_backend") else g
+        f = getattr(be, "_stream_ops", None)
+        return f() if f else None
+
     def inp(r, n, dt=torch.float32, salt=0):
         return ((torch.arange(n, dtype=torch.int64) * (salt + 1) + 7 * r) % 17).to(dt)
 
@@ -260,6 +268,7 @@ def worker(a):
         torch.cuda._sleep(cycles)
         torch.cuda.synchronize()
         sleep_s = time.time() - t0
+        ops_before = stream_ops()
         with torch.cuda.stream(s):
             x = torch.zeros(1 << 20, device="cuda")
             torch.cuda._sleep(cycles)
@@ -275,7 +284,18 @@ def worker(a):
               torch.full((1 << 20,), float(W * (W + 1))))
         detail = "wait %.4f s, the stream's sleep %.4f s, completed when wait returned: %s" % (
             wait_s, sleep_s, done_then)
-        if os.environ.get("MC_PG_BLOCKING_WAIT", "1") == "0":  # the gate (docs/gpu.md)
+        # allreduce of CUDA tensors is queued on the stream (pg/stream_ops.h) unless
+        # MC_PG_STREAM_OPS=0; then wait() never blocks the host.
+        on_stream = ops_before is not None and stream_ops() > ops_before
+        want_stream = os.environ.get("MC_PG_STREAM_OPS", "auto") != "0"
+        row({"check": "all_reduce of CUDA tensors is stream-ordered (MC_PG_STREAM_OPS)",
+             "ok": on_stream == want_stream,
+             "detail": "stream-ordered: %s, MC_PG_STREAM_OPS=%s" % (
+                 on_stream, os.environ.get("MC_PG_STREAM_OPS", "auto"))})
+        if on_stream:
+            row({"check": "Work.wait() of a stream-ordered all_reduce does not block the host",
+                 "ok": wait_s < 0.5 * sleep_s and not done_then, "detail": detail})
+        elif os.environ.get("MC_PG_BLOCKING_WAIT", "1") == "0":  # the gate (docs/gpu.md)
             row({"check": "Work.wait() does not block the host", "ok": wait_s < 0.5 * sleep_s
                  and not done_then, "detail": detail})
         else:  # the default: wait() returns when the op has completed
@@ -291,7 +311,7 @@ def worker(a):
     else:
         row({"check": "ep on a GPU buffer", "ok": False, "detail": "the module has no EpBuffer"})
     if a.bench:
-        bench(torch, dist, ag, gpu, cuda, W, me, row)
+        bench(torch, dist, ag, gpu, cuda, W, me, row, a.bench_ops.split(","))
     dist.barrier()
     if me == 0:
         for r in rows:
@@ -413,7 +433,7 @@ def ep_check(torch, dist, M, gpu, host, cuda, W, me, row, timed):
          "combine_p50_us": ts_c[len(ts_c) // 2] * 1e6})
 
 
-def bench(torch, dist, ag, gpu, cuda, W, me, row):
+def bench(torch, dist, ag, gpu, cuda, W, me, row, only):
     """all_reduce, all_gather, all_to_all on GPU tensors, 64 KiB .. 256 MiB (sim: .. 1 MiB,
     against host tensors), median time of rank 0; with CUDA, against the device's own 256 MiB
     device-to-device copy rate."""
@@ -446,6 +466,8 @@ def bench(torch, dist, ag, gpu, cuda, W, me, row):
                    "all_gather": lambda: ag(out, send),
                    "all_to_all": lambda: dist.all_to_all_single(out, a2a_in)}
             for op, fn in ops.items():
+                if op not in only:
+                    continue
                 iters = 5 if nbytes >= (16 << 20) else 30
                 fn()
                 ts = []
@@ -459,6 +481,7 @@ def bench(torch, dist, ag, gpu, cuda, W, me, row):
                 t = sorted(ts)[len(ts) // 2]
                 busbw = nbytes / t / 1e9 * factor[op]
                 r = {"bench": op, "device": where, "world": W, "bytes": nbytes,
+                     "stream_ops": os.environ.get("MC_PG_STREAM_OPS", "auto"),
                      "time_us": round(t * 1e6, 1), "busbw_gbps": round(busbw, 3)}
                 if limit:
                     r["vs_d2d"] = round(busbw / limit, 3)
@@ -474,6 +497,8 @@ def main():
     ap.add_argument("--device", choices=["cuda", "sim"], default="cuda")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--bench-ops", default="all_reduce,all_gather,all_to_all",
+                    help="the ops --bench times")
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--rank", type=int)
     ap.add_argument("--port", type=int)

@@ -39,7 +39,9 @@ PYBIND11_MODULE(mc_torch_check, m) {
              return c10::make_intrusive<ProcessGroupMooncake>(store, rank, size, std::move(o));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("_stream_ops",
+           [](ProcessGroupMooncake& self) { return self.communicator().streamOps(); });
   m.attr("DEVICES") = py::cast(ProcessGroupMooncake::devices());
   mooncake::torch_ext::registerEpApis(m);
   m.attr("BACKEND_BASE") = py::str(mooncake::torch_ext::kBackendBasePyName);
