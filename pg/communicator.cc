@@ -400,6 +400,40 @@ struct StreamOpTicket final : Communicator::StreamOp {
 };
 }  // namespace
 
+namespace {
+// The group's StreamOps when an op of `bytes` on GPU memory at ps (all on one device, whose
+// ordinal goes to *ordinal) takes the stream-ordered path (pg/stream_ops.h); else null.
+StreamOps* streamOpsFor(Communicator::Impl& c, size_t bytes,
+                        std::initializer_list<const void*> ps, int* ordinal) {
+  using Mode = PgParams::StreamOpsMode;
+  if (c.params.stream_ops == Mode::kOff || c.elastic || !c.shm || c.size < 2 || bytes == 0 ||
+      !DeviceStage::any(ps))
+    return nullptr;
+  auto layer = engine::device::get();
+  if (!layer.ok()) return nullptr;
+  if (c.params.stream_ops == Mode::kAuto && std::string((*layer)->name()) != "cuda")
+    return nullptr;
+  *ordinal = -1;
+  for (const void* p : ps) {
+    const engine::device::PointerInfo i = (*layer)->pointer(p);
+    if (!i.device || (*ordinal >= 0 && i.ordinal != *ordinal)) return nullptr;
+    *ordinal = i.ordinal;
+  }
+  std::lock_guard<std::mutex> g(c.stream_ops_mu);
+  if (!c.stream_ops) c.stream_ops = std::make_unique<StreamOps>(c);
+  return c.stream_ops.get();
+}
+
+std::shared_ptr<Communicator::StreamOp> wrap(StreamOps* ops,
+                                             std::shared_ptr<StreamOps::Ticket> tk) {
+  if (!tk) return nullptr;
+  auto r = std::make_shared<StreamOpTicket>();
+  r->ops = ops;
+  r->t = std::move(tk);
+  return r;
+}
+}  // namespace
+
 std::shared_ptr<Communicator::StreamOp> Communicator::allReduceOnStream(const void* in,
                                                                         void* out, size_t count,
                                                                         DataType t, ReduceOp op,
@@ -407,29 +441,70 @@ std::shared_ptr<Communicator::StreamOp> Communicator::allReduceOnStream(const vo
   checkReduce(t, op, "allreduce");
   checkPtr(in, count, "input", "allreduce");
   checkPtr(out, count, "output", "allreduce");
-  Impl& c = *impl_;
-  using Mode = PgParams::StreamOpsMode;
-  if (c.params.stream_ops == Mode::kOff || c.elastic || !c.shm || c.size < 2 || count == 0 ||
-      !DeviceStage::any({in, out}))
-    return nullptr;
-  auto layer = engine::device::get();
-  if (!layer.ok()) return nullptr;
-  if (c.params.stream_ops == Mode::kAuto && std::string((*layer)->name()) != "cuda")
-    return nullptr;
-  const engine::device::PointerInfo a = (*layer)->pointer(in), b = (*layer)->pointer(out);
-  if (!a.device || !b.device || a.ordinal != b.ordinal) return nullptr;
-  StreamOps* ops = nullptr;
-  {
-    std::lock_guard<std::mutex> g(c.stream_ops_mu);
-    if (!c.stream_ops) c.stream_ops = std::make_unique<StreamOps>(c);
-    ops = c.stream_ops.get();
-  }
-  auto tk = ops->allReduce(in, out, count, t, op, a.ordinal, stream);
-  if (!tk) return nullptr;
-  auto r = std::make_shared<StreamOpTicket>();
-  r->ops = ops;
-  r->t = std::move(tk);
-  return r;
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, count * dtypeSize(t), {in, out}, &ordinal);
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->allReduce(in, out, count, t, op,
+                                  typedSig(OpKind::kAllReduce, count, t, op), ordinal, stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::allGatherOnStream(const void* in,
+                                                                        void* out, size_t bytes,
+                                                                        const void* stream) {
+  checkPtr(in, bytes, "input", "allgather");
+  checkPtr(out, bytes, "output", "allgather");
+  // The own block and the input: the same place (in place) or apart (the host-driven op's
+  // rule too); else the host-driven op deals with it.
+  const char* own = static_cast<const char*>(out) + static_cast<size_t>(impl_->rank) * bytes;
+  const char* src = static_cast<const char*>(in);
+  if (!(own == src || own + bytes <= src || src + bytes <= own)) return nullptr;
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, bytes, {in, out}, &ordinal);
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->allGather(in, out, bytes, bytesSig(OpKind::kAllGather, bytes), ordinal,
+                                  stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::broadcastOnStream(void* buf, size_t bytes,
+                                                                        int root,
+                                                                        const void* stream) {
+  checkRoot(*impl_, root, "broadcast");
+  checkPtr(buf, bytes, "buffer", "broadcast");
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, bytes, {buf}, &ordinal);
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->broadcast(buf, bytes, root, bytesSig(OpKind::kBroadcast, bytes, root),
+                                  ordinal, stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::reduceScatterOnStream(
+    const void* in, void* out, size_t count, DataType t, ReduceOp op, const void* stream) {
+  checkReduce(t, op, "reduce_scatter");
+  checkPtr(in, count, "input", "reduce_scatter");
+  checkPtr(out, count, "output", "reduce_scatter");
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, count * dtypeSize(t), {in, out}, &ordinal);
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->reduceScatter(in, out, count, t, op,
+                                      typedSig(OpKind::kReduceScatter, count, t, op), ordinal,
+                                      stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::allToAllOnStream(const void* in, void* out,
+                                                                       size_t block,
+                                                                       const void* stream) {
+  checkPtr(in, block, "input", "alltoall");
+  checkPtr(out, block, "output", "alltoall");
+  const size_t all = block * static_cast<size_t>(impl_->size);
+  const char* ib = static_cast<const char*>(in);
+  const char* ob = static_cast<const char*>(out);
+  if (ib < ob + all && ob < ib + all)
+    throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, block, {in, out}, &ordinal);
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->allToAll(in, out, block, bytesSig(OpKind::kAllToAll, block), ordinal,
+                                 stream));
 }
 
 uint64_t Communicator::streamOps() const {

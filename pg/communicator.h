@@ -171,6 +171,16 @@ class Communicator {
   };
   std::shared_ptr<StreamOp> allReduceOnStream(const void* in, void* out, size_t count,
                                               DataType t, ReduceOp op, const void* stream);
+  // The same for allGather, broadcast, reduceScatter and an all-to-all of equal blocks of
+  // `block` bytes (block j of `in` to rank j, rank r's block at r * block of `out`).
+  std::shared_ptr<StreamOp> allGatherOnStream(const void* in, void* out, size_t bytes,
+                                              const void* stream);
+  std::shared_ptr<StreamOp> broadcastOnStream(void* buf, size_t bytes, int root,
+                                              const void* stream);
+  std::shared_ptr<StreamOp> reduceScatterOnStream(const void* in, void* out, size_t count,
+                                                  DataType t, ReduceOp op, const void* stream);
+  std::shared_ptr<StreamOp> allToAllOnStream(const void* in, void* out, size_t block,
+                                             const void* stream);
   // Stream-ordered ops issued by this rank so far (tests).
   uint64_t streamOps() const;
   void reduce(const void* in, void* out, size_t count, DataType t, ReduceOp op, int root);

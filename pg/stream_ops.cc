@@ -170,22 +170,72 @@ bool StreamOps::setUp(int ordinal, const OpCtx& op) {
   return state_ == kUsable;
 }
 
-std::shared_ptr<StreamOps::Ticket> StreamOps::allReduce(const void* in, void* out, size_t count,
-                                                        DataType t, ReduceOp rop, int ordinal,
-                                                        const void* stream) {
-  const char* name = "allreduce";
-  std::unique_lock<std::mutex> lk(mu_);
-  if (c_.broken.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> g(c_.broken_mu);
-    throw CommError("mooncake pg: " + std::string(name) + " on group " + c_.opts.group_name +
-                        " that already failed: " + c_.broken_what,
-                    c_.broken_rank, name);
+// What an op's steps are queued with (StreamOps::issue; mu_ held).
+struct StreamOps::Issue {
+  StreamOps& so;
+  device::Device* layer;
+  int ordinal;
+  const void* stream;
+  std::unique_lock<std::mutex>& lk;
+  Ticket& tk;
+  std::vector<const void*> srcs;
+
+  void check(const Status& st, const char* what) {
+    if (st.ok()) return;
+    CommError e("mooncake pg: " + std::string(tk.op.name) + " on rank " +
+                    std::to_string(so.c_.rank) + ": queueing " + what +
+                    " on the stream failed: " + st.toString(),
+                -1, tk.op.name);
+    lk.unlock();
+    so.fail(tk, e);
+    // Released, the stream runs the steps queued so far: done before the caller, told of the
+    // failure, frees the memory they write.
+    auto ev = layer->recordOn(ordinal, stream);
+    if (ev.ok()) (void)(*ev)->wait(engine::deadlineInMs(5000));
+    throw e;
   }
-  OpSig sig;
-  sig.kind = OpKind::kAllReduce;
-  sig.dtype = static_cast<uint8_t>(static_cast<int>(t) + 1);
-  sig.redop = static_cast<uint8_t>(static_cast<int>(rop) + 1);
-  sig.count = count;
+  int me() const { return so.c_.rank; }
+  int n() const { return so.c_.size; }
+  uint64_t step() { return ++so.step_; }
+  char* buf(int owner, uint64_t s) const { return so.buffer(owner, s); }
+  void copy(void* dst, const void* src, size_t len) {
+    if (len > 0 && dst != src)
+      check(layer->copyAsyncOn(dst, src, len, ordinal, stream), "a copy");
+  }
+  // Every peer's arrive word from this rank raised to the next epoch, then this rank's from
+  // every peer awaited: the stream goes on once every rank's stream got here.
+  void exchange() {
+    const uint32_t e = ++so.epoch_;
+    for (int r = 0; r < n(); ++r)
+      if (r != me()) check(layer->writeWord(ordinal, stream, so.words(r, me(), false), e), "a flag");
+    for (int r = 0; r < n(); ++r)
+      if (r != me()) check(layer->waitWord(ordinal, stream, so.words(me(), r, false), e), "a wait");
+  }
+  // dst (and dst2) = the reduction of srcs, `elems` elements.
+  void reduce(void* dst, void* dst2, size_t elems, DataType t, ReduceOp rop) {
+    if (elems == 0) return;
+    bool queued = false;
+    try {
+      queued = deviceReduceAsync(dst, dst2, srcs.data(), n(), elems, t, rop, ordinal,
+                                 tk.op.name, stream);
+    } catch (const CommError& err) {
+      check(MC_STATUS(kInternal, err.what()), "the reduction");
+    }
+    if (!queued) check(MC_STATUS(kNotSupported, "no GPU form"), "the reduction");
+  }
+};
+
+std::shared_ptr<StreamOps::Ticket> StreamOps::issue(const char* name, const OpSig& sig,
+                                                    int ordinal, const void* stream,
+                                                    const std::function<void(Issue&)>& steps) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto alreadyFailed = [&]() {
+    std::lock_guard<std::mutex> g(c_.broken_mu);
+    return CommError("mooncake pg: " + std::string(name) + " on group " + c_.opts.group_name +
+                         " that already failed: " + c_.broken_what,
+                     c_.broken_rank, name);
+  };
+  if (c_.broken.load(std::memory_order_acquire)) throw alreadyFailed();
   OpCtx op{name, Clock::now() + c_.opts.timeout, seq_ + 1, c_.opts.timeout, sig};
   if (state_ < 0) {
     bool ok = false;
@@ -201,8 +251,9 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::allReduce(const void* in, void* ou
   }
   if (state_ != kUsable) return nullptr;
   if (ordinal != ordinal_)
-    throw UsageError("mooncake pg: allreduce on rank " + std::to_string(c_.rank) +
-                         ": the tensor is on device " + std::to_string(ordinal) +
+    throw UsageError("mooncake pg: " + std::string(name) + " on rank " +
+                         std::to_string(c_.rank) + ": the tensor is on device " +
+                         std::to_string(ordinal) +
                          " but the group's stream-ordered buffers are on device " +
                          std::to_string(ordinal_) + " (one device per rank and group)",
                      -1, name);
@@ -210,96 +261,150 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::allReduce(const void* in, void* ou
   while (seq_ - finished_ >= kMaxInFlight && !failed_) {
     if (finished_cv_.wait_until(lk, op.deadline) == std::cv_status::timeout &&
         seq_ - finished_ >= kMaxInFlight)
-      throw CommError("mooncake pg: allreduce on rank " + std::to_string(c_.rank) + ": " +
-                          std::to_string(kMaxInFlight) +
+      throw CommError("mooncake pg: " + std::string(name) + " on rank " +
+                          std::to_string(c_.rank) + ": " + std::to_string(kMaxInFlight) +
                           " stream-ordered ops issued and none finished within the group "
                           "timeout",
                       -1, name);
   }
-  if (failed_) {
-    std::lock_guard<std::mutex> g(c_.broken_mu);
-    throw CommError("mooncake pg: " + std::string(name) + " on group " + c_.opts.group_name +
-                        " that already failed: " + c_.broken_what,
-                    c_.broken_rank, name);
-  }
+  if (failed_) throw alreadyFailed();
   auto tk = std::make_shared<Ticket>();
   tk->seq = ++seq_;
   tk->op = op;
   tk->op.seq = tk->seq;
   publishSig(*tk);
+  Issue is{*this, layerOrThrow(name), ordinal, stream, lk, *tk,
+           std::vector<const void*>(static_cast<size_t>(c_.size))};
+  steps(is);
+  // Peers' done words, and this rank's own (what orderAfter's streams wait on).
+  for (int r = 0; r < c_.size; ++r)
+    is.check(is.layer->writeWord(ordinal, stream, words(r, c_.rank, true), epoch_), "a flag");
+  tk->last_epoch = epoch_;
+  auto ev = is.layer->recordOn(ordinal, stream);
+  if (!ev.ok()) is.check(ev.status(), "an event");
+  tk->done = std::move(*ev);
+  return tk;
+}
 
-  device::Device* layer = layerOrThrow(name);
-  const int me = c_.rank;
-  const size_t es = dtypeSize(t);
-  const size_t bytes = count * es;
-  auto check = [&](const Status& st, const char* what) {
-    if (!st.ok()) {
-      CommError e("mooncake pg: allreduce on rank " + std::to_string(me) + ": queueing " +
-                      what + " on the stream failed: " + st.toString(),
-                  -1, name);
-      lk.unlock();
-      fail(*tk, e);
-      throw e;
-    }
-  };
-  // Every peer's arrive word from this rank raised to the next epoch, then this rank's from
-  // every peer awaited: the stream goes on once every rank's stream got here.
-  auto exchange = [&]() {
-    const uint32_t e = ++epoch_;
-    for (int r = 0; r < c_.size; ++r)
-      if (r != me) check(layer->writeWord(ordinal, stream, words(r, me, false), e), "a flag");
-    for (int r = 0; r < c_.size; ++r)
-      if (r != me) check(layer->waitWord(ordinal, stream, words(me, r, false), e), "a wait");
-  };
-  auto reduceInto = [&](void* dst, void* dst2, const std::vector<const void*>& from,
-                        size_t elems) {
-    bool queued = false;
-    try {
-      queued = deviceReduceAsync(dst, dst2, from.data(), c_.size, elems, t, rop, ordinal, name,
-                                 stream);
-    } catch (const CommError& err) {
-      check(MC_STATUS(kInternal, err.what()), "the reduction");
-    }
-    if (!queued) check(MC_STATUS(kNotSupported, "no GPU form"), "the reduction");
-  };
+std::shared_ptr<StreamOps::Ticket> StreamOps::allReduce(const void* in, void* out, size_t count,
+                                                        DataType t, ReduceOp rop,
+                                                        const OpSig& sig, int ordinal,
+                                                        const void* stream) {
+  const size_t es = dtypeSize(t), bytes = count * es;
   // One shot (small ops): every rank reduces the whole step from every rank's buffer. Two
   // shots: each rank reduces its slice of the step into its output and back into its own
   // buffer, and after a second exchange copies the peers' reduced slices out of theirs.
   const bool two_shot = bytes > c_.params.stream_oneshot_bytes;
-  std::vector<const void*> srcs(static_cast<size_t>(c_.size));
-  for (size_t off = 0; off < bytes; off += chunk_) {
-    const size_t n = std::min(chunk_, bytes - off);
-    const uint64_t s = ++step_;
-    char* o = static_cast<char*>(out) + off;
-    check(layer->copyAsyncOn(buffer(me, s), static_cast<const char*>(in) + off, n, ordinal,
-                             stream),
-          "a copy");
-    exchange();
-    if (!two_shot) {
-      for (int r = 0; r < c_.size; ++r) srcs[static_cast<size_t>(r)] = buffer(r, s);
-      reduceInto(o, nullptr, srcs, n / es);
-      continue;
+  return issue("allreduce", sig, ordinal, stream, [&](Issue& is) {
+    const int me = is.me(), n = is.n();
+    for (size_t off = 0; off < bytes; off += chunk_) {
+      const size_t len = std::min(chunk_, bytes - off);
+      const uint64_t s = is.step();
+      char* o = static_cast<char*>(out) + off;
+      is.copy(is.buf(me, s), static_cast<const char*>(in) + off, len);
+      is.exchange();
+      if (!two_shot) {
+        for (int r = 0; r < n; ++r) is.srcs[static_cast<size_t>(r)] = is.buf(r, s);
+        is.reduce(o, nullptr, len / es, t, rop);
+        continue;
+      }
+      auto part = [&](int r) { return algo::partBegin(len / es, n, r, 1) * es; };
+      for (int r = 0; r < n; ++r) is.srcs[static_cast<size_t>(r)] = is.buf(r, s) + part(me);
+      is.reduce(o + part(me), is.buf(me, s) + part(me), (part(me + 1) - part(me)) / es, t, rop);
+      is.exchange();
+      for (int r = 0; r < n; ++r)
+        if (r != me) is.copy(o + part(r), is.buf(r, s) + part(r), part(r + 1) - part(r));
     }
-    const size_t elems = n / es;
-    auto part = [&](int r) { return algo::partBegin(elems, c_.size, r, 1) * es; };
-    for (int r = 0; r < c_.size; ++r) srcs[static_cast<size_t>(r)] = buffer(r, s) + part(me);
-    if (part(me + 1) > part(me))
-      reduceInto(o + part(me), buffer(me, s) + part(me), srcs, (part(me + 1) - part(me)) / es);
-    exchange();
-    for (int r = 0; r < c_.size; ++r)
-      if (r != me && part(r + 1) > part(r))
-        check(layer->copyAsyncOn(o + part(r), buffer(r, s) + part(r), part(r + 1) - part(r),
-                                 ordinal, stream),
-              "a copy");
-  }
-  // Peers' done words, and this rank's own (what orderAfter's streams wait on).
-  for (int r = 0; r < c_.size; ++r)
-    check(layer->writeWord(ordinal, stream, words(r, me, true), epoch_), "a flag");
-  tk->last_epoch = epoch_;
-  auto ev = layer->recordOn(ordinal, stream);
-  if (!ev.ok()) check(ev.status(), "an event");
-  tk->done = std::move(*ev);
-  return tk;
+  });
+}
+
+std::shared_ptr<StreamOps::Ticket> StreamOps::allGather(const void* in, void* out, size_t bytes,
+                                                        const OpSig& sig, int ordinal,
+                                                        const void* stream) {
+  // Each step: this rank's piece into its buffer; exchange; every rank's piece out of its
+  // buffer (this rank's straight from the input).
+  return issue("allgather", sig, ordinal, stream, [&](Issue& is) {
+    for (size_t off = 0; off < bytes; off += chunk_) {
+      const size_t len = std::min(chunk_, bytes - off);
+      const uint64_t s = is.step();
+      is.copy(is.buf(is.me(), s), static_cast<const char*>(in) + off, len);
+      is.exchange();
+      for (int r = 0; r < is.n(); ++r) {
+        char* to = static_cast<char*>(out) + static_cast<size_t>(r) * bytes + off;
+        is.copy(to, r == is.me() ? static_cast<const char*>(in) + off : is.buf(r, s), len);
+      }
+    }
+  });
+}
+
+std::shared_ptr<StreamOps::Ticket> StreamOps::broadcast(void* data, size_t bytes, int root,
+                                                        const OpSig& sig, int ordinal,
+                                                        const void* stream) {
+  // Each step: the root's piece into its buffer; exchange (every rank: buffer reuse needs the
+  // receivers' streams to have copied the step before the root writes it again); the others
+  // copy it out.
+  return issue("broadcast", sig, ordinal, stream, [&](Issue& is) {
+    for (size_t off = 0; off < bytes; off += chunk_) {
+      const size_t len = std::min(chunk_, bytes - off);
+      const uint64_t s = is.step();
+      char* at = static_cast<char*>(data) + off;
+      if (is.me() == root) is.copy(is.buf(root, s), at, len);
+      is.exchange();
+      if (is.me() != root) is.copy(at, is.buf(root, s), len);
+    }
+  });
+}
+
+std::shared_ptr<StreamOps::Ticket> StreamOps::reduceScatter(const void* in, void* out,
+                                                            size_t count, DataType t,
+                                                            ReduceOp rop, const OpSig& sig,
+                                                            int ordinal, const void* stream) {
+  // Each step: a piece of every block of the input into this rank's buffer (block j's at
+  // j * piece); exchange; this rank's block reduced out of every rank's buffer.
+  const size_t es = dtypeSize(t);
+  return issue("reduce_scatter", sig, ordinal, stream, [&](Issue& is) {
+    const int me = is.me(), n = is.n();
+    const size_t per = std::max<size_t>(chunk_ / static_cast<size_t>(n) / es, 1);
+    for (size_t e0 = 0; e0 < count; e0 += per) {
+      const size_t k = std::min(per, count - e0);
+      const uint64_t s = is.step();
+      for (int j = 0; j < n; ++j)
+        is.copy(is.buf(me, s) + static_cast<size_t>(j) * per * es,
+                static_cast<const char*>(in) + (static_cast<size_t>(j) * count + e0) * es,
+                k * es);
+      is.exchange();
+      for (int r = 0; r < n; ++r)
+        is.srcs[static_cast<size_t>(r)] = is.buf(r, s) + static_cast<size_t>(me) * per * es;
+      is.reduce(static_cast<char*>(out) + e0 * es, nullptr, k, t, rop);
+    }
+  });
+}
+
+std::shared_ptr<StreamOps::Ticket> StreamOps::allToAll(const void* in, void* out, size_t block,
+                                                       const OpSig& sig, int ordinal,
+                                                       const void* stream) {
+  // Each step: a piece of every block of the input into this rank's buffer (block j's at
+  // j * piece); exchange; from every rank's buffer the piece meant for this rank.
+  return issue("alltoall", sig, ordinal, stream, [&](Issue& is) {
+    const int me = is.me(), n = is.n();
+    const size_t per = std::max<size_t>(chunk_ / static_cast<size_t>(n), 1);
+    for (size_t off = 0; off < block; off += per) {
+      const size_t len = std::min(per, block - off);
+      const uint64_t s = is.step();
+      for (int j = 0; j < n; ++j)
+        if (j != me)
+          is.copy(is.buf(me, s) + static_cast<size_t>(j) * per,
+                  static_cast<const char*>(in) + static_cast<size_t>(j) * block + off, len);
+      is.exchange();
+      for (int r = 0; r < n; ++r) {
+        char* to = static_cast<char*>(out) + static_cast<size_t>(r) * block + off;
+        if (r == me)
+          is.copy(to, static_cast<const char*>(in) + static_cast<size_t>(me) * block + off, len);
+        else
+          is.copy(to, is.buf(r, s) + static_cast<size_t>(me) * per, len);
+      }
+    }
+  });
 }
 
 void StreamOps::publishSig(const Ticket& t) {
@@ -340,6 +445,12 @@ void StreamOps::checkSigs(const Ticket& t, bool strict) const {
 
 void StreamOps::finish(Ticket& t) {
   try {
+    if (c_.broken.load(std::memory_order_acquire)) {
+      std::lock_guard<std::mutex> g(c_.broken_mu);
+      throw CommError("mooncake pg: " + std::string(t.op.name) + " on group " +
+                          c_.opts.group_name + " that already failed: " + c_.broken_what,
+                      c_.broken_rank, t.op.name);
+    }
     const auto slice = std::chrono::microseconds(std::max<int64_t>(c_.params.wait.health_us, 100));
     for (;;) {
       Status st = t.done->wait(std::min(Clock::now() + slice, t.op.deadline));
@@ -362,6 +473,14 @@ void StreamOps::finish(Ticket& t) {
     c_.shm->checkAborts(t.op);
   } catch (const CommError& e) {
     fail(t, e);
+    // Released, the stream runs the op's remaining steps (on whatever the buffers hold: the
+    // output is undefined): they must be done before the caller, told of the failure, frees
+    // the memory they write.
+    Status st = t.done->wait(engine::deadlineInMs(5000));
+    if (!st.ok()) {
+      MC_LOG(WARN, PG) << t.op.name << " #" << t.seq
+                       << ": the stream did not finish the failed op's steps: " << st.toString();
+    }
     throw;
   }
   std::lock_guard<std::mutex> g(mu_);
@@ -385,7 +504,8 @@ void StreamOps::breakGroup(const CommError& e) {
 
 void StreamOps::fail(const Ticket& t, const CommError& e) {
   // Peers first (their finish() fails on the abort word), then this rank's stream: released,
-  // it may write peers' words with later epochs, which they must not take for success.
+  // it may write peers' words with later epochs, which they must not take for success. Again
+  // for every later op of a failed group: ops issued since need the release too.
   breakGroup(e);
   uint32_t last = 0;
   {

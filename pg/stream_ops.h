@@ -50,6 +50,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -79,12 +80,29 @@ class StreamOps {
   StreamOps(const StreamOps&) = delete;
   StreamOps& operator=(const StreamOps&) = delete;
 
-  // Queues an allreduce of `count` elements of GPU memory on `stream` of device `ordinal` (where
-  // in and out lie). Null, with nothing queued, when the group does not take this path (setup
-  // failed on some rank); throws CommError for a failed setup or launch, UsageError for memory
-  // on another device than the group's buffers.
+  // Queue an op on GPU memory on `stream` of device `ordinal` (where its memory lies); sig: the
+  // op's signature as the host-driven op has it (mismatch checks and errors). Null, with
+  // nothing queued, when the group does not take this path (setup failed on some rank); throw
+  // CommError for a failed setup or launch, UsageError for memory on another device than the
+  // group's buffers. Their steps, each rank's stream:
+  //   allGather: its piece into its buffer; exchange; every rank's piece out into `out`;
+  //   broadcast: the root's piece into the root's buffer; exchange; the others copy it out;
+  //   reduceScatter: a piece of every block into its buffer; exchange; its block reduced out
+  //     of every rank's buffer;
+  //   allToAll (equal blocks of `block` bytes): a piece of every block into its buffer;
+  //     exchange; from every rank's buffer the piece meant for it.
   std::shared_ptr<Ticket> allReduce(const void* in, void* out, size_t count, DataType t,
-                                    ReduceOp op, int ordinal, const void* stream);
+                                    ReduceOp op, const OpSig& sig, int ordinal,
+                                    const void* stream);
+  std::shared_ptr<Ticket> allGather(const void* in, void* out, size_t bytes, const OpSig& sig,
+                                    int ordinal, const void* stream);
+  std::shared_ptr<Ticket> broadcast(void* data, size_t bytes, int root, const OpSig& sig,
+                                    int ordinal, const void* stream);
+  std::shared_ptr<Ticket> reduceScatter(const void* in, void* out, size_t count, DataType t,
+                                        ReduceOp op, const OpSig& sig, int ordinal,
+                                        const void* stream);
+  std::shared_ptr<Ticket> allToAll(const void* in, void* out, size_t block, const OpSig& sig,
+                                   int ordinal, const void* stream);
   // Waits until the ticket's op is done, then checks it (see above). Throws CommError.
   // Called once per ticket, in issue order, by the thread that runs the group's ops.
   void finish(Ticket& t);
@@ -99,6 +117,11 @@ class StreamOps {
   // At most this many ops issued and not finished: the signature ring must still hold an op's
   // entry when the last peer checks it.
   static constexpr uint64_t kMaxInFlight = ShmGroup::kStreamRing / 2;
+  struct Issue;
+  // The checks, the setup (first op), a ticket with its published signature; `steps` queues
+  // the op's steps; then the done words and the event.
+  std::shared_ptr<Ticket> issue(const char* name, const OpSig& sig, int ordinal,
+                                const void* stream, const std::function<void(Issue&)>& steps);
   bool setUp(int ordinal, const OpCtx& op);  // under mu_; false: not usable by every rank
   uint32_t* words(int owner, int from, bool done) const;
   char* buffer(int owner, uint64_t step) const;

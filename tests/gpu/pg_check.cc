@@ -231,6 +231,63 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
     }
     return out + " " + std::to_string(c.streamOps()) + " stream-ordered ops";
   });
+  // The other stream-ordered collectives against their host-driven forms on the same inputs
+  // (16 MiB inputs less a few bytes, so that steps end off the block and chunk boundaries).
+  check("stream_collectives", [&]() -> std::string {
+    using mooncake::engine::device::kCopyStream;
+    const size_t nb = bytes - 12 * n;  // per rank (a multiple of 4 and of n)
+    std::vector<unsigned char> in(nb * n), want(nb * n), got(nb * n);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<unsigned char>((i * 53 + me * 29) % 241);
+    Gpu gi(d, nb * n), go(d, nb * n);
+    if (gi.p == nullptr || go.p == nullptr) return "allocation failed";
+    struct Op {
+      const char* name;
+      size_t out_bytes;
+      std::function<void(const void*, void*)> host;
+      std::function<std::shared_ptr<Communicator::StreamOp>(const void*, void*)> stream;
+    };
+    const std::vector<size_t> blk(n, nb / n);  // alltoall's blocks and their offsets
+    std::vector<size_t> off(n);
+    for (int j = 0; j < n; ++j) off[j] = j * (nb / n);
+    const Op ops[] = {
+        {"allgather", nb * n, [&](const void* i, void* o) { c.allGather(i, o, nb); },
+         [&](const void* i, void* o) { return c.allGatherOnStream(i, o, nb, kCopyStream); }},
+        {"broadcast", nb,
+         [&](const void* i, void* o) { std::memcpy(o, i, nb); c.broadcast(o, nb, 1); },
+         [&](const void* i, void* o) {
+           Status st = copyWait(d, o, i, nb);
+           if (!st.ok()) throw std::runtime_error(st.toString());
+           return c.broadcastOnStream(o, nb, 1, kCopyStream);
+         }},
+        {"reduce_scatter", nb / n,
+         [&](const void* i, void* o) {
+           c.reduceScatter(i, o, nb / n / 4, DataType::kFloat32, ReduceOp::kMax);
+         },
+         [&](const void* i, void* o) {
+           return c.reduceScatterOnStream(i, o, nb / n / 4, DataType::kFloat32, ReduceOp::kMax,
+                                          kCopyStream);
+         }},
+        {"alltoall", nb, [&](const void* i, void* o) { c.allToAllV(i, blk, off, o, blk, off); },
+         [&](const void* i, void* o) { return c.allToAllOnStream(i, o, nb / n, kCopyStream); }},
+    };
+    for (const Op& op : ops) {
+      op.host(in.data(), want.data());  // (every op's input: the first nb bytes)
+      Status st = copyWait(d, gi.p, in.data(), nb);
+      if (!st.ok()) return st.toString();
+      auto so = op.stream(gi.p, go.p);
+      if (!so)
+        return std::string(d.name()) == "cuda"
+                   ? std::string(op.name) + ": the stream-ordered path was not taken"
+                   : "ok: skipped (MC_PG_STREAM_OPS=" +
+                         mooncake::params::getString("MC_PG_STREAM_OPS") + " here)";
+      so->wait();
+      st = copyWait(d, got.data(), go.p, op.out_bytes);
+      if (!st.ok()) return st.toString();
+      if (std::memcmp(got.data(), want.data(), op.out_bytes) != 0)
+        return std::string(op.name) + ": differs from the host-driven op";
+    }
+    return "ok: allgather, broadcast, reduce_scatter, alltoall equal to the host-driven ops";
+  });
   check("allgather_16MiB", [&]() -> std::string {
     Gpu in(d, bytes), out(d, bytes * n);
     if (in.p == nullptr || out.p == nullptr) return "allocation failed";

@@ -344,3 +344,56 @@ def case_gpu_stream_absent(ctx, absent):
     if ctx.rank == absent:
         return {"absent": True}
     return _raised(lambda: dist.all_reduce(to_gpu(torch.ones(10))))
+
+
+def case_gpu_stream_copies(ctx, expect_stream, sizes=(1, 1000, 2**18 + 3)):
+    """broadcast, all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single without
+    splits on GPU tensors: stream-ordered on one host (the backend's count of stream-ordered ops
+    grows by one a call), not elsewhere; the host path's bytes and the expected values."""
+    fails = []
+    w, r = ctx.world, ctx.rank
+    be = _backend()
+    before = be._stream_ops()
+    calls = 0
+    for n in sizes:
+        root = w - 1
+        x = make("float32", n, r, salt=21)
+        g, h = to_gpu(x), x.clone()
+        dist.broadcast(g, root)
+        dist.broadcast(h, root)
+        calls += 1
+        _same(fails, f"stream broadcast x {n}", g, h)
+        if not torch.equal(h, make("float32", n, root, salt=21)):
+            fails.append(f"stream broadcast x {n}: not the root's values")
+
+        x = make("bfloat16", n, r, salt=22)
+        og, oh = to_gpu(torch.zeros(w * n, dtype=x.dtype)), torch.zeros(w * n, dtype=x.dtype)
+        _compat_all_gather_tensor(og, to_gpu(x))
+        _compat_all_gather_tensor(oh, x)
+        calls += 1
+        _same(fails, f"stream all_gather x {n}", og, oh)
+        if not torch.equal(oh, torch.cat([make("bfloat16", n, k, salt=22) for k in range(w)])):
+            fails.append(f"stream all_gather x {n}: not every rank's block")
+
+        ins = [make("float32", w * n, k, salt=23) for k in range(w)]
+        og, oh = to_gpu(torch.zeros(n)), torch.zeros(n)
+        _compat_reduce_scatter_tensor(og, to_gpu(ins[r]), OPS["SUM"])
+        _compat_reduce_scatter_tensor(oh, ins[r], OPS["SUM"])
+        calls += 1
+        _same(fails, f"stream reduce_scatter x {n}", og, oh)
+        _close(fails, f"stream reduce_scatter x {n}", oh,
+               reference(ins, "SUM", "float32", w)[r * n:(r + 1) * n], "float32")
+
+        ins = [make("int32", w * n, k, salt=24) for k in range(w)]
+        og, oh = to_gpu(torch.zeros(w * n, dtype=torch.int32)), torch.zeros(w * n, dtype=torch.int32)
+        dist.all_to_all_single(og, to_gpu(ins[r]))
+        dist.all_to_all_single(oh, ins[r])
+        calls += 1
+        _same(fails, f"stream all_to_all x {n}", og, oh)
+        if not torch.equal(oh, torch.cat([ins[k][r * n:(r + 1) * n] for k in range(w)])):
+            fails.append(f"stream all_to_all x {n}: not every rank's block for this rank")
+    got = be._stream_ops() - before
+    want = calls if expect_stream else 0
+    if got != want:
+        fails.append(f"{got} stream-ordered ops for {calls} calls (expected {want})")
+    return fails

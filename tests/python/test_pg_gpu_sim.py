@@ -18,6 +18,7 @@ SIZES = [0, 1, 1000, 2**18 + 3]
 
 def run_all(p, sizes, dtypes_red, dtypes_copy, stream=True):
     p.check("gpu_stream_ops", expect_stream=stream, sizes=sizes[1:])
+    p.check("gpu_stream_copies", expect_stream=stream, sizes=sizes[1:])
     p.check("gpu_reductions", sizes=sizes, dtypes=dtypes_red, ops=("SUM", "MAX", "AVG"))
     p.check("gpu_reductions", sizes=[7], dtypes=("int64", "uint8"), ops=("SUM", "BXOR", "MIN"))
     p.check("gpu_copies", sizes=sizes, dtypes=dtypes_copy)
@@ -60,13 +61,14 @@ def failure_type():
      "MC_PG_STREAM_OPS_ONESHOT_BYTES": "0"},
     {"MC_PG_STREAM_OPS": "0"}], ids=["small_steps", "small_steps_two_shots", "off"])
 def test_stream_allreduce(env):
-    """Steps of 4 KiB (a 1 MiB all_reduce takes 257 of them, through both buffers many times),
-    one shot up to 256 KiB and two shots above it, or two shots at every size; and the path
-    turned off (the host-driven path, still right)."""
+    """Steps of 4 KiB (a 1 MiB all_reduce takes 257 of them, through both buffers many times;
+    reduce_scatter and all_to_all cut every block into pieces of 4 KiB / 2), all_reduce in one
+    shot up to 256 KiB and two shots above it, or two shots at every size; and the path turned
+    off (the host-driven path, still right)."""
     p = Pool(2, timeout_s=120, env=dict({"MC_DEVICE": "sim"}, **env), gloo=False)
     try:
-        p.check("gpu_stream_ops", expect_stream=env["MC_PG_STREAM_OPS"] != "0",
-                sizes=(1, 5000, 2**18 + 3))
+        for case in ("gpu_stream_ops", "gpu_stream_copies"):
+            p.check(case, expect_stream=env["MC_PG_STREAM_OPS"] != "0", sizes=(1, 5000, 2**18 + 3))
     finally:
         p.close()
 

@@ -209,22 +209,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(const Check& ck,
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamAllReduce(const Tensor& t,
-                                                                     pg::DataType dt,
-                                                                     pg::ReduceOp op) {
-  const char* name = "allreduce";
-  std::optional<const void*> stream = opStream(t);
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamCollective(
+    c10d::OpType type, const char* name, const Tensor& on, std::vector<Tensor> outputs,
+    const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue) {
+  std::optional<const void*> stream = opStream(on);
   if (!stream) return {};
   std::shared_ptr<pg::Communicator::StreamOp> so;
   try {
-    so = comm_->allReduceOnStream(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
-                                  dt, op, *stream);
+    so = queue(*stream);
   } catch (...) {
     std::rethrow_exception(translateError(*ectx_, name, std::current_exception()));
   }
   if (!so) return {};
-  auto work = c10::make_intrusive<MooncakeWork>(rank_, OpType::ALLREDUCE, name, ectx_,
-                                                std::vector<Tensor>{t});
+  auto work = c10::make_intrusive<MooncakeWork>(rank_, type, name, ectx_, std::move(outputs));
   work->setSlots(comm_->maxGroupSize());
   work->setOnStream(so, *stream);
   try {
@@ -300,6 +297,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::broadcast(std::vector<Tenso
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
+  if (onGpu(t)) {
+    auto w = streamCollective(OpType::BROADCAST, "broadcast", t, {t}, [&](const void* st) {
+      return c->broadcastOnStream(t.data_ptr(), nbytes(t), root, st);
+    });
+    if (w) return w;
+  }
   return collective(ck, OpType::BROADCAST, "broadcast", tensors, [c, t, root] {
     Staged s = Staged::in(t);
     c->broadcast(s.data(), s.bytes(), root);
@@ -314,8 +317,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce(std::vector<Tenso
   auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
-  if (onGpu(t))
-    if (auto w = streamAllReduce(t, dt, op)) return w;
+  if (onGpu(t)) {
+    auto w = streamCollective(OpType::ALLREDUCE, "allreduce", t, {t}, [&](const void* st) {
+      return c->allReduceOnStream(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
+                                  dt, op, st);
+    });
+    if (w) return w;
+  }
   return collective(ck, OpType::ALLREDUCE, "allreduce", tensors, [c, t, dt = dt, op = op] {
     Staged s = Staged::in(t);
     c->allReduce(s.data(), s.data(), static_cast<size_t>(t.numel()), dt, op);
@@ -424,6 +432,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
   const int n = size_;
+  if (onGpu(in) && onGpu(out)) {
+    auto w = streamCollective(OpType::_ALLGATHER_BASE, "_allgather_base", out, {output},
+                              [&](const void* st) {
+                                return c->allGatherOnStream(in.data_ptr(), out.data_ptr(),
+                                                            nbytes(in), st);
+                              });
+    if (w) return w;
+  }
   return collective(ck, OpType::_ALLGATHER_BASE, "_allgather_base", {output}, [c, in, out, n] {
     Staged si = Staged::in(in), so = Staged::out(out);
     c->allGather(si.data(), so.data(), si.bytes(), n);
@@ -572,6 +588,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
   const int n = size_;
+  if (onGpu(in) && onGpu(out)) {
+    auto w = streamCollective(
+        OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", out, {output},
+        [&](const void* st) {
+          return c->reduceScatterOnStream(in.data_ptr(), out.data_ptr(),
+                                          static_cast<size_t>(out.numel()), dt, op, st);
+        });
+    if (w) return w;
+  }
   return collective(ck, OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", {output},
                     [c, in, out, n, dt = dt, op = op] {
                       Staged si = Staged::in(in), so = Staged::out(out);
@@ -593,6 +618,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall_base(
   splitBytes(ck, output, output_splits, size_, "output", &rb, &ro);
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
+  // Stream-ordered only without splits (equal blocks on every rank, so every rank decides
+  // alike; given splits may be equal on one rank and not on another).
+  if (onGpu(in) && onGpu(out) && input_splits.empty() && output_splits.empty() &&
+      nbytes(in) == nbytes(out)) {
+    auto w = streamCollective(OpType::ALLTOALL_BASE, "alltoall_base", out, {output},
+                              [&](const void* st) {
+                                return c->allToAllOnStream(in.data_ptr(), out.data_ptr(),
+                                                           sb.empty() ? 0 : sb[0], st);
+                              });
+    if (w) return w;
+  }
   return collective(ck, OpType::ALLTOALL_BASE, "alltoall_base", {output}, [c, in, out, sb, so, rb, ro] {
     Staged si = Staged::in(in), sout = Staged::out(out);
     c->allToAllV(si.data(), sb, so, sout.data(), rb, ro);

@@ -228,10 +228,12 @@ class ProcessGroupMooncake : public BackendBase {
   // for the caller's streams as they were at this call (StreamFence, gpu_tensors.h).
   c10::intrusive_ptr<Work> collective(const Check& ck, c10d::OpType type, const char* op,
                                       std::vector<at::Tensor> outputs, Body body);
-  // allreduce of a tensor in GPU memory queued on its stream (pg/stream_ops.h), with a Work
-  // whose queued task waits for it; null when the group does not take that path.
-  c10::intrusive_ptr<Work> streamAllReduce(const at::Tensor& t, pg::DataType dt,
-                                           pg::ReduceOp op);
+  // An op on GPU memory queued on the stream of `on` (pg/stream_ops.h) by `queue` (given that
+  // stream; null when the group does not take that path), with a Work whose queued task waits
+  // for it; null when it was not queued.
+  c10::intrusive_ptr<Work> streamCollective(
+      c10d::OpType type, const char* op, const at::Tensor& on, std::vector<at::Tensor> outputs,
+      const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue);
   c10::intrusive_ptr<Work> p2p(const Check& ck, c10d::OpType type, const char* op,
                                const P2pLanes::Key& lane,
                                std::vector<at::Tensor> outputs,
