@@ -22,6 +22,7 @@
 //      of every rank and writes the output piece. Two shots (larger ops): it reduces slice i
 //      of the step only, into its output and back into its own buffer; exchange; then copies
 //      every peer's reduced slice out of that peer's buffer into its output.
+// (The other ops, one exchange a step: below.)
 // A rank writes buffer (s & 1) again at step s+2 only after step s+1's first exchange: every
 // peer's stream then copied step s+1 in, so it is done with step s, which read that buffer.
 // After an op's last step every rank writes its epoch into every peer's done[i]: what a rank
@@ -39,12 +40,14 @@
 // mismatch is a MismatchError naming both calls. On any failure it releases its own stream
 // (Device::storeWord raises every arrive word past every epoch, so no stream waits for a rank
 // that is gone), marks the group failed and aborts its host groups, which makes the peers'
-// finish() fail too and release theirs. A failed op's output is undefined.
+// finish() fail too and release theirs; then it waits (up to 5 s) until the released stream has
+// run the op's remaining steps, which would otherwise write memory the caller may free once it
+// is told. A failed op's output is undefined.
 //
 // All ranks must issue the same stream ops in the same order (NCCL's rule); a group in which
-// one rank calls allreduce on host memory while another calls it on GPU memory fails (the
-// host rank never sets up, the GPU rank's setup times out) -- MC_PG_STREAM_OPS=0 takes every
-// rank to the host-driven path.
+// one rank calls an op on host memory while another calls it on GPU memory fails (the host
+// rank never sets up or never exchanges; the GPU rank times out) -- MC_PG_STREAM_OPS=0 takes
+// every rank to the host-driven path.
 #pragma once
 
 #include <condition_variable>

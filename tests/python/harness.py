@@ -62,6 +62,12 @@ def torch_version():
     return _torch_version
 
 
+def failure_type():
+    """What a collective raises when a peer fails: torch.distributed.DistBackendError on torch
+    >= 2.1 (as NCCL and gloo raise it), RuntimeError on 1.13."""
+    return "DistBackendError" if torch_version() >= (2, 1) else "RuntimeError"
+
+
 class PoolError(AssertionError):
     pass
 

@@ -8,13 +8,9 @@ import time
 
 import pytest
 
-from harness import Pool, torch_version
+from harness import Pool, failure_type
 
 pytestmark = pytest.mark.isolated
-
-
-def failure_type():
-    return "DistBackendError" if torch_version() >= (2, 1) else "RuntimeError"
 
 
 @pytest.mark.parametrize("phase,mode", [("between", "exit"), ("during", "kill")])

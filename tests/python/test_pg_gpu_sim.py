@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from harness import Pool, torch_version
+from harness import Pool, failure_type
 
 pytestmark = pytest.mark.isolated
 
@@ -50,10 +50,6 @@ def test_every_op_on_gpu_tensors_two_hosts():
 
 
 # ---- stream-ordered allreduce (pg/stream_ops.h) ----------------------------------------------
-
-def failure_type():
-    return "DistBackendError" if torch_version() >= (2, 1) else "RuntimeError"
-
 
 @pytest.mark.parametrize("env", [
     {"MC_PG_STREAM_OPS": "1", "MC_PG_STREAM_OPS_CHUNK_BYTES": "4096"},
