@@ -218,15 +218,17 @@ const std::vector<ParamDef>& table() {
        "device). 0: this rank's GPU data goes through the host halves (peers still read others' "
        "GPU halves)."},
       {"MC_PG_STREAM_OPS", Type::kString, "auto",
-       "Same-host groups, allreduce of GPU memory (torch backend): queued on the caller's "
+       "Same-host groups, allreduce, broadcast, allgather, reduce_scatter and equal-block "
+       "all-to-all of GPU memory (torch backend: all_reduce, broadcast, all_gather_into_tensor, "
+       "reduce_scatter_tensor, all_to_all_single without splits): queued on the caller's "
        "stream -- copies, stream memory operations on flag words in the ranks' GPU memory and "
-       "the reduction kernel -- so no host thread waits for it (pg/stream_ops.h); all ranks "
-       "of a group must then call allreduce on GPU tensors. auto: with the CUDA device layer "
+       "the reduction kernel -- so no host thread waits for them (pg/stream_ops.h); all ranks "
+       "of a group must then call these on GPU tensors. auto: with the CUDA device layer "
        "(the simulation's stream is host threads competing with the ranks for the cores, "
        "slower than its host-driven path: docs/gpu.md); 1: with any device layer (tests); 0: "
        "never (the host-driven path)."},
       {"MC_PG_STREAM_OPS_CHUNK_BYTES", Type::kInt, "8388608",
-       "Stream-ordered allreduce: bytes per step; each rank keeps two buffers of this size in "
+       "Stream-ordered collectives: bytes per step; each rank keeps two buffers of this size in "
        "GPU memory per group."},
       {"MC_PG_STREAM_OPS_ONESHOT_BYTES", Type::kInt, "262144",
        "Stream-ordered allreduce of at most this many bytes: every rank reduces the whole "

@@ -153,7 +153,7 @@ class Communicator {
   // ---- collectives on contiguous host memory; in == out allowed where it makes sense ----
   void allReduce(const void* in, void* out, size_t count, DataType t, ReduceOp op);
 
-  // Same-host groups, GPU memory (pg/stream_ops.h, docs/gpu.md "Stream-ordered allreduce"):
+  // Same-host groups, GPU memory (pg/stream_ops.h, docs/gpu.md "Stream-ordered collectives"):
   // queues the allreduce on `stream` of the device where in and out lie (a CUstream of the
   // caller's, such as torch's current one; engine::device::kCopyStream over the simulation)
   // and returns without waiting for it. Null when the group does not take this path (elastic,
