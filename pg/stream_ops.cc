@@ -124,8 +124,9 @@ bool StreamOps::setUp(int ordinal, const OpCtx& op) {
         throw CommError("mooncake pg: " + std::string(op.name) + " on rank " +
                             std::to_string(me) + ": rank " + std::to_string(r) +
                             " did not set up its stream-ordered buffers within the group "
-                            "timeout: every rank must call allreduce on GPU memory (a group "
-                            "that mixes host and GPU tensors needs MC_PG_STREAM_OPS=0)",
+                            "timeout: every rank must call the same collectives on GPU memory "
+                            "(a group that mixes host and GPU tensors needs "
+                            "MC_PG_STREAM_OPS=0)",
                         r, op.name);
       g.checkHealth(op);
       std::this_thread::sleep_for(nap);
@@ -191,7 +192,7 @@ struct StreamOps::Issue {
     // Released, the stream runs the steps queued so far: done before the caller, told of the
     // failure, frees the memory they write.
     auto ev = layer->recordOn(ordinal, stream);
-    if (ev.ok()) (void)(*ev)->wait(engine::deadlineInMs(5000));
+    if (ev.ok()) so.drainFailed(**ev, tk);
     throw e;
   }
   int me() const { return so.c_.rank; }
@@ -476,17 +477,28 @@ void StreamOps::finish(Ticket& t) {
     // Released, the stream runs the op's remaining steps (on whatever the buffers hold: the
     // output is undefined): they must be done before the caller, told of the failure, frees
     // the memory they write.
-    Status st = t.done->wait(engine::deadlineInMs(5000));
-    if (!st.ok()) {
-      MC_LOG(WARN, PG) << t.op.name << " #" << t.seq
-                       << ": the stream did not finish the failed op's steps: " << st.toString();
-    }
+    drainFailed(*t.done, t);
     throw;
   }
   std::lock_guard<std::mutex> g(mu_);
   finished_ = std::max(finished_, t.seq);
-  finished_epoch_ = std::max(finished_epoch_, t.last_epoch);
   finished_cv_.notify_all();
+}
+
+void StreamOps::drainFailed(engine::device::Event& done, const Ticket& t) {
+  // A live peer's stream may still write this rank's arrive words with its (lower) epochs
+  // after the release, which would hold this stream again: released once more each slice.
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    Status st = done.wait(std::min(Clock::now() + std::chrono::milliseconds(1), until));
+    if (st.code() != Code::kTimeout) return;  // done (or failed: nothing more runs)
+    if (Clock::now() >= until) {
+      MC_LOG(WARN, PG) << t.op.name << " #" << t.seq
+                       << ": the stream did not finish the failed op's steps within 5 s";
+      return;
+    }
+    release(t);
+  }
 }
 
 void StreamOps::breakGroup(const CommError& e) {
@@ -507,13 +519,20 @@ void StreamOps::fail(const Ticket& t, const CommError& e) {
   // it may write peers' words with later epochs, which they must not take for success. Again
   // for every later op of a failed group: ops issued since need the release too.
   breakGroup(e);
-  uint32_t last = 0;
   {
     std::lock_guard<std::mutex> g(mu_);
     failed_ = true;
-    last = epoch_;
     finished_ = std::max(finished_, t.seq);
     finished_cv_.notify_all();
+  }
+  release(t);
+}
+
+void StreamOps::release(const Ticket& t) {
+  uint32_t last = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    last = epoch_;
   }
   auto layer = device::get();
   if (!layer.ok() || own_ == nullptr) return;

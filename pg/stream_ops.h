@@ -134,8 +134,14 @@ class StreamOps {
   void checkSigs(const Ticket& t, bool strict) const;
   // Marks the group failed (later ops throw e's text) and aborts its host groups.
   void breakGroup(const CommError& e);
-  // breakGroup, then releases this rank's stream from every wait.
+  // breakGroup, then release.
   void fail(const Ticket& t, const CommError& e);
+  // Raises this rank's arrive and done words past every epoch issued: its stream waits for no
+  // peer any more (after a failure).
+  void release(const Ticket& t);
+  // Waits (up to 5 s) until `done` (recorded after t's steps) completed on the released
+  // stream, releasing it again while it has not.
+  void drainFailed(engine::device::Event& done, const Ticket& t);
   // The group's end: waits (bounded) until every peer's stream finished the last op.
   void drain();
 
@@ -153,7 +159,6 @@ class StreamOps {
   uint64_t step_ = 0;     // last step issued (its buffer: step & 1)
   uint64_t seq_ = 0;      // last op issued
   uint64_t finished_ = 0;  // ops finished (guarded by mu_)
-  uint32_t finished_epoch_ = 0;
   bool failed_ = false;
 };
 

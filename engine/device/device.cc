@@ -50,7 +50,6 @@ class SimStream {
       std::lock_guard<std::mutex> g(mu_);
       stop_ = true;
     }
-    stopping_.store(true, std::memory_order_release);  // a gate still closed gives up
     cv_.notify_all();
     worker_.join();
   }
@@ -226,7 +225,6 @@ class SimStream {
   bool busy_ = false;  // an item is running (on the worker or a waiter)
   int waiters_ = 0;    // host threads in waitFor
   bool stop_ = false;
-  std::atomic<bool> stopping_{false};
   std::thread worker_;
 };
 
