@@ -104,6 +104,11 @@ class Communicator::Impl {
   // Tells every group the op used that this rank gave up on it (blamed: a rank of the user's
   // group, -1 for none); see ShmGroup::abort / NetGroup::abort.
   void abortGroups(int blamed, const std::string& why);
+  // The error of an op on a group that failed before (its first failure's text), for ops run
+  // here and stream-ordered ones (pg/stream_ops.h) alike.
+  CommError alreadyFailed(const char* op);
+  // Records e as the group's failure (the first one stays), logs it and aborts the groups.
+  void breakOn(const CommError& e);
 };
 
 // The group view's GPU halves (pg/device_stage.h), made on first use; needs c.shm.

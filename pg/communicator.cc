@@ -54,12 +54,7 @@ void Communicator::Impl::finishOps(const OpCtx& op) {
 
 template <class Fn>
 void Communicator::Impl::run(const char* name, const OpSig& sig, Fn&& fn) {
-  if (broken.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> g(broken_mu);
-    throw CommError("mooncake pg: " + std::string(name) + " on group " + opts.group_name +
-                        " that already failed: " + broken_what,
-                    broken_rank, name);
-  }
+  if (broken.load(std::memory_order_acquire)) throw alreadyFailed(name);
   profile::Scope timed(profile::kOp);
   OpCtx op{name, Clock::now() + opts.timeout, ++op_seq, opts.timeout, sig};  // timeout clamped
   try {
@@ -68,18 +63,29 @@ void Communicator::Impl::run(const char* name, const OpSig& sig, Fn&& fn) {
   } catch (const UsageError&) {
     throw;
   } catch (const CommError& e) {
-    {
-      std::lock_guard<std::mutex> g(broken_mu);
-      if (!broken.load()) {
-        broken_what = e.what();
-        broken_rank = e.peerRank();
-        broken.store(true, std::memory_order_release);
-      }
-    }
-    abortGroups(e.peerRank(), e.what());
-    MC_LOG(WARN, PG) << e.what();
+    breakOn(e);
     throw;
   }
+}
+
+CommError Communicator::Impl::alreadyFailed(const char* op) {
+  std::lock_guard<std::mutex> g(broken_mu);
+  return CommError("mooncake pg: " + std::string(op) + " on group " + opts.group_name +
+                       " that already failed: " + broken_what,
+                   broken_rank, op);
+}
+
+void Communicator::Impl::breakOn(const CommError& e) {
+  {
+    std::lock_guard<std::mutex> g(broken_mu);
+    if (!broken.load()) {
+      broken_what = e.what();
+      broken_rank = e.peerRank();
+      broken.store(true, std::memory_order_release);
+    }
+  }
+  abortGroups(e.peerRank(), e.what());
+  MC_LOG(WARN, PG) << e.what();
 }
 
 void Communicator::Impl::abortGroups(int blamed, const std::string& why) {

@@ -230,13 +230,7 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::issue(const char* name, const OpSi
                                                     int ordinal, const void* stream,
                                                     const std::function<void(Issue&)>& steps) {
   std::unique_lock<std::mutex> lk(mu_);
-  auto alreadyFailed = [&]() {
-    std::lock_guard<std::mutex> g(c_.broken_mu);
-    return CommError("mooncake pg: " + std::string(name) + " on group " + c_.opts.group_name +
-                         " that already failed: " + c_.broken_what,
-                     c_.broken_rank, name);
-  };
-  if (c_.broken.load(std::memory_order_acquire)) throw alreadyFailed();
+  if (c_.broken.load(std::memory_order_acquire)) throw c_.alreadyFailed(name);
   OpCtx op{name, Clock::now() + c_.opts.timeout, seq_ + 1, c_.opts.timeout, sig};
   if (state_ < 0) {
     bool ok = false;
@@ -245,7 +239,7 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::issue(const char* name, const OpSi
     } catch (const CommError& e) {
       state_ = kUnusable;
       lk.unlock();
-      breakGroup(e);
+      c_.breakOn(e);
       throw;
     }
     if (!ok) return nullptr;
@@ -268,7 +262,7 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::issue(const char* name, const OpSi
                           "timeout",
                       -1, name);
   }
-  if (failed_) throw alreadyFailed();
+  if (failed_) throw c_.alreadyFailed(name);
   auto tk = std::make_shared<Ticket>();
   tk->seq = ++seq_;
   tk->op = op;
@@ -446,12 +440,7 @@ void StreamOps::checkSigs(const Ticket& t, bool strict) const {
 
 void StreamOps::finish(Ticket& t) {
   try {
-    if (c_.broken.load(std::memory_order_acquire)) {
-      std::lock_guard<std::mutex> g(c_.broken_mu);
-      throw CommError("mooncake pg: " + std::string(t.op.name) + " on group " +
-                          c_.opts.group_name + " that already failed: " + c_.broken_what,
-                      c_.broken_rank, t.op.name);
-    }
+    if (c_.broken.load(std::memory_order_acquire)) throw c_.alreadyFailed(t.op.name);
     const auto slice = std::chrono::microseconds(std::max<int64_t>(c_.params.wait.health_us, 100));
     for (;;) {
       Status st = t.done->wait(std::min(Clock::now() + slice, t.op.deadline));
@@ -501,24 +490,11 @@ void StreamOps::drainFailed(engine::device::Event& done, const Ticket& t) {
   }
 }
 
-void StreamOps::breakGroup(const CommError& e) {
-  {
-    std::lock_guard<std::mutex> g(c_.broken_mu);
-    if (!c_.broken.load()) {
-      c_.broken_what = e.what();
-      c_.broken_rank = e.peerRank();
-      c_.broken.store(true, std::memory_order_release);
-    }
-  }
-  MC_LOG(WARN, PG) << e.what();
-  c_.abortGroups(e.peerRank(), e.what());
-}
-
 void StreamOps::fail(const Ticket& t, const CommError& e) {
   // Peers first (their finish() fails on the abort word), then this rank's stream: released,
   // it may write peers' words with later epochs, which they must not take for success. Again
   // for every later op of a failed group: ops issued since need the release too.
-  breakGroup(e);
+  c_.breakOn(e);
   {
     std::lock_guard<std::mutex> g(mu_);
     failed_ = true;

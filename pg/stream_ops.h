@@ -132,9 +132,7 @@ class StreamOps {
   // Every peer's signature of t's op against this rank's (MismatchError). strict: a peer whose
   // entry is not t's op went out of step (CommError); else such a peer is skipped.
   void checkSigs(const Ticket& t, bool strict) const;
-  // Marks the group failed (later ops throw e's text) and aborts its host groups.
-  void breakGroup(const CommError& e);
-  // breakGroup, then release.
+  // Communicator::Impl::breakOn (the group failed, its host groups aborted), then release.
   void fail(const Ticket& t, const CommError& e);
   // Raises this rank's arrive and done words past every epoch issued: its stream waits for no
   // peer any more (after a failure).
