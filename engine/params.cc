@@ -198,7 +198,7 @@ const std::vector<ParamDef>& table() {
        "looks this often while ops are pending (backing off to 16x while it finds none). 0: "
        "every op goes to the worker when it is issued."},
       {"MC_PG_BLOCKING_WAIT", Type::kBool, "1",
-       "torch backend, host-driven ops on CUDA tensors (all but a stream-ordered all_reduce, "
+       "torch backend, host-driven ops on CUDA tensors (not the stream-ordered ones, "
        "MC_PG_STREAM_OPS): Work.wait() blocks the calling thread until the op "
        "completes (like TORCH_NCCL_BLOCKING_WAIT=1). 0: it makes the caller's current CUDA "
        "streams wait for the op instead (a gate, as NCCL's wait), which deadlocked on the GPU "
@@ -218,9 +218,10 @@ const std::vector<ParamDef>& table() {
        "device). 0: this rank's GPU data goes through the host halves (peers still read others' "
        "GPU halves)."},
       {"MC_PG_STREAM_OPS", Type::kString, "auto",
-       "Same-host groups, allreduce, broadcast, allgather, reduce_scatter and equal-block "
-       "all-to-all of GPU memory (torch backend: all_reduce, broadcast, all_gather_into_tensor, "
-       "reduce_scatter_tensor, all_to_all_single without splits): queued on the caller's "
+       "Same-host groups, every collective of GPU memory but all-to-all with sizes (torch "
+       "backend: all_reduce, broadcast, reduce, all_gather and all_gather_into_tensor, gather, "
+       "scatter, reduce_scatter and reduce_scatter_tensor, the coalesced forms, "
+       "all_to_all_single without splits): queued on the caller's "
        "stream -- copies, stream memory operations on flag words in the ranks' GPU memory and "
        "the reduction kernel -- so no host thread waits for them (pg/stream_ops.h); all ranks "
        "of a group must then call these on GPU tensors. auto: with the CUDA device layer "

@@ -13,6 +13,7 @@
 #include "engine/log.h"
 #include "engine/params.h"
 #include "engine/wire.h"
+#include "pg/comm_checks.h"
 #include "pg/comm_impl.h"
 #include "pg/device_stage.h"
 #include "pg/elastic.h"
@@ -234,9 +235,10 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
   return std::unique_ptr<Communicator>(new Communicator(std::move(impl)));
 }
 
-namespace {
 // The size users see: one past the highest active slot in an elastic group.
 int pubSize(const Communicator::Impl& c) { return c.elastic ? c.elastic->size() : c.size; }
+
+namespace {
 Elastic& elasticOf(const std::unique_ptr<Communicator::Impl>& c, const char* what) {
   if (!c->elastic)
     throw std::logic_error(std::string("mooncake pg: ") + what + " needs an elastic group "
@@ -317,54 +319,6 @@ std::shared_ptr<Work> Communicator::enqueue(std::string op_name, std::function<v
   return impl_->worker->enqueue(std::move(op_name), std::move(fn));
 }
 
-// ---- validation helpers ----
-namespace {
-void checkRoot(const Communicator::Impl& c, int root, const char* op) {
-  if (root < 0 || root >= pubSize(c))
-    throw std::invalid_argument(std::string("mooncake pg: ") + op + ": root " +
-                                std::to_string(root) + " is outside the group of size " +
-                                std::to_string(pubSize(c)));
-}
-void checkReduce(DataType t, ReduceOp rop, const char* op) {
-  if (!reduceSupported(t, rop))
-    throw std::invalid_argument(std::string("mooncake pg: ") + op + ": reduce op " +
-                                reduceOpName(rop) + " is not defined for dtype " + dtypeName(t));
-}
-OpSig typedSig(OpKind kind, size_t count, DataType t, ReduceOp op, int root = -1) {
-  OpSig s;
-  s.kind = kind;
-  s.dtype = static_cast<uint8_t>(static_cast<int>(t) + 1);
-  s.redop = static_cast<uint8_t>(static_cast<int>(op) + 1);
-  s.count = count;
-  s.root = root;
-  return s;
-}
-
-OpSig bytesSig(OpKind kind, size_t bytes, int root = -1) {
-  OpSig s;
-  s.kind = kind;
-  s.count = bytes;
-  s.root = root;
-  return s;
-}
-
-uint64_t hashSizes(const std::vector<size_t>& v) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the sizes
-  for (size_t x : v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (static_cast<uint64_t>(x) >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  }
-  return h;
-}
-
-void checkPtr(const void* p, size_t bytes, const char* what, const char* op) {
-  if (p == nullptr && bytes > 0)
-    throw std::invalid_argument(std::string("mooncake pg: ") + op + ": null " + what +
-                                " buffer for " + std::to_string(bytes) + " bytes");
-}
-}  // namespace
 
 void Communicator::allReduce(const void* in, void* out, size_t count, DataType t, ReduceOp op) {
   checkReduce(t, op, "allreduce");
@@ -390,132 +344,6 @@ void Communicator::allReduce(const void* in, void* out, size_t count, DataType t
                                      typedSig(OpKind::kAllReduce, count, t, op));
   impl_->run("allreduce", typedSig(OpKind::kAllReduce, count, t, op),
              [&](const OpCtx& o) { algo::allReduce(*impl_, o, in, out, count, t, op); });
-}
-
-namespace {
-struct StreamOpTicket final : Communicator::StreamOp {
-  StreamOps* ops;
-  std::shared_ptr<StreamOps::Ticket> t;
-  bool waited = false;
-  void wait() override {
-    if (waited) return;
-    waited = true;
-    ops->finish(*t);
-  }
-  Status orderAfter(const void* stream) override { return ops->orderAfter(*t, stream); }
-};
-}  // namespace
-
-namespace {
-// The group's StreamOps when an op of `bytes` on GPU memory at ps (all on one device, whose
-// ordinal goes to *ordinal) takes the stream-ordered path (pg/stream_ops.h); else null.
-StreamOps* streamOpsFor(Communicator::Impl& c, size_t bytes,
-                        std::initializer_list<const void*> ps, int* ordinal) {
-  using Mode = PgParams::StreamOpsMode;
-  if (c.params.stream_ops == Mode::kOff || c.elastic || !c.shm || c.size < 2 || bytes == 0 ||
-      !DeviceStage::any(ps))
-    return nullptr;
-  auto layer = engine::device::get();
-  if (!layer.ok()) return nullptr;
-  if (c.params.stream_ops == Mode::kAuto && std::string((*layer)->name()) != "cuda")
-    return nullptr;
-  *ordinal = -1;
-  for (const void* p : ps) {
-    const engine::device::PointerInfo i = (*layer)->pointer(p);
-    if (!i.device || (*ordinal >= 0 && i.ordinal != *ordinal)) return nullptr;
-    *ordinal = i.ordinal;
-  }
-  std::lock_guard<std::mutex> g(c.stream_ops_mu);
-  if (!c.stream_ops) c.stream_ops = std::make_unique<StreamOps>(c);
-  return c.stream_ops.get();
-}
-
-std::shared_ptr<Communicator::StreamOp> wrap(StreamOps* ops,
-                                             std::shared_ptr<StreamOps::Ticket> tk) {
-  if (!tk) return nullptr;
-  auto r = std::make_shared<StreamOpTicket>();
-  r->ops = ops;
-  r->t = std::move(tk);
-  return r;
-}
-}  // namespace
-
-std::shared_ptr<Communicator::StreamOp> Communicator::allReduceOnStream(const void* in,
-                                                                        void* out, size_t count,
-                                                                        DataType t, ReduceOp op,
-                                                                        const void* stream) {
-  checkReduce(t, op, "allreduce");
-  checkPtr(in, count, "input", "allreduce");
-  checkPtr(out, count, "output", "allreduce");
-  int ordinal = -1;
-  StreamOps* ops = streamOpsFor(*impl_, count * dtypeSize(t), {in, out}, &ordinal);
-  if (ops == nullptr) return nullptr;
-  return wrap(ops, ops->allReduce(in, out, count, t, op,
-                                  typedSig(OpKind::kAllReduce, count, t, op), ordinal, stream));
-}
-
-std::shared_ptr<Communicator::StreamOp> Communicator::allGatherOnStream(const void* in,
-                                                                        void* out, size_t bytes,
-                                                                        const void* stream) {
-  checkPtr(in, bytes, "input", "allgather");
-  checkPtr(out, bytes, "output", "allgather");
-  // The own block and the input: the same place (in place) or apart (the host-driven op's
-  // rule too); else the host-driven op deals with it.
-  const char* own = static_cast<const char*>(out) + static_cast<size_t>(impl_->rank) * bytes;
-  const char* src = static_cast<const char*>(in);
-  if (!(own == src || own + bytes <= src || src + bytes <= own)) return nullptr;
-  int ordinal = -1;
-  StreamOps* ops = streamOpsFor(*impl_, bytes, {in, out}, &ordinal);
-  if (ops == nullptr) return nullptr;
-  return wrap(ops, ops->allGather(in, out, bytes, bytesSig(OpKind::kAllGather, bytes), ordinal,
-                                  stream));
-}
-
-std::shared_ptr<Communicator::StreamOp> Communicator::broadcastOnStream(void* buf, size_t bytes,
-                                                                        int root,
-                                                                        const void* stream) {
-  checkRoot(*impl_, root, "broadcast");
-  checkPtr(buf, bytes, "buffer", "broadcast");
-  int ordinal = -1;
-  StreamOps* ops = streamOpsFor(*impl_, bytes, {buf}, &ordinal);
-  if (ops == nullptr) return nullptr;
-  return wrap(ops, ops->broadcast(buf, bytes, root, bytesSig(OpKind::kBroadcast, bytes, root),
-                                  ordinal, stream));
-}
-
-std::shared_ptr<Communicator::StreamOp> Communicator::reduceScatterOnStream(
-    const void* in, void* out, size_t count, DataType t, ReduceOp op, const void* stream) {
-  checkReduce(t, op, "reduce_scatter");
-  checkPtr(in, count, "input", "reduce_scatter");
-  checkPtr(out, count, "output", "reduce_scatter");
-  int ordinal = -1;
-  StreamOps* ops = streamOpsFor(*impl_, count * dtypeSize(t), {in, out}, &ordinal);
-  if (ops == nullptr) return nullptr;
-  return wrap(ops, ops->reduceScatter(in, out, count, t, op,
-                                      typedSig(OpKind::kReduceScatter, count, t, op), ordinal,
-                                      stream));
-}
-
-std::shared_ptr<Communicator::StreamOp> Communicator::allToAllOnStream(const void* in, void* out,
-                                                                       size_t block,
-                                                                       const void* stream) {
-  checkPtr(in, block, "input", "alltoall");
-  checkPtr(out, block, "output", "alltoall");
-  const size_t all = block * static_cast<size_t>(impl_->size);
-  const char* ib = static_cast<const char*>(in);
-  const char* ob = static_cast<const char*>(out);
-  if (ib < ob + all && ob < ib + all)
-    throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
-  int ordinal = -1;
-  StreamOps* ops = streamOpsFor(*impl_, block, {in, out}, &ordinal);
-  if (ops == nullptr) return nullptr;
-  return wrap(ops, ops->allToAll(in, out, block, bytesSig(OpKind::kAllToAll, block), ordinal,
-                                 stream));
-}
-
-uint64_t Communicator::streamOps() const {
-  std::lock_guard<std::mutex> g(impl_->stream_ops_mu);
-  return impl_->stream_ops ? impl_->stream_ops->issued() : 0;
 }
 
 void Communicator::reduce(const void* in, void* out, size_t count, DataType t, ReduceOp op,

@@ -171,15 +171,34 @@ class Communicator {
   };
   std::shared_ptr<StreamOp> allReduceOnStream(const void* in, void* out, size_t count,
                                               DataType t, ReduceOp op, const void* stream);
-  // The same for allGather, broadcast, reduceScatter and an all-to-all of equal blocks of
-  // `block` bytes (block j of `in` to rank j, rank r's block at r * block of `out`).
+  // The same for the other collectives but all-to-all with sizes (an all-to-all of equal
+  // blocks of `block` bytes: block j of `in` to rank j, rank r's block at r * block of `out`).
+  // The *s forms take one block pointer per rank, in rank order (torch's list forms); gather's
+  // outs and scatter's ins are the root's (empty elsewhere) and must then lie on the device of
+  // the other buffers (UsageError: every rank decides by the buffers every rank has).
+  // Overlapping buffers other than in place (allgather's own block = in, reduce_scatter's
+  // out = its own block, reduce's in = out) are refused with std::invalid_argument.
   std::shared_ptr<StreamOp> allGatherOnStream(const void* in, void* out, size_t bytes,
                                               const void* stream);
+  std::shared_ptr<StreamOp> allGatherOnStream(const void* in, const std::vector<void*>& outs,
+                                              size_t bytes, const void* stream);
+  std::shared_ptr<StreamOp> gatherOnStream(const void* in, const std::vector<void*>& outs,
+                                           size_t bytes, int root, const void* stream);
   std::shared_ptr<StreamOp> broadcastOnStream(void* buf, size_t bytes, int root,
                                               const void* stream);
+  std::shared_ptr<StreamOp> scatterOnStream(const std::vector<const void*>& ins, void* out,
+                                            size_t bytes, int root, const void* stream);
+  std::shared_ptr<StreamOp> reduceOnStream(const void* in, void* out, size_t count, DataType t,
+                                           ReduceOp op, int root, const void* stream);
   std::shared_ptr<StreamOp> reduceScatterOnStream(const void* in, void* out, size_t count,
                                                   DataType t, ReduceOp op, const void* stream);
+  std::shared_ptr<StreamOp> reduceScatterOnStream(const std::vector<const void*>& ins,
+                                                  void* out, size_t count, DataType t,
+                                                  ReduceOp op, const void* stream);
   std::shared_ptr<StreamOp> allToAllOnStream(const void* in, void* out, size_t block,
+                                             const void* stream);
+  std::shared_ptr<StreamOp> allToAllOnStream(const std::vector<const void*>& ins,
+                                             const std::vector<void*>& outs, size_t block,
                                              const void* stream);
   // Stream-ordered ops issued by this rank so far (tests).
   uint64_t streamOps() const;

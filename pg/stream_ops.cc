@@ -164,9 +164,9 @@ bool StreamOps::setUp(int ordinal, const OpCtx& op) {
   state_ = all && why.empty() ? kUsable : kUnusable;
   if (state_ != kUsable) {
     MC_LOG(WARN, PG) << "group " << c_.opts.group_name << " rank " << me
-                     << ": stream-ordered allreduce off ("
+                     << ": stream-ordered collectives off ("
                      << (why.empty() ? std::string("a peer could not set it up") : why)
-                     << "): GPU allreduce is host-driven";
+                     << "): GPU collectives are host-driven";
   }
   return state_ == kUsable;
 }
@@ -313,9 +313,10 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::allReduce(const void* in, void* ou
   });
 }
 
-std::shared_ptr<StreamOps::Ticket> StreamOps::allGather(const void* in, void* out, size_t bytes,
-                                                        const OpSig& sig, int ordinal,
-                                                        const void* stream) {
+std::shared_ptr<StreamOps::Ticket> StreamOps::allGather(const void* in,
+                                                        const std::vector<void*>& outs,
+                                                        size_t bytes, const OpSig& sig,
+                                                        int ordinal, const void* stream) {
   // Each step: this rank's piece into its buffer; exchange; every rank's piece out of its
   // buffer (this rank's straight from the input).
   return issue("allgather", sig, ordinal, stream, [&](Issue& is) {
@@ -325,9 +326,29 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::allGather(const void* in, void* ou
       is.copy(is.buf(is.me(), s), static_cast<const char*>(in) + off, len);
       is.exchange();
       for (int r = 0; r < is.n(); ++r) {
-        char* to = static_cast<char*>(out) + static_cast<size_t>(r) * bytes + off;
+        char* to = static_cast<char*>(outs[static_cast<size_t>(r)]) + off;
         is.copy(to, r == is.me() ? static_cast<const char*>(in) + off : is.buf(r, s), len);
       }
+    }
+  });
+}
+
+std::shared_ptr<StreamOps::Ticket> StreamOps::gather(const void* in,
+                                                     const std::vector<void*>& outs,
+                                                     size_t bytes, int root, const OpSig& sig,
+                                                     int ordinal, const void* stream) {
+  // allGather's steps, where only the root copies out (and only the others copy in).
+  return issue("gather", sig, ordinal, stream, [&](Issue& is) {
+    for (size_t off = 0; off < bytes; off += chunk_) {
+      const size_t len = std::min(chunk_, bytes - off);
+      const uint64_t s = is.step();
+      const char* mine = static_cast<const char*>(in) + off;
+      if (is.me() != root) is.copy(is.buf(is.me(), s), mine, len);
+      is.exchange();
+      if (is.me() != root) continue;
+      for (int r = 0; r < is.n(); ++r)
+        is.copy(static_cast<char*>(outs[static_cast<size_t>(r)]) + off,
+                r == root ? mine : is.buf(r, s), len);
     }
   });
 }
@@ -350,8 +371,57 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::broadcast(void* data, size_t bytes
   });
 }
 
-std::shared_ptr<StreamOps::Ticket> StreamOps::reduceScatter(const void* in, void* out,
-                                                            size_t count, DataType t,
+std::shared_ptr<StreamOps::Ticket> StreamOps::scatter(const std::vector<const void*>& ins,
+                                                      void* out, size_t bytes, int root,
+                                                      const OpSig& sig, int ordinal,
+                                                      const void* stream) {
+  // Each step: the root puts a piece of every other rank's block into its buffer (block j's
+  // at j * piece); exchange; every other rank copies its piece out of the root's buffer.
+  return issue("scatter", sig, ordinal, stream, [&](Issue& is) {
+    const int me = is.me(), n = is.n();
+    const size_t per = std::max<size_t>(chunk_ / static_cast<size_t>(n), 1);
+    for (size_t off = 0; off < bytes; off += per) {
+      const size_t len = std::min(per, bytes - off);
+      const uint64_t s = is.step();
+      if (me == root)
+        for (int j = 0; j < n; ++j) {
+          const char* from = static_cast<const char*>(ins[static_cast<size_t>(j)]) + off;
+          if (j == root)
+            is.copy(static_cast<char*>(out) + off, from, len);
+          else
+            is.copy(is.buf(root, s) + static_cast<size_t>(j) * per, from, len);
+        }
+      is.exchange();
+      if (me != root)
+        is.copy(static_cast<char*>(out) + off, is.buf(root, s) + static_cast<size_t>(me) * per,
+                len);
+    }
+  });
+}
+
+std::shared_ptr<StreamOps::Ticket> StreamOps::reduce(const void* in, void* out, size_t count,
+                                                     DataType t, ReduceOp rop, int root,
+                                                     const OpSig& sig, int ordinal,
+                                                     const void* stream) {
+  // Each step: this rank's piece into its buffer; exchange; the root reduces every rank's
+  // buffer into its output (the one-shot allreduce's steps, one rank reducing).
+  const size_t es = dtypeSize(t), bytes = count * es;
+  const size_t step_bytes = std::max<size_t>(chunk_ / es, 1) * es;
+  return issue("reduce", sig, ordinal, stream, [&](Issue& is) {
+    for (size_t off = 0; off < bytes; off += step_bytes) {
+      const size_t len = std::min(step_bytes, bytes - off);
+      const uint64_t s = is.step();
+      is.copy(is.buf(is.me(), s), static_cast<const char*>(in) + off, len);
+      is.exchange();
+      if (is.me() != root) continue;
+      for (int r = 0; r < is.n(); ++r) is.srcs[static_cast<size_t>(r)] = is.buf(r, s);
+      is.reduce(static_cast<char*>(out) + off, nullptr, len / es, t, rop);
+    }
+  });
+}
+
+std::shared_ptr<StreamOps::Ticket> StreamOps::reduceScatter(const std::vector<const void*>& ins,
+                                                            void* out, size_t count, DataType t,
                                                             ReduceOp rop, const OpSig& sig,
                                                             int ordinal, const void* stream) {
   // Each step: a piece of every block of the input into this rank's buffer (block j's at
@@ -365,8 +435,7 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::reduceScatter(const void* in, void
       const uint64_t s = is.step();
       for (int j = 0; j < n; ++j)
         is.copy(is.buf(me, s) + static_cast<size_t>(j) * per * es,
-                static_cast<const char*>(in) + (static_cast<size_t>(j) * count + e0) * es,
-                k * es);
+                static_cast<const char*>(ins[static_cast<size_t>(j)]) + e0 * es, k * es);
       is.exchange();
       for (int r = 0; r < n; ++r)
         is.srcs[static_cast<size_t>(r)] = is.buf(r, s) + static_cast<size_t>(me) * per * es;
@@ -375,9 +444,10 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::reduceScatter(const void* in, void
   });
 }
 
-std::shared_ptr<StreamOps::Ticket> StreamOps::allToAll(const void* in, void* out, size_t block,
-                                                       const OpSig& sig, int ordinal,
-                                                       const void* stream) {
+std::shared_ptr<StreamOps::Ticket> StreamOps::allToAll(const std::vector<const void*>& ins,
+                                                       const std::vector<void*>& outs,
+                                                       size_t block, const OpSig& sig,
+                                                       int ordinal, const void* stream) {
   // Each step: a piece of every block of the input into this rank's buffer (block j's at
   // j * piece); exchange; from every rank's buffer the piece meant for this rank.
   return issue("alltoall", sig, ordinal, stream, [&](Issue& is) {
@@ -386,17 +456,13 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::allToAll(const void* in, void* out
     for (size_t off = 0; off < block; off += per) {
       const size_t len = std::min(per, block - off);
       const uint64_t s = is.step();
+      auto from = [&](int j) { return static_cast<const char*>(ins[static_cast<size_t>(j)]) + off; };
       for (int j = 0; j < n; ++j)
-        if (j != me)
-          is.copy(is.buf(me, s) + static_cast<size_t>(j) * per,
-                  static_cast<const char*>(in) + static_cast<size_t>(j) * block + off, len);
+        if (j != me) is.copy(is.buf(me, s) + static_cast<size_t>(j) * per, from(j), len);
       is.exchange();
       for (int r = 0; r < n; ++r) {
-        char* to = static_cast<char*>(out) + static_cast<size_t>(r) * block + off;
-        if (r == me)
-          is.copy(to, static_cast<const char*>(in) + static_cast<size_t>(me) * block + off, len);
-        else
-          is.copy(to, is.buf(r, s) + static_cast<size_t>(me) * per, len);
+        char* to = static_cast<char*>(outs[static_cast<size_t>(r)]) + off;
+        is.copy(to, r == me ? from(me) : is.buf(r, s) + static_cast<size_t>(me) * per, len);
       }
     }
   });

@@ -22,7 +22,8 @@
 //      of every rank and writes the output piece. Two shots (larger ops): it reduces slice i
 //      of the step only, into its output and back into its own buffer; exchange; then copies
 //      every peer's reduced slice out of that peer's buffer into its output.
-// (The other ops, one exchange a step: below.)
+// (The other ops, one exchange a step: below. Reduce, gather and scatter use only some
+// ranks' buffers, but every rank exchanges every step: the buffer-reuse rule stays the same.)
 // A rank writes buffer (s & 1) again at step s+2 only after step s+1's first exchange: every
 // peer's stream then copied step s+1 in, so it is done with step s, which read that buffer.
 // After an op's last step every rank writes its epoch into every peer's done[i]: what a rank
@@ -88,24 +89,38 @@ class StreamOps {
   // nothing queued, when the group does not take this path (setup failed on some rank); throw
   // CommError for a failed setup or launch, UsageError for memory on another device than the
   // group's buffers. Their steps, each rank's stream:
-  //   allGather: its piece into its buffer; exchange; every rank's piece out into `out`;
+  //   allGather: its piece into its buffer; exchange; every rank's piece out into outs[r];
+  //   gather: the same, only the root copies out (outs: the root's; ignored elsewhere);
   //   broadcast: the root's piece into the root's buffer; exchange; the others copy it out;
-  //   reduceScatter: a piece of every block into its buffer; exchange; its block reduced out
-  //     of every rank's buffer;
-  //   allToAll (equal blocks of `block` bytes): a piece of every block into its buffer;
-  //     exchange; from every rank's buffer the piece meant for it.
+  //   scatter: the root puts a piece of every block ins[j] into its buffer; exchange; the
+  //     others copy theirs out (ins: the root's; ignored elsewhere);
+  //   reduce: its piece into its buffer; exchange; the root reduces every rank's buffer;
+  //   reduceScatter: a piece of every block ins[j] into its buffer; exchange; its block
+  //     reduced out of every rank's buffer;
+  //   allToAll (equal blocks of `block` bytes): a piece of every block ins[j] into its
+  //     buffer; exchange; from every rank's buffer the piece meant for it, into outs[r].
+  // Block lists hold one pointer per rank, in rank order.
   std::shared_ptr<Ticket> allReduce(const void* in, void* out, size_t count, DataType t,
                                     ReduceOp op, const OpSig& sig, int ordinal,
                                     const void* stream);
-  std::shared_ptr<Ticket> allGather(const void* in, void* out, size_t bytes, const OpSig& sig,
-                                    int ordinal, const void* stream);
+  std::shared_ptr<Ticket> allGather(const void* in, const std::vector<void*>& outs,
+                                    size_t bytes, const OpSig& sig, int ordinal,
+                                    const void* stream);
+  std::shared_ptr<Ticket> gather(const void* in, const std::vector<void*>& outs, size_t bytes,
+                                 int root, const OpSig& sig, int ordinal, const void* stream);
   std::shared_ptr<Ticket> broadcast(void* data, size_t bytes, int root, const OpSig& sig,
                                     int ordinal, const void* stream);
-  std::shared_ptr<Ticket> reduceScatter(const void* in, void* out, size_t count, DataType t,
-                                        ReduceOp op, const OpSig& sig, int ordinal,
-                                        const void* stream);
-  std::shared_ptr<Ticket> allToAll(const void* in, void* out, size_t block, const OpSig& sig,
-                                   int ordinal, const void* stream);
+  std::shared_ptr<Ticket> scatter(const std::vector<const void*>& ins, void* out, size_t bytes,
+                                  int root, const OpSig& sig, int ordinal, const void* stream);
+  std::shared_ptr<Ticket> reduce(const void* in, void* out, size_t count, DataType t,
+                                 ReduceOp op, int root, const OpSig& sig, int ordinal,
+                                 const void* stream);
+  std::shared_ptr<Ticket> reduceScatter(const std::vector<const void*>& ins, void* out,
+                                        size_t count, DataType t, ReduceOp op, const OpSig& sig,
+                                        int ordinal, const void* stream);
+  std::shared_ptr<Ticket> allToAll(const std::vector<const void*>& ins,
+                                   const std::vector<void*>& outs, size_t block,
+                                   const OpSig& sig, int ordinal, const void* stream);
   // Waits until the ticket's op is done, then checks it (see above). Throws CommError.
   // Called once per ticket, in issue order, by the thread that runs the group's ops.
   void finish(Ticket& t);

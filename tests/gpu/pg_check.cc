@@ -269,6 +269,30 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
          }},
         {"alltoall", nb, [&](const void* i, void* o) { c.allToAllV(i, blk, off, o, blk, off); },
          [&](const void* i, void* o) { return c.allToAllOnStream(i, o, nb / n, kCopyStream); }},
+        // (int32 sums: the same bits whatever order the ranks are added in; rank 0, which
+        // reports, is the root of reduce and gather and a receiver of scatter)
+        {"reduce", me == 0 ? nb : 0,
+         [&](const void* i, void* o) {
+           c.reduce(i, o, nb / 4, DataType::kInt32, ReduceOp::kSum, 0);
+         },
+         [&](const void* i, void* o) {
+           return c.reduceOnStream(i, o, nb / 4, DataType::kInt32, ReduceOp::kSum, 0,
+                                   kCopyStream);
+         }},
+        {"gather", me == 0 ? nb : 0, [&](const void* i, void* o) { c.gather(i, o, nb / n, 0); },
+         [&](const void* i, void* o) {
+           std::vector<void*> outs;
+           if (me == 0)
+             for (int r = 0; r < n; ++r) outs.push_back(static_cast<char*>(o) + r * (nb / n));
+           return c.gatherOnStream(i, outs, nb / n, 0, kCopyStream);
+         }},
+        {"scatter", nb / n, [&](const void* i, void* o) { c.scatter(i, o, nb / n, n - 1); },
+         [&](const void* i, void* o) {
+           std::vector<const void*> ins;
+           if (me == n - 1)
+             for (int j = 0; j < n; ++j) ins.push_back(static_cast<const char*>(i) + j * (nb / n));
+           return c.scatterOnStream(ins, o, nb / n, n - 1, kCopyStream);
+         }},
     };
     for (const Op& op : ops) {
       op.host(in.data(), want.data());  // (every op's input: the first nb bytes)
@@ -286,7 +310,8 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
       if (std::memcmp(got.data(), want.data(), op.out_bytes) != 0)
         return std::string(op.name) + ": differs from the host-driven op";
     }
-    return "ok: allgather, broadcast, reduce_scatter, alltoall equal to the host-driven ops";
+    return "ok: allgather, broadcast, reduce_scatter, alltoall, reduce, gather, scatter equal to "
+           "the host-driven ops";
   });
   check("allgather_16MiB", [&]() -> std::string {
     Gpu in(d, bytes), out(d, bytes * n);

@@ -397,3 +397,105 @@ def case_gpu_stream_copies(ctx, expect_stream, sizes=(1, 1000, 2**18 + 3)):
     if got != want:
         fails.append(f"{got} stream-ordered ops for {calls} calls (expected {want})")
     return fails
+
+
+def case_gpu_stream_lists(ctx, expect_stream, sizes=(1, 1000, 2**18 + 3)):
+    """reduce, gather, scatter, the list forms of all_gather and reduce_scatter, and the
+    coalesced ops on GPU tensors: stream-ordered on one host (one stream-ordered op a call, one
+    a tensor in a coalesced call), not elsewhere; the host path's bytes and the expected
+    values (roots vary with the size)."""
+    fails = []
+    w, r = ctx.world, ctx.rank
+    be = _backend()
+    before = be._stream_ops()
+    calls = 0
+    for n in sizes:
+        root = n % w
+        ins = [make("float32", n, k, salt=31) for k in range(w)]
+        g, h = to_gpu(ins[r]), ins[r].clone()
+        dist.reduce(g, root)
+        dist.reduce(h, root)
+        calls += 1
+        if r == root:
+            _same(fails, f"stream reduce x {n}", g, h)
+            _close(fails, f"stream reduce x {n}", h, reference(ins, "SUM", "float32", w), "float32")
+
+        x = make("int32", n, r, salt=32)
+        lg = [to_gpu(torch.zeros(n, dtype=torch.int32)) for _ in range(w)] if r == root else None
+        lh = [torch.zeros(n, dtype=torch.int32) for _ in range(w)] if r == root else None
+        dist.gather(to_gpu(x), lg, dst=root)
+        dist.gather(x, lh, dst=root)
+        calls += 1
+        if r == root:
+            for k in range(w):
+                _same(fails, f"stream gather x {n} block {k}", lg[k], lh[k])
+                if not torch.equal(lh[k], make("int32", n, k, salt=32)):
+                    fails.append(f"stream gather x {n}: block {k} is not rank {k}'s input")
+
+        blocks = [make("bfloat16", n, k, salt=33) for k in range(w)]
+        og, oh = to_gpu(torch.zeros(n, dtype=torch.bfloat16)), torch.zeros(n, dtype=torch.bfloat16)
+        dist.scatter(og, [to_gpu(b) for b in blocks] if r == root else None, src=root)
+        dist.scatter(oh, blocks if r == root else None, src=root)
+        calls += 1
+        _same(fails, f"stream scatter x {n}", og, oh)
+        if not torch.equal(oh, blocks[r]):
+            fails.append(f"stream scatter x {n}: not the root's block for this rank")
+
+        x = make("float16", n, r, salt=34)
+        lg = [to_gpu(torch.zeros(n, dtype=torch.float16)) for _ in range(w)]
+        lh = [torch.zeros(n, dtype=torch.float16) for _ in range(w)]
+        dist.all_gather(lg, to_gpu(x))
+        dist.all_gather(lh, x)
+        calls += 1
+        for k in range(w):
+            _same(fails, f"stream all_gather (list) x {n} block {k}", lg[k], lh[k])
+            if not torch.equal(lh[k], make("float16", n, k, salt=34)):
+                fails.append(f"stream all_gather (list) x {n}: block {k} is not rank {k}'s input")
+
+        mine = [make("float32", n, r, salt=40 + k) for k in range(w)]
+        og, oh = to_gpu(torch.zeros(n)), torch.zeros(n)
+        dist.reduce_scatter(og, [to_gpu(t) for t in mine], op=OPS["MAX"])
+        dist.reduce_scatter(oh, mine, op=OPS["MAX"])
+        calls += 1
+        _same(fails, f"stream reduce_scatter (list) x {n}", og, oh)
+        want = reference([make("float32", n, k, salt=40 + r) for k in range(w)], "MAX",
+                         "float32", w)
+        if not torch.equal(oh, want):
+            fails.append(f"stream reduce_scatter (list) x {n}: not the maximum over the ranks")
+
+    ys = [make("float32", n, r, salt=50 + k) for k, n in enumerate(sizes)]
+    g, h = [to_gpu(y) for y in ys], [y.clone() for y in ys]
+    dist.all_reduce_coalesced(g)
+    dist.all_reduce_coalesced(h)
+    calls += len(sizes)
+    for k in range(len(sizes)):
+        _same(fails, f"stream all_reduce_coalesced #{k}", g[k], h[k])
+    cm_fn = getattr(dist, "_coalescing_manager", None)
+    if cm_fn is not None and "device" in cm_fn.__code__.co_varnames:  # torch >= 2.1
+        ins = [make("int64", n, r, salt=60 + k) for k, n in enumerate(sizes)]
+        outs = [torch.zeros(w * n, dtype=torch.int64) for n in sizes]
+        _coalesced_twice(fails, "all_gather_into_tensor", dist.all_gather_into_tensor, outs, ins)
+        big = [make("float64", w * n, r, salt=70 + k) for k, n in enumerate(sizes)]
+        outs = [torch.zeros(n, dtype=torch.float64) for n in sizes]
+        _coalesced_twice(fails, "reduce_scatter_tensor", dist.reduce_scatter_tensor, outs, big)
+        calls += 2 * len(sizes)
+    got = be._stream_ops() - before
+    want = calls if expect_stream else 0
+    if got != want:
+        fails.append(f"{got} stream-ordered ops for {calls} (expected {want})")
+    return fails
+
+
+def case_gpu_stream_root_host(ctx):
+    """The path set up, rank 0 gathers GPU inputs into host tensors (its inputs decide the
+    path for every rank, so the root cannot fall back alone): it raises at once, naming the
+    cause; rank 1's gather fails (the root's next op does not match it, or the group timeout),
+    at its wait or at its next op."""
+    dist.all_reduce(to_gpu(torch.ones(8)))
+    x = to_gpu(torch.ones(16))
+    if ctx.rank == 0:
+        res = _raised(lambda: dist.gather(x, [torch.zeros(16) for _ in range(ctx.world)], dst=0))
+    else:
+        res = _raised(lambda: dist.gather(x, None, dst=0))
+    res["later"] = _raised(lambda: dist.all_reduce(to_gpu(torch.ones(8))))
+    return res

@@ -19,6 +19,7 @@ SIZES = [0, 1, 1000, 2**18 + 3]
 def run_all(p, sizes, dtypes_red, dtypes_copy, stream=True):
     p.check("gpu_stream_ops", expect_stream=stream, sizes=sizes[1:])
     p.check("gpu_stream_copies", expect_stream=stream, sizes=sizes[1:])
+    p.check("gpu_stream_lists", expect_stream=stream, sizes=sizes[1:])
     p.check("gpu_reductions", sizes=sizes, dtypes=dtypes_red, ops=("SUM", "MAX", "AVG"))
     p.check("gpu_reductions", sizes=[7], dtypes=("int64", "uint8"), ops=("SUM", "BXOR", "MIN"))
     p.check("gpu_copies", sizes=sizes, dtypes=dtypes_copy)
@@ -63,7 +64,7 @@ def test_stream_allreduce(env):
     off (the host-driven path, still right)."""
     p = Pool(2, timeout_s=120, env=dict({"MC_DEVICE": "sim"}, **env), gloo=False)
     try:
-        for case in ("gpu_stream_ops", "gpu_stream_copies"):
+        for case in ("gpu_stream_ops", "gpu_stream_copies", "gpu_stream_lists"):
             p.check(case, expect_stream=env["MC_PG_STREAM_OPS"] != "0", sizes=(1, 5000, 2**18 + 3))
     finally:
         p.close()
@@ -114,3 +115,20 @@ def test_stream_allreduce_absent_rank_times_out():
     assert 1.5 <= x["elapsed"] <= 10, f"raised after {x['elapsed']:.1f}s, the timeout was 2s"
     for want in ("rank 1", "stream-ordered", "MC_PG_STREAM_OPS=0"):
         assert want in x["msg"], f"error does not name {want!r}: {x['msg']}"
+
+
+def test_stream_gather_root_with_host_outputs_is_refused():
+    p = Pool(2, timeout_s=2, env={"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1"}, gloo=False)
+    try:
+        res = p.run("gpu_stream_root_host", timeout_s=60)
+    finally:
+        p.kill()
+    x = res[0]
+    assert x["raised"], "gather into host tensors from GPU inputs did not raise on the root"
+    assert x["elapsed"] < 1.0, f"the root raised after {x['elapsed']:.1f}s: {x['msg']}"
+    for want in ("gather", "rank 0", "root's buffers must be GPU memory", "MC_PG_STREAM_OPS=0"):
+        assert want in x["msg"], f"error does not name {want!r}: {x['msg']}"
+    assert x["later"]["raised"], "rank 0: the op after the refused gather did not raise"
+    y = res[1]
+    print(f"rank 1: {y}")
+    assert y["raised"] or y["later"]["raised"], "rank 1: neither its gather nor its next op raised"

@@ -80,6 +80,18 @@ inline bool direct(const Tensor& t) { return t.is_contiguous() && !t.is_conj() &
 
 inline size_t nbytes(const Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
 
+// The tensors' data pointers (the block lists of the communicator's stream-ordered ops).
+inline std::vector<void*> dataPtrs(const std::vector<Tensor>& ts) {
+  std::vector<void*> v;
+  for (const auto& t : ts) v.push_back(t.data_ptr());
+  return v;
+}
+inline std::vector<const void*> constPtrs(const std::vector<Tensor>& ts) {
+  std::vector<const void*> v;
+  for (const auto& t : ts) v.push_back(t.data_ptr());
+  return v;
+}
+
 // Validation on the caller's thread. Bad arguments are std::invalid_argument (Python:
 // ValueError); a tensor on a device we do not serve yet is std::runtime_error.
 class Check {
@@ -143,6 +155,31 @@ class Check {
     if (t.scalar_type() != ref.scalar_type()) {
       fail(name + " has dtype " + std::string(c10::toString(t.scalar_type())) + ", expected " +
            c10::toString(ref.scalar_type()));
+    }
+  }
+  // all_gather_into_tensor: output holds size x input, same dtype. `sfx` names the pair in a
+  // coalesced call ("[i]").
+  void gatherPair(const Tensor& output, const Tensor& input, int size,
+                  const std::string& sfx) const {
+    tensor(input, "input" + sfx);
+    tensor(output, "output" + sfx);
+    sameType(output, input, "output" + sfx);
+    if (output.numel() != input.numel() * size) {
+      fail("output" + sfx + " has " + std::to_string(output.numel()) +
+           " elements, expected input (" + std::to_string(input.numel()) + ") x group size (" +
+           std::to_string(size) + ")");
+    }
+  }
+  // reduce_scatter_tensor: input holds size x output, same dtype.
+  void scatterPair(const Tensor& output, const Tensor& input, int size,
+                   const std::string& sfx) const {
+    tensor(input, "input" + sfx);
+    tensor(output, "output" + sfx);
+    sameType(input, output, "input" + sfx);
+    if (input.numel() != output.numel() * size) {
+      fail("input" + sfx + " has " + std::to_string(input.numel()) +
+           " elements, expected output (" + std::to_string(output.numel()) + ") x group size (" +
+           std::to_string(size) + ")");
     }
   }
   std::pair<pg::DataType, pg::ReduceOp> reduction(const Tensor& t, const c10d::ReduceOp& op) const {

@@ -33,6 +33,13 @@ bool onGpu(const at::Tensor& t) {
   return engine::device::isDeviceMemory(t.data_ptr());
 }
 
+bool onGpu(const std::vector<at::Tensor>& ts) {
+  if (ts.empty()) return false;
+  for (const auto& t : ts)
+    if (!onGpu(t)) return false;
+  return true;
+}
+
 std::string cudaUnavailableReason() {
 #if MC_HAVE_CUDA
   static const std::string reason = [] {

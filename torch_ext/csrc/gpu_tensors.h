@@ -9,9 +9,10 @@
 // it with the device layer's copies only, so the backend hands such tensors' pointers to it as
 // they are; nothing here touches their bytes from the host.
 //
-// all_reduce of a GPU tensor on one host is stream-ordered (pg/stream_ops.h,
-// ProcessGroupMooncake::streamAllReduce): queued on torch's current stream when issued, no host
-// thread waits for it, Work.wait() orders the current stream after it. The other ops:
+// On one host every collective of GPU tensors but all_to_all with splits (or as a list) is
+// stream-ordered (pg/stream_ops.h, ProcessGroupMooncake::streamCollective): queued on torch's
+// current stream when issued, no host thread waits for it, Work.wait() orders the current
+// stream after it. The other ops:
 // CUDA stream semantics (ProcessGroupNCCL's model, partly): an op on CUDA tensors records an
 // event on the caller's current stream of each CUDA device involved, when it is issued; the
 // op does not touch those tensors before the events have completed (the kernels queued before
@@ -48,6 +49,8 @@ void noteCudaDevice(const at::Tensor& t, std::vector<c10::Device>* devices);
 
 // Whether t's bytes are GPU memory (a CUDA tensor, or device-layer memory under a CPU tensor).
 bool onGpu(const at::Tensor& t);
+// Whether every tensor of a non-empty list is.
+bool onGpu(const std::vector<at::Tensor>& ts);
 
 // Empty when this process can serve CUDA tensors (a build with MC_WITH_CUDA whose device layer
 // is the CUDA driver's); else why not, for the error that names the op and the tensor. The

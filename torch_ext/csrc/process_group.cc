@@ -331,27 +331,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce(std::vector<Tenso
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce_coalesced(
-    std::vector<Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  Check ck(who(), "allreduce_coalesced");
-  if (tensors.empty()) ck.fail("expects at least one tensor");
-  ck.tensors(tensors, "tensors");
-  for (size_t i = 1; i < tensors.size(); ++i)
-    ck.sameType(tensors[i], tensors[0], "tensors[" + std::to_string(i) + "]");
-  auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
-  pg::Communicator* c = comm_.get();
-  std::vector<Tensor> ts = tensors;
-  return collective(ck, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
-                    [c, ts, dt = dt, op = op, sc = scratch_]() mutable {
-                      std::vector<size_t> offs;
-                      const size_t total = totalBytes(ts);
-                      uint8_t* p = sc->get(0, total);
-                      packBytes(p, ts, &offs);
-                      c->allReduce(p, p, total / ts[0].element_size(), dt, op);
-                      for (size_t i = 0; i < ts.size(); ++i) unpackBytes(p + offs[i], ts[i]);
-                    });
-}
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce(std::vector<Tensor>& tensors,
                                                             const c10d::ReduceOptions& opts) {
   Check ck(who(), "reduce");
@@ -362,6 +341,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce(std::vector<Tensor>&
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
+  if (onGpu(t)) {
+    auto w = streamCollective(OpType::REDUCE, "reduce", t, {t}, [&](const void* st) {
+      return c->reduceOnStream(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()), dt,
+                               op, root, st);
+    });
+    if (w) return w;
+  }
   return collective(ck, OpType::REDUCE, "reduce", tensors, [c, t, dt = dt, op = op, root] {
     Staged s = Staged::in(t);
     c->reduce(s.data(), s.data(), static_cast<size_t>(t.numel()), dt, op, root);
@@ -385,6 +371,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
   pg::Communicator* c = comm_.get();
   Tensor in = inputs[0];
   std::vector<Tensor> outs = outputs[0];
+  if (onGpu(in) && onGpu(outs)) {
+    auto w = streamCollective(OpType::ALLGATHER, "allgather", in, outs, [&](const void* st) {
+      return c->allGatherOnStream(in.data_ptr(), dataPtrs(outs), nbytes(in), st);
+    });
+    if (w) return w;
+  }
   return collective(ck, OpType::ALLGATHER, "allgather", outs, [c, in, outs, sc = scratch_]() mutable {
     Staged s = Staged::in(in);
     const size_t b = s.bytes();
@@ -394,41 +386,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
   });
 }
 
-namespace {
-
-// all_gather_into_tensor: output holds size x input, same dtype. `sfx` names the pair in a
-// coalesced call ("[i]").
-void checkGatherPair(const Check& ck, const Tensor& output, const Tensor& input, int size,
-                     const std::string& sfx) {
-  ck.tensor(input, "input" + sfx);
-  ck.tensor(output, "output" + sfx);
-  ck.sameType(output, input, "output" + sfx);
-  if (output.numel() != input.numel() * size) {
-    ck.fail("output" + sfx + " has " + std::to_string(output.numel()) +
-            " elements, expected input (" + std::to_string(input.numel()) + ") x group size (" +
-            std::to_string(size) + ")");
-  }
-}
-
-// reduce_scatter_tensor: input holds size x output, same dtype.
-void checkScatterPair(const Check& ck, const Tensor& output, const Tensor& input, int size,
-                      const std::string& sfx) {
-  ck.tensor(input, "input" + sfx);
-  ck.tensor(output, "output" + sfx);
-  ck.sameType(input, output, "input" + sfx);
-  if (input.numel() != output.numel() * size) {
-    ck.fail("input" + sfx + " has " + std::to_string(input.numel()) +
-            " elements, expected output (" + std::to_string(output.numel()) + ") x group size (" +
-            std::to_string(size) + ")");
-  }
-}
-
-}  // namespace
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
     Tensor& output, Tensor& input, const c10d::AllgatherOptions&) {
   Check ck(who(), "_allgather_base");
-  checkGatherPair(ck, output, input, size_, "");
+  ck.gatherPair(output, input, size_, "");
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
   const int n = size_;
@@ -445,46 +406,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
     c->allGather(si.data(), so.data(), si.bytes(), n);
     so.writeBack();
   });
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
-    std::vector<std::vector<Tensor>>& outputs, std::vector<Tensor>& inputs,
-    const c10d::AllgatherOptions&) {
-  Check ck(who(), "allgather_coalesced");
-  ck.tensors(inputs, "input");
-  if (static_cast<int>(outputs.size()) != size_) {
-    ck.fail("expects one output list per rank (" + std::to_string(size_) + "), got " +
-            std::to_string(outputs.size()));
-  }
-  std::vector<Tensor> flat_outs;
-  for (int r = 0; r < size_; ++r) {
-    if (outputs[r].size() != inputs.size()) {
-      ck.fail("output list " + std::to_string(r) + " has " + std::to_string(outputs[r].size()) +
-              " tensors, inputs have " + std::to_string(inputs.size()));
-    }
-    for (size_t j = 0; j < inputs.size(); ++j) {
-      std::string name = "output[" + std::to_string(r) + "][" + std::to_string(j) + "]";
-      ck.tensor(outputs[r][j], name);
-      ck.like(outputs[r][j], inputs[j], name);
-      flat_outs.push_back(outputs[r][j]);
-    }
-  }
-  pg::Communicator* c = comm_.get();
-  std::vector<Tensor> ins = inputs;
-  const int n = size_;
-  return collective(ck, OpType::ALLGATHER_COALESCED, "allgather_coalesced", flat_outs,
-                    [c, ins, flat_outs, n, sc = scratch_]() mutable {
-                      std::vector<size_t> offs;
-                      const size_t b = totalBytes(ins);
-                      uint8_t* packed = sc->get(0, b);
-                      packBytes(packed, ins, &offs);
-                      uint8_t* p = sc->get(1, b * n);
-                      c->allGather(packed, p, b, n);
-                      for (size_t k = 0; k < flat_outs.size(); ++k) {
-                        const size_t r = k / ins.size(), j = k % ins.size();
-                        unpackBytes(p + r * b + offs[j], flat_outs[k]);
-                      }
-                    });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::gather(
@@ -509,6 +430,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::gather(
   pg::Communicator* c = comm_.get();
   Tensor in = inputs[0];
   const int n = size_;
+  // Every rank decides by its input (the root's outputs must then be on its device too).
+  if (onGpu(in)) {
+    auto w = streamCollective(OpType::GATHER, "gather", in, outs, [&](const void* st) {
+      return c->gatherOnStream(in.data_ptr(), dataPtrs(outs), nbytes(in), root, st);
+    });
+    if (w) return w;
+  }
   return collective(ck, OpType::GATHER, "gather", outs,
                     [c, in, outs, root, n, sc = scratch_]() mutable {
                       Staged s = Staged::in(in);
@@ -542,6 +470,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
   pg::Communicator* c = comm_.get();
   Tensor out = outputs[0];
   const int n = size_;
+  // Every rank decides by its output (the root's inputs must then be on its device too).
+  if (onGpu(out)) {
+    auto w = streamCollective(OpType::SCATTER, "scatter", out, {out}, [&](const void* st) {
+      return c->scatterOnStream(constPtrs(ins), out.data_ptr(), nbytes(out), root, st);
+    });
+    if (w) return w;
+  }
   return collective(ck, OpType::SCATTER, "scatter", outputs, [c, ins, out, root, n, sc = scratch_] {
     uint8_t* p = nullptr;
     if (!ins.empty()) {
@@ -569,6 +504,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs[0];
   Tensor out = outputs[0];
+  if (onGpu(out) && onGpu(ins)) {
+    auto w = streamCollective(OpType::REDUCE_SCATTER, "reduce_scatter", out, {out},
+                              [&](const void* st) {
+                                return c->reduceScatterOnStream(constPtrs(ins), out.data_ptr(),
+                                                                static_cast<size_t>(out.numel()),
+                                                                dt, op, st);
+                              });
+    if (w) return w;
+  }
   return collective(ck, OpType::REDUCE_SCATTER, "reduce_scatter", outputs,
                     [c, ins, out, dt = dt, op = op, sc = scratch_] {
                       uint8_t* p = sc->get(0, totalBytes(ins));
@@ -583,7 +527,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
     Tensor& output, Tensor& input, const c10d::ReduceScatterOptions& opts) {
   Check ck(who(), "_reduce_scatter_base");
-  checkScatterPair(ck, output, input, size_, "");
+  ck.scatterPair(output, input, size_, "");
   auto [dt, op] = ck.reduction(output, opts.reduceOp);
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
@@ -676,78 +620,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::barrier(const c10d::Barrier
   pg::Communicator* c = comm_.get();
   return collective(ck, OpType::BARRIER, "barrier", {}, [c] { c->barrier(); });
 }
-
-#if MC_TORCH_HAS_BACKEND
-c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coalesced(
-    std::vector<Tensor>& outputs, std::vector<Tensor>& inputs, const c10d::AllgatherOptions&) {
-  Check ck(who(), "allgather_into_tensor_coalesced");
-  if (outputs.size() != inputs.size()) {
-    ck.fail(std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) +
-            " inputs");
-  }
-  for (size_t i = 0; i < inputs.size(); ++i)
-    checkGatherPair(ck, outputs[i], inputs[i], size_, "[" + std::to_string(i) + "]");
-  pg::Communicator* c = comm_.get();
-  std::vector<Tensor> ins = inputs, outs = outputs;
-  return collective(ck, OpType::COALESCED, "allgather_into_tensor_coalesced", outputs, [c, ins, outs] {
-    for (size_t i = 0; i < ins.size(); ++i) {
-      Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
-      c->allGather(si.data(), so.data(), si.bytes());
-      so.writeBack();
-    }
-  });
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coalesced(
-    std::vector<Tensor>& outputs, std::vector<Tensor>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
-  Check ck(who(), "reduce_scatter_tensor_coalesced");
-  if (outputs.size() != inputs.size()) {
-    ck.fail(std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) +
-            " inputs");
-  }
-  std::vector<std::pair<pg::DataType, pg::ReduceOp>> types;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    checkScatterPair(ck, outputs[i], inputs[i], size_, "[" + std::to_string(i) + "]");
-    types.push_back(ck.reduction(outputs[i], opts.reduceOp));
-  }
-  pg::Communicator* c = comm_.get();
-  std::vector<Tensor> ins = inputs, outs = outputs;
-  return collective(ck, OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs,
-                    [c, ins, outs, types] {
-                      for (size_t i = 0; i < ins.size(); ++i) {
-                        Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
-                        c->reduceScatter(si.data(), so.data(), static_cast<size_t>(outs[i].numel()),
-                                         types[i].first, types[i].second);
-                        so.writeBack();
-                      }
-                    });
-}
-
-void ProcessGroupMooncake::startCoalescing() {
-  std::lock_guard<std::mutex> lk(coalesce_mu_);
-  if (coalescing_) {
-    throw std::invalid_argument(who() +
-                                ": startCoalescing: already coalescing (nested "
-                                "coalescing managers on one group)");
-  }
-  coalescing_ = true;
-  coalesced_.clear();
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::endCoalescing() {
-  std::vector<c10::intrusive_ptr<MooncakeWork>> works;
-  {
-    std::lock_guard<std::mutex> lk(coalesce_mu_);
-    if (!coalescing_) {
-      throw std::invalid_argument(who() + ": endCoalescing without startCoalescing");
-    }
-    coalescing_ = false;
-    works.swap(coalesced_);
-  }
-  return MooncakeWork::joinAll(rank_, OpType::COALESCED, "coalesced", ectx_, std::move(works));
-}
-#endif  // MC_TORCH_HAS_BACKEND
 
 // ---------------------------------------------------------------------------------------
 // Point to point

@@ -1,0 +1,64 @@
+// The op entry points' argument checks and op signatures (pg/communicator.cc and
+// pg/communicator_stream.cc).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "pg/comm_impl.h"
+
+namespace mooncake::pg {
+
+// The size users see: one past the highest active slot in an elastic group.
+int pubSize(const Communicator::Impl& c);
+
+inline void checkRoot(const Communicator::Impl& c, int root, const char* op) {
+  if (root < 0 || root >= pubSize(c))
+    throw std::invalid_argument(std::string("mooncake pg: ") + op + ": root " +
+                                std::to_string(root) + " is outside the group of size " +
+                                std::to_string(pubSize(c)));
+}
+inline void checkReduce(DataType t, ReduceOp rop, const char* op) {
+  if (!reduceSupported(t, rop))
+    throw std::invalid_argument(std::string("mooncake pg: ") + op + ": reduce op " +
+                                reduceOpName(rop) + " is not defined for dtype " + dtypeName(t));
+}
+inline OpSig typedSig(OpKind kind, size_t count, DataType t, ReduceOp op, int root = -1) {
+  OpSig s;
+  s.kind = kind;
+  s.dtype = static_cast<uint8_t>(static_cast<int>(t) + 1);
+  s.redop = static_cast<uint8_t>(static_cast<int>(op) + 1);
+  s.count = count;
+  s.root = root;
+  return s;
+}
+
+inline OpSig bytesSig(OpKind kind, size_t bytes, int root = -1) {
+  OpSig s;
+  s.kind = kind;
+  s.count = bytes;
+  s.root = root;
+  return s;
+}
+
+inline uint64_t hashSizes(const std::vector<size_t>& v) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the sizes
+  for (size_t x : v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (static_cast<uint64_t>(x) >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+inline void checkPtr(const void* p, size_t bytes, const char* what, const char* op) {
+  if (p == nullptr && bytes > 0)
+    throw std::invalid_argument(std::string("mooncake pg: ") + op + ": null " + what +
+                                " buffer for " + std::to_string(bytes) + " bytes");
+}
+
+}  // namespace mooncake::pg

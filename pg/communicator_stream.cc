@@ -1,0 +1,293 @@
+// Communicator's stream-ordered entry points (pg/stream_ops.h, docs/gpu.md "Stream-ordered
+// collectives"): checks, whether the op takes the path, and the StreamOp the caller waits on.
+#include <string>
+#include <vector>
+
+#include "engine/device/device.h"
+#include "pg/comm_checks.h"
+#include "pg/comm_impl.h"
+#include "pg/communicator.h"
+#include "pg/stream_ops.h"
+
+namespace mooncake::pg {
+
+namespace {
+
+struct StreamOpTicket final : Communicator::StreamOp {
+  StreamOps* ops;
+  std::shared_ptr<StreamOps::Ticket> t;
+  bool waited = false;
+  void wait() override {
+    if (waited) return;
+    waited = true;
+    ops->finish(*t);
+  }
+  Status orderAfter(const void* stream) override { return ops->orderAfter(*t, stream); }
+};
+
+// The group's StreamOps when an op of `bytes` on GPU memory takes the stream-ordered path
+// (pg/stream_ops.h); else null. `decide`: buffers every rank has (so that every rank decides
+// alike): all on one device, whose ordinal goes to *ordinal. `must`: this rank's other buffers
+// (a root's), which must then lie on that device too (UsageError naming `op`).
+StreamOps* streamOpsFor(Communicator::Impl& c, const char* op, size_t bytes,
+                        const std::vector<const void*>& decide, int* ordinal,
+                        const std::vector<const void*>& must = {}) {
+  using Mode = PgParams::StreamOpsMode;
+  if (c.params.stream_ops == Mode::kOff || c.elastic || !c.shm || c.size < 2 || bytes == 0 ||
+      !engine::device::active())
+    return nullptr;
+  auto layer = engine::device::get();
+  if (!layer.ok()) return nullptr;
+  if (c.params.stream_ops == Mode::kAuto && std::string((*layer)->name()) != "cuda")
+    return nullptr;
+  *ordinal = -1;
+  for (const void* p : decide) {
+    const engine::device::PointerInfo i = (*layer)->pointer(p);
+    if (!i.device || (*ordinal >= 0 && i.ordinal != *ordinal)) return nullptr;
+    *ordinal = i.ordinal;
+  }
+  for (const void* p : must) {
+    const engine::device::PointerInfo i = (*layer)->pointer(p);
+    if (!i.device || i.ordinal != *ordinal)
+      throw UsageError("mooncake pg: " + std::string(op) + " on rank " +
+                           std::to_string(c.rank) +
+                           ": the root's buffers must be GPU memory of the input's device (" +
+                           std::to_string(*ordinal) +
+                           ") when the op is stream-ordered (MC_PG_STREAM_OPS=0 lifts this)",
+                       -1, op);
+  }
+  std::lock_guard<std::mutex> g(c.stream_ops_mu);
+  if (!c.stream_ops) c.stream_ops = std::make_unique<StreamOps>(c);
+  return c.stream_ops.get();
+}
+
+std::shared_ptr<Communicator::StreamOp> wrap(StreamOps* ops,
+                                             std::shared_ptr<StreamOps::Ticket> tk) {
+  if (!tk) return nullptr;
+  auto r = std::make_shared<StreamOpTicket>();
+  r->ops = ops;
+  r->t = std::move(tk);
+  return r;
+}
+
+bool apart(const void* a, size_t alen, const void* b, size_t blen) {
+  const char* x = static_cast<const char*>(a);
+  const char* y = static_cast<const char*>(b);
+  return x + alen <= y || y + blen <= x;
+}
+
+// Buffers `a` and `b` of `len` bytes each: apart, or (same_ok) at the same place.
+void checkApart(const char* op, const void* a, const char* a_name, const void* b,
+                const char* b_name, size_t len, bool same_ok) {
+  if (apart(a, len, b, len) || (same_ok && a == b)) return;
+  throw std::invalid_argument("mooncake pg: " + std::string(op) + ": " + a_name + " overlaps " +
+                              b_name);
+}
+
+std::vector<void*> blocksOf(void* base, size_t block, int n) {
+  std::vector<void*> v(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) v[static_cast<size_t>(r)] = static_cast<char*>(base) + r * block;
+  return v;
+}
+
+std::vector<const void*> blocksOf(const void* base, size_t block, int n) {
+  std::vector<const void*> v(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r)
+    v[static_cast<size_t>(r)] = static_cast<const char*>(base) + r * block;
+  return v;
+}
+
+void checkBlocks(size_t have, const Communicator::Impl& c, const char* what, const char* op) {
+  if (have != static_cast<size_t>(c.size))
+    throw std::invalid_argument("mooncake pg: " + std::string(op) + ": " + std::to_string(have) +
+                                " " + what + " blocks for a group of " + std::to_string(c.size));
+}
+
+template <typename T>
+std::vector<const void*> plus(std::vector<const void*> v, const std::vector<T*>& more) {
+  v.insert(v.end(), more.begin(), more.end());
+  return v;
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator::StreamOp> Communicator::allReduceOnStream(const void* in,
+                                                                        void* out, size_t count,
+                                                                        DataType t, ReduceOp op,
+                                                                        const void* stream) {
+  checkReduce(t, op, "allreduce");
+  checkPtr(in, count, "input", "allreduce");
+  checkPtr(out, count, "output", "allreduce");
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, "allreduce", count * dtypeSize(t), {in, out}, &ordinal);
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->allReduce(in, out, count, t, op,
+                                  typedSig(OpKind::kAllReduce, count, t, op), ordinal, stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::allGatherOnStream(const void* in,
+                                                                        void* out, size_t bytes,
+                                                                        const void* stream) {
+  checkPtr(out, bytes, "output", "allgather");
+  return allGatherOnStream(in, blocksOf(out, bytes, impl_->size), bytes, stream);
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::allGatherOnStream(
+    const void* in, const std::vector<void*>& outs, size_t bytes, const void* stream) {
+  const char* op = "allgather";
+  checkBlocks(outs.size(), *impl_, "output", op);
+  checkPtr(in, bytes, "input", op);
+  for (int r = 0; r < impl_->size; ++r) {
+    checkPtr(outs[static_cast<size_t>(r)], bytes, "output", op);
+    checkApart(op, outs[static_cast<size_t>(r)], "an output block", in, "the input", bytes,
+               r == impl_->rank);
+  }
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, op, bytes, plus({in}, outs), &ordinal);
+  if (ops == nullptr) return nullptr;
+  return wrap(ops,
+              ops->allGather(in, outs, bytes, bytesSig(OpKind::kAllGather, bytes), ordinal, stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::gatherOnStream(
+    const void* in, const std::vector<void*>& outs, size_t bytes, int root, const void* stream) {
+  const char* op = "gather";
+  checkRoot(*impl_, root, op);
+  checkPtr(in, bytes, "input", op);
+  const bool is_root = impl_->rank == root;
+  if (is_root) {
+    checkBlocks(outs.size(), *impl_, "output", op);
+    for (int r = 0; r < impl_->size; ++r) {
+      checkPtr(outs[static_cast<size_t>(r)], bytes, "output", op);
+      checkApart(op, outs[static_cast<size_t>(r)], "an output block", in, "the input", bytes,
+                 r == root);
+    }
+  }
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, op, bytes, {in}, &ordinal,
+                                is_root ? plus({}, outs) : std::vector<const void*>{});
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->gather(in, outs, bytes, root, bytesSig(OpKind::kGather, bytes, root),
+                               ordinal, stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::broadcastOnStream(void* buf, size_t bytes,
+                                                                        int root,
+                                                                        const void* stream) {
+  checkRoot(*impl_, root, "broadcast");
+  checkPtr(buf, bytes, "buffer", "broadcast");
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, "broadcast", bytes, {buf}, &ordinal);
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->broadcast(buf, bytes, root, bytesSig(OpKind::kBroadcast, bytes, root),
+                                  ordinal, stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::scatterOnStream(
+    const std::vector<const void*>& ins, void* out, size_t bytes, int root, const void* stream) {
+  const char* op = "scatter";
+  checkRoot(*impl_, root, op);
+  checkPtr(out, bytes, "output", op);
+  const bool is_root = impl_->rank == root;
+  if (is_root) {
+    checkBlocks(ins.size(), *impl_, "input", op);
+    for (int j = 0; j < impl_->size; ++j) {
+      checkPtr(ins[static_cast<size_t>(j)], bytes, "input", op);
+      checkApart(op, ins[static_cast<size_t>(j)], "an input block", out, "the output", bytes,
+                 j == root);
+    }
+  }
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, op, bytes, {out}, &ordinal,
+                                is_root ? ins : std::vector<const void*>{});
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->scatter(ins, out, bytes, root, bytesSig(OpKind::kScatter, bytes, root),
+                                ordinal, stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::reduceOnStream(const void* in, void* out,
+                                                                     size_t count, DataType t,
+                                                                     ReduceOp op, int root,
+                                                                     const void* stream) {
+  const char* name = "reduce";
+  checkReduce(t, op, name);
+  checkRoot(*impl_, root, name);
+  const size_t bytes = count * dtypeSize(t);
+  checkPtr(in, bytes, "input", name);
+  const bool is_root = impl_->rank == root;
+  if (is_root) {
+    checkPtr(out, bytes, "output", name);
+    checkApart(name, out, "the output", in, "the input", bytes, true);
+  }
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, name, bytes, {in}, &ordinal,
+                                is_root ? std::vector<const void*>{out} : std::vector<const void*>{});
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->reduce(in, out, count, t, op, root,
+                               typedSig(OpKind::kReduce, count, t, op, root), ordinal, stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::reduceScatterOnStream(
+    const void* in, void* out, size_t count, DataType t, ReduceOp op, const void* stream) {
+  checkPtr(in, count, "input", "reduce_scatter");
+  return reduceScatterOnStream(blocksOf(in, count * dtypeSize(t), impl_->size), out, count, t,
+                               op, stream);
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::reduceScatterOnStream(
+    const std::vector<const void*>& ins, void* out, size_t count, DataType t, ReduceOp op,
+    const void* stream) {
+  const char* name = "reduce_scatter";
+  checkReduce(t, op, name);
+  checkBlocks(ins.size(), *impl_, "input", name);
+  const size_t bytes = count * dtypeSize(t);
+  checkPtr(out, bytes, "output", name);
+  for (int j = 0; j < impl_->size; ++j) {
+    checkPtr(ins[static_cast<size_t>(j)], bytes, "input", name);
+    checkApart(name, ins[static_cast<size_t>(j)], "an input block", out, "the output", bytes,
+               j == impl_->rank);
+  }
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, name, bytes, plus({out}, ins), &ordinal);
+  if (ops == nullptr) return nullptr;
+  return wrap(ops, ops->reduceScatter(ins, out, count, t, op,
+                                      typedSig(OpKind::kReduceScatter, count, t, op), ordinal,
+                                      stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::allToAllOnStream(const void* in, void* out,
+                                                                       size_t block,
+                                                                       const void* stream) {
+  checkPtr(in, block, "input", "alltoall");
+  checkPtr(out, block, "output", "alltoall");
+  const size_t all = block * static_cast<size_t>(impl_->size);
+  if (!apart(in, all, out, all))
+    throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
+  return allToAllOnStream(blocksOf(in, block, impl_->size), blocksOf(out, block, impl_->size),
+                          block, stream);
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::allToAllOnStream(
+    const std::vector<const void*>& ins, const std::vector<void*>& outs, size_t block,
+    const void* stream) {
+  const char* op = "alltoall";
+  checkBlocks(ins.size(), *impl_, "input", op);
+  checkBlocks(outs.size(), *impl_, "output", op);
+  for (const void* i : ins) checkPtr(i, block, "input", op);
+  for (void* o : outs) {
+    checkPtr(o, block, "output", op);
+    for (const void* i : ins) checkApart(op, o, "an output block", i, "an input block", block, false);
+  }
+  int ordinal = -1;
+  StreamOps* ops = streamOpsFor(*impl_, op, block, plus(ins, outs), &ordinal);
+  if (ops == nullptr) return nullptr;
+  return wrap(ops,
+              ops->allToAll(ins, outs, block, bytesSig(OpKind::kAllToAll, block), ordinal, stream));
+}
+
+uint64_t Communicator::streamOps() const {
+  std::lock_guard<std::mutex> g(impl_->stream_ops_mu);
+  return impl_->stream_ops ? impl_->stream_ops->issued() : 0;
+}
+
+}  // namespace mooncake::pg

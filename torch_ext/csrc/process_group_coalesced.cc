@@ -1,0 +1,245 @@
+// The coalesced collectives of the torch backend (ProcessGroupMooncake, process_group.h): a
+// list of tensors in one call, and the ops issued between startCoalescing and endCoalescing.
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "torch_ext/csrc/convert.h"
+#include "torch_ext/csrc/gpu_tensors.h"
+#include "torch_ext/csrc/process_group.h"
+
+namespace mooncake::torch_ext {
+
+using at::Tensor;
+using c10d::OpType;
+using StreamOp = pg::Communicator::StreamOp;
+
+namespace {
+
+// Stream-ordered ops queued one after another on one stream, waited for as one.
+struct StreamOpList final : StreamOp {
+  std::vector<std::shared_ptr<StreamOp>> ops;
+  void wait() override {
+    // Each op is waited for, in order (the communicator's rule), the first failure thrown.
+    std::exception_ptr first;
+    for (auto& o : ops) {
+      try {
+        o->wait();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+  // The last op ends last on the stream.
+  Status orderAfter(const void* stream) override { return ops.back()->orderAfter(stream); }
+};
+
+// op(0), ..., op(n - 1) queued and joined; null when op(0) is not stream-ordered (nothing is
+// then queued: the call runs host-driven).
+std::shared_ptr<StreamOp> queueAll(size_t n,
+                                   const std::function<std::shared_ptr<StreamOp>(size_t)>& op) {
+  auto list = std::make_shared<StreamOpList>();
+  try {
+    for (size_t i = 0; i < n; ++i) {
+      std::shared_ptr<StreamOp> o = op(i);
+      if (!o && i == 0) return nullptr;
+      if (!o)
+        throw std::runtime_error("tensor " + std::to_string(i) +
+                                 " could not take the stream-ordered path that tensor 0 took");
+      list->ops.push_back(std::move(o));
+    }
+  } catch (...) {
+    try {  // the ops queued so far still need their checks, in order
+      if (!list->ops.empty()) list->wait();
+    } catch (...) {
+    }
+    throw;
+  }
+  return list;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce_coalesced(
+    std::vector<Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  Check ck(who(), "allreduce_coalesced");
+  if (tensors.empty()) ck.fail("expects at least one tensor");
+  ck.tensors(tensors, "tensors");
+  for (size_t i = 1; i < tensors.size(); ++i)
+    ck.sameType(tensors[i], tensors[0], "tensors[" + std::to_string(i) + "]");
+  auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
+  pg::Communicator* c = comm_.get();
+  std::vector<Tensor> ts = tensors;
+  if (onGpu(ts)) {
+    auto w = streamCollective(OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", ts[0], ts,
+                              [&](const void* st) {
+                                return queueAll(ts.size(), [&](size_t i) {
+                                  return c->allReduceOnStream(
+                                      ts[i].data_ptr(), ts[i].data_ptr(),
+                                      static_cast<size_t>(ts[i].numel()), dt, op, st);
+                                });
+                              });
+    if (w) return w;
+  }
+  return collective(ck, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
+                    [c, ts, dt = dt, op = op, sc = scratch_]() mutable {
+                      std::vector<size_t> offs;
+                      const size_t total = totalBytes(ts);
+                      uint8_t* p = sc->get(0, total);
+                      packBytes(p, ts, &offs);
+                      c->allReduce(p, p, total / ts[0].element_size(), dt, op);
+                      for (size_t i = 0; i < ts.size(); ++i) unpackBytes(p + offs[i], ts[i]);
+                    });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
+    std::vector<std::vector<Tensor>>& outputs, std::vector<Tensor>& inputs,
+    const c10d::AllgatherOptions&) {
+  Check ck(who(), "allgather_coalesced");
+  ck.tensors(inputs, "input");
+  if (static_cast<int>(outputs.size()) != size_) {
+    ck.fail("expects one output list per rank (" + std::to_string(size_) + "), got " +
+            std::to_string(outputs.size()));
+  }
+  std::vector<Tensor> flat_outs;
+  for (int r = 0; r < size_; ++r) {
+    if (outputs[r].size() != inputs.size()) {
+      ck.fail("output list " + std::to_string(r) + " has " + std::to_string(outputs[r].size()) +
+              " tensors, inputs have " + std::to_string(inputs.size()));
+    }
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      std::string name = "output[" + std::to_string(r) + "][" + std::to_string(j) + "]";
+      ck.tensor(outputs[r][j], name);
+      ck.like(outputs[r][j], inputs[j], name);
+      flat_outs.push_back(outputs[r][j]);
+    }
+  }
+  pg::Communicator* c = comm_.get();
+  std::vector<Tensor> ins = inputs;
+  const int n = size_;
+  if (onGpu(ins) && onGpu(flat_outs)) {
+    auto w = streamCollective(
+        OpType::ALLGATHER_COALESCED, "allgather_coalesced", ins[0], flat_outs,
+        [&](const void* st) {
+          return queueAll(ins.size(), [&](size_t j) {
+            std::vector<void*> outs;
+            for (int r = 0; r < n; ++r) outs.push_back(outputs[r][j].data_ptr());
+            return c->allGatherOnStream(ins[j].data_ptr(), outs, nbytes(ins[j]), st);
+          });
+        });
+    if (w) return w;
+  }
+  return collective(ck, OpType::ALLGATHER_COALESCED, "allgather_coalesced", flat_outs,
+                    [c, ins, flat_outs, n, sc = scratch_]() mutable {
+                      std::vector<size_t> offs;
+                      const size_t b = totalBytes(ins);
+                      uint8_t* packed = sc->get(0, b);
+                      packBytes(packed, ins, &offs);
+                      uint8_t* p = sc->get(1, b * n);
+                      c->allGather(packed, p, b, n);
+                      for (size_t k = 0; k < flat_outs.size(); ++k) {
+                        const size_t r = k / ins.size(), j = k % ins.size();
+                        unpackBytes(p + r * b + offs[j], flat_outs[k]);
+                      }
+                    });
+}
+
+#if MC_TORCH_HAS_BACKEND
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coalesced(
+    std::vector<Tensor>& outputs, std::vector<Tensor>& inputs, const c10d::AllgatherOptions&) {
+  Check ck(who(), "allgather_into_tensor_coalesced");
+  if (outputs.size() != inputs.size()) {
+    ck.fail(std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) +
+            " inputs");
+  }
+  for (size_t i = 0; i < inputs.size(); ++i)
+    ck.gatherPair(outputs[i], inputs[i], size_, "[" + std::to_string(i) + "]");
+  pg::Communicator* c = comm_.get();
+  std::vector<Tensor> ins = inputs, outs = outputs;
+  if (onGpu(ins) && onGpu(outs)) {
+    auto w = streamCollective(OpType::COALESCED, "allgather_into_tensor_coalesced", ins[0], outs,
+                              [&](const void* st) {
+                                return queueAll(ins.size(), [&](size_t i) {
+                                  return c->allGatherOnStream(ins[i].data_ptr(),
+                                                              outs[i].data_ptr(),
+                                                              nbytes(ins[i]), st);
+                                });
+                              });
+    if (w) return w;
+  }
+  return collective(ck, OpType::COALESCED, "allgather_into_tensor_coalesced", outputs, [c, ins, outs] {
+    for (size_t i = 0; i < ins.size(); ++i) {
+      Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
+      c->allGather(si.data(), so.data(), si.bytes());
+      so.writeBack();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coalesced(
+    std::vector<Tensor>& outputs, std::vector<Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  Check ck(who(), "reduce_scatter_tensor_coalesced");
+  if (outputs.size() != inputs.size()) {
+    ck.fail(std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) +
+            " inputs");
+  }
+  std::vector<std::pair<pg::DataType, pg::ReduceOp>> types;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ck.scatterPair(outputs[i], inputs[i], size_, "[" + std::to_string(i) + "]");
+    types.push_back(ck.reduction(outputs[i], opts.reduceOp));
+  }
+  pg::Communicator* c = comm_.get();
+  std::vector<Tensor> ins = inputs, outs = outputs;
+  if (onGpu(ins) && onGpu(outs)) {
+    auto w = streamCollective(OpType::COALESCED, "reduce_scatter_tensor_coalesced", ins[0], outs,
+                              [&](const void* st) {
+                                return queueAll(ins.size(), [&](size_t i) {
+                                  return c->reduceScatterOnStream(
+                                      ins[i].data_ptr(), outs[i].data_ptr(),
+                                      static_cast<size_t>(outs[i].numel()), types[i].first,
+                                      types[i].second, st);
+                                });
+                              });
+    if (w) return w;
+  }
+  return collective(ck, OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs,
+                    [c, ins, outs, types] {
+                      for (size_t i = 0; i < ins.size(); ++i) {
+                        Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
+                        c->reduceScatter(si.data(), so.data(), static_cast<size_t>(outs[i].numel()),
+                                         types[i].first, types[i].second);
+                        so.writeBack();
+                      }
+                    });
+}
+
+void ProcessGroupMooncake::startCoalescing() {
+  std::lock_guard<std::mutex> lk(coalesce_mu_);
+  if (coalescing_) {
+    throw std::invalid_argument(who() +
+                                ": startCoalescing: already coalescing (nested "
+                                "coalescing managers on one group)");
+  }
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::endCoalescing() {
+  std::vector<c10::intrusive_ptr<MooncakeWork>> works;
+  {
+    std::lock_guard<std::mutex> lk(coalesce_mu_);
+    if (!coalescing_) {
+      throw std::invalid_argument(who() + ": endCoalescing without startCoalescing");
+    }
+    coalescing_ = false;
+    works.swap(coalesced_);
+  }
+  return MooncakeWork::joinAll(rank_, OpType::COALESCED, "coalesced", ectx_, std::move(works));
+}
+#endif  // MC_TORCH_HAS_BACKEND
+
+}  // namespace mooncake::torch_ext
