@@ -218,10 +218,10 @@ const std::vector<ParamDef>& table() {
        "device). 0: this rank's GPU data goes through the host halves (peers still read others' "
        "GPU halves)."},
       {"MC_PG_STREAM_OPS", Type::kString, "auto",
-       "Same-host groups, every collective of GPU memory but all-to-all with sizes (torch "
-       "backend: all_reduce, broadcast, reduce, all_gather and all_gather_into_tensor, gather, "
-       "scatter, reduce_scatter and reduce_scatter_tensor, the coalesced forms, "
-       "all_to_all_single without splits): queued on the caller's "
+       "Same-host groups, every collective of GPU memory (torch backend: all_reduce, broadcast, "
+       "reduce, all_gather and all_gather_into_tensor, gather, scatter, reduce_scatter and "
+       "reduce_scatter_tensor, the coalesced forms, all_to_all_single, all_to_all): queued on "
+       "the caller's "
        "stream -- copies, stream memory operations on flag words in the ranks' GPU memory and "
        "the reduction kernel -- so no host thread waits for them (pg/stream_ops.h); all ranks "
        "of a group must then call these on GPU tensors. auto: with the CUDA device layer "

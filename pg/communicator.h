@@ -171,8 +171,8 @@ class Communicator {
   };
   std::shared_ptr<StreamOp> allReduceOnStream(const void* in, void* out, size_t count,
                                               DataType t, ReduceOp op, const void* stream);
-  // The same for the other collectives but all-to-all with sizes (an all-to-all of equal
-  // blocks of `block` bytes: block j of `in` to rank j, rank r's block at r * block of `out`).
+  // The same for the other collectives (an all-to-all of equal blocks of `block` bytes: block
+  // j of `in` to rank j, rank r's block at r * block of `out`; with sizes: allToAllVOnStream).
   // The *s forms take one block pointer per rank, in rank order (torch's list forms); gather's
   // outs and scatter's ins are the root's (empty elsewhere) and must then lie on the device of
   // the other buffers (UsageError: every rank decides by the buffers every rank has).
@@ -200,6 +200,21 @@ class Communicator {
   std::shared_ptr<StreamOp> allToAllOnStream(const std::vector<const void*>& ins,
                                              const std::vector<void*>& outs, size_t block,
                                              const void* stream);
+  // An all-to-all with sizes (allToAllV's arguments): the ranks first agree on the sizes on
+  // the host (a wait until every rank issued it; no GPU work waited for), so every rank must
+  // issue it on this path (the torch backend: all_to_all_single with splits). ordinal: the
+  // device of in and out, for a rank whose buffers are both empty (null pointers; -1: none).
+  std::shared_ptr<StreamOp> allToAllVOnStream(const void* in, const std::vector<size_t>& send_bytes,
+                                              const std::vector<size_t>& send_offsets, void* out,
+                                              const std::vector<size_t>& recv_bytes,
+                                              const std::vector<size_t>& recv_offsets,
+                                              const void* stream, int ordinal = -1);
+  // The same with one pointer per block (torch's list form; null for an empty block).
+  std::shared_ptr<StreamOp> allToAllVOnStream(const std::vector<const void*>& ins,
+                                              const std::vector<size_t>& send_bytes,
+                                              const std::vector<void*>& outs,
+                                              const std::vector<size_t>& recv_bytes,
+                                              const void* stream, int ordinal = -1);
   // Stream-ordered ops issued by this rank so far (tests).
   uint64_t streamOps() const;
   void reduce(const void* in, void* out, size_t count, DataType t, ReduceOp op, int root);

@@ -1,5 +1,6 @@
 // Communicator's stream-ordered entry points (pg/stream_ops.h, docs/gpu.md "Stream-ordered
 // collectives"): checks, whether the op takes the path, and the StreamOp the caller waits on.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -28,10 +29,12 @@ struct StreamOpTicket final : Communicator::StreamOp {
 // The group's StreamOps when an op of `bytes` on GPU memory takes the stream-ordered path
 // (pg/stream_ops.h); else null. `decide`: buffers every rank has (so that every rank decides
 // alike): all on one device, whose ordinal goes to *ordinal. `must`: this rank's other buffers
-// (a root's), which must then lie on that device too (UsageError naming `op`).
+// (a root's), which must then lie on that device too. Buffers on several devices, or a root's
+// not on the decided one, fail the group (CommError naming `op`): the peers, which decided
+// alike without this rank's view, are waiting for it.
 StreamOps* streamOpsFor(Communicator::Impl& c, const char* op, size_t bytes,
                         const std::vector<const void*>& decide, int* ordinal,
-                        const std::vector<const void*>& must = {}) {
+                        const std::vector<const void*>& must = {}, int hint = -1) {
   using Mode = PgParams::StreamOpsMode;
   if (c.params.stream_ops == Mode::kOff || c.elastic || !c.shm || c.size < 2 || bytes == 0 ||
       !engine::device::active())
@@ -40,21 +43,31 @@ StreamOps* streamOpsFor(Communicator::Impl& c, const char* op, size_t bytes,
   if (!layer.ok()) return nullptr;
   if (c.params.stream_ops == Mode::kAuto && std::string((*layer)->name()) != "cuda")
     return nullptr;
-  *ordinal = -1;
+  *ordinal = decide.empty() ? hint : -1;
+  if (decide.empty() && hint < 0) return nullptr;
+  auto refuse = [&](const std::string& why) {
+    CommError e("mooncake pg: " + std::string(op) + " on rank " + std::to_string(c.rank) + ": " +
+                    why + " (MC_PG_STREAM_OPS=0 runs GPU collectives host-driven, which takes "
+                    "them)",
+                -1, op);
+    c.breakOn(e);
+    throw e;
+  };
+  bool host = false;
   for (const void* p : decide) {
     const engine::device::PointerInfo i = (*layer)->pointer(p);
-    if (!i.device || (*ordinal >= 0 && i.ordinal != *ordinal)) return nullptr;
-    *ordinal = i.ordinal;
+    host = host || !i.device;
+    if (i.device && *ordinal >= 0 && i.ordinal != *ordinal)
+      refuse("its buffers are on GPUs " + std::to_string(*ordinal) + " and " +
+             std::to_string(i.ordinal) + "; a stream-ordered op takes one GPU");
+    if (i.device) *ordinal = i.ordinal;
   }
+  if (host) return nullptr;  // host memory among them: the host-driven op
   for (const void* p : must) {
     const engine::device::PointerInfo i = (*layer)->pointer(p);
     if (!i.device || i.ordinal != *ordinal)
-      throw UsageError("mooncake pg: " + std::string(op) + " on rank " +
-                           std::to_string(c.rank) +
-                           ": the root's buffers must be GPU memory of the input's device (" +
-                           std::to_string(*ordinal) +
-                           ") when the op is stream-ordered (MC_PG_STREAM_OPS=0 lifts this)",
-                       -1, op);
+      refuse("the root's buffers must be GPU memory of the input's device (" +
+             std::to_string(*ordinal) + ") when the op is stream-ordered");
   }
   std::lock_guard<std::mutex> g(c.stream_ops_mu);
   if (!c.stream_ops) c.stream_ops = std::make_unique<StreamOps>(c);
@@ -244,8 +257,10 @@ std::shared_ptr<Communicator::StreamOp> Communicator::reduceScatterOnStream(
   checkPtr(out, bytes, "output", name);
   for (int j = 0; j < impl_->size; ++j) {
     checkPtr(ins[static_cast<size_t>(j)], bytes, "input", name);
+    // (out == ins[j] is safe for any j: a step reads its piece of every block before it
+    // writes that piece of out, and later steps read later pieces)
     checkApart(name, ins[static_cast<size_t>(j)], "an input block", out, "the output", bytes,
-               j == impl_->rank);
+               true);
   }
   int ordinal = -1;
   StreamOps* ops = streamOpsFor(*impl_, name, bytes, plus({out}, ins), &ordinal);
@@ -283,6 +298,66 @@ std::shared_ptr<Communicator::StreamOp> Communicator::allToAllOnStream(
   if (ops == nullptr) return nullptr;
   return wrap(ops,
               ops->allToAll(ins, outs, block, bytesSig(OpKind::kAllToAll, block), ordinal, stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::allToAllVOnStream(
+    const void* in, const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
+    void* out, const std::vector<size_t>& recv_bytes, const std::vector<size_t>& recv_offsets,
+    const void* stream, int ordinal_hint) {
+  const char* op = "alltoall";
+  const size_t n = static_cast<size_t>(impl_->size);
+  if (send_bytes.size() != n || send_offsets.size() != n || recv_bytes.size() != n ||
+      recv_offsets.size() != n)
+    throw std::invalid_argument("mooncake pg: alltoall: split vectors must have one entry per "
+                                "rank (" + std::to_string(n) + ")");
+  size_t in_end = 0, out_end = 0;
+  for (size_t j = 0; j < n; ++j) {
+    if (send_bytes[j] > 0) in_end = std::max(in_end, send_offsets[j] + send_bytes[j]);
+    if (recv_bytes[j] > 0) out_end = std::max(out_end, recv_offsets[j] + recv_bytes[j]);
+  }
+  checkPtr(in, in_end, "input", op);
+  checkPtr(out, out_end, "output", op);
+  if (in_end > 0 && out_end > 0 && !apart(in, in_end, out, out_end))
+    throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
+  std::vector<const void*> ins(n);
+  std::vector<void*> outs(n);
+  for (size_t j = 0; j < n; ++j) {
+    ins[j] = send_bytes[j] > 0 ? static_cast<const char*>(in) + send_offsets[j] : nullptr;
+    outs[j] = recv_bytes[j] > 0 ? static_cast<char*>(out) + recv_offsets[j] : nullptr;
+  }
+  return allToAllVOnStream(ins, send_bytes, outs, recv_bytes, stream, ordinal_hint);
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::allToAllVOnStream(
+    const std::vector<const void*>& ins, const std::vector<size_t>& send_bytes,
+    const std::vector<void*>& outs, const std::vector<size_t>& recv_bytes, const void* stream,
+    int ordinal_hint) {
+  const char* op = "alltoall";
+  checkBlocks(ins.size(), *impl_, "input", op);
+  checkBlocks(outs.size(), *impl_, "output", op);
+  checkBlocks(send_bytes.size(), *impl_, "send size", op);
+  checkBlocks(recv_bytes.size(), *impl_, "receive size", op);
+  std::vector<const void*> decide;  // the non-empty blocks
+  for (size_t j = 0; j < ins.size(); ++j) {
+    checkPtr(ins[j], send_bytes[j], "input", op);
+    if (send_bytes[j] > 0) decide.push_back(ins[j]);
+  }
+  for (size_t r = 0; r < outs.size(); ++r) {
+    checkPtr(outs[r], recv_bytes[r], "output", op);
+    if (recv_bytes[r] == 0) continue;
+    decide.push_back(outs[r]);
+    for (size_t j = 0; j < ins.size(); ++j)
+      if (send_bytes[j] > 0 && !apart(outs[r], recv_bytes[r], ins[j], send_bytes[j]))
+        throw std::invalid_argument("mooncake pg: alltoall: an output block overlaps an input "
+                                    "block");
+  }
+  int ordinal = -1;
+  // (bytes: 1, not this rank's total: a rank that sends and receives nothing takes part too)
+  StreamOps* ops = streamOpsFor(*impl_, op, 1, decide, &ordinal, {}, ordinal_hint);
+  if (ops == nullptr) return nullptr;
+  OpSig sig;
+  sig.kind = OpKind::kAllToAll;
+  return wrap(ops, ops->allToAllV(ins, send_bytes, outs, recv_bytes, sig, ordinal, stream));
 }
 
 uint64_t Communicator::streamOps() const {

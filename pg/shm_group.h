@@ -122,6 +122,18 @@ class ShmGroup {
     std::atomic<uint64_t> seq;  // the op's sequence number (stored last, with release)
     std::atomic<uint64_t> w[2];  // OpSig::pack
   };
+  // A stream-ordered all-to-all with sizes (StreamOps::allToAllV) first agrees on the sizes on
+  // the host: each rank notes, by the number of such calls (from 1), the largest block it sends
+  // or receives and a checksum of its sizes; a rank reads every peer's note of the same call.
+  // A rank notes call v + 1 only after reading every peer's note of call v, so a ring of 4
+  // always still holds the call a peer reads.
+  static constexpr int kSizesRing = 4;
+  struct SizesNote {
+    std::atomic<uint64_t> seq;  // the call (stored last, with release)
+    std::atomic<uint64_t> max_block;
+    std::atomic<uint64_t> balance;
+  };
+  SizesNote& sizesNote(int r, uint64_t seq) const { return hdr(r)->sizes[seq % kSizesRing]; }
   StreamInfo& streamInfo(int r) const { return hdr(r)->stream; }
   StreamSig& streamSig(int r, uint64_t seq) const {
     return hdr(r)->stream_sigs[seq % kStreamRing];
@@ -154,6 +166,7 @@ class ShmGroup {
     DeviceHalfInfo dev;
     StreamInfo stream;
     StreamSig stream_sigs[kStreamRing];
+    SizesNote sizes[kSizesRing];
   };
   static constexpr uint64_t kAbortDied = uint64_t{1} << 31;
   static constexpr uint64_t kAbortLeft = uint64_t{1} << 30;

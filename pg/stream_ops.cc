@@ -468,6 +468,140 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::allToAll(const std::vector<const v
   });
 }
 
+namespace {
+uint64_t mix(uint64_t x) {  // splitmix64's finaliser
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+// A block of `bytes` from rank `from` to rank `to`, as a term of the checksum: the sender adds
+// it, the receiver subtracts it.
+uint64_t pairTerm(int from, int to, size_t bytes) {
+  return mix(mix((static_cast<uint64_t>(from) << 32) | static_cast<uint32_t>(to)) ^ bytes);
+}
+}  // namespace
+
+size_t StreamOps::agreeSizes(const char* name, const std::vector<size_t>& send_bytes,
+                             const std::vector<size_t>& recv_bytes) {
+  ShmGroup& g = *c_.shm;
+  const int me = c_.rank, n = c_.size;
+  uint64_t v = 0, next_op = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    v = ++sizes_seq_;
+    next_op = seq_ + 1;
+  }
+  size_t max_block = 0;
+  uint64_t balance = 0;
+  for (int j = 0; j < n; ++j) {
+    max_block = std::max({max_block, send_bytes[static_cast<size_t>(j)],
+                          recv_bytes[static_cast<size_t>(j)]});
+    balance += pairTerm(me, j, send_bytes[static_cast<size_t>(j)]);
+    balance -= pairTerm(j, me, recv_bytes[static_cast<size_t>(j)]);
+  }
+  ShmGroup::SizesNote& mine = g.sizesNote(me, v);
+  mine.max_block.store(max_block, std::memory_order_relaxed);
+  mine.balance.store(balance, std::memory_order_relaxed);
+  mine.seq.store(v, std::memory_order_release);
+  OpSig sig;
+  sig.kind = OpKind::kAllToAll;
+  OpCtx op{name, Clock::now() + c_.opts.timeout, next_op, c_.opts.timeout, sig};
+  uint64_t total = balance;
+  for (int r = 0; r < n; ++r) {
+    if (r == me) continue;
+    ShmGroup::SizesNote& note = g.sizesNote(r, v);
+    int spins = 0;
+    auto nap = std::chrono::microseconds(10);
+    while (note.seq.load(std::memory_order_acquire) != v) {
+      // A peer that issued its next stream-ordered op without this agreement called another
+      // op (or an all-to-all without sizes) here.
+      ShmGroup::StreamSig& other = g.streamSig(r, next_op);
+      if (other.seq.load(std::memory_order_acquire) == next_op) {
+        uint64_t w[2] = {other.w[0].load(std::memory_order_relaxed),
+                         other.w[1].load(std::memory_order_relaxed)};
+        const OpSig theirs = OpSig::unpack(w);
+        throw CommError("mooncake pg: " + std::string(name) + " on rank " + std::to_string(me) +
+                            " (group " + c_.opts.group_name + "): rank " + std::to_string(r) +
+                            " called " + theirs.describe() +
+                            (theirs.kind == OpKind::kAllToAll ? " without split sizes" : "") +
+                            " where this rank calls all_to_all with split sizes: every rank "
+                            "must pass split sizes or none, and call the same collectives in "
+                            "the same order",
+                        r, name);
+      }
+      if (Clock::now() >= op.deadline)
+        throw CommError("mooncake pg: " + std::string(name) + " on rank " + std::to_string(me) +
+                            ": rank " + std::to_string(r) +
+                            " did not call the all-to-all within the group timeout",
+                        r, name);
+      g.checkHealth(op);
+      if (++spins < 64) {
+        std::this_thread::yield();
+        continue;
+      }
+      std::this_thread::sleep_for(nap);
+      if (nap < std::chrono::milliseconds(1)) nap *= 2;
+    }
+    max_block = std::max<size_t>(max_block, note.max_block.load(std::memory_order_relaxed));
+    total += note.balance.load(std::memory_order_relaxed);
+  }
+  if (total != 0)
+    throw UsageError("mooncake pg: " + std::string(name) + " on rank " + std::to_string(me) +
+                         " (group " + c_.opts.group_name +
+                         "): the ranks' split sizes do not pair up (some rank sends a block of "
+                         "another size than its receiver expects; MC_PG_STREAM_OPS=0 runs it "
+                         "host-driven, which names the pair)",
+                     -1, name);
+  return max_block;
+}
+
+std::shared_ptr<StreamOps::Ticket> StreamOps::allToAllV(const std::vector<const void*>& ins,
+                                                        const std::vector<size_t>& send_bytes,
+                                                        const std::vector<void*>& outs,
+                                                        const std::vector<size_t>& recv_bytes,
+                                                        const OpSig& sig, int ordinal,
+                                                        const void* stream) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (state_ == kUnusable) return nullptr;  // (every rank knows: none agrees)
+  }
+  size_t max_block = 0;
+  try {
+    max_block = agreeSizes("alltoall", send_bytes, recv_bytes);
+  } catch (const UsageError&) {
+    throw;  // (every rank raises it: the group stays usable)
+  } catch (const CommError& e) {
+    c_.breakOn(e);  // peers may be waiting for this rank on their streams
+    throw;
+  }
+  // Each step: a piece of every block into this rank's buffer (the block for rank j at
+  // j * per); exchange; from every rank's buffer the piece meant for this rank.
+  return issue("alltoall", sig, ordinal, stream, [&](Issue& is) {
+    const int me = is.me(), n = is.n();
+    const size_t per = std::max<size_t>(chunk_ / static_cast<size_t>(n), 1);
+    auto piece = [&](size_t block, size_t off) { return off < block ? std::min(per, block - off) : 0; };
+    const auto m = static_cast<size_t>(me);
+    is.copy(outs[m], ins[m], send_bytes[m]);
+    for (size_t off = 0; off < max_block; off += per) {
+      const uint64_t s = is.step();
+      for (int j = 0; j < n; ++j) {
+        const auto k = static_cast<size_t>(j);
+        const size_t len = piece(send_bytes[k], off);
+        if (j != me && len > 0)
+          is.copy(is.buf(me, s) + k * per, static_cast<const char*>(ins[k]) + off, len);
+      }
+      is.exchange();
+      for (int r = 0; r < n; ++r) {
+        const auto k = static_cast<size_t>(r);
+        const size_t len = piece(recv_bytes[k], off);
+        if (r != me && len > 0)
+          is.copy(static_cast<char*>(outs[k]) + off, is.buf(r, s) + m * per, len);
+      }
+    }
+  });
+}
+
 void StreamOps::publishSig(const Ticket& t) {
   ShmGroup::StreamSig& s = c_.shm->streamSig(c_.rank, t.seq);
   uint64_t w[2];

@@ -99,6 +99,16 @@ class StreamOps {
   //     reduced out of every rank's buffer;
   //   allToAll (equal blocks of `block` bytes): a piece of every block ins[j] into its
   //     buffer; exchange; from every rank's buffer the piece meant for it, into outs[r].
+  //   allToAllV (blocks of any size: send_bytes[j] at ins[j] to rank j, recv_bytes[r] from
+  //     rank r into outs[r]): first, on the host, the ranks
+  //     agree on the sizes (ShmGroup::SizesNote: every rank waits until every peer issued the
+  //     call, then takes the largest block of any rank, so that all run the same steps, and
+  //     checks that the sizes pair up: a checksum over what each rank sends minus what it
+  //     receives sums to 0 only when every block sent is the size its receiver expects;
+  //     UsageError on every rank otherwise); then per step a piece of every block into its
+  //     buffer (slots of chunk / n bytes); exchange; from every rank's buffer the piece meant
+  //     for it. The host wait costs what the slowest rank's issue takes; no GPU work is waited
+  //     for.
   // Block lists hold one pointer per rank, in rank order.
   std::shared_ptr<Ticket> allReduce(const void* in, void* out, size_t count, DataType t,
                                     ReduceOp op, const OpSig& sig, int ordinal,
@@ -121,6 +131,11 @@ class StreamOps {
   std::shared_ptr<Ticket> allToAll(const std::vector<const void*>& ins,
                                    const std::vector<void*>& outs, size_t block,
                                    const OpSig& sig, int ordinal, const void* stream);
+  std::shared_ptr<Ticket> allToAllV(const std::vector<const void*>& ins,
+                                    const std::vector<size_t>& send_bytes,
+                                    const std::vector<void*>& outs,
+                                    const std::vector<size_t>& recv_bytes, const OpSig& sig,
+                                    int ordinal, const void* stream);
   // Waits until the ticket's op is done, then checks it (see above). Throws CommError.
   // Called once per ticket, in issue order, by the thread that runs the group's ops.
   void finish(Ticket& t);
@@ -141,6 +156,11 @@ class StreamOps {
   std::shared_ptr<Ticket> issue(const char* name, const OpSig& sig, int ordinal,
                                 const void* stream, const std::function<void(Issue&)>& steps);
   bool setUp(int ordinal, const OpCtx& op);  // under mu_; false: not usable by every rank
+  // allToAllV's agreement (above): the largest block of any rank. Throws UsageError (sizes
+  // that do not pair up) or CommError (a peer that issued another op, a dead one, the
+  // timeout).
+  size_t agreeSizes(const char* name, const std::vector<size_t>& send_bytes,
+                    const std::vector<size_t>& recv_bytes);
   uint32_t* words(int owner, int from, bool done) const;
   char* buffer(int owner, uint64_t step) const;
   void publishSig(const Ticket& t);
@@ -172,6 +192,7 @@ class StreamOps {
   uint64_t step_ = 0;     // last step issued (its buffer: step & 1)
   uint64_t seq_ = 0;      // last op issued
   uint64_t finished_ = 0;  // ops finished (guarded by mu_)
+  uint64_t sizes_seq_ = 0;  // allToAllV calls (guarded by mu_)
   bool failed_ = false;
 };
 

@@ -188,7 +188,8 @@ if [[ -n "$TORCH_INFO" ]]; then
   done <<<"$TORCH_INFO"
   build_module() {  # (called in a condition: set -e is off inside, hence the returns)
     mkdir -p "$B/torchobj" || return 1
-    ls torch_ext/csrc/{process_group,mooncake_work,op_queue,store_rendezvous,gpu_tensors}.cc \
+    ls torch_ext/csrc/{process_group,process_group_coalesced,mooncake_work,op_queue}.cc \
+       torch_ext/csrc/{store_rendezvous,gpu_tensors}.cc \
        torch_ext/csrc/{engine_handle,ep_binding}.cc tests/gpu/torch_check_module.cc |
       xargs -P "$(nproc)" -I{} sh -c \
         '"$0" "$@" -c {} -o "'"$B"'/torchobj/$(echo {} | tr / _).o"' "${CXXC[@]}" "${TFLAGS[@]}" \

@@ -249,6 +249,16 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
     const std::vector<size_t> blk(n, nb / n);  // alltoall's blocks and their offsets
     std::vector<size_t> off(n);
     for (int j = 0; j < n; ++j) off[j] = j * (nb / n);
+    std::vector<size_t> vsb(n), vso(n), vrb(n), vro(n);  // alltoallv's sizes and offsets
+    size_t vrecv_total = 0;
+    for (int j = 0, at = 0; j < n; ++j) {
+      vsb[j] = static_cast<size_t>(me + j + 1) * (nb / 4);
+      vso[j] = static_cast<size_t>(at);
+      at += static_cast<int>(vsb[j]);
+      vrb[j] = static_cast<size_t>(j + me + 1) * (nb / 4);
+      vro[j] = vrecv_total;
+      vrecv_total += vrb[j];
+    }
     const Op ops[] = {
         {"allgather", nb * n, [&](const void* i, void* o) { c.allGather(i, o, nb); },
          [&](const void* i, void* o) { return c.allGatherOnStream(i, o, nb, kCopyStream); }},
@@ -293,10 +303,15 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
              for (int j = 0; j < n; ++j) ins.push_back(static_cast<const char*>(i) + j * (nb / n));
            return c.scatterOnStream(ins, o, nb / n, n - 1, kCopyStream);
          }},
+        // uneven blocks, the largest (3/4 of 16 MiB) over more than one 8 MiB step's slot
+        {"alltoallv", vrecv_total, [&](const void* i, void* o) { c.allToAllV(i, vsb, vso, o, vrb, vro); },
+         [&](const void* i, void* o) {
+           return c.allToAllVOnStream(i, vsb, vso, o, vrb, vro, kCopyStream);
+         }},
     };
     for (const Op& op : ops) {
-      op.host(in.data(), want.data());  // (every op's input: the first nb bytes)
-      Status st = copyWait(d, gi.p, in.data(), nb);
+      op.host(in.data(), want.data());
+      Status st = copyWait(d, gi.p, in.data(), in.size());
       if (!st.ok()) return st.toString();
       auto so = op.stream(gi.p, go.p);
       if (!so)
@@ -310,8 +325,8 @@ std::vector<Row> runChecks(Device& d, Communicator& c) {
       if (std::memcmp(got.data(), want.data(), op.out_bytes) != 0)
         return std::string(op.name) + ": differs from the host-driven op";
     }
-    return "ok: allgather, broadcast, reduce_scatter, alltoall, reduce, gather, scatter equal to "
-           "the host-driven ops";
+    return "ok: allgather, broadcast, reduce_scatter, alltoall, reduce, gather, scatter, alltoallv "
+           "equal to the host-driven ops";
   });
   check("allgather_16MiB", [&]() -> std::string {
     Gpu in(d, bytes), out(d, bytes * n);

@@ -198,28 +198,55 @@ def worker(a):
 
     ag = getattr(dist, "all_gather_into_tensor", None) or dist._all_gather_base
     rs = getattr(dist, "reduce_scatter_tensor", None) or dist._reduce_scatter_base
+    streamed = {}  # op -> stream-ordered ops its calls issued (pg/stream_ops.h)
+
+    def counted(name, call):
+        before = stream_ops()
+        call()
+        if before is not None:
+            streamed[name] = streamed.get(name, 0) + stream_ops() - before
+
     for n in (4099, 1 << 20):
         for dt, op, name in ((torch.float32, dist.ReduceOp.SUM, "sum"),
                              (torch.bfloat16, dist.ReduceOp.SUM, "sum"),
                              (torch.int64, dist.ReduceOp.MAX, "max")):
             x = gpu(inp(me, n, dt))
-            dist.all_reduce(x, op=op)
+            counted("all_reduce", lambda: dist.all_reduce(x, op=op))
             ins = torch.stack([inp(r, n, dt) for r in range(W)])
             exp = ins.sum(0).to(dt) if name == "sum" else ins.max(0).values
             check(f"all_reduce {name} {dt} n={n}", host(x), exp)
         x = gpu(inp(me, n, salt=1))
-        dist.broadcast(x, W - 1)
+        counted("broadcast", lambda: dist.broadcast(x, W - 1))
         check(f"broadcast n={n}", host(x), inp(W - 1, n, salt=1))
+        x = gpu(inp(me, n, salt=7))
+        counted("reduce", lambda: dist.reduce(x, W - 1))
+        if me == W - 1:
+            check(f"reduce n={n}", host(x), sum(inp(r, n, salt=7) for r in range(W)))
+        outs = [gpu(torch.zeros(n)) for _ in range(W)] if me == 0 else None
+        counted("gather", lambda: dist.gather(gpu(inp(me, n, salt=8)), outs, dst=0))
+        if me == 0:
+            check(f"gather n={n}", torch.cat([host(o) for o in outs]),
+                  torch.cat([inp(r, n, salt=8) for r in range(W)]))
+        out = gpu(torch.zeros(n))
+        blocks = [gpu(inp(k, n, salt=9)) for k in range(W)] if me == W - 1 else None
+        counted("scatter", lambda: dist.scatter(out, blocks, src=W - 1))
+        check(f"scatter n={n}", host(out), inp(me, n, salt=9))
+        out = gpu(torch.zeros(n))
+        counted("reduce_scatter", lambda: dist.reduce_scatter(
+            out, [gpu(inp(me, n, salt=10 + k)) for k in range(W)]))
+        check(f"reduce_scatter list n={n}", host(out),
+              sum(inp(r, n, salt=10 + me) for r in range(W)))
         out = gpu(torch.zeros(W * n))
-        ag(out, gpu(inp(me, n, salt=2)))
+        counted("all_gather_into_tensor", lambda: ag(out, gpu(inp(me, n, salt=2))))
         check(f"all_gather_into_tensor n={n}", host(out),
               torch.cat([inp(r, n, salt=2) for r in range(W)]))
         outs = [gpu(torch.zeros(n)) for _ in range(W)]
-        dist.all_gather(outs, gpu(inp(me, n, salt=3)))
+        counted("all_gather", lambda: dist.all_gather(outs, gpu(inp(me, n, salt=3))))
         check(f"all_gather list n={n}", torch.cat([host(o) for o in outs]),
               torch.cat([inp(r, n, salt=3) for r in range(W)]))
         out = gpu(torch.zeros(n))
-        rs(out, gpu(torch.cat([inp(me, n, salt=4 + k) for k in range(W)])))
+        counted("reduce_scatter_tensor",
+                lambda: rs(out, gpu(torch.cat([inp(me, n, salt=4 + k) for k in range(W)]))))
         check(f"reduce_scatter_tensor n={n}", host(out),
               sum(inp(r, n, salt=4 + me) for r in range(W)))
         # all_to_all_single, uneven: rank k sends (k + j + 1) * 3 elements to rank j.
@@ -227,7 +254,8 @@ def worker(a):
         sizes_out = [(k + me + 1) * 3 for k in range(W)]
         src = inp(me, sum(sizes_in), salt=5)
         out = gpu(torch.zeros(sum(sizes_out)))
-        dist.all_to_all_single(out, gpu(src), sizes_out, sizes_in)
+        counted("all_to_all_single with splits",
+                lambda: dist.all_to_all_single(out, gpu(src), sizes_out, sizes_in))
         exp = []
         for k in range(W):
             sk = [(k + j + 1) * 3 for j in range(W)]
@@ -240,6 +268,15 @@ def worker(a):
             q.wait()
         check(f"send/recv ring n={n}", host(got), inp((me - 1) % W, n, salt=6))
     dist.barrier()
+    # On one host every collective above is stream-ordered, one stream-ordered op a call (none
+    # with MC_PG_STREAM_OPS=0, nor by default on the simulation).
+    if streamed:
+        mode = os.environ.get("MC_PG_STREAM_OPS", "auto")
+        on = mode == "1" or (mode == "auto" and cuda)
+        want = {k: (0 if not on else 2 * (3 if k == "all_reduce" else 1))
+                for k in streamed}
+        row({"check": "which collectives are stream-ordered (MC_PG_STREAM_OPS)",
+             "ok": streamed == want, "detail": "got %s, expected %s" % (streamed, want)})
 
     try:
         dist.all_reduce(gpu(torch.zeros(8, 8)).t())

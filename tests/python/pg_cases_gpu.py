@@ -499,3 +499,93 @@ def case_gpu_stream_root_host(ctx):
         res = _raised(lambda: dist.gather(x, None, dst=0))
     res["later"] = _raised(lambda: dist.all_reduce(to_gpu(torch.ones(8))))
     return res
+
+
+def _splits(w, m, shape):
+    """sizes[k][j]: what rank k sends rank j, in elements ("uneven": some blocks empty, at 2
+    ranks rank 0 sends nothing at all; "big": one block much larger than the rest)."""
+    if shape == "uneven":
+        return [[(0 if (k + 2 * j) % 3 == 0 or (k, j) == (0, 1) else (k + j + 1) * m)
+                 for j in range(w)] for k in range(w)]
+    return [[(40 * m if (k, j) == (w - 1, 0) else m + k) for j in range(w)] for k in range(w)]
+
+
+def case_gpu_stream_alltoallv(ctx, expect_stream, m=1000):
+    """all_to_all_single with splits on GPU tensors (uneven, empty blocks, one large block):
+    stream-ordered on one host after the ranks agree on the sizes (one stream-ordered op a
+    call); the host path's bytes and the expected blocks."""
+    fails = []
+    w, r = ctx.world, ctx.rank
+    be = _backend()
+    before = be._stream_ops()
+    calls = 0
+    for shape, dt in (("uneven", "float32"), ("big", "int16"), ("uneven", "bfloat16")):
+        sizes = _splits(w, m, shape)
+        send = sizes[r]
+        recv = [sizes[k][r] for k in range(w)]
+        ins = [make(dt, sum(sizes[k]), k, salt=80) for k in range(w)]
+        og = to_gpu(torch.zeros(sum(recv), dtype=ins[r].dtype))
+        oh = torch.zeros(sum(recv), dtype=ins[r].dtype)
+        dist.all_to_all_single(og, to_gpu(ins[r]), recv, send)
+        dist.all_to_all_single(oh, ins[r], recv, send)
+        calls += 1
+        _same(fails, f"stream all_to_all {shape} {dt}", og, oh)
+        want = torch.cat([ins[k][sum(sizes[k][:r]):sum(sizes[k][:r + 1])] for k in range(w)])
+        if not torch.equal(oh, want):
+            fails.append(f"stream all_to_all {shape} {dt}: not every rank's block for this rank")
+    got = be._stream_ops() - before
+    want = calls if expect_stream else 0
+    if got != want:
+        fails.append(f"{got} stream-ordered ops for {calls} calls (expected {want})")
+    return fails
+
+
+def case_gpu_stream_alltoallv_bad(ctx):
+    """Rank 0 expects one element more from rank 1 than rank 1 sends: every rank raises (the
+    sizes do not pair up) and the group goes on (an all_reduce after it is right). Then rank 0
+    passes no splits while the others pass equal ones: every rank raises."""
+    w, r = ctx.world, ctx.rank
+    send = [4] * w
+    recv = [4] * w
+    if r == 0:
+        recv[1] = 5
+    res = _raised(lambda: dist.all_to_all_single(to_gpu(torch.zeros(sum(recv))),
+                                                 to_gpu(torch.ones(sum(send))), recv, send))
+    g = to_gpu(torch.ones(8))
+    after = _raised(lambda: dist.all_reduce(g))
+    res["after_ok"] = not after["raised"] and torch.equal(to_host(g), torch.full((8,), float(w)))
+    res["after"] = after
+    x, o = to_gpu(torch.ones(4 * w)), to_gpu(torch.zeros(4 * w))
+    if r == 0:
+        res["mixed"] = _raised(lambda: dist.all_to_all_single(o, x))
+    else:
+        res["mixed"] = _raised(lambda: dist.all_to_all_single(o, x, [4] * w, [4] * w))
+    if not res["mixed"]["raised"]:  # (a failure learnt after wait() returned: the next op)
+        res["mixed"] = _raised(lambda: dist.all_reduce(g))
+    return res
+
+
+def case_gpu_stream_alltoall_list(ctx, expect_stream, m=1000):
+    """dist.all_to_all (lists of tensors, empty ones among them) on GPU tensors: stream-ordered
+    on one host like all_to_all_single with splits; the host path's bytes and the expected
+    blocks."""
+    fails = []
+    w, r = ctx.world, ctx.rank
+    be = _backend()
+    before = be._stream_ops()
+    sizes = _splits(w, m, "uneven")
+    blocks = [[make("float32", sizes[k][j], k, salt=90 + j) for j in range(w)] for k in range(w)]
+    outs_g = [to_gpu(torch.zeros(sizes[k][r])) for k in range(w)]
+    outs_h = [torch.zeros(sizes[k][r]) for k in range(w)]
+    dist.all_to_all(outs_g, [to_gpu(b) for b in blocks[r]])
+    dist.all_to_all(outs_h, blocks[r])
+    for k in range(w):
+        _same(fails, f"stream all_to_all (list) block from {k}", outs_g[k], outs_h[k])
+        if not torch.equal(outs_h[k], blocks[k][r]):
+            fails.append(f"stream all_to_all (list): block from rank {k} is not its block for "
+                         f"this rank")
+    got = be._stream_ops() - before
+    want = 1 if expect_stream else 0
+    if got != want:
+        fails.append(f"{got} stream-ordered ops for 1 call (expected {want})")
+    return fails

@@ -20,6 +20,8 @@ def run_all(p, sizes, dtypes_red, dtypes_copy, stream=True):
     p.check("gpu_stream_ops", expect_stream=stream, sizes=sizes[1:])
     p.check("gpu_stream_copies", expect_stream=stream, sizes=sizes[1:])
     p.check("gpu_stream_lists", expect_stream=stream, sizes=sizes[1:])
+    p.check("gpu_stream_alltoallv", expect_stream=stream)
+    p.check("gpu_stream_alltoall_list", expect_stream=stream)
     p.check("gpu_reductions", sizes=sizes, dtypes=dtypes_red, ops=("SUM", "MAX", "AVG"))
     p.check("gpu_reductions", sizes=[7], dtypes=("int64", "uint8"), ops=("SUM", "BXOR", "MIN"))
     p.check("gpu_copies", sizes=sizes, dtypes=dtypes_copy)
@@ -66,6 +68,8 @@ def test_stream_allreduce(env):
     try:
         for case in ("gpu_stream_ops", "gpu_stream_copies", "gpu_stream_lists"):
             p.check(case, expect_stream=env["MC_PG_STREAM_OPS"] != "0", sizes=(1, 5000, 2**18 + 3))
+        p.check("gpu_stream_alltoallv", expect_stream=env["MC_PG_STREAM_OPS"] != "0")
+        p.check("gpu_stream_alltoall_list", expect_stream=env["MC_PG_STREAM_OPS"] != "0")
     finally:
         p.close()
 
@@ -132,3 +136,22 @@ def test_stream_gather_root_with_host_outputs_is_refused():
     y = res[1]
     print(f"rank 1: {y}")
     assert y["raised"] or y["later"]["raised"], "rank 1: neither its gather nor its next op raised"
+
+
+def test_stream_alltoall_sizes_that_do_not_pair_up():
+    p = Pool(3, timeout_s=10, env={"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1"}, gloo=False)
+    try:
+        res = p.run("gpu_stream_alltoallv_bad", timeout_s=90)
+    finally:
+        p.kill()
+    for r, x in enumerate(res):
+        print(f"rank {r}: {x}")
+        assert x["raised"], f"rank {r}: sizes that do not pair up did not raise"
+        assert "do not pair up" in x["msg"], f"rank {r}: {x['msg']}"
+        assert x["elapsed"] < 2.0, f"rank {r}: raised after {x['elapsed']:.1f}s"
+        assert x["after_ok"], f"rank {r}: the all_reduce after it failed: {x['after']}"
+        assert x["mixed"]["raised"], f"rank {r}: splits on some ranks only did not raise"
+        assert x["mixed"]["elapsed"] < 5.0, f"rank {r}: {x['mixed']}"
+        if r > 0:  # they see rank 0's op without sizes where theirs has them
+            assert "rank 0 called alltoall" in x["mixed"]["msg"], x["mixed"]["msg"]
+            assert "without split sizes" in x["mixed"]["msg"], x["mixed"]["msg"]

@@ -28,9 +28,12 @@ void noteCudaDevice(const at::Tensor& t, std::vector<c10::Device>* devices) {
 
 bool onGpu(const at::Tensor& t) {
   if (t.is_cuda()) return true;
-  // Host-only processes pay one relaxed load (device::active()).
-  if (!t.device().is_cpu() || !engine::device::active() || t.numel() == 0) return false;
-  return engine::device::isDeviceMemory(t.data_ptr());
+  // Host-only processes pay one relaxed load (device::active()). (An empty tensor too: like an
+  // empty CUDA tensor, one of the layer's -- its storage is a byte of GPU memory -- stays one,
+  // so that every rank of a collective whose blocks differ decides alike.)
+  if (!t.device().is_cpu() || !engine::device::active()) return false;
+  const void* p = t.storage().data();
+  return p != nullptr && engine::device::isDeviceMemory(p);
 }
 
 bool onGpu(const std::vector<at::Tensor>& ts) {

@@ -9,8 +9,7 @@
 // it with the device layer's copies only, so the backend hands such tensors' pointers to it as
 // they are; nothing here touches their bytes from the host.
 //
-// On one host every collective of GPU tensors but all_to_all with splits (or as a list) is
-// stream-ordered (pg/stream_ops.h, ProcessGroupMooncake::streamCollective): queued on torch's
+// On one host every collective of GPU tensors is stream-ordered (pg/stream_ops.h, ProcessGroupMooncake::streamCollective): queued on torch's
 // current stream when issued, no host thread waits for it, Work.wait() orders the current
 // stream after it. The other ops:
 // CUDA stream semantics (ProcessGroupNCCL's model, partly): an op on CUDA tensors records an

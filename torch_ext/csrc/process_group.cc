@@ -223,7 +223,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamCollective(
   if (!so) return {};
   auto work = c10::make_intrusive<MooncakeWork>(rank_, type, name, ectx_, std::move(outputs));
   work->setSlots(comm_->maxGroupSize());
-  work->setOnStream(so, *stream);
+  work->setOnStream(so, *stream, on);
   try {
     // The queued task is the host's only part: it waits for the op's end on the stream and
     // checks it (a dead peer, a mismatch), in issue order with the group's other ops.
@@ -562,14 +562,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall_base(
   splitBytes(ck, output, output_splits, size_, "output", &rb, &ro);
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
-  // Stream-ordered only without splits (equal blocks on every rank, so every rank decides
-  // alike; given splits may be equal on one rank and not on another).
-  if (onGpu(in) && onGpu(out) && input_splits.empty() && output_splits.empty() &&
-      nbytes(in) == nbytes(out)) {
+  // Stream-ordered on GPU tensors: without splits as equal blocks, with splits after the ranks
+  // agree on the sizes (a host wait until every rank issued it). Every rank must pass splits
+  // or none (one that passes none while another passes some: a mismatch error).
+  if (onGpu(in) && onGpu(out)) {
+    const bool equal = input_splits.empty() && output_splits.empty() && nbytes(in) == nbytes(out);
+    const int hint = in.is_cuda() ? static_cast<int>(in.device().index()) : -1;
     auto w = streamCollective(OpType::ALLTOALL_BASE, "alltoall_base", out, {output},
                               [&](const void* st) {
-                                return c->allToAllOnStream(in.data_ptr(), out.data_ptr(),
-                                                           sb.empty() ? 0 : sb[0], st);
+                                return equal ? c->allToAllOnStream(in.data_ptr(), out.data_ptr(),
+                                                                   sb.empty() ? 0 : sb[0], st)
+                                             : c->allToAllVOnStream(in.data_ptr(), sb, so,
+                                                                    out.data_ptr(), rb, ro, st,
+                                                                    hint);
                               });
     if (w) return w;
   }
@@ -604,6 +609,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall(std::vector<Tensor
   }
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs, outs = outputs;
+  if (onGpu(ins) && onGpu(outs)) {  // (as alltoall_base with splits: the sizes agreed first)
+    const int hint = ins[0].is_cuda() ? static_cast<int>(ins[0].device().index()) : -1;
+    auto w = streamCollective(OpType::ALLTOALL, "alltoall", ins[0], outs, [&](const void* st) {
+      return c->allToAllVOnStream(constPtrs(ins), sb, dataPtrs(outs), rb, st, hint);
+    });
+    if (w) return w;
+  }
   return collective(ck, OpType::ALLTOALL, "alltoall", outputs,
                     [c, ins, outs, sb, rb, ro, off, sc = scratch_]() mutable {
                       std::vector<size_t> so;

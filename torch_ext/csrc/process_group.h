@@ -25,6 +25,7 @@
 #include "engine/device/device.h"
 #include "pg/communicator.h"
 #include "torch_ext/csrc/compat.h"
+#include "torch_ext/csrc/gpu_tensors.h"
 #if MC_TORCH_HAS_BACKEND
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>  // the wrapper linkWrapper() keeps
 #endif
@@ -85,10 +86,14 @@ class MooncakeWork : public c10d::Work {
   }
   // A stream-ordered op (pg/stream_ops.h), queued on `stream` when it was issued: wait()
   // without a timeout returns at once, the caller's current stream, when it is another one,
-  // made to wait for the op (NCCL's wait); MC_PG_BLOCKING_WAIT does not apply.
-  void setOnStream(std::shared_ptr<pg::Communicator::StreamOp> op, const void* stream) {
+  // made to wait for the op (NCCL's wait); MC_PG_BLOCKING_WAIT does not apply. `on`: a tensor
+  // on the op's device (a Work without outputs, a gather's on a non-root, still orders the
+  // caller's stream of that device instead of blocking).
+  void setOnStream(std::shared_ptr<pg::Communicator::StreamOp> op, const void* stream,
+                   const at::Tensor& on) {
     stream_op_ = std::move(op);
     issue_stream_ = stream;
+    noteCudaDevice(on, &devices_);
   }
 
  private:

@@ -21,9 +21,10 @@ namespace {
 // Stream-ordered ops queued one after another on one stream, waited for as one.
 struct StreamOpList final : StreamOp {
   std::vector<std::shared_ptr<StreamOp>> ops;
+  std::exception_ptr error;  // why queueing the rest failed (thrown by wait())
   void wait() override {
     // Each op is waited for, in order (the communicator's rule), the first failure thrown.
-    std::exception_ptr first;
+    std::exception_ptr first = error;
     for (auto& o : ops) {
       try {
         o->wait();
@@ -37,28 +38,35 @@ struct StreamOpList final : StreamOp {
   Status orderAfter(const void* stream) override { return ops.back()->orderAfter(stream); }
 };
 
-// op(0), ..., op(n - 1) queued and joined; null when op(0) is not stream-ordered (nothing is
-// then queued: the call runs host-driven).
-std::shared_ptr<StreamOp> queueAll(size_t n,
+// op(i) queued for every i in [0, n) but the empty ones (empty[i]) and joined; null when the
+// first one queued is not stream-ordered (nothing is then queued: the call runs host-driven),
+// or all are empty. An error once some are queued goes into the list, which its Work's task
+// waits for in issue order (the communicator's rule) before it throws the error.
+std::shared_ptr<StreamOp> queueAll(const std::vector<bool>& empty,
                                    const std::function<std::shared_ptr<StreamOp>(size_t)>& op) {
   auto list = std::make_shared<StreamOpList>();
-  try {
-    for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < empty.size(); ++i) {
+    if (empty[i]) continue;
+    try {
       std::shared_ptr<StreamOp> o = op(i);
-      if (!o && i == 0) return nullptr;
+      if (!o && list->ops.empty()) return nullptr;
       if (!o)
         throw std::runtime_error("tensor " + std::to_string(i) +
-                                 " could not take the stream-ordered path that tensor 0 took");
+                                 " could not take the stream-ordered path that the first took");
       list->ops.push_back(std::move(o));
-    }
-  } catch (...) {
-    try {  // the ops queued so far still need their checks, in order
-      if (!list->ops.empty()) list->wait();
     } catch (...) {
+      if (list->ops.empty()) throw;
+      list->error = std::current_exception();
+      return list;
     }
-    throw;
   }
-  return list;
+  return list->ops.empty() ? nullptr : list;
+}
+
+std::vector<bool> emptyOnes(const std::vector<Tensor>& ts) {
+  std::vector<bool> v;
+  for (const auto& t : ts) v.push_back(t.numel() == 0);
+  return v;
 }
 
 }  // namespace
@@ -76,7 +84,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce_coalesced(
   if (onGpu(ts)) {
     auto w = streamCollective(OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", ts[0], ts,
                               [&](const void* st) {
-                                return queueAll(ts.size(), [&](size_t i) {
+                                return queueAll(emptyOnes(ts), [&](size_t i) {
                                   return c->allReduceOnStream(
                                       ts[i].data_ptr(), ts[i].data_ptr(),
                                       static_cast<size_t>(ts[i].numel()), dt, op, st);
@@ -124,7 +132,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
     auto w = streamCollective(
         OpType::ALLGATHER_COALESCED, "allgather_coalesced", ins[0], flat_outs,
         [&](const void* st) {
-          return queueAll(ins.size(), [&](size_t j) {
+          return queueAll(emptyOnes(ins), [&](size_t j) {
             std::vector<void*> outs;
             for (int r = 0; r < n; ++r) outs.push_back(outputs[r][j].data_ptr());
             return c->allGatherOnStream(ins[j].data_ptr(), outs, nbytes(ins[j]), st);
@@ -162,7 +170,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coale
   if (onGpu(ins) && onGpu(outs)) {
     auto w = streamCollective(OpType::COALESCED, "allgather_into_tensor_coalesced", ins[0], outs,
                               [&](const void* st) {
-                                return queueAll(ins.size(), [&](size_t i) {
+                                return queueAll(emptyOnes(ins), [&](size_t i) {
                                   return c->allGatherOnStream(ins[i].data_ptr(),
                                                               outs[i].data_ptr(),
                                                               nbytes(ins[i]), st);
@@ -197,7 +205,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coale
   if (onGpu(ins) && onGpu(outs)) {
     auto w = streamCollective(OpType::COALESCED, "reduce_scatter_tensor_coalesced", ins[0], outs,
                               [&](const void* st) {
-                                return queueAll(ins.size(), [&](size_t i) {
+                                return queueAll(emptyOnes(outs), [&](size_t i) {
                                   return c->reduceScatterOnStream(
                                       ins[i].data_ptr(), outs[i].data_ptr(),
                                       static_cast<size_t>(outs[i].numel()), types[i].first,
