@@ -2,10 +2,12 @@
 // pg/communicator_stream.cc).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pg/comm_impl.h"
@@ -59,6 +61,32 @@ inline void checkPtr(const void* p, size_t bytes, const char* what, const char* 
   if (p == nullptr && bytes > 0)
     throw std::invalid_argument(std::string("mooncake pg: ") + op + ": null " + what +
                                 " buffer for " + std::to_string(bytes) + " bytes");
+}
+
+// An all-to-all's split vectors (bytes and offsets of the blocks to and from each of n ranks)
+// against its buffers: one entry per rank, no null buffer under a block, input and output
+// apart. Returns the extents of in and out that the blocks use. std::invalid_argument.
+inline std::pair<size_t, size_t> checkSplits(size_t n, const void* in,
+                                             const std::vector<size_t>& send_bytes,
+                                             const std::vector<size_t>& send_offsets, void* out,
+                                             const std::vector<size_t>& recv_bytes,
+                                             const std::vector<size_t>& recv_offsets) {
+  if (send_bytes.size() != n || send_offsets.size() != n || recv_bytes.size() != n ||
+      recv_offsets.size() != n)
+    throw std::invalid_argument("mooncake pg: alltoall: split vectors must have one entry per "
+                                "rank (" + std::to_string(n) + ")");
+  size_t in_end = 0, out_end = 0;
+  for (size_t j = 0; j < n; ++j) {
+    if (send_bytes[j] > 0) in_end = std::max(in_end, send_offsets[j] + send_bytes[j]);
+    if (recv_bytes[j] > 0) out_end = std::max(out_end, recv_offsets[j] + recv_bytes[j]);
+  }
+  checkPtr(in, in_end, "input", "alltoall");
+  checkPtr(out, out_end, "output", "alltoall");
+  const char* ib = static_cast<const char*>(in);
+  const char* ob = static_cast<const char*>(out);
+  if (in_end > 0 && out_end > 0 && ib < ob + out_end && ob < ib + in_end)
+    throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
+  return {in_end, out_end};
 }
 
 }  // namespace mooncake::pg

@@ -315,6 +315,13 @@ void Communicator::onViewChange(std::function<void()> cb) {
   elasticOf(impl_, "onViewChange").onViewChange(std::move(cb));
 }
 
+void Communicator::fail(const char* op, const std::string& why) {
+  impl_->breakOn(CommError("mooncake pg: " + std::string(op) + " on rank " +
+                               std::to_string(impl_->rank) + " (group " +
+                               impl_->opts.group_name + ") failed the group: " + why,
+                           -1, op));
+}
+
 std::shared_ptr<Work> Communicator::enqueue(std::string op_name, std::function<void()> fn) {
   return impl_->worker->enqueue(std::move(op_name), std::move(fn));
 }
@@ -535,21 +542,8 @@ void Communicator::allToAllV(const void* in, const std::vector<size_t>& send_byt
                              const std::vector<size_t>& recv_bytes,
                              const std::vector<size_t>& recv_offsets) {
   size_t n = impl_->elastic ? send_bytes.size() : static_cast<size_t>(impl_->size);
-  if (send_bytes.size() != n || send_offsets.size() != n || recv_bytes.size() != n ||
-      recv_offsets.size() != n)
-    throw std::invalid_argument("mooncake pg: alltoall: split vectors must have one entry per "
-                                "rank (" + std::to_string(n) + ")");
-  size_t in_end = 0, out_end = 0;
-  for (size_t j = 0; j < n; ++j) {
-    if (send_bytes[j] > 0) in_end = std::max(in_end, send_offsets[j] + send_bytes[j]);
-    if (recv_bytes[j] > 0) out_end = std::max(out_end, recv_offsets[j] + recv_bytes[j]);
-  }
-  checkPtr(in, in_end, "input", "alltoall");
-  checkPtr(out, out_end, "output", "alltoall");
-  const char* ib = static_cast<const char*>(in);
-  const char* ob = static_cast<const char*>(out);
-  if (in_end > 0 && out_end > 0 && ib < ob + out_end && ob < ib + in_end)
-    throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
+  const auto [in_end, out_end] =
+      checkSplits(n, in, send_bytes, send_offsets, out, recv_bytes, recv_offsets);
   if (DeviceStage::any({in, out})) {
     OpSig sig;
     sig.kind = OpKind::kAllToAll;

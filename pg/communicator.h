@@ -150,6 +150,11 @@ class Communicator {
   // A thrown exception lands in the Work.
   std::shared_ptr<Work> enqueue(std::string op_name, std::function<void()> fn);
 
+  // Fails the group on purpose (a caller that cannot go on in step with its peers, such as one
+  // that queued only some of a list of stream-ordered ops): later ops fail at once here, the
+  // peers' current and later ones through the abort words. `op` and `why` name it.
+  void fail(const char* op, const std::string& why);
+
   // ---- collectives on contiguous host memory; in == out allowed where it makes sense ----
   void allReduce(const void* in, void* out, size_t count, DataType t, ReduceOp op);
 

@@ -45,6 +45,13 @@ StreamOps* streamOpsFor(Communicator::Impl& c, const char* op, size_t bytes,
     return nullptr;
   *ordinal = decide.empty() ? hint : -1;
   if (decide.empty() && hint < 0) return nullptr;
+  StreamOps* ops = nullptr;
+  {
+    std::lock_guard<std::mutex> g(c.stream_ops_mu);
+    if (!c.stream_ops) c.stream_ops = std::make_unique<StreamOps>(c);
+    ops = c.stream_ops.get();
+  }
+  if (ops->unusable()) return nullptr;  // host-driven on every rank: nothing to refuse
   auto refuse = [&](const std::string& why) {
     CommError e("mooncake pg: " + std::string(op) + " on rank " + std::to_string(c.rank) + ": " +
                     why + " (MC_PG_STREAM_OPS=0 runs GPU collectives host-driven, which takes "
@@ -53,25 +60,24 @@ StreamOps* streamOpsFor(Communicator::Impl& c, const char* op, size_t bytes,
     c.breakOn(e);
     throw e;
   };
-  bool host = false;
+  std::vector<engine::device::PointerInfo> infos;
   for (const void* p : decide) {
-    const engine::device::PointerInfo i = (*layer)->pointer(p);
-    host = host || !i.device;
-    if (i.device && *ordinal >= 0 && i.ordinal != *ordinal)
+    infos.push_back((*layer)->pointer(p));
+    if (!infos.back().device) return nullptr;  // host memory among them: the host-driven op
+  }
+  for (const engine::device::PointerInfo& i : infos) {
+    if (*ordinal >= 0 && i.ordinal != *ordinal)
       refuse("its buffers are on GPUs " + std::to_string(*ordinal) + " and " +
              std::to_string(i.ordinal) + "; a stream-ordered op takes one GPU");
-    if (i.device) *ordinal = i.ordinal;
+    *ordinal = i.ordinal;
   }
-  if (host) return nullptr;  // host memory among them: the host-driven op
   for (const void* p : must) {
     const engine::device::PointerInfo i = (*layer)->pointer(p);
     if (!i.device || i.ordinal != *ordinal)
       refuse("the root's buffers must be GPU memory of the input's device (" +
              std::to_string(*ordinal) + ") when the op is stream-ordered");
   }
-  std::lock_guard<std::mutex> g(c.stream_ops_mu);
-  if (!c.stream_ops) c.stream_ops = std::make_unique<StreamOps>(c);
-  return c.stream_ops.get();
+  return ops;
 }
 
 std::shared_ptr<Communicator::StreamOp> wrap(StreamOps* ops,
@@ -304,21 +310,8 @@ std::shared_ptr<Communicator::StreamOp> Communicator::allToAllVOnStream(
     const void* in, const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
     void* out, const std::vector<size_t>& recv_bytes, const std::vector<size_t>& recv_offsets,
     const void* stream, int ordinal_hint) {
-  const char* op = "alltoall";
   const size_t n = static_cast<size_t>(impl_->size);
-  if (send_bytes.size() != n || send_offsets.size() != n || recv_bytes.size() != n ||
-      recv_offsets.size() != n)
-    throw std::invalid_argument("mooncake pg: alltoall: split vectors must have one entry per "
-                                "rank (" + std::to_string(n) + ")");
-  size_t in_end = 0, out_end = 0;
-  for (size_t j = 0; j < n; ++j) {
-    if (send_bytes[j] > 0) in_end = std::max(in_end, send_offsets[j] + send_bytes[j]);
-    if (recv_bytes[j] > 0) out_end = std::max(out_end, recv_offsets[j] + recv_bytes[j]);
-  }
-  checkPtr(in, in_end, "input", op);
-  checkPtr(out, out_end, "output", op);
-  if (in_end > 0 && out_end > 0 && !apart(in, in_end, out, out_end))
-    throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
+  (void)checkSplits(n, in, send_bytes, send_offsets, out, recv_bytes, recv_offsets);
   std::vector<const void*> ins(n);
   std::vector<void*> outs(n);
   for (size_t j = 0; j < n; ++j) {

@@ -62,6 +62,11 @@ uint64_t StreamOps::issued() const {
   return seq_;
 }
 
+bool StreamOps::unusable() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return state_ == kUnusable;
+}
+
 bool StreamOps::setUp(int ordinal, const OpCtx& op) {
   ShmGroup& g = *c_.shm;
   device::Device* layer = layerOrThrow(op.name);
@@ -516,8 +521,11 @@ size_t StreamOps::agreeSizes(const char* name, const std::vector<size_t>& send_b
     while (note.seq.load(std::memory_order_acquire) != v) {
       // A peer that issued its next stream-ordered op without this agreement called another
       // op (or an all-to-all without sizes) here.
+      // (The peer notes this call before it issues it: a note that arrived meanwhile is read
+      // again first, so that a peer that agreed and issued it in between is no mismatch.)
       ShmGroup::StreamSig& other = g.streamSig(r, next_op);
-      if (other.seq.load(std::memory_order_acquire) == next_op) {
+      if (other.seq.load(std::memory_order_acquire) == next_op &&
+          note.seq.load(std::memory_order_acquire) != v) {
         uint64_t w[2] = {other.w[0].load(std::memory_order_relaxed),
                          other.w[1].load(std::memory_order_relaxed)};
         const OpSig theirs = OpSig::unpack(w);
@@ -566,6 +574,7 @@ std::shared_ptr<StreamOps::Ticket> StreamOps::allToAllV(const std::vector<const 
     std::lock_guard<std::mutex> lk(mu_);
     if (state_ == kUnusable) return nullptr;  // (every rank knows: none agrees)
   }
+  if (c_.broken.load(std::memory_order_acquire)) throw c_.alreadyFailed("alltoall");
   size_t max_block = 0;
   try {
     max_block = agreeSizes("alltoall", send_bytes, recv_bytes);

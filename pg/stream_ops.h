@@ -145,6 +145,8 @@ class StreamOps {
   Status orderAfter(const Ticket& t, const void* stream);
 
   uint64_t issued() const;  // stream ops issued so far (tests)
+  // Set up and found unusable (the same on every rank): every op runs host-driven.
+  bool unusable() const;
 
  private:
   // At most this many ops issued and not finished: the signature ring must still hold an op's

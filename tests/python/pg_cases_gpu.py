@@ -298,11 +298,17 @@ def case_gpu_stream_ops(ctx, expect_stream, sizes=(1, 1000, 2**18 + 3), async_op
     for i in range(async_ops):
         _close(fails, f"async stream all_reduce {i}", to_host(gs[i]),
                reference(ins[i], "SUM", "float32", w), "float32")
+    _check_count(fails, be, before, calls, expect_stream)
+    return fails
+
+
+def _check_count(fails, be, before, calls, expect_stream):
+    """The backend's count of stream-ordered ops grew by `calls` since `before` (by none when
+    the ops are not expected on the stream)."""
     got = be._stream_ops() - before
     want = calls if expect_stream else 0
     if got != want:
-        fails.append(f"{got} stream-ordered ops for {calls} all_reduce calls (expected {want})")
-    return fails
+        fails.append(f"{got} stream-ordered ops for {calls} calls (expected {want})")
 
 
 def _raised(call):
@@ -392,10 +398,7 @@ def case_gpu_stream_copies(ctx, expect_stream, sizes=(1, 1000, 2**18 + 3)):
         _same(fails, f"stream all_to_all x {n}", og, oh)
         if not torch.equal(oh, torch.cat([ins[k][r * n:(r + 1) * n] for k in range(w)])):
             fails.append(f"stream all_to_all x {n}: not every rank's block for this rank")
-    got = be._stream_ops() - before
-    want = calls if expect_stream else 0
-    if got != want:
-        fails.append(f"{got} stream-ordered ops for {calls} calls (expected {want})")
+    _check_count(fails, be, before, calls, expect_stream)
     return fails
 
 
@@ -479,10 +482,7 @@ def case_gpu_stream_lists(ctx, expect_stream, sizes=(1, 1000, 2**18 + 3)):
         outs = [torch.zeros(n, dtype=torch.float64) for n in sizes]
         _coalesced_twice(fails, "reduce_scatter_tensor", dist.reduce_scatter_tensor, outs, big)
         calls += 2 * len(sizes)
-    got = be._stream_ops() - before
-    want = calls if expect_stream else 0
-    if got != want:
-        fails.append(f"{got} stream-ordered ops for {calls} (expected {want})")
+    _check_count(fails, be, before, calls, expect_stream)
     return fails
 
 
@@ -503,10 +503,13 @@ def case_gpu_stream_root_host(ctx):
 
 def _splits(w, m, shape):
     """sizes[k][j]: what rank k sends rank j, in elements ("uneven": some blocks empty, at 2
-    ranks rank 0 sends nothing at all; "big": one block much larger than the rest)."""
+    ranks rank 0 sends nothing at all; "idle": the last rank sends and receives nothing, its
+    tensors empty; "big": one block much larger than the rest)."""
     if shape == "uneven":
         return [[(0 if (k + 2 * j) % 3 == 0 or (k, j) == (0, 1) else (k + j + 1) * m)
                  for j in range(w)] for k in range(w)]
+    if shape == "idle":
+        return [[(0 if w - 1 in (k, j) else (k + j + 1) * m) for j in range(w)] for k in range(w)]
     return [[(40 * m if (k, j) == (w - 1, 0) else m + k) for j in range(w)] for k in range(w)]
 
 
@@ -519,7 +522,8 @@ def case_gpu_stream_alltoallv(ctx, expect_stream, m=1000):
     be = _backend()
     before = be._stream_ops()
     calls = 0
-    for shape, dt in (("uneven", "float32"), ("big", "int16"), ("uneven", "bfloat16")):
+    for shape, dt in (("uneven", "float32"), ("big", "int16"), ("uneven", "bfloat16"),
+                      ("idle", "float32")):
         sizes = _splits(w, m, shape)
         send = sizes[r]
         recv = [sizes[k][r] for k in range(w)]
@@ -533,10 +537,7 @@ def case_gpu_stream_alltoallv(ctx, expect_stream, m=1000):
         want = torch.cat([ins[k][sum(sizes[k][:r]):sum(sizes[k][:r + 1])] for k in range(w)])
         if not torch.equal(oh, want):
             fails.append(f"stream all_to_all {shape} {dt}: not every rank's block for this rank")
-    got = be._stream_ops() - before
-    want = calls if expect_stream else 0
-    if got != want:
-        fails.append(f"{got} stream-ordered ops for {calls} calls (expected {want})")
+    _check_count(fails, be, before, calls, expect_stream)
     return fails
 
 
@@ -584,8 +585,5 @@ def case_gpu_stream_alltoall_list(ctx, expect_stream, m=1000):
         if not torch.equal(outs_h[k], blocks[k][r]):
             fails.append(f"stream all_to_all (list): block from rank {k} is not its block for "
                          f"this rank")
-    got = be._stream_ops() - before
-    want = 1 if expect_stream else 0
-    if got != want:
-        fails.append(f"{got} stream-ordered ops for 1 call (expected {want})")
+    _check_count(fails, be, before, 1, expect_stream)
     return fails

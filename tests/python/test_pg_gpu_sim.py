@@ -122,7 +122,7 @@ def test_stream_allreduce_absent_rank_times_out():
 
 
 def test_stream_gather_root_with_host_outputs_is_refused():
-    p = Pool(2, timeout_s=2, env={"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1"}, gloo=False)
+    p = Pool(2, timeout_s=20, env={"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1"}, gloo=False)
     try:
         res = p.run("gpu_stream_root_host", timeout_s=60)
     finally:

@@ -43,6 +43,13 @@ bool onGpu(const std::vector<at::Tensor>& ts) {
   return true;
 }
 
+int gpuOrdinal(const at::Tensor& t) {
+  if (t.is_cuda()) return static_cast<int>(t.device().index());
+  if (!onGpu(t)) return -1;
+  auto layer = engine::device::get();
+  return layer.ok() ? (*layer)->pointer(t.storage().data()).ordinal : -1;
+}
+
 std::string cudaUnavailableReason() {
 #if MC_HAVE_CUDA
   static const std::string reason = [] {

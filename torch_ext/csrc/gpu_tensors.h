@@ -50,6 +50,9 @@ void noteCudaDevice(const at::Tensor& t, std::vector<c10::Device>* devices);
 bool onGpu(const at::Tensor& t);
 // Whether every tensor of a non-empty list is.
 bool onGpu(const std::vector<at::Tensor>& ts);
+// The device of a tensor on the GPU (a CUDA tensor's index, or the device of the layer's memory
+// under it); -1 for any other.
+int gpuOrdinal(const at::Tensor& t);
 
 // Empty when this process can serve CUDA tensors (a build with MC_WITH_CUDA whose device layer
 // is the CUDA driver's); else why not, for the error that names the op and the tensor. The

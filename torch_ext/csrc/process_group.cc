@@ -567,7 +567,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall_base(
   // or none (one that passes none while another passes some: a mismatch error).
   if (onGpu(in) && onGpu(out)) {
     const bool equal = input_splits.empty() && output_splits.empty() && nbytes(in) == nbytes(out);
-    const int hint = in.is_cuda() ? static_cast<int>(in.device().index()) : -1;
+    const int hint = gpuOrdinal(in);
     auto w = streamCollective(OpType::ALLTOALL_BASE, "alltoall_base", out, {output},
                               [&](const void* st) {
                                 return equal ? c->allToAllOnStream(in.data_ptr(), out.data_ptr(),
@@ -610,7 +610,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall(std::vector<Tensor
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs, outs = outputs;
   if (onGpu(ins) && onGpu(outs)) {  // (as alltoall_base with splits: the sizes agreed first)
-    const int hint = ins[0].is_cuda() ? static_cast<int>(ins[0].device().index()) : -1;
+    const int hint = gpuOrdinal(ins[0]);
     auto w = streamCollective(OpType::ALLTOALL, "alltoall", ins[0], outs, [&](const void* st) {
       return c->allToAllVOnStream(constPtrs(ins), sb, dataPtrs(outs), rb, st, hint);
     });

@@ -40,9 +40,11 @@ struct StreamOpList final : StreamOp {
 
 // op(i) queued for every i in [0, n) but the empty ones (empty[i]) and joined; null when the
 // first one queued is not stream-ordered (nothing is then queued: the call runs host-driven),
-// or all are empty. An error once some are queued goes into the list, which its Work's task
-// waits for in issue order (the communicator's rule) before it throws the error.
-std::shared_ptr<StreamOp> queueAll(const std::vector<bool>& empty,
+// or all are empty. An error once some are queued fails the group (the peers queued the rest
+// and would wait for this rank) and goes into the list, which its Work's task waits for in
+// issue order (the communicator's rule) before it throws the error.
+std::shared_ptr<StreamOp> queueAll(pg::Communicator* c, const char* name,
+                                   const std::vector<bool>& empty,
                                    const std::function<std::shared_ptr<StreamOp>(size_t)>& op) {
   auto list = std::make_shared<StreamOpList>();
   for (size_t i = 0; i < empty.size(); ++i) {
@@ -54,9 +56,10 @@ std::shared_ptr<StreamOp> queueAll(const std::vector<bool>& empty,
         throw std::runtime_error("tensor " + std::to_string(i) +
                                  " could not take the stream-ordered path that the first took");
       list->ops.push_back(std::move(o));
-    } catch (...) {
+    } catch (const std::exception& e) {
       if (list->ops.empty()) throw;
       list->error = std::current_exception();
+      c->fail(name, "tensor " + std::to_string(i) + " of the list: " + e.what());
       return list;
     }
   }
@@ -84,7 +87,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce_coalesced(
   if (onGpu(ts)) {
     auto w = streamCollective(OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", ts[0], ts,
                               [&](const void* st) {
-                                return queueAll(emptyOnes(ts), [&](size_t i) {
+                                return queueAll(c, "allreduce_coalesced", emptyOnes(ts),
+                                                [&](size_t i) {
                                   return c->allReduceOnStream(
                                       ts[i].data_ptr(), ts[i].data_ptr(),
                                       static_cast<size_t>(ts[i].numel()), dt, op, st);
@@ -132,7 +136,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
     auto w = streamCollective(
         OpType::ALLGATHER_COALESCED, "allgather_coalesced", ins[0], flat_outs,
         [&](const void* st) {
-          return queueAll(emptyOnes(ins), [&](size_t j) {
+          return queueAll(c, "allgather_coalesced", emptyOnes(ins), [&](size_t j) {
             std::vector<void*> outs;
             for (int r = 0; r < n; ++r) outs.push_back(outputs[r][j].data_ptr());
             return c->allGatherOnStream(ins[j].data_ptr(), outs, nbytes(ins[j]), st);
@@ -170,7 +174,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coale
   if (onGpu(ins) && onGpu(outs)) {
     auto w = streamCollective(OpType::COALESCED, "allgather_into_tensor_coalesced", ins[0], outs,
                               [&](const void* st) {
-                                return queueAll(emptyOnes(ins), [&](size_t i) {
+                                return queueAll(c, "allgather_into_tensor_coalesced",
+                                                emptyOnes(ins), [&](size_t i) {
                                   return c->allGatherOnStream(ins[i].data_ptr(),
                                                               outs[i].data_ptr(),
                                                               nbytes(ins[i]), st);
@@ -205,7 +210,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coale
   if (onGpu(ins) && onGpu(outs)) {
     auto w = streamCollective(OpType::COALESCED, "reduce_scatter_tensor_coalesced", ins[0], outs,
                               [&](const void* st) {
-                                return queueAll(emptyOnes(outs), [&](size_t i) {
+                                return queueAll(c, "reduce_scatter_tensor_coalesced",
+                                                emptyOnes(outs), [&](size_t i) {
                                   return c->reduceScatterOnStream(
                                       ins[i].data_ptr(), outs[i].data_ptr(),
                                       static_cast<size_t>(outs[i].numel()), types[i].first,
