@@ -492,6 +492,9 @@ def case_gpu_stream_root_host(ctx):
     cause; rank 1's gather fails (the root's next op does not match it, or the group timeout),
     at its wait or at its next op."""
     dist.all_reduce(to_gpu(torch.ones(8)))
+    # Both ranks done checking it: a rank still checking a stream-ordered op when a peer fails
+    # the group fails that op too (its peer's released stream could have completed it).
+    dist.barrier()
     x = to_gpu(torch.ones(16))
     if ctx.rank == 0:
         res = _raised(lambda: dist.gather(x, [torch.zeros(16) for _ in range(ctx.world)], dst=0))
@@ -556,6 +559,7 @@ def case_gpu_stream_alltoallv_bad(ctx):
     after = _raised(lambda: dist.all_reduce(g))
     res["after_ok"] = not after["raised"] and torch.equal(to_host(g), torch.full((8,), float(w)))
     res["after"] = after
+    dist.barrier()  # (every rank done checking it before the next call fails the group)
     x, o = to_gpu(torch.ones(4 * w)), to_gpu(torch.zeros(4 * w))
     if r == 0:
         res["mixed"] = _raised(lambda: dist.all_to_all_single(o, x))
