@@ -63,6 +63,13 @@ inline void checkPtr(const void* p, size_t bytes, const char* what, const char* 
                                 " buffer for " + std::to_string(bytes) + " bytes");
 }
 
+// Whether [a, a + alen) and [b, b + blen) do not overlap.
+inline bool apart(const void* a, size_t alen, const void* b, size_t blen) {
+  const char* x = static_cast<const char*>(a);
+  const char* y = static_cast<const char*>(b);
+  return x + alen <= y || y + blen <= x;
+}
+
 // An all-to-all's split vectors (bytes and offsets of the blocks to and from each of n ranks)
 // against its buffers: one entry per rank, no null buffer under a block, input and output
 // apart. Returns the extents of in and out that the blocks use. std::invalid_argument.
@@ -82,9 +89,7 @@ inline std::pair<size_t, size_t> checkSplits(size_t n, const void* in,
   }
   checkPtr(in, in_end, "input", "alltoall");
   checkPtr(out, out_end, "output", "alltoall");
-  const char* ib = static_cast<const char*>(in);
-  const char* ob = static_cast<const char*>(out);
-  if (in_end > 0 && out_end > 0 && ib < ob + out_end && ob < ib + in_end)
+  if (in_end > 0 && out_end > 0 && !apart(in, in_end, out, out_end))
     throw std::invalid_argument("mooncake pg: alltoall: input and output buffers overlap");
   return {in_end, out_end};
 }

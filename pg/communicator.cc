@@ -404,8 +404,7 @@ namespace {
 // A rank's own block `own` of an output and its input: the same place (in place) or apart;
 // the device paths copy the own block as one disjoint copy.
 bool disjointOrSame(const char* own, const void* in, size_t bytes) {
-  const char* src = static_cast<const char*>(in);
-  return own == src || own + bytes <= src || src + bytes <= own;
+  return own == in || apart(own, bytes, in, bytes);
 }
 }  // namespace
 

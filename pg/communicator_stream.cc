@@ -89,12 +89,6 @@ std::shared_ptr<Communicator::StreamOp> wrap(StreamOps* ops,
   return r;
 }
 
-bool apart(const void* a, size_t alen, const void* b, size_t blen) {
-  const char* x = static_cast<const char*>(a);
-  const char* y = static_cast<const char*>(b);
-  return x + alen <= y || y + blen <= x;
-}
-
 // Buffers `a` and `b` of `len` bytes each: apart, or (same_ok) at the same place.
 void checkApart(const char* op, const void* a, const char* a_name, const void* b,
                 const char* b_name, size_t len, bool same_ok) {
@@ -120,6 +114,19 @@ void checkBlocks(size_t have, const Communicator::Impl& c, const char* what, con
   if (have != static_cast<size_t>(c.size))
     throw std::invalid_argument("mooncake pg: " + std::string(op) + ": " + std::to_string(have) +
                                 " " + what + " blocks for a group of " + std::to_string(c.size));
+}
+
+// A block list (one block of `bytes` per rank, `what` in errors) against one other buffer:
+// every block there and apart from `one`, or at its very place where same_ok(rank).
+template <typename P, typename SameOk>
+void checkBlocksAgainst(const Communicator::Impl& c, const char* op, const std::vector<P>& blocks,
+                        const char* what, const char* block_name, const void* one,
+                        const char* one_name, size_t bytes, SameOk same_ok) {
+  checkBlocks(blocks.size(), c, what, op);
+  for (int r = 0; r < c.size; ++r) {
+    checkPtr(blocks[static_cast<size_t>(r)], bytes, what, op);
+    checkApart(op, blocks[static_cast<size_t>(r)], block_name, one, one_name, bytes, same_ok(r));
+  }
 }
 
 template <typename T>
@@ -154,13 +161,9 @@ std::shared_ptr<Communicator::StreamOp> Communicator::allGatherOnStream(const vo
 std::shared_ptr<Communicator::StreamOp> Communicator::allGatherOnStream(
     const void* in, const std::vector<void*>& outs, size_t bytes, const void* stream) {
   const char* op = "allgather";
-  checkBlocks(outs.size(), *impl_, "output", op);
   checkPtr(in, bytes, "input", op);
-  for (int r = 0; r < impl_->size; ++r) {
-    checkPtr(outs[static_cast<size_t>(r)], bytes, "output", op);
-    checkApart(op, outs[static_cast<size_t>(r)], "an output block", in, "the input", bytes,
-               r == impl_->rank);
-  }
+  checkBlocksAgainst(*impl_, op, outs, "output", "an output block", in, "the input", bytes,
+                     [&](int r) { return r == impl_->rank; });
   int ordinal = -1;
   StreamOps* ops = streamOpsFor(*impl_, op, bytes, plus({in}, outs), &ordinal);
   if (ops == nullptr) return nullptr;
@@ -174,14 +177,9 @@ std::shared_ptr<Communicator::StreamOp> Communicator::gatherOnStream(
   checkRoot(*impl_, root, op);
   checkPtr(in, bytes, "input", op);
   const bool is_root = impl_->rank == root;
-  if (is_root) {
-    checkBlocks(outs.size(), *impl_, "output", op);
-    for (int r = 0; r < impl_->size; ++r) {
-      checkPtr(outs[static_cast<size_t>(r)], bytes, "output", op);
-      checkApart(op, outs[static_cast<size_t>(r)], "an output block", in, "the input", bytes,
-                 r == root);
-    }
-  }
+  if (is_root)
+    checkBlocksAgainst(*impl_, op, outs, "output", "an output block", in, "the input", bytes,
+                       [&](int r) { return r == root; });
   int ordinal = -1;
   StreamOps* ops = streamOpsFor(*impl_, op, bytes, {in}, &ordinal,
                                 is_root ? plus({}, outs) : std::vector<const void*>{});
@@ -208,14 +206,9 @@ std::shared_ptr<Communicator::StreamOp> Communicator::scatterOnStream(
   checkRoot(*impl_, root, op);
   checkPtr(out, bytes, "output", op);
   const bool is_root = impl_->rank == root;
-  if (is_root) {
-    checkBlocks(ins.size(), *impl_, "input", op);
-    for (int j = 0; j < impl_->size; ++j) {
-      checkPtr(ins[static_cast<size_t>(j)], bytes, "input", op);
-      checkApart(op, ins[static_cast<size_t>(j)], "an input block", out, "the output", bytes,
-                 j == root);
-    }
-  }
+  if (is_root)
+    checkBlocksAgainst(*impl_, op, ins, "input", "an input block", out, "the output", bytes,
+                       [&](int j) { return j == root; });
   int ordinal = -1;
   StreamOps* ops = streamOpsFor(*impl_, op, bytes, {out}, &ordinal,
                                 is_root ? ins : std::vector<const void*>{});
@@ -258,16 +251,12 @@ std::shared_ptr<Communicator::StreamOp> Communicator::reduceScatterOnStream(
     const void* stream) {
   const char* name = "reduce_scatter";
   checkReduce(t, op, name);
-  checkBlocks(ins.size(), *impl_, "input", name);
   const size_t bytes = count * dtypeSize(t);
   checkPtr(out, bytes, "output", name);
-  for (int j = 0; j < impl_->size; ++j) {
-    checkPtr(ins[static_cast<size_t>(j)], bytes, "input", name);
-    // (out == ins[j] is safe for any j: a step reads its piece of every block before it
-    // writes that piece of out, and later steps read later pieces)
-    checkApart(name, ins[static_cast<size_t>(j)], "an input block", out, "the output", bytes,
-               true);
-  }
+  // (out == ins[j] is safe for any j: a step reads its piece of every block before it writes
+  // that piece of out, and later steps read later pieces)
+  checkBlocksAgainst(*impl_, name, ins, "input", "an input block", out, "the output", bytes,
+                     [](int) { return true; });
   int ordinal = -1;
   StreamOps* ops = streamOpsFor(*impl_, name, bytes, plus({out}, ins), &ordinal);
   if (ops == nullptr) return nullptr;
