@@ -220,7 +220,9 @@ const std::vector<ParamDef>& table() {
       {"MC_PG_STREAM_OPS", Type::kString, "auto",
        "Same-host groups, every collective of GPU memory (torch backend: all_reduce, broadcast, "
        "reduce, all_gather and all_gather_into_tensor, gather, scatter, reduce_scatter and "
-       "reduce_scatter_tensor, the coalesced forms, all_to_all_single, all_to_all): queued on "
+       "reduce_scatter_tensor, the coalesced forms, all_to_all_single, all_to_all) and "
+       "send/recv (on a stream per peer and direction, ordered after the caller's; groups of at "
+       "most 32 ranks): queued on "
        "the caller's "
        "stream -- copies, stream memory operations on flag words in the ranks' GPU memory and "
        "the reduction kernel -- so no host thread waits for them (pg/stream_ops.h); all ranks "
@@ -235,6 +237,10 @@ const std::vector<ParamDef>& table() {
        "Stream-ordered allreduce of at most this many bytes: every rank reduces the whole "
        "op from every rank's buffer (one exchange a step); larger ones reduce a slice each "
        "and copy the others' slices (two exchanges, 1/n of the reduction work). Not tuned."},
+      {"MC_PG_STREAM_P2P_SLOT_BYTES", Type::kInt, "4194304",
+       "Stream-ordered send/recv (MC_PG_STREAM_OPS): bytes per step of a message; each rank "
+       "keeps two slots of this size per peer in GPU memory (the sender's, which its receiver "
+       "reads), made at its first such send or recv in a group."},
       {"MC_PG_GPU_P2P", Type::kBool, "1",
        "Plain groups: send/recv of GPU memory to a rank on the same host goes device to device "
        "through staging buffers in the sender's GPU memory that the receiver opens through the "

@@ -18,6 +18,7 @@
 #include "pg/reduce.h"
 #include "pg/shm_group.h"
 #include "pg/stream_ops.h"
+#include "pg/stream_p2p.h"
 #include "pg/work.h"
 
 namespace mooncake::pg {
@@ -41,6 +42,7 @@ struct PgParams {
   StreamOpsMode stream_ops;  // MC_PG_STREAM_OPS
   size_t stream_chunk_bytes;  // MC_PG_STREAM_OPS_CHUNK_BYTES
   size_t stream_oneshot_bytes;  // MC_PG_STREAM_OPS_ONESHOT_BYTES
+  size_t stream_p2p_slot_bytes;  // MC_PG_STREAM_P2P_SLOT_BYTES
   static PgParams load(size_t buffer_bytes_override);
 };
 
@@ -61,6 +63,7 @@ class Communicator::Impl {
   std::unique_ptr<DeviceHalves> dev_halves;  // with shm: GPU halves, made on first GPU data
   std::mutex stream_ops_mu;
   std::unique_ptr<StreamOps> stream_ops;  // with shm: made on the first stream-ordered op
+  std::unique_ptr<StreamP2p> stream_p2p;  // with shm: made on the first stream-ordered p2p
   std::unique_ptr<NetGroup> net;  // used when shm is not
   // Receive slots of the NetGroups (pg/net_group.h); shared by an elastic group's views and
   // by sub-groups. Declared after `engine`: freed before it.

@@ -106,6 +106,7 @@ void Communicator::Impl::abortGroups(int blamed, const std::string& why) {
 Communicator::Impl::~Impl() {
   worker.reset();  // drains the queued ops and joins, while the groups they use still exist
   stream_ops.reset();  // (its buffers' descriptions live in shm's header)
+  stream_p2p.reset();  // (the same)
   elastic.reset();  // stops the controller (its agent uses p2p and the engine) first
   p2p.reset();
   leaders.reset();

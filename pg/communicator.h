@@ -220,7 +220,19 @@ class Communicator {
                                               const std::vector<void*>& outs,
                                               const std::vector<size_t>& recv_bytes,
                                               const void* stream, int ordinal = -1);
-  // Stream-ordered ops issued by this rank so far (tests).
+  // Send/recv of GPU memory on one host (pg/stream_p2p.h): queued on a stream of the engine's
+  // for the peer and direction, after the caller's work so far on `stream`; wait() blocks
+  // until done and checks it (a recv: that the message is the sender's next one of this size
+  // and tag), orderAfter(s) makes stream s wait for it. Null when the group does not take this
+  // path (elastic, spanning hosts, more than 32 ranks, MC_PG_STREAM_OPS, host memory, this rank
+  // could not set it up): the caller runs send/recv. Messages between two ranks match in order
+  // (no any-source recv); ops may be waited for in any order, from any thread. ordinal: the
+  // device of an empty buffer (-1: none).
+  std::shared_ptr<StreamOp> sendOnStream(const void* buf, size_t bytes, int dst, uint64_t tag,
+                                         const void* stream, int ordinal = -1);
+  std::shared_ptr<StreamOp> recvOnStream(void* buf, size_t bytes, int src, uint64_t tag,
+                                         const void* stream, int ordinal = -1);
+  // Stream-ordered ops (collectives, sends and recvs) issued by this rank so far (tests).
   uint64_t streamOps() const;
   void reduce(const void* in, void* out, size_t count, DataType t, ReduceOp op, int root);
   void broadcast(void* buf, size_t bytes, int root);

@@ -1,6 +1,7 @@
 // Communicator's stream-ordered entry points (pg/stream_ops.h, docs/gpu.md "Stream-ordered
 // collectives"): checks, whether the op takes the path, and the StreamOp the caller waits on.
 #include <algorithm>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -9,6 +10,7 @@
 #include "pg/comm_impl.h"
 #include "pg/communicator.h"
 #include "pg/stream_ops.h"
+#include "pg/stream_p2p.h"
 
 namespace mooncake::pg {
 
@@ -342,9 +344,80 @@ std::shared_ptr<Communicator::StreamOp> Communicator::allToAllVOnStream(
   return wrap(ops, ops->allToAllV(ins, send_bytes, outs, recv_bytes, sig, ordinal, stream));
 }
 
+namespace {
+
+struct StreamP2pOp final : Communicator::StreamOp {
+  StreamP2p* p2p;
+  std::shared_ptr<StreamP2p::Ticket> t;
+  std::once_flag waited;
+  void wait() override {
+    std::call_once(waited, [&] { p2p->finish(*t); });
+  }
+  Status orderAfter(const void* stream) override { return p2p->orderAfter(*t, stream); }
+};
+
+// The group's StreamP2p when a send/recv of `bytes` at buf with `peer` takes the stream-ordered
+// path (pg/stream_p2p.h); else null (the host-driven send/recv, which also rejects bad ranks).
+// Both ends decide alike from what each knows: the group, the mode, that the buffer is GPU
+// memory (an empty one's device: hint).
+StreamP2p* streamP2pFor(Communicator::Impl& c, const void* buf, size_t bytes, int peer, int hint,
+                        int* ordinal) {
+  using Mode = PgParams::StreamOpsMode;
+  if (c.params.stream_ops == Mode::kOff || c.elastic || !c.shm || c.size < 2 ||
+      c.size > ShmGroup::kP2pMaxRanks || peer < 0 || peer >= c.size || peer == c.rank ||
+      !engine::device::active())
+    return nullptr;
+  auto layer = engine::device::get();
+  if (!layer.ok()) return nullptr;
+  if (c.params.stream_ops == Mode::kAuto && std::string((*layer)->name()) != "cuda")
+    return nullptr;
+  *ordinal = hint;
+  if (bytes > 0) {
+    const engine::device::PointerInfo i = (*layer)->pointer(buf);
+    if (!i.device) return nullptr;
+    *ordinal = i.ordinal;
+  }
+  if (*ordinal < 0) return nullptr;
+  std::lock_guard<std::mutex> g(c.stream_ops_mu);
+  if (!c.stream_p2p) c.stream_p2p = std::make_unique<StreamP2p>(c);
+  return c.stream_p2p.get();
+}
+
+std::shared_ptr<Communicator::StreamOp> wrapP2p(StreamP2p* p2p,
+                                                std::shared_ptr<StreamP2p::Ticket> t) {
+  if (!t) return nullptr;
+  auto r = std::make_shared<StreamP2pOp>();
+  r->p2p = p2p;
+  r->t = std::move(t);
+  return r;
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator::StreamOp> Communicator::sendOnStream(const void* buf, size_t bytes,
+                                                                   int dst, uint64_t tag,
+                                                                   const void* stream,
+                                                                   int ordinal) {
+  checkPtr(buf, bytes, "buffer", "send");
+  StreamP2p* p2p = streamP2pFor(*impl_, buf, bytes, dst, ordinal, &ordinal);
+  if (p2p == nullptr) return nullptr;
+  return wrapP2p(p2p, p2p->send(buf, bytes, dst, tag, ordinal, stream));
+}
+
+std::shared_ptr<Communicator::StreamOp> Communicator::recvOnStream(void* buf, size_t bytes,
+                                                                   int src, uint64_t tag,
+                                                                   const void* stream,
+                                                                   int ordinal) {
+  checkPtr(buf, bytes, "buffer", "recv");
+  StreamP2p* p2p = streamP2pFor(*impl_, buf, bytes, src, ordinal, &ordinal);
+  if (p2p == nullptr) return nullptr;
+  return wrapP2p(p2p, p2p->recv(buf, bytes, src, tag, ordinal, stream));
+}
+
 uint64_t Communicator::streamOps() const {
   std::lock_guard<std::mutex> g(impl_->stream_ops_mu);
-  return impl_->stream_ops ? impl_->stream_ops->issued() : 0;
+  return (impl_->stream_ops ? impl_->stream_ops->issued() : 0) +
+         (impl_->stream_p2p ? impl_->stream_p2p->issued() : 0);
 }
 
 }  // namespace mooncake::pg

@@ -51,6 +51,9 @@ PgParams PgParams::load(size_t buffer_bytes_override) {
                          ~static_cast<size_t>(4095);
   p.stream_oneshot_bytes = static_cast<size_t>(
       std::max<int64_t>(params::getInt("MC_PG_STREAM_OPS_ONESHOT_BYTES"), 0));
+  p.stream_p2p_slot_bytes = static_cast<size_t>(std::max<int64_t>(
+                                params::getInt("MC_PG_STREAM_P2P_SLOT_BYTES"), 4096)) &
+                            ~static_cast<size_t>(4095);
   return p;
 }
 

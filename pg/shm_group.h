@@ -45,7 +45,7 @@ namespace mooncake::pg {
 class ShmGroup {
  public:
   enum Flag { kReady = 0, kReduced = 1, kConsumed = 2, kNumFlags = 3 };
-  static constexpr size_t kHeaderBytes = 4096;
+  static constexpr size_t kHeaderBytes = 16384;
 
   struct WaitOptions {
     int64_t spin_us = 50;
@@ -138,6 +138,33 @@ class ShmGroup {
   StreamSig& streamSig(int r, uint64_t seq) const {
     return hdr(r)->stream_sigs[seq % kStreamRing];
   }
+  // Stream-ordered send/recv (pg/stream_p2p.h): rank r's p2p area, published once by its
+  // owner; its note of each message it sends to each rank (by the message's number in that
+  // direction, from 1, in a ring: stored when the send is issued, read by the receiver); and how
+  // many messages from each rank it has checked against their notes, which a sender waits for
+  // before it reuses a note. Groups of at most kP2pMaxRanks ranks.
+  struct alignas(128) P2pInfo {
+    std::atomic<uint32_t> state;  // StreamP2p::State
+    uint32_t handle_len;
+    uint64_t offset;      // of the area in the allocation the handle names
+    uint64_t slot_bytes;  // its owner's MC_PG_STREAM_P2P_SLOT_BYTES
+    char handle[356];
+  };
+  static constexpr int kP2pMaxRanks = 32;
+  static constexpr int kP2pRing = 16;
+  struct P2pNote {
+    std::atomic<uint64_t> seq;  // the message (stored last, with release)
+    std::atomic<uint64_t> bytes;
+    std::atomic<uint64_t> tag;
+  };
+  P2pInfo& p2pInfo(int r) const { return hdr(r)->p2p; }
+  P2pNote& p2pNote(int from, int to, uint64_t seq) const {
+    return hdr(from)->p2p_notes[to][seq % kP2pRing];
+  }
+  std::atomic<uint64_t>& p2pChecked(int owner, int from) const {
+    return hdr(owner)->p2p_checked[from];
+  }
+
   // What every wait checks (see above), once, for every peer: their abort words, whether they
   // are alive, the op's deadline. Throws CommError.
   void checkHealth(const OpCtx& op) const { checkPeers(op, -1); }
@@ -167,6 +194,9 @@ class ShmGroup {
     StreamInfo stream;
     StreamSig stream_sigs[kStreamRing];
     SizesNote sizes[kSizesRing];
+    P2pInfo p2p;
+    std::atomic<uint64_t> p2p_checked[kP2pMaxRanks];
+    P2pNote p2p_notes[kP2pMaxRanks][kP2pRing];
   };
   static constexpr uint64_t kAbortDied = uint64_t{1} << 31;
   static constexpr uint64_t kAbortLeft = uint64_t{1} << 30;

@@ -32,6 +32,37 @@ device::Device* layerOrThrow(const char* op) {
 
 }  // namespace
 
+Status zeroAndProbeWords(device::Device& layer, int ordinal, const std::vector<uint32_t*>& words) {
+  const engine::Deadline dl = engine::deadlineInMs(10000);
+  Status st;
+  for (size_t i = 0; i < words.size() && st.ok(); ++i) st = layer.storeWord(words[i], 0, dl);
+  if (words.empty()) return st;
+  if (st.ok()) st = layer.writeWord(ordinal, device::kCopyStream, words[0], 0);
+  if (st.ok()) st = layer.waitWord(ordinal, device::kCopyStream, words[0], 0);
+  if (st.ok()) {
+    auto ev = layer.record(ordinal);
+    st = ev.ok() ? (*ev)->wait(dl) : ev.status();
+  }
+  return st;
+}
+
+bool readDeviceWord(const uint32_t* w, uint32_t* out) {
+  // One pinned host word for every reader (a group's end is no hot path), made once.
+  static uint32_t* word = [] {
+    auto l = device::get();
+    auto h = l.ok() ? (*l)->allocHostWords(1) : Result<uint32_t*>(l.status());
+    if (!h.ok()) return static_cast<uint32_t*>(nullptr);
+    (void)(*l)->pinHost(*h, sizeof(uint32_t));  // (CUDA's are pinned already: refused)
+    return *h;
+  }();
+  static std::mutex word_mu;
+  if (word == nullptr) return false;
+  std::lock_guard<std::mutex> g(word_mu);
+  if (!device::copy(word, w, sizeof *out, engine::deadlineInMs(1000)).ok()) return false;
+  *out = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+  return true;
+}
+
 StreamOps::StreamOps(Communicator::Impl& c)
     : c_(c),
       chunk_(c.params.stream_chunk_bytes),
@@ -87,20 +118,12 @@ bool StreamOps::setUp(int ordinal, const OpCtx& op) {
     }
   }
   if (why.empty()) {
-    // Zero the words, and find out whether the device runs stream memory operations: a write
-    // and a wait on the copy stream, then an event after them.
-    const engine::Deadline dl = engine::deadlineInMs(10000);
-    Status st;
-    for (int r = 0; r < c_.size && st.ok(); ++r) {
-      st = layer->storeWord(words(me, r, false), 0, dl);
-      if (st.ok()) st = layer->storeWord(words(me, r, true), 0, dl);
+    std::vector<uint32_t*> all;
+    for (int r = 0; r < c_.size; ++r) {
+      all.push_back(words(me, r, false));
+      all.push_back(words(me, r, true));
     }
-    if (st.ok()) st = layer->writeWord(ordinal, device::kCopyStream, words(me, me, false), 0);
-    if (st.ok()) st = layer->waitWord(ordinal, device::kCopyStream, words(me, me, false), 0);
-    if (st.ok()) {
-      auto ev = layer->record(ordinal);
-      st = ev.ok() ? (*ev)->wait(dl) : ev.status();
-    }
+    Status st = zeroAndProbeWords(*layer, ordinal, all);
     if (st.ok()) st = prepareDeviceReduce(ordinal);  // loaded now, not at a first launch
     uint64_t offset = 0;
     Result<std::string> handle =
@@ -751,27 +774,12 @@ void StreamOps::drain() {
   if (!layer.ok()) return;
   // Peers' streams may still read this rank's buffers for the last op: wait (up to 5 s, not
   // for dead peers) until each wrote its done word of it.
-  static uint32_t* word = [] {
-    auto l = device::get();
-    auto w = l.ok() ? (*l)->allocHostWords(1) : Result<uint32_t*>(l.status());
-    if (!w.ok()) return static_cast<uint32_t*>(nullptr);
-    (void)(*l)->pinHost(*w, sizeof(uint32_t));  // (CUDA's are pinned already: refused)
-    return *w;
-  }();
-  static std::mutex word_mu;
-  if (word == nullptr) return;
   const auto until = Clock::now() + std::chrono::seconds(5);
   for (int r = 0; r < c_.size; ++r) {
     if (r == c_.rank) continue;
     for (;;) {
       uint32_t v = 0;
-      {
-        std::lock_guard<std::mutex> g(word_mu);
-        if (!device::copy(word, words(c_.rank, r, true), sizeof v, engine::deadlineInMs(1000))
-                 .ok())
-          break;
-        v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-      }
+      if (!readDeviceWord(words(c_.rank, r, true), &v)) break;
       if (static_cast<int32_t>(v - last) >= 0) break;
       const engine::PeerId peer = c_.peers[static_cast<size_t>(r)];
       if (Clock::now() >= until || (peer != engine::kInvalidPeer &&

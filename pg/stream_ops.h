@@ -68,6 +68,14 @@
 
 namespace mooncake::pg {
 
+// Shared with pg/stream_p2p.h: zeroes `words` (device memory of this process's, on `ordinal`)
+// and finds out whether the device runs stream memory operations (a write and a wait on the
+// copy stream, then an event after them); and reads one such word from the host (a group's
+// end, bounded: false when it could not).
+Status zeroAndProbeWords(engine::device::Device& layer, int ordinal,
+                         const std::vector<uint32_t*>& words);
+bool readDeviceWord(const uint32_t* w, uint32_t* out);
+
 class StreamOps {
  public:
   enum State : uint32_t { kNone = 0, kPublished = 1, kUsable = 2, kUnusable = 3 };

@@ -46,6 +46,7 @@ struct Driver {
   decltype(&cuEventCreate) eventCreate = nullptr;
   decltype(&cuEventRecord) eventRecord = nullptr;
   decltype(&cuEventQuery) eventQuery = nullptr;
+  decltype(&cuStreamWaitEvent) streamWaitEvent = nullptr;
   decltype(&cuModuleLoadData) moduleLoadData = nullptr;
   decltype(&cuModuleGetFunction) moduleGetFunction = nullptr;
   decltype(&cuLaunchKernel) launchKernel = nullptr;
@@ -89,6 +90,7 @@ class CudaEvent final : public Event {
     pool_->spare[static_cast<size_t>(ordinal_)].push_back(e_);
   }
   bool done() override { return d_->eventQuery(e_) != CUDA_ERROR_NOT_READY; }
+  CUevent raw() const { return e_; }
   Status wait(Deadline deadline) override {
     // cuEventSynchronize has no deadline: poll, yielding for MC_DEVICE_SPIN_US (a sleep costs
     // ~60-80 us with the kernel's timer slack, more than a small step's copies take), then
@@ -255,6 +257,43 @@ class CudaDevice final : public Device {
     r = d_.eventRecord(e, s);  // (a failed record still returns e to the pool with ev)
     if (r != CUDA_SUCCESS) return MC_STATUS(kInternal, "cuEventRecord: " << err(r));
     return ev;
+  }
+
+  Result<const void*> newStream(int ordinal) override {
+    MC_RETURN_IF_ERROR(use(ordinal));
+    {
+      // Streams are kept and reused, never destroyed (cuStreamDestroy takes the context lock
+      // that EventPool's comment is about).
+      std::lock_guard<std::mutex> g(mu_);
+      auto& spare = spare_streams_[ordinal];
+      if (!spare.empty()) {
+        CUstream s = spare.back();
+        spare.pop_back();
+        return static_cast<const void*>(s);
+      }
+    }
+    CUstream s = nullptr;
+    CUresult r = d_.streamCreate(&s, CU_STREAM_NON_BLOCKING);
+    if (r != CUDA_SUCCESS)
+      return MC_STATUS(kUnavailable, "cuStreamCreate on device " << ordinal << ": " << err(r));
+    return static_cast<const void*>(s);
+  }
+
+  Status freeStream(int ordinal, const void* on) override {
+    if (on == nullptr || on == kCopyStream)
+      return MC_STATUS(kInvalidArgument, "freeStream: not a stream of newStream's");
+    std::lock_guard<std::mutex> g(mu_);
+    spare_streams_[ordinal].push_back(static_cast<CUstream>(const_cast<void*>(on)));
+    return Status::OK();
+  }
+
+  Status waitEvent(int ordinal, const void* on, Event& ev) override {
+    auto* e = dynamic_cast<CudaEvent*>(&ev);
+    if (e == nullptr) return MC_STATUS(kInvalidArgument, "waitEvent: not an event of this layer");
+    MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, on));
+    CUresult r = d_.streamWaitEvent(s, e->raw(), 0);
+    if (r != CUDA_SUCCESS) return MC_STATUS(kInternal, "cuStreamWaitEvent: " << err(r));
+    return Status::OK();
   }
 
   bool canAccess(int ordinal, const void* p) override {
@@ -496,6 +535,7 @@ class CudaDevice final : public Device {
   std::mutex mu_;
   std::vector<CUcontext> ctx_;
   std::vector<CUstream> streams_ = std::vector<CUstream>(ctx_.size(), nullptr);
+  std::map<int, std::vector<CUstream>> spare_streams_;  // freeStream's (guarded by mu_)
   EventPool events_;
   std::map<std::pair<const void*, int>, CUmodule> modules_;  // never unloaded (as streams)
   std::map<std::tuple<const void*, std::string, int>, CUfunction> functions_;
@@ -525,6 +565,7 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
             load(lib, "cuEventCreate", &d.eventCreate) &&
             load(lib, "cuEventRecord", &d.eventRecord) &&
             load(lib, "cuEventQuery", &d.eventQuery) &&
+            load(lib, "cuStreamWaitEvent", &d.streamWaitEvent) &&
             load(lib, "cuModuleLoadData", &d.moduleLoadData) &&
             load(lib, "cuModuleGetFunction", &d.moduleGetFunction) &&
             load(lib, "cuLaunchKernel", &d.launchKernel);

@@ -60,6 +60,14 @@ class SimStream {
   void pushGate(const uint32_t* word, uint32_t value) {
     enqueue({nullptr, nullptr, 0, nullptr, word, value});
   }
+  // A gate until `other` (another stream) ran its first n items: an event's wait.
+  void pushEventGate(std::shared_ptr<SimStream> other, uint64_t n) {
+    Copy c{nullptr, nullptr, 0, nullptr};
+    c.count = &other->done_seen_;
+    c.value64 = n;
+    c.keep = std::move(other);
+    enqueue(std::move(c));
+  }
   uint64_t queued() {
     std::lock_guard<std::mutex> g(mu_);
     return queued_;
@@ -103,7 +111,7 @@ class SimStream {
       g.lock();
       if (!cv_.wait_until(g, deadline, [&] {
             return done_ >= n || waiterMayRun() ||
-                   (!busy_ && !q_.empty() && q_.front().word != nullptr);  // a gate to poll
+                   (!busy_ && !q_.empty() && q_.front().gate());  // a gate to poll
           }))
         return MC_STATUS(kTimeout, "sim device: copies not done by the deadline");
     }
@@ -119,17 +127,22 @@ class SimStream {
     std::function<Status()> task;  // a kernel instead of a copy
     const uint32_t* word = nullptr;  // a gate instead of a copy (pushGate)
     uint32_t value = 0;
+    const std::atomic<uint64_t>* count = nullptr;  // or an event's gate (pushEventGate)
+    uint64_t value64 = 0;
+    std::shared_ptr<SimStream> keep;  // the stream `count` belongs to
+    bool gate() const { return word != nullptr || count != nullptr; }
   };
   // Under mu_: the next item may run on a waiting host thread.
-  bool waiterMayRun() const { return !busy_ && !q_.empty() && q_.front().word == nullptr; }
+  bool waiterMayRun() const { return !busy_ && !q_.empty() && !q_.front().gate(); }
   static bool gateOpen(const Copy& c) {
+    if (c.count != nullptr) return c.count->load(std::memory_order_acquire) >= c.value64;
     return static_cast<int32_t>(__atomic_load_n(c.word, __ATOMIC_ACQUIRE) - c.value) >= 0;
   }
   // Under mu_, no item running: passes the open gates at the front; true when the front is a
   // closed one.
   bool frontGateClosed() {
     bool passed = false;
-    while (!q_.empty() && q_.front().word != nullptr && gateOpen(q_.front())) {
+    while (!q_.empty() && q_.front().gate() && gateOpen(q_.front())) {
       q_.pop_front();
       ++done_;
       passed = true;
@@ -138,7 +151,7 @@ class SimStream {
       done_seen_.store(done_, std::memory_order_release);
       cv_.notify_all();
     }
-    return !q_.empty() && q_.front().word != nullptr;
+    return !q_.empty() && q_.front().gate();
   }
   void enqueue(Copy c) {
     {
@@ -193,7 +206,7 @@ class SimStream {
       }
       cv_.wait(g, [&] {
         return (stop_ && q_.empty() && !busy_) ||
-               (!q_.empty() && !busy_ && (q_.front().word == nullptr || waiters_ == 0));
+               (!q_.empty() && !busy_ && (!q_.front().gate() || waiters_ == 0));
       });
       if (q_.empty()) return;  // stopping, everything done
       if (frontGateClosed()) {
@@ -233,6 +246,7 @@ class SimEvent final : public Event {
   SimEvent(std::shared_ptr<SimStream> s, uint64_t n) : s_(std::move(s)), n_(n) {}
   bool done() override { return s_->reached(n_); }
   Status wait(Deadline deadline) override { return s_->waitFor(n_, deadline); }
+  void gateOn(SimStream& on) const { on.pushEventGate(s_, n_); }
 
  private:
   std::shared_ptr<SimStream> s_;
@@ -251,6 +265,7 @@ class SimDevice final : public Device {
  public:
   ~SimDevice() override {
     for (auto& st : streams_) st.reset();  // their copies are done before the memory goes
+    made_.clear();
     for (auto& [addr, a] : allocs_) {
       munmap(reinterpret_cast<void*>(addr), a.len);
       munmap(a.shadow, a.len);
@@ -381,9 +396,7 @@ class SimDevice final : public Device {
 
   Status copyAsyncOn(void* dst, const void* src, size_t len, int ordinal,
                      const void* on) override {
-    if (on != kCopyStream)
-      return MC_STATUS(kNotSupported, "sim device: no stream but the copy stream");
-    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
     if (len == 0) return Status::OK();
     void* to = nullptr;
     const void* from = nullptr;
@@ -402,16 +415,47 @@ class SimDevice final : public Device {
     return Status::OK();
   }
 
-  Result<std::unique_ptr<Event>> recordOn(int ordinal, const void* stream) override {
-    if (stream != kCopyStream)
-      return MC_STATUS(kNotSupported, "sim device: no stream but the copy stream");
-    return record(ordinal);
+  Result<std::unique_ptr<Event>> recordOn(int ordinal, const void* on) override {
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
+    const uint64_t n = s->queued();
+    return std::unique_ptr<Event>(new SimEvent(std::move(s), n));
   }
 
   Result<std::unique_ptr<Event>> record(int ordinal) override {
-    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
-    const uint64_t n = s->queued();
-    return std::unique_ptr<Event>(new SimEvent(std::move(s), n));
+    return recordOn(ordinal, kCopyStream);
+  }
+
+  Result<const void*> newStream(int ordinal) override {
+    if (ordinal < 0 || ordinal >= kSimDevices)
+      return MC_STATUS(kInvalidArgument, "sim device " << ordinal << " does not exist");
+    auto s = std::make_shared<SimStream>();
+    const void* handle = s.get();
+    std::lock_guard<std::mutex> g(mu_);
+    made_[handle] = {ordinal, std::move(s)};
+    return handle;
+  }
+
+  Status freeStream(int ordinal, const void* on) override {
+    std::shared_ptr<SimStream> s;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = made_.find(on);
+      if (it == made_.end() || it->second.first != ordinal)
+        return MC_STATUS(kInvalidArgument, "sim device: stream " << on << " of device "
+                                                                 << ordinal << " was not made here");
+      s = std::move(it->second.second);
+      made_.erase(it);
+    }
+    s.reset();  // (its queued items run first: SimStream's destructor)
+    return Status::OK();
+  }
+
+  Status waitEvent(int ordinal, const void* on, Event& ev) override {
+    auto* e = dynamic_cast<SimEvent*>(&ev);
+    if (e == nullptr) return MC_STATUS(kInvalidArgument, "sim device: not an event of this layer");
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
+    e->gateOn(*s);
+    return Status::OK();
   }
 
   bool canAccess(int ordinal, const void*) override {
@@ -454,19 +498,15 @@ class SimDevice final : public Device {
   }
 
   Status waitWord(int ordinal, const void* on, const uint32_t* word, uint32_t value) override {
-    if (on != kCopyStream)
-      return MC_STATUS(kInvalidArgument, "sim device: no stream but the copy streams");
     if (word == nullptr) return MC_STATUS(kInvalidArgument, "sim device: no word to wait on");
-    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
     MC_ASSIGN_OR_RETURN(uint32_t * at, wordAt(word));
     s->pushGate(at, value);
     return Status::OK();
   }
 
   Status writeWord(int ordinal, const void* on, uint32_t* word, uint32_t value) override {
-    if (on != kCopyStream)
-      return MC_STATUS(kInvalidArgument, "sim device: no stream but the copy streams");
-    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
     MC_ASSIGN_OR_RETURN(uint32_t * at, wordAt(word));
     s->push([at, value]() -> Status {
       __atomic_store_n(at, value, __ATOMIC_RELEASE);
@@ -496,15 +536,13 @@ class SimDevice final : public Device {
 
   Status launchOn(const Kernel& k, unsigned grid, unsigned block, const void* params,
                   size_t params_len, int ordinal, const void* on) override {
-    if (on != kCopyStream)
-      return MC_STATUS(kNotSupported, "sim device: no stream but the copy stream");
     if (k.host == nullptr)
       return MC_STATUS(kNotSupported, "sim device: kernel " << (k.name ? k.name : "?")
                                                             << " has no host form");
     if (params_len > 4096 || grid == 0 || block == 0)
       return MC_STATUS(kInvalidArgument, "sim device: launch of " << (k.name ? k.name : "?")
                                                                   << ": bad shape or parameters");
-    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal));
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
     auto copy = std::make_shared<std::vector<char>>(static_cast<const char*>(params),
                                                     static_cast<const char*>(params) + params_len);
     auto host = k.host;
@@ -569,6 +607,16 @@ class SimDevice final : public Device {
     if (!s) s = std::make_shared<SimStream>();
     return s;
   }
+  // The stream `on` names: kCopyStream (the device's copy stream) or one of newStream's.
+  Result<std::shared_ptr<SimStream>> stream(int ordinal, const void* on) {
+    if (on == kCopyStream) return stream(ordinal);
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = made_.find(on);
+    if (it == made_.end() || it->second.first != ordinal)
+      return MC_STATUS(kNotSupported, "sim device: no stream but the copy stream and newStream's"
+                                      " (" << on << " on device " << ordinal << ")");
+    return it->second.second;
+  }
   // Where the stream reads or writes a word: its writable mapping when it is device memory.
   Result<uint32_t*> wordAt(const uint32_t* word) {
     std::lock_guard<std::mutex> g(mu_);
@@ -596,6 +644,7 @@ class SimDevice final : public Device {
   mutable std::mutex mu_;
   std::map<uint64_t, Alloc> allocs_;
   std::shared_ptr<SimStream> streams_[kSimDevices];
+  std::map<const void*, std::pair<int, std::shared_ptr<SimStream>>> made_;  // newStream's
   std::vector<std::unique_ptr<uint32_t[]>> words_;  // allocHostWords' (freed with the layer)
   std::map<uint64_t, size_t> pinned_;                // pinHost's ranges
   std::atomic<uint64_t> pageable_{0};               // pageableCopies()

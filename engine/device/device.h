@@ -102,6 +102,14 @@ class Device {
   // CUstream of the caller's such as torch's current one, nullptr the legacy default stream).
   // The simulation has its copy streams only: kNotSupported for any other.
   virtual Result<std::unique_ptr<Event>> recordOn(int ordinal, const void* stream) = 0;
+  // A stream of device `ordinal` that the layer makes (CUDA: non-blocking, so it never waits
+  // for the legacy default stream) for work a caller orders by events and words itself
+  // (pg/stream_p2p.h: one per peer and direction); every call taking a stream takes it.
+  // freeStream lets it go once its queued work ran.
+  virtual Result<const void*> newStream(int ordinal) = 0;
+  virtual Status freeStream(int ordinal, const void* stream) = 0;
+  // Queues on `stream` a wait until `ev` (record / recordOn of this layer) completed.
+  virtual Status waitEvent(int ordinal, const void* stream, Event& ev) = 0;
   // Queues kernel k on device `ordinal`'s copy stream (Kernel); params (params_len bytes, at
   // most 4096) are copied. A failed kernel fails the wait of every event recorded after it on
   // that stream (as a fault poisons a CUDA context).

@@ -248,7 +248,7 @@ TEST(DeviceSim, StreamsMeetOnWordsInDeviceMemory) {
   uint32_t on_host = 0;
   EXPECT_EQ(d->storeWord(&on_host, 1, far()).code(), Code::kInvalidArgument);
   int not_a_stream = 0;
-  EXPECT_EQ(d->writeWord(3, &not_a_stream, &w[2], 1).code(), Code::kInvalidArgument);
+  EXPECT_EQ(d->writeWord(3, &not_a_stream, &w[2], 1).code(), Code::kNotSupported);
   EXPECT_EQ(d->copyAsyncOn(*a, *b, 16, 3, &not_a_stream).code(), Code::kNotSupported);
   EXPECT_TRUE(d->free(*a).ok());
   EXPECT_TRUE(d->free(*b).ok());
@@ -290,11 +290,63 @@ TEST(DeviceSim, AHostWordHoldsTheStream) {
   // A value already reached (or passed) does not hold the stream.
   ASSERT_TRUE(d->waitWord(2, kCopyStream, &w[1], 0x0fu).ok());
   ASSERT_TRUE(copyWait(*d, back.data(), *a, len, 2).ok());
-  // The simulation has no streams but its copy streams; a bad device is refused.
+  // The simulation has no streams but its copy streams and newStream's; a bad device is
+  // refused.
   int not_a_stream = 0;
-  EXPECT_EQ(d->waitWord(2, &not_a_stream, &w[2], 1).code(), Code::kInvalidArgument);
+  EXPECT_FALSE(d->waitWord(2, &not_a_stream, &w[2], 1).ok());
   EXPECT_FALSE(d->waitWord(engine::device::kSimDevices, kCopyStream, &w[2], 1).ok());
   EXPECT_TRUE(d->free(*a).ok());
+}
+
+// Streams of the layer's own (newStream) run beside the copy stream, and one waits for an
+// event of another (waitEvent): what stream-ordered send/recv is built on (pg/stream_p2p.h).
+TEST(DeviceSim, MadeStreamsWaitForEventsOfOthers) {
+  using engine::device::kCopyStream;
+  auto d = sim();
+  ASSERT_NE(d, nullptr);
+  auto words = d->allocHostWords(1);
+  ASSERT_TRUE(words.ok());
+  uint32_t* w = *words;
+  const size_t len = 1u << 16;
+  auto a = d->allocate(len, 1);
+  auto b = d->allocate(len, 1);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto s = d->newStream(1);
+  ASSERT_TRUE(s.ok()) << s.status().toString();
+  const std::string host = bytes(len, 5, 9);
+  // The copy stream: held by a gate, then fills a. The made stream: waits for the copy
+  // stream's event after that, then copies a into b.
+  ASSERT_TRUE(d->waitWord(1, kCopyStream, w, 1).ok());
+  ASSERT_TRUE(d->copyAsync(*a, host.data(), len, 1).ok());
+  auto filled = d->record(1);
+  ASSERT_TRUE(filled.ok());
+  MC_EXPECT_OK(d->waitEvent(1, *s, **filled));
+  MC_EXPECT_OK(d->copyAsyncOn(*b, *a, len, 1, *s));
+  auto copied = d->recordOn(1, *s);
+  ASSERT_TRUE(copied.ok()) << copied.status().toString();
+  auto soon = [] { return std::chrono::steady_clock::now() + std::chrono::milliseconds(30); };
+  EXPECT_EQ((*copied)->wait(soon()).code(), Code::kTimeout)
+      << "the made stream ran past an event that had not completed";
+  // Meanwhile the made stream takes other work only behind its wait; another made stream is
+  // not held by it.
+  auto s2 = d->newStream(1);
+  ASSERT_TRUE(s2.ok());
+  EXPECT_NE(*s2, *s);
+  auto free_run = d->recordOn(1, *s2);
+  ASSERT_TRUE(free_run.ok());
+  MC_EXPECT_OK((*free_run)->wait(soon()));
+  __atomic_store_n(w, 1u, __ATOMIC_RELEASE);
+  MC_EXPECT_OK((*copied)->wait(std::chrono::steady_clock::now() + std::chrono::seconds(10)));
+  std::string back(len, '\0');
+  ASSERT_TRUE(copyWait(*d, back.data(), *b, len, 1).ok());
+  EXPECT_TRUE(back == host) << "the made stream copied before the event it waited for";
+  MC_EXPECT_OK(d->freeStream(1, *s));
+  MC_EXPECT_OK(d->freeStream(1, *s2));
+  EXPECT_FALSE(d->freeStream(1, *s).ok()) << "a stream freed twice";
+  EXPECT_FALSE(d->copyAsyncOn(*b, *a, len, 1, *s).ok()) << "a freed stream took work";
+  EXPECT_FALSE(d->newStream(engine::device::kSimDevices).ok());
+  EXPECT_TRUE(d->free(*a).ok());
+  EXPECT_TRUE(d->free(*b).ok());
 }
 
 // Pinned host memory: copies between it and device memory are not counted as pageable, copies

@@ -43,7 +43,8 @@ def main():
         dist.init_process_group("mooncake", init_method="env://", rank=a.rank,
                                 world_size=a.world, timeout=timedelta(seconds=a.timeout_s))
         gloo = None if a.no_gloo else dist.new_group(backend="gloo")
-        cases = [importlib.import_module(m) for m in ("pg_cases", "pg_cases_misc", "pg_cases_torch2", "pg_cases_gpu")]
+        cases = [importlib.import_module(m) for m in ("pg_cases", "pg_cases_misc", "pg_cases_torch2", "pg_cases_gpu",
+                                                         "pg_cases_gpu_p2p")]
         ctx = cases[0].Ctx(a.rank, a.world, gloo, a.timeout_s)
         conn.send(("ready", a.rank))
     except BaseException:

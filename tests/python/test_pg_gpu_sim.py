@@ -155,3 +155,55 @@ def test_stream_alltoall_sizes_that_do_not_pair_up():
         if r > 0:  # they see rank 0's op without sizes where theirs has them
             assert "rank 0 called alltoall" in x["mixed"]["msg"], x["mixed"]["msg"]
             assert "without split sizes" in x["mixed"]["msg"], x["mixed"]["msg"]
+
+
+# ---- stream-ordered send/recv (pg/stream_p2p.h) -----------------------------------------------
+
+@pytest.mark.parametrize("world,env", [
+    (2, {"MC_PG_STREAM_OPS": "1", "MC_PG_STREAM_P2P_SLOT_BYTES": "4096"}),
+    (3, {"MC_PG_STREAM_OPS": "1"}),
+    (2, {"MC_PG_STREAM_OPS": "0"})], ids=["small_slots", "three_ranks", "off"])
+def test_stream_p2p(world, env):
+    """Slots of 4 KiB (a 1 MiB message is 257 chunks through the two slots of its pair), the
+    default 4 MiB ones at 3 ranks, and the path off (the host-driven send/recv)."""
+    p = Pool(world, timeout_s=120, env=dict({"MC_DEVICE": "sim"}, **env), gloo=False)
+    try:
+        p.check("gpu_stream_p2p", expect_stream=env["MC_PG_STREAM_OPS"] != "0")
+        p.check("gpu_stream_p2p_late_peer")
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("what", ["size", "tag"])
+def test_stream_p2p_mismatch_names_both(what):
+    p = Pool(2, timeout_s=20, env={"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1"}, gloo=False)
+    try:
+        res = p.run("gpu_stream_p2p_mismatch", what=what, timeout_s=60)
+    finally:
+        p.kill()
+    x = res[1]
+    print(f"rank 1: {x}")
+    assert x["raised"], f"rank 1: a recv of another {what} than the send did not raise"
+    want = ("4000 bytes", "4004 bytes") if what == "size" else ("tag 3", "tag 4")
+    for s in want + ("rank 0", "recv"):
+        assert s in x["msg"], f"rank 1: the error does not name {s!r}: {x['msg']}"
+    assert x["elapsed"] < 5.0, f"rank 1: raised after {x['elapsed']:.1f}s"
+    for r in (0, 1):
+        assert res[r]["later"]["raised"], f"rank {r}: the op after the mismatch did not raise"
+
+
+def test_stream_p2p_dead_peer_is_named_within_2s():
+    p = Pool(3, timeout_s=120, env={"MC_DEVICE": "sim", "MC_PG_STREAM_OPS": "1"}, gloo=False)
+    try:
+        at = time.time() + 1.0
+        p.start("gpu_stream_p2p_die", victim=1, at=at)
+        res = p.collect(ranks=[0], timeout_s=60)
+    finally:
+        p.kill()
+    x = res[0]
+    print(f"rank 0: {x}")
+    assert x["raised"], "rank 0: a recv from a dead peer did not raise"
+    assert "rank 1" in x["msg"], x["msg"]
+    assert x["since_death"] < 2.0, f"raised {x['since_death']:.2f}s after the peer died"
+    assert x["type"] == failure_type(), f"{x['type']}: {x['msg']}"
+    assert x["later"]["raised"], "rank 0: the op after the failure did not raise"

@@ -280,6 +280,39 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::p2p(const Check& ck, OpType
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamP2p(
+    OpType type, const char* op, const P2pLanes::Key& lane, const Tensor& t,
+    const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue) {
+  std::optional<const void*> stream = opStream(t);
+  if (!stream) return {};
+  std::shared_ptr<pg::Communicator::StreamOp> so;
+  try {
+    so = queue(*stream);
+  } catch (...) {
+    std::rethrow_exception(translateError(*ectx_, op, std::current_exception()));
+  }
+  if (!so) return {};
+  auto work = c10::make_intrusive<MooncakeWork>(rank_, type, op, ectx_, std::vector<Tensor>{t});
+  work->setSlots(comm_->maxGroupSize());
+  if (type != OpType::SEND) work->setSourceRank(std::get<0>(lane));
+  // The op runs on a stream of its own, never the caller's: wait() always orders the caller's
+  // stream after it (a tag that no stream handle equals).
+  static const char kOwnStream = 0;
+  work->setOnStream(so, &kOwnStream, t);
+  // The lane's task is the host's only part: it waits for the op's end and checks it.
+  lanes_->post(lane, [work, so, comm = comm_, ctx = ectx_, op]() {
+    std::exception_ptr err;
+    try {
+      so->wait();
+    } catch (...) {
+      err = translateError(*ctx, op, std::current_exception());
+    }
+    work->complete(err);
+  });
+  track(work);
+  return work;
+}
+
 void ProcessGroupMooncake::track(const c10::intrusive_ptr<MooncakeWork>& work) {
   std::lock_guard<std::mutex> lk(coalesce_mu_);
   if (coalescing_) coalesced_.push_back(work);
@@ -645,6 +678,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::send(std::vector<Tensor>& t
   ck.rank(dst, comm_->maxGroupSize(), "destination rank");
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
+  if (onGpu(t)) {
+    auto w = streamP2p(OpType::SEND, "send", {dst, tag, 0}, t, [&](const void* st) {
+      return c->sendOnStream(t.data_ptr(), nbytes(t), dst,
+                             static_cast<uint64_t>(static_cast<int64_t>(tag)), st, gpuOrdinal(t));
+    });
+    if (w) return w;
+  }
   return p2p(ck, OpType::SEND, "send", {dst, tag, 0}, tensors, [c, t, dst, tag](MooncakeWork&) {
     Staged s = Staged::in(t);
     c->send(s.data(), s.bytes(), dst, static_cast<uint64_t>(static_cast<int64_t>(tag)));
@@ -658,6 +698,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::recv(std::vector<Tensor>& t
   ck.rank(src, comm_->maxGroupSize(), "source rank");
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
+  if (onGpu(t)) {
+    auto w = streamP2p(OpType::RECV, "recv", {src, tag, 1}, t, [&](const void* st) {
+      return c->recvOnStream(t.data_ptr(), nbytes(t), src,
+                             static_cast<uint64_t>(static_cast<int64_t>(tag)), st, gpuOrdinal(t));
+    });
+    if (w) return w;
+  }
   return p2p(ck, OpType::RECV, "recv", {src, tag, 1}, tensors, [c, t, src, tag](MooncakeWork& w) {
     Staged s = Staged::out(t);
     w.setSourceRank(

@@ -243,6 +243,12 @@ class ProcessGroupMooncake : public BackendBase {
                                const P2pLanes::Key& lane,
                                std::vector<at::Tensor> outputs,
                                std::function<void(MooncakeWork&)> body);
+  // A send/recv of GPU memory queued on a stream of the engine's for its peer and direction
+  // (pg/stream_p2p.h) by `queue` (given the caller's stream of t; null: not that path), with a
+  // Work whose task on the op's lane waits for it; null when it was not queued.
+  c10::intrusive_ptr<Work> streamP2p(
+      c10d::OpType type, const char* op, const P2pLanes::Key& lane, const at::Tensor& t,
+      const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue);
   std::shared_ptr<const StreamFence> fence(const Check& ck) const;  // null: no CUDA tensor
   // Records an op issued between startCoalescing and endCoalescing.
   void track(const c10::intrusive_ptr<MooncakeWork>& work);
