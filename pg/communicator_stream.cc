@@ -1,6 +1,7 @@
 // Communicator's stream-ordered entry points (pg/stream_ops.h, docs/gpu.md "Stream-ordered
 // collectives"): checks, whether the op takes the path, and the StreamOp the caller waits on.
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -349,9 +350,10 @@ namespace {
 struct StreamP2pOp final : Communicator::StreamOp {
   StreamP2p* p2p;
   std::shared_ptr<StreamP2p::Ticket> t;
-  std::once_flag waited;
+  std::atomic<bool> waited{false};
   void wait() override {
-    std::call_once(waited, [&] { p2p->finish(*t); });
+    if (waited.exchange(true)) return;  // (once: a failure is thrown to the first waiter)
+    p2p->finish(*t);
   }
   Status orderAfter(const void* stream) override { return p2p->orderAfter(*t, stream); }
 };

@@ -50,6 +50,7 @@ struct StreamP2p::Lane {
   const void* stream = nullptr;
   uint64_t msgs = 0;    // issued
   uint64_t chunks = 0;  // queued
+  bool dead = false;    // queueing failed part way: nothing more is queued
   std::deque<std::shared_ptr<Ticket>> pending;  // issued, waiting for the peer's area
   // Receiving: messages checked against their notes, all up to `checked` and some beyond.
   uint64_t checked = 0;
@@ -72,9 +73,18 @@ StreamP2p::StreamP2p(Communicator::Impl& c)
 }
 
 StreamP2p::~StreamP2p() {
-  drain();
+  {
+    std::lock_guard<std::mutex> g(pump_mu_);
+    stop_ = true;
+  }
+  pump_cv_.notify_all();
+  if (pumper_.joinable()) pumper_.join();
+  const bool ran_out = drain();
   auto layer = device::get();
   if (!layer.ok()) return;
+  // A stream still holding work is left as it is, with the memory it may touch (leaked): freed,
+  // it would be reused, or run its copies on freed memory.
+  if (!ran_out) return;
   for (auto& l : lanes_)
     if (l->stream != nullptr) (void)(*layer)->freeStream(ordinal_, l->stream);
   for (void* b : opened_)
@@ -93,12 +103,6 @@ uint32_t* StreamP2p::word(char* base, int r, bool freed) const {
 
 char* StreamP2p::slot(char* base, size_t slot_bytes, int to, uint64_t chunk) const {
   return base + words_bytes_ + (static_cast<size_t>(to) * 2 + (chunk & 1u)) * slot_bytes;
-}
-
-const void* StreamP2p::streamOf(const Ticket& t) const {
-  Lane& l = const_cast<StreamP2p*>(this)->lane(t.peer, t.send);
-  std::lock_guard<std::mutex> g(l.mu);
-  return l.stream;
 }
 
 bool StreamP2p::setUp(int ordinal, const char* op) {
@@ -231,26 +235,6 @@ std::shared_ptr<StreamP2p::Ticket> StreamP2p::issue(bool send, void* buf, size_t
   t->buf = buf;
   t->op = OpCtx{name, Clock::now() + c_.opts.timeout, t->msg, c_.opts.timeout, OpSig{}};
   try {
-    if (send) {
-      // The note this message reuses must have been checked by the receiver.
-      ShmGroup& g = *c_.shm;
-      std::atomic<uint64_t>& checked = g.p2pChecked(peer, c_.rank);
-      for (Nap nap; t->msg > ShmGroup::kP2pRing &&
-                    checked.load(std::memory_order_acquire) < t->msg - ShmGroup::kP2pRing;
-           nap()) {
-        if (Clock::now() >= t->op.deadline)
-          throw CommError(who(c_, name) + ": rank " + std::to_string(peer) + " received none of " +
-                              std::to_string(ShmGroup::kP2pRing) +
-                              " earlier messages from this rank within the group timeout",
-                          peer, name);
-        g.checkHealth(t->op);
-      }
-      ShmGroup::P2pNote& n = g.p2pNote(c_.rank, peer, t->msg);
-      n.seq.store(0, std::memory_order_relaxed);
-      n.bytes.store(bytes, std::memory_order_relaxed);
-      n.tag.store(tag, std::memory_order_relaxed);
-      n.seq.store(t->msg, std::memory_order_release);
-    }
     l.msgs = t->msg;
     issued_.fetch_add(1, std::memory_order_relaxed);
     auto ev = (*layer)->recordOn(ordinal, stream);
@@ -259,7 +243,7 @@ std::shared_ptr<StreamP2p::Ticket> StreamP2p::issue(bool send, void* buf, size_t
                           ev.status().toString(),
                       -1, name);
     t->ready = std::move(*ev);
-    std::lock_guard<std::mutex> g(l.mu);
+    std::unique_lock<std::mutex> lk(l.mu);
     if (l.stream == nullptr) {
       auto s = (*layer)->newStream(ordinal);
       if (!s.ok())
@@ -267,15 +251,19 @@ std::shared_ptr<StreamP2p::Ticket> StreamP2p::issue(bool send, void* buf, size_t
       l.stream = *s;
     }
     l.pending.push_back(t);
-    if (openPeer(peer, nullptr)) {
-      while (!l.pending.empty()) {
-        queue(l, *l.pending.front());
-        l.pending.pop_front();
-      }
+    pump(l, lk, nullptr, nullptr);
+    if (!l.pending.empty()) {
+      lk.unlock();
+      kick();
     }
   } catch (const CommError& e) {
     fail(*t, e);
     throw;
+  } catch (const std::exception& e) {
+    // (Numbered already: the group cannot go on in step with its peers.)
+    CommError ce(who(c_, name) + ": " + e.what(), -1, name);
+    fail(*t, ce);
+    throw ce;
   }
   return t;
 }
@@ -283,17 +271,28 @@ std::shared_ptr<StreamP2p::Ticket> StreamP2p::issue(bool send, void* buf, size_t
 void StreamP2p::queue(Lane& l, Ticket& t) {
   auto layer = device::get();
   auto check = [&](const Status& st, const char* what) {
-    if (!st.ok())
-      throw CommError(who(c_, t.op.name) + ": queueing " + what + " on its stream failed: " +
-                          st.toString(),
-                      -1, t.op.name);
+    if (st.ok()) return;
+    l.dead = true;  // (some of its steps may be queued: the direction is out of step)
+    throw CommError(who(c_, t.op.name) + ": queueing " + what + " on its stream failed: " +
+                        st.toString(),
+                    -1, t.op.name);
   };
   if (!layer.ok()) check(layer.status(), "anything");
   device::Device& d = **layer;
   const int me = c_.rank, p = t.peer;
   char* peer = peer_base_[static_cast<size_t>(p)].load(std::memory_order_acquire);
   const void* s = l.stream;
+  if (t.send) {
+    // The note first: the receiver's recv cannot complete before it (a recv of 0 bytes waits
+    // for it on the host).
+    ShmGroup::P2pNote& n = c_.shm->p2pNote(me, p, t.msg);
+    n.seq.store(0, std::memory_order_relaxed);
+    n.bytes.store(t.bytes, std::memory_order_relaxed);
+    n.tag.store(t.tag, std::memory_order_relaxed);
+    n.seq.store(t.msg, std::memory_order_release);
+  }
   check(d.waitEvent(ordinal_, s, *t.ready), "the wait for the caller's stream");
+  t.ready.reset();  // (pooled events: give it back early)
   char* buf = static_cast<char*>(t.buf);
   if (t.send) {
     for (size_t off = 0; off < t.bytes; off += slot_bytes_) {
@@ -314,18 +313,59 @@ void StreamP2p::queue(Lane& l, Ticket& t) {
       check(d.writeWord(ordinal_, s, word(peer, me, true), static_cast<uint32_t>(c)), "a flag");
     }
   }
+  // Streams ordered after it while it was pending (orderAfter) wait on these.
+  for (const device::Gate& g : t.gates) check(d.writeWord(ordinal_, s, g.word, g.value), "a gate");
   auto ev = d.recordOn(ordinal_, s);
   if (!ev.ok()) check(ev.status(), "an event");
   t.done = std::move(*ev);
   t.queued = true;
 }
 
-void StreamP2p::drive(Lane& l, const OpCtx& op) {
-  openPeer(l.peer, &op);
-  std::lock_guard<std::mutex> g(l.mu);
-  while (!l.pending.empty()) {
-    queue(l, *l.pending.front());
+bool StreamP2p::noteFree(int peer, uint64_t msg, const OpCtx* wait_for) {
+  if (msg <= ShmGroup::kP2pRing) return true;
+  std::atomic<uint64_t>& checked = c_.shm->p2pChecked(peer, c_.rank);
+  for (Nap nap;; nap()) {
+    if (checked.load(std::memory_order_acquire) >= msg - ShmGroup::kP2pRing) return true;
+    if (wait_for == nullptr) return false;
+    if (Clock::now() >= wait_for->deadline)
+      throw CommError(who(c_, wait_for->name) + ": rank " + std::to_string(peer) +
+                          " received none of the " + std::to_string(ShmGroup::kP2pRing) +
+                          " messages this rank sent it before message #" + std::to_string(msg) +
+                          " within the group timeout",
+                      peer, wait_for->name);
+    c_.shm->checkHealth(*wait_for);
+  }
+}
+
+void StreamP2p::pump(Lane& l, std::unique_lock<std::mutex>& lk, const Ticket* until,
+                     const OpCtx* wait_for) {
+  while (!l.pending.empty() && !(until != nullptr && until->queued)) {
+    // (A failed group queues nothing more: ops left pending by a failed issue among them.)
+    if (l.dead || c_.broken.load(std::memory_order_acquire)) {
+      if (wait_for == nullptr) return;
+      throw c_.alreadyFailed(wait_for->name);
+    }
+    Ticket& t = *l.pending.front();
+    if (peer_base_[static_cast<size_t>(l.peer)].load(std::memory_order_acquire) == nullptr ||
+        (t.send && !noteFree(l.peer, t.msg, nullptr))) {
+      if (wait_for == nullptr) {
+        // (Opens the peer's area if it is there now; only waiting releases l.mu.)
+        if (!openPeer(l.peer, nullptr) || (t.send && !noteFree(l.peer, t.msg, nullptr))) return;
+        continue;
+      }
+      // Wait on the host (l.mu released: issuers of this direction may add to it meanwhile).
+      const uint64_t msg = t.msg;
+      const bool send = t.send;
+      lk.unlock();
+      openPeer(l.peer, wait_for);
+      if (send) noteFree(l.peer, msg, wait_for);
+      lk.lock();
+      continue;  // (another thread may have queued it meanwhile)
+    }
+    const bool last = &t == until;
+    queue(l, t);
     l.pending.pop_front();
+    if (last) return;
   }
 }
 
@@ -349,20 +389,17 @@ void StreamP2p::checkNote(const Ticket& t, bool complete) {
                         t.peer, "recv");
       if (!complete) return;
       Lane& l = lane(t.peer, false);
-      uint64_t upto = 0;
-      {
-        std::lock_guard<std::mutex> lk(l.mu);
-        l.checked_beyond.insert(t.msg);
-        while (!l.checked_beyond.empty() && *l.checked_beyond.begin() == l.checked + 1) {
-          ++l.checked;
-          l.checked_beyond.erase(l.checked_beyond.begin());
-        }
-        upto = l.checked;
+      std::lock_guard<std::mutex> lk(l.mu);  // (the count published only grows)
+      l.checked_beyond.insert(t.msg);
+      while (!l.checked_beyond.empty() && *l.checked_beyond.begin() == l.checked + 1) {
+        ++l.checked;
+        l.checked_beyond.erase(l.checked_beyond.begin());
       }
-      g.p2pChecked(c_.rank, t.peer).store(upto, std::memory_order_release);
+      g.p2pChecked(c_.rank, t.peer).store(l.checked, std::memory_order_release);
       return;
     }
     if (!complete) return;  // not noted yet: looked at again while the recv runs
+    if (c_.broken.load(std::memory_order_acquire)) throw c_.alreadyFailed(t.op.name);
     // Done without the note: a recv of 0 bytes, whose send was not issued yet.
     if (Clock::now() >= t.op.deadline)
       throw CommError(who(c_, "recv") + ": rank " + std::to_string(t.peer) +
@@ -374,15 +411,13 @@ void StreamP2p::checkNote(const Ticket& t, bool complete) {
 }
 
 void StreamP2p::finish(Ticket& t) {
+  Lane& l = lane(t.peer, t.send);
   try {
     if (c_.broken.load(std::memory_order_acquire)) throw c_.alreadyFailed(t.op.name);
-    Lane& l = lane(t.peer, t.send);
-    bool queued = false;
     {
-      std::lock_guard<std::mutex> g(l.mu);
-      queued = t.queued;
+      std::unique_lock<std::mutex> lk(l.mu);
+      if (!t.queued) pump(l, lk, &t, &t.op);
     }
-    if (!queued) drive(l, t.op);
     const auto slice = std::chrono::microseconds(std::max<int64_t>(c_.params.wait.health_us, 100));
     for (;;) {
       Status st = t.done->wait(std::min(Clock::now() + slice, t.op.deadline));
@@ -398,33 +433,101 @@ void StreamP2p::finish(Ticket& t) {
         throw;
       }
     }
+    // This rank's failure (another op's, on another thread) released its streams, which may
+    // have let this op complete on whatever the slots held: it failed too.
+    if (c_.broken.load(std::memory_order_acquire)) throw c_.alreadyFailed(t.op.name);
     if (!t.send) checkNote(t, true);
     // A peer that failed released its streams, whose later writes may have let this op
     // complete: its abort word was posted before that.
     c_.shm->checkAborts(t.op);
   } catch (const CommError& e) {
     fail(t, e);
+    closeTicket(t);
     throw;
+  }
+  closeTicket(t);
+  // Later ops of its direction left pending: queued now if they can be (their own finish()
+  // reports what keeps them).
+  bool left = false;
+  try {
+    std::unique_lock<std::mutex> lk(l.mu);
+    pump(l, lk, nullptr, nullptr);
+    left = !l.pending.empty();
+  } catch (const CommError&) {
+  }
+  if (left) kick();
+}
+
+void StreamP2p::kick() {
+  {
+    std::lock_guard<std::mutex> g(pump_mu_);
+    if (stop_) return;
+    kicked_ = true;
+    if (!pumper_.joinable()) pumper_ = std::thread([this] { pumpLoop(); });
+  }
+  pump_cv_.notify_all();
+}
+
+void StreamP2p::pumpLoop() {
+  auto nap = std::chrono::microseconds(20);
+  for (;;) {
+    bool left = false;  // ops still pending
+    if (!c_.broken.load(std::memory_order_acquire)) {
+      for (auto& l : lanes_) {
+        std::unique_lock<std::mutex> lk(l->mu);
+        if (l->pending.empty()) continue;
+        try {
+          pump(*l, lk, nullptr, nullptr);
+        } catch (const CommError&) {
+          // (their finish() reports it)
+        }
+        left = left || !l->pending.empty();
+      }
+    }
+    std::unique_lock<std::mutex> g(pump_mu_);
+    if (stop_) return;
+    if (!left) {
+      pump_cv_.wait(g, [&] { return stop_ || kicked_; });
+      kicked_ = false;
+      nap = std::chrono::microseconds(20);
+      continue;
+    }
+    kicked_ = false;
+    pump_cv_.wait_for(g, nap, [&] { return stop_ || kicked_; });
+    nap = std::min<std::chrono::microseconds>(nap * 2, std::chrono::milliseconds(1));
   }
 }
 
-Status StreamP2p::orderAfter(Ticket& t, const void* stream) {
-  Lane& l = lane(t.peer, t.send);
-  bool queued = false;
+void StreamP2p::closeTicket(Ticket& t) {
+  std::vector<device::Gate> gates;
   {
-    std::lock_guard<std::mutex> g(l.mu);
-    queued = t.queued;
+    std::lock_guard<std::mutex> g(lane(t.peer, t.send).mu);
+    t.finished = true;
+    gates.swap(t.gates);
   }
-  if (!queued) {
-    try {
-      drive(l, t.op);
-    } catch (const CommError& e) {
-      fail(t, e);
-      return MC_STATUS(kUnavailable, e.what());
-    }
-  }
+  // (Queued, its stream opened them after the op, with these values: storing them again
+  // changes nothing. Never queued: a stream ordered after a failed op goes on.)
+  for (const device::Gate& g : gates) device::openGate(g);
+}
+
+Status StreamP2p::orderAfter(Ticket& t, const void* stream) {
   auto layer = device::get();
   if (!layer.ok()) return layer.status();
+  Lane& l = lane(t.peer, t.send);
+  std::unique_lock<std::mutex> lk(l.mu);
+  if (!t.queued) {
+    if (t.finished) return MC_STATUS(kUnavailable, "the op failed before it was queued");
+    auto g = device::acquireGate();
+    if (!g.ok()) return g.status();
+    Status st = (*layer)->waitWord(ordinal_, stream, g->word, g->value);
+    if (!st.ok()) {
+      device::openGate(*g);
+      return st;
+    }
+    t.gates.push_back(*g);
+    return Status::OK();
+  }
+  lk.unlock();
   return (*layer)->waitEvent(ordinal_, stream, *t.done);
 }
 
@@ -475,10 +578,10 @@ void StreamP2p::release() {
   }
 }
 
-void StreamP2p::drain() {
+bool StreamP2p::drain() {
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (state_ != kPublished) return;
+    if (state_ != kPublished) return true;
   }
   // Receivers may still copy what this rank staged for them out of its slots: wait (up to 5 s,
   // not for dead peers) until each took every chunk.
@@ -509,15 +612,33 @@ void StreamP2p::drain() {
       }
     }
   }
-  // This rank's streams may still wait (recvs never matched): released, they run out.
-  release();
+  // This rank's streams may still wait (recvs never matched): released (again while a live
+  // peer's stream lowers a word), they run out.
   auto layer = device::get();
-  if (!layer.ok()) return;
+  if (!layer.ok()) return false;
+  bool all = true;
   for (auto& l : lanes_) {
     if (l->stream == nullptr) continue;
     auto ev = (*layer)->recordOn(ordinal_, l->stream);
-    if (ev.ok()) (void)(*ev)->wait(until + std::chrono::seconds(1));
+    if (!ev.ok()) {
+      all = false;
+      continue;
+    }
+    for (;;) {
+      release();
+      Status st = (*ev)->wait(std::min(Clock::now() + std::chrono::milliseconds(1),
+                                       until + std::chrono::seconds(1)));
+      if (st.code() != Code::kTimeout) break;
+      if (Clock::now() >= until + std::chrono::seconds(1)) {
+        MC_LOG(WARN, PG) << "group " << c_.opts.group_name
+                         << ": a send/recv stream still holds work at the group's end; its "
+                            "buffers are left allocated";
+        all = false;
+        break;
+      }
+    }
   }
+  return all;
 }
 
 }  // namespace mooncake::pg

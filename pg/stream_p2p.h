@@ -23,17 +23,21 @@
 // Messages between two ranks match in order, one direction at a time, as NCCL's do (tags are
 // not used to pick a message: a recv takes the next message from its source). The sender notes
 // each message's size and tag in its header (ShmGroup::P2pNote, a ring of kP2pRing per
-// receiver); the receiver's host checks the note when its recv is finished: another size or tag
-// fails the group with an error naming both ranks and both calls (a size mismatch has already
-// put the two streams out of step). A sender waits on the host before it reuses a note the
-// receiver has not checked yet (kP2pRing messages ahead of it).
+// receiver) when it queues the message; the receiver's host checks the note when its recv is
+// finished (and while it waits): another size or tag fails the group with an error naming both
+// ranks and both calls (a size mismatch has already put the two streams out of step).
 //
-// Setup is per rank and per pair, with no rank waiting for another's issue: a rank makes its
-// area at its first stream-ordered send or recv and publishes it; an op to a peer whose area is
-// not there yet stays pending, and is queued (with every later one of its direction, in order)
-// by whichever thread first finishes or orders after one of them, which waits for the peer on
-// the host then. A rank that cannot set up (no stream memory operations, no IPC) publishes that,
-// and its peers' ops to it fail naming the cause.
+// No op waits on the issuing thread for another rank. An op that cannot be queued yet stays
+// pending (its event on the caller's stream recorded), and so does every later op of its
+// direction: a peer that has not made its area yet (a rank makes and publishes it at its first
+// stream-ordered send or recv), or a send whose note would reuse one the receiver has not
+// checked (kP2pRing messages ahead of it). Pending ops are queued, in order, by a thread of
+// the group's that polls them while any are (started at the first), by the next issue that
+// finds them queueable, or by the thread that finishes one of them (finish() waits on the host
+// for what holds it, to report it); orderAfter() on a pending op makes the stream wait on a gate
+// (a host word, engine::device::Gate) that the op's stream opens after the op once queued. A rank
+// that cannot set up (no stream memory operations, no IPC) publishes that, and its peers' ops
+// to it fail naming the cause.
 //
 // Failures as the collectives': finish() waits for the op's event checking the peers' health,
 // abort words and the group timeout; on a failure it fails the group (its host groups aborted)
@@ -50,6 +54,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/device/device.h"
@@ -71,8 +76,12 @@ class StreamP2p {
     OpCtx op{};
     std::unique_ptr<engine::device::Event> ready;  // on the caller's stream when issued
     std::unique_ptr<engine::device::Event> done;   // on the direction's stream (once queued)
-    bool queued = false;  // guarded by its direction's mutex
+    // Guarded by its direction's mutex: queued; finished (finish() returned or threw); the
+    // gates orderAfter() put on streams while it was pending (opened after it by its stream,
+    // and by finish() on the host).
+    bool queued = false;
     bool finished = false;
+    std::vector<engine::device::Gate> gates;
   };
 
   explicit StreamP2p(Communicator::Impl& c);
@@ -88,13 +97,11 @@ class StreamP2p {
                                int ordinal, const void* stream);
   std::shared_ptr<Ticket> recv(void* buf, size_t bytes, int peer, uint64_t tag, int ordinal,
                                const void* stream);
-  // Waits until the op is done, then checks it (above). Throws CommError. Once per ticket.
+  // Waits until the op is done (queueing it first while pending), then checks it (above).
+  // Throws CommError. Once per ticket, from any thread.
   void finish(Ticket& t);
-  // Queues on `stream` (of the op's device) a wait for the op's end (a host wait first while
-  // the op is pending: its peer's area not there yet).
+  // Queues on `stream` (of the op's device) a wait for the op's end; no host wait.
   Status orderAfter(Ticket& t, const void* stream);
-  // The stream a ticket's op runs on (made at the first op of its direction).
-  const void* streamOf(const Ticket& t) const;
   uint64_t issued() const { return issued_.load(std::memory_order_relaxed); }  // (tests)
 
  private:
@@ -102,19 +109,27 @@ class StreamP2p {
   std::shared_ptr<Ticket> issue(bool send, void* buf, size_t bytes, int peer, uint64_t tag,
                                 int ordinal, const void* stream);
   bool setUp(int ordinal, const char* op);  // this rank's area (mu_ held); false: unusable
-  // Opens `peer`'s area if it published it (wait: until it does, on the host, to t's deadline).
-  // False: not yet (wait false). Throws CommError (unusable peer, timeout, dead peer).
+  // Opens `peer`'s area if it published it (wait_for: until it does, on the host, to its
+  // deadline). False: not yet. Throws CommError (unusable peer, timeout, dead peer).
   bool openPeer(int peer, const OpCtx* wait_for);
-  // Queues the lane's pending ops in order once its peer's area is open (waits for it).
-  void drive(Lane& l, const OpCtx& op);
-  void queue(Lane& l, Ticket& t);  // l.mu held, peer open
+  // Whether a send of message `msg` to `peer` may reuse its note (wait_for: waits on the host).
+  bool noteFree(int peer, uint64_t msg, const OpCtx* wait_for);
+  // Queues l's pending ops in order while they can be (l.mu held by lk). wait_for: waits on the
+  // host (l.mu released meanwhile) for what holds them, until `until` is queued.
+  void pump(Lane& l, std::unique_lock<std::mutex>& lk, const Ticket* until,
+            const OpCtx* wait_for);
+  void queue(Lane& l, Ticket& t);  // l.mu held, peer open, note free
   void checkNote(const Ticket& t, bool complete);
   void fail(Ticket& t, const CommError& e);
+  void closeTicket(Ticket& t);  // finished: its gates opened
   void release();
   uint32_t* word(char* base, int r, bool freed) const;
   char* slot(char* base, size_t slot_bytes, int to, uint64_t chunk) const;
   Lane& lane(int peer, bool send);
-  void drain();  // the group's end (above)
+  bool drain();  // the group's end (above); false: a stream did not run out
+  // The thread that queues pending ops (started by the first kick()).
+  void kick();
+  void pumpLoop();
 
   Communicator::Impl& c_;
   const size_t slot_bytes_;
@@ -130,6 +145,11 @@ class StreamP2p {
   std::vector<std::unique_ptr<Lane>> lanes_;   // [peer * 2 + send]
   std::atomic<bool> failed_{false};
   std::atomic<uint64_t> issued_{0};
+  std::mutex pump_mu_;  // below
+  std::condition_variable pump_cv_;
+  bool kicked_ = false;
+  bool stop_ = false;
+  std::thread pumper_;
 };
 
 }  // namespace mooncake::pg

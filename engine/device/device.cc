@@ -60,12 +60,10 @@ class SimStream {
   void pushGate(const uint32_t* word, uint32_t value) {
     enqueue({nullptr, nullptr, 0, nullptr, word, value});
   }
-  // A gate until `other` (another stream) ran its first n items: an event's wait.
-  void pushEventGate(std::shared_ptr<SimStream> other, uint64_t n) {
-    Copy c{nullptr, nullptr, 0, nullptr};
-    c.count = &other->done_seen_;
-    c.value64 = n;
-    c.keep = std::move(other);
+  // A gate until `other` (this stream or another) ran its first n items: an event's wait. The
+  // gate holds the other's count, not the stream (freeing a stream must not wait for another).
+  void pushEventGate(const SimStream& other, uint64_t n) {
+    Copy c{nullptr, nullptr, 0, nullptr, nullptr, 0, other.done_count_, n};
     enqueue(std::move(c));
   }
   uint64_t queued() {
@@ -127,9 +125,8 @@ class SimStream {
     std::function<Status()> task;  // a kernel instead of a copy
     const uint32_t* word = nullptr;  // a gate instead of a copy (pushGate)
     uint32_t value = 0;
-    const std::atomic<uint64_t>* count = nullptr;  // or an event's gate (pushEventGate)
+    std::shared_ptr<const std::atomic<uint64_t>> count = nullptr;  // or an event's gate
     uint64_t value64 = 0;
-    std::shared_ptr<SimStream> keep;  // the stream `count` belongs to
     bool gate() const { return word != nullptr || count != nullptr; }
   };
   // Under mu_: the next item may run on a waiting host thread.
@@ -149,6 +146,7 @@ class SimStream {
     }
     if (passed) {
       done_seen_.store(done_, std::memory_order_release);
+      done_count_->store(done_, std::memory_order_release);
       cv_.notify_all();
     }
     return !q_.empty() && q_.front().gate();
@@ -189,6 +187,7 @@ class SimStream {
     busy_ = false;
     ++done_;
     done_seen_.store(done_, std::memory_order_release);
+    done_count_->store(done_, std::memory_order_release);
     if (!st.ok() && failed_at_ == 0) {
       failed_at_ = done_;
       failure_ = st;
@@ -217,6 +216,7 @@ class SimStream {
           q_.pop_front();
           ++done_;
           done_seen_.store(done_, std::memory_order_release);
+          done_count_->store(done_, std::memory_order_release);
           cv_.notify_all();
           continue;
         }
@@ -233,6 +233,8 @@ class SimStream {
   std::deque<Copy> q_;
   uint64_t queued_ = 0, done_ = 0;
   std::atomic<uint64_t> queued_seen_{0}, done_seen_{0};  // queued_ and done_, for spinning
+  // done_ again, for other streams' event gates (which may outlive this stream).
+  std::shared_ptr<std::atomic<uint64_t>> done_count_ = std::make_shared<std::atomic<uint64_t>>(0);
   uint64_t failed_at_ = 0;  // the first failed kernel's place (1-based), 0: none
   Status failure_;
   bool busy_ = false;  // an item is running (on the worker or a waiter)
@@ -246,7 +248,7 @@ class SimEvent final : public Event {
   SimEvent(std::shared_ptr<SimStream> s, uint64_t n) : s_(std::move(s)), n_(n) {}
   bool done() override { return s_->reached(n_); }
   Status wait(Deadline deadline) override { return s_->waitFor(n_, deadline); }
-  void gateOn(SimStream& on) const { on.pushEventGate(s_, n_); }
+  void gateOn(SimStream& on) const { on.pushEventGate(*s_, n_); }
 
  private:
   std::shared_ptr<SimStream> s_;

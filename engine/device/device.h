@@ -92,20 +92,21 @@ class Device {
     return copyAsyncOn(dst, src, len, ordinal, kCopyStream);
   }
   // The same on `stream` of device `ordinal` (kCopyStream, or a CUstream of the caller's such
-  // as torch's current one). The simulation has its copy streams only: kNotSupported for any
-  // other.
+  // as torch's current one, or one of newStream's). The simulation has its copy streams and
+  // newStream's only: kNotSupported for any other.
   virtual Status copyAsyncOn(void* dst, const void* src, size_t len, int ordinal,
                              const void* stream) = 0;
   // An event on device `ordinal`'s copy stream (Event).
   virtual Result<std::unique_ptr<Event>> record(int ordinal) = 0;
   // An event on `stream` of device `ordinal`, named as waitWord names it (kCopyStream, or a
   // CUstream of the caller's such as torch's current one, nullptr the legacy default stream).
-  // The simulation has its copy streams only: kNotSupported for any other.
+  // The simulation has its copy streams and newStream's only: kNotSupported for any other.
   virtual Result<std::unique_ptr<Event>> recordOn(int ordinal, const void* stream) = 0;
   // A stream of device `ordinal` that the layer makes (CUDA: non-blocking, so it never waits
   // for the legacy default stream) for work a caller orders by events and words itself
   // (pg/stream_p2p.h: one per peer and direction); every call taking a stream takes it.
-  // freeStream lets it go once its queued work ran.
+  // freeStream lets it go (the caller's work on it must have run: CUDA reuses it for a later
+  // newStream).
   virtual Result<const void*> newStream(int ordinal) = 0;
   virtual Status freeStream(int ordinal, const void* stream) = 0;
   // Queues on `stream` a wait until `ev` (record / recordOn of this layer) completed.
@@ -140,7 +141,7 @@ class Device {
   // layer's copy stream of `ordinal`) a wait that holds the stream's later work until
   // (int32_t)(*word - value) >= 0, the cyclic comparison of cuStreamWaitValue32's GEQ. The
   // host stores the word with release semantics. kNotSupported where the device cannot; the
-  // simulation has no streams but its copy streams.
+  // simulation has no streams but its copy streams and newStream's.
   // waitWord's word may also be device memory of this layer (a peer's mapped through IPC
   // too): what streams of several processes synchronise on (pg/stream_ops.h).
   virtual Result<uint32_t*> allocHostWords(size_t n) = 0;

@@ -262,19 +262,30 @@ def worker(a):
             exp.append(inp(k, sum(sk), salt=5)[sum(sk[:me]):sum(sk[:me + 1])])
         check(f"all_to_all_single uneven n={n}", host(out), torch.cat(exp))
         got = gpu(torch.zeros(n))
-        reqs = [dist.isend(gpu(inp(me, n, salt=6)), (me + 1) % W),
-                dist.irecv(got, (me - 1) % W)]
+        reqs = []
+        counted("send/recv", lambda: reqs.extend([dist.isend(gpu(inp(me, n, salt=6)), (me + 1) % W),
+                                                  dist.irecv(got, (me - 1) % W)]))
         for q in reqs:
             q.wait()
         check(f"send/recv ring n={n}", host(got), inp((me - 1) % W, n, salt=6))
+        # batch_isend_irecv (on CUDA with torch 2.x: through the coalescing manager, one Work
+        # whose wait() orders the caller's stream after every part).
+        got = gpu(torch.zeros(n))
+        p2p_ops = [dist.P2POp(dist.isend, gpu(inp(me, n, salt=8)), (me + 1) % W),
+                   dist.P2POp(dist.irecv, got, (me - 1) % W)]
+        reqs = []
+        counted("batch_isend_irecv", lambda: reqs.extend(dist.batch_isend_irecv(p2p_ops)))
+        for q in reqs:
+            q.wait()
+        check(f"batch_isend_irecv ring n={n}", host(got), inp((me - 1) % W, n, salt=8))
     dist.barrier()
-    # On one host every collective above is stream-ordered, one stream-ordered op a call (none
-    # with MC_PG_STREAM_OPS=0, nor by default on the simulation).
+    # On one host every collective above and send/recv are stream-ordered, one stream-ordered
+    # op a call (none with MC_PG_STREAM_OPS=0, nor by default on the simulation).
     if streamed:
         mode = os.environ.get("MC_PG_STREAM_OPS", "auto")
         on = mode == "1" or (mode == "auto" and cuda)
-        want = {k: (0 if not on else 2 * (3 if k == "all_reduce" else 1))
-                for k in streamed}
+        calls = {"all_reduce": 3, "send/recv": 2, "batch_isend_irecv": 2}
+        want = {k: (0 if not on else 2 * calls.get(k, 1)) for k in streamed}
         row({"check": "which collectives are stream-ordered (MC_PG_STREAM_OPS)",
              "ok": streamed == want, "detail": "got %s, expected %s" % (streamed, want)})
 

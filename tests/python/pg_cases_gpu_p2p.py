@@ -59,6 +59,19 @@ def case_gpu_stream_p2p(ctx, expect_stream, sizes=(1, 1000, 2**18 + 3)):
         _exchange(fails, "all pairs", [(k, outs[k].clone(), hins[k]) for k in outs], False)
         for k in outs:
             _same(fails, f"all pairs from {k} n={n}", gins[k], hins[k])
+    # 20 isends each way between ranks 0 and 1 before either issues a recv: the sends past the
+    # ring of notes wait (pending) for the other's recvs without holding the issuing thread.
+    if r in (0, 1):
+        k = 1 - r
+        outs = [make("float32", 300 + i, 10 * r + i, salt=25) for i in range(20)]
+        works = [dist.isend(to_gpu(x), k, tag=2) for x in outs]
+        gins = [to_gpu(torch.zeros(300 + i)) for i in range(20)]
+        works += [dist.irecv(g, k, tag=2) for g in gins]
+        calls += 40
+        for wk in works:
+            wk.wait()
+        for i, g in enumerate(gins):
+            _same(fails, f"exchange message {i}", g, make("float32", 300 + i, 10 * k + i, salt=25))
     burst = [0, 1, 5000, 0, 2**16 + 1, 3] * 6 + [4097, 8192, 1, 0]  # 40 messages
     if r in (0, 1):
         if r == 0:

@@ -214,6 +214,30 @@ c10::intrusive_ptr<MooncakeWork> MooncakeWork::joinAll(
     joined->complete(nullptr);
     return joined;
   }
+  // Every part stream-ordered (batch_isend_irecv's sends and recvs, on CUDA through torch's
+  // coalescing manager): waiting on the join orders the caller's stream after each part, as
+  // waiting on each would, instead of blocking the host.
+  bool all_on_streams = true;
+  for (const auto& w : works) all_on_streams = all_on_streams && w->stream_op_ != nullptr;
+  if (all_on_streams) {
+    struct Joint final : pg::Communicator::StreamOp {
+      std::vector<std::pair<std::shared_ptr<pg::Communicator::StreamOp>, const void*>> parts;
+      void wait() override {}  // (each part's own Work waits for it)
+      Status orderAfter(const void* stream) override {
+        for (auto& [part, issued_on] : parts) {
+          if (stream == issued_on) continue;
+          Status st = part->orderAfter(stream);
+          if (!st.ok()) return st;
+        }
+        return Status::OK();
+      }
+    };
+    auto joint = std::make_shared<Joint>();
+    for (const auto& w : works) joint->parts.emplace_back(w->stream_op_, w->issue_stream_);
+    static const char kJointTag = 0;  // no stream's handle: waitOnStreams always orders
+    joined->stream_op_ = std::move(joint);
+    joined->issue_stream_ = &kJointTag;
+  }
   struct Join {
     std::mutex mu;
     size_t left;
