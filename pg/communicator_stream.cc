@@ -18,16 +18,40 @@ namespace mooncake::pg {
 namespace {
 
 struct StreamOpTicket final : Communicator::StreamOp {
-  StreamOps* ops;
+  StreamOps* owner;
   std::shared_ptr<StreamOps::Ticket> t;
   bool waited = false;
   void wait() override {
     if (waited) return;
     waited = true;
-    ops->finish(*t);
+    owner->finish(*t);
   }
-  Status orderAfter(const void* stream) override { return ops->orderAfter(*t, stream); }
+  Status orderAfter(const void* stream) override { return owner->orderAfter(*t, stream); }
 };
+
+// The device layer when the group's GPU ops may take a stream-ordered path at all (a plain
+// same-host group, MC_PG_STREAM_OPS, the layer: auto takes CUDA's only); else null.
+engine::device::Device* streamLayer(const Communicator::Impl& c) {
+  using Mode = PgParams::StreamOpsMode;
+  if (c.params.stream_ops == Mode::kOff || c.elastic || !c.shm || c.size < 2 ||
+      !engine::device::active())
+    return nullptr;
+  auto layer = engine::device::get();
+  if (!layer.ok()) return nullptr;
+  if (c.params.stream_ops == Mode::kAuto && std::string((*layer)->name()) != "cuda")
+    return nullptr;
+  return *layer;
+}
+
+// A StreamOp (Op: StreamOpTicket, StreamP2pOp) of `owner`'s ticket t; null for none.
+template <typename Op, typename Owner, typename T>
+std::shared_ptr<Communicator::StreamOp> wrapTicket(Owner* owner, std::shared_ptr<T> t) {
+  if (!t) return nullptr;
+  auto r = std::make_shared<Op>();
+  r->owner = owner;
+  r->t = std::move(t);
+  return r;
+}
 
 // The group's StreamOps when an op of `bytes` on GPU memory takes the stream-ordered path
 // (pg/stream_ops.h); else null. `decide`: buffers every rank has (so that every rank decides
@@ -38,14 +62,8 @@ struct StreamOpTicket final : Communicator::StreamOp {
 StreamOps* streamOpsFor(Communicator::Impl& c, const char* op, size_t bytes,
                         const std::vector<const void*>& decide, int* ordinal,
                         const std::vector<const void*>& must = {}, int hint = -1) {
-  using Mode = PgParams::StreamOpsMode;
-  if (c.params.stream_ops == Mode::kOff || c.elastic || !c.shm || c.size < 2 || bytes == 0 ||
-      !engine::device::active())
-    return nullptr;
-  auto layer = engine::device::get();
-  if (!layer.ok()) return nullptr;
-  if (c.params.stream_ops == Mode::kAuto && std::string((*layer)->name()) != "cuda")
-    return nullptr;
+  engine::device::Device* layer = bytes == 0 ? nullptr : streamLayer(c);
+  if (layer == nullptr) return nullptr;
   *ordinal = decide.empty() ? hint : -1;
   if (decide.empty() && hint < 0) return nullptr;
   StreamOps* ops = nullptr;
@@ -65,7 +83,7 @@ StreamOps* streamOpsFor(Communicator::Impl& c, const char* op, size_t bytes,
   };
   std::vector<engine::device::PointerInfo> infos;
   for (const void* p : decide) {
-    infos.push_back((*layer)->pointer(p));
+    infos.push_back(layer->pointer(p));
     if (!infos.back().device) return nullptr;  // host memory among them: the host-driven op
   }
   for (const engine::device::PointerInfo& i : infos) {
@@ -75,7 +93,7 @@ StreamOps* streamOpsFor(Communicator::Impl& c, const char* op, size_t bytes,
     *ordinal = i.ordinal;
   }
   for (const void* p : must) {
-    const engine::device::PointerInfo i = (*layer)->pointer(p);
+    const engine::device::PointerInfo i = layer->pointer(p);
     if (!i.device || i.ordinal != *ordinal)
       refuse("the root's buffers must be GPU memory of the input's device (" +
              std::to_string(*ordinal) + ") when the op is stream-ordered");
@@ -85,11 +103,7 @@ StreamOps* streamOpsFor(Communicator::Impl& c, const char* op, size_t bytes,
 
 std::shared_ptr<Communicator::StreamOp> wrap(StreamOps* ops,
                                              std::shared_ptr<StreamOps::Ticket> tk) {
-  if (!tk) return nullptr;
-  auto r = std::make_shared<StreamOpTicket>();
-  r->ops = ops;
-  r->t = std::move(tk);
-  return r;
+  return wrapTicket<StreamOpTicket>(ops, std::move(tk));
 }
 
 // Buffers `a` and `b` of `len` bytes each: apart, or (same_ok) at the same place.
@@ -348,14 +362,14 @@ std::shared_ptr<Communicator::StreamOp> Communicator::allToAllVOnStream(
 namespace {
 
 struct StreamP2pOp final : Communicator::StreamOp {
-  StreamP2p* p2p;
+  StreamP2p* owner;
   std::shared_ptr<StreamP2p::Ticket> t;
   std::atomic<bool> waited{false};
   void wait() override {
     if (waited.exchange(true)) return;  // (once: a failure is thrown to the first waiter)
-    p2p->finish(*t);
+    owner->finish(*t);
   }
-  Status orderAfter(const void* stream) override { return p2p->orderAfter(*t, stream); }
+  Status orderAfter(const void* stream) override { return owner->orderAfter(*t, stream); }
 };
 
 // The group's StreamP2p when a send/recv of `bytes` at buf with `peer` takes the stream-ordered
@@ -364,18 +378,13 @@ struct StreamP2pOp final : Communicator::StreamOp {
 // memory (an empty one's device: hint).
 StreamP2p* streamP2pFor(Communicator::Impl& c, const void* buf, size_t bytes, int peer, int hint,
                         int* ordinal) {
-  using Mode = PgParams::StreamOpsMode;
-  if (c.params.stream_ops == Mode::kOff || c.elastic || !c.shm || c.size < 2 ||
-      c.size > ShmGroup::kP2pMaxRanks || peer < 0 || peer >= c.size || peer == c.rank ||
-      !engine::device::active())
+  if (c.size > ShmGroup::kP2pMaxRanks || peer < 0 || peer >= c.size || peer == c.rank)
     return nullptr;
-  auto layer = engine::device::get();
-  if (!layer.ok()) return nullptr;
-  if (c.params.stream_ops == Mode::kAuto && std::string((*layer)->name()) != "cuda")
-    return nullptr;
+  engine::device::Device* layer = streamLayer(c);
+  if (layer == nullptr) return nullptr;
   *ordinal = hint;
   if (bytes > 0) {
-    const engine::device::PointerInfo i = (*layer)->pointer(buf);
+    const engine::device::PointerInfo i = layer->pointer(buf);
     if (!i.device) return nullptr;
     *ordinal = i.ordinal;
   }
@@ -387,11 +396,7 @@ StreamP2p* streamP2pFor(Communicator::Impl& c, const void* buf, size_t bytes, in
 
 std::shared_ptr<Communicator::StreamOp> wrapP2p(StreamP2p* p2p,
                                                 std::shared_ptr<StreamP2p::Ticket> t) {
-  if (!t) return nullptr;
-  auto r = std::make_shared<StreamP2pOp>();
-  r->p2p = p2p;
-  r->t = std::move(t);
-  return r;
+  return wrapTicket<StreamP2pOp>(p2p, std::move(t));
 }
 
 }  // namespace

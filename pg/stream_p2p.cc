@@ -363,7 +363,15 @@ void StreamP2p::pump(Lane& l, std::unique_lock<std::mutex>& lk, const Ticket* un
       continue;  // (another thread may have queued it meanwhile)
     }
     const bool last = &t == until;
-    queue(l, t);
+    try {
+      queue(l, t);
+    } catch (const CommError& e) {
+      // (Whichever thread queues it: the group fails here, the ticket's finish() reports it.)
+      lk.unlock();
+      fail(t, e);
+      lk.lock();
+      throw;
+    }
     l.pending.pop_front();
     if (last) return;
   }
