@@ -183,12 +183,14 @@ bool StreamP2p::openPeer(int peer, const OpCtx* wait_for) {
     throw CommError(who(c_, op) + ": opening rank " + std::to_string(peer) +
                         "'s send/recv buffers: " + mapped.status().toString(),
                     peer, op);
-  opened_[static_cast<size_t>(peer)] = *mapped;
   char* at = static_cast<char*>(*mapped) + info.offset;
-  if (!(*layer)->canAccess(ordinal_, at))
+  if (!(*layer)->canAccess(ordinal_, at)) {
+    (void)(*layer)->closeIpc(*mapped);
     throw CommError(who(c_, op) + ": device " + std::to_string(ordinal_) + " cannot reach rank " +
                         std::to_string(peer) + "'s GPU memory",
                     peer, op);
+  }
+  opened_[static_cast<size_t>(peer)] = *mapped;
   peer_slot_[static_cast<size_t>(peer)] = info.slot_bytes;
   base.store(at, std::memory_order_release);
   return true;
@@ -282,6 +284,7 @@ void StreamP2p::queue(Lane& l, Ticket& t) {
   const int me = c_.rank, p = t.peer;
   char* peer = peer_base_[static_cast<size_t>(p)].load(std::memory_order_acquire);
   const void* s = l.stream;
+  t.touched = true;
   if (t.send) {
     // The note first: the receiver's recv cannot complete before it (a recv of 0 bytes waits
     // for it on the host).
@@ -346,11 +349,25 @@ void StreamP2p::pump(Lane& l, std::unique_lock<std::mutex>& lk, const Ticket* un
       throw c_.alreadyFailed(wait_for->name);
     }
     Ticket& t = *l.pending.front();
+    // A failure here fails the group, whichever thread queues (the ticket's finish() reports
+    // it); l.mu released for fail().
+    auto failWith = [&](const CommError& e) {
+      lk.unlock();
+      fail(t, e);
+      lk.lock();
+    };
     if (peer_base_[static_cast<size_t>(l.peer)].load(std::memory_order_acquire) == nullptr ||
         (t.send && !noteFree(l.peer, t.msg, nullptr))) {
       if (wait_for == nullptr) {
         // (Opens the peer's area if it is there now; only waiting releases l.mu.)
-        if (!openPeer(l.peer, nullptr) || (t.send && !noteFree(l.peer, t.msg, nullptr))) return;
+        bool open = false;
+        try {
+          open = openPeer(l.peer, nullptr);
+        } catch (const CommError& e) {
+          failWith(e);
+          throw;
+        }
+        if (!open || (t.send && !noteFree(l.peer, t.msg, nullptr))) return;
         continue;
       }
       // Wait on the host (l.mu released: issuers of this direction may add to it meanwhile).
@@ -366,11 +383,13 @@ void StreamP2p::pump(Lane& l, std::unique_lock<std::mutex>& lk, const Ticket* un
     try {
       queue(l, t);
     } catch (const CommError& e) {
-      // (Whichever thread queues it: the group fails here, the ticket's finish() reports it.)
-      lk.unlock();
-      fail(t, e);
-      lk.lock();
+      failWith(e);
       throw;
+    } catch (const std::exception& e) {
+      l.dead = true;
+      CommError ce(who(c_, t.op.name) + ": queueing it: " + e.what(), -1, t.op.name);
+      failWith(ce);
+      throw ce;
     }
     l.pending.pop_front();
     if (last) return;
@@ -508,14 +527,25 @@ void StreamP2p::pumpLoop() {
 
 void StreamP2p::closeTicket(Ticket& t) {
   std::vector<device::Gate> gates;
+  bool reuse = false;
   {
     std::lock_guard<std::mutex> g(lane(t.peer, t.send).mu);
     t.finished = true;
     gates.swap(t.gates);
+    // Its stream writes them after the op: their words go back to the pool only once that
+    // ran (the op done) or when none of the op reached the stream. Else (a failed op whose
+    // stream did not run out) they are opened and left out of the pool.
+    reuse = !t.touched || (t.done && t.done->done());
   }
   // (Queued, its stream opened them after the op, with these values: storing them again
   // changes nothing. Never queued: a stream ordered after a failed op goes on.)
-  for (const device::Gate& g : gates) device::openGate(g);
+  for (const device::Gate& g : gates) {
+    if (reuse) {
+      device::openGate(g);
+    } else {
+      device::openGateForGood(g);
+    }
+  }
 }
 
 Status StreamP2p::orderAfter(Ticket& t, const void* stream) {
@@ -546,15 +576,27 @@ void StreamP2p::fail(Ticket& t, const CommError& e) {
   // Released, the stream runs the op's remaining steps (on whatever the slots hold): done
   // before the caller, told of the failure, frees the memory they write. A live peer's stream
   // may write a word with a lower count after the release: released again meanwhile.
-  bool queued = false;
+  // (Partly queued, its queueing having failed: an event after what reached the stream.)
+  engine::device::Event* done = nullptr;
+  std::unique_ptr<engine::device::Event> partial;
   {
-    std::lock_guard<std::mutex> g(lane(t.peer, t.send).mu);
-    queued = t.queued;
+    Lane& l = lane(t.peer, t.send);
+    std::lock_guard<std::mutex> g(l.mu);
+    if (t.queued) {
+      done = t.done.get();
+    } else if (t.touched) {
+      auto layer = device::get();
+      if (layer.ok()) {
+        auto ev = (*layer)->recordOn(ordinal_, l.stream);
+        if (ev.ok()) partial = std::move(*ev);
+      }
+      done = partial.get();
+    }
   }
-  if (!queued) return;
+  if (done == nullptr) return;
   const auto until = Clock::now() + std::chrono::seconds(5);
   for (;;) {
-    Status st = t.done->wait(std::min(Clock::now() + std::chrono::milliseconds(1), until));
+    Status st = done->wait(std::min(Clock::now() + std::chrono::milliseconds(1), until));
     if (st.code() != Code::kTimeout) return;
     if (Clock::now() >= until) {
       MC_LOG(WARN, PG) << who(c_, t.op.name)

@@ -80,6 +80,7 @@ class StreamP2p {
     // gates orderAfter() put on streams while it was pending (opened after it by its stream,
     // and by finish() on the host).
     bool queued = false;
+    bool touched = false;  // queue() put some of it on its stream (maybe not all: it failed)
     bool finished = false;
     std::vector<engine::device::Gate> gates;
   };

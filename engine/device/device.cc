@@ -713,6 +713,8 @@ Result<Gate> acquireGate() {
   return gate;
 }
 
+void openGateForGood(const Gate& gate) { __atomic_store_n(gate.word, gate.value, __ATOMIC_RELEASE); }
+
 void openGate(const Gate& gate) {
   __atomic_store_n(gate.word, gate.value, __ATOMIC_RELEASE);
   GatePool& p = gatePool();

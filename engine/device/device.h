@@ -227,6 +227,9 @@ struct Gate {
 Result<Gate> acquireGate();
 // Opens g (a release store of its value) and returns its word to the pool. Once per gate.
 void openGate(const Gate& g);
+// Opens g without giving its word back: a stream may still store an older value into it later
+// (a failed op's), which must not close the gate of the word's next user.
+void openGateForGood(const Gate& g);
 
 // The simulation's device count.
 constexpr int kSimDevices = 8;
