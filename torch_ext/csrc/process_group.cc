@@ -209,21 +209,29 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(const Check& ck,
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamCollective(
-    c10d::OpType type, const char* name, const Tensor& on, std::vector<Tensor> outputs,
-    const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue) {
-  std::optional<const void*> stream = opStream(on);
-  if (!stream) return {};
-  std::shared_ptr<pg::Communicator::StreamOp> so;
+std::shared_ptr<pg::Communicator::StreamOp> ProcessGroupMooncake::queueOnStream(
+    const char* name, const Tensor& on,
+    const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue,
+    const void** stream) const {
+  std::optional<const void*> s = opStream(on);
+  if (!s) return nullptr;
+  *stream = *s;
   try {
-    so = queue(*stream);
+    return queue(*s);
   } catch (...) {
     std::rethrow_exception(translateError(*ectx_, name, std::current_exception()));
   }
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamCollective(
+    c10d::OpType type, const char* name, const Tensor& on, std::vector<Tensor> outputs,
+    const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue) {
+  const void* stream = nullptr;
+  std::shared_ptr<pg::Communicator::StreamOp> so = queueOnStream(name, on, queue, &stream);
   if (!so) return {};
   auto work = c10::make_intrusive<MooncakeWork>(rank_, type, name, ectx_, std::move(outputs));
   work->setSlots(comm_->maxGroupSize());
-  work->setOnStream(so, *stream, on);
+  work->setOnStream(so, stream, on);
   try {
     // The queued task is the host's only part: it waits for the op's end on the stream and
     // checks it (a dead peer, a mismatch), in issue order with the group's other ops.
@@ -283,14 +291,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::p2p(const Check& ck, OpType
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamP2p(
     OpType type, const char* op, const P2pLanes::Key& lane, const Tensor& t,
     const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue) {
-  std::optional<const void*> stream = opStream(t);
-  if (!stream) return {};
-  std::shared_ptr<pg::Communicator::StreamOp> so;
-  try {
-    so = queue(*stream);
-  } catch (...) {
-    std::rethrow_exception(translateError(*ectx_, op, std::current_exception()));
-  }
+  const void* stream = nullptr;
+  std::shared_ptr<pg::Communicator::StreamOp> so = queueOnStream(op, t, queue, &stream);
   if (!so) return {};
   auto work = c10::make_intrusive<MooncakeWork>(rank_, type, op, ectx_, std::vector<Tensor>{t});
   work->setSlots(comm_->maxGroupSize());

@@ -233,6 +233,12 @@ class ProcessGroupMooncake : public BackendBase {
   // for the caller's streams as they were at this call (StreamFence, gpu_tensors.h).
   c10::intrusive_ptr<Work> collective(const Check& ck, c10d::OpType type, const char* op,
                                       std::vector<at::Tensor> outputs, Body body);
+  // The caller's stream of `on` (into *stream) and what `queue` put on it: null when `on` has
+  // none or the group does not take a stream-ordered path; its errors translated.
+  std::shared_ptr<pg::Communicator::StreamOp> queueOnStream(
+      const char* name, const at::Tensor& on,
+      const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue,
+      const void** stream) const;
   // An op on GPU memory queued on the stream of `on` (pg/stream_ops.h) by `queue` (given that
   // stream; null when the group does not take that path), with a Work whose queued task waits
   // for it; null when it was not queued.
