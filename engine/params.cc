@@ -261,6 +261,12 @@ const std::vector<ParamDef>& table() {
        "ep/kernels/, one lane on the calling thread) or threads (the same with 4 lane threads a "
        "block); host and threads only where every peer's buffer is mapped, else cpu: how the "
        "kernels' logic is tested without a GPU."},
+      {"MC_EP_STREAM_CALLS", Type::kString, "auto",
+       "EP low-latency dispatch/combine on a GPU buffer: 1 queues the kernels on the buffer's "
+       "stream after the caller's current stream and returns (no host wait; a failure is "
+       "raised by the buffer's next call or event.wait()); 0 waits on the host for the caller's "
+       "stream and the kernels and raises at once; auto: 1 on the CUDA device layer, 0 on its "
+       "simulation."},
       {"MC_EP_TIMEOUT_MS", Type::kInt, "30000",
        "Deadline of EP normal-mode waits and of EP writes to peers reached over the engine "
        "(low-latency receives use the call's timeout_us instead)."},

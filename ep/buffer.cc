@@ -356,7 +356,7 @@ void EpBuffer::workerLoop() {
 // ---------------------------------------------------------------------------------------
 // low-latency mode
 
-void EpBuffer::validate(const LowLatencyDispatchArgs& a) const {
+void EpBuffer::validate(const LowLatencyDispatchArgs& a, bool data) const {
   const std::string op = "dispatch";
   const int R = g_.size;
   if (a.experts <= 0 || a.experts % R != 0)
@@ -380,6 +380,7 @@ void EpBuffer::validate(const LowLatencyDispatchArgs& a) const {
     invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),
                     " needs ", sizeHint(a.max_tokens, a.hidden, R, a.experts),
                     " buffer bytes; this buffer has ", geo_.totalBytes()));
+  if (!data) return;
   if (device_ >= 0) {  // the indices are GPU memory: check a host copy
     validateTopk(hostCopy(a.topk_idx, a.tokens * a.topk, op.c_str()).data(), a.tokens, a.topk,
                  a.experts);
@@ -544,7 +545,7 @@ void EpBuffer::dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
   }
 }
 
-void EpBuffer::validate(const LowLatencyCombineArgs& a) const {
+void EpBuffer::validate(const LowLatencyCombineArgs& a, bool data) const {
   const std::string op = "combine";
   const int R = g_.size;
   if (a.experts <= 0 || a.experts % R != 0 || a.experts > kMaxSignals)
@@ -561,6 +562,7 @@ void EpBuffer::validate(const LowLatencyCombineArgs& a) const {
   if (std::max(l.dispatch_bytes, l.combine_bytes) > geo_.regionBytes())
     invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),
                     " does not fit this buffer (", geo_.totalBytes(), " bytes)"));
+  if (!data) return;
   const int L = a.experts / R;
   const int64_t RM = R * a.max_tokens;
   // A GPU buffer's arguments are GPU memory: the checks read host copies.

@@ -39,6 +39,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <future>
 #include <memory>
@@ -52,6 +53,10 @@
 #include "ep/kernels/ll_kernels.h"
 #include "ep/kernels/normal_kernels.h"
 #include "ep/layout.h"
+
+namespace mooncake::engine::device {
+class Event;
+}
 
 namespace mooncake::pg {
 class Communicator;
@@ -177,10 +182,10 @@ class EpBuffer {
   // engine's device layer (engine/device/device.h: CUDA, or its host simulation in the tests),
   // every rank's buffer is opened here through its IPC handle (so every rank must be on this
   // host), and the low-latency calls queue the kernels (ep/kernels/ll_entry.h) on the device's
-  // copy stream; every pointer of a call's arguments (active_ranks too) is then GPU memory;
-  // the dead-rank flags the kernels read are host-mapped words. Each call waits on the host for its kernels
-  // (no CUDA graph capture), and reads back the per-source decisions to report silent ranks
-  // and errors as the host paths do. Both modes.
+  // own stream; every pointer of a call's arguments (active_ranks too) is then GPU memory;
+  // the dead-rank flags the kernels read are host-mapped words. Unless streamCalls(), each call waits on the host for its kernels
+  // and reads back the per-source decisions to report silent ranks and errors as the host
+  // paths do. Both modes.
   bool onDevice() const { return device_ >= 0; }
   int device() const { return device_; }
   // MC_EP_KERNELS=host or threads with every rank's buffer mapped: low-latency and normal
@@ -190,8 +195,9 @@ class EpBuffer {
 
   // ---- low-latency mode: validate* throw std::invalid_argument; next*Round reserve a
   // round (call in program order); send then recv complete the operation. ----
-  void validate(const LowLatencyDispatchArgs& a) const;
-  void validate(const LowLatencyCombineArgs& a) const;
+  // data = false: the shapes only, not the values of topk_idx and the handle (streamCalls()).
+  void validate(const LowLatencyDispatchArgs& a, bool data = true) const;
+  void validate(const LowLatencyCombineArgs& a, bool data = true) const;
   uint32_t nextDispatchRound() { return ++dispatch_round_; }
   uint32_t nextCombineRound() { return ++combine_round_; }
   enum class RoundKind { kDispatch = 0, kCombine = 1 };
@@ -201,6 +207,34 @@ class EpBuffer {
   void dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round);
   void combineSend(const LowLatencyCombineArgs& a, uint32_t round);
   void combineRecv(const LowLatencyCombineArgs& a, uint32_t round);
+
+  // ---- stream-ordered low-latency calls (ep/ll_stream.cc) ----
+  // A GPU buffer with MC_EP_STREAM_CALLS on (auto: on the CUDA layer): dispatch and combine
+  // queue their kernels on the buffer's own stream behind an event of the caller's `stream`
+  // and return; nothing waits on the host (DeepEP's model). validate(a, false) then checks
+  // the shapes only: the kernels check topk_idx and the handle (kBadTopk, kBadHandle) and
+  // write nothing out of bounds. Each call's outcome (silent sources, ranks that gave the
+  // round up, errors) is copied by the stream into host memory and reported by the first
+  // checkStreamCalls() after its kernels ran: at the next call, or when the caller waits.
+  bool streamCalls() const { return stream_calls_; }
+  enum class StreamPart { kSend, kRecv, kBoth };
+  // Queues `part` of the call (kRecv: a hook's, after kSend of the same call) on the buffer's
+  // stream after the work queued on `stream` so far (a CUstream of the caller's, or the
+  // layer's kCopyStream); then, unless `detach`, makes `stream` wait for it. Returns the event
+  // after it. `keep` lives until the part ran (the caller's tensors).
+  std::shared_ptr<engine::device::Event> streamDispatch(const LowLatencyDispatchArgs& a,
+                                                        uint32_t round, StreamPart part,
+                                                        const void* stream, bool detach,
+                                                        std::shared_ptr<void> keep);
+  std::shared_ptr<engine::device::Event> streamCombine(const LowLatencyCombineArgs& a,
+                                                       uint32_t round, StreamPart part,
+                                                       const void* stream, bool detach,
+                                                       std::shared_ptr<void> keep);
+  // Makes `stream` wait for `ev` (an event of streamDispatch/streamCombine).
+  void streamWait(const void* stream, engine::device::Event& ev, const char* op);
+  // Reports the calls whose kernels ran (wait: first waits for every queued one): logs silent
+  // sources, throws the first failure (an earlier call's, named by op and round).
+  void checkStreamCalls(bool wait);
 
   // ---- normal mode (ep/normal.cc) ----
   void validate(const NormalDispatchArgs& a) const;
@@ -304,6 +338,20 @@ class EpBuffer {
   void deviceCombineSend(const LowLatencyCombineArgs& a, uint32_t round);
   void deviceCombineRecv(const LowLatencyCombineArgs& a, uint32_t round);
   void deviceAbandon(RoundKind kind, uint32_t round);
+  std::string setUpStream();  // "" or why not
+  bool freeStream();          // false: the stream's kernels did not run out (keep the memory)
+  const void* kernelStream() const;
+  // A stream call's outcome words in the scratch (error[2], then decision[R]), per kind and
+  // half: a dispatch's send and its hook's receive may have other calls between them.
+  int32_t* streamOutcome(RoundKind kind, uint32_t round);
+  struct StreamReport;  // (ep/ll_stream.cc)
+  // Logs and throws what a queued call's outcome words say once its kernels ran.
+  void pendingFailure(const StreamReport& r);
+  std::shared_ptr<engine::device::Event> streamQueue(const char* op, RoundKind kind,
+                                                     uint32_t round, StreamPart part,
+                                                     kern::LlLaunch l, int send_grid,
+                                                     const void* stream, bool detach,
+                                                     std::shared_ptr<void> keep);
   std::vector<int32_t> deviceNormalDispatchSend(const NormalDispatchArgs& a, uint32_t round);
   void deviceNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                                 const std::vector<int32_t>& counts, const NormalDispatchOutputs& o);
@@ -331,6 +379,15 @@ class EpBuffer {
   char** dev_peers_ = nullptr;            // device mode: mapped_ in GPU memory
   char* scratch_ = nullptr;               // device mode: the kernels' scratch
   size_t scratch_bytes_ = 0;
+  // device mode: the kernels' stream (ep/ll_stream.cc; the layer's copy stream when null)
+  const void* stream_ = nullptr;
+  bool stream_calls_ = false;         // MC_EP_STREAM_CALLS resolved
+  uint32_t* report_words_ = nullptr;  // stream calls: host words the outcomes are copied to
+  uint32_t* zero_words_ = nullptr;    // ... and zeroed host words the scratch is reset from
+  std::vector<int> free_reports_;     // report slots not in use
+  std::deque<std::shared_ptr<StreamReport>> reports_;  // queued calls, oldest first
+  std::exception_ptr late_failure_;  // one taken off to free its slot, for the next check
+  std::mutex stream_mu_;
   uint64_t gone_handler_ = 0;             // its engine peer-gone handler (0: none)
   std::vector<char*> mapped_;     // local view of each rank's buffer, nullptr if remote
   bool disable_p2p_ = false;

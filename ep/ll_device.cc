@@ -1,6 +1,6 @@
 // An EP buffer in GPU memory (ep/buffer.h, "Device mode"): set-up through the engine's device
 // layer (allocation, IPC handles of every rank's buffer), and the low-latency calls as the
-// kernels' entry point (ep/kernels/ll_entry.h) queued on the device's copy stream: its CUDA
+// kernels' entry point (ep/kernels/ll_entry.h) queued on the buffer's stream: its CUDA
 // form from the fatbin built out of ep/kernels/ll_entry.cu, its simulation form below (the same
 // bodies on the simulated stream's thread, every address through the layer's host view), so
 // that everything but the CUDA executor itself is tested on a machine without a GPU.
@@ -228,17 +228,26 @@ struct Scratch {
   int32_t* toks;        // the blocks' token lists
 };
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-size_t scratchFixed(int R) { return kScratchCounts * 4 + 4 * align256(static_cast<size_t>(R) * 4 + 8); }
+size_t scratchSlot(int R) { return align256(static_cast<size_t>(R) * 4 + 8); }
+// Fixed part: self_count, four slots of R + 2 words (decision, error, active, counts), and
+// four outcome slots (ep/ll_stream.cc); then the token lists.
+size_t scratchFixed(int R) { return kScratchCounts * 4 + 8 * scratchSlot(R); }
 Scratch scratchAt(char* base, int R) {
-  const size_t slot = align256(static_cast<size_t>(R) * 4 + 8);
+  const size_t slot = scratchSlot(R);
   char* p = base + kScratchCounts * 4;
   return Scratch{reinterpret_cast<int32_t*>(base), reinterpret_cast<int32_t*>(p),
                  reinterpret_cast<int32_t*>(p + slot), reinterpret_cast<int32_t*>(p + 2 * slot),
                  reinterpret_cast<int32_t*>(p + 3 * slot),
-                 reinterpret_cast<int32_t*>(p + 4 * slot)};
+                 reinterpret_cast<int32_t*>(p + 8 * slot)};
 }
 
 }  // namespace
+
+int32_t* EpBuffer::streamOutcome(RoundKind kind, uint32_t round) {
+  const size_t slot = scratchSlot(g_.size);
+  return reinterpret_cast<int32_t*>(scratch_ + kScratchCounts * 4 +
+                                    (4 + 2 * static_cast<size_t>(kind) + (round & 1)) * slot);
+}
 
 void EpBuffer::setUpDevice(size_t bytes) {
   const char* what = "ep.Buffer on GPU memory";
@@ -361,6 +370,7 @@ void EpBuffer::setUpDevice(size_t bytes) {
     else
       open_error = str("host-mapped flags: ", words.status().toString());
   }
+  if (open_error.empty()) open_error = setUpStream();
   int ok = open_error.empty() ? 1 : 0;
   std::vector<int> all_ok(n);
   g_.all_gather(&ok, all_ok.data(), sizeof(int));
@@ -376,9 +386,12 @@ void EpBuffer::setUpDevice(size_t bytes) {
                    << ", every rank's buffer opened through its IPC handle";
 }
 
+const void* EpBuffer::kernelStream() const { return stream_ ? stream_ : dev::kCopyStream; }
+
 void EpBuffer::freeDevice() {
   auto layer = dev::get();
   if (!layer.ok()) return;
+  if (!freeStream()) return;  // kernels may still touch the memory: it stays (logged)
   for (void*& b : opened_)
     if (b != nullptr) (void)(*layer)->closeIpc(b), b = nullptr;
   if (dev_peers_ != nullptr) (void)(*layer)->free(dev_peers_), dev_peers_ = nullptr;
@@ -399,13 +412,17 @@ char* EpBuffer::deviceScratch(size_t toks_bytes) {
   const size_t need = scratchFixed(g_.size) + toks_bytes;
   if (need > scratch_bytes_) {  // the kernels of earlier calls are done (deviceSync)
     dev::Device* layer = layerOr("ep");
+    // Stream calls return before their kernels ran: the old scratch goes once they did (a
+    // host wait, only when a call needs more scratch than any before).
+    if (stream_calls_ && scratch_ != nullptr) deviceSync("ep", engine::noDeadline());
     const size_t len = need;  // (grows with the largest call seen: a rare reallocation)
     auto mem = layer->allocate(len, device_);
     if (!mem.ok())
       throw std::runtime_error(str("ep: rank ", g_.rank, ": GPU scratch of ", need,
                                    " bytes: ", mem.status().toString()));
-    if (scratch_ != nullptr) {  // a dispatch sent but not yet received keeps its self_count
-      Status st = dev::copy(*mem, scratch_, kScratchCounts * 4, engine::deadlineInMs(timeout_ms_));
+    if (scratch_ != nullptr) {  // a dispatch sent, not yet received, keeps its self_count
+                                // (and a stream call its outcome words)
+      Status st = dev::copy(*mem, scratch_, scratchFixed(g_.size), engine::deadlineInMs(timeout_ms_));
       (void)layer->free(scratch_);
       if (!st.ok()) {
         (void)layer->free(*mem);
@@ -437,11 +454,11 @@ kern::LlLaunch EpBuffer::deviceLaunchArgs(kern::LlArgs p, int experts, uint32_t 
   return l;
 }
 
-// Queues an entry point's stage on the device's copy stream.
+// Queues an entry point's stage on `stream` (the buffer's).
 static void launchEntry(const dev::Kernel& k, const void* params, size_t len, unsigned grid,
-                        int device, int rank, const char* op) {
+                        int device, const void* stream, int rank, const char* op) {
   if (grid == 0) return;
-  Status st = layerOr(op)->launch(k, grid, kern::kEntryLanes, params, len, device);
+  Status st = layerOr(op)->launchOn(k, grid, kern::kEntryLanes, params, len, device, stream);
   if (!st.ok())
     throw std::runtime_error(str(op, ": rank ", rank, ": launching ", k.name, " on device ",
                                  device, " failed: ", st.toString()));
@@ -450,17 +467,17 @@ static void launchEntry(const dev::Kernel& k, const void* params, size_t len, un
 void EpBuffer::deviceLaunch(kern::LlLaunch l, kern::LlStage stage, unsigned grid,
                             const char* op) {
   l.stage = stage;
-  launchEntry(llKernel(), &l, sizeof l, grid, device_, g_.rank, op);
+  launchEntry(llKernel(), &l, sizeof l, grid, device_, kernelStream(), g_.rank, op);
 }
 
 void EpBuffer::deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsigned grid,
                             const char* op) {
   l.stage = stage;
-  launchEntry(normalKernel(), &l, sizeof l, grid, device_, g_.rank, op);
+  launchEntry(normalKernel(), &l, sizeof l, grid, device_, kernelStream(), g_.rank, op);
 }
 
 void EpBuffer::deviceSync(const char* op, engine::Deadline deadline) {
-  auto ev = layerOr(op)->record(device_);
+  auto ev = layerOr(op)->recordOn(device_, kernelStream());
   Status st = ev.ok() ? (*ev)->wait(deadline) : ev.status();
   if (!st.ok())
     throw std::runtime_error(str(op, ": rank ", g_.rank, ": the kernels on device ", device_,

@@ -118,6 +118,13 @@ void EpBuffer::throwKernelError(const char* op, const int32_t* error, int64_t ma
                                    "to rank ", g_.rank,
                                    " than its topk_idx routes there (topk_idx differs from the "
                                    "dispatch's?)"));
+    case kern::kBadTopk:
+      throw std::invalid_argument(str(op, ": rank ", g_.rank, ": topk_idx of token ", error[1],
+                                      " names an expert outside [-1, num_experts) or one expert twice"));
+    case kern::kBadHandle:
+      throw std::invalid_argument(str(op, ": rank ", g_.rank, ": the handle's layout_range or "
+                                      "src_info of local expert ", error[1],
+                                      " is out of its bounds (handle from another dispatch?)"));
     case kern::kNoOwnRow:
       throw std::runtime_error(str(op, ": the handle has no row for token ", error[1],
                                    " of an expert of rank ", g_.rank,

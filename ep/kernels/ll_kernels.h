@@ -43,6 +43,10 @@ enum Error : int32_t {
   kTooManyRows = 1,    // dispatch: a source sent more than M rows for an expert
   kWrongRowCount = 2,  // combine: an owner returned another number of rows than expected
   kNoOwnRow = 3,       // combine: the handle has no row of this rank for a token's expert
+  // Found by the kernels only in the stream-ordered calls (the host checks a host path's or
+  // a waited call's inputs before any kernel runs): error_rank is then a token or an expert.
+  kBadTopk = 4,    // an entry of topk_idx outside [-1, num_experts): error_rank the token
+  kBadHandle = 5,  // combine: layout_range or src_info outside its bounds: the local expert
 };
 constexpr int kMaxTopk = 32;
 constexpr int kDtypeBf16 = 0, kDtypeF32 = 1, kDtypeFp8 = 2;  // ep::DType's values
@@ -223,6 +227,22 @@ MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* mine, uint64_t 
   return ln.share(d);
 }
 
+// Every entry of topk_idx in [-1, E) (E = world * local_experts) and no expert twice in a
+// token's row, by the block's lanes: an entry outside is skipped by the bodies (routesTo,
+// combineWait and combineRecvToken match only experts in range; a repeated one makes the
+// combine's row counts differ), and either is reported here as kBadTopk with its token.
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void checkTopk(const LlArgs& p, Ln& ln) {
+  const int64_t E = static_cast<int64_t>(p.world) * p.local_experts, n = p.tokens * p.topk;
+  for (int64_t i = ln.lane(); i < n; i += ln.lanes()) {
+    const int64_t e = p.topk_idx[i], k = i % p.topk;
+    bool bad = e < -1 || e >= E;
+    for (int64_t j = i - k; j < i && !bad && e >= 0; ++j) bad = p.topk_idx[j] == e;
+    if (bad) setError(p, kBadTopk, static_cast<int32_t>(i / p.topk));
+  }
+}
+
 // ---- dispatch ----
 
 // Block `e` (global expert): sends this rank's tokens routed to e, in token order, to its
@@ -232,6 +252,7 @@ MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void dispatchSend(const LlArgs& p, int e, Ln& ln, int32_t* toks) {
   const int L = p.local_experts, o = e / L, l = e % L;
+  if (e == 0) checkTopk(p, ln);
   if (p.active[o] == 0) return;
   int64_t n = 0;
   for (int64_t t0 = 0; t0 < p.tokens; t0 += ln.lanes()) {
@@ -315,6 +336,7 @@ MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void combineSend(const LlArgs& p, int r, Ln& ln) {
   const int R = p.world, L = p.local_experts, me = p.me;
+  if (r == 0) checkTopk(p, ln);
   if (r == me || p.active[r] == 0) return;
   const int64_t RM = static_cast<int64_t>(R) * p.max_tokens;
   const uint64_t row_bytes = inputRowBytes(p);
@@ -323,12 +345,23 @@ MC_HD void combineSend(const LlArgs& p, int r, Ln& ln) {
   for (int l = 0; l < L; ++l) {
     const int64_t v = p.layout_range[l * R + r];
     const int64_t b = v >> 32, c = v & 0xffffffff;
+    // A handle out of its bounds writes nothing outside r's rows: such rows are skipped
+    // (and not counted, so r's count check fails too) and reported.
+    if (b < 0 || c > p.max_tokens || b + c > RM) {
+      if (ln.lane() == 0) setError(p, kBadHandle, l);
+      continue;
+    }
     for (int64_t i = b; i < b + c; ++i) {
-      const uint64_t row = static_cast<uint64_t>(me * L + l) * p.max_tokens + p.src_info[l * RM + i];
+      const int32_t t = p.src_info[l * RM + i];
+      if (t < 0 || t >= p.max_tokens) {
+        if (ln.lane() == 0) setError(p, kBadHandle, l);
+        continue;
+      }
+      const uint64_t row = static_cast<uint64_t>(me * L + l) * p.max_tokens + t;
       laneCopy(ln, dst + p.combine_region + row * p.row_stride,
                static_cast<const char*>(p.y) + (l * RM + i) * row_bytes, row_bytes);
+      ++rows;
     }
-    rows += static_cast<uint32_t>(c);
   }
   ln.fenceSystem();
   ln.sync();
@@ -391,15 +424,24 @@ MC_HD void combineRecvToken(const LlArgs& p, int64_t t, Ln& ln) {
   const char* rows[kMaxTopk];
   float ws[kMaxTopk];
   int n = 0;
+  // A call whose waits failed (an error, an owner that gave the round up) writes no output:
+  // the host checks before it queues this stage, a stream-ordered call's stage checks here.
+  if (p.error[0] != kNoError) return;
+  for (int o = 0; o < R; ++o)
+    if (p.decision[o] == kGaveUp) return;
   for (int k = 0; k < p.topk; ++k) {
     const int64_t e = p.topk_idx[t * p.topk + k];
-    if (e < 0) continue;
+    if (e < 0 || e >= static_cast<int64_t>(R) * L) continue;  // (-1, or kBadTopk)
     const int o = static_cast<int>(e / L);
     if (p.active[o] == 0) continue;
     const char* row = nullptr;
     if (o == me) {  // this rank's own output for (e, t): y's self block, found by src_info
       const int l = static_cast<int>(e - static_cast<int64_t>(me) * L);
       const int64_t v = p.layout_range[l * R + me];
+      if ((v >> 32) < 0 || (v & 0xffffffff) > p.max_tokens || (v >> 32) + (v & 0xffffffff) > RM) {
+        if (ln.lane() == 0) setError(p, kBadHandle, l);
+        return;
+      }
       for (int64_t i = v >> 32; i < (v >> 32) + (v & 0xffffffff); ++i)
         if (p.src_info[l * RM + i] == t) {
           row = static_cast<const char*>(p.y) + (l * RM + i) * row_bytes;

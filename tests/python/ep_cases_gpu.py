@@ -175,9 +175,15 @@ def case_gpu_buffer(ctx):
     if time.time() - t0 > 10:
         fails.append(f"the failed set-up took {time.time() - t0:.1f} s")
     fails += ll_round(ctx, cfg, act, "after the refusals")
-    # Two dispatches in flight (hooks), the second with a larger E * M: the kernels' scratch
-    # grows between the first one's send and its receive, which must keep what the send left
-    # there (its own rows' counts).
+    return fails + _hooks_in_flight(ctx, act)
+
+
+def _hooks_in_flight(ctx, act):
+    """Two dispatches in flight (hooks), the second with a larger E * M: the kernels' scratch
+    grows between the first one's send and its receive, which must keep what the send left
+    there (its own rows' counts; a stream-ordered call's outcome words)."""
+    R, me = ctx.world, ctx.rank
+    fails = []
     small, large = Cfg(R, M=16, E=4 * R, seed=62), Cfg(R, M=32, E=8 * R, seed=63)
     big = ctx.buffer(32, 96, 8 * R)
     xs, ts, ws = small.inputs(me)
@@ -193,3 +199,109 @@ def case_gpu_buffer(ctx):
     if act.tolist() != [1] * R:
         fails.append(f"active_ranks became {act.tolist()}")
     return fails
+
+
+def case_stream_calls(ctx):
+    """MC_EP_STREAM_CALLS=1 on a GPU buffer of the simulation: dispatch and combine queue the
+    kernels on the buffer's stream and return without waiting on the host (a peer 0.6 s late
+    holds no other rank's call), the outputs read after the stream passed equal the reference;
+    a bad expert id (caught by the kernels) raises ValueError from the rank's next call and its
+    event.wait(), rounds in step on every rank; a rank's shape error raises at once and its
+    peers' next calls say it gave the round up; hooks in flight as on a waited buffer."""
+    import torch.distributed as dist
+    from mooncake.ep import EpHandle
+    from pg_cases_gpu import to_gpu, to_host
+    R, me = ctx.world, ctx.rank
+    cfg = Cfg(R, seed=71)
+    buf = ctx.buffer(cfg.M, cfg.H, cfg.E)
+    fails = []
+    want = "kernels on sim device 0, stream-ordered"
+    if buf._impl.low_latency_executor() != want:
+        return [f"executor {buf._impl.low_latency_executor()!r}, want {want!r}"]
+    x, topk, w = cfg.inputs(me)
+    act = torch.ones(R, dtype=torch.int32)
+    dx, dt, dw, da = to_gpu(x), to_gpu(topk), to_gpu(w), to_gpu(act)
+    late = R - 1
+
+    def timed(what, fn):
+        dist.barrier()
+        if me == late:
+            time.sleep(0.6)
+        t0 = time.time()
+        res = fn()
+        took = time.time() - t0
+        if me != late and took > 0.3:
+            fails.append(f"{what} took {took:.2f} s: it waited on the host for the late rank")
+        return res
+
+    recv, cnt, handle, _, _ = timed(
+        "dispatch", lambda: buf.buf.dispatch(dx, dt, da, cfg.M, cfg.E, timeout_us=TIMEOUT_US))
+    recv_h, cnt_h = to_host(recv), to_host(cnt)
+    handle_h = EpHandle(to_host(handle[0]), to_host(handle[1]), *handle[2:])
+    fails += check_ll_dispatch(cfg, me, recv_h, cnt_h, handle_h, act, "a late rank")
+    y = to_gpu(ll_y(cfg, me, recv_h, cnt_h))
+    out, _, _ = timed("combine", lambda: buf.buf.combine(y, dt, dw, da, TIMEOUT_US, handle))
+    fails += check_ll_combine(cfg, me, to_host(out), act, "a late rank")
+
+    # A failure the kernels find is raised by the first check after they ran: at the end of
+    # the call itself when they were done by then, else by the next call or event.wait().
+    def raised_once(what, steps, want_rank, exc, needles):
+        got = []
+        for step in steps:
+            try:
+                step()
+            except exc as ex:
+                got.append(str(ex))
+        if me != want_rank and got:
+            fails.append(f"{what}: rank {me} raised: {got}")
+        if me == want_rank and (len(got) != 1 or not all(n in got[0] for n in needles)):
+            fails.append(f"{what}: rank {me} raised {got}, want one error with {needles}")
+
+    # Rank 0's topk_idx names an expert that does not exist: the kernels skip the entry, the
+    # error is raised once (after the call that finds it queued its kernels: rounds in step).
+    bad = topk.clone()
+    bad[1, 0] = cfg.E
+    raised_once("a bad expert id", [
+        lambda: buf.dispatch(x, bad if me == 0 else topk, act, cfg.M, cfg.E),
+        lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E)], 0, ValueError, ["token 1", "round"])
+    fails += ll_round(ctx, cfg, act, "after a bad expert id")
+    box = {}
+
+    def async_bad():
+        box["ev"] = buf.dispatch(x, bad if me == 0 else topk, act, cfg.M, cfg.E,
+                                 async_finish=True)[3]
+    raised_once("a bad expert id, async_finish", [
+        async_bad, lambda: box["ev"].wait() if "ev" in box else None], 0, ValueError, ["token 1"])
+    fails += ll_round(ctx, cfg, act, "after a bad expert id (event)")
+
+    # Rank 0's combine handle places its own rows of local expert 0 outside the R*M rows: the
+    # kernels read nothing there and report it (its peers' combines are right).
+    recv_x, cnt, handle, _, _ = buf.dispatch(x, topk, act, cfg.M, cfg.E)
+    y_h = ll_y(cfg, me, recv_x, cnt)
+    layout = handle[1].clone()
+    if me == 0:
+        layout[0, 0] = (R * cfg.M << 32) | (int(layout[0, 0]) & 0xFFFFFFFF)
+    bad_handle = EpHandle(handle[0], layout, *handle[2:])
+    outs = []
+    raised_once("a handle out of its bounds", [
+        lambda: outs.append(buf.combine(y_h, topk, w, act, TIMEOUT_US, bad_handle)[0]),
+        lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E)], 0, ValueError,
+        ["local expert 0", "out of its bounds"])
+    if me != 0 and outs:
+        fails += check_ll_combine(cfg, me, outs[0], act, "beside a bad handle")
+    fails += ll_round(ctx, cfg, act, "after a handle out of its bounds")
+
+    # A shape error raises at once; rank 0 gives its round up, which its peers' calls report.
+    if me == 0:
+        _expect_value_error(fails, lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E + 1),
+                            "E % R != 0", "multiple")
+        buf.dispatch(x, topk, act, cfg.M, cfg.E)
+    else:
+        raised_once("rank 0's round given up", [
+            lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E),
+            lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E)], me, RuntimeError,
+            ["rank 0", "gave up"])
+    fails += ll_round(ctx, cfg, act, "after a round given up")
+    if act.tolist() != [1] * R:
+        fails.append(f"active_ranks became {act.tolist()}")
+    return fails + _hooks_in_flight(ctx, act)

@@ -200,6 +200,31 @@ def test_ep_gpu_buffers_sim_killed_rank():
                                    env=dict(GPU_ENV, EP_CASES_COMBINE_NO_TIMEOUT="1")))
 
 
+STREAM_ENV = dict(GPU_ENV, MC_EP_STREAM_CALLS="1")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ep_gpu_buffers_sim_stream_calls(world):
+    """The same GPU buffers with stream-ordered low-latency calls (MC_EP_STREAM_CALLS=1, what
+    the CUDA layer does by default): the call queues the kernels on the buffer's stream and
+    returns; the low-latency, fp8 and normal cases against the reference, and
+    ep_cases_gpu.case_stream_calls (no host wait, late reports of the kernels' checks)."""
+    cases = ["stream_calls", "ll_modes", "ll_fp8", "normal"]
+    results, codes, tails = run_ranks(world, cases, env=STREAM_ENV)
+    for case in cases:
+        for r in range(world):
+            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
+            assert res == [], _report(world, r, case, res, tails)
+
+
+def test_ep_gpu_buffers_sim_stream_calls_killed_rank():
+    """Both kill cases with stream-ordered calls: the kernels mark the dead ranks inactive
+    with no host thread waiting."""
+    world = 3
+    _check_kills(world, *run_ranks(world, KILL_CASES,
+                                   env=dict(STREAM_ENV, EP_CASES_COMBINE_NO_TIMEOUT="1")))
+
+
 def test_ep_gpu_buffer_across_hosts_refused():
     """A GPU buffer needs every rank on one host (CUDA IPC): over two simulated hosts every
     rank's constructor fails with an error that says so."""

@@ -124,17 +124,47 @@ struct Keep {
   std::vector<Tensor> tensors;
 };
 
+// The caller's current stream of a GPU buffer's device: torch's (CUDA), or the simulation's
+// copy stream, where the tests' copies of the outputs run.
+const void* callerStream(bool cuda, int device, const char* op) {
+  if (!cuda) return engine::device::kCopyStream;
+  auto s = currentStream(c10::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  if (!s)
+    throw std::runtime_error(std::string(op) +
+                             ": the current CUDA stream is unknown (torch's libc10_cuda is not "
+                             "loaded); set MC_EP_STREAM_CALLS=0");
+  return *s;
+}
+
 class PyEvent {
  public:
   explicit PyEvent(std::shared_ptr<ep::EpEvent> e) : e_(std::move(e)) {}
+  // A stream-ordered call's (async_finish): the event after its kernels on the buffer's stream.
+  PyEvent(std::shared_ptr<ep::EpBuffer> buf, std::shared_ptr<engine::device::Event> ev, bool cuda)
+      : buf_(std::move(buf)), ev_(std::move(ev)), cuda_(cuda) {}
+  // Waits on the host; raises the operation's error (a stream call's, or an earlier one's).
   void wait() {
     py::gil_scoped_release nogil;
-    e_->wait();
+    if (e_) return e_->wait();
+    Status st = ev_->wait(engine::noDeadline());
+    if (!st.ok()) throw std::runtime_error("ep event: the kernels failed: " + st.toString());
+    buf_->checkStreamCalls(false);
   }
-  bool done() const { return e_->done(); }
+  // DeepEP's: the caller's current stream waits for the operation (CPU tensors have no
+  // stream: there it waits on the host).
+  void currentStreamWait() {
+    if (e_) return wait();
+    const void* s = callerStream(cuda_, buf_->device(), "ep event");
+    py::gil_scoped_release nogil;
+    buf_->streamWait(s, *ev_, "ep event");
+  }
+  bool done() const { return e_ ? e_->done() : ev_->done(); }
 
  private:
   std::shared_ptr<ep::EpEvent> e_;
+  std::shared_ptr<ep::EpBuffer> buf_;
+  std::shared_ptr<engine::device::Event> ev_;
+  bool cuda_ = false;
 };
 
 // Drops a reference to the buffer without the GIL when this thread holds it: the last one
@@ -202,7 +232,7 @@ class PyEpBuffer {
   std::string lowLatencyExecutor() const {
     if (buf_->onDevice())
       return "kernels on " + std::string(cuda_ ? "cuda" : "sim") + " device " +
-             std::to_string(device_);
+             std::to_string(device_) + (buf_->streamCalls() ? ", stream-ordered" : "");
     return buf_->kernelPath() ? "kernels on host" : "cpu";
   }
   int64_t device() const { return device_; }
@@ -367,7 +397,14 @@ class PyEpBuffer {
     auto keep = std::make_shared<Keep>(
         Keep{{x, topk, active, recv_x, recv_scales, recv_count, src_info, layout}});
     py::object event = py::none(), hook = py::none();
-    {
+    if (buf_->streamCalls()) {
+      streamCall(op, &guard, async_finish, return_hook, &event, &hook,
+                 [a](ep::EpBuffer* b, uint32_t round, ep::EpBuffer::StreamPart part,
+                     const void* s, bool detach, std::shared_ptr<void> k) {
+                   return b->streamDispatch(a, round, part, s, detach, std::move(k));
+                 },
+                 [this, a] { buf_->validate(a, false); }, keep);
+    } else {
       py::gil_scoped_release nogil;
       awaitCallerStream(op, timeout_us);
       buf_->validate(a);
@@ -438,7 +475,14 @@ class PyEpBuffer {
     a.out = out.data_ptr();
     auto keep = std::make_shared<Keep>(Keep{{y, topk, w, src_info, layout, active, out}});
     py::object event = py::none(), hook = py::none();
-    {
+    if (buf_->streamCalls()) {
+      streamCall(op, &guard, async_finish, return_hook, &event, &hook,
+                 [a](ep::EpBuffer* b, uint32_t round, ep::EpBuffer::StreamPart part,
+                     const void* s, bool detach, std::shared_ptr<void> k) {
+                   return b->streamCombine(a, round, part, s, detach, std::move(k));
+                 },
+                 [this, a] { buf_->validate(a, false); }, keep);
+    } else {
       py::gil_scoped_release nogil;
       awaitCallerStream(op, timeout_us);
       buf_->validate(a);
@@ -623,6 +667,52 @@ class PyEpBuffer {
   }
 
  private:
+  // A stream-ordered call (ep/buffer.h): the shapes, the round, the kernels queued on the
+  // buffer's stream; then the outcomes of earlier calls whose kernels ran: a failure of one
+  // raises here, after this call's kernels were queued, so that every rank's rounds stay in
+  // step (a call that raised before its round would make it a round given up, and the peers'
+  // next calls would raise in turn). With the GIL; releases it meanwhile.
+  using StreamQueue = std::function<std::shared_ptr<engine::device::Event>(
+      ep::EpBuffer*, uint32_t, ep::EpBuffer::StreamPart, const void*, bool,
+      std::shared_ptr<void>)>;
+  void streamCall(const char* op, RoundGuard* guard, bool async_finish, bool return_hook,
+                  py::object* event, py::object* hook, StreamQueue queue,
+                  const std::function<void()>& validate, std::shared_ptr<Keep> keep) {
+    using Part = ep::EpBuffer::StreamPart;
+    const void* stream = callerStream(cuda_, device_, op);
+    std::shared_ptr<engine::device::Event> ev;
+    uint32_t round = 0;
+    const bool dispatch = std::string(op) == "dispatch";
+    {
+      py::gil_scoped_release nogil;
+      buf_->runSync([&] {
+        validate();
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          round = dispatch ? buf_->nextDispatchRound() : buf_->nextCombineRound();
+        }
+        guard->reserved();
+        ev = queue(buf_.get(), round, return_hook ? Part::kSend : Part::kBoth, stream,
+                   async_finish, keep);
+      });
+    }
+    if (async_finish) *event = py::cast(std::make_shared<PyEvent>(buf_, ev, cuda_));
+    if (return_hook) {
+      // hook(): the receive, queued after the caller's current stream at that time (the
+      // PyHook holds the buffer).
+      ep::EpBuffer* b = buf_.get();
+      const bool cuda = cuda_;
+      const int device = device_;
+      auto recv = [b, queue, round, keep, cuda, device, op] {
+        const void* s = callerStream(cuda, device, op);
+        queue(b, round, Part::kRecv, s, false, keep);
+      };
+      *hook = py::cast(std::make_shared<PyHook>(buf_, std::move(recv)));
+    }
+    py::gil_scoped_release nogil;
+    buf_->checkStreamCalls(false);
+  }
+
   // The four ways to run a send/recv pair (called without the GIL).
   void run(std::function<void()> send, std::function<void()> recv, bool async_finish,
            bool return_hook, py::object* event, py::object* hook) {
@@ -673,8 +763,9 @@ void registerEpApis(py::module_& m) {
   py::class_<PyEvent, std::shared_ptr<PyEvent>>(m, "EpEvent",
                                                 "Completion of an async EP operation.")
       .def("wait", &PyEvent::wait, "Blocks until the operation finished; raises its error.")
-      .def("current_stream_wait", &PyEvent::wait,
-           "DeepEP's name: CPU tensors have no stream, so it waits for the operation.")
+      .def("current_stream_wait", &PyEvent::currentStreamWait,
+           "DeepEP's: the current stream waits for the operation (a stream-ordered GPU call); "
+           "CPU tensors have no stream, so there it waits for the operation.")
       .def("done", &PyEvent::done);
   py::class_<PyHook, std::shared_ptr<PyHook>>(m, "EpHook",
                                               "Completes the receive half of an EP operation.")

@@ -1,0 +1,243 @@
+// Stream-ordered low-latency calls on a GPU buffer (ep/buffer.h, "stream-ordered low-latency
+// calls"): a call queues its kernels on the buffer's own stream behind an event of the
+// caller's stream and returns; the stream copies the call's outcome words into host memory,
+// and the first checkStreamCalls() after they arrived reports them. No host thread waits for
+// a peer or for the kernels (DeepEP's model), except where a call needs more scratch than any
+// before it (deviceScratch) or every report slot is in use.
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "engine/device/device.h"
+#include "engine/log.h"
+#include "engine/params.h"
+#include "ep/buffer.h"
+#include "ep/str.h"
+
+namespace mooncake::ep {
+
+namespace dev = engine::device;
+
+namespace {
+
+constexpr int kReportSlots = 64;  // calls whose outcome is queued but not yet reported
+
+dev::Device* layerFor(const char* op, int rank) {
+  auto layer = dev::get();
+  if (!layer.ok())
+    throw std::runtime_error(str(op, ": rank ", rank, ": no GPU device layer: ",
+                                 layer.status().toString()));
+  return *layer;
+}
+
+void check(const Status& st, const char* op, int rank, const char* what) {
+  if (!st.ok())
+    throw std::runtime_error(str(op, ": rank ", rank, ": ", what, ": ", st.toString()));
+}
+
+}  // namespace
+
+// A queued part of a call: its event (after its kernels and, for a receive, the copy of its
+// outcome into report slot `slot`), the caller's tensors it holds, what to report.
+struct EpBuffer::StreamReport {
+  std::shared_ptr<dev::Event> after;
+  std::shared_ptr<void> keep;
+  int slot = -1;  // -1: a send part (nothing to report)
+  const char* op = "";
+  uint32_t round = 0;
+  int64_t max_tokens = 0;  // (for the error's words)
+};
+
+std::string EpBuffer::setUpStream() {
+  dev::Device* layer = layerFor("ep.Buffer", g_.rank);
+  const std::string mode = params::getString("MC_EP_STREAM_CALLS");
+  const bool on = mode == "1" || mode == "on" || mode == "true";
+  const bool off = mode == "0" || mode == "off" || mode == "false";
+  stream_calls_ = on || (!off && std::string(layer->name()) == "cuda");
+  auto s = layer->newStream(device_);
+  if (!s.ok()) return str("a stream for the kernels: ", s.status().toString());
+  stream_ = *s;
+  if (!stream_calls_) return "";
+  const size_t words = static_cast<size_t>(g_.size) + 2;
+  auto report = layer->allocHostWords(words * kReportSlots);
+  if (!report.ok()) return str("host words for the calls' outcomes: ", report.status().toString());
+  auto zeros = layer->allocHostWords(words);
+  if (!zeros.ok()) return str("host words for the calls' outcomes: ", zeros.status().toString());
+  report_words_ = *report;
+  zero_words_ = *zeros;
+  free_reports_.clear();
+  for (int i = kReportSlots - 1; i >= 0; --i) free_reports_.push_back(i);
+  return "";
+}
+
+bool EpBuffer::freeStream() {
+  if (stream_ == nullptr) return true;
+  dev::Device* layer = layerFor("ep.Buffer", g_.rank);
+  // The kernels of calls nobody waited for end by their own deadlines (timeout_us, dead
+  // peers); a stream still busy after this bound keeps the buffer's memory.
+  auto ev = layer->recordOn(device_, stream_);
+  Status st = ev.ok() ? (*ev)->wait(engine::deadlineInMs(timeout_ms_)) : ev.status();
+  if (!st.ok()) {
+    MC_LOG(WARN, EP) << "ep buffer rank " << g_.rank << ": its kernels did not run out ("
+                     << st.toString() << "); its GPU memory is left allocated";
+    return false;
+  }
+  try {
+    checkStreamCalls(false);
+  } catch (const std::exception& e) {  // nobody called again to see it
+    MC_LOG(WARN, EP) << "ep buffer rank " << g_.rank << " freed with an unreported failure: "
+                     << e.what();
+  }
+  (void)layer->freeStream(device_, stream_);
+  stream_ = nullptr;
+  return true;
+}
+
+void EpBuffer::streamWait(const void* stream, dev::Event& ev, const char* op) {
+  check(layerFor(op, g_.rank)->waitEvent(device_, stream, ev), op, g_.rank,
+        "ordering the caller's stream after the call");
+}
+
+std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind, uint32_t round,
+                                                  StreamPart part, kern::LlLaunch l,
+                                                  int send_grid, const void* stream, bool detach,
+                                                  std::shared_ptr<void> keep) {
+  dev::Device* layer = layerFor(op, g_.rank);
+  const int R = g_.size;
+  const size_t words = static_cast<size_t>(R) + 2;
+  std::lock_guard<std::mutex> g(stream_mu_);
+  // A free report slot for a receive (every slot in use: the oldest calls are waited for).
+  int slot = -1;
+  if (part != StreamPart::kSend) {
+    while (free_reports_.empty()) {
+      if (reports_.empty())  // (cannot be: a slot in use is a report queued)
+        throw std::runtime_error(str(op, ": rank ", g_.rank, ": no report slot"));
+      check(reports_.front()->after->wait(engine::noDeadline()), op, g_.rank,
+            "waiting for an earlier call's kernels");
+      auto r = reports_.front();
+      reports_.pop_front();
+      if (r->slot >= 0) {
+        free_reports_.push_back(r->slot);
+        // Its failure is reported by the next check: this call still queues its kernels
+        // (its round is reserved; the peers wait for it).
+        try {
+          pendingFailure(*r);
+        } catch (...) {
+          if (!late_failure_) late_failure_ = std::current_exception();
+        }
+      }
+    }
+    slot = free_reports_.back();
+    free_reports_.pop_back();
+  }
+  auto release = [&] {
+    if (slot >= 0) free_reports_.push_back(slot);
+  };
+  try {
+    auto before = layer->recordOn(device_, stream);
+    check(before.status(), op, g_.rank, "an event on the caller's stream");
+    check(layer->waitEvent(device_, stream_, **before), op, g_.rank,
+          "ordering the buffer's stream after the caller's");
+    int32_t* outcome = streamOutcome(kind, round);  // error[2], decision[R]
+    l.p.error = outcome;
+    l.p.decision = outcome + 2;
+    if (part != StreamPart::kRecv)
+      check(layer->copyAsyncOn(outcome, zero_words_, words * 4, device_, stream_), op, g_.rank,
+            "zeroing the call's outcome");
+    auto launch = [&](kern::LlStage stage, int64_t grid) {
+      if (grid > 0) deviceLaunch(l, stage, static_cast<unsigned>(grid), op);  // (on stream_)
+    };
+    const bool dispatch = kind == RoundKind::kDispatch;
+    if (part != StreamPart::kRecv)
+      launch(dispatch ? kern::kDispatchSend : kern::kCombineSend, send_grid);
+    if (part != StreamPart::kSend) {
+      if (dispatch) {
+        launch(kern::kDispatchRecv, l.p.local_experts);
+      } else {
+        launch(kern::kCombineWait, R);
+        launch(kern::kCombineToken, l.p.tokens);
+      }
+      check(layer->copyAsyncOn(report_words_ + static_cast<size_t>(slot) * words, outcome,
+                               words * 4, device_, stream_),
+            op, g_.rank, "copying the call's outcome");
+    }
+    auto after = layer->recordOn(device_, stream_);
+    check(after.status(), op, g_.rank, "an event after the call");
+    std::shared_ptr<dev::Event> ev(std::move(*after));
+    if (!detach)
+      check(layer->waitEvent(device_, stream, *ev), op, g_.rank,
+            "ordering the caller's stream after the call");
+    auto r = std::make_shared<StreamReport>();
+    r->after = ev;
+    r->keep = std::move(keep);
+    r->slot = slot;
+    r->op = op;
+    r->round = round;
+    r->max_tokens = l.p.max_tokens;
+    reports_.push_back(std::move(r));
+    return ev;
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+// Throws what the report of a call whose kernels ran says, as a waited call would have.
+void EpBuffer::pendingFailure(const StreamReport& r) {
+  const size_t words = static_cast<size_t>(g_.size) + 2;
+  const uint32_t* w = report_words_ + static_cast<size_t>(r.slot) * words;
+  int32_t error[2];
+  std::memcpy(error, w, 8);
+  std::vector<int32_t> decision(static_cast<size_t>(g_.size));
+  std::memcpy(decision.data(), w + 2, decision.size() * 4);
+  const std::string op = str(r.op, " (round ", r.round, ", a stream-ordered call reported late)");
+  // kSilent is written only by a wait that saw the rank active (kern::decide).
+  kernelOutcome(op.c_str(), r.round, decision, std::vector<int32_t>(decision.size(), 1));
+  throwKernelError(op.c_str(), error, r.max_tokens);
+}
+
+void EpBuffer::checkStreamCalls(bool wait) {
+  std::lock_guard<std::mutex> g(stream_mu_);
+  if (late_failure_) std::rethrow_exception(std::exchange(late_failure_, nullptr));
+  while (!reports_.empty()) {
+    auto r = reports_.front();
+    if (wait) {
+      Status st = r->after->wait(engine::noDeadline());
+      if (!st.ok())
+        throw std::runtime_error(str(r->op, ": rank ", g_.rank, ": the kernels of round ",
+                                     r->round, " did not complete: ", st.toString()));
+    } else if (!r->after->done()) {
+      return;
+    }
+    reports_.pop_front();
+    if (r->slot < 0) continue;
+    struct Free {
+      EpBuffer* b;
+      int slot;
+      ~Free() { b->free_reports_.push_back(slot); }
+    } free{this, r->slot};
+    pendingFailure(*r);
+  }
+}
+
+std::shared_ptr<dev::Event> EpBuffer::streamDispatch(const LowLatencyDispatchArgs& a,
+                                                     uint32_t round, StreamPart part,
+                                                     const void* stream, bool detach,
+                                                     std::shared_ptr<void> keep) {
+  kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), a.experts, round);
+  return streamQueue("dispatch", RoundKind::kDispatch, round, part, l, a.experts, stream, detach,
+                     std::move(keep));
+}
+
+std::shared_ptr<dev::Event> EpBuffer::streamCombine(const LowLatencyCombineArgs& a,
+                                                    uint32_t round, StreamPart part,
+                                                    const void* stream, bool detach,
+                                                    std::shared_ptr<void> keep) {
+  kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), 0, round);
+  return streamQueue("combine", RoundKind::kCombine, round, part, l, g_.size, stream, detach,
+                     std::move(keep));
+}
+
+}  // namespace mooncake::ep
