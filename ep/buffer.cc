@@ -152,12 +152,12 @@ EpBuffer::~EpBuffer() {
   }
   q_cv_.notify_all();
   if (worker_.joinable()) worker_.join();
+  // (A GPU buffer's kernels still queued end on the dead-rank flags the handler raises, so it
+  // goes after them.)
+  if (device_ >= 0) freeDevice();
   if (gone_handler_ != 0) g_.engine->removePeerGoneHandler(gone_handler_);
   if (key_ != 0) unregisterSignalTarget(key_);
-  if (device_ >= 0)
-    freeDevice();
-  else if (base_ != nullptr)
-    (void)g_.engine->free(base_);
+  if (device_ < 0 && base_ != nullptr) (void)g_.engine->free(base_);
 }
 
 bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits) {

@@ -230,11 +230,14 @@ class EpBuffer {
                                                        uint32_t round, StreamPart part,
                                                        const void* stream, bool detach,
                                                        std::shared_ptr<void> keep);
+  // A hook (return_recv_hook) of a stream call dropped without being called: its half may be
+  // used again (its receive is not queued).
+  void dropStreamHook(RoundKind kind, uint32_t round);
   // Makes `stream` wait for `ev` (an event of streamDispatch/streamCombine).
   void streamWait(const void* stream, engine::device::Event& ev, const char* op);
-  // Reports the calls whose kernels ran (wait: first waits for every queued one): logs silent
-  // sources, throws the first failure (an earlier call's, named by op and round).
-  void checkStreamCalls(bool wait);
+  // Reports the calls whose kernels ran: logs silent sources, throws the first failure (an
+  // earlier call's, named by op and round). Never waits.
+  void checkStreamCalls();
 
   // ---- normal mode (ep/normal.cc) ----
   void validate(const NormalDispatchArgs& a) const;
@@ -347,11 +350,12 @@ class EpBuffer {
   struct StreamReport;  // (ep/ll_stream.cc)
   // Logs and throws what a queued call's outcome words say once its kernels ran.
   void pendingFailure(const StreamReport& r);
+  // (args: the launch's arguments, made under the lock: the scratch may grow.)
   std::shared_ptr<engine::device::Event> streamQueue(const char* op, RoundKind kind,
                                                      uint32_t round, StreamPart part,
-                                                     kern::LlLaunch l, int send_grid,
-                                                     const void* stream, bool detach,
-                                                     std::shared_ptr<void> keep);
+                                                     const std::function<kern::LlLaunch()>& args,
+                                                     int send_grid, const void* stream,
+                                                     bool detach, std::shared_ptr<void> keep);
   std::vector<int32_t> deviceNormalDispatchSend(const NormalDispatchArgs& a, uint32_t round);
   void deviceNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                                 const std::vector<int32_t>& counts, const NormalDispatchOutputs& o);
@@ -387,6 +391,7 @@ class EpBuffer {
   std::vector<int> free_reports_;     // report slots not in use
   std::deque<std::shared_ptr<StreamReport>> reports_;  // queued calls, oldest first
   std::exception_ptr late_failure_;  // one taken off to free its slot, for the next check
+  uint32_t hook_pending_[2][2] = {};  // [kind][half]: round + 1 of a send whose hook waits
   std::mutex stream_mu_;
   uint64_t gone_handler_ = 0;             // its engine peer-gone handler (0: none)
   std::vector<char*> mapped_;     // local view of each rank's buffer, nullptr if remote

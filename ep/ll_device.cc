@@ -566,6 +566,9 @@ void EpBuffer::deviceAbandon(RoundKind kind, uint32_t round) {
 
 kern::NormalLaunch EpBuffer::deviceNormalLaunch(kern::NormalArgs p, int64_t rows) {
   const int R = g_.size;
+  // Stream-ordered low-latency calls still on the stream run out first: their waits (bounded
+  // by their own timeout_us) must not count against this call's deadlines.
+  if (stream_calls_) deviceSync("normal", engine::noDeadline());
   const size_t toks = static_cast<size_t>(R) * static_cast<size_t>(std::max<int64_t>(1, p.tokens)) * 4;
   const Scratch sc = scratchAt(deviceScratch(toks), R);
   p.peers = dev_peers_;

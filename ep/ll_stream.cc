@@ -6,6 +6,7 @@
 // before it (deviceScratch) or every report slot is in use.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -81,11 +82,14 @@ bool EpBuffer::freeStream() {
   Status st = ev.ok() ? (*ev)->wait(engine::deadlineInMs(timeout_ms_)) : ev.status();
   if (!st.ok()) {
     MC_LOG(WARN, EP) << "ep buffer rank " << g_.rank << ": its kernels did not run out ("
-                     << st.toString() << "); its GPU memory is left allocated";
+                     << st.toString() << "); its GPU memory and the calls' tensors are left "
+                     << "allocated";
+    std::lock_guard<std::mutex> g(stream_mu_);
+    new std::deque<std::shared_ptr<StreamReport>>(std::move(reports_));  // (never freed)
     return false;
   }
   try {
-    checkStreamCalls(false);
+    checkStreamCalls();
   } catch (const std::exception& e) {  // nobody called again to see it
     MC_LOG(WARN, EP) << "ep buffer rank " << g_.rank << " freed with an unreported failure: "
                      << e.what();
@@ -101,41 +105,53 @@ void EpBuffer::streamWait(const void* stream, dev::Event& ev, const char* op) {
 }
 
 std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind, uint32_t round,
-                                                  StreamPart part, kern::LlLaunch l,
+                                                  StreamPart part,
+                                                  const std::function<kern::LlLaunch()>& args,
                                                   int send_grid, const void* stream, bool detach,
                                                   std::shared_ptr<void> keep) {
   dev::Device* layer = layerFor(op, g_.rank);
   const int R = g_.size;
   const size_t words = static_cast<size_t>(R) + 2;
+  const int k = static_cast<int>(kind), half = static_cast<int>(round & 1);
   std::lock_guard<std::mutex> g(stream_mu_);
-  // A free report slot for a receive (every slot in use: the oldest calls are waited for).
   int slot = -1;
-  if (part != StreamPart::kSend) {
-    while (free_reports_.empty()) {
-      if (reports_.empty())  // (cannot be: a slot in use is a report queued)
-        throw std::runtime_error(str(op, ": rank ", g_.rank, ": no report slot"));
-      check(reports_.front()->after->wait(engine::noDeadline()), op, g_.rank,
-            "waiting for an earlier call's kernels");
-      auto r = reports_.front();
-      reports_.pop_front();
-      if (r->slot >= 0) {
+  bool launched = false;  // a kernel of this part is on the stream
+  bool reported = false;  // its report holds the slot and the tensors
+  try {
+    // At most two calls of a kind in flight (the buffer's two halves, DeepEP's double
+    // buffering): a third would share its half's signal and outcome words with the first,
+    // whose receive (a hook not yet called) would then read the third's.
+    if (part != StreamPart::kRecv && hook_pending_[k][half] != 0)
+      throw std::invalid_argument(str(
+          op, ": rank ", g_.rank, ": the ", op, " of round ", hook_pending_[k][half] - 1,
+          " still waits for its hook() (return_recv_hook), and the buffer holds two calls of "
+          "a kind in flight; call the hook first"));
+    if (part == StreamPart::kRecv && hook_pending_[k][half] != round + 1)
+      throw std::runtime_error(str(op, ": rank ", g_.rank, ": no send of round ", round,
+                                   " waits for this hook"));
+    // A free report slot for a receive (every slot in use: the oldest calls are waited for).
+    if (part != StreamPart::kSend) {
+      while (free_reports_.empty()) {
+        check(reports_.front()->after->wait(engine::noDeadline()), op, g_.rank,
+              "waiting for an earlier call's kernels");
+        auto r = reports_.front();
+        reports_.pop_front();
+        if (r->slot < 0) continue;
         free_reports_.push_back(r->slot);
-        // Its failure is reported by the next check: this call still queues its kernels
-        // (its round is reserved; the peers wait for it).
+        // Its failure is reported by the next check: this call still queues its kernels.
         try {
           pendingFailure(*r);
-        } catch (...) {
-          if (!late_failure_) late_failure_ = std::current_exception();
+        } catch (const std::exception& e) {
+          if (!late_failure_)
+            late_failure_ = std::current_exception();
+          else  // (one is raised; the others are logged)
+            MC_LOG(WARN, EP) << e.what();
         }
       }
+      slot = free_reports_.back();
+      free_reports_.pop_back();
     }
-    slot = free_reports_.back();
-    free_reports_.pop_back();
-  }
-  auto release = [&] {
-    if (slot >= 0) free_reports_.push_back(slot);
-  };
-  try {
+    kern::LlLaunch l = args();  // (the scratch may grow here: deviceScratch)
     auto before = layer->recordOn(device_, stream);
     check(before.status(), op, g_.rank, "an event on the caller's stream");
     check(layer->waitEvent(device_, stream_, **before), op, g_.rank,
@@ -147,7 +163,9 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
       check(layer->copyAsyncOn(outcome, zero_words_, words * 4, device_, stream_), op, g_.rank,
             "zeroing the call's outcome");
     auto launch = [&](kern::LlStage stage, int64_t grid) {
-      if (grid > 0) deviceLaunch(l, stage, static_cast<unsigned>(grid), op);  // (on stream_)
+      if (grid <= 0) return;
+      launched = true;
+      deviceLaunch(l, stage, static_cast<unsigned>(grid), op);  // (on stream_)
     };
     const bool dispatch = kind == RoundKind::kDispatch;
     if (part != StreamPart::kRecv)
@@ -166,20 +184,31 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
     auto after = layer->recordOn(device_, stream_);
     check(after.status(), op, g_.rank, "an event after the call");
     std::shared_ptr<dev::Event> ev(std::move(*after));
-    if (!detach)
-      check(layer->waitEvent(device_, stream, *ev), op, g_.rank,
-            "ordering the caller's stream after the call");
     auto r = std::make_shared<StreamReport>();
     r->after = ev;
-    r->keep = std::move(keep);
+    r->keep = keep;
     r->slot = slot;
     r->op = op;
     r->round = round;
     r->max_tokens = l.p.max_tokens;
     reports_.push_back(std::move(r));
+    reported = true;
+    hook_pending_[k][half] = part == StreamPart::kSend ? round + 1 : 0;
+    if (!detach)
+      check(layer->waitEvent(device_, stream, *ev), op, g_.rank,
+            "ordering the caller's stream after the call");
     return ev;
   } catch (...) {
-    release();
+    if (!launched) {
+      if (slot >= 0) free_reports_.push_back(slot);
+      // The round is reserved: a send that never went out is given up, so that the peers'
+      // calls of the round end at once (ep/buffer.h, "Abandoned rounds").
+      if (part != StreamPart::kRecv) abandon(kind, round);
+    } else if (!reported) {
+      // Kernels on the stream may still use the caller's tensors and the report slot: both
+      // stay taken (a failure to queue on the device, which a CUDA fault makes sticky).
+      new std::shared_ptr<void>(std::move(keep));  // (never freed)
+    }
     throw;
   }
 }
@@ -198,19 +227,12 @@ void EpBuffer::pendingFailure(const StreamReport& r) {
   throwKernelError(op.c_str(), error, r.max_tokens);
 }
 
-void EpBuffer::checkStreamCalls(bool wait) {
+void EpBuffer::checkStreamCalls() {
   std::lock_guard<std::mutex> g(stream_mu_);
   if (late_failure_) std::rethrow_exception(std::exchange(late_failure_, nullptr));
   while (!reports_.empty()) {
     auto r = reports_.front();
-    if (wait) {
-      Status st = r->after->wait(engine::noDeadline());
-      if (!st.ok())
-        throw std::runtime_error(str(r->op, ": rank ", g_.rank, ": the kernels of round ",
-                                     r->round, " did not complete: ", st.toString()));
-    } else if (!r->after->done()) {
-      return;
-    }
+    if (!r->after->done()) return;
     reports_.pop_front();
     if (r->slot < 0) continue;
     struct Free {
@@ -226,18 +248,26 @@ std::shared_ptr<dev::Event> EpBuffer::streamDispatch(const LowLatencyDispatchArg
                                                      uint32_t round, StreamPart part,
                                                      const void* stream, bool detach,
                                                      std::shared_ptr<void> keep) {
-  kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), a.experts, round);
-  return streamQueue("dispatch", RoundKind::kDispatch, round, part, l, a.experts, stream, detach,
-                     std::move(keep));
+  return streamQueue(
+      "dispatch", RoundKind::kDispatch, round, part,
+      [&] { return deviceLaunchArgs(kernelArgs(a, round), a.experts, round); }, a.experts, stream,
+      detach, std::move(keep));
 }
 
 std::shared_ptr<dev::Event> EpBuffer::streamCombine(const LowLatencyCombineArgs& a,
                                                     uint32_t round, StreamPart part,
                                                     const void* stream, bool detach,
                                                     std::shared_ptr<void> keep) {
-  kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), 0, round);
-  return streamQueue("combine", RoundKind::kCombine, round, part, l, g_.size, stream, detach,
-                     std::move(keep));
+  return streamQueue(
+      "combine", RoundKind::kCombine, round, part,
+      [&] { return deviceLaunchArgs(kernelArgs(a, round), 0, round); }, g_.size, stream, detach,
+      std::move(keep));
+}
+
+void EpBuffer::dropStreamHook(RoundKind kind, uint32_t round) {
+  std::lock_guard<std::mutex> g(stream_mu_);
+  uint32_t& pending = hook_pending_[static_cast<int>(kind)][round & 1];
+  if (pending == round + 1) pending = 0;
 }
 
 }  // namespace mooncake::ep

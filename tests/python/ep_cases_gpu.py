@@ -291,6 +291,39 @@ def case_stream_calls(ctx):
         fails += check_ll_combine(cfg, me, outs[0], act, "beside a bad handle")
     fails += ll_round(ctx, cfg, act, "after a handle out of its bounds")
 
+    # Rank 0's handle sends a row of rank 1's block from outside M (src_info): rank 0's
+    # kernels skip it (nothing written outside rank 1's rows) and report it; rank 1 finds one
+    # row fewer than its topk_idx routes to rank 0.
+    recv_x, cnt, handle, _, _ = buf.dispatch(x, topk, act, cfg.M, cfg.E)
+    y_h = ll_y(cfg, me, recv_x, cnt)
+    src = handle[0].clone()
+    hit = [l for l in range(cfg.L) if int(handle[1][l, 1]) & 0xFFFFFFFF]
+    if me == 0 and hit:
+        src[hit[0], int(handle[1][hit[0], 1]) >> 32] = cfg.M
+    if me == 0 and not hit:
+        fails.append("no row of rank 1's to corrupt (another seed?)")
+    bad_src = EpHandle(src, handle[1], *handle[2:])
+    steps = [lambda: buf.combine(y_h, topk, w, act, TIMEOUT_US, bad_src),
+             lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E)]
+    if me == 1:
+        raised_once("a row from outside M, seen by its destination", steps, 1, RuntimeError,
+                    ["rank 0", "another number of rows"])
+    else:
+        raised_once("a row from outside M", steps, 0, ValueError,
+                    [f"local expert {hit[0] if hit else '?'}", "out of its bounds"])
+    fails += ll_round(ctx, cfg, act, "after a row from outside M")
+
+    # Two calls of a kind in flight at most: a third dispatch while the first one's hook waits
+    # is refused (ValueError, its round given up on every rank alike); a hook dropped without
+    # being called frees its half.
+    h1 = buf.dispatch(x, topk, act, cfg.M, cfg.E, return_recv_hook=True)[4]
+    h2 = buf.dispatch(x, topk, act, cfg.M, cfg.E, return_recv_hook=True)[4]
+    _expect_value_error(fails, lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E),
+                        "a third dispatch in flight", "hook")
+    h1()
+    del h2
+    fails += ll_round(ctx, cfg, act, "after a third call in flight")
+
     # A shape error raises at once; rank 0 gives its round up, which its peers' calls report.
     if me == 0:
         _expect_value_error(fails, lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E + 1),

@@ -142,13 +142,14 @@ class PyEvent {
   // A stream-ordered call's (async_finish): the event after its kernels on the buffer's stream.
   PyEvent(std::shared_ptr<ep::EpBuffer> buf, std::shared_ptr<engine::device::Event> ev, bool cuda)
       : buf_(std::move(buf)), ev_(std::move(ev)), cuda_(cuda) {}
+  ~PyEvent();
   // Waits on the host; raises the operation's error (a stream call's, or an earlier one's).
   void wait() {
     py::gil_scoped_release nogil;
     if (e_) return e_->wait();
     Status st = ev_->wait(engine::noDeadline());
     if (!st.ok()) throw std::runtime_error("ep event: the kernels failed: " + st.toString());
-    buf_->checkStreamCalls(false);
+    buf_->checkStreamCalls();
   }
   // DeepEP's: the caller's current stream waits for the operation (CPU tensors have no
   // stream: there it waits on the host).
@@ -178,12 +179,21 @@ void dropBuffer(std::shared_ptr<ep::EpBuffer>& b) {
   }
 }
 
-// hook(): completes the receive half of an operation (once).
+PyEvent::~PyEvent() {
+  if (buf_) dropBuffer(buf_);
+}
+
+// hook(): completes the receive half of an operation (once). on_drop: run instead when the
+// hook is dropped without being called.
 class PyHook {
  public:
-  PyHook(std::shared_ptr<ep::EpBuffer> buf, std::function<void()> recv)
-      : buf_(std::move(buf)), recv_(std::move(recv)) {}
-  ~PyHook() { dropBuffer(buf_); }
+  PyHook(std::shared_ptr<ep::EpBuffer> buf, std::function<void()> recv,
+         std::function<void()> on_drop = nullptr)
+      : buf_(std::move(buf)), recv_(std::move(recv)), on_drop_(std::move(on_drop)) {}
+  ~PyHook() {
+    if (recv_ && on_drop_) on_drop_();
+    dropBuffer(buf_);
+  }
   void call() {
     if (!recv_) throw std::runtime_error("ep hook: already called");
     auto fn = std::move(recv_);
@@ -195,6 +205,7 @@ class PyHook {
  private:
   std::shared_ptr<ep::EpBuffer> buf_;
   std::function<void()> recv_;
+  std::function<void()> on_drop_;
 };
 
 class PyEpBuffer {
@@ -703,14 +714,19 @@ class PyEpBuffer {
       ep::EpBuffer* b = buf_.get();
       const bool cuda = cuda_;
       const int device = device_;
+      // An earlier call's failure raises from hook(), after the receive is queued.
       auto recv = [b, queue, round, keep, cuda, device, op] {
         const void* s = callerStream(cuda, device, op);
         queue(b, round, Part::kRecv, s, false, keep);
+        b->checkStreamCalls();
       };
-      *hook = py::cast(std::make_shared<PyHook>(buf_, std::move(recv)));
+      const auto kind = dispatch ? RoundKind::kDispatch : RoundKind::kCombine;
+      auto drop = [b, kind, round] { b->dropStreamHook(kind, round); };
+      *hook = py::cast(std::make_shared<PyHook>(buf_, std::move(recv), std::move(drop)));
+      return;  // (raising here would lose the hook, and with it the round's receive)
     }
     py::gil_scoped_release nogil;
-    buf_->checkStreamCalls(false);
+    buf_->checkStreamCalls();
   }
 
   // The four ways to run a send/recv pair (called without the GIL).
