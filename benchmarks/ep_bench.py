@@ -31,7 +31,9 @@ tensor in GPU memory (Buffer(..., device=...), docs/ep.md "GPU buffers"; all ran
 device 0). The reference is then "copy_ref": one device-to-device copy of
 the phase's payload bytes (a phase of "both": two), timed the same way in the same processes
 -- the device's copy rate, the limit the issue holds the kernels to. Over the simulation its
-numbers say nothing about a GPU.
+numbers say nothing about a GPU. A low-latency phase's time includes its kernels: a
+stream-ordered call (MC_EP_STREAM_CALLS, on with CUDA) returns before they ran, so the phase
+waits for its output (the device synchronised, or a copy behind it over the simulation).
 
 Mode "ll_fp8" (--modes ll_fp8, bfloat16 only, hidden a multiple of 128): mooncake dispatches
 with use_fp8=True (DeepEP's e4m3 rows with per-128-channel float32 scales: H + H/32 bytes a
@@ -185,19 +187,31 @@ def worker(a):
         return out.to(dtype)
 
     # ---- mooncake ----
+    def settle(t):
+        """Waits until t is written: a stream-ordered low-latency call (MC_EP_STREAM_CALLS, on
+        with CUDA) returns before its kernels ran, and the time must count them."""
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        elif dev != "cpu" and t.numel():  # (the copy waits for the stream the call ordered)
+            mooncake._C._device_copy(settle_box.data_ptr(), t.data_ptr(), 1)
+
+    settle_box = torch.zeros(1, dtype=torch.uint8)
+
     def mc_ll_dispatch():
         recv_x, cnt, handle, _, _ = buf.dispatch(xd, topkd, actd, T, E, timeout_us=60_000_000)
+        settle(cnt)
         return recv_x, handle
 
     def mc_ll_combine(st):
         recv_x, handle = st
-        buf.combine(recv_x, topkd, wd, actd, 60_000_000, handle)
+        settle(buf.combine(recv_x, topkd, wd, actd, 60_000_000, handle)[0])
 
     fp8_y = None
 
     def mc_fp8_dispatch():
         (q, scales), cnt, handle, _, _ = buf.dispatch(xd, topkd, actd, T, E,
                                                       timeout_us=60_000_000, use_fp8=True)
+        settle(cnt)
         return q, handle
 
     def mc_fp8_combine(st):
@@ -205,7 +219,7 @@ def worker(a):
         q, handle = st
         if fp8_y is None:  # expert outputs of the received shape (bf16), made once
             fp8_y = put(torch.randn(q.shape, generator=g).to(dtype))
-        buf.combine(fp8_y, topkd, wd, actd, 60_000_000, handle)
+        settle(buf.combine(fp8_y, topkd, wd, actd, 60_000_000, handle)[0])
 
     def mc_normal_dispatch():
         recv_x, _, _, _, h = buf.normal_dispatch(xd, topkd, wd, E)

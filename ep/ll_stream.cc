@@ -132,6 +132,8 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
     // A free report slot for a receive (every slot in use: the oldest calls are waited for).
     if (part != StreamPart::kSend) {
       while (free_reports_.empty()) {
+        if (reports_.empty())  // (every slot lost to failed queueing: a broken device)
+          throw std::runtime_error(str(op, ": rank ", g_.rank, ": no report slot left"));
         check(reports_.front()->after->wait(engine::noDeadline()), op, g_.rank,
               "waiting for an earlier call's kernels");
         auto r = reports_.front();

@@ -456,29 +456,67 @@ def ep_check(torch, dist, M, gpu, host, cuda, W, me, row, timed):
     same = all(g.shape == r.shape and torch.equal(bits(g), bits(r)) for g, r in zip(got, ref))
     row({"check": "ep normal mode on a GPU buffer equals the host buffer", "ok": bool(same),
          "detail": "rows received %d" % int(ref[0].shape[0])})
+    if cuda and gpu_buf.low_latency_executor().endswith("stream-ordered"):
+        # Stream-ordered calls (MC_EP_STREAM_CALLS, on with CUDA): with a GPU sleep queued
+        # before it on the current stream, dispatch returns long before the sleep ends, and
+        # what it received (read after it, on that stream) equals the host buffer's.
+        x, topk, w = inputs(me, 5)
+        ref = round_on(cpu_buf, False, x, topk, w, False)
+        xg, tg, wg = gpu(x), gpu(topk), gpu(w)
+        act = gpu(torch.ones(W, dtype=torch.int32))
+        cycles = 400_000_000
+        torch.cuda.synchronize()
+        t0 = time.time()
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+        sleep_s = time.time() - t0
+        torch.cuda._sleep(cycles)
+        t0 = time.time()
+        rx, _, cnt, src, lay, _, _ = gpu_buf.dispatch(xg, tg, act, T, E, 10_000_000, False,
+                                                      False, False)
+        call_s = time.time() - t0
+        same = torch.equal(host(cnt), ref[0])
+        out, _, _ = gpu_buf.combine(rx, tg, wg, act, 10_000_000, src, lay, T, H, E, False, False,
+                                    None)
+        host(out)
+        row({"check": "ep dispatch is stream-ordered (no host wait)",
+             "ok": call_s < 0.5 * sleep_s and same,
+             "detail": "call %.4f s, the stream's sleep before it %.4f s, recv_count equal: %s"
+                       % (call_s, sleep_s, same)})
     if not (timed and cuda):
         return
     x, topk, w = inputs(me, 9)
     xg, tg, wg = gpu(x), gpu(topk), gpu(w)
     act = gpu(torch.ones(W, dtype=torch.int32))
-    ts_d, ts_c = [], []
+    # Each call and the kernels it queued (synchronised after it: a stream-ordered call returns
+    # before its kernels ran); the host's part alone as *_call_p50_us.
+    ts_d, ts_c, call_d, call_c = [], [], [], []
     for i in range(23):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         rx, _, cnt, src, lay, _, _ = gpu_buf.dispatch(xg, tg, act, T, E, 10_000_000, False, False,
                                                       False)
+        tc = time.perf_counter()
+        torch.cuda.synchronize()
         t1 = time.perf_counter()
         out, _, _ = gpu_buf.combine(rx, tg, wg, act, 10_000_000, src, lay, T, H, E, False, False,
                                     None)
+        tc2 = time.perf_counter()
+        torch.cuda.synchronize()
         t2 = time.perf_counter()
         if i >= 3:
             ts_d.append(t1 - t0)
             ts_c.append(t2 - t1)
-    ts_d.sort()
-    ts_c.sort()
+            call_d.append(tc - t0)
+            call_c.append(tc2 - t1)
+    for v in (ts_d, ts_c, call_d, call_c):
+        v.sort()
     row({"bench": "ep ll on a GPU buffer", "tokens": T, "hidden": H, "topk": K, "experts": E,
-         "world": W, "dispatch_p50_us": ts_d[len(ts_d) // 2] * 1e6,
-         "combine_p50_us": ts_c[len(ts_c) // 2] * 1e6})
+         "world": W, "executor": gpu_buf.low_latency_executor(),
+         "dispatch_p50_us": ts_d[len(ts_d) // 2] * 1e6,
+         "combine_p50_us": ts_c[len(ts_c) // 2] * 1e6,
+         "dispatch_call_p50_us": call_d[len(call_d) // 2] * 1e6,
+         "combine_call_p50_us": call_c[len(call_c) // 2] * 1e6})
 
 
 def bench(torch, dist, ag, gpu, cuda, W, me, row, only):
