@@ -153,8 +153,20 @@ EpBuffer::~EpBuffer() {
   q_cv_.notify_all();
   if (worker_.joinable()) worker_.join();
   // (A GPU buffer's kernels still queued end on the dead-rank flags the handler raises, so it
-  // goes after them.)
-  if (device_ >= 0) freeDevice();
+  // goes after them; kernels that did not run out keep a handler of their own, which holds
+  // nothing of this object.)
+  const bool drained = device_ < 0 || freeDevice();
+  if (!drained && gone_handler_ != 0) {
+    const std::vector<uint64_t> ids = engine_ids_;
+    int32_t* gone = gone_ptr_;  // (host words: never freed)
+    const int me = g_.rank;
+    (void)g_.engine->addPeerGoneHandler(
+        [ids, gone, me](uint64_t engine_id, const std::string&, const Status&) {
+          for (size_t r = 0; r < ids.size(); ++r)
+            if (static_cast<int>(r) != me && ids[r] == engine_id)
+              __atomic_store_n(&gone[r], 1, __ATOMIC_RELEASE);
+        });
+  }
   if (gone_handler_ != 0) g_.engine->removePeerGoneHandler(gone_handler_);
   if (key_ != 0) unregisterSignalTarget(key_);
   if (device_ < 0 && base_ != nullptr) (void)g_.engine->free(base_);

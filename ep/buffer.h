@@ -324,7 +324,7 @@ class EpBuffer {
   void watchPeers();
   // ---- device mode (ep/ll_device.cc) ----
   void setUpDevice(size_t bytes);
-  void freeDevice();
+  bool freeDevice();  // false: kernels still queued (the memory stays)
   void deviceCopy(void* dst, const void* src, size_t len, const char* op) const;
   // n elements of GPU memory at p, on the host (int64_t, int32_t and uint8_t: ll_device.cc).
   template <class T>

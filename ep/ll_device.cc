@@ -388,16 +388,17 @@ void EpBuffer::setUpDevice(size_t bytes) {
 
 const void* EpBuffer::kernelStream() const { return stream_ ? stream_ : dev::kCopyStream; }
 
-void EpBuffer::freeDevice() {
+bool EpBuffer::freeDevice() {
   auto layer = dev::get();
-  if (!layer.ok()) return;
-  if (!freeStream()) return;  // kernels may still touch the memory: it stays (logged)
+  if (!layer.ok()) return true;
+  if (!freeStream()) return false;  // kernels may still touch the memory: it stays (logged)
   for (void*& b : opened_)
     if (b != nullptr) (void)(*layer)->closeIpc(b), b = nullptr;
   if (dev_peers_ != nullptr) (void)(*layer)->free(dev_peers_), dev_peers_ = nullptr;
   if (scratch_ != nullptr) (void)(*layer)->free(scratch_), scratch_ = nullptr;
   scratch_bytes_ = 0;
   if (base_ != nullptr) (void)(*layer)->free(base_), base_ = nullptr;
+  return true;
 }
 
 void EpBuffer::deviceCopy(void* dst, const void* src, size_t len, const char* op) const {
@@ -550,16 +551,20 @@ void EpBuffer::deviceCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
 }
 
 void EpBuffer::deviceAbandon(RoundKind kind, uint32_t round) {
-  const uint64_t v = makeSignal(round, 1);
+  // (On the heap: a copy that timed out may still be queued and read it later; then it stays.)
+  auto* v = new uint64_t(makeSignal(round, 1));
+  bool all = true;
   for (int step = 1; step < g_.size; ++step) {
     const int o = (g_.rank + step) % g_.size;
     try {
-      deviceCopy(mapped_[o] + geo_.abandonSignal(round & 1, static_cast<int>(kind), g_.rank), &v,
+      deviceCopy(mapped_[o] + geo_.abandonSignal(round & 1, static_cast<int>(kind), g_.rank), v,
                  8, "abandon");
     } catch (const std::exception& e) {  // best effort, as the host buffer's abandon
       MC_LOG(WARN, EP) << e.what();
+      all = false;
     }
   }
+  if (all) delete v;
 }
 
 // ---- normal mode ----

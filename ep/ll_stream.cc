@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "engine/device/device.h"
 #include "engine/log.h"
@@ -113,6 +114,9 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
   const int R = g_.size;
   const size_t words = static_cast<size_t>(R) + 2;
   const int k = static_cast<int>(kind), half = static_cast<int>(round & 1);
+  // Reports taken off go after the lock: their tensors' release may need the GIL, which a
+  // thread waiting for this lock may hold (PyHook's drop).
+  std::vector<std::shared_ptr<StreamReport>> done;
   std::lock_guard<std::mutex> g(stream_mu_);
   int slot = -1;
   bool launched = false;  // a kernel of this part is on the stream
@@ -138,6 +142,7 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
               "waiting for an earlier call's kernels");
         auto r = reports_.front();
         reports_.pop_front();
+        done.push_back(r);
         if (r->slot < 0) continue;
         free_reports_.push_back(r->slot);
         // Its failure is reported by the next check: this call still queues its kernels.
@@ -166,8 +171,8 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
             "zeroing the call's outcome");
     auto launch = [&](kern::LlStage stage, int64_t grid) {
       if (grid <= 0) return;
-      launched = true;
       deviceLaunch(l, stage, static_cast<unsigned>(grid), op);  // (on stream_)
+      launched = true;
     };
     const bool dispatch = kind == RoundKind::kDispatch;
     if (part != StreamPart::kRecv)
@@ -195,12 +200,15 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
     r->max_tokens = l.p.max_tokens;
     reports_.push_back(std::move(r));
     reported = true;
-    hook_pending_[k][half] = part == StreamPart::kSend ? round + 1 : 0;
     if (!detach)
       check(layer->waitEvent(device_, stream, *ev), op, g_.rank,
             "ordering the caller's stream after the call");
+    hook_pending_[k][half] = part == StreamPart::kSend ? round + 1 : 0;
     return ev;
   } catch (...) {
+    // A receive that failed used its hook up (hook() runs once): its half is free again.
+    if (part == StreamPart::kRecv && hook_pending_[k][half] == round + 1)
+      hook_pending_[k][half] = 0;
     if (!launched) {
       if (slot >= 0) free_reports_.push_back(slot);
       // The round is reserved: a send that never went out is given up, so that the peers'
@@ -230,12 +238,14 @@ void EpBuffer::pendingFailure(const StreamReport& r) {
 }
 
 void EpBuffer::checkStreamCalls() {
+  std::vector<std::shared_ptr<StreamReport>> done;  // (released after the lock: streamQueue)
   std::lock_guard<std::mutex> g(stream_mu_);
   if (late_failure_) std::rethrow_exception(std::exchange(late_failure_, nullptr));
   while (!reports_.empty()) {
     auto r = reports_.front();
     if (!r->after->done()) return;
     reports_.pop_front();
+    done.push_back(r);
     if (r->slot < 0) continue;
     struct Free {
       EpBuffer* b;

@@ -191,7 +191,14 @@ class PyHook {
          std::function<void()> on_drop = nullptr)
       : buf_(std::move(buf)), recv_(std::move(recv)), on_drop_(std::move(on_drop)) {}
   ~PyHook() {
-    if (recv_ && on_drop_) on_drop_();
+    if (recv_ && on_drop_) {  // (without the GIL: it takes the buffer's lock)
+      if (PyGILState_Check()) {
+        py::gil_scoped_release nogil;
+        on_drop_();
+      } else {
+        on_drop_();
+      }
+    }
     dropBuffer(buf_);
   }
   void call() {
