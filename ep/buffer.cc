@@ -203,6 +203,27 @@ void EpBuffer::abandon(RoundKind kind, uint32_t round) {
   (void)w.flush();  // a peer that cannot be told is dead, and its fate is decided elsewhere
 }
 
+void EpBuffer::checkHalfLocked(const char* op, RoundKind kind, uint32_t round) const {
+  const uint32_t held = hook_pending_[static_cast<int>(kind)][round & 1];
+  if (held != 0)
+    throw std::invalid_argument(str(
+        op, ": rank ", g_.rank, ": the ", op, " of round ", held - 1,
+        " still waits for its hook() (return_recv_hook), and the buffer holds two calls of a "
+        "kind in flight; call the hook first (this call's round is given up)"));
+}
+
+void EpBuffer::claimHalf(const char* op, RoundKind kind, uint32_t round, bool hook) {
+  std::lock_guard<std::mutex> g(stream_mu_);
+  checkHalfLocked(op, kind, round);
+  if (hook) hook_pending_[static_cast<int>(kind)][round & 1] = round + 1;
+}
+
+void EpBuffer::releaseHalf(RoundKind kind, uint32_t round) {
+  std::lock_guard<std::mutex> g(stream_mu_);
+  uint32_t& held = hook_pending_[static_cast<int>(kind)][round & 1];
+  if (held == round + 1) held = 0;
+}
+
 bool EpBuffer::abandoned(RoundKind kind, uint32_t round, int r) {
   return signalWord(geo_.abandonSignal(round & 1, static_cast<int>(kind), r))
              ->load(std::memory_order_acquire) == makeSignal(round, 1);

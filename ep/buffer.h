@@ -55,6 +55,7 @@
 #include "ep/layout.h"
 
 namespace mooncake::engine::device {
+class Device;
 class Event;
 }
 
@@ -230,9 +231,18 @@ class EpBuffer {
                                                        uint32_t round, StreamPart part,
                                                        const void* stream, bool detach,
                                                        std::shared_ptr<void> keep);
-  // A hook (return_recv_hook) of a stream call dropped without being called: its half may be
-  // used again (its receive is not queued).
-  void dropStreamHook(RoundKind kind, uint32_t round);
+  // Hooks (return_recv_hook), every path: at most two calls of a kind are in flight (the
+  // buffer's halves, DeepEP's double buffering). A send whose receive waits for its hook
+  // holds its round's half until the hook ran, failed or was dropped: a third call of the
+  // kind would write its half's rows and signal words (on every rank alike) before the first
+  // one's receive read them. claimHalf (with `round` reserved, before its send) throws
+  // std::invalid_argument when the half is held, else marks it held when `hook`;
+  // releaseHalf frees it again if `round` holds it.
+  void claimHalf(const char* op, RoundKind kind, uint32_t round, bool hook);
+  void releaseHalf(RoundKind kind, uint32_t round);
+  // A stream call's hook dropped uncalled: releaseHalf, and what its send's kernels found
+  // (kBadTopk) is reported by a later checkStreamCalls(), as its receive would have.
+  void dropStreamHook(const char* op, RoundKind kind, uint32_t round);
   // Makes `stream` wait for `ev` (an event of streamDispatch/streamCombine).
   void streamWait(const void* stream, engine::device::Event& ev, const char* op);
   // Reports the calls whose kernels ran: logs silent sources, throws the first failure (an
@@ -347,6 +357,8 @@ class EpBuffer {
   // A stream call's outcome words in the scratch (error[2], then decision[R]), per kind and
   // half: a dispatch's send and its hook's receive may have other calls between them.
   int32_t* streamOutcome(RoundKind kind, uint32_t round);
+  // The engine's device layer, or std::runtime_error naming op and this rank.
+  engine::device::Device* deviceLayer(const char* op) const;
   struct StreamReport;  // (ep/ll_stream.cc)
   // Logs and throws what a queued call's outcome words say once its kernels ran.
   void pendingFailure(const StreamReport& r);
@@ -392,7 +404,9 @@ class EpBuffer {
   std::deque<std::shared_ptr<StreamReport>> reports_;  // queued calls, oldest first
   std::exception_ptr late_failure_;  // one taken off to free its slot, for the next check
   uint32_t hook_pending_[2][2] = {};  // [kind][half]: round + 1 of a send whose hook waits
-  std::mutex stream_mu_;
+  std::mutex stream_mu_;              // (hook_pending_ too)
+  // claimHalf's check, with stream_mu_ held.
+  void checkHalfLocked(const char* op, RoundKind kind, uint32_t round) const;
   uint64_t gone_handler_ = 0;             // its engine peer-gone handler (0: none)
   std::vector<char*> mapped_;     // local view of each rank's buffer, nullptr if remote
   bool disable_p2p_ = false;

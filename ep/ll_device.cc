@@ -197,12 +197,6 @@ const dev::Kernel& normalKernel() {
   return k;
 }
 
-dev::Device* layerOr(const char* what) {
-  auto layer = dev::get();
-  if (!layer.ok())
-    throw std::runtime_error(str(what, ": no GPU device layer: ", layer.status().toString()));
-  return *layer;
-}
 
 // What each rank publishes about its GPU buffer.
 struct DeviceInfo {
@@ -242,6 +236,14 @@ Scratch scratchAt(char* base, int R) {
 }
 
 }  // namespace
+
+dev::Device* EpBuffer::deviceLayer(const char* op) const {
+  auto layer = dev::get();
+  if (!layer.ok())
+    throw std::runtime_error(str(op, ": rank ", g_.rank, ": no GPU device layer: ",
+                                 layer.status().toString()));
+  return *layer;
+}
 
 int32_t* EpBuffer::streamOutcome(RoundKind kind, uint32_t round) {
   const size_t slot = scratchSlot(g_.size);
@@ -412,7 +414,7 @@ void EpBuffer::deviceCopy(void* dst, const void* src, size_t len, const char* op
 char* EpBuffer::deviceScratch(size_t toks_bytes) {
   const size_t need = scratchFixed(g_.size) + toks_bytes;
   if (need > scratch_bytes_) {  // the kernels of earlier calls are done (deviceSync)
-    dev::Device* layer = layerOr("ep");
+    dev::Device* layer = deviceLayer("ep");
     // Stream calls return before their kernels ran: the old scratch goes once they did (a
     // host wait, only when a call needs more scratch than any before).
     if (stream_calls_ && scratch_ != nullptr) deviceSync("ep", engine::noDeadline());
@@ -456,10 +458,10 @@ kern::LlLaunch EpBuffer::deviceLaunchArgs(kern::LlArgs p, int experts, uint32_t 
 }
 
 // Queues an entry point's stage on `stream` (the buffer's).
-static void launchEntry(const dev::Kernel& k, const void* params, size_t len, unsigned grid,
-                        int device, const void* stream, int rank, const char* op) {
+static void launchEntry(dev::Device* layer, const dev::Kernel& k, const void* params, size_t len,
+                        unsigned grid, int device, const void* stream, int rank, const char* op) {
   if (grid == 0) return;
-  Status st = layerOr(op)->launchOn(k, grid, kern::kEntryLanes, params, len, device, stream);
+  Status st = layer->launchOn(k, grid, kern::kEntryLanes, params, len, device, stream);
   if (!st.ok())
     throw std::runtime_error(str(op, ": rank ", rank, ": launching ", k.name, " on device ",
                                  device, " failed: ", st.toString()));
@@ -468,17 +470,19 @@ static void launchEntry(const dev::Kernel& k, const void* params, size_t len, un
 void EpBuffer::deviceLaunch(kern::LlLaunch l, kern::LlStage stage, unsigned grid,
                             const char* op) {
   l.stage = stage;
-  launchEntry(llKernel(), &l, sizeof l, grid, device_, kernelStream(), g_.rank, op);
+  launchEntry(deviceLayer(op), llKernel(), &l, sizeof l, grid, device_, kernelStream(), g_.rank,
+              op);
 }
 
 void EpBuffer::deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsigned grid,
                             const char* op) {
   l.stage = stage;
-  launchEntry(normalKernel(), &l, sizeof l, grid, device_, kernelStream(), g_.rank, op);
+  launchEntry(deviceLayer(op), normalKernel(), &l, sizeof l, grid, device_, kernelStream(),
+              g_.rank, op);
 }
 
 void EpBuffer::deviceSync(const char* op, engine::Deadline deadline) {
-  auto ev = layerOr(op)->recordOn(device_, kernelStream());
+  auto ev = deviceLayer(op)->recordOn(device_, kernelStream());
   Status st = ev.ok() ? (*ev)->wait(deadline) : ev.status();
   if (!st.ok())
     throw std::runtime_error(str(op, ": rank ", g_.rank, ": the kernels on device ", device_,

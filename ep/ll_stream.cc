@@ -26,14 +26,6 @@ namespace {
 
 constexpr int kReportSlots = 64;  // calls whose outcome is queued but not yet reported
 
-dev::Device* layerFor(const char* op, int rank) {
-  auto layer = dev::get();
-  if (!layer.ok())
-    throw std::runtime_error(str(op, ": rank ", rank, ": no GPU device layer: ",
-                                 layer.status().toString()));
-  return *layer;
-}
-
 void check(const Status& st, const char* op, int rank, const char* what) {
   if (!st.ok())
     throw std::runtime_error(str(op, ": rank ", rank, ": ", what, ": ", st.toString()));
@@ -53,7 +45,7 @@ struct EpBuffer::StreamReport {
 };
 
 std::string EpBuffer::setUpStream() {
-  dev::Device* layer = layerFor("ep.Buffer", g_.rank);
+  dev::Device* layer = deviceLayer("ep.Buffer");
   const std::string mode = params::getString("MC_EP_STREAM_CALLS");
   const bool on = mode == "1" || mode == "on" || mode == "true";
   const bool off = mode == "0" || mode == "off" || mode == "false";
@@ -76,7 +68,7 @@ std::string EpBuffer::setUpStream() {
 
 bool EpBuffer::freeStream() {
   if (stream_ == nullptr) return true;
-  dev::Device* layer = layerFor("ep.Buffer", g_.rank);
+  dev::Device* layer = deviceLayer("ep.Buffer");
   // The kernels of calls nobody waited for end by their own deadlines (timeout_us, dead
   // peers); a stream still busy after this bound keeps the buffer's memory.
   auto ev = layer->recordOn(device_, stream_);
@@ -101,7 +93,7 @@ bool EpBuffer::freeStream() {
 }
 
 void EpBuffer::streamWait(const void* stream, dev::Event& ev, const char* op) {
-  check(layerFor(op, g_.rank)->waitEvent(device_, stream, ev), op, g_.rank,
+  check(deviceLayer(op)->waitEvent(device_, stream, ev), op, g_.rank,
         "ordering the caller's stream after the call");
 }
 
@@ -110,7 +102,7 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
                                                   const std::function<kern::LlLaunch()>& args,
                                                   int send_grid, const void* stream, bool detach,
                                                   std::shared_ptr<void> keep) {
-  dev::Device* layer = layerFor(op, g_.rank);
+  dev::Device* layer = deviceLayer(op);
   const int R = g_.size;
   const size_t words = static_cast<size_t>(R) + 2;
   const int k = static_cast<int>(kind), half = static_cast<int>(round & 1);
@@ -122,14 +114,9 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
   bool launched = false;  // a kernel of this part is on the stream
   bool reported = false;  // its report holds the slot and the tensors
   try {
-    // At most two calls of a kind in flight (the buffer's two halves, DeepEP's double
-    // buffering): a third would share its half's signal and outcome words with the first,
-    // whose receive (a hook not yet called) would then read the third's.
-    if (part != StreamPart::kRecv && hook_pending_[k][half] != 0)
-      throw std::invalid_argument(str(
-          op, ": rank ", g_.rank, ": the ", op, " of round ", hook_pending_[k][half] - 1,
-          " still waits for its hook() (return_recv_hook), and the buffer holds two calls of "
-          "a kind in flight; call the hook first"));
+    // At most two calls of a kind in flight (claimHalf): a third would also share its half's
+    // outcome words with the first, whose receive (a hook not yet called) would read them.
+    if (part != StreamPart::kRecv) checkHalfLocked(op, kind, round);
     if (part == StreamPart::kRecv && hook_pending_[k][half] != round + 1)
       throw std::runtime_error(str(op, ": rank ", g_.rank, ": no send of round ", round,
                                    " waits for this hook"));
@@ -276,10 +263,41 @@ std::shared_ptr<dev::Event> EpBuffer::streamCombine(const LowLatencyCombineArgs&
       std::move(keep));
 }
 
-void EpBuffer::dropStreamHook(RoundKind kind, uint32_t round) {
+
+void EpBuffer::dropStreamHook(const char* op, RoundKind kind, uint32_t round) {
+  std::vector<std::shared_ptr<StreamReport>> done;  // (released after the lock: streamQueue)
   std::lock_guard<std::mutex> g(stream_mu_);
-  uint32_t& pending = hook_pending_[static_cast<int>(kind)][round & 1];
-  if (pending == round + 1) pending = 0;
+  uint32_t& held = hook_pending_[static_cast<int>(kind)][round & 1];
+  if (held != round + 1) return;
+  held = 0;
+  // What the send's kernels found (a bad expert id: kBadTopk) the receive would have
+  // reported: its outcome words are copied into a report slot behind them and reported by
+  // the next check, as a receive's are. (No slot free: logged instead; nothing waits here.)
+  auto layer = dev::get();
+  if (free_reports_.empty() || !layer.ok()) {
+    MC_LOG(WARN, EP) << op << ": rank " << g_.rank << ": the hook of round " << round
+                     << " was dropped uncalled; what its send found is not reported";
+    return;
+  }
+  const size_t words = static_cast<size_t>(g_.size) + 2;
+  const int slot = free_reports_.back();
+  Status st = (*layer)->copyAsyncOn(report_words_ + static_cast<size_t>(slot) * words,
+                                    streamOutcome(kind, round), words * 4, device_, stream_);
+  Result<std::unique_ptr<dev::Event>> after =
+      st.ok() ? (*layer)->recordOn(device_, stream_) : Result<std::unique_ptr<dev::Event>>(st);
+  if (!after.ok()) {  // (the copy may be queued: its slot stays taken)
+    free_reports_.pop_back();
+    MC_LOG(WARN, EP) << op << ": rank " << g_.rank << ": the dropped hook of round " << round
+                     << ": " << after.status().toString();
+    return;
+  }
+  free_reports_.pop_back();
+  auto r = std::make_shared<StreamReport>();
+  r->after = std::shared_ptr<dev::Event>(std::move(*after));
+  r->slot = slot;
+  r->op = op;
+  r->round = round;
+  reports_.push_back(std::move(r));
 }
 
 }  // namespace mooncake::ep

@@ -274,6 +274,19 @@ def case_stream_calls(ctx):
         async_bad, lambda: box["ev"].wait() if "ev" in box else None], 0, ValueError, ["token 1"])
     fails += ll_round(ctx, cfg, act, "after a bad expert id (event)")
 
+    # The same with return_recv_hook and the hook dropped uncalled: what the send's kernels
+    # found is still raised once, by a later call or its event's wait().
+    later = {}
+
+    def later_call():
+        later["ev"] = buf.dispatch(x, topk, act, cfg.M, cfg.E, async_finish=True)[3]
+    raised_once("a bad expert id, its hook dropped uncalled", [
+        lambda: buf.dispatch(x, bad if me == 0 else topk, act, cfg.M, cfg.E,
+                             return_recv_hook=True),
+        later_call, lambda: later["ev"].wait() if "ev" in later else None], 0, ValueError,
+        ["token 1"])
+    fails += ll_round(ctx, cfg, act, "after a dropped hook's bad expert id")
+
     # Rank 0's combine handle places its own rows of local expert 0 outside the R*M rows: the
     # kernels read nothing there and report it (its peers' combines are right).
     recv_x, cnt, handle, _, _ = buf.dispatch(x, topk, act, cfg.M, cfg.E)

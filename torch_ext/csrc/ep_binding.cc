@@ -350,7 +350,7 @@ class PyEpBuffer {
       ep::EpBuffer* b = buf_.get();
       auto send = [b, a, round, keep] { b->dispatchSend(a, round); };
       auto recv = [b, a, round, keep] { b->dispatchRecv(a, round); };
-      run(send, recv, async_finish, return_hook, &event, &hook);
+      run(op, RoundKind::kDispatch, round, send, recv, async_finish, return_hook, &event, &hook);
     }
     py::object scales = use_fp8 ? py::cast(recv_scales) : py::none();
     return py::make_tuple(recv_x, scales, recv_count, src_info, layout, event, hook);
@@ -428,7 +428,7 @@ class PyEpBuffer {
       ep::EpBuffer* b = buf_.get();
       auto send = [b, a, round, keep] { b->combineSend(a, round); };
       auto recv = [b, a, round, keep] { b->combineRecv(a, round); };
-      run(send, recv, async_finish, return_hook, &event, &hook);
+      run(op, RoundKind::kCombine, round, send, recv, async_finish, return_hook, &event, &hook);
     }
     return py::make_tuple(out, event, hook);
   }
@@ -643,7 +643,7 @@ class PyEpBuffer {
         b->checkStreamCalls();
       };
       const auto kind = dispatch ? RoundKind::kDispatch : RoundKind::kCombine;
-      auto drop = [b, kind, round] { b->dropStreamHook(kind, round); };
+      auto drop = [b, op, kind, round] { b->dropStreamHook(op, kind, round); };
       *hook = py::cast(std::make_shared<PyHook>(buf_, std::move(recv), std::move(drop)));
       return;  // (raising here would lose the hook, and with it the round's receive)
     }
@@ -651,18 +651,43 @@ class PyEpBuffer {
     buf_->checkStreamCalls();
   }
 
-  // The four ways to run a send/recv pair (called without the GIL).
-  void run(std::function<void()> send, std::function<void()> recv, bool async_finish,
-           bool return_hook, py::object* event, py::object* hook) {
+  // The four ways to run the send/recv pair of `round` (reserved; called without the GIL).
+  // A third call of a kind in flight while a hook holds its half (EpBuffer::claimHalf) is
+  // refused and its round given up, as on the stream path.
+  void run(const char* op, RoundKind kind, uint32_t round, std::function<void()> send,
+           std::function<void()> recv, bool async_finish, bool return_hook, py::object* event,
+           py::object* hook) {
     ep::EpBuffer* b = buf_.get();
+    try {
+      b->claimHalf(op, kind, round, return_hook);
+    } catch (const std::invalid_argument&) {
+      b->runSync([&] { b->abandon(kind, round); });
+      throw;
+    }
     std::shared_ptr<ep::EpEvent> ev;
     if (return_hook) {
-      if (async_finish)
-        ev = b->enqueue(std::move(send));
-      else
-        b->runSync(send);
+      try {
+        if (async_finish)
+          ev = b->enqueue(std::move(send));
+        else
+          b->runSync(send);
+      } catch (...) {  // no hook: the half is free again
+        b->releaseHalf(kind, round);
+        throw;
+      }
+      // The hook's receive frees the half once it ran (or failed); so does dropping it.
+      auto received = [b, kind, round, recv = std::move(recv)] {
+        struct Release {
+          ep::EpBuffer* b;
+          RoundKind kind;
+          uint32_t round;
+          ~Release() { b->releaseHalf(kind, round); }
+        } release{b, kind, round};
+        recv();
+      };
+      auto drop = [b, kind, round] { b->releaseHalf(kind, round); };
       py::gil_scoped_acquire gil;
-      *hook = py::cast(std::make_shared<PyHook>(buf_, std::move(recv)));
+      *hook = py::cast(std::make_shared<PyHook>(buf_, std::move(received), std::move(drop)));
     } else if (async_finish) {
       ev = b->enqueue([send, recv] {
         send();
