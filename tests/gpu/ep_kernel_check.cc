@@ -10,7 +10,8 @@
 //     (timeout_us) and finish; and without a deadline, once the host raises the rank's gone
 //     flag (LlArgs::gone) while the waits run, after gone_grace_us.
 // And normal mode (tests/gpu/ep_normal_check.h): dispatch with top-k and weights, then combine,
-// each rank's calls concurrent with the others', against its own naive reference.
+// each rank's calls concurrent with the others', against its own naive reference; and bad
+// input the kernels find (tests/gpu/ep_bad_input_check.h: kBadTopk, kBadHandle).
 // Executors: "host" (HostLanes, one thread: runs everywhere, ctest ep.kernel_check_host),
 // "threads" (each block's lanes are 5 host threads with barriers: the multi-lane logic, ctest
 // ep.kernel_check_threads; compared with "host" bit for bit) and "cuda" (ep/kernels/ll_kernels.cu on GPU 0, built with nvcc by scripts/gpu_check.sh and in
@@ -297,6 +298,20 @@ class World {
   }
   const RankInput& input(int r) const { return in_[r]; }
   int local() const { return L_; }
+  // Bad input (tests/gpu/ep_bad_input_check.h): rank r's topk_idx[t][k] = e; rank r's
+  // layout_range[l][src] (its last dispatch's handle) = v; rank r's error words.
+  void setTopk(int r, int64_t t, int k, int64_t e) {
+    in_[r].topk[t * s_.K + k] = e;
+    ex_.upload(dev_[r].topk, in_[r].topk.data(), in_[r].topk.size() * 8);
+  }
+  void setLayout(int r, int l, int src, int64_t v) {
+    ex_.upload(static_cast<int64_t*>(dev_[r].layout) + l * s_.R + src, &v, 8);
+  }
+  std::pair<int32_t, int32_t> errorOf(int r) {
+    int32_t err[2];
+    ex_.download(err, dev_[r].error, 8);
+    return {err[0], err[1]};
+  }
 
   kern::LlArgs args(int r, uint32_t round, bool combine, ep::DType dt) {
     const auto lay = ep::LowLatencyLayout::make(s_.R, s_.E, s_.M, s_.H, dt);
@@ -341,8 +356,11 @@ class World {
       ex_.upload(dev_[r].active, ones.data(), 4 * s_.R);
       ex_.zero(dev_[r].self_count, 4 * L_);
     }
+    // (The error words are zeroed before the sends, as a stream-ordered call does: the sends
+    // check topk_idx.)
     for (int r = 0; r < s_.R; ++r) {
       if (r == silent) continue;
+      ex_.zero(dev_[r].error, 8);
       auto p = args(r, round, false, s_.dtype);
       p.timeout_us = timeout_us;
       ex_.dispatchSend(p, s_.E, static_cast<int32_t*>(dev_[r].toks));
@@ -350,7 +368,6 @@ class World {
     for (int r = 0; r < s_.R; ++r) {
       if (r == silent) continue;
       ex_.zero(dev_[r].decision, 4 * s_.R);
-      ex_.zero(dev_[r].error, 8);
       auto p = args(r, round, false, s_.dtype);
       p.timeout_us = timeout_us;
       ex_.dispatchRecv(p);
@@ -380,6 +397,7 @@ class World {
     }
     for (int r = 0; r < s_.R; ++r) {
       if (r == silent) continue;
+      ex_.zero(dev_[r].error, 8);
       auto p = args(r, round, true, ct);
       p.timeout_us = timeout_us;
       ex_.combineSend(p);
@@ -387,7 +405,6 @@ class World {
     for (int r = 0; r < s_.R; ++r) {
       if (r == silent) continue;
       ex_.zero(dev_[r].decision, 4 * s_.R);
-      ex_.zero(dev_[r].error, 8);
       auto p = args(r, round, true, ct);
       p.timeout_us = timeout_us;
       ex_.combineRecv(p);
@@ -662,6 +679,7 @@ Result timeShape(kern::Exec& ex, int R) {
 }  // namespace
 
 #include "tests/gpu/ep_normal_check.h"
+#include "tests/gpu/ep_bad_input_check.h"
 
 int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "host";
@@ -700,6 +718,7 @@ int main(int argc, char** argv) {
   rows.push_back(runNormalShape(*ex, {4, 16, 128, 8, 4, ep::DType::kFloat32, -1, 25}, 1));
   rows.push_back(runNormalShape(*ex, {4, 17, 384, 16, 11, ep::DType::kBFloat16, -1, 23}, 1));
   rows.push_back(runNormalShape(*ex, {4, 12, 128, 8, 2, ep::DType::kBFloat16, 5, 24}, 8));
+  for (Result& r : runBadInput(*ex)) rows.push_back(std::move(r));
   if (ex == cuda.get())
     for (int R : {2, 4}) rows.push_back(timeShape(*ex, R));
   bool all = true;
