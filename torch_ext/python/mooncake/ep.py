@@ -171,7 +171,8 @@ class Buffer:
         expert l, rows [0, recv_count[l]) hold one contiguous block per active source rank
         r at handle's layout_range[l][r] = (begin << 32) | count; src_info[l][i] is the
         source token index. With async_finish the outputs are filled once event.wait()
-        returns; with return_recv_hook the call only sends and hook() receives.
+        returns; with return_recv_hook the call only sends and hook() receives (at most
+        two dispatches in flight: a third before the first one's hook() raises ValueError).
         """
         with self._round("dispatch"):
             M, E, tmo = int(num_max_dispatch_tokens_per_rank), int(num_experts), int(timeout_us)
