@@ -139,7 +139,9 @@ ErrorOr<std::unique_ptr<StoreClient>> StoreClient::connect(engine::TransferEngin
   ErrorCode ec = ErrorCode::RPC_FAIL;
   for (int64_t backoff = 20;; backoff = std::min<int64_t>(backoff * 2, 200)) {
     ec = c->reconnect(why);
-    if (ec == ErrorCode::OK || Clock::now() + milliseconds(backoff) >= deadline) break;
+    if (ec == ErrorCode::OK || c->secret_refused_ ||
+        Clock::now() + milliseconds(backoff) >= deadline)
+      break;
     std::this_thread::sleep_for(milliseconds(backoff));
   }
   if (ec != ErrorCode::OK) return ec;
@@ -281,6 +283,7 @@ ErrorOr<std::shared_ptr<StoreClient::Link>> StoreClient::openLink(std::string* w
     // leader up again, instead of waiting on a dead address.
     auto rdv = engine::TcpRendezvousClient::connect(
         host, port, options_.secret, engine::deadlineInMs(std::min<int64_t>(open_ms, 500)));
+    secret_refused_ = !rdv.ok() && rdv.status().code() == mooncake::Code::kPermissionDenied;
     if (!rdv.ok()) {
       *why = "master rendezvous " + address + ": " + rdv.status().toString();
       return ErrorCode::RPC_FAIL;

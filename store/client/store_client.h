@@ -326,6 +326,9 @@ class StoreClient {
   bool reconnect_wanted_ = false;
   std::atomic<uint64_t> reconnects_{0};
   uint64_t registered_epoch_ = 0;  // the epoch whose master knows this client's segment
+  // The last openLink met a master that refused this client's job secret: setup does not
+  // retry that (the secret will not change).
+  bool secret_refused_ = false;
   uint64_t reported_epoch_ = 0;    // the epoch whose master had this client's whole report
   std::mutex register_mu_;         // one registration at a time
 
