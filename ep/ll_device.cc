@@ -579,7 +579,13 @@ kern::NormalLaunch EpBuffer::deviceNormalLaunch(kern::NormalArgs p, int64_t rows
   // by their own timeout_us) must not count against this call's deadlines.
   if (stream_calls_) deviceSync("normal", engine::noDeadline());
   const size_t toks = static_cast<size_t>(R) * static_cast<size_t>(std::max<int64_t>(1, p.tokens)) * 4;
-  const Scratch sc = scratchAt(deviceScratch(toks), R);
+  char* scratch;
+  {  // (a stream call's hook dropped on another thread reads scratch_: dropStreamHook)
+    std::unique_lock<std::mutex> g(stream_mu_, std::defer_lock);
+    if (stream_calls_) g.lock();
+    scratch = deviceScratch(toks);
+  }
+  const Scratch sc = scratchAt(scratch, R);
   p.peers = dev_peers_;
   p.gone = gone_ptr_;
   p.active = sc.active;

@@ -114,7 +114,7 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
   bool launched = false;  // a kernel of this part is on the stream
   bool reported = false;  // its report holds the slot and the tensors
   try {
-    // At most two calls of a kind in flight (claimHalf): a third would also share its half's
+    // At most two calls of a kind in flight (as claimHalf): a third would also share its half's
     // outcome words with the first, whose receive (a hook not yet called) would read them.
     if (part != StreamPart::kRecv) checkHalfLocked(op, kind, round);
     if (part == StreamPart::kRecv && hook_pending_[k][half] != round + 1)
@@ -265,8 +265,7 @@ std::shared_ptr<dev::Event> EpBuffer::streamCombine(const LowLatencyCombineArgs&
 
 
 void EpBuffer::dropStreamHook(const char* op, RoundKind kind, uint32_t round) {
-  std::vector<std::shared_ptr<StreamReport>> done;  // (released after the lock: streamQueue)
-  std::lock_guard<std::mutex> g(stream_mu_);
+  std::lock_guard<std::mutex> g(stream_mu_);  // (scratch_ too: deviceScratch)
   uint32_t& held = hook_pending_[static_cast<int>(kind)][round & 1];
   if (held != round + 1) return;
   held = 0;
@@ -285,8 +284,8 @@ void EpBuffer::dropStreamHook(const char* op, RoundKind kind, uint32_t round) {
                                     streamOutcome(kind, round), words * 4, device_, stream_);
   Result<std::unique_ptr<dev::Event>> after =
       st.ok() ? (*layer)->recordOn(device_, stream_) : Result<std::unique_ptr<dev::Event>>(st);
-  if (!after.ok()) {  // (the copy may be queued: its slot stays taken)
-    free_reports_.pop_back();
+  if (!after.ok()) {
+    if (st.ok()) free_reports_.pop_back();  // (the copy is queued: its slot stays taken)
     MC_LOG(WARN, EP) << op << ": rank " << g_.rank << ": the dropped hook of round " << round
                      << ": " << after.status().toString();
     return;

@@ -224,8 +224,9 @@ def case_ll_modes(ctx):
 
 def _third_call_in_flight(ctx, buf, c, d, active):
     """At most two calls of a kind in flight (the buffer's halves): while the first of two
-    hooked dispatches (combines) waits for its hook, a third call of the kind is refused with
-    ValueError on every rank alike (its round given up), and the two hooked calls then receive
+    hooked dispatches (combines) waits for its hook, a third call of the kind (a normal-mode
+    one too) is refused with ValueError on every rank alike (its round given up), and the two
+    hooked calls then receive
     what was sent to them, not the third's rows; a hook dropped uncalled frees its half."""
     me, fails = ctx.rank, []
     xc, tc, wc = c.inputs(me)
@@ -234,6 +235,9 @@ def _third_call_in_flight(ctx, buf, c, d, active):
     r2 = buf.dispatch(xd, td, active, d.M, d.E, return_recv_hook=True)
     _expect_value_error(fails, lambda: buf.dispatch(xd, td, active, d.M, d.E),
                         "a third dispatch in flight", "hook")
+    # (normal mode's rounds use the same halves)
+    _expect_value_error(fails, lambda: buf.normal_dispatch(xc, tc, wc, c.E),
+                        "a normal dispatch while two are in flight", "hook")
     r1[4]()
     r2[4]()
     fails += check_ll_dispatch(c, me, r1[0], r1[1], r1[2], active, "third-in-flight c")

@@ -518,6 +518,8 @@ class PyEpBuffer {
           round = buf_->nextDispatchRound();
         }
         guard.reserved();
+        // (Normal rounds use the same halves: none while a low-latency hook holds one.)
+        claimOrGiveUp(op, RoundKind::kDispatch, round, false, true);
         std::vector<int32_t> counts = buf_->normalDispatchSend(a, round);
         int64_t n = 0;
         for (int32_t c : counts) n += c;
@@ -593,6 +595,7 @@ class PyEpBuffer {
           round = buf_->nextCombineRound();
         }
         guard.reserved();
+        claimOrGiveUp(op, RoundKind::kCombine, round, false, true);
         buf_->normalCombine(a, round);
       });
     }
@@ -651,6 +654,20 @@ class PyEpBuffer {
     buf_->checkStreamCalls();
   }
 
+  // EpBuffer::claimHalf for `round` (reserved; without the GIL): a refusal gives the round up,
+  // as a bad call's is, and rethrows. on_queue: called from the buffer's queue (runSync).
+  void claimOrGiveUp(const char* op, RoundKind kind, uint32_t round, bool hook, bool on_queue) {
+    try {
+      buf_->claimHalf(op, kind, round, hook);
+    } catch (const std::invalid_argument&) {
+      if (on_queue)
+        buf_->abandon(kind, round);
+      else
+        buf_->runSync([&] { buf_->abandon(kind, round); });
+      throw;
+    }
+  }
+
   // The four ways to run the send/recv pair of `round` (reserved; called without the GIL).
   // A third call of a kind in flight while a hook holds its half (EpBuffer::claimHalf) is
   // refused and its round given up, as on the stream path.
@@ -658,12 +675,7 @@ class PyEpBuffer {
            std::function<void()> recv, bool async_finish, bool return_hook, py::object* event,
            py::object* hook) {
     ep::EpBuffer* b = buf_.get();
-    try {
-      b->claimHalf(op, kind, round, return_hook);
-    } catch (const std::invalid_argument&) {
-      b->runSync([&] { b->abandon(kind, round); });
-      throw;
-    }
+    claimOrGiveUp(op, kind, round, return_hook, false);
     std::shared_ptr<ep::EpEvent> ev;
     if (return_hook) {
       try {

@@ -190,7 +190,8 @@ class Buffer:
         topk_weights[t][k] * y_owner[row of t], accumulated in float32, rounded once.
 
         Returns (out [T, H], event, hook). zero_copy=True (y already in the buffer) is not
-        supported, as in Mooncake EP: NotImplementedError.
+        supported, as in Mooncake EP: NotImplementedError. As dispatch: at most two combines
+        in flight (return_recv_hook).
         """
         if zero_copy:
             raise NotImplementedError(
