@@ -242,8 +242,9 @@ struct TcpRendezvousServer::Impl {
     return true;
   }
 
-  // Decodes and serves one request body; false when malformed or refused (the caller closes).
-  bool handle(uint64_t id, std::string_view body) {
+  // Decodes and serves one request body; false when malformed or refused (the caller closes;
+  // *refused: a wrong secret, already logged).
+  bool handle(uint64_t id, std::string_view body, bool* refused) {
     wire::Reader r(body);
     uint8_t op = r.u8();
     std::string key = r.str(kMaxKey);
@@ -256,6 +257,7 @@ struct TcpRendezvousServer::Impl {
       if (!secretsEqual(value, secret)) {
         MC_LOG(WARN, ENGINE) << "rendezvous server: wrong job secret from " << c.src;
         reply(id, Code::kPermissionDenied, "wrong job secret");  // best effort, then closed
+        *refused = true;
         return false;
       }
       c.authed = true;
@@ -358,9 +360,11 @@ struct TcpRendezvousServer::Impl {
       if (avail < 4 + static_cast<size_t>(len)) break;
       std::string_view body(c->in.data() + c->in_off + 4, len);
       c->in_off += 4 + len;
-      if (!handle(id, body)) {
-        MC_LOG(WARN, ENGINE) << "rendezvous server: malformed request, closing connection";
-        drop(id, "malformed request");
+      bool refused = false;
+      if (!handle(id, body, &refused)) {
+        if (!refused)
+          MC_LOG(WARN, ENGINE) << "rendezvous server: malformed request, closing connection";
+        drop(id, refused ? "wrong job secret" : "malformed request");
         return;
       }
       auto it = conns.find(id);  // a reply may have dropped the connection
