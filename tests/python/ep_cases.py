@@ -183,7 +183,11 @@ def case_ll_modes(ctx):
     fails += ll_round(ctx, a, active, "sync-bf16")
     b = Cfg(R, dtype=torch.float32, seed=4)
     fails += ll_round(ctx, b, active, "async-fp32", async_finish=True)
-    # Two rounds in flight: send both, then receive both (hooks), same for combine.
+    # Two rounds in flight: send both, then receive both (hooks), same for combine. At most
+    # two calls of a kind in flight (the buffer's halves): while the first one's hook waits,
+    # a third call of the kind (a normal-mode one too) is refused with ValueError on every
+    # rank alike (its round given up), and the hooked calls then receive what was sent to
+    # them, not the third's rows.
     c, d = Cfg(R, seed=5), Cfg(R, seed=6, dtype=torch.float32, tokens=tokens)
     buf = ctx.buffer(c.M, c.H, c.E)
     xc, tc, wc = c.inputs(me)
@@ -192,6 +196,10 @@ def case_ll_modes(ctx):
     rd = buf.dispatch(xd, td, active, d.M, d.E, return_recv_hook=True)
     if rc[4] is None or rd[4] is None:
         return fails + ["return_recv_hook=True returned no hook"]
+    _expect_value_error(fails, lambda: buf.dispatch(xd, td, active, d.M, d.E),
+                        "a third dispatch in flight", "hook")
+    _expect_value_error(fails, lambda: buf.normal_dispatch(xc, tc, wc, c.E),
+                        "a normal dispatch while two are in flight", "hook")
     rc[4]()
     rd[4]()
     fails += check_ll_dispatch(c, me, rc[0], rc[1], rc[2], active, "hook-c")
@@ -201,13 +209,20 @@ def case_ll_modes(ctx):
     out_d = torch.full((d.tokens[me], d.H), 7.0, dtype=d.dtype)
     od = buf.combine(ll_y(d, me, rd[0], rd[1]), td, wd, active, TIMEOUT_US, rd[2],
                      return_recv_hook=True, async_finish=True, out=out_d)
+    _expect_value_error(fails, lambda: buf.combine(ll_y(d, me, rd[0], rd[1]), td, wd, active,
+                                                   TIMEOUT_US, rd[2]),
+                        "a third combine in flight", "hook")
     oc[2]()
     od[2]()
     fails += check_ll_combine(c, me, oc[0], active, "hook-c")
     fails += check_ll_combine(d, me, od[0], active, "hook-d")
     if od[0].data_ptr() != out_d.data_ptr():
         fails.append("combine(out=...) did not write into out")
-    fails += _third_call_in_flight(ctx, buf, c, d, active)
+    # A hook dropped uncalled frees its half: both halves serve full rounds again.
+    dropped = buf.dispatch(xc, tc, active, c.M, c.E, return_recv_hook=True)[4]
+    del dropped
+    for i in range(2):
+        fails += ll_round(ctx, c, active, f"after a dropped hook ({i})")
     # Every token of every rank to expert 0: rank 0 receives the capacity bound R*M.
     e = Cfg(R, tokens=[24] * R, all_to=0, seed=7)
     recv_x, cnt, handle, _, _ = buf.dispatch(*e.inputs(me)[:2], active, e.M, e.E)
@@ -219,44 +234,6 @@ def case_ll_modes(ctx):
     fails += check_ll_combine(e, me, out, active, "all-to-0")
     if active.tolist() != [1] * R:
         fails.append(f"active_ranks changed: {active.tolist()}")
-    return fails
-
-
-def _third_call_in_flight(ctx, buf, c, d, active):
-    """At most two calls of a kind in flight (the buffer's halves): while the first of two
-    hooked dispatches (combines) waits for its hook, a third call of the kind (a normal-mode
-    one too) is refused with ValueError on every rank alike (its round given up), and the two
-    hooked calls then receive
-    what was sent to them, not the third's rows; a hook dropped uncalled frees its half."""
-    me, fails = ctx.rank, []
-    xc, tc, wc = c.inputs(me)
-    xd, td, wd = d.inputs(me)
-    r1 = buf.dispatch(xc, tc, active, c.M, c.E, return_recv_hook=True)
-    r2 = buf.dispatch(xd, td, active, d.M, d.E, return_recv_hook=True)
-    _expect_value_error(fails, lambda: buf.dispatch(xd, td, active, d.M, d.E),
-                        "a third dispatch in flight", "hook")
-    # (normal mode's rounds use the same halves)
-    _expect_value_error(fails, lambda: buf.normal_dispatch(xc, tc, wc, c.E),
-                        "a normal dispatch while two are in flight", "hook")
-    r1[4]()
-    r2[4]()
-    fails += check_ll_dispatch(c, me, r1[0], r1[1], r1[2], active, "third-in-flight c")
-    fails += check_ll_dispatch(d, me, r2[0], r2[1], r2[2], active, "third-in-flight d")
-    o1 = buf.combine(ll_y(c, me, r1[0], r1[1]), tc, wc, active, TIMEOUT_US, r1[2],
-                     return_recv_hook=True)
-    o2 = buf.combine(ll_y(d, me, r2[0], r2[1]), td, wd, active, TIMEOUT_US, r2[2],
-                     return_recv_hook=True, async_finish=True)
-    _expect_value_error(fails, lambda: buf.combine(ll_y(d, me, r2[0], r2[1]), td, wd, active,
-                                                   TIMEOUT_US, r2[2]),
-                        "a third combine in flight", "hook")
-    o1[2]()
-    o2[2]()
-    fails += check_ll_combine(c, me, o1[0], active, "third-in-flight c")
-    fails += check_ll_combine(d, me, o2[0], active, "third-in-flight d")
-    dropped = buf.dispatch(xc, tc, active, c.M, c.E, return_recv_hook=True)[4]
-    del dropped
-    for i in range(2):  # both halves usable again
-        fails += ll_round(ctx, c, active, f"after a dropped hook ({i})")
     return fails
 
 
