@@ -8,9 +8,25 @@
 // Same buffer layout and signal protocol as the CPU path (ep/layout.h, ep/kernels/README.md):
 // a rank running these bodies interoperates with one running ep/buffer.cc's loops.
 //
-// Only mapped peers: every rank's buffer is addressed directly (peers[r], this process's view
-// of rank r's buffer: shm here, CUDA IPC on a GPU). Rows of one expert go in token order, so
-// slots, src_info and recv_x equal the CPU path's (which lists tokens in the same order).
+// Mapped peers are addressed directly (peers[r], this process's view of rank r's buffer: shm
+// here, CUDA IPC on a GPU). Rows of one expert go in token order, so slots, src_info and recv_x
+// equal the CPU path's (which lists tokens in the same order).
+//
+// Proxied peers (peers[r] == nullptr: a rank on another host, reached by a host thread of the
+// sender's through the engine; ep/kernels/README.md, "Proxied ranks"). The bodies' side:
+//   - dispatch to proxied o: local expert l's rows and token ids go to the sender's `stage`
+//     (device memory with a dispatch region's layout, indexed [o][l][slot] instead of
+//     [l][src][slot]), then proxy_words[o * L + l] (host-mapped) = (round, rows), or
+//     (round, kProxySkip) when o is inactive. The proxy moves the rows to o's block (l, me)
+//     and then stores o's signal word (l * R + me).
+//   - combine to proxied r: for each local expert l the rows y holds for r's tokens, compact in
+//     handle order at stage block (r, l), their tokens at its id slots, then
+//     proxy_words[r * L + l] = (round, rows) (skip mark: r inactive). The proxy moves row j to
+//     r's combine row (me * L + l, token j), then r's combine signal word (me) = (round, the
+//     rows of every l).
+//   - a proxied source's signal words (and its abandon word) are read from `ctrl` (host-mapped
+//     memory of this rank that its proxy's notifications are stored into), at their offsets
+//     from dispatch_signals: this half's signal words, laid out as in the buffer.
 //
 // The Lanes interface (L is the executor's type):
 //   lane(), lanes()                  this lane's index, the block's width
@@ -49,6 +65,7 @@ enum Error : int32_t {
   kBadHandle = 5,  // combine: layout_range or src_info outside its bounds: the local expert
 };
 constexpr int kMaxTopk = 32;
+constexpr uint32_t kProxySkip = 0xffffffffu;  // a proxy word's count: nothing for that rank
 constexpr int kDtypeBf16 = 0, kDtypeF32 = 1, kDtypeFp8 = 2;  // ep::DType's values
 
 using num::makeSignal;
@@ -66,6 +83,12 @@ struct LlArgs {
   // Each rank's buffer as this process addresses it, and offsets in a buffer (this round's
   // half): ep::BufferGeometry and ep::LowLatencyLayout's numbers.
   char* const* peers = nullptr;
+  // Proxied ranks (above): staging rows (device memory), the words the proxy reads ([R][L],
+  // host-mapped), this half's signal words of proxied sources (host-mapped). Null when every
+  // peer is mapped.
+  char* stage = nullptr;
+  uint64_t* proxy_words = nullptr;
+  const char* ctrl = nullptr;
   uint64_t dispatch_region = 0, combine_region = 0;
   uint64_t dispatch_signals = 0;  // dispatchSignal(half, 0)
   uint64_t combine_signals = 0;   // combineSignal(half, 0)
@@ -181,14 +204,15 @@ MC_HD bool routesTo(const LlArgs& p, int64_t t, int64_t e) {
   return false;
 }
 
-// (Args: LlArgs or NormalArgs: decision, active, round, abandon_signals, timeout_us.)
+// (Args: LlArgs or NormalArgs: decision, active, round, timeout_us.)
 // Decides once, for all blocks, whether `src` delivered this round: all `words` signal words
-// from `first` (stride `stride`) carry the round (kArrived), its abandon word does (kGaveUp),
-// or the deadline passed first (kSilent; active[src] = 0). Lane 0 waits; all lanes return it.
+// at base + first (stride `stride`) carry the round (kArrived), its abandon word at base +
+// abandon does (kGaveUp), or the deadline passed first (kSilent; active[src] = 0). Lane 0
+// waits; all lanes return it.
 MC_HD_TEMPLATE
 template <class Ln, class Args>
-MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* mine, uint64_t first,
-                     uint64_t stride, int words, int64_t start_us) {
+MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* base, uint64_t first,
+                     uint64_t stride, int words, uint64_t abandon, int64_t start_us) {
   int32_t d = kUndecided;
   if (ln.lane() == 0) {
     int64_t gone_at = -1;  // when this wait first saw src's gone flag
@@ -199,12 +223,11 @@ MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* mine, uint64_t 
       bool all = true;
       for (int i = 0; i < words && all; ++i)
         all = signalRound(ln.loadAcquire(
-                  reinterpret_cast<const uint64_t*>(mine + first + i * stride))) == p.round;
+                  reinterpret_cast<const uint64_t*>(base + first + i * stride))) == p.round;
       int32_t want = kUndecided;
       if (all) {
         want = kArrived;
-      } else if (ln.loadAcquire(reinterpret_cast<const uint64_t*>(mine + p.abandon_signals +
-                                                                  src * 8u)) ==
+      } else if (ln.loadAcquire(reinterpret_cast<const uint64_t*>(base + abandon)) ==
                  makeSignal(p.round, 1)) {
         want = kGaveUp;
       } else {
@@ -225,6 +248,16 @@ MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* mine, uint64_t 
     }
   }
   return ln.share(d);
+}
+
+// Where source `src`'s signal words of this call's half are: base + (buffer offset - shift).
+struct Signals {
+  const char* base;
+  uint64_t shift;
+};
+MC_HD Signals signalsOf(const LlArgs& p, int src) {
+  if (p.peers[src] == nullptr) return {p.ctrl, p.dispatch_signals};  // proxied: ctrl
+  return {p.peers[p.me], 0};
 }
 
 // Every entry of topk_idx in [-1, E) (E = world * local_experts) and no expert twice in a
@@ -252,8 +285,14 @@ MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void dispatchSend(const LlArgs& p, int e, Ln& ln, int32_t* toks) {
   const int L = p.local_experts, o = e / L, l = e % L;
+  char* const dst = p.peers[o];  // (null: proxied)
   if (e == 0) checkTopk(p, ln);
-  if (p.active[o] == 0) return;
+  if (p.active[o] == 0) {
+    if (dst == nullptr && ln.lane() == 0)
+      ln.storeRelease(p.proxy_words + static_cast<uint64_t>(o) * L + l,
+                      makeSignal(p.round, kProxySkip));
+    return;
+  }
   int64_t n = 0;
   for (int64_t t0 = 0; t0 < p.tokens; t0 += ln.lanes()) {
     const int64_t t = t0 + ln.lane();
@@ -271,20 +310,26 @@ MC_HD void dispatchSend(const LlArgs& p, int e, Ln& ln, int32_t* toks) {
     if (ln.lane() == 0) p.self_count[l] = static_cast<int32_t>(n);
     return;
   }
-  char* dst = p.peers[o];
-  const uint64_t block = (static_cast<uint64_t>(l) * p.world + p.me) * p.max_tokens;
-  for (int64_t j = 0; j < n; ++j)
-    writeWireRow(ln, p, toks[j], dst + p.dispatch_region + (block + j) * p.row_stride);
+  // Mapped: o's dispatch region, block (l, me); proxied: the stage, block (o, l).
+  char* const rows = dst != nullptr ? dst + p.dispatch_region : p.stage;
+  const uint64_t block = (dst != nullptr ? static_cast<uint64_t>(l) * p.world + p.me
+                                          : static_cast<uint64_t>(o) * L + l) *
+                         p.max_tokens;
+  for (int64_t j = 0; j < n; ++j) writeWireRow(ln, p, toks[j], rows + (block + j) * p.row_stride);
   for (int64_t j = ln.lane(); j < n; j += ln.lanes())
-    *reinterpret_cast<int32_t*>(dst + p.dispatch_region + p.src_base + (block + j) * 4) = toks[j];
+    *reinterpret_cast<int32_t*>(rows + p.src_base + (block + j) * 4) = toks[j];
   ln.fenceSystem();  // every lane's rows before lane 0's release of the signal
   ln.sync();
-  if (ln.lane() == 0) {
-    ln.storeRelease(
-        reinterpret_cast<uint64_t*>(dst + p.dispatch_signals + (static_cast<uint64_t>(l) * p.world + p.me) * 8),
-        makeSignal(p.round, static_cast<uint32_t>(n)));
-    ln.ringDoorbell(reinterpret_cast<uint32_t*>(dst));
+  if (ln.lane() != 0) return;
+  if (dst == nullptr) {
+    ln.storeRelease(p.proxy_words + static_cast<uint64_t>(o) * L + l,
+                    makeSignal(p.round, static_cast<uint32_t>(n)));
+    return;
   }
+  const uint64_t word = p.dispatch_signals + (static_cast<uint64_t>(l) * p.world + p.me) * 8;
+  ln.storeRelease(reinterpret_cast<uint64_t*>(dst + word),
+                  makeSignal(p.round, static_cast<uint32_t>(n)));
+  ln.ringDoorbell(reinterpret_cast<uint32_t*>(dst));
 }
 
 // Block `l` (local expert): recv_x's blocks in source order from this rank (own rows, which
@@ -301,11 +346,14 @@ MC_HD void dispatchRecv(const LlArgs& p, int l, Ln& ln, int64_t start_us) {
     for (int r = 0; r < R; ++r) p.layout_range[l * R + r] = r == me ? begin : 0;
   for (int step = 1; step < R; ++step) {
     const int r = (me + step) % R;
-    const int32_t d = decide(p, ln, r, mine, p.dispatch_signals + static_cast<uint64_t>(r) * 8,
-                             static_cast<uint64_t>(R) * 8, L, start_us);
+    const Signals sg = signalsOf(p, r);
+    const int32_t d = decide(p, ln, r, sg.base,
+                             p.dispatch_signals - sg.shift + static_cast<uint64_t>(r) * 8,
+                             static_cast<uint64_t>(R) * 8, L,
+                             p.abandon_signals - sg.shift + static_cast<uint64_t>(r) * 8, start_us);
     if (d != kArrived) continue;
     const uint64_t w = ln.loadAcquire(reinterpret_cast<const uint64_t*>(
-        mine + p.dispatch_signals + (static_cast<uint64_t>(l) * R + r) * 8));
+        sg.base + p.dispatch_signals - sg.shift + (static_cast<uint64_t>(l) * R + r) * 8));
     const int64_t c = signalCount(w);
     if (c > p.max_tokens) {
       if (ln.lane() == 0) setError(p, kTooManyRows, r);
@@ -331,25 +379,36 @@ MC_HD void dispatchRecv(const LlArgs& p, int l, Ln& ln, int64_t start_us) {
 // ---- combine ----
 
 // Block `r` (destination rank): this rank's expert outputs for r's tokens go to r's combine
-// region row (global expert, token), then one signal word (round, rows).
+// region row (global expert, token), then one signal word (round, rows); for a proxied r to
+// the stage, compact per local expert, each expert's then announced in proxy_words.
 MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void combineSend(const LlArgs& p, int r, Ln& ln) {
   const int R = p.world, L = p.local_experts, me = p.me;
+  char* const dst = p.peers[r];  // (null: proxied)
   if (r == 0) checkTopk(p, ln);
-  if (r == me || p.active[r] == 0) return;
+  if (r == me) return;
+  if (p.active[r] == 0) {
+    if (dst == nullptr && ln.lane() == 0)
+      for (int l = 0; l < L; ++l)
+        ln.storeRelease(p.proxy_words + static_cast<uint64_t>(r) * L + l,
+                        makeSignal(p.round, kProxySkip));
+    return;
+  }
   const int64_t RM = static_cast<int64_t>(R) * p.max_tokens;
   const uint64_t row_bytes = inputRowBytes(p);
-  char* dst = p.peers[r];
   uint32_t rows = 0;
   for (int l = 0; l < L; ++l) {
     const int64_t v = p.layout_range[l * R + r];
-    const int64_t b = v >> 32, c = v & 0xffffffff;
+    const int64_t b = v >> 32;
+    int64_t c = v & 0xffffffff;
+    const uint64_t staged = (static_cast<uint64_t>(r) * L + l) * p.max_tokens;  // (proxied)
+    uint32_t n = 0;  // rows of this expert sent
     // A handle out of its bounds writes nothing outside r's rows: such rows are skipped
     // (and not counted, so r's count check fails too) and reported.
     if (b < 0 || c > p.max_tokens || b + c > RM) {
       if (ln.lane() == 0) setError(p, kBadHandle, l);
-      continue;
+      c = 0;
     }
     for (int64_t i = b; i < b + c; ++i) {
       const int32_t t = p.src_info[l * RM + i];
@@ -357,12 +416,24 @@ MC_HD void combineSend(const LlArgs& p, int r, Ln& ln) {
         if (ln.lane() == 0) setError(p, kBadHandle, l);
         continue;
       }
-      const uint64_t row = static_cast<uint64_t>(me * L + l) * p.max_tokens + t;
-      laneCopy(ln, dst + p.combine_region + row * p.row_stride,
-               static_cast<const char*>(p.y) + (l * RM + i) * row_bytes, row_bytes);
-      ++rows;
+      char* out = dst != nullptr
+                      ? dst + p.combine_region +
+                            (static_cast<uint64_t>(me * L + l) * p.max_tokens + t) * p.row_stride
+                      : p.stage + (staged + n) * p.row_stride;
+      laneCopy(ln, out, static_cast<const char*>(p.y) + (l * RM + i) * row_bytes, row_bytes);
+      if (dst == nullptr && ln.lane() == 0)
+        *reinterpret_cast<int32_t*>(p.stage + p.src_base + (staged + n) * 4) = t;
+      ++n;
+    }
+    rows += n;
+    if (dst == nullptr) {
+      ln.fenceSystem();
+      ln.sync();
+      if (ln.lane() == 0)
+        ln.storeRelease(p.proxy_words + static_cast<uint64_t>(r) * L + l, makeSignal(p.round, n));
     }
   }
+  if (dst == nullptr) return;
   ln.fenceSystem();
   ln.sync();
   if (ln.lane() == 0) {
@@ -378,14 +449,15 @@ MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void combineWait(const LlArgs& p, int o, Ln& ln, int64_t start_us) {
   if (o == p.me) return;
-  const int32_t d = decide(p, ln, o, p.peers[p.me], p.combine_signals + static_cast<uint64_t>(o) * 8,
-                           8, 1, start_us);
+  const Signals sg = signalsOf(p, o);
+  const uint64_t word = p.combine_signals - sg.shift + static_cast<uint64_t>(o) * 8;
+  const int32_t d = decide(p, ln, o, sg.base, word, 8, 1,
+                           p.abandon_signals - sg.shift + static_cast<uint64_t>(o) * 8, start_us);
   if (d != kArrived || ln.lane() != 0) return;
   uint32_t expected = 0;
   for (int64_t i = 0; i < p.tokens * p.topk; ++i)
     if (p.topk_idx[i] >= 0 && p.topk_idx[i] / p.local_experts == o) ++expected;
-  const uint64_t w = ln.loadAcquire(
-      reinterpret_cast<const uint64_t*>(p.peers[p.me] + p.combine_signals + static_cast<uint64_t>(o) * 8));
+  const uint64_t w = ln.loadAcquire(reinterpret_cast<const uint64_t*>(sg.base + word));
   if (signalCount(w) != expected) setError(p, kWrongRowCount, o);
 }
 

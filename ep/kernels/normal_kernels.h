@@ -126,7 +126,7 @@ template <class Ln>
 MC_HD void normalDispatchWait(const NormalArgs& p, int r, Ln& ln, int64_t start_us) {
   const char* mine = p.peers[p.me];
   const int32_t d = decide(p, ln, r, mine, p.dispatch_signals + static_cast<uint64_t>(r) * 8, 8, 1,
-                           start_us);
+                           p.abandon_signals + static_cast<uint64_t>(r) * 8, start_us);
   if (d != kArrived || ln.lane() != 0) return;
   const uint64_t w = ln.loadAcquire(
       reinterpret_cast<const uint64_t*>(mine + p.dispatch_signals + static_cast<uint64_t>(r) * 8));
@@ -227,7 +227,7 @@ MC_HD void normalCombineWait(const NormalArgs& p, int d, Ln& ln, int64_t start_u
   if (d == p.me) return;
   const char* mine = p.peers[p.me];
   const int32_t dec = decide(p, ln, d, mine, p.combine_signals + static_cast<uint64_t>(d) * 8, 8, 1,
-                             start_us);
+                             p.abandon_signals + static_cast<uint64_t>(d) * 8, start_us);
   if (dec != kArrived || ln.lane() != 0) return;
   int64_t sent = 0;
   for (int64_t t = 0; t < p.tokens; ++t) sent += p.in_rank[t * p.world + d] != 0;

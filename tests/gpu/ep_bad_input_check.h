@@ -21,7 +21,8 @@ std::vector<Result> runBadInput(kern::Exec& ex) {
   std::vector<Result> rows;
   const Shape s{3, 16, 128, 6, 2, ep::DType::kBFloat16, -1, 12};
   auto row = [&](const std::string& check, const std::string& error) {
-    rows.push_back({"ll bad input: " + check, error.empty(), error.empty() ? "as expected" : error});
+    rows.push_back(
+        {"ll bad input: " + check, error.empty(), error.empty() ? "as expected" : error});
   };
   auto errorIs = [](std::pair<int32_t, int32_t> got, int32_t code, int32_t who) {
     if (got.first == code && got.second == who) return std::string();

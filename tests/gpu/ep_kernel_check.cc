@@ -10,8 +10,10 @@
 //     (timeout_us) and finish; and without a deadline, once the host raises the rank's gone
 //     flag (LlArgs::gone) while the waits run, after gone_grace_us.
 // And normal mode (tests/gpu/ep_normal_check.h): dispatch with top-k and weights, then combine,
-// each rank's calls concurrent with the others', against its own naive reference; and bad
-// input the kernels find (tests/gpu/ep_bad_input_check.h: kBadTopk, kBadHandle).
+// each rank's calls concurrent with the others', against its own naive reference; bad
+// input the kernels find (tests/gpu/ep_bad_input_check.h: kBadTopk, kBadHandle); and ranks on
+// two hosts whose peers on the other host are proxied (tests/gpu/ep_proxy_check.h: the test
+// does the host proxy's moves; same reference).
 // Executors: "host" (HostLanes, one thread: runs everywhere, ctest ep.kernel_check_host),
 // "threads" (each block's lanes are 5 host threads with barriers: the multi-lane logic, ctest
 // ep.kernel_check_threads; compared with "host" bit for bit) and "cuda" (ep/kernels/ll_kernels.cu on GPU 0, built with nvcc by scripts/gpu_check.sh and in
@@ -236,7 +238,9 @@ constexpr int64_t kGoneGraceUs = 5000;
 // R simulated ranks on one executor.
 class World {
  public:
-  World(kern::Exec& ex, const Shape& s) : ex_(ex), s_(s) {
+  // split > 0: ranks [0, split) and [split, R) are two hosts, each rank's peers on the other
+  // one proxied (tests/gpu/ep_proxy_check.h moves what they stage, as a host proxy would).
+  World(kern::Exec& ex, const Shape& s, int split = 0) : ex_(ex), s_(s), split_(split) {
     bytes_ = ep::sizeHint(s.M, s.H, s.R, s.E);
     geo_ = ep::BufferGeometry(bytes_, s.R);
     L_ = s.E / s.R;
@@ -244,11 +248,15 @@ class World {
       bufs_.push_back(ex.alloc(bytes_));
       ex.zero(bufs_.back(), bytes_);
     }
-    std::vector<char*> host_peers;
-    for (void* b : bufs_) host_peers.push_back(static_cast<char*>(b));
     gone_host_ = ex.allocFlags(s.R, &gone_view_);
-    peers_ = ex.alloc(sizeof(char*) * s.R);
-    ex.upload(peers_, host_peers.data(), sizeof(char*) * s.R);
+    for (int r = 0; r < s.R; ++r) {
+      std::vector<char*> table;
+      for (int o = 0; o < s.R; ++o)
+        table.push_back(hostOf(o) == hostOf(r) ? static_cast<char*>(bufs_[o]) : nullptr);
+      peers_.push_back(ex.alloc(sizeof(char*) * s.R));
+      ex.upload(peers_.back(), table.data(), sizeof(char*) * s.R);
+      if (split_ > 0) addProxy();
+    }
     for (int r = 0; r < s.R; ++r) in_.push_back(makeInput(s, r));
     const int64_t RM = static_cast<int64_t>(s.R) * s.M;
     for (int r = 0; r < s.R; ++r) {
@@ -281,9 +289,15 @@ class World {
                       d.error})
         ex_.release(p);
     for (void* b : bufs_) ex_.release(b);
-    ex_.release(peers_);
+    for (void* t : peers_) ex_.release(t);
+    for (Proxy& x : proxy_) {
+      ex_.release(x.stage);
+      ex_.releaseFlags(x.words);
+      ex_.releaseFlags(x.ctrl);
+    }
     ex_.releaseFlags(gone_host_);
   }
+  int hostOf(int r) const { return split_ > 0 && r >= split_ ? 1 : 0; }
   // Rank r's gone flag goes up `ms` after this call, from another thread (as the engine's
   // peer-gone handler would), while the waits run; joined by the next round's start.
   void markGoneAfter(int r, int ms) {
@@ -327,7 +341,13 @@ class World {
     p.round = round;
     p.gone = gone_view_;
     p.gone_grace_us = kGoneGraceUs;
-    p.peers = static_cast<char* const*>(peers_);
+    p.peers = static_cast<char* const*>(peers_[r]);
+    if (split_ > 0) {
+      const Proxy& x = proxy_[r];
+      p.stage = static_cast<char*>(x.stage);
+      p.proxy_words = reinterpret_cast<uint64_t*>(x.words_view);
+      p.ctrl = reinterpret_cast<const char*>(x.ctrl_view) + (round & 1) * ep::kSignalBytes;
+    }
     ep::setRoundOffsets(p, geo_, round, combine ? 1 : 0);
     p.row_stride = lay.row_stride;
     p.src_base = lay.src_base;
@@ -365,6 +385,7 @@ class World {
       p.timeout_us = timeout_us;
       ex_.dispatchSend(p, s_.E, static_cast<int32_t*>(dev_[r].toks));
     }
+    if (split_ > 0) proxyMove(round, false, silent);
     for (int r = 0; r < s_.R; ++r) {
       if (r == silent) continue;
       ex_.zero(dev_[r].decision, 4 * s_.R);
@@ -402,6 +423,7 @@ class World {
       p.timeout_us = timeout_us;
       ex_.combineSend(p);
     }
+    if (split_ > 0) proxyMove(round, true, silent);
     for (int r = 0; r < s_.R; ++r) {
       if (r == silent) continue;
       ex_.zero(dev_[r].decision, 4 * s_.R);
@@ -457,6 +479,24 @@ class World {
   int32_t error() const { return error_; }
 
  private:
+  // A proxied rank's staging rows, the words its kernels post for the proxy and the signal
+  // words of proxied sources (both halves), host-mapped (ep/kernels/ll_kernels.h).
+  struct Proxy {
+    void* stage;
+    int32_t *words, *words_view, *ctrl, *ctrl_view;
+  };
+  void addProxy() {
+    Proxy x;
+    x.stage = ex_.alloc(bytes_);  // (more than a region of either dtype needs)
+    x.words = ex_.allocFlags(2 * s_.R * L_, &x.words_view);
+    x.ctrl = ex_.allocFlags(static_cast<int>(2 * ep::kSignalBytes / 4), &x.ctrl_view);
+    proxy_.push_back(x);
+  }
+  // Moves what the sends of `round` staged for proxied ranks, as a host proxy would (after
+  // them: the executor has finished), then stores the destinations' signal words
+  // (tests/gpu/ep_proxy_check.h).
+  void proxyMove(uint32_t round, bool combine, int silent);
+
   struct Dev {
     void *x, *topk, *w, *active, *recv_x, *recv_scales, *recv_count, *src_info, *layout, *y, *out,
         *toks, *decision, *self_count, *error;
@@ -467,7 +507,9 @@ class World {
   ep::BufferGeometry geo_;
   int L_ = 0;
   std::vector<void*> bufs_;
-  void* peers_ = nullptr;
+  int split_ = 0;
+  std::vector<void*> peers_;  // each rank's table of its peers' buffers (null: proxied)
+  std::vector<Proxy> proxy_;  // (split_ > 0)
   int32_t* gone_host_ = nullptr;
   int32_t* gone_view_ = nullptr;
   std::thread raiser_;
@@ -602,13 +644,16 @@ struct Result {
 // gone_after_ms >= 0: the silent rank's gone flag goes up that long into the first round (the
 // waits have no deadline then: timeout_us -1).
 Result runShape(kern::Exec& ex, kern::Exec* ref, const Shape& s, int silent, int64_t timeout_us,
-                int gone_after_ms = -1) {
+                int gone_after_ms = -1, int split = 0) {
   Result res{"ll " + describe(s) + (silent >= 0 ? " silent rank " + std::to_string(silent) : "") +
-                 (gone_after_ms >= 0 ? " gone" : ""),
+                 (gone_after_ms >= 0 ? " gone" : "") +
+                 (split > 0 ? " hosts of " + std::to_string(split) + "+" +
+                                  std::to_string(s.R - split) + " (proxied)"
+                            : ""),
              true, ""};
-  World w(ex, s);
+  World w(ex, s, split);
   std::unique_ptr<World> wr;
-  if (ref) wr = std::make_unique<World>(*ref, s);
+  if (ref) wr = std::make_unique<World>(*ref, s, split);
   std::ostringstream detail;
   for (uint32_t round = 1; round <= 2 && res.ok; ++round) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -680,6 +725,7 @@ Result timeShape(kern::Exec& ex, int R) {
 
 #include "tests/gpu/ep_normal_check.h"
 #include "tests/gpu/ep_bad_input_check.h"
+#include "tests/gpu/ep_proxy_check.h"
 
 int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "host";
@@ -711,6 +757,15 @@ int main(int argc, char** argv) {
   rows.push_back(runShape(*ex, ref, {4, 20, 128, 8, 2, ep::DType::kFloat32, -1, 9}, 3, 20000));
   rows.push_back(runShape(*ex, ref, {3, 20, 256, 6, 3, ep::DType::kFp8, -1, 10}, 1, 20000));
   rows.push_back(runShape(*ex, ref, {3, 16, 128, 6, 2, ep::DType::kBFloat16, -1, 11}, 2, -1, 30));
+  // Ranks on two hosts, the other host's through a proxy (tests/gpu/ep_proxy_check.h).
+  // (A deadline, so that a word the kernels wait for in vain fails the row, not the run.)
+  const int64_t bound = 10'000'000;
+  const ep::DType bf16 = ep::DType::kBFloat16, f32 = ep::DType::kFloat32;
+  rows.push_back(runShape(*ex, ref, {4, 24, 256, 16, 3, bf16, -1, 31}, -1, bound, -1, 2));
+  rows.push_back(runShape(*ex, ref, {3, 20, 256, 6, 4, ep::DType::kFp8, -1, 32}, -1, bound, -1, 1));
+  rows.push_back(runShape(*ex, ref, {2, 17, 128, 64, 11, f32, -1, 33}, -1, bound, -1, 1));
+  rows.push_back(runShape(*ex, ref, {3, 12, 128, 6, 2, bf16, 0, 34}, -1, bound, -1, 1));
+  rows.push_back(runShape(*ex, ref, {4, 20, 128, 8, 2, f32, -1, 35}, 3, 20000, -1, 2));
   // Normal mode: bf16 and float32, top-k with -1 entries, an alignment, every token to one
   // expert.
   rows.push_back(runNormalShape(*ex, {2, 24, 256, 8, 3, ep::DType::kBFloat16, -1, 21}, 1));
