@@ -27,6 +27,9 @@
 //   - a proxied source's signal words (and its abandon word) are read from `ctrl` (host-mapped
 //     memory of this rank that its proxy's notifications are stored into), at their offsets
 //     from dispatch_signals: this half's signal words, laid out as in the buffer.
+//   A word carries the round, not the kind, and dispatch and combine count rounds apart: the
+//   host gives each (kind, half) a stage and words of its own, as it gives each half its own
+//   regions.
 //
 // The Lanes interface (L is the executor's type):
 //   lane(), lanes()                  this lane's index, the block's width

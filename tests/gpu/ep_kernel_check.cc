@@ -291,8 +291,11 @@ class World {
     for (void* b : bufs_) ex_.release(b);
     for (void* t : peers_) ex_.release(t);
     for (Proxy& x : proxy_) {
-      ex_.release(x.stage);
-      ex_.releaseFlags(x.words);
+      for (int k = 0; k < 2; ++k)
+        for (int h = 0; h < 2; ++h) {
+          ex_.release(x.stage[k][h]);
+          ex_.releaseFlags(x.words[k][h]);
+        }
       ex_.releaseFlags(x.ctrl);
     }
     ex_.releaseFlags(gone_host_);
@@ -344,8 +347,9 @@ class World {
     p.peers = static_cast<char* const*>(peers_[r]);
     if (split_ > 0) {
       const Proxy& x = proxy_[r];
-      p.stage = static_cast<char*>(x.stage);
-      p.proxy_words = reinterpret_cast<uint64_t*>(x.words_view);
+      const int k = combine ? 1 : 0, h = static_cast<int>(round & 1);
+      p.stage = static_cast<char*>(x.stage[k][h]);
+      p.proxy_words = reinterpret_cast<uint64_t*>(x.words_view[k][h]);
       p.ctrl = reinterpret_cast<const char*>(x.ctrl_view) + (round & 1) * ep::kSignalBytes;
     }
     ep::setRoundOffsets(p, geo_, round, combine ? 1 : 0);
@@ -481,14 +485,19 @@ class World {
  private:
   // A proxied rank's staging rows, the words its kernels post for the proxy and the signal
   // words of proxied sources (both halves), host-mapped (ep/kernels/ll_kernels.h).
+  // A stage and words per (kind, half), as a proxy needs them (a word carries the round, not
+  // the kind: ep/kernels/README.md, "Proxied ranks").
   struct Proxy {
-    void* stage;
-    int32_t *words, *words_view, *ctrl, *ctrl_view;
+    void* stage[2][2];
+    int32_t *words[2][2], *words_view[2][2], *ctrl, *ctrl_view;
   };
   void addProxy() {
     Proxy x;
-    x.stage = ex_.alloc(bytes_);  // (more than a region of either dtype needs)
-    x.words = ex_.allocFlags(2 * s_.R * L_, &x.words_view);
+    for (int k = 0; k < 2; ++k)
+      for (int h = 0; h < 2; ++h) {
+        x.stage[k][h] = ex_.alloc(bytes_);  // (more than a region of either dtype needs)
+        x.words[k][h] = ex_.allocFlags(2 * s_.R * L_, &x.words_view[k][h]);
+      }
     x.ctrl = ex_.allocFlags(static_cast<int>(2 * ep::kSignalBytes / 4), &x.ctrl_view);
     proxy_.push_back(x);
   }

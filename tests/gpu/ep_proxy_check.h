@@ -7,6 +7,9 @@
 // destination's signal words in its host-mapped ctrl words. A word that does not carry the
 // round is a failure of the kernels (reported as error code 100). The receives then must
 // give what they give with every peer mapped: runShape compares them with the reference.
+// In lock-step (after the sends ran, before the receives), so this checks what the kernels
+// stage, post and read, not the order of a word against its rows while a kernel runs, nor
+// an inactive destination's skip mark (active is all 1 at each round's start).
 #pragma once
 
 #include <vector>
@@ -14,7 +17,8 @@
 namespace {
 
 void World::proxyMove(uint32_t round, bool combine, int silent) {
-  const int R = s_.R, L = L_, h = static_cast<int>(round & 1);
+  ex_.finish();  // (the sends' kernels may still run on an asynchronous executor)
+  const int R = s_.R, L = L_, h = static_cast<int>(round & 1), k = combine ? 1 : 0;
   const auto lay =
       ep::LowLatencyLayout::make(R, s_.E, s_.M, s_.H, combine ? combineType(s_) : s_.dtype);
   const uint64_t stride = lay.row_stride, first = geo_.dispatchSignal(h, 0);
@@ -24,8 +28,8 @@ void World::proxyMove(uint32_t round, bool combine, int silent) {
   };
   for (int src = 0; src < R; ++src) {
     if (src == silent) continue;
-    const uint64_t* words = reinterpret_cast<const uint64_t*>(proxy_[src].words);
-    const char* stage = static_cast<const char*>(proxy_[src].stage);
+    const uint64_t* words = reinterpret_cast<const uint64_t*>(proxy_[src].words[k][h]);
+    const char* stage = static_cast<const char*>(proxy_[src].stage[k][h]);
     for (int o = 0; o < R; ++o) {
       if (hostOf(o) == hostOf(src)) continue;
       char* dst = static_cast<char*>(bufs_[o]);
