@@ -362,8 +362,9 @@ struct TcpRendezvousServer::Impl {
       c->in_off += 4 + len;
       bool refused = false;
       if (!handle(id, body, &refused)) {
-        if (!refused)
+        if (!refused) {
           MC_LOG(WARN, ENGINE) << "rendezvous server: malformed request, closing connection";
+        }
         drop(id, refused ? "wrong job secret" : "malformed request");
         return;
       }
