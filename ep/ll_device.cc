@@ -197,7 +197,6 @@ const dev::Kernel& normalKernel() {
   return k;
 }
 
-
 // What each rank publishes about its GPU buffer.
 struct DeviceInfo {
   uint64_t ok = 0;  // 1: its buffer is made and exported

@@ -263,7 +263,6 @@ std::shared_ptr<dev::Event> EpBuffer::streamCombine(const LowLatencyCombineArgs&
       std::move(keep));
 }
 
-
 void EpBuffer::dropStreamHook(const char* op, RoundKind kind, uint32_t round) {
   std::lock_guard<std::mutex> g(stream_mu_);  // (scratch_ too: deviceScratch)
   uint32_t& held = hook_pending_[static_cast<int>(kind)][round & 1];
