@@ -263,6 +263,15 @@ MC_HD Signals signalsOf(const LlArgs& p, int src) {
   return {p.peers[p.me], 0};
 }
 
+// Posts (round, rows) for proxied rank `dest` and local expert l (kProxySkip: nothing, dest
+// inactive), by the calling lane, after the rows it announces (the caller's fence and sync).
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void postProxy(const LlArgs& p, Ln& ln, int dest, int l, uint32_t rows) {
+  ln.storeRelease(p.proxy_words + static_cast<uint64_t>(dest) * p.local_experts + l,
+                  makeSignal(p.round, rows));
+}
+
 // Every entry of topk_idx in [-1, E) (E = world * local_experts) and no expert twice in a
 // token's row, by the block's lanes: an entry outside is skipped by the bodies (routesTo,
 // combineWait and combineRecvToken match only experts in range; a repeated one makes the
@@ -291,9 +300,7 @@ MC_HD void dispatchSend(const LlArgs& p, int e, Ln& ln, int32_t* toks) {
   char* const dst = p.peers[o];  // (null: proxied)
   if (e == 0) checkTopk(p, ln);
   if (p.active[o] == 0) {
-    if (dst == nullptr && ln.lane() == 0)
-      ln.storeRelease(p.proxy_words + static_cast<uint64_t>(o) * L + l,
-                      makeSignal(p.round, kProxySkip));
+    if (dst == nullptr && ln.lane() == 0) postProxy(p, ln, o, l, kProxySkip);
     return;
   }
   int64_t n = 0;
@@ -324,11 +331,7 @@ MC_HD void dispatchSend(const LlArgs& p, int e, Ln& ln, int32_t* toks) {
   ln.fenceSystem();  // every lane's rows before lane 0's release of the signal
   ln.sync();
   if (ln.lane() != 0) return;
-  if (dst == nullptr) {
-    ln.storeRelease(p.proxy_words + static_cast<uint64_t>(o) * L + l,
-                    makeSignal(p.round, static_cast<uint32_t>(n)));
-    return;
-  }
+  if (dst == nullptr) return postProxy(p, ln, o, l, static_cast<uint32_t>(n));
   const uint64_t word = p.dispatch_signals + (static_cast<uint64_t>(l) * p.world + p.me) * 8;
   ln.storeRelease(reinterpret_cast<uint64_t*>(dst + word),
                   makeSignal(p.round, static_cast<uint32_t>(n)));
@@ -393,9 +396,7 @@ MC_HD void combineSend(const LlArgs& p, int r, Ln& ln) {
   if (r == me) return;
   if (p.active[r] == 0) {
     if (dst == nullptr && ln.lane() == 0)
-      for (int l = 0; l < L; ++l)
-        ln.storeRelease(p.proxy_words + static_cast<uint64_t>(r) * L + l,
-                        makeSignal(p.round, kProxySkip));
+      for (int l = 0; l < L; ++l) postProxy(p, ln, r, l, kProxySkip);
     return;
   }
   const int64_t RM = static_cast<int64_t>(R) * p.max_tokens;
@@ -432,8 +433,7 @@ MC_HD void combineSend(const LlArgs& p, int r, Ln& ln) {
     if (dst == nullptr) {
       ln.fenceSystem();
       ln.sync();
-      if (ln.lane() == 0)
-        ln.storeRelease(p.proxy_words + static_cast<uint64_t>(r) * L + l, makeSignal(p.round, n));
+      if (ln.lane() == 0) postProxy(p, ln, r, l, n);
     }
   }
   if (dst == nullptr) return;
