@@ -100,7 +100,7 @@ class StagingPeer final : public TransportPeer {
     }
   }
 
-  // The GPU the local side is on (for its copy stream), or -1 when it is host memory (always,
+  // The GPU the local side is on (for the copies), or -1 when it is host memory (always,
   // in a process without a device layer).
   int gpuOf(const void* p, uint64_t len) const {
     if (dev_ == nullptr) return -1;
@@ -112,9 +112,7 @@ class StagingPeer final : public TransportPeer {
   }
 
   Status copyWait(void* dst, const void* src, uint64_t n, int gpu) {
-    MC_RETURN_IF_ERROR(dev_->copyAsync(dst, src, n, gpu));
-    MC_ASSIGN_OR_RETURN(auto ev, dev_->record(gpu));
-    return ev->wait(deadlineInMs(60000));
+    return device::transferCopy(dev_, dst, src, n, gpu, deadlineInMs(60000));
   }
 
   // One piece over `via` (a host transport), waited for (every task completes exactly once).

@@ -69,8 +69,9 @@ class TransferEngine {
   Status free(void* p);
   // Makes any existing memory reachable by peers (host: via process_vm_* on the same host,
   // via tcp otherwise). kCuda: memory of one GPU of the device layer (`device` -1 = the one it
-  // lives on); peers reach it over rdma only, until the cuda transport exists (shm and tcp
-  // refuse requests whose either side is GPU memory, naming the peer).
+  // lives on); same-host peers with the same layer reach it through the cuda transport (IPC),
+  // others over rdma (GPUDirect) or, without it, tcp, which stages it through host memory
+  // (engine/device_staging.h).
   Status registerMemory(void* addr, size_t len, MemoryKind kind = MemoryKind::kHost,
                         int device = -1);
   Status unregisterMemory(void* addr);

@@ -760,6 +760,34 @@ Status copy(void* dst, const void* src, size_t len, Deadline deadline) {
   return ev->wait(deadline);
 }
 
+Status transferCopy(Device* d, void* dst, const void* src, size_t len, int ordinal,
+                    Deadline deadline) {
+  if (len == 0) return Status::OK();
+  static std::mutex mu;
+  static auto* streams = new std::map<std::pair<Device*, int>, const void*>();  // (kept)
+  const void* stream = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = streams->find({d, ordinal});
+    if (it == streams->end()) {
+      MC_ASSIGN_OR_RETURN(const void* s, d->newStream(ordinal));
+      it = streams->emplace(std::make_pair(d, ordinal), s).first;
+    }
+    stream = it->second;
+  }
+  MC_RETURN_IF_ERROR(d->copyAsyncOn(dst, src, len, ordinal, stream));
+  MC_ASSIGN_OR_RETURN(std::unique_ptr<Event> ev, d->recordOn(ordinal, stream));
+  return ev->wait(deadline);
+}
+
+Status transferCopy(void* dst, const void* src, size_t len, Deadline deadline) {
+  if (len == 0) return Status::OK();
+  MC_ASSIGN_OR_RETURN(Device * d, get());
+  PointerInfo a = d->pointer(dst), b = d->pointer(src);
+  return transferCopy(d, dst, src, len, a.device ? a.ordinal : b.device ? b.ordinal : 0,
+                      deadline);
+}
+
 Status copyAny(void* dst, const void* src, size_t len, Deadline deadline) {
   if (len > 0 && !isDeviceMemory(dst) && !isDeviceMemory(src)) {
     std::memcpy(dst, src, len);

@@ -204,6 +204,15 @@ bool isDeviceMemory(const void* p);
 // Copies len bytes (device or host memory on either side) through the process's layer on
 // the copy stream of the device involved (dst's, else src's, else 0) and waits for it.
 Status copy(void* dst, const void* src, size_t len, Deadline deadline);
+// The same on a stream of `d`'s own for device `ordinal` (newStream, made on first use and
+// kept): the engine's transfers (tcp's and the staging peer's copies of GPU memory). They
+// must not queue behind the copy stream, which a caller may hold on a transfer's completion
+// (the simulation's stand-in for torch's current stream is the copy stream; an EP call's
+// stream then waits for kernels that wait for the peers' rows these copies bring in).
+Status transferCopy(Device* d, void* dst, const void* src, size_t len, int ordinal,
+                    Deadline deadline);
+// transferCopy() through the process's layer, on the device involved (as copy()'s).
+Status transferCopy(void* dst, const void* src, size_t len, Deadline deadline);
 
 // copy(), or a plain memcpy when neither side is GPU memory (isDeviceMemory): for callers
 // whose buffers are usually host memory (the store's and the process group's staging).

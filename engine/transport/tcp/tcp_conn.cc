@@ -351,7 +351,7 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
       std::string staged;
       if (ok && gpu && h.length > 0) {
         staged.resize(h.length);
-        Status st = device::copy(staged.data(), reinterpret_cast<const void*>(h.addr), h.length,
+        Status st = device::transferCopy(staged.data(), reinterpret_cast<const void*>(h.addr), h.length,
                                  deadlineInMs(kDeviceCopyMs));
         if (!st.ok()) {
           MC_LOG(WARN, TCP) << "READ of GPU memory [" << hexId(h.addr) << ", +" << h.length
@@ -484,7 +484,7 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
     }
     case FrameType::kWrite: {
       if (c->sink == Conn::Sink::kBuffer) {  // into GPU memory (frameStart): copy it in now
-        Status st = device::copy(reinterpret_cast<void*>(h.addr), c->buf.data(), c->buf.size(),
+        Status st = device::transferCopy(reinterpret_cast<void*>(h.addr), c->buf.data(), c->buf.size(),
                                  deadlineInMs(kDeviceCopyMs));
         if (!st.ok()) {
           MC_LOG(WARN, TCP) << "WRITE of GPU memory [" << hexId(h.addr) << ", +" << h.length
