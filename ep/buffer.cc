@@ -9,6 +9,7 @@
 #include "engine/futex.h"
 #include "engine/log.h"
 #include "engine/params.h"
+#include "ep/ll_proxy.h"
 #include "ep/peer_writer.h"
 #include "ep/str.h"
 #include "pg/copy.h"
@@ -29,23 +30,23 @@ engine::Deadline deadlineInUs(int64_t us) {
 }
 
 // Per-buffer identity shared by all ranks (rank 0's pick), names the buffer in messages.
-uint64_t randomKey() {
-  std::random_device rd;
-  uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  return v == 0 ? 1 : v;
-}
 
 struct RankInfo {
   uint64_t key;
   uint64_t base;
   uint64_t bytes;
-  uint64_t seg_len;
 };
 
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
 // set-up
+
+uint64_t EpBuffer::randomKey() {
+  std::random_device rd;
+  uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return v == 0 ? 1 : v;
+}
 
 std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes, bool disable_p2p,
                                            int device) {
@@ -81,10 +82,9 @@ void EpBuffer::setUp(size_t bytes) {
                                  " bytes of registered memory failed: ", mem.status().toString()));
   base_ = static_cast<char*>(*mem);
 
-  // One exchange: key candidate, base address, size and this rank's segment descriptor
-  // (which now lists the buffer, so peers can map it or address it with WRITEs).
-  std::string seg = eng.localSegment().serialize();
-  RankInfo mine{randomKey(), reinterpret_cast<uint64_t>(base_), bytes, seg.size()};
+  // One exchange: key candidate, base address and size; then the segment descriptors (which
+  // now list the buffer, so peers can map it or address it with WRITEs).
+  RankInfo mine{randomKey(), reinterpret_cast<uint64_t>(base_), bytes};
   std::vector<RankInfo> all(n);
   g_.all_gather(&mine, all.data(), sizeof(RankInfo));
   key_ = all[0].key;
@@ -96,53 +96,90 @@ void EpBuffer::setUp(size_t bytes) {
                                bytes, ", rank ", r, " has ", all[r].bytes));
     }
   }
-  size_t seg_max = 0;
-  for (const auto& i : all) seg_max = std::max<size_t>(seg_max, i.seg_len);
-  seg.resize(seg_max, '\0');
-  std::string segs(seg_max * n, '\0');
-  g_.all_gather(seg.data(), segs.data(), seg_max);
-
+  std::vector<char> others(n, 1);
+  others[g_.rank] = 0;
+  engine_ids_ = exchangeSegments(others);
   mapped_.assign(n, nullptr);
   remote_.assign(n, 0);
-  engine_ids_.assign(n, 0);
   for (int r = 0; r < n; ++r) {
     remote_[r] = all[r].base;
-    if (r == g_.rank) {
-      mapped_[r] = base_;
-      continue;
-    }
-    auto desc =
-        engine::SegmentDesc::parse(std::string_view(segs.data() + r * seg_max, all[r].seg_len));
-    if (!desc.ok())
-      throw std::runtime_error(
-          str("ep.Buffer: bad segment descriptor from rank ", r, ": ", desc.status().toString()));
-    engine_ids_[r] = desc->engine_id;
-    Status st = eng.updatePeer(g_.peers[r], *desc);
-    if (!st.ok())
-      throw std::runtime_error(str("ep.Buffer: cannot update peer rank ", r, ": ", st.toString()));
     // disable_p2p: every peer through engine WRITEs, even where its buffer could be mapped.
-    if (!disable_p2p_)
+    if (r == g_.rank)
+      mapped_[r] = base_;
+    else if (!disable_p2p_)
       mapped_[r] = static_cast<char*>(eng.mappedAddress(g_.peers[r], all[r].base, bytes));
   }
-  // Nobody signals before every rank registered its handler target; every rank fails alike
-  // when one could not (another buffer of its process has the key's low bits: 2^-32 odds).
-  int registered = registerSignalTarget(key_, this, &eng) ? 1 : 0;
-  std::vector<int> all_registered(n);
-  g_.all_gather(&registered, all_registered.data(), sizeof(int));
-  for (int r = 0; r < n; ++r) {
-    if (all_registered[r] != 0) continue;
-    if (registered != 0) unregisterSignalTarget(key_);
-    key_ = 0;
+  joinSignalTargets([&] {
     (void)eng.free(base_);
     base_ = nullptr;
-    throw std::runtime_error(str("ep.Buffer: rank ", r, " already has a buffer with key ", std::hex,
-                                 static_cast<uint32_t>(all[0].key), "; create the buffer again"));
-  }
+  });
   if (kernel_lanes_ > 0) watchPeers();
   int n_mapped = 0;
   for (auto* p : mapped_) n_mapped += p != nullptr;
   MC_LOG(INFO, EP) << "ep buffer rank " << g_.rank << "/" << n << ": " << bytes << " bytes, "
                    << n_mapped << " ranks mapped, " << (n - n_mapped) << " over the engine";
+}
+
+std::vector<uint64_t> EpBuffer::exchangeSegments(const std::vector<char>& update) {
+  engine::TransferEngine& eng = *g_.engine;
+  const int n = g_.size;
+  std::string seg = eng.localSegment().serialize();
+  uint64_t len = seg.size();
+  std::vector<uint64_t> lens(n);
+  g_.all_gather(&len, lens.data(), sizeof len);
+  size_t seg_max = 0;
+  for (uint64_t l : lens) seg_max = std::max<size_t>(seg_max, l);
+  seg.resize(seg_max, '\0');
+  std::string segs(seg_max * n, '\0');
+  g_.all_gather(seg.data(), segs.data(), seg_max);
+  std::vector<uint64_t> ids(n, 0);
+  for (int r = 0; r < n; ++r) {
+    auto desc = engine::SegmentDesc::parse(std::string_view(segs.data() + r * seg_max, lens[r]));
+    if (!desc.ok())
+      throw std::runtime_error(
+          str("ep.Buffer: bad segment descriptor from rank ", r, ": ", desc.status().toString()));
+    ids[r] = desc->engine_id;
+    if (update[r] == 0) continue;
+    Status st = eng.updatePeer(g_.peers[r], *desc);
+    if (!st.ok())
+      throw std::runtime_error(str("ep.Buffer: cannot update peer rank ", r, ": ", st.toString()));
+  }
+  return ids;
+}
+
+void EpBuffer::joinSignalTargets(const std::function<void()>& undo) {
+  const int n = g_.size;
+  // Nobody signals before every rank registered its handler target; every rank fails alike
+  // when one could not (another buffer of its process has the key's low bits: 2^-32 odds).
+  int registered = registerSignalTarget(key_, this, g_.engine) ? 1 : 0;
+  std::vector<int> all_registered(n);
+  g_.all_gather(&registered, all_registered.data(), sizeof(int));
+  for (int r = 0; r < n; ++r) {
+    if (all_registered[r] != 0) continue;
+    if (registered != 0) unregisterSignalTarget(key_);
+    const uint64_t key = key_;
+    key_ = 0;
+    undo();
+    throw std::runtime_error(str("ep.Buffer: rank ", r, " already has a buffer with key ", std::hex,
+                                 static_cast<uint32_t>(key), "; create the buffer again"));
+  }
+}
+
+uint64_t EpBuffer::mailboxAddress(int r, int half, int kind) const {
+  if (proxy_) return proxy_->remoteMailbox(r, half, kind);
+  return remote_[r] + geo_.mailbox(half, kind, g_.rank);
+}
+
+void EpBuffer::endProxy(bool drained) {
+  if (!proxy_) return;
+  proxy_->stop(drained);
+  // No notification may store into the proxy's words once they go back to the pool.
+  if (key_ != 0) unregisterSignalTarget(key_);
+  key_ = 0;
+  if (drained)
+    proxy_.reset();
+  else
+    proxy_->leak(), (void)proxy_.release();  // (the kernels may still use its memory)
 }
 
 EpBuffer::~EpBuffer() {
@@ -156,6 +193,7 @@ EpBuffer::~EpBuffer() {
   // goes after them; kernels that did not run out keep a handler of their own, which holds
   // nothing of this object.)
   const bool drained = device_ < 0 || freeDevice();
+  if (!drained) endProxy(false);  // (freeDevice ended it when drained)
   if (!drained && gone_handler_ != 0) {
     const std::vector<uint64_t> ids = engine_ids_;
     int32_t* gone = gone_ptr_;  // (host words: never freed)
@@ -173,6 +211,7 @@ EpBuffer::~EpBuffer() {
 }
 
 bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits) {
+  if (proxy_) return proxy_->takeMailbox(half, kind, src, count, round_bits);
   if (src < 0 || src >= g_.size || count > geo_.mailboxCap()) return false;
   const auto* e = reinterpret_cast<const uint64_t*>(base_ + geo_.mailbox(half, kind, src));
   bool ok = true;

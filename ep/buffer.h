@@ -181,12 +181,14 @@ class EpBuffer {
   bool isMapped(int r) const { return mapped_[r] != nullptr; }
   // Device mode (ep/ll_device.cc): the buffer is GPU memory of device `device()` of the
   // engine's device layer (engine/device/device.h: CUDA, or its host simulation in the tests),
-  // every rank's buffer is opened here through its IPC handle (so every rank must be on this
-  // host), and the low-latency calls queue the kernels (ep/kernels/ll_entry.h) on the device's
-  // own stream; every pointer of a call's arguments (active_ranks too) is then GPU memory;
-  // the dead-rank flags the kernels read are host-mapped words. Unless streamCalls(), each call waits on the host for its kernels
-  // and reads back the per-source decisions to report silent ranks and errors as the host
-  // paths do. Both modes.
+  // the buffer of every rank on this host is opened here through its IPC handle, and the
+  // low-latency calls queue the kernels (ep/kernels/ll_entry.h) on the device's own stream;
+  // every pointer of a call's arguments (active_ranks too) is then GPU memory; the dead-rank
+  // flags the kernels read are host-mapped words. Ranks on other hosts are reached by the
+  // buffer's host proxy (ep/ll_proxy.h) through the engine; normal mode then refuses (it
+  // needs every rank on one host). Unless streamCalls(), each call waits on the host for its
+  // kernels and reads back the per-source decisions to report silent ranks and errors as the
+  // host paths do. Both modes.
   bool onDevice() const { return device_ >= 0; }
   int device() const { return device_; }
   // MC_EP_KERNELS=host or threads with every rank's buffer mapped: low-latency and normal
@@ -274,10 +276,22 @@ class EpBuffer {
   bool takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits);
 
   class Writer;  // ep/peer_writer.h
+  class Proxy;   // ep/ll_proxy.h
 
  private:
   EpBuffer() = default;
+  static uint64_t randomKey();  // never 0
   void setUp(size_t bytes);
+  // Collective: every rank's segment descriptor (after this rank registered its memory) goes
+  // to the ranks in `update` (engine peers updated); returns each rank's engine id.
+  std::vector<uint64_t> exchangeSegments(const std::vector<char>& update);
+  // Collective: installs this buffer as the EP notification target of key_; every rank
+  // throws alike when one could not (another buffer of its process had the key's low bits).
+  // undo runs first on this rank then.
+  void joinSignalTargets(const std::function<void()>& undo);
+  // Where rank r (not mapped) takes this rank's signal entries of (half, kind) from, in its
+  // process: its buffer's mailbox, or for a GPU buffer its proxy's host words.
+  uint64_t mailboxAddress(int r, int half, int kind) const;
   std::atomic<uint64_t>* signalWord(size_t off) {
     return reinterpret_cast<std::atomic<uint64_t>*>(base_ + off);
   }
@@ -308,6 +322,7 @@ class EpBuffer {
   void kernelNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                                 const std::vector<int32_t>& counts, const NormalDispatchOutputs& o);
   void kernelNormalCombine(const NormalCombineArgs& a, uint32_t round);
+  std::string spansHosts() const;  // normal mode's refusal on a GPU buffer spanning hosts
   // Normal mode's waits: throws for a rank that gave up, then for the first silent one.
   void kernelNormalOutcome(const char* op, uint32_t round, const std::vector<int32_t>& decision);
   // Logs the silent sources of a kernel call, throws for the ones that gave up the round.
@@ -345,6 +360,10 @@ class EpBuffer {
   void deviceLaunch(kern::LlLaunch l, kern::LlStage stage, unsigned grid, const char* op);
   void deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsigned grid, const char* op);
   void deviceSync(const char* op, engine::Deadline deadline);
+  // Queues a send's kernels (after the proxy freed its stage; the proxy then moves its rows).
+  void deviceSend(const kern::LlLaunch& l, RoundKind kind, unsigned grid, const char* op);
+  // (setUpDevice) The host proxy for the ranks on other hosts; a failure goes to *error.
+  void setUpProxy(const std::vector<char>& proxied, std::string* error);
   std::vector<int32_t> deviceOutcome(const kern::LlLaunch& l, int32_t error[2], const char* op);
   void deviceDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round);
   void deviceDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round);
@@ -408,6 +427,9 @@ class EpBuffer {
   // claimHalf's check, with stream_mu_ held.
   void checkHalfLocked(const char* op, RoundKind kind, uint32_t round) const;
   uint64_t gone_handler_ = 0;             // its engine peer-gone handler (0: none)
+  std::unique_ptr<Proxy> proxy_;          // device mode, a group spanning hosts (ll_proxy.h)
+  // Stops the proxy (drained: after the moves queued) and leaves the notification target.
+  void endProxy(bool drained);
   std::vector<char*> mapped_;     // local view of each rank's buffer, nullptr if remote
   bool disable_p2p_ = false;
   std::vector<uint64_t> remote_;  // each rank's buffer address in its own process
@@ -429,6 +451,7 @@ class EpBuffer {
   std::thread worker_;
 
   friend class Writer;
+  friend class Proxy;
 };
 
 }  // namespace mooncake::ep

@@ -15,6 +15,7 @@
 #include "ep/buffer.h"
 #include "ep/kernels/host_lanes.h"
 #include "ep/kernels/ll_entry.h"
+#include "ep/ll_proxy.h"
 #include "ep/str.h"
 
 #if MC_EP_HAVE_LL_IMAGE
@@ -82,6 +83,10 @@ Status simEntry(const void* params, const dev::HostView& view) {
   MC_RETURN_IF_ERROR(mapInto(view, p.self_count, L * 4u));
   MC_RETURN_IF_ERROR(mapInto(view, p.error, 8));
   MC_RETURN_IF_ERROR(mapInto(view, l.toks, static_cast<uint64_t>(l.experts) * p.max_tokens * 4));
+  // Proxied ranks' stage (a dispatch region's layout: rows, then token ids), words and ctrl.
+  MC_RETURN_IF_ERROR(mapInto(view, p.stage, p.src_base + RM * L * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, p.proxy_words, static_cast<uint64_t>(R) * L * 8));
+  MC_RETURN_IF_ERROR(mapInto(view, p.ctrl, kSignalBytes));
   std::vector<char*> peers;
   MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
   SimLanes ln;
@@ -203,6 +208,8 @@ struct DeviceInfo {
   uint64_t bytes = 0;
   uint64_t offset = 0;  // of the buffer in the allocation the handle names
   uint64_t engine_id = 0;
+  uint64_t addr = 0;  // the buffer in its process (engine WRITEs from other hosts)
+  uint64_t key = 0;   // a candidate for the buffer's key (rank 0's is taken)
   uint32_t handle_len = 0;
   uint32_t host_len = 0;
   char handle[384] = {};
@@ -299,6 +306,8 @@ void EpBuffer::setUpDevice(size_t bytes) {
   mine.ok = own_error.empty() ? 1 : 0;
   mine.bytes = bytes;
   mine.engine_id = self.engine_id;
+  mine.addr = reinterpret_cast<uint64_t>(base_);
+  mine.key = randomKey();
   mine.host_len = static_cast<uint32_t>(std::min(self.host_id.size(), sizeof(mine.host)));
   std::memcpy(mine.host, self.host_id.data(), mine.host_len);
   std::vector<DeviceInfo> all(n);
@@ -318,23 +327,23 @@ void EpBuffer::setUpDevice(size_t bytes) {
       invalid("ep.Buffer", str("num_ep_buffer_bytes differs across ranks: rank ", g_.rank,
                                " has ", bytes, ", rank ", r, " has ", all[r].bytes));
     }
-    if (hostOf(r) != hostOf(0)) {
-      freeDevice();
-      throw std::runtime_error(str(what, " needs every rank on one host (CUDA IPC): rank ", r,
-                                   " is on host '", hostOf(r), "', rank 0 on '", hostOf(0),
-                                   "'; across hosts use a CPU buffer (the host proxy for GPU "
-                                   "buffers on other hosts is not built)"));
-    }
   }
   mapped_.assign(n, nullptr);
   remote_.assign(n, 0);
   engine_ids_.assign(n, 0);
   opened_.assign(n, nullptr);
+  key_ = all[0].key;
   std::string open_error;
+  std::vector<char> proxied(n, 0);  // ranks on other hosts: the proxy's (ll_proxy.h)
   for (int r = 0; r < n; ++r) {
     engine_ids_[r] = all[r].engine_id;
+    remote_[r] = all[r].addr;
     if (r == g_.rank) {
       mapped_[r] = base_;
+      continue;
+    }
+    if (hostOf(r) != hostOf(g_.rank)) {
+      proxied[r] = 1;
       continue;
     }
     auto base = layer->openIpc(std::string(all[r].handle, all[r].handle_len));
@@ -372,6 +381,9 @@ void EpBuffer::setUpDevice(size_t bytes) {
       open_error = str("host-mapped flags: ", words.status().toString());
   }
   if (open_error.empty()) open_error = setUpStream();
+  // (Every rank sees the same host table: all of them set the proxy up, or none.)
+  if (std::find(proxied.begin(), proxied.end(), 1) != proxied.end())
+    setUpProxy(proxied, &open_error);
   int ok = open_error.empty() ? 1 : 0;
   std::vector<int> all_ok(n);
   g_.all_gather(&ok, all_ok.data(), sizeof(int));
@@ -382,9 +394,44 @@ void EpBuffer::setUpDevice(size_t bytes) {
                                  open_error.empty() ? std::string() : ": " + open_error));
   }
   watchPeers();
+  const auto far = std::count(proxied.begin(), proxied.end(), 1);
   MC_LOG(INFO, EP) << "ep buffer rank " << g_.rank << "/" << n << ": " << bytes
-                   << " bytes of GPU memory on " << layer->name() << " device " << device_
-                   << ", every rank's buffer opened through its IPC handle";
+                   << " bytes of GPU memory on " << layer->name() << " device " << device_ << ", "
+                   << n - far << " ranks' buffers opened through IPC handles, " << far
+                   << " on other hosts through the host proxy";
+}
+
+void EpBuffer::setUpProxy(const std::vector<char>& proxied, std::string* error) {
+  // Collective: every step's exchange runs on every rank, whatever failed before it here.
+  const int n = g_.size;
+  if (error->empty()) {
+    try {
+      proxy_ = std::make_unique<Proxy>(*this);
+    } catch (const std::exception& e) {
+      *error = str("the host proxy: ", e.what());
+    }
+  }
+  struct Info {
+    uint64_t ok, area;
+  } mine{error->empty() ? 1u : 0u, proxy_ ? proxy_->areaAddress() : 0}, none{0, 0};
+  std::vector<Info> all(n, none);
+  g_.all_gather(&mine, all.data(), sizeof(Info));
+  for (const Info& i : all)
+    if (i.ok == 0) return;  // (the rank that failed says why in the next exchange)
+  std::vector<uint64_t> areas(n);
+  for (int r = 0; r < n; ++r) areas[r] = all[r].area;
+  proxy_->setPeerAreas(std::move(areas));
+  // (Both are collectives that throw only after their exchanges: each runs on every rank.)
+  try {
+    (void)exchangeSegments(proxied);  // (they now list the buffer, the stages, the area)
+  } catch (const std::exception& e) {
+    *error = e.what();
+  }
+  try {
+    joinSignalTargets([] {});
+  } catch (const std::exception& e) {
+    if (error->empty()) *error = e.what();
+  }
 }
 
 const void* EpBuffer::kernelStream() const { return stream_ ? stream_ : dev::kCopyStream; }
@@ -393,6 +440,7 @@ bool EpBuffer::freeDevice() {
   auto layer = dev::get();
   if (!layer.ok()) return true;
   if (!freeStream()) return false;  // kernels may still touch the memory: it stays (logged)
+  endProxy(true);
   for (void*& b : opened_)
     if (b != nullptr) (void)(*layer)->closeIpc(b), b = nullptr;
   if (dev_peers_ != nullptr) (void)(*layer)->free(dev_peers_), dev_peers_ = nullptr;
@@ -480,6 +528,19 @@ void EpBuffer::deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsig
               g_.rank, op);
 }
 
+void EpBuffer::deviceSend(const kern::LlLaunch& l, RoundKind kind, unsigned grid,
+                          const char* op) {
+  const bool dispatch = kind == RoundKind::kDispatch;
+  if (proxy_) proxy_->stageFree(kind, l.p.round, nullptr, op);
+  deviceLaunch(l, dispatch ? kern::kDispatchSend : kern::kCombineSend, grid, op);
+  if (!proxy_) return;
+  auto sent = deviceLayer(op)->recordOn(device_, kernelStream());
+  if (!sent.ok())
+    throw std::runtime_error(str(op, ": rank ", g_.rank, ": an event after the send: ",
+                                 sent.status().toString()));
+  proxy_->moveSend(l.p, kind, std::shared_ptr<dev::Event>(std::move(*sent)));
+}
+
 void EpBuffer::deviceSync(const char* op, engine::Deadline deadline) {
   auto ev = deviceLayer(op)->recordOn(device_, kernelStream());
   Status st = ev.ok() ? (*ev)->wait(deadline) : ev.status();
@@ -507,7 +568,7 @@ std::vector<int32_t> EpBuffer::deviceOutcome(const kern::LlLaunch& l, int32_t er
 
 void EpBuffer::deviceDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
   kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), a.experts, round);
-  deviceLaunch(l, kern::kDispatchSend, static_cast<unsigned>(a.experts), "dispatch");
+  deviceSend(l, RoundKind::kDispatch, static_cast<unsigned>(a.experts), "dispatch");
   // The caller's x may be reused once the call returns: its rows are out.
   deviceSync("dispatch", engine::deadlineInMs(timeout_ms_));
 }
@@ -529,7 +590,7 @@ void EpBuffer::deviceDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
 
 void EpBuffer::deviceCombineSend(const LowLatencyCombineArgs& a, uint32_t round) {
   kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), 0, round);
-  deviceLaunch(l, kern::kCombineSend, static_cast<unsigned>(g_.size), "combine");
+  deviceSend(l, RoundKind::kCombine, static_cast<unsigned>(g_.size), "combine");
   deviceSync("combine", engine::deadlineInMs(timeout_ms_));
 }
 
@@ -557,8 +618,10 @@ void EpBuffer::deviceAbandon(RoundKind kind, uint32_t round) {
   // (On the heap: a copy that timed out may still be queued and read it later; then it stays.)
   auto* v = new uint64_t(makeSignal(round, 1));
   bool all = true;
+  if (proxy_) proxy_->abandon(kind, round);  // (the ranks on other hosts)
   for (int step = 1; step < g_.size; ++step) {
     const int o = (g_.rank + step) % g_.size;
+    if (mapped_[o] == nullptr) continue;
     try {
       deviceCopy(mapped_[o] + geo_.abandonSignal(round & 1, static_cast<int>(kind), g_.rank), v,
                  8, "abandon");

@@ -10,6 +10,7 @@
 #include "engine/log.h"
 #include "ep/buffer.h"
 #include "ep/kernels/host_lanes.h"
+#include "ep/ll_proxy.h"
 #include "ep/str.h"
 
 namespace mooncake::ep {
@@ -44,6 +45,7 @@ kern::LlArgs EpBuffer::kernelArgs(uint32_t round, RoundKind kind, int experts, i
   setRoundOffsets(p, geo_, round, static_cast<int>(kind));
   p.row_stride = lay.row_stride;
   p.src_base = lay.src_base;
+  if (proxy_) proxy_->fill(p, kind, round);  // (ranks on other hosts: ll_proxy.h)
   return p;
 }
 

@@ -16,6 +16,7 @@
 #include "engine/log.h"
 #include "engine/params.h"
 #include "ep/buffer.h"
+#include "ep/ll_proxy.h"
 #include "ep/str.h"
 
 namespace mooncake::ep {
@@ -162,8 +163,17 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
       launched = true;
     };
     const bool dispatch = kind == RoundKind::kDispatch;
-    if (part != StreamPart::kRecv)
+    if (part != StreamPart::kRecv) {
+      // Ranks on other hosts: the stage's last rows moved first (a wait on the stream), and
+      // the proxy moves this send's (ep/ll_proxy.h).
+      if (proxy_) proxy_->stageFree(kind, round, stream_, op);
       launch(dispatch ? kern::kDispatchSend : kern::kCombineSend, send_grid);
+      if (proxy_) {
+        auto sent = layer->recordOn(device_, stream_);
+        check(sent.status(), op, g_.rank, "an event after the send");
+        proxy_->moveSend(l.p, kind, std::shared_ptr<dev::Event>(std::move(*sent)));
+      }
+    }
     if (part != StreamPart::kSend) {
       if (dispatch) {
         launch(kern::kDispatchRecv, l.p.local_experts);

@@ -141,7 +141,7 @@ std::vector<int> EpBuffer::Writer::flush() {
     if (!sigs_[r].empty())
       reqs_[r].push_back({engine::OpCode::kWrite, sigs_[r].data(),
                           sigs_[r].size() * kMailboxEntryBytes, buf_.g_.peers[r],
-                          buf_.remote_[r] + buf_.geo_.mailbox(round_ & 1, kind, buf_.g_.rank)});
+                          buf_.mailboxAddress(r, static_cast<int>(round_ & 1), kind)});
     if (reqs_[r].empty()) continue;
     auto id = eng.submit(reqs_[r]);
     Status st = id.status();

@@ -201,6 +201,28 @@ def _hooks_in_flight(ctx, act):
     return fails
 
 
+def case_across_hosts(ctx):
+    """A GPU buffer whose group spans simulated hosts (MC_HOST_ID per rank): ranks on this
+    host through IPC, the others through the buffer's host proxy over the engine. Rounds of
+    both kinds on both halves, twice over (each stage reused) against the reference, the
+    hooks' two rounds in flight, and normal mode refused with ValueError on every rank (it
+    needs one host), the rounds after it in step."""
+    R, me = ctx.world, ctx.rank
+    cfg = Cfg(R, seed=81)
+    buf = ctx.buffer(cfg.M, cfg.H, cfg.E)
+    fails = []
+    if not isinstance(buf, GpuBuffer):
+        return ["EP_CASES_GPU is not set: the buffer is host memory"]
+    act = torch.ones(R, dtype=torch.int32)
+    for i in range(4):
+        fails += ll_round(ctx, Cfg(R, seed=82 + i), act, f"round {i}", async_finish=i % 2 == 1)
+    x, topk, w = cfg.inputs(me)
+    _expect_value_error(fails, lambda: buf.normal_dispatch(x, topk, w, cfg.E),
+                        "normal mode across hosts", "one host")
+    fails += ll_round(ctx, cfg, act, "after the refusal")
+    return fails + _hooks_in_flight(ctx, act)
+
+
 def case_stream_calls(ctx):
     """MC_EP_STREAM_CALLS=1 on a GPU buffer of the simulation: dispatch and combine queue the
     kernels on the buffer's stream and return without waiting on the host (a peer 0.6 s late

@@ -225,14 +225,38 @@ def test_ep_gpu_buffers_sim_stream_calls_killed_rank():
                                    env=dict(STREAM_ENV, EP_CASES_COMBINE_NO_TIMEOUT="1")))
 
 
-def test_ep_gpu_buffer_across_hosts_refused():
-    """A GPU buffer needs every rank on one host (CUDA IPC): over two simulated hosts every
-    rank's constructor fails with an error that says so."""
-    results, codes, tails = run_ranks(2, ["gpu_buffer"], env=GPU_ENV,
-                                      rank_env=lambda r: {"MC_HOST_ID": f"host-{r}"})
-    for r in range(2):
-        res = results[r].get("gpu_buffer", results[r].get("__init__", ""))
-        assert isinstance(res, str) and "one host" in res, _report(2, r, "gpu_buffer", res, tails)
+HOSTS_CASES = ["across_hosts", "ll_modes", "ll_fp8", "upstream_api"]
+
+
+@pytest.mark.parametrize("world,per_host,stream", [(2, 1, False), (4, 2, False), (2, 1, True),
+                                                   (4, 2, True)])
+def test_ep_gpu_buffers_sim_across_hosts(world, per_host, stream):
+    """GPU buffers whose group spans simulated hosts (MC_HOST_ID, `per_host` ranks each): the
+    ranks on one host store into each other's buffers (IPC), the others are reached through
+    the buffer's host proxy (ep/ll_proxy.h: the kernels stage, the proxy moves the rows with
+    engine WRITEs over tcp and the signals through the peer's mailbox + notify); low latency
+    bf16, fp32 and fp8 against the plain-torch reference, hooks in flight, every stage reused,
+    normal mode refused; waited and stream-ordered calls."""
+    env = dict(STREAM_ENV if stream else GPU_ENV, EP_CASES_SPANS_HOSTS="1")
+    results, codes, tails = run_ranks(world, HOSTS_CASES, env=env,
+                                      rank_env=lambda r: {"MC_HOST_ID": f"host-{r // per_host}"})
+    for case in HOSTS_CASES:
+        for r in range(world):
+            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
+            assert res == [], _report(world, r, case, res, tails)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ep_gpu_buffers_sim_across_hosts_killed_rank(stream):
+    """Both kill cases on GPU buffers over two simulated hosts (ranks 0-1 on one, 2 on the
+    other): the rank on the other host dies first, then one on this host; the dead ranks'
+    flags end the kernels' waits, the proxy's writes to a dead rank fail without holding the
+    others, later rounds run clean."""
+    world = 3
+    _check_kills(world, *run_ranks(world, KILL_CASES,
+                                   env=dict(STREAM_ENV if stream else GPU_ENV,
+                                            EP_CASES_COMBINE_NO_TIMEOUT="1"),
+                                   rank_env=lambda r: {"MC_HOST_ID": f"host-{r // 2}"}))
 
 
 @pytest.mark.skipif(_fake_verbs.library_dir() is None, reason="no verbs emulator (MC_WITH_RDMA=OFF)")

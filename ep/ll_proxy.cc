@@ -1,0 +1,351 @@
+// EpBuffer::Proxy (ep/ll_proxy.h): a GPU buffer's ranks on other hosts.
+#include "ep/ll_proxy.h"
+
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+
+#include "engine/device/device.h"
+#include "engine/log.h"
+#include "ep/peer_writer.h"
+#include "ep/str.h"
+
+namespace mooncake::ep {
+
+namespace dev = engine::device;
+
+namespace {
+
+constexpr size_t kWordsBytes = 4 * static_cast<size_t>(kMaxSignals) * 8;  // [kind][half]
+constexpr size_t kDoneBytes = 64;
+
+// Areas of buffers freed, for the next (host words are never freed: Device::allocHostWords).
+std::mutex g_pool_mu;
+std::vector<char*>& areaPool() {
+  static auto* v = new std::vector<char*>();
+  return *v;
+}
+
+char* takeArea(dev::Device* layer, size_t bytes) {
+  {
+    std::lock_guard<std::mutex> g(g_pool_mu);
+    if (!areaPool().empty()) {
+      char* a = areaPool().back();
+      areaPool().pop_back();
+      std::memset(a, 0, bytes);  // (rounds start again at 1: no stale word may match)
+      return a;
+    }
+  }
+  auto words = layer->allocHostWords(bytes / 4);
+  if (!words.ok())
+    throw std::runtime_error(str("host-mapped words for the proxy: ", words.status().toString()));
+  return reinterpret_cast<char*>(*words);
+}
+
+}  // namespace
+
+size_t EpBuffer::Proxy::shadowHalfBytes() { return kSignalBytes + kMailboxBytes; }
+
+size_t EpBuffer::Proxy::shadow(int h, size_t off) const {
+  return static_cast<size_t>(h) * shadowHalfBytes() + (off - buf_.geo_.dispatchSignal(h, 0));
+}
+
+uint32_t* EpBuffer::Proxy::doneWord(int kind, int half) const {
+  return reinterpret_cast<uint32_t*>(area_ + 2 * shadowHalfBytes() + kWordsBytes) + kind * 2 +
+         half;
+}
+
+EpBuffer::Proxy::Proxy(EpBuffer& buf) : buf_(buf) {
+  const int R = buf_.g_.size;
+  proxied_.assign(R, 0);
+  for (int r = 0; r < R; ++r) proxied_[r] = r != buf_.g_.rank && buf_.mapped_[r] == nullptr;
+  dev::Device* layer = buf_.deviceLayer("ep.Buffer");
+  engine::TransferEngine& eng = *buf_.g_.engine;
+  area_bytes_ = 2 * shadowHalfBytes() + kWordsBytes + kDoneBytes;
+  area_ = takeArea(layer, area_bytes_);
+  auto fail = [&](const char* what, const Status& st) {
+    throw std::runtime_error(str(what, ": ", st.toString()));
+  };
+  Status st = eng.registerMemory(area_, area_bytes_, engine::MemoryKind::kHost);
+  if (!st.ok()) fail("registering the proxy's host words", st);
+  registered_area_ = true;
+  st = eng.registerMemory(buf_.base_, buf_.geo_.totalBytes(), engine::MemoryKind::kCuda, buf_.device_);
+  if (!st.ok()) fail("registering the buffer with the engine", st);
+  registered_buffer_ = true;
+  // A low-latency call's layout fits in one region (validate): so does its stage.
+  stage_bytes_ = buf_.geo_.regionBytes();
+  auto mem = layer->allocate(4 * stage_bytes_, buf_.device_);
+  if (!mem.ok()) fail("allocating the proxy's stages", mem.status());
+  stage_ = static_cast<char*>(*mem);
+  st = eng.registerMemory(stage_, 4 * stage_bytes_, engine::MemoryKind::kCuda, buf_.device_);
+  if (!st.ok()) fail("registering the proxy's stages", st);
+  registered_stage_ = true;
+  thread_ = std::thread([this] { loop(); });
+}
+
+EpBuffer::Proxy::~Proxy() {
+  stop(false);
+  if (leaked_) {
+    MC_LOG(WARN, EP) << "ep buffer rank " << buf_.g_.rank << ": the proxy's stages ("
+                     << 4 * stage_bytes_ << " bytes of GPU memory) and host words stay allocated";
+    return;
+  }
+  engine::TransferEngine& eng = *buf_.g_.engine;
+  if (registered_stage_) (void)eng.unregisterMemory(stage_);
+  if (registered_buffer_) (void)eng.unregisterMemory(buf_.base_);
+  if (registered_area_) (void)eng.unregisterMemory(area_);
+  if (stage_ != nullptr) {
+    auto layer = dev::get();
+    if (layer.ok()) (void)(*layer)->free(stage_);
+  }
+  if (area_ != nullptr) {
+    std::lock_guard<std::mutex> g(g_pool_mu);
+    areaPool().push_back(area_);
+  }
+}
+
+void EpBuffer::Proxy::stop(bool drained) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+    abort_ = abort_ || !drained;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+uint64_t EpBuffer::Proxy::remoteMailbox(int r, int half, int kind) const {
+  return peer_areas_[r] + shadow(half, buf_.geo_.mailbox(half, kind, buf_.g_.rank));
+}
+
+void EpBuffer::Proxy::fill(kern::LlArgs& p, RoundKind kind, uint32_t round) const {
+  const int k = static_cast<int>(kind), h = static_cast<int>(round & 1);
+  p.stage = stage_ + static_cast<size_t>(2 * k + h) * stage_bytes_;
+  p.proxy_words = reinterpret_cast<uint64_t*>(area_ + 2 * shadowHalfBytes()) +
+                  static_cast<size_t>(2 * k + h) * kMaxSignals;
+  p.ctrl = area_ + static_cast<size_t>(h) * shadowHalfBytes();
+}
+
+void EpBuffer::Proxy::stageFree(RoundKind kind, uint32_t round, const void* stream,
+                                const char* op) {
+  const int k = static_cast<int>(kind), h = static_cast<int>(round & 1);
+  std::unique_lock<std::mutex> g(mu_);
+  if (stream != nullptr) {
+    const uint32_t last = queued_[k][h];
+    g.unlock();
+    if (last == 0) return;  // (the stage's first use)
+    Status st = buf_.deviceLayer(op)->waitWord(buf_.device_, stream, doneWord(k, h), last);
+    if (!st.ok())
+      throw std::runtime_error(str(op, ": rank ", buf_.g_.rank, ": ordering the send after the "
+                                   "proxy's moves of round ", last, ": ", st.toString()));
+    return;
+  }
+  const auto bound = std::chrono::milliseconds(2 * buf_.timeout_ms_);
+  if (!cv_.wait_for(g, bound, [&] { return pending_[k][h] == 0; }))
+    throw std::runtime_error(str(op, ": rank ", buf_.g_.rank, ": the host proxy did not move "
+                                 "round ", queued_[k][h], "'s rows to the ranks on other hosts "
+                                 "within ", bound.count(), " ms"));
+}
+
+void EpBuffer::Proxy::push(Job j) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!j.abandon) {
+      const int k = static_cast<int>(j.kind), h = static_cast<int>(j.p.round & 1);
+      queued_[k][h] = j.p.round;
+      ++pending_[k][h];
+    }
+    jobs_.push_back(std::move(j));
+  }
+  cv_.notify_all();
+}
+
+void EpBuffer::Proxy::moveSend(const kern::LlArgs& p, RoundKind kind,
+                               std::shared_ptr<dev::Event> sent) {
+  Job j;
+  j.kind = kind;
+  j.p = p;
+  j.sent = std::move(sent);
+  push(std::move(j));
+}
+
+void EpBuffer::Proxy::abandon(RoundKind kind, uint32_t round) {
+  Job j;
+  j.abandon = true;
+  j.kind = kind;
+  j.p.round = round;
+  push(std::move(j));
+}
+
+void EpBuffer::Proxy::loop() {
+  std::unique_lock<std::mutex> g(mu_);
+  for (;;) {
+    cv_.wait(g, [&] { return stop_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;
+    const Job j = jobs_.front();
+    g.unlock();
+    try {
+      if (j.abandon)
+        runAbandon(j);
+      else
+        runSend(j);
+    } catch (const std::exception& e) {  // (allocation failures: the peers time out on us)
+      MC_LOG(ERROR, EP) << "ep proxy rank " << buf_.g_.rank << ": " << e.what();
+    }
+    g.lock();
+    jobs_.pop_front();
+    if (!j.abandon) {
+      const int k = static_cast<int>(j.kind), h = static_cast<int>(j.p.round & 1);
+      --pending_[k][h];
+      // The stage is free: a stream-ordered send of the next round of (kind, half) waits on it.
+      __atomic_store_n(doneWord(k, h), j.p.round, __ATOMIC_RELEASE);
+    }
+    cv_.notify_all();
+  }
+}
+
+void EpBuffer::Proxy::runSend(const Job& j) {
+  const kern::LlArgs& p = j.p;
+  const int R = p.world, L = p.local_experts, me = p.me;
+  const bool dispatch = j.kind == RoundKind::kDispatch;
+  Writer w(buf_, engine::deadlineInMs(buf_.timeout_ms_), j.kind, p.round);
+  std::vector<char> taken(static_cast<size_t>(R) * L, 0);
+  std::vector<int> left(R, 0);
+  std::vector<uint32_t> rows(R, 0);
+  std::vector<char> failed(R, 0);
+  size_t pending = 0;
+  for (int o = 0; o < R; ++o)
+    if (proxied_[o]) left[o] = L, pending += L;
+  int idle = 0;
+  while (pending > 0) {
+    // Checked before the words: once the send's kernels ended, every word they post is there.
+    const bool ended = j.sent->done();
+    bool any = false;
+    for (int o = 0; o < R; ++o) {
+      if (!proxied_[o]) continue;
+      for (int l = 0; l < L; ++l) {
+        char& t = taken[static_cast<size_t>(o) * L + l];
+        if (t != 0) continue;
+        const uint64_t v =
+            __atomic_load_n(p.proxy_words + static_cast<size_t>(o) * L + l, __ATOMIC_ACQUIRE);
+        if (signalRound(v) != p.round) continue;
+        t = 1;
+        --pending;
+        --left[o];
+        any = true;
+        const uint32_t n = signalCount(v);
+        if (n == kern::kProxySkip) {  // o inactive for this rank: nothing, no signal
+          failed[o] = 1;
+          continue;
+        }
+        if (failed[o] == 0 && !(dispatch ? moveDispatch(w, p, o, l, n) : moveCombine(w, p, o, l, n)))
+          failed[o] = 1;
+        rows[o] += n;
+        if (!dispatch && left[o] == 0 && failed[o] == 0)
+          w.signal(o, p.combine_signals + static_cast<uint64_t>(me) * 8,
+                   makeSignal(p.round, rows[o]));
+      }
+    }
+    if (any) {
+      idle = 0;
+      continue;
+    }
+    if (ended) break;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (abort_) break;
+    }
+    if (++idle < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  if (pending > 0) {
+    MC_LOG(WARN, EP) << "ep proxy rank " << me << ": the " << (dispatch ? "dispatch" : "combine")
+                     << " of round " << p.round << " posted nothing for " << pending
+                     << " (rank, expert) pairs; those ranks get no signal of it from this rank";
+  }
+  for (int o : w.flush()) {
+    MC_LOG(WARN, EP) << "ep proxy rank " << me << ": round " << p.round << "'s rows to rank " << o
+                     << " did not all arrive";
+  }
+}
+
+bool EpBuffer::Proxy::moveDispatch(Writer& w, const kern::LlArgs& p, int o, int l, uint32_t n) {
+  const int R = p.world, L = p.local_experts, me = p.me;
+  if (n > static_cast<uint64_t>(p.max_tokens)) {  // (the kernels never post more)
+    MC_LOG(ERROR, EP) << "ep proxy rank " << me << ": " << n << " rows staged for rank " << o
+                      << " expert " << l << " exceed " << p.max_tokens;
+    return false;
+  }
+  const uint64_t from = (static_cast<uint64_t>(o) * L + l) * p.max_tokens;
+  const uint64_t to = (static_cast<uint64_t>(l) * R + me) * p.max_tokens;
+  w.copy(o, p.dispatch_region + to * p.row_stride, p.stage + from * p.row_stride,
+         n * p.row_stride);
+  w.copy(o, p.dispatch_region + p.src_base + to * 4, p.stage + p.src_base + from * 4, n * 4);
+  w.signal(o, p.dispatch_signals + (static_cast<uint64_t>(l) * R + me) * 8,
+           makeSignal(p.round, n));
+  return true;
+}
+
+bool EpBuffer::Proxy::moveCombine(Writer& w, const kern::LlArgs& p, int r, int l, uint32_t n) {
+  const int L = p.local_experts, me = p.me;
+  if (n == 0) return true;
+  if (n > static_cast<uint64_t>(p.max_tokens)) {
+    MC_LOG(ERROR, EP) << "ep proxy rank " << me << ": " << n << " combine rows staged for rank "
+                      << r << " exceed " << p.max_tokens;
+    return false;
+  }
+  const uint64_t from = (static_cast<uint64_t>(r) * L + l) * p.max_tokens;
+  // The rows' tokens (their places at r), staged beside them in GPU memory. (Not on the copy
+  // stream: a caller's stream may wait there for a receive that needs these rows.)
+  std::vector<int32_t> toks(n);
+  Status st = dev::transferCopy(toks.data(), p.stage + p.src_base + from * 4, n * 4,
+                                engine::deadlineInMs(buf_.timeout_ms_));
+  if (!st.ok()) {
+    MC_LOG(ERROR, EP) << "ep proxy rank " << me << ": reading the staged tokens for rank " << r
+                      << ": " << st.toString();
+    return false;
+  }
+  for (int32_t t : toks)
+    if (t < 0 || t >= p.max_tokens) return false;  // (the kernels stage none such)
+  const uint64_t expert_rows = static_cast<uint64_t>(me * L + l) * p.max_tokens;
+  forEachRun(toks.data(), toks.size(), [&](size_t j, size_t c) {
+    w.copy(r, p.combine_region + (expert_rows + toks[j]) * p.row_stride,
+           p.stage + (from + j) * p.row_stride, c * p.row_stride);
+  });
+  return true;
+}
+
+void EpBuffer::Proxy::runAbandon(const Job& j) {
+  const int R = buf_.g_.size, me = buf_.g_.rank, h = static_cast<int>(j.p.round & 1);
+  Writer w(buf_, engine::deadlineInMs(buf_.timeout_ms_), j.kind, j.p.round);
+  for (int o = 0; o < R; ++o)
+    if (proxied_[o])
+      w.signal(o, buf_.geo_.abandonSignal(h, static_cast<int>(j.kind), me),
+               makeSignal(j.p.round, 1));
+  (void)w.flush();  // (best effort, as every abandon)
+}
+
+bool EpBuffer::Proxy::takeMailbox(int half, int kind, int src, uint32_t count,
+                                  uint32_t round_bits) {
+  const BufferGeometry& g = buf_.geo_;
+  if (src < 0 || src >= buf_.g_.size || count > g.mailboxCap()) return false;
+  const auto* e = reinterpret_cast<const uint64_t*>(area_ + shadow(half, g.mailbox(half, kind, src)));
+  bool ok = true;
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint64_t off = e[2 * i], value = e[2 * i + 1];
+    if (off % 8 != 0 || !g.isSignalRange(off, 8)) {
+      ok = false;
+      continue;
+    }
+    if ((signalRound(value) & kRoundBitsMask) != round_bits) continue;  // (as the host's)
+    const int h = off >= g.dispatchSignal(1, 0) ? 1 : 0;
+    __atomic_store_n(reinterpret_cast<uint64_t*>(area_ + shadow(h, off)), value,
+                     __ATOMIC_RELEASE);
+  }
+  return ok;
+}
+
+}  // namespace mooncake::ep

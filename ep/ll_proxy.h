@@ -1,0 +1,111 @@
+// EpBuffer::Proxy: the host proxy of a GPU buffer whose group spans hosts (ep/buffer.h,
+// "Device mode"; the kernels' side: ep/kernels/README.md, "Proxied ranks").
+//
+// Ranks on this host are opened through CUDA IPC and stored into by the kernels, as before.
+// A rank on another host is left null in the kernels' peers table: a send's kernels stage
+// what they would have stored in this rank's GPU memory (one stage per (kind, half)) and post
+// (round, rows) in host-mapped words; the proxy thread picks each word up, moves the staged
+// rows with the engine's one-sided WRITEs straight from the registered stage into the peer's
+// registered GPU buffer (rdma with GPUDirect where there is one, else tcp, staged through
+// host memory by the engine), and the peer's signal words through its mailbox + notify()
+// (EpBuffer::Writer), which the engine delivers only after the rows. The peer's handler
+// (takeMailbox) stores them into its host-mapped shadow of the signal words (`ctrl`), where
+// its kernels read a proxied source's signals and abandon words.
+//
+// The host-mapped area, per buffer (registered with the engine, so peers WRITE mailboxes
+// into it):
+//   shadow[2 halves]   each: the half's signal words, then its mailboxes, at their offsets in
+//                      the buffer's half (ep/layout.h): the kernels' ctrl of that half
+//   words[kind][half]  kMaxSignals u64 proxy words ([dest][l] of a call)
+//   done[kind][half]   u32: the last round of (kind, half) whose staged rows were moved
+// A stage is reused by the next send of its (kind, half), two rounds later; that send first
+// waits until the proxy moved the previous one: on the host (waited calls) or, for a
+// stream-ordered call, on the buffer's stream (Device::waitWord on done), so no host thread
+// waits there.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ep/buffer.h"
+
+namespace mooncake::ep {
+
+class EpBuffer::Proxy {
+ public:
+  // Allocates the area and the stages and registers them, and the buffer, with the group's
+  // engine. Throws std::runtime_error naming what failed.
+  explicit Proxy(EpBuffer& buf);
+  ~Proxy();  // stop(false); gives the memory back unless leak() was called
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+
+  uint64_t areaAddress() const { return reinterpret_cast<uint64_t>(area_); }
+  // Where rank r's area is in its process (exchanged at set-up).
+  void setPeerAreas(std::vector<uint64_t> areas) { peer_areas_ = std::move(areas); }
+  // Rank r's mailbox of (half, kind) for this rank, in r's process.
+  uint64_t remoteMailbox(int r, int half, int kind) const;
+  // The kernels' stage, proxy words and ctrl for a call of (kind, round).
+  void fill(kern::LlArgs& p, RoundKind kind, uint32_t round) const;
+  // Before the send of (kind, round) queues its kernels: the rows its stage held two rounds
+  // ago have been moved. stream null: waits here (throws std::runtime_error after twice
+  // MC_EP_TIMEOUT_MS); else queues the wait on `stream`.
+  void stageFree(RoundKind kind, uint32_t round, const void* stream, const char* op);
+  // After a send's kernels were queued with args p (fill's): moves what they post. `sent`:
+  // an event after them (how the proxy knows a word that is not there will not come).
+  void moveSend(const kern::LlArgs& p, RoundKind kind, std::shared_ptr<engine::device::Event> sent);
+  // Tells every proxied rank that this rank gave `round` up (its abandon word).
+  void abandon(RoundKind kind, uint32_t round);
+  // The notification handler's side of EpBuffer::takeMailbox for a GPU buffer.
+  bool takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits);
+  // Ends the thread: after the queued moves (drained: the kernels of every queued send ran),
+  // or at once, leaving the rest unmoved.
+  void stop(bool drained);
+  // The kernels may still use the stage and the area: they stay allocated (logged).
+  void leak() { leaked_ = true; }
+
+ private:
+  struct Job {
+    bool abandon = false;
+    RoundKind kind = RoundKind::kDispatch;
+    kern::LlArgs p;  // (abandon: round only)
+    std::shared_ptr<engine::device::Event> sent;
+  };
+  static size_t shadowHalfBytes();
+  // Offset in the area of buffer offset `off` in the signal words or mailboxes of half h.
+  size_t shadow(int h, size_t off) const;
+  uint32_t* doneWord(int kind, int half) const;
+  void loop();
+  void runSend(const Job& j);
+  void runAbandon(const Job& j);
+  // Queues the moves of (o, l)'s staged rows; false when they could not be (nothing sent).
+  bool moveDispatch(Writer& w, const kern::LlArgs& p, int o, int l, uint32_t n);
+  bool moveCombine(Writer& w, const kern::LlArgs& p, int r, int l, uint32_t n);
+  void push(Job j);
+
+  EpBuffer& buf_;
+  char* area_ = nullptr;  // host-mapped (Device::allocHostWords), reused by later buffers
+  size_t area_bytes_ = 0;
+  char* stage_ = nullptr;  // GPU memory: [kind][half] stages of stage_bytes_
+  size_t stage_bytes_ = 0;
+  bool registered_buffer_ = false, registered_stage_ = false, registered_area_ = false;
+  bool leaked_ = false;
+  std::vector<uint64_t> peer_areas_;
+  std::vector<char> proxied_;  // [R]: 1 for a rank on another host
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  uint32_t queued_[2][2] = {};   // [kind][half]: the last round whose send was queued
+  int pending_[2][2] = {};       // ... and sends of it not moved yet
+  bool stop_ = false, abort_ = false;
+  std::thread thread_;
+};
+
+}  // namespace mooncake::ep
