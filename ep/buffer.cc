@@ -176,10 +176,13 @@ void EpBuffer::endProxy(bool drained) {
   // No notification may store into the proxy's words once they go back to the pool.
   if (key_ != 0) unregisterSignalTarget(key_);
   key_ = 0;
-  if (drained)
+  if (drained) {
     proxy_.reset();
-  else
-    proxy_->leak(), (void)proxy_.release();  // (the kernels may still use its memory)
+    return;
+  }
+  MC_LOG(WARN, EP) << "ep buffer rank " << g_.rank << ": the host proxy's stages and host "
+                   << "words stay allocated (kernels may still use them)";
+  (void)proxy_.release();
 }
 
 EpBuffer::~EpBuffer() {
@@ -211,9 +214,11 @@ EpBuffer::~EpBuffer() {
 }
 
 bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits) {
-  if (proxy_) return proxy_->takeMailbox(half, kind, src, count, round_bits);
   if (src < 0 || src >= g_.size || count > geo_.mailboxCap()) return false;
-  const auto* e = reinterpret_cast<const uint64_t*>(base_ + geo_.mailbox(half, kind, src));
+  // A GPU buffer's (its group spans hosts): the proxy's host words stand for its mailboxes and
+  // signal words (ep/ll_proxy.h), and no host thread sleeps on a doorbell.
+  auto at = [&](size_t off) { return proxy_ ? proxy_->shadowAt(off) : base_ + off; };
+  const auto* e = reinterpret_cast<const uint64_t*>(at(geo_.mailbox(half, kind, src)));
   bool ok = true;
   for (uint32_t i = 0; i < count; ++i) {
     const uint64_t off = e[2 * i], value = e[2 * i + 1];
@@ -224,9 +229,9 @@ bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t
     // An entry of a later round (this source's round of the same half went on while the
     // notification of this one waited) is left to that round's notification.
     if ((signalRound(value) & kRoundBitsMask) != round_bits) continue;
-    signalWord(off)->store(value, std::memory_order_release);
+    reinterpret_cast<std::atomic<uint64_t>*>(at(off))->store(value, std::memory_order_release);
   }
-  ringDoorbell(base_);
+  if (!proxy_) ringDoorbell(base_);
   return ok;
 }
 

@@ -363,7 +363,7 @@ class EpBuffer {
   // Queues a send's kernels (after the proxy freed its stage; the proxy then moves its rows).
   void deviceSend(const kern::LlLaunch& l, RoundKind kind, unsigned grid, const char* op);
   // (setUpDevice) The host proxy for the ranks on other hosts; a failure goes to *error.
-  void setUpProxy(const std::vector<char>& proxied, std::string* error);
+  void setUpProxy(const std::vector<char>& proxied, uint64_t key, std::string* error);
   std::vector<int32_t> deviceOutcome(const kern::LlLaunch& l, int32_t error[2], const char* op);
   void deviceDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round);
   void deviceDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round);

@@ -332,20 +332,21 @@ void EpBuffer::setUpDevice(size_t bytes) {
   remote_.assign(n, 0);
   engine_ids_.assign(n, 0);
   opened_.assign(n, nullptr);
-  key_ = all[0].key;
   std::string open_error;
-  std::vector<char> proxied(n, 0);  // ranks on other hosts: the proxy's (ll_proxy.h)
+  // Ranks on other hosts: the proxy's (ll_proxy.h). (Marked before anything can fail: every
+  // rank must see whether the group spans hosts, which decides the exchanges below.)
+  std::vector<char> proxied(n, 0);
   for (int r = 0; r < n; ++r) {
     engine_ids_[r] = all[r].engine_id;
     remote_[r] = all[r].addr;
+    proxied[r] = hostOf(r) != hostOf(g_.rank);
+  }
+  for (int r = 0; r < n; ++r) {
     if (r == g_.rank) {
       mapped_[r] = base_;
       continue;
     }
-    if (hostOf(r) != hostOf(g_.rank)) {
-      proxied[r] = 1;
-      continue;
-    }
+    if (proxied[r]) continue;
     auto base = layer->openIpc(std::string(all[r].handle, all[r].handle_len));
     if (!base.ok()) {
       open_error = str("opening rank ", r, "'s buffer: ", base.status().toString());
@@ -383,7 +384,7 @@ void EpBuffer::setUpDevice(size_t bytes) {
   if (open_error.empty()) open_error = setUpStream();
   // (Every rank sees the same host table: all of them set the proxy up, or none.)
   if (std::find(proxied.begin(), proxied.end(), 1) != proxied.end())
-    setUpProxy(proxied, &open_error);
+    setUpProxy(proxied, all[0].key, &open_error);
   int ok = open_error.empty() ? 1 : 0;
   std::vector<int> all_ok(n);
   g_.all_gather(&ok, all_ok.data(), sizeof(int));
@@ -401,7 +402,7 @@ void EpBuffer::setUpDevice(size_t bytes) {
                    << " on other hosts through the host proxy";
 }
 
-void EpBuffer::setUpProxy(const std::vector<char>& proxied, std::string* error) {
+void EpBuffer::setUpProxy(const std::vector<char>& proxied, uint64_t key, std::string* error) {
   // Collective: every step's exchange runs on every rank, whatever failed before it here.
   const int n = g_.size;
   if (error->empty()) {
@@ -428,6 +429,7 @@ void EpBuffer::setUpProxy(const std::vector<char>& proxied, std::string* error) 
     *error = e.what();
   }
   try {
+    key_ = key;  // (0 again when joining failed)
     joinSignalTargets([] {});
   } catch (const std::exception& e) {
     if (error->empty()) *error = e.what();

@@ -57,6 +57,15 @@ uint32_t* EpBuffer::Proxy::doneWord(int kind, int half) const {
 }
 
 EpBuffer::Proxy::Proxy(EpBuffer& buf) : buf_(buf) {
+  try {
+    init();
+  } catch (...) {
+    release();  // (a constructor that throws has no destructor run)
+    throw;
+  }
+}
+
+void EpBuffer::Proxy::init() {
   const int R = buf_.g_.size;
   proxied_.assign(R, 0);
   for (int r = 0; r < R; ++r) proxied_[r] = r != buf_.g_.rank && buf_.mapped_[r] == nullptr;
@@ -86,11 +95,10 @@ EpBuffer::Proxy::Proxy(EpBuffer& buf) : buf_(buf) {
 
 EpBuffer::Proxy::~Proxy() {
   stop(false);
-  if (leaked_) {
-    MC_LOG(WARN, EP) << "ep buffer rank " << buf_.g_.rank << ": the proxy's stages ("
-                     << 4 * stage_bytes_ << " bytes of GPU memory) and host words stay allocated";
-    return;
-  }
+  release();
+}
+
+void EpBuffer::Proxy::release() {
   engine::TransferEngine& eng = *buf_.g_.engine;
   if (registered_stage_) (void)eng.unregisterMemory(stage_);
   if (registered_buffer_) (void)eng.unregisterMemory(buf_.base_);
@@ -103,6 +111,8 @@ EpBuffer::Proxy::~Proxy() {
     std::lock_guard<std::mutex> g(g_pool_mu);
     areaPool().push_back(area_);
   }
+  stage_ = area_ = nullptr;
+  registered_stage_ = registered_buffer_ = registered_area_ = false;
 }
 
 void EpBuffer::Proxy::stop(bool drained) {
@@ -182,6 +192,12 @@ void EpBuffer::Proxy::loop() {
   std::unique_lock<std::mutex> g(mu_);
   for (;;) {
     cv_.wait(g, [&] { return stop_ || !jobs_.empty(); });
+    if (abort_) {  // the rest is dropped; the streams' waits on the stages are let go
+      for (int k = 0; k < 2; ++k)
+        for (int h = 0; h < 2; ++h) __atomic_store_n(doneWord(k, h), queued_[k][h], __ATOMIC_RELEASE);
+      jobs_.clear();
+      return;
+    }
     if (jobs_.empty()) return;
     const Job j = jobs_.front();
     g.unlock();
@@ -213,7 +229,7 @@ void EpBuffer::Proxy::runSend(const Job& j) {
   std::vector<char> taken(static_cast<size_t>(R) * L, 0);
   std::vector<int> left(R, 0);
   std::vector<uint32_t> rows(R, 0);
-  std::vector<char> failed(R, 0);
+  std::vector<char> failed(R, 0);  // 1: skipped (inactive), 2: a move failed
   size_t pending = 0;
   for (int o = 0; o < R; ++o)
     if (proxied_[o]) left[o] = L, pending += L;
@@ -240,7 +256,7 @@ void EpBuffer::Proxy::runSend(const Job& j) {
           continue;
         }
         if (failed[o] == 0 && !(dispatch ? moveDispatch(w, p, o, l, n) : moveCombine(w, p, o, l, n)))
-          failed[o] = 1;
+          failed[o] = 2;
         rows[o] += n;
         if (!dispatch && left[o] == 0 && failed[o] == 0)
           w.signal(o, p.combine_signals + static_cast<uint64_t>(me) * 8,
@@ -266,6 +282,14 @@ void EpBuffer::Proxy::runSend(const Job& j) {
                      << " of round " << p.round << " posted nothing for " << pending
                      << " (rank, expert) pairs; those ranks get no signal of it from this rank";
   }
+  // A destination whose rows could not be moved is told this rank gave the round up (its
+  // call then fails naming this rank, at once, as for a bad input's round).
+  for (int o = 0; o < R; ++o)
+    if (failed[o] == 2)
+      w.signal(o, buf_.geo_.abandonSignal(p.round & 1, static_cast<int>(j.kind), me),
+               makeSignal(p.round, 1));
+  // (The deadline from now: the job may have waited long for its kernels to run.)
+  w.setDeadline(engine::deadlineInMs(buf_.timeout_ms_));
   for (int o : w.flush()) {
     MC_LOG(WARN, EP) << "ep proxy rank " << me << ": round " << p.round << "'s rows to rank " << o
                      << " did not all arrive";
@@ -328,24 +352,8 @@ void EpBuffer::Proxy::runAbandon(const Job& j) {
   (void)w.flush();  // (best effort, as every abandon)
 }
 
-bool EpBuffer::Proxy::takeMailbox(int half, int kind, int src, uint32_t count,
-                                  uint32_t round_bits) {
-  const BufferGeometry& g = buf_.geo_;
-  if (src < 0 || src >= buf_.g_.size || count > g.mailboxCap()) return false;
-  const auto* e = reinterpret_cast<const uint64_t*>(area_ + shadow(half, g.mailbox(half, kind, src)));
-  bool ok = true;
-  for (uint32_t i = 0; i < count; ++i) {
-    const uint64_t off = e[2 * i], value = e[2 * i + 1];
-    if (off % 8 != 0 || !g.isSignalRange(off, 8)) {
-      ok = false;
-      continue;
-    }
-    if ((signalRound(value) & kRoundBitsMask) != round_bits) continue;  // (as the host's)
-    const int h = off >= g.dispatchSignal(1, 0) ? 1 : 0;
-    __atomic_store_n(reinterpret_cast<uint64_t*>(area_ + shadow(h, off)), value,
-                     __ATOMIC_RELEASE);
-  }
-  return ok;
+char* EpBuffer::Proxy::shadowAt(size_t off) const {
+  return area_ + shadow(off >= buf_.geo_.dispatchSignal(1, 0) ? 1 : 0, off);
 }
 
 }  // namespace mooncake::ep

@@ -42,7 +42,8 @@ class EpBuffer::Proxy {
   // Allocates the area and the stages and registers them, and the buffer, with the group's
   // engine. Throws std::runtime_error naming what failed.
   explicit Proxy(EpBuffer& buf);
-  ~Proxy();  // stop(false); gives the memory back unless leak() was called
+  ~Proxy();  // stop(false); gives the memory back (the caller leaks a Proxy whose memory
+             // kernels may still use: EpBuffer::endProxy)
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
 
@@ -62,13 +63,12 @@ class EpBuffer::Proxy {
   void moveSend(const kern::LlArgs& p, RoundKind kind, std::shared_ptr<engine::device::Event> sent);
   // Tells every proxied rank that this rank gave `round` up (its abandon word).
   void abandon(RoundKind kind, uint32_t round);
-  // The notification handler's side of EpBuffer::takeMailbox for a GPU buffer.
-  bool takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits);
+  // The host words standing for buffer offset `off` in the signal words or mailboxes of
+  // either half (EpBuffer::takeMailbox: where a GPU buffer's notifications are taken).
+  char* shadowAt(size_t off) const;
   // Ends the thread: after the queued moves (drained: the kernels of every queued send ran),
   // or at once, leaving the rest unmoved.
   void stop(bool drained);
-  // The kernels may still use the stage and the area: they stay allocated (logged).
-  void leak() { leaked_ = true; }
 
  private:
   struct Job {
@@ -77,6 +77,8 @@ class EpBuffer::Proxy {
     kern::LlArgs p;  // (abandon: round only)
     std::shared_ptr<engine::device::Event> sent;
   };
+  void init();     // (the constructor's body)
+  void release();  // gives back what init() got (undone in reverse; idempotent)
   static size_t shadowHalfBytes();
   // Offset in the area of buffer offset `off` in the signal words or mailboxes of half h.
   size_t shadow(int h, size_t off) const;
@@ -95,7 +97,6 @@ class EpBuffer::Proxy {
   char* stage_ = nullptr;  // GPU memory: [kind][half] stages of stage_bytes_
   size_t stage_bytes_ = 0;
   bool registered_buffer_ = false, registered_stage_ = false, registered_area_ = false;
-  bool leaked_ = false;
   std::vector<uint64_t> peer_areas_;
   std::vector<char> proxied_;  // [R]: 1 for a rank on another host
 

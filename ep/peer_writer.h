@@ -53,6 +53,7 @@ class EpBuffer::Writer {
   void signal(int r, size_t off, uint64_t value) { sigs_[r].push_back({off, value}); }
   // Publishes r's queued signals now if r is mapped (its data is complete).
   void commit(int r);
+  void setDeadline(engine::Deadline deadline) { deadline_ = deadline; }  // (flush's)
   // Completes everything; returns the ranks whose writes or signals failed.
   std::vector<int> flush();
 

@@ -126,6 +126,14 @@ class GpuBuffer:
         return to_host(out), (None if ow is None else to_host(ow))
 
 
+def _gpu_case(ctx, seed):
+    """A case's config, its buffer, and a failure when that buffer is not in GPU memory."""
+    cfg = Cfg(ctx.world, seed=seed)
+    buf = ctx.buffer(cfg.M, cfg.H, cfg.E)
+    ok = isinstance(buf, GpuBuffer)
+    return cfg, buf, [] if ok else ["EP_CASES_GPU is not set: the buffer is host memory"]
+
+
 def case_gpu_buffer(ctx):
     """A buffer in GPU memory (run with EP_CASES_GPU=1, MC_DEVICE=sim): the kernels run its
     calls; a CPU tensor (either mode) and a bad expert id in GPU memory are refused with
@@ -133,11 +141,9 @@ def case_gpu_buffer(ctx):
     import torch.distributed as dist
     from pg_cases_gpu import to_gpu
     R, me = ctx.world, ctx.rank
-    cfg = Cfg(R, seed=61)
-    buf = ctx.buffer(cfg.M, cfg.H, cfg.E)
-    fails = []
-    if not isinstance(buf, GpuBuffer):
-        return ["EP_CASES_GPU is not set: the buffer is host memory"]
+    cfg, buf, fails = _gpu_case(ctx, 61)
+    if fails:
+        return fails
     if buf._impl.low_latency_executor() != "kernels on sim device 0":
         fails.append(f"executor {buf._impl.low_latency_executor()!r}")
     if buf.buf.device != "gpu:0":
@@ -208,11 +214,9 @@ def case_across_hosts(ctx):
     hooks' two rounds in flight, and normal mode refused with ValueError on every rank (it
     needs one host), the rounds after it in step."""
     R, me = ctx.world, ctx.rank
-    cfg = Cfg(R, seed=81)
-    buf = ctx.buffer(cfg.M, cfg.H, cfg.E)
-    fails = []
-    if not isinstance(buf, GpuBuffer):
-        return ["EP_CASES_GPU is not set: the buffer is host memory"]
+    cfg, buf, fails = _gpu_case(ctx, 81)
+    if fails:
+        return fails
     act = torch.ones(R, dtype=torch.int32)
     for i in range(4):
         fails += ll_round(ctx, Cfg(R, seed=82 + i), act, f"round {i}", async_finish=i % 2 == 1)
