@@ -379,6 +379,10 @@ set +e
     [[ "${GPU_CHECK_BENCH:-1}" == 1 ]] && BENCH=(--bench)
     echo "gpu_check: the torch check, Work.wait() blocking"
     torch_pass torch_check 1 --module-dir "$B" "${BENCH[@]}" || r=$?
+    # EP on GPU buffers whose group spans (simulated) hosts, a rank per host: the host proxy
+    # (ep/ll_proxy.h: the kernels stage, a host thread moves the rows through the engine).
+    echo "gpu_check: the torch check's EP step across simulated hosts (the host proxy)"
+    torch_pass torch_check_ep_hosts 1 --module-dir "$B" --ep-hosts 1 || r=$?
     # (The first pass's all_reduce of CUDA tensors is stream-ordered, pg/stream_ops.h; this
     # one takes the host-driven path, MC_PG_STREAM_OPS=0, so that the gate is what orders the
     # streams, and times all_reduce that way for the A/B.)

@@ -15,8 +15,10 @@ sleep), that a kernel queued after Work.wait() sees the result, that wait() retu
 op completed (the default, MC_PG_BLOCKING_WAIT=1) or, with MC_PG_BLOCKING_WAIT=0 in the
 environment, without blocking the host (the stream gate), that a Work's future carries the
 result, and times all_reduce, all_gather and all_to_all against the device's own
-device-to-device copy rate. One JSON object per line on stdout (rank 0's); exit status 0 when
-every check passed.
+device-to-device copy rate. With --ep-hosts N (N ranks per simulated host, MC_HOST_ID) it runs
+the EP check alone: a GPU buffer whose group spans hosts (the ranks of other hosts reached
+through the buffer's host proxy, ep/ll_proxy.h). One JSON object per line on stdout (rank 0's);
+exit status 0 when every check passed.
 """
 
 import argparse
@@ -76,9 +78,11 @@ def launch(a):
         cmd = [sys.executable, os.path.abspath(__file__)] + where + [
                "--device", a.device, "--world", str(a.world), "--rank", str(r), "--port",
                str(port), "--timeout", str(a.timeout)] + (
-                   ["--bench", "--bench-ops", a.bench_ops] if a.bench else [])
+                   ["--bench", "--bench-ops", a.bench_ops] if a.bench else []) + (
+                   ["--ep-hosts", str(a.ep_hosts)] if a.ep_hosts else [])
+        rank_env = dict(env, MC_HOST_ID=f"host-{r // a.ep_hosts}") if a.ep_hosts else env
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env))
+                                      text=True, env=rank_env))
     # One deadline for all ranks; a rank still running then is shown (its Python stacks, written
     # by faulthandler before the deadline, and its native ones where gdb is) and killed.
     deadline = time.monotonic() + a.timeout
@@ -205,6 +209,18 @@ def worker(a):
         call()
         if before is not None:
             streamed[name] = streamed.get(name, 0) + stream_ops() - before
+
+    def finish():
+        dist.barrier()
+        if me == 0:
+            for r in rows:
+                print(json.dumps(r), flush=True)
+        dist.destroy_process_group()
+        return 1 if failed[0] else 0
+
+    if a.ep_hosts:  # the EP check alone, its group spanning simulated hosts
+        ep_check(torch, dist, M, gpu, host, cuda, W, me, row, False, spans_hosts=True)
+        return finish()
 
     for n in (4099, 1 << 20):
         for dt, op, name in ((torch.float32, dist.ReduceOp.SUM, "sum"),
@@ -360,21 +376,17 @@ def worker(a):
         row({"check": "ep on a GPU buffer", "ok": False, "detail": "the module has no EpBuffer"})
     if a.bench:
         bench(torch, dist, ag, gpu, cuda, W, me, row, a.bench_ops.split(","))
-    dist.barrier()
-    if me == 0:
-        for r in rows:
-            print(json.dumps(r), flush=True)
-    dist.destroy_process_group()
-    return 1 if failed[0] else 0
+    return finish()
 
 
-def ep_check(torch, dist, M, gpu, host, cuda, W, me, row, timed):
+def ep_check(torch, dist, M, gpu, host, cuda, W, me, row, timed, spans_hosts=False):
     """mooncake.ep on a buffer in GPU memory (EpBuffer device 0: the kernels' entry points
     ep/kernels/ll_entry.cu, or the simulation's form of them) against a buffer in host memory
     (the CPU path) on the same inputs: low latency (recv_count, every received row, src_info,
     layout_range and the combined rows, in bf16 and fp8) and normal mode (every output of
     dispatch and combine) equal bit for bit. Timed (cuda, --bench): low-latency dispatch and
-    combine p50 at 128 x 7168 x top-8, E = 8 per rank."""
+    combine p50 at 128 x 7168 x top-8, E = 8 per rank. spans_hosts: the group spans simulated
+    hosts (the host proxy); normal mode must then be refused."""
     pg = dist.distributed_c10d._get_default_group()
     backend = pg
     if hasattr(pg, "_get_backend"):  # torch >= 2.1: the facade over the backends
@@ -448,6 +460,15 @@ def ep_check(torch, dist, M, gpu, host, cuda, W, me, row, timed):
         return [back(t) for t in (rx, rt, rw, per, src, counts, in_rank, out, out_w)]
 
     x, topk, w = inputs(me, 7)
+    if spans_hosts:
+        try:
+            normal_on(gpu_buf, True, x, topk, w)
+            refused = "it ran"
+        except ValueError as e:
+            refused = "" if "one host" in str(e) else str(e)
+        row({"check": "ep normal mode on a GPU buffer across hosts is refused",
+             "ok": not refused, "detail": refused})
+        return
     ref = normal_on(cpu_buf, False, x, topk, w)
     got = normal_on(gpu_buf, True, x, topk, w)
     def bits(t):  # (bf16 compared as its bytes: bit for bit)
@@ -586,6 +607,8 @@ def main():
     ap.add_argument("--bench-ops", default="all_reduce,all_gather,all_to_all",
                     help="the ops --bench times")
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--ep-hosts", type=int, default=0,
+                    help="ranks per simulated host: the EP check alone, across hosts")
     ap.add_argument("--rank", type=int)
     ap.add_argument("--port", type=int)
     a = ap.parse_args()
