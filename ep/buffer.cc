@@ -98,7 +98,13 @@ void EpBuffer::setUp(size_t bytes) {
   }
   std::vector<char> others(n, 1);
   others[g_.rank] = 0;
-  engine_ids_ = exchangeSegments(others);
+  std::string seg_error;  // (reported by joinSignalTargets, a collective every rank reaches)
+  try {
+    engine_ids_ = exchangeSegments(others);
+  } catch (const std::exception& e) {
+    seg_error = e.what();
+    engine_ids_.assign(n, 0);
+  }
   mapped_.assign(n, nullptr);
   remote_.assign(n, 0);
   for (int r = 0; r < n; ++r) {
@@ -109,10 +115,12 @@ void EpBuffer::setUp(size_t bytes) {
     else if (!disable_p2p_)
       mapped_[r] = static_cast<char*>(eng.mappedAddress(g_.peers[r], all[r].base, bytes));
   }
-  joinSignalTargets([&] {
-    (void)eng.free(base_);
-    base_ = nullptr;
-  });
+  joinSignalTargets(
+      [&] {
+        (void)eng.free(base_);
+        base_ = nullptr;
+      },
+      seg_error);
   if (kernel_lanes_ > 0) watchPeers();
   int n_mapped = 0;
   for (auto* p : mapped_) n_mapped += p != nullptr;
@@ -147,19 +155,23 @@ std::vector<uint64_t> EpBuffer::exchangeSegments(const std::vector<char>& update
   return ids;
 }
 
-void EpBuffer::joinSignalTargets(const std::function<void()>& undo) {
+void EpBuffer::joinSignalTargets(const std::function<void()>& undo, const std::string& failed) {
   const int n = g_.size;
   // Nobody signals before every rank registered its handler target; every rank fails alike
-  // when one could not (another buffer of its process has the key's low bits: 2^-32 odds).
-  int registered = registerSignalTarget(key_, this, g_.engine) ? 1 : 0;
-  std::vector<int> all_registered(n);
-  g_.all_gather(&registered, all_registered.data(), sizeof(int));
+  // when one could not (another buffer of its process has the key's low bits: 2^-32 odds) or
+  // failed a step before (`failed`: why).
+  int state = !failed.empty() ? -1 : registerSignalTarget(key_, this, g_.engine) ? 1 : 0;
+  std::vector<int> all(n);
+  g_.all_gather(&state, all.data(), sizeof(int));
   for (int r = 0; r < n; ++r) {
-    if (all_registered[r] != 0) continue;
-    if (registered != 0) unregisterSignalTarget(key_);
+    if (all[r] == 1) continue;
+    if (state == 1) unregisterSignalTarget(key_);
     const uint64_t key = key_;
     key_ = 0;
     undo();
+    if (!failed.empty()) throw std::runtime_error(failed);
+    if (all[r] < 0)
+      throw std::runtime_error(str("ep.Buffer: rank ", r, " could not set up (its log says why)"));
     throw std::runtime_error(str("ep.Buffer: rank ", r, " already has a buffer with key ", std::hex,
                                  static_cast<uint32_t>(key), "; create the buffer again"));
   }

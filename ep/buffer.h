@@ -286,9 +286,10 @@ class EpBuffer {
   // to the ranks in `update` (engine peers updated); returns each rank's engine id.
   std::vector<uint64_t> exchangeSegments(const std::vector<char>& update);
   // Collective: installs this buffer as the EP notification target of key_; every rank
-  // throws alike when one could not (another buffer of its process had the key's low bits).
-  // undo runs first on this rank then.
-  void joinSignalTargets(const std::function<void()>& undo);
+  // throws alike when one could not (another buffer of its process had the key's low bits)
+  // or says it `failed` an earlier step (the reason, thrown on that rank). undo runs first on
+  // this rank then.
+  void joinSignalTargets(const std::function<void()>& undo, const std::string& failed = "");
   // Where rank r (not mapped) takes this rank's signal entries of (half, kind) from, in its
   // process: its buffer's mailbox, or for a GPU buffer its proxy's host words.
   uint64_t mailboxAddress(int r, int half, int kind) const;

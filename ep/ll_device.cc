@@ -422,17 +422,19 @@ void EpBuffer::setUpProxy(const std::vector<char>& proxied, uint64_t key, std::s
   std::vector<uint64_t> areas(n);
   for (int r = 0; r < n; ++r) areas[r] = all[r].area;
   proxy_->setPeerAreas(std::move(areas));
-  // (Both are collectives that throw only after their exchanges: each runs on every rank.)
+  // (Both are collectives that throw only after their exchanges: each runs on every rank,
+  // and the second reports a failure of the first to every rank.)
+  std::string seg_error;
   try {
     (void)exchangeSegments(proxied);  // (they now list the buffer, the stages, the area)
   } catch (const std::exception& e) {
-    *error = e.what();
+    seg_error = e.what();
   }
   try {
     key_ = key;  // (0 again when joining failed)
-    joinSignalTargets([] {});
+    joinSignalTargets([] {}, seg_error);
   } catch (const std::exception& e) {
-    if (error->empty()) *error = e.what();
+    *error = e.what();
   }
 }
 
@@ -537,10 +539,11 @@ void EpBuffer::deviceSend(const kern::LlLaunch& l, RoundKind kind, unsigned grid
   deviceLaunch(l, dispatch ? kern::kDispatchSend : kern::kCombineSend, grid, op);
   if (!proxy_) return;
   auto sent = deviceLayer(op)->recordOn(device_, kernelStream());
+  // (Without the event the proxy still moves what the kernels post: it waits for every word.)
+  proxy_->moveSend(l.p, kind, sent.ok() ? std::shared_ptr<dev::Event>(std::move(*sent)) : nullptr);
   if (!sent.ok())
     throw std::runtime_error(str(op, ": rank ", g_.rank, ": an event after the send: ",
                                  sent.status().toString()));
-  proxy_->moveSend(l.p, kind, std::shared_ptr<dev::Event>(std::move(*sent)));
 }
 
 void EpBuffer::deviceSync(const char* op, engine::Deadline deadline) {

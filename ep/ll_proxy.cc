@@ -1,6 +1,7 @@
 // EpBuffer::Proxy (ep/ll_proxy.h): a GPU buffer's ranks on other hosts.
 #include "ep/ll_proxy.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -236,7 +237,7 @@ void EpBuffer::Proxy::runSend(const Job& j) {
   int idle = 0;
   while (pending > 0) {
     // Checked before the words: once the send's kernels ended, every word they post is there.
-    const bool ended = j.sent->done();
+    const bool ended = j.sent != nullptr && j.sent->done();
     bool any = false;
     for (int o = 0; o < R; ++o) {
       if (!proxied_[o]) continue;
@@ -272,10 +273,12 @@ void EpBuffer::Proxy::runSend(const Job& j) {
       std::lock_guard<std::mutex> g(mu_);
       if (abort_) break;
     }
+    // (Spin briefly, then sleep 10 us growing to 100 us: a proxy whose kernels are queued
+    // behind a long wait polls about 10^4 times a second, not 10^5.)
     if (++idle < 64)
       std::this_thread::yield();
     else
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      std::this_thread::sleep_for(std::chrono::microseconds(std::min(100, 10 * (idle - 63))));
   }
   if (pending > 0) {
     MC_LOG(WARN, EP) << "ep proxy rank " << me << ": the " << (dispatch ? "dispatch" : "combine")

@@ -59,7 +59,8 @@ class EpBuffer::Proxy {
   // MC_EP_TIMEOUT_MS); else queues the wait on `stream`.
   void stageFree(RoundKind kind, uint32_t round, const void* stream, const char* op);
   // After a send's kernels were queued with args p (fill's): moves what they post. `sent`:
-  // an event after them (how the proxy knows a word that is not there will not come).
+  // an event after them (how the proxy knows a word that is not there will not come; null:
+  // every word is waited for, until stop()).
   void moveSend(const kern::LlArgs& p, RoundKind kind, std::shared_ptr<engine::device::Event> sent);
   // Tells every proxied rank that this rank gave `round` up (its abandon word).
   void abandon(RoundKind kind, uint32_t round);

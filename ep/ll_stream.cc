@@ -169,9 +169,10 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
       if (proxy_) proxy_->stageFree(kind, round, stream_, op);
       launch(dispatch ? kern::kDispatchSend : kern::kCombineSend, send_grid);
       if (proxy_) {
-        auto sent = layer->recordOn(device_, stream_);
+        auto sent = layer->recordOn(device_, stream_);  // (none: the proxy waits for every word)
+        proxy_->moveSend(l.p, kind,
+                         sent.ok() ? std::shared_ptr<dev::Event>(std::move(*sent)) : nullptr);
         check(sent.status(), op, g_.rank, "an event after the send");
-        proxy_->moveSend(l.p, kind, std::shared_ptr<dev::Event>(std::move(*sent)));
       }
     }
     if (part != StreamPart::kSend) {

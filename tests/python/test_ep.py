@@ -236,11 +236,14 @@ def test_ep_gpu_buffers_sim_across_hosts(world, per_host, stream):
     the buffer's host proxy (ep/ll_proxy.h: the kernels stage, the proxy moves the rows with
     engine WRITEs over tcp and the signals through the peer's mailbox + notify); low latency
     bf16, fp32 and fp8 against the plain-torch reference, hooks in flight, every stage reused,
-    normal mode refused; waited and stream-ordered calls."""
+    normal mode refused; waited and stream-ordered calls. Waited, also case_gpu_buffer: bad
+    inputs refused on every rank (their rounds given up across hosts too) and a rank that
+    cannot make its buffer failing every rank's set-up."""
     env = dict(STREAM_ENV if stream else GPU_ENV, EP_CASES_SPANS_HOSTS="1")
-    results, codes, tails = run_ranks(world, HOSTS_CASES, env=env,
+    cases = HOSTS_CASES + ([] if stream else ["gpu_buffer"])
+    results, codes, tails = run_ranks(world, cases, env=env,
                                       rank_env=lambda r: {"MC_HOST_ID": f"host-{r // per_host}"})
-    for case in HOSTS_CASES:
+    for case in cases:
         for r in range(world):
             res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
             assert res == [], _report(world, r, case, res, tails)
