@@ -76,11 +76,9 @@ std::unique_ptr<EpBuffer> EpBuffer::create(EpGroup group, size_t bytes, bool dis
 void EpBuffer::setUp(size_t bytes) {
   engine::TransferEngine& eng = *g_.engine;
   const int n = g_.size;
+  // (A failure is published in the exchange below: every rank fails alike, none waits.)
   auto mem = eng.allocate(bytes);
-  if (!mem.ok())
-    throw std::runtime_error(str("ep.Buffer: allocating ", bytes,
-                                 " bytes of registered memory failed: ", mem.status().toString()));
-  base_ = static_cast<char*>(*mem);
+  base_ = mem.ok() ? static_cast<char*>(*mem) : nullptr;
 
   // One exchange: key candidate, base address and size; then the segment descriptors (which
   // now list the buffer, so peers can map it or address it with WRITEs).
@@ -89,9 +87,20 @@ void EpBuffer::setUp(size_t bytes) {
   g_.all_gather(&mine, all.data(), sizeof(RankInfo));
   key_ = all[0].key;
   for (int r = 0; r < n; ++r) {
+    if (all[r].base == 0) {  // (its allocation failed)
+      if (base_ != nullptr) (void)eng.free(base_);
+      base_ = nullptr;
+      key_ = 0;
+      throw std::runtime_error(
+          r == g_.rank ? str("ep.Buffer: allocating ", bytes, " bytes of registered memory failed: ",
+                             mem.status().toString())
+                       : str("ep.Buffer: rank ", r, " could not allocate its buffer of ", bytes,
+                             " bytes"));
+    }
     if (all[r].bytes != bytes) {
       (void)eng.free(base_);
       base_ = nullptr;
+      key_ = 0;  // (not joined: nothing to leave)
       invalid("ep.Buffer", str("num_ep_buffer_bytes differs across ranks: rank ", g_.rank, " has ",
                                bytes, ", rank ", r, " has ", all[r].bytes));
     }
@@ -226,11 +235,16 @@ EpBuffer::~EpBuffer() {
 }
 
 bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits) {
-  if (src < 0 || src >= g_.size || count > geo_.mailboxCap()) return false;
+  // kAbandonSlotCount: the one entry in the mailbox's last slot (ep/peer_writer.h).
+  const bool abandon = count == kAbandonSlotCount;
+  if (src < 0 || src >= g_.size || (!abandon && count > geo_.mailboxCap() - 1)) return false;
   // A GPU buffer's (its group spans hosts): the proxy's host words stand for its mailboxes and
   // signal words (ep/ll_proxy.h), and no host thread sleeps on a doorbell.
   auto at = [&](size_t off) { return proxy_ ? proxy_->shadowAt(off) : base_ + off; };
-  const auto* e = reinterpret_cast<const uint64_t*>(at(geo_.mailbox(half, kind, src)));
+  const size_t box = geo_.mailbox(half, kind, src) +
+                     (abandon ? (geo_.mailboxCap() - 1) * kMailboxEntryBytes : 0);
+  if (abandon) count = 1;
+  const auto* e = reinterpret_cast<const uint64_t*>(at(box));
   bool ok = true;
   for (uint32_t i = 0; i < count; ++i) {
     const uint64_t off = e[2 * i], value = e[2 * i + 1];
@@ -312,8 +326,9 @@ void EpBuffer::throwIfAbandoned(const char* op, uint32_t round,
   if (gave_up.size() > 1) os << "s";
   for (size_t i = 0; i < gave_up.size(); ++i) os << (i ? ", " : " ") << gave_up[i];
   os << " gave up round " << round
-     << " (their own call was invalid and raised there); this call's output is incomplete. "
-        "The next round is in step on every rank.";
+     << " (their own call was invalid and raised there, or, a GPU buffer across hosts, their "
+        "host proxy could not move the rows: their log says which); this call's output is "
+        "incomplete. After an invalid call the next round is in step on every rank.";
   throw std::runtime_error(os.str());
 }
 

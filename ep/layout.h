@@ -93,7 +93,8 @@ class BufferGeometry {
                sizeof(uint64_t);
   }
   // Entries one source can post per round and kind: a signal per local expert (low-latency
-  // dispatch; normal mode and combine send one) plus an abandon word, and one spare.
+  // dispatch; normal mode and combine send one) plus an abandon word, and the last slot, for a
+  // given-up round's abandon word alone (ep/peer_writer.h).
   size_t mailboxCap() const { return (kMaxSignals + world_ - 1) / world_ + 2; }
   // The mailbox of source `src` for rounds of `kind` (0: dispatch, 1: combine).
   size_t mailbox(int half, int kind, int src) const {

@@ -197,6 +197,8 @@ void EpBuffer::Proxy::loop() {
       for (int k = 0; k < 2; ++k)
         for (int h = 0; h < 2; ++h) __atomic_store_n(doneWord(k, h), queued_[k][h], __ATOMIC_RELEASE);
       jobs_.clear();
+      for (auto& k : pending_) k[0] = k[1] = 0;
+      cv_.notify_all();
       return;
     }
     if (jobs_.empty()) return;
@@ -275,10 +277,13 @@ void EpBuffer::Proxy::runSend(const Job& j) {
     }
     // (Spin briefly, then sleep 10 us growing to 100 us: a proxy whose kernels are queued
     // behind a long wait polls about 10^4 times a second, not 10^5.)
-    if (++idle < 64)
+    if (idle < 64) {
+      ++idle;
       std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(std::min(100, 10 * (idle - 63))));
+    } else {
+      idle = std::min(idle + 1, 73);  // (10 us, growing to 100 us)
+      std::this_thread::sleep_for(std::chrono::microseconds(10 * (idle - 63)));
+    }
   }
   if (pending > 0) {
     MC_LOG(WARN, EP) << "ep proxy rank " << me << ": the " << (dispatch ? "dispatch" : "combine")

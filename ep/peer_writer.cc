@@ -131,17 +131,22 @@ std::vector<int> EpBuffer::Writer::flush() {
   engine::TransferEngine& eng = *buf_.g_.engine;
   for (int r = 0; r < n; ++r) {
     if (buf_.mapped_[r] != nullptr) continue;
-    if (sigs_[r].size() > buf_.geo_.mailboxCap()) {  // the layout's bound: a bug if hit
+    if (sigs_[r].size() > buf_.geo_.mailboxCap() - 1) {  // the layout's bound: a bug if hit
       MC_LOG(ERROR, EP) << "ep: " << sigs_[r].size() << " signals for rank " << r
                         << " exceed the mailbox (" << buf_.geo_.mailboxCap() << ")";
       ok[r] = false;
       continue;
     }
-    // The queued (offset, value) pairs are the mailbox entries as they are laid out there.
+    // The queued (offset, value) pairs are the mailbox entries as they are laid out there; a
+    // given-up round's entry alone goes to the last slot (above).
+    const bool abandon_only =
+        sigs_[r].size() == 1 &&
+        sigs_[r][0].first == buf_.geo_.abandonSignal(static_cast<int>(round_ & 1), kind, buf_.g_.rank);
+    const uint64_t box = buf_.mailboxAddress(r, static_cast<int>(round_ & 1), kind) +
+                         (abandon_only ? (buf_.geo_.mailboxCap() - 1) * kMailboxEntryBytes : 0);
     if (!sigs_[r].empty())
       reqs_[r].push_back({engine::OpCode::kWrite, sigs_[r].data(),
-                          sigs_[r].size() * kMailboxEntryBytes, buf_.g_.peers[r],
-                          buf_.mailboxAddress(r, static_cast<int>(round_ & 1), kind)});
+                          sigs_[r].size() * kMailboxEntryBytes, buf_.g_.peers[r], box});
     if (reqs_[r].empty()) continue;
     auto id = eng.submit(reqs_[r]);
     Status st = id.status();
@@ -150,7 +155,8 @@ std::vector<int> EpBuffer::Writer::flush() {
       // Ordered after the writes just posted: r stores the entries once they are all there.
       if (!sigs_[r].empty())
         st = eng.notify(buf_.g_.peers[r], kEpSignalChannel,
-                        tag(static_cast<uint32_t>(sigs_[r].size())));
+                        tag(abandon_only ? kAbandonSlotCount
+                                         : static_cast<uint32_t>(sigs_[r].size())));
     }
     if (!st.ok()) {
       MC_LOG(WARN, EP) << "ep: writes to rank " << r << " failed: " << st.toString();

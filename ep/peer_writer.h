@@ -19,7 +19,10 @@
 // low 7 bits (bit 25 = half), 32-63 the buffer's key. A mailbox is reused two rounds of its
 // kind later, which the halves' rule already orders after the receiver is done with it; an
 // entry whose round does not match the tag's (a sender that went on after the receiver gave
-// up on it) is not stored.
+// up on it) is not stored. A round given up (abandon(), alone in its flush) is the exception:
+// a refused call's round may be two after a hooked round whose notification the receiver has
+// not taken yet, so its one entry goes to the mailbox's last slot, which no round's signals
+// use (at most L + 1 of mailboxCap() >= L + 2), and its tag's count is kAbandonSlotCount.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +38,8 @@ namespace mooncake::ep {
 constexpr uint32_t kEpSignalChannel = 0x45500001u;
 // The bits of a round a notification tag carries.
 constexpr uint32_t kRoundBitsMask = 0x7f;
+// A tag's count naming the mailbox's last slot: one abandon entry (above).
+constexpr uint32_t kAbandonSlotCount = 0x3fff;
 
 class EpBuffer::Writer {
  public:
