@@ -21,7 +21,6 @@ namespace {
 using engine::Clock;
 
 
-
 // timeout_us -1 (Mooncake EP's "no timeout"): a source is waited for until it delivers, its
 // engine peer is seen dead, or it gives the round up.
 engine::Deadline deadlineInUs(int64_t us) {
@@ -164,33 +163,6 @@ std::vector<uint64_t> EpBuffer::exchangeSegments(const std::vector<char>& update
   return ids;
 }
 
-void EpBuffer::joinSignalTargets(const std::function<void()>& undo, const std::string& failed) {
-  const int n = g_.size;
-  // Nobody signals before every rank registered its handler target; every rank fails alike
-  // when one could not (another buffer of its process has the key's low bits: 2^-32 odds) or
-  // failed a step before (`failed`: why).
-  int state = !failed.empty() ? -1 : registerSignalTarget(key_, this, g_.engine) ? 1 : 0;
-  std::vector<int> all(n);
-  g_.all_gather(&state, all.data(), sizeof(int));
-  for (int r = 0; r < n; ++r) {
-    if (all[r] == 1) continue;
-    if (state == 1) unregisterSignalTarget(key_);
-    const uint64_t key = key_;
-    key_ = 0;
-    undo();
-    if (!failed.empty()) throw std::runtime_error(failed);
-    if (all[r] < 0)
-      throw std::runtime_error(str("ep.Buffer: rank ", r, " could not set up (its log says why)"));
-    throw std::runtime_error(str("ep.Buffer: rank ", r, " already has a buffer with key ", std::hex,
-                                 static_cast<uint32_t>(key), "; create the buffer again"));
-  }
-}
-
-uint64_t EpBuffer::mailboxAddress(int r, int half, int kind) const {
-  if (proxy_) return proxy_->remoteMailbox(r, half, kind);
-  return remote_[r] + geo_.mailbox(half, kind, g_.rank);
-}
-
 void EpBuffer::endProxy(bool drained) {
   if (!proxy_) return;
   proxy_->stop(drained);
@@ -232,33 +204,6 @@ EpBuffer::~EpBuffer() {
   if (gone_handler_ != 0) g_.engine->removePeerGoneHandler(gone_handler_);
   if (key_ != 0) unregisterSignalTarget(key_);
   if (device_ < 0 && base_ != nullptr) (void)g_.engine->free(base_);
-}
-
-bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits) {
-  // kAbandonSlotCount: the one entry in the mailbox's last slot (ep/peer_writer.h).
-  const bool abandon = count == kAbandonSlotCount;
-  if (src < 0 || src >= g_.size || (!abandon && count > geo_.mailboxCap() - 1)) return false;
-  // A GPU buffer's (its group spans hosts): the proxy's host words stand for its mailboxes and
-  // signal words (ep/ll_proxy.h), and no host thread sleeps on a doorbell.
-  auto at = [&](size_t off) { return proxy_ ? proxy_->shadowAt(off) : base_ + off; };
-  const size_t box = geo_.mailbox(half, kind, src) +
-                     (abandon ? (geo_.mailboxCap() - 1) * kMailboxEntryBytes : 0);
-  if (abandon) count = 1;
-  const auto* e = reinterpret_cast<const uint64_t*>(at(box));
-  bool ok = true;
-  for (uint32_t i = 0; i < count; ++i) {
-    const uint64_t off = e[2 * i], value = e[2 * i + 1];
-    if (off % 8 != 0 || !geo_.isSignalRange(off, 8)) {
-      ok = false;
-      continue;
-    }
-    // An entry of a later round (this source's round of the same half went on while the
-    // notification of this one waited) is left to that round's notification.
-    if ((signalRound(value) & kRoundBitsMask) != round_bits) continue;
-    reinterpret_cast<std::atomic<uint64_t>*>(at(off))->store(value, std::memory_order_release);
-  }
-  if (!proxy_) ringDoorbell(base_);
-  return ok;
 }
 
 void EpBuffer::abandon(RoundKind kind, uint32_t round) {

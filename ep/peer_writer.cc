@@ -8,6 +8,8 @@
 
 #include "engine/futex.h"
 #include "engine/log.h"
+#include "ep/ll_proxy.h"
+#include "ep/str.h"
 #include "pg/copy.h"
 
 namespace mooncake::ep {
@@ -57,6 +59,60 @@ bool registerSignalTarget(uint64_t key, EpBuffer* buf, engine::TransferEngine* e
 void unregisterSignalTarget(uint64_t key) {
   std::lock_guard<std::mutex> g(g_mu);
   g_targets.erase(static_cast<uint32_t>(key));
+}
+
+void EpBuffer::joinSignalTargets(const std::function<void()>& undo, const std::string& failed) {
+  const int n = g_.size;
+  // Nobody signals before every rank registered its handler target; every rank fails alike
+  // when one could not (another buffer of its process has the key's low bits: 2^-32 odds) or
+  // failed a step before (`failed`: why).
+  int state = !failed.empty() ? -1 : registerSignalTarget(key_, this, g_.engine) ? 1 : 0;
+  std::vector<int> all(n);
+  g_.all_gather(&state, all.data(), sizeof(int));
+  for (int r = 0; r < n; ++r) {
+    if (all[r] == 1) continue;
+    if (state == 1) unregisterSignalTarget(key_);
+    const uint64_t key = key_;
+    key_ = 0;
+    undo();
+    if (!failed.empty()) throw std::runtime_error(failed);
+    if (all[r] < 0)
+      throw std::runtime_error(str("ep.Buffer: rank ", r, " could not set up (its log says why)"));
+    throw std::runtime_error(str("ep.Buffer: rank ", r, " already has a buffer with key ", std::hex,
+                                 static_cast<uint32_t>(key), "; create the buffer again"));
+  }
+}
+
+uint64_t EpBuffer::mailboxAddress(int r, int half, int kind) const {
+  if (proxy_) return proxy_->remoteMailbox(r, half, kind);
+  return remote_[r] + geo_.mailbox(half, kind, g_.rank);
+}
+
+bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits) {
+  // kAbandonSlotCount: the one entry in the mailbox's last slot (ep/peer_writer.h).
+  const bool abandon = count == kAbandonSlotCount;
+  if (src < 0 || src >= g_.size || (!abandon && count > geo_.mailboxCap() - 1)) return false;
+  // A GPU buffer's (its group spans hosts): the proxy's host words stand for its mailboxes and
+  // signal words (ep/ll_proxy.h), and no host thread sleeps on a doorbell.
+  auto at = [&](size_t off) { return proxy_ ? proxy_->shadowAt(off) : base_ + off; };
+  const size_t box = geo_.mailbox(half, kind, src) +
+                     (abandon ? (geo_.mailboxCap() - 1) * kMailboxEntryBytes : 0);
+  if (abandon) count = 1;
+  const auto* e = reinterpret_cast<const uint64_t*>(at(box));
+  bool ok = true;
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint64_t off = e[2 * i], value = e[2 * i + 1];
+    if (off % 8 != 0 || !geo_.isSignalRange(off, 8)) {
+      ok = false;
+      continue;
+    }
+    // An entry of a later round (this source's round of the same half went on while the
+    // notification of this one waited) is left to that round's notification.
+    if ((signalRound(value) & kRoundBitsMask) != round_bits) continue;
+    reinterpret_cast<std::atomic<uint64_t>*>(at(off))->store(value, std::memory_order_release);
+  }
+  if (!proxy_) ringDoorbell(base_);
+  return ok;
 }
 
 EpBuffer::Writer::Writer(EpBuffer& buf, engine::Deadline deadline, RoundKind kind,

@@ -765,16 +765,14 @@ Status transferCopy(Device* d, void* dst, const void* src, size_t len, int ordin
   if (len == 0) return Status::OK();
   static std::mutex mu;
   static auto* streams = new std::map<std::pair<Device*, int>, const void*>();  // (kept)
-  const void* stream = nullptr;
-  {
-    std::lock_guard<std::mutex> g(mu);
-    auto it = streams->find({d, ordinal});
-    if (it == streams->end()) {
-      MC_ASSIGN_OR_RETURN(const void* s, d->newStream(ordinal));
-      it = streams->emplace(std::make_pair(d, ordinal), s).first;
-    }
-    stream = it->second;
+  std::unique_lock<std::mutex> g(mu);
+  auto it = streams->find({d, ordinal});
+  if (it == streams->end()) {
+    MC_ASSIGN_OR_RETURN(const void* s, d->newStream(ordinal));
+    it = streams->emplace(std::make_pair(d, ordinal), s).first;
   }
+  const void* stream = it->second;
+  g.unlock();
   MC_RETURN_IF_ERROR(d->copyAsyncOn(dst, src, len, ordinal, stream));
   MC_ASSIGN_OR_RETURN(std::unique_ptr<Event> ev, d->recordOn(ordinal, stream));
   return ev->wait(deadline);
