@@ -185,8 +185,8 @@ class EpBuffer {
   // low-latency calls queue the kernels (ep/kernels/ll_entry.h) on the device's own stream;
   // every pointer of a call's arguments (active_ranks too) is then GPU memory; the dead-rank
   // flags the kernels read are host-mapped words. Ranks on other hosts are reached by the
-  // buffer's host proxy (ep/ll_proxy.h) through the engine; normal mode then refuses (it
-  // needs every rank on one host). Unless streamCalls(), each call waits on the host for its
+  // buffer's host proxy (ep/ll_proxy.h) through the engine, in both modes. Unless
+  // streamCalls(), each call waits on the host for its
   // kernels and reads back the per-source decisions to report silent ranks and errors as the
   // host paths do. Both modes.
   bool onDevice() const { return device_ >= 0; }
@@ -323,7 +323,6 @@ class EpBuffer {
   void kernelNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                                 const std::vector<int32_t>& counts, const NormalDispatchOutputs& o);
   void kernelNormalCombine(const NormalCombineArgs& a, uint32_t round);
-  std::string spansHosts() const;  // normal mode's refusal on a GPU buffer spanning hosts
   // Normal mode's waits: throws for a rank that gave up, then for the first silent one.
   void kernelNormalOutcome(const char* op, uint32_t round, const std::vector<int32_t>& decision);
   // Logs the silent sources of a kernel call, throws for the ones that gave up the round.
@@ -361,8 +360,16 @@ class EpBuffer {
   void deviceLaunch(kern::LlLaunch l, kern::LlStage stage, unsigned grid, const char* op);
   void deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsigned grid, const char* op);
   void deviceSync(const char* op, engine::Deadline deadline);
-  // Queues a send's kernels (after the proxy freed its stage; the proxy then moves its rows).
-  void deviceSend(const kern::LlLaunch& l, RoundKind kind, unsigned grid, const char* op);
+  // The host's bound on a call's waiting kernels: timeout_us and the dead-peer grace, with
+  // slack_ms more; none when timeout_us < 0 (the kernels end by their sources or dead flags).
+  static engine::Deadline waitBound(int64_t timeout_us, int64_t slack_ms);
+  // Queues a send's kernels (either mode) on the buffer's stream. With ranks on other hosts
+  // (ll_proxy.h): first the wait for the proxy to have moved its stage's last rows (on the
+  // host; stream_ordered: on the buffer's stream), then the proxy is given this send's.
+  // *launched (if given) turns true once a kernel is queued.
+  template <class Launch, class Stage>
+  void deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t grid, const char* op,
+                  bool stream_ordered = false, bool* launched = nullptr);
   // (setUpDevice) The host proxy for the ranks on other hosts; a failure goes to *error.
   void setUpProxy(const std::vector<char>& proxied, uint64_t key, std::string* error);
   std::vector<int32_t> deviceOutcome(const kern::LlLaunch& l, int32_t error[2], const char* op);

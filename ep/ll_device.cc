@@ -13,6 +13,7 @@
 #include "engine/device/device.h"
 #include "engine/log.h"
 #include "ep/buffer.h"
+#include "ep/device_scratch.h"
 #include "ep/kernels/host_lanes.h"
 #include "ep/kernels/ll_entry.h"
 #include "ep/ll_proxy.h"
@@ -141,6 +142,11 @@ Status simNormal(const void* params, const dev::HostView& view) {
   MC_RETURN_IF_ERROR(mapInto(view, p.error, 8));
   MC_RETURN_IF_ERROR(mapInto(view, p.gone, R * 4u));
   MC_RETURN_IF_ERROR(mapInto(view, l.toks, static_cast<uint64_t>(R) * std::max<uint64_t>(T, 1) * 4));
+  // Proxied ranks' stage (a region's layout, R blocks of every field), words and ctrl.
+  const uint64_t RC = static_cast<uint64_t>(R) * p.capacity;
+  MC_RETURN_IF_ERROR(mapInto(view, p.stage, std::max(p.weight_base, p.cweight_base) + RC * K * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, p.proxy_words, R * 8u));
+  MC_RETURN_IF_ERROR(mapInto(view, p.ctrl, kSignalBytes));
   std::vector<char*> peers;
   MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
   SimLanes ln;
@@ -215,31 +221,6 @@ struct DeviceInfo {
   char handle[384] = {};
   char host[128] = {};
 };
-
-constexpr size_t kScratchCounts = 2 * kMaxSignals;  // self_count of each half
-
-// Where the kernels' scratch lives in the buffer's scratch allocation (device memory).
-struct Scratch {
-  int32_t* self_count;  // [2][kMaxSignals]: low latency, kept from a dispatch's send to its recv
-  int32_t* decision;    // [R]
-  int32_t* error;       // [2]
-  int32_t* active;      // [R]: normal mode (all 1)
-  int32_t* counts;      // [R]: normal dispatch
-  int32_t* toks;        // the blocks' token lists
-};
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-size_t scratchSlot(int R) { return align256(static_cast<size_t>(R) * 4 + 8); }
-// Fixed part: self_count, four slots of R + 2 words (decision, error, active, counts), and
-// four outcome slots (ep/ll_stream.cc); then the token lists.
-size_t scratchFixed(int R) { return kScratchCounts * 4 + 8 * scratchSlot(R); }
-Scratch scratchAt(char* base, int R) {
-  const size_t slot = scratchSlot(R);
-  char* p = base + kScratchCounts * 4;
-  return Scratch{reinterpret_cast<int32_t*>(base), reinterpret_cast<int32_t*>(p),
-                 reinterpret_cast<int32_t*>(p + slot), reinterpret_cast<int32_t*>(p + 2 * slot),
-                 reinterpret_cast<int32_t*>(p + 3 * slot),
-                 reinterpret_cast<int32_t*>(p + 8 * slot)};
-}
 
 }  // namespace
 
@@ -532,11 +513,14 @@ void EpBuffer::deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsig
               g_.rank, op);
 }
 
-void EpBuffer::deviceSend(const kern::LlLaunch& l, RoundKind kind, unsigned grid,
-                          const char* op) {
-  const bool dispatch = kind == RoundKind::kDispatch;
-  if (proxy_) proxy_->stageFree(kind, l.p.round, nullptr, op);
-  deviceLaunch(l, dispatch ? kern::kDispatchSend : kern::kCombineSend, grid, op);
+template <class Launch, class Stage>
+void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t grid,
+                          const char* op, bool stream_ordered, bool* launched) {
+  if (proxy_) proxy_->stageFree(kind, l.p.round, stream_ordered ? kernelStream() : nullptr, op);
+  if (grid > 0) {
+    deviceLaunch(l, stage, static_cast<unsigned>(grid), op);
+    if (launched != nullptr) *launched = true;
+  }
   if (!proxy_) return;
   auto sent = deviceLayer(op)->recordOn(device_, kernelStream());
   // (Without the event the proxy still moves what the kernels post: it waits for every word.)
@@ -545,6 +529,10 @@ void EpBuffer::deviceSend(const kern::LlLaunch& l, RoundKind kind, unsigned grid
     throw std::runtime_error(str(op, ": rank ", g_.rank, ": an event after the send: ",
                                  sent.status().toString()));
 }
+template void EpBuffer::deviceSend(const kern::LlLaunch&, kern::LlStage, RoundKind, int64_t,
+                                   const char*, bool, bool*);
+template void EpBuffer::deviceSend(const kern::NormalLaunch&, kern::NormalStage, RoundKind,
+                                   int64_t, const char*, bool, bool*);
 
 void EpBuffer::deviceSync(const char* op, engine::Deadline deadline) {
   auto ev = deviceLayer(op)->recordOn(device_, kernelStream());
@@ -554,10 +542,7 @@ void EpBuffer::deviceSync(const char* op, engine::Deadline deadline) {
                                  " did not complete: ", st.toString()));
 }
 
-// The host's bound on a call's waiting kernels: timeout_us and the dead-peer grace, with
-// MC_EP_TIMEOUT_MS of slack; none when the call has no timeout (the kernels then end when
-// every source arrived or was seen gone).
-static engine::Deadline waitBound(int64_t timeout_us, int64_t slack_ms) {
+engine::Deadline EpBuffer::waitBound(int64_t timeout_us, int64_t slack_ms) {
   if (timeout_us < 0) return engine::noDeadline();
   return engine::Clock::now() + std::chrono::microseconds(timeout_us) +
          std::chrono::milliseconds(100 + slack_ms);
@@ -573,7 +558,7 @@ std::vector<int32_t> EpBuffer::deviceOutcome(const kern::LlLaunch& l, int32_t er
 
 void EpBuffer::deviceDispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
   kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), a.experts, round);
-  deviceSend(l, RoundKind::kDispatch, static_cast<unsigned>(a.experts), "dispatch");
+  deviceSend(l, kern::kDispatchSend, RoundKind::kDispatch, a.experts, "dispatch");
   // The caller's x may be reused once the call returns: its rows are out.
   deviceSync("dispatch", engine::deadlineInMs(timeout_ms_));
 }
@@ -595,7 +580,7 @@ void EpBuffer::deviceDispatchRecv(const LowLatencyDispatchArgs& a, uint32_t roun
 
 void EpBuffer::deviceCombineSend(const LowLatencyCombineArgs& a, uint32_t round) {
   kern::LlLaunch l = deviceLaunchArgs(kernelArgs(a, round), 0, round);
-  deviceSend(l, RoundKind::kCombine, static_cast<unsigned>(g_.size), "combine");
+  deviceSend(l, kern::kCombineSend, RoundKind::kCombine, g_.size, "combine");
   deviceSync("combine", engine::deadlineInMs(timeout_ms_));
 }
 
@@ -636,118 +621,6 @@ void EpBuffer::deviceAbandon(RoundKind kind, uint32_t round) {
     }
   }
   if (all) delete v;
-}
-
-// ---- normal mode ----
-
-kern::NormalLaunch EpBuffer::deviceNormalLaunch(kern::NormalArgs p, int64_t rows) {
-  const int R = g_.size;
-  // Stream-ordered low-latency calls still on the stream run out first: their waits (bounded
-  // by their own timeout_us) must not count against this call's deadlines.
-  if (stream_calls_) deviceSync("normal", engine::noDeadline());
-  const size_t toks = static_cast<size_t>(R) * static_cast<size_t>(std::max<int64_t>(1, p.tokens)) * 4;
-  char* scratch;
-  {  // (a stream call's hook dropped on another thread reads scratch_: dropStreamHook)
-    std::unique_lock<std::mutex> g(stream_mu_, std::defer_lock);
-    if (stream_calls_) g.lock();
-    scratch = deviceScratch(toks);
-  }
-  const Scratch sc = scratchAt(scratch, R);
-  p.peers = dev_peers_;
-  p.gone = gone_ptr_;
-  p.active = sc.active;
-  p.decision = sc.decision;
-  p.error = sc.error;
-  kern::NormalLaunch l;
-  l.p = p;
-  l.toks = sc.toks;
-  l.peer_bytes = geo_.totalBytes();
-  l.rows = rows;
-  // Normal mode has no mask: every rank active; no source decided yet; no error.
-  const std::vector<int32_t> ones(R, 1), zeros(R + 2, 0);
-  deviceCopy(sc.active, ones.data(), R * 4, "normal");
-  deviceCopy(sc.decision, zeros.data(), R * 4, "normal");
-  deviceCopy(sc.error, zeros.data(), 8, "normal");
-  return l;
-}
-
-std::vector<int32_t> EpBuffer::deviceNormalDispatchSend(const NormalDispatchArgs& a,
-                                                        uint32_t round) {
-  const char* op = "normal_dispatch";
-  const int R = g_.size;
-  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), 0);
-  const Scratch sc = scratchAt(scratch_, R);
-  l.p.counts = sc.counts;
-  deviceLaunch(l, kern::kNormalDispatchSend, static_cast<unsigned>(R), op);
-  deviceLaunch(l, kern::kNormalDispatchWait, static_cast<unsigned>(R), op);
-  deviceSync(op, waitBound(timeout_ms_ * 1000, timeout_ms_));
-  std::vector<int32_t> decision(R), counts(R), error(2);
-  deviceCopy(decision.data(), sc.decision, R * 4, op);
-  deviceCopy(error.data(), sc.error, 8, op);
-  deviceCopy(counts.data(), sc.counts, R * 4, op);
-  kernelNormalOutcome(op, round, decision);
-  throwKernelError(op, error.data(), 0, counts.data(), l.p.capacity);
-  return counts;
-}
-
-void EpBuffer::deviceNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
-                                        const std::vector<int32_t>& counts,
-                                        const NormalDispatchOutputs& o) {
-  const char* op = "normal_dispatch";
-  const int R = g_.size;
-  int64_t n = 0;
-  for (int32_t c : counts) n += c;
-  kern::NormalArgs p = normalArgs(a, round);
-  p.local_experts = a.with_topk_idx ? a.experts / R : 0;
-  p.expert_alignment = a.expert_alignment;
-  p.recv_x = o.recv_x;
-  p.recv_src_idx = o.recv_src_idx;
-  p.recv_topk_idx = o.recv_topk_idx;
-  p.recv_topk_weights = o.recv_topk_weights;
-  p.num_recv_per_expert = o.num_recv_per_expert;
-  kern::NormalLaunch l = deviceNormalLaunch(p, n);
-  const Scratch sc = scratchAt(scratch_, R);
-  deviceCopy(sc.counts, counts.data(), R * 4, op);
-  l.p.counts = sc.counts;
-  if (a.with_topk_idx) {
-    const std::vector<int32_t> zeros(p.local_experts, 0);
-    deviceCopy(o.num_recv_per_expert, zeros.data(), zeros.size() * 4, op);
-  }
-  deviceLaunch(l, kern::kNormalDispatchRecv, static_cast<unsigned>(R), op);
-  deviceLaunch(l, kern::kNormalAlign, 1, op);
-  deviceSync(op, engine::deadlineInMs(timeout_ms_));
-  int32_t error[2];
-  deviceCopy(error, sc.error, 8, op);
-  throwKernelError(op, error);
-}
-
-void EpBuffer::deviceNormalCombine(const NormalCombineArgs& a, uint32_t round) {
-  const char* op = "normal_combine";
-  const int R = g_.size, me = g_.rank;
-  // The handle's counts (the rows sent back) and routing, read here.
-  const std::vector<int32_t> recv_counts = hostCopy(a.recv_counts, R, op);
-  const std::vector<uint8_t> in_rank = hostCopy(a.is_token_in_rank, a.tokens * R, op);
-  int64_t n = 0, sent_me = 0;
-  for (int32_t c : recv_counts) n += c;
-  for (int64_t t = 0; t < a.tokens; ++t) sent_me += in_rank[t * R + me] != 0;
-  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), n);
-  const Scratch sc = scratchAt(scratch_, R);
-  // As the host paths: the rows go back first (the peers wait for them), then this rank's
-  // own check, the waits, and the sums only when nothing failed.
-  deviceLaunch(l, kern::kNormalCombineSend, static_cast<unsigned>(R), op);
-  deviceSync(op, engine::deadlineInMs(timeout_ms_));
-  if (sent_me != recv_counts[me])
-    throw std::runtime_error(str(op, ": rank ", me, " sent itself ", sent_me,
-                                 " rows but the handle says ", recv_counts[me]));
-  deviceLaunch(l, kern::kNormalCombineWait, static_cast<unsigned>(R), op);
-  deviceSync(op, waitBound(timeout_ms_ * 1000, timeout_ms_));
-  std::vector<int32_t> decision(R), error(2);
-  deviceCopy(decision.data(), sc.decision, R * 4, op);
-  deviceCopy(error.data(), sc.error, 8, op);
-  kernelNormalOutcome(op, round, decision);
-  throwKernelError(op, error.data());
-  deviceLaunch(l, kern::kNormalCombineToken, static_cast<unsigned>(a.tokens), op);
-  deviceSync(op, engine::deadlineInMs(timeout_ms_));
 }
 
 template <class T>

@@ -214,6 +214,7 @@ kern::NormalArgs EpBuffer::normalArgs(uint32_t round, RoundKind kind, int topk, 
   p.peers = mapped_.data();
   setRoundOffsets(p, geo_, round, static_cast<int>(kind));
   nl.setArgs(p);
+  if (proxy_) proxy_->fill(p, kind, round);  // (ranks on other hosts: ll_proxy.h)
   return p;
 }
 

@@ -130,13 +130,16 @@ uint64_t EpBuffer::Proxy::remoteMailbox(int r, int half, int kind) const {
   return peer_areas_[r] + shadow(half, buf_.geo_.mailbox(half, kind, buf_.g_.rank));
 }
 
-void EpBuffer::Proxy::fill(kern::LlArgs& p, RoundKind kind, uint32_t round) const {
+template <class Args>
+void EpBuffer::Proxy::fill(Args& p, RoundKind kind, uint32_t round) const {
   const int k = static_cast<int>(kind), h = static_cast<int>(round & 1);
   p.stage = stage_ + static_cast<size_t>(2 * k + h) * stage_bytes_;
   p.proxy_words = reinterpret_cast<uint64_t*>(area_ + 2 * shadowHalfBytes()) +
                   static_cast<size_t>(2 * k + h) * kMaxSignals;
   p.ctrl = area_ + static_cast<size_t>(h) * shadowHalfBytes();
 }
+template void EpBuffer::Proxy::fill(kern::LlArgs&, RoundKind, uint32_t) const;
+template void EpBuffer::Proxy::fill(kern::NormalArgs&, RoundKind, uint32_t) const;
 
 void EpBuffer::Proxy::stageFree(RoundKind kind, uint32_t round, const void* stream,
                                 const char* op) {
@@ -163,8 +166,8 @@ void EpBuffer::Proxy::push(Job j) {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (!j.abandon) {
-      const int k = static_cast<int>(j.kind), h = static_cast<int>(j.p.round & 1);
-      queued_[k][h] = j.p.round;
+      const int k = static_cast<int>(j.kind), h = static_cast<int>(j.round & 1);
+      queued_[k][h] = j.round;
       ++pending_[k][h];
     }
     jobs_.push_back(std::move(j));
@@ -176,7 +179,19 @@ void EpBuffer::Proxy::moveSend(const kern::LlArgs& p, RoundKind kind,
                                std::shared_ptr<dev::Event> sent) {
   Job j;
   j.kind = kind;
+  j.round = p.round;
   j.p = p;
+  j.sent = std::move(sent);
+  push(std::move(j));
+}
+
+void EpBuffer::Proxy::moveSend(const kern::NormalArgs& p, RoundKind kind,
+                               std::shared_ptr<dev::Event> sent) {
+  Job j;
+  j.normal = true;
+  j.kind = kind;
+  j.round = p.round;
+  j.np = p;
   j.sent = std::move(sent);
   push(std::move(j));
 }
@@ -185,7 +200,7 @@ void EpBuffer::Proxy::abandon(RoundKind kind, uint32_t round) {
   Job j;
   j.abandon = true;
   j.kind = kind;
-  j.p.round = round;
+  j.round = round;
   push(std::move(j));
 }
 
@@ -215,10 +230,10 @@ void EpBuffer::Proxy::loop() {
     g.lock();
     jobs_.pop_front();
     if (!j.abandon) {
-      const int k = static_cast<int>(j.kind), h = static_cast<int>(j.p.round & 1);
+      const int k = static_cast<int>(j.kind), h = static_cast<int>(j.round & 1);
       --pending_[k][h];
       // The stage is free: a stream-ordered send of the next round of (kind, half) waits on it.
-      __atomic_store_n(doneWord(k, h), j.p.round, __ATOMIC_RELEASE);
+      __atomic_store_n(doneWord(k, h), j.round, __ATOMIC_RELEASE);
     }
     cv_.notify_all();
   }
@@ -226,9 +241,13 @@ void EpBuffer::Proxy::loop() {
 
 void EpBuffer::Proxy::runSend(const Job& j) {
   const kern::LlArgs& p = j.p;
-  const int R = p.world, L = p.local_experts, me = p.me;
+  const int R = buf_.g_.size, me = buf_.g_.rank;
+  const uint32_t round = j.round;
+  // Words per destination: a low-latency call's local experts, a normal-mode call's one.
+  const int L = j.normal ? 1 : p.local_experts;
+  const uint64_t* words = j.normal ? j.np.proxy_words : p.proxy_words;
   const bool dispatch = j.kind == RoundKind::kDispatch;
-  Writer w(buf_, engine::deadlineInMs(buf_.timeout_ms_), j.kind, p.round);
+  Writer w(buf_, engine::deadlineInMs(buf_.timeout_ms_), j.kind, round);
   std::vector<char> taken(static_cast<size_t>(R) * L, 0);
   std::vector<int> left(R, 0);
   std::vector<uint32_t> rows(R, 0);
@@ -247,8 +266,8 @@ void EpBuffer::Proxy::runSend(const Job& j) {
         char& t = taken[static_cast<size_t>(o) * L + l];
         if (t != 0) continue;
         const uint64_t v =
-            __atomic_load_n(p.proxy_words + static_cast<size_t>(o) * L + l, __ATOMIC_ACQUIRE);
-        if (signalRound(v) != p.round) continue;
+            __atomic_load_n(words + static_cast<size_t>(o) * L + l, __ATOMIC_ACQUIRE);
+        if (signalRound(v) != round) continue;
         t = 1;
         --pending;
         --left[o];
@@ -258,12 +277,14 @@ void EpBuffer::Proxy::runSend(const Job& j) {
           failed[o] = 1;
           continue;
         }
-        if (failed[o] == 0 && !(dispatch ? moveDispatch(w, p, o, l, n) : moveCombine(w, p, o, l, n)))
+        if (failed[o] == 0 && !(j.normal   ? moveNormal(w, j.np, dispatch, o, n)
+                                : dispatch ? moveDispatch(w, p, o, l, n)
+                                           : moveCombine(w, p, o, l, n)))
           failed[o] = 2;
         rows[o] += n;
-        if (!dispatch && left[o] == 0 && failed[o] == 0)
+        if (!j.normal && !dispatch && left[o] == 0 && failed[o] == 0)
           w.signal(o, p.combine_signals + static_cast<uint64_t>(me) * 8,
-                   makeSignal(p.round, rows[o]));
+                   makeSignal(round, rows[o]));
       }
     }
     if (any) {
@@ -287,19 +308,19 @@ void EpBuffer::Proxy::runSend(const Job& j) {
   }
   if (pending > 0) {
     MC_LOG(WARN, EP) << "ep proxy rank " << me << ": the " << (dispatch ? "dispatch" : "combine")
-                     << " of round " << p.round << " posted nothing for " << pending
+                     << " of round " << round << " posted nothing for " << pending
                      << " (rank, expert) pairs; those ranks get no signal of it from this rank";
   }
   // A destination whose rows could not be moved is told this rank gave the round up (its
   // call then fails naming this rank, at once, as for a bad input's round).
   for (int o = 0; o < R; ++o)
     if (failed[o] == 2)
-      w.signal(o, buf_.geo_.abandonSignal(p.round & 1, static_cast<int>(j.kind), me),
-               makeSignal(p.round, 1));
+      w.signal(o, buf_.geo_.abandonSignal(round & 1, static_cast<int>(j.kind), me),
+               makeSignal(round, 1));
   // (The deadline from now: the job may have waited long for its kernels to run.)
   w.setDeadline(engine::deadlineInMs(buf_.timeout_ms_));
   for (int o : w.flush()) {
-    MC_LOG(WARN, EP) << "ep proxy rank " << me << ": round " << p.round << "'s rows to rank " << o
+    MC_LOG(WARN, EP) << "ep proxy rank " << me << ": round " << round << "'s rows to rank " << o
                      << " did not all arrive";
   }
 }
@@ -350,13 +371,42 @@ bool EpBuffer::Proxy::moveCombine(Writer& w, const kern::LlArgs& p, int r, int l
   return true;
 }
 
+bool EpBuffer::Proxy::moveNormal(Writer& w, const kern::NormalArgs& p, bool dispatch, int o,
+                                 uint32_t n) {
+  const int me = p.me, K = p.topk;
+  if (n > static_cast<uint64_t>(p.capacity)) {  // (the kernels never post more)
+    MC_LOG(ERROR, EP) << "ep proxy rank " << me << ": " << n << " normal-mode rows staged for "
+                      << "rank " << o << " exceed " << p.capacity;
+    return false;
+  }
+  // Block [o] of the stage (a region's layout) to block [me] of o's region, field by field.
+  const uint64_t from = static_cast<uint64_t>(o) * p.capacity;
+  const uint64_t to = static_cast<uint64_t>(me) * p.capacity;
+  const uint64_t region = dispatch ? p.dispatch_region : p.combine_region;
+  auto move = [&](uint64_t base, uint64_t bytes_per_row) {
+    w.copy(o, region + base + to * bytes_per_row, p.stage + base + from * bytes_per_row,
+           n * bytes_per_row);
+  };
+  move(0, p.row_stride);
+  if (dispatch) {
+    move(p.src_base, 4);
+    if (p.with_topk) move(p.topk_base, static_cast<uint64_t>(K) * 8);
+    if (p.with_weights) move(p.weight_base, static_cast<uint64_t>(K) * 4);
+  } else if (p.with_weights) {
+    move(p.cweight_base, static_cast<uint64_t>(K) * 4);
+  }
+  w.signal(o, (dispatch ? p.dispatch_signals : p.combine_signals) + static_cast<uint64_t>(me) * 8,
+           makeSignal(p.round, n));
+  return true;
+}
+
 void EpBuffer::Proxy::runAbandon(const Job& j) {
-  const int R = buf_.g_.size, me = buf_.g_.rank, h = static_cast<int>(j.p.round & 1);
-  Writer w(buf_, engine::deadlineInMs(buf_.timeout_ms_), j.kind, j.p.round);
+  const int R = buf_.g_.size, me = buf_.g_.rank, h = static_cast<int>(j.round & 1);
+  Writer w(buf_, engine::deadlineInMs(buf_.timeout_ms_), j.kind, j.round);
   for (int o = 0; o < R; ++o)
     if (proxied_[o])
       w.signal(o, buf_.geo_.abandonSignal(h, static_cast<int>(j.kind), me),
-               makeSignal(j.p.round, 1));
+               makeSignal(j.round, 1));
   (void)w.flush();  // (best effort, as every abandon)
 }
 

@@ -16,7 +16,8 @@
 // into it):
 //   shadow[2 halves]   each: the half's signal words, then its mailboxes, at their offsets in
 //                      the buffer's half (ep/layout.h): the kernels' ctrl of that half
-//   words[kind][half]  kMaxSignals u64 proxy words ([dest][l] of a call)
+//   words[kind][half]  kMaxSignals u64 proxy words ([dest][l] of a low-latency call, [dest]
+//                      of a normal-mode one)
 //   done[kind][half]   u32: the last round of (kind, half) whose staged rows were moved
 // A stage is reused by the next send of its (kind, half), two rounds later; that send first
 // waits until the proxy moved the previous one: on the host (waited calls) or, for a
@@ -52,8 +53,10 @@ class EpBuffer::Proxy {
   void setPeerAreas(std::vector<uint64_t> areas) { peer_areas_ = std::move(areas); }
   // Rank r's mailbox of (half, kind) for this rank, in r's process.
   uint64_t remoteMailbox(int r, int half, int kind) const;
-  // The kernels' stage, proxy words and ctrl for a call of (kind, round).
-  void fill(kern::LlArgs& p, RoundKind kind, uint32_t round) const;
+  // The kernels' stage, proxy words and ctrl for a call of (kind, round) (either mode: the
+  // same stages, as the rounds are the same).
+  template <class Args>
+  void fill(Args& p, RoundKind kind, uint32_t round) const;
   // Before the send of (kind, round) queues its kernels: the rows its stage held two rounds
   // ago have been moved. stream null: waits here (throws std::runtime_error after twice
   // MC_EP_TIMEOUT_MS); else queues the wait on `stream`.
@@ -62,6 +65,8 @@ class EpBuffer::Proxy {
   // an event after them (how the proxy knows a word that is not there will not come; null:
   // every word is waited for, until stop()).
   void moveSend(const kern::LlArgs& p, RoundKind kind, std::shared_ptr<engine::device::Event> sent);
+  void moveSend(const kern::NormalArgs& p, RoundKind kind,
+                std::shared_ptr<engine::device::Event> sent);
   // Tells every proxied rank that this rank gave `round` up (its abandon word).
   void abandon(RoundKind kind, uint32_t round);
   // The host words standing for buffer offset `off` in the signal words or mailboxes of
@@ -73,9 +78,11 @@ class EpBuffer::Proxy {
 
  private:
   struct Job {
-    bool abandon = false;
+    bool abandon = false, normal = false;
     RoundKind kind = RoundKind::kDispatch;
-    kern::LlArgs p;  // (abandon: round only)
+    uint32_t round = 0;
+    kern::LlArgs p;        // a low-latency send's
+    kern::NormalArgs np;   // a normal-mode send's
     std::shared_ptr<engine::device::Event> sent;
   };
   void init();     // (the constructor's body)
@@ -90,6 +97,8 @@ class EpBuffer::Proxy {
   // Queues the moves of (o, l)'s staged rows; false when they could not be (nothing sent).
   bool moveDispatch(Writer& w, const kern::LlArgs& p, int o, int l, uint32_t n);
   bool moveCombine(Writer& w, const kern::LlArgs& p, int r, int l, uint32_t n);
+  // Normal mode: stage block [o] to o's block [me] of the call's region, then o's signal.
+  bool moveNormal(Writer& w, const kern::NormalArgs& p, bool dispatch, int o, uint32_t n);
   void push(Job j);
 
   EpBuffer& buf_;

@@ -16,7 +16,6 @@
 #include "engine/log.h"
 #include "engine/params.h"
 #include "ep/buffer.h"
-#include "ep/ll_proxy.h"
 #include "ep/str.h"
 
 namespace mooncake::ep {
@@ -163,18 +162,9 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
       launched = true;
     };
     const bool dispatch = kind == RoundKind::kDispatch;
-    if (part != StreamPart::kRecv) {
-      // Ranks on other hosts: the stage's last rows moved first (a wait on the stream), and
-      // the proxy moves this send's (ep/ll_proxy.h).
-      if (proxy_) proxy_->stageFree(kind, round, stream_, op);
-      launch(dispatch ? kern::kDispatchSend : kern::kCombineSend, send_grid);
-      if (proxy_) {
-        auto sent = layer->recordOn(device_, stream_);  // (none: the proxy waits for every word)
-        proxy_->moveSend(l.p, kind,
-                         sent.ok() ? std::shared_ptr<dev::Event>(std::move(*sent)) : nullptr);
-        check(sent.status(), op, g_.rank, "an event after the send");
-      }
-    }
+    if (part != StreamPart::kRecv)  // (ranks on other hosts: the stage's wait on the stream)
+      deviceSend(l, dispatch ? kern::kDispatchSend : kern::kCombineSend, kind, send_grid, op,
+                 true, &launched);
     if (part != StreamPart::kSend) {
       if (dispatch) {
         launch(kern::kDispatchRecv, l.p.local_experts);

@@ -18,15 +18,9 @@ int64_t EpBuffer::normalCapacity(int64_t hidden, DType t, int topk) const {
   return NormalLayout::make(geo_.regionBytes(), g_.size, topk, hidden, t).capacity;
 }
 
-std::string EpBuffer::spansHosts() const {
-  return str("normal mode on a GPU buffer needs every rank on one host; this group spans "
-             "hosts (use the low-latency calls, or a CPU buffer)");
-}
-
 void EpBuffer::validate(const NormalDispatchArgs& a_in) const {
   const std::string op = "normal_dispatch";
   const int R = g_.size;
-  if (proxy_) invalid(op, spansHosts());
   // A GPU buffer's arguments are GPU memory: the checks read host copies.
   NormalDispatchArgs a = a_in;
   std::vector<int64_t> topk_h;
@@ -215,7 +209,6 @@ void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
 
 void EpBuffer::validate(const NormalCombineArgs& a_in) const {
   const std::string op = "normal_combine";
-  if (proxy_) invalid(op, spansHosts());
   NormalCombineArgs a = a_in;
   std::vector<int32_t> counts_h;
   if (device_ >= 0) {  // (GPU memory: a host copy)

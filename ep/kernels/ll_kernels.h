@@ -258,7 +258,10 @@ struct Signals {
   const char* base;
   uint64_t shift;
 };
-MC_HD Signals signalsOf(const LlArgs& p, int src) {
+// (Args: LlArgs or NormalArgs.)
+MC_HD_TEMPLATE
+template <class Args>
+MC_HD Signals signalsOf(const Args& p, int src) {
   if (p.peers[src] == nullptr) return {p.ctrl, p.dispatch_signals};  // proxied: ctrl
   return {p.peers[p.me], 0};
 }

@@ -1,5 +1,5 @@
 // Normal mode's kernels' bodies (DeepEP's normal dispatch/combine, ep/normal.cc's protocol and
-// NormalLayout), over the same executors as ll_kernels.h. Mapped peers only. A call runs:
+// NormalLayout), over the same executors as ll_kernels.h. A call runs:
 //   dispatch: normalDispatchSend (block per destination), normalDispatchWait (block per source:
 //             counts[r]; the host reads them to size the outputs, as DeepEP's normal mode
 //             does), normalDispatchRecv (block per source), normalAlign (one block);
@@ -7,6 +7,13 @@
 //             normalCombineToken (block per token).
 // Rows from one source arrive in its token order, sources in rank order: recv_x, recv_src_idx
 // and every output equal the CPU path's.
+//
+// Proxied ranks (peers[r] == nullptr: another host; ll_kernels.h and ep/ll_proxy.h): a send
+// stores what it would have stored in rank d's region block [me] into the sender's `stage`
+// block [d] instead (a region's layout: the same capacity, rows, ids, top-k and weights),
+// then proxy_words[d] = (round, rows); the proxy moves the block to d's block [me] and then
+// stores d's signal word (me). A proxied source's signal and abandon words are read from
+// `ctrl`, as in low-latency mode.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +33,11 @@ struct NormalArgs {
   const int32_t* gone = nullptr;  // [R] or null (ll_kernels.h, "Dead ranks")
   int64_t gone_grace_us = 0;
   char* const* peers = nullptr;
+  // Proxied ranks (above; null when every peer is mapped): the stage of this call's (kind,
+  // half) (device memory), its proxy words ([R], host-mapped), this half's ctrl.
+  char* stage = nullptr;
+  uint64_t* proxy_words = nullptr;
+  const char* ctrl = nullptr;
   uint64_t dispatch_region = 0, combine_region = 0;
   uint64_t dispatch_signals = 0, combine_signals = 0, abandon_signals = 0;
   // ep::NormalLayout's numbers.
@@ -84,6 +96,21 @@ MC_HD int64_t tokensFor(const NormalArgs& p, int d, Ln& ln, int32_t* toks) {
   return n;
 }
 
+// Lane 0, after the rows it announces (the caller's fence and sync): rank d's signal word
+// (me) at `signals` = (round, n), or, d proxied, the proxy word [d].
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void normalSignal(const NormalArgs& p, Ln& ln, int d, uint64_t signals, int64_t n) {
+  const uint64_t v = makeSignal(p.round, static_cast<uint32_t>(n));
+  char* const dst = p.peers[d];
+  if (dst == nullptr) {
+    ln.storeRelease(p.proxy_words + d, v);
+    return;
+  }
+  ln.storeRelease(reinterpret_cast<uint64_t*>(dst + signals + static_cast<uint64_t>(p.me) * 8), v);
+  ln.ringDoorbell(reinterpret_cast<uint32_t*>(dst));
+}
+
 // ---- dispatch ----
 
 // Block `d`: this rank's rows for d (token order) with their ids, top-k and weights into d's
@@ -92,44 +119,43 @@ MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void normalDispatchSend(const NormalArgs& p, int d, Ln& ln, int32_t* toks) {
   const int64_t n = tokensFor(p, d, ln, toks);
-  char* dst = p.peers[d];
+  char* dst = p.peers[d];  // (null: proxied)
   const int K = p.topk;
   if (d != p.me) {
+    // Mapped: d's dispatch region, block [me]; proxied: the stage, block [d].
+    char* const region = dst != nullptr ? dst + p.dispatch_region : p.stage;
+    const int block = dst != nullptr ? p.me : d;
     for (int64_t j = 0; j < n; ++j)
-      laneCopy(ln, dst + p.dispatch_region + normalRow(p, p.me, j),
+      laneCopy(ln, region + normalRow(p, block, j),
                static_cast<const char*>(p.x) + toks[j] * rowBytes(p), rowBytes(p));
     for (int64_t j = ln.lane(); j < n; j += ln.lanes()) {
-      const uint64_t slot = normalSlot(p, p.me, j);
-      *reinterpret_cast<int32_t*>(dst + p.dispatch_region + p.src_base + slot * 4) = toks[j];
+      const uint64_t slot = normalSlot(p, block, j);
+      *reinterpret_cast<int32_t*>(region + p.src_base + slot * 4) = toks[j];
       for (int k = 0; k < K; ++k) {
         if (p.with_topk)
-          reinterpret_cast<int64_t*>(dst + p.dispatch_region + p.topk_base)[slot * K + k] =
+          reinterpret_cast<int64_t*>(region + p.topk_base)[slot * K + k] =
               p.topk_idx[toks[j] * K + k];
         if (p.with_weights)
-          reinterpret_cast<float*>(dst + p.dispatch_region + p.weight_base)[slot * K + k] =
+          reinterpret_cast<float*>(region + p.weight_base)[slot * K + k] =
               p.topk_weights[toks[j] * K + k];
       }
     }
   }
   ln.fenceSystem();
   ln.sync();
-  if (ln.lane() == 0) {
-    ln.storeRelease(reinterpret_cast<uint64_t*>(dst + p.dispatch_signals + static_cast<uint64_t>(p.me) * 8),
-                    makeSignal(p.round, static_cast<uint32_t>(n)));
-    ln.ringDoorbell(reinterpret_cast<uint32_t*>(dst));
-  }
+  if (ln.lane() == 0) normalSignal(p, ln, d, p.dispatch_signals, n);
 }
 
 // Block `r`: waits for source r's count (this rank's own included) into counts[r].
 MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void normalDispatchWait(const NormalArgs& p, int r, Ln& ln, int64_t start_us) {
-  const char* mine = p.peers[p.me];
-  const int32_t d = decide(p, ln, r, mine, p.dispatch_signals + static_cast<uint64_t>(r) * 8, 8, 1,
-                           p.abandon_signals + static_cast<uint64_t>(r) * 8, start_us);
+  const Signals sg = signalsOf(p, r);
+  const uint64_t word = p.dispatch_signals - sg.shift + static_cast<uint64_t>(r) * 8;
+  const int32_t d = decide(p, ln, r, sg.base, word, 8, 1,
+                           p.abandon_signals - sg.shift + static_cast<uint64_t>(r) * 8, start_us);
   if (d != kArrived || ln.lane() != 0) return;
-  const uint64_t w = ln.loadAcquire(
-      reinterpret_cast<const uint64_t*>(mine + p.dispatch_signals + static_cast<uint64_t>(r) * 8));
+  const uint64_t w = ln.loadAcquire(reinterpret_cast<const uint64_t*>(sg.base + word));
   const int64_t c = signalCount(w);
   if (c > p.capacity) setError(p, kTooManyRows, r);
   p.counts[r] = static_cast<int32_t>(c);
@@ -204,20 +230,19 @@ MC_HD void normalCombineSend(const NormalArgs& p, int r, Ln& ln) {
   for (int i = 0; i < r; ++i) n0 += p.recv_counts[i];
   const int64_t c = p.recv_counts[r];
   const int K = p.topk;
-  char* dst = p.peers[r];
+  char* const dst = p.peers[r];  // (null: proxied)
+  // Mapped: r's combine region, block [me]; proxied: the stage, block [r].
+  char* const region = dst != nullptr ? dst + p.combine_region : p.stage;
+  const int block = dst != nullptr ? p.me : r;
   for (int64_t j = 0; j < c; ++j)
-    laneCopy(ln, dst + p.combine_region + normalRow(p, p.me, j),
+    laneCopy(ln, region + normalRow(p, block, j),
              static_cast<const char*>(p.y) + (n0 + j) * rowBytes(p), rowBytes(p));
   if (p.with_weights)
-    laneCopy(ln, dst + p.combine_region + p.cweight_base + normalSlot(p, p.me, 0) * K * 4,
+    laneCopy(ln, region + p.cweight_base + normalSlot(p, block, 0) * K * 4,
              p.weights + n0 * K, static_cast<uint64_t>(c) * K * 4);
   ln.fenceSystem();
   ln.sync();
-  if (ln.lane() == 0) {
-    ln.storeRelease(reinterpret_cast<uint64_t*>(dst + p.combine_signals + static_cast<uint64_t>(p.me) * 8),
-                    makeSignal(p.round, static_cast<uint32_t>(c)));
-    ln.ringDoorbell(reinterpret_cast<uint32_t*>(dst));
-  }
+  if (ln.lane() == 0) normalSignal(p, ln, r, p.combine_signals, c);
 }
 
 // Block `d` (d != me): waits for d's rows; they must be as many as this rank sent d.
@@ -225,14 +250,14 @@ MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void normalCombineWait(const NormalArgs& p, int d, Ln& ln, int64_t start_us) {
   if (d == p.me) return;
-  const char* mine = p.peers[p.me];
-  const int32_t dec = decide(p, ln, d, mine, p.combine_signals + static_cast<uint64_t>(d) * 8, 8, 1,
-                             p.abandon_signals + static_cast<uint64_t>(d) * 8, start_us);
+  const Signals sg = signalsOf(p, d);
+  const uint64_t word = p.combine_signals - sg.shift + static_cast<uint64_t>(d) * 8;
+  const int32_t dec = decide(p, ln, d, sg.base, word, 8, 1,
+                             p.abandon_signals - sg.shift + static_cast<uint64_t>(d) * 8, start_us);
   if (dec != kArrived || ln.lane() != 0) return;
   int64_t sent = 0;
   for (int64_t t = 0; t < p.tokens; ++t) sent += p.in_rank[t * p.world + d] != 0;
-  const uint64_t w = ln.loadAcquire(
-      reinterpret_cast<const uint64_t*>(mine + p.combine_signals + static_cast<uint64_t>(d) * 8));
+  const uint64_t w = ln.loadAcquire(reinterpret_cast<const uint64_t*>(sg.base + word));
   if (signalCount(w) != sent) setError(p, kWrongRowCount, d);
 }
 

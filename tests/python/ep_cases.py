@@ -198,10 +198,8 @@ def case_ll_modes(ctx):
         return fails + ["return_recv_hook=True returned no hook"]
     _expect_value_error(fails, lambda: buf.dispatch(xd, td, active, d.M, d.E),
                         "a third dispatch in flight", "hook")
-    # (A GPU buffer spanning hosts refuses normal mode first: ep_cases_gpu.case_across_hosts.)
     _expect_value_error(fails, lambda: buf.normal_dispatch(xc, tc, wc, c.E),
-                        "a normal dispatch while two are in flight",
-                        "one host" if os.environ.get("EP_CASES_SPANS_HOSTS") == "1" else "hook")
+                        "a normal dispatch while two are in flight", "hook")
     rc[4]()
     rd[4]()
     fails += check_ll_dispatch(c, me, rc[0], rc[1], rc[2], active, "hook-c")
@@ -583,57 +581,64 @@ def ref_normal_rows(cfg, me):
 
 
 def case_normal(ctx):
-    R, me = ctx.world, ctx.rank
+    R = ctx.world
     fails = []
     for dtype, H in ((torch.bfloat16, 96), (torch.float32, 40)):
         cfg = Cfg(R, M=32, H=H, dtype=dtype, seed=21 + H, tokens=[30, 27, 0, 12][:R])
-        buf = ctx.buffer(32, 96, cfg.E)
-        x, topk, w = cfg.inputs(me)
-        per_rank, per_expert, in_rank = buf.get_dispatch_layout(topk, cfg.E)
-        owner = torch.where(topk >= 0, topk // cfg.L, torch.full_like(topk, -1))
-        ref_in = torch.stack([(owner == d).any(1) for d in range(R)], 1) if len(x) else \
-            torch.zeros((0, R), dtype=torch.bool)
-        if not torch.equal(in_rank, ref_in) or per_rank.tolist() != ref_in.sum(0).tolist():
-            fails.append(f"{dtype}: get_dispatch_layout per-rank results differ")
-        ref_pe = torch.bincount(topk[topk >= 0], minlength=cfg.E)
-        if per_expert.tolist() != ref_pe.tolist():
-            fails.append(f"{dtype}: num_tokens_per_expert {per_expert.tolist()}")
-        recv_x, recv_topk, recv_w, per_exp, h = buf.normal_dispatch(x, topk, w, cfg.E,
-                                                                    expert_alignment=4)
-        rows = ref_normal_rows(cfg, me)
-        if len(rows) != recv_x.shape[0]:
-            fails.append(f"{dtype}: {recv_x.shape[0]} rows, want {len(rows)}")
-            continue
-        counts = [0] * cfg.L
-        for i, (r, t) in enumerate(rows):
-            x_r, topk_r, w_r = cfg.inputs(r)
-            if int(h.recv_src_idx[i]) != t or not torch.equal(recv_x[i], x_r[t]):
-                fails.append(f"{dtype}: row {i} is not rank {r}'s token {t}")
-                break
-            local = torch.where((topk_r[t] >= 0) & (topk_r[t] // cfg.L == me),
-                                topk_r[t] % cfg.L, torch.full_like(topk_r[t], -1))
-            if not torch.equal(recv_topk[i], local) or not torch.equal(
-                    recv_w[i], torch.where(local >= 0, w_r[t], torch.zeros_like(w_r[t]))):
-                fails.append(f"{dtype}: row {i} topk/weights differ")
-                break
-            for l in local[local >= 0].tolist():
-                counts[l] += 1
-        if per_exp.tolist() != [(c + 3) // 4 * 4 for c in counts]:
-            fails.append(f"{dtype}: num_recv_per_expert {per_exp.tolist()} vs {counts}")
-        # combine: y = recv_x * (1 + me/8); out[t] = sum over receiving ranks, ascending.
-        y = (recv_x.float() * (1.0 + me / 8.0)).to(dtype)
-        out, out_w = buf.normal_combine(y, h)
-        ref = torch.zeros_like(x)
-        for t in range(cfg.tokens[me]):
-            acc = torch.zeros(H)
-            for d in range(R):
-                if ref_in[t, d]:
-                    acc = acc + (x[t].float() * (1.0 + d / 8.0)).to(dtype).float()
-            ref[t] = acc.to(dtype)
-        if not torch.equal(out, ref):
-            fails.append(f"{dtype}: normal_combine differs from the reference")
-        if not torch.equal(out_w, torch.where(topk >= 0, w, torch.zeros_like(w))):
-            fails.append(f"{dtype}: normal_combine weights differ")
+        fails += normal_round(ctx, ctx.buffer(32, 96, cfg.E), cfg, str(dtype))
+    return fails
+
+
+def normal_round(ctx, buf, cfg, tag):
+    """get_dispatch_layout, normal_dispatch (expert alignment 4) and normal_combine of cfg's
+    inputs on buf, against the plain-torch reference; the failures, each starting with tag."""
+    R, me, dtype, H = ctx.world, ctx.rank, cfg.dtype, cfg.H
+    fails = []
+    x, topk, w = cfg.inputs(me)
+    per_rank, per_expert, in_rank = buf.get_dispatch_layout(topk, cfg.E)
+    owner = torch.where(topk >= 0, topk // cfg.L, torch.full_like(topk, -1))
+    ref_in = torch.stack([(owner == d).any(1) for d in range(R)], 1) if len(x) else \
+        torch.zeros((0, R), dtype=torch.bool)
+    if not torch.equal(in_rank, ref_in) or per_rank.tolist() != ref_in.sum(0).tolist():
+        fails.append(f"{tag}: get_dispatch_layout per-rank results differ")
+    ref_pe = torch.bincount(topk[topk >= 0], minlength=cfg.E)
+    if per_expert.tolist() != ref_pe.tolist():
+        fails.append(f"{tag}: num_tokens_per_expert {per_expert.tolist()}")
+    recv_x, recv_topk, recv_w, per_exp, h = buf.normal_dispatch(x, topk, w, cfg.E,
+                                                                expert_alignment=4)
+    rows = ref_normal_rows(cfg, me)
+    if len(rows) != recv_x.shape[0]:
+        return fails + [f"{tag}: {recv_x.shape[0]} rows, want {len(rows)}"]
+    counts = [0] * cfg.L
+    for i, (r, t) in enumerate(rows):
+        x_r, topk_r, w_r = cfg.inputs(r)
+        if int(h.recv_src_idx[i]) != t or not torch.equal(recv_x[i], x_r[t]):
+            fails.append(f"{tag}: row {i} is not rank {r}'s token {t}")
+            break
+        local = torch.where((topk_r[t] >= 0) & (topk_r[t] // cfg.L == me),
+                            topk_r[t] % cfg.L, torch.full_like(topk_r[t], -1))
+        if not torch.equal(recv_topk[i], local) or not torch.equal(
+                recv_w[i], torch.where(local >= 0, w_r[t], torch.zeros_like(w_r[t]))):
+            fails.append(f"{tag}: row {i} topk/weights differ")
+            break
+        for l in local[local >= 0].tolist():
+            counts[l] += 1
+    if per_exp.tolist() != [(c + 3) // 4 * 4 for c in counts]:
+        fails.append(f"{tag}: num_recv_per_expert {per_exp.tolist()} vs {counts}")
+    # combine: y = recv_x * (1 + me/8); out[t] = sum over receiving ranks, ascending.
+    y = (recv_x.float() * (1.0 + me / 8.0)).to(dtype)
+    out, out_w = buf.normal_combine(y, h)
+    ref = torch.zeros_like(x)
+    for t in range(cfg.tokens[me]):
+        acc = torch.zeros(H)
+        for d in range(R):
+            if ref_in[t, d]:
+                acc = acc + (x[t].float() * (1.0 + d / 8.0)).to(dtype).float()
+        ref[t] = acc.to(dtype)
+    if not torch.equal(out, ref):
+        fails.append(f"{tag}: normal_combine differs from the reference")
+    if not torch.equal(out_w, torch.where(topk >= 0, w, torch.zeros_like(w))):
+        fails.append(f"{tag}: normal_combine weights differ")
     return fails
 
 

@@ -9,7 +9,7 @@ import time
 import torch
 
 from ep_cases import (TIMEOUT_US, Cfg, _expect_value_error, check_ll_combine, check_ll_dispatch,
-                      ll_round, ll_y)
+                      ll_round, ll_y, normal_round)
 from mooncake.ep import Buffer
 
 
@@ -210,20 +210,20 @@ def _hooks_in_flight(ctx, act):
 def case_across_hosts(ctx):
     """A GPU buffer whose group spans simulated hosts (MC_HOST_ID per rank): ranks on this
     host through IPC, the others through the buffer's host proxy over the engine. Rounds of
-    both kinds on both halves, twice over (each stage reused) against the reference, the
-    hooks' two rounds in flight, and normal mode refused with ValueError on every rank (it
-    needs one host), the rounds after it in step."""
-    R, me = ctx.world, ctx.rank
+    both kinds on both halves, twice over (each stage reused) against the reference, normal
+    mode rounds between them (the same stages, both halves: the proxy moves a normal call's
+    blocks), and the hooks' two rounds in flight."""
+    R = ctx.world
     cfg, buf, fails = _gpu_case(ctx, 81)
     if fails:
         return fails
     act = torch.ones(R, dtype=torch.int32)
     for i in range(4):
         fails += ll_round(ctx, Cfg(R, seed=82 + i), act, f"round {i}", async_finish=i % 2 == 1)
-    x, topk, w = cfg.inputs(me)
-    _expect_value_error(fails, lambda: buf.normal_dispatch(x, topk, w, cfg.E),
-                        "normal mode across hosts", "one host")
-    fails += ll_round(ctx, cfg, act, "after the refusal")
+    for i in range(3):  # (halves 1, 0, 1 of each kind: every stage reused by normal mode)
+        dtype = (torch.bfloat16, torch.float32)[i % 2]
+        fails += normal_round(ctx, buf, Cfg(R, seed=90 + i, dtype=dtype), f"normal round {i}")
+        fails += ll_round(ctx, Cfg(R, seed=93 + i), act, f"low latency after normal round {i}")
     return fails + _hooks_in_flight(ctx, act)
 
 

@@ -225,7 +225,7 @@ def test_ep_gpu_buffers_sim_stream_calls_killed_rank():
                                    env=dict(STREAM_ENV, EP_CASES_COMBINE_NO_TIMEOUT="1")))
 
 
-HOSTS_CASES = ["across_hosts", "ll_modes", "ll_fp8", "upstream_api"]
+HOSTS_CASES = ["across_hosts", "ll_modes", "ll_fp8", "upstream_api", "normal", "normal_autograd"]
 
 
 @pytest.mark.parametrize("world,per_host,stream", [(2, 1, False), (4, 2, False), (2, 1, True),
@@ -235,11 +235,11 @@ def test_ep_gpu_buffers_sim_across_hosts(world, per_host, stream):
     ranks on one host store into each other's buffers (IPC), the others are reached through
     the buffer's host proxy (ep/ll_proxy.h: the kernels stage, the proxy moves the rows with
     engine WRITEs over tcp and the signals through the peer's mailbox + notify); low latency
-    bf16, fp32 and fp8 against the plain-torch reference, hooks in flight, every stage reused,
-    normal mode refused; waited and stream-ordered calls. Waited, also case_gpu_buffer: bad
+    bf16, fp32 and fp8 and normal mode (with autograd) against the plain-torch reference,
+    hooks in flight, every stage reused by both modes; waited and stream-ordered calls. Waited, also case_gpu_buffer: bad
     inputs refused on every rank (their rounds given up across hosts too) and a rank that
     cannot make its buffer failing every rank's set-up."""
-    env = dict(STREAM_ENV if stream else GPU_ENV, EP_CASES_SPANS_HOSTS="1")
+    env = STREAM_ENV if stream else GPU_ENV
     cases = HOSTS_CASES + ([] if stream else ["gpu_buffer"])
     results, codes, tails = run_ranks(world, cases, env=env,
                                       rank_env=lambda r: {"MC_HOST_ID": f"host-{r // per_host}"})
