@@ -270,6 +270,10 @@ const std::vector<ParamDef>& table() {
       {"MC_EP_TIMEOUT_MS", Type::kInt, "30000",
        "Deadline of EP normal-mode waits and of EP writes to peers reached over the engine "
        "(low-latency receives use the call's timeout_us instead)."},
+      {"MC_EP_PROXY_DELAY_MS", Type::kInt, "0",
+       "Tests: the host proxy of an EP buffer in GPU memory whose group spans hosts waits this "
+       "long before it moves each send's rows, so that a later send reusing the same stage "
+       "must wait for the move (ep/ll_proxy.h). 0 in production."},
       // ---- store ----
       {"MC_STORE_LEASE_TTL_MS", Type::kInt, "5000",
        "Lease a store read grants: the object cannot be removed or evicted for this long."},

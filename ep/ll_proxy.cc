@@ -9,6 +9,7 @@
 
 #include "engine/device/device.h"
 #include "engine/log.h"
+#include "engine/params.h"
 #include "ep/peer_writer.h"
 #include "ep/str.h"
 
@@ -83,7 +84,8 @@ void EpBuffer::Proxy::init() {
   st = eng.registerMemory(buf_.base_, buf_.geo_.totalBytes(), engine::MemoryKind::kCuda, buf_.device_);
   if (!st.ok()) fail("registering the buffer with the engine", st);
   registered_buffer_ = true;
-  // A low-latency call's layout fits in one region (validate): so does its stage.
+  // A low-latency call's layout fits in one region (validate), and a normal-mode call's
+  // NormalLayout is made from the region's size: so does either's stage.
   stage_bytes_ = buf_.geo_.regionBytes();
   auto mem = layer->allocate(4 * stage_bytes_, buf_.device_);
   if (!mem.ok()) fail("allocating the proxy's stages", mem.status());
@@ -91,6 +93,7 @@ void EpBuffer::Proxy::init() {
   st = eng.registerMemory(stage_, 4 * stage_bytes_, engine::MemoryKind::kCuda, buf_.device_);
   if (!st.ok()) fail("registering the proxy's stages", st);
   registered_stage_ = true;
+  delay_ms_ = std::max<int64_t>(0, params::getInt("MC_EP_PROXY_DELAY_MS"));
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -247,6 +250,7 @@ void EpBuffer::Proxy::runSend(const Job& j) {
   const int L = j.normal ? 1 : p.local_experts;
   const uint64_t* words = j.normal ? j.np.proxy_words : p.proxy_words;
   const bool dispatch = j.kind == RoundKind::kDispatch;
+  if (delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
   Writer w(buf_, engine::deadlineInMs(buf_.timeout_ms_), j.kind, round);
   std::vector<char> taken(static_cast<size_t>(R) * L, 0);
   std::vector<int> left(R, 0);
@@ -309,7 +313,8 @@ void EpBuffer::Proxy::runSend(const Job& j) {
   if (pending > 0) {
     MC_LOG(WARN, EP) << "ep proxy rank " << me << ": the " << (dispatch ? "dispatch" : "combine")
                      << " of round " << round << " posted nothing for " << pending
-                     << " (rank, expert) pairs; those ranks get no signal of it from this rank";
+                     << (j.normal ? " ranks" : " (rank, expert) pairs")
+                     << "; those ranks get no signal of it from this rank";
   }
   // A destination whose rows could not be moved is told this rank gave the round up (its
   // call then fails naming this rank, at once, as for a bad input's round).

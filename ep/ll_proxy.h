@@ -116,6 +116,7 @@ class EpBuffer::Proxy {
   uint32_t queued_[2][2] = {};   // [kind][half]: the last round whose send was queued
   int pending_[2][2] = {};       // ... and sends of it not moved yet
   bool stop_ = false, abort_ = false;
+  int64_t delay_ms_ = 0;  // MC_EP_PROXY_DELAY_MS (tests)
   std::thread thread_;
 };
 

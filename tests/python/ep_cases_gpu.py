@@ -220,11 +220,50 @@ def case_across_hosts(ctx):
     act = torch.ones(R, dtype=torch.int32)
     for i in range(4):
         fails += ll_round(ctx, Cfg(R, seed=82 + i), act, f"round {i}", async_finish=i % 2 == 1)
-    for i in range(3):  # (halves 1, 0, 1 of each kind: every stage reused by normal mode)
+    # A normal round and two low-latency rounds, three times: normal mode on halves 1, 0, 1
+    # of each kind, each stage it used then reused by the second low-latency round after it.
+    for i in range(3):
         dtype = (torch.bfloat16, torch.float32)[i % 2]
         fails += normal_round(ctx, buf, Cfg(R, seed=90 + i, dtype=dtype), f"normal round {i}")
-        fails += ll_round(ctx, Cfg(R, seed=93 + i), act, f"low latency after normal round {i}")
+        for j in range(2):
+            fails += ll_round(ctx, Cfg(R, seed=93 + 2 * i + j), act,
+                              f"low latency {j} after normal round {i}")
     return fails + _hooks_in_flight(ctx, act)
+
+
+def case_proxy_lags(ctx):
+    """Run with MC_EP_PROXY_DELAY_MS on one rank, every rank on a host of its own: that rank's
+    host proxy moves each send's rows late, so its sends run ahead of the moves. Four hooked
+    dispatches, two in flight at a time (rounds R and R+2 share a stage, R+1 and R+3 the
+    other), then their combines the same way: a send of a round two after another must wait
+    until the proxy moved the earlier round's rows out of the stage (ep/ll_proxy.h,
+    stageFree), or its peers receive the later round's rows as the earlier's. Against the
+    reference on every rank."""
+    R, me = ctx.world, ctx.rank
+    _, buf, fails = _gpu_case(ctx, 101)
+    if fails:
+        return fails
+    act = torch.ones(R, dtype=torch.int32)
+    cfgs = [Cfg(R, seed=102 + i) for i in range(4)]
+    ins = [c.inputs(me) for c in cfgs]
+    got = []
+    for pair in ((0, 1), (2, 3)):
+        calls = [buf.dispatch(ins[i][0], ins[i][1], act, cfgs[i].M, cfgs[i].E,
+                              return_recv_hook=True) for i in pair]
+        for c in calls:
+            c[4]()
+        got += calls
+    for i, g in enumerate(got):
+        fails += check_ll_dispatch(cfgs[i], me, g[0], g[1], g[2], act, f"lagging proxy, dispatch {i}")
+    for pair in ((0, 1), (2, 3)):
+        calls = [buf.combine(ll_y(cfgs[i], me, got[i][0], got[i][1]), ins[i][1], ins[i][2], act,
+                             TIMEOUT_US, got[i][2], return_recv_hook=True) for i in pair]
+        for i, c in zip(pair, calls):
+            c[2]()
+            fails += check_ll_combine(cfgs[i], me, c[0], act, f"lagging proxy, combine {i}")
+    if act.tolist() != [1] * R:
+        fails.append(f"active_ranks became {act.tolist()}")
+    return fails
 
 
 def case_stream_calls(ctx):

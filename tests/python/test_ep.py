@@ -25,7 +25,7 @@ PYTHON = sys.executable  # as harness.PYTHON
 WORKER = os.path.join(HERE, "_ep_worker.py")
 MAIN_CASES = ["kernel_path", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input", "normal", "normal_autograd",
               "upstream_api", "mismatched_combine"]
-KILL_CASES = ["kill_between_rounds", "kill_between_dispatch_and_combine"]
+KILL_CASES = ["kill_between_rounds", "kill_between_dispatch_and_combine", "normal_after_kills"]
 
 _runs = {}
 
@@ -114,7 +114,12 @@ def test_ep(world, case):
 
 # Both kill cases run in one set of processes, in order: the last rank dies between
 # rounds, then rank 1 between dispatch and combine.
-VICTIMS = {"kill_between_rounds": lambda w: w - 1, "kill_between_dispatch_and_combine": lambda w: 1}
+VICTIMS = {"kill_between_rounds": lambda w: w - 1, "kill_between_dispatch_and_combine": lambda w: 1,
+           "normal_after_kills": lambda w: None}  # (kills nobody)
+
+
+def _victims(world, cases):
+    return {VICTIMS[c](world) for c in cases} - {None}
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -124,12 +129,12 @@ def test_ep_killed_rank(world, case):
     if key not in _runs:
         _runs[key] = run_ranks(world, KILL_CASES)
     results, codes, tails = _runs[key]
-    dead = {VICTIMS[c](world) for c in KILL_CASES[:KILL_CASES.index(case) + 1]}
+    dead = _victims(world, KILL_CASES[:KILL_CASES.index(case) + 1])
     for v in dead:
         assert codes[v] == -9, f"victim rank {v} exit {codes[v]}\n{tails[v]}"
     _check(world, KILL_CASES, case, [r for r in range(world) if r not in dead])
     for r in range(world):
-        if r not in {VICTIMS[c](world) for c in KILL_CASES}:
+        if r not in _victims(world, KILL_CASES):
             assert codes[r] == 0, _report(world, r, case, codes[r], tails)
 
 
@@ -153,11 +158,11 @@ def test_ep_kernel_bodies_on_host(world, lanes):
 def _check_kills(world, results, codes, tails):
     """Both kill cases' victims died by SIGKILL; every survivor passed every case it ran after
     the deaths so far."""
-    dead = {VICTIMS[c](world) for c in KILL_CASES}
+    dead = _victims(world, KILL_CASES)
     for v in dead:
         assert codes[v] == -9, f"victim rank {v} exit {codes[v]}\n{tails[v]}"
     for case in KILL_CASES:
-        gone = {VICTIMS[c](world) for c in KILL_CASES[:KILL_CASES.index(case) + 1]}
+        gone = _victims(world, KILL_CASES[:KILL_CASES.index(case) + 1])
         for r in range(world):
             if r in gone:
                 continue
@@ -243,6 +248,23 @@ def test_ep_gpu_buffers_sim_across_hosts(world, per_host, stream):
     cases = HOSTS_CASES + ([] if stream else ["gpu_buffer"])
     results, codes, tails = run_ranks(world, cases, env=env,
                                       rank_env=lambda r: {"MC_HOST_ID": f"host-{r // per_host}"})
+    for case in cases:
+        for r in range(world):
+            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
+            assert res == [], _report(world, r, case, res, tails)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ep_gpu_buffers_sim_across_hosts_proxy_lags(stream):
+    """The host proxy's stage reuse (ep/ll_proxy.h): rank 0's proxy moves each send's rows
+    250 ms late (MC_EP_PROXY_DELAY_MS), so its sends two rounds apart must wait for the
+    earlier round's move (on the host, or on the buffer's stream for stream-ordered calls):
+    case_proxy_lags, then case_across_hosts, against the reference; 2 ranks on 2 hosts."""
+    world, cases = 2, ["proxy_lags", "across_hosts"]
+    results, codes, tails = run_ranks(
+        world, cases, env=STREAM_ENV if stream else GPU_ENV,
+        rank_env=lambda r: {"MC_HOST_ID": f"host-{r}",
+                            "MC_EP_PROXY_DELAY_MS": "250" if r == 0 else "0"})
     for case in cases:
         for r in range(world):
             res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))

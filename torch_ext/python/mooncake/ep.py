@@ -19,8 +19,10 @@ M, H, E and dtype.
 
 ``Buffer(..., device="cuda")`` (or ``"cuda:N"``, a torch.device, or ``"gpu[:N]"``: device N
 of the engine's device layer, the host simulation under ``MC_DEVICE=sim``) puts the buffer in
-GPU memory: every rank's buffer is opened through its CUDA IPC handle (all ranks on one
-host), dispatch/combine of both modes take tensors on that device (x, topk_idx,
+GPU memory: the buffer of every rank on this host is opened through its CUDA IPC handle
+(ranks on other hosts are reached by the buffer's host proxy thread, which moves the rows
+the kernels stage through the engine), dispatch/combine of both modes take tensors on that
+device (x, topk_idx,
 topk_weights, active_ranks and the handles) and return outputs there, and the kernels
 (ep/kernels/ll_kernels.h, normal_kernels.h) do the copies. On CUDA (MC_EP_STREAM_CALLS)
 low-latency dispatch/combine are stream-ordered: queued behind the caller's current stream,
@@ -28,7 +30,7 @@ which then waits for them (or, with async_finish, event.current_stream_wait() ma
 no host wait; a failure the kernels find (a bad expert id, a peer that gave the round up)
 raises from the buffer's next call or event.wait(). Otherwise, and in normal mode, each call
 waits on the host for the kernels the caller queued on its current stream and for its own.
-No CUDA graph capture yet. Groups spanning hosts need a CPU buffer (docs/ep.md).
+No CUDA graph capture yet (docs/ep.md).
 
 ``use_fp8=True`` (low-latency dispatch, bfloat16 x, H a multiple of 128) sends each token as
 DeepEP does: per 128 channels, amax = max(|x|, 1e-4), the bytes e4m3(x * 448 / amax) and the
