@@ -254,7 +254,8 @@ def case_proxy_lags(ctx):
             c[4]()
         got += calls
     for i, g in enumerate(got):
-        fails += check_ll_dispatch(cfgs[i], me, g[0], g[1], g[2], act, f"lagging proxy, dispatch {i}")
+        fails += check_ll_dispatch(cfgs[i], me, g[0], g[1], g[2], act,
+                                   f"lagging proxy, dispatch {i}")
     for pair in ((0, 1), (2, 3)):
         calls = [buf.combine(ll_y(cfgs[i], me, got[i][0], got[i][1]), ins[i][1], ins[i][2], act,
                              TIMEOUT_US, got[i][2], return_recv_hook=True) for i in pair]

@@ -94,10 +94,15 @@ def _report(world, r, case, res, tails):
 
 
 def _check(world, cases, case, ranks):
-    results, codes, tails = _runs[(world, tuple(cases))]
-    for r in ranks:
-        res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
-        assert res == [], _report(world, r, case, res, tails)
+    _assert_passed(world, [case], *_runs[(world, tuple(cases))], ranks=ranks)
+
+
+def _assert_passed(world, cases, results, codes, tails, ranks=None):
+    """Every rank (of `ranks`, default all) returned no failure for every case."""
+    for case in cases:
+        for r in range(world) if ranks is None else ranks:
+            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
+            assert res == [], _report(world, r, case, res, tails)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -215,11 +220,7 @@ def test_ep_gpu_buffers_sim_stream_calls(world):
     returns; the low-latency, fp8 and normal cases against the reference, and
     ep_cases_gpu.case_stream_calls (no host wait, late reports of the kernels' checks)."""
     cases = ["stream_calls", "ll_modes", "ll_fp8", "normal"]
-    results, codes, tails = run_ranks(world, cases, env=STREAM_ENV)
-    for case in cases:
-        for r in range(world):
-            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
-            assert res == [], _report(world, r, case, res, tails)
+    _assert_passed(world, cases, *run_ranks(world, cases, env=STREAM_ENV))
 
 
 def test_ep_gpu_buffers_sim_stream_calls_killed_rank():
@@ -241,17 +242,13 @@ def test_ep_gpu_buffers_sim_across_hosts(world, per_host, stream):
     the buffer's host proxy (ep/ll_proxy.h: the kernels stage, the proxy moves the rows with
     engine WRITEs over tcp and the signals through the peer's mailbox + notify); low latency
     bf16, fp32 and fp8 and normal mode (with autograd) against the plain-torch reference,
-    hooks in flight, every stage reused by both modes; waited and stream-ordered calls. Waited, also case_gpu_buffer: bad
-    inputs refused on every rank (their rounds given up across hosts too) and a rank that
-    cannot make its buffer failing every rank's set-up."""
+    hooks in flight, every stage reused by both modes; waited and stream-ordered calls.
+    Waited, also case_gpu_buffer: bad inputs refused on every rank (their rounds given up
+    across hosts too) and a rank that cannot make its buffer failing every rank's set-up."""
     env = STREAM_ENV if stream else GPU_ENV
     cases = HOSTS_CASES + ([] if stream else ["gpu_buffer"])
-    results, codes, tails = run_ranks(world, cases, env=env,
-                                      rank_env=lambda r: {"MC_HOST_ID": f"host-{r // per_host}"})
-    for case in cases:
-        for r in range(world):
-            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
-            assert res == [], _report(world, r, case, res, tails)
+    _assert_passed(world, cases, *run_ranks(
+        world, cases, env=env, rank_env=lambda r: {"MC_HOST_ID": f"host-{r // per_host}"}))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -261,14 +258,10 @@ def test_ep_gpu_buffers_sim_across_hosts_proxy_lags(stream):
     earlier round's move (on the host, or on the buffer's stream for stream-ordered calls):
     case_proxy_lags, then case_across_hosts, against the reference; 2 ranks on 2 hosts."""
     world, cases = 2, ["proxy_lags", "across_hosts"]
-    results, codes, tails = run_ranks(
+    _assert_passed(world, cases, *run_ranks(
         world, cases, env=STREAM_ENV if stream else GPU_ENV,
         rank_env=lambda r: {"MC_HOST_ID": f"host-{r}",
-                            "MC_EP_PROXY_DELAY_MS": "250" if r == 0 else "0"})
-    for case in cases:
-        for r in range(world):
-            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
-            assert res == [], _report(world, r, case, res, tails)
+                            "MC_EP_PROXY_DELAY_MS": "250" if r == 0 else "0"}))
 
 
 @pytest.mark.parametrize("stream", [False, True])
