@@ -325,6 +325,9 @@ class EpBuffer {
   void kernelNormalCombine(const NormalCombineArgs& a, uint32_t round);
   // Normal mode's waits: throws for a rank that gave up, then for the first silent one.
   void kernelNormalOutcome(const char* op, uint32_t round, const std::vector<int32_t>& decision);
+  // Normal mode's error for a source that sent nothing: its process is gone (the engine said
+  // so), or nothing came within MC_EP_TIMEOUT_MS.
+  std::string silentError(const char* op, int r) const;
   // Logs the silent sources of a kernel call, throws for the ones that gave up the round.
   void kernelOutcome(const char* op, uint32_t round, const std::vector<int32_t>& decision,
                      const std::vector<int32_t>& was_active);

@@ -228,8 +228,7 @@ void EpBuffer::kernelNormalOutcome(const char* op, uint32_t round,
   }
   throwIfAbandoned(op, round, gave_up);
   if (silent >= 0)
-    throw std::runtime_error(str(op, ": rank ", g_.rank, " got nothing from rank ", silent,
-                                 " within ", timeout_ms_, " ms (MC_EP_TIMEOUT_MS); peer dead?"));
+    throw std::runtime_error(silentError(op, silent));
 }
 
 kern::NormalArgs EpBuffer::normalArgs(const NormalDispatchArgs& a, uint32_t round) const {

@@ -18,6 +18,14 @@ int64_t EpBuffer::normalCapacity(int64_t hidden, DType t, int topk) const {
   return NormalLayout::make(geo_.regionBytes(), g_.size, topk, hidden, t).capacity;
 }
 
+std::string EpBuffer::silentError(const char* op, int r) const {
+  if (peerDead(r))
+    return str(op, ": rank ", g_.rank, " got nothing from rank ", r,
+               ": its process is gone (the engine reported it)");
+  return str(op, ": rank ", g_.rank, " got nothing from rank ", r, " within ", timeout_ms_,
+             " ms (MC_EP_TIMEOUT_MS); peer dead?");
+}
+
 void EpBuffer::validate(const NormalDispatchArgs& a_in) const {
   const std::string op = "normal_dispatch";
   const int R = g_.size;
@@ -127,8 +135,7 @@ std::vector<int32_t> EpBuffer::normalDispatchSend(const NormalDispatchArgs& a, u
       });
   throwIfAbandoned("normal_dispatch", round, gave_up);
   if (silent >= 0)
-    throw std::runtime_error(str("normal_dispatch: rank ", me, " got nothing from rank ", silent,
-                                 " within ", timeout_ms_, " ms (MC_EP_TIMEOUT_MS); peer dead?"));
+    throw std::runtime_error(silentError("normal_dispatch", silent));
   return counts;
 }
 
@@ -300,8 +307,7 @@ void EpBuffer::normalCombine(const NormalCombineArgs& a, uint32_t round) {
       });
   throwIfAbandoned("normal_combine", round, gave_up);
   if (silent >= 0)
-    throw std::runtime_error(str("normal_combine: rank ", me, " got nothing from rank ", silent,
-                                 " within ", timeout_ms_, " ms (MC_EP_TIMEOUT_MS); peer dead?"));
+    throw std::runtime_error(silentError("normal_combine", silent));
   const char* rbase = base_ + region;
   char* out = static_cast<char*>(a.out);
   std::vector<int64_t> pos(R, 0);

@@ -4,6 +4,7 @@ makes it when EP_CASES_GPU=1), and the GPU buffer's own case. Run by _ep_worker.
 ep_cases.py's cases.
 """
 
+import os
 import time
 
 import torch
@@ -237,8 +238,9 @@ def case_proxy_lags(ctx):
     dispatches, two in flight at a time (rounds R and R+2 share a stage, R+1 and R+3 the
     other), then their combines the same way: a send of a round two after another must wait
     until the proxy moved the earlier round's rows out of the stage (ep/ll_proxy.h,
-    stageFree), or its peers receive the later round's rows as the earlier's. Against the
-    reference on every rank."""
+    stageFree), or it overwrites the stage and its words before the proxy read them (the
+    earlier round then reaches its peers wrong, or not at all). Against the reference on
+    every rank; the delayed rank also checks that its dispatches took the delay."""
     R, me = ctx.world, ctx.rank
     _, buf, fails = _gpu_case(ctx, 101)
     if fails:
@@ -246,13 +248,19 @@ def case_proxy_lags(ctx):
     act = torch.ones(R, dtype=torch.int32)
     cfgs = [Cfg(R, seed=102 + i) for i in range(4)]
     ins = [c.inputs(me) for c in cfgs]
-    got = []
+    got, t0 = [], time.time()
     for pair in ((0, 1), (2, 3)):
         calls = [buf.dispatch(ins[i][0], ins[i][1], act, cfgs[i].M, cfgs[i].E,
                               return_recv_hook=True) for i in pair]
         for c in calls:
             c[4]()
         got += calls
+    # (The second pair's first send waits for the first one's move, which the proxy starts
+    # `delay` after it was queued: a run in which the delay did not apply tests nothing.)
+    delay = int(os.environ.get("MC_EP_PROXY_DELAY_MS", "0")) / 1000
+    if delay > 0 and time.time() - t0 < delay:
+        fails.append(f"the dispatches took {time.time() - t0:.3f}s: the proxy's delay of "
+                     f"{delay}s did not hold them (MC_EP_PROXY_DELAY_MS not applied?)")
     for i, g in enumerate(got):
         fails += check_ll_dispatch(cfgs[i], me, g[0], g[1], g[2], act,
                                    f"lagging proxy, dispatch {i}")

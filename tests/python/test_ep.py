@@ -153,11 +153,8 @@ KERNEL_CASES = ["kernel_path", "ll_modes", "ll_fp8", "validation", "one_rank_bad
 
 @pytest.mark.parametrize("world,lanes", [(2, "host"), (3, "host"), (4, "host"), (3, "threads")])
 def test_ep_kernel_bodies_on_host(world, lanes):
-    results, codes, tails = run_ranks(world, KERNEL_CASES, env={"MC_EP_KERNELS": lanes})
-    for case in KERNEL_CASES:
-        for r in range(world):
-            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
-            assert res == [], _report(world, r, case, res, tails)
+    _assert_passed(world, KERNEL_CASES,
+                   *run_ranks(world, KERNEL_CASES, env={"MC_EP_KERNELS": lanes}))
 
 
 def _check_kills(world, results, codes, tails):
@@ -168,11 +165,8 @@ def _check_kills(world, results, codes, tails):
         assert codes[v] == -9, f"victim rank {v} exit {codes[v]}\n{tails[v]}"
     for case in KILL_CASES:
         gone = _victims(world, KILL_CASES[:KILL_CASES.index(case) + 1])
-        for r in range(world):
-            if r in gone:
-                continue
-            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
-            assert res == [], _report(world, r, case, res, tails)
+        _assert_passed(world, [case], results, codes, tails,
+                       ranks=[r for r in range(world) if r not in gone])
 
 
 def test_ep_kernel_bodies_on_host_killed_rank():
@@ -195,11 +189,7 @@ def test_ep_gpu_buffers_sim(world):
     the simulated stream): the low-latency, fp8, normal and autograd cases against the
     plain-torch reference, validation and one rank's bad input, through ep_cases_gpu.GpuBuffer,
     and the GPU buffer's refusals."""
-    results, codes, tails = run_ranks(world, GPU_CASES, env=GPU_ENV)
-    for case in GPU_CASES:
-        for r in range(world):
-            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
-            assert res == [], _report(world, r, case, res, tails)
+    _assert_passed(world, GPU_CASES, *run_ranks(world, GPU_CASES, env=GPU_ENV))
 
 
 def test_ep_gpu_buffers_sim_killed_rank():
@@ -291,9 +281,7 @@ def test_ep_over_rdma_between_hosts():
         tx = [fabric.tx_bytes("host-0"), fabric.tx_bytes("host-1")]
     finally:
         fabric.close()
+    _assert_passed(2, cases, results, codes, tails)
     for r in range(2):
-        for case in cases:
-            res = results[r].get(case, results[r].get("__init__", "no result (exit %s)" % codes[r]))
-            assert res == [], _report(2, r, case, res, tails)
         assert " over rdma" in tails[r], _report(2, r, "transport", "no peer over rdma", tails)
     assert min(tx) > 0, f"the emulated NICs carried nothing: {tx}"
