@@ -255,7 +255,11 @@ void EpBuffer::Proxy::runSend(const Job& j) {
   std::vector<char> taken(static_cast<size_t>(R) * L, 0);
   std::vector<int> left(R, 0);
   std::vector<uint32_t> rows(R, 0);
+  std::vector<uint32_t> counts(static_cast<size_t>(R) * L, 0);  // [o][l]: each word's rows
   std::vector<char> failed(R, 0);  // 1: skipped (inactive), 2: a move failed
+  // A low-latency combine's rows for o are moved once every expert's word for o is in: one
+  // read of their staged tokens for all of o's experts (the writes only leave at flush()).
+  const bool per_dest = !j.normal && !dispatch;
   size_t pending = 0;
   for (int o = 0; o < R; ++o)
     if (proxied_[o]) left[o] = L, pending += L;
@@ -281,14 +285,18 @@ void EpBuffer::Proxy::runSend(const Job& j) {
           failed[o] = 1;
           continue;
         }
-        if (failed[o] == 0 && !(j.normal   ? moveNormal(w, j.np, dispatch, o, n)
-                                : dispatch ? moveDispatch(w, p, o, l, n)
-                                           : moveCombine(w, p, o, l, n)))
-          failed[o] = 2;
+        counts[static_cast<size_t>(o) * L + l] = n;
         rows[o] += n;
-        if (!j.normal && !dispatch && left[o] == 0 && failed[o] == 0)
-          w.signal(o, p.combine_signals + static_cast<uint64_t>(me) * 8,
-                   makeSignal(round, rows[o]));
+        if (failed[o] == 0 && !per_dest &&
+            !(j.normal ? moveNormal(w, j.np, dispatch, o, n) : moveDispatch(w, p, o, l, n)))
+          failed[o] = 2;
+        if (per_dest && left[o] == 0 && failed[o] == 0) {
+          if (moveCombine(w, p, o, counts.data() + static_cast<size_t>(o) * L))
+            w.signal(o, p.combine_signals + static_cast<uint64_t>(me) * 8,
+                     makeSignal(round, rows[o]));
+          else
+            failed[o] = 2;
+        }
       }
     }
     if (any) {
@@ -347,32 +355,42 @@ bool EpBuffer::Proxy::moveDispatch(Writer& w, const kern::LlArgs& p, int o, int 
   return true;
 }
 
-bool EpBuffer::Proxy::moveCombine(Writer& w, const kern::LlArgs& p, int r, int l, uint32_t n) {
+bool EpBuffer::Proxy::moveCombine(Writer& w, const kern::LlArgs& p, int r, const uint32_t* n) {
   const int L = p.local_experts, me = p.me;
-  if (n == 0) return true;
-  if (n > static_cast<uint64_t>(p.max_tokens)) {
-    MC_LOG(ERROR, EP) << "ep proxy rank " << me << ": " << n << " combine rows staged for rank "
-                      << r << " exceed " << p.max_tokens;
-    return false;
+  const uint64_t M = static_cast<uint64_t>(p.max_tokens);
+  uint64_t used = 0;  // id slots of r's blocks up to the last expert with rows
+  for (int l = 0; l < L; ++l) {
+    if (n[l] > M) {  // (the kernels never post more)
+      MC_LOG(ERROR, EP) << "ep proxy rank " << me << ": " << n[l] << " combine rows staged for "
+                        << "rank " << r << " expert " << l << " exceed " << M;
+      return false;
+    }
+    if (n[l] > 0) used = l * M + n[l];
   }
-  const uint64_t from = (static_cast<uint64_t>(r) * L + l) * p.max_tokens;
-  // The rows' tokens (their places at r), staged beside them in GPU memory. (Not on the copy
-  // stream: a caller's stream may wait there for a receive that needs these rows.)
-  std::vector<int32_t> toks(n);
-  Status st = dev::transferCopy(toks.data(), p.stage + p.src_base + from * 4, n * 4,
+  if (used == 0) return true;
+  // The rows' tokens (their places at r), staged beside them in GPU memory, for all of r's
+  // experts in one read. (Not on the copy stream: a caller's stream may wait there for a
+  // receive that needs these rows.)
+  const uint64_t first = static_cast<uint64_t>(r) * L * M;  // block (r, 0)
+  std::vector<int32_t> toks(used);
+  Status st = dev::transferCopy(toks.data(), p.stage + p.src_base + first * 4, used * 4,
                                 engine::deadlineInMs(buf_.timeout_ms_));
   if (!st.ok()) {
     MC_LOG(ERROR, EP) << "ep proxy rank " << me << ": reading the staged tokens for rank " << r
                       << ": " << st.toString();
     return false;
   }
-  for (int32_t t : toks)
-    if (t < 0 || t >= p.max_tokens) return false;  // (the kernels stage none such)
-  const uint64_t expert_rows = static_cast<uint64_t>(me * L + l) * p.max_tokens;
-  forEachRun(toks.data(), toks.size(), [&](size_t j, size_t c) {
-    w.copy(r, p.combine_region + (expert_rows + toks[j]) * p.row_stride,
-           p.stage + (from + j) * p.row_stride, c * p.row_stride);
-  });
+  for (int l = 0; l < L; ++l) {
+    const int32_t* t = toks.data() + l * M;
+    for (uint32_t j = 0; j < n[l]; ++j)
+      if (t[j] < 0 || t[j] >= p.max_tokens) return false;  // (the kernels stage none such)
+    const uint64_t expert_rows = static_cast<uint64_t>(me * L + l) * M;
+    const uint64_t from = first + l * M;
+    forEachRun(t, n[l], [&](size_t j, size_t c) {
+      w.copy(r, p.combine_region + (expert_rows + t[j]) * p.row_stride,
+             p.stage + (from + j) * p.row_stride, c * p.row_stride);
+    });
+  }
   return true;
 }
 

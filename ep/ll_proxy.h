@@ -96,7 +96,8 @@ class EpBuffer::Proxy {
   void runAbandon(const Job& j);
   // Queues the moves of (o, l)'s staged rows; false when they could not be (nothing sent).
   bool moveDispatch(Writer& w, const kern::LlArgs& p, int o, int l, uint32_t n);
-  bool moveCombine(Writer& w, const kern::LlArgs& p, int r, int l, uint32_t n);
+  // A combine's rows for r, every local expert's at once (n[l]: rows of expert l).
+  bool moveCombine(Writer& w, const kern::LlArgs& p, int r, const uint32_t* n);
   // Normal mode: stage block [o] to o's block [me] of the call's region, then o's signal.
   bool moveNormal(Writer& w, const kern::NormalArgs& p, bool dispatch, int o, uint32_t n);
   void push(Job j);
