@@ -96,6 +96,8 @@ class BufferGeometry {
   // dispatch; normal mode and combine send one) plus an abandon word, and the last slot, for a
   // given-up round's abandon word alone (ep/peer_writer.h).
   size_t mailboxCap() const { return (kMaxSignals + world_ - 1) / world_ + 2; }
+  // Where a mailbox's last slot (a given-up round's abandon entry alone) starts in it.
+  size_t abandonSlotOffset() const { return (mailboxCap() - 1) * kMailboxEntryBytes; }
   // The mailbox of source `src` for rounds of `kind` (0: dispatch, 1: combine).
   size_t mailbox(int half, int kind, int src) const {
     return halfBase(half) + kSignalBytes +

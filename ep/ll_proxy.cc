@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <numeric>
 #include <stdexcept>
 #include <utility>
 
@@ -254,7 +255,6 @@ void EpBuffer::Proxy::runSend(const Job& j) {
   Writer w(buf_, engine::deadlineInMs(buf_.timeout_ms_), j.kind, round);
   std::vector<char> taken(static_cast<size_t>(R) * L, 0);
   std::vector<int> left(R, 0);
-  std::vector<uint32_t> rows(R, 0);
   std::vector<uint32_t> counts(static_cast<size_t>(R) * L, 0);  // [o][l]: each word's rows
   std::vector<char> failed(R, 0);  // 1: skipped (inactive), 2: a move failed
   // A low-latency combine's rows for o are moved once every expert's word for o is in: one
@@ -286,14 +286,14 @@ void EpBuffer::Proxy::runSend(const Job& j) {
           continue;
         }
         counts[static_cast<size_t>(o) * L + l] = n;
-        rows[o] += n;
         if (failed[o] == 0 && !per_dest &&
             !(j.normal ? moveNormal(w, j.np, dispatch, o, n) : moveDispatch(w, p, o, l, n)))
           failed[o] = 2;
         if (per_dest && left[o] == 0 && failed[o] == 0) {
-          if (moveCombine(w, p, o, counts.data() + static_cast<size_t>(o) * L))
+          const uint32_t* n_o = counts.data() + static_cast<size_t>(o) * L;
+          if (moveCombine(w, p, o, n_o))  // (then o's signal: the rows of every expert)
             w.signal(o, p.combine_signals + static_cast<uint64_t>(me) * 8,
-                     makeSignal(round, rows[o]));
+                     makeSignal(round, std::accumulate(n_o, n_o + L, 0u)));
           else
             failed[o] = 2;
         }

@@ -95,8 +95,7 @@ bool EpBuffer::takeMailbox(int half, int kind, int src, uint32_t count, uint32_t
   // A GPU buffer's (its group spans hosts): the proxy's host words stand for its mailboxes and
   // signal words (ep/ll_proxy.h), and no host thread sleeps on a doorbell.
   auto at = [&](size_t off) { return proxy_ ? proxy_->shadowAt(off) : base_ + off; };
-  const size_t box = geo_.mailbox(half, kind, src) +
-                     (abandon ? (geo_.mailboxCap() - 1) * kMailboxEntryBytes : 0);
+  const size_t box = geo_.mailbox(half, kind, src) + (abandon ? geo_.abandonSlotOffset() : 0);
   if (abandon) count = 1;
   const auto* e = reinterpret_cast<const uint64_t*>(at(box));
   bool ok = true;
@@ -199,7 +198,7 @@ std::vector<int> EpBuffer::Writer::flush() {
         sigs_[r].size() == 1 &&
         sigs_[r][0].first == buf_.geo_.abandonSignal(static_cast<int>(round_ & 1), kind, buf_.g_.rank);
     const uint64_t box = buf_.mailboxAddress(r, static_cast<int>(round_ & 1), kind) +
-                         (abandon_only ? (buf_.geo_.mailboxCap() - 1) * kMailboxEntryBytes : 0);
+                         (abandon_only ? buf_.geo_.abandonSlotOffset() : 0);
     if (!sigs_[r].empty())
       reqs_[r].push_back({engine::OpCode::kWrite, sigs_[r].data(),
                           sigs_[r].size() * kMailboxEntryBytes, buf_.g_.peers[r], box});
