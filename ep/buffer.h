@@ -359,7 +359,7 @@ class EpBuffer {
   std::vector<T> hostCopy(const T* p, int64_t n, const char* op) const;
   char* deviceScratch(size_t toks_bytes);
   kern::LlLaunch deviceLaunchArgs(kern::LlArgs p, int experts, uint32_t round);
-  kern::NormalLaunch deviceNormalLaunch(kern::NormalArgs p, int64_t rows);
+  kern::NormalLaunch deviceNormalLaunch(kern::NormalArgs p, int64_t rows, RoundKind kind);
   void deviceLaunch(kern::LlLaunch l, kern::LlStage stage, unsigned grid, const char* op);
   void deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsigned grid, const char* op);
   void deviceSync(const char* op, engine::Deadline deadline);
@@ -381,6 +381,13 @@ class EpBuffer {
   void deviceCombineSend(const LowLatencyCombineArgs& a, uint32_t round);
   void deviceCombineRecv(const LowLatencyCombineArgs& a, uint32_t round);
   void deviceAbandon(RoundKind kind, uint32_t round);
+  // Rounds on the device (ep/kernels/device_rounds.h; stream-ordered calls on one host): the
+  // launch's offsets for half 0 and its round from the call's slot (a send's stage: from
+  // words[kind] + 1, set by deviceSend). Nothing without them.
+  template <class Launch>
+  void deviceRoundsFor(Launch& l, RoundKind kind, uint32_t round) const;
+  // Queues kTakeRound or kAbandonRound (one block) with `rounds`.
+  void deviceRoundStage(kern::LlStage stage, kern::DeviceRounds rounds, const char* op);
   std::string setUpStream();  // "" or why not
   bool freeStream();          // false: the stream's kernels did not run out (keep the memory)
   const void* kernelStream() const;
@@ -424,6 +431,8 @@ class EpBuffer {
   std::vector<void*> opened_;             // device mode: peers' allocations opened here
   char** dev_peers_ = nullptr;            // device mode: mapped_ in GPU memory
   char* scratch_ = nullptr;               // device mode: the kernels' scratch
+  uint32_t* dev_rounds_ = nullptr;        // device rounds: kern::kDeviceRoundWords words
+  bool device_rounds_ = false;            // the kernels count the rounds (deviceRoundsFor)
   size_t scratch_bytes_ = 0;
   // device mode: the kernels' stream (ep/ll_stream.cc; the layer's copy stream when null)
   const void* stream_ = nullptr;

@@ -78,6 +78,8 @@ class BufferGeometry {
   int world() const { return world_; }
   // Bytes of one data region (each half has a dispatch and a combine region).
   size_t regionBytes() const { return region_; }
+  // From an offset in half 0 to the same offset in half 1.
+  size_t halfStride() const { return half_; }
 
   size_t doorbell() const { return 0; }
   size_t dispatchSignal(int half, int index) const {

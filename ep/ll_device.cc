@@ -88,6 +88,7 @@ Status simEntry(const void* params, const dev::HostView& view) {
   MC_RETURN_IF_ERROR(mapInto(view, p.stage, p.src_base + RM * L * 4));
   MC_RETURN_IF_ERROR(mapInto(view, p.proxy_words, static_cast<uint64_t>(R) * L * 8));
   MC_RETURN_IF_ERROR(mapInto(view, p.ctrl, kSignalBytes));
+  MC_RETURN_IF_ERROR(mapInto(view, l.rounds.words, kern::kDeviceRoundWords * 4));
   std::vector<char*> peers;
   MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
   SimLanes ln;
@@ -108,6 +109,10 @@ Status simEntry(const void* params, const dev::HostView& view) {
       break;
     case kern::kCombineToken:
       for (uint64_t t = 0; t < T; ++t) kern::llBlock(l, static_cast<int>(t), ln, start);
+      break;
+    case kern::kTakeRound:
+    case kern::kAbandonRound:
+      kern::llBlock(l, 0, ln, start);
       break;
     default:
       return MC_STATUS(kInvalidArgument, "mc_ep_ll: stage " << l.stage);
@@ -147,6 +152,7 @@ Status simNormal(const void* params, const dev::HostView& view) {
   MC_RETURN_IF_ERROR(mapInto(view, p.stage, std::max(p.weight_base, p.cweight_base) + RC * K * 4));
   MC_RETURN_IF_ERROR(mapInto(view, p.proxy_words, R * 8u));
   MC_RETURN_IF_ERROR(mapInto(view, p.ctrl, kSignalBytes));
+  MC_RETURN_IF_ERROR(mapInto(view, l.rounds.words, kern::kDeviceRoundWords * 4));
   std::vector<char*> peers;
   MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
   SimLanes ln;
@@ -366,6 +372,8 @@ void EpBuffer::setUpDevice(size_t bytes) {
   // (Every rank sees the same host table: all of them set the proxy up, or none.)
   if (std::find(proxied.begin(), proxied.end(), 1) != proxied.end())
     setUpProxy(proxied, all[0].key, &open_error);
+  // The proxy moves rows by the host's round numbers: across hosts the host counts them.
+  device_rounds_ = stream_calls_ && dev_rounds_ != nullptr && !proxy_;
   int ok = open_error.empty() ? 1 : 0;
   std::vector<int> all_ok(n);
   g_.all_gather(&ok, all_ok.data(), sizeof(int));
@@ -430,6 +438,8 @@ bool EpBuffer::freeDevice() {
     if (b != nullptr) (void)(*layer)->closeIpc(b), b = nullptr;
   if (dev_peers_ != nullptr) (void)(*layer)->free(dev_peers_), dev_peers_ = nullptr;
   if (scratch_ != nullptr) (void)(*layer)->free(scratch_), scratch_ = nullptr;
+  if (dev_rounds_ != nullptr) (void)(*layer)->free(dev_rounds_), dev_rounds_ = nullptr;
+  device_rounds_ = false;
   scratch_bytes_ = 0;
   if (base_ != nullptr) (void)(*layer)->free(base_), base_ = nullptr;
   return true;
@@ -513,12 +523,44 @@ void EpBuffer::deviceLaunch(kern::NormalLaunch l, kern::NormalStage stage, unsig
               g_.rank, op);
 }
 
+template <class Launch>
+void EpBuffer::deviceRoundsFor(Launch& l, RoundKind kind, uint32_t round) const {
+  if (!device_rounds_) return;
+  setRoundOffsets(l.p, geo_, 0, static_cast<int>(kind));
+  l.rounds.words = dev_rounds_;
+  l.rounds.kind = static_cast<int32_t>(kind);
+  l.rounds.slot = static_cast<int32_t>(round & 1);
+  l.rounds.from = kern::kRoundOfCall;
+  l.rounds.half_bytes = geo_.halfStride();
+}
+template void EpBuffer::deviceRoundsFor(kern::LlLaunch&, RoundKind, uint32_t) const;
+template void EpBuffer::deviceRoundsFor(kern::NormalLaunch&, RoundKind, uint32_t) const;
+
+void EpBuffer::deviceRoundStage(kern::LlStage stage, kern::DeviceRounds rounds, const char* op) {
+  kern::LlLaunch l;
+  l.p.me = g_.rank;
+  l.p.world = g_.size;
+  l.p.peers = dev_peers_;
+  l.p.abandon_signals = geo_.abandonSignal(0, rounds.kind, 0);
+  l.peer_bytes = geo_.totalBytes();
+  rounds.from = stage == kern::kAbandonRound ? kern::kRoundNext : kern::kRoundGiven;
+  l.rounds = rounds;
+  deviceLaunch(l, stage, 1, op);
+}
+
 template <class Launch, class Stage>
 void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t grid,
                           const char* op, bool stream_ordered, bool* launched) {
   if (proxy_) proxy_->stageFree(kind, l.p.round, stream_ordered ? kernelStream() : nullptr, op);
   if (grid > 0) {
-    deviceLaunch(l, stage, static_cast<unsigned>(grid), op);
+    Launch send = l;
+    if (send.rounds.words != nullptr) send.rounds.from = kern::kRoundNext;
+    deviceLaunch(send, stage, static_cast<unsigned>(grid), op);
+    if (launched != nullptr) *launched = true;
+  }
+  // The send took words[kind] + 1 (device rounds): the call's slot records it.
+  if (l.rounds.words != nullptr) {
+    deviceRoundStage(kern::kTakeRound, l.rounds, op);
     if (launched != nullptr) *launched = true;
   }
   if (!proxy_) return;
@@ -605,6 +647,18 @@ void EpBuffer::deviceCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
 }
 
 void EpBuffer::deviceAbandon(RoundKind kind, uint32_t round) {
+  if (device_rounds_) {  // on the stream, in order with the calls queued before it
+    kern::LlLaunch l;
+    deviceRoundsFor(l, kind, round);
+    l.rounds.slot = -1;  // (the host's half may be a call's in flight: it keeps its round)
+    try {
+      deviceRoundStage(kern::kAbandonRound, l.rounds, "abandon");
+      deviceRoundStage(kern::kTakeRound, l.rounds, "abandon");
+    } catch (const std::exception& e) {  // (a broken device: the peers' calls time out)
+      MC_LOG(ERROR, EP) << e.what();
+    }
+    return;
+  }
   // (On the heap: a copy that timed out may still be queued and read it later; then it stays.)
   auto* v = new uint64_t(makeSignal(round, 1));
   bool all = true;

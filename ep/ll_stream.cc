@@ -61,6 +61,13 @@ std::string EpBuffer::setUpStream() {
   if (!zeros.ok()) return str("host words for the calls' outcomes: ", zeros.status().toString());
   report_words_ = *report;
   zero_words_ = *zeros;
+  // The rounds' words (ep/kernels/device_rounds.h), zeroed: the first round taken is 1.
+  auto rounds = layer->allocate(kern::kDeviceRoundWords * 4, device_);
+  if (!rounds.ok()) return str("the rounds' words: ", rounds.status().toString());
+  dev_rounds_ = static_cast<uint32_t*>(*rounds);
+  const uint32_t zero[kern::kDeviceRoundWords] = {};
+  Status st = dev::copy(dev_rounds_, zero, sizeof zero, engine::deadlineInMs(timeout_ms_));
+  if (!st.ok()) return str("zeroing the rounds' words: ", st.toString());
   free_reports_.clear();
   for (int i = kReportSlots - 1; i >= 0; --i) free_reports_.push_back(i);
   return "";
@@ -146,6 +153,7 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
       free_reports_.pop_back();
     }
     kern::LlLaunch l = args();  // (the scratch may grow here: deviceScratch)
+    deviceRoundsFor(l, kind, round);
     auto before = layer->recordOn(device_, stream);
     check(before.status(), op, g_.rank, "an event on the caller's stream");
     check(layer->waitEvent(device_, stream_, **before), op, g_.rank,

@@ -14,7 +14,8 @@
 
 namespace mooncake::ep {
 
-kern::NormalLaunch EpBuffer::deviceNormalLaunch(kern::NormalArgs p, int64_t rows) {
+kern::NormalLaunch EpBuffer::deviceNormalLaunch(kern::NormalArgs p, int64_t rows,
+                                                RoundKind kind) {
   const int R = g_.size;
   // Stream-ordered low-latency calls still on the stream run out first: their waits (bounded
   // by their own timeout_us) must not count against this call's deadlines.
@@ -37,6 +38,7 @@ kern::NormalLaunch EpBuffer::deviceNormalLaunch(kern::NormalArgs p, int64_t rows
   l.toks = sc.toks;
   l.peer_bytes = geo_.totalBytes();
   l.rows = rows;
+  deviceRoundsFor(l, kind, p.round);
   // Normal mode has no mask: every rank active; no source decided yet; no error.
   const std::vector<int32_t> ones(R, 1), zeros(R + 2, 0);
   deviceCopy(sc.active, ones.data(), R * 4, "normal");
@@ -49,7 +51,7 @@ std::vector<int32_t> EpBuffer::deviceNormalDispatchSend(const NormalDispatchArgs
                                                         uint32_t round) {
   const char* op = "normal_dispatch";
   const int R = g_.size;
-  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), 0);
+  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), 0, RoundKind::kDispatch);
   const Scratch sc = scratchAt(scratch_, R);
   l.p.counts = sc.counts;
   deviceSend(l, kern::kNormalDispatchSend, RoundKind::kDispatch, R, op);  // (proxied: staged)
@@ -79,7 +81,7 @@ void EpBuffer::deviceNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t ro
   p.recv_topk_idx = o.recv_topk_idx;
   p.recv_topk_weights = o.recv_topk_weights;
   p.num_recv_per_expert = o.num_recv_per_expert;
-  kern::NormalLaunch l = deviceNormalLaunch(p, n);
+  kern::NormalLaunch l = deviceNormalLaunch(p, n, RoundKind::kDispatch);
   const Scratch sc = scratchAt(scratch_, R);
   deviceCopy(sc.counts, counts.data(), R * 4, op);
   l.p.counts = sc.counts;
@@ -104,7 +106,7 @@ void EpBuffer::deviceNormalCombine(const NormalCombineArgs& a, uint32_t round) {
   int64_t n = 0, sent_me = 0;
   for (int32_t c : recv_counts) n += c;
   for (int64_t t = 0; t < a.tokens; ++t) sent_me += in_rank[t * R + me] != 0;
-  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), n);
+  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), n, RoundKind::kCombine);
   const Scratch sc = scratchAt(scratch_, R);
   // As the host paths: the rows go back first (the peers wait for them), then this rank's
   // own check, the waits, and the sums only when nothing failed.

@@ -10,10 +10,13 @@
 //   normal dispatch: kNormalDispatchSend (R), kNormalDispatchWait (R); the host reads the
 //                    counts and sizes the outputs; kNormalDispatchRecv (R), kNormalAlign (1)
 //   normal combine:  kNormalCombineSend (R), kNormalCombineWait (R), kNormalCombineToken (T)
+// With rounds on the device (ep/kernels/device_rounds.h), a kTakeRound (1 block) follows each
+// send's stage, and a round given up before its send is kAbandonRound (1) then kTakeRound.
 #pragma once
 
 #include <cstdint>
 
+#include "ep/kernels/device_rounds.h"
 #include "ep/kernels/ll_kernels.h"
 #include "ep/kernels/normal_kernels.h"
 
@@ -25,6 +28,8 @@ enum LlStage : int32_t {
   kCombineSend = 2,
   kCombineWait = 3,
   kCombineToken = 4,
+  kTakeRound = 5,     // device rounds: the send before it took words[kind] + 1
+  kAbandonRound = 6,  // device rounds: every mapped peer's abandon word of this rank
 };
 
 struct LlLaunch {
@@ -33,6 +38,7 @@ struct LlLaunch {
   uint64_t peer_bytes = 0;   // the size of every rank's buffer (the simulation maps them)
   int32_t stage = kDispatchSend;
   int32_t experts = 0;       // E (kDispatchSend's blocks)
+  DeviceRounds rounds;       // from kRoundGiven: p.round as the host gave it
 };
 
 enum NormalStage : int32_t {
@@ -51,14 +57,28 @@ struct NormalLaunch {
   uint64_t peer_bytes = 0;
   int64_t rows = 0;         // N: rows the dispatch receives, or the combine sends back
   int32_t stage = kNormalDispatchSend;
+  DeviceRounds rounds;
 };
+
+// kAbandonRound (device rounds): this rank gives round p.round up to every mapped peer (the
+// host buffer's EpBuffer::abandon, stored by the stream instead of the host).
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void abandonRound(const LlArgs& p, Ln& ln) {
+  for (int o = static_cast<int>(ln.lane()); o < p.world; o += static_cast<int>(ln.lanes())) {
+    if (o == p.me || p.peers[o] == nullptr) continue;
+    ln.storeRelease(reinterpret_cast<uint64_t*>(p.peers[o] + p.abandon_signals +
+                                                static_cast<uint64_t>(p.me) * 8),
+                    makeSignal(p.round, 1));
+  }
+}
 
 // Block b of a stage: the one body both forms run (ll_entry.cu: one CUDA block each, `start`
 // its own clock; the simulation: block after block, `start` the stage's). Each block has its
 // own part of `toks`.
 MC_HD_TEMPLATE
 template <class Ln>
-MC_HD void llBlock(const LlLaunch& l, int b, Ln& ln, int64_t start) {
+MC_HD void llStage(const LlLaunch& l, int b, Ln& ln, int64_t start) {
   switch (l.stage) {
     case kDispatchSend:
       dispatchSend(l.p, b, ln, l.toks + static_cast<int64_t>(b) * l.p.max_tokens);
@@ -75,14 +95,31 @@ MC_HD void llBlock(const LlLaunch& l, int b, Ln& ln, int64_t start) {
     case kCombineToken:
       combineRecvToken(l.p, b, ln);
       break;
+    case kTakeRound:
+      if (b == 0 && ln.lane() == 0) takeRound(l.rounds);
+      break;
+    case kAbandonRound:
+      if (b == 0) abandonRound(l.p, ln);
+      break;
     default:
       break;
   }
 }
 
+// Block b of a stage, its round resolved first where the device counts rounds (kTakeRound
+// reads the words itself).
 MC_HD_TEMPLATE
 template <class Ln>
-MC_HD void normalBlock(const NormalLaunch& l, int b, Ln& ln, int64_t start) {
+MC_HD void llBlock(const LlLaunch& l, int b, Ln& ln, int64_t start) {
+  if (l.rounds.from == kRoundGiven || l.stage == kTakeRound) return llStage(l, b, ln, start);
+  LlLaunch r = l;
+  resolveRound(r.p, r.rounds);
+  llStage(r, b, ln, start);
+}
+
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void normalStage(const NormalLaunch& l, int b, Ln& ln, int64_t start) {
   int32_t* toks = l.toks + static_cast<int64_t>(b) * (l.p.tokens > 0 ? l.p.tokens : 1);
   switch (l.stage) {
     case kNormalDispatchSend:
@@ -109,6 +146,15 @@ MC_HD void normalBlock(const NormalLaunch& l, int b, Ln& ln, int64_t start) {
     default:
       break;
   }
+}
+
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void normalBlock(const NormalLaunch& l, int b, Ln& ln, int64_t start) {
+  if (l.rounds.from == kRoundGiven) return normalStage(l, b, ln, start);
+  NormalLaunch r = l;
+  resolveRound(r.p, r.rounds);
+  normalStage(r, b, ln, start);
 }
 
 constexpr const char* kLlEntryName = "mc_ep_ll";

@@ -1,0 +1,68 @@
+// Rounds counted by the device (docs/ep.md, "Rounds on the device"): what makes a GPU
+// buffer's stream-ordered calls replayable, as a CUDA graph replays them, with no host code
+// run per call.
+//
+// A call's signal words carry its round, so that no wait ever takes a word or row left by
+// another round. When the host passes the round as a launch parameter, a captured call would
+// replay with the round it was captured with, and its waits would take the words its first
+// run left. Here the round lives in device memory, in words the call's own kernels advance:
+//   words[kind]                 the last round of `kind` (dispatch 0, combine 1) taken
+//   words[2 + 2 * kind + slot]  the round of the call that holds `slot` (the host's half of
+//                               the call: a send and its hook's receive may have other calls
+//                               between them, at most two of a kind in flight)
+// A send's stages resolve round = words[kind] + 1 (kRoundNext); then one block takes it
+// (kTakeRound: words[kind] += 1, and the call's slot records it); the stages after the send
+// (a receive, a wait, normal mode's later stages) read the slot (kRoundOfCall). The half of
+// the buffer follows the resolved round's parity: the host fills the offsets of half 0 and
+// the stages add `half_bytes` for an odd round. Every rank issues the same calls in the same
+// order, so the counters stay equal across ranks however often a captured sequence replays.
+// A round given up before anything was sent (ep/buffer.h, "Abandoned rounds") is taken on the
+// stream as well (kAbandonRound, then kTakeRound without a slot), so no host ever needs to
+// know the number.
+#pragma once
+
+#include <cstdint>
+
+#include "ep/kernels/numerics.h"
+
+namespace mooncake::ep::kern {
+
+enum RoundFrom : int32_t {
+  kRoundGiven = 0,    // the round in the args (the host counts: waited calls, the proxy)
+  kRoundNext = 1,     // words[kind] + 1: a send's stages, and the round given up
+  kRoundOfCall = 2,   // words[2 + 2 * kind + slot]: the stages after a call's send
+};
+
+struct DeviceRounds {
+  uint32_t* words = nullptr;  // 6 words of device memory, zeroed at set-up
+  int32_t kind = 0, slot = 0;
+  int32_t from = kRoundGiven;
+  uint64_t half_bytes = 0;  // BufferGeometry: the second half's offset from the first's
+};
+
+constexpr int kDeviceRoundWords = 6;
+
+// Args: LlArgs or NormalArgs (their round and their half's offsets, filled for half 0).
+template <class Args>
+MC_HD void resolveRound(Args& p, const DeviceRounds& d) {
+  if (d.from == kRoundGiven) return;
+  const uint32_t r = d.from == kRoundNext ? d.words[d.kind] + 1u : d.words[2 + 2 * d.kind + d.slot];
+  p.round = r;
+  if ((r & 1u) == 0) return;
+  p.dispatch_region += d.half_bytes;
+  p.combine_region += d.half_bytes;
+  p.dispatch_signals += d.half_bytes;
+  p.combine_signals += d.half_bytes;
+  p.abandon_signals += d.half_bytes;
+}
+
+// kTakeRound, by one lane: the send before it (on the same stream) used words[kind] + 1.
+// slot < 0: a round given up, which no later stage reads (the slot may belong to a call in
+// flight, whose hook's receive still reads it).
+MC_HD void takeRound(const DeviceRounds& d) {
+  const uint32_t r = d.words[d.kind] + 1u;
+  d.words[d.kind] = r;
+  if (d.slot >= 0) d.words[2 + 2 * d.kind + d.slot] = r;
+}
+
+}  // namespace mooncake::ep::kern
