@@ -443,6 +443,8 @@ class EpBuffer {
   std::deque<std::shared_ptr<StreamReport>> reports_;  // queued calls, oldest first
   std::exception_ptr late_failure_;  // one taken off to free its slot, for the next check
   uint32_t hook_pending_[2][2] = {};  // [kind][half]: round + 1 of a send whose hook waits
+  bool capturing_call_ = false;  // the last stream call was queued under CUDA-graph capture
+  std::vector<std::shared_ptr<void>> graph_keep_;  // captured calls' tensors (replays use them)
   std::mutex stream_mu_;              // (hook_pending_ too)
   // claimHalf's check, with stream_mu_ held.
   void checkHalfLocked(const char* op, RoundKind kind, uint32_t round) const;

@@ -456,6 +456,11 @@ void EpBuffer::deviceCopy(void* dst, const void* src, size_t len, const char* op
 char* EpBuffer::deviceScratch(size_t toks_bytes) {
   const size_t need = scratchFixed(g_.size) + toks_bytes;
   if (need > scratch_bytes_) {  // the kernels of earlier calls are done (deviceSync)
+    if (capturing_call_)  // (the old scratch goes only after a host wait, and replays would
+                          // keep using what the capture was given)
+      throw std::invalid_argument(str(
+          "ep: rank ", g_.rank, ": a call inside a CUDA-graph capture needs more kernel scratch "
+          "than any call before it; run a call of the same shape once before the capture"));
     dev::Device* layer = deviceLayer("ep");
     // Stream calls return before their kernels ran: the old scratch goes once they did (a
     // host wait, only when a call needs more scratch than any before).
@@ -468,7 +473,11 @@ char* EpBuffer::deviceScratch(size_t toks_bytes) {
     if (scratch_ != nullptr) {  // a dispatch sent, not yet received, keeps its self_count
                                 // (and a stream call its outcome words)
       Status st = dev::copy(*mem, scratch_, scratchFixed(g_.size), engine::deadlineInMs(timeout_ms_));
-      (void)layer->free(scratch_);
+      // A CUDA graph's replays keep using the scratch its capture was given: it stays.
+      if (graph_keep_.empty())
+        (void)layer->free(scratch_);
+      else
+        graph_keep_.push_back(std::shared_ptr<void>(scratch_, [layer](void* q) { (void)layer->free(q); }));
       if (!st.ok()) {
         (void)layer->free(*mem);
         scratch_ = nullptr;

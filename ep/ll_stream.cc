@@ -86,6 +86,7 @@ bool EpBuffer::freeStream() {
                      << "allocated";
     std::lock_guard<std::mutex> g(stream_mu_);
     new std::deque<std::shared_ptr<StreamReport>>(std::move(reports_));  // (never freed)
+    new std::vector<std::shared_ptr<void>>(std::move(graph_keep_));      // (nor these)
     return false;
   }
   try {
@@ -120,7 +121,16 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
   int slot = -1;
   bool launched = false;  // a kernel of this part is on the stream
   bool reported = false;  // its report holds the slot and the tensors
+  // Under CUDA-graph capture (the caller's stream captures): nothing here may wait on the
+  // host or be numbered by it, and no report is made (the host never sees a replay run).
+  const bool captured = layer->capturing(device_, stream);
+  capturing_call_ = captured;
   try {
+    if (captured && !device_rounds_)
+      throw std::invalid_argument(str(op, ": rank ", g_.rank, ": a call inside a CUDA-graph "
+                                      "capture needs its rounds counted on the device, which "
+                                      "a group spanning hosts does not do (its host proxy "
+                                      "numbers them)"));
     // At most two calls of a kind in flight (as claimHalf): a third would also share its half's
     // outcome words with the first, whose receive (a hook not yet called) would read them.
     if (part != StreamPart::kRecv) checkHalfLocked(op, kind, round);
@@ -128,7 +138,7 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
       throw std::runtime_error(str(op, ": rank ", g_.rank, ": no send of round ", round,
                                    " waits for this hook"));
     // A free report slot for a receive (every slot in use: the oldest calls are waited for).
-    if (part != StreamPart::kSend) {
+    if (part != StreamPart::kSend && !captured) {
       while (free_reports_.empty()) {
         if (reports_.empty())  // (every slot lost to failed queueing: a broken device)
           throw std::runtime_error(str(op, ": rank ", g_.rank, ": no report slot left"));
@@ -180,13 +190,23 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
         launch(kern::kCombineWait, R);
         launch(kern::kCombineToken, l.p.tokens);
       }
-      check(layer->copyAsyncOn(report_words_ + static_cast<size_t>(slot) * words, outcome,
-                               words * 4, device_, stream_),
-            op, g_.rank, "copying the call's outcome");
+      if (slot >= 0)
+        check(layer->copyAsyncOn(report_words_ + static_cast<size_t>(slot) * words, outcome,
+                                 words * 4, device_, stream_),
+              op, g_.rank, "copying the call's outcome");
     }
     auto after = layer->recordOn(device_, stream_);
     check(after.status(), op, g_.rank, "an event after the call");
     std::shared_ptr<dev::Event> ev(std::move(*after));
+    if (captured) {  // its tensors stay for the graph's replays (released with the buffer)
+      graph_keep_.push_back(std::move(keep));
+      reported = true;
+      if (!detach)
+        check(layer->waitEvent(device_, stream, *ev), op, g_.rank,
+              "ordering the caller's stream after the call");
+      hook_pending_[k][half] = part == StreamPart::kSend ? round + 1 : 0;
+      return ev;
+    }
     auto r = std::make_shared<StreamReport>();
     r->after = ev;
     r->keep = keep;
@@ -236,6 +256,9 @@ void EpBuffer::pendingFailure(const StreamReport& r) {
 void EpBuffer::checkStreamCalls() {
   std::vector<std::shared_ptr<StreamReport>> done;  // (released after the lock: streamQueue)
   std::lock_guard<std::mutex> g(stream_mu_);
+  // Inside a capture the host asks no event anything (CUDA forbids it there); the reports
+  // wait for the first call after it.
+  if (capturing_call_) return;
   if (late_failure_) std::rethrow_exception(std::exchange(late_failure_, nullptr));
   while (!reports_.empty()) {
     auto r = reports_.front();
@@ -281,6 +304,12 @@ void EpBuffer::dropStreamHook(const char* op, RoundKind kind, uint32_t round) {
   // reported: its outcome words are copied into a report slot behind them and reported by
   // the next check, as a receive's are. (No slot free: logged instead; nothing waits here.)
   auto layer = dev::get();
+  // Dropped inside a capture: the host could not ask its event (CUDA forbids it there).
+  if (layer.ok() && (*layer)->capturing(device_, stream_)) {
+    MC_LOG(WARN, EP) << op << ": rank " << g_.rank << ": the hook of round " << round
+                     << " was dropped uncalled inside a CUDA-graph capture";
+    return;
+  }
   if (free_reports_.empty() || !layer.ok()) {
     MC_LOG(WARN, EP) << op << ": rank " << g_.rank << ": the hook of round " << round
                      << " was dropped uncalled; what its send found is not reported";

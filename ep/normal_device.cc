@@ -25,6 +25,7 @@ kern::NormalLaunch EpBuffer::deviceNormalLaunch(kern::NormalArgs p, int64_t rows
   {  // (a stream call's hook dropped on another thread reads scratch_: dropStreamHook)
     std::unique_lock<std::mutex> g(stream_mu_, std::defer_lock);
     if (stream_calls_) g.lock();
+    capturing_call_ = false;  // (normal mode is never captured: the binding refuses it)
     scratch = deviceScratch(toks);
   }
   const Scratch sc = scratchAt(scratch, R);

@@ -20,8 +20,9 @@
 # waits for the caller's stream, a Work's future, and all_reduce, all_gather, all_to_all timed 64
 # KiB..256 MiB against the device-to-device copy rate, and mooncake.ep's low-latency dispatch/
 # combine on a buffer in GPU memory (the kernels' entry point, ep/kernels/ll_entry.cu) equal
-# bit for bit to a host buffer's on the same inputs, bf16 and fp8, timed at 128 x 7168 x top-8
-# with --bench. A module that carries libstdc++ code of its
+# bit for bit to a host buffer's on the same inputs, bf16 and fp8, a dispatch + combine
+# captured with torch.cuda.graph and replayed on new inputs against the host buffer, timed at
+# 128 x 7168 x top-8 with --bench. A module that carries libstdc++ code of its
 # own is linked again against the libstdc++ torch's process runs on (the GPU machine's first run
 # crashed on that); a crash in the torch check prints its native stack with the module's frames
 # named, and a hang every thread's stack. The torch check runs twice: Work.wait() as shipped

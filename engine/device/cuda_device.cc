@@ -61,6 +61,7 @@ struct Driver {
   decltype(&cuMemsetD32Async) memsetD32Async = nullptr;              // optional
   decltype(&cuMemHostRegister) hostRegister = nullptr;               // optional
   decltype(&cuMemHostUnregister) hostUnregister = nullptr;           // optional
+  decltype(&cuStreamIsCapturing) streamIsCapturing = nullptr;        // optional
 };
 
 std::string errorText(const Driver& d, CUresult r) {
@@ -296,6 +297,17 @@ class CudaDevice final : public Device {
     return Status::OK();
   }
 
+  bool capturing(int ordinal, const void* on) override {
+    if (d_.streamIsCapturing == nullptr) return false;
+    auto s = streamFor(ordinal, on);
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    return s.ok() && d_.streamIsCapturing(*s, &st) == CUDA_SUCCESS &&
+           st != CU_STREAM_CAPTURE_STATUS_NONE;
+  }
+  Status beginCapture(int, const void*) override { return notHere(); }
+  Result<std::shared_ptr<Graph>> endCapture(int, const void*) override { return notHere(); }
+  Status launchGraph(Graph&, int, const void*) override { return notHere(); }
+
   bool canAccess(int ordinal, const void* p) override {
     const PointerInfo i = pointer(p);
     if (!i.device || ordinal < 0 || ordinal >= count()) return false;
@@ -435,6 +447,10 @@ class CudaDevice final : public Device {
   }
 
  private:
+  static Status notHere() {
+    return MC_STATUS(kNotSupported, "the CUDA layer does not capture graphs itself: capture "
+                                    "with torch.cuda.graph or the CUDA API");
+  }
   // The stream `on` names (kCopyStream: the layer's copy stream of `ordinal`; else a CUstream
   // of the caller's), with `ordinal`'s context current.
   Result<CUstream> streamFor(int ordinal, const void* on) {
@@ -582,6 +598,7 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
   (void)load(lib, "cuFuncGetAttribute", &d.funcGetAttribute);
   (void)load(lib, "cuMemHostRegister_v2", &d.hostRegister);
   (void)load(lib, "cuMemHostUnregister", &d.hostUnregister);
+  (void)load(lib, "cuStreamIsCapturing", &d.streamIsCapturing);
   CUresult r = d.init(0);
   int n = 0;
   if (r == CUDA_SUCCESS) r = d.deviceGetCount(&n);

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/device/sim_stream.h"
 #include "engine/log.h"
 #include "engine/params.h"
 #include "mooncake/config.h"
@@ -34,226 +35,9 @@ Result<std::unique_ptr<Device>> makeCudaDevice();
 
 namespace {
 
-// A simulated copy stream: a thread that runs the copies (and simulated kernels) queued on it
-// in order. A host thread waiting for the stream runs the next items itself while the worker
-// is not running one (still one at a time, in order): a condition-variable handoff to the
-// worker and back costs a futex wake on each side, several times the copy itself for the
-// small steps of a collective, which a GPU's stream does not pay. Items nobody waits for run
-// on the worker, asynchronously. A gate (waitWord) at the front holds everything behind it;
-// whoever finds it open passes it, and while a host thread waits for the stream, that thread
-// polls a closed gate itself (keeping its deadline) and the worker leaves it alone.
-class SimStream {
- public:
-  SimStream() : worker_([this] { run(); }) {}
-  ~SimStream() {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
-  void push(void* dst, const void* src, size_t len) { enqueue({dst, src, len, nullptr}); }
-  // A simulated kernel: runs in order with the copies; a failure fails later events' waits.
-  void push(std::function<Status()> task) { enqueue({nullptr, nullptr, 0, std::move(task)}); }
-  // A gate: later items wait until (int32_t)(*word - value) >= 0.
-  void pushGate(const uint32_t* word, uint32_t value) {
-    enqueue({nullptr, nullptr, 0, nullptr, word, value});
-  }
-  // A gate until `other` (this stream or another) ran its first n items: an event's wait. The
-  // gate holds the other's count, not the stream (freeing a stream must not wait for another).
-  void pushEventGate(const SimStream& other, uint64_t n) {
-    Copy c{nullptr, nullptr, 0, nullptr, nullptr, 0, other.done_count_, n};
-    enqueue(std::move(c));
-  }
-  uint64_t queued() {
-    std::lock_guard<std::mutex> g(mu_);
-    return queued_;
-  }
-  bool reached(uint64_t n) {
-    std::lock_guard<std::mutex> g(mu_);
-    return done_ >= n;
-  }
-  // Ok once the first n items are done; kTimeout past the deadline; the first failed
-  // kernel's error for every n at or past it (sticky, as a CUDA fault).
-  Status waitFor(uint64_t n, Deadline deadline) {
-    std::unique_lock<std::mutex> g(mu_);
-    ++waiters_;
-    struct Leave {
-      SimStream* s;
-      ~Leave() {
-        --s->waiters_;
-        s->cv_.notify_all();  // the worker may poll a gate again
-      }
-    } leave{this};
-    while (done_ < n) {
-      if (waiterMayRun()) {
-        runFront(g);
-        continue;
-      }
-      if (!busy_) {
-        if (!frontGateClosed()) {
-          if (done_ >= n || waiterMayRun()) continue;  // gates passed just now
-        } else {  // poll it here, yielding the core in between
-          g.unlock();
-          sched_yield();
-          g.lock();
-          if (std::chrono::steady_clock::now() >= deadline && done_ < n && !busy_ &&
-              frontGateClosed())
-            return MC_STATUS(kTimeout, "sim device: a stream gate still closed at the deadline");
-          continue;
-        }
-      }
-      g.unlock();  // the worker runs an item: poll a little before sleeping
-      spinUntil([&] { return done_seen_.load(std::memory_order_acquire) >= n; });
-      g.lock();
-      if (!cv_.wait_until(g, deadline, [&] {
-            return done_ >= n || waiterMayRun() ||
-                   (!busy_ && !q_.empty() && q_.front().gate());  // a gate to poll
-          }))
-        return MC_STATUS(kTimeout, "sim device: copies not done by the deadline");
-    }
-    if (failed_at_ != 0 && failed_at_ <= n) return failure_;
-    return Status::OK();
-  }
-
- private:
-  struct Copy {
-    void* dst;
-    const void* src;
-    size_t len;
-    std::function<Status()> task;  // a kernel instead of a copy
-    const uint32_t* word = nullptr;  // a gate instead of a copy (pushGate)
-    uint32_t value = 0;
-    std::shared_ptr<const std::atomic<uint64_t>> count = nullptr;  // or an event's gate
-    uint64_t value64 = 0;
-    bool gate() const { return word != nullptr || count != nullptr; }
-  };
-  // Under mu_: the next item may run on a waiting host thread.
-  bool waiterMayRun() const { return !busy_ && !q_.empty() && !q_.front().gate(); }
-  static bool gateOpen(const Copy& c) {
-    if (c.count != nullptr) return c.count->load(std::memory_order_acquire) >= c.value64;
-    return static_cast<int32_t>(__atomic_load_n(c.word, __ATOMIC_ACQUIRE) - c.value) >= 0;
-  }
-  // Under mu_, no item running: passes the open gates at the front; true when the front is a
-  // closed one.
-  bool frontGateClosed() {
-    bool passed = false;
-    while (!q_.empty() && q_.front().gate() && gateOpen(q_.front())) {
-      q_.pop_front();
-      ++done_;
-      passed = true;
-    }
-    if (passed) {
-      done_seen_.store(done_, std::memory_order_release);
-      done_count_->store(done_, std::memory_order_release);
-      cv_.notify_all();
-    }
-    return !q_.empty() && q_.front().gate();
-  }
-  void enqueue(Copy c) {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      q_.push_back(std::move(c));
-      ++queued_;
-      queued_seen_.store(queued_, std::memory_order_release);
-    }
-    cv_.notify_all();
-  }
-  template <class Pred>
-  static void spinUntil(Pred done) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(30);
-    while (!done() && std::chrono::steady_clock::now() < until) sched_yield();
-  }
-  // Under mu_ (held on return), with the queue not empty and no item running: runs the next.
-  void runFront(std::unique_lock<std::mutex>& g) {
-    Copy c = std::move(q_.front());
-    q_.pop_front();
-    busy_ = true;
-    g.unlock();
-    Status st;
-    try {
-      if (c.task) {
-        st = c.task();
-      } else {
-        std::memmove(c.dst, c.src, c.len);
-      }
-    } catch (const std::exception& e) {
-      st = MC_STATUS(kInternal, "sim device: a kernel threw: " << e.what());
-    } catch (...) {
-      st = MC_STATUS(kInternal, "sim device: a kernel threw");
-    }
-    g.lock();
-    busy_ = false;
-    ++done_;
-    done_seen_.store(done_, std::memory_order_release);
-    done_count_->store(done_, std::memory_order_release);
-    if (!st.ok() && failed_at_ == 0) {
-      failed_at_ = done_;
-      failure_ = st;
-    }
-    cv_.notify_all();
-  }
-  void run() {
-    std::unique_lock<std::mutex> g(mu_);
-    for (;;) {
-      if (q_.empty() && !stop_) {  // poll a little for the next item before sleeping
-        const uint64_t seen = queued_;
-        g.unlock();
-        spinUntil([&] { return queued_seen_.load(std::memory_order_acquire) != seen; });
-        g.lock();
-      }
-      cv_.wait(g, [&] {
-        return (stop_ && q_.empty() && !busy_) ||
-               (!q_.empty() && !busy_ && (!q_.front().gate() || waiters_ == 0));
-      });
-      if (q_.empty()) return;  // stopping, everything done
-      if (frontGateClosed()) {
-        // Nobody waits for the stream: poll the gate here every 20 us (sleeping: spinning
-        // would take a core from the processes that open it); a waiter that comes takes over
-        // (polling faster, to its deadline); a stopping stream gives up.
-        if (stop_) {
-          q_.pop_front();
-          ++done_;
-          done_seen_.store(done_, std::memory_order_release);
-          done_count_->store(done_, std::memory_order_release);
-          cv_.notify_all();
-          continue;
-        }
-        g.unlock();
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
-        g.lock();
-        continue;
-      }
-      if (!q_.empty()) runFront(g);  // (gates passed just now may have emptied it)
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Copy> q_;
-  uint64_t queued_ = 0, done_ = 0;
-  std::atomic<uint64_t> queued_seen_{0}, done_seen_{0};  // queued_ and done_, for spinning
-  // done_ again, for other streams' event gates (which may outlive this stream).
-  std::shared_ptr<std::atomic<uint64_t>> done_count_ = std::make_shared<std::atomic<uint64_t>>(0);
-  uint64_t failed_at_ = 0;  // the first failed kernel's place (1-based), 0: none
-  Status failure_;
-  bool busy_ = false;  // an item is running (on the worker or a waiter)
-  int waiters_ = 0;    // host threads in waitFor
-  bool stop_ = false;
-  std::thread worker_;
-};
-
-class SimEvent final : public Event {
- public:
-  SimEvent(std::shared_ptr<SimStream> s, uint64_t n) : s_(std::move(s)), n_(n) {}
-  bool done() override { return s_->reached(n_); }
-  Status wait(Deadline deadline) override { return s_->waitFor(n_, deadline); }
-  void gateOn(SimStream& on) const { on.pushEventGate(*s_, n_); }
-
- private:
-  std::shared_ptr<SimStream> s_;
-  uint64_t n_;
-};
+using sim::SimEvent;
+using sim::SimGraph;
+using sim::SimStream;
 
 // Device memory simulated by host memory: each allocation is a memfd mapped shared, so that
 // its "dma-buf" (the memfd) maps the same pages elsewhere, as a GPU's dma-buf does for a NIC,
@@ -420,7 +204,8 @@ class SimDevice final : public Device {
   Result<std::unique_ptr<Event>> recordOn(int ordinal, const void* on) override {
     MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
     const uint64_t n = s->queued();
-    return std::unique_ptr<Event>(new SimEvent(std::move(s), n));
+    auto graph = s->capture();
+    return std::unique_ptr<Event>(new SimEvent(std::move(s), n, std::move(graph)));
   }
 
   Result<std::unique_ptr<Event>> record(int ordinal) override {
@@ -456,7 +241,61 @@ class SimDevice final : public Device {
     auto* e = dynamic_cast<SimEvent*>(&ev);
     if (e == nullptr) return MC_STATUS(kInvalidArgument, "sim device: not an event of this layer");
     MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
+    std::shared_ptr<SimGraph> mine = s->capture();
+    if (e->graph()) {  // recorded in a capture: s joins it (its order is the queue's)
+      if (mine == e->graph()) return Status::OK();
+      if (mine)
+        return MC_STATUS(kInvalidArgument, "sim device: a stream capturing into one graph "
+                                           "waited on an event of another");
+      std::lock_guard<std::mutex> g(e->graph()->mu);
+      e->graph()->members.push_back(s);
+      s->setCapture(e->graph());
+      return Status::OK();
+    }
+    if (mine) {  // (CUDA isolates a capture from work outside it)
+      mine->invalidate("a captured stream waited on an event recorded outside the capture");
+      return MC_STATUS(kInvalidArgument, "sim device: a capturing stream waited on an event "
+                                         "recorded outside the capture");
+    }
     e->gateOn(*s);
+    return Status::OK();
+  }
+
+  bool capturing(int ordinal, const void* on) override {
+    auto s = stream(ordinal, on);
+    return s.ok() && (*s)->capture() != nullptr;
+  }
+
+  Status beginCapture(int ordinal, const void* on) override {
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
+    if (s->capture()) return MC_STATUS(kInvalidArgument, "sim device: the stream captures already");
+    auto g = std::make_shared<SimGraph>();
+    g->origin = s.get();
+    g->members.push_back(s);
+    s->setCapture(std::move(g));
+    return Status::OK();
+  }
+
+  Result<std::shared_ptr<Graph>> endCapture(int ordinal, const void* on) override {
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
+    std::shared_ptr<SimGraph> g = s->capture();
+    if (!g || g->origin != s.get())
+      return MC_STATUS(kInvalidArgument, "sim device: no capture began on this stream");
+    std::lock_guard<std::mutex> lk(g->mu);
+    for (auto& w : g->members)
+      if (auto m = w.lock()) m->setCapture(nullptr);
+    g->members.clear();
+    if (!g->invalid.empty())
+      return MC_STATUS(kInvalidArgument, "sim device: the capture was invalidated: " << g->invalid);
+    return std::shared_ptr<Graph>(g);
+  }
+
+  Status launchGraph(Graph& graph, int ordinal, const void* on) override {
+    auto* g = dynamic_cast<SimGraph*>(&graph);
+    if (g == nullptr) return MC_STATUS(kInvalidArgument, "sim device: not a graph of this layer");
+    MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
+    std::lock_guard<std::mutex> lk(g->mu);
+    for (const auto& item : g->items) s->replay(item);
     return Status::OK();
   }
 

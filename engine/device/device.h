@@ -64,6 +64,12 @@ struct Kernel {
   Status (*host)(const void* params, const HostView& view) = nullptr;
 };
 
+// Work captured from streams (Device::beginCapture .. endCapture), replayed by launchGraph.
+class Graph {
+ public:
+  virtual ~Graph() = default;
+};
+
 // Names the layer's own copy stream where a stream is asked for (Device::waitWord).
 extern const void* const kCopyStream;
 
@@ -156,6 +162,20 @@ class Device {
   // work may be held behind: what releases a stream waiting on the word (waitWord) when the
   // peer that should have written it is gone. Waits (to `deadline`) until the store is done.
   virtual Status storeWord(uint32_t* word, uint32_t value, Deadline deadline) = 0;
+
+  // CUDA-graph capture. capturing: whether `stream` is capturing now (CUDA:
+  // cuStreamIsCapturing: a caller's stream inside torch.cuda.graph, or a stream that joined
+  // such a capture by waiting on an event recorded in it), what callers ask before they would
+  // synchronise with the host or queue what a replay must not repeat. beginCapture /
+  // endCapture / launchGraph: the simulation's capture, for the tests (every stream that
+  // waits on an event recorded in the capture joins it; the host waiting for such an event
+  // invalidates it, and endCapture then says why; launchGraph queues what was captured on
+  // `stream`, in the order it was queued). CUDA: kNotSupported (capture with torch.cuda.graph
+  // or the CUDA API; the layer's streams join a caller's capture through events as above).
+  virtual bool capturing(int ordinal, const void* stream) = 0;
+  virtual Status beginCapture(int ordinal, const void* stream) = 0;
+  virtual Result<std::shared_ptr<Graph>> endCapture(int ordinal, const void* stream) = 0;
+  virtual Status launchGraph(Graph& graph, int ordinal, const void* stream) = 0;
 
   // Page-locks host memory [p, p+len) for the devices (CUDA: cuMemHostRegister, portable).
   // Copies between it and device memory then run as DMA straight from it; from pageable

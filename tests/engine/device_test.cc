@@ -349,6 +349,65 @@ TEST(DeviceSim, MadeStreamsWaitForEventsOfOthers) {
   EXPECT_TRUE(d->free(*b).ok());
 }
 
+// CUDA-graph capture over the simulation: what a capturing stream (and a stream that joined
+// it through an event) queued runs only when the graph is launched, again on every launch,
+// reading the memory as it is then; a host wait inside the capture invalidates it.
+TEST(DeviceSim, CapturedWorkRunsOnEachLaunchOfTheGraph) {
+  using engine::device::kCopyStream;
+  auto d = sim();
+  ASSERT_NE(d, nullptr);
+  const size_t len = 4096;
+  auto a = d->allocate(len, 0);
+  auto b = d->allocate(len, 0);
+  auto c = d->allocate(len, 0);
+  auto side = d->newStream(0);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok() && side.ok());
+  const std::string one = bytes(len, 3, 1), two = bytes(len, 7, 2);
+  ASSERT_TRUE(copyWait(*d, *a, one.data(), len, 0).ok());
+  EXPECT_FALSE(d->capturing(0, kCopyStream));
+  MC_ASSERT_OK(d->beginCapture(0, kCopyStream));
+  EXPECT_TRUE(d->capturing(0, kCopyStream));
+  EXPECT_FALSE(d->capturing(0, *side));
+  // a -> b on the capturing stream; the side stream joins (an event of the capture) and
+  // copies b -> c; the capturing stream waits for it (the join).
+  MC_EXPECT_OK(d->copyAsyncOn(*b, *a, len, 0, kCopyStream));
+  auto fork = d->recordOn(0, kCopyStream);
+  ASSERT_TRUE(fork.ok());
+  MC_EXPECT_OK(d->waitEvent(0, *side, **fork));
+  EXPECT_TRUE(d->capturing(0, *side)) << "a stream that waited on a captured event joins it";
+  MC_EXPECT_OK(d->copyAsyncOn(*c, *b, len, 0, *side));
+  auto join = d->recordOn(0, *side);
+  ASSERT_TRUE(join.ok());
+  MC_EXPECT_OK(d->waitEvent(0, kCopyStream, **join));
+  auto graph = d->endCapture(0, kCopyStream);
+  ASSERT_TRUE(graph.ok()) << graph.status().toString();
+  EXPECT_FALSE(d->capturing(0, kCopyStream));
+  EXPECT_FALSE(d->capturing(0, *side));
+  std::string back(len, '\0');
+  ASSERT_TRUE(copyWait(*d, back.data(), *c, len, 0).ok());
+  EXPECT_NE(back, one) << "captured work ran during the capture";
+  for (const std::string* want : {&one, &two}) {
+    ASSERT_TRUE(copyWait(*d, *a, want->data(), len, 0).ok());
+    MC_EXPECT_OK(d->launchGraph(**graph, 0, kCopyStream));
+    ASSERT_TRUE(copyWait(*d, back.data(), *c, len, 0).ok());
+    EXPECT_TRUE(back == *want) << "a launch of the graph did not run its copies again";
+  }
+  // A host wait for an event recorded in a capture fails, and so does the capture.
+  MC_ASSERT_OK(d->beginCapture(0, *side));
+  EXPECT_FALSE(d->beginCapture(0, *side).ok()) << "a capture begun twice";
+  MC_EXPECT_OK(d->copyAsyncOn(*b, *a, len, 0, *side));
+  auto inside = d->recordOn(0, *side);
+  ASSERT_TRUE(inside.ok());
+  EXPECT_FALSE((*inside)->wait(std::chrono::steady_clock::now() + std::chrono::seconds(1)).ok());
+  auto bad = d->endCapture(0, *side);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().toString().find("host waited"), std::string::npos)
+      << bad.status().toString();
+  EXPECT_FALSE(d->endCapture(0, *side).ok()) << "a capture ended twice";
+  MC_EXPECT_OK(d->freeStream(0, *side));
+  for (void* p : {*a, *b, *c}) EXPECT_TRUE(d->free(p).ok());
+}
+
 // Pinned host memory: copies between it and device memory are not counted as pageable, copies
 // from other host memory are; ranges do not overlap; PinnedRange unpins when it goes.
 TEST(DeviceSim, PinnedHostMemoryAndPageableCopies) {

@@ -498,6 +498,7 @@ def ep_check(torch, dist, M, gpu, host, cuda, W, me, row, timed, spans_hosts=Fal
              "ok": call_s < 0.5 * sleep_s and same,
              "detail": "call %.4f s, the stream's sleep before it %.4f s, recv_count equal: %s"
                        % (call_s, sleep_s, same)})
+        row(ep_graph_check(torch, cpu_buf, gpu_buf, gpu, host, inputs, W, T, H, E))
     if not (timed and cuda):
         return
     x, topk, w = inputs(me, 9)
@@ -532,6 +533,47 @@ def ep_check(torch, dist, M, gpu, host, cuda, W, me, row, timed, spans_hosts=Fal
          "combine_p50_us": ts_c[len(ts_c) // 2] * 1e6,
          "dispatch_call_p50_us": call_d[len(call_d) // 2] * 1e6,
          "combine_call_p50_us": call_c[len(call_c) // 2] * 1e6})
+
+
+def ep_graph_check(torch, cpu_buf, gpu_buf, gpu, host, inputs, W, T, H, E):
+    """docs/ep.md, "CUDA graphs": a dispatch and the combine of what it received (y = recv_x)
+    captured with torch.cuda.graph after eager calls of the same shapes (the kernels' scratch
+    sized), launched three times with new inputs copied into the captured tensors; every
+    launch's recv_count and combined rows equal the host buffer's on the same inputs."""
+    me = torch.distributed.get_rank()
+
+    def plain(buf, x, topk, w, act):
+        rx, _, cnt, src, lay, _, _ = buf.dispatch(x, topk, act, T, E, 10_000_000, False, False,
+                                                  False)
+        out, _, _ = buf.combine(rx, topk, w, act, 10_000_000, src, lay, T, H, E, False, False,
+                                None)
+        return cnt, out
+
+    x, topk, w = inputs(me, 21)
+    sx, st, sw, sact = gpu(x), gpu(topk), gpu(w), gpu(torch.ones(W, dtype=torch.int32))
+    plain(gpu_buf, sx, st, sw, sact)  # (eager: the scratch of these shapes)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            cnt, out = plain(gpu_buf, sx, st, sw, sact)
+    except Exception as ex:  # noqa: BLE001
+        return {"check": "ep calls captured in a CUDA graph", "ok": False,
+                "detail": "capture: %s: %s" % (type(ex).__name__, ex)}
+    same, detail = True, []
+    for seed in (22, 23, 24):
+        x, topk, w = inputs(me, seed)
+        ref_cnt, ref_out = plain(cpu_buf, x, topk, w, torch.ones(W, dtype=torch.int32))
+        for dst, src in ((sx, x), (st, topk), (sw, w)):
+            dst.copy_(gpu(src))
+        sact.fill_(1)
+        graph.replay()
+        ok = torch.equal(host(cnt), ref_cnt) and torch.equal(host(out).view(torch.int16),
+                                                             ref_out.view(torch.int16))
+        same = same and ok
+        detail.append("launch %d %s" % (seed - 21, "equal" if ok else "differs"))
+    return {"check": "ep calls captured in a CUDA graph replay as the host buffer computes",
+            "ok": same, "detail": ", ".join(detail)}
 
 
 def bench(torch, dist, ag, gpu, cuda, W, me, row, only):

@@ -425,3 +425,95 @@ def case_stream_calls(ctx):
     if act.tolist() != [1] * R:
         fails.append(f"active_ranks became {act.tolist()}")
     return fails + _hooks_in_flight(ctx, act)
+
+
+def _round_on(gbuf, cfg, me, active, tag):
+    """One checked low-latency round on GpuBuffer gbuf (any M up to its bounds)."""
+    x, topk, w = cfg.inputs(me)
+    recv_x, cnt, handle, _, _ = gbuf.dispatch(x, topk, active, cfg.M, cfg.E)
+    fails = check_ll_dispatch(cfg, me, recv_x, cnt, handle, active, tag)
+    out, _, _ = gbuf.combine(ll_y(cfg, me, recv_x, cnt), topk, w, active, TIMEOUT_US, handle)
+    return fails + check_ll_combine(cfg, me, out, active, tag)
+
+
+def _capture(fails, what, fn):
+    """fn() captured on the caller's stream (the simulation's copy stream): the graph, or None
+    with a failure."""
+    from mooncake import _C
+    _C._device_capture_begin()
+    try:
+        fn()
+    except Exception as ex:  # noqa: BLE001
+        fails.append(f"capturing {what}: {type(ex).__name__}: {ex}")
+    try:
+        return _C._device_capture_end()
+    except RuntimeError as ex:
+        fails.append(f"capturing {what}: {ex}")
+        return None
+
+
+def case_graph_replay(ctx):
+    """CUDA-graph capture over the simulation (stream-ordered calls): a dispatch captured into
+    one graph and the combine of its outputs into another, then both launched again and again
+    with new inputs written into the captured input tensors; every launch's outputs against the
+    reference. Eager rounds run before, between (one needing more kernel scratch than the
+    capture had: the graphs keep theirs) and after the launches, in step with them: the rounds
+    are counted on the device. Normal mode (it waits on the host) is refused inside a capture."""
+    from mooncake import _C
+    from mooncake.ep import EpHandle
+    from pg_cases_gpu import to_gpu, to_host
+    R, me = ctx.world, ctx.rank
+    fails = []
+    big = Cfg(R, seed=40)  # M=24: the buffer's bounds
+    gbuf = ctx.buffer(big.M, big.H, big.E)
+    buf = gbuf.buf
+
+    def small(seed):
+        return Cfg(R, M=12, seed=seed)
+
+    active = torch.ones(R, dtype=torch.int32)
+    # (The inputs go to GPU memory before the capture: a host copy inside one invalidates it.)
+    dx, dtopk, dw = (to_gpu(t) for t in small(41).inputs(me))
+    _capture(fails, "a refused normal dispatch", lambda: _expect_value_error(
+        fails, lambda: buf.normal_dispatch(dx, dtopk, dw, big.E),
+        "normal_dispatch inside a capture", "CUDA-graph capture"))
+    fails += _round_on(gbuf, small(42), me, active, "warm-up before the capture")
+    c0 = small(43)
+    x, topk, w = c0.inputs(me)
+    dx, dtopk, dw, dact = to_gpu(x), to_gpu(topk), to_gpu(w), to_gpu(active)
+    dy = to_gpu(torch.zeros((c0.L, R * c0.M, c0.H), dtype=c0.dtype))
+    got = {}
+
+    def dispatch():
+        got["recv"], got["cnt"], got["handle"], _, _ = buf.dispatch(dx, dtopk, dact, c0.M, c0.E)
+
+    def combine():
+        got["out"] = buf.combine(dy, dtopk, dw, dact, TIMEOUT_US, got["handle"])[0]
+
+    g_dispatch = _capture(fails, "a dispatch", dispatch)
+    g_combine = _capture(fails, "a combine", combine) if "handle" in got else None
+    if g_dispatch is None or g_combine is None:
+        return fails
+
+    def put(dev, host):
+        _C._device_copy(dev.data_ptr(), host.contiguous().data_ptr(),
+                        host.numel() * host.element_size())
+
+    for i in range(4):
+        c = small(50 + i)
+        x, topk, w = c.inputs(me)
+        for dev, host in ((dx, x), (dtopk, topk), (dw, w), (dact, active)):
+            put(dev, host)
+        _C._device_graph_launch(g_dispatch)
+        recv, cnt = to_host(got["recv"]), to_host(got["cnt"])
+        h = got["handle"]
+        fails += check_ll_dispatch(c, me, recv, cnt, EpHandle(to_host(h[0]), to_host(h[1]), *h[2:]),
+                                   active, f"launch {i}: dispatch")
+        put(dy, ll_y(c, me, recv, cnt))
+        _C._device_graph_launch(g_combine)
+        fails += check_ll_combine(c, me, to_host(got["out"]), active, f"launch {i}: combine")
+        if i == 1:
+            fails += _round_on(gbuf, small(60), me, active, "eager between launches")
+        if i == 2:
+            fails += _round_on(gbuf, big, me, active, "eager, more scratch than the capture's")
+    return fails + _round_on(gbuf, small(61), me, active, "eager after the launches")

@@ -213,6 +213,15 @@ def test_ep_gpu_buffers_sim_stream_calls(world):
     _assert_passed(world, cases, *run_ranks(world, cases, env=STREAM_ENV))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_ep_gpu_buffers_sim_graph_replay(world):
+    """Stream-ordered calls captured as a CUDA graph is captured (over the simulation: the
+    device layer's capture of the caller's stream) and launched again with new inputs, against
+    the reference, with eager rounds in step between the launches
+    (ep_cases_gpu.case_graph_replay)."""
+    _assert_passed(world, ["graph_replay"], *run_ranks(world, ["graph_replay"], env=STREAM_ENV))
+
+
 def test_ep_gpu_buffers_sim_stream_calls_killed_rank():
     """Both kill cases with stream-ordered calls: the kernels mark the dead ranks inactive
     with no host thread waiting."""

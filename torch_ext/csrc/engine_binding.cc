@@ -311,6 +311,34 @@ void registerEngineApis(py::module_& m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), Nogil(),
       "Copies between GPU and host memory (either side) with the device layer, and waits.");
+  // CUDA-graph capture over the simulation (Device::beginCapture): on the copy stream of
+  // `device`, which is where the simulation's callers' streams are (what mooncake.ep's
+  // stream-ordered calls order themselves after). Tests only; on CUDA, torch.cuda.graph.
+  py::class_<engine::device::Graph, std::shared_ptr<engine::device::Graph>>(
+      m, "_DeviceGraph", "Work captured from the device layer's streams (tests).");
+  m.def(
+      "_device_capture_begin",
+      [layer](int ordinal) {
+        Status st = layer()->beginCapture(ordinal, engine::device::kCopyStream);
+        if (!st.ok()) throw std::runtime_error("mooncake: " + st.toString());
+      },
+      py::arg("device") = 0);
+  m.def(
+      "_device_capture_end",
+      [layer](int ordinal) {
+        auto g = layer()->endCapture(ordinal, engine::device::kCopyStream);
+        if (!g.ok()) throw std::runtime_error("mooncake: " + g.status().toString());
+        return *g;
+      },
+      py::arg("device") = 0, "The captured graph; raises when the capture was invalidated.");
+  m.def(
+      "_device_graph_launch",
+      [layer](const std::shared_ptr<engine::device::Graph>& g, int ordinal) {
+        Status st = layer()->launchGraph(*g, ordinal, engine::device::kCopyStream);
+        if (!st.ok()) throw std::runtime_error("mooncake: " + st.toString());
+      },
+      py::arg("graph"), py::arg("device") = 0, Nogil(),
+      "Queues the graph's work on the copy stream (a later _device_copy waits for it).");
   m.def(
       "_device_pageable_copies", [layer] { return layer()->pageableCopies(); },
       "Copies so far between GPU memory and host memory that was not pinned (counted by the "

@@ -126,6 +126,7 @@ struct Keep {
 };
 
 using ep_py::callerStream;
+using ep_py::refuseCapture;
 using ep_py::dropBuffer;
 using ep_py::PyEvent;
 using ep_py::PyHook;
@@ -338,6 +339,7 @@ class PyEpBuffer {
                  },
                  [this, a] { buf_->validate(a, false); }, keep);
     } else {
+      refuseCapture(device_, cuda_, op);
       py::gil_scoped_release nogil;
       awaitCallerStream(op, timeout_us);
       buf_->validate(a);
@@ -416,6 +418,7 @@ class PyEpBuffer {
                  },
                  [this, a] { buf_->validate(a, false); }, keep);
     } else {
+      refuseCapture(device_, cuda_, op);
       py::gil_scoped_release nogil;
       awaitCallerStream(op, timeout_us);
       buf_->validate(a);
@@ -440,6 +443,7 @@ class PyEpBuffer {
     if (E <= 0 || E % R != 0) bad(op, ": num_experts=", E, " must be a positive multiple of ", R);
     const int64_t T = topk.size(0);
     const int K = static_cast<int>(topk.size(1));
+    refuseCapture(device_, cuda_, op);
     awaitCallerStream(op, -1);
     Tensor topk_h = hostOf(topk, op);  // (computed on the host; a GPU buffer gets GPU tensors)
     ep::validateTopk(topk_h.data_ptr<int64_t>(), T, K, static_cast<int>(E));
@@ -457,6 +461,7 @@ class PyEpBuffer {
                            std::optional<Tensor> in_rank_opt) {
     const char* op = "normal_dispatch";
     RoundGuard guard(this, RoundKind::kDispatch);
+    refuseCapture(device_, cuda_, op);
     const int R = buf_->size();
     const ep::DType dt = hiddenType(x_in, op, "x");
     Tensor x = arg(x_in, scalarOf(dt), 2, op, "x");
@@ -553,6 +558,7 @@ class PyEpBuffer {
                           std::optional<Tensor> w_opt) {
     const char* op = "normal_combine";
     RoundGuard guard(this, RoundKind::kCombine);
+    refuseCapture(device_, cuda_, op);
     const int R = buf_->size();
     const ep::DType dt = hiddenType(y_in, op, "y");
     Tensor y = arg(y_in, scalarOf(dt), 2, op, "y");

@@ -30,6 +30,25 @@ inline const void* callerStream(bool cuda, int device, const char* op) {
   return *s;
 }
 
+// A GPU buffer's call that waits on the host (normal mode, the layout, the waited low-latency
+// path) cannot be captured into a CUDA graph: ValueError while the caller's stream captures.
+inline void refuseCapture(int device, bool cuda, const char* op) {
+  if (device < 0) return;
+  auto layer = engine::device::get();
+  if (!layer.ok()) return;
+  const void* s = nullptr;
+  try {
+    s = callerStream(cuda, device, op);
+  } catch (const std::exception&) {
+    return;  // (no current stream known: no capture either)
+  }
+  if ((*layer)->capturing(device, s))
+    throw std::invalid_argument(std::string(op) +
+                                ": cannot run inside a CUDA-graph capture: it waits on the host "
+                                "(only the stream-ordered low-latency dispatch and combine are "
+                                "captured)");
+}
+
 class PyEvent {
  public:
   explicit PyEvent(std::shared_ptr<ep::EpEvent> e) : e_(std::move(e)) {}
