@@ -498,7 +498,8 @@ def ep_check(torch, dist, M, gpu, host, cuda, W, me, row, timed, spans_hosts=Fal
              "ok": call_s < 0.5 * sleep_s and same,
              "detail": "call %.4f s, the stream's sleep before it %.4f s, recv_count equal: %s"
                        % (call_s, sleep_s, same)})
-        row(ep_graph_check(torch, cpu_buf, gpu_buf, gpu, host, inputs, W, T, H, E))
+        for r in ep_graph_check(torch, cpu_buf, gpu_buf, gpu, host, inputs, W, T, H, E, timed):
+            row(r)
     if not (timed and cuda):
         return
     x, topk, w = inputs(me, 9)
@@ -535,11 +536,13 @@ def ep_check(torch, dist, M, gpu, host, cuda, W, me, row, timed, spans_hosts=Fal
          "combine_call_p50_us": call_c[len(call_c) // 2] * 1e6})
 
 
-def ep_graph_check(torch, cpu_buf, gpu_buf, gpu, host, inputs, W, T, H, E):
+def ep_graph_check(torch, cpu_buf, gpu_buf, gpu, host, inputs, W, T, H, E, timed):
     """docs/ep.md, "CUDA graphs": a dispatch and the combine of what it received (y = recv_x)
     captured with torch.cuda.graph after eager calls of the same shapes (the kernels' scratch
     sized), launched three times with new inputs copied into the captured tensors; every
-    launch's recv_count and combined rows equal the host buffer's on the same inputs."""
+    launch's recv_count and combined rows equal the host buffer's on the same inputs. Rows
+    to report; timed: also the graph's launch (dispatch + combine) p50 against the same two
+    calls made eagerly, each synchronised, alternately."""
     me = torch.distributed.get_rank()
 
     def plain(buf, x, topk, w, act):
@@ -558,8 +561,8 @@ def ep_graph_check(torch, cpu_buf, gpu_buf, gpu, host, inputs, W, T, H, E):
         with torch.cuda.graph(graph):
             cnt, out = plain(gpu_buf, sx, st, sw, sact)
     except Exception as ex:  # noqa: BLE001
-        return {"check": "ep calls captured in a CUDA graph", "ok": False,
-                "detail": "capture: %s: %s" % (type(ex).__name__, ex)}
+        return [{"check": "ep calls captured in a CUDA graph", "ok": False,
+                 "detail": "capture: %s: %s" % (type(ex).__name__, ex)}]
     same, detail = True, []
     for seed in (22, 23, 24):
         x, topk, w = inputs(me, seed)
@@ -572,8 +575,29 @@ def ep_graph_check(torch, cpu_buf, gpu_buf, gpu, host, inputs, W, T, H, E):
                                                              ref_out.view(torch.int16))
         same = same and ok
         detail.append("launch %d %s" % (seed - 21, "equal" if ok else "differs"))
-    return {"check": "ep calls captured in a CUDA graph replay as the host buffer computes",
-            "ok": same, "detail": ", ".join(detail)}
+    rows = [{"check": "ep calls captured in a CUDA graph replay as the host buffer computes",
+             "ok": same, "detail": ", ".join(detail)}]
+    if not (timed and same):
+        return rows
+    ts_g, ts_e = [], []
+    for i in range(43):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        plain(gpu_buf, sx, st, sw, sact)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i >= 3:
+            ts_g.append(t1 - t0)
+            ts_e.append(t2 - t1)
+    ts_g.sort()
+    ts_e.sort()
+    rows.append({"bench": "ep ll dispatch + combine as a CUDA graph", "tokens": T, "hidden": H,
+                 "experts": E, "world": W, "graph_p50_us": ts_g[len(ts_g) // 2] * 1e6,
+                 "eager_p50_us": ts_e[len(ts_e) // 2] * 1e6})
+    return rows
 
 
 def bench(torch, dist, ag, gpu, cuda, W, me, row, only):
