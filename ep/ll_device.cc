@@ -8,6 +8,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "engine/device/device.h"
@@ -60,9 +61,32 @@ struct SimLanes : kern::HostLanes {
 
 // The simulation's form of mc_ep_ll: the blocks one after another on this thread, in the order
 // ep/ll_host.cc runs them (a call's sends to other ranks first).
+// The rounds' words as the simulated kernel reaches them (the proxy's are host memory).
+Status mapRounds(const dev::HostView& view, kern::DeviceRounds& d) {
+  MC_RETURN_IF_ERROR(mapInto(view, d.words, kern::kDeviceRoundWords * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, d.ctl, 6 * 4));
+  return mapInto(view, d.ring, kern::kProxyRingSlots * sizeof(kern::ProxyJob));
+}
+
+// A proxy job (kPostJob, kNormalPostJob) carries the args as the device addresses them (the
+// proxy hands them to the engine): only the rounds' words are mapped here.
+template <class Launch>
+Status simPostJob(const void* params, const dev::HostView& view) {
+  Launch l;
+  std::memcpy(&l, params, sizeof l);
+  MC_RETURN_IF_ERROR(mapRounds(view, l.rounds));
+  SimLanes ln;
+  if constexpr (std::is_same_v<Launch, kern::LlLaunch>)
+    kern::llBlock(l, 0, ln, ln.nowUs());
+  else
+    kern::normalBlock(l, 0, ln, ln.nowUs());
+  return Status::OK();
+}
+
 Status simEntry(const void* params, const dev::HostView& view) {
   kern::LlLaunch l;
   std::memcpy(&l, params, sizeof l);
+  if (l.stage == kern::kPostJob) return simPostJob<kern::LlLaunch>(params, view);
   kern::LlArgs& p = l.p;
   const int R = p.world, L = p.local_experts, me = p.me;
   const uint64_t RM = static_cast<uint64_t>(R) * p.max_tokens, T = p.tokens, K = p.topk;
@@ -88,7 +112,7 @@ Status simEntry(const void* params, const dev::HostView& view) {
   MC_RETURN_IF_ERROR(mapInto(view, p.stage, p.src_base + RM * L * 4));
   MC_RETURN_IF_ERROR(mapInto(view, p.proxy_words, static_cast<uint64_t>(R) * L * 8));
   MC_RETURN_IF_ERROR(mapInto(view, p.ctrl, kSignalBytes));
-  MC_RETURN_IF_ERROR(mapInto(view, l.rounds.words, kern::kDeviceRoundWords * 4));
+  MC_RETURN_IF_ERROR(mapRounds(view, l.rounds));
   std::vector<char*> peers;
   MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
   SimLanes ln;
@@ -112,6 +136,7 @@ Status simEntry(const void* params, const dev::HostView& view) {
       break;
     case kern::kTakeRound:
     case kern::kAbandonRound:
+    case kern::kStageWait:
       kern::llBlock(l, 0, ln, start);
       break;
     default:
@@ -124,6 +149,7 @@ Status simEntry(const void* params, const dev::HostView& view) {
 Status simNormal(const void* params, const dev::HostView& view) {
   kern::NormalLaunch l;
   std::memcpy(&l, params, sizeof l);
+  if (l.stage == kern::kNormalPostJob) return simPostJob<kern::NormalLaunch>(params, view);
   kern::NormalArgs& p = l.p;
   const int R = p.world, me = p.me;
   const uint64_t T = p.tokens, K = p.topk, N = l.rows, row = kern::rowBytes(p);
@@ -152,7 +178,7 @@ Status simNormal(const void* params, const dev::HostView& view) {
   MC_RETURN_IF_ERROR(mapInto(view, p.stage, std::max(p.weight_base, p.cweight_base) + RC * K * 4));
   MC_RETURN_IF_ERROR(mapInto(view, p.proxy_words, R * 8u));
   MC_RETURN_IF_ERROR(mapInto(view, p.ctrl, kSignalBytes));
-  MC_RETURN_IF_ERROR(mapInto(view, l.rounds.words, kern::kDeviceRoundWords * 4));
+  MC_RETURN_IF_ERROR(mapRounds(view, l.rounds));
   std::vector<char*> peers;
   MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
   SimLanes ln;
@@ -372,8 +398,7 @@ void EpBuffer::setUpDevice(size_t bytes) {
   // (Every rank sees the same host table: all of them set the proxy up, or none.)
   if (std::find(proxied.begin(), proxied.end(), 1) != proxied.end())
     setUpProxy(proxied, all[0].key, &open_error);
-  // The proxy moves rows by the host's round numbers: across hosts the host counts them.
-  device_rounds_ = stream_calls_ && dev_rounds_ != nullptr && !proxy_;
+  device_rounds_ = stream_calls_ && dev_rounds_ != nullptr;
   int ok = open_error.empty() ? 1 : 0;
   std::vector<int> all_ok(n);
   g_.all_gather(&ok, all_ok.data(), sizeof(int));
@@ -541,6 +566,10 @@ void EpBuffer::deviceRoundsFor(Launch& l, RoundKind kind, uint32_t round) const 
   l.rounds.slot = static_cast<int32_t>(round & 1);
   l.rounds.from = kern::kRoundOfCall;
   l.rounds.half_bytes = geo_.halfStride();
+  if (proxy_) {  // (ranks on other hosts: the half-0 stage, words and ctrl, and the ring)
+    proxy_->fill(l.p, kind, 0);
+    proxy_->fillDeviceRounds(l.rounds);
+  }
 }
 template void EpBuffer::deviceRoundsFor(kern::LlLaunch&, RoundKind, uint32_t) const;
 template void EpBuffer::deviceRoundsFor(kern::NormalLaunch&, RoundKind, uint32_t) const;
@@ -552,15 +581,21 @@ void EpBuffer::deviceRoundStage(kern::LlStage stage, kern::DeviceRounds rounds, 
   l.p.peers = dev_peers_;
   l.p.abandon_signals = geo_.abandonSignal(0, rounds.kind, 0);
   l.peer_bytes = geo_.totalBytes();
-  rounds.from = stage == kern::kAbandonRound ? kern::kRoundNext : kern::kRoundGiven;
+  rounds.from = stage == kern::kTakeRound ? kern::kRoundGiven : kern::kRoundNext;
   l.rounds = rounds;
   deviceLaunch(l, stage, 1, op);
 }
 
 template <class Launch, class Stage>
 void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t grid,
-                          const char* op, bool stream_ordered, bool* launched) {
-  if (proxy_) proxy_->stageFree(kind, l.p.round, stream_ordered ? kernelStream() : nullptr, op);
+                          const char* op, bool* launched) {
+  // Rounds on the device with ranks on other hosts: the stage's wait is a stage of its own,
+  // and the kernels post the proxy's job after the send (ll_proxy.h).
+  const bool ring = proxy_ && l.rounds.words != nullptr;
+  if (ring)
+    deviceRoundStage(kern::kStageWait, l.rounds, op);
+  else if (proxy_)
+    proxy_->stageFree(kind, l.p.round, op);
   if (grid > 0) {
     Launch send = l;
     if (send.rounds.words != nullptr) send.rounds.from = kern::kRoundNext;
@@ -572,6 +607,13 @@ void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t 
     deviceRoundStage(kern::kTakeRound, l.rounds, op);
     if (launched != nullptr) *launched = true;
   }
+  if (ring) {
+    if constexpr (std::is_same_v<Launch, kern::LlLaunch>)
+      deviceLaunch(l, kern::kPostJob, 1, op);
+    else
+      deviceLaunch(l, kern::kNormalPostJob, 1, op);
+    return;
+  }
   if (!proxy_) return;
   auto sent = deviceLayer(op)->recordOn(device_, kernelStream());
   // (Without the event the proxy still moves what the kernels post: it waits for every word.)
@@ -581,9 +623,9 @@ void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t 
                                  sent.status().toString()));
 }
 template void EpBuffer::deviceSend(const kern::LlLaunch&, kern::LlStage, RoundKind, int64_t,
-                                   const char*, bool, bool*);
+                                   const char*, bool*);
 template void EpBuffer::deviceSend(const kern::NormalLaunch&, kern::NormalStage, RoundKind,
-                                   int64_t, const char*, bool, bool*);
+                                   int64_t, const char*, bool*);
 
 void EpBuffer::deviceSync(const char* op, engine::Deadline deadline) {
   auto ev = deviceLayer(op)->recordOn(device_, kernelStream());

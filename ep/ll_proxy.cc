@@ -21,7 +21,8 @@ namespace dev = engine::device;
 namespace {
 
 constexpr size_t kWordsBytes = 4 * static_cast<size_t>(kMaxSignals) * 8;  // [kind][half]
-constexpr size_t kDoneBytes = 64;
+constexpr size_t kDoneBytes = 64;  // done[kind][half], taken, released
+constexpr size_t kRingBytes = kern::kProxyRingSlots * sizeof(kern::ProxyJob);
 
 // Areas of buffers freed, for the next (host words are never freed: Device::allocHostWords).
 std::mutex g_pool_mu;
@@ -74,7 +75,7 @@ void EpBuffer::Proxy::init() {
   for (int r = 0; r < R; ++r) proxied_[r] = r != buf_.g_.rank && buf_.mapped_[r] == nullptr;
   dev::Device* layer = buf_.deviceLayer("ep.Buffer");
   engine::TransferEngine& eng = *buf_.g_.engine;
-  area_bytes_ = 2 * shadowHalfBytes() + kWordsBytes + kDoneBytes;
+  area_bytes_ = 2 * shadowHalfBytes() + kWordsBytes + kDoneBytes + kRingBytes;
   area_ = takeArea(layer, area_bytes_);
   auto fail = [&](const char* what, const Status& st) {
     throw std::runtime_error(str(what, ": ", st.toString()));
@@ -125,6 +126,8 @@ void EpBuffer::Proxy::stop(bool drained) {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
     abort_ = abort_ || !drained;
+    // (Kernels that wait for the proxy -- a stage, a ring slot -- go on.)
+    if (abort_) __atomic_store_n(doneWord(0, 0) + 5, 1u, __ATOMIC_RELEASE);
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
@@ -145,20 +148,9 @@ void EpBuffer::Proxy::fill(Args& p, RoundKind kind, uint32_t round) const {
 template void EpBuffer::Proxy::fill(kern::LlArgs&, RoundKind, uint32_t) const;
 template void EpBuffer::Proxy::fill(kern::NormalArgs&, RoundKind, uint32_t) const;
 
-void EpBuffer::Proxy::stageFree(RoundKind kind, uint32_t round, const void* stream,
-                                const char* op) {
+void EpBuffer::Proxy::stageFree(RoundKind kind, uint32_t round, const char* op) {
   const int k = static_cast<int>(kind), h = static_cast<int>(round & 1);
   std::unique_lock<std::mutex> g(mu_);
-  if (stream != nullptr) {
-    const uint32_t last = queued_[k][h];
-    g.unlock();
-    if (last == 0) return;  // (the stage's first use)
-    Status st = buf_.deviceLayer(op)->waitWord(buf_.device_, stream, doneWord(k, h), last);
-    if (!st.ok())
-      throw std::runtime_error(str(op, ": rank ", buf_.g_.rank, ": ordering the send after the "
-                                   "proxy's moves of round ", last, ": ", st.toString()));
-    return;
-  }
   const auto bound = std::chrono::milliseconds(2 * buf_.timeout_ms_);
   if (!cv_.wait_for(g, bound, [&] { return pending_[k][h] == 0; }))
     throw std::runtime_error(str(op, ": rank ", buf_.g_.rank, ": the host proxy did not move "
@@ -208,10 +200,51 @@ void EpBuffer::Proxy::abandon(RoundKind kind, uint32_t round) {
   push(std::move(j));
 }
 
+void EpBuffer::Proxy::fillDeviceRounds(kern::DeviceRounds& d) {
+  d.ctl = doneWord(0, 0);
+  d.ring = reinterpret_cast<char*>(doneWord(0, 0)) + kDoneBytes;
+  d.stage_half = stage_bytes_;
+  d.words_half = kMaxSignals;
+  d.ctrl_half = shadowHalfBytes();
+  if (!ring_) {
+    std::lock_guard<std::mutex> g(mu_);
+    ring_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool EpBuffer::Proxy::takeRingJob(Job* j) {
+  const uint32_t n = ring_taken_ + 1;
+  const auto* slot = reinterpret_cast<const kern::ProxyJob*>(
+                         reinterpret_cast<char*>(doneWord(0, 0)) + kDoneBytes) +
+                     (n - 1) % kern::kProxyRingSlots;
+  if (__atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != n) return false;
+  j->kind = slot->kind == 0 ? RoundKind::kDispatch : RoundKind::kCombine;
+  j->round = slot->round;
+  j->normal = slot->mode == kern::kJobNormal;
+  j->abandon = slot->mode == kern::kJobAbandon;
+  j->p = slot->ll;
+  j->np = slot->np;
+  j->sent = nullptr;  // (posted after the send's kernels: every word is there)
+  ring_taken_ = n;
+  return true;
+}
+
 void EpBuffer::Proxy::loop() {
   std::unique_lock<std::mutex> g(mu_);
+  int idle = 0;
   for (;;) {
-    cv_.wait(g, [&] { return stop_ || !jobs_.empty(); });
+    // With the ring, polled: yielding, then sleeping 10 us growing to 100 us, as runSend's.
+    const auto nap = std::chrono::microseconds(idle < 64 ? 0 : 10 * std::min(idle - 63, 10));
+    if (!ring_ || stop_)
+      cv_.wait(g, [&] { return stop_ || ring_ || !jobs_.empty(); });
+    else if (jobs_.empty() && nap.count() == 0) {
+      g.unlock();
+      std::this_thread::yield();
+      g.lock();
+    } else if (jobs_.empty()) {
+      cv_.wait_for(g, nap, [&] { return stop_ || !jobs_.empty(); });
+    }
     if (abort_) {  // the rest is dropped; the streams' waits on the stages are let go
       for (int k = 0; k < 2; ++k)
         for (int h = 0; h < 2; ++h) __atomic_store_n(doneWord(k, h), queued_[k][h], __ATOMIC_RELEASE);
@@ -220,8 +253,19 @@ void EpBuffer::Proxy::loop() {
       cv_.notify_all();
       return;
     }
-    if (jobs_.empty()) return;
-    const Job j = jobs_.front();
+    Job j;
+    bool from_ring = false;
+    if (!jobs_.empty()) {
+      j = jobs_.front();
+    } else if (ring_ && takeRingJob(&j)) {
+      from_ring = true;
+    } else if (stop_) {  // (drained: the kernels ran, so the ring holds nothing more)
+      return;
+    } else {
+      idle = std::min(idle + 1, 73);
+      continue;
+    }
+    idle = 0;
     g.unlock();
     try {
       if (j.abandon)
@@ -232,9 +276,15 @@ void EpBuffer::Proxy::loop() {
       MC_LOG(ERROR, EP) << "ep proxy rank " << buf_.g_.rank << ": " << e.what();
     }
     g.lock();
+    const int k = static_cast<int>(j.kind), h = static_cast<int>(j.round & 1);
+    if (from_ring) {
+      // The stage is free (a round given up used none): the send of round + 2 waits on it.
+      __atomic_store_n(doneWord(k, h), j.round, __ATOMIC_RELEASE);
+      __atomic_store_n(doneWord(0, 0) + 4, ring_taken_, __ATOMIC_RELEASE);  // (its slot too)
+      continue;
+    }
     jobs_.pop_front();
     if (!j.abandon) {
-      const int k = static_cast<int>(j.kind), h = static_cast<int>(j.round & 1);
       --pending_[k][h];
       // The stage is free: a stream-ordered send of the next round of (kind, half) waits on it.
       __atomic_store_n(doneWord(k, h), j.round, __ATOMIC_RELEASE);

@@ -19,10 +19,14 @@
 //   words[kind][half]  kMaxSignals u64 proxy words ([dest][l] of a low-latency call, [dest]
 //                      of a normal-mode one)
 //   done[kind][half]   u32: the last round of (kind, half) whose staged rows were moved
+//   taken, released    u32 each: jobs taken from the ring; nonzero once the proxy stopped
+//   ring               kern::kProxyRingSlots jobs (kern::ProxyJob)
 // A stage is reused by the next send of its (kind, half), two rounds later; that send first
-// waits until the proxy moved the previous one: on the host (waited calls) or, for a
-// stream-ordered call, on the buffer's stream (Device::waitWord on done), so no host thread
-// waits there.
+// waits until the proxy moved the previous one: on the host (waited calls: the host hands
+// the proxy each send's job) or, with rounds counted on the device (stream-ordered calls), in
+// a one-block stage before the send (kern::kStageWait); there the kernels hand the proxy its
+// jobs through the ring (kern::kPostJob after the send), so that a send replayed from a CUDA
+// graph is moved as its first run was, and no host thread is involved per call.
 #pragma once
 
 #include <condition_variable>
@@ -57,10 +61,10 @@ class EpBuffer::Proxy {
   // same stages, as the rounds are the same).
   template <class Args>
   void fill(Args& p, RoundKind kind, uint32_t round) const;
-  // Before the send of (kind, round) queues its kernels: the rows its stage held two rounds
-  // ago have been moved. stream null: waits here (throws std::runtime_error after twice
-  // MC_EP_TIMEOUT_MS); else queues the wait on `stream`.
-  void stageFree(RoundKind kind, uint32_t round, const void* stream, const char* op);
+  // Before a waited call's send of (kind, round) queues its kernels: the rows its stage held
+  // two rounds ago have been moved (a wait here; std::runtime_error after twice
+  // MC_EP_TIMEOUT_MS). With rounds on the device a stage waits instead (kern::kStageWait).
+  void stageFree(RoundKind kind, uint32_t round, const char* op);
   // After a send's kernels were queued with args p (fill's): moves what they post. `sent`:
   // an event after them (how the proxy knows a word that is not there will not come; null:
   // every word is waited for, until stop()).
@@ -69,6 +73,9 @@ class EpBuffer::Proxy {
                 std::shared_ptr<engine::device::Event> sent);
   // Tells every proxied rank that this rank gave `round` up (its abandon word).
   void abandon(RoundKind kind, uint32_t round);
+  // Rounds on the device: the kernels' words and strides for the proxy (the args are then
+  // filled for half 0: fill(p, kind, 0)), and the thread takes jobs from the ring.
+  void fillDeviceRounds(kern::DeviceRounds& d);
   // The host words standing for buffer offset `off` in the signal words or mailboxes of
   // either half (EpBuffer::takeMailbox: where a GPU buffer's notifications are taken).
   char* shadowAt(size_t off) const;
@@ -92,6 +99,8 @@ class EpBuffer::Proxy {
   size_t shadow(int h, size_t off) const;
   uint32_t* doneWord(int kind, int half) const;
   void loop();
+  // The ring's next job, if posted: taken (true) into *j.
+  bool takeRingJob(Job* j);
   void runSend(const Job& j);
   void runAbandon(const Job& j);
   // Queues the moves of (o, l)'s staged rows; false when they could not be (nothing sent).
@@ -117,6 +126,8 @@ class EpBuffer::Proxy {
   uint32_t queued_[2][2] = {};   // [kind][half]: the last round whose send was queued
   int pending_[2][2] = {};       // ... and sends of it not moved yet
   bool stop_ = false, abort_ = false;
+  bool ring_ = false;       // fillDeviceRounds was asked: the kernels post jobs
+  uint32_t ring_taken_ = 0;  // (the thread's)
   int64_t delay_ms_ = 0;  // MC_EP_PROXY_DELAY_MS (tests)
   std::thread thread_;
 };

@@ -182,7 +182,7 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
     const bool dispatch = kind == RoundKind::kDispatch;
     if (part != StreamPart::kRecv)  // (ranks on other hosts: the stage's wait on the stream)
       deviceSend(l, dispatch ? kern::kDispatchSend : kern::kCombineSend, kind, send_grid, op,
-                 true, &launched);
+                 &launched);
     if (part != StreamPart::kSend) {
       if (dispatch) {
         launch(kern::kDispatchRecv, l.p.local_experts);

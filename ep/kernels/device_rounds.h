@@ -34,13 +34,25 @@ enum RoundFrom : int32_t {
 };
 
 struct DeviceRounds {
-  uint32_t* words = nullptr;  // 6 words of device memory, zeroed at set-up
+  uint32_t* words = nullptr;  // kDeviceRoundWords words of device memory, zeroed at set-up
   int32_t kind = 0, slot = 0;
   int32_t from = kRoundGiven;
   uint64_t half_bytes = 0;  // BufferGeometry: the second half's offset from the first's
+  // Ranks on other hosts (ep/ll_proxy.h), null without: the proxy's host-mapped control words
+  // ctl[2 * kind + half]  the last round of (kind, half) whose staged rows the proxy moved
+  // ctl[4]                jobs the proxy took from the ring
+  // ctl[5]                nonzero: the proxy stopped (the stage waits pass)
+  // and its ring of kProxyRingSlots jobs (ProxyJob), which a send's kPostJob fills: the
+  // kernels feed the proxy, so that a replayed send is moved as the first run was. The
+  // (kind, half)'s stage, proxy words and ctrl of half 1 are these strides past half 0's.
+  uint32_t* ctl = nullptr;
+  char* ring = nullptr;
+  uint64_t stage_half = 0, words_half = 0, ctrl_half = 0;
 };
 
-constexpr int kDeviceRoundWords = 6;
+// words[6]: the jobs posted to the proxy's ring; words[7]: unused.
+constexpr int kDeviceRoundWords = 8;
+constexpr uint32_t kProxyRingSlots = 16;
 
 // Args: LlArgs or NormalArgs (their round and their half's offsets, filled for half 0).
 template <class Args>
@@ -54,6 +66,9 @@ MC_HD void resolveRound(Args& p, const DeviceRounds& d) {
   p.dispatch_signals += d.half_bytes;
   p.combine_signals += d.half_bytes;
   p.abandon_signals += d.half_bytes;
+  if (p.stage != nullptr) p.stage += d.stage_half;
+  if (p.proxy_words != nullptr) p.proxy_words += d.words_half;
+  if (p.ctrl != nullptr) p.ctrl += d.ctrl_half;
 }
 
 // kTakeRound, by one lane: the send before it (on the same stream) used words[kind] + 1.

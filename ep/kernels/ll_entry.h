@@ -29,7 +29,11 @@ enum LlStage : int32_t {
   kCombineWait = 3,
   kCombineToken = 4,
   kTakeRound = 5,     // device rounds: the send before it took words[kind] + 1
-  kAbandonRound = 6,  // device rounds: every mapped peer's abandon word of this rank
+  kAbandonRound = 6,  // device rounds: every mapped peer's abandon word of this rank (and,
+                      // ranks on other hosts, the proxy's job to tell them)
+  kStageWait = 7,     // device rounds, ranks on other hosts: before a send, until the proxy
+                      // moved what the (kind, half)'s stage held two rounds ago
+  kPostJob = 8,       // device rounds, ranks on other hosts: after a send, its proxy job
 };
 
 struct LlLaunch {
@@ -49,6 +53,7 @@ enum NormalStage : int32_t {
   kNormalCombineSend = 4,
   kNormalCombineWait = 5,
   kNormalCombineToken = 6,
+  kNormalPostJob = 7,  // as kPostJob
 };
 
 struct NormalLaunch {
@@ -59,6 +64,52 @@ struct NormalLaunch {
   int32_t stage = kNormalDispatchSend;
   DeviceRounds rounds;
 };
+
+// A job of the proxy's ring (DeviceRounds::ring), stored by one lane: a send's (its args as
+// the stages resolved them) or a round given up; `seq` (1-based) last, with release.
+enum ProxyJobMode : int32_t { kJobLowLatency = 0, kJobNormal = 1, kJobAbandon = 2 };
+struct ProxyJob {
+  uint64_t seq;
+  int32_t kind, mode;
+  uint32_t round;
+  LlArgs ll;
+  NormalArgs np;
+};
+
+// Lane 0: posts a job once the proxy took the one kProxyRingSlots before it (or stopped).
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void postJob(const DeviceRounds& d, Ln& ln, int32_t mode, uint32_t round, const LlArgs* ll,
+                   const NormalArgs* np) {
+  const uint32_t n = d.words[6] + 1u;
+  const int32_t* ctl = reinterpret_cast<const int32_t*>(d.ctl);
+  while (n > kProxyRingSlots &&
+         static_cast<int32_t>(static_cast<uint32_t>(ln.loadFlag(ctl + 4)) - (n - kProxyRingSlots)) < 0 &&
+         ln.loadFlag(ctl + 5) == 0)
+    ln.pause();
+  ProxyJob* j = reinterpret_cast<ProxyJob*>(d.ring) + (n - 1) % kProxyRingSlots;
+  j->kind = d.kind;
+  j->mode = mode;
+  j->round = round;
+  if (ll != nullptr) j->ll = *ll;
+  if (np != nullptr) j->np = *np;
+  ln.fenceSystem();
+  ln.storeRelease(&j->seq, n);
+  d.words[6] = n;
+}
+
+// kStageWait, lane 0: the stage of (kind, round's half) was used by round - 2, whose rows (or
+// whose giving up) the proxy must have taken care of first.
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void waitStage(const DeviceRounds& d, Ln& ln, uint32_t round) {
+  if (round <= 2) return;
+  const int32_t* ctl = reinterpret_cast<const int32_t*>(d.ctl);
+  const int32_t* done = ctl + 2 * d.kind + (round & 1);
+  while (static_cast<int32_t>(static_cast<uint32_t>(ln.loadFlag(done)) - (round - 2)) < 0 &&
+         ln.loadFlag(ctl + 5) == 0)
+    ln.pause();
+}
 
 // kAbandonRound (device rounds): this rank gives round p.round up to every mapped peer (the
 // host buffer's EpBuffer::abandon, stored by the stream instead of the host).
@@ -99,7 +150,16 @@ MC_HD void llStage(const LlLaunch& l, int b, Ln& ln, int64_t start) {
       if (b == 0 && ln.lane() == 0) takeRound(l.rounds);
       break;
     case kAbandonRound:
-      if (b == 0) abandonRound(l.p, ln);
+      if (b != 0) break;
+      abandonRound(l.p, ln);
+      if (l.rounds.ring != nullptr && ln.lane() == 0)
+        postJob(l.rounds, ln, kJobAbandon, l.p.round, nullptr, nullptr);
+      break;
+    case kStageWait:
+      if (b == 0 && ln.lane() == 0) waitStage(l.rounds, ln, l.p.round);
+      break;
+    case kPostJob:
+      if (b == 0 && ln.lane() == 0) postJob(l.rounds, ln, kJobLowLatency, l.p.round, &l.p, nullptr);
       break;
     default:
       break;
@@ -142,6 +202,9 @@ MC_HD void normalStage(const NormalLaunch& l, int b, Ln& ln, int64_t start) {
       break;
     case kNormalCombineToken:
       normalCombineToken(l.p, b, ln);
+      break;
+    case kNormalPostJob:
+      if (b == 0 && ln.lane() == 0) postJob(l.rounds, ln, kJobNormal, l.p.round, nullptr, &l.p);
       break;
     default:
       break;

@@ -213,13 +213,16 @@ def test_ep_gpu_buffers_sim_stream_calls(world):
     _assert_passed(world, cases, *run_ranks(world, cases, env=STREAM_ENV))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ep_gpu_buffers_sim_graph_replay(world):
+@pytest.mark.parametrize("world,per_host", [(2, 2), (3, 3), (4, 2)])
+def test_ep_gpu_buffers_sim_graph_replay(world, per_host):
     """Stream-ordered calls captured as a CUDA graph is captured (over the simulation: the
     device layer's capture of the caller's stream) and launched again with new inputs, against
     the reference, with eager rounds in step between the launches
-    (ep_cases_gpu.case_graph_replay)."""
-    _assert_passed(world, ["graph_replay"], *run_ranks(world, ["graph_replay"], env=STREAM_ENV))
+    (ep_cases_gpu.case_graph_replay); per_host < world: on two simulated hosts, where each
+    replayed send's kernels hand the host proxy its job (ep/ll_proxy.h, the ring)."""
+    _assert_passed(world, ["graph_replay"], *run_ranks(
+        world, ["graph_replay"], env=STREAM_ENV,
+        rank_env=lambda r: {"MC_HOST_ID": f"host-{r // per_host}"}))
 
 
 def test_ep_gpu_buffers_sim_stream_calls_killed_rank():
@@ -254,7 +257,7 @@ def test_ep_gpu_buffers_sim_across_hosts(world, per_host, stream):
 def test_ep_gpu_buffers_sim_across_hosts_proxy_lags(stream):
     """The host proxy's stage reuse (ep/ll_proxy.h): rank 0's proxy moves each send's rows
     250 ms late (MC_EP_PROXY_DELAY_MS), so its sends two rounds apart must wait for the
-    earlier round's move (on the host, or on the buffer's stream for stream-ordered calls):
+    earlier round's move (on the host, or in a stage before the send for stream-ordered calls):
     case_proxy_lags, then case_across_hosts, against the reference; 2 ranks on 2 hosts."""
     world, cases = 2, ["proxy_lags", "across_hosts"]
     _assert_passed(world, cases, *run_ranks(
