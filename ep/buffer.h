@@ -65,6 +65,8 @@ class Communicator;
 
 namespace mooncake::ep {
 
+struct Scratch;  // ep/device_scratch.h
+
 // What an EP buffer is built on: a group of ranks over one engine.
 struct EpGroup {
   int rank = 0;
@@ -206,6 +208,8 @@ class EpBuffer {
   enum class RoundKind { kDispatch = 0, kCombine = 1 };
   // This rank gives up `round` (reserved by next*Round): tells every peer (best effort).
   void abandon(RoundKind kind, uint32_t round);
+  // (With streamCalls(), use the stream calls below: these number rounds on the host, which
+  // a buffer counting them on the device would not follow.)
   void dispatchSend(const LowLatencyDispatchArgs& a, uint32_t round);
   void dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round);
   void combineSend(const LowLatencyCombineArgs& a, uint32_t round);
@@ -410,6 +414,11 @@ class EpBuffer {
   void deviceNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                                 const std::vector<int32_t>& counts, const NormalDispatchOutputs& o);
   void deviceNormalCombine(const NormalCombineArgs& a, uint32_t round);
+  // (normal_device.cc) prepare() makes a normal-mode send's launch; it is sent, and a failure
+  // before the send was queued still takes the round on the device (given up). The scratch.
+  template <class Prepare>
+  Scratch sendOrGiveUp(RoundKind kind, uint32_t round, Prepare prepare, kern::NormalStage stage,
+                       const char* op);
   bool abandoned(RoundKind kind, uint32_t round, int r);
   // Wraps a wait's arrival test so that a source that gave up the round counts as arrived
   // (recorded in *gave_up instead of handled); throwIfAbandoned() then reports them.
@@ -445,6 +454,7 @@ class EpBuffer {
   std::exception_ptr late_failure_;  // one taken off to free its slot, for the next check
   uint32_t hook_pending_[2][2] = {};  // [kind][half]: round + 1 of a send whose hook waits
   bool capturing_call_ = false;  // the last stream call was queued under CUDA-graph capture
+  bool hook_captured_[2][2] = {};  // [kind][half]: the send whose hook waits was captured
   std::vector<std::shared_ptr<void>> graph_keep_;  // captured calls' tensors (replays use them)
   std::mutex stream_mu_;              // (hook_pending_ too)
   // claimHalf's check, with stream_mu_ held.

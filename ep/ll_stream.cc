@@ -137,6 +137,15 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
     if (part == StreamPart::kRecv && hook_pending_[k][half] != round + 1)
       throw std::runtime_error(str(op, ": rank ", g_.rank, ": no send of round ", round,
                                    " waits for this hook"));
+    // A capture holds whole calls: a replay's receive would read the round of whatever send
+    // last took the slot, and an eager receive of a captured send would read what no send
+    // wrote yet.
+    if (part == StreamPart::kRecv && hook_captured_[k][half] != captured)
+      throw std::invalid_argument(str(op, ": rank ", g_.rank, ": the hook of a send ",
+                                      captured ? "made outside" : "captured inside",
+                                      " a CUDA-graph capture was called ",
+                                      captured ? "inside one" : "outside it",
+                                      "; a capture must hold a call's send and its receive"));
     // A free report slot for a receive (every slot in use: the oldest calls are waited for).
     if (part != StreamPart::kSend && !captured) {
       while (free_reports_.empty()) {
@@ -205,6 +214,7 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
         check(layer->waitEvent(device_, stream, *ev), op, g_.rank,
               "ordering the caller's stream after the call");
       hook_pending_[k][half] = part == StreamPart::kSend ? round + 1 : 0;
+      hook_captured_[k][half] = part == StreamPart::kSend;
       return ev;
     }
     auto r = std::make_shared<StreamReport>();
@@ -220,6 +230,7 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
       check(layer->waitEvent(device_, stream, *ev), op, g_.rank,
             "ordering the caller's stream after the call");
     hook_pending_[k][half] = part == StreamPart::kSend ? round + 1 : 0;
+    hook_captured_[k][half] = false;
     return ev;
   } catch (...) {
     // A receive that failed used its hook up (hook() runs once): its half is free again.
@@ -229,7 +240,9 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
       if (slot >= 0) free_reports_.push_back(slot);
       // The round is reserved: a send that never went out is given up, so that the peers'
       // calls of the round end at once (ep/buffer.h, "Abandoned rounds").
-      if (part != StreamPart::kRecv) abandon(kind, round);
+      // (Inside a capture no round is taken: every rank refuses its call alike, and a give-up
+      // queued there would be replayed.)
+      if (part != StreamPart::kRecv && !captured) abandon(kind, round);
     } else if (!reported) {
       // Kernels on the stream may still use the caller's tensors and the report slot: both
       // stay taken (a failure to queue on the device, which a CUDA fault makes sticky).
@@ -257,8 +270,8 @@ void EpBuffer::checkStreamCalls() {
   std::vector<std::shared_ptr<StreamReport>> done;  // (released after the lock: streamQueue)
   std::lock_guard<std::mutex> g(stream_mu_);
   // Inside a capture the host asks no event anything (CUDA forbids it there); the reports
-  // wait for the first call after it.
-  if (capturing_call_) return;
+  // wait until it ended.
+  if (capturing_call_ && deviceLayer("ep")->capturing(device_, stream_)) return;
   if (late_failure_) std::rethrow_exception(std::exchange(late_failure_, nullptr));
   while (!reports_.empty()) {
     auto r = reports_.front();
@@ -304,10 +317,11 @@ void EpBuffer::dropStreamHook(const char* op, RoundKind kind, uint32_t round) {
   // reported: its outcome words are copied into a report slot behind them and reported by
   // the next check, as a receive's are. (No slot free: logged instead; nothing waits here.)
   auto layer = dev::get();
-  // Dropped inside a capture: the host could not ask its event (CUDA forbids it there).
-  if (layer.ok() && (*layer)->capturing(device_, stream_)) {
+  // A captured send's: its outcome words are written by replays, not by anything the host
+  // could wait for.
+  if (std::exchange(hook_captured_[static_cast<int>(kind)][round & 1], false)) {
     MC_LOG(WARN, EP) << op << ": rank " << g_.rank << ": the hook of round " << round
-                     << " was dropped uncalled inside a CUDA-graph capture";
+                     << " (a send captured in a CUDA graph) was dropped uncalled";
     return;
   }
   if (free_reports_.empty() || !layer.ok()) {

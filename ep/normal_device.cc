@@ -48,14 +48,32 @@ kern::NormalLaunch EpBuffer::deviceNormalLaunch(kern::NormalArgs p, int64_t rows
   return l;
 }
 
+template <class Prepare>
+Scratch EpBuffer::sendOrGiveUp(RoundKind kind, uint32_t round, Prepare prepare,
+                               kern::NormalStage stage, const char* op) {
+  bool sent = false;
+  try {
+    kern::NormalLaunch* l = prepare();
+    deviceSend(*l, stage, kind, g_.size, op, &sent);
+  } catch (...) {
+    // With rounds on the device the round must still be taken there (given up), or this
+    // rank's later calls would be a round behind its peers'.
+    if (!sent && device_rounds_) deviceAbandon(kind, round);
+    throw;
+  }
+  return scratchAt(scratch_, g_.size);
+}
+
 std::vector<int32_t> EpBuffer::deviceNormalDispatchSend(const NormalDispatchArgs& a,
                                                         uint32_t round) {
   const char* op = "normal_dispatch";
   const int R = g_.size;
-  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), 0, RoundKind::kDispatch);
-  const Scratch sc = scratchAt(scratch_, R);
-  l.p.counts = sc.counts;
-  deviceSend(l, kern::kNormalDispatchSend, RoundKind::kDispatch, R, op);  // (proxied: staged)
+  kern::NormalLaunch l;
+  const Scratch sc = sendOrGiveUp(RoundKind::kDispatch, round, [&] {
+    l = deviceNormalLaunch(normalArgs(a, round), 0, RoundKind::kDispatch);
+    l.p.counts = scratchAt(scratch_, R).counts;
+    return &l;
+  }, kern::kNormalDispatchSend, op);  // (proxied: staged)
   deviceLaunch(l, kern::kNormalDispatchWait, static_cast<unsigned>(R), op);
   deviceSync(op, waitBound(timeout_ms_ * 1000, timeout_ms_));
   std::vector<int32_t> decision(R), counts(R), error(2);
@@ -101,17 +119,21 @@ void EpBuffer::deviceNormalDispatchRecv(const NormalDispatchArgs& a, uint32_t ro
 void EpBuffer::deviceNormalCombine(const NormalCombineArgs& a, uint32_t round) {
   const char* op = "normal_combine";
   const int R = g_.size, me = g_.rank;
-  // The handle's counts (the rows sent back) and routing, read here.
-  const std::vector<int32_t> recv_counts = hostCopy(a.recv_counts, R, op);
-  const std::vector<uint8_t> in_rank = hostCopy(a.is_token_in_rank, a.tokens * R, op);
-  int64_t n = 0, sent_me = 0;
-  for (int32_t c : recv_counts) n += c;
-  for (int64_t t = 0; t < a.tokens; ++t) sent_me += in_rank[t * R + me] != 0;
-  kern::NormalLaunch l = deviceNormalLaunch(normalArgs(a, round), n, RoundKind::kCombine);
-  const Scratch sc = scratchAt(scratch_, R);
+  std::vector<int32_t> recv_counts;
+  int64_t sent_me = 0;
+  kern::NormalLaunch l;
   // As the host paths: the rows go back first (the peers wait for them), then this rank's
   // own check, the waits, and the sums only when nothing failed.
-  deviceSend(l, kern::kNormalCombineSend, RoundKind::kCombine, R, op);
+  const Scratch sc = sendOrGiveUp(RoundKind::kCombine, round, [&] {
+    // The handle's counts (the rows sent back) and routing, read here.
+    recv_counts = hostCopy(a.recv_counts, R, op);
+    const std::vector<uint8_t> in_rank = hostCopy(a.is_token_in_rank, a.tokens * R, op);
+    int64_t n = 0;
+    for (int32_t c : recv_counts) n += c;
+    for (int64_t t = 0; t < a.tokens; ++t) sent_me += in_rank[t * R + me] != 0;
+    l = deviceNormalLaunch(normalArgs(a, round), n, RoundKind::kCombine);
+    return &l;
+  }, kern::kNormalCombineSend, op);
   deviceSync(op, engine::deadlineInMs(timeout_ms_));
   if (sent_me != recv_counts[me])
     throw std::runtime_error(str(op, ": rank ", me, " sent itself ", sent_me,

@@ -243,11 +243,20 @@ class SimDevice final : public Device {
     MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
     std::shared_ptr<SimGraph> mine = s->capture();
     if (e->graph()) {  // recorded in a capture: s joins it (its order is the queue's)
-      if (mine == e->graph()) return Status::OK();
+      std::lock_guard<std::mutex> g(e->graph()->mu);
+      if (e->graph()->ended)  // (CUDA: CUDA_ERROR_CAPTURED_EVENT)
+        return MC_STATUS(kInvalidArgument, "sim device: a wait on an event recorded in a "
+                                           "capture that has ended");
+      if (mine == e->graph()) {
+        if (s.get() == e->graph()->origin) {
+          uint64_t& j = e->graph()->joined[e->stream()];
+          j = std::max(j, e->count());
+        }
+        return Status::OK();
+      }
       if (mine)
         return MC_STATUS(kInvalidArgument, "sim device: a stream capturing into one graph "
                                            "waited on an event of another");
-      std::lock_guard<std::mutex> g(e->graph()->mu);
       e->graph()->members.push_back(s);
       s->setCapture(e->graph());
       return Status::OK();
@@ -282,9 +291,16 @@ class SimDevice final : public Device {
     if (!g || g->origin != s.get())
       return MC_STATUS(kInvalidArgument, "sim device: no capture began on this stream");
     std::lock_guard<std::mutex> lk(g->mu);
-    for (auto& w : g->members)
-      if (auto m = w.lock()) m->setCapture(nullptr);
+    for (auto& w : g->members) {
+      auto m = w.lock();
+      if (!m) continue;
+      if (m.get() != g->origin && m->captured() > g->joined[m.get()] && g->invalid.empty())
+        g->invalid = "a stream that joined it queued work the capturing stream did not wait for "
+                     "(CUDA: unjoined work)";
+      m->setCapture(nullptr);
+    }
     g->members.clear();
+    g->ended = true;
     if (!g->invalid.empty())
       return MC_STATUS(kInvalidArgument, "sim device: the capture was invalidated: " << g->invalid);
     return std::shared_ptr<Graph>(g);

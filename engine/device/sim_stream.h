@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -127,6 +128,12 @@ class SimStream {
   void setCapture(std::shared_ptr<SimGraph> graph) {
     std::lock_guard<std::mutex> g(mu_);
     capture_ = std::move(graph);
+    captured_ = 0;
+  }
+  // Items this stream queued into its current capture.
+  uint64_t captured() {
+    std::lock_guard<std::mutex> g(mu_);
+    return captured_;
   }
   // Queues an item of a captured graph (Device::launchGraph).
   void replay(const Copy& c) { enqueue(Copy(c)); }
@@ -245,6 +252,7 @@ class SimStream {
   int waiters_ = 0;    // host threads in waitFor
   bool stop_ = false;
   std::shared_ptr<SimGraph> capture_;
+  uint64_t captured_ = 0;
   void captureItem(Copy c);  // (under mu_; below SimGraph)
   std::thread worker_;
 };
@@ -259,6 +267,10 @@ struct SimGraph final : Graph {
   std::vector<std::weak_ptr<SimStream>> members;  // the streams capturing into it
   const SimStream* origin = nullptr;              // where the capture began (and must end)
   std::string invalid;  // why the capture cannot be used ("": it can)
+  bool ended = false;   // endCapture ran: its events can no longer be waited on
+  // Per stream that joined: the items it had queued when the origin last waited on an event
+  // of it (CUDA refuses to end a capture with a stream not joined back: unjoined work).
+  std::map<const SimStream*, uint64_t> joined;
   void invalidate(const std::string& why) {
     std::lock_guard<std::mutex> g(mu);
     if (invalid.empty()) invalid = why;
@@ -268,6 +280,7 @@ struct SimGraph final : Graph {
 inline void SimStream::captureItem(Copy c) {
   std::lock_guard<std::mutex> g(capture_->mu);
   capture_->items.push_back(std::move(c));
+  ++captured_;
 }
 
 // An event: the first n items of stream s. One recorded while s captured belongs to the
@@ -276,7 +289,9 @@ inline void SimStream::captureItem(Copy c) {
 class SimEvent final : public Event {
  public:
   SimEvent(std::shared_ptr<SimStream> s, uint64_t n, std::shared_ptr<SimGraph> graph)
-      : s_(std::move(s)), n_(n), graph_(std::move(graph)) {}
+      : s_(std::move(s)), n_(n), graph_(std::move(graph)) {
+    if (graph_) n_ = s_->captured();  // (in a capture: the stream's captured items)
+  }
   bool done() override {
     if (!graph_) return s_->reached(n_);
     graph_->invalidate("the host asked whether an event recorded in the capture completed");
@@ -290,6 +305,8 @@ class SimEvent final : public Event {
   }
   void gateOn(SimStream& on) const { on.pushEventGate(*s_, n_); }
   const std::shared_ptr<SimGraph>& graph() const { return graph_; }
+  const SimStream* stream() const { return s_.get(); }
+  uint64_t count() const { return n_; }
 
  private:
   std::shared_ptr<SimStream> s_;

@@ -404,6 +404,18 @@ TEST(DeviceSim, CapturedWorkRunsOnEachLaunchOfTheGraph) {
   EXPECT_NE(bad.status().toString().find("host waited"), std::string::npos)
       << bad.status().toString();
   EXPECT_FALSE(d->endCapture(0, *side).ok()) << "a capture ended twice";
+  // A stream that joined must be joined back (its work waited for by the capturing stream),
+  // and an event of an ended capture cannot be waited on.
+  MC_ASSERT_OK(d->beginCapture(0, kCopyStream));
+  auto fork2 = d->recordOn(0, kCopyStream);
+  ASSERT_TRUE(fork2.ok());
+  MC_EXPECT_OK(d->waitEvent(0, *side, **fork2));
+  MC_EXPECT_OK(d->copyAsyncOn(*c, *b, len, 0, *side));
+  auto unjoined = d->endCapture(0, kCopyStream);
+  ASSERT_FALSE(unjoined.ok()) << "a capture ended with a stream's work not joined back";
+  EXPECT_NE(unjoined.status().toString().find("unjoined"), std::string::npos);
+  EXPECT_FALSE(d->waitEvent(0, *side, **fork2).ok()) << "a wait on an ended capture's event";
+  EXPECT_FALSE(d->capturing(0, *side));
   MC_EXPECT_OK(d->freeStream(0, *side));
   for (void* p : {*a, *b, *c}) EXPECT_TRUE(d->free(p).ok());
 }

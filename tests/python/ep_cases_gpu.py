@@ -516,4 +516,12 @@ def case_graph_replay(ctx):
             fails += _round_on(gbuf, small(60), me, active, "eager between launches")
         if i == 2:
             fails += _round_on(gbuf, big, me, active, "eager, more scratch than the capture's")
+    # A capture holds whole calls: a captured send's hook called after the capture is refused
+    # (it would read what no send wrote); the next rounds are in step.
+    hooked = {}
+    _capture(fails, "a hooked dispatch", lambda: hooked.update(
+        hook=buf.dispatch(dx, dtopk, dact, c0.M, c0.E, return_recv_hook=True)[4]))
+    if "hook" in hooked:
+        _expect_value_error(fails, hooked["hook"], "a captured send's hook called eagerly",
+                            "CUDA-graph capture")
     return fails + _round_on(gbuf, small(61), me, active, "eager after the launches")

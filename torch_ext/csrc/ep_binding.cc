@@ -289,8 +289,9 @@ class PyEpBuffer {
   py::tuple dispatch(const Tensor& x_in, const Tensor& topk_in, const Tensor& active, int64_t M,
                      int64_t E, int64_t timeout_us, bool use_fp8, bool async_finish,
                      bool return_hook) {
-    RoundGuard guard(this, RoundKind::kDispatch);
     const char* op = "dispatch";
+    if (!buf_->streamCalls()) refuseCapture(device_, cuda_, op);  // (before a round: ep_events.h)
+    RoundGuard guard(this, RoundKind::kDispatch);
     const int R = buf_->size();
     const ep::DType dt = hiddenType(x_in, op, "x");
     if (use_fp8 && dt != ep::DType::kBFloat16)
@@ -339,7 +340,6 @@ class PyEpBuffer {
                  },
                  [this, a] { buf_->validate(a, false); }, keep);
     } else {
-      refuseCapture(device_, cuda_, op);
       py::gil_scoped_release nogil;
       awaitCallerStream(op, timeout_us);
       buf_->validate(a);
@@ -362,8 +362,9 @@ class PyEpBuffer {
                     const Tensor& active, int64_t timeout_us, const Tensor& src_info_in,
                     const Tensor& layout_in, int64_t M, int64_t H, int64_t E, bool async_finish,
                     bool return_hook, std::optional<Tensor> out_opt) {
-    RoundGuard guard(this, RoundKind::kCombine);
     const char* op = "combine";
+    if (!buf_->streamCalls()) refuseCapture(device_, cuda_, op);
+    RoundGuard guard(this, RoundKind::kCombine);
     const int R = buf_->size();
     const ep::DType dt = hiddenType(y_in, op, "y");
     Tensor y = arg(y_in, scalarOf(dt), 3, op, "y");
@@ -418,7 +419,6 @@ class PyEpBuffer {
                  },
                  [this, a] { buf_->validate(a, false); }, keep);
     } else {
-      refuseCapture(device_, cuda_, op);
       py::gil_scoped_release nogil;
       awaitCallerStream(op, timeout_us);
       buf_->validate(a);
@@ -460,8 +460,8 @@ class PyEpBuffer {
                            std::optional<Tensor> w_opt, int64_t E, int64_t alignment,
                            std::optional<Tensor> in_rank_opt) {
     const char* op = "normal_dispatch";
-    RoundGuard guard(this, RoundKind::kDispatch);
     refuseCapture(device_, cuda_, op);
+    RoundGuard guard(this, RoundKind::kDispatch);
     const int R = buf_->size();
     const ep::DType dt = hiddenType(x_in, op, "x");
     Tensor x = arg(x_in, scalarOf(dt), 2, op, "x");
@@ -557,8 +557,8 @@ class PyEpBuffer {
   py::tuple normalCombine(const Tensor& y_in, const Tensor& counts_in, const Tensor& in_rank_in,
                           std::optional<Tensor> w_opt) {
     const char* op = "normal_combine";
-    RoundGuard guard(this, RoundKind::kCombine);
     refuseCapture(device_, cuda_, op);
+    RoundGuard guard(this, RoundKind::kCombine);
     const int R = buf_->size();
     const ep::DType dt = hiddenType(y_in, op, "y");
     Tensor y = arg(y_in, scalarOf(dt), 2, op, "y");

@@ -32,6 +32,8 @@ inline const void* callerStream(bool cuda, int device, const char* op) {
 
 // A GPU buffer's call that waits on the host (normal mode, the layout, the waited low-latency
 // path) cannot be captured into a CUDA graph: ValueError while the caller's stream captures.
+// Asked before the call reserves a round: every rank refuses alike, and no give-up is queued
+// into the capture (where every replay would give a round up).
 inline void refuseCapture(int device, bool cuda, const char* op) {
   if (device < 0) return;
   auto layer = engine::device::get();
