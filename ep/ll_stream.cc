@@ -209,28 +209,22 @@ std::shared_ptr<dev::Event> EpBuffer::streamQueue(const char* op, RoundKind kind
     std::shared_ptr<dev::Event> ev(std::move(*after));
     if (captured) {  // its tensors stay for the graph's replays (released with the buffer)
       graph_keep_.push_back(std::move(keep));
-      reported = true;
-      if (!detach)
-        check(layer->waitEvent(device_, stream, *ev), op, g_.rank,
-              "ordering the caller's stream after the call");
-      hook_pending_[k][half] = part == StreamPart::kSend ? round + 1 : 0;
-      hook_captured_[k][half] = part == StreamPart::kSend;
-      return ev;
+    } else {
+      auto r = std::make_shared<StreamReport>();
+      r->after = ev;
+      r->keep = keep;
+      r->slot = slot;
+      r->op = op;
+      r->round = round;
+      r->max_tokens = l.p.max_tokens;
+      reports_.push_back(std::move(r));
     }
-    auto r = std::make_shared<StreamReport>();
-    r->after = ev;
-    r->keep = keep;
-    r->slot = slot;
-    r->op = op;
-    r->round = round;
-    r->max_tokens = l.p.max_tokens;
-    reports_.push_back(std::move(r));
     reported = true;
     if (!detach)
       check(layer->waitEvent(device_, stream, *ev), op, g_.rank,
             "ordering the caller's stream after the call");
     hook_pending_[k][half] = part == StreamPart::kSend ? round + 1 : 0;
-    hook_captured_[k][half] = false;
+    hook_captured_[k][half] = captured && part == StreamPart::kSend;
     return ev;
   } catch (...) {
     // A receive that failed used its hook up (hook() runs once): its half is free again.
