@@ -612,6 +612,7 @@ void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t 
       deviceLaunch(l, kern::kPostJob, 1, op);
     else
       deviceLaunch(l, kern::kNormalPostJob, 1, op);
+    proxy_->kick();
     return;
   }
   if (!proxy_) return;
@@ -699,6 +700,13 @@ void EpBuffer::deviceCombineRecv(const LowLatencyCombineArgs& a, uint32_t round)
 
 void EpBuffer::deviceAbandon(RoundKind kind, uint32_t round) {
   if (device_rounds_) {  // on the stream, in order with the calls queued before it
+    // Inside a capture that holds the buffer's stream no round is given up: every rank
+    // refuses alike, and a give-up captured there would be replayed (ep.md, "CUDA graphs").
+    if (deviceLayer("abandon")->capturing(device_, kernelStream())) {
+      MC_LOG(WARN, EP) << "ep: rank " << g_.rank << ": a call refused inside a CUDA-graph "
+                       << "capture takes no round";
+      return;
+    }
     kern::LlLaunch l;
     deviceRoundsFor(l, kind, round);
     l.rounds.slot = -1;  // (the host's half may be a call's in flight: it keeps its round)

@@ -213,6 +213,14 @@ void EpBuffer::Proxy::fillDeviceRounds(kern::DeviceRounds& d) {
   cv_.notify_all();
 }
 
+void EpBuffer::Proxy::kick() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    kicked_ = true;
+  }
+  cv_.notify_all();
+}
+
 bool EpBuffer::Proxy::takeRingJob(Job* j) {
   const uint32_t n = ring_taken_ + 1;
   const auto* slot = reinterpret_cast<const kern::ProxyJob*>(
@@ -243,8 +251,9 @@ void EpBuffer::Proxy::loop() {
       std::this_thread::yield();
       g.lock();
     } else if (jobs_.empty()) {
-      cv_.wait_for(g, nap, [&] { return stop_ || !jobs_.empty(); });
+      cv_.wait_for(g, nap, [&] { return stop_ || kicked_ || !jobs_.empty(); });
     }
+    if (std::exchange(kicked_, false)) idle = 0;
     if (abort_) {  // the rest is dropped; the streams' waits on the stages are let go
       for (int k = 0; k < 2; ++k)
         for (int h = 0; h < 2; ++h) __atomic_store_n(doneWord(k, h), queued_[k][h], __ATOMIC_RELEASE);

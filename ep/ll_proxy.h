@@ -22,11 +22,12 @@
 //   taken, released    u32 each: jobs taken from the ring; nonzero once the proxy stopped
 //   ring               kern::kProxyRingSlots jobs (kern::ProxyJob)
 // A stage is reused by the next send of its (kind, half), two rounds later; that send first
-// waits until the proxy moved the previous one: on the host (waited calls: the host hands
-// the proxy each send's job) or, with rounds counted on the device (stream-ordered calls), in
-// a one-block stage before the send (kern::kStageWait); there the kernels hand the proxy its
-// jobs through the ring (kern::kPostJob after the send), so that a send replayed from a CUDA
-// graph is moved as its first run was, and no host thread is involved per call.
+// waits until the proxy moved the previous one: on the host (a buffer with waited calls: the
+// host hands the proxy each send's job) or, with rounds counted on the device (a buffer with
+// stream-ordered calls, its normal-mode calls too), in a one-block stage before the send
+// (kern::kStageWait); there the kernels hand the proxy its jobs through the ring
+// (kern::kPostJob after the send), so that a send replayed from a CUDA graph is moved as its
+// first run was, and no host thread waits per call.
 #pragma once
 
 #include <condition_variable>
@@ -76,6 +77,9 @@ class EpBuffer::Proxy {
   // Rounds on the device: the kernels' words and strides for the proxy (the args are then
   // filled for half 0: fill(p, kind, 0)), and the thread takes jobs from the ring.
   void fillDeviceRounds(kern::DeviceRounds& d);
+  // A send's job was queued on the stream: the thread polls the ring closely again (a replayed
+  // send has nobody to say so: the thread's polls then nap up to 100 us when idle).
+  void kick();
   // The host words standing for buffer offset `off` in the signal words or mailboxes of
   // either half (EpBuffer::takeMailbox: where a GPU buffer's notifications are taken).
   char* shadowAt(size_t off) const;
@@ -127,6 +131,7 @@ class EpBuffer::Proxy {
   int pending_[2][2] = {};       // ... and sends of it not moved yet
   bool stop_ = false, abort_ = false;
   bool ring_ = false;       // fillDeviceRounds was asked: the kernels post jobs
+  bool kicked_ = false;     // kick() since the thread last looked
   uint32_t ring_taken_ = 0;  // (the thread's)
   int64_t delay_ms_ = 0;  // MC_EP_PROXY_DELAY_MS (tests)
   std::thread thread_;

@@ -311,11 +311,15 @@ void EpBuffer::dropStreamHook(const char* op, RoundKind kind, uint32_t round) {
   // reported: its outcome words are copied into a report slot behind them and reported by
   // the next check, as a receive's are. (No slot free: logged instead; nothing waits here.)
   auto layer = dev::get();
-  // A captured send's: its outcome words are written by replays, not by anything the host
-  // could wait for.
-  if (std::exchange(hook_captured_[static_cast<int>(kind)][round & 1], false)) {
+  // A captured send's (its outcome words are written by replays, not by anything the host
+  // could wait for), or any dropped while a capture holds the buffer's stream (a copy and an
+  // event queued now would be captured, and the capture left with work not joined back).
+  const bool captured = std::exchange(hook_captured_[static_cast<int>(kind)][round & 1], false);
+  if (captured || (layer.ok() && (*layer)->capturing(device_, stream_))) {
     MC_LOG(WARN, EP) << op << ": rank " << g_.rank << ": the hook of round " << round
-                     << " (a send captured in a CUDA graph) was dropped uncalled";
+                     << " was dropped uncalled " << (captured ? "(its send was captured in a "
+                     "CUDA graph)" : "inside a CUDA-graph capture") << "; what its send found "
+                     << "is not reported";
     return;
   }
   if (free_reports_.empty() || !layer.ok()) {

@@ -242,23 +242,27 @@ class SimDevice final : public Device {
     if (e == nullptr) return MC_STATUS(kInvalidArgument, "sim device: not an event of this layer");
     MC_ASSIGN_OR_RETURN(std::shared_ptr<SimStream> s, stream(ordinal, on));
     std::shared_ptr<SimGraph> mine = s->capture();
-    if (e->graph()) {  // recorded in a capture: s joins it (its order is the queue's)
-      std::lock_guard<std::mutex> g(e->graph()->mu);
-      if (e->graph()->ended)  // (CUDA: CUDA_ERROR_CAPTURED_EVENT)
-        return MC_STATUS(kInvalidArgument, "sim device: a wait on an event recorded in a "
-                                           "capture that has ended");
-      if (mine == e->graph()) {
-        if (s.get() == e->graph()->origin) {
-          uint64_t& j = e->graph()->joined[e->stream()];
-          j = std::max(j, e->count());
+    if (const std::shared_ptr<SimGraph>& graph = e->graph()) {
+      // Recorded in a capture: s joins it (its order is the queue's). (A stream's lock comes
+      // before its graph's, as SimStream::captureItem takes them: none is held here.)
+      {
+        std::lock_guard<std::mutex> g(graph->mu);
+        if (graph->ended)  // (CUDA: CUDA_ERROR_CAPTURED_EVENT)
+          return MC_STATUS(kInvalidArgument, "sim device: a wait on an event recorded in a "
+                                             "capture that has ended");
+        if (mine == graph) {
+          if (s.get() == graph->origin) {  // (joins straight into the origin only)
+            uint64_t& j = graph->joined[e->stream()];
+            j = std::max(j, e->count());
+          }
+          return Status::OK();
         }
-        return Status::OK();
+        if (mine)
+          return MC_STATUS(kInvalidArgument, "sim device: a stream capturing into one graph "
+                                             "waited on an event of another");
+        graph->members.push_back(s);
       }
-      if (mine)
-        return MC_STATUS(kInvalidArgument, "sim device: a stream capturing into one graph "
-                                           "waited on an event of another");
-      e->graph()->members.push_back(s);
-      s->setCapture(e->graph());
+      s->setCapture(graph);
       return Status::OK();
     }
     if (mine) {  // (CUDA isolates a capture from work outside it)
@@ -290,17 +294,23 @@ class SimDevice final : public Device {
     std::shared_ptr<SimGraph> g = s->capture();
     if (!g || g->origin != s.get())
       return MC_STATUS(kInvalidArgument, "sim device: no capture began on this stream");
-    std::lock_guard<std::mutex> lk(g->mu);
-    for (auto& w : g->members) {
-      auto m = w.lock();
-      if (!m) continue;
-      if (m.get() != g->origin && m->captured() > g->joined[m.get()] && g->invalid.empty())
-        g->invalid = "a stream that joined it queued work the capturing stream did not wait for "
-                     "(CUDA: unjoined work)";
+    std::vector<std::shared_ptr<SimStream>> members;
+    std::map<const SimStream*, uint64_t> joined;
+    {
+      std::lock_guard<std::mutex> lk(g->mu);
+      for (auto& w : g->members)
+        if (auto m = w.lock()) members.push_back(std::move(m));
+      g->members.clear();
+      joined = g->joined;
+      g->ended = true;
+    }
+    for (auto& m : members) {  // (no graph lock held: a stream's lock comes first)
+      if (m.get() != g->origin && m->captured() > joined[m.get()])
+        g->invalidate("a stream that joined it queued work the capturing stream did not wait "
+                      "for (CUDA: unjoined work)");
       m->setCapture(nullptr);
     }
-    g->members.clear();
-    g->ended = true;
+    std::lock_guard<std::mutex> lk(g->mu);
     if (!g->invalid.empty())
       return MC_STATUS(kInvalidArgument, "sim device: the capture was invalidated: " << g->invalid);
     return std::shared_ptr<Graph>(g);
