@@ -11,7 +11,9 @@
 //                    counts and sizes the outputs; kNormalDispatchRecv (R), kNormalAlign (1)
 //   normal combine:  kNormalCombineSend (R), kNormalCombineWait (R), kNormalCombineToken (T)
 // With rounds on the device (ep/kernels/device_rounds.h), a kTakeRound (1 block) follows each
-// send's stage, and a round given up before its send is kAbandonRound (1) then kTakeRound.
+// send's stage, and a round given up before its send is kAbandonRound (1) then kTakeRound;
+// with ranks on other hosts a kStageWait (1) precedes the send and a kPostJob (1) (normal
+// mode: kNormalPostJob) follows the kTakeRound.
 #pragma once
 
 #include <cstdint>
