@@ -206,11 +206,10 @@ void EpBuffer::Proxy::fillDeviceRounds(kern::DeviceRounds& d) {
   d.stage_half = stage_bytes_;
   d.words_half = kMaxSignals;
   d.ctrl_half = shadowHalfBytes();
-  if (!ring_) {
+  if (!ring_.exchange(true)) {  // (the first time: the thread starts polling the ring)
     std::lock_guard<std::mutex> g(mu_);
-    ring_ = true;
+    cv_.notify_all();
   }
-  cv_.notify_all();
 }
 
 void EpBuffer::Proxy::kick() {

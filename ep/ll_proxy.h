@@ -30,6 +30,7 @@
 // first run was, and no host thread waits per call.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -130,7 +131,7 @@ class EpBuffer::Proxy {
   uint32_t queued_[2][2] = {};   // [kind][half]: the last round whose send was queued
   int pending_[2][2] = {};       // ... and sends of it not moved yet
   bool stop_ = false, abort_ = false;
-  bool ring_ = false;       // fillDeviceRounds was asked: the kernels post jobs
+  std::atomic<bool> ring_{false};  // fillDeviceRounds was asked: the kernels post jobs
   bool kicked_ = false;     // kick() since the thread last looked
   uint32_t ring_taken_ = 0;  // (the thread's)
   int64_t delay_ms_ = 0;  // MC_EP_PROXY_DELAY_MS (tests)
