@@ -62,6 +62,7 @@ struct Driver {
   decltype(&cuMemHostRegister) hostRegister = nullptr;               // optional
   decltype(&cuMemHostUnregister) hostUnregister = nullptr;           // optional
   decltype(&cuStreamIsCapturing) streamIsCapturing = nullptr;        // optional
+  decltype(&cuThreadExchangeStreamCaptureMode) exchangeCaptureMode = nullptr;  // optional
 };
 
 std::string errorText(const Driver& d, CUresult r) {
@@ -69,6 +70,31 @@ std::string errorText(const Driver& d, CUresult r) {
   if (d.getErrorString != nullptr) d.getErrorString(r, &s);
   return s != nullptr ? s : "CUDA error " + std::to_string(static_cast<int>(r));
 }
+
+// While a call of the layer runs, its thread heeds only its own stream captures
+// (CU_STREAM_CAPTURE_MODE_THREAD_LOCAL; the thread's mode is put back after). The engine's
+// threads (transfers, EP's proxy and its reports) call the layer while a caller's thread may
+// be capturing a CUDA graph in global mode, torch.cuda.graph's default, under which a
+// "potentially unsafe" call from any other thread (an event query, an allocation) invalidates
+// that capture. The layer's calls touch none of the captured streams; a capture of the
+// calling thread itself is checked as before. (PyTorch's NCCL watchdog queries its events
+// the same way.)
+class OwnCapturesOnly {
+ public:
+  explicit OwnCapturesOnly(const Driver& d) : d_(d) {
+    set_ = d_.exchangeCaptureMode != nullptr && d_.exchangeCaptureMode(&mode_) == CUDA_SUCCESS;
+  }
+  ~OwnCapturesOnly() {
+    if (set_) (void)d_.exchangeCaptureMode(&mode_);
+  }
+  OwnCapturesOnly(const OwnCapturesOnly&) = delete;
+  OwnCapturesOnly& operator=(const OwnCapturesOnly&) = delete;
+
+ private:
+  const Driver& d_;
+  CUstreamCaptureMode mode_ = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;  // then the thread's own
+  bool set_ = false;
+};
 
 // Events are created ahead and reused, never destroyed while the layer lives: the driver takes
 // a context-wide lock to destroy (and create) one that a synchronous call holds while it waits,
@@ -90,13 +116,17 @@ class CudaEvent final : public Event {
     std::lock_guard<std::mutex> g(pool_->mu);
     pool_->spare[static_cast<size_t>(ordinal_)].push_back(e_);
   }
-  bool done() override { return d_->eventQuery(e_) != CUDA_ERROR_NOT_READY; }
+  bool done() override {
+    const OwnCapturesOnly own(*d_);
+    return d_->eventQuery(e_) != CUDA_ERROR_NOT_READY;
+  }
   CUevent raw() const { return e_; }
   Status wait(Deadline deadline) override {
     // cuEventSynchronize has no deadline: poll, yielding for MC_DEVICE_SPIN_US (a sleep costs
     // ~60-80 us with the kernel's timer slack, more than a small step's copies take), then
     // sleeping a little.
     static const auto spin = std::chrono::microseconds(params::getInt("MC_DEVICE_SPIN_US"));
+    const OwnCapturesOnly own(*d_);
     const auto spin_until = Clock::now() + spin;
     for (;;) {
       CUresult r = d_->eventQuery(e_);
@@ -135,6 +165,7 @@ class CudaDevice final : public Device {
   int count() const override { return static_cast<int>(ctx_.size()); }
 
   Result<void*> allocate(size_t len, int ordinal) override {
+    const OwnCapturesOnly own(d_);
     MC_RETURN_IF_ERROR(use(ordinal));
     CUdeviceptr p = 0;
     CUresult r = d_.memAlloc(&p, len);
@@ -146,6 +177,7 @@ class CudaDevice final : public Device {
   }
 
   Status free(void* p) override {
+    const OwnCapturesOnly own(d_);
     PointerInfo info = pointer(p);
     if (!info.device) return MC_STATUS(kInvalidArgument, p << " is not CUDA device memory");
     MC_RETURN_IF_ERROR(use(info.ordinal));
@@ -155,6 +187,7 @@ class CudaDevice final : public Device {
   }
 
   PointerInfo pointer(const void* p) const override {
+    const OwnCapturesOnly own(d_);
     unsigned int type = 0;
     int ordinal = -1;
     auto dp = reinterpret_cast<CUdeviceptr>(p);
@@ -167,6 +200,7 @@ class CudaDevice final : public Device {
   }
 
   Result<DmaBuf> exportDmabuf(const void* p, size_t len) override {
+    const OwnCapturesOnly own(d_);
     PointerInfo info = pointer(p);
     if (!info.device) return MC_STATUS(kInvalidArgument, p << " is not CUDA device memory");
     if (d_.getHandleForAddressRange == nullptr)
@@ -187,6 +221,7 @@ class CudaDevice final : public Device {
 
   // The handle: the device ordinal (4 bytes) and CUDA's 64-byte handle of the allocation.
   Result<std::string> exportIpc(const void* p, uint64_t* offset) override {
+    const OwnCapturesOnly own(d_);
     PointerInfo info = pointer(p);
     if (!info.device) return MC_STATUS(kInvalidArgument, p << " is not CUDA device memory");
     MC_RETURN_IF_ERROR(use(info.ordinal));
@@ -205,6 +240,7 @@ class CudaDevice final : public Device {
   }
 
   Result<void*> openIpc(const std::string& handle) override {
+    const OwnCapturesOnly own(d_);
     CUipcMemHandle h{};
     if (handle.size() != 4 + sizeof h.reserved)
       return MC_STATUS(kInvalidArgument, "not a CUDA IPC handle (" << handle.size() << " bytes)");
@@ -220,6 +256,7 @@ class CudaDevice final : public Device {
   }
 
   Status closeIpc(void* base) override {
+    const OwnCapturesOnly own(d_);
     CUresult r = d_.ipcClose(reinterpret_cast<CUdeviceptr>(base));
     if (r != CUDA_SUCCESS) return MC_STATUS(kInvalidArgument, "cuIpcCloseMemHandle: " << err(r));
     return Status::OK();
@@ -227,6 +264,7 @@ class CudaDevice final : public Device {
 
   Status copyAsyncOn(void* dst, const void* src, size_t len, int ordinal,
                      const void* on) override {
+    const OwnCapturesOnly own(d_);
     MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, on));
     if (len == 0) return Status::OK();
     CUresult r = d_.memcpyAsync(reinterpret_cast<CUdeviceptr>(dst),
@@ -240,6 +278,7 @@ class CudaDevice final : public Device {
   }
 
   Result<std::unique_ptr<Event>> recordOn(int ordinal, const void* on) override {
+    const OwnCapturesOnly own(d_);
     MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, on));
     CUevent e = nullptr;
     {
@@ -261,6 +300,7 @@ class CudaDevice final : public Device {
   }
 
   Result<const void*> newStream(int ordinal) override {
+    const OwnCapturesOnly own(d_);
     MC_RETURN_IF_ERROR(use(ordinal));
     {
       // Streams are kept and reused, never destroyed (cuStreamDestroy takes the context lock
@@ -289,6 +329,7 @@ class CudaDevice final : public Device {
   }
 
   Status waitEvent(int ordinal, const void* on, Event& ev) override {
+    const OwnCapturesOnly own(d_);
     auto* e = dynamic_cast<CudaEvent*>(&ev);
     if (e == nullptr) return MC_STATUS(kInvalidArgument, "waitEvent: not an event of this layer");
     MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, on));
@@ -298,6 +339,7 @@ class CudaDevice final : public Device {
   }
 
   bool capturing(int ordinal, const void* on) override {
+    const OwnCapturesOnly own(d_);
     if (d_.streamIsCapturing == nullptr) return false;
     auto s = streamFor(ordinal, on);
     CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -309,6 +351,7 @@ class CudaDevice final : public Device {
   Status launchGraph(Graph&, int, const void*) override { return notHere(); }
 
   bool canAccess(int ordinal, const void* p) override {
+    const OwnCapturesOnly own(d_);
     const PointerInfo i = pointer(p);
     if (!i.device || ordinal < 0 || ordinal >= count()) return false;
     if (i.ordinal == ordinal) return true;
@@ -339,6 +382,7 @@ class CudaDevice final : public Device {
   }
 
   Result<uint32_t*> allocHostWords(size_t n) override {
+    const OwnCapturesOnly own(d_);
     if (d_.memHostAlloc == nullptr || d_.hostGetDevicePointer == nullptr ||
         d_.streamWaitValue32 == nullptr)
       return MC_STATUS(kNotSupported, "the CUDA driver has no stream memory operations");
@@ -357,6 +401,7 @@ class CudaDevice final : public Device {
 
   Status waitWord(int ordinal, const void* stream, const uint32_t* word,
                   uint32_t value) override {
+    const OwnCapturesOnly own(d_);
     if (d_.streamWaitValue32 == nullptr || d_.hostGetDevicePointer == nullptr)
       return MC_STATUS(kNotSupported, "the CUDA driver has no cuStreamWaitValue32");
     MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, stream));
@@ -372,6 +417,7 @@ class CudaDevice final : public Device {
   }
 
   Status writeWord(int ordinal, const void* stream, uint32_t* word, uint32_t value) override {
+    const OwnCapturesOnly own(d_);
     if (d_.streamWriteValue32 == nullptr || d_.hostGetDevicePointer == nullptr)
       return MC_STATUS(kNotSupported, "the CUDA driver has no cuStreamWriteValue32");
     MC_ASSIGN_OR_RETURN(CUstream s, streamFor(ordinal, stream));
@@ -389,6 +435,7 @@ class CudaDevice final : public Device {
   }
 
   Status storeWord(uint32_t* word, uint32_t value, Deadline deadline) override {
+    const OwnCapturesOnly own(d_);
     if (d_.memsetD32Async == nullptr)
       return MC_STATUS(kNotSupported, "the CUDA driver has no cuMemsetD32Async");
     const PointerInfo pi = pointer(word);
@@ -402,6 +449,7 @@ class CudaDevice final : public Device {
   }
 
   Status pinHost(void* p, size_t len) override {
+    const OwnCapturesOnly own(d_);
     if (d_.hostRegister == nullptr || d_.hostUnregister == nullptr)
       return MC_STATUS(kNotSupported, "the CUDA driver has no cuMemHostRegister");
     MC_RETURN_IF_ERROR(use(0));
@@ -414,6 +462,7 @@ class CudaDevice final : public Device {
   }
 
   Status unpinHost(void* p) override {
+    const OwnCapturesOnly own(d_);
     if (d_.hostUnregister == nullptr) return MC_STATUS(kNotSupported, "no cuMemHostUnregister");
     MC_RETURN_IF_ERROR(use(0));
     CUresult r = d_.hostUnregister(p);
@@ -424,6 +473,7 @@ class CudaDevice final : public Device {
   uint64_t pageableCopies() const override { return 0; }
 
   Status load(const Kernel& k, int ordinal) override {
+    const OwnCapturesOnly own(d_);
     MC_RETURN_IF_ERROR(stream(ordinal).status());  // (and its events: made now too)
     if (k.image == nullptr || k.name == nullptr)
       return MC_STATUS(kNotSupported, "kernel " << (k.name ? k.name : "?")
@@ -433,6 +483,7 @@ class CudaDevice final : public Device {
 
   Status launchOn(const Kernel& k, unsigned grid, unsigned block, const void* params,
                   size_t params_len, int ordinal, const void* on) override {
+    const OwnCapturesOnly own(d_);
     if (k.image == nullptr || k.name == nullptr)
       return MC_STATUS(kNotSupported, "kernel " << (k.name ? k.name : "?")
                                                 << ": this build has no CUDA image of it");
@@ -599,6 +650,7 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
   (void)load(lib, "cuMemHostRegister_v2", &d.hostRegister);
   (void)load(lib, "cuMemHostUnregister", &d.hostUnregister);
   (void)load(lib, "cuStreamIsCapturing", &d.streamIsCapturing);
+  (void)load(lib, "cuThreadExchangeStreamCaptureMode", &d.exchangeCaptureMode);
   CUresult r = d.init(0);
   int n = 0;
   if (r == CUDA_SUCCESS) r = d.deviceGetCount(&n);
