@@ -21,7 +21,7 @@ namespace dev = engine::device;
 namespace {
 
 constexpr size_t kWordsBytes = 4 * static_cast<size_t>(kMaxSignals) * 8;  // [kind][half]
-constexpr size_t kDoneBytes = 64;  // done[kind][half], taken, released
+constexpr size_t kDoneBytes = kern::kCtlWords * 4;  // done[kind][half], taken, stopped
 constexpr size_t kRingBytes = kern::kProxyRingSlots * sizeof(kern::ProxyJob);
 
 // Areas of buffers freed, for the next (host words are never freed: Device::allocHostWords).
@@ -55,9 +55,14 @@ size_t EpBuffer::Proxy::shadow(int h, size_t off) const {
   return static_cast<size_t>(h) * shadowHalfBytes() + (off - buf_.geo_.dispatchSignal(h, 0));
 }
 
-uint32_t* EpBuffer::Proxy::doneWord(int kind, int half) const {
-  return reinterpret_cast<uint32_t*>(area_ + 2 * shadowHalfBytes() + kWordsBytes) + kind * 2 +
-         half;
+uint32_t* EpBuffer::Proxy::ctl() const {
+  return reinterpret_cast<uint32_t*>(area_ + 2 * shadowHalfBytes() + kWordsBytes);
+}
+
+uint32_t* EpBuffer::Proxy::doneWord(int kind, int half) const { return ctl() + kind * 2 + half; }
+
+kern::ProxyJob* EpBuffer::Proxy::ring() const {
+  return reinterpret_cast<kern::ProxyJob*>(reinterpret_cast<char*>(ctl()) + kDoneBytes);
 }
 
 EpBuffer::Proxy::Proxy(EpBuffer& buf) : buf_(buf) {
@@ -127,7 +132,7 @@ void EpBuffer::Proxy::stop(bool drained) {
     stop_ = true;
     abort_ = abort_ || !drained;
     // (Kernels that wait for the proxy -- a stage, a ring slot -- go on.)
-    if (abort_) __atomic_store_n(doneWord(0, 0) + 5, 1u, __ATOMIC_RELEASE);
+    if (abort_) __atomic_store_n(ctl() + kern::kCtlStopped, 1u, __ATOMIC_RELEASE);
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
@@ -201,8 +206,8 @@ void EpBuffer::Proxy::abandon(RoundKind kind, uint32_t round) {
 }
 
 void EpBuffer::Proxy::fillDeviceRounds(kern::DeviceRounds& d) {
-  d.ctl = doneWord(0, 0);
-  d.ring = reinterpret_cast<char*>(doneWord(0, 0)) + kDoneBytes;
+  d.ctl = ctl();
+  d.ring = reinterpret_cast<char*>(ring());
   d.stage_half = stage_bytes_;
   d.words_half = kMaxSignals;
   d.ctrl_half = shadowHalfBytes();
@@ -222,9 +227,7 @@ void EpBuffer::Proxy::kick() {
 
 bool EpBuffer::Proxy::takeRingJob(Job* j) {
   const uint32_t n = ring_taken_ + 1;
-  const auto* slot = reinterpret_cast<const kern::ProxyJob*>(
-                         reinterpret_cast<char*>(doneWord(0, 0)) + kDoneBytes) +
-                     (n - 1) % kern::kProxyRingSlots;
+  const kern::ProxyJob* slot = ring() + (n - 1) % kern::kProxyRingSlots;
   if (__atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != n) return false;
   j->kind = slot->kind == 0 ? RoundKind::kDispatch : RoundKind::kCombine;
   j->round = slot->round;
@@ -288,7 +291,7 @@ void EpBuffer::Proxy::loop() {
     if (from_ring) {
       // The stage is free (a round given up used none): the send of round + 2 waits on it.
       __atomic_store_n(doneWord(k, h), j.round, __ATOMIC_RELEASE);
-      __atomic_store_n(doneWord(0, 0) + 4, ring_taken_, __ATOMIC_RELEASE);  // (its slot too)
+      __atomic_store_n(ctl() + kern::kCtlTaken, ring_taken_, __ATOMIC_RELEASE);  // (its slot too)
       continue;
     }
     jobs_.pop_front();

@@ -19,7 +19,7 @@
 //   words[kind][half]  kMaxSignals u64 proxy words ([dest][l] of a low-latency call, [dest]
 //                      of a normal-mode one)
 //   done[kind][half]   u32: the last round of (kind, half) whose staged rows were moved
-//   taken, released    u32 each: jobs taken from the ring; nonzero once the proxy stopped
+//   taken, stopped     u32 each: jobs taken from the ring; nonzero once the proxy stopped
 //   ring               kern::kProxyRingSlots jobs (kern::ProxyJob)
 // A stage is reused by the next send of its (kind, half), two rounds later; that send first
 // waits until the proxy moved the previous one: on the host (a buffer with waited calls: the
@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "ep/buffer.h"
+#include "ep/kernels/ll_entry.h"
 
 namespace mooncake::ep {
 
@@ -102,7 +103,9 @@ class EpBuffer::Proxy {
   static size_t shadowHalfBytes();
   // Offset in the area of buffer offset `off` in the signal words or mailboxes of half h.
   size_t shadow(int h, size_t off) const;
+  uint32_t* ctl() const;  // the kernels' DeviceRounds::ctl: done[kind][half], taken, stopped
   uint32_t* doneWord(int kind, int half) const;
+  kern::ProxyJob* ring() const;  // kern::kProxyRingSlots jobs, after ctl's kern::kCtlWords
   void loop();
   // The ring's next job, if posted: taken (true) into *j.
   bool takeRingJob(Job* j);

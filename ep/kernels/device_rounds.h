@@ -40,8 +40,8 @@ struct DeviceRounds {
   uint64_t half_bytes = 0;  // BufferGeometry: the second half's offset from the first's
   // Ranks on other hosts (ep/ll_proxy.h), null without: the proxy's host-mapped control words
   // ctl[2 * kind + half]  the last round of (kind, half) whose staged rows the proxy moved
-  // ctl[4]                jobs the proxy took from the ring
-  // ctl[5]                nonzero: the proxy stopped (the stage waits pass)
+  // ctl[kCtlTaken]        jobs the proxy took from the ring
+  // ctl[kCtlStopped]      nonzero: the proxy stopped (the stage waits pass)
   // and its ring of kProxyRingSlots jobs (ProxyJob), which a send's kPostJob fills: the
   // kernels feed the proxy, so that a replayed send is moved as the first run was. The
   // (kind, half)'s stage, proxy words and ctrl of half 1 are these strides past half 0's.
@@ -50,8 +50,12 @@ struct DeviceRounds {
   uint64_t stage_half = 0, words_half = 0, ctrl_half = 0;
 };
 
-// words[6]: the jobs posted to the proxy's ring; words[7]: unused.
 constexpr int kDeviceRoundWords = 8;
+constexpr int kRoundWordPosted = 6;  // words[6]: the jobs posted to the proxy's ring ([7] unused)
+// The proxy's control words after done[kind][half] (ctl[0..3]):
+constexpr int kCtlTaken = 4;    // jobs the proxy took from the ring
+constexpr int kCtlStopped = 5;  // nonzero: the proxy stopped (the stage waits pass)
+constexpr int kCtlWords = 16;   // ctl's words; the ring follows them
 constexpr uint32_t kProxyRingSlots = 16;
 
 // Args: LlArgs or NormalArgs (their round and their half's offsets, filled for half 0).

@@ -83,11 +83,12 @@ MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void postJob(const DeviceRounds& d, Ln& ln, int32_t mode, uint32_t round, const LlArgs* ll,
                    const NormalArgs* np) {
-  const uint32_t n = d.words[6] + 1u;
+  const uint32_t n = d.words[kRoundWordPosted] + 1u;
   const int32_t* ctl = reinterpret_cast<const int32_t*>(d.ctl);
+  const uint32_t need = n - kProxyRingSlots;  // taken, for slot (n - 1) % kProxyRingSlots
   while (n > kProxyRingSlots &&
-         static_cast<int32_t>(static_cast<uint32_t>(ln.loadFlag(ctl + 4)) - (n - kProxyRingSlots)) < 0 &&
-         ln.loadFlag(ctl + 5) == 0)
+         static_cast<int32_t>(static_cast<uint32_t>(ln.loadFlag(ctl + kCtlTaken)) - need) < 0 &&
+         ln.loadFlag(ctl + kCtlStopped) == 0)
     ln.pause();
   ProxyJob* j = reinterpret_cast<ProxyJob*>(d.ring) + (n - 1) % kProxyRingSlots;
   j->kind = d.kind;
@@ -97,7 +98,7 @@ MC_HD void postJob(const DeviceRounds& d, Ln& ln, int32_t mode, uint32_t round, 
   if (np != nullptr) j->np = *np;
   ln.fenceSystem();
   ln.storeRelease(&j->seq, n);
-  d.words[6] = n;
+  d.words[kRoundWordPosted] = n;
 }
 
 // kStageWait, lane 0: the stage of (kind, round's half) was used by round - 2, whose rows (or
@@ -109,7 +110,7 @@ MC_HD void waitStage(const DeviceRounds& d, Ln& ln, uint32_t round) {
   const int32_t* ctl = reinterpret_cast<const int32_t*>(d.ctl);
   const int32_t* done = ctl + 2 * d.kind + (round & 1);
   while (static_cast<int32_t>(static_cast<uint32_t>(ln.loadFlag(done)) - (round - 2)) < 0 &&
-         ln.loadFlag(ctl + 5) == 0)
+         ln.loadFlag(ctl + kCtlStopped) == 0)
     ln.pause();
 }
 
