@@ -64,7 +64,7 @@ struct SimLanes : kern::HostLanes {
 // The rounds' words as the simulated kernel reaches them (the proxy's are host memory).
 Status mapRounds(const dev::HostView& view, kern::DeviceRounds& d) {
   MC_RETURN_IF_ERROR(mapInto(view, d.words, kern::kDeviceRoundWords * 4));
-  MC_RETURN_IF_ERROR(mapInto(view, d.ctl, 6 * 4));
+  MC_RETURN_IF_ERROR(mapInto(view, d.ctl, kern::kCtlWords * 4));
   return mapInto(view, d.ring, kern::kProxyRingSlots * sizeof(kern::ProxyJob));
 }
 
@@ -582,6 +582,7 @@ void EpBuffer::deviceRoundStage(kern::LlStage stage, kern::DeviceRounds rounds, 
   l.p.abandon_signals = geo_.abandonSignal(0, rounds.kind, 0);
   l.peer_bytes = geo_.totalBytes();
   rounds.from = stage == kern::kTakeRound ? kern::kRoundGiven : kern::kRoundNext;
+  rounds.blocks = stage == kern::kAbandonRound ? 1 : 0;  // (it takes the round given up)
   l.rounds = rounds;
   deviceLaunch(l, stage, 1, op);
 }
@@ -589,21 +590,24 @@ void EpBuffer::deviceRoundStage(kern::LlStage stage, kern::DeviceRounds rounds, 
 template <class Launch, class Stage>
 void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t grid,
                           const char* op, bool* launched) {
-  // Rounds on the device with ranks on other hosts: the stage's wait is a stage of its own,
-  // and the kernels post the proxy's job after the send (ll_proxy.h).
-  const bool ring = proxy_ && l.rounds.words != nullptr;
-  if (ring)
+  // Rounds on the device: the send's blocks take the round (words[kind] + 1, recorded in the
+  // call's slot) and, with ranks on other hosts, each waits for its stage first; the kernels
+  // post the proxy's job after the send (ll_proxy.h). (A send of no blocks: those steps as
+  // stages of their own.)
+  const bool rounds = l.rounds.words != nullptr, ring = proxy_ && rounds;
+  if (ring && grid <= 0)
     deviceRoundStage(kern::kStageWait, l.rounds, op);
-  else if (proxy_)
+  else if (proxy_ && !ring)
     proxy_->stageFree(kind, l.p.round, op);
   if (grid > 0) {
     Launch send = l;
-    if (send.rounds.words != nullptr) send.rounds.from = kern::kRoundNext;
+    if (rounds) {
+      send.rounds.from = kern::kRoundNext;
+      send.rounds.blocks = static_cast<int32_t>(grid);
+    }
     deviceLaunch(send, stage, static_cast<unsigned>(grid), op);
     if (launched != nullptr) *launched = true;
-  }
-  // The send took words[kind] + 1 (device rounds): the call's slot records it.
-  if (l.rounds.words != nullptr) {
+  } else if (rounds) {
     deviceRoundStage(kern::kTakeRound, l.rounds, op);
     if (launched != nullptr) *launched = true;
   }
@@ -711,8 +715,7 @@ void EpBuffer::deviceAbandon(RoundKind kind, uint32_t round) {
     deviceRoundsFor(l, kind, round);
     l.rounds.slot = -1;  // (the host's half may be a call's in flight: it keeps its round)
     try {
-      deviceRoundStage(kern::kAbandonRound, l.rounds, "abandon");
-      deviceRoundStage(kern::kTakeRound, l.rounds, "abandon");
+      deviceRoundStage(kern::kAbandonRound, l.rounds, "abandon");  // (and takes it)
     } catch (const std::exception& e) {  // (a broken device: the peers' calls time out)
       MC_LOG(ERROR, EP) << e.what();
     }

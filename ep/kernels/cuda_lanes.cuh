@@ -51,6 +51,14 @@ struct CudaLanes {
     return atomicCAS_system(reinterpret_cast<int*>(p), expected, desired);
   }
   __device__ void add(int32_t* p, int32_t v) { atomicAdd(reinterpret_cast<int*>(p), v); }
+  // The value before (device scope); fenced on both sides: ordered after this thread's earlier
+  // accesses and before its later ones (endSend's count of a stage's ended blocks).
+  __device__ int32_t fetchAdd(int32_t* p, int32_t v) {
+    __threadfence();
+    const int32_t r = atomicAdd(reinterpret_cast<int*>(p), v);
+    __threadfence();
+    return r;
+  }
   __device__ void ringDoorbell(uint32_t* p) { atomicAdd_system(reinterpret_cast<unsigned*>(p), 1u); }
   __device__ int64_t nowUs() const {
     uint64_t ns;

@@ -10,14 +10,15 @@
 //   words[2 + 2 * kind + slot]  the round of the call that holds `slot` (the host's half of
 //                               the call: a send and its hook's receive may have other calls
 //                               between them, at most two of a kind in flight)
-// A send's stages resolve round = words[kind] + 1 (kRoundNext); then one block takes it
-// (kTakeRound: words[kind] += 1, and the call's slot records it); the stages after the send
+// A send's stages resolve round = words[kind] + 1 (kRoundNext); then the send's last block to
+// end takes it (endSend: words[kind] += 1, and the call's slot records it; a one-block
+// kTakeRound stage does the same where no send's blocks ran); the stages after the send
 // (a receive, a wait, normal mode's later stages) read the slot (kRoundOfCall). The half of
 // the buffer follows the resolved round's parity: the host fills the offsets of half 0 and
 // the stages add `half_bytes` for an odd round. Every rank issues the same calls in the same
 // order, so the counters stay equal across ranks however often a captured sequence replays.
 // A round given up before anything was sent (ep/buffer.h, "Abandoned rounds") is taken on the
-// stream as well (kAbandonRound, then kTakeRound without a slot), so no host ever needs to
+// stream as well (kAbandonRound, which takes it without a slot), so no host ever needs to
 // know the number.
 #pragma once
 
@@ -38,6 +39,8 @@ struct DeviceRounds {
   int32_t kind = 0, slot = 0;
   int32_t from = kRoundGiven;
   uint64_t half_bytes = 0;  // BufferGeometry: the second half's offset from the first's
+  // > 0: a stage of this many blocks, from kRoundNext, that takes its round itself (endSend)
+  int32_t blocks = 0;
   // Ranks on other hosts (ep/ll_proxy.h), null without: the proxy's host-mapped control words
   // ctl[2 * kind + half]  the last round of (kind, half) whose staged rows the proxy moved
   // ctl[kCtlTaken]        jobs the proxy took from the ring
@@ -51,7 +54,8 @@ struct DeviceRounds {
 };
 
 constexpr int kDeviceRoundWords = 8;
-constexpr int kRoundWordPosted = 6;  // words[6]: the jobs posted to the proxy's ring ([7] unused)
+constexpr int kRoundWordPosted = 6;  // words[6]: the jobs posted to the proxy's ring
+constexpr int kRoundWordEnded = 7;   // words[7]: blocks of the running send that ended (endSend)
 // The proxy's control words after done[kind][half] (ctl[0..3]):
 constexpr int kCtlTaken = 4;    // jobs the proxy took from the ring
 constexpr int kCtlStopped = 5;  // nonzero: the proxy stopped (the stage waits pass)
@@ -82,6 +86,22 @@ MC_HD void takeRound(const DeviceRounds& d) {
   const uint32_t r = d.words[d.kind] + 1u;
   d.words[d.kind] = r;
   if (d.slot >= 0) d.words[2 + 2 * d.kind + d.slot] = r;
+}
+
+// Every block of a stage with d.blocks > 0 (a send, a round given up), all lanes, after its
+// work: the last block to end takes the round, as kTakeRound would after the stage, without
+// a launch of its own. Each block read words[kind] at its start (resolveRound), before it
+// counted itself, so none reads the advanced word; the count goes back to 0 for the stream's
+// next such stage (the stages of a buffer run one after another on its stream).
+MC_HD_TEMPLATE
+template <class Ln>
+MC_HD void endSend(const DeviceRounds& d, Ln& ln) {
+  ln.sync();  // (every lane of the block is past its read of the round)
+  if (ln.lane() != 0) return;
+  int32_t* ended = reinterpret_cast<int32_t*>(d.words + kRoundWordEnded);
+  if (ln.fetchAdd(ended, 1) != d.blocks - 1) return;
+  *ended = 0;
+  takeRound(d);
 }
 
 }  // namespace mooncake::ep::kern

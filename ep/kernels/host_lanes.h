@@ -36,6 +36,8 @@ struct HostLanes {
     return expected;
   }
   void add(int32_t* p, int32_t v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+  // The value before; ordered after this lane's earlier accesses, before its later ones.
+  int32_t fetchAdd(int32_t* p, int32_t v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
   void ringDoorbell(uint32_t* p) {
     auto* word = reinterpret_cast<std::atomic<uint32_t>*>(p);
     word->fetch_add(1, std::memory_order_release);
