@@ -201,8 +201,9 @@ def case_gpu_async(ctx, n=4096, ops=12):
 
 
 def case_gpu_errors(ctx):
-    """A non-contiguous tensor in GPU memory is refused on the caller's thread with a
-    ValueError naming the rank, the op and the tensor; the group goes on working."""
+    """A non-contiguous tensor in GPU memory, and any op issued while its stream captures a
+    CUDA graph, are refused on the caller's thread with a ValueError naming the rank and the
+    op; the group goes on working."""
     fails = []
     g = to_gpu(torch.zeros(8, 8)).t()
     for name, call in (("allreduce", lambda: dist.all_reduce(g)),
@@ -215,10 +216,44 @@ def case_gpu_errors(ctx):
             for want in (f"rank {ctx.rank}", name, "GPU memory", "contiguous"):
                 if want not in msg:
                     fails.append(f"{name}: error {msg!r} does not name {want!r}")
+    # Issued while the op's stream captures a CUDA graph (here the simulation's capture of its
+    # copy stream, the stream a simulated GPU tensor's op is ordered on): refused on the
+    # caller's thread before anything is queued, on every rank alike, the capture left valid.
+    x = to_gpu(torch.ones(16))
+    out = to_gpu(torch.zeros(16 * ctx.world))
+    calls = (("allreduce", lambda: dist.all_reduce(x)),
+             ("broadcast", lambda: dist.broadcast(x, 0)),
+             ("all_gather_into_tensor", lambda: _compat_all_gather_tensor(out, x)),
+             ("send" if ctx.rank == 0 else "recv",
+              lambda: dist.send(x, 1) if ctx.rank == 0 else
+              dist.recv(x, 0) if ctx.rank == 1 else None))
+    _C._device_capture_begin()
+    try:
+        for name, call in calls:
+            if name == "recv" and ctx.rank != 1:
+                continue
+            try:
+                call()
+                fails.append(f"{name} inside a capture of its stream did not raise")
+            except ValueError as e:
+                msg = str(e)
+                for want in (f"rank {ctx.rank}", "capturing a CUDA graph"):
+                    if want not in msg:
+                        fails.append(f"{name} inside a capture: error {msg!r} does not name "
+                                     f"{want!r}")
+    finally:
+        try:
+            _C._device_capture_end()
+        except RuntimeError as e:
+            fails.append(f"the refused ops invalidated the capture: {e}")
     h = to_gpu(torch.ones(16))
     dist.all_reduce(h)
     if not torch.equal(to_host(h), torch.full((16,), float(ctx.world))):
         fails.append("all_reduce after the refused calls is wrong")
+    _compat_all_gather_tensor(out, x)
+    if not torch.equal(to_host(out), torch.ones(16 * ctx.world)):
+        fails.append("all_gather_into_tensor after the refused calls is wrong (or the refused "
+                     "ones changed their tensors)")
     return fails
 
 

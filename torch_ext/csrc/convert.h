@@ -122,6 +122,14 @@ class Check {
       fail(name + " is in GPU memory and must be contiguous (and not a conjugate or negative "
                   "view): call .contiguous() (or .resolve_conj()) first");
     }
+    // Refused before anything is queued or numbered (every rank refuses alike, the group stays
+    // in step): an op's completion is checked on the host, which a graph's replays never run.
+    // (Asked once per device of the op: its tensors there share the stream.)
+    if (onGpu(t) && firstOnDevice(gpuOrdinal(t)) && streamCapturing(t)) {
+      fail(name + " is on a stream that is capturing a CUDA graph: the mooncake process "
+                  "group's ops cannot be captured (each one's end is checked on the host); "
+                  "issue it outside the capture");
+    }
   }
   // The CUDA devices of the tensors checked so far (for the op's StreamFence).
   const std::vector<c10::Device>& cudaDevices() const { return cuda_; }
@@ -197,9 +205,17 @@ class Check {
   }
 
  private:
+  // True the first time for `ordinal` (then noted).
+  bool firstOnDevice(int ordinal) const {
+    if (std::find(asked_.begin(), asked_.end(), ordinal) != asked_.end()) return false;
+    asked_.push_back(ordinal);
+    return true;
+  }
+
   const std::string& who_;
   const char* op_;
   mutable std::vector<c10::Device> cuda_;
+  mutable std::vector<int> asked_;  // devices whose stream was asked whether it captures
 };
 
 // A contiguous stand-in for a user tensor: the tensor itself when it can be used as is,

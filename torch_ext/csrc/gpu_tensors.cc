@@ -135,6 +135,13 @@ std::optional<const void*> opStream(const at::Tensor& t) {
   return std::nullopt;
 }
 
+bool streamCapturing(const at::Tensor& t) {
+  if (!onGpu(t)) return false;
+  std::optional<const void*> s = opStream(t);
+  auto layer = engine::device::get();
+  return s && layer.ok() && (*layer)->capturing(gpuOrdinal(t), *s);
+}
+
 bool streamWaitGate(const std::vector<c10::Device>& devices, const engine::device::Gate& gate) {
   static std::once_flag logged;
   auto cannot = [&](const std::string& why) {

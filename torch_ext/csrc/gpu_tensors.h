@@ -85,6 +85,9 @@ std::optional<const void*> currentStream(const c10::Device& d);
 // t's device for a CUDA tensor, the device layer's copy stream for a tensor in the simulation's
 // memory (MC_DEVICE=sim); nullopt where there is none to name.
 std::optional<const void*> opStream(const at::Tensor& t);
+// Whether t is on the GPU and its opStream is capturing a CUDA graph (torch.cuda.graph; the
+// simulation's own capture in the tests): the group's ops refuse such tensors (Check::tensor).
+bool streamCapturing(const at::Tensor& t);
 
 class StreamFence {
  public:
