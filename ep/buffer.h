@@ -370,11 +370,12 @@ class EpBuffer {
   // The host's bound on a call's waiting kernels: timeout_us and the dead-peer grace, with
   // slack_ms more; none when timeout_us < 0 (the kernels end by their sources or dead flags).
   static engine::Deadline waitBound(int64_t timeout_us, int64_t slack_ms);
-  // Queues a send's kernels (either mode) on the buffer's stream, and with rounds on the
-  // device the stage that takes the round. With ranks on other hosts (ll_proxy.h): first the
-  // wait for the proxy to have moved its stage's last rows (on the host, or a stage of its
-  // own with rounds on the device), then the proxy is given this send's job (by the host, or
-  // by a stage after the send). *launched (if given) turns true once a kernel is queued.
+  // Queues a send's kernels (either mode) on the buffer's stream; with rounds on the device
+  // the send's last block takes the round (a stage of its own for a send of no blocks). With
+  // ranks on other hosts (ll_proxy.h): first the wait for the proxy to have moved its stage's
+  // last rows (on the host, or a stage of its own with rounds on the device), then the proxy
+  // is given this send's job (by the host, or by a stage after the send). *launched (if
+  // given) turns true once a kernel is queued.
   template <class Launch, class Stage>
   void deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t grid, const char* op,
                   bool* launched = nullptr);

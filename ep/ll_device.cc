@@ -115,6 +115,14 @@ Status simEntry(const void* params, const dev::HostView& view) {
   MC_RETURN_IF_ERROR(mapRounds(view, l.rounds));
   std::vector<char*> peers;
   MC_RETURN_IF_ERROR(mapPeers(view, p.peers, R, l.peer_bytes, &peers));
+  // A stage that takes its round counts its blocks (kern::endSend): as many as run here.
+  const int64_t runs = l.stage == kern::kDispatchSend ? static_cast<int64_t>(R) * L
+                       : l.stage == kern::kCombineSend ? R
+                       : l.stage == kern::kAbandonRound ? 1
+                                                        : -1;
+  if (l.rounds.blocks > 0 && l.rounds.blocks != runs)
+    return MC_STATUS(kInvalidArgument, "mc_ep_ll: stage " << l.stage << " takes its round after "
+                                       << l.rounds.blocks << " blocks but runs " << runs);
   SimLanes ln;
   const int64_t start = ln.nowUs();
   switch (l.stage) {
@@ -203,6 +211,10 @@ Status simNormal(const void* params, const dev::HostView& view) {
     default:
       return MC_STATUS(kInvalidArgument, "mc_ep_normal: stage " << l.stage);
   }
+  if (l.rounds.blocks > 0 && (!sends || l.rounds.blocks != blocks))  // (kern::endSend)
+    return MC_STATUS(kInvalidArgument, "mc_ep_normal: stage " << l.stage << " takes its round "
+                                       << "after " << l.rounds.blocks << " blocks but runs "
+                                       << blocks);
   for (int64_t i = 0; i < blocks; ++i)
     kern::normalBlock(l, static_cast<int>(sends ? (me + 1 + i) % R : i), ln, start);
   return Status::OK();
@@ -591,13 +603,14 @@ template <class Launch, class Stage>
 void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t grid,
                           const char* op, bool* launched) {
   // Rounds on the device: the send's blocks take the round (words[kind] + 1, recorded in the
-  // call's slot) and, with ranks on other hosts, each waits for its stage first; the kernels
-  // post the proxy's job after the send (ll_proxy.h). (A send of no blocks: those steps as
-  // stages of their own.)
+  // call's slot; a send of no blocks: a kTakeRound stage). With ranks on other hosts the stage's
+  // wait is a one-block stage before the send (one lane waits, not every block of the send,
+  // which would hold the GPU while the proxy lags), and the kernels post the proxy's job after
+  // the send (ll_proxy.h).
   const bool rounds = l.rounds.words != nullptr, ring = proxy_ && rounds;
-  if (ring && grid <= 0)
+  if (ring)
     deviceRoundStage(kern::kStageWait, l.rounds, op);
-  else if (proxy_ && !ring)
+  else if (proxy_)
     proxy_->stageFree(kind, l.p.round, op);
   if (grid > 0) {
     Launch send = l;

@@ -24,8 +24,8 @@
 // A stage is reused by the next send of its (kind, half), two rounds later; that send first
 // waits until the proxy moved the previous one: on the host (a buffer with waited calls: the
 // host hands the proxy each send's job) or, with rounds counted on the device (a buffer with
-// stream-ordered calls, its normal-mode calls too), in every block of the send at its start
-// (kern::holdStage); there the kernels hand the proxy its jobs through the ring
+// stream-ordered calls, its normal-mode calls too), in a one-block stage before the send
+// (kern::kStageWait); there the kernels hand the proxy its jobs through the ring
 // (kern::kPostJob after the send), so that a send replayed from a CUDA graph is moved as its
 // first run was, and no host thread waits per call.
 #pragma once
@@ -66,7 +66,7 @@ class EpBuffer::Proxy {
   void fill(Args& p, RoundKind kind, uint32_t round) const;
   // Before a waited call's send of (kind, round) queues its kernels: the rows its stage held
   // two rounds ago have been moved (a wait here; std::runtime_error after twice
-  // MC_EP_TIMEOUT_MS). With rounds on the device the send's blocks wait (kern::holdStage).
+  // MC_EP_TIMEOUT_MS). With rounds on the device a stage waits instead (kern::kStageWait).
   void stageFree(RoundKind kind, uint32_t round, const char* op);
   // After a send's kernels were queued with args p (fill's): moves what they post. `sent`:
   // an event after them (how the proxy knows a word that is not there will not come; null:

@@ -72,17 +72,21 @@ std::string errorText(const Driver& d, CUresult r) {
 }
 
 // While a call of the layer runs, its thread heeds only its own stream captures
-// (CU_STREAM_CAPTURE_MODE_THREAD_LOCAL; the thread's mode is put back after). The engine's
-// threads (transfers, EP's proxy and its reports) call the layer while a caller's thread may
-// be capturing a CUDA graph in global mode, torch.cuda.graph's default, under which a
-// "potentially unsafe" call from any other thread (an event query, an allocation) invalidates
-// that capture. The layer's calls touch none of the captured streams; a capture of the
-// calling thread itself is checked as before. (PyTorch's NCCL watchdog queries its events
-// the same way.)
+// (CU_STREAM_CAPTURE_MODE_THREAD_LOCAL; the thread's mode is put back after; a thread in
+// relaxed mode stays in it). The engine's threads (transfers, EP's proxy and its reports) call
+// the layer while a caller's thread may be capturing a CUDA graph in global mode,
+// torch.cuda.graph's default, under which a "potentially unsafe" call from any other thread
+// (an event query, an allocation) invalidates that capture. Those threads' calls touch none of
+// the captured streams; a capture of the calling thread itself is checked as before.
+// (PyTorch's NCCL watchdog queries its events the same way.)
 class OwnCapturesOnly {
  public:
   explicit OwnCapturesOnly(const Driver& d) : d_(d) {
     set_ = d_.exchangeCaptureMode != nullptr && d_.exchangeCaptureMode(&mode_) == CUDA_SUCCESS;
+    if (set_ && mode_ == CU_STREAM_CAPTURE_MODE_RELAXED) {  // (laxer already: put it back)
+      (void)d_.exchangeCaptureMode(&mode_);
+      set_ = false;
+    }
   }
   ~OwnCapturesOnly() {
     if (set_) (void)d_.exchangeCaptureMode(&mode_);

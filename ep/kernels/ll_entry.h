@@ -12,9 +12,9 @@
 //   normal combine:  kNormalCombineSend (R), kNormalCombineWait (R), kNormalCombineToken (T)
 // With rounds on the device (ep/kernels/device_rounds.h), each send's stage takes its round
 // (its last block to end; endSend), and a round given up before its send is kAbandonRound (1
-// block, which takes it too); with ranks on other hosts each block of a send first waits for
-// its stage (waitStage) and a kPostJob (1) (normal mode: kNormalPostJob) follows the send.
-// kTakeRound and kStageWait are those steps as stages of their own (a send of no blocks).
+// block, which takes it too); with ranks on other hosts a kStageWait (1) precedes the send
+// and a kPostJob (1) (normal mode: kNormalPostJob) follows it. kTakeRound takes a round as a
+// stage of its own (a send of no blocks).
 #pragma once
 
 #include <cstdint>
@@ -31,7 +31,7 @@ enum LlStage : int32_t {
   kCombineSend = 2,
   kCombineWait = 3,
   kCombineToken = 4,
-  kTakeRound = 5,     // device rounds: the send before it took words[kind] + 1
+  kTakeRound = 5,     // device rounds, a send of no blocks: takes words[kind] + 1 after it
   kAbandonRound = 6,  // device rounds: every mapped peer's abandon word of this rank (and,
                       // ranks on other hosts, the proxy's job to tell them)
   kStageWait = 7,     // device rounds, ranks on other hosts: before a send, until the proxy
@@ -170,29 +170,16 @@ MC_HD void llStage(const LlLaunch& l, int b, Ln& ln, int64_t start) {
   }
 }
 
-// A block of a send that takes its round (d.blocks > 0), ranks on other hosts: its stage is
-// free first (kStageWait's wait, by lane 0 of every block).
-MC_HD_TEMPLATE
-template <class Ln>
-MC_HD void holdStage(const DeviceRounds& d, Ln& ln, uint32_t round) {
-  if (d.ring == nullptr) return;
-  if (ln.lane() == 0) waitStage(d, ln, round);
-  ln.sync();
-}
-
 // Block b of a stage, its round resolved first where the device counts rounds (kTakeRound
-// reads the words itself); a stage that takes its round waits for its stage (a send) first
-// and counts itself ended after.
+// reads the words itself); a stage that takes its round counts itself ended after.
 MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void llBlock(const LlLaunch& l, int b, Ln& ln, int64_t start) {
   if (l.rounds.from == kRoundGiven || l.stage == kTakeRound) return llStage(l, b, ln, start);
   LlLaunch r = l;
   resolveRound(r.p, r.rounds);
-  const bool takes = r.rounds.blocks > 0;
-  if (takes && l.stage != kAbandonRound) holdStage(r.rounds, ln, r.p.round);
   llStage(r, b, ln, start);
-  if (takes) endSend(r.rounds, ln);
+  if (r.rounds.blocks > 0) endSend(r.rounds, ln);
 }
 
 MC_HD_TEMPLATE
@@ -235,10 +222,8 @@ MC_HD void normalBlock(const NormalLaunch& l, int b, Ln& ln, int64_t start) {
   if (l.rounds.from == kRoundGiven) return normalStage(l, b, ln, start);
   NormalLaunch r = l;
   resolveRound(r.p, r.rounds);
-  const bool takes = r.rounds.blocks > 0;
-  if (takes) holdStage(r.rounds, ln, r.p.round);
   normalStage(r, b, ln, start);
-  if (takes) endSend(r.rounds, ln);
+  if (r.rounds.blocks > 0) endSend(r.rounds, ln);
 }
 
 constexpr const char* kLlEntryName = "mc_ep_ll";

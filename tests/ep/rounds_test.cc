@@ -7,12 +7,14 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
 
 #include "ep/kernels/device_rounds.h"
 #include "ep/kernels/host_lanes.h"
+#include "ep/kernels/ll_entry.h"
 #include "ep/kernels/ll_kernels.h"
 
 namespace mooncake::ep::kern {
@@ -69,6 +71,60 @@ TEST(EpDeviceRounds, TheLastBlockOfASendTakesItsRoundOnce) {
     LlArgs p;
     resolveRound(p, later);
     EXPECT_EQ(p.round, next);
+  }
+}
+
+// Through the entry's block function (ep/kernels/ll_entry.h, as mc_ep_ll runs it): a combine's
+// send of R blocks, every destination inactive (so the bodies store nothing), then a round
+// given up (kAbandonRound, one block, no slot), whose abandon word goes to the peer's half of
+// the round.
+TEST(EpDeviceRounds, TheEntryTakesASendsRoundAndAGiveUpsRound) {
+  constexpr int R = 4, kLanes = 2;
+  uint32_t words[kDeviceRoundWords] = {};
+  std::vector<char> peer(256, 0);
+  std::vector<char*> peers(R, peer.data());  // (mapped, so nothing is staged for a proxy)
+  std::vector<int32_t> active(R, 0);
+  LlLaunch l;
+  l.p.world = R;
+  l.p.active = active.data();
+  l.p.peers = peers.data();
+  l.p.abandon_signals = 8;
+  l.rounds.words = words;
+  l.rounds.kind = 1;
+  l.rounds.half_bytes = 128;
+  for (int call = 0; call < 5; ++call) {
+    l.stage = kCombineSend;
+    l.rounds.from = kRoundNext;
+    l.rounds.slot = call % 2;
+    l.rounds.blocks = R;
+    std::vector<std::unique_ptr<BlockThreads>> bt;
+    std::vector<std::thread> ts;
+    HostLanes base;
+    for (int b = 0; b < R; ++b) bt.push_back(std::make_unique<BlockThreads>(kLanes));
+    for (int b = 0; b < R; ++b)
+      for (int i = 0; i < kLanes; ++i)
+        ts.emplace_back([&, b, i] {
+          ThreadLanes ln(base, bt[static_cast<size_t>(b)].get(), i);
+          llBlock(l, b, ln, 0);
+        });
+    for (auto& t : ts) t.join();
+    const uint32_t sent = static_cast<uint32_t>(2 * call + 1);
+    EXPECT_EQ(words[1], sent) << "call " << call;
+    EXPECT_EQ(words[2 + 2 + call % 2], sent) << "call " << call;
+    EXPECT_EQ(words[0], 0u) << "call " << call << ": the dispatch counter moved";
+    // The next combine round is given up.
+    l.stage = kAbandonRound;
+    l.rounds.slot = -1;
+    l.rounds.blocks = 1;
+    HostLanes ln;
+    llBlock(l, 0, ln, 0);
+    const uint32_t gave = sent + 1;
+    EXPECT_EQ(words[1], gave) << "call " << call;
+    EXPECT_EQ(words[2 + 2 + call % 2], sent) << "call " << call << ": a give-up wrote a slot";
+    EXPECT_EQ(words[kRoundWordEnded], 0u);
+    uint64_t got = 0;  // rank 0's word in the half of `gave` (even: half 0)
+    std::memcpy(&got, peer.data() + 8 + (gave % 2) * 128, 8);
+    EXPECT_EQ(got, makeSignal(gave, 1)) << "call " << call << ": the abandon word";
   }
 }
 
