@@ -374,7 +374,7 @@ class EpBuffer {
   // the send's last block takes the round (a stage of its own for a send of no blocks). With
   // ranks on other hosts (ll_proxy.h): first the wait for the proxy to have moved its stage's
   // last rows (on the host, or a stage of its own with rounds on the device), then the proxy
-  // is given this send's job (by the host, or by a stage after the send). *launched (if
+  // is given this send's job (by the host, or by the send's last block). *launched (if
   // given) turns true once a kernel is queued.
   template <class Launch, class Stage>
   void deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t grid, const char* op,

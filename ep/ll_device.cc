@@ -68,8 +68,9 @@ Status mapRounds(const dev::HostView& view, kern::DeviceRounds& d) {
   return mapInto(view, d.ring, kern::kProxyRingSlots * sizeof(kern::ProxyJob));
 }
 
-// A proxy job (kPostJob, kNormalPostJob) carries the args as the device addresses them (the
-// proxy hands them to the engine): only the rounds' words are mapped here.
+// A proxy job (kPostJob, kNormalPostJob) carries the args as the device addresses them: only
+// the rounds' words are mapped here. (A send's last block posts its args as mapped below: the
+// proxy takes the only addresses it uses, the stage's and the words', from its own numbers.)
 template <class Launch>
 Status simPostJob(const void* params, const dev::HostView& view) {
   Launch l;
@@ -605,8 +606,8 @@ void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t 
   // Rounds on the device: the send's blocks take the round (words[kind] + 1, recorded in the
   // call's slot; a send of no blocks: a kTakeRound stage). With ranks on other hosts the stage's
   // wait is a one-block stage before the send (one lane waits, not every block of the send,
-  // which would hold the GPU while the proxy lags), and the kernels post the proxy's job after
-  // the send (ll_proxy.h).
+  // which would hold the GPU while the proxy lags), and the send's last block posts the
+  // proxy's job (ll_proxy.h).
   const bool rounds = l.rounds.words != nullptr, ring = proxy_ && rounds;
   if (ring)
     deviceRoundStage(kern::kStageWait, l.rounds, op);
@@ -624,11 +625,12 @@ void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t 
     deviceRoundStage(kern::kTakeRound, l.rounds, op);
     if (launched != nullptr) *launched = true;
   }
-  if (ring) {
-    if constexpr (std::is_same_v<Launch, kern::LlLaunch>)
-      deviceLaunch(l, kern::kPostJob, 1, op);
-    else
-      deviceLaunch(l, kern::kNormalPostJob, 1, op);
+  if (ring) {  // (the send's last block posted the job; a send of no blocks: a stage does)
+    if constexpr (std::is_same_v<Launch, kern::LlLaunch>) {
+      if (grid <= 0) deviceLaunch(l, kern::kPostJob, 1, op);
+    } else {
+      if (grid <= 0) deviceLaunch(l, kern::kNormalPostJob, 1, op);
+    }
     proxy_->kick();
     return;
   }

@@ -235,7 +235,11 @@ bool EpBuffer::Proxy::takeRingJob(Job* j) {
   j->abandon = slot->mode == kern::kJobAbandon;
   j->p = slot->ll;
   j->np = slot->np;
-  j->sent = nullptr;  // (posted after the send's kernels: every word is there)
+  // The stage and proxy words of (kind, round) are the proxy's own numbers: the kernels' (the
+  // simulation's kernels post their host views of them).
+  fill(j->p, j->kind, j->round);
+  fill(j->np, j->kind, j->round);
+  j->sent = nullptr;  // (every word is waited for: the send's last block posted the job)
   ring_taken_ = n;
   return true;
 }

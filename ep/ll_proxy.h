@@ -26,7 +26,7 @@
 // host hands the proxy each send's job) or, with rounds counted on the device (a buffer with
 // stream-ordered calls, its normal-mode calls too), in a one-block stage before the send
 // (kern::kStageWait); there the kernels hand the proxy its jobs through the ring
-// (kern::kPostJob after the send), so that a send replayed from a CUDA graph is moved as its
+// (the send's last block posts its job), so that a send replayed from a CUDA graph is moved as its
 // first run was, and no host thread waits per call.
 #pragma once
 

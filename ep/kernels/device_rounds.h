@@ -45,7 +45,7 @@ struct DeviceRounds {
   // ctl[2 * kind + half]  the last round of (kind, half) whose staged rows the proxy moved
   // ctl[kCtlTaken]        jobs the proxy took from the ring
   // ctl[kCtlStopped]      nonzero: the proxy stopped (the stage waits pass)
-  // and its ring of kProxyRingSlots jobs (ProxyJob), which a send's kPostJob fills: the
+  // and its ring of kProxyRingSlots jobs (ProxyJob), which a send's last block fills: the
   // kernels feed the proxy, so that a replayed send is moved as the first run was. The
   // (kind, half)'s stage, proxy words and ctrl of half 1 are these strides past half 0's.
   uint32_t* ctl = nullptr;
@@ -92,16 +92,19 @@ MC_HD void takeRound(const DeviceRounds& d) {
 // work: the last block to end takes the round, as kTakeRound would after the stage, without
 // a launch of its own. Each block read words[kind] at its start (resolveRound), before it
 // counted itself, so none reads the advanced word; the count goes back to 0 for the stream's
-// next such stage (the stages of a buffer run one after another on its stream).
+// next such stage (the stages of a buffer run one after another on its stream). True on the
+// lane that took it (lane 0 of the last block), which then posts the send's proxy job
+// (ll_entry.h, llBlock).
 MC_HD_TEMPLATE
 template <class Ln>
-MC_HD void endSend(const DeviceRounds& d, Ln& ln) {
+MC_HD bool endSend(const DeviceRounds& d, Ln& ln) {
   ln.sync();  // (every lane of the block is past its read of the round)
-  if (ln.lane() != 0) return;
+  if (ln.lane() != 0) return false;
   int32_t* ended = reinterpret_cast<int32_t*>(d.words + kRoundWordEnded);
-  if (ln.fetchAdd(ended, 1) != d.blocks - 1) return;
+  if (ln.fetchAdd(ended, 1) != d.blocks - 1) return false;
   *ended = 0;
   takeRound(d);
+  return true;
 }
 
 }  // namespace mooncake::ep::kern

@@ -12,9 +12,9 @@
 //   normal combine:  kNormalCombineSend (R), kNormalCombineWait (R), kNormalCombineToken (T)
 // With rounds on the device (ep/kernels/device_rounds.h), each send's stage takes its round
 // (its last block to end; endSend), and a round given up before its send is kAbandonRound (1
-// block, which takes it too); with ranks on other hosts a kStageWait (1) precedes the send
-// and a kPostJob (1) (normal mode: kNormalPostJob) follows it. kTakeRound takes a round as a
-// stage of its own (a send of no blocks).
+// block, which takes it too); with ranks on other hosts a kStageWait (1) precedes the send,
+// whose last block also posts its proxy job. kTakeRound and kPostJob (normal mode:
+// kNormalPostJob) are those steps as stages of their own (a send of no blocks).
 #pragma once
 
 #include <cstdint>
@@ -36,7 +36,8 @@ enum LlStage : int32_t {
                       // ranks on other hosts, the proxy's job to tell them)
   kStageWait = 7,     // device rounds, ranks on other hosts: before a send, until the proxy
                       // moved what the (kind, half)'s stage held two rounds ago
-  kPostJob = 8,       // device rounds, ranks on other hosts: after a send, its proxy job
+  kPostJob = 8,       // device rounds, ranks on other hosts: after a send of no blocks, its
+                      // proxy job
 };
 
 struct LlLaunch {
@@ -69,7 +70,8 @@ struct NormalLaunch {
 };
 
 // A job of the proxy's ring (DeviceRounds::ring), stored by one lane: a send's (its args as
-// the stages resolved them) or a round given up; `seq` (1-based) last, with release.
+// the stages resolved them; the proxy takes the stage and words of (kind, round) from its own
+// numbers, EpBuffer::Proxy::fill) or a round given up; `seq` (1-based) last, with release.
 enum ProxyJobMode : int32_t { kJobLowLatency = 0, kJobNormal = 1, kJobAbandon = 2 };
 struct ProxyJob {
   uint64_t seq;
@@ -171,7 +173,8 @@ MC_HD void llStage(const LlLaunch& l, int b, Ln& ln, int64_t start) {
 }
 
 // Block b of a stage, its round resolved first where the device counts rounds (kTakeRound
-// reads the words itself); a stage that takes its round counts itself ended after.
+// reads the words itself); a stage that takes its round counts itself ended after, and the
+// send's last block posts its proxy job (a give-up posted its own in the stage).
 MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void llBlock(const LlLaunch& l, int b, Ln& ln, int64_t start) {
@@ -179,7 +182,9 @@ MC_HD void llBlock(const LlLaunch& l, int b, Ln& ln, int64_t start) {
   LlLaunch r = l;
   resolveRound(r.p, r.rounds);
   llStage(r, b, ln, start);
-  if (r.rounds.blocks > 0) endSend(r.rounds, ln);
+  if (r.rounds.blocks > 0 && endSend(r.rounds, ln) && r.rounds.ring != nullptr &&
+      l.stage != kAbandonRound)
+    postJob(r.rounds, ln, kJobLowLatency, r.p.round, &r.p, nullptr);
 }
 
 MC_HD_TEMPLATE
@@ -223,7 +228,8 @@ MC_HD void normalBlock(const NormalLaunch& l, int b, Ln& ln, int64_t start) {
   NormalLaunch r = l;
   resolveRound(r.p, r.rounds);
   normalStage(r, b, ln, start);
-  if (r.rounds.blocks > 0) endSend(r.rounds, ln);
+  if (r.rounds.blocks > 0 && endSend(r.rounds, ln) && r.rounds.ring != nullptr)
+    postJob(r.rounds, ln, kJobNormal, r.p.round, nullptr, &r.p);
 }
 
 constexpr const char* kLlEntryName = "mc_ep_ll";
