@@ -329,9 +329,12 @@ void EpBuffer::Proxy::runSend(const Job& j) {
   for (int o = 0; o < R; ++o)
     if (proxied_[o]) left[o] = L, pending += L;
   int idle = 0;
+  // A job without an event (from the ring: posted once the send's blocks all ended) waits
+  // this long for a word that is not there (a word is written by the block that ended).
+  const engine::Deadline words_by = engine::deadlineInMs(buf_.timeout_ms_);
   while (pending > 0) {
     // Checked before the words: once the send's kernels ended, every word they post is there.
-    const bool ended = j.sent != nullptr && j.sent->done();
+    const bool ended = j.sent != nullptr ? j.sent->done() : engine::Clock::now() >= words_by;
     bool any = false;
     for (int o = 0; o < R; ++o) {
       if (!proxied_[o]) continue;

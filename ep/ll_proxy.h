@@ -70,7 +70,7 @@ class EpBuffer::Proxy {
   void stageFree(RoundKind kind, uint32_t round, const char* op);
   // After a send's kernels were queued with args p (fill's): moves what they post. `sent`:
   // an event after them (how the proxy knows a word that is not there will not come; null:
-  // every word is waited for, until stop()).
+  // a word is waited for MC_EP_TIMEOUT_MS at most).
   void moveSend(const kern::LlArgs& p, RoundKind kind, std::shared_ptr<engine::device::Event> sent);
   void moveSend(const kern::NormalArgs& p, RoundKind kind,
                 std::shared_ptr<engine::device::Event> sent);

@@ -77,7 +77,7 @@ TEST(EpDeviceRounds, TheLastBlockOfASendTakesItsRoundOnce) {
 // Through the entry's block function (ep/kernels/ll_entry.h, as mc_ep_ll runs it): a combine's
 // send of R blocks, every destination inactive (so the bodies store nothing), then a round
 // given up (kAbandonRound, one block, no slot), whose abandon word goes to the peer's half of
-// the round.
+// the round; with a proxy's ring (ranks on other hosts) each posts exactly one job.
 TEST(EpDeviceRounds, TheEntryTakesASendsRoundAndAGiveUpsRound) {
   constexpr int R = 4, kLanes = 2;
   uint32_t words[kDeviceRoundWords] = {};
@@ -92,6 +92,18 @@ TEST(EpDeviceRounds, TheEntryTakesASendsRoundAndAGiveUpsRound) {
   l.rounds.words = words;
   l.rounds.kind = 1;
   l.rounds.half_bytes = 128;
+  uint32_t ctl[kCtlWords] = {};
+  std::vector<ProxyJob> ring(kProxyRingSlots);
+  l.rounds.ctl = ctl;
+  l.rounds.ring = reinterpret_cast<char*>(ring.data());
+  auto posted = [&](uint32_t n, int32_t mode, uint32_t round, const char* what) {
+    EXPECT_EQ(words[kRoundWordPosted], n) << what << ": jobs posted";
+    const ProxyJob& j = ring[(n - 1) % kProxyRingSlots];
+    EXPECT_EQ(j.seq, n) << what;
+    EXPECT_EQ(j.mode, mode) << what;
+    EXPECT_EQ(j.round, round) << what;
+    EXPECT_EQ(j.kind, 1) << what;
+  };
   for (int call = 0; call < 5; ++call) {
     l.stage = kCombineSend;
     l.rounds.from = kRoundNext;
@@ -112,6 +124,7 @@ TEST(EpDeviceRounds, TheEntryTakesASendsRoundAndAGiveUpsRound) {
     EXPECT_EQ(words[1], sent) << "call " << call;
     EXPECT_EQ(words[2 + 2 + call % 2], sent) << "call " << call;
     EXPECT_EQ(words[0], 0u) << "call " << call << ": the dispatch counter moved";
+    posted(2 * call + 1, kJobLowLatency, sent, "the send's job");
     // The next combine round is given up.
     l.stage = kAbandonRound;
     l.rounds.slot = -1;
@@ -125,6 +138,7 @@ TEST(EpDeviceRounds, TheEntryTakesASendsRoundAndAGiveUpsRound) {
     uint64_t got = 0;  // rank 0's word in the half of `gave` (even: half 0)
     std::memcpy(&got, peer.data() + 8 + (gave % 2) * 128, 8);
     EXPECT_EQ(got, makeSignal(gave, 1)) << "call " << call << ": the abandon word";
+    posted(2 * call + 2, kJobAbandon, gave, "the give-up's job");
   }
 }
 

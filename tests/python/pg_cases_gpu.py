@@ -221,12 +221,21 @@ def case_gpu_errors(ctx):
     # caller's thread before anything is queued, on every rank alike, the capture left valid.
     x = to_gpu(torch.ones(16))
     out = to_gpu(torch.zeros(16 * ctx.world))
-    calls = (("allreduce", lambda: dist.all_reduce(x)),
+    calls = [("allreduce", lambda: dist.all_reduce(x)),
              ("broadcast", lambda: dist.broadcast(x, 0)),
-             ("all_gather_into_tensor", lambda: _compat_all_gather_tensor(out, x)),
+             ("_allgather_base", lambda: _compat_all_gather_tensor(out, x)),
              ("send" if ctx.rank == 0 else "recv",
               lambda: dist.send(x, 1) if ctx.rank == 0 else
-              dist.recv(x, 0) if ctx.rank == 1 else None))
+              dist.recv(x, 0) if ctx.rank == 1 else None)]
+    cm_fn = getattr(dist, "_coalescing_manager", None)
+    coalescing = cm_fn is not None and "device" in cm_fn.__code__.co_varnames  # torch >= 2.1
+
+    def coalesced_gather(dst):  # the fast path: one allgather_into_tensor_coalesced at the exit
+        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+            dist.all_gather_into_tensor(dst, x)
+        cm.wait()
+    if coalescing:
+        calls.append(("allgather_into_tensor_coalesced", lambda: coalesced_gather(out)))
     _C._device_capture_begin()
     try:
         for name, call in calls:
@@ -237,7 +246,7 @@ def case_gpu_errors(ctx):
                 fails.append(f"{name} inside a capture of its stream did not raise")
             except ValueError as e:
                 msg = str(e)
-                for want in (f"rank {ctx.rank}", "capturing a CUDA graph"):
+                for want in (f"rank {ctx.rank}", f": {name}: ", "capturing a CUDA graph"):
                     if want not in msg:
                         fails.append(f"{name} inside a capture: error {msg!r} does not name "
                                      f"{want!r}")
@@ -254,6 +263,19 @@ def case_gpu_errors(ctx):
     if not torch.equal(to_host(out), torch.ones(16 * ctx.world)):
         fails.append("all_gather_into_tensor after the refused calls is wrong (or the refused "
                      "ones changed their tensors)")
+    if ctx.rank < 2:  # send/recv in step too
+        y = to_gpu(torch.full((16,), 3.0) if ctx.rank == 0 else torch.zeros(16))
+        if ctx.rank == 0:
+            dist.send(y, 1)
+        else:
+            dist.recv(y, 0)
+        if ctx.rank == 1 and not torch.equal(to_host(y), torch.full((16,), 3.0)):
+            fails.append("send/recv after the refused calls is wrong")
+    if coalescing:  # the refused coalescing block never ended; the next one works
+        z = to_gpu(torch.zeros(16 * ctx.world))
+        coalesced_gather(z)
+        if not torch.equal(to_host(z), torch.ones(16 * ctx.world)):
+            fails.append("a coalescing block after the refused one is wrong")
     return fails
 
 

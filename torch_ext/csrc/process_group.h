@@ -221,7 +221,8 @@ class ProcessGroupMooncake : public BackendBase {
       const c10d::ReduceScatterOptions& opts) override;
   // dist._coalescing_manager(group, device): every op this process issues on the group
   // between the two (collectives and point-to-point) runs as usual; endCoalescing returns
-  // one Work that completes when all of them have. Called by one thread at a time.
+  // one Work that completes when all of them have. Called by one thread at a time. A block
+  // that never ended (an op in it raised) is dropped by the next startCoalescing.
   void startCoalescing() override;
   c10::intrusive_ptr<Work> endCoalescing() override;
 #endif

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/log.h"
 #include "torch_ext/csrc/convert.h"
 #include "torch_ext/csrc/gpu_tensors.h"
 #include "torch_ext/csrc/process_group.h"
@@ -233,10 +234,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coale
 
 void ProcessGroupMooncake::startCoalescing() {
   std::lock_guard<std::mutex> lk(coalesce_mu_);
+  // Still coalescing: the last block never ended. dist._coalescing_manager does not end a
+  // block whose op raised (a refused tensor; its fast paths' one coalesced call at the exit);
+  // its ops that were issued run and complete as usual, and the group coalesces again. (A
+  // nested manager fails in torch, which pops the group's op list twice.)
   if (coalescing_) {
-    throw std::invalid_argument(who() +
-                                ": startCoalescing: already coalescing (nested "
-                                "coalescing managers on one group)");
+    MC_LOG(WARN, PG) << who() << ": startCoalescing: the previous coalescing block did not end "
+                     << "(an op in it raised); its " << coalesced_.size()
+                     << " issued op(s) complete on their own";
   }
   coalescing_ = true;
   coalesced_.clear();
