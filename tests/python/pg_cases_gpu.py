@@ -8,6 +8,7 @@ the one the rest of the suite checks against gloo and local references (and the 
 here against a local reference too). A rank whose backend memcpy'd GPU memory would die.
 """
 
+import inspect
 import os
 import time
 
@@ -47,6 +48,14 @@ def _close(fails, desc, got, exp, dt):
         ok = torch.equal(got, exp)
     if not ok:
         fails.append(f"{desc}: differs from the local reference")
+
+
+def _device_coalescing():
+    """torch >= 2.1: dist._coalescing_manager(group, device, async_ops) with its fast paths. (Its
+    parameters through inspect: a contextmanager's own code object is the wrapper's, whose
+    names are args and kwds.)"""
+    cm_fn = getattr(dist, "_coalescing_manager", None)
+    return cm_fn is not None and "device" in inspect.signature(cm_fn).parameters
 
 
 def _compat_all_gather_tensor(out, inp):
@@ -227,8 +236,7 @@ def case_gpu_errors(ctx):
              ("send" if ctx.rank == 0 else "recv",
               lambda: dist.send(x, 1) if ctx.rank == 0 else
               dist.recv(x, 0) if ctx.rank == 1 else None)]
-    cm_fn = getattr(dist, "_coalescing_manager", None)
-    coalescing = cm_fn is not None and "device" in cm_fn.__code__.co_varnames  # torch >= 2.1
+    coalescing = _device_coalescing()
 
     def coalesced_gather(dst):  # the fast path: one allgather_into_tensor_coalesced at the exit
         with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
@@ -307,8 +315,7 @@ def case_gpu_coalesced(ctx):
     dist.all_reduce_coalesced(h)
     for k in range(len(sizes)):
         _same(fails, f"all_reduce_coalesced #{k}", g[k], h[k])
-    cm_fn = getattr(dist, "_coalescing_manager", None)
-    if cm_fn is None or "device" not in cm_fn.__code__.co_varnames:
+    if not _device_coalescing():
         return fails  # torch 1.13: no coalescing manager with these fast paths
     outs = [torch.zeros(w * n, dtype=torch.int64) for n in sizes]
     _coalesced_twice(fails, "all_gather_into_tensor", dist.all_gather_into_tensor, outs, ins)
@@ -530,8 +537,7 @@ def case_gpu_stream_lists(ctx, expect_stream, sizes=(1, 1000, 2**18 + 3)):
     calls += len(sizes)
     for k in range(len(sizes)):
         _same(fails, f"stream all_reduce_coalesced #{k}", g[k], h[k])
-    cm_fn = getattr(dist, "_coalescing_manager", None)
-    if cm_fn is not None and "device" in cm_fn.__code__.co_varnames:  # torch >= 2.1
+    if _device_coalescing():
         ins = [make("int64", n, r, salt=60 + k) for k, n in enumerate(sizes)]
         outs = [torch.zeros(w * n, dtype=torch.int64) for n in sizes]
         _coalesced_twice(fails, "all_gather_into_tensor", dist.all_gather_into_tensor, outs, ins)

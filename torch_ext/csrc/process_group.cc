@@ -225,7 +225,8 @@ std::shared_ptr<pg::Communicator::StreamOp> ProcessGroupMooncake::queueOnStream(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamCollective(
     c10d::OpType type, const char* name, const Tensor& on, std::vector<Tensor> outputs,
-    const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue) {
+    const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue,
+    std::vector<Tensor> inputs) {
   const void* stream = nullptr;
   std::shared_ptr<pg::Communicator::StreamOp> so = queueOnStream(name, on, queue, &stream);
   if (!so) return {};
@@ -235,7 +236,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamCollective(
   try {
     // The queued task is the host's only part: it waits for the op's end on the stream and
     // checks it (a dead peer, a mismatch), in issue order with the group's other ops.
-    auto id = queue_->submit(name, [work, so, ctx = ectx_, name]() {
+    inputs.push_back(on);
+    auto id = queue_->submit(name, [work, so, ctx = ectx_, name, held = std::move(inputs)]() {
       std::exception_ptr err;
       try {
         so->wait();
@@ -243,6 +245,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamCollective(
         err = translateError(*ctx, name, std::current_exception());
       }
       work->complete(err);
+      (void)held;  // (released with the task, after the op ended)
     });
     work->setQueued(queue_, id);
   } catch (...) {
@@ -433,7 +436,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
                               [&](const void* st) {
                                 return c->allGatherOnStream(in.data_ptr(), out.data_ptr(),
                                                             nbytes(in), st);
-                              });
+                              }, {in});
     if (w) return w;
   }
   return collective(ck, OpType::_ALLGATHER_BASE, "_allgather_base", {output}, [c, in, out, n] {
@@ -509,7 +512,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
   if (onGpu(out)) {
     auto w = streamCollective(OpType::SCATTER, "scatter", out, {out}, [&](const void* st) {
       return c->scatterOnStream(constPtrs(ins), out.data_ptr(), nbytes(out), root, st);
-    });
+    }, ins);
     if (w) return w;
   }
   return collective(ck, OpType::SCATTER, "scatter", outputs, [c, ins, out, root, n, sc = scratch_] {
@@ -545,7 +548,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
                                 return c->reduceScatterOnStream(constPtrs(ins), out.data_ptr(),
                                                                 static_cast<size_t>(out.numel()),
                                                                 dt, op, st);
-                              });
+                              }, ins);
     if (w) return w;
   }
   return collective(ck, OpType::REDUCE_SCATTER, "reduce_scatter", outputs,
@@ -573,7 +576,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
         [&](const void* st) {
           return c->reduceScatterOnStream(in.data_ptr(), out.data_ptr(),
                                           static_cast<size_t>(out.numel()), dt, op, st);
-        });
+        }, {in});
     if (w) return w;
   }
   return collective(ck, OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", {output},
@@ -610,7 +613,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall_base(
                                              : c->allToAllVOnStream(in.data_ptr(), sb, so,
                                                                     out.data_ptr(), rb, ro, st,
                                                                     hint);
-                              });
+                              }, {in});
     if (w) return w;
   }
   return collective(ck, OpType::ALLTOALL_BASE, "alltoall_base", {output}, [c, in, out, sb, so, rb, ro] {
@@ -648,7 +651,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall(std::vector<Tensor
     const int hint = gpuOrdinal(ins[0]);
     auto w = streamCollective(OpType::ALLTOALL, "alltoall", ins[0], outs, [&](const void* st) {
       return c->allToAllVOnStream(constPtrs(ins), sb, dataPtrs(outs), rb, st, hint);
-    });
+    }, ins);
     if (w) return w;
   }
   return collective(ck, OpType::ALLTOALL, "alltoall", outputs,

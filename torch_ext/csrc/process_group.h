@@ -242,10 +242,12 @@ class ProcessGroupMooncake : public BackendBase {
       const void** stream) const;
   // An op on GPU memory queued on the stream of `on` (pg/stream_ops.h) by `queue` (given that
   // stream; null when the group does not take that path), with a Work whose queued task waits
-  // for it; null when it was not queued.
+  // for it; null when it was not queued. `inputs` (and `on`) are held until the op ended on
+  // the stream, as ProcessGroupNCCL stashes its tensors: a caller may drop an input at once.
   c10::intrusive_ptr<Work> streamCollective(
       c10d::OpType type, const char* op, const at::Tensor& on, std::vector<at::Tensor> outputs,
-      const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue);
+      const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue,
+      std::vector<at::Tensor> inputs = {});
   c10::intrusive_ptr<Work> p2p(const Check& ck, c10d::OpType type, const char* op,
                                const P2pLanes::Key& lane,
                                std::vector<at::Tensor> outputs,

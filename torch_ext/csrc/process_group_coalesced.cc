@@ -142,7 +142,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
             for (int r = 0; r < n; ++r) outs.push_back(outputs[r][j].data_ptr());
             return c->allGatherOnStream(ins[j].data_ptr(), outs, nbytes(ins[j]), st);
           });
-        });
+        }, ins);
     if (w) return w;
   }
   return collective(ck, OpType::ALLGATHER_COALESCED, "allgather_coalesced", flat_outs,
@@ -181,7 +181,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coale
                                                               outs[i].data_ptr(),
                                                               nbytes(ins[i]), st);
                                 });
-                              });
+                              }, ins);
     if (w) return w;
   }
   return collective(ck, OpType::COALESCED, "allgather_into_tensor_coalesced", outputs, [c, ins, outs] {
@@ -218,7 +218,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coale
                                       static_cast<size_t>(outs[i].numel()), types[i].first,
                                       types[i].second, st);
                                 });
-                              });
+                              }, ins);
     if (w) return w;
   }
   return collective(ck, OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs,
