@@ -392,7 +392,7 @@ class EpBuffer {
   // words[kind] + 1, set by deviceSend). Nothing without them.
   template <class Launch>
   void deviceRoundsFor(Launch& l, RoundKind kind, uint32_t round) const;
-  // Queues kTakeRound, kStageWait or kAbandonRound (one block) with `rounds`.
+  // Queues kStageWait or kAbandonRound (one block) with `rounds`.
   void deviceRoundStage(kern::LlStage stage, kern::DeviceRounds rounds, const char* op);
   std::string setUpStream();  // "" or why not
   bool freeStream();          // false: the stream's kernels did not run out (keep the memory)

@@ -8,7 +8,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "engine/device/device.h"
@@ -61,33 +60,18 @@ struct SimLanes : kern::HostLanes {
 
 // The simulation's form of mc_ep_ll: the blocks one after another on this thread, in the order
 // ep/ll_host.cc runs them (a call's sends to other ranks first).
-// The rounds' words as the simulated kernel reaches them (the proxy's are host memory).
+// The rounds' words as the simulated kernel reaches them (the proxy's are host memory). A
+// send's last block posts its args to the ring as mapped here: the proxy takes the only
+// addresses it uses, the stage's and the words', from its own numbers (ll_proxy.h, fill).
 Status mapRounds(const dev::HostView& view, kern::DeviceRounds& d) {
   MC_RETURN_IF_ERROR(mapInto(view, d.words, kern::kDeviceRoundWords * 4));
   MC_RETURN_IF_ERROR(mapInto(view, d.ctl, kern::kCtlWords * 4));
   return mapInto(view, d.ring, kern::kProxyRingSlots * sizeof(kern::ProxyJob));
 }
 
-// A proxy job (kPostJob, kNormalPostJob) carries the args as the device addresses them: only
-// the rounds' words are mapped here. (A send's last block posts its args as mapped below: the
-// proxy takes the only addresses it uses, the stage's and the words', from its own numbers.)
-template <class Launch>
-Status simPostJob(const void* params, const dev::HostView& view) {
-  Launch l;
-  std::memcpy(&l, params, sizeof l);
-  MC_RETURN_IF_ERROR(mapRounds(view, l.rounds));
-  SimLanes ln;
-  if constexpr (std::is_same_v<Launch, kern::LlLaunch>)
-    kern::llBlock(l, 0, ln, ln.nowUs());
-  else
-    kern::normalBlock(l, 0, ln, ln.nowUs());
-  return Status::OK();
-}
-
 Status simEntry(const void* params, const dev::HostView& view) {
   kern::LlLaunch l;
   std::memcpy(&l, params, sizeof l);
-  if (l.stage == kern::kPostJob) return simPostJob<kern::LlLaunch>(params, view);
   kern::LlArgs& p = l.p;
   const int R = p.world, L = p.local_experts, me = p.me;
   const uint64_t RM = static_cast<uint64_t>(R) * p.max_tokens, T = p.tokens, K = p.topk;
@@ -143,7 +127,6 @@ Status simEntry(const void* params, const dev::HostView& view) {
     case kern::kCombineToken:
       for (uint64_t t = 0; t < T; ++t) kern::llBlock(l, static_cast<int>(t), ln, start);
       break;
-    case kern::kTakeRound:
     case kern::kAbandonRound:
     case kern::kStageWait:
       kern::llBlock(l, 0, ln, start);
@@ -158,7 +141,6 @@ Status simEntry(const void* params, const dev::HostView& view) {
 Status simNormal(const void* params, const dev::HostView& view) {
   kern::NormalLaunch l;
   std::memcpy(&l, params, sizeof l);
-  if (l.stage == kern::kNormalPostJob) return simPostJob<kern::NormalLaunch>(params, view);
   kern::NormalArgs& p = l.p;
   const int R = p.world, me = p.me;
   const uint64_t T = p.tokens, K = p.topk, N = l.rows, row = kern::rowBytes(p);
@@ -594,7 +576,7 @@ void EpBuffer::deviceRoundStage(kern::LlStage stage, kern::DeviceRounds rounds, 
   l.p.peers = dev_peers_;
   l.p.abandon_signals = geo_.abandonSignal(0, rounds.kind, 0);
   l.peer_bytes = geo_.totalBytes();
-  rounds.from = stage == kern::kTakeRound ? kern::kRoundGiven : kern::kRoundNext;
+  rounds.from = kern::kRoundNext;
   rounds.blocks = stage == kern::kAbandonRound ? 1 : 0;  // (it takes the round given up)
   l.rounds = rounds;
   deviceLaunch(l, stage, 1, op);
@@ -604,33 +586,24 @@ template <class Launch, class Stage>
 void EpBuffer::deviceSend(const Launch& l, Stage stage, RoundKind kind, int64_t grid,
                           const char* op, bool* launched) {
   // Rounds on the device: the send's blocks take the round (words[kind] + 1, recorded in the
-  // call's slot; a send of no blocks: a kTakeRound stage). With ranks on other hosts the stage's
-  // wait is a one-block stage before the send (one lane waits, not every block of the send,
-  // which would hold the GPU while the proxy lags), and the send's last block posts the
-  // proxy's job (ll_proxy.h).
+  // call's slot). With ranks on other hosts the stage's wait is a one-block stage before the
+  // send (one lane waits, not every block of the send, which would hold the GPU while the
+  // proxy lags), and the send's last block posts the proxy's job (ll_proxy.h).
+  if (grid <= 0)  // (E, R >= 1: validated before any call gets here)
+    throw std::logic_error(str(op, ": rank ", g_.rank, ": a send of ", grid, " blocks"));
   const bool rounds = l.rounds.words != nullptr, ring = proxy_ && rounds;
   if (ring)
     deviceRoundStage(kern::kStageWait, l.rounds, op);
   else if (proxy_)
     proxy_->stageFree(kind, l.p.round, op);
-  if (grid > 0) {
-    Launch send = l;
-    if (rounds) {
-      send.rounds.from = kern::kRoundNext;
-      send.rounds.blocks = static_cast<int32_t>(grid);
-    }
-    deviceLaunch(send, stage, static_cast<unsigned>(grid), op);
-    if (launched != nullptr) *launched = true;
-  } else if (rounds) {
-    deviceRoundStage(kern::kTakeRound, l.rounds, op);
-    if (launched != nullptr) *launched = true;
+  Launch send = l;
+  if (rounds) {
+    send.rounds.from = kern::kRoundNext;
+    send.rounds.blocks = static_cast<int32_t>(grid);
   }
-  if (ring) {  // (the send's last block posted the job; a send of no blocks: a stage does)
-    if constexpr (std::is_same_v<Launch, kern::LlLaunch>) {
-      if (grid <= 0) deviceLaunch(l, kern::kPostJob, 1, op);
-    } else {
-      if (grid <= 0) deviceLaunch(l, kern::kNormalPostJob, 1, op);
-    }
+  deviceLaunch(send, stage, static_cast<unsigned>(grid), op);
+  if (launched != nullptr) *launched = true;
+  if (ring) {  // (the send's last block posted the job)
     proxy_->kick();
     return;
   }

@@ -11,8 +11,8 @@
 //                               the call: a send and its hook's receive may have other calls
 //                               between them, at most two of a kind in flight)
 // A send's stages resolve round = words[kind] + 1 (kRoundNext); then the send's last block to
-// end takes it (endSend: words[kind] += 1, and the call's slot records it; a one-block
-// kTakeRound stage does the same where no send's blocks ran); the stages after the send
+// end takes it (endSend: words[kind] += 1, and the call's slot records it); the stages after
+// the send
 // (a receive, a wait, normal mode's later stages) read the slot (kRoundOfCall). The half of
 // the buffer follows the resolved round's parity: the host fills the offsets of half 0 and
 // the stages add `half_bytes` for an odd round. Every rank issues the same calls in the same
@@ -79,7 +79,7 @@ MC_HD void resolveRound(Args& p, const DeviceRounds& d) {
   if (p.ctrl != nullptr) p.ctrl += d.ctrl_half;
 }
 
-// kTakeRound, by one lane: the send before it (on the same stream) used words[kind] + 1.
+// By one lane, after the stage that used words[kind] + 1 (endSend).
 // slot < 0: a round given up, which no later stage reads (the slot may belong to a call in
 // flight, whose hook's receive still reads it).
 MC_HD void takeRound(const DeviceRounds& d) {
@@ -89,8 +89,7 @@ MC_HD void takeRound(const DeviceRounds& d) {
 }
 
 // Every block of a stage with d.blocks > 0 (a send, a round given up), all lanes, after its
-// work: the last block to end takes the round, as kTakeRound would after the stage, without
-// a launch of its own. Each block read words[kind] at its start (resolveRound), before it
+// work: the last block to end takes the round, without a launch of its own. Each block read words[kind] at its start (resolveRound), before it
 // counted itself, so none reads the advanced word; the count goes back to 0 for the stream's
 // next such stage (the stages of a buffer run one after another on its stream). True on the
 // lane that took it (lane 0 of the last block), which then posts the send's proxy job

@@ -13,8 +13,8 @@
 // With rounds on the device (ep/kernels/device_rounds.h), each send's stage takes its round
 // (its last block to end; endSend), and a round given up before its send is kAbandonRound (1
 // block, which takes it too); with ranks on other hosts a kStageWait (1) precedes the send,
-// whose last block also posts its proxy job. kTakeRound and kPostJob (normal mode:
-// kNormalPostJob) are those steps as stages of their own (a send of no blocks).
+// whose last block also posts its proxy job. (A send has at least one block: E for a dispatch,
+// R for a combine or a normal-mode send.)
 #pragma once
 
 #include <cstdint>
@@ -31,13 +31,10 @@ enum LlStage : int32_t {
   kCombineSend = 2,
   kCombineWait = 3,
   kCombineToken = 4,
-  kTakeRound = 5,     // device rounds, a send of no blocks: takes words[kind] + 1 after it
   kAbandonRound = 6,  // device rounds: every mapped peer's abandon word of this rank (and,
                       // ranks on other hosts, the proxy's job to tell them)
   kStageWait = 7,     // device rounds, ranks on other hosts: before a send, until the proxy
                       // moved what the (kind, half)'s stage held two rounds ago
-  kPostJob = 8,       // device rounds, ranks on other hosts: after a send of no blocks, its
-                      // proxy job
 };
 
 struct LlLaunch {
@@ -57,7 +54,6 @@ enum NormalStage : int32_t {
   kNormalCombineSend = 4,
   kNormalCombineWait = 5,
   kNormalCombineToken = 6,
-  kNormalPostJob = 7,  // as kPostJob
 };
 
 struct NormalLaunch {
@@ -152,9 +148,6 @@ MC_HD void llStage(const LlLaunch& l, int b, Ln& ln, int64_t start) {
     case kCombineToken:
       combineRecvToken(l.p, b, ln);
       break;
-    case kTakeRound:
-      if (b == 0 && ln.lane() == 0) takeRound(l.rounds);
-      break;
     case kAbandonRound:
       if (b != 0) break;
       abandonRound(l.p, ln);
@@ -164,21 +157,18 @@ MC_HD void llStage(const LlLaunch& l, int b, Ln& ln, int64_t start) {
     case kStageWait:
       if (b == 0 && ln.lane() == 0) waitStage(l.rounds, ln, l.p.round);
       break;
-    case kPostJob:
-      if (b == 0 && ln.lane() == 0) postJob(l.rounds, ln, kJobLowLatency, l.p.round, &l.p, nullptr);
-      break;
     default:
       break;
   }
 }
 
-// Block b of a stage, its round resolved first where the device counts rounds (kTakeRound
-// reads the words itself); a stage that takes its round counts itself ended after, and the
+// Block b of a stage, its round resolved first where the device counts rounds; a stage that
+// takes its round counts itself ended after, and the
 // send's last block posts its proxy job (a give-up posted its own in the stage).
 MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void llBlock(const LlLaunch& l, int b, Ln& ln, int64_t start) {
-  if (l.rounds.from == kRoundGiven || l.stage == kTakeRound) return llStage(l, b, ln, start);
+  if (l.rounds.from == kRoundGiven) return llStage(l, b, ln, start);
   LlLaunch r = l;
   resolveRound(r.p, r.rounds);
   llStage(r, b, ln, start);
@@ -212,9 +202,6 @@ MC_HD void normalStage(const NormalLaunch& l, int b, Ln& ln, int64_t start) {
       break;
     case kNormalCombineToken:
       normalCombineToken(l.p, b, ln);
-      break;
-    case kNormalPostJob:
-      if (b == 0 && ln.lane() == 0) postJob(l.rounds, ln, kJobNormal, l.p.round, nullptr, &l.p);
       break;
     default:
       break;
