@@ -108,6 +108,10 @@ class TransferEngine {
   // done=true when every request finished; per_request (optional) gets each status.
   Status poll(BatchId id, bool* done, std::vector<Status>* per_request = nullptr);
   // Waits for the batch (spin, then block) and releases it. Returns the first failure.
+  // kTimeout (the deadline passed first) cancels nothing: the requests keep running (a
+  // transport may still read or write their local memory: tcp's queued frames point into
+  // it) and the batch is released when they finish, after which poll() says kNotFound.
+  // Until then the local memory must stay valid.
   Status wait(BatchId id, Deadline deadline, std::vector<Status>* per_request = nullptr);
   // submit + wait.
   Status transfer(const std::vector<TransferRequest>& requests, Deadline deadline);

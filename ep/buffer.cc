@@ -233,6 +233,19 @@ void EpBuffer::claimHalf(const char* op, RoundKind kind, uint32_t round, bool ho
   if (hook) hook_pending_[static_cast<int>(kind)][round & 1] = round + 1;
 }
 
+void EpBuffer::keepUntilDone(engine::BatchId batch,
+                             std::vector<std::pair<uint64_t, uint64_t>> entries) {
+  std::lock_guard<std::mutex> g(late_mu_);
+  late_.erase(std::remove_if(late_.begin(), late_.end(),
+                             [this](const auto& kept) {
+                               bool done = false;
+                               Status st = g_.engine->poll(kept.first, &done);
+                               return !st.ok() || done;  // (kNotFound: finished and released)
+                             }),
+              late_.end());
+  late_.emplace_back(batch, std::move(entries));
+}
+
 void EpBuffer::releaseHalf(RoundKind kind, uint32_t round) {
   std::lock_guard<std::mutex> g(stream_mu_);
   uint32_t& held = hook_pending_[static_cast<int>(kind)][round & 1];

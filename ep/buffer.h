@@ -241,7 +241,9 @@ class EpBuffer {
   // buffer's halves, DeepEP's double buffering). A send whose receive waits for its hook
   // holds its round's half until the hook ran, failed or was dropped: a third call of the
   // kind would write its half's rows and signal words (on every rank alike) before the first
-  // one's receive read them. claimHalf (with `round` reserved, before its send) throws
+  // one's receive read them. (Checked per rank only: nothing stops a peer's round n+2 from
+  // reaching a half whose round n this rank's hook has not read yet; docs/ep.md, "Across
+  // ranks the halves are not guarded".) claimHalf (with `round` reserved, before its send) throws
   // std::invalid_argument when the half is held, else marks it held when `hook`;
   // releaseHalf frees it again if `round` holds it.
   void claimHalf(const char* op, RoundKind kind, uint32_t round, bool hook);
@@ -283,6 +285,9 @@ class EpBuffer {
   class Proxy;   // ep/ll_proxy.h
 
  private:
+  // A Writer's signal entries whose batch's wait timed out: the engine may still read them
+  // (engine.h, wait), so they stay here until poll() says the batch finished or is gone.
+  void keepUntilDone(engine::BatchId batch, std::vector<std::pair<uint64_t, uint64_t>> entries);
   EpBuffer() = default;
   static uint64_t randomKey();  // never 0
   void setUp(size_t bytes);
@@ -458,6 +463,8 @@ class EpBuffer {
   bool hook_captured_[2][2] = {};  // [kind][half]: the send whose hook waits was captured
   std::vector<std::shared_ptr<void>> graph_keep_;  // captured calls' tensors (replays use them)
   std::mutex stream_mu_;              // (hook_pending_ too)
+  std::mutex late_mu_;
+  std::vector<std::pair<engine::BatchId, std::vector<std::pair<uint64_t, uint64_t>>>> late_;
   // claimHalf's check, with stream_mu_ held.
   void checkHalfLocked(const char* op, RoundKind kind, uint32_t round) const;
   uint64_t gone_handler_ = 0;             // its engine peer-gone handler (0: none)
