@@ -210,9 +210,9 @@ const std::vector<ParamDef>& table() {
       {"MC_PG_HEALTH_US", Type::kInt, "1000",
        "How often a waiting process-group op checks peer liveness and its deadline."},
       {"MC_PG_HIERARCHICAL", Type::kBool, "1",
-       "Groups that span hosts: allreduce, allgather, broadcast and alltoall run within each "
-       "host through shared memory and between one leader per host (0: every rank exchanges "
-       "messages with every other)."},
+       "Groups that span hosts: allreduce (not AVG), allgather and broadcast run within each "
+       "host through shared memory and between one leader per host, alltoall moves same-host "
+       "blocks through shared memory (0: every rank exchanges messages with every other)."},
       {"MC_PG_GPU_HALVES", Type::kBool, "1",
        "Same-host groups: allgather, broadcast and all_to_all put a rank's GPU data into GPU "
        "comm halves of its own that peers open through the device layer's IPC (device to "

@@ -1,7 +1,7 @@
 // THE registry of MC_* environment parameters. Every parameter the library reads is a row of
 // the table in params.cc (name, type, default, one-line doc); nothing else calls getenv()
-// (tests and benchmarks also read MC_TEST_BUILD_DIR and MC_MASTER_BIN, which are not the
-// library's).
+// (scripts, tests and benchmarks also read MC_TEST_BUILD_DIR, MC_MASTER_BIN and MC_PYTHON,
+// which are not the library's).
 // docs/env.md is generated from the table (`mc_params --markdown`) and a test checks it.
 #pragma once
 

@@ -376,7 +376,7 @@ class EpBuffer {
   // slack_ms more; none when timeout_us < 0 (the kernels end by their sources or dead flags).
   static engine::Deadline waitBound(int64_t timeout_us, int64_t slack_ms);
   // Queues a send's kernels (either mode) on the buffer's stream; with rounds on the device
-  // the send's last block takes the round (a stage of its own for a send of no blocks). With
+  // the send's last block takes the round (a send has E or R >= 1 blocks). With
   // ranks on other hosts (ll_proxy.h): first the wait for the proxy to have moved its stage's
   // last rows (on the host, or a stage of its own with rounds on the device), then the proxy
   // is given this send's job (by the host, or by the send's last block). *launched (if

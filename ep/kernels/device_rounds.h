@@ -12,11 +12,11 @@
 //                               between them, at most two of a kind in flight)
 // A send's stages resolve round = words[kind] + 1 (kRoundNext); then the send's last block to
 // end takes it (endSend: words[kind] += 1, and the call's slot records it); the stages after
-// the send
-// (a receive, a wait, normal mode's later stages) read the slot (kRoundOfCall). The half of
-// the buffer follows the resolved round's parity: the host fills the offsets of half 0 and
-// the stages add `half_bytes` for an odd round. Every rank issues the same calls in the same
-// order, so the counters stay equal across ranks however often a captured sequence replays.
+// the send (a receive, a wait, normal mode's later stages) read the slot (kRoundOfCall).
+// The half of the buffer follows the resolved round's parity: the host fills the offsets of
+// half 0 and the stages add `half_bytes` for an odd round. Every rank issues the same calls
+// in the same order, so the counters stay equal across ranks however often a captured
+// sequence replays.
 // A round given up before anything was sent (ep/buffer.h, "Abandoned rounds") is taken on the
 // stream as well (kAbandonRound, which takes it without a slot), so no host ever needs to
 // know the number.
@@ -89,8 +89,9 @@ MC_HD void takeRound(const DeviceRounds& d) {
 }
 
 // Every block of a stage with d.blocks > 0 (a send, a round given up), all lanes, after its
-// work: the last block to end takes the round, without a launch of its own. Each block read words[kind] at its start (resolveRound), before it
-// counted itself, so none reads the advanced word; the count goes back to 0 for the stream's
+// work: the last block to end takes the round, without a launch of its own. Each block read
+// words[kind] at its start (resolveRound), before it counted itself, so none reads the
+// advanced word; the count goes back to 0 for the stream's
 // next such stage (the stages of a buffer run one after another on its stream). True on the
 // lane that took it (lane 0 of the last block), which then posts the send's proxy job
 // (ll_entry.h, llBlock).
