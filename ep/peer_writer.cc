@@ -182,7 +182,7 @@ std::vector<int> EpBuffer::Writer::flush() {
   const int n = buf_.size();
   const int kind = static_cast<int>(kind_);
   std::vector<engine::BatchId> batch(n, 0);
-  std::vector<bool> ok(n, true), timed_out(n, false);
+  std::vector<bool> ok(n, true);
   engine::TransferEngine& eng = *buf_.g_.engine;
   for (int r = 0; r < n; ++r) {
     if (buf_.mapped_[r] != nullptr) continue;
@@ -221,9 +221,10 @@ std::vector<int> EpBuffer::Writer::flush() {
   for (int r = 0; r < n; ++r) commit(r);
   for (int r = 0; r < n; ++r) {
     if (buf_.mapped_[r] != nullptr) continue;
+    bool timed_out = false;  // (its WRITEs still run: the entries must outlive the Writer)
     if (batch[r] != 0) {
       Status st = eng.wait(batch[r], deadline_);
-      timed_out[r] = st.code() == Code::kTimeout;
+      timed_out = st.code() == Code::kTimeout;
       if (!st.ok() && ok[r]) {
         // A peer that died once its notification was posted may have taken everything and
         // exited (the notification travels behind the WRITEs, not behind their completions).
@@ -239,7 +240,7 @@ std::vector<int> EpBuffer::Writer::flush() {
       }
     }
     if (!ok[r]) failed.push_back(r);
-    if (batch[r] != 0 && timed_out[r]) buf_.keepUntilDone(batch[r], std::move(sigs_[r]));
+    if (timed_out) buf_.keepUntilDone(batch[r], std::move(sigs_[r]));
     reqs_[r].clear();
     sigs_[r].clear();
   }

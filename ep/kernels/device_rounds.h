@@ -91,10 +91,9 @@ MC_HD void takeRound(const DeviceRounds& d) {
 // Every block of a stage with d.blocks > 0 (a send, a round given up), all lanes, after its
 // work: the last block to end takes the round, without a launch of its own. Each block read
 // words[kind] at its start (resolveRound), before it counted itself, so none reads the
-// advanced word; the count goes back to 0 for the stream's
-// next such stage (the stages of a buffer run one after another on its stream). True on the
-// lane that took it (lane 0 of the last block), which then posts the send's proxy job
-// (ll_entry.h, llBlock).
+// advanced word; the count goes back to 0 for the stream's next such stage (the stages of a
+// buffer run one after another on its stream). True on the lane that took it (lane 0 of the
+// last block), which then posts the send's proxy job (ll_entry.h, llBlock).
 MC_HD_TEMPLATE
 template <class Ln>
 MC_HD bool endSend(const DeviceRounds& d, Ln& ln) {

@@ -163,8 +163,8 @@ MC_HD void llStage(const LlLaunch& l, int b, Ln& ln, int64_t start) {
 }
 
 // Block b of a stage, its round resolved first where the device counts rounds; a stage that
-// takes its round counts itself ended after, and the
-// send's last block posts its proxy job (a give-up posted its own in the stage).
+// takes its round counts itself ended after, and the send's last block posts its proxy job
+// (a give-up posted its own in the stage).
 MC_HD_TEMPLATE
 template <class Ln>
 MC_HD void llBlock(const LlLaunch& l, int b, Ln& ln, int64_t start) {
