@@ -216,6 +216,17 @@ void EpBuffer::abandon(RoundKind kind, uint32_t round) {
     w.commit(o);
   }
   (void)w.flush();  // a peer that cannot be told is dead, and its fate is decided elsewhere
+  {
+    // Nothing of this round will be read; but a hook may still have to read round - 2 in the
+    // half (a third call refused): then the hook's release marks both.
+    std::lock_guard<std::mutex> g(stream_mu_);
+    const int k = static_cast<int>(kind), h = static_cast<int>(round & 1);
+    if (hook_pending_[k][h] != 0) {
+      given_up_[k][h] = round;
+      return;
+    }
+  }
+  markRead(kind, round);
 }
 
 void EpBuffer::checkHalfLocked(const char* op, RoundKind kind, uint32_t round) const {
@@ -247,9 +258,24 @@ void EpBuffer::keepUntilDone(engine::BatchId batch,
 }
 
 void EpBuffer::releaseHalf(RoundKind kind, uint32_t round) {
+  uint32_t mark = 0;
+  {
+    std::lock_guard<std::mutex> g(stream_mu_);
+    const int k = static_cast<int>(kind), h = static_cast<int>(round & 1);
+    if (hook_pending_[k][h] != round + 1) return;
+    hook_pending_[k][h] = 0;
+    mark = roundAfter(given_up_[k][h], round) ? given_up_[k][h] : round;
+    given_up_[k][h] = 0;
+  }
+  if (device_ >= 0) return;
+  // Behind what the queue holds: a dropped hook's release may come while an earlier call's
+  // receive of the same half still runs there (asynchronous calls).
+  (void)enqueue([this, kind, mark] { markRead(kind, mark); });
+}
+
+bool EpBuffer::hookHolds(RoundKind kind, uint32_t round) {
   std::lock_guard<std::mutex> g(stream_mu_);
-  uint32_t& held = hook_pending_[static_cast<int>(kind)][round & 1];
-  if (held == round + 1) held = 0;
+  return hook_pending_[static_cast<int>(kind)][round & 1] == round + 1;
 }
 
 bool EpBuffer::abandoned(RoundKind kind, uint32_t round, int r) {
@@ -452,6 +478,9 @@ void EpBuffer::validate(const LowLatencyDispatchArgs& a, bool data) const {
 }
 
 void EpBuffer::dispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
+  const MarkOnExit if_thrown(this, RoundKind::kDispatch, round, true);
+  (void)awaitRead("dispatch", RoundKind::kDispatch, round, a.active_ranks,
+                  deadlineInUs(a.timeout_us));
   if (kernelPath()) return kernelDispatchSend(a, round);
   const int R = g_.size, me = g_.rank, h = round & 1;
   const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
@@ -537,6 +566,7 @@ void EpBuffer::storeRecvRows(const LowLatencyDispatchArgs& a, int64_t first, con
 }
 
 void EpBuffer::dispatchRecv(const LowLatencyDispatchArgs& a, uint32_t round) {
+  const MarkOnExit done(this, RoundKind::kDispatch, round, false);
   if (kernelPath()) return kernelDispatchRecv(a, round);
   const int R = g_.size, h = round & 1;
   const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
@@ -661,6 +691,9 @@ void EpBuffer::validate(const LowLatencyCombineArgs& a, bool data) const {
 }
 
 void EpBuffer::combineSend(const LowLatencyCombineArgs& a, uint32_t round) {
+  const MarkOnExit if_thrown(this, RoundKind::kCombine, round, true);
+  (void)awaitRead("combine", RoundKind::kCombine, round, a.active_ranks,
+                  deadlineInUs(a.timeout_us));
   if (kernelPath()) return kernelCombineSend(a, round);
   const int R = g_.size, me = g_.rank, h = round & 1;
   const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
@@ -689,6 +722,7 @@ void EpBuffer::combineSend(const LowLatencyCombineArgs& a, uint32_t round) {
 }
 
 void EpBuffer::combineRecv(const LowLatencyCombineArgs& a, uint32_t round) {
+  const MarkOnExit done(this, RoundKind::kCombine, round, false);
   if (kernelPath()) return kernelCombineRecv(a, round);
   const int R = g_.size, h = round & 1;
   const auto lay = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);

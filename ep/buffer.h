@@ -12,7 +12,8 @@
 // Rounds. Every dispatch takes the next dispatch round, every combine the next combine
 // round; round & 1 picks the buffer half, so two rounds may be in flight and no round reads
 // another's data (the round is in each signal word). Ranks must issue dispatch/combine in
-// the same order with the same M, H, E, K and dtype (as DeepEP).
+// the same order with the same M, H, E, K and dtype (as DeepEP). On host buffers a send of
+// round n also waits until its destinations read round n-2 (read marks, below).
 //
 // Failure (low-latency mode, Mooncake EP's active_ranks model). A source rank whose
 // signals do not all carry this round by timeout_us (-1: no timeout), or 100 ms after its engine peer was
@@ -241,13 +242,38 @@ class EpBuffer {
   // buffer's halves, DeepEP's double buffering). A send whose receive waits for its hook
   // holds its round's half until the hook ran, failed or was dropped: a third call of the
   // kind would write its half's rows and signal words (on every rank alike) before the first
-  // one's receive read them. (Checked per rank only: nothing stops a peer's round n+2 from
-  // reaching a half whose round n this rank's hook has not read yet; docs/ep.md, "Across
-  // ranks the halves are not guarded".) claimHalf (with `round` reserved, before its send) throws
-  // std::invalid_argument when the half is held, else marks it held when `hook`;
-  // releaseHalf frees it again if `round` holds it.
+  // one's receive read them. (Across ranks the read marks below guard the halves.) claimHalf
+  // (with `round` reserved, before its send) throws std::invalid_argument when the half is
+  // held, else marks it held when `hook`; releaseHalf frees it again if `round` holds it and
+  // marks the half read (markRead).
   void claimHalf(const char* op, RoundKind kind, uint32_t round, bool hook);
   void releaseHalf(RoundKind kind, uint32_t round);
+  // Read marks (host buffers; ep/read_marks.cc, docs/ep.md "Rounds and ordering"). markRead:
+  // this rank is done with `round`'s half (its receive ran or failed, its hook was dropped,
+  // or it gave the round up): the mark goes into its header and every peer's (a store into a
+  // mapped peer's, else a notification its handler stores). awaitRead, before a send of `round`:
+  // waits until every peer (with active: those not 0 there) marked
+  // round - 2 of the kind read, so that the send cannot overwrite rows a peer has yet to read;
+  // returns the peers that did not by `deadline` or were seen dead. Both do nothing on GPU
+  // buffers.
+  // awaitRead with `active` sets the late peers to 0 there (logged; op names the call);
+  // without it gives the round up (abandon) and throws std::runtime_error naming the first
+  // (normal mode).
+  void markRead(RoundKind kind, uint32_t round);
+  // True while the hook of `round`'s send holds its half.
+  bool hookHolds(RoundKind kind, uint32_t round);
+  std::vector<int> awaitRead(const char* op, RoundKind kind, uint32_t round, int32_t* active,
+                             engine::Deadline deadline);
+  // markRead(kind, round) when it goes out of scope (thrown = true: only if by an exception,
+  // for a send whose receive then does not run, and not while its hook holds the half).
+  struct MarkOnExit {
+    MarkOnExit(EpBuffer* b, RoundKind kind, uint32_t round, bool thrown);
+    ~MarkOnExit();
+    EpBuffer* b;
+    RoundKind kind;
+    uint32_t round;
+    int exceptions;  // std::uncaught_exceptions() at construction, -1: mark in any case
+  };
   // A stream call's hook dropped uncalled: releaseHalf, and what its send's kernels found
   // (kBadTopk) is reported by a later checkStreamCalls(), as its receive would have.
   void dropStreamHook(const char* op, RoundKind kind, uint32_t round);
@@ -280,6 +306,10 @@ class EpBuffer {
   // `round_bits`. Entries outside the signal words, or of another round, are dropped. False
   // when src, count or an entry is out of range.
   bool takeMailbox(int half, int kind, int src, uint32_t count, uint32_t round_bits);
+  // A read mark from an engine peer (markRead; the handler's side): src's mark of the half
+  // of `round_bits` moves up to the round with those low 21 bits, never down (notifications
+  // may arrive out of order).
+  void takeReadMark(int kind, int src, uint32_t round_bits);
 
   class Writer;  // ep/peer_writer.h
   class Proxy;   // ep/ll_proxy.h
@@ -459,10 +489,12 @@ class EpBuffer {
   std::deque<std::shared_ptr<StreamReport>> reports_;  // queued calls, oldest first
   std::exception_ptr late_failure_;  // one taken off to free its slot, for the next check
   uint32_t hook_pending_[2][2] = {};  // [kind][half]: round + 1 of a send whose hook waits
+  // [kind][half]: a round given up while a hook held its half; marked read with the hook's.
+  uint32_t given_up_[2][2] = {};
   bool capturing_call_ = false;  // the last stream call was queued under CUDA-graph capture
   bool hook_captured_[2][2] = {};  // [kind][half]: the send whose hook waits was captured
   std::vector<std::shared_ptr<void>> graph_keep_;  // captured calls' tensors (replays use them)
-  std::mutex stream_mu_;              // (hook_pending_ too)
+  std::mutex stream_mu_;              // (hook_pending_ and given_up_ too)
   std::mutex late_mu_;
   std::vector<std::pair<engine::BatchId, std::vector<std::pair<uint64_t, uint64_t>>>> late_;
   // claimHalf's check, with stream_mu_ held.

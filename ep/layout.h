@@ -5,7 +5,11 @@
 //
 // One rank's EP buffer (allocated once from the engine, zero-filled by the OS):
 //
-//   [header: kHeaderBytes]          doorbell word (futex) senders bump after signalling
+//   [header: kHeaderBytes]          doorbell word (futex) senders bump after signalling;
+//                                   read marks, u32 rounds (host buffers; EpBuffer::markRead):
+//                                   own[kind][half] at 64 (the last round of that kind this
+//                                   rank finished reading from that half), from 4096 peer
+//                                   [kind][half][rank] (the same, as each rank reported it)
 //   half 0, half 1                  a round uses half (round & 1): two rounds in flight
 //     [signals: kSignalBytes]       u64 words: (round << 32) | count
 //        dispatch[kMaxSignals]      LL: index l*R + r (local expert, source rank)
@@ -48,8 +52,8 @@ inline size_t wireRowBytes(int64_t hidden, DType t) {
   return static_cast<size_t>(hidden) * (t == DType::kBFloat16 ? 2 : 4);
 }
 
-constexpr size_t kHeaderBytes = 4096;
 constexpr int kMaxRanks = 1024;
+constexpr size_t kHeaderBytes = 4096 + 2 * 2 * kMaxRanks * sizeof(uint32_t);
 constexpr int kMaxSignals = 8192;  // bounds E = L * R in low-latency mode
 constexpr size_t kSignalBytes = (kMaxSignals + 3 * kMaxRanks) * sizeof(uint64_t);
 // Room for every source's mailbox of both kinds: mailboxCap(R) * R <= kMaxSignals + 3 * R.
@@ -66,6 +70,7 @@ inline size_t rowStride(int64_t hidden, DType t) { return alignUp(wireRowBytes(h
 using num::makeSignal;
 using num::signalCount;
 using num::signalRound;
+using num::roundAfter;
 
 // Offsets (bytes from the buffer base) of everything in one rank's buffer.
 class BufferGeometry {
@@ -82,6 +87,14 @@ class BufferGeometry {
   size_t halfStride() const { return half_; }
 
   size_t doorbell() const { return 0; }
+  // kind 0: dispatch rounds, 1: combine rounds (both modes), as abandonSignal.
+  size_t ownReadMark(int kind, int half) const {
+    return 64 + static_cast<size_t>(2 * kind + half) * sizeof(uint32_t);
+  }
+  size_t peerReadMark(int kind, int half, int rank) const {
+    return 4096 + (static_cast<size_t>(2 * kind + half) * kMaxRanks + static_cast<size_t>(rank)) *
+                      sizeof(uint32_t);
+  }
   size_t dispatchSignal(int half, int index) const {
     return halfBase(half) + static_cast<size_t>(index) * sizeof(uint64_t);
   }

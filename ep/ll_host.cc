@@ -127,6 +127,12 @@ void EpBuffer::throwKernelError(const char* op, const int32_t* error, int64_t ma
       throw std::invalid_argument(str(op, ": rank ", g_.rank, ": the handle's layout_range or "
                                       "src_info of local expert ", error[1],
                                       " is out of its bounds (handle from another dispatch?)"));
+    case kern::kOverrun:
+      throw std::runtime_error(str(
+          op, ": rank ", error[1], "'s call two rounds later reached rank ", g_.rank,
+          "'s buffer before rank ", g_.rank, " read this round (its rows from rank ", error[1],
+          " are lost): a GPU buffer does not hold a third call of a kind back until every rank "
+          "read the first (docs/ep.md, \"Rounds and ordering\")"));
     case kern::kNoOwnRow:
       throw std::runtime_error(str(op, ": the handle has no row for token ", error[1],
                                    " of an expert of rank ", g_.rank,

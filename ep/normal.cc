@@ -64,6 +64,9 @@ void EpBuffer::validate(const NormalDispatchArgs& a_in) const {
 }
 
 std::vector<int32_t> EpBuffer::normalDispatchSend(const NormalDispatchArgs& a, uint32_t round) {
+  const MarkOnExit if_thrown(this, RoundKind::kDispatch, round, true);
+  (void)awaitRead("normal_dispatch", RoundKind::kDispatch, round, nullptr,
+                  engine::deadlineInMs(timeout_ms_));
   if (kernelPath()) return kernelNormalDispatchSend(a, round);
 
   const int R = g_.size, me = g_.rank, h = round & 1;
@@ -142,6 +145,7 @@ std::vector<int32_t> EpBuffer::normalDispatchSend(const NormalDispatchArgs& a, u
 void EpBuffer::normalDispatchRecv(const NormalDispatchArgs& a, uint32_t round,
                                   const std::vector<int32_t>& counts,
                                   const NormalDispatchOutputs& o) {
+  const MarkOnExit done(this, RoundKind::kDispatch, round, false);
   if (kernelPath()) return kernelNormalDispatchRecv(a, round, counts, o);
 
   const int R = g_.size, me = g_.rank, h = round & 1;
@@ -241,6 +245,9 @@ void EpBuffer::validate(const NormalCombineArgs& a_in) const {
 }
 
 void EpBuffer::normalCombine(const NormalCombineArgs& a, uint32_t round) {
+  const MarkOnExit done(this, RoundKind::kCombine, round, false);
+  (void)awaitRead("normal_combine", RoundKind::kCombine, round, nullptr,
+                  engine::deadlineInMs(timeout_ms_));
   if (kernelPath()) return kernelNormalCombine(a, round);
 
   const int R = g_.size, me = g_.rank, h = round & 1;

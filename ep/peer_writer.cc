@@ -37,6 +37,15 @@ void onSignalNotify(const engine::Notification& n) {
   }
 }
 
+void onMarkNotify(const engine::Notification& n) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_targets.find(static_cast<uint32_t>(n.tag >> 32));
+  if (it == g_targets.end()) return;
+  it->second->takeReadMark(static_cast<int>((n.tag >> 31) & 1),
+                           static_cast<int>((n.tag >> 21) & 0x3ff),
+                           static_cast<uint32_t>(n.tag & kMarkRoundMask));
+}
+
 }  // namespace
 
 void ringDoorbell(char* base) {
@@ -52,7 +61,10 @@ bool registerSignalTarget(uint64_t key, EpBuffer* buf, engine::TransferEngine* e
     if (!g_targets.emplace(static_cast<uint32_t>(key), buf).second) return false;
     install = g_installed.insert(engine->engineId()).second;
   }
-  if (install) engine->setNotifyHandler(kEpSignalChannel, onSignalNotify);
+  if (install) {
+    engine->setNotifyHandler(kEpSignalChannel, onSignalNotify);
+    engine->setNotifyHandler(kEpMarkChannel, onMarkNotify);
+  }
   return true;
 }
 

@@ -40,6 +40,14 @@ constexpr uint32_t kEpSignalChannel = 0x45500001u;
 constexpr uint32_t kRoundBitsMask = 0x7f;
 // A tag's count naming the mailbox's last slot: one abandon entry (above).
 constexpr uint32_t kAbandonSlotCount = 0x3fff;
+// Engine notification channel of EP read marks ("EP\0\2"; EpBuffer::markRead): tag bits 0-20
+// the round's low 21 bits, 21-30 the source rank, 31 the kind, 32-63 the buffer's key.
+constexpr uint32_t kEpMarkChannel = 0x45500002u;
+constexpr uint32_t kMarkRoundMask = (1u << 21) - 1;
+inline uint64_t markTag(uint64_t key, int kind, int src, uint32_t round) {
+  return (key << 32) | (static_cast<uint64_t>(kind) << 31) | (static_cast<uint64_t>(src) << 21) |
+         (round & kMarkRoundMask);
+}
 
 class EpBuffer::Writer {
  public:

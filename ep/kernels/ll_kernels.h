@@ -55,7 +55,8 @@
 namespace mooncake::ep::kern {
 
 // Decisions about a source (dispatch) or owner (combine), one int32 each, shared by blocks.
-enum Decision : int32_t { kUndecided = 0, kArrived = 1, kSilent = 2, kGaveUp = 3 };
+// kOverran: a signal word carries a later round of the same half (kOverrun).
+enum Decision : int32_t { kUndecided = 0, kArrived = 1, kSilent = 2, kGaveUp = 3, kOverran = 4 };
 // Error codes a body leaves in LlArgs::error (the first one wins); error_rank says who.
 enum Error : int32_t {
   kNoError = 0,
@@ -66,6 +67,9 @@ enum Error : int32_t {
   // a waited call's inputs before any kernel runs): error_rank is then a token or an expert.
   kBadTopk = 4,    // an entry of topk_idx outside [-1, num_experts): error_rank the token
   kBadHandle = 5,  // combine: layout_range or src_info outside its bounds: the local expert
+  // A source's round two after this one reached this half first (GPU buffers do not wait for
+  // the read marks, docs/ep.md "Rounds and ordering"): this round's rows from it are lost.
+  kOverrun = 6,
 };
 constexpr int kMaxTopk = 32;
 constexpr uint32_t kProxySkip = 0xffffffffu;  // a proxy word's count: nothing for that rank
@@ -210,8 +214,8 @@ MC_HD bool routesTo(const LlArgs& p, int64_t t, int64_t e) {
 // (Args: LlArgs or NormalArgs: decision, active, round, timeout_us.)
 // Decides once, for all blocks, whether `src` delivered this round: all `words` signal words
 // at base + first (stride `stride`) carry the round (kArrived), its abandon word at base +
-// abandon does (kGaveUp), or the deadline passed first (kSilent; active[src] = 0). Lane 0
-// waits; all lanes return it.
+// abandon does (kGaveUp), one carries a later round (kOverran; error kOverrun), or the
+// deadline passed first (kSilent; active[src] = 0). Lane 0 waits; all lanes return it.
 MC_HD_TEMPLATE
 template <class Ln, class Args>
 MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* base, uint64_t first,
@@ -223,16 +227,21 @@ MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* base, uint64_t 
     d = ln.cas(slot, kUndecided, kUndecided);  // (a read other blocks' writes are seen by)
     if (d == kUndecided && p.active[src] == 0) d = kSilent;  // not waited for at all
     while (d == kUndecided) {
-      bool all = true;
-      for (int i = 0; i < words && all; ++i)
-        all = signalRound(ln.loadAcquire(
-                  reinterpret_cast<const uint64_t*>(base + first + i * stride))) == p.round;
+      bool all = true, later = false;
+      for (int i = 0; i < words && all; ++i) {
+        const uint32_t seen = signalRound(
+            ln.loadAcquire(reinterpret_cast<const uint64_t*>(base + first + i * stride)));
+        all = seen == p.round;
+        later = num::roundAfter(seen, p.round);
+      }
       int32_t want = kUndecided;
       if (all) {
         want = kArrived;
       } else if (ln.loadAcquire(reinterpret_cast<const uint64_t*>(base + abandon)) ==
                  makeSignal(p.round, 1)) {
         want = kGaveUp;
+      } else if (later) {
+        want = kOverran;
       } else {
         const int64_t now = ln.nowUs();
         if (gone_at < 0 && p.gone != nullptr && ln.loadFlag(p.gone + src) != 0) gone_at = now;
@@ -244,6 +253,7 @@ MC_HD int32_t decide(const Args& p, Ln& ln, int src, const char* base, uint64_t 
         const int32_t old = ln.cas(slot, kUndecided, want);
         d = old == kUndecided ? want : old;
         if (d == kSilent) p.active[src] = 0;
+        if (old == kUndecided && want == kOverran) setError(p, kOverrun, src);
       } else {
         ln.pause();
         d = ln.cas(slot, kUndecided, kUndecided);

@@ -49,6 +49,8 @@ MC_HD uint64_t makeSignal(uint32_t round, uint32_t count) {
 }
 MC_HD uint32_t signalRound(uint64_t s) { return static_cast<uint32_t>(s >> 32); }
 MC_HD uint32_t signalCount(uint64_t s) { return static_cast<uint32_t>(s & 0xffffffffu); }
+// Round a came after round b (32-bit rounds compared as a wrapping sequence).
+MC_HD bool roundAfter(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) > 0; }
 
 // ---- bfloat16 ----
 MC_HD float bf16ToFloat(uint16_t v) { return bitsFloat(static_cast<uint32_t>(v) << 16); }

@@ -237,6 +237,7 @@ def case_ll_modes(ctx):
     return fails
 
 
+
 # ---- fp8 dispatch: references from the format's definition ----
 
 def _e4m3_values():

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON = sys.executable  # as harness.PYTHON
 WORKER = os.path.join(HERE, "_ep_worker.py")
 MAIN_CASES = ["kernel_path", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input", "normal", "normal_autograd",
-              "upstream_api", "mismatched_combine"]
+              "upstream_api", "mismatched_combine", "slow_reader"]
 KILL_CASES = ["kill_between_rounds", "kill_between_dispatch_and_combine", "normal_after_kills"]
 
 _runs = {}
@@ -148,7 +148,7 @@ def test_ep_killed_rank(world, case):
 # cases against the same plain-torch reference, and a rank killed between rounds and between
 # dispatch and combine marked inactive by the bodies' own deadline or the engine's notice.
 KERNEL_CASES = ["kernel_path", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input",
-                "normal", "normal_autograd", "upstream_api", "mismatched_combine"]
+                "normal", "normal_autograd", "upstream_api", "mismatched_combine", "slow_reader"]
 
 
 @pytest.mark.parametrize("world,lanes", [(2, "host"), (3, "host"), (4, "host"), (3, "threads")])
@@ -177,9 +177,21 @@ def test_ep_kernel_bodies_on_host_killed_rank():
         "MC_EP_KERNELS": "host", "EP_CASES_COMBINE_NO_TIMEOUT": "1"}))
 
 
+@pytest.mark.parametrize("world,per_host", [(2, 1), (3, 2)])
+def test_ep_host_buffers_across_hosts(world, per_host):
+    """Host buffers whose group spans simulated hosts (MC_HOST_ID): the ranks on one host write
+    into each other's buffers, the others through engine WRITEs over tcp, signals and read
+    marks by notification (ep/peer_writer.h, ep/read_marks.cc). A reader on another host that
+    reads late (case_slow_reader) holds its peers' third call of a kind back as one on this
+    host does; hooks and refused calls (ll_modes) and normal mode against the reference."""
+    cases = ["slow_reader", "ll_modes", "normal"]
+    _assert_passed(world, cases, *run_ranks(
+        world, cases, rank_env=lambda r: {"MC_HOST_ID": f"host-{r // per_host}"}))
+
+
 GPU_ENV = {"MC_DEVICE": "sim", "EP_CASES_GPU": "1"}
 GPU_CASES = ["gpu_buffer", "ll_modes", "ll_fp8", "validation", "one_rank_bad_input", "normal",
-             "normal_autograd", "mismatched_combine"]
+             "normal_autograd", "mismatched_combine", "overrun_detected"]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -188,7 +200,7 @@ def test_ep_gpu_buffers_sim(world):
     code touches it; peers' buffers opened through IPC handles, the kernels' entry point run on
     the simulated stream): the low-latency, fp8, normal and autograd cases against the
     plain-torch reference, validation and one rank's bad input, through ep_cases_gpu.GpuBuffer,
-    and the GPU buffer's refusals."""
+    the GPU buffer's refusals, and a round overwritten before it was read raised as such."""
     _assert_passed(world, GPU_CASES, *run_ranks(world, GPU_CASES, env=GPU_ENV))
 
 

@@ -523,9 +523,9 @@ class PyEpBuffer {
           round = buf_->nextDispatchRound();
         }
         guard.reserved();
-        // (Normal rounds use the same halves: none while a low-latency hook holds one.)
-        claimOrGiveUp(op, RoundKind::kDispatch, round, false, true);
+        claimOrGiveUp(op, RoundKind::kDispatch, round, false, true);  // (low-latency halves)
         std::vector<int32_t> counts = buf_->normalDispatchSend(a, round);
+        const ep::EpBuffer::MarkOnExit unread(buf_.get(), RoundKind::kDispatch, round, true);
         int64_t n = 0;
         for (int32_t c : counts) n += c;
         recv_x = output(n, {H}, scalarOf(dt), true);
