@@ -216,9 +216,7 @@ void EpBuffer::abandon(RoundKind kind, uint32_t round) {
     w.commit(o);
   }
   (void)w.flush();  // a peer that cannot be told is dead, and its fate is decided elsewhere
-  {
-    // Nothing of this round will be read; but a hook may still have to read round - 2 in the
-    // half (a third call refused): then the hook's release marks both.
+  {  // Nothing of it will be read, but a hook may still read round - 2 there: its release marks.
     std::lock_guard<std::mutex> g(stream_mu_);
     const int k = static_cast<int>(kind), h = static_cast<int>(round & 1);
     if (hook_pending_[k][h] != 0) {
@@ -264,13 +262,17 @@ void EpBuffer::releaseHalf(RoundKind kind, uint32_t round) {
     const int k = static_cast<int>(kind), h = static_cast<int>(round & 1);
     if (hook_pending_[k][h] != round + 1) return;
     hook_pending_[k][h] = 0;
-    mark = roundAfter(given_up_[k][h], round) ? given_up_[k][h] : round;
+    const uint32_t gave = given_up_[k][h];  // (0: none)
+    mark = gave != 0 && roundAfter(gave, round) ? gave : round;
     given_up_[k][h] = 0;
   }
   if (device_ >= 0) return;
-  // Behind what the queue holds: a dropped hook's release may come while an earlier call's
-  // receive of the same half still runs there (asynchronous calls).
-  (void)enqueue([this, kind, mark] { markRead(kind, mark); });
+  // Behind the queue: an earlier asynchronous call may still read the half. (From destructors.)
+  try {
+    (void)enqueue([this, kind, mark] { markRead(kind, mark); });
+  } catch (...) {
+    MC_LOG(WARN, EP) << "ep: rank " << g_.rank << " could not queue read mark " << mark;
+  }
 }
 
 bool EpBuffer::hookHolds(RoundKind kind, uint32_t round) {

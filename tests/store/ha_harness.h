@@ -49,18 +49,23 @@ inline int64_t monoNs() {
 // (32768-60999 by default), where outgoing connections of other processes on this host (tests
 // running beside this one) take their local ports: a port from bind(0) could be taken by one
 // of those before the service that is given it binds it.
+// True when binding 127.0.0.1:port fails (someone listens there or holds it).
+inline bool portInUse(uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  const bool used = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0;
+  close(fd);
+  return used;
+}
+
 inline uint16_t freePort() {
   static std::mt19937 rng(std::random_device{}() ^ static_cast<unsigned>(getpid()));
   for (int attempt = 0; attempt < 200; ++attempt) {
     const uint16_t port = static_cast<uint16_t>(20000 + rng() % 12000);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(port);
-    const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-    close(fd);
-    if (ok) return port;
+    if (!portInUse(port)) return port;
   }
   return 0;
 }
@@ -159,10 +164,25 @@ class HaMaster {
   HaMaster(std::string flags, uint16_t port = 0, std::string stderr_file = "")
       : flags_(std::move(flags)),
         port_(port ? port : freePort()),
+        fixed_port_(port != 0),
         metrics_(freePort()),
         stderr_(std::move(stderr_file)) {}
   ~HaMaster() { stop(); }
+  // A port freePort() found free may be taken by another test before the master binds it
+  // (CI: "cannot bind metrics port"): when a start fails and one of its ports is in use, it is
+  // started again on new ones (the metrics port only, when the port was given); a master that
+  // failed for another reason stays as it is (waitExit).
   bool start() {
+    for (int attempt = 0;; ++attempt) {
+      if (startOnce()) return true;
+      if (attempt == 2 || !(portInUse(metrics_) || (!fixed_port_ && portInUse(port_))))
+        return false;
+      stop();
+      metrics_ = freePort();
+      if (!fixed_port_) port_ = freePort();
+    }
+  }
+  bool startOnce() {
     int fds[2];
     if (pipe(fds) != 0) return false;
     std::string cmd = std::string(MC_MASTER_BIN) + " --host 127.0.0.1 --port " +
@@ -220,7 +240,9 @@ class HaMaster {
 
  private:
   std::string flags_;
-  uint16_t port_, metrics_;
+  uint16_t port_;
+  bool fixed_port_;
+  uint16_t metrics_;
   std::string stderr_;
   pid_t pid_ = -1;
 };
