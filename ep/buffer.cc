@@ -266,7 +266,8 @@ void EpBuffer::releaseHalf(RoundKind kind, uint32_t round) {
     mark = gave != 0 && roundAfter(gave, round) ? gave : round;
     given_up_[k][h] = 0;
   }
-  if (device_ >= 0) return;
+  // A hook whose receive ran has marked its round already: nothing to queue then.
+  if (device_ >= 0 || !roundAfter(mark, readMark(kind, mark))) return;
   // Behind the queue: an earlier asynchronous call may still read the half. (From destructors.)
   try {
     (void)enqueue([this, kind, mark] { markRead(kind, mark); });

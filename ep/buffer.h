@@ -262,6 +262,8 @@ class EpBuffer {
   void markRead(RoundKind kind, uint32_t round);
   // True while the hook of `round`'s send holds its half.
   bool hookHolds(RoundKind kind, uint32_t round);
+  // This rank's read mark of `round`'s half (host buffers).
+  uint32_t readMark(RoundKind kind, uint32_t round) const;
   std::vector<int> awaitRead(const char* op, RoundKind kind, uint32_t round, int32_t* active,
                              engine::Deadline deadline);
   // markRead(kind, round) when it goes out of scope (thrown = true: only if by an exception,

@@ -48,6 +48,11 @@ void EpBuffer::markRead(RoundKind kind, uint32_t round) {
   }
 }
 
+uint32_t EpBuffer::readMark(RoundKind kind, uint32_t round) const {
+  return markAt(base_, geo_.ownReadMark(static_cast<int>(kind), static_cast<int>(round & 1)))
+      ->load(std::memory_order_acquire);
+}
+
 void EpBuffer::takeReadMark(int kind, int src, uint32_t round_bits) {
   if (src < 0 || src >= g_.size || kind < 0 || kind > 1 || base_ == nullptr || device_ >= 0)
     return;
@@ -67,13 +72,14 @@ std::vector<int> EpBuffer::awaitRead(const char* op, RoundKind kind, uint32_t ro
   if (device_ >= 0 || round <= 2) return late;
   const int k = static_cast<int>(kind), h = static_cast<int>(round & 1);
   const uint32_t want = round - 2;
-  std::vector<int> pending;
-  for (int r = 0; r < g_.size; ++r)
-    if (r != g_.rank && (active == nullptr || active[r] != 0)) pending.push_back(r);
   auto read = [&](int r) {
     return !roundAfter(want,
                        markAt(base_, geo_.peerReadMark(k, h, r))->load(std::memory_order_acquire));
   };
+  std::vector<int> pending;  // (none in a MoE layer's order: no wait set up then)
+  for (int r = 0; r < g_.size; ++r)
+    if (r != g_.rank && (active == nullptr || active[r] != 0) && !read(r)) pending.push_back(r);
+  if (pending.empty()) return late;
   waitSources(pending, deadline, read, [](int) {}, [&](int r) { late.push_back(r); });
   if (late.empty()) return late;
   if (active == nullptr) {  // normal mode: the round is given up, so that no peer waits for it
