@@ -251,7 +251,21 @@ TEST_P(PgHierarchicalFailure, RankKilledOnOneHostIsNamedOnBoth) {
   auto codes = runRanks(o, [&](RankEnv& env) {
     Communicator& c = *env.comm;
     c.barrier();
-    if (c.rank() == victim) raise(SIGKILL);
+    // The victim dies only once every rank left the barrier: a rank still finishing it would
+    // see the death there, outside the allreduce this test asks about (CI: rank 1's barrier
+    // raised "rank 2 aborted barrier: rank 3 died").
+    env.shared->values[4 + c.rank()].store(1);
+    if (c.rank() == victim) {
+      auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      auto left = [&] {
+        int64_t n = 0;
+        for (int r = 0; r < 4; ++r) n += env.shared->values[4 + r].load();
+        return n;
+      };
+      while (left() < 4 && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      raise(SIGKILL);
+    }
     std::vector<float> buf(1 << 16, 1.0f);
     int64_t t0 = monotonicNs();
     try {
