@@ -111,8 +111,14 @@ class TransferEngine {
   // kTimeout (the deadline passed first) cancels nothing: the requests keep running (a
   // transport may still read or write their local memory: tcp's queued frames point into
   // it) and the batch is released when they finish, after which poll() says kNotFound.
-  // Until then the local memory must stay valid.
+  // Until then the local memory must stay valid (keepUntilDone hands its owner over).
   Status wait(BatchId id, Deadline deadline, std::vector<Status>* per_request = nullptr);
+  // For a caller that stops waiting for a batch (wait's kTimeout) but cannot keep the batch's
+  // local memory itself: the engine holds `owner` (whatever keeps that memory valid) and drops
+  // it once the batch finished and was released, or when the engine shuts down, after its
+  // transports stopped. A batch already released (or never known): `owner` is dropped here.
+  // The owner may be dropped on a transport's thread.
+  void keepUntilDone(BatchId id, std::shared_ptr<void> owner);
   // submit + wait.
   Status transfer(const std::vector<TransferRequest>& requests, Deadline deadline);
 

@@ -101,6 +101,20 @@ Status TransferEngine::wait(BatchId id, Deadline deadline, std::vector<Status>* 
   return Status::OK();
 }
 
+void TransferEngine::keepUntilDone(BatchId id, std::shared_ptr<void> owner) {
+  std::shared_ptr<Batch> b;
+  {
+    std::lock_guard<std::mutex> g(impl_->batches_mu);
+    auto it = impl_->batches.find(id);
+    if (it == impl_->batches.end()) return;  // released: nothing reads its memory any more
+    b = it->second;
+  }
+  std::lock_guard<std::mutex> g(b->mu);
+  // Finished: its completer no longer touches the memory (finishOne drops the count under mu).
+  if (b->pending.load(std::memory_order_acquire) == 0) return;
+  b->owners.push_back(std::move(owner));
+}
+
 Status TransferEngine::transfer(const std::vector<TransferRequest>& requests, Deadline deadline) {
   auto id = submit(requests);
   if (!id.ok()) return id.status();

@@ -56,6 +56,9 @@ struct Batch {
   std::mutex mu;
   std::condition_variable cv;
   bool abandoned = false;  // guarded by mu
+  // What keeps the local memory of an abandoned batch valid (keepUntilDone): dropped with the
+  // batch. Guarded by mu.
+  std::vector<std::shared_ptr<void>> owners;
 };
 
 struct PeerEntry {

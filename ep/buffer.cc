@@ -242,19 +242,6 @@ void EpBuffer::claimHalf(const char* op, RoundKind kind, uint32_t round, bool ho
   if (hook) hook_pending_[static_cast<int>(kind)][round & 1] = round + 1;
 }
 
-void EpBuffer::keepUntilDone(engine::BatchId batch,
-                             std::vector<std::pair<uint64_t, uint64_t>> entries) {
-  std::lock_guard<std::mutex> g(late_mu_);
-  late_.erase(std::remove_if(late_.begin(), late_.end(),
-                             [this](const auto& kept) {
-                               bool done = false;
-                               Status st = g_.engine->poll(kept.first, &done);
-                               return !st.ok() || done;  // (kNotFound: finished and released)
-                             }),
-              late_.end());
-  late_.emplace_back(batch, std::move(entries));
-}
-
 void EpBuffer::releaseHalf(RoundKind kind, uint32_t round) {
   uint32_t mark = 0;
   {
@@ -544,6 +531,9 @@ void EpBuffer::dispatchSend(const LowLatencyDispatchArgs& a, uint32_t round) {
     w.commit(o);
   }
   for (int r : w.flush()) a.active_ranks[r] = 0;
+  w.keepWhileLate(a.inputs);
+  w.keepLocalWhileLate(packed);
+  w.keepLocalWhileLate(tokens_of);
 }
 
 void EpBuffer::storeRecvRows(const LowLatencyDispatchArgs& a, int64_t first, const char* src,
@@ -722,6 +712,7 @@ void EpBuffer::combineSend(const LowLatencyCombineArgs& a, uint32_t round) {
     w.commit(r);
   }
   for (int r : w.flush()) a.active_ranks[r] = 0;
+  w.keepWhileLate(a.inputs);
 }
 
 void EpBuffer::combineRecv(const LowLatencyCombineArgs& a, uint32_t round) {

@@ -82,8 +82,13 @@ struct EpGroup {
 // The group of a process-group communicator (ep/group.cc; all_gather runs on its worker).
 EpGroup groupOf(std::shared_ptr<pg::Communicator> comm);
 
+// Each call's `inputs`: the owner of the memory its sends read (x or y, the weights). Writes
+// to a peer on another host that are not done by MC_EP_TIMEOUT_MS keep running after the call
+// returned (engine.h, wait); the engine then holds `inputs` until they finished. Null: the
+// caller must keep that memory valid itself, and cannot tell for how long.
 struct LowLatencyDispatchArgs {
   const void* x = nullptr;  // [T][H] (bfloat16 when dtype is kFp8)
+  std::shared_ptr<void> inputs;  // (above)
   DType dtype = DType::kBFloat16;
   int64_t tokens = 0, hidden = 0;
   const int64_t* topk_idx = nullptr;  // [T][K], -1 = none
@@ -102,6 +107,7 @@ struct LowLatencyDispatchArgs {
 
 struct LowLatencyCombineArgs {
   const void* y = nullptr;  // [L][R*M][H]
+  std::shared_ptr<void> inputs;  // (above)
   DType dtype = DType::kBFloat16;
   int64_t hidden = 0, max_tokens = 0;
   int experts = 0;
@@ -118,6 +124,7 @@ struct LowLatencyCombineArgs {
 
 struct NormalDispatchArgs {
   const void* x = nullptr;  // [T][H]
+  std::shared_ptr<void> inputs;  // (above)
   DType dtype = DType::kBFloat16;
   int64_t tokens = 0, hidden = 0;
   // Routing: is_token_in_rank [T][R] (dispatchLayout of topk_idx, or a handle's).
@@ -142,6 +149,7 @@ struct NormalDispatchOutputs {
 
 struct NormalCombineArgs {
   const void* y = nullptr;  // [N][H], rows as normal dispatch delivered them
+  std::shared_ptr<void> inputs;  // (above)
   DType dtype = DType::kBFloat16;
   int64_t hidden = 0;
   const int32_t* recv_counts = nullptr;  // [R] rows received from each source (handle)
@@ -317,9 +325,6 @@ class EpBuffer {
   class Proxy;   // ep/ll_proxy.h
 
  private:
-  // A Writer's signal entries whose batch's wait timed out: the engine may still read them
-  // (engine.h, wait), so they stay here until poll() says the batch finished or is gone.
-  void keepUntilDone(engine::BatchId batch, std::vector<std::pair<uint64_t, uint64_t>> entries);
   EpBuffer() = default;
   static uint64_t randomKey();  // never 0
   void setUp(size_t bytes);
@@ -497,8 +502,6 @@ class EpBuffer {
   bool hook_captured_[2][2] = {};  // [kind][half]: the send whose hook waits was captured
   std::vector<std::shared_ptr<void>> graph_keep_;  // captured calls' tensors (replays use them)
   std::mutex stream_mu_;              // (hook_pending_ and given_up_ too)
-  std::mutex late_mu_;
-  std::vector<std::pair<engine::BatchId, std::vector<std::pair<uint64_t, uint64_t>>>> late_;
   // claimHalf's check, with stream_mu_ held.
   void checkHalfLocked(const char* op, RoundKind kind, uint32_t round) const;
   uint64_t gone_handler_ = 0;             // its engine peer-gone handler (0: none)

@@ -107,6 +107,10 @@ std::vector<int32_t> EpBuffer::normalDispatchSend(const NormalDispatchArgs& a, u
     w.commit(d);
   }
   std::vector<int> failed = w.flush();
+  w.keepWhileLate(a.inputs);
+  w.keepLocalWhileLate(toks);
+  w.keepLocalWhileLate(topk);
+  w.keepLocalWhileLate(weights);
   if (!failed.empty())
     throw std::runtime_error(
         str("normal_dispatch: rank ", me, " could not write to rank ", failed[0], " (peer dead?)"));
@@ -276,6 +280,7 @@ void EpBuffer::normalCombine(const NormalCombineArgs& a, uint32_t round) {
     w.commit(r);
   }
   std::vector<int> failed = w.flush();
+  w.keepWhileLate(a.inputs);
   if (!failed.empty())
     throw std::runtime_error(
         str("normal_combine: rank ", me, " could not write to rank ", failed[0], " (peer dead?)"));

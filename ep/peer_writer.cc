@@ -252,11 +252,20 @@ std::vector<int> EpBuffer::Writer::flush() {
       }
     }
     if (!ok[r]) failed.push_back(r);
-    if (timed_out) buf_.keepUntilDone(batch[r], std::move(sigs_[r]));
+    if (timed_out) {
+      late_.push_back(batch[r]);
+      eng.keepUntilDone(batch[r], std::make_shared<std::vector<std::pair<uint64_t, uint64_t>>>(
+                                      std::move(sigs_[r])));
+    }
     reqs_[r].clear();
     sigs_[r].clear();
   }
   return failed;
+}
+
+void EpBuffer::Writer::keepWhileLate(std::shared_ptr<void> owner) {
+  if (owner == nullptr) return;
+  for (engine::BatchId id : late_) buf_.g_.engine->keepUntilDone(id, owner);
 }
 
 }  // namespace mooncake::ep

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -67,8 +68,18 @@ class EpBuffer::Writer {
   // Publishes r's queued signals now if r is mapped (its data is complete).
   void commit(int r);
   void setDeadline(engine::Deadline deadline) { deadline_ = deadline; }  // (flush's)
-  // Completes everything; returns the ranks whose writes or signals failed.
+  // Completes everything; returns the ranks whose writes or signals failed. A destination
+  // whose batch is not done by the deadline keeps running (engine.h, wait): its signal entries
+  // go to the engine, which drops them once its writes finished.
   std::vector<int> flush();
+  // After flush(), for every batch that was not done: what else those writes read goes to the
+  // engine too, the caller's inputs (`owner`: null when the caller gave none) or this call's
+  // own containers (moved: their elements stay where they are). No-op when all finished.
+  void keepWhileLate(std::shared_ptr<void> owner);
+  template <class T>
+  void keepLocalWhileLate(T& local) {
+    if (!late_.empty()) keepWhileLate(std::make_shared<T>(std::move(local)));
+  }
 
  private:
   EpBuffer& buf_;
@@ -77,6 +88,7 @@ class EpBuffer::Writer {
   uint32_t round_;
   std::vector<std::vector<engine::TransferRequest>> reqs_;
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> sigs_;
+  std::vector<engine::BatchId> late_;  // flush()'s batches that were not done
   // The notification telling rank r to take n mailbox entries.
   uint64_t tag(uint32_t n) const;
 };

@@ -1,9 +1,12 @@
 // Failure behaviour against real peer processes: a peer killed mid-transfer, a stopped then
-// killed peer, out-of-bounds and unregistered remote addresses, and a wrong job secret.
+// killed peer, out-of-bounds and unregistered remote addresses, a wrong job secret, and the
+// memory of a batch abandoned at its deadline (keepUntilDone).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
 #include <atomic>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -312,6 +315,121 @@ TEST_P(FailureTest, WrongSecretRefused) {
   fillPattern(buf.data(), 4096, 31, 0);
   MC_EXPECT_OK(transfer(*good, OpCode::kWrite, buf.data(), 4096, pid, peer->info().alloc_addr + 1));
   EXPECT_EQ(peer->expect(peer->info().alloc_addr + 1, 4096, 31, 0), "");
+}
+
+// What a test hands the engine with keepUntilDone: the batch's local memory, and, when it is
+// dropped, whether the engine had released the batch by then and what the READ put there.
+struct HandedOver {
+  std::shared_ptr<HostBuffer> buf;
+  TransferEngine* eng = nullptr;
+  BatchId id = 0;
+  uint64_t len = 0, read_seed = 0;
+  std::shared_ptr<std::atomic<int>> released;  // 1: released when dropped, 0: not, -1: alive
+  std::shared_ptr<std::string> read_diff;
+  ~HandedOver() {
+    bool done = false;
+    Status st = eng != nullptr ? eng->poll(id, &done) : Status::OK();
+    *read_diff = checkPattern(buf->data() + len, len, read_seed, 0);
+    released->store(st.code() == Code::kNotFound ? 1 : 0);
+  }
+};
+
+// A batch whose wait() timed out (the peer is stopped) keeps running, and its caller gives
+// up: the memory handed over with keepUntilDone outlives the caller's references until the
+// batch finished and was released, then the engine drops it; the late WRITE and READ moved
+// the right bytes (a caller that freed its buffer instead would have sent and received
+// through freed memory). A batch already released drops what it is handed at once.
+TEST_P(FailureTest, AbandonedBatchKeepsHandedOverMemoryUntilReleased) {
+  const std::string transport = GetParam();
+  constexpr uint64_t kLen = 32u << 20;  // more than a stopped peer's sockets take in
+  PeerConfig cfg;
+  cfg.name = "stalled-peer";
+  cfg.transport = transport;
+  cfg.region_bytes = kLen;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine(transport);
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, cfg.name);
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  auto buf = std::make_shared<HostBuffer>(2 * kLen);
+  fillPattern(buf->data(), kLen, 77, 0);
+  std::memset(buf->data() + kLen, 0, kLen);
+
+  peer->kill(SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto id = eng->submit({{OpCode::kWrite, buf->data(), kLen, pid, peer->info().reg_addr},
+                         {OpCode::kRead, buf->data() + kLen, kLen, pid, peer->info().alloc_addr}});
+  ASSERT_TRUE(id.ok()) << id.status().toString();
+  Status st = eng->wait(*id, engine::deadlineInMs(300));
+  auto released = std::make_shared<std::atomic<int>>(-1);
+  auto read_diff = std::make_shared<std::string>();
+  auto owner = std::make_shared<HandedOver>();
+  owner->buf = buf;
+  owner->eng = eng.get();
+  owner->id = *id;
+  owner->len = kLen;
+  owner->read_seed = allocSeed(cfg);
+  owner->released = released;
+  owner->read_diff = read_diff;
+  std::weak_ptr<HostBuffer> weak = buf;
+  buf.reset();
+  if (st.code() != Code::kTimeout) {
+    // shm: a stopped process's memory stays reachable, the batch finished in time.
+    peer->kill(SIGCONT);
+    MC_EXPECT_OK(st);
+    EXPECT_EQ(transport, "shm") << "a stopped peer answered in time over " << transport;
+    eng->keepUntilDone(*id, std::move(owner));
+    EXPECT_TRUE(weak.expired()) << "a released batch kept what it was handed";
+  } else {
+    eng->keepUntilDone(*id, std::move(owner));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    EXPECT_FALSE(weak.expired()) << "memory dropped while the batch still runs";
+    EXPECT_EQ(released->load(), -1);
+    peer->kill(SIGCONT);
+    auto t0 = SteadyClock::now();
+    while (!weak.expired() && msSince(t0) < 30000)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_TRUE(weak.expired()) << "the batch never finished after the peer resumed";
+  }
+  EXPECT_EQ(released->load(), 1) << "the memory was dropped before the batch was released";
+  EXPECT_EQ(*read_diff, "") << "the READ's bytes";
+  EXPECT_EQ(peer->expect(peer->info().reg_addr, kLen, 77, 0), "") << "the WRITE's bytes";
+}
+
+// An engine that shuts down with an abandoned batch (its peer stopped for good) drops what it
+// was handed once its transports stopped.
+TEST_P(FailureTest, HandedOverMemoryIsDroppedAtShutdown) {
+  const std::string transport = GetParam();
+  if (transport == "shm") GTEST_SKIP() << "shm batches finish while the peer is stopped";
+  constexpr uint64_t kLen = 32u << 20;
+  PeerConfig cfg;
+  cfg.name = "stopped-peer";
+  cfg.transport = transport;
+  cfg.region_bytes = kLen;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine(transport);
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, cfg.name);
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  auto buf = std::make_shared<HostBuffer>(kLen);
+  fillPattern(buf->data(), kLen, 78, 0);
+  markKilled(peer);
+  peer->kill(SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto id = eng->submit({{OpCode::kWrite, buf->data(), kLen, pid, peer->info().reg_addr}});
+  ASSERT_TRUE(id.ok()) << id.status().toString();
+  EXPECT_EQ(eng->wait(*id, engine::deadlineInMs(300)).code(), Code::kTimeout);
+  std::weak_ptr<HostBuffer> weak = buf;
+  eng->keepUntilDone(*id, std::move(buf));
+  EXPECT_FALSE(weak.expired());
+  auto t0 = SteadyClock::now();
+  eng.reset();
+  EXPECT_TRUE(weak.expired()) << "the engine shut down and kept the memory";
+  EXPECT_LT(msSince(t0), 10000) << "shutting down with a stopped peer";
+  peer->kill(SIGKILL);
+  EXPECT_TRUE(peer->waitExit(5000));
 }
 
 INSTANTIATE_TEST_SUITE_P(Engine, FailureTest, MC_TEST_TRANSPORTS,

@@ -1,9 +1,13 @@
 // Low-latency dispatch/combine with real rank processes: results against the reference,
-// edge cases, two rounds in flight, validation, the remote (engine WRITE) path and ranks
-// killed between rounds and between dispatch and combine.
+// edge cases, two rounds in flight, validation, the remote (engine WRITE) path, ranks
+// killed between rounds and between dispatch and combine, and a stopped rank's late WRITEs.
 #include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstring>
+#include <memory>
 #include <stdexcept>
 
 #include "tests/ep/ep_harness.h"
@@ -298,6 +302,81 @@ TEST_P(LowLatencyKill, BetweenDispatchAndCombine) {
   });
   for (int r = 0; r < world; ++r)
     EXPECT_EQ(codes[r], r == victim ? 128 + SIGKILL : 0) << "rank " << r;
+}
+
+// Rank 1 is stopped (SIGSTOP) while rank 0 dispatches 32 MiB of rows to it over tcp: rank
+// 0's send gives up at MC_EP_TIMEOUT_MS and marks rank 1 inactive while its WRITEs still run.
+// x's owner, handed over as `inputs`, stays alive until they finished (after rank 1 resumed);
+// the test then unmaps x, so a send that let the engine read x after dropping it would crash.
+TEST(LowLatencyStall, TimedOutSendKeepsItsInputsUntilTheWritesFinished) {
+  constexpr int64_t kT = 4096, kH = 4096;  // every row to rank 1's expert: 32 MiB
+  static constexpr size_t kBytes = kT * kH * 2;
+  RunOptions o;
+  o.world = 2;
+  o.transport = "tcp";
+  o.env = {{"MC_EP_TIMEOUT_MS", "400"}};
+  o.parent = [](const std::vector<pid_t>& pids, pg::test::Shared* sh) {
+    auto until = [&](int i, int v) {
+      for (int n = 0; n < 60000 && sh->values[i].load() < v; ++n) usleep(1000);
+    };
+    until(0, 2);  // both buffers made
+    kill(pids[1], SIGSTOP);
+    sh->values[1].store(1);
+    until(2, 1);  // rank 0 gave up and dropped its x
+    usleep(300 * 1000);
+    kill(pids[1], SIGCONT);
+  };
+  auto codes = pg::test::runRanks(o, [&](RankEnv& env) {
+    auto buf = makeBuffer(env, sizeHint(kT, kH, 2, 2));
+    env.shared->values[0].fetch_add(1);
+    if (env.rank == 1) {  // stopped by the parent meanwhile; leaves when rank 0 is done
+      while (env.shared->values[3].load() == 0) usleep(1000);
+      return;
+    }
+    while (env.shared->values[1].load() == 0) usleep(1000);
+    void* x = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(x, MAP_FAILED);
+    std::memset(x, 0x3c, kBytes);
+    auto dropped = std::make_shared<std::atomic<bool>>(false);
+    std::shared_ptr<void> owner(x, [dropped](void* p) {
+      dropped->store(true);
+      munmap(p, kBytes);
+    });
+    std::vector<int64_t> topk(kT, 1);
+    std::vector<int32_t> act{1, 1}, count(1), src(2 * kT);
+    std::vector<int64_t> layout(2);
+    std::vector<char> recv_x(2 * kT * kH * 2);
+    LowLatencyDispatchArgs d;
+    d.x = x;
+    d.inputs = std::move(owner);
+    d.tokens = kT;
+    d.hidden = kH;
+    d.topk_idx = topk.data();
+    d.topk = 1;
+    d.active_ranks = act.data();
+    d.max_tokens = kT;
+    d.experts = 2;
+    d.timeout_us = 400 * 1000;
+    d.recv_x = recv_x.data();
+    d.recv_count = count.data();
+    d.src_info = src.data();
+    d.layout_range = layout.data();
+    buf->validate(d);
+    const uint32_t round = buf->nextDispatchRound();
+    auto t0 = std::chrono::steady_clock::now();
+    buf->dispatchSend(d, round);
+    EXPECT_EQ(act[1], 0) << "rank 1 was stopped: its writes cannot have finished";
+    d.inputs.reset();
+    EXPECT_FALSE(dropped->load()) << "x dropped while the engine may still read it";
+    buf->dispatchRecv(d, round);
+    EXPECT_EQ(count[0], 0);
+    env.shared->values[2].store(1);
+    while (!dropped->load() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30))
+      usleep(1000);
+    EXPECT_TRUE(dropped->load()) << "x was never released after rank 1 resumed";
+    env.shared->values[3].store(1);
+  });
+  expectAllOk(codes);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, LowLatencyKill,

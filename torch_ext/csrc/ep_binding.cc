@@ -2,10 +2,6 @@
 // Converts tensors to the raw pointers and shapes of ep::EpBuffer, keeps every tensor alive
 // until the operation that uses it has finished, and maps errors (std::invalid_argument ->
 // ValueError, anything else -> RuntimeError). No algorithm lives here.
-//
-// Wiring (module.cc): declare `void registerEpApis(pybind11::module_& m);` in namespace
-// mooncake::torch_ext and call it from PYBIND11_MODULE after registerPgApis(m); build this
-// file into the module and link mooncake_ep.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -331,6 +327,7 @@ class PyEpBuffer {
     a.layout_range = layout.data_ptr<int64_t>();
     auto keep = std::make_shared<Keep>(
         Keep{{x, topk, active, recv_x, recv_scales, recv_count, src_info, layout}});
+    a.inputs = keep;  // (ep::EpBuffer keeps it past a send that timed out)
     py::object event = py::none(), hook = py::none();
     if (buf_->streamCalls()) {
       streamCall(op, &guard, async_finish, return_hook, &event, &hook,
@@ -410,6 +407,7 @@ class PyEpBuffer {
     a.timeout_us = timeout_us;
     a.out = out.data_ptr();
     auto keep = std::make_shared<Keep>(Keep{{y, topk, w, src_info, layout, active, out}});
+    a.inputs = keep;
     py::object event = py::none(), hook = py::none();
     if (buf_->streamCalls()) {
       streamCall(op, &guard, async_finish, return_hook, &event, &hook,
@@ -511,6 +509,7 @@ class PyEpBuffer {
     a.topk = K;
     a.experts = static_cast<int>(E);
     a.expert_alignment = static_cast<int>(alignment);
+    a.inputs = std::make_shared<Keep>(Keep{{x}});
     Tensor recv_x, recv_src, recv_topk, recv_w, per_expert, counts_t;
     {
       py::gil_scoped_release nogil;
@@ -591,6 +590,7 @@ class PyEpBuffer {
     a.tokens = T;
     a.out = out.data_ptr();
     a.out_weights = with_w ? out_w.data_ptr<float>() : nullptr;
+    a.inputs = std::make_shared<Keep>(Keep{{y, w}});
     {
       py::gil_scoped_release nogil;
       buf_->validate(a);
