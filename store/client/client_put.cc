@@ -242,7 +242,9 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
 ErrorCode StoreClient::commit(const std::vector<WriteTarget>& targets, uint64_t put_id,
                               const std::shared_ptr<Link>& link) {
   std::vector<engine::TransferRequest> reqs;
-  const uint64_t word = put_id;
+  // On the heap: a WRITE of it that outlives its deadline still reads it (transferEach).
+  const std::shared_ptr<void> word_owner = std::make_shared<uint64_t>(put_id);
+  const uint64_t& word = *static_cast<const uint64_t*>(word_owner.get());
   size_t committed = 0, with_records = 0;
   for (const WriteTarget& t : targets) {
     if (t.record_address == 0) continue;
@@ -267,12 +269,9 @@ ErrorCode StoreClient::commit(const std::vector<WriteTarget>& targets, uint64_t 
       reqs.push_back({engine::OpCode::kWrite, const_cast<uint64_t*>(&word), 8, *peer, at});
     }
   }
-  if (!reqs.empty()) {
-    std::vector<Status> per;
-    auto id = engine_->submit(reqs);
-    if (id.ok()) (void)engine_->wait(*id, engine::deadlineInMs(options_.transfer_timeout_ms), &per);
-    for (const Status& s : per) committed += s.ok() ? 1 : 0;
-  }
+  if (!reqs.empty())
+    for (const Status& s : transferEach(reqs, [&] { return word_owner; }))
+      committed += s.ok() ? 1 : 0;
   if (with_records > 0 && committed == 0) return ErrorCode::TRANSFER_FAIL;
   // The commit must be in place before any new master's rebuild reads the records. A new
   // master serves only after the one that acknowledged this put stopped (it died, or it stepped
@@ -290,17 +289,19 @@ ErrorCode StoreClient::put(const std::string& key, const void* data, size_t size
 ErrorCode StoreClient::putParts(const std::string& key,
                                 const std::vector<std::pair<const void*, size_t>>& parts,
                                 const ReplicateConfig& config) {
-  std::string joined;
+  auto joined = std::make_shared<std::string>();  // (a late WRITE may still read it)
   const char* src = nullptr;
   uint64_t size = 0;
-  if (ErrorCode ec = checkedValue(key, parts, config, &joined, &src, &size); ec != ErrorCode::OK)
+  if (ErrorCode ec = checkedValue(key, parts, config, joined.get(), &src, &size);
+      ec != ErrorCode::OK)
     return ec;
-  return putOne(key, src, size, config);
+  return putOne(key, src, size, config, joined);
 }
 
 ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t size,
-                              const ReplicateConfig& config) {
-  if (!slabEligible(key, size, config)) return putClassic(key, src, size, config);
+                              const ReplicateConfig& config,
+                              const std::shared_ptr<void>& src_owner) {
+  if (!slabEligible(key, size, config)) return putClassic(key, src, size, config, src_owner);
   const uint32_t rn = std::max<uint32_t>(1, config.replica_num);
   const uint64_t rb_max = recordBytes(key.size());
   const uint64_t need = round64(rb_max + size);
@@ -314,7 +315,8 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
     std::shared_ptr<SlabState> slab = reserve(rn, need, 0, &offset, &why);
     t_phases.alloc_ns += nsSince(t0);
     if (!slab) {
-      if (why == ErrorCode::NO_AVAILABLE_HANDLE) return putClassic(key, src, size, config);
+      if (why == ErrorCode::NO_AVAILABLE_HANDLE)
+        return putClassic(key, src, size, config, src_owner);
       return why;
     }
     std::vector<WriteTarget> targets;
@@ -336,7 +338,7 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
     auto t1 = Clock::now();
     ErrorCode ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
     if (ec == ErrorCode::OK && !reqs.empty() &&
-        !engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok())
+        !transferHeld(reqs, heldWith(records, src_owner)).ok())
       ec = ErrorCode::TRANSFER_FAIL;
     t_phases.write_ns += nsSince(t1);
     if (ec != ErrorCode::OK) {
@@ -434,7 +436,8 @@ ErrorCode StoreClient::targetsOf(const google::protobuf::RepeatedPtrField<proto:
 }
 
 ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint64_t size,
-                                  const ReplicateConfig& config) {
+                                  const ReplicateConfig& config,
+                                  const std::shared_ptr<void>& src_owner) {
   proto::PutStartRequest req;
   req.set_client_id(client_id_);
   req.set_key(key);
@@ -458,7 +461,7 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
   ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
   bool ok = ec == ErrorCode::OK;
   if (ok && !reqs.empty()) {
-    Status st = engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms));
+    Status st = transferHeld(reqs, heldWith(records, src_owner));
     ok = st.ok();
     if (!ok) {
       MC_LOG(WARN, STORE) << "store client " << client_id_ << ": put of '" << key << "' ("
@@ -576,7 +579,7 @@ std::vector<ErrorCode> StoreClient::batchPut(
       it.slab = nullptr;
     }
   }
-  std::vector<Status> per = transferEach(reqs);
+  std::vector<Status> per = transferEach(reqs, heldWith(records, nullptr));
   proto::PublishRequest req;
   req.set_client_id(client_id_);
   std::vector<Item*> published;

@@ -45,16 +45,31 @@ void toProto(const ReplicateConfig& c, proto::ReplicateConfig* p) {
   p->set_keep_soft_pin(c.keep_soft_pin);
 }
 
-std::vector<Status> StoreClient::transferEach(const std::vector<engine::TransferRequest>& reqs) {
+std::vector<Status> StoreClient::transferEach(const std::vector<engine::TransferRequest>& reqs,
+                                              const Held& held) {
   std::vector<Status> per;
   if (reqs.empty()) return per;
   auto id = engine_->submit(reqs);
-  if (!id.ok())
+  if (!id.ok()) {
     per.assign(reqs.size(), id.status());
-  else
-    (void)engine_->wait(*id, engine::deadlineInMs(options_.transfer_timeout_ms), &per);
+    return per;
+  }
+  Status st = engine_->wait(*id, engine::deadlineInMs(options_.transfer_timeout_ms), &per);
+  if (st.code() == Code::kTimeout) {
+    MC_LOG(WARN, STORE) << "store client " << client_id_ << ": " << reqs.size()
+                        << " transfers not done in " << options_.transfer_timeout_ms
+                        << " ms; they may still run";
+    if (held) engine_->keepUntilDone(*id, held());
+  }
   per.resize(reqs.size(), Status(Code::kTimeout, "batch"));
   return per;
+}
+
+Status StoreClient::transferHeld(const std::vector<engine::TransferRequest>& reqs,
+                                 const Held& held) {
+  for (Status& st : transferEach(reqs, held))
+    if (!st.ok()) return std::move(st);
+  return Status::OK();
 }
 
 ErrorCode StoreClient::checkedValue(const std::string& key,
@@ -194,7 +209,8 @@ ErrorCode StoreClient::planRange(const proto::Replica& r, uint64_t size, engine:
 }
 
 ErrorCode StoreClient::readReplicas(const proto::GetReplicaListResponse& rl, void* buf,
-                                    size_t skip_first, Clock::time_point asked) {
+                                    size_t skip_first, Clock::time_point asked,
+                                    const std::shared_ptr<void>& buf_owner) {
   ErrorCode last = ErrorCode::TRANSFER_FAIL;
   for (int i = static_cast<int>(skip_first); i < rl.replicas_size(); ++i) {
     std::vector<engine::TransferRequest> reqs;
@@ -203,7 +219,7 @@ ErrorCode StoreClient::readReplicas(const proto::GetReplicaListResponse& rl, voi
     if (ec == ErrorCode::INVALID_READ) return ec;
     if (ec != ErrorCode::OK) continue;
     if (!reqs.empty() &&
-        !engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok()) {
+        !transferHeld(reqs, buf_owner ? Held([&] { return buf_owner; }) : Held()).ok()) {
       for (const auto& p : rl.replicas(i).pieces()) forgetPeer(p.client_id());
       continue;
     }
@@ -216,7 +232,8 @@ ErrorCode StoreClient::readReplicas(const proto::GetReplicaListResponse& rl, voi
   return last;
 }
 
-ErrorOr<uint64_t> StoreClient::getInto(const std::string& key, void* buf, size_t capacity) {
+ErrorOr<uint64_t> StoreClient::getInto(const std::string& key, void* buf, size_t capacity,
+                                       const std::shared_ptr<void>& buf_owner) {
   if (ErrorCode ec = checkKey(key); ec != ErrorCode::OK) return ec;
   if (closed_ || (buf == nullptr && capacity > 0)) return ErrorCode::INVALID_PARAMS;
   proto::GetReplicaListRequest req;
@@ -227,7 +244,7 @@ ErrorOr<uint64_t> StoreClient::getInto(const std::string& key, void* buf, size_t
     return ec;
   if (rl.error_code() != 0) return errorCodeFromInt(rl.error_code());
   if (rl.size() > capacity) return ErrorCode::BUFFER_OVERFLOW;
-  ErrorCode ec = readReplicas(rl, buf, 0, asked);
+  ErrorCode ec = readReplicas(rl, buf, 0, asked, buf_owner);
   if (ec != ErrorCode::OK) return ec;
   return rl.size();
 }
@@ -242,14 +259,19 @@ ErrorOr<std::string> StoreClient::get(const std::string& key) {
   if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK)
     return ec;
   if (rl.error_code() != 0) return errorCodeFromInt(rl.error_code());
-  std::string out(rl.size(), '\0');
-  ErrorCode ec = readReplicas(rl, out.data(), 0, asked);
+  // Shared: a replica's read that timed out may still land in it (readReplicas).
+  auto out = std::make_shared<std::string>(rl.size(), '\0');
+  ErrorCode ec = readReplicas(rl, out->data(), 0, asked, out);
   if (ec != ErrorCode::OK) return ec;
-  return out;
+  // Still held by the engine (an earlier replica timed out): what it reads lands there, not in
+  // what this returns.
+  if (out.use_count() > 1) return std::string(*out);
+  return std::move(*out);
 }
 
 std::vector<ErrorOr<uint64_t>> StoreClient::batchGetInto(
-    const std::vector<std::string>& keys, const std::vector<std::pair<void*, size_t>>& bufs) {
+    const std::vector<std::string>& keys, const std::vector<std::pair<void*, size_t>>& bufs,
+    const std::shared_ptr<void>& bufs_owner) {
   std::vector<ErrorOr<uint64_t>> out(keys.size(), ErrorOr<uint64_t>(ErrorCode::INVALID_PARAMS));
   if (keys.size() != bufs.size() || closed_ || keys.empty()) return out;
   proto::BatchGetReplicaListRequest req;
@@ -288,16 +310,17 @@ std::vector<ErrorOr<uint64_t>> StoreClient::batchGetInto(
     first_req[i + 1] = reqs.size();
   }
   first_req[keys.size()] = reqs.size();
-  std::vector<Status> per = transferEach(reqs);
+  std::vector<Status> per =
+      transferEach(reqs, bufs_owner ? Held([&] { return bufs_owner; }) : Held());
   for (size_t i = 0; i < keys.size(); ++i) {
     const auto& rl = resp.results(static_cast<int>(i));
     if (st[i] == ErrorCode::TRANSFER_FAIL) {
-      st[i] = readReplicas(rl, bufs[i].first, 1, asked);
+      st[i] = readReplicas(rl, bufs[i].first, 1, asked, bufs_owner);
     } else if (st[i] == ErrorCode::OK) {
       bool ok = true;
       for (size_t r = first_req[i]; r < first_req[i + 1]; ++r) ok = ok && per[r].ok();
       if (!ok) {
-        st[i] = readReplicas(rl, bufs[i].first, 1, asked);
+        st[i] = readReplicas(rl, bufs[i].first, 1, asked, bufs_owner);
       } else if (rl.lease_ttl_ms() > 0 &&
                  Clock::now() - asked > std::chrono::milliseconds(rl.lease_ttl_ms())) {
         st[i] = ErrorCode::LEASE_EXPIRED;  // the bytes may have been overwritten meanwhile
@@ -312,7 +335,9 @@ std::vector<ErrorOr<std::string>> StoreClient::batchGet(const std::vector<std::s
   std::vector<ErrorOr<std::string>> out;
   out.reserve(keys.size());
   // Sizes first (one RPC), then one batch straight into the result strings.
-  std::vector<std::string> vals(keys.size());
+  // Shared: a read that timed out may still land in them (readReplicas).
+  auto held = std::make_shared<std::vector<std::string>>(keys.size());
+  std::vector<std::string>& vals = *held;
   std::vector<std::pair<void*, size_t>> bufs(keys.size(), {nullptr, 0});
   proto::BatchGetReplicaListRequest req;
   for (const auto& k : keys) req.add_keys(k);
@@ -325,10 +350,13 @@ std::vector<ErrorOr<std::string>> StoreClient::batchGet(const std::vector<std::s
       bufs[i] = {vals[i].data(), vals[i].size()};
     }
   }
-  auto got = batchGetInto(keys, bufs);
+  auto got = batchGetInto(keys, bufs, held);
+  const bool late = held.use_count() > 1;  // the engine holds them: copies, not the strings
   for (size_t i = 0; i < keys.size(); ++i) {
     if (!got[i].ok())
       out.emplace_back(got[i].error());
+    else if (late)
+      out.emplace_back(vals[i].substr(0, *got[i]));
     else {
       vals[i].resize(*got[i]);
       out.emplace_back(std::move(vals[i]));

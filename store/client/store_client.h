@@ -54,6 +54,16 @@ namespace mooncake::store {
 // ReplicateConfig on the wire (shared by the client's source files).
 void toProto(const ReplicateConfig& c, proto::ReplicateConfig* p);
 
+// What a put's late WRITEs may still read (StoreClient::Held): its records, moved in (a
+// vector's elements stay where they are), and the value when the client made it (`src_owner`).
+inline std::function<std::shared_ptr<void>()> heldWith(std::vector<std::string>& records,
+                                                       std::shared_ptr<void> src_owner) {
+  return [&records, src_owner] {
+    return std::make_shared<std::pair<std::vector<std::string>, std::shared_ptr<void>>>(
+        std::move(records), src_owner);
+  };
+}
+
 namespace ha {
 class EtcdClient;
 }
@@ -132,9 +142,15 @@ class StoreClient {
   // ---- reads ----
   ErrorOr<std::string> get(const std::string& key);
   // Reads into [buf, buf + capacity); returns the object size. BUFFER_OVERFLOW if it is larger.
-  ErrorOr<uint64_t> getInto(const std::string& key, void* buf, size_t capacity);
+  // `buf_owner`: what keeps buf valid (a slice of this client's local buffer): the engine holds
+  // it past a read that timed out (it still lands when the holder resumes). Null: the caller's
+  // memory, which such a read may still write after this returned (docs/store.md).
+  ErrorOr<uint64_t> getInto(const std::string& key, void* buf, size_t capacity,
+                            const std::shared_ptr<void>& buf_owner = nullptr);
+  // The same for several keys; `bufs_owner` keeps every buffer valid.
   std::vector<ErrorOr<uint64_t>> batchGetInto(const std::vector<std::string>& keys,
-                                              const std::vector<std::pair<void*, size_t>>& bufs);
+                                              const std::vector<std::pair<void*, size_t>>& bufs,
+                                              const std::shared_ptr<void>& bufs_owner = nullptr);
   std::vector<ErrorOr<std::string>> batchGet(const std::vector<std::string>& keys);
 
   // Ranged reads (store_client_ext.cc): for one key, each range copies object bytes
@@ -222,8 +238,15 @@ class StoreClient {
                          const std::vector<std::pair<const void*, size_t>>& parts,
                          const ReplicateConfig& config, std::string* joined, const char** src,
                          uint64_t* size) const;
+  // What a call's transfers may still touch of its own memory once it stopped waiting for
+  // them: built only then (a late batch keeps running, engine.h wait), and handed to the
+  // engine, which drops it when the batch finished. Null: nothing of the call's own.
+  using Held = std::function<std::shared_ptr<void>()>;
   // Submits `reqs` as one engine batch and waits (transfer_timeout_ms): one status per request.
-  std::vector<Status> transferEach(const std::vector<engine::TransferRequest>& reqs);
+  std::vector<Status> transferEach(const std::vector<engine::TransferRequest>& reqs,
+                                   const Held& held = nullptr);
+  // The same, with the first failure (OK when all succeeded).
+  Status transferHeld(const std::vector<engine::TransferRequest>& reqs, const Held& held);
   ErrorCode startHeartbeat();
   // ---- link (client_link.cc) ----
   // Calls the master that serves now, waiting for one (and retrying) within rpc_timeout_ms.
@@ -245,10 +268,13 @@ class StoreClient {
   void membershipTick();
   std::shared_ptr<engine::Rendezvous> rendezvous();
   // ---- writes (client_put.cc) ----
+  // `src_owner`: what keeps src valid when this client made it (a joined value), else null
+  // (the caller's memory: valid until the call returns; docs/store.md, Known limits).
   ErrorCode putOne(const std::string& key, const char* src, uint64_t size,
-                   const ReplicateConfig& config);
+                   const ReplicateConfig& config, const std::shared_ptr<void>& src_owner = nullptr);
   ErrorCode putClassic(const std::string& key, const char* src, uint64_t size,
-                       const ReplicateConfig& config);
+                       const ReplicateConfig& config,
+                       const std::shared_ptr<void>& src_owner = nullptr);
   bool slabEligible(const std::string& key, uint64_t size, const ReplicateConfig& config) const;
   // Reserves `need` bytes in a slab with replica_num extents (asks the master for one when the
   // current is full); nullptr when no slab can be had.
@@ -289,8 +315,10 @@ class StoreClient {
   // True when [address, address + len) lies inside this client's segment.
   bool inOwnSegment(uint64_t address, uint64_t len) const;
   // `asked`: when the replica list was requested (the read lease runs from after it).
+  // `buf_owner`: what keeps buf valid when this client made it (get's result), else null.
   ErrorCode readReplicas(const proto::GetReplicaListResponse& rl, void* buf, size_t skip_first,
-                         std::chrono::steady_clock::time_point asked);
+                         std::chrono::steady_clock::time_point asked,
+                         const std::shared_ptr<void>& buf_owner = nullptr);
 
   engine::TransferEngine* engine_ = nullptr;
   engine::Rendezvous* fixed_rdv_ = nullptr;  // create(): the caller's rendezvous

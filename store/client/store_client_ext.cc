@@ -10,10 +10,11 @@ namespace mooncake::store {
 ErrorCode StoreClient::upsertParts(const std::string& key,
                                    const std::vector<std::pair<const void*, size_t>>& parts,
                                    const ReplicateConfig& config) {
-  std::string joined;
+  auto joined = std::make_shared<std::string>();  // (a late WRITE may still read it)
   const char* src = nullptr;
   uint64_t size = 0;
-  if (ErrorCode ec = checkedValue(key, parts, config, &joined, &src, &size); ec != ErrorCode::OK)
+  if (ErrorCode ec = checkedValue(key, parts, config, joined.get(), &src, &size);
+      ec != ErrorCode::OK)
     return ec;
   proto::UpsertStartRequest req;
   req.set_client_id(client_id_);
@@ -39,7 +40,7 @@ ErrorCode StoreClient::upsertParts(const std::string& key,
     ec = writePieces(targets, key, put_id, size, flags, src, &records, &reqs);
   }
   if (ec == ErrorCode::OK && !reqs.empty() &&
-      !engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok())
+      !transferHeld(reqs, heldWith(records, joined)).ok())
     ec = ErrorCode::TRANSFER_FAIL;
   if (ec != ErrorCode::OK) {
     proto::UpsertRevokeRequest rv;
@@ -105,8 +106,7 @@ std::vector<ErrorOr<uint64_t>> StoreClient::getRanges(const std::string& key,
       break;
     }
     if (ec != ErrorCode::OK) continue;
-    if (!reqs.empty() &&
-        !engine_->transfer(reqs, engine::deadlineInMs(options_.transfer_timeout_ms)).ok()) {
+    if (!reqs.empty() && !transferHeld(reqs, nullptr).ok()) {  // (the caller's memory)
       for (const auto& p : rl.replicas(rep).pieces()) forgetPeer(p.client_id());
       continue;
     }

@@ -47,7 +47,10 @@ std::optional<BufferHandle> readIntoLease(PyStore& s, const std::string& key) {
     if (!size.ok() || *size == 0) return std::nullopt;
     auto lease = lb->acquire(*size);
     if (!lease) return std::nullopt;
-    auto got = s.c()->getInto(key, lease->data(), lease->size());
+    // A copy of the lease keeps the slice out of other hands while a read that timed out may
+    // still land in it.
+    auto got = s.c()->getInto(key, lease->data(), lease->size(),
+                              std::make_shared<store::LocalBuffer::Lease>(*lease));
     if (got.ok()) return BufferHandle(std::move(*lease), *got);
     if (got.error() != ErrorCode::BUFFER_OVERFLOW) return std::nullopt;
   }
@@ -170,7 +173,8 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
                    leases[i] = lb->acquire(*size);
                    if (leases[i]) bufs[i] = {leases[i]->data(), leases[i]->size()};
                  }
-                 auto got = s.c()->batchGetInto(keys, bufs);  // one engine batch
+                 auto got = s.c()->batchGetInto(  // one engine batch; copies of the leases
+                     keys, bufs, std::make_shared<decltype(leases)>(leases));  // (getInto)
                  for (size_t i = 0; i < keys.size(); ++i) {
                    if (leases[i] && got[i].ok())
                      hs[i] = BufferHandle(std::move(*leases[i]), *got[i]);
