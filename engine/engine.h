@@ -113,11 +113,13 @@ class TransferEngine {
   // it) and the batch is released when they finish, after which poll() says kNotFound.
   // Until then the local memory must stay valid (keepUntilDone hands its owner over).
   Status wait(BatchId id, Deadline deadline, std::vector<Status>* per_request = nullptr);
-  // For a caller that stops waiting for a batch (wait's kTimeout) but cannot keep the batch's
-  // local memory itself: the engine holds `owner` (whatever keeps that memory valid) and drops
-  // it once the batch finished and was released, or when the engine shuts down, after its
-  // transports stopped. A batch already released (or never known): `owner` is dropped here.
-  // The owner may be dropped on a transport's thread.
+  // For a caller that gives up on a batch (wait's kTimeout, or without waiting) but cannot keep
+  // the batch's local memory itself: the engine holds `owner` (whatever keeps that memory
+  // valid) and drops it once the batch finished (or failed, at the latest when the engine shuts
+  // down and its transports stop), then releases the batch. A batch already finished, released
+  // or never known: `owner` is dropped here. Otherwise it is dropped later on a process-wide
+  // thread of its own, never a transport's (its destructor may take the GIL or drop the last
+  // reference to this engine).
   void keepUntilDone(BatchId id, std::shared_ptr<void> owner);
   // submit + wait.
   Status transfer(const std::vector<TransferRequest>& requests, Deadline deadline);

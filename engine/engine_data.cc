@@ -2,6 +2,8 @@
 // lookups by engine id (engine.cc: creation, memory, peers).
 #include "engine/engine.h"
 
+#include <pthread.h>
+
 #include "engine/engine_impl.h"
 
 namespace mooncake::engine {
@@ -101,6 +103,58 @@ Status TransferEngine::wait(BatchId id, Deadline deadline, std::vector<Status>* 
   return Status::OK();
 }
 
+namespace {
+
+// dropOwnersLater's thread and queue. Made on first use and never destroyed (the thread is
+// detached, so it may outlive every static); a forked child makes its own (pthread_atfork).
+class Reaper {
+ public:
+  static void drop(std::vector<std::shared_ptr<void>> owners) {
+    static const bool forks = [] {
+      pthread_atfork(nullptr, nullptr, [] { current().store(nullptr); });
+      return true;
+    }();
+    (void)forks;
+    Reaper* r = current().load();
+    if (r == nullptr) {
+      auto* made = new Reaper();  // (one made by a racing caller is leaked: a few bytes)
+      r = current().compare_exchange_strong(r, made) ? made : r;
+      if (r == made) std::thread([made] { made->run(); }).detach();
+    }
+    {
+      std::lock_guard<std::mutex> g(r->mu_);
+      for (auto& o : owners) r->queue_.push_back(std::move(o));
+    }
+    r->cv_.notify_one();
+  }
+
+ private:
+  static std::atomic<Reaper*>& current() {
+    static std::atomic<Reaper*> r{nullptr};
+    return r;
+  }
+  void run() {
+    std::unique_lock<std::mutex> g(mu_);
+    for (;;) {
+      cv_.wait(g, [this] { return !queue_.empty(); });
+      std::vector<std::shared_ptr<void>> batch;
+      batch.swap(queue_);
+      g.unlock();
+      batch.clear();  // the owners' destructors run here, without the lock
+      g.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::shared_ptr<void>> queue_;
+};
+
+}  // namespace
+
+void dropOwnersLater(std::vector<std::shared_ptr<void>> owners) {
+  Reaper::drop(std::move(owners));
+}
+
 void TransferEngine::keepUntilDone(BatchId id, std::shared_ptr<void> owner) {
   std::shared_ptr<Batch> b;
   {
@@ -113,6 +167,7 @@ void TransferEngine::keepUntilDone(BatchId id, std::shared_ptr<void> owner) {
   // Finished: its completer no longer touches the memory (finishOne drops the count under mu).
   if (b->pending.load(std::memory_order_acquire) == 0) return;
   b->owners.push_back(std::move(owner));
+  b->abandoned = true;  // (given up, waited for or not: released when it finishes)
 }
 
 Status TransferEngine::transfer(const std::vector<TransferRequest>& requests, Deadline deadline) {

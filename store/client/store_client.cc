@@ -210,17 +210,26 @@ ErrorCode StoreClient::planRange(const proto::Replica& r, uint64_t size, engine:
 
 ErrorCode StoreClient::readReplicas(const proto::GetReplicaListResponse& rl, void* buf,
                                     size_t skip_first, Clock::time_point asked,
-                                    const std::shared_ptr<void>& buf_owner) {
+                                    const std::shared_ptr<void>& buf_owner, size_t* late) {
   ErrorCode last = ErrorCode::TRANSFER_FAIL;
+  if (late != nullptr) *late = 0;
   for (int i = static_cast<int>(skip_first); i < rl.replicas_size(); ++i) {
     std::vector<engine::TransferRequest> reqs;
     ErrorCode ec = planReplica(rl.replicas(i), rl.size(), engine::OpCode::kRead,
                                static_cast<char*>(buf), &reqs);
     if (ec == ErrorCode::INVALID_READ) return ec;
     if (ec != ErrorCode::OK) continue;
-    if (!reqs.empty() &&
-        !transferHeld(reqs, buf_owner ? Held([&] { return buf_owner; }) : Held()).ok()) {
+    Status st = reqs.empty()
+                    ? Status::OK()
+                    : transferHeld(reqs, buf_owner ? Held([&] { return buf_owner; }) : Held());
+    if (!st.ok()) {
       for (const auto& p : rl.replicas(i).pieces()) forgetPeer(p.client_id());
+      // Not done in time: its READs may still land in buf, so no other replica is read into it
+      // (the caller may go on into fresh memory from replica *late).
+      if (st.code() == Code::kTimeout) {
+        if (late != nullptr) *late = static_cast<size_t>(i) + 1;
+        return ErrorCode::TRANSFER_FAIL;
+      }
       continue;
     }
     last = ErrorCode::OK;
@@ -259,19 +268,28 @@ ErrorOr<std::string> StoreClient::get(const std::string& key) {
   if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK)
     return ec;
   if (rl.error_code() != 0) return errorCodeFromInt(rl.error_code());
-  // Shared: a replica's read that timed out may still land in it (readReplicas).
-  auto out = std::make_shared<std::string>(rl.size(), '\0');
-  ErrorCode ec = readReplicas(rl, out->data(), 0, asked, out);
-  if (ec != ErrorCode::OK) return ec;
-  // Still held by the engine (an earlier replica timed out): what it reads lands there, not in
-  // what this returns.
-  if (out.use_count() > 1) return std::string(*out);
-  return std::move(*out);
+  // A replica whose read timed out keeps its buffer (held by the engine: the READs may still
+  // land); the next replica is read into a fresh one.
+  size_t from = 0;
+  for (;;) {
+    auto out = std::make_shared<std::string>(rl.size(), '\0');
+    size_t late = 0;
+    ErrorCode ec = readReplicas(rl, out->data(), from, asked, out, &late);
+    if (ec == ErrorCode::OK) return std::move(*out);
+    if (late == 0 || late >= static_cast<size_t>(rl.replicas_size())) return ec;
+    from = late;
+  }
 }
 
 std::vector<ErrorOr<uint64_t>> StoreClient::batchGetInto(
     const std::vector<std::string>& keys, const std::vector<std::pair<void*, size_t>>& bufs,
     const std::shared_ptr<void>& bufs_owner) {
+  return batchRead(keys, bufs, bufs_owner, nullptr);
+}
+
+std::vector<ErrorOr<uint64_t>> StoreClient::batchRead(
+    const std::vector<std::string>& keys, const std::vector<std::pair<void*, size_t>>& bufs,
+    const std::shared_ptr<void>& bufs_owner, const std::function<void*(size_t)>& fresh) {
   std::vector<ErrorOr<uint64_t>> out(keys.size(), ErrorOr<uint64_t>(ErrorCode::INVALID_PARAMS));
   if (keys.size() != bufs.size() || closed_ || keys.empty()) return out;
   proto::BatchGetReplicaListRequest req;
@@ -317,9 +335,17 @@ std::vector<ErrorOr<uint64_t>> StoreClient::batchGetInto(
     if (st[i] == ErrorCode::TRANSFER_FAIL) {
       st[i] = readReplicas(rl, bufs[i].first, 1, asked, bufs_owner);
     } else if (st[i] == ErrorCode::OK) {
-      bool ok = true;
-      for (size_t r = first_req[i]; r < first_req[i + 1]; ++r) ok = ok && per[r].ok();
-      if (!ok) {
+      bool ok = true, late = false;
+      for (size_t r = first_req[i]; r < first_req[i + 1]; ++r) {
+        ok = ok && per[r].ok();
+        late = late || per[r].code() == Code::kTimeout;
+      }
+      void* again = late && fresh ? fresh(i) : nullptr;
+      if (late && again == nullptr) {
+        st[i] = ErrorCode::TRANSFER_FAIL;  // its READs may still land in bufs[i] (readReplicas)
+      } else if (late) {
+        st[i] = readReplicas(rl, again, 1, asked, bufs_owner);
+      } else if (!ok) {
         st[i] = readReplicas(rl, bufs[i].first, 1, asked, bufs_owner);
       } else if (rl.lease_ttl_ms() > 0 &&
                  Clock::now() - asked > std::chrono::milliseconds(rl.lease_ttl_ms())) {
@@ -334,10 +360,14 @@ std::vector<ErrorOr<uint64_t>> StoreClient::batchGetInto(
 std::vector<ErrorOr<std::string>> StoreClient::batchGet(const std::vector<std::string>& keys) {
   std::vector<ErrorOr<std::string>> out;
   out.reserve(keys.size());
-  // Sizes first (one RPC), then one batch straight into the result strings.
-  // Shared: a read that timed out may still land in them (readReplicas).
-  auto held = std::make_shared<std::vector<std::string>>(keys.size());
-  std::vector<std::string>& vals = *held;
+  // Sizes first (one RPC), then one batch straight into the result strings. Shared: a read
+  // that timed out may still land in them; its key's other replicas are read into a fresh
+  // string (`again`, held too).
+  auto held = std::make_shared<std::pair<std::vector<std::string>, std::vector<std::string>>>();
+  held->first.resize(keys.size());
+  held->second.resize(keys.size());
+  std::vector<std::string>& vals = held->first;
+  std::vector<std::string>& again = held->second;
   std::vector<std::pair<void*, size_t>> bufs(keys.size(), {nullptr, 0});
   proto::BatchGetReplicaListRequest req;
   for (const auto& k : keys) req.add_keys(k);
@@ -350,16 +380,17 @@ std::vector<ErrorOr<std::string>> StoreClient::batchGet(const std::vector<std::s
       bufs[i] = {vals[i].data(), vals[i].size()};
     }
   }
-  auto got = batchGetInto(keys, bufs, held);
-  const bool late = held.use_count() > 1;  // the engine holds them: copies, not the strings
+  auto got = batchRead(keys, bufs, held, [&](size_t i) -> void* {
+    again[i].resize(vals[i].size());
+    return again[i].data();
+  });
   for (size_t i = 0; i < keys.size(); ++i) {
-    if (!got[i].ok())
+    if (!got[i].ok()) {
       out.emplace_back(got[i].error());
-    else if (late)
-      out.emplace_back(vals[i].substr(0, *got[i]));
-    else {
-      vals[i].resize(*got[i]);
-      out.emplace_back(std::move(vals[i]));
+    } else {
+      std::string& v = again[i].empty() ? vals[i] : again[i];
+      v.resize(*got[i]);
+      out.emplace_back(std::move(v));
     }
   }
   return out;

@@ -315,10 +315,19 @@ class StoreClient {
   // True when [address, address + len) lies inside this client's segment.
   bool inOwnSegment(uint64_t address, uint64_t len) const;
   // `asked`: when the replica list was requested (the read lease runs from after it).
-  // `buf_owner`: what keeps buf valid when this client made it (get's result), else null.
+  // batchGetInto; a key whose first replica's read timed out goes on into fresh(i) (null, or
+  // none given: it fails, TRANSFER_FAIL, as its READs may still land in bufs[i]).
+  std::vector<ErrorOr<uint64_t>> batchRead(const std::vector<std::string>& keys,
+                                           const std::vector<std::pair<void*, size_t>>& bufs,
+                                           const std::shared_ptr<void>& bufs_owner,
+                                           const std::function<void*(size_t)>& fresh);
+  // `buf_owner`: what keeps buf valid when this client made it (get's result), else null. A
+  // replica whose read timed out ends it (TRANSFER_FAIL: its READs may still land in buf);
+  // *late (optional) is then that replica's index + 1, else 0.
   ErrorCode readReplicas(const proto::GetReplicaListResponse& rl, void* buf, size_t skip_first,
                          std::chrono::steady_clock::time_point asked,
-                         const std::shared_ptr<void>& buf_owner = nullptr);
+                         const std::shared_ptr<void>& buf_owner = nullptr,
+                         size_t* late = nullptr);
 
   engine::TransferEngine* engine_ = nullptr;
   engine::Rendezvous* fixed_rdv_ = nullptr;  // create(): the caller's rendezvous

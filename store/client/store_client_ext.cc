@@ -106,8 +106,10 @@ std::vector<ErrorOr<uint64_t>> StoreClient::getRanges(const std::string& key,
       break;
     }
     if (ec != ErrorCode::OK) continue;
-    if (!reqs.empty() && !transferHeld(reqs, nullptr).ok()) {  // (the caller's memory)
+    Status st = reqs.empty() ? Status::OK() : transferHeld(reqs, nullptr);  // (caller's memory)
+    if (!st.ok()) {
       for (const auto& p : rl.replicas(rep).pieces()) forgetPeer(p.client_id());
+      if (st.code() == Code::kTimeout) break;  // its READs may still land in the ranges' dst
       continue;
     }
     result = ErrorCode::OK;

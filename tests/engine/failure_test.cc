@@ -321,14 +321,15 @@ TEST_P(FailureTest, WrongSecretRefused) {
 // dropped, whether the engine had released the batch by then and what the READ put there.
 struct HandedOver {
   std::shared_ptr<HostBuffer> buf;
-  TransferEngine* eng = nullptr;
+  TransferEngine* eng = nullptr;  // asked only while *engine_alive
+  std::shared_ptr<std::atomic<bool>> engine_alive;
   BatchId id = 0;
   uint64_t len = 0, read_seed = 0;
   std::shared_ptr<std::atomic<int>> released;  // 1: released when dropped, 0: not, -1: alive
   std::shared_ptr<std::string> read_diff;
   ~HandedOver() {
     bool done = false;
-    Status st = eng != nullptr ? eng->poll(id, &done) : Status::OK();
+    Status st = engine_alive->load() ? eng->poll(id, &done) : Status::OK();
     *read_diff = checkPattern(buf->data() + len, len, read_seed, 0);
     released->store(st.code() == Code::kNotFound ? 1 : 0);
   }
@@ -367,6 +368,8 @@ TEST_P(FailureTest, AbandonedBatchKeepsHandedOverMemoryUntilReleased) {
   auto owner = std::make_shared<HandedOver>();
   owner->buf = buf;
   owner->eng = eng.get();
+  auto engine_alive = std::make_shared<std::atomic<bool>>(true);
+  owner->engine_alive = engine_alive;
   owner->id = *id;
   owner->len = kLen;
   owner->read_seed = allocSeed(cfg);
@@ -395,6 +398,8 @@ TEST_P(FailureTest, AbandonedBatchKeepsHandedOverMemoryUntilReleased) {
   EXPECT_EQ(released->load(), 1) << "the memory was dropped before the batch was released";
   EXPECT_EQ(*read_diff, "") << "the READ's bytes";
   EXPECT_EQ(peer->expect(peer->info().reg_addr, kLen, 77, 0), "") << "the WRITE's bytes";
+  engine_alive->store(false);  // (a failed run may drop it with the engine)
+  eng.reset();
 }
 
 // An engine that shuts down with an abandoned batch (its peer stopped for good) drops what it
@@ -426,8 +431,10 @@ TEST_P(FailureTest, HandedOverMemoryIsDroppedAtShutdown) {
   EXPECT_FALSE(weak.expired());
   auto t0 = SteadyClock::now();
   eng.reset();
-  EXPECT_TRUE(weak.expired()) << "the engine shut down and kept the memory";
   EXPECT_LT(msSince(t0), 10000) << "shutting down with a stopped peer";
+  while (!weak.expired() && msSince(t0) < 10000)  // (dropped on the engine's reaper thread)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_TRUE(weak.expired()) << "the engine shut down and kept the memory";
   peer->kill(SIGKILL);
   EXPECT_TRUE(peer->waitExit(5000));
 }

@@ -306,8 +306,8 @@ TEST_P(LowLatencyKill, BetweenDispatchAndCombine) {
 
 // Rank 1 is stopped (SIGSTOP) while rank 0 dispatches 32 MiB of rows to it over tcp: rank
 // 0's send gives up at MC_EP_TIMEOUT_MS and marks rank 1 inactive while its WRITEs still run.
-// x's owner, handed over as `inputs`, stays alive until they finished (after rank 1 resumed);
-// the test then unmaps x, so a send that let the engine read x after dropping it would crash.
+// x's owner, handed over as `inputs`, stays alive until they finished (after rank 1 resumed),
+// then unmaps x (a send that dropped it at once failed here: `dropped` while rank 1 stopped).
 TEST(LowLatencyStall, TimedOutSendKeepsItsInputsUntilTheWritesFinished) {
   constexpr int64_t kT = 4096, kH = 4096;  // every row to rank 1's expert: 32 MiB
   static constexpr size_t kBytes = kT * kH * 2;

@@ -660,6 +660,66 @@ TEST(StoreStall, GetThatTimedOutLeavesNoLateReadInFreedMemory) {
   waitChild(h, 5000);
 }
 
+// Two replicas; the holder of the first one listed is stopped. get() and batch_get wait out
+// the transfer timeout on it, then read the other replica into a fresh buffer (the stopped
+// one's READ still lands later, in the one the engine kept): the values returned are whole and
+// stay so after the holder resumed. get_into fails instead: the late READ may still write into
+// the caller's buffer, so no other replica is read into it.
+TEST(StoreStall, StoppedFirstReplicaFallsOverIntoFreshMemory) {
+  constexpr size_t kSize = 4u << 20;
+  auto master = MasterProcess::spawn();
+  ASSERT_NE(master, nullptr);
+  const uint16_t port = master->port();
+  auto holder = [&](const std::string& name) {
+    return forkChild([=]() -> int {
+      ClientProc p;
+      if (!makeClient(port, name, 4 * kSize, &p, "tcp")) return 2;
+      if (!barrier(*p.rdv, "mounted", 2)) return 3;
+      pause();  // until killed
+      return 0;
+    });
+  };
+  pid_t a = holder("A"), b = holder("B");
+  auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(),
+                                                  engine::deadlineInMs(5000));
+  ASSERT_TRUE(rdv.ok());
+  ASSERT_TRUE(barrier(**rdv, "mounted", 2));
+  ClientProc r;
+  ASSERT_TRUE(makeClient(port, "reader", 0, &r, "tcp"));  // transfer timeout 3 s
+  ReplicateConfig two;
+  two.replica_num = 2;
+  const std::string v = valueFor("dup", kSize);
+  ASSERT_EQ(r.client->put("dup", v.data(), v.size(), two), ErrorCode::OK);
+  auto rl = r.client->replicaList("dup");
+  ASSERT_TRUE(rl.ok());
+  ASSERT_EQ(rl->replicas_size(), 2);
+  const std::string first = rl->replicas(0).pieces(0).client_id();
+  const pid_t stopped = first.rfind("A", 0) == 0 ? a : b;
+  kill(stopped, SIGSTOP);
+  auto t0 = std::chrono::steady_clock::now();
+  auto g = r.client->get("dup");
+  ASSERT_TRUE(g.ok()) << "get with the first replica's holder stopped: " << toInt(g.error());
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(2500))
+      << "the first replica (" << first << ") was not the one tried first";
+  auto bg = r.client->batchGet({"dup"});
+  ASSERT_EQ(bg.size(), 1u);
+  ASSERT_TRUE(bg[0].ok()) << toInt(bg[0].error());
+  std::string into(kSize, '\0');
+  auto gi = r.client->getInto("dup", into.data(), into.size());
+  EXPECT_FALSE(gi.ok()) << "get_into read another replica into a buffer a late READ may hit";
+  if (!gi.ok()) {
+    EXPECT_EQ(gi.error(), ErrorCode::TRANSFER_FAIL);
+  }
+  kill(stopped, SIGCONT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the late READs land
+  EXPECT_EQ(checkPattern(g->data(), g->size(), keySeed("dup")), "");
+  EXPECT_EQ(checkPattern(bg[0]->data(), bg[0]->size(), keySeed("dup")), "");
+  kill(a, SIGKILL);
+  kill(b, SIGKILL);
+  waitChild(a, 5000);
+  waitChild(b, 5000);
+}
+
 class StoreFailover : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(StoreFailover, ReplicaHolderKilled) {
