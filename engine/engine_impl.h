@@ -46,15 +46,15 @@ inline std::string hex16(uint64_t v) {
   return b;
 }
 
-// One batch of requests: statuses and a countdown. Lives in the engine's table until it
-// completed and was waited for (a batch abandoned by a timed-out wait is dropped when its
-// last request completes).
 // Drops what callers handed over with keepUntilDone on a process-wide thread of its own,
 // never on a transport's: an owner's destructor may take Python's GIL (a tensor whose memory
 // Python owns) or drop the last reference to this very engine (a store lease holds it), and a
 // transport thread can neither wait for the GIL nor join itself (engine_data.cc).
 void dropOwnersLater(std::vector<std::shared_ptr<void>> owners);
 
+// One batch of requests: statuses and a countdown. Lives in the engine's table until it
+// completed and was waited for (a batch abandoned by a timed-out wait, or given up with
+// keepUntilDone, is dropped when its last request completes).
 struct Batch {
   std::vector<Task> tasks;
   std::vector<Status> status;

@@ -314,13 +314,13 @@ class StoreClient {
                       uint64_t len, char* local, std::vector<engine::TransferRequest>* reqs);
   // True when [address, address + len) lies inside this client's segment.
   bool inOwnSegment(uint64_t address, uint64_t len) const;
-  // `asked`: when the replica list was requested (the read lease runs from after it).
   // batchGetInto; a key whose first replica's read timed out goes on into fresh(i) (null, or
   // none given: it fails, TRANSFER_FAIL, as its READs may still land in bufs[i]).
   std::vector<ErrorOr<uint64_t>> batchRead(const std::vector<std::string>& keys,
                                            const std::vector<std::pair<void*, size_t>>& bufs,
                                            const std::shared_ptr<void>& bufs_owner,
                                            const std::function<void*(size_t)>& fresh);
+  // `asked`: when the replica list was requested (the read lease runs from after it).
   // `buf_owner`: what keeps buf valid when this client made it (get's result), else null. A
   // replica whose read timed out ends it (TRANSFER_FAIL: its READs may still land in buf);
   // *late (optional) is then that replica's index + 1, else 0.
