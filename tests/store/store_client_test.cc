@@ -1,8 +1,7 @@
 // Store client tests: the RPC over engine messages, put/get through the engine between real
 // processes (forked; each creates its engine after the fork), replica failover when a holder is
-// killed or stopped, and the error codes of bad input.
+// killed, and the error codes of bad input (a stopped holder: store_stall_test.cc).
 #include <gtest/gtest.h>
-#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -605,119 +604,6 @@ TEST(StoreClientProcesses, StressFourClientsReplicaTwo) {
     }));
   }
   for (pid_t k : kids) EXPECT_EQ(waitChild(k, 120000), 0);
-}
-
-// The only holder of a 32 MiB object is stopped (SIGSTOP) past the reader's transfer timeout:
-// get() fails, and its READ, still queued at the holder, lands once the holder resumes. It must
-// land in memory the engine kept for it, not in get()'s freed result: with mmap'ed blocks (set
-// below) that result is unmapped when freed and the next block of its size usually takes its
-// place, so here a fresh buffer with a pattern that no late READ may touch; or the process
-// crashes. Then the object reads back whole.
-TEST(StoreStall, GetThatTimedOutLeavesNoLateReadInFreedMemory) {
-  constexpr size_t kSize = 32u << 20;
-  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 1 << 20), 1);  // (no dynamic threshold: freed = unmapped)
-  auto master = MasterProcess::spawn();
-  ASSERT_NE(master, nullptr);
-  const uint16_t port = master->port();
-  pid_t h = forkChild([=]() -> int {
-    ClientProc p;
-    if (!makeClient(port, "H", 2 * kSize, &p, "tcp")) return 2;
-    std::string v = valueFor("big", kSize);
-    ReplicateConfig one;
-    one.preferred_segment = "H";
-    if (p.client->put("big", v.data(), v.size(), one) != ErrorCode::OK) return 4;
-    (void)p.rdv->set("big-done", "1");
-    pause();  // until killed
-    return 0;
-  });
-  auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(),
-                                                  engine::deadlineInMs(5000));
-  ASSERT_TRUE(rdv.ok());
-  ASSERT_TRUE((*rdv)->wait("big-done", engine::deadlineInMs(20000)).ok());
-  ClientProc r;
-  ASSERT_TRUE(makeClient(port, "reader", 0, &r, "tcp"));  // transfer timeout 3 s
-  auto g = r.client->get("big");
-  ASSERT_TRUE(g.ok()) << toInt(g.error());
-  EXPECT_EQ(checkPattern(g->data(), g->size(), keySeed("big")), "");
-
-  kill(h, SIGSTOP);
-  auto t0 = std::chrono::steady_clock::now();
-  auto late = r.client->get("big");
-  EXPECT_FALSE(late.ok()) << "read from a stopped holder";
-  if (!late.ok()) {
-    EXPECT_EQ(late.error(), ErrorCode::TRANSFER_FAIL);
-  }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
-  std::string fresh(kSize, '\0');
-  fillPattern(fresh.data(), kSize, 4242);
-  kill(h, SIGCONT);
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the late READ lands
-  EXPECT_EQ(checkPattern(fresh.data(), kSize, 4242), "") << "a late READ wrote into freed memory";
-  auto again = r.client->get("big");
-  ASSERT_TRUE(again.ok()) << toInt(again.error());
-  EXPECT_EQ(checkPattern(again->data(), again->size(), keySeed("big")), "");
-  kill(h, SIGKILL);
-  waitChild(h, 5000);
-}
-
-// Two replicas; the holder of the first one listed is stopped. get() and batch_get wait out
-// the transfer timeout on it, then read the other replica into a fresh buffer (the stopped
-// one's READ still lands later, in the one the engine kept): the values returned are whole and
-// stay so after the holder resumed. get_into fails instead: the late READ may still write into
-// the caller's buffer, so no other replica is read into it.
-TEST(StoreStall, StoppedFirstReplicaFallsOverIntoFreshMemory) {
-  constexpr size_t kSize = 4u << 20;
-  auto master = MasterProcess::spawn();
-  ASSERT_NE(master, nullptr);
-  const uint16_t port = master->port();
-  auto holder = [&](const std::string& name) {
-    return forkChild([=]() -> int {
-      ClientProc p;
-      if (!makeClient(port, name, 4 * kSize, &p, "tcp")) return 2;
-      if (!barrier(*p.rdv, "mounted", 2)) return 3;
-      pause();  // until killed
-      return 0;
-    });
-  };
-  pid_t a = holder("A"), b = holder("B");
-  auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(),
-                                                  engine::deadlineInMs(5000));
-  ASSERT_TRUE(rdv.ok());
-  ASSERT_TRUE(barrier(**rdv, "mounted", 2));
-  ClientProc r;
-  ASSERT_TRUE(makeClient(port, "reader", 0, &r, "tcp"));  // transfer timeout 3 s
-  ReplicateConfig two;
-  two.replica_num = 2;
-  const std::string v = valueFor("dup", kSize);
-  ASSERT_EQ(r.client->put("dup", v.data(), v.size(), two), ErrorCode::OK);
-  auto rl = r.client->replicaList("dup");
-  ASSERT_TRUE(rl.ok());
-  ASSERT_EQ(rl->replicas_size(), 2);
-  const std::string first = rl->replicas(0).pieces(0).client_id();
-  const pid_t stopped = first.rfind("A", 0) == 0 ? a : b;
-  kill(stopped, SIGSTOP);
-  auto t0 = std::chrono::steady_clock::now();
-  auto g = r.client->get("dup");
-  ASSERT_TRUE(g.ok()) << "get with the first replica's holder stopped: " << toInt(g.error());
-  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(2500))
-      << "the first replica (" << first << ") was not the one tried first";
-  auto bg = r.client->batchGet({"dup"});
-  ASSERT_EQ(bg.size(), 1u);
-  ASSERT_TRUE(bg[0].ok()) << toInt(bg[0].error());
-  std::string into(kSize, '\0');
-  auto gi = r.client->getInto("dup", into.data(), into.size());
-  EXPECT_FALSE(gi.ok()) << "get_into read another replica into a buffer a late READ may hit";
-  if (!gi.ok()) {
-    EXPECT_EQ(gi.error(), ErrorCode::TRANSFER_FAIL);
-  }
-  kill(stopped, SIGCONT);
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the late READs land
-  EXPECT_EQ(checkPattern(g->data(), g->size(), keySeed("dup")), "");
-  EXPECT_EQ(checkPattern(bg[0]->data(), bg[0]->size(), keySeed("dup")), "");
-  kill(a, SIGKILL);
-  kill(b, SIGKILL);
-  waitChild(a, 5000);
-  waitChild(b, 5000);
 }
 
 class StoreFailover : public ::testing::TestWithParam<std::string> {};
