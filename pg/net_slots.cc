@@ -38,8 +38,10 @@ std::shared_ptr<NetArea> NetArea::create(std::shared_ptr<engine::TransferEngine>
 }
 
 NetArea::~NetArea() {
-  if (recv_ != nullptr) (void)engine_->free(recv_);
-  if (staging_ != nullptr) (void)engine_->free(staging_);
+  auto engine = engine_.lock();
+  if (engine == nullptr) return;
+  if (recv_ != nullptr) (void)engine->free(recv_);
+  if (staging_ != nullptr) (void)engine->free(staging_);
 }
 
 size_t NetAreas::pieceBytes(size_t piece_param, int capacity, int slots) {
@@ -89,7 +91,10 @@ SlotSender::~SlotSender() {
   for (size_t d = 0; d < dests_.size(); ++d)
     for (engine::BatchId& id : dests_[d].staged) {
       if (id == 0) continue;
-      if (engine_->wait(id, deadline).code() == Code::kTimeout) area_->taint(index_[d]);
+      if (engine_->wait(id, deadline).code() == Code::kTimeout) {
+        area_->taint(index_[d]);
+        engine_->keepUntilDone(id, area_);  // the write still reads the staging
+      }
       id = 0;
     }
 }
@@ -216,7 +221,11 @@ Status SlotSender::post(engine::PeerId peer, int dst, int k, const char* hdr, si
     dests_[dst].staged[k] = 0;
     remote = dests_[dst].addr + static_cast<uint64_t>(k) * area_->stride();
   }
-  if (prev != 0) MC_RETURN_IF_ERROR(engine_->wait(prev, deadline));
+  if (prev != 0) {
+    Status st = engine_->wait(prev, deadline);
+    if (st.code() == Code::kTimeout) engine_->keepUntilDone(prev, area_);  // (k stays taken)
+    MC_RETURN_IF_ERROR(st);
+  }
   char* s = area_->stagingSlot(index_[dst], k);
   std::memcpy(s, hdr, hdr_len);
   if (hdr_len < NetArea::kSlotHeaderBytes)

@@ -29,7 +29,10 @@ namespace mooncake::pg {
 
 // Registered memory for one kind of slot user of a communicator ("coll", "leaders", "p2p"):
 // per index (a rank, or an elastic group's slot) `slots` receive slots, and as many staging
-// slots per destination index. Freed with the communicator.
+// slots per destination index. Freed with the communicator, or later: a SlotSender that gives
+// up on a write from its staging hands the area to the engine (keepUntilDone), which drops it
+// once the write finished. It holds its engine weakly (the engine holding it must not keep
+// itself alive); one destroyed first unmapped the area's memory itself.
 class NetArea {
  public:
   static constexpr size_t kSlotHeaderBytes = 64;
@@ -55,7 +58,7 @@ class NetArea {
   char* at(char* base, int index, int k) const {
     return base + (static_cast<size_t>(index) * slots_ + k) * stride();
   }
-  std::shared_ptr<engine::TransferEngine> engine_;
+  std::weak_ptr<engine::TransferEngine> engine_;
   int capacity_ = 0, slots_ = 0;
   size_t payload_ = 0;
   char* recv_ = nullptr;
@@ -106,7 +109,8 @@ class SlotSender {
   SlotSender(engine::TransferEngine* engine, uint32_t channel, std::shared_ptr<NetArea> area,
              std::vector<int> index);
   // Waits (bounded) for the writes still reading the staging; a destination whose writes do
-  // not end gets no one-sided message through this area again (NetArea::taint).
+  // not end gets no one-sided message through this area again (NetArea::taint), and the
+  // engine keeps the area until they finished.
   ~SlotSender();
   NetArea& area() const { return *area_; }
 
@@ -118,7 +122,8 @@ class SlotSender {
   void reset(int dst);
   // Writes hdr (hdr_len <= kSlotHeaderBytes) and then len bytes of data into a slot of dst
   // (reached as `peer`), or queues a copy. False: dst granted no usable slots (send it
-  // two-sided). *st: this post's error (deadline: for the staging slot's previous write).
+  // two-sided). *st: this post's error (deadline: for the staging slot's previous write; that
+  // slot is then not used again, the engine keeps the area until the write finished).
   bool send(engine::PeerId peer, int dst, const void* hdr, size_t hdr_len, const void* data,
             size_t len, engine::Deadline deadline, Status* st, const std::string& who);
   // dst gave slot k back: the oldest message queued for it is posted (errors: takeFailure).
