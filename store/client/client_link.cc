@@ -216,12 +216,23 @@ void StoreClient::close() {
     std::lock_guard<std::mutex> g(link_mu_);
     link = link_;
   }
+  {
+    // A slab a late write may still land in is handed back (or, unmounting, freed by the
+    // master) only after that write finished: wait for them a while.
+    std::unique_lock<std::mutex> g(book_->mu);
+    if (!book_->none_late.wait_for(g, std::chrono::milliseconds(options_.transfer_timeout_ms),
+                                   [&] { return book_->late == 0; })) {
+      MC_LOG(WARN, STORE) << "store client " << client_id_ << ": closing while " << book_->late
+                          << " timed-out put batches still run; the master may place other "
+                          << "objects where they land";
+    }
+  }
   if (link && !link->broken && link->rpc->masterAlive()) {
     auto deadline = engine::deadlineInMs(std::min<int64_t>(options_.rpc_timeout_ms, 2000));
     MasterRpcClient::CallInfo info;
     std::vector<uint64_t> retire = takeRetired();
     {
-      std::lock_guard<std::mutex> g(slab_mu_);
+      std::lock_guard<std::mutex> g(book_->mu);
       for (auto& [n, pool] : slabs_) {
         if (pool.cur) retire.push_back(pool.cur->id);
         if (pool.next) retire.push_back(pool.next->id);
@@ -340,9 +351,9 @@ ErrorCode StoreClient::registerWith(Link& link, bool need_remount, uint64_t epoc
   const bool new_master = epoch != registered_epoch_;
   if (new_master) {
     // A new master: the slabs were the old one's.
-    std::lock_guard<std::mutex> g(slab_mu_);
+    std::lock_guard<std::mutex> g(book_->mu);
     slabs_.clear();
-    retired_.clear();
+    book_->retired.clear();
   }
   if (segment_ != nullptr) {
     if (need_remount && !new_master && reported_epoch_ == epoch) {
@@ -580,6 +591,22 @@ void StoreClient::membershipTick() {
   if (lease.ok() && etcd_->put(key, "", *lease).ok()) member_lease_ = *lease;
 }
 
+void StoreClient::flushRetired(const std::shared_ptr<Link>& link) {
+  std::vector<uint64_t> retire = takeRetired();
+  if (retire.empty()) return;
+  proto::PublishRequest req;
+  req.set_client_id(client_id_);
+  for (uint64_t id : retire) req.add_retire(id);
+  proto::PublishResponse resp;
+  MasterRpcClient::CallInfo info;
+  ErrorCode ec = link->rpc->call(
+      proto::PUBLISH, req, &resp,
+      engine::deadlineInMs(std::min<int64_t>(options_.rpc_timeout_ms, 2000)), &info);
+  if (ec == ErrorCode::OK) return;
+  std::lock_guard<std::mutex> g(book_->mu);  // with the next call then
+  book_->retired.insert(book_->retired.end(), retire.begin(), retire.end());
+}
+
 void StoreClient::heartbeatLoop() {
   int64_t backoff_ms = 20;
   std::unique_lock<std::mutex> lk(link_mu_);
@@ -627,6 +654,8 @@ void StoreClient::heartbeatLoop() {
     } else if (ec == ErrorCode::UNAVAILABLE_IN_CURRENT_MODE ||
                (ec == ErrorCode::RPC_FAIL && info.master_dead)) {
       markBroken(link);
+    } else if (ec == ErrorCode::OK) {
+      flushRetired(link);
     }
     lk.lock();
   }

@@ -68,15 +68,41 @@ bool StoreClient::slabEligible(const std::string& key, uint64_t size,
 }
 
 std::vector<uint64_t> StoreClient::takeRetired() {
-  std::lock_guard<std::mutex> g(slab_mu_);
+  std::lock_guard<std::mutex> g(book_->mu);
   std::vector<uint64_t> out;
-  out.swap(retired_);
+  out.swap(book_->retired);
   return out;
 }
 
 void StoreClient::release(const std::shared_ptr<SlabState>& slab) {
-  std::lock_guard<std::mutex> g(slab_mu_);
-  if (--slab->inflight == 0 && slab->exhausted) retired_.push_back(slab->id);
+  std::lock_guard<std::mutex> g(book_->mu);
+  if (--slab->inflight == 0 && slab->exhausted) book_->retired.push_back(slab->id);
+}
+
+StoreClient::Held StoreClient::heldInSlabs(Held inner,
+                                           std::vector<std::shared_ptr<SlabState>> slabs) const {
+  return [inner = std::move(inner), slabs = std::move(slabs), book = book_] {
+    struct Late {
+      std::shared_ptr<void> inner;
+      std::vector<std::shared_ptr<SlabState>> slabs;  // each reserved once more
+      std::shared_ptr<SlabBook> book;
+      ~Late() {
+        if (book == nullptr) return;
+        std::lock_guard<std::mutex> g(book->mu);
+        for (const auto& slab : slabs)
+          if (--slab->inflight == 0 && slab->exhausted) book->retired.push_back(slab->id);
+        if (--book->late == 0) book->none_late.notify_all();
+      }
+    };
+    auto late = std::make_shared<Late>();
+    late->inner = inner ? inner() : nullptr;
+    std::lock_guard<std::mutex> g(book->mu);
+    for (const auto& slab : slabs) ++slab->inflight;
+    ++book->late;
+    late->slabs = slabs;
+    late->book = book;
+    return std::shared_ptr<void>(std::move(late));
+  };
 }
 
 std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_num, uint64_t need,
@@ -85,7 +111,7 @@ std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_nu
   const uint64_t want = slabWant(need, batch_bytes);
   for (int round = 0;; ++round) {
     {
-      std::lock_guard<std::mutex> g(slab_mu_);
+      std::lock_guard<std::mutex> g(book_->mu);
       for (;;) {
         SlabPool& pool = slabs_[replica_num];
         std::shared_ptr<SlabState> cur = pool.cur;
@@ -105,7 +131,7 @@ std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_nu
         }
         if (cur) {  // full: retire it once its last put is published
           cur->exhausted = true;
-          if (cur->inflight == 0) retired_.push_back(cur->id);
+          if (cur->inflight == 0) book_->retired.push_back(cur->id);
           pool.cur = nullptr;
         }
         if (!pool.next) break;
@@ -118,7 +144,7 @@ std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_nu
     }
     std::lock_guard<std::mutex> refill(refill_mu_);
     {
-      std::lock_guard<std::mutex> g(slab_mu_);
+      std::lock_guard<std::mutex> g(book_->mu);
       SlabPool& pool = slabs_[replica_num];
       if ((pool.cur && pool.cur->bytes - pool.cur->used >= need) || pool.next) {
         --round;  // another thread refilled meanwhile
@@ -145,9 +171,9 @@ std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_nu
     slab->bytes = resp.slab().bytes();
     for (const auto& e : resp.slab().extents())
       slab->extents.push_back({e.client_id(), e.address(), e.record_tag()});
-    std::lock_guard<std::mutex> g(slab_mu_);
+    std::lock_guard<std::mutex> g(book_->mu);
     if (slab->bytes < need) {  // too small for this object: hand it back
-      retired_.push_back(slab->id);
+      book_->retired.push_back(slab->id);
       *why = ErrorCode::NO_AVAILABLE_HANDLE;
       return nullptr;
     }
@@ -156,7 +182,7 @@ std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_nu
 }
 
 void StoreClient::takeNextSlab(uint32_t replica_num, const proto::PublishResponse& resp) {
-  std::lock_guard<std::mutex> g(slab_mu_);
+  std::lock_guard<std::mutex> g(book_->mu);
   SlabPool& pool = slabs_[replica_num];
   pool.prefetching = false;
   if (!resp.has_next_slab() || resp.next_slab_error() != 0 || resp.next_slab().slab_id() == 0)
@@ -166,7 +192,7 @@ void StoreClient::takeNextSlab(uint32_t replica_num, const proto::PublishRespons
   slab->bytes = resp.next_slab().bytes();
   for (const auto& e : resp.next_slab().extents())
     slab->extents.push_back({e.client_id(), e.address(), e.record_tag()});
-  if (pool.next) retired_.push_back(pool.next->id);
+  if (pool.next) book_->retired.push_back(pool.next->id);
   pool.next = std::move(slab);
 }
 
@@ -308,6 +334,7 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
   const auto deadline = Clock::now() + std::chrono::milliseconds(options_.rpc_timeout_ms);
   t_phases = PutPhases{};
   t_phases.slab = true;
+  ErrorCode last = ErrorCode::RPC_FAIL;  // why the last attempt failed
   for (int attempt = 0; attempt < 3 && Clock::now() < deadline; ++attempt) {
     uint64_t offset = 0;
     ErrorCode why = ErrorCode::OK;
@@ -338,19 +365,20 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
     auto t1 = Clock::now();
     ErrorCode ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
     if (ec == ErrorCode::OK && !reqs.empty() &&
-        !transferHeld(reqs, heldWith(records, src_owner)).ok())
+        !transferHeld(reqs, heldInSlabs(heldWith(records, src_owner), {slab})).ok())
       ec = ErrorCode::TRANSFER_FAIL;
     t_phases.write_ns += nsSince(t1);
     if (ec != ErrorCode::OK) {
       release(slab);
       if (ec != ErrorCode::TRANSFER_FAIL) return ec;
+      last = ec;
       // A holder of the slab is gone (or unreachable): give the slab up and write into a new
       // one (the master places no new extent on a segment whose owner it saw go).
-      std::lock_guard<std::mutex> g(slab_mu_);
+      std::lock_guard<std::mutex> g(book_->mu);
       SlabPool& pool = slabs_[rn];
       if (pool.cur == slab) {
         slab->exhausted = true;
-        if (slab->inflight == 0) retired_.push_back(slab->id);
+        if (slab->inflight == 0) book_->retired.push_back(slab->id);
         pool.cur = nullptr;
       }
       continue;
@@ -368,7 +396,7 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
     for (uint64_t id : takeRetired()) req.add_retire(id);
     bool prefetch = false;
     {
-      std::lock_guard<std::mutex> g(slab_mu_);
+      std::lock_guard<std::mutex> g(book_->mu);
       SlabPool& pool = slabs_[rn];
       // Ask for the next slab along with this put when the current one runs low.
       if (!pool.next && !pool.prefetching && slab->bytes - slab->used < slab->bytes / 4) {
@@ -390,7 +418,7 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
       if (ec == ErrorCode::OK) {
         takeNextSlab(rn, resp);
       } else {
-        std::lock_guard<std::mutex> g(slab_mu_);
+        std::lock_guard<std::mutex> g(book_->mu);
         slabs_[rn].prefetching = false;
       }
     }
@@ -404,12 +432,13 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
       return c;
     }
     if (r != ErrorCode::OBJECT_NOT_FOUND) return r;
+    last = ErrorCode::RPC_FAIL;
     // The slab is gone (its master changed, or a segment of it left): drop it, write again.
-    std::lock_guard<std::mutex> g(slab_mu_);
+    std::lock_guard<std::mutex> g(book_->mu);
     SlabPool& pool = slabs_[rn];
     if (pool.cur == slab) pool.cur = nullptr;
   }
-  return ErrorCode::RPC_FAIL;
+  return last;
 }
 
 ErrorCode StoreClient::targetsOf(const google::protobuf::RepeatedPtrField<proto::Replica>& replicas,
@@ -579,7 +608,10 @@ std::vector<ErrorCode> StoreClient::batchPut(
       it.slab = nullptr;
     }
   }
-  std::vector<Status> per = transferEach(reqs, heldWith(records, nullptr));
+  std::vector<std::shared_ptr<SlabState>> written;
+  for (const Item& it : items)
+    if (it.slab && it.end_req > it.first_req) written.push_back(it.slab);
+  std::vector<Status> per = transferEach(reqs, heldInSlabs(heldWith(records, nullptr), written));
   proto::PublishRequest req;
   req.set_client_id(client_id_);
   std::vector<Item*> published;
@@ -590,7 +622,7 @@ std::vector<ErrorCode> StoreClient::batchPut(
     for (size_t r = it.first_req; r < it.end_req; ++r) ok = ok && per[r].ok();
     if (!ok) {
       {
-        std::lock_guard<std::mutex> g(slab_mu_);
+        std::lock_guard<std::mutex> g(book_->mu);
         SlabPool& pool = slabs_[rn];
         if (pool.cur == it.slab) {
           it.slab->exhausted = true;
@@ -629,7 +661,7 @@ std::vector<ErrorCode> StoreClient::batchPut(
       }
       ErrorCode r = errorCodeFromInt(resp.results(static_cast<int>(n)));
       if (r == ErrorCode::OBJECT_NOT_FOUND) {  // its slab is gone: write it again below
-        std::lock_guard<std::mutex> g(slab_mu_);
+        std::lock_guard<std::mutex> g(book_->mu);
         SlabPool& pool = slabs_[rn];
         if (pool.cur == it->slab) pool.cur = nullptr;
         again.push_back(it->index);

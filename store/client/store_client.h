@@ -247,6 +247,12 @@ class StoreClient {
                                    const Held& held = nullptr);
   // The same, with the first failure (OK when all succeeded).
   Status transferHeld(const std::vector<engine::TransferRequest>& reqs, const Held& held);
+  // `inner` for writes into `slabs`, and one more reservation of each slab: a slab that a late
+  // write may still land in is not handed back (the master would place other objects in its
+  // unpublished space) until the engine dropped the owner, after the writes finished.
+  Held heldInSlabs(Held inner, std::vector<std::shared_ptr<SlabState>> slabs) const;
+  // Hands the retired slabs back now (the heartbeat; they otherwise go with the next call).
+  void flushRetired(const std::shared_ptr<Link>& link);
   ErrorCode startHeartbeat();
   // ---- link (client_link.cc) ----
   // Calls the master that serves now, waiting for one (and retrying) within rpc_timeout_ms.
@@ -373,9 +379,16 @@ class StoreClient {
   std::unordered_map<std::string, engine::PeerId> peers_;
   std::vector<std::pair<uintptr_t, size_t>> buffers_;  // registered caller buffers
 
-  std::mutex slab_mu_;
+  // Slab bookkeeping that the owners of late writes (heldInSlabs) share: they may outlive
+  // this client.
+  struct SlabBook {
+    std::mutex mu;                  // also guards slabs_ and each SlabState
+    std::vector<uint64_t> retired;  // slabs to hand back (sent with the next call)
+    int late = 0;                   // owners of late writes into slabs not dropped yet
+    std::condition_variable none_late;
+  };
+  std::shared_ptr<SlabBook> book_ = std::make_shared<SlabBook>();
   std::map<uint32_t, SlabPool> slabs_;  // by replica_num
-  std::vector<uint64_t> retired_;       // slabs to hand back (sent with the next call)
   std::mutex refill_mu_;                // one slab request at a time
   std::mutex rng_mu_;
   std::mt19937_64 rng_{std::random_device{}()};

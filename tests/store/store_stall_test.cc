@@ -1,7 +1,8 @@
 // Store client against a replica holder that is stopped (SIGSTOP) past the transfer timeout:
 // the reads that timed out still land when it resumes, in memory the engine kept for them
 // (engine.h, keepUntilDone), never in memory the client freed or returned; reads go on to
-// another replica only into fresh memory. Real processes, the standalone master, tcp.
+// another replica only into fresh memory; a put's late write keeps its slab reserved until it
+// landed. Real processes, the standalone master, tcp.
 #include <gtest/gtest.h>
 #include <malloc.h>
 
@@ -10,7 +11,7 @@
 #include <thread>
 
 #include "tests/common/test_secret.h"
-#include "tests/store/store_harness.h"
+#include "tests/store/ha_harness.h"
 
 namespace mooncake::test {
 namespace {
@@ -51,7 +52,10 @@ TEST(StoreStall, GetThatTimedOutLeavesNoLateReadInFreedMemory) {
   ASSERT_TRUE(g.ok()) << toInt(g.error());
   EXPECT_EQ(checkPattern(g->data(), g->size(), keySeed("big")), "");
 
-  kill(h, SIGSTOP);
+  if (!stopProcess(h)) {
+    kill(h, SIGKILL);
+    FAIL() << "the holder did not stop";
+  }
   auto t0 = std::chrono::steady_clock::now();
   auto late = r.client->get("big");
   EXPECT_FALSE(late.ok()) << "read from a stopped holder";
@@ -106,7 +110,11 @@ TEST(StoreStall, StoppedFirstReplicaFallsOverIntoFreshMemory) {
   ASSERT_EQ(rl->replicas_size(), 2);
   const std::string first = rl->replicas(0).pieces(0).client_id();
   const pid_t stopped = first.rfind("A", 0) == 0 ? a : b;
-  kill(stopped, SIGSTOP);
+  if (!stopProcess(stopped)) {
+    kill(a, SIGKILL);
+    kill(b, SIGKILL);
+    FAIL() << "the holder did not stop";
+  }
   auto t0 = std::chrono::steady_clock::now();
   auto g = r.client->get("dup");
   ASSERT_TRUE(g.ok()) << "get with the first replica's holder stopped: " << toInt(g.error());
@@ -129,6 +137,71 @@ TEST(StoreStall, StoppedFirstReplicaFallsOverIntoFreshMemory) {
   kill(b, SIGKILL);
   waitChild(a, 5000);
   waitChild(b, 5000);
+}
+
+// The only holder is stopped past the writer's transfer timeout while a put writes into a
+// slab there: the put fails, and its WRITE, still queued, lands when the holder resumes. Until
+// then the slab must stay reserved at the master: a slab handed back has its unpublished space
+// placed under other objects, which the late WRITE would overwrite. The writer's heartbeat
+// hands retired slabs back (else they go with its next put), so the master's slab gauge shows
+// when: not while the holder is stopped, soon after it resumed.
+TEST(StoreStall, TimedOutPutKeepsItsSlabUntilTheLateWriteFinished) {
+  constexpr size_t kSize = 256u << 10;
+  HaMaster master("--rebuild-quiet-ms 200");  // clients heartbeat every 2.5 s (ttl 10 s)
+  ASSERT_TRUE(master.start());
+  const uint16_t port = master.port();
+  pid_t h = forkChild([=]() -> int {
+    ClientProc p;
+    if (!makeClient(port, "H", 64u << 20, &p, "tcp")) return 2;
+    (void)p.rdv->set("h-up", "1");
+    pause();  // until killed
+    return 0;
+  });
+  auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(),
+                                                  engine::deadlineInMs(5000));
+  ASSERT_TRUE(rdv.ok());
+  ASSERT_TRUE((*rdv)->wait("h-up", engine::deadlineInMs(20000)).ok());
+  ClientProc w;
+  ASSERT_TRUE(makeClient(port, "writer", 0, &w, "tcp"));  // transfer timeout 3 s
+  const std::string slabs = "mooncake_store_slabs";
+  auto until = [](const std::function<bool()>& done, int ms) {
+    for (auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+         std::chrono::steady_clock::now() < end;
+         std::this_thread::sleep_for(std::chrono::milliseconds(100)))
+      if (done()) return true;
+    return done();
+  };
+  ASSERT_EQ(master.metric(slabs), 0);
+  // A first put opens the holder and takes a slab there; the next one goes into it.
+  const std::string v0 = valueFor("first", kSize);
+  ASSERT_EQ(w.client->put("first", v0.data(), v0.size()), ErrorCode::OK);
+  ASSERT_EQ(master.metric(slabs), 1);
+
+  if (!stopProcess(h)) {
+    kill(h, SIGKILL);
+    FAIL() << "the holder did not stop";
+  }
+  const std::string v = valueFor("late", kSize);
+  EXPECT_EQ(w.client->put("late", v.data(), v.size()), ErrorCode::TRANSFER_FAIL)
+      << "put to a stopped holder";
+  EXPECT_GE(master.metric(slabs), 1) << "the put did not write into a slab";
+  // Two heartbeats and more: the slab stays reserved while its write cannot land.
+  EXPECT_FALSE(until([&] { return master.metric(slabs) == 0; }, 6000))
+      << "the slab was handed back while a write into it was still queued";
+  kill(h, SIGCONT);
+  EXPECT_TRUE(until([&] { return master.metric(slabs) == 0; }, 30000))
+      << "the slab was never handed back after the late write landed";
+  // The store works on: the holder (back, re-registered if it was expired meanwhile) takes a put.
+  const std::string v2 = valueFor("after", kSize);
+  ErrorCode ec = ErrorCode::INTERNAL_ERROR;
+  EXPECT_TRUE(until([&] { return (ec = w.client->put("after", v2.data(), v2.size())) == ErrorCode::OK; },
+                    20000))
+      << toInt(ec);
+  auto g = w.client->get("after");
+  ASSERT_TRUE(g.ok()) << toInt(g.error());
+  EXPECT_EQ(*g, v2);
+  kill(h, SIGKILL);
+  waitChild(h, 5000);
 }
 
 }  // namespace
