@@ -218,7 +218,7 @@ void StoreClient::close() {
   }
   {
     // A slab a late write may still land in is handed back (or, unmounting, freed by the
-    // master) only after that write finished: wait for them a while.
+    // master), a revoked put's hold released, only after that write finished: wait a while.
     std::unique_lock<std::mutex> g(book_->mu);
     if (!book_->none_late.wait_for(g, std::chrono::milliseconds(options_.transfer_timeout_ms),
                                    [&] { return book_->late == 0; })) {
@@ -230,7 +230,7 @@ void StoreClient::close() {
   if (link && !link->broken && link->rpc->masterAlive()) {
     auto deadline = engine::deadlineInMs(std::min<int64_t>(options_.rpc_timeout_ms, 2000));
     MasterRpcClient::CallInfo info;
-    std::vector<uint64_t> retire = takeRetired();
+    std::vector<uint64_t> retire = takeRetired(), released;
     {
       std::lock_guard<std::mutex> g(book_->mu);
       for (auto& [n, pool] : slabs_) {
@@ -238,11 +238,13 @@ void StoreClient::close() {
         if (pool.next) retire.push_back(pool.next->id);
       }
       slabs_.clear();
+      released.swap(book_->released);
     }
-    if (!retire.empty()) {
+    if (!retire.empty() || !released.empty()) {
       proto::PublishRequest req;
       req.set_client_id(client_id_);
       for (uint64_t id : retire) req.add_retire(id);
+      for (uint64_t h : released) req.add_release_holds(h);
       proto::PublishResponse resp;
       (void)link->rpc->call(proto::PUBLISH, req, &resp, deadline, &info);
     }
@@ -592,19 +594,25 @@ void StoreClient::membershipTick() {
 }
 
 void StoreClient::flushRetired(const std::shared_ptr<Link>& link) {
-  std::vector<uint64_t> retire = takeRetired();
-  if (retire.empty()) return;
+  std::vector<uint64_t> retire = takeRetired(), released;
+  {
+    std::lock_guard<std::mutex> g(book_->mu);
+    released.swap(book_->released);
+  }
+  if (retire.empty() && released.empty()) return;
   proto::PublishRequest req;
   req.set_client_id(client_id_);
   for (uint64_t id : retire) req.add_retire(id);
+  for (uint64_t h : released) req.add_release_holds(h);
   proto::PublishResponse resp;
   MasterRpcClient::CallInfo info;
   ErrorCode ec = link->rpc->call(
       proto::PUBLISH, req, &resp,
       engine::deadlineInMs(std::min<int64_t>(options_.rpc_timeout_ms, 2000)), &info);
   if (ec == ErrorCode::OK) return;
-  std::lock_guard<std::mutex> g(book_->mu);  // with the next call then
+  std::lock_guard<std::mutex> g(book_->mu);  // the next time then
   book_->retired.insert(book_->retired.end(), retire.begin(), retire.end());
+  book_->released.insert(book_->released.end(), released.begin(), released.end());
 }
 
 void StoreClient::heartbeatLoop() {

@@ -79,18 +79,24 @@ void StoreClient::release(const std::shared_ptr<SlabState>& slab) {
   if (--slab->inflight == 0 && slab->exhausted) book_->retired.push_back(slab->id);
 }
 
-StoreClient::Held StoreClient::heldInSlabs(Held inner,
-                                           std::vector<std::shared_ptr<SlabState>> slabs) const {
-  return [inner = std::move(inner), slabs = std::move(slabs), book = book_] {
+StoreClient::Held StoreClient::heldLate(Held inner, std::vector<std::shared_ptr<SlabState>> slabs,
+                                       std::shared_ptr<LateHold> hold) const {
+  return [inner = std::move(inner), slabs = std::move(slabs), hold = std::move(hold),
+          book = book_] {
     struct Late {
       std::shared_ptr<void> inner;
       std::vector<std::shared_ptr<SlabState>> slabs;  // each reserved once more
+      std::shared_ptr<LateHold> hold;
       std::shared_ptr<SlabBook> book;
       ~Late() {
         if (book == nullptr) return;
         std::lock_guard<std::mutex> g(book->mu);
         for (const auto& slab : slabs)
           if (--slab->inflight == 0 && slab->exhausted) book->retired.push_back(slab->id);
+        if (hold != nullptr) {
+          hold->done = true;
+          if (hold->token != 0) book->released.push_back(hold->token);
+        }
         if (--book->late == 0) book->none_late.notify_all();
       }
     };
@@ -98,11 +104,27 @@ StoreClient::Held StoreClient::heldInSlabs(Held inner,
     late->inner = inner ? inner() : nullptr;
     std::lock_guard<std::mutex> g(book->mu);
     for (const auto& slab : slabs) ++slab->inflight;
+    if (hold != nullptr) hold->handed = true;
     ++book->late;
     late->slabs = slabs;
+    late->hold = hold;
     late->book = book;
     return std::shared_ptr<void>(std::move(late));
   };
+}
+
+bool StoreClient::writesPending(const LateHold& hold) {
+  std::lock_guard<std::mutex> g(book_->mu);
+  return hold.handed && !hold.done;
+}
+
+void StoreClient::holdGiven(LateHold& hold, uint64_t token) {
+  if (token == 0) return;
+  std::lock_guard<std::mutex> g(book_->mu);
+  if (hold.done)
+    book_->released.push_back(token);  // they finished meanwhile
+  else
+    hold.token = token;
 }
 
 std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_num, uint64_t need,
@@ -365,7 +387,7 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
     auto t1 = Clock::now();
     ErrorCode ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
     if (ec == ErrorCode::OK && !reqs.empty() &&
-        !transferHeld(reqs, heldInSlabs(heldWith(records, src_owner), {slab})).ok())
+        !transferHeld(reqs, heldLate(heldWith(records, src_owner), {slab})).ok())
       ec = ErrorCode::TRANSFER_FAIL;
     t_phases.write_ns += nsSince(t1);
     if (ec != ErrorCode::OK) {
@@ -489,8 +511,9 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
   auto t1 = Clock::now();
   ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
   bool ok = ec == ErrorCode::OK;
+  auto hold = std::make_shared<LateHold>();
   if (ok && !reqs.empty()) {
-    Status st = transferHeld(reqs, heldWith(records, src_owner));
+    Status st = transferHeld(reqs, heldLate(heldWith(records, src_owner), {}, hold));
     ok = st.ok();
     if (!ok) {
       MC_LOG(WARN, STORE) << "store client " << client_id_ << ": put of '" << key << "' ("
@@ -502,8 +525,9 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
     proto::PutRevokeRequest rq;
     rq.set_client_id(client_id_);
     rq.set_key(key);
+    rq.set_writes_pending(writesPending(*hold));
     proto::PutRevokeResponse rr;
-    (void)callMaster(proto::PUT_REVOKE, rq, &rr, true);
+    if (callMaster(proto::PUT_REVOKE, rq, &rr, true) == ErrorCode::OK) holdGiven(*hold, rr.hold());
     return ec != ErrorCode::OK ? ec : ErrorCode::TRANSFER_FAIL;
   }
   proto::PutEndRequest pe;
@@ -611,7 +635,7 @@ std::vector<ErrorCode> StoreClient::batchPut(
   std::vector<std::shared_ptr<SlabState>> written;
   for (const Item& it : items)
     if (it.slab && it.end_req > it.first_req) written.push_back(it.slab);
-  std::vector<Status> per = transferEach(reqs, heldInSlabs(heldWith(records, nullptr), written));
+  std::vector<Status> per = transferEach(reqs, heldLate(heldWith(records, nullptr), written));
   proto::PublishRequest req;
   req.set_client_id(client_id_);
   std::vector<Item*> published;

@@ -247,11 +247,25 @@ class StoreClient {
                                    const Held& held = nullptr);
   // The same, with the first failure (OK when all succeeded).
   Status transferHeld(const std::vector<engine::TransferRequest>& reqs, const Held& held);
-  // `inner` for writes into `slabs`, and one more reservation of each slab: a slab that a late
-  // write may still land in is not handed back (the master would place other objects in its
-  // unpublished space) until the engine dropped the owner, after the writes finished.
-  Held heldInSlabs(Held inner, std::vector<std::shared_ptr<SlabState>> slabs) const;
-  // Hands the retired slabs back now (the heartbeat; they otherwise go with the next call).
+  // A put outside slabs whose writes timed out (putClassic): the master keeps its memory
+  // under a hold (PutRevoke writes_pending) until they finished.
+  struct LateHold {
+    bool handed = false;  // the writes timed out: the engine has the owner
+    bool done = false;    // ... and dropped it since (they finished)
+    uint64_t token = 0;   // the master's hold, once the revoke returned it
+  };
+  // `inner` for late writes into `slabs` (or a put's memory under `hold`), and one more
+  // reservation of each slab: a slab that a late write may still land in is not handed back
+  // (the master would place other objects in its unpublished space), nor a hold released,
+  // until the engine dropped the owner, after the writes finished.
+  Held heldLate(Held inner, std::vector<std::shared_ptr<SlabState>> slabs,
+                std::shared_ptr<LateHold> hold = nullptr) const;
+  // After a failed write under `hold`: whether its writes still run (the revoke then says
+  // writes_pending), and the master's hold for them (0: none) once the revoke returned.
+  bool writesPending(const LateHold& hold);
+  void holdGiven(LateHold& hold, uint64_t token);
+  // Hands the retired slabs and released holds back now (the heartbeat; slabs otherwise go
+  // with the next put).
   void flushRetired(const std::shared_ptr<Link>& link);
   ErrorCode startHeartbeat();
   // ---- link (client_link.cc) ----
@@ -379,11 +393,12 @@ class StoreClient {
   std::unordered_map<std::string, engine::PeerId> peers_;
   std::vector<std::pair<uintptr_t, size_t>> buffers_;  // registered caller buffers
 
-  // Slab bookkeeping that the owners of late writes (heldInSlabs) share: they may outlive
-  // this client.
+  // Slab and hold bookkeeping that the owners of late writes (heldLate) share: they may
+  // outlive this client.
   struct SlabBook {
     std::mutex mu;                  // also guards slabs_ and each SlabState
     std::vector<uint64_t> retired;  // slabs to hand back (sent with the next call)
+    std::vector<uint64_t> released;  // holds whose late writes finished (LateHold)
     int late = 0;                   // owners of late writes into slabs not dropped yet
     std::condition_variable none_late;
   };

@@ -47,6 +47,7 @@ void MasterService::reseedIdsLocked() {
   auto base = [&] { return ((static_cast<uint64_t>(rd()) << 30) ^ rd()) | 1; };  // < 2^62
   next_slab_id_ = base();
   next_upsert_id_ = base();
+  next_hold_ = base();
 }
 
 void MasterService::startServing(uint64_t epoch) {

@@ -175,7 +175,9 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
         decoded = serve<pb::PutRevokeRequest, pb::PutRevokeResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
               if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
-              r.set_error_code(toInt(putRevoke(q.client_id(), q.key())));
+              uint64_t hold = 0;
+              r.set_error_code(toInt(putRevoke(q.client_id(), q.key(), q.writes_pending(), &hold)));
+              r.set_hold(hold);
             });
         break;
       case pb::GET_REPLICA_LIST:
@@ -262,7 +264,10 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
         decoded = serve<pb::UpsertRevokeRequest, pb::UpsertRevokeResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
               if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
-              r.set_error_code(toInt(upsertRevoke(q.client_id(), q.key(), q.upsert_id())));
+              uint64_t hold = 0;
+              r.set_error_code(toInt(upsertRevoke(q.client_id(), q.key(), q.upsert_id(),
+                                                  q.writes_pending(), &hold)));
+              r.set_hold(hold);
             });
         break;
       case pb::BATCH_REPLICA_CLEAR:
@@ -297,6 +302,8 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
               r.set_error_code(0);
               for (ErrorCode ec : publish(q.client_id(), items)) r.add_results(toInt(ec));
               if (q.retire_size() > 0) retireSlabs(q.client_id(), idsOf(q.retire()));
+              if (q.release_holds_size() > 0)
+                releaseHolds(q.client_id(), idsOf(q.release_holds()));
               if (q.has_next_slab() && q.next_slab().replica_num() > 0) {
                 auto res =
                     allocSlab(q.client_id(), q.next_slab().replica_num(), q.next_slab().bytes(),

@@ -421,7 +421,9 @@ ErrorCode MasterService::putEnd(const std::string& client_id, const std::string&
   return ErrorCode::OK;
 }
 
-ErrorCode MasterService::putRevoke(const std::string& client_id, const std::string& key) {
+ErrorCode MasterService::putRevoke(const std::string& client_id, const std::string& key,
+                                   bool writes_pending, uint64_t* hold) {
+  if (hold != nullptr) *hold = 0;
   if (ErrorCode e = checkKey(key); e != ErrorCode::OK) return e;
   std::lock_guard<std::mutex> lock(mu_);
   if (!client_id.empty()) touchClientLocked(client_id, now(), nullptr);
@@ -430,9 +432,44 @@ ErrorCode MasterService::putRevoke(const std::string& client_id, const std::stri
   Object* o = it->second.get();
   if (o->writer != client_id) return ErrorCode::ILLEGAL_CLIENT;
   if (o->complete) return ErrorCode::INVALID_WRITE;  // complete objects go through remove()
-  destroyObjectLocked(o);
+  if (writes_pending && !client_id.empty() && hold != nullptr) {
+    // Late WRITEs may still land in its memory: kept until the writer says they finished.
+    const TimePoint until = o->put_start + ms(config_.put_release_timeout_ms);
+    const size_t first = quarantineMarkLocked(o);
+    destroyObjectLocked(o, &until);
+    *hold = holdQuarantinedLocked(first, client_id);
+  } else {
+    destroyObjectLocked(o);
+  }
   ++counters_.put_revokes;
   return ErrorCode::OK;
+}
+
+size_t MasterService::quarantineMarkLocked(Object* o) {
+  if (!o->staged.empty()) {
+    const TimePoint until = o->upsert_start + ms(config_.put_release_timeout_ms);
+    dropStagedLocked(o, &until);
+  }
+  return quarantine_.size();
+}
+
+uint64_t MasterService::holdQuarantinedLocked(size_t first, const std::string& client_id) {
+  const uint64_t hold = next_hold_++;
+  for (size_t i = first; i < quarantine_.size(); ++i) {
+    quarantine_[i].hold = hold;
+    quarantine_[i].holder = client_id;
+  }
+  return hold;
+}
+
+void MasterService::releaseHolds(const std::string& client_id,
+                                 const std::vector<uint64_t>& holds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const TimePoint t = now();
+  for (Quarantined& q : quarantine_)
+    if (q.hold != 0 && q.holder == client_id &&
+        std::find(holds.begin(), holds.end(), q.hold) != holds.end())
+      q.release_at = std::min(q.release_at, t);  // freed by the next maintenance round
 }
 
 // ---------------------------------------------------------------- reads

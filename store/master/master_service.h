@@ -109,7 +109,13 @@ class MasterService {
                                                   const std::string& key, uint64_t size,
                                                   const ReplicateConfig& config);
   ErrorCode putEnd(const std::string& client_id, const std::string& key);
-  ErrorCode putRevoke(const std::string& client_id, const std::string& key);
+  // writes_pending: the writer's WRITEs timed out and may still land. The key goes at once, its
+  // memory stays allocated until the writer releases *hold (releaseHolds, once its writes
+  // finished) or put_release_timeout_ms passed; *hold is 0 when nothing was kept.
+  ErrorCode putRevoke(const std::string& client_id, const std::string& key,
+                      bool writes_pending = false, uint64_t* hold = nullptr);
+  // A revoked put's or upsert's writer says its late writes finished: their memory is freed.
+  void releaseHolds(const std::string& client_id, const std::vector<uint64_t>& holds);
 
   // ---- upsert: replace an object atomically (master_upsert.cc) ----
   // Starts writing `size` bytes as key's new value; *upsert_id names this upsert for End and
@@ -126,8 +132,10 @@ class MasterService {
                                                      const ReplicateConfig& config,
                                                      uint64_t* upsert_id);
   ErrorCode upsertEnd(const std::string& client_id, const std::string& key, uint64_t upsert_id);
+  // writes_pending, *hold: as putRevoke's (the staged replicas' memory is held).
   ErrorCode upsertRevoke(const std::string& client_id, const std::string& key,
-                         uint64_t upsert_id);
+                         uint64_t upsert_id, bool writes_pending = false,
+                         uint64_t* hold = nullptr);
   // Drops the replicas of keys this client wrote: all of them (the object is removed) when
   // segment_name is empty, else only those with a piece on that segment (an object left with
   // none is removed). Keys that are absent, written by another client, leased, not complete or
@@ -296,6 +304,8 @@ class MasterService {
     TimePoint release_at;
     uint64_t wipe_token = 0;  // an asynchronous record wipe still running (0: none)
     bool wipe_at_release = false;  // wipe the record when release_at passes, then free
+    uint64_t hold = 0;             // a revoked put's: its writer releases it (putRevoke)
+    std::string holder = {};       // that writer
   };
   struct SlabExtent {
     Segment* seg = nullptr;  // nullptr once its segment was unmounted
@@ -354,6 +364,11 @@ class MasterService {
   void touchLru(Object* o, TimePoint now);
   // Frees (or, with quarantine_until set, quarantines) the object's memory and forgets it.
   void destroyObjectLocked(Object* o, const TimePoint* quarantine_until = nullptr);
+  // Gives the quarantined ranges from index `first` on to a new hold of client_id (returned).
+  uint64_t holdQuarantinedLocked(size_t first, const std::string& client_id);
+  // Drops o's staged replicas (another writer's upsert: reserved until its own timeout), so
+  // that what destroyObjectLocked quarantines from the index returned on is o's replicas only.
+  size_t quarantineMarkLocked(Object* o);
   // remove()'s way out: destroys o, quarantining its memory while a read lease holds.
   void removeLocked(Object* o, TimePoint now);
   ErrorOr<ReplicaList> getReplicaListLocked(const std::string& key, TimePoint now);
@@ -412,6 +427,7 @@ class MasterService {
   std::list<Object*> processing_;
   std::list<Object*> upserting_;  // complete objects with staged replicas, by upsert_start
   uint64_t next_upsert_id_ = 1;  // from a random base per serving term (reseedIdsLocked)
+  uint64_t next_hold_ = 1;       // likewise (putRevoke's holds)
   uint64_t hard_pinned_count_ = 0;
   MasterMetrics counters_;  // counter fields only; gauges are filled in by metrics()
 

@@ -178,7 +178,8 @@ ErrorCode MasterService::upsertEnd(const std::string& client_id, const std::stri
 }
 
 ErrorCode MasterService::upsertRevoke(const std::string& client_id, const std::string& key,
-                                      uint64_t upsert_id) {
+                                      uint64_t upsert_id, bool writes_pending, uint64_t* hold) {
+  if (hold != nullptr) *hold = 0;
   if (ErrorCode e = checkKey(key); e != ErrorCode::OK) return e;
   std::lock_guard<std::mutex> lock(mu_);
   if (!client_id.empty()) touchClientLocked(client_id, now(), nullptr);
@@ -186,13 +187,18 @@ ErrorCode MasterService::upsertRevoke(const std::string& client_id, const std::s
   if (it == objects_.end()) return ErrorCode::OBJECT_NOT_FOUND;
   Object* o = it->second.get();
   if (upsert_id == 0 || o->upsert_id != upsert_id) return ErrorCode::INVALID_WRITE;
-  if (!o->complete) {
-    if (o->writer != client_id) return ErrorCode::ILLEGAL_CLIENT;
-    destroyObjectLocked(o);
-  } else {
-    if (o->upsert_writer != client_id) return ErrorCode::ILLEGAL_CLIENT;
-    dropStagedLocked(o, nullptr);
-  }
+  if (o->complete ? o->upsert_writer != client_id : o->writer != client_id)
+    return ErrorCode::ILLEGAL_CLIENT;
+  // Late WRITEs may still land (writes_pending): the memory stays until the writer says not.
+  const bool keep = writes_pending && !client_id.empty() && hold != nullptr;
+  const TimePoint until =
+      (o->complete ? o->upsert_start : o->put_start) + ms(config_.put_release_timeout_ms);
+  const size_t first = o->complete ? quarantine_.size() : quarantineMarkLocked(o);
+  if (!o->complete)
+    destroyObjectLocked(o, keep ? &until : nullptr);
+  else
+    dropStagedLocked(o, keep ? &until : nullptr);  // (its staged replicas: this writer's)
+  if (keep) *hold = holdQuarantinedLocked(first, client_id);
   ++counters_.put_revokes;
   return ErrorCode::OK;
 }

@@ -285,6 +285,52 @@ TEST_F(MasterTest, ForcedRemoveKeepsLeasedMemoryUntilTheLeaseLapses) {
   EXPECT_TRUE(m.checkInvariants());
 }
 
+// A put revoked with its writes pending (they timed out, may still land): the key goes at once,
+// the memory stays allocated until its writer releases the hold (another client cannot), or
+// until put_release_timeout_ms after the put started if it never does.
+TEST_F(MasterTest, RevokeWithWritesPendingHoldsTheMemoryUntilReleased) {
+  MasterConfig c = cfg();
+  c.put_release_timeout_ms = 60'000;
+  MasterService m(c);
+  mountN(m, 1, 64 * kKiB);
+  ASSERT_TRUE(m.putStart("w", "k", 64 * kKiB, {}).ok());  // fills the only segment
+  uint64_t hold = 0;
+  EXPECT_EQ(m.putRevoke("w", "k", /*writes_pending=*/true, &hold), ErrorCode::OK);
+  EXPECT_NE(hold, 0u);
+  EXPECT_EQ(m.getReplicaList("k").error(), ErrorCode::OBJECT_NOT_FOUND) << "the key is gone";
+  EXPECT_EQ(m.metrics().bytes_used, 64 * kKiB) << "its memory is held";
+  EXPECT_FALSE(m.putStart("w", "other", 64 * kKiB, {}).ok()) << "no reuse under the hold";
+  EXPECT_TRUE(m.checkInvariants());
+  m.releaseHolds("x", {hold});  // not its writer
+  clock_.advanceMs(1'000);
+  ASSERT_TRUE(m.heartbeat("c0").ok());
+  ASSERT_TRUE(m.heartbeat("w").ok());
+  m.runMaintenance();
+  EXPECT_EQ(m.metrics().bytes_used, 64 * kKiB) << "released by another client";
+  m.releaseHolds("w", {hold});
+  m.runMaintenance();
+  EXPECT_EQ(m.metrics().bytes_used, 0u) << "released by its writer";
+  ASSERT_EQ(put(m, "k", 64 * kKiB), ErrorCode::OK) << "the key and the space are free again";
+  EXPECT_EQ(m.remove("k"), ErrorCode::OK);
+  // Never released: freed when the put would have timed out.
+  ASSERT_TRUE(m.putStart("w", "k2", 64 * kKiB, {}).ok());
+  EXPECT_EQ(m.putRevoke("w", "k2", true, &hold), ErrorCode::OK);
+  clock_.advanceMs(59'000);
+  ASSERT_TRUE(m.heartbeat("c0").ok());
+  m.runMaintenance();
+  EXPECT_EQ(m.metrics().bytes_used, 64 * kKiB);
+  clock_.advanceMs(1'001);
+  ASSERT_TRUE(m.heartbeat("c0").ok());
+  m.runMaintenance();
+  EXPECT_EQ(m.metrics().bytes_used, 0u);
+  // Without writes pending the memory is freed at once, and no hold is given.
+  ASSERT_TRUE(m.putStart("w", "k3", 64 * kKiB, {}).ok());
+  EXPECT_EQ(m.putRevoke("w", "k3", false, &hold), ErrorCode::OK);
+  EXPECT_EQ(hold, 0u);
+  EXPECT_EQ(m.metrics().bytes_used, 0u);
+  EXPECT_TRUE(m.checkInvariants());
+}
+
 TEST_F(MasterTest, ConfigurableLeaseTtl) {
   MasterConfig c = cfg();
   c.lease_ttl_ms = 100;

@@ -70,6 +70,35 @@ TEST_F(UpsertTest, AbsentKeyIsAPut) {
   EXPECT_TRUE(m_->checkInvariants());
 }
 
+// An upsert revoked with its writes pending (they timed out): the old value stays, the new
+// replicas' memory is held until the writer releases it; the same for an upsert of an absent key.
+TEST_F(UpsertTest, RevokeWithWritesPendingHoldsTheStagedMemory) {
+  ASSERT_EQ(upsert("k", kMiB), ErrorCode::OK);
+  const uint64_t one = m_->metrics().bytes_used;
+  uint64_t id = 0, hold = 0;
+  ASSERT_TRUE(m_->upsertStart("w", "k", kMiB, {}, &id).ok());
+  EXPECT_EQ(m_->upsertRevoke("x", "k", id, true, &hold), ErrorCode::ILLEGAL_CLIENT);
+  EXPECT_EQ(hold, 0u);
+  EXPECT_EQ(m_->upsertRevoke("w", "k", id, true, &hold), ErrorCode::OK);
+  EXPECT_NE(hold, 0u);
+  EXPECT_EQ(m_->getSize("k").value(), kMiB) << "the old value stays";
+  EXPECT_EQ(m_->metrics().bytes_used, 2 * one) << "the staged memory is held";
+  EXPECT_TRUE(m_->checkInvariants());
+  m_->releaseHolds("w", {hold});
+  clock_.advanceMs(1);
+  ASSERT_TRUE(m_->heartbeat("c0").ok());
+  m_->runMaintenance();
+  EXPECT_EQ(m_->metrics().bytes_used, one) << "released by its writer";
+  ASSERT_TRUE(m_->upsertStart("w", "new", kMiB, {}, &id).ok());
+  EXPECT_EQ(m_->upsertRevoke("w", "new", id, true, &hold), ErrorCode::OK);
+  EXPECT_EQ(m_->getSize("new").error(), ErrorCode::OBJECT_NOT_FOUND);
+  EXPECT_EQ(m_->metrics().bytes_used, 2 * one);
+  m_->releaseHolds("w", {hold});
+  m_->runMaintenance();
+  EXPECT_EQ(m_->metrics().bytes_used, one);
+  EXPECT_TRUE(m_->checkInvariants());
+}
+
 TEST_F(UpsertTest, ReadersKeepOldReplicasUntilTheSwap) {
   for (uint64_t new_size : {4096ull, 8192ull}) {  // same size, other size
     SCOPED_TRACE(new_size);

@@ -139,6 +139,45 @@ TEST(StoreStall, StoppedFirstReplicaFallsOverIntoFreshMemory) {
   waitChild(b, 5000);
 }
 
+// Whether done() holds within ms (polled every 100 ms).
+bool within(const std::function<bool()>& done, int ms) {
+  for (auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+       std::chrono::steady_clock::now() < end;
+       std::this_thread::sleep_for(std::chrono::milliseconds(100)))
+    if (done()) return true;
+  return done();
+}
+
+// A master with metrics, a holder process "H" (64 MiB segment) and a writer client here
+// (transfer timeout 3 s) for the late-write cases below.
+struct PutStallRig {
+  explicit PutStallRig(const std::string& master_flags) : master(master_flags) {}
+  ~PutStallRig() {
+    if (h > 0) {
+      kill(h, SIGKILL);
+      waitChild(h, 5000);
+    }
+  }
+  bool start() {
+    if (!master.start()) return false;
+    const uint16_t port = master.port();
+    h = forkChild([=]() -> int {
+      ClientProc p;
+      if (!makeClient(port, "H", 64u << 20, &p, "tcp")) return 2;
+      (void)p.rdv->set("h-up", "1");
+      pause();  // until killed
+      return 0;
+    });
+    auto rdv = engine::TcpRendezvousClient::connect(
+        "127.0.0.1", port, mooncake::test::jobSecret(), engine::deadlineInMs(5000));
+    return rdv.ok() && (*rdv)->wait("h-up", engine::deadlineInMs(20000)).ok() &&
+           makeClient(port, "writer", 0, &w, "tcp");
+  }
+  HaMaster master;
+  pid_t h = -1;
+  ClientProc w;
+};
+
 // The only holder is stopped past the writer's transfer timeout while a put writes into a
 // slab there: the put fails, and its WRITE, still queued, lands when the holder resumes. Until
 // then the slab must stay reserved at the master: a slab handed back has its unpublished space
@@ -147,61 +186,75 @@ TEST(StoreStall, StoppedFirstReplicaFallsOverIntoFreshMemory) {
 // when: not while the holder is stopped, soon after it resumed.
 TEST(StoreStall, TimedOutPutKeepsItsSlabUntilTheLateWriteFinished) {
   constexpr size_t kSize = 256u << 10;
-  HaMaster master("--rebuild-quiet-ms 200");  // clients heartbeat every 2.5 s (ttl 10 s)
-  ASSERT_TRUE(master.start());
-  const uint16_t port = master.port();
-  pid_t h = forkChild([=]() -> int {
-    ClientProc p;
-    if (!makeClient(port, "H", 64u << 20, &p, "tcp")) return 2;
-    (void)p.rdv->set("h-up", "1");
-    pause();  // until killed
-    return 0;
-  });
-  auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(),
-                                                  engine::deadlineInMs(5000));
-  ASSERT_TRUE(rdv.ok());
-  ASSERT_TRUE((*rdv)->wait("h-up", engine::deadlineInMs(20000)).ok());
-  ClientProc w;
-  ASSERT_TRUE(makeClient(port, "writer", 0, &w, "tcp"));  // transfer timeout 3 s
+  PutStallRig rig("--rebuild-quiet-ms 200");  // clients heartbeat every 2.5 s (ttl 10 s)
+  ASSERT_TRUE(rig.start());
+  HaMaster& master = rig.master;
+  store::StoreClient& w = *rig.w.client;
   const std::string slabs = "mooncake_store_slabs";
-  auto until = [](const std::function<bool()>& done, int ms) {
-    for (auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
-         std::chrono::steady_clock::now() < end;
-         std::this_thread::sleep_for(std::chrono::milliseconds(100)))
-      if (done()) return true;
-    return done();
-  };
   ASSERT_EQ(master.metric(slabs), 0);
   // A first put opens the holder and takes a slab there; the next one goes into it.
   const std::string v0 = valueFor("first", kSize);
-  ASSERT_EQ(w.client->put("first", v0.data(), v0.size()), ErrorCode::OK);
+  ASSERT_EQ(w.put("first", v0.data(), v0.size()), ErrorCode::OK);
   ASSERT_EQ(master.metric(slabs), 1);
 
-  if (!stopProcess(h)) {
-    kill(h, SIGKILL);
-    FAIL() << "the holder did not stop";
-  }
+  ASSERT_TRUE(stopProcess(rig.h)) << "the holder did not stop";
   const std::string v = valueFor("late", kSize);
-  EXPECT_EQ(w.client->put("late", v.data(), v.size()), ErrorCode::TRANSFER_FAIL)
+  EXPECT_EQ(w.put("late", v.data(), v.size()), ErrorCode::TRANSFER_FAIL)
       << "put to a stopped holder";
   EXPECT_GE(master.metric(slabs), 1) << "the put did not write into a slab";
   // Two heartbeats and more: the slab stays reserved while its write cannot land.
-  EXPECT_FALSE(until([&] { return master.metric(slabs) == 0; }, 6000))
+  EXPECT_FALSE(within([&] { return master.metric(slabs) == 0; }, 6000))
       << "the slab was handed back while a write into it was still queued";
-  kill(h, SIGCONT);
-  EXPECT_TRUE(until([&] { return master.metric(slabs) == 0; }, 30000))
+  kill(rig.h, SIGCONT);
+  EXPECT_TRUE(within([&] { return master.metric(slabs) == 0; }, 30000))
       << "the slab was never handed back after the late write landed";
   // The store works on: the holder (back, re-registered if it was expired meanwhile) takes a put.
   const std::string v2 = valueFor("after", kSize);
   ErrorCode ec = ErrorCode::INTERNAL_ERROR;
-  EXPECT_TRUE(until([&] { return (ec = w.client->put("after", v2.data(), v2.size())) == ErrorCode::OK; },
-                    20000))
+  EXPECT_TRUE(within([&] { return (ec = w.put("after", v2.data(), v2.size())) == ErrorCode::OK; },
+                     20000))
       << toInt(ec);
-  auto g = w.client->get("after");
+  auto g = w.get("after");
   ASSERT_TRUE(g.ok()) << toInt(g.error());
   EXPECT_EQ(*g, v2);
-  kill(h, SIGKILL);
-  waitChild(h, 5000);
+}
+
+// The same for a put outside slabs (a preferred segment: PutStart, write, PutEnd): its WRITE to
+// the stopped holder times out, and the revoke frees the key at once but leaves the memory
+// allocated under a hold until the writer says the late WRITE finished (it used to free it at
+// once: the master's bytes_used gauge fell back while the holder was still stopped).
+TEST(StoreStall, TimedOutClassicPutKeepsItsMemoryUntilTheLateWriteFinished) {
+  constexpr size_t kSize = 1u << 20;
+  // A long client ttl: the stopped holder is not expired (its segment would go, and the gauge
+  // with it) while the test looks; clients then heartbeat every 7.5 s.
+  PutStallRig rig("--rebuild-quiet-ms 200 --client-ttl-s 30");
+  ASSERT_TRUE(rig.start());
+  HaMaster& master = rig.master;
+  store::StoreClient& w = *rig.w.client;
+  ReplicateConfig on_h;
+  on_h.preferred_segment = "H";
+  const std::string v0 = valueFor("first", kSize);
+  ASSERT_EQ(w.put("first", v0.data(), v0.size(), on_h), ErrorCode::OK);
+  const std::string used = "mooncake_store_bytes_used";
+  const double base = master.metric(used);
+  ASSERT_GE(base, static_cast<double>(kSize));
+
+  ASSERT_TRUE(stopProcess(rig.h)) << "the holder did not stop";
+  const std::string v = valueFor("late", kSize);
+  EXPECT_EQ(w.put("late", v.data(), v.size(), on_h), ErrorCode::TRANSFER_FAIL);
+  auto there = w.exists("late");
+  ASSERT_TRUE(there.ok());
+  EXPECT_FALSE(*there) << "the revoked key is still there";
+  EXPECT_FALSE(within([&] { return master.metric(used) < base + kSize; }, 6000))
+      << "the revoked put's memory was freed while a write into it was still queued";
+  kill(rig.h, SIGCONT);
+  EXPECT_TRUE(within([&] { return master.metric(used) == base; }, 30000))
+      << "the hold was never released after the late write landed: " << master.metric(used)
+      << " bytes used, " << base << " before";
+  EXPECT_EQ(w.put("late", v.data(), v.size(), on_h), ErrorCode::OK);
+  auto g = w.get("late");
+  ASSERT_TRUE(g.ok()) << toInt(g.error());
+  EXPECT_EQ(*g, v);
 }
 
 }  // namespace
