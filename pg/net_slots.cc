@@ -223,7 +223,10 @@ Status SlotSender::post(engine::PeerId peer, int dst, int k, const char* hdr, si
   }
   if (prev != 0) {
     Status st = engine_->wait(prev, deadline);
-    if (st.code() == Code::kTimeout) engine_->keepUntilDone(prev, area_);  // (k stays taken)
+    if (st.code() == Code::kTimeout) {  // (k stays taken; later messages go two-sided)
+      area_->taint(index_[dst]);
+      engine_->keepUntilDone(prev, area_);
+    }
     MC_RETURN_IF_ERROR(st);
   }
   char* s = area_->stagingSlot(index_[dst], k);

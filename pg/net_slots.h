@@ -122,8 +122,9 @@ class SlotSender {
   void reset(int dst);
   // Writes hdr (hdr_len <= kSlotHeaderBytes) and then len bytes of data into a slot of dst
   // (reached as `peer`), or queues a copy. False: dst granted no usable slots (send it
-  // two-sided). *st: this post's error (deadline: for the staging slot's previous write; that
-  // slot is then not used again, the engine keeps the area until the write finished).
+  // two-sided). *st: this post's error (deadline: for the staging slot's previous write; dst
+  // then gets no one-sided message through this area again, and the engine keeps the area
+  // until the write finished).
   bool send(engine::PeerId peer, int dst, const void* hdr, size_t hdr_len, const void* data,
             size_t len, engine::Deadline deadline, Status* st, const std::string& who);
   // dst gave slot k back: the oldest message queued for it is posted (errors: takeFailure).

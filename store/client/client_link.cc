@@ -216,7 +216,7 @@ void StoreClient::close() {
     std::lock_guard<std::mutex> g(link_mu_);
     link = link_;
   }
-  {
+  if (link && !link->broken) {
     // A slab a late write may still land in is handed back (or, unmounting, freed by the
     // master), a revoked put's hold released, only after that write finished: wait a while.
     std::unique_lock<std::mutex> g(book_->mu);

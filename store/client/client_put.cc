@@ -79,6 +79,20 @@ void StoreClient::release(const std::shared_ptr<SlabState>& slab) {
   if (--slab->inflight == 0 && slab->exhausted) book_->retired.push_back(slab->id);
 }
 
+void StoreClient::abandon(uint32_t replica_num, const std::shared_ptr<SlabState>& slab) {
+  std::lock_guard<std::mutex> g(book_->mu);
+  SlabPool& pool = slabs_[replica_num];
+  if (pool.cur == slab) pool.cur = nullptr;
+  if (slab->exhausted) return;  // handed back already, or once its last put is done
+  slab->exhausted = true;
+  if (slab->inflight == 0) book_->retired.push_back(slab->id);
+}
+
+void StoreClient::retireAgain(const google::protobuf::RepeatedField<uint64_t>& ids) {
+  std::lock_guard<std::mutex> g(book_->mu);
+  book_->retired.insert(book_->retired.end(), ids.begin(), ids.end());
+}
+
 StoreClient::Held StoreClient::heldLate(Held inner, std::vector<std::shared_ptr<SlabState>> slabs,
                                        std::shared_ptr<LateHold> hold) const {
   return [inner = std::move(inner), slabs = std::move(slabs), hold = std::move(hold),
@@ -182,6 +196,7 @@ std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_nu
     proto::AllocSlabResponse resp;
     std::shared_ptr<Link> link;
     ErrorCode ec = callMaster(proto::ALLOC_SLAB, req, &resp, false, &link);
+    if (ec != ErrorCode::OK) retireAgain(req.retire());  // (the master may not have seen them)
     if (ec == ErrorCode::OK) ec = errorCodeFromInt(resp.error_code());
     if (ec != ErrorCode::OK) {
       *why = ec;
@@ -396,13 +411,7 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
       last = ec;
       // A holder of the slab is gone (or unreachable): give the slab up and write into a new
       // one (the master places no new extent on a segment whose owner it saw go).
-      std::lock_guard<std::mutex> g(book_->mu);
-      SlabPool& pool = slabs_[rn];
-      if (pool.cur == slab) {
-        slab->exhausted = true;
-        if (slab->inflight == 0) book_->retired.push_back(slab->id);
-        pool.cur = nullptr;
-      }
+      abandon(rn, slab);
       continue;
     }
     proto::PublishRequest req;
@@ -435,6 +444,7 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
     auto t2 = Clock::now();
     ec = callMaster(proto::PUBLISH, req, &resp, false, &link);
     t_phases.publish_ns += nsSince(t2);
+    if (ec != ErrorCode::OK) retireAgain(req.retire());
     release(slab);
     if (prefetch) {
       if (ec == ErrorCode::OK) {
@@ -455,10 +465,9 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
     }
     if (r != ErrorCode::OBJECT_NOT_FOUND) return r;
     last = ErrorCode::RPC_FAIL;
-    // The slab is gone (its master changed, or a segment of it left): drop it, write again.
-    std::lock_guard<std::mutex> g(book_->mu);
-    SlabPool& pool = slabs_[rn];
-    if (pool.cur == slab) pool.cur = nullptr;
+    // The slab is gone (its master changed, or a segment of it left: its other extents are
+    // reserved until it is handed back): drop it, write again.
+    abandon(rn, slab);
   }
   return last;
 }
@@ -645,14 +654,7 @@ std::vector<ErrorCode> StoreClient::batchPut(
     bool ok = true;
     for (size_t r = it.first_req; r < it.end_req; ++r) ok = ok && per[r].ok();
     if (!ok) {
-      {
-        std::lock_guard<std::mutex> g(book_->mu);
-        SlabPool& pool = slabs_[rn];
-        if (pool.cur == it.slab) {
-          it.slab->exhausted = true;
-          pool.cur = nullptr;
-        }
-      }
+      abandon(rn, it.slab);
       release(it.slab);
       it.slab = nullptr;
       rewrite.push_back(it.index);
@@ -673,6 +675,7 @@ std::vector<ErrorCode> StoreClient::batchPut(
     proto::PublishResponse resp;
     std::shared_ptr<Link> link;
     ErrorCode ec = callMaster(proto::PUBLISH, req, &resp, false, &link);
+    if (ec != ErrorCode::OK) retireAgain(req.retire());
     for (Item* it : published) release(it->slab);
     if (ec == ErrorCode::OK && resp.results_size() != static_cast<int>(published.size()))
       ec = ErrorCode::RPC_FAIL;
@@ -685,9 +688,7 @@ std::vector<ErrorCode> StoreClient::batchPut(
       }
       ErrorCode r = errorCodeFromInt(resp.results(static_cast<int>(n)));
       if (r == ErrorCode::OBJECT_NOT_FOUND) {  // its slab is gone: write it again below
-        std::lock_guard<std::mutex> g(book_->mu);
-        SlabPool& pool = slabs_[rn];
-        if (pool.cur == it->slab) pool.cur = nullptr;
+        abandon(rn, it->slab);
         again.push_back(it->index);
         continue;
       }

@@ -301,6 +301,11 @@ class StoreClient {
   std::shared_ptr<SlabState> reserve(uint32_t replica_num, uint64_t need, uint64_t batch_bytes,
                                      uint64_t* offset, ErrorCode* why);
   void release(const std::shared_ptr<SlabState>& slab);
+  // No more puts into `slab` (a write into it failed, or the master lost it): it is handed
+  // back once none is in flight (the master keeps a broken slab's other extents until then).
+  void abandon(uint32_t replica_num, const std::shared_ptr<SlabState>& slab);
+  // Slab ids a call to the master carried that failed: sent again with a later one.
+  void retireAgain(const google::protobuf::RepeatedField<uint64_t>& ids);
   void takeNextSlab(uint32_t replica_num, const proto::PublishResponse& resp);
   std::vector<uint64_t> takeRetired();
   ErrorCode writePieces(const std::vector<WriteTarget>& targets, const std::string& key,
@@ -399,7 +404,7 @@ class StoreClient {
     std::mutex mu;                  // also guards slabs_ and each SlabState
     std::vector<uint64_t> retired;  // slabs to hand back (sent with the next call)
     std::vector<uint64_t> released;  // holds whose late writes finished (LateHold)
-    int late = 0;                   // owners of late writes into slabs not dropped yet
+    int late = 0;                   // owners of late writes (heldLate) not dropped yet
     std::condition_variable none_late;
   };
   std::shared_ptr<SlabBook> book_ = std::make_shared<SlabBook>();

@@ -432,6 +432,7 @@ ErrorCode MasterService::putRevoke(const std::string& client_id, const std::stri
   Object* o = it->second.get();
   if (o->writer != client_id) return ErrorCode::ILLEGAL_CLIENT;
   if (o->complete) return ErrorCode::INVALID_WRITE;  // complete objects go through remove()
+  if (o->upsert_id != 0) return ErrorCode::INVALID_WRITE;  // an upsert's: upsertRevoke
   if (writes_pending && !client_id.empty() && hold != nullptr) {
     // Late WRITEs may still land in its memory: kept until the writer says they finished.
     const TimePoint until = o->put_start + ms(config_.put_release_timeout_ms);

@@ -1,7 +1,10 @@
 // Small helpers shared by the engine tests: deterministic byte patterns, checks that report
-// the first differing byte, and deadline arithmetic. Header-only; ScopedEnv reads old values
+// the first differing byte, deadline arithmetic, stopping a peer process. Header-only; ScopedEnv reads old values
 // through the engine's parameter registry.
 #pragma once
+
+#include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstddef>
@@ -9,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 #include <string>
 
@@ -185,6 +189,22 @@ inline uint64_t checksum(const void* p, size_t len) {
   std::string host(len, '\0');
   deviceCopyOrDie(host.data(), p, len);
   return checksumHost(host.data(), len);
+}
+
+// Stops `pid` (SIGSTOP) and returns once it has stopped: kill() returns before a process that
+// is running on another core stops, which may still serve a request meanwhile. False when it
+// is not stopped (state 'T' in /proc/<pid>/stat) within 5 s.
+inline bool stopProcess(pid_t pid) {
+  if (kill(pid, SIGSTOP) != 0) return false;
+  for (int waited = 0; waited <= 5000; waited += 1) {
+    std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(f, line);
+    size_t close = line.rfind(')');
+    if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'T') return true;
+    usleep(1000);
+  }
+  return false;
 }
 
 }  // namespace mooncake::test

@@ -9,6 +9,7 @@
 
 #include "engine/status.h"
 #include "pg/net_slots.h"
+#include "tests/engine/test_util.h"
 #include "tests/pg/pg_harness.h"
 
 namespace mooncake::pg::test {
@@ -83,8 +84,7 @@ TEST(PgNetSlots, StalledWriteKeepsTheStagingUntilItFinished) {
     sender->onGrant(1, *grant);
     ASSERT_TRUE(waitFor([&] { return pid1.load() != 0; }, 20000));
     const pid_t stopped = static_cast<pid_t>(pid1.load());
-    ASSERT_EQ(kill(stopped, SIGSTOP), 0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_TRUE(mooncake::test::stopProcess(stopped));
     std::vector<uint8_t> data(kLen);
     for (size_t i = 0; i < kLen; ++i) data[i] = patternByte(i);
     const char hdr[16] = "net-slots-test";

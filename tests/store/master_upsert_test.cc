@@ -61,6 +61,7 @@ TEST_F(UpsertTest, AbsentKeyIsAPut) {
   EXPECT_NE(id, 0u);
   EXPECT_EQ(m_->getReplicaList("k").error(), ErrorCode::REPLICA_IS_NOT_READY);
   EXPECT_EQ(m_->putEnd("w", "k"), ErrorCode::INVALID_WRITE) << "an upsert is ended by upsertEnd";
+  EXPECT_EQ(m_->putRevoke("w", "k"), ErrorCode::INVALID_WRITE) << "... and revoked by upsertRevoke";
   EXPECT_EQ(m_->upsertEnd("other", "k", id), ErrorCode::ILLEGAL_CLIENT);
   EXPECT_EQ(m_->upsertEnd("w", "k", id + 1), ErrorCode::INVALID_WRITE);
   EXPECT_EQ(m_->upsertEnd("w", "k", id), ErrorCode::OK);

@@ -11,7 +11,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -118,22 +117,6 @@ inline int waitChild(pid_t pid, int timeout_ms) {
   kill(pid, SIGKILL);
   waitpid(pid, &status, 0);
   return -1000;
-}
-
-// Stops `pid` (SIGSTOP) and returns once it has stopped: kill() returns before a process that
-// is running on another core stops, which may still serve a request meanwhile. False when it
-// is not stopped (state 'T' in /proc/<pid>/stat) within 5 s.
-inline bool stopProcess(pid_t pid) {
-  if (kill(pid, SIGSTOP) != 0) return false;
-  for (int waited = 0; waited <= 5000; waited += 1) {
-    std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-    std::string line;
-    std::getline(f, line);
-    size_t close = line.rfind(')');
-    if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'T') return true;
-    usleep(1000);
-  }
-  return false;
 }
 
 // Everything a client process needs: rendezvous client, engine, store client.
