@@ -247,8 +247,8 @@ class StoreClient {
                                    const Held& held = nullptr);
   // The same, with the first failure (OK when all succeeded).
   Status transferHeld(const std::vector<engine::TransferRequest>& reqs, const Held& held);
-  // A put outside slabs whose writes timed out (putClassic): the master keeps its memory
-  // under a hold (PutRevoke writes_pending) until they finished.
+  // A put outside slabs or an upsert whose writes timed out: the master keeps their memory
+  // under a hold (PutRevoke / UpsertRevoke writes_pending) until they finished.
   struct LateHold {
     bool handed = false;  // the writes timed out: the engine has the owner
     bool done = false;    // ... and dropped it since (they finished)
