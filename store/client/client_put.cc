@@ -74,9 +74,13 @@ std::vector<uint64_t> StoreClient::takeRetired() {
   return out;
 }
 
+void StoreClient::SlabBook::unreserveLocked(SlabState& slab) {
+  if (--slab.inflight == 0 && slab.exhausted) retired.push_back(slab.id);
+}
+
 void StoreClient::release(const std::shared_ptr<SlabState>& slab) {
   std::lock_guard<std::mutex> g(book_->mu);
-  if (--slab->inflight == 0 && slab->exhausted) book_->retired.push_back(slab->id);
+  book_->unreserveLocked(*slab);
 }
 
 void StoreClient::abandon(uint32_t replica_num, const std::shared_ptr<SlabState>& slab) {
@@ -94,9 +98,8 @@ void StoreClient::retireAgain(const google::protobuf::RepeatedField<uint64_t>& i
 }
 
 StoreClient::Held StoreClient::heldLate(Held inner, std::vector<std::shared_ptr<SlabState>> slabs,
-                                       std::shared_ptr<LateHold> hold) const {
-  return [inner = std::move(inner), slabs = std::move(slabs), hold = std::move(hold),
-          book = book_] {
+                                       std::shared_ptr<LateHold>* hold) const {
+  return [inner = std::move(inner), slabs = std::move(slabs), hold, book = book_] {
     struct Late {
       std::shared_ptr<void> inner;
       std::vector<std::shared_ptr<SlabState>> slabs;  // each reserved once more
@@ -105,8 +108,7 @@ StoreClient::Held StoreClient::heldLate(Held inner, std::vector<std::shared_ptr<
       ~Late() {
         if (book == nullptr) return;
         std::lock_guard<std::mutex> g(book->mu);
-        for (const auto& slab : slabs)
-          if (--slab->inflight == 0 && slab->exhausted) book->retired.push_back(slab->id);
+        for (const auto& slab : slabs) book->unreserveLocked(*slab);
         if (hold != nullptr) {
           hold->done = true;
           if (hold->token != 0) book->released.push_back(hold->token);
@@ -118,27 +120,27 @@ StoreClient::Held StoreClient::heldLate(Held inner, std::vector<std::shared_ptr<
     late->inner = inner ? inner() : nullptr;
     std::lock_guard<std::mutex> g(book->mu);
     for (const auto& slab : slabs) ++slab->inflight;
-    if (hold != nullptr) hold->handed = true;
+    if (hold != nullptr) late->hold = *hold = std::make_shared<LateHold>();
     ++book->late;
     late->slabs = slabs;
-    late->hold = hold;
     late->book = book;
     return std::shared_ptr<void>(std::move(late));
   };
 }
 
-bool StoreClient::writesPending(const LateHold& hold) {
+bool StoreClient::writesPending(const std::shared_ptr<LateHold>& hold) {
+  if (hold == nullptr) return false;  // not handed over: the writes ended
   std::lock_guard<std::mutex> g(book_->mu);
-  return hold.handed && !hold.done;
+  return !hold->done;
 }
 
-void StoreClient::holdGiven(LateHold& hold, uint64_t token) {
-  if (token == 0) return;
+void StoreClient::holdGiven(const std::shared_ptr<LateHold>& hold, uint64_t token) {
+  if (hold == nullptr || token == 0) return;
   std::lock_guard<std::mutex> g(book_->mu);
-  if (hold.done)
+  if (hold->done)
     book_->released.push_back(token);  // they finished meanwhile
   else
-    hold.token = token;
+    hold->token = token;
 }
 
 std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_num, uint64_t need,
@@ -520,9 +522,9 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
   auto t1 = Clock::now();
   ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
   bool ok = ec == ErrorCode::OK;
-  auto hold = std::make_shared<LateHold>();
+  std::shared_ptr<LateHold> hold;  // made if the writes are handed over
   if (ok && !reqs.empty()) {
-    Status st = transferHeld(reqs, heldLate(heldWith(records, src_owner), {}, hold));
+    Status st = transferHeld(reqs, heldLate(heldWith(records, src_owner), {}, &hold));
     ok = st.ok();
     if (!ok) {
       MC_LOG(WARN, STORE) << "store client " << client_id_ << ": put of '" << key << "' ("
@@ -534,9 +536,9 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
     proto::PutRevokeRequest rq;
     rq.set_client_id(client_id_);
     rq.set_key(key);
-    rq.set_writes_pending(writesPending(*hold));
+    rq.set_writes_pending(writesPending(hold));
     proto::PutRevokeResponse rr;
-    if (callMaster(proto::PUT_REVOKE, rq, &rr, true) == ErrorCode::OK) holdGiven(*hold, rr.hold());
+    if (callMaster(proto::PUT_REVOKE, rq, &rr, true) == ErrorCode::OK) holdGiven(hold, rr.hold());
     return ec != ErrorCode::OK ? ec : ErrorCode::TRANSFER_FAIL;
   }
   proto::PutEndRequest pe;

@@ -249,21 +249,21 @@ class StoreClient {
   Status transferHeld(const std::vector<engine::TransferRequest>& reqs, const Held& held);
   // A put outside slabs or an upsert whose writes timed out: the master keeps their memory
   // under a hold (PutRevoke / UpsertRevoke writes_pending) until they finished.
+  // Made (in *hold of heldLate) when the writes are handed over to the engine.
   struct LateHold {
-    bool handed = false;  // the writes timed out: the engine has the owner
-    bool done = false;    // ... and dropped it since (they finished)
-    uint64_t token = 0;   // the master's hold, once the revoke returned it
+    bool done = false;   // the engine dropped the owner since (the writes finished)
+    uint64_t token = 0;  // the master's hold, once the revoke returned it
   };
-  // `inner` for late writes into `slabs` (or a put's memory under `hold`), and one more
-  // reservation of each slab: a slab that a late write may still land in is not handed back
-  // (the master would place other objects in its unpublished space), nor a hold released,
-  // until the engine dropped the owner, after the writes finished.
+  // `inner` for late writes into `slabs` (or a put's memory, with a LateHold made in *hold),
+  // and one more reservation of each slab: a slab that a late write may still land in is not
+  // handed back (the master would place other objects in its unpublished space), nor a hold
+  // released, until the engine dropped the owner, after the writes finished.
   Held heldLate(Held inner, std::vector<std::shared_ptr<SlabState>> slabs,
-                std::shared_ptr<LateHold> hold = nullptr) const;
-  // After a failed write under `hold`: whether its writes still run (the revoke then says
-  // writes_pending), and the master's hold for them (0: none) once the revoke returned.
-  bool writesPending(const LateHold& hold);
-  void holdGiven(LateHold& hold, uint64_t token);
+                std::shared_ptr<LateHold>* hold = nullptr) const;
+  // After a failed write: whether its writes still run (hold made and not done: the revoke
+  // then says writes_pending), and the master's hold for them (0: none) once it returned.
+  bool writesPending(const std::shared_ptr<LateHold>& hold);
+  void holdGiven(const std::shared_ptr<LateHold>& hold, uint64_t token);
   // Hands the retired slabs and released holds back now (the heartbeat; slabs otherwise go
   // with the next put).
   void flushRetired(const std::shared_ptr<Link>& link);
@@ -406,6 +406,8 @@ class StoreClient {
     std::vector<uint64_t> released;  // holds whose late writes finished (LateHold)
     int late = 0;                   // owners of late writes (heldLate) not dropped yet
     std::condition_variable none_late;
+    // A reservation of `slab` ends; an exhausted slab with none left is handed back.
+    void unreserveLocked(SlabState& slab);
   };
   std::shared_ptr<SlabBook> book_ = std::make_shared<SlabBook>();
   std::map<uint32_t, SlabPool> slabs_;  // by replica_num

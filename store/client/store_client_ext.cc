@@ -39,19 +39,19 @@ ErrorCode StoreClient::upsertParts(const std::string& key,
                                                (config.with_hard_pin ? kRecordHardPin : 0));
     ec = writePieces(targets, key, put_id, size, flags, src, &records, &reqs);
   }
-  auto hold = std::make_shared<LateHold>();
+  std::shared_ptr<LateHold> hold;  // made if the writes are handed over
   if (ec == ErrorCode::OK && !reqs.empty() &&
-      !transferHeld(reqs, heldLate(heldWith(records, joined), {}, hold)).ok())
+      !transferHeld(reqs, heldLate(heldWith(records, joined), {}, &hold)).ok())
     ec = ErrorCode::TRANSFER_FAIL;
   if (ec != ErrorCode::OK) {
     proto::UpsertRevokeRequest rv;
     rv.set_client_id(client_id_);
     rv.set_key(key);
     rv.set_upsert_id(us.upsert_id());
-    rv.set_writes_pending(writesPending(*hold));
+    rv.set_writes_pending(writesPending(hold));
     proto::UpsertRevokeResponse rr;
     if (callMaster(proto::UPSERT_REVOKE, rv, &rr, true) == ErrorCode::OK)
-      holdGiven(*hold, rr.hold());
+      holdGiven(hold, rr.hold());
     return ec;
   }
   proto::UpsertEndRequest end;
