@@ -408,6 +408,12 @@ set +e
         timeout -s INT -k 10 180 "$PYTHON" benchmarks/store_bench.py --gpu "$DEVICE" \
         --sizes 1M,64M --json "$OUT/store_gpu.json" || r=$?
     fi
+    # Upstream's TransferEngine on GPU memory (what vLLM's, SGLang's and LMCache's P/D
+    # connectors register, location "*"): two processes on the GPU, 64 MiB written in blocks,
+    # read back, a write timed.
+    echo "gpu_check: TransferEngine on GPU memory (tests/gpu/p2p_gpu_check.py)"
+    PYTHONPATH="$PKG_DIR" timeout -s INT -k 10 120 "$PYTHON" tests/gpu/p2p_gpu_check.py \
+      --device "$DEVICE" --json "$OUT/p2p_gpu.json" || r=$?
   fi
   exit "$r"
 } 2>&1 | tee "$OUT/gpu_check.log"

@@ -615,6 +615,11 @@ bool isDeviceMemory(const void* p) {
   return d.ok() && (*d)->pointer(p).device;
 }
 
+PointerInfo locate(const void* p) {
+  auto d = get();
+  return d.ok() ? (*d)->pointer(p) : PointerInfo{};
+}
+
 Status copy(void* dst, const void* src, size_t len, Deadline deadline) {
   if (len == 0) return Status::OK();
   MC_ASSIGN_OR_RETURN(Device * d, get());

@@ -220,6 +220,10 @@ Result<std::unique_ptr<Device>> make(const std::string& which);
 // Whether p is GPU memory of the process's layer. False, without making a layer, while no
 // GPU memory has been used in this process (active()).
 bool isDeviceMemory(const void* p);
+// Where p lives, asking the process's layer (made if need be): memory the caller got from
+// elsewhere (torch's CUDA allocator, a KV cache) that is to be registered. Host memory, or no
+// layer: {false, -1}.
+PointerInfo locate(const void* p);
 
 // Copies len bytes (device or host memory on either side) through the process's layer on
 // the copy stream of the device involved (dst's, else src's, else 0) and waits for it.

@@ -110,8 +110,7 @@ ErrorCode StoreClient::registerBuffer(void* addr, size_t len) {
   if (addr == nullptr || len == 0) return ErrorCode::INVALID_PARAMS;
   // GPU memory (a serving process's KV cache) registers as such: the engine then moves it
   // between the device and the peers without a bounce through pageable host memory.
-  engine::device::PointerInfo where;
-  if (auto layer = engine::device::get(); layer.ok()) where = (*layer)->pointer(addr);
+  const engine::device::PointerInfo where = engine::device::locate(addr);
   Status st = where.device ? engine_->registerMemory(addr, len, engine::MemoryKind::kCuda,
                                                      where.ordinal)
                            : engine_->registerMemory(addr, len);

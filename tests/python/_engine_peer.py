@@ -10,6 +10,10 @@ Commands (one per stdin line, one JSON answer line each):
   notifies             what get_notifies() returns now
   fill SEED            KV := pattern(SEED)
   exit
+
+argv: KV_BYTES [PROTOCOL [gpu]]; "gpu": the KV cache is GPU memory of the engine's device layer
+(MC_DEVICE=sim in the tests: host code must not touch it; read and filled through the layer's
+copies), registered as upstream's callers do (batch_register_memory, location "*").
 """
 import hashlib
 import json
@@ -21,6 +25,7 @@ from mooncake.engine import TransferEngine
 
 KV_BYTES = int(sys.argv[1])
 PROTOCOL = sys.argv[2] if len(sys.argv) > 2 else "rdma"
+GPU = len(sys.argv) > 3 and sys.argv[3] == "gpu"
 
 
 def pattern(seed, n):
@@ -35,11 +40,19 @@ def main():
         print(json.dumps({"error": f"initialize -> {rc}"}), flush=True)
         return 1
     kv = torch.zeros(KV_BYTES, dtype=torch.uint8)
-    rc = te.batch_register_memory([kv.data_ptr()], [KV_BYTES])
-    print(json.dumps({"session": f"127.0.0.1:{te.get_rpc_port()}", "kv": kv.data_ptr(),
+    if GPU:
+        from mooncake import _C
+        kv_ptr = _C._device_alloc(KV_BYTES, 0)
+        _C._device_copy(kv_ptr, kv.data_ptr(), KV_BYTES)  # zeroed
+    else:
+        kv_ptr = kv.data_ptr()
+    rc = te.batch_register_memory([kv_ptr], [KV_BYTES])
+    print(json.dumps({"session": f"127.0.0.1:{te.get_rpc_port()}", "kv": kv_ptr,
                       "bytes": KV_BYTES, "register": rc}), flush=True)
 
     def digest(off, n):
+        if GPU:  # kv is the host copy of the GPU cache
+            _C._device_copy(kv.data_ptr() + off, kv_ptr + off, n)
         return hashlib.sha256(kv[off:off + n].numpy().tobytes()).hexdigest()
 
     for line in sys.stdin:
@@ -61,6 +74,8 @@ def main():
             out = {"notifies": [[n.name, n.msg] for n in te.get_notifies()]}
         elif cmd[0] == "fill":
             kv.copy_(pattern(int(cmd[1]), KV_BYTES))
+            if GPU:
+                _C._device_copy(kv_ptr, kv.data_ptr(), KV_BYTES)
             out = {"ok": True}
         elif cmd[0] == "exit":
             print(json.dumps({"bye": True}), flush=True)
@@ -68,7 +83,7 @@ def main():
         else:
             out = {"error": f"unknown command {cmd[0]}"}
         print(json.dumps(out), flush=True)
-    te.batch_unregister_memory([kv.data_ptr()])
+    te.batch_unregister_memory([kv_ptr])
     return 0
 
 

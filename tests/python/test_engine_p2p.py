@@ -42,8 +42,9 @@ def pattern(seed, n):
 
 
 class Decode:
-    def __init__(self, env, protocol="rdma"):
-        self.proc = subprocess.Popen([sys.executable, "-u", PEER, str(KV), protocol],
+    def __init__(self, env, protocol="rdma", gpu=False):
+        self.proc = subprocess.Popen([sys.executable, "-u", PEER, str(KV), protocol] +
+                                     (["gpu"] if gpu else []),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env)
         self.info = self._read(60)

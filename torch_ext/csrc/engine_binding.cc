@@ -89,8 +89,10 @@ class PyP2pEngine {
     Status st = engine_->free(reinterpret_cast<void*>(addr));
     return st.ok() ? ok() : fail(upstreamCode(st), st);
   }
-  Ret registerMemory(uint64_t addr, uint64_t len) {
-    Status st = engine_->registerMemory(reinterpret_cast<void*>(addr), len);
+  // location as upstream's: "*" finds out where the memory lives (a KV cache in GPU memory
+  // registers as such), "cpu[:N]" host memory, "cuda[:N]" memory of GPU N.
+  Ret registerMemory(uint64_t addr, uint64_t len, const std::string& location) {
+    Status st = registerAt(addr, len, location);
     return st.ok() ? ok() : fail(upstreamCode(st), st);
   }
   Ret unregisterMemory(uint64_t addr) {
@@ -98,11 +100,12 @@ class PyP2pEngine {
     return st.ok() ? ok() : fail(upstreamCode(st), st);
   }
   // All or nothing, as upstream: a failure unregisters the ones this call registered.
-  Ret batchRegister(const std::vector<uint64_t>& addrs, const std::vector<uint64_t>& lens) {
+  Ret batchRegister(const std::vector<uint64_t>& addrs, const std::vector<uint64_t>& lens,
+                    const std::string& location) {
     if (addrs.size() != lens.size())
       return fail(kErrInvalidArgument, Status(Code::kInvalidArgument, "list lengths differ"));
     for (size_t i = 0; i < addrs.size(); ++i) {
-      Status st = engine_->registerMemory(reinterpret_cast<void*>(addrs[i]), lens[i]);
+      Status st = registerAt(addrs[i], lens[i], location);
       if (!st.ok()) {
         for (size_t j = 0; j < i; ++j) (void)engine_->unregisterMemory(reinterpret_cast<void*>(addrs[j]));
         return fail(upstreamCode(st), Status(st.code(), "entry " + std::to_string(i) + ": " + st.message()));
@@ -120,6 +123,27 @@ class PyP2pEngine {
   }
   bool isRegistered(uint64_t addr, uint64_t len) const {
     return engine_->isRegistered(reinterpret_cast<const void*>(addr), len);
+  }
+
+  Status registerAt(uint64_t addr, uint64_t len, const std::string& location) {
+    void* p = reinterpret_cast<void*>(addr);
+    const std::string kind = location.substr(0, location.find(':'));
+    int ordinal = -1;
+    if (kind.size() < location.size()) {
+      const std::string n = location.substr(kind.size() + 1);
+      if (n.empty() || n.size() > 4 || n.find_first_not_of("0123456789") != std::string::npos)
+        return MC_STATUS(kInvalidArgument, "register_memory: bad location '" << location << "'");
+      ordinal = std::stoi(n);
+    }
+    if (kind == "*") {
+      const engine::device::PointerInfo where = engine::device::locate(p);
+      if (where.device) return engine_->registerMemory(p, len, engine::MemoryKind::kCuda, where.ordinal);
+      return engine_->registerMemory(p, len);
+    }
+    if (kind == "cpu") return engine_->registerMemory(p, len);
+    if (kind == "cuda") return engine_->registerMemory(p, len, engine::MemoryKind::kCuda, ordinal);
+    return MC_STATUS(kInvalidArgument, "register_memory: location '" << location
+                                           << "' is none of *, cpu[:N], cuda[:N]");
   }
 
   static Result<std::vector<P2pSessions::Request>> requests(int op,
@@ -245,9 +269,11 @@ void registerEngineApis(py::module_& m) {
       .def_property_readonly("transport", &PyP2pEngine::transport)
       .def("allocate", &PyP2pEngine::allocate, Nogil())
       .def("free", &PyP2pEngine::free, Nogil())
-      .def("register_memory", &PyP2pEngine::registerMemory, Nogil())
+      .def("register_memory", &PyP2pEngine::registerMemory, py::arg("addr"), py::arg("len"),
+           py::arg("location") = "*", Nogil())
       .def("unregister_memory", &PyP2pEngine::unregisterMemory, Nogil())
-      .def("batch_register", &PyP2pEngine::batchRegister, Nogil())
+      .def("batch_register", &PyP2pEngine::batchRegister, py::arg("addrs"), py::arg("lens"),
+           py::arg("location") = "*", Nogil())
       .def("batch_unregister", &PyP2pEngine::batchUnregister, Nogil())
       .def("is_registered", &PyP2pEngine::isRegistered)
       .def("transfer", &PyP2pEngine::transfer, Nogil())

@@ -25,6 +25,9 @@ for sync calls, a batch id / 0 for async submits); docs/compat.md lists every di
   ``device_name`` ("mlx5_0,mlx5_1") limits the NICs (``MC_RDMA_DEVICES``). ``MC_FORCE_TCP=1``
   carries every peer over tcp. The rdma transport has been run only on the project's verbs
   emulator (no RDMA NIC exists where it was built).
+* GPU memory (a CUDA tensor's storage) registers as such with ``location="*"`` (the default)
+  or ``"cuda:N"``; transfers between it and the peer's memory, GPU or host, then go through the
+  engine's GPU paths (docs/gpu.md).
 * Every transfer must lie inside one registered region on each side (the local buffer in one
   registered here: ``register_memory`` or ``allocate_managed_buffer``); anything else fails with
   a negative code before a byte moves, never a crash.
@@ -186,11 +189,13 @@ class TransferEngine:
         return self._ret("free_managed_buffer", self._e.free(int(buffer_addr)))
 
     def register_memory(self, buffer_addr, capacity, location="*"):
-        """0; -1 for a zero or unmapped range, -7 when it overlaps a registered one."""
+        """0; -1 for a zero or unmapped range, -7 when it overlaps a registered one.
+        ``location``: ``"*"`` finds out where the memory lives (GPU memory, e.g. a CUDA
+        tensor's storage, registers as such), ``"cpu[:N]"`` host, ``"cuda[:N]"`` GPU N."""
         if not self._ok("register_memory"):
             return -1
-        return self._ret("register_memory",
-                         self._e.register_memory(int(buffer_addr), int(capacity)))
+        return self._ret("register_memory", self._e.register_memory(
+            int(buffer_addr), int(capacity), str(location)))
 
     def unregister_memory(self, buffer_addr):
         """0; -3 when no region starts at that address."""
@@ -203,7 +208,7 @@ class TransferEngine:
         if not self._ok("batch_register_memory"):
             return -1
         return self._ret("batch_register_memory", self._e.batch_register(
-            [int(a) for a in buffer_addresses], [int(c) for c in capacities]))
+            [int(a) for a in buffer_addresses], [int(c) for c in capacities], str(location)))
 
     def batch_unregister_memory(self, buffer_addresses):
         if not self._ok("batch_unregister_memory"):
