@@ -9,7 +9,8 @@
 // One process runs: a TcpRendezvousServer on --port (the `master_server_address` host:port that
 // clients are given; clients publish their own engine segments there too, so they find each
 // other by name), an engine whose two-sided messages carry the store RPCs to the MasterService,
-// and, unless --metrics-port is 0, an HTTP server with /metrics (Prometheus text) and /health.
+// and, unless --metrics-port is 0, an HTTP server with /metrics (Prometheus text), /health and
+// /get_all_segments (upstream's route: the mounted segments' names).
 // --host applies to every port it opens; without it the master listens on 127.0.0.1 only (as
 // Redis and etcd do by default): pass the address clients on other hosts reach it at, or 0.0.0.0
 // for every interface.
@@ -297,6 +298,19 @@ int main(int argc, char** argv) {
     });
     http->Get("/health", [&](const httplib::Request&, httplib::Response& res) {
       res.set_content("OK\n", "text/plain");
+    });
+    // Upstream's admin route, which SGLang polls (MOONCAKE_CHECK_SERVER) until a segment is
+    // mounted: the mounted segments' names, one a line (empty while none is). 503 while this
+    // master stands by. Names only: no keys, no object data (docs/security.md).
+    http->Get("/get_all_segments", [&](const httplib::Request&, httplib::Response& res) {
+      if (service.role() == store::MasterRole::kStandby) {
+        res.status = 503;
+        res.set_content("standing by: not the leader\n", "text/plain");
+        return;
+      }
+      std::string body;
+      for (const auto& s : service.segments()) body += s.name + "\n";
+      res.set_content(body, "text/plain");
     });
     if (!http->bind_to_port(host.c_str(), metrics_port)) {
       std::fprintf(stderr, "mooncake_master: cannot bind metrics port %d\n", metrics_port);

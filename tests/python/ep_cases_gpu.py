@@ -182,7 +182,33 @@ def case_gpu_buffer(ctx):
     if time.time() - t0 > 10:
         fails.append(f"the failed set-up took {time.time() - t0:.1f} s")
     fails += ll_round(ctx, cfg, act, "after the refusals")
-    return fails + _hooks_in_flight(ctx, act)
+    return fails + _upstream_buffer_on_gpu(ctx, cfg) + _hooks_in_flight(ctx, act)
+
+
+def _upstream_buffer_on_gpu(ctx, cfg):
+    """Mooncake EP's module path with the buffer in GPU memory (upstream's is always there):
+    its calls take GPU tensors, and a missing active_ranks becomes all ranks in GPU memory."""
+    import torch.distributed as dist
+    from mooncake.mooncake_ep_buffer import Buffer as UpBuffer
+    from pg_cases_gpu import to_gpu, to_host
+    R, me = ctx.world, ctx.rank
+    fails = []
+    nbytes = UpBuffer.get_ep_buffer_size_hint(cfg.M, cfg.H, R, cfg.E)
+    buf = UpBuffer(dist.group.WORLD, nbytes, device="gpu")
+    if buf.runtime.device != "gpu:0":
+        fails.append(f"upstream Buffer device {buf.runtime.device!r}")
+    x, topk, w = cfg.inputs(me)
+    act = torch.ones(R, dtype=torch.int32)
+    recv_x, cnt, handle, ev, _ = buf.dispatch(to_gpu(x), to_gpu(topk), None, cfg.M, cfg.E, -1)
+    ev.current_stream_wait()
+    from mooncake.ep import EpHandle
+    host_handle = EpHandle(to_host(handle[0]), to_host(handle[1]), *handle[2:])
+    fails += check_ll_dispatch(cfg, me, to_host(recv_x), to_host(cnt), host_handle, act,
+                               "upstream Buffer on GPU, dispatch")
+    y = ll_y(cfg, me, to_host(recv_x), to_host(cnt))
+    out, ev, _ = buf.combine(to_gpu(y), to_gpu(topk), to_gpu(w), None, -1, handle)
+    ev.current_stream_wait()
+    return fails + check_ll_combine(cfg, me, to_host(out), act, "upstream Buffer on GPU, combine")
 
 
 def _hooks_in_flight(ctx, act):

@@ -309,3 +309,22 @@ def test_ep_over_rdma_between_hosts():
     for r in range(2):
         assert " over rdma" in tails[r], _report(2, r, "transport", "no peer over rdma", tails)
     assert min(tx) > 0, f"the emulated NICs carried nothing: {tx}"
+
+
+def test_ep_module_carries_the_process_group_functions():
+    """Upstream's mooncake.ep re-exported its process-group module (older SGLang calls
+    mooncake.ep.set_host_ip and imports MooncakeBackendOptions / get_active_ranks from it):
+    the same objects as mooncake.pg's; mooncake_ep_buffer.Buffer is in host memory here (no
+    CUDA in this torch), in GPU memory where torch has CUDA."""
+    code = (
+        "import mooncake.ep as ep, mooncake.pg as pg, torch\n"
+        "names = ['set_host_ip', 'set_device_filter', 'get_device_filter', 'set_transfer_engine',\n"
+        "         'MooncakeBackendOptions', 'get_active_ranks', 'get_peer_state', 'recover_ranks',\n"
+        "         'join_group', 'deactivate_ranks', 'set_fault_reconciliation_window_us']\n"
+        "assert all(getattr(ep, n) is getattr(pg, n) for n in names)\n"
+        "import inspect, mooncake.mooncake_ep_buffer as u\n"
+        "assert inspect.signature(u.Buffer).parameters['device'].default is None\n"
+        "print('ok')\n")
+    r = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=_env(),
+                       cwd="/", timeout=60)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-2000:]

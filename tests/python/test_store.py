@@ -194,14 +194,19 @@ def test_master_metrics_and_health():
     from _store_common import free_port
     mport = free_port()
     m = Master("--metrics-port", str(mport))
+    base = f"http://127.0.0.1:{mport}"
+    # Upstream's /get_all_segments (SGLang's check_server waits for a non-empty answer):
+    # empty until a client lent a segment, then its name.
+    assert urllib.request.urlopen(base + "/get_all_segments", timeout=5).read() == b""
     h = Holder(m.addr, 8 << 20)
     try:
+        segs = urllib.request.urlopen(base + "/get_all_segments", timeout=5).read().decode()
+        assert segs.splitlines() == [h.name], (segs, h.name)
         # No segment here: one lending engine per process (see docs/store.md, known limits).
         s = MooncakeDistributedStore()
         assert s.setup("metrics", "", 0, 16 << 20, "tcp", "", m.addr) == 0
         assert s.put("m/1", b"x" * 1000) == 0
         assert s.get("m/1") == b"x" * 1000
-        base = f"http://127.0.0.1:{mport}"
         assert urllib.request.urlopen(base + "/health", timeout=5).read().strip() == b"OK"
         text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
         vals = {}

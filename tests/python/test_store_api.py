@@ -74,13 +74,28 @@ def test_setup_forms(env):
                     "protocol": "tcp", "rdma_devices": "", "master_server_addr": m.addr}) == 0
     assert s.put("dict", b"d" * 100) == 0 and s.get("dict") == b"d" * 100
     s.close()
+    # mooncake.json's spellings (device_name, master_server_address), as vLLM's and SGLang's
+    # config files have them: the master named there is the one used.
+    s = MooncakeDistributedStore()
+    assert s.setup({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+                    "global_segment_size": 0, "local_buffer_size": MiB, "protocol": "tcp",
+                    "device_name": "", "master_server_address": m.addr}) == 0
+    assert s.get("dict") == b"d" * 100
+    s.close()
+    # SGLang asks for the client HTTP server whenever its storage metrics are on: setup goes
+    # on without one (logged), rather than stopping the store.
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "", 0, MiB, "tcp", "", m.addr, enable_client_http_server=True,
+                   client_http_port=9301) == 0
+    assert s.get("dict") == b"d" * 100
+    s.close()
     for bad in ({"metadata_server": "x"}, {"local_hostname": "h", "metadata_server": "x",
                                            "local_buffer_size": "50%"},
                 {"local_hostname": "h", "metadata_server": "x", "global_segment_size": "512"}):
         assert MooncakeDistributedStore().setup(bad) == E.INVALID_PARAMS, bad
     # Features this store lacks refuse when switched on, never silently.
     for kw in ({"enable_ssd_offload": True, "ssd_offload_path": "/tmp/x"},
-               {"tenant_id": "team-a"}, {"enable_client_http_server": True}):
+               {"tenant_id": "team-a"}):
         assert MooncakeDistributedStore().setup("127.0.0.1", "", 0, MiB, "tcp", "", m.addr,
                                                 **kw) == E.INVALID_PARAMS, kw
     with pytest.raises(TypeError):
@@ -203,6 +218,26 @@ def test_ranges_replicas_and_clear(env):
     raw = bytes(buf)
     assert raw[0:20] == data[10:30] and raw[100:130] == data[5000:5030]
     assert raw[32768:32768 + 50] == data[::-1][1:51]
+    # SGLang's layer-wise loader: a read session, then per "layer" one key-major range read
+    # per key (destination pointers, sizes, object offsets), then the end.
+    assert s.batch_get_session_start(["rg/a", "rg/b"]) == [0, 0]
+    assert s.batch_get_session_start_with_sources(["rg/a", "rg/missing"]) == \
+        ([0, E.OBJECT_NOT_FOUND], [None, None])
+    lay = 4
+    for layer in range(lay):
+        step = len(data) // lay
+        ptrs = [[p + layer * step, p + 16384 + layer * 64], [p + 32768 + layer * step]]
+        sizes, offs = [[step, 64], [step]], [[layer * step, layer * 64], [layer * step]]
+        assert s.batch_get_into_multi_buffer_ranges(["rg/a", "rg/b"], ptrs, sizes, offs) == \
+            [step + 64, step]
+    raw = bytes(buf)
+    assert raw[:len(data)] == data and raw[32768:32768 + len(data)] == data[::-1]
+    assert raw[16384:16384 + lay * 64] == data[:lay * 64]
+    assert s.batch_get_session_end(["rg/a", "rg/b"]) == [0, 0]
+    assert s.batch_get_into_multi_buffer_ranges(
+        ["rg/a", "rg/missing", "rg/b", "rg/a"], [[p], [p], [p], [p, p]],
+        [[8], [8], [8], [8]], [[len(data) - 4], [0], [0], [0]]) == \
+        [E.INVALID_PARAMS, E.OBJECT_NOT_FOUND, 8, E.INVALID_PARAMS]  # past the end; shapes
     descs = s.batch_get_replica_desc(["rg/a", "rg/missing"])
     assert list(descs) == ["rg/a"] and descs["rg/a"][0].status == store_mod.ReplicaStatus.COMPLETE
     assert s.get_replica_desc("rg/missing") == []

@@ -102,6 +102,17 @@ assert pinned_only("batch_get_into", lambda: s.batch_get_into(
     ["gpu/v2", "gpu/v3"], [g + 2 * MiB, g + 3 * MiB], [MiB, MiB])) == [len(v2), len(v3)]
 assert to_host(g + 2 * MiB, len(v2)) == v2 and to_host(g + 3 * MiB, len(v3)) == v3
 
+# SGLang's layer-wise loader: a read session, then per layer one key-major range read into
+# the GPU KV cache (object bytes [layer * step, +step) of each key to its own place).
+assert s.batch_get_session_start(["gpu/v1", "gpu/v2"]) == [0, 0]
+step = 16384
+for layer in range(4):
+    assert pinned_only("ranges", lambda: s.batch_get_into_multi_buffer_ranges(
+        ["gpu/v1", "gpu/v2"], [[g + layer * step], [g + 2 * MiB + layer * step]], [[step], [step]],
+        [[layer * step], [layer * step]])) == [step, step]
+assert to_host(g, 4 * step) == v1[:4 * step] and to_host(g + 2 * MiB, 4 * step) == v2[:4 * step]
+assert s.batch_get_session_end(["gpu/v1", "gpu/v2"]) == [0, 0]
+
 parts = [os.urandom(1000 + 999 * i) for i in range(3)]
 for i, p in enumerate(parts):
     to_gpu(g + i * MiB, p)

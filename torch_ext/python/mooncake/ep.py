@@ -50,6 +50,17 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+# Upstream's mooncake.ep also carried its process-group module's functions (older SGLang calls
+# mooncake.ep.set_host_ip / set_device_filter and imports MooncakeBackendOptions and
+# get_active_ranks from here): the very objects of mooncake.pg.
+from .pg import (  # noqa: F401
+    MooncakeBackendOptions, ProposalStatus, ProposeViewUpdateResponse, SyncAfterFailureResponse,
+    SyncAfterFailureStatus, ViewUpdateStatus, activate_ranks, deactivate_ranks,
+    extend_group_size_to, get_active_ranks, get_current_epoch, get_device_filter,
+    get_failed_ranks_hint, get_local_success, get_num_synced_ranks, get_peer_state, join_group,
+    recover_ranks, set_collective_timeout_us, set_device_filter,
+    set_fault_reconciliation_window_us, set_host_ip, set_p2p_timeout_us, set_transfer_engine,
+    sync_after_failure)
 
 __all__ = ["Buffer", "EpHandle", "NormalHandle", "dispatch_autograd", "combine_autograd"]
 

@@ -8,8 +8,11 @@ upstream's module path, as SGLang imports them::
     event.current_stream_wait()
     out, event, hook = buf.combine(y, topk_idx, topk_weights, active_ranks, -1, handle)
 
-Upstream's signatures (``timeout_us`` required, -1 = no timeout) over mooncake.ep.Buffer (this
-build: CPU tensors; docs/ep.md and docs/compat.md). The returned event is an EventOverlap.
+Upstream's signatures (``timeout_us`` required, -1 = no timeout) over mooncake.ep.Buffer
+(docs/ep.md and docs/compat.md). The returned event is an EventOverlap. Upstream's buffer is
+always on the current CUDA device, and so is this one where torch has CUDA (its calls then take
+CUDA tensors, as SGLang passes them); without CUDA it is in host memory and takes CPU tensors.
+``device=`` picks another place (any of mooncake.ep.Buffer's: "cpu", "cuda[:N]", "gpu[:N]").
 """
 
 import warnings
@@ -48,12 +51,15 @@ class Buffer:
     ``num_ep_buffer_bytes``: from ``get_ep_buffer_size_hint``; ``disable_p2p``: reach every peer
     through engine WRITEs, never by storing into its mapped buffer."""
 
-    def __init__(self, group, num_ep_buffer_bytes=0, disable_p2p=False):
+    def __init__(self, group, num_ep_buffer_bytes=0, disable_p2p=False, device=None):
         if not num_ep_buffer_bytes or int(num_ep_buffer_bytes) <= 0:
             raise ValueError("num_ep_buffer_bytes must be positive "
                              "(Buffer.get_ep_buffer_size_hint)")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.group = group
-        self._buf = _ep.Buffer(group, int(num_ep_buffer_bytes), disable_p2p=bool(disable_p2p))
+        self._buf = _ep.Buffer(group, int(num_ep_buffer_bytes), disable_p2p=bool(disable_p2p),
+                               device=device)
         self.runtime = self._buf
         self.rank = self._buf.rank
         self.group_size = self._buf.group_size
@@ -70,8 +76,21 @@ class Buffer:
             if active_ranks is not None:
                 warnings.warn("active_ranks has the wrong length; using all ranks",
                               RuntimeWarning)
-            return torch.ones(self.group_size, dtype=torch.int32)
+            return self._ones()
         return active_ranks
+
+    def _ones(self):
+        """All ranks active, where the buffer's calls want their tensors."""
+        t = torch.ones(self.group_size, dtype=torch.int32)
+        dev = self._buf.device
+        if dev is None:
+            return t
+        if dev.startswith("cuda"):
+            return t.to(dev)
+        from . import _C  # the device layer's own memory (its simulation in the tests)
+        d = _C._device_empty_like(t, int(dev.partition(":")[2] or 0))
+        _C._device_copy(d.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+        return d
 
     def dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
                  timeout_us, use_fp8=None, async_finish=False, return_recv_hook=False):

@@ -161,6 +161,11 @@ class MooncakeDistributedStore(TensorApi):
 
     def _setup_dict(self, cfg):
         c = {str(k): str(v) for k, v in cfg.items()}
+        # mooncake.json spells two keys otherwise (device_name, master_server_address): a
+        # parsed config file given as it is must not fall back to 127.0.0.1:50051 in silence.
+        for alias, key in _SETUP_ALIASES.items():
+            if alias in c and key not in c:
+                c[key] = c[alias]
         if "local_hostname" not in c or "metadata_server" not in c:
             _log.error("setup(config): local_hostname and metadata_server are required")
             return _BAD
@@ -194,7 +199,10 @@ class MooncakeDistributedStore(TensorApi):
         if tenant_id not in ("", "default", None):
             refused.append(f"tenant namespaces (tenant_id={tenant_id!r})")
         if enable_client_http_server:
-            refused.append("the client HTTP server (enable_client_http_server)")
+            # SGLang asks for it whenever its storage metrics are on; refusing would stop the
+            # store there. Nothing listens on client_http_port (docs/compat.md).
+            _log.warning("setup: this store has no client HTTP server; enable_client_http_server"
+                         " is ignored (nothing listens on port %s)", client_http_port)
         if refused:
             _log.error("setup: this store does not support %s", ", ".join(refused))
             return _BAD
@@ -361,6 +369,50 @@ class MooncakeDistributedStore(TensorApi):
                 per_key.append(self._c.get_ranges(key, [int(ptr) + int(d) for d in dst],
                                                   [int(s) for s in src], [int(n) for n in size]))
             out.append(per_key)
+        return out
+
+    # ---- read sessions and key-major ranges (SGLang's layer-wise loader) ----
+    def batch_get_session_start(self, keys):
+        """Per key: 0 when the object exists (complete), else a negative code (-704 missing).
+        A session does not pin the object: each range read below takes its own read lease, so
+        a key replaced in between gives later reads the new value, and one evicted in between
+        fails them (docs/compat.md)."""
+        return [0 if r == 1 else (int(ErrorCode.OBJECT_NOT_FOUND) if r == 0 else r)
+                for r in self._c.batch_is_exist(list(keys))]
+
+    def batch_get_session_start_with_sources(self, keys):
+        """(batch_get_session_start's list, the tier each key is read from): None for every
+        key, as upstream says for memory replicas (there are no disk tiers here)."""
+        keys = list(keys)
+        return self.batch_get_session_start(keys), [None] * len(keys)
+
+    def batch_get_session_end(self, keys):
+        """0 per key (a session holds nothing)."""
+        return [0] * len(list(keys))
+
+    batch_get_start = batch_get_session_start
+    batch_get_end = batch_get_session_end
+
+    def batch_get_into_multi_buffer_ranges(self, keys, all_buffers, all_sizes, all_offsets):
+        """For key i and its j-th range: object bytes [all_offsets[i][j], +all_sizes[i][j]) to
+        all_buffers[i][j] (registered memory, host or GPU). Per key: the bytes read (the sum of
+        its sizes), or the first failure's negative code (a missing key, a range past the
+        object, lists of different lengths: -600)."""
+        keys = list(keys)
+        out = []
+        for i, key in enumerate(keys):
+            try:
+                ptrs, sizes, offs = all_buffers[i], all_sizes[i], all_offsets[i]
+            except IndexError:
+                out.append(_BAD)
+                continue
+            if not (len(ptrs) == len(sizes) == len(offs)) or not ptrs:
+                out.append(_BAD)
+                continue
+            got = self._c.get_ranges(key, [int(p) for p in ptrs], [int(o) for o in offs],
+                                     [int(n) for n in sizes])
+            bad = [r for r in got if r < 0]
+            out.append(bad[0] if bad else sum(got))
         return out
 
     # ---- upserts: replace the value; readers get the old bytes or the new ones ----
