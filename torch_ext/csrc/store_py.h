@@ -38,7 +38,16 @@ constexpr uint32_t kTensorMagic = 0x3154434d;  // "MCT1"
 
 class PyStore {
  public:
-  ~PyStore() { close(); }
+  // Python's garbage collector runs this with the GIL held; close() may wait for late writes
+  // (up to transfer_timeout_ms, docs/store.md): the other threads run meanwhile.
+  ~PyStore() {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      close();
+    } else {
+      close();
+    }
+  }
 
   // Upstream's setup(): a client of the standalone master at master_server_address.
   // engine: an engine to share (TransferEngine.get_engine()): its name is this client's segment
