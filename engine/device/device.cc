@@ -1,6 +1,7 @@
 // The device layer's choice (MC_DEVICE) and its host simulation. See device.h.
 #include "engine/device/device.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -616,6 +617,14 @@ bool isDeviceMemory(const void* p) {
 }
 
 PointerInfo locate(const void* p) {
+  // No GPU memory can exist in a process where neither the layer made any nor the CUDA driver
+  // was loaded (by torch, say): answer host memory there without starting the driver (cuInit
+  // in a CPU-only process would cost time and break CUDA in its forked children).
+  if (!active()) {
+    void* cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (cuda == nullptr) return PointerInfo{};
+    dlclose(cuda);
+  }
   auto d = get();
   return d.ok() ? (*d)->pointer(p) : PointerInfo{};
 }

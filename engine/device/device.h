@@ -222,7 +222,8 @@ Result<std::unique_ptr<Device>> make(const std::string& which);
 bool isDeviceMemory(const void* p);
 // Where p lives, asking the process's layer (made if need be): memory the caller got from
 // elsewhere (torch's CUDA allocator, a KV cache) that is to be registered. Host memory, or no
-// layer: {false, -1}.
+// layer: {false, -1}; so too, without making a layer, while no GPU memory was used through
+// the layer (active()) and no CUDA driver is loaded in the process.
 PointerInfo locate(const void* p);
 
 // Copies len bytes (device or host memory on either side) through the process's layer on

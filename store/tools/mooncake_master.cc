@@ -300,12 +300,13 @@ int main(int argc, char** argv) {
       res.set_content("OK\n", "text/plain");
     });
     // Upstream's admin route, which SGLang polls (MOONCAKE_CHECK_SERVER) until a segment is
-    // mounted: the mounted segments' names, one a line (empty while none is). 503 while this
-    // master stands by. Names only: no keys, no object data (docs/security.md).
+    // mounted: the mounted segments' names, one a line (empty while none is). 503 with an empty
+    // body while this master stands by (SGLang reads only the body: empty = not ready yet).
+    // Names only: no keys, no object data (docs/security.md).
     http->Get("/get_all_segments", [&](const httplib::Request&, httplib::Response& res) {
       if (service.role() == store::MasterRole::kStandby) {
         res.status = 503;
-        res.set_content("standing by: not the leader\n", "text/plain");
+        res.set_content("", "text/plain");
         return;
       }
       std::string body;

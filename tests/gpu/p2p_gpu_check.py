@@ -128,7 +128,7 @@ def main():
             times.append(time.perf_counter() - t0)
         times.sort()
         out.update(ok=True, mib=a.mib, write_gbps_p50=round(nbytes / times[2] / 1e9, 3))
-    except Exception as ex:  # the check's verdict, not a crash
+    except BaseException as ex:  # the check's verdict, also on timeout's SIGINT
         out["detail"] = f"{type(ex).__name__}: {ex}"
     finally:
         try:
@@ -137,7 +137,7 @@ def main():
         except (BrokenPipeError, ValueError):
             pass
         try:
-            peer.wait(30)
+            peer.wait(5)
         except subprocess.TimeoutExpired:
             peer.kill()
     print(json.dumps(out), flush=True)

@@ -446,7 +446,10 @@ def case_upstream_api(ctx):
     fails = []
     cfg = Cfg(R, seed=61)
     nbytes = UpBuffer.get_ep_buffer_size_hint(cfg.M, cfg.H, R, cfg.E)
-    buf = UpBuffer(dist.group.WORLD, nbytes, disable_p2p=True)
+    # (Its default place is the current CUDA device where torch and this build have CUDA; these
+    # are CPU tensors.)
+    where = {"device": "cpu"} if torch.cuda.is_available() else {}
+    buf = UpBuffer(dist.group.WORLD, nbytes, disable_p2p=True, **where)
     if buf.group_size != R or buf.rank != me:
         fails.append(f"group_size/rank {buf.group_size}/{buf.rank}")
     mapped = [r for r in range(R) if r != me and buf.runtime.is_mapped(r)]
@@ -479,7 +482,7 @@ def case_upstream_api(ctx):
     except ValueError:
         pass
     # The same buffer class without disable_p2p maps same-host peers; results agree.
-    mbuf = UpBuffer(dist.group.WORLD, nbytes)
+    mbuf = UpBuffer(dist.group.WORLD, nbytes, **where)
     r2 = mbuf.dispatch(x, topk, active, cfg.M, cfg.E, -1)
     fails += check_ll_dispatch(cfg, me, r2[0], r2[1], r2[2], active, "mapped-dispatch")
     o2, _, _ = mbuf.combine(ll_y(cfg, me, r2[0], r2[1]), topk, w, active, -1, r2[2])

@@ -60,9 +60,12 @@ class Decode:
         assert line, f"decode process exited ({self.proc.poll()})"
         return json.loads(line)
 
-    def ask(self, *cmd, timeout_s=30):
+    def send(self, *cmd):
         self.proc.stdin.write(" ".join(str(c) for c in cmd) + "\n")
         self.proc.stdin.flush()
+
+    def ask(self, *cmd, timeout_s=30):
+        self.send(*cmd)
         return self._read(timeout_s)
 
     def close(self):
@@ -124,13 +127,15 @@ def test_kv_blocks_write_read_notify(pd):
     assert torch.equal(back, expect)
     assert te.transfer_sync_read(s, back.data_ptr(), d.kv + 3 * BLOCK, BLOCK) == 0
     assert torch.equal(back[:BLOCK], expect[3 * BLOCK:4 * BLOCK])
-    # Notifications come after their data: the decode side digests the block named in msg
-    # the moment it sees the notification.
+    # Notifications come after their data: the decode side, watching while the blocks are
+    # written, digests the block named in msg the moment it sees the notification (a
+    # notification before its bytes would show the permuted write's bytes there).
+    d.send("wait_notify", 3, 20000)
     for k in range(3):
         off = k * BLOCK
         assert te.transfer_sync(s, src.data_ptr() + (k + 20) * BLOCK, d.kv + off, BLOCK,
                                 Op.Write, notify=TransferNotify(f"req-{k}", f"{off} {BLOCK}")) == 0
-    seen = d.ask("wait_notify", 3, 10000)["seen"]
+    seen = d._read(40)["seen"]
     assert [x["name"] for x in seen] == ["req-0", "req-1", "req-2"]
     for k, x in enumerate(seen):
         assert x["digest"] == digest(src[(k + 20) * BLOCK:(k + 21) * BLOCK]), k

@@ -97,13 +97,24 @@ def test_gpu_kv_caches(hosts):
     penv = dict(env, MC_HOST_ID="p2p-gpu-prefill") if hosts == "two" else env
     d = Decode(denv, gpu=True)
     try:
-        r = subprocess.run([sys.executable, "-c", PREFILL, d.session, str(d.kv), str(KV),
-                            str(BLOCK)], capture_output=True, text=True, env=penv, timeout=180)
-        assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-4000:]
+        # The decode side watches for the notification while the prefill process writes: it
+        # digests block 0 the moment it sees it, which before the notified write's bytes
+        # landed would still hold the first write's bytes.
+        d.send("wait_notify", 1, 150000)
+        p = subprocess.Popen([sys.executable, "-c", PREFILL, d.session, str(d.kv), str(KV),
+                              str(BLOCK)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=penv)
+        try:
+            out, err = p.communicate(timeout=180)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        assert p.returncode == 0 and "ok" in out, out + err[-4000:]
         half, n = KV // 2, KV // 2 // BLOCK
         head = pattern(11, half).view(n, BLOCK).flip(0).reshape(-1)
         expect = torch.cat([head, pattern(12, half)])
-        seen = d.ask("wait_notify", 1, 10000)["seen"]
+        seen = d._read(30)["seen"]
         assert [x["name"] for x in seen] == ["gpu"]
         assert seen[0]["digest"] == digest(expect[half:half + BLOCK])
         expect[:BLOCK] = expect[half:half + BLOCK]

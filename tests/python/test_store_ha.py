@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -107,6 +108,16 @@ def test_etcd_address_and_failover(cluster):
     etcd, masters = cluster
     leader = wait_leader(masters)
     assert leader is not None
+    # /get_all_segments: the standby answers 503 with an empty body (SGLang's check_server
+    # reads only the body: empty = not ready), the leader 200.
+    standby = [m for m in masters if m is not leader][0]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://127.0.0.1:{standby.metrics_port}/get_all_segments",
+                               timeout=5)
+    assert e.value.code == 503 and e.value.read() == b""
+    with urllib.request.urlopen(f"http://127.0.0.1:{leader.metrics_port}/get_all_segments",
+                                timeout=5) as r:
+        assert r.status == 200
     s = store_mod.MooncakeDistributedStore()
     # put/get stage through the local buffer (upstream: local_buffer_size > 0).
     assert s.setup("pyha", "", 32 << 20, 16 << 20, "tcp", "", f"etcd://{etcd.endpoint}") == 0

@@ -135,12 +135,17 @@ class PyP2pEngine {
         return MC_STATUS(kInvalidArgument, "register_memory: bad location '" << location << "'");
       ordinal = std::stoi(n);
     }
-    if (kind == "*") {
+    if (kind == "*" && ordinal < 0) {
       const engine::device::PointerInfo where = engine::device::locate(p);
       if (where.device) return engine_->registerMemory(p, len, engine::MemoryKind::kCuda, where.ordinal);
       return engine_->registerMemory(p, len);
     }
-    if (kind == "cpu") return engine_->registerMemory(p, len);
+    if (kind == "cpu") {
+      if (engine::device::locate(p).device)
+        return MC_STATUS(kInvalidArgument, "register_memory: " << p << " is GPU memory, not "
+                                                               << location);
+      return engine_->registerMemory(p, len);
+    }
     if (kind == "cuda") return engine_->registerMemory(p, len, engine::MemoryKind::kCuda, ordinal);
     return MC_STATUS(kInvalidArgument, "register_memory: location '" << location
                                            << "' is none of *, cpu[:N], cuda[:N]");

@@ -39,9 +39,11 @@ constexpr uint32_t kTensorMagic = 0x3154434d;  // "MCT1"
 class PyStore {
  public:
   // Python's garbage collector runs this with the GIL held; close() may wait for late writes
-  // (up to transfer_timeout_ms, docs/store.md): the other threads run meanwhile.
+  // (up to transfer_timeout_ms, docs/store.md): the other threads run meanwhile. Not while the
+  // interpreter finalizes: daemon threads woken then are ended by force, which unwinds them
+  // through noexcept destructors (std::terminate).
   ~PyStore() {
-    if (PyGILState_Check()) {
+    if (PyGILState_Check() && !finalizing()) {
       py::gil_scoped_release nogil;
       close();
     } else {
@@ -161,6 +163,14 @@ class PyStore {
       py::gil_scoped_acquire gil;
       group_ = py::object();
     }
+  }
+
+  static bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
   }
 
   store::StoreClient* c() { return client_.get(); }

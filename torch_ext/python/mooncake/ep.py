@@ -62,7 +62,15 @@ from .pg import (  # noqa: F401
     set_fault_reconciliation_window_us, set_host_ip, set_p2p_timeout_us, set_transfer_engine,
     sync_after_failure)
 
-__all__ = ["Buffer", "EpHandle", "NormalHandle", "dispatch_autograd", "combine_autograd"]
+__all__ = ["Buffer", "EpHandle", "NormalHandle", "dispatch_autograd", "combine_autograd",
+           "MooncakeBackendOptions", "ProposalStatus", "ProposeViewUpdateResponse",
+           "SyncAfterFailureResponse", "SyncAfterFailureStatus", "ViewUpdateStatus",
+           "activate_ranks", "deactivate_ranks", "extend_group_size_to", "get_active_ranks",
+           "get_current_epoch", "get_device_filter", "get_failed_ranks_hint",
+           "get_local_success", "get_num_synced_ranks", "get_peer_state", "join_group",
+           "recover_ranks", "set_collective_timeout_us", "set_device_filter",
+           "set_fault_reconciliation_window_us", "set_host_ip", "set_p2p_timeout_us",
+           "set_transfer_engine", "sync_after_failure"]
 
 DEFAULT_TIMEOUT_US = 10_000_000
 

@@ -10,8 +10,9 @@ upstream's module path, as SGLang imports them::
 
 Upstream's signatures (``timeout_us`` required, -1 = no timeout) over mooncake.ep.Buffer
 (docs/ep.md and docs/compat.md). The returned event is an EventOverlap. Upstream's buffer is
-always on the current CUDA device, and so is this one where torch has CUDA (its calls then take
-CUDA tensors, as SGLang passes them); without CUDA it is in host memory and takes CPU tensors.
+always on the current CUDA device, and so is this one where torch has CUDA and mooncake was
+built with it (its calls then take CUDA tensors, as SGLang passes them); otherwise it is in host
+memory and takes CPU tensors.
 ``device=`` picks another place (any of mooncake.ep.Buffer's: "cpu", "cuda[:N]", "gpu[:N]").
 """
 
@@ -22,6 +23,12 @@ import torch
 from . import ep as _ep
 
 __all__ = ["Buffer", "EventOverlap"]
+
+
+def _cuda_build():
+    """Whether this mooncake was built with CUDA (its backend then serves "cuda")."""
+    from . import _C
+    return "cuda" in getattr(_C, "DEVICES", ())
 
 
 class EventOverlap:
@@ -56,7 +63,7 @@ class Buffer:
             raise ValueError("num_ep_buffer_bytes must be positive "
                              "(Buffer.get_ep_buffer_size_hint)")
         if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if _cuda_build() and torch.cuda.is_available() else "cpu"
         self.group = group
         self._buf = _ep.Buffer(group, int(num_ep_buffer_bytes), disable_p2p=bool(disable_p2p),
                                device=device)
@@ -79,6 +86,12 @@ class Buffer:
             return self._ones()
         return active_ranks
 
+    def _fp8(self, x, use_fp8):
+        if use_fp8 is not None:
+            return bool(use_fp8)
+        dev = self._buf.device
+        return bool(dev and dev.startswith("cuda") and x.dtype == torch.bfloat16)
+
     def _ones(self):
         """All ranks active, where the buffer's calls want their tensors."""
         t = torch.ones(self.group_size, dtype=torch.int32)
@@ -94,14 +107,14 @@ class Buffer:
 
     def dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
                  timeout_us, use_fp8=None, async_finish=False, return_recv_hook=False):
-        """Returns (recv_x, recv_count, handle, EventOverlap, hook). use_fp8=None means bf16
-        rows here (upstream's None picks fp8 on CUDA); True sends fp8 and recv_x is
-        (e4m3, scales), as upstream."""
+        """Returns (recv_x, recv_count, handle, EventOverlap, hook). use_fp8=True sends fp8
+        and recv_x is (e4m3, scales), as upstream; None: fp8 for bfloat16 x on a CUDA buffer
+        (upstream's default there), the rows as they are otherwise."""
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set")
         recv_x, count, handle, event, hook = self._buf.dispatch(
             x, topk_idx, self._active(active_ranks), num_max_dispatch_tokens_per_rank,
-            num_experts, timeout_us=timeout_us, use_fp8=bool(use_fp8),
+            num_experts, timeout_us=timeout_us, use_fp8=self._fp8(x, use_fp8),
             async_finish=async_finish, return_recv_hook=return_recv_hook)
         return recv_x, count, handle, EventOverlap(event), hook
 

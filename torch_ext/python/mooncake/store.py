@@ -163,7 +163,8 @@ class MooncakeDistributedStore(TensorApi):
         c = {str(k): str(v) for k, v in cfg.items()}
         # mooncake.json spells two keys otherwise (device_name, master_server_address): a
         # parsed config file given as it is must not fall back to 127.0.0.1:50051 in silence.
-        for alias, key in _SETUP_ALIASES.items():
+        for alias, key in (("device_name", "rdma_devices"),
+                           ("master_server_address", "master_server_addr")):
             if alias in c and key not in c:
                 c[key] = c[alias]
         if "local_hostname" not in c or "metadata_server" not in c:
@@ -387,8 +388,8 @@ class MooncakeDistributedStore(TensorApi):
         return self.batch_get_session_start(keys), [None] * len(keys)
 
     def batch_get_session_end(self, keys):
-        """0 per key (a session holds nothing)."""
-        return [0] * len(list(keys))
+        """0 (one int, as upstream's; a session holds nothing here)."""
+        return 0
 
     batch_get_start = batch_get_session_start
     batch_get_end = batch_get_session_end
