@@ -267,3 +267,37 @@ def test_put_get_over_rdma_between_hosts():
     assert " over rdma" in r.stderr, r.stderr[-4000:]
     # Puts leave host-a's NICs as writes; gets are reads, whose responses host-b's NICs send.
     assert tx[0] >= (9 << 20) and tx[1] >= (9 << 20), f"bytes the NICs sent: {tx}"
+
+
+def test_garbage_collected_client_lets_other_threads_run():
+    """A store dropped by Python (no close()) closes in its destructor, which can wait (here:
+    its master is stopped, so the unmount waits for its RPC deadline): other Python threads
+    run meanwhile (the destructor releases the GIL, as close() does)."""
+    import signal
+    import threading
+    m = Master()
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "", 1 << 20, 1 << 20, "tcp", "", m.addr) == 0
+    assert s.put("gc/k", b"v") == 0
+    ticks, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=count)
+    os.kill(m.proc.pid, signal.SIGSTOP)
+    try:
+        t.start()
+        time.sleep(0.05)
+        t0, n0 = time.monotonic(), ticks[0]
+        del s  # the last reference: the destructor runs here
+        took, ran = time.monotonic() - t0, ticks[0] - n0
+    finally:
+        stop.set()
+        t.join()
+        os.kill(m.proc.pid, signal.SIGCONT)
+        m.close()
+    assert took > 0.5, f"the destructor did not wait ({took:.3f} s): the test shows nothing"
+    assert ran >= 10, f"another thread ran {ran} times in the destructor's {took:.2f} s"
