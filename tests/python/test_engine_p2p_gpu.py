@@ -110,6 +110,8 @@ def test_gpu_kv_caches(hosts):
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+        if p.returncode != 0:
+            d.proc.kill()  # (it would wait for the notification until its window ends)
         assert p.returncode == 0 and "ok" in out, out + err[-4000:]
         half, n = KV // 2, KV // 2 // BLOCK
         head = pattern(11, half).view(n, BLOCK).flip(0).reshape(-1)

@@ -276,10 +276,7 @@ def test_garbage_collected_client_lets_other_threads_run():
     import signal
     import threading
     m = Master()
-    s = MooncakeDistributedStore()
-    assert s.setup("127.0.0.1", "", 1 << 20, 1 << 20, "tcp", "", m.addr) == 0
-    assert s.put("gc/k", b"v") == 0
-    ticks, stop = [0], threading.Event()
+    ticks, stop, stopped = [0], threading.Event(), []
 
     def count():
         while not stop.is_set():
@@ -287,17 +284,23 @@ def test_garbage_collected_client_lets_other_threads_run():
             time.sleep(0.001)
 
     t = threading.Thread(target=count)
-    os.kill(m.proc.pid, signal.SIGSTOP)
     try:
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "", 1 << 20, 1 << 20, "tcp", "", m.addr) == 0
+        assert s.put("gc/k", b"v") == 0
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        stopped.append(True)
         t.start()
         time.sleep(0.05)
         t0, n0 = time.monotonic(), ticks[0]
         del s  # the last reference: the destructor runs here
         took, ran = time.monotonic() - t0, ticks[0] - n0
     finally:
+        if stopped:
+            os.kill(m.proc.pid, signal.SIGCONT)
         stop.set()
-        t.join()
-        os.kill(m.proc.pid, signal.SIGCONT)
+        if t.is_alive():
+            t.join()
         m.close()
     assert took > 0.5, f"the destructor did not wait ({took:.3f} s): the test shows nothing"
     assert ran >= 10, f"another thread ran {ran} times in the destructor's {took:.2f} s"

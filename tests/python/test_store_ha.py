@@ -115,6 +115,7 @@ def test_etcd_address_and_failover(cluster):
         urllib.request.urlopen(f"http://127.0.0.1:{standby.metrics_port}/get_all_segments",
                                timeout=5)
     assert e.value.code == 503 and e.value.read() == b""
+    e.value.close()
     with urllib.request.urlopen(f"http://127.0.0.1:{leader.metrics_port}/get_all_segments",
                                 timeout=5) as r:
         assert r.status == 200

@@ -148,7 +148,8 @@ class PyP2pEngine {
     }
     if (kind == "cuda") return engine_->registerMemory(p, len, engine::MemoryKind::kCuda, ordinal);
     return MC_STATUS(kInvalidArgument, "register_memory: location '" << location
-                                           << "' is none of *, cpu[:N], cuda[:N]");
+                                           << "' is none of * (no device number), cpu[:N], "
+                                              "cuda[:N]");
   }
 
   static Result<std::vector<P2pSessions::Request>> requests(int op,
