@@ -85,7 +85,10 @@ void StoreClient::release(const std::shared_ptr<SlabState>& slab) {
 
 void StoreClient::abandon(uint32_t replica_num, const std::shared_ptr<SlabState>& slab) {
   std::lock_guard<std::mutex> g(book_->mu);
-  SlabPool& pool = slabs_[replica_num];
+  abandonLocked(slabs_[replica_num], slab);
+}
+
+void StoreClient::abandonLocked(SlabPool& pool, const std::shared_ptr<SlabState>& slab) {
   if (pool.cur == slab) pool.cur = nullptr;
   if (slab->exhausted) return;  // handed back already, or once its last put is done
   slab->exhausted = true;
@@ -167,11 +170,7 @@ std::shared_ptr<StoreClient::SlabState> StoreClient::reserve(uint32_t replica_nu
           }
           return cur;
         }
-        if (cur) {  // full: retire it once its last put is published
-          cur->exhausted = true;
-          if (cur->inflight == 0) book_->retired.push_back(cur->id);
-          pool.cur = nullptr;
-        }
+        if (cur) abandonLocked(pool, cur);  // full: retired once its last put is published
         if (!pool.next) break;
         pool.cur = std::move(pool.next);
       }

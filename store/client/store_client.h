@@ -304,6 +304,7 @@ class StoreClient {
   // No more puts into `slab` (a write into it failed, or the master lost it): it is handed
   // back once none is in flight (the master keeps a broken slab's other extents until then).
   void abandon(uint32_t replica_num, const std::shared_ptr<SlabState>& slab);
+  void abandonLocked(SlabPool& pool, const std::shared_ptr<SlabState>& slab);  // book_->mu held
   // Slab ids a call to the master carried that failed: sent again with a later one.
   void retireAgain(const google::protobuf::RepeatedField<uint64_t>& ids);
   void takeNextSlab(uint32_t replica_num, const proto::PublishResponse& resp);
