@@ -230,6 +230,16 @@ void StoreClient::close() {
   if (link && !link->broken && link->rpc->masterAlive()) {
     auto deadline = engine::deadlineInMs(std::min<int64_t>(options_.rpc_timeout_ms, 2000));
     MasterRpcClient::CallInfo info;
+    // Put sessions left open: their unfinished puts go now (else when the master expires
+    // this client). Their holds are released below when their late writes finished.
+    std::vector<std::pair<std::string, std::shared_ptr<PutSession>>> open;
+    {
+      std::lock_guard<std::mutex> g(sessions_mu_);
+      for (auto& [key, session] : put_sessions_)
+        if (session->ready && !session->ending && session->forgotten == forgotten_.load())
+          open.emplace_back(key, session);
+    }
+    for (auto& [key, session] : open) (void)revokeSession(key, *session, link);
     std::vector<uint64_t> retire = takeRetired(), released;
     {
       std::lock_guard<std::mutex> g(book_->mu);
@@ -351,6 +361,8 @@ ErrorCode StoreClient::reconnect(std::string* why) {
 ErrorCode StoreClient::registerWith(Link& link, bool need_remount, uint64_t epoch) {
   link.epoch = epoch;
   const bool new_master = epoch != registered_epoch_;
+  // Either way the master does not know this client's unfinished puts (put sessions).
+  if (new_master || need_remount) forgotten_.fetch_add(1);
   if (new_master) {
     // A new master: the slabs were the old one's.
     std::lock_guard<std::mutex> g(book_->mu);

@@ -35,12 +35,12 @@ int64_t nsSince(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t).count();
 }
 
-uint8_t flagsOf(const ReplicateConfig& c) {
+}  // namespace
+
+uint8_t recordFlagsOf(const ReplicateConfig& c) {
   return static_cast<uint8_t>((c.with_soft_pin ? kRecordSoftPin : 0) |
                               (c.with_hard_pin ? kRecordHardPin : 0));
 }
-
-}  // namespace
 
 StoreClient::PutPhases StoreClient::lastPutPhases() { return t_phases; }
 
@@ -234,6 +234,20 @@ void StoreClient::takeNextSlab(uint32_t replica_num, const proto::PublishRespons
   pool.next = std::move(slab);
 }
 
+void StoreClient::recordOf(const WriteTarget& t, const std::string& key, uint64_t put_id,
+                           uint64_t size, uint8_t flags, std::string* out) {
+  RecordInfo info;
+  info.key = key;
+  info.put_id = put_id;
+  info.object_size = size;
+  info.piece_offset = t.piece_offset;
+  info.piece_length = t.piece_length;
+  info.replica_index = t.replica_index;
+  info.flags = flags;
+  out->assign(recordBytes(key.size()), '\0');
+  encodeRecord(info, t.record_tag, out->data());
+}
+
 ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, const std::string& key,
                                    uint64_t put_id, uint64_t size, uint8_t flags, const char* src,
                                    std::vector<std::string>* records,
@@ -250,14 +264,6 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
     const char* rec = nullptr;
     uint64_t rb = 0;
     if (t.record_address != 0) {
-      RecordInfo info;
-      info.key = key;
-      info.put_id = put_id;
-      info.object_size = size;
-      info.piece_offset = t.piece_offset;
-      info.piece_length = t.piece_length;
-      info.replica_index = t.replica_index;
-      info.flags = flags;
       rb = recordBytes(key.size());
       if (t.data_address != t.record_address + rb) return ErrorCode::INVALID_WRITE;
       // A small piece for a peer travels with its record: one write instead of two (each
@@ -265,9 +271,10 @@ ErrorCode StoreClient::writePieces(const std::vector<WriteTarget>& targets, cons
       const bool inline_piece =
           *peer != engine::kInvalidPeer && t.piece_length <= kInlineBytes && !src_on_gpu;
       // capacity reserved by the caller: pointers stay valid
-      records->emplace_back(rb + (inline_piece ? t.piece_length : 0), '\0');
+      records->emplace_back();
+      recordOf(t, key, put_id, size, flags, &records->back());
+      if (inline_piece) records->back().resize(rb + t.piece_length);
       char* out = records->back().data();
-      encodeRecord(info, t.record_tag, out);
       if (inline_piece) {
         if (ErrorCode ec = copyLocal(out + rb, src + t.piece_offset, t.piece_length);
             ec != ErrorCode::OK)
@@ -401,7 +408,7 @@ ErrorCode StoreClient::putOne(const std::string& key, const char* src, uint64_t 
     records.reserve(targets.size());
     std::vector<engine::TransferRequest> reqs;
     auto t1 = Clock::now();
-    ErrorCode ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
+    ErrorCode ec = writePieces(targets, key, put_id, size, recordFlagsOf(config), src, &records, &reqs);
     if (ec == ErrorCode::OK && !reqs.empty() &&
         !transferHeld(reqs, heldLate(heldWith(records, src_owner), {slab})).ok())
       ec = ErrorCode::TRANSFER_FAIL;
@@ -519,7 +526,7 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
   records.reserve(targets.size());
   std::vector<engine::TransferRequest> reqs;
   auto t1 = Clock::now();
-  ec = writePieces(targets, key, put_id, size, flagsOf(config), src, &records, &reqs);
+  ec = writePieces(targets, key, put_id, size, recordFlagsOf(config), src, &records, &reqs);
   bool ok = ec == ErrorCode::OK;
   std::shared_ptr<LateHold> hold;  // made if the writes are handed over
   if (ok && !reqs.empty()) {
@@ -632,7 +639,7 @@ std::vector<ErrorCode> StoreClient::batchPut(
       it.slab = nullptr;
       continue;
     }
-    ErrorCode ec = writePieces(it.targets, key, it.put_id, size, flagsOf(config),
+    ErrorCode ec = writePieces(it.targets, key, it.put_id, size, recordFlagsOf(config),
                                static_cast<const char*>(values[it.index].first), &records, &reqs);
     it.end_req = reqs.size();
     if (ec != ErrorCode::OK) {

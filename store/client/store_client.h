@@ -53,6 +53,8 @@ namespace mooncake::store {
 
 // ReplicateConfig on the wire (shared by the client's source files).
 void toProto(const ReplicateConfig& c, proto::ReplicateConfig* p);
+// The pin flags a put's records carry (record.h).
+uint8_t recordFlagsOf(const ReplicateConfig& c);
 
 // What a put's late WRITEs may still read (StoreClient::Held): its records, moved in (a
 // vector's elements stay where they are), and the value when the client made it (`src_owner`).
@@ -138,6 +140,33 @@ class StoreClient {
                    const ReplicateConfig& config = {}) {
     return upsertParts(key, {{data, size}}, config);
   }
+
+  // ---- put sessions (client_session.cc): upstream's layer-wise put. Start places the object
+  // (PutStart); ranges write bytes of it straight from the caller's memory (registered
+  // buffers), over as many calls as it takes; end publishes it (records, PutEnd, commit words:
+  // the classic put's protocol) once every byte was written; revoke drops it. Readers see
+  // nothing before end. One session per key in a client. A session must end within the time
+  // the master keeps an unfinished put (MC_STORE_PUT_RELEASE_TIMEOUT_S): later ranges are
+  // LEASE_EXPIRED. A session whose master changed or forgot this client meanwhile: RPC_FAIL.
+  // OBJECT_ALREADY_EXISTS: the key exists, or this client has a session of it open.
+  ErrorCode putSessionStart(const std::string& key, uint64_t size,
+                            const ReplicateConfig& config = {});
+  struct SourceRange {
+    const void* src;
+    uint64_t dst_offset;  // where in the object
+    uint64_t length;
+  };
+  // For key i, each of ranges[i] writes object bytes [dst_offset, dst_offset + length) from
+  // src; one engine batch for every key. Per key: the bytes written, or why not:
+  // OBJECT_NOT_FOUND (no session open), INVALID_PARAMS (no ranges, an empty one, a null src, a
+  // range past the object: nothing of that key is written), TRANSFER_FAIL (the session can
+  // then only be revoked; ending it revokes it too).
+  std::vector<ErrorOr<uint64_t>> putSessionRanges(
+      const std::vector<std::string>& keys, const std::vector<std::vector<SourceRange>>& ranges);
+  // Publishes the object. INVALID_WRITE: some bytes of it were never written (the session
+  // stays open). Any other failure ends the session (revoked when the master still has it).
+  ErrorCode putSessionEnd(const std::string& key);
+  ErrorCode putSessionRevoke(const std::string& key);
 
   // ---- reads ----
   ErrorOr<std::string> get(const std::string& key);
@@ -322,6 +351,35 @@ class StoreClient {
   // included. INVALID_WRITE when the pieces do not tile [0, size).
   static ErrorCode targetsOf(const google::protobuf::RepeatedPtrField<proto::Replica>& replicas,
                              const std::string& key, uint64_t size, std::vector<WriteTarget>* out);
+  // ---- put sessions (client_session.cc) ----
+  struct PutSession {
+    bool ready = false;   // PutStart answered (until then the key is only reserved)
+    bool ending = false;  // an end or revoke claimed it: no more ranges
+    int inflight = 0;     // range calls writing into it
+    uint64_t size = 0;
+    uint8_t flags = 0;
+    uint64_t forgotten = 0;  // forgotten_ before PutStart
+    std::shared_ptr<Link> link;  // the link PutStart went over (its master's epoch)
+    google::protobuf::RepeatedPtrField<proto::Replica> replicas;
+    std::vector<WriteTarget> targets;
+    std::chrono::steady_clock::time_point write_until;  // no range starts after this
+    std::map<uint64_t, uint64_t> written;  // bytes written: [begin, end), merged
+    ErrorCode failed = ErrorCode::OK;      // a range write failed: only revoke is left
+    // Range writes that timed out and may still land: the master keeps the memory under a
+    // hold until they finished. `late_owner` is what the engine keeps of them.
+    std::shared_ptr<LateHold> hold;
+    std::weak_ptr<void> late_owner;
+  };
+  // Takes the key's session for an end or revoke once no range writes into it; null (and
+  // *why) when there is none.
+  std::shared_ptr<PutSession> claimSession(const std::string& key, ErrorCode* why);
+  void dropSession(const std::string& key, const std::shared_ptr<PutSession>& s);
+  // PutRevoke for a session (writes_pending when its late writes still run).
+  ErrorCode revokeSession(const std::string& key, PutSession& s,
+                          std::shared_ptr<Link> link = nullptr);
+  // The record of piece `t` of a put (encodeRecord), for writePieces and a session's end.
+  static void recordOf(const WriteTarget& t, const std::string& key, uint64_t put_id,
+                       uint64_t size, uint8_t flags, std::string* out);
   // ---- peers and data (store_client.cc) ----
   // The engine peer for a piece's owner; kInvalidPeer for this client itself.
   ErrorOr<engine::PeerId> peerFor(const std::string& client_id);
@@ -388,6 +446,9 @@ class StoreClient {
   std::shared_ptr<Link> link_;
   bool reconnect_wanted_ = false;
   std::atomic<uint64_t> reconnects_{0};
+  // Times a master forgot what this client had not finished (a new master, or the same one
+  // expired it): put sessions started before are gone.
+  std::atomic<uint64_t> forgotten_{0};
   uint64_t registered_epoch_ = 0;  // the epoch whose master knows this client's segment
   // The last openLink met a master that refused this client's job secret: setup does not
   // retry that (the secret will not change).
@@ -416,6 +477,10 @@ class StoreClient {
   std::mutex rng_mu_;
   std::mt19937_64 rng_{std::random_device{}()};
   uint64_t last_put_id_ = 0;  // newPutId(), under rng_mu_
+
+  std::mutex sessions_mu_;
+  std::condition_variable sessions_cv_;  // a session's inflight fell
+  std::unordered_map<std::string, std::shared_ptr<PutSession>> put_sessions_;
 
   std::mutex hb_mu_;
   std::condition_variable hb_cv_;

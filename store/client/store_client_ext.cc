@@ -35,9 +35,7 @@ ErrorCode StoreClient::upsertParts(const std::string& key,
   records.reserve(targets.size());
   std::vector<engine::TransferRequest> reqs;
   if (ec == ErrorCode::OK) {
-    const uint8_t flags = static_cast<uint8_t>((config.with_soft_pin ? kRecordSoftPin : 0) |
-                                               (config.with_hard_pin ? kRecordHardPin : 0));
-    ec = writePieces(targets, key, put_id, size, flags, src, &records, &reqs);
+    ec = writePieces(targets, key, put_id, size, recordFlagsOf(config), src, &records, &reqs);
   }
   std::shared_ptr<LateHold> hold;  // made if the writes are handed over
   if (ec == ErrorCode::OK && !reqs.empty() &&

@@ -1,6 +1,7 @@
 // MasterService::handle(): the master's RPC surface. Decodes a store.proto RequestEnvelope,
 // calls the service, encodes the ResponseEnvelope. Transport-agnostic and defensive: any byte
 // string gets an answer, never an exception or a crash.
+#include <algorithm>
 #include <chrono>
 #include <climits>
 
@@ -162,6 +163,7 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
               r.set_error_code(toInt(res.error()));
               if (res.ok())
                 for (const ReplicaPlacement& p : *res) toProto(p, r.add_replicas(), true);
+              r.set_release_after_ms(std::max<uint64_t>(1, config_.put_release_timeout_ms));
             });
         break;
       case pb::PUT_END:

@@ -113,6 +113,20 @@ for layer in range(4):
 assert to_host(g, 4 * step) == v1[:4 * step] and to_host(g + 2 * MiB, 4 * step) == v2[:4 * step]
 assert s.batch_get_session_end(["gpu/v1", "gpu/v2"]) == 0
 
+# vLLM's layer-wise saver: a put session, per layer one key-major range write from the GPU KV
+# cache into each object, then the end publishes them (records and commit words: host memory).
+v5 = os.urandom(4 * step)
+to_gpu(g + 3 * MiB, v5)
+assert s.batch_put_session_start(["gpu/s1", "gpu/s2"], [4 * step, 4 * step]) == [0, 0]
+for layer in range(4):
+    assert pinned_only("put ranges", lambda: s.batch_put_from_multi_buffer_ranges(
+        ["gpu/s1", "gpu/s2"], [[g + 3 * MiB + layer * step], [g + 3 * MiB + (3 - layer) * step]],
+        [[step], [step]], [[layer * step], [layer * step]])) == [step, step]
+assert pinned_only("put session end", lambda: s.batch_put_session_end(["gpu/s1", "gpu/s2"]),
+                   4) == [0, 0]
+assert s.get("gpu/s1") == v5
+assert s.get("gpu/s2") == b"".join(v5[i * step:(i + 1) * step] for i in (3, 2, 1, 0))
+
 parts = [os.urandom(1000 + 999 * i) for i in range(3)]
 for i, p in enumerate(parts):
     to_gpu(g + i * MiB, p)

@@ -207,6 +207,66 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
             return code(s.c()->upsert(key, reinterpret_cast<void*>(ptr), size, c));
           },
           Nogil())
+      // ---- put sessions (StoreClient::putSession*) ----
+      .def(
+          "put_session_start",
+          [](PyStore& s, const std::vector<std::string>& keys, const std::vector<uint64_t>& sizes,
+             const ReplicateConfig& c) -> std::vector<int64_t> {
+            std::vector<int64_t> out(keys.size(), kNotSetUp);
+            if (!s.c()) return out;
+            for (size_t i = 0; i < keys.size(); ++i)
+              out[i] = i < sizes.size() ? code(s.c()->putSessionStart(keys[i], sizes[i], c))
+                                        : code(ErrorCode::INVALID_PARAMS);
+            return out;
+          },
+          "Per key: 0 (a session is open), or a negative code.", Nogil())
+      .def(
+          "put_session_ranges",
+          [](PyStore& s, const std::vector<std::string>& keys,
+             const std::vector<std::vector<uintptr_t>>& srcs,
+             const std::vector<std::vector<uint64_t>>& sizes,
+             const std::vector<std::vector<uint64_t>>& dst_offsets) -> std::vector<int64_t> {
+            std::vector<int64_t> out(keys.size(), kNotSetUp);
+            if (!s.c()) return out;
+            std::vector<std::vector<store::StoreClient::SourceRange>> ranges(keys.size());
+            std::vector<bool> bad(keys.size(), false);
+            for (size_t i = 0; i < keys.size(); ++i) {
+              bad[i] = i >= srcs.size() || i >= sizes.size() || i >= dst_offsets.size() ||
+                       srcs[i].size() != sizes[i].size() ||
+                       srcs[i].size() != dst_offsets[i].size();
+              if (bad[i]) continue;
+              for (size_t j = 0; j < srcs[i].size(); ++j) {
+                const void* p = reinterpret_cast<const void*>(srcs[i][j]);
+                // An unregistered source is refused: INVALID_PARAMS for its key.
+                ranges[i].push_back({s.c()->isRegistered(p, sizes[i][j]) ? p : nullptr,
+                                     dst_offsets[i][j], sizes[i][j]});
+              }
+            }
+            auto got = s.c()->putSessionRanges(keys, ranges);
+            for (size_t i = 0; i < keys.size(); ++i)
+              out[i] = bad[i] ? code(ErrorCode::INVALID_PARAMS) : valueOr(got[i]);
+            return out;
+          },
+          "Per key: bytes written, or a negative code (sources must be registered).", Nogil())
+      .def(
+          "put_session_end",
+          [](PyStore& s, const std::vector<std::string>& keys) -> std::vector<int64_t> {
+            std::vector<int64_t> out(keys.size(), kNotSetUp);
+            if (!s.c()) return out;
+            for (size_t i = 0; i < keys.size(); ++i) out[i] = code(s.c()->putSessionEnd(keys[i]));
+            return out;
+          },
+          Nogil())
+      .def(
+          "put_session_revoke",
+          [](PyStore& s, const std::vector<std::string>& keys) -> std::vector<int64_t> {
+            std::vector<int64_t> out(keys.size(), kNotSetUp);
+            if (!s.c()) return out;
+            for (size_t i = 0; i < keys.size(); ++i)
+              out[i] = code(s.c()->putSessionRevoke(keys[i]));
+            return out;
+          },
+          Nogil())
       // ---- ranges and replicas ----
       .def(
           "get_ranges",

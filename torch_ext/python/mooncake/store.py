@@ -416,6 +416,43 @@ class MooncakeDistributedStore(TensorApi):
             out.append(bad[0] if bad else sum(got))
         return out
 
+    # ---- put sessions and key-major ranges (vLLM's and vllm-ascend's layer-wise saver) ----
+    def batch_put_session_start(self, keys, sizes, config=None):
+        """Per key: 0 when a session is open (the object is placed, not yet readable), else a
+        negative code (-705: the key exists, or this client has a session of it open)."""
+        keys = list(keys)
+        c, rc = self._cfg(config)
+        if rc or len(keys) != len(sizes):
+            return [rc or _BAD] * len(keys)
+        return self._c.put_session_start(keys, [int(n) for n in sizes], c)
+
+    def batch_put_from_multi_buffer_ranges(self, keys, all_buffers, all_sizes, all_dst_offsets,
+                                           config=None):
+        """For key i and its j-th range: all_buffers[i][j] (registered memory, host or GPU)
+        to object bytes [all_dst_offsets[i][j], +all_sizes[i][j]). One engine batch for all
+        keys. Per key: the bytes written (the sum of its sizes), or a negative code (-704: no
+        session open; -600: lists of different lengths, a range past the object or from
+        unregistered memory, and nothing of that key is written; -800: a transfer failed, and
+        the session can only be revoked). `config` is ignored (start took it)."""
+        keys = list(keys)
+        return self._c.put_session_ranges(
+            keys, [[int(p) for p in ps] for ps in all_buffers],
+            [[int(n) for n in ns] for ns in all_sizes],
+            [[int(o) for o in os_] for os_ in all_dst_offsets])
+
+    def batch_put_session_end(self, keys):
+        """Per key: 0 when the object is published, else a negative code (-700: some bytes
+        were never written, and the session stays open; others end it)."""
+        return self._c.put_session_end(list(keys))
+
+    def batch_put_session_revoke(self, keys):
+        """Per key: 0 when the session was dropped (-704: none open)."""
+        return self._c.put_session_revoke(list(keys))
+
+    batch_put_start = batch_put_session_start
+    batch_put_end = batch_put_session_end
+    batch_put_revoke = batch_put_session_revoke
+
     # ---- upserts: replace the value; readers get the old bytes or the new ones ----
     def upsert(self, key, value, config=None):
         return self.upsert_parts(key, value, config=config)

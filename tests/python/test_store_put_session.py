@@ -1,0 +1,204 @@
+"""Put sessions, upstream's layer-wise save API (vLLM's MooncakeStoreConnector and vllm-ascend
+call batch_put_session_start, batch_put_from_multi_buffer_ranges per layer,
+batch_put_session_end / _revoke), against a running master and a holder process: objects
+written range by range from registered memory into replicas in this client's segment and in
+the holder's, invisible until the end and whole after it; every refusal (no session, a second
+start, a range past the object, an unregistered source, bytes never written); revoke, and a
+client that closes with a session open; a master restarted under an open session (a published one is
+rebuilt from its records, the open one is refused), and a session older than the master's
+release timeout."""
+import ctypes
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _store_common import Holder, Master, master_bin  # noqa: E402
+
+store_mod = pytest.importorskip("mooncake.store")
+MooncakeDistributedStore = store_mod.MooncakeDistributedStore
+ReplicateConfig = store_mod.ReplicateConfig
+E = store_mod.ErrorCode
+
+pytestmark = pytest.mark.skipif(master_bin() is None, reason="mooncake_master not built")
+MiB = 1 << 20
+
+
+def registered(s, data):
+    buf = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
+    assert s.register_buffer(ctypes.addressof(buf), len(data)) == 0
+    return buf, ctypes.addressof(buf)
+
+
+@pytest.fixture(scope="module")
+def env():
+    m = Master(env={"MC_STORE_LEASE_TTL_MS": "1000"})  # short read leases (replica clear)
+    h = Holder(m.addr, 32 * MiB)
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "", 16 * MiB, 16 * MiB, "tcp", "", m.addr) == 0
+    r = MooncakeDistributedStore()  # a reader with no segment of its own
+    assert r.setup("127.0.0.1", "", 0, 16 * MiB, "tcp", "", m.addr) == 0
+    yield m, h, s, r
+    r.close()
+    s.close()
+    h.close()
+    m.close()
+
+
+def test_layerwise_save(env):
+    _, _, s, r = env
+    layers, page, keys = 4, 6000, ["ps/a", "ps/b", "ps/c"]
+    size = layers * 2 * page  # per layer a K page and a V page
+    # The KV cache as the model holds it: per layer, K of every key, then V of every key.
+    cache = os.urandom(layers * 2 * len(keys) * page)
+    buf, p = registered(s, cache)
+
+    def src(layer, kv, k):
+        return ((layer * 2 + kv) * len(keys) + k) * page
+
+    want = [b"".join(cache[src(l, kv, k):src(l, kv, k) + page]
+                     for l in range(layers) for kv in range(2)) for k in range(len(keys))]
+    two = ReplicateConfig()
+    two.replica_num = 2  # one replica in this client's segment, one in the holder's
+    assert s.batch_put_session_start(keys, [size] * 3, two) == [0, 0, 0]
+    for layer in range(layers):
+        got = s.batch_put_from_multi_buffer_ranges(
+            keys, [[p + src(layer, 0, k), p + src(layer, 1, k)] for k in range(3)],
+            [[page, page]] * 3, [[layer * 2 * page, (layer * 2 + 1) * page]] * 3)
+        assert got == [2 * page] * 3
+        # Nothing is readable before the end.
+        assert r.is_exist("ps/a") == 0 and r.get("ps/a") == b""
+    assert s.batch_put_session_end(keys) == [0, 0, 0]
+    assert [r.get(k) for k in keys] == want
+    # Both replicas hold every byte: drop the first, read the other.
+    segs = [x.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for x in r.get_replica_desc("ps/b")]
+    assert len(set(segs)) == 2
+    time.sleep(1.2)  # the descriptor read took a read lease (1 s)
+    assert s.batch_replica_clear(["ps/b"], segs[0]) == ["ps/b"]
+    assert r.get("ps/b") == want[1]
+    # Upstream's shorter names are the same calls.
+    assert s.batch_put_start(["ps/d"], [page]) == [0]
+    assert s.batch_put_from_multi_buffer_ranges(["ps/d"], [[p]], [[page]], [[0]]) == [page]
+    assert s.batch_put_end(["ps/d"]) == [0]
+    assert r.get("ps/d") == cache[:page]
+    assert s.unregister_buffer(p) == 0
+
+
+def test_refusals(env):
+    _, _, s, r = env
+    data = os.urandom(8192)
+    buf, p = registered(s, data)
+    loose = (ctypes.c_ubyte * 4096)()  # never registered
+    assert s.put("ps/exists", b"x" * 10) == 0
+    assert s.batch_put_session_start(["ps/exists", "ps/e1", "ps/e1", ""], [10, 8192, 8192, 5]) \
+        == [E.OBJECT_ALREADY_EXISTS, 0, E.OBJECT_ALREADY_EXISTS, E.INVALID_KEY]
+    assert s.batch_put_session_start(["ps/zero"], [0]) == [E.INVALID_PARAMS]
+    assert s.batch_put_session_start(["ps/short"], [1, 2]) == [E.INVALID_PARAMS]
+    # Per key, each refusal writes nothing of that key and leaves the session as it was.
+    assert s.batch_put_from_multi_buffer_ranges(
+        ["ps/none", "ps/e1", "ps/e1", "ps/e1", "ps/e1"],
+        [[p], [p], [p, p], [ctypes.addressof(loose)], [p]],
+        [[8], [4096], [8], [4096], [0]],
+        [[0], [8192 - 4095], [0], [0], [0]]) == \
+        [E.OBJECT_NOT_FOUND, E.INVALID_PARAMS, E.INVALID_PARAMS, E.INVALID_PARAMS,
+         E.INVALID_PARAMS]
+    # Bytes never written: the end refuses, the session stays open for the rest.
+    assert s.batch_put_from_multi_buffer_ranges(["ps/e1"], [[p]], [[4096]], [[0]]) == [4096]
+    assert s.batch_put_session_end(["ps/e1"]) == [E.INVALID_WRITE]
+    assert r.is_exist("ps/e1") == 0
+    # Overlapping ranges count once; the last write of a byte wins.
+    assert s.batch_put_from_multi_buffer_ranges(
+        ["ps/e1", "ps/e1"], [[p + 4000], [p + 4096]], [[4192], [4096]], [[4000], [4096]]) == \
+        [4192, 4096]
+    assert s.batch_put_session_end(["ps/e1", "ps/e1", "ps/never"]) == \
+        [0, E.OBJECT_NOT_FOUND, E.OBJECT_NOT_FOUND]
+    assert r.get("ps/e1") == data
+    # A published key's session is gone.
+    assert s.batch_put_from_multi_buffer_ranges(["ps/e1"], [[p]], [[8]], [[0]]) == \
+        [E.OBJECT_NOT_FOUND]
+    assert s.unregister_buffer(p) == 0
+
+
+def test_revoke_and_close(env):
+    m, _, s, r = env
+    data = os.urandom(4096)
+    buf, p = registered(s, data)
+    assert s.batch_put_session_start(["ps/rv"], [4096]) == [0]
+    assert s.batch_put_from_multi_buffer_ranges(["ps/rv"], [[p]], [[2048]], [[0]]) == [2048]
+    assert s.batch_put_session_revoke(["ps/rv", "ps/rv"]) == [0, E.OBJECT_NOT_FOUND]
+    assert s.batch_put_session_end(["ps/rv"]) == [E.OBJECT_NOT_FOUND]
+    assert r.is_exist("ps/rv") == 0
+    # The master dropped the unfinished put: the key can be written again at once (an
+    # unfinished put blocks its key for MC_STORE_PUT_DISCARD_TIMEOUT_S, 30 s).
+    assert s.batch_put_session_start(["ps/rv"], [4096]) == [0]
+    assert s.batch_put_from_multi_buffer_ranges(["ps/rv"], [[p]], [[4096]], [[0]]) == [4096]
+    assert s.batch_put_session_end(["ps/rv"]) == [0]
+    assert r.get("ps/rv") == data
+    # A client that closes with a session open revokes it.
+    c = MooncakeDistributedStore()
+    assert c.setup("127.0.0.1", "", 0, 4 * MiB, "tcp", "", m.addr) == 0
+    assert c.batch_put_session_start(["ps/left"], [100]) == [0]
+    c.close()
+    assert r.is_exist("ps/left") == 0
+    assert s.batch_put_session_start(["ps/left"], [100]) == [0]
+    assert s.batch_put_session_revoke(["ps/left"]) == [0]
+    assert s.unregister_buffer(p) == 0
+
+
+def test_master_restart_ends_open_sessions():
+    m = Master()
+    try:
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "", 16 * MiB, 4 * MiB, "tcp", "", m.addr) == 0
+        data = os.urandom(4096)
+        buf, p = registered(s, data)
+        # One object published through a session, one left open.
+        assert s.batch_put_session_start(["ps/kept", "ps/fo"], [4096, 4096]) == [0, 0]
+        assert s.batch_put_from_multi_buffer_ranges(["ps/kept", "ps/fo"], [[p], [p]],
+                                                    [[4096], [1024]], [[0], [0]]) == [4096, 1024]
+        assert s.batch_put_session_end(["ps/kept"]) == [0]
+        port = m.port
+        m.close()
+        m = Master(port=port)  # a new master where the client looks for it
+        deadline = time.time() + 15
+        while s.is_exist("ps/probe") != 0 and time.time() < deadline:
+            time.sleep(0.1)  # (0 once the client reached the new master)
+        # The new master may have placed other objects where this one was to go: no more
+        # writes, and no end.
+        assert s.batch_put_from_multi_buffer_ranges(["ps/fo"], [[p + 1024]], [[3072]],
+                                                    [[1024]]) == [E.RPC_FAIL]
+        assert s.batch_put_session_end(["ps/fo"]) == [E.RPC_FAIL]
+        assert s.is_exist("ps/fo") == 0
+        # The published one came back with the client's report (its records were committed).
+        assert s.get("ps/kept") == data
+        # The key is free on the new master.
+        assert s.batch_put_session_start(["ps/fo"], [4096]) == [0]
+        assert s.batch_put_from_multi_buffer_ranges(["ps/fo"], [[p]], [[4096]], [[0]]) == [4096]
+        assert s.batch_put_session_end(["ps/fo"]) == [0]
+        assert s.get("ps/fo") == data
+        s.close()
+    finally:
+        m.close()
+
+
+def test_session_past_the_release_timeout():
+    # The master takes an unfinished put's memory back after MC_STORE_PUT_RELEASE_TIMEOUT_S:
+    # a range that could still be landing by then is refused.
+    m = Master(env={"MC_STORE_PUT_RELEASE_TIMEOUT_S": "12"})
+    try:
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "", 16 * MiB, 4 * MiB, "tcp", "", m.addr) == 0
+        buf, p = registered(s, b"y" * 4096)
+        assert s.batch_put_session_start(["ps/old"], [4096]) == [0]
+        # 12 s less the client's transfer deadline (10 s): ranges may start for 2 s.
+        assert s.batch_put_from_multi_buffer_ranges(["ps/old"], [[p]], [[1024]], [[0]]) == [1024]
+        time.sleep(2.5)
+        assert s.batch_put_from_multi_buffer_ranges(["ps/old"], [[p]], [[4096]], [[0]]) == \
+            [E.LEASE_EXPIRED]
+        assert s.batch_put_session_revoke(["ps/old"]) == [0]
+        s.close()
+    finally:
+        m.close()
