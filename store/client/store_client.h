@@ -191,6 +191,11 @@ class StoreClient {
     void* dst;
   };
   std::vector<ErrorOr<uint64_t>> getRanges(const std::string& key, const std::vector<Range>& ranges);
+  // The same for several keys (ranges[i] of keys[i]): one replica-list call for all, the first
+  // replica of every key in one engine batch; a key whose transfer failed reads its other
+  // replicas alone. Per key, per range.
+  std::vector<std::vector<ErrorOr<uint64_t>>> batchGetRanges(
+      const std::vector<std::string>& keys, const std::vector<std::vector<Range>>& ranges);
 
   // ---- replicas (store_client_ext.cc) ----
   // The complete replicas of a key, as the master placed them (a read: grants a lease).
@@ -396,6 +401,12 @@ class StoreClient {
   // segment this client lent: INVALID_READ / INVALID_WRITE.
   ErrorCode planRange(const proto::Replica& r, uint64_t size, engine::OpCode op, uint64_t off,
                       uint64_t len, char* local, std::vector<engine::TransferRequest>* reqs);
+  // Reads ranges[todo] of the object rl describes from its replicas [from, end): each replica
+  // one engine batch, the next one after a failure; one that timed out ends it (its READs may
+  // still land in the ranges' memory). OK, or why not.
+  ErrorCode readRangesFrom(const proto::GetReplicaListResponse& rl,
+                           const std::vector<Range>& ranges, const std::vector<size_t>& todo,
+                           int from);
   // True when [address, address + len) lies inside this client's segment.
   bool inOwnSegment(uint64_t address, uint64_t len) const;
   // batchGetInto; a key whose first replica's read timed out goes on into fresh(i) (null, or

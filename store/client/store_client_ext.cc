@@ -68,6 +68,61 @@ ErrorCode StoreClient::upsertParts(const std::string& key,
   return commit(targets, put_id, end_link);
 }
 
+namespace {
+
+// The ranges that lie inside an object of `size` bytes (the others are INVALID_PARAMS).
+std::vector<size_t> rangesInside(uint64_t size, const std::vector<StoreClient::Range>& ranges) {
+  std::vector<size_t> todo;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const StoreClient::Range& g = ranges[i];
+    if (g.length == 0 || g.dst == nullptr || g.src_offset > size || g.length > size - g.src_offset)
+      continue;
+    todo.push_back(i);
+  }
+  return todo;
+}
+
+// Each range of `todo` gets its length when `result` is OK (LEASE_EXPIRED when the read lease
+// lapsed before the bytes were in: they may have been replaced meanwhile), else `result`.
+void answerRanges(const proto::GetReplicaListResponse& rl,
+                  std::chrono::steady_clock::time_point asked, ErrorCode result,
+                  const std::vector<StoreClient::Range>& ranges, const std::vector<size_t>& todo,
+                  std::vector<ErrorOr<uint64_t>>* out) {
+  if (result == ErrorCode::OK && rl.lease_ttl_ms() > 0 &&
+      std::chrono::steady_clock::now() - asked > std::chrono::milliseconds(rl.lease_ttl_ms()))
+    result = ErrorCode::LEASE_EXPIRED;
+  for (size_t i : todo)
+    (*out)[i] = result == ErrorCode::OK ? ErrorOr<uint64_t>(ranges[i].length)
+                                        : ErrorOr<uint64_t>(result);
+}
+
+}  // namespace
+
+ErrorCode StoreClient::readRangesFrom(const proto::GetReplicaListResponse& rl,
+                                      const std::vector<Range>& ranges,
+                                      const std::vector<size_t>& todo, int from) {
+  ErrorCode result = ErrorCode::TRANSFER_FAIL;
+  for (int rep = from; rep < rl.replicas_size() && !todo.empty(); ++rep) {
+    std::vector<engine::TransferRequest> reqs;
+    ErrorCode ec = ErrorCode::OK;
+    for (size_t i : todo) {
+      ec = planRange(rl.replicas(rep), rl.size(), engine::OpCode::kRead, ranges[i].src_offset,
+                     ranges[i].length, static_cast<char*>(ranges[i].dst), &reqs);
+      if (ec != ErrorCode::OK) break;
+    }
+    if (ec == ErrorCode::INVALID_READ) return ec;
+    if (ec != ErrorCode::OK) continue;
+    Status st = reqs.empty() ? Status::OK() : transferHeld(reqs, nullptr);  // (caller's memory)
+    if (!st.ok()) {
+      for (const auto& p : rl.replicas(rep).pieces()) forgetPeer(p.client_id());
+      if (st.code() == Code::kTimeout) return ErrorCode::TRANSFER_FAIL;
+      continue;
+    }
+    return ErrorCode::OK;
+  }
+  return result;
+}
+
 std::vector<ErrorOr<uint64_t>> StoreClient::getRanges(const std::string& key,
                                                       const std::vector<Range>& ranges) {
   std::vector<ErrorOr<uint64_t>> out(ranges.size(), ErrorOr<uint64_t>(ErrorCode::INVALID_PARAMS));
@@ -85,43 +140,92 @@ std::vector<ErrorOr<uint64_t>> StoreClient::getRanges(const std::string& key,
   if (ErrorCode ec = callMaster(proto::GET_REPLICA_LIST, req, &rl, true); ec != ErrorCode::OK)
     return fail_all(ec);
   if (rl.error_code() != 0) return fail_all(errorCodeFromInt(rl.error_code()));
-  std::vector<size_t> todo;  // ranges inside the object
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    const Range& g = ranges[i];
-    if (g.length == 0 || g.dst == nullptr || g.src_offset > rl.size() ||
-        g.length > rl.size() - g.src_offset)
-      continue;  // INVALID_PARAMS
-    todo.push_back(i);
+  const std::vector<size_t> todo = rangesInside(rl.size(), ranges);
+  answerRanges(rl, asked, readRangesFrom(rl, ranges, todo, 0), ranges, todo, &out);
+  return out;
+}
+
+std::vector<std::vector<ErrorOr<uint64_t>>> StoreClient::batchGetRanges(
+    const std::vector<std::string>& keys, const std::vector<std::vector<Range>>& ranges) {
+  const size_t n = keys.size();
+  std::vector<std::vector<ErrorOr<uint64_t>>> out(n);
+  for (size_t i = 0; i < n; ++i)
+    out[i].assign(i < ranges.size() ? ranges[i].size() : 0,
+                  ErrorOr<uint64_t>(ErrorCode::INVALID_PARAMS));
+  if (closed_ || n == 0 || ranges.size() != n) return out;
+  auto fail_key = [&](size_t i, ErrorCode ec) {
+    for (auto& o : out[i]) o = ec;
+  };
+  proto::BatchGetReplicaListRequest req;
+  for (const auto& k : keys) req.add_keys(k);
+  proto::BatchGetReplicaListResponse resp;
+  auto asked = std::chrono::steady_clock::now();
+  ErrorCode ec = callMaster(proto::BATCH_GET_REPLICA_LIST, req, &resp, true);
+  if (ec == ErrorCode::OK && resp.error_code() != 0) ec = errorCodeFromInt(resp.error_code());
+  if (ec == ErrorCode::OK && resp.results_size() != static_cast<int>(n)) ec = ErrorCode::RPC_FAIL;
+  if (ec != ErrorCode::OK) {
+    for (size_t i = 0; i < n; ++i) fail_key(i, ec);
+    return out;
   }
-  ErrorCode result = ErrorCode::TRANSFER_FAIL;
-  for (int rep = 0; rep < rl.replicas_size() && !todo.empty(); ++rep) {
-    std::vector<engine::TransferRequest> reqs;
-    ErrorCode ec = ErrorCode::OK;
-    for (size_t i : todo) {
-      ec = planRange(rl.replicas(rep), rl.size(), engine::OpCode::kRead, ranges[i].src_offset,
-                     ranges[i].length, static_cast<char*>(ranges[i].dst), &reqs);
-      if (ec != ErrorCode::OK) break;
+  // The first replica of every key in one engine batch.
+  enum class Step { kDone, kBatched, kOthers };  // kOthers: read from replica 1 on
+  std::vector<Step> step(n, Step::kDone);
+  std::vector<std::vector<size_t>> todo(n);
+  std::vector<size_t> first_req(n + 1, 0);
+  std::vector<engine::TransferRequest> reqs;
+  for (size_t i = 0; i < n; ++i) {
+    first_req[i] = reqs.size();
+    const auto& rl = resp.results(static_cast<int>(i));
+    if (ranges[i].empty()) continue;
+    if (ErrorCode k = checkKey(keys[i]); k != ErrorCode::OK) {
+      fail_key(i, k);
+    } else if (rl.error_code() != 0) {
+      fail_key(i, errorCodeFromInt(rl.error_code()));
+    } else {
+      todo[i] = rangesInside(rl.size(), ranges[i]);
+      if (todo[i].empty()) continue;
+      if (rl.replicas_size() == 0) {
+        answerRanges(rl, asked, ErrorCode::TRANSFER_FAIL, ranges[i], todo[i], &out[i]);
+        continue;
+      }
+      step[i] = Step::kBatched;
+      for (size_t r : todo[i]) {
+        ErrorCode pe = planRange(rl.replicas(0), rl.size(), engine::OpCode::kRead,
+                                 ranges[i][r].src_offset, ranges[i][r].length,
+                                 static_cast<char*>(ranges[i][r].dst), &reqs);
+        if (pe == ErrorCode::OK) continue;
+        reqs.resize(first_req[i]);
+        if (pe == ErrorCode::INVALID_READ) {
+          step[i] = Step::kDone;
+          answerRanges(rl, asked, pe, ranges[i], todo[i], &out[i]);
+        } else {
+          step[i] = Step::kOthers;  // replica 0 cannot be reached: the others, as getRanges
+        }
+        break;
+      }
     }
-    if (ec == ErrorCode::INVALID_READ) {
-      result = ec;
-      break;
-    }
-    if (ec != ErrorCode::OK) continue;
-    Status st = reqs.empty() ? Status::OK() : transferHeld(reqs, nullptr);  // (caller's memory)
-    if (!st.ok()) {
-      for (const auto& p : rl.replicas(rep).pieces()) forgetPeer(p.client_id());
-      if (st.code() == Code::kTimeout) break;  // its READs may still land in the ranges' dst
-      continue;
-    }
-    result = ErrorCode::OK;
-    break;
   }
-  if (result == ErrorCode::OK && rl.lease_ttl_ms() > 0 &&
-      std::chrono::steady_clock::now() - asked > std::chrono::milliseconds(rl.lease_ttl_ms()))
-    result = ErrorCode::LEASE_EXPIRED;  // the bytes may have been replaced meanwhile
-  for (size_t i : todo)
-    out[i] = result == ErrorCode::OK ? ErrorOr<uint64_t>(ranges[i].length)
-                                     : ErrorOr<uint64_t>(result);
+  first_req[n] = reqs.size();
+  std::vector<Status> per = transferEach(reqs, nullptr);  // (the caller's memory)
+  for (size_t i = 0; i < n; ++i) {
+    if (step[i] == Step::kDone) continue;
+    const auto& rl = resp.results(static_cast<int>(i));
+    ErrorCode result = ErrorCode::OK;
+    if (step[i] == Step::kBatched) {
+      bool late = false;
+      for (size_t r = first_req[i]; r < first_req[i + 1]; ++r) {
+        if (!per[r].ok()) result = ErrorCode::TRANSFER_FAIL;
+        late = late || per[r].code() == Code::kTimeout;
+      }
+      if (result != ErrorCode::OK)
+        for (const auto& p : rl.replicas(0).pieces()) forgetPeer(p.client_id());
+      // Timed out: its READs may still land in the ranges' memory, so no other replica is read
+      // into it.
+      if (result != ErrorCode::OK && !late) step[i] = Step::kOthers;
+    }
+    if (step[i] == Step::kOthers) result = readRangesFrom(rl, ranges[i], todo[i], 1);
+    answerRanges(rl, asked, result, ranges[i], todo[i], &out[i]);
+  }
   return out;
 }
 

@@ -6,7 +6,8 @@ the holder's, invisible until the end and whole after it; every refusal (no sess
 start, a range past the object, an unregistered source, bytes never written); revoke, and a
 client that closes with a session open; a master restarted under an open session (a published one is
 rebuilt from its records, the open one is refused), and a session older than the master's
-release timeout."""
+release timeout. And the layer-wise load's batched ranged reads (one replica-list call and one
+engine batch for all keys) falling back to a key's other replica when its first holder died."""
 import ctypes
 import os
 import sys
@@ -201,4 +202,38 @@ def test_session_past_the_release_timeout():
         assert s.batch_put_session_revoke(["ps/old"]) == [0]
         s.close()
     finally:
+        m.close()
+
+
+def test_batched_range_reads_fall_back_to_the_other_replica():
+    # batch_get_into_multi_buffer_ranges reads the first replica of every key in one engine
+    # batch; a key whose first replica's holder died reads its other replica.
+    m = Master()
+    a, b = Holder(m.addr, 16 * MiB), Holder(m.addr, 16 * MiB)
+    try:
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "", 0, 4 * MiB, "tcp", "", m.addr) == 0
+        two = ReplicateConfig()
+        two.replica_num = 2
+        vals = {f"fb/{i}": os.urandom(3000 + i) for i in range(6)}
+        for k, v in vals.items():
+            assert s.put(k, v, two) == 0
+        first = {k: s.get_replica_desc(k)[0].get_memory_descriptor().buffer_descriptor
+                 .transport_endpoint for k in vals}
+        dead = a if first["fb/0"] == a.name else b
+        dead.kill()
+        buf = (ctypes.c_ubyte * (6 * 4096))()
+        assert s.register_buffer(ctypes.addressof(buf), len(buf)) == 0
+        keys = list(vals)
+        p = ctypes.addressof(buf)
+        got = s.batch_get_into_multi_buffer_ranges(
+            keys, [[p + i * 4096, p + i * 4096 + 100] for i in range(6)],
+            [[100, len(vals[k]) - 100] for k in keys], [[0, 100] for _ in keys])
+        assert got == [len(vals[k]) for k in keys]
+        assert [bytes(buf[i * 4096:i * 4096 + len(vals[k])]) for i, k in enumerate(keys)] == \
+            [vals[k] for k in keys]
+        s.close()
+    finally:
+        a.close()
+        b.close()
         m.close()

@@ -288,6 +288,38 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
           },
           "Per range: bytes copied, or a negative code (dst must be registered).", Nogil())
       .def(
+          "batch_get_ranges",
+          [](PyStore& s, const std::vector<std::string>& keys,
+             const std::vector<std::vector<uintptr_t>>& dsts,
+             const std::vector<std::vector<uint64_t>>& src_offsets,
+             const std::vector<std::vector<uint64_t>>& sizes)
+              -> std::vector<std::vector<int64_t>> {
+            // Lists of matching lengths per key (the caller checks): get_ranges' ranges per key.
+            std::vector<std::vector<int64_t>> out(keys.size());
+            if (dsts.size() != keys.size() || src_offsets.size() != keys.size() ||
+                sizes.size() != keys.size())
+              return out;
+            std::vector<std::vector<store::StoreClient::Range>> rs(keys.size());
+            for (size_t i = 0; i < keys.size(); ++i) {
+              const size_t m = std::min({dsts[i].size(), src_offsets[i].size(), sizes[i].size()});
+              out[i].assign(m, kNotSetUp);
+              for (size_t j = 0; j < m; ++j) {
+                void* d = s.c() && s.c()->isRegistered(reinterpret_cast<void*>(dsts[i][j]),
+                                                       sizes[i][j])
+                              ? reinterpret_cast<void*>(dsts[i][j])
+                              : nullptr;  // refused: INVALID_PARAMS for this range
+                rs[i].push_back({src_offsets[i][j], sizes[i][j], d});
+              }
+            }
+            if (!s.c()) return out;
+            auto got = s.c()->batchGetRanges(keys, rs);
+            for (size_t i = 0; i < keys.size(); ++i)
+              for (size_t j = 0; j < got[i].size(); ++j) out[i][j] = valueOr(got[i][j]);
+            return out;
+          },
+          "Per key, per range: bytes copied, or a negative code. One replica-list call.",
+          Nogil())
+      .def(
           "replica_list",
           [](PyStore& s, const std::string& key) -> py::object {
             if (!s.c()) return py::none();

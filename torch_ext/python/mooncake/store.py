@@ -396,24 +396,29 @@ class MooncakeDistributedStore(TensorApi):
 
     def batch_get_into_multi_buffer_ranges(self, keys, all_buffers, all_sizes, all_offsets):
         """For key i and its j-th range: object bytes [all_offsets[i][j], +all_sizes[i][j]) to
-        all_buffers[i][j] (registered memory, host or GPU). Per key: the bytes read (the sum of
-        its sizes), or the first failure's negative code (a missing key, a range past the
-        object, lists of different lengths: -600)."""
+        all_buffers[i][j] (registered memory, host or GPU). One replica-list call to the master
+        and one engine batch for all keys (a key whose first replica fails reads its others
+        alone). Per key: the bytes read (the sum of its sizes), or the first failure's negative
+        code (a missing key, a range past the object, lists of different lengths: -600)."""
         keys = list(keys)
-        out = []
-        for i, key in enumerate(keys):
+        out = [_BAD] * len(keys)
+        good = []
+        for i in range(len(keys)):
             try:
                 ptrs, sizes, offs = all_buffers[i], all_sizes[i], all_offsets[i]
             except IndexError:
-                out.append(_BAD)
                 continue
-            if not (len(ptrs) == len(sizes) == len(offs)) or not ptrs:
-                out.append(_BAD)
-                continue
-            got = self._c.get_ranges(key, [int(p) for p in ptrs], [int(o) for o in offs],
-                                     [int(n) for n in sizes])
-            bad = [r for r in got if r < 0]
-            out.append(bad[0] if bad else sum(got))
+            if len(ptrs) == len(sizes) == len(offs) and ptrs:
+                good.append(i)
+        if not good:
+            return out
+        got = self._c.batch_get_ranges(
+            [keys[i] for i in good], [[int(p) for p in all_buffers[i]] for i in good],
+            [[int(o) for o in all_offsets[i]] for i in good],
+            [[int(n) for n in all_sizes[i]] for i in good])
+        for i, per in zip(good, got):
+            bad = [r for r in per if r < 0]
+            out[i] = bad[0] if bad else sum(per)
         return out
 
     # ---- put sessions and key-major ranges (vLLM's and vllm-ascend's layer-wise saver) ----
