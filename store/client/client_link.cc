@@ -231,12 +231,14 @@ void StoreClient::close() {
     auto deadline = engine::deadlineInMs(std::min<int64_t>(options_.rpc_timeout_ms, 2000));
     MasterRpcClient::CallInfo info;
     // Put sessions left open: their unfinished puts go now (else when the master expires
-    // this client). Their holds are released below when their late writes finished.
+    // this client; also for a session a range call still writes into). Their holds are
+    // released below when their late writes finished.
     std::vector<std::pair<std::string, std::shared_ptr<PutSession>>> open;
     {
       std::lock_guard<std::mutex> g(sessions_mu_);
       for (auto& [key, session] : put_sessions_)
-        if (session->ready && !session->ending && session->forgotten == forgotten_.load())
+        if (session->ready && !session->ending && session->inflight == 0 &&
+            session->forgotten == forgotten_.load())
           open.emplace_back(key, session);
     }
     for (auto& [key, session] : open) (void)revokeSession(key, *session, link);
