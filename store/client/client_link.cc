@@ -238,8 +238,10 @@ void StoreClient::close() {
       std::lock_guard<std::mutex> g(sessions_mu_);
       for (auto& [key, session] : put_sessions_)
         if (session->ready && !session->ending && session->inflight == 0 &&
-            session->forgotten == forgotten_.load())
+            session->forgotten == forgotten_.load()) {
+          session->ending = true;  // no call takes it from here on
           open.emplace_back(key, session);
+        }
     }
     for (auto& [key, session] : open) (void)revokeSession(key, *session, link);
     std::vector<uint64_t> retire = takeRetired(), released;
@@ -341,6 +343,7 @@ ErrorCode StoreClient::reconnect(std::string* why) {
   hb.set_client_id(client_id_);
   proto::HeartbeatResponse hr;
   MasterRpcClient::CallInfo info;
+  const int64_t sent = Clock::now().time_since_epoch().count();
   ErrorCode ec = link->rpc->call(proto::HEARTBEAT, hb, &hr,
                                  engine::deadlineInMs(options_.rpc_timeout_ms), &info);
   if (ec != ErrorCode::OK) {
@@ -352,6 +355,7 @@ ErrorCode StoreClient::reconnect(std::string* why) {
     *why = std::string("mounting or reporting: ") + std::string(errorCodeName(r));
     return r;
   }
+  heard_ = sent;
   std::lock_guard<std::mutex> g(link_mu_);
   if (link_) reconnects_.fetch_add(1);
   link_ = std::move(link);
@@ -667,9 +671,11 @@ void StoreClient::heartbeatLoop() {
     req.set_client_id(client_id_);
     proto::HeartbeatResponse resp;
     MasterRpcClient::CallInfo info;
+    const int64_t sent = Clock::now().time_since_epoch().count();
     ErrorCode ec = link->rpc->call(
         proto::HEARTBEAT, req, &resp,
         engine::deadlineInMs(std::min<int64_t>(options_.rpc_timeout_ms, 2000)), &info);
+    if (ec == ErrorCode::OK && info.epoch == link->epoch && !resp.need_remount()) heard_ = sent;
     if (ec == ErrorCode::OK && (resp.need_remount() || info.epoch != link->epoch)) {
       std::lock_guard<std::mutex> reg(register_mu_);
       if (registerWith(*link, resp.need_remount(), info.epoch) != ErrorCode::OK) markBroken(link);

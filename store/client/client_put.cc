@@ -543,6 +543,7 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
     rq.set_client_id(client_id_);
     rq.set_key(key);
     rq.set_writes_pending(writesPending(hold));
+    rq.set_put_token(ps.put_token());
     proto::PutRevokeResponse rr;
     if (callMaster(proto::PUT_REVOKE, rq, &rr, true) == ErrorCode::OK) holdGiven(hold, rr.hold());
     return ec != ErrorCode::OK ? ec : ErrorCode::TRANSFER_FAIL;
@@ -550,6 +551,7 @@ ErrorCode StoreClient::putClassic(const std::string& key, const char* src, uint6
   proto::PutEndRequest pe;
   pe.set_client_id(client_id_);
   pe.set_key(key);
+  pe.set_put_token(ps.put_token());
   proto::PutEndResponse per;
   std::shared_ptr<Link> end_link;
   auto t2 = Clock::now();

@@ -46,17 +46,29 @@ ErrorCode StoreClient::putSessionStart(const std::string& key, uint64_t size,
   }
   s->size = size;
   s->flags = recordFlagsOf(config);
-  s->forgotten = forgotten_.load();
   proto::PutStartRequest req;
   req.set_client_id(client_id_);
   req.set_key(key);
   req.set_size(size);
   toProto(config, req.mutable_config());
   proto::PutStartResponse ps;
-  const auto asked = Clock::now();
-  ErrorCode ec = callMaster(proto::PUT_START, req, &ps, false, &s->link);
-  if (ec == ErrorCode::OK) ec = errorCodeFromInt(ps.error_code());
+  auto asked = Clock::now();
+  ErrorCode ec = ErrorCode::RPC_FAIL;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    s->forgotten = forgotten_.load();
+    asked = Clock::now();
+    ec = callMaster(proto::PUT_START, req, &ps, false, &s->link);
+    if (ec == ErrorCode::OK) ec = errorCodeFromInt(ps.error_code());
+    if (ec != ErrorCode::OK || forgotten_.load() == s->forgotten) break;
+    // This client registered again while PutStart ran (a new master, or the same one had
+    // expired it): the master that placed the put may not know it any more. Revoke it where
+    // it may still be (its token: nothing else of the key) and start again.
+    s->token = ps.put_token();
+    (void)revokeSession(key, *s);
+    ec = ErrorCode::RPC_FAIL;
+  }
   if (ec == ErrorCode::OK) {
+    s->token = ps.put_token();
     ec = targetsOf(ps.replicas(), key, size, &s->targets);
     if (ec != ErrorCode::OK) (void)revokeSession(key, *s, s->link);  // a placement we cannot use
   }
@@ -92,6 +104,7 @@ std::vector<ErrorOr<uint64_t>> StoreClient::putSessionRanges(
     std::shared_ptr<PutSession> s;
     {
       std::lock_guard<std::mutex> g(sessions_mu_);
+      if (closed_) continue;  // INVALID_PARAMS (close() takes the sessions under this lock)
       auto it = put_sessions_.find(keys[i]);
       if (it == put_sessions_.end() || !it->second->ready || it->second->ending) {
         out[i] = ErrorCode::OBJECT_NOT_FOUND;
@@ -109,6 +122,10 @@ std::vector<ErrorOr<uint64_t>> StoreClient::putSessionRanges(
   // Plans each key's writes; a key that fails here writes nothing.
   std::vector<engine::TransferRequest> reqs;
   const auto now = Clock::now();
+  // A master that has not answered a heartbeat for half its client TTL may be expiring this
+  // client, and then frees its unfinished puts' memory at once.
+  const bool heard = now - Clock::time_point(Clock::duration(heard_.load())) <
+                     std::chrono::milliseconds(client_ttl_ms_.load() / 2);
   for (Item& it : items) {
     const PutSession& s = *it.s;
     const auto& rs = ranges[it.index];
@@ -122,7 +139,8 @@ std::vector<ErrorOr<uint64_t>> StoreClient::putSessionRanges(
     if (ec == ErrorCode::OK && now > s.write_until) ec = ErrorCode::LEASE_EXPIRED;
     // A master that changed or forgot this client since PutStart may have placed other objects
     // where this one was to go.
-    if (ec == ErrorCode::OK && forgotten_.load() != s.forgotten) ec = ErrorCode::RPC_FAIL;
+    if (ec == ErrorCode::OK && (forgotten_.load() != s.forgotten || !heard))
+      ec = ErrorCode::RPC_FAIL;
     it.first_req = reqs.size();
     for (int rep = 0; ec == ErrorCode::OK && rep < s.replicas.size(); ++rep)
       for (const SourceRange& r : rs) {
@@ -136,6 +154,27 @@ std::vector<ErrorOr<uint64_t>> StoreClient::putSessionRanges(
       it.bytes = 0;
     }
     it.end_req = reqs.size();
+  }
+  // Planning may have waited (a peer's handshake): a key whose time ran out meanwhile sends
+  // nothing. (Its pieces in this client's own segment were copied while planning; write_until
+  // leaves a transfer deadline before the master may reuse the memory.)
+  const auto planned = Clock::now();
+  if (std::any_of(items.begin(), items.end(), [&](const Item& it) {
+        return it.bytes > 0 && planned > it.s->write_until;
+      })) {
+    std::vector<engine::TransferRequest> kept;
+    for (Item& it : items) {
+      const size_t first = kept.size();
+      if (it.bytes > 0 && planned > it.s->write_until) {
+        out[it.index] = ErrorCode::LEASE_EXPIRED;
+        it.bytes = 0;
+      } else {
+        kept.insert(kept.end(), reqs.begin() + it.first_req, reqs.begin() + it.end_req);
+      }
+      it.first_req = first;
+      it.end_req = kept.size();
+    }
+    reqs.swap(kept);
   }
   // One batch. Writes that time out may still land: the memory they go to is kept (the late
   // owner marks each session's hold done once the engine dropped it).
@@ -180,6 +219,10 @@ std::vector<ErrorOr<uint64_t>> StoreClient::putSessionRanges(
 std::shared_ptr<StoreClient::PutSession> StoreClient::claimSession(const std::string& key,
                                                                    ErrorCode* why) {
   std::unique_lock<std::mutex> g(sessions_mu_);
+  if (closed_) {
+    *why = ErrorCode::INVALID_PARAMS;
+    return nullptr;
+  }
   auto it = put_sessions_.find(key);
   if (it == put_sessions_.end() || !it->second->ready || it->second->ending) {
     *why = ErrorCode::OBJECT_NOT_FOUND;
@@ -203,6 +246,7 @@ ErrorCode StoreClient::revokeSession(const std::string& key, PutSession& s,
   rq.set_client_id(client_id_);
   rq.set_key(key);
   rq.set_writes_pending(writesPending(s.hold));
+  rq.set_put_token(s.token);
   proto::PutRevokeResponse rr;
   ErrorCode ec;
   if (link != nullptr) {  // close(): this link only, no waiting for another master
@@ -244,6 +288,8 @@ ErrorCode StoreClient::putSessionEnd(const std::string& key) {
     return ec;
   };
   if (s->failed != ErrorCode::OK) return fail(s->failed);
+  // The records are writes into the put's memory too.
+  if (Clock::now() > s->write_until) return fail(ErrorCode::LEASE_EXPIRED);
   {
     std::lock_guard<std::mutex> g(sessions_mu_);
     if (s->written.size() != 1 || s->written.begin()->first != 0 ||
@@ -269,7 +315,7 @@ ErrorCode StoreClient::putSessionEnd(const std::string& key) {
       return fail(ErrorCode::TRANSFER_FAIL);
     }
     if (*peer == engine::kInvalidPeer) {
-      if (!inOwnSegment(t.record_address, rec.size())) return fail(ErrorCode::INVALID_WRITE);
+      if (!inOwnSegment(t.record_address, rec.size())) return fail(ErrorCode::INVALID_REPLICA);
       if (ErrorCode ec = copySegment(reinterpret_cast<void*>(t.record_address), rec.data(),
                                      rec.size());
           ec != ErrorCode::OK)
@@ -283,6 +329,7 @@ ErrorCode StoreClient::putSessionEnd(const std::string& key) {
   proto::PutEndRequest pe;
   pe.set_client_id(client_id_);
   pe.set_key(key);
+  pe.set_put_token(s->token);  // not another put of the key that took it over meanwhile
   proto::PutEndResponse per;
   std::shared_ptr<Link> end_link;
   ErrorCode ec = callMaster(proto::PUT_END, pe, &per, true, &end_link);  // (as putClassic's)

@@ -146,8 +146,10 @@ class StoreClient {
   // buffers), over as many calls as it takes; end publishes it (records, PutEnd, commit words:
   // the classic put's protocol) once every byte was written; revoke drops it. Readers see
   // nothing before end. One session per key in a client. A session must end within the time
-  // the master keeps an unfinished put (MC_STORE_PUT_RELEASE_TIMEOUT_S): later ranges are
-  // LEASE_EXPIRED. A session whose master changed or forgot this client meanwhile: RPC_FAIL.
+  // the master keeps an unfinished put (MC_STORE_PUT_RELEASE_TIMEOUT_S), less a transfer
+  // deadline: later ranges and ends are LEASE_EXPIRED. A session whose master changed or forgot
+  // this client meanwhile: RPC_FAIL; so are ranges while the client has not heard from its
+  // master for half the client TTL (the master may be expiring it).
   // OBJECT_ALREADY_EXISTS: the key exists, or this client has a session of it open.
   ErrorCode putSessionStart(const std::string& key, uint64_t size,
                             const ReplicateConfig& config = {});
@@ -364,6 +366,7 @@ class StoreClient {
     uint64_t size = 0;
     uint8_t flags = 0;
     uint64_t forgotten = 0;  // forgotten_ before PutStart
+    uint64_t token = 0;      // PutStartResponse.put_token
     std::shared_ptr<Link> link;  // the link PutStart went over (its master's epoch)
     google::protobuf::RepeatedPtrField<proto::Replica> replicas;
     std::vector<WriteTarget> targets;
@@ -460,6 +463,10 @@ class StoreClient {
   // Times a master forgot what this client had not finished (a new master, or the same one
   // expired it): put sessions started before are gone.
   std::atomic<uint64_t> forgotten_{0};
+  // When (steady clock ticks) the last heartbeat that the master answered as this client's
+  // live registration was sent: the master has not expired this client before client_ttl_ms
+  // after it.
+  std::atomic<int64_t> heard_{0};
   uint64_t registered_epoch_ = 0;  // the epoch whose master knows this client's segment
   // The last openLink met a master that refused this client's job secret: setup does not
   // retry that (the secret will not change).

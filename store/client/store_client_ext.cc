@@ -226,6 +226,15 @@ std::vector<std::vector<ErrorOr<uint64_t>>> StoreClient::batchGetRanges(
     if (step[i] == Step::kOthers) result = readRangesFrom(rl, ranges[i], todo[i], 1);
     answerRanges(rl, asked, result, ranges[i], todo[i], &out[i]);
   }
+  // The batch shares one read lease: a key that outlasted it (a slow holder of another key, or
+  // its own fallback) is read again alone, under a lease of its own.
+  for (size_t i = 0; i < n; ++i) {
+    if (step[i] == Step::kDone) continue;
+    bool lapsed = false;
+    for (const auto& o : out[i])
+      lapsed = lapsed || (!o.ok() && o.error() == ErrorCode::LEASE_EXPIRED);
+    if (lapsed) out[i] = getRanges(keys[i], ranges[i]);
+  }
   return out;
 }
 

@@ -159,18 +159,21 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
         decoded = serve<pb::PutStartRequest, pb::PutStartResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
               if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
-              auto res = putStart(q.client_id(), q.key(), q.size(), fromProto(q.config()));
+              uint64_t token = 0;
+              auto res =
+                  putStart(q.client_id(), q.key(), q.size(), fromProto(q.config()), &token);
               r.set_error_code(toInt(res.error()));
               if (res.ok())
                 for (const ReplicaPlacement& p : *res) toProto(p, r.add_replicas(), true);
               r.set_release_after_ms(std::max<uint64_t>(1, config_.put_release_timeout_ms));
+              r.set_put_token(token);
             });
         break;
       case pb::PUT_END:
         decoded = serve<pb::PutEndRequest, pb::PutEndResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
               if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
-              r.set_error_code(toInt(putEnd(q.client_id(), q.key())));
+              r.set_error_code(toInt(putEnd(q.client_id(), q.key(), q.put_token())));
             });
         break;
       case pb::PUT_REVOKE:
@@ -178,7 +181,8 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
             body, out, &call_error, [&](const auto& q, auto& r) {
               if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
               uint64_t hold = 0;
-              r.set_error_code(toInt(putRevoke(q.client_id(), q.key(), q.writes_pending(), &hold)));
+              r.set_error_code(toInt(
+                  putRevoke(q.client_id(), q.key(), q.writes_pending(), &hold, q.put_token())));
               r.set_hold(hold);
             });
         break;

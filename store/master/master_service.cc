@@ -330,7 +330,8 @@ void MasterService::destroyObjectLocked(Object* o, const TimePoint* quarantine_u
 ErrorOr<std::vector<ReplicaPlacement>> MasterService::putStart(const std::string& client_id,
                                                                const std::string& key,
                                                                uint64_t size,
-                                                               const ReplicateConfig& config) {
+                                                               const ReplicateConfig& config,
+                                                               uint64_t* token) {
   if (ErrorCode e = checkKey(key); e != ErrorCode::OK) return e;
   uint32_t replica_num = config.replica_num == 0 ? 1 : config.replica_num;
   if (size == 0 || replica_num > config_.max_replicas) return ErrorCode::INVALID_PARAMS;
@@ -365,6 +366,8 @@ ErrorOr<std::vector<ReplicaPlacement>> MasterService::putStart(const std::string
   }
 
   Object* o = createLocked(client_id, key, size, cfg, std::move(replicas), t);
+  o->put_token = next_put_token_++;
+  if (token != nullptr) *token = o->put_token;
 
   std::vector<ReplicaPlacement> out;
   out.reserve(o->replicas.size());
@@ -405,7 +408,8 @@ void MasterService::completeLocked(Object* o, TimePoint t) {
   linkLru(o, t);
 }
 
-ErrorCode MasterService::putEnd(const std::string& client_id, const std::string& key) {
+ErrorCode MasterService::putEnd(const std::string& client_id, const std::string& key,
+                                uint64_t token) {
   if (ErrorCode e = checkKey(key); e != ErrorCode::OK) return e;
   std::lock_guard<std::mutex> lock(mu_);
   TimePoint t = now();
@@ -414,6 +418,7 @@ ErrorCode MasterService::putEnd(const std::string& client_id, const std::string&
   if (it == objects_.end()) return ErrorCode::OBJECT_NOT_FOUND;
   Object* o = it->second.get();
   if (o->writer != client_id) return ErrorCode::ILLEGAL_CLIENT;
+  if (token != 0 && o->put_token != token) return ErrorCode::OBJECT_NOT_FOUND;  // not that put
   if (o->complete) return ErrorCode::OK;  // a retried PutEnd
   if (o->upsert_id != 0) return ErrorCode::INVALID_WRITE;  // an upsert's: upsertEnd ends it
   completeLocked(o, t);
@@ -422,7 +427,7 @@ ErrorCode MasterService::putEnd(const std::string& client_id, const std::string&
 }
 
 ErrorCode MasterService::putRevoke(const std::string& client_id, const std::string& key,
-                                   bool writes_pending, uint64_t* hold) {
+                                   bool writes_pending, uint64_t* hold, uint64_t token) {
   if (hold != nullptr) *hold = 0;
   if (ErrorCode e = checkKey(key); e != ErrorCode::OK) return e;
   std::lock_guard<std::mutex> lock(mu_);
@@ -431,6 +436,7 @@ ErrorCode MasterService::putRevoke(const std::string& client_id, const std::stri
   if (it == objects_.end()) return ErrorCode::OBJECT_NOT_FOUND;
   Object* o = it->second.get();
   if (o->writer != client_id) return ErrorCode::ILLEGAL_CLIENT;
+  if (token != 0 && o->put_token != token) return ErrorCode::OBJECT_NOT_FOUND;  // not that put
   if (o->complete) return ErrorCode::INVALID_WRITE;  // complete objects go through remove()
   if (o->upsert_id != 0) return ErrorCode::INVALID_WRITE;  // an upsert's: upsertRevoke
   if (writes_pending && !client_id.empty() && hold != nullptr) {

@@ -105,15 +105,19 @@ class MasterService {
   // Reserves `size` bytes on up to config.replica_num distinct segments (distinct clients first;
   // fewer replicas when fewer segments have room; a replica too large for any one segment is
   // striped). client_id may be empty (then only put_release_timeout_ms reclaims a lost put).
+  // *token (optional): names this put for putEnd / putRevoke.
   ErrorOr<std::vector<ReplicaPlacement>> putStart(const std::string& client_id,
                                                   const std::string& key, uint64_t size,
-                                                  const ReplicateConfig& config);
-  ErrorCode putEnd(const std::string& client_id, const std::string& key);
+                                                  const ReplicateConfig& config,
+                                                  uint64_t* token = nullptr);
+  // token != 0: only the put putStart named so (else OBJECT_NOT_FOUND: the key is another
+  // put's now); 0: the writer's put of the key, whichever it is.
+  ErrorCode putEnd(const std::string& client_id, const std::string& key, uint64_t token = 0);
   // writes_pending: the writer's WRITEs timed out and may still land. The key goes at once, its
   // memory stays allocated until the writer releases *hold (releaseHolds, once its writes
   // finished) or put_release_timeout_ms passed; *hold is 0 when nothing was kept.
   ErrorCode putRevoke(const std::string& client_id, const std::string& key,
-                      bool writes_pending = false, uint64_t* hold = nullptr);
+                      bool writes_pending = false, uint64_t* hold = nullptr, uint64_t token = 0);
   // A revoked put's or upsert's writer says its late writes finished: their memory is freed.
   void releaseHolds(const std::string& client_id, const std::vector<uint64_t>& holds);
 
@@ -261,6 +265,7 @@ class MasterService {
     TimePoint lease_deadline{};
     TimePoint soft_pin_deadline{};
     std::string writer;
+    uint64_t put_token = 0;  // putStart's (0: made otherwise)
     ListId list = ListId::kNone;
     std::list<Object*>::iterator lru_it;   // valid while list != kNone
     std::list<Object*>::iterator proc_it;  // valid while !complete
@@ -428,6 +433,7 @@ class MasterService {
   std::list<Object*> upserting_;  // complete objects with staged replicas, by upsert_start
   uint64_t next_upsert_id_ = 1;  // from a random base per serving term (reseedIdsLocked)
   uint64_t next_hold_ = 1;       // likewise (putRevoke's holds)
+  uint64_t next_put_token_ = 1;  // putStart's tokens
   uint64_t hard_pinned_count_ = 0;
   MasterMetrics counters_;  // counter fields only; gauges are filled in by metrics()
 

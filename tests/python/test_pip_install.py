@@ -102,8 +102,10 @@ def test_pip_install_venv_job_tools_uninstall(tmp_path):
 
     # Console scripts.
     bindir = os.path.join(venv, "bin")
-    for name in ("mooncake_master", "mooncake-kv-size", "mooncake-hitrate"):
+    for name in ("mooncake_master", "mooncake_client", "mooncake-kv-size", "mooncake-hitrate"):
         assert os.access(os.path.join(bindir, name), os.X_OK), name
+    r = _run([os.path.join(bindir, "mooncake_client"), "--version"])
+    assert r.returncode == 0 and r.stdout.strip() == "mooncake_client 0.1.0", (r.stdout, r.stderr)
     r = _run([os.path.join(bindir, "mooncake-kv-size"), "--model", "llama-3-70b", "--json"])
     assert r.returncode == 0 and '"bytes_per_token": 327680' in r.stdout, r.stderr
     r = _run([os.path.join(bindir, "mooncake-hitrate"), "--help"])

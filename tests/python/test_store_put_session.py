@@ -10,6 +10,7 @@ release timeout. And the layer-wise load's batched ranged reads (one replica-lis
 engine batch for all keys) falling back to a key's other replica when its first holder died."""
 import ctypes
 import os
+import signal
 import sys
 import time
 
@@ -194,11 +195,17 @@ def test_session_past_the_release_timeout():
         assert s.setup("127.0.0.1", "", 16 * MiB, 4 * MiB, "tcp", "", m.addr) == 0
         buf, p = registered(s, b"y" * 4096)
         assert s.batch_put_session_start(["ps/old"], [4096]) == [0]
-        # 12 s less the client's transfer deadline (10 s): ranges may start for 2 s.
+        # 12 s less the client's transfer deadline (StoreClientOptions' default, 10 s): ranges
+        # may start for 2 s.
         assert s.batch_put_from_multi_buffer_ranges(["ps/old"], [[p]], [[1024]], [[0]]) == [1024]
         time.sleep(2.5)
         assert s.batch_put_from_multi_buffer_ranges(["ps/old"], [[p]], [[4096]], [[0]]) == \
             [E.LEASE_EXPIRED]
+        # The end writes the records into the put's memory too: refused, and it revokes.
+        assert s.batch_put_session_end(["ps/old"]) == [E.LEASE_EXPIRED]
+        assert s.batch_put_session_revoke(["ps/old"]) == [E.OBJECT_NOT_FOUND]
+        assert s.is_exist("ps/old") == 0
+        assert s.batch_put_session_start(["ps/old"], [4096]) == [0]  # the key is free
         assert s.batch_put_session_revoke(["ps/old"]) == [0]
         s.close()
     finally:
@@ -236,4 +243,60 @@ def test_batched_range_reads_fall_back_to_the_other_replica():
     finally:
         a.close()
         b.close()
+        m.close()
+
+
+def test_a_put_that_took_the_key_over_is_not_ended_or_revoked_by_the_session():
+    # An unfinished put older than MC_STORE_PUT_DISCARD_TIMEOUT_S may be taken over by another
+    # put of its key, this client's own included. The session's end and revoke name their put
+    # (PutStartResponse.put_token): they must not end or drop the put that took over.
+    m = Master(env={"MC_STORE_PUT_DISCARD_TIMEOUT_S": "1"})
+    try:
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "", 16 * MiB, 4 * MiB, "tcp", "", m.addr) == 0
+        buf, p = registered(s, b"s" * 4096)
+        assert s.batch_put_session_start(["ps/t1", "ps/t2"], [4096, 4096]) == [0, 0]
+        assert s.batch_put_from_multi_buffer_ranges(["ps/t1", "ps/t2"], [[p], [p]], [[4096]] * 2,
+                                                    [[0], [0]]) == [4096, 4096]
+        time.sleep(1.3)
+        assert s.put("ps/t1", b"new value 1") == 0  # takes the key over
+        assert s.put("ps/t2", b"new value 2") == 0
+        assert s.batch_put_session_end(["ps/t1"]) == [E.OBJECT_NOT_FOUND]
+        assert s.batch_put_session_revoke(["ps/t2"]) == [E.OBJECT_NOT_FOUND]
+        assert s.get("ps/t1") == b"new value 1" and s.get("ps/t2") == b"new value 2"
+        s.close()
+    finally:
+        m.close()
+
+
+def test_ranges_wait_for_a_master_that_stopped_answering():
+    # A master silent for half the client TTL may be expiring this client (and then frees its
+    # unfinished puts' memory): ranges are refused until a heartbeat is answered again.
+    m = Master("--client-ttl-s", "2")
+    try:
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "", 16 * MiB, 4 * MiB, "tcp", "", m.addr) == 0
+        data = os.urandom(4096)
+        buf, p = registered(s, data)
+        assert s.batch_put_session_start(["ps/hb"], [4096]) == [0]
+        assert s.batch_put_from_multi_buffer_ranges(["ps/hb"], [[p]], [[1024]], [[0]]) == [1024]
+        os.kill(m.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.6)
+            assert s.batch_put_from_multi_buffer_ranges(["ps/hb"], [[p + 1024]], [[1024]],
+                                                        [[1024]]) == [E.RPC_FAIL]
+        finally:
+            os.kill(m.pid, signal.SIGCONT)
+        deadline = time.time() + 10
+        while True:  # the next heartbeat is answered
+            got = s.batch_put_from_multi_buffer_ranges(["ps/hb"], [[p + 1024]], [[3072]],
+                                                       [[1024]])
+            if got == [3072] or time.time() > deadline:
+                break
+            time.sleep(0.1)
+        assert got == [3072]
+        assert s.batch_put_session_end(["ps/hb"]) == [0]
+        assert s.get("ps/hb") == data
+        s.close()
+    finally:
         m.close()

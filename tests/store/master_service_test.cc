@@ -461,6 +461,30 @@ TEST_F(MasterTest, StalePutIsTakenOverButItsMemoryQuarantined) {
   EXPECT_TRUE(m.checkInvariants());
 }
 
+// A writer whose own stale put was taken over by its own later put of the key: PutEnd and
+// PutRevoke that name the old put (its token) touch neither; without a token they would end
+// or drop the new one.
+TEST_F(MasterTest, PutTokenNamesOnePutOfTheKey) {
+  MasterService m(cfg());  // discard after 30 s
+  mountN(m, 1, kMiB);
+  uint64_t old_token = 0, new_token = 0;
+  ASSERT_TRUE(m.putStart("w", "k", 4 * kKiB, {}, &old_token).ok());
+  ASSERT_TRUE(m.putStart("w", "k2", 4 * kKiB, {}, &new_token).ok());
+  EXPECT_NE(old_token, 0u);
+  EXPECT_NE(old_token, new_token);
+  clock_.advanceMs(31'000);
+  ASSERT_TRUE(m.heartbeat("c0").ok());
+  ASSERT_TRUE(m.putStart("w", "k", 4 * kKiB, {}, &new_token).ok()) << "took the stale put over";
+  EXPECT_EQ(m.putEnd("w", "k", old_token), ErrorCode::OBJECT_NOT_FOUND);
+  EXPECT_EQ(m.putRevoke("w", "k", false, nullptr, old_token), ErrorCode::OBJECT_NOT_FOUND);
+  EXPECT_EQ(m.getReplicaList("k").error(), ErrorCode::REPLICA_IS_NOT_READY) << "still pending";
+  ASSERT_EQ(m.putEnd("w", "k", new_token), ErrorCode::OK);
+  EXPECT_EQ(m.putEnd("w", "k", new_token), ErrorCode::OK) << "a retried PutEnd";
+  EXPECT_EQ(m.putEnd("w", "k", old_token), ErrorCode::OBJECT_NOT_FOUND) << "complete, not its";
+  EXPECT_TRUE(m.getReplicaList("k").ok());
+  EXPECT_TRUE(m.checkInvariants());
+}
+
 TEST_F(MasterTest, ForgottenPutIsReleasedByMaintenance) {
   MasterConfig c = cfg();
   c.client_ttl_ms = 10'000'000;  // the writer stays alive; only the put timeout applies

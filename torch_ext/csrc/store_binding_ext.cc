@@ -297,8 +297,10 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
             // Lists of matching lengths per key (the caller checks): get_ranges' ranges per key.
             std::vector<std::vector<int64_t>> out(keys.size());
             if (dsts.size() != keys.size() || src_offsets.size() != keys.size() ||
-                sizes.size() != keys.size())
+                sizes.size() != keys.size()) {
+              for (auto& o : out) o.assign(1, code(ErrorCode::INVALID_PARAMS));
               return out;
+            }
             std::vector<std::vector<store::StoreClient::Range>> rs(keys.size());
             for (size_t i = 0; i < keys.size(); ++i) {
               const size_t m = std::min({dsts[i].size(), src_offsets[i].size(), sizes[i].size()});

@@ -1,12 +1,20 @@
-"""``mooncake_master``: the console script that runs the store master shipped in the package.
+"""The store's console scripts.
 
-The wheel carries the C++ binary as ``mooncake/mooncake_master`` (as upstream Mooncake's wheel
-does); this replaces the Python process with it, so signals and the exit status are the
-binary's own. Usage and flags: ``mooncake_master --help`` and docs/store.md.
+``mooncake_master`` runs the store master shipped in the package. The wheel carries the C++
+binary as ``mooncake/mooncake_master`` (as upstream Mooncake's wheel does); this replaces the
+Python process with it, so signals and the exit status are the binary's own. Usage and flags:
+``mooncake_master --help`` and docs/store.md.
+
+``mooncake_client`` is upstream's standalone client that lends memory to the store (vLLM's
+``standalone-store`` mode: the serving ranks lend nothing, this process owns the pool). It takes
+upstream's flags; see ``client_main``.
 """
 
+import argparse
 import os
+import signal
 import sys
+import threading
 
 
 def master_path():
@@ -22,6 +30,78 @@ def main(argv=None):
     args = sys.argv[1:] if argv is None else list(argv)
     sys.stdout.flush()
     os.execv(path, [path] + args)
+
+
+def _flag_bool(v):
+    t = str(v).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {v!r}")
+
+
+def client_main(argv=None):
+    """``mooncake_client``: lends ``--global_segment_size`` bytes to the store of the master at
+    ``--master_server_address`` until SIGINT or SIGTERM, then unmounts and exits 0. Upstream's
+    flags, as ``--flag=value`` or ``--flag value``. Differs from upstream's: ``--host`` defaults
+    to 127.0.0.1 (the address peers reach this process at; ``host:port`` fixes the engine's
+    port); no RPC service for upstream's dummy clients is started (``--port`` and
+    ``--start_offload_rpc_server`` are accepted and unused: SGLang's ``standalone_storage``
+    mode needs it), ``--threads`` and ``--metadata_server`` are unused, SSD offload and other
+    tenants are refused and ``--enable_http_server`` is accepted with a warning (nothing
+    listens), as ``setup()`` does."""
+    ap = argparse.ArgumentParser(prog="mooncake_client", description=client_main.__doc__)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=50052)
+    ap.add_argument("--global_segment_size", default="4GB")
+    ap.add_argument("--local_buffer_size", default="0")
+    ap.add_argument("--master_server_address", default="127.0.0.1:50051")
+    ap.add_argument("--metadata_server", default="P2PHANDSHAKE")
+    ap.add_argument("--protocol", default="tcp")
+    ap.add_argument("--device_names", default="")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tenant_id", default="default")
+    for name, default in (("enable_offload", False), ("start_offload_rpc_server", True),
+                          ("enable_http_server", False)):
+        ap.add_argument("--" + name, type=_flag_bool, nargs="?", const=True, default=default)
+    ap.add_argument("--http_port", type=int, default=9300)
+    ap.add_argument("--version", action="store_true")
+    args = ap.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.version:
+        try:
+            from importlib.metadata import version
+            print(f"mooncake_client {version('mooncake')}")
+        except Exception:  # noqa: BLE001  (not installed: a build tree)
+            print("mooncake_client (build tree, not installed)")
+        return 0
+    from .store import MooncakeDistributedStore, parse_size
+    try:
+        segment = parse_size(args.global_segment_size)
+        local = parse_size(args.local_buffer_size)
+    except ValueError as e:
+        ap.error(str(e))
+    if segment <= 0:
+        ap.error("--global_segment_size must be > 0 (this process exists to lend memory)")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    st = MooncakeDistributedStore()
+    rc = st.setup(args.host, args.metadata_server, segment, local, args.protocol,
+                  args.device_names, args.master_server_address,
+                  enable_ssd_offload=args.enable_offload, tenant_id=args.tenant_id,
+                  enable_client_http_server=args.enable_http_server,
+                  client_http_port=args.http_port)
+    if rc != 0:
+        print(f"mooncake_client: setup failed ({rc}); master {args.master_server_address}",
+              file=sys.stderr)
+        return 1
+    print(f"mooncake_client ready segment={st.get_hostname()} bytes={segment} "
+          f"master={args.master_server_address}", flush=True)
+    while not stop.wait(3600):
+        pass
+    st.close()
+    return 0
 
 
 if __name__ == "__main__":
