@@ -70,7 +70,9 @@ ErrorOr<std::unique_ptr<StoreClient>> StoreClient::create(engine::TransferEngine
     if (rdv != nullptr && options.publish_engine && !engine->publish(*rdv).ok())
       return ErrorCode::RPC_FAIL;
     link->epoch = local_master->epoch();
+    const int64_t sent = Clock::now().time_since_epoch().count();
     if (ErrorCode ec = c->mount(*link, false); ec != ErrorCode::OK) return ec;
+    c->heard_ = sent;  // (the mount registered it)
     c->registered_epoch_ = c->reported_epoch_ = link->epoch;
     c->link_ = std::move(link);
   } else {
@@ -678,7 +680,10 @@ void StoreClient::heartbeatLoop() {
     if (ec == ErrorCode::OK && info.epoch == link->epoch && !resp.need_remount()) heard_ = sent;
     if (ec == ErrorCode::OK && (resp.need_remount() || info.epoch != link->epoch)) {
       std::lock_guard<std::mutex> reg(register_mu_);
-      if (registerWith(*link, resp.need_remount(), info.epoch) != ErrorCode::OK) markBroken(link);
+      if (registerWith(*link, resp.need_remount(), info.epoch) != ErrorCode::OK)
+        markBroken(link);
+      else
+        heard_ = sent;
     } else if (ec == ErrorCode::UNAVAILABLE_IN_CURRENT_MODE ||
                (ec == ErrorCode::RPC_FAIL && info.master_dead)) {
       markBroken(link);

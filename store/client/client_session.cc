@@ -34,6 +34,19 @@ void addCovered(std::map<uint64_t, uint64_t>* m, uint64_t a, uint64_t b) {
 
 }  // namespace
 
+ErrorCode StoreClient::mayWrite(const PutSession& s) const {
+  const auto now = Clock::now();
+  if (now > s.write_until) return ErrorCode::LEASE_EXPIRED;
+  // A master that changed or forgot this client since PutStart may have placed other objects
+  // where this one was to go; one that has not answered a heartbeat for half its client TTL
+  // may be expiring this client (it then frees its unfinished puts' memory at once).
+  if (forgotten_.load() != s.forgotten) return ErrorCode::RPC_FAIL;
+  if (now - Clock::time_point(Clock::duration(heard_.load())) >=
+      std::chrono::milliseconds(client_ttl_ms_.load() / 2))
+    return ErrorCode::RPC_FAIL;
+  return ErrorCode::OK;
+}
+
 ErrorCode StoreClient::putSessionStart(const std::string& key, uint64_t size,
                                        const ReplicateConfig& config) {
   if (closed_) return ErrorCode::INVALID_PARAMS;
@@ -64,8 +77,11 @@ ErrorCode StoreClient::putSessionStart(const std::string& key, uint64_t size,
     // expired it): the master that placed the put may not know it any more. Revoke it where
     // it may still be (its token: nothing else of the key) and start again.
     s->token = ps.put_token();
-    (void)revokeSession(key, *s);
+    const ErrorCode rv = revokeSession(key, *s);
     ec = ErrorCode::RPC_FAIL;
+    // A revoke that did not get through leaves that put where it is: starting again would
+    // meet it (OBJECT_ALREADY_EXISTS, while nothing is readable).
+    if (rv != ErrorCode::OK && rv != ErrorCode::OBJECT_NOT_FOUND) break;
   }
   if (ec == ErrorCode::OK) {
     s->token = ps.put_token();
@@ -121,11 +137,6 @@ std::vector<ErrorOr<uint64_t>> StoreClient::putSessionRanges(
   }
   // Plans each key's writes; a key that fails here writes nothing.
   std::vector<engine::TransferRequest> reqs;
-  const auto now = Clock::now();
-  // A master that has not answered a heartbeat for half its client TTL may be expiring this
-  // client, and then frees its unfinished puts' memory at once.
-  const bool heard = now - Clock::time_point(Clock::duration(heard_.load())) <
-                     std::chrono::milliseconds(client_ttl_ms_.load() / 2);
   for (Item& it : items) {
     const PutSession& s = *it.s;
     const auto& rs = ranges[it.index];
@@ -136,11 +147,8 @@ std::vector<ErrorOr<uint64_t>> StoreClient::putSessionRanges(
         ec = ErrorCode::INVALID_PARAMS;
       it.bytes += r.length;
     }
-    if (ec == ErrorCode::OK && now > s.write_until) ec = ErrorCode::LEASE_EXPIRED;
-    // A master that changed or forgot this client since PutStart may have placed other objects
-    // where this one was to go.
-    if (ec == ErrorCode::OK && (forgotten_.load() != s.forgotten || !heard))
-      ec = ErrorCode::RPC_FAIL;
+    // Checked before each key's planning: it copies the pieces in this client's own segment.
+    if (ec == ErrorCode::OK) ec = mayWrite(s);
     it.first_req = reqs.size();
     for (int rep = 0; ec == ErrorCode::OK && rep < s.replicas.size(); ++rep)
       for (const SourceRange& r : rs) {
@@ -158,15 +166,16 @@ std::vector<ErrorOr<uint64_t>> StoreClient::putSessionRanges(
   // Planning may have waited (a peer's handshake): a key whose time ran out meanwhile sends
   // nothing. (Its pieces in this client's own segment were copied while planning; write_until
   // leaves a transfer deadline before the master may reuse the memory.)
-  const auto planned = Clock::now();
-  if (std::any_of(items.begin(), items.end(), [&](const Item& it) {
-        return it.bytes > 0 && planned > it.s->write_until;
-      })) {
+  std::vector<ErrorCode> late(items.size(), ErrorCode::OK);
+  for (size_t k = 0; k < items.size(); ++k)
+    if (items[k].bytes > 0) late[k] = mayWrite(*items[k].s);
+  if (std::any_of(late.begin(), late.end(), [](ErrorCode e) { return e != ErrorCode::OK; })) {
     std::vector<engine::TransferRequest> kept;
-    for (Item& it : items) {
+    for (size_t k = 0; k < items.size(); ++k) {
+      Item& it = items[k];
       const size_t first = kept.size();
-      if (it.bytes > 0 && planned > it.s->write_until) {
-        out[it.index] = ErrorCode::LEASE_EXPIRED;
+      if (late[k] != ErrorCode::OK) {
+        out[it.index] = late[k];
         it.bytes = 0;
       } else {
         kept.insert(kept.end(), reqs.begin() + it.first_req, reqs.begin() + it.end_req);
@@ -289,7 +298,13 @@ ErrorCode StoreClient::putSessionEnd(const std::string& key) {
   };
   if (s->failed != ErrorCode::OK) return fail(s->failed);
   // The records are writes into the put's memory too.
-  if (Clock::now() > s->write_until) return fail(ErrorCode::LEASE_EXPIRED);
+  if (ErrorCode ec = mayWrite(*s); ec == ErrorCode::LEASE_EXPIRED) {
+    return fail(ec);
+  } else if (ec != ErrorCode::OK) {
+    std::lock_guard<std::mutex> g(sessions_mu_);
+    s->ending = false;  // not now (no heartbeat answered lately): the caller may try again
+    return ec;
+  }
   {
     std::lock_guard<std::mutex> g(sessions_mu_);
     if (s->written.size() != 1 || s->written.begin()->first != 0 ||

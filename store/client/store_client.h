@@ -378,6 +378,9 @@ class StoreClient {
     std::shared_ptr<LateHold> hold;
     std::weak_ptr<void> late_owner;
   };
+  // OK when the session may write into its put's memory now: LEASE_EXPIRED past write_until,
+  // RPC_FAIL when its master forgot this client or may be expiring it.
+  ErrorCode mayWrite(const PutSession& s) const;
   // Takes the key's session for an end or revoke once no range writes into it; null (and
   // *why) when there is none.
   std::shared_ptr<PutSession> claimSession(const std::string& key, ErrorCode* why);

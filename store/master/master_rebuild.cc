@@ -48,6 +48,7 @@ void MasterService::reseedIdsLocked() {
   next_slab_id_ = base();
   next_upsert_id_ = base();
   next_hold_ = base();
+  next_put_token_ = base();  // a PutEnd retried onto a new master names no put of its own
 }
 
 void MasterService::startServing(uint64_t epoch) {

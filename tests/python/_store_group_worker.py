@@ -26,6 +26,20 @@ for r in range(world):
     assert torch.equal(s.get_tensor(f"t{r}"), torch.full((64,), float(r)))
 assert s.get("nobody") == b""
 assert s.is_exist(f"rank{(rank + 1) % world}") == 1
+# A put session right away (rank 0's client shares the embedded master: no heartbeat yet).
+if rank == 0:
+    import ctypes
+    src = (ctypes.c_ubyte * 8192).from_buffer_copy(bytes(range(256)) * 32)
+    p = ctypes.addressof(src)
+    assert s.register_buffer(p, 8192) == 0
+    assert s.batch_put_session_start(["sess"], [8192]) == [0]
+    assert s.batch_put_from_multi_buffer_ranges(["sess"], [[p + 4096]], [[4096]],
+                                                [[4096]]) == [4096]
+    assert s.batch_put_session_end(["sess"]) == [ErrorCode.INVALID_WRITE]  # half of it
+    assert s.batch_put_from_multi_buffer_ranges(["sess"], [[p]], [[4096]], [[0]]) == [4096]
+    assert s.batch_put_session_end(["sess"]) == [0]
+dist.barrier()
+assert s.get("sess") == bytes(range(256)) * 32
 dist.barrier()
 s.close()
 dist.destroy_process_group()

@@ -30,10 +30,11 @@ def test_lends_its_segment_until_sigterm():
     m = Master()
     p = None
     try:
-        # Upstream's spellings: sizes with a space, a bare boolean flag, an explicit false.
-        p = start("--global_segment_size=64 MB", f"--master_server_address={m.addr}",
+        # Upstream's (gflags) spellings: sizes with a space, a single dash, a bare boolean
+        # flag, --noflag, an explicit false.
+        p = start("--global_segment_size=64 MB", f"-master_server_address={m.addr}",
                   "--protocol", "tcp", "--port=50052", "--metadata_server=http://x:8080/metadata",
-                  "--start_offload_rpc_server", "--enable_offload=false")
+                  "--start_offload_rpc_server", "--noenable_http_server", "--enable_offload=false")
         line = p.stdout.readline()
         assert line.startswith("mooncake_client ready segment=127.0.0.1:"), \
             line + p.stderr.read()
@@ -69,6 +70,8 @@ def test_lends_its_segment_until_sigterm():
     (["--global_segment_size=0"], "must be > 0"),
     (["--global_segment_size=lots"], "bad size"),
     (["--enable_offload=maybe"], "not a boolean"),
+    (["--host=0.0.0.0"], "other processes reach"),
+    (["--glob=16MB"], "unrecognized arguments"),  # no abbreviations, as gflags
 ])
 def test_refused_flags(flags, says):
     m = Master()

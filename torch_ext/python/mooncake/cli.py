@@ -14,7 +14,6 @@ import argparse
 import os
 import signal
 import sys
-import threading
 
 
 def master_path():
@@ -41,17 +40,35 @@ def _flag_bool(v):
     raise argparse.ArgumentTypeError(f"not a boolean: {v!r}")
 
 
+_CLIENT_BOOLS = ("enable_offload", "start_offload_rpc_server", "enable_http_server")
+
+
+def _gflags_style(args):
+    """Upstream's flags are gflags: ``-flag`` as ``--flag``, ``--noflag`` for a false boolean."""
+    out = []
+    for a in args:
+        if a.startswith("-") and not a.startswith("--") and len(a) > 2:
+            a = "-" + a
+        name = a[2:].split("=", 1)[0] if a.startswith("--") else ""
+        if name.startswith("no") and name[2:] in _CLIENT_BOOLS and "=" not in a:
+            a = f"--{name[2:]}=false"
+        out.append(a)
+    return out
+
+
 def client_main(argv=None):
     """``mooncake_client``: lends ``--global_segment_size`` bytes to the store of the master at
     ``--master_server_address`` until SIGINT or SIGTERM, then unmounts and exits 0. Upstream's
-    flags, as ``--flag=value`` or ``--flag value``. Differs from upstream's: ``--host`` defaults
-    to 127.0.0.1 (the address peers reach this process at; ``host:port`` fixes the engine's
-    port); no RPC service for upstream's dummy clients is started (``--port`` and
-    ``--start_offload_rpc_server`` are accepted and unused: SGLang's ``standalone_storage``
-    mode needs it), ``--threads`` and ``--metadata_server`` are unused, SSD offload and other
-    tenants are refused and ``--enable_http_server`` is accepted with a warning (nothing
-    listens), as ``setup()`` does."""
-    ap = argparse.ArgumentParser(prog="mooncake_client", description=client_main.__doc__)
+    flags (gflags style: ``--flag=value``, ``-flag``, a bare ``--flag`` or ``--noflag`` for a
+    boolean). Differs from upstream's: ``--host`` defaults to 127.0.0.1 and must be an address
+    peers reach this process at (0.0.0.0 is refused; ``host:port`` fixes the engine's port); no
+    RPC service for upstream's dummy clients is started, so SGLang's ``standalone_storage``
+    mode does not work (``--port`` and ``--start_offload_rpc_server`` are accepted and unused);
+    ``--threads`` and ``--metadata_server`` are unused; SSD offload and other tenants are
+    refused, and ``--enable_http_server`` is accepted with a warning (nothing listens), as
+    ``setup()`` does."""
+    ap = argparse.ArgumentParser(prog="mooncake_client", description=client_main.__doc__,
+                                 allow_abbrev=False)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=50052)
     ap.add_argument("--global_segment_size", default="4GB")
@@ -62,12 +79,11 @@ def client_main(argv=None):
     ap.add_argument("--device_names", default="")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tenant_id", default="default")
-    for name, default in (("enable_offload", False), ("start_offload_rpc_server", True),
-                          ("enable_http_server", False)):
+    for name, default in zip(_CLIENT_BOOLS, (False, True, False)):
         ap.add_argument("--" + name, type=_flag_bool, nargs="?", const=True, default=default)
     ap.add_argument("--http_port", type=int, default=9300)
     ap.add_argument("--version", action="store_true")
-    args = ap.parse_args(sys.argv[1:] if argv is None else list(argv))
+    args = ap.parse_args(_gflags_style(sys.argv[1:] if argv is None else list(argv)))
     if args.version:
         try:
             from importlib.metadata import version
@@ -83,9 +99,12 @@ def client_main(argv=None):
         ap.error(str(e))
     if segment <= 0:
         ap.error("--global_segment_size must be > 0 (this process exists to lend memory)")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    if args.host.partition(":")[0] in ("0.0.0.0", "::", ""):
+        ap.error(f"--host {args.host!r}: give the address other processes reach this one at "
+                 "(it names the segment)")
+    # SIGINT and SIGTERM are taken with sigwait below, in this thread only (a handler could
+    # run while the main thread holds a lock it needs).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     st = MooncakeDistributedStore()
     rc = st.setup(args.host, args.metadata_server, segment, local, args.protocol,
                   args.device_names, args.master_server_address,
@@ -98,8 +117,7 @@ def client_main(argv=None):
         return 1
     print(f"mooncake_client ready segment={st.get_hostname()} bytes={segment} "
           f"master={args.master_server_address}", flush=True)
-    while not stop.wait(3600):
-        pass
+    signal.sigwait({signal.SIGINT, signal.SIGTERM})
     st.close()
     return 0
 

@@ -140,8 +140,9 @@ class MooncakeDistributedStore(TensorApi):
         ``MC_STORE_CLUSTER_ID``, followed across failovers (docs/store.md, "Failover").
         ``metadata_server`` is accepted and unused (the master is the metadata service);
         ``rdma_devices`` limits the NICs of the engine this client creates (``MC_RDMA_DEVICES``;
-        a shared ``engine`` keeps its own). SSD offload, tenants other than
-        "default" and the client HTTP server are not in this store: asking for them fails."""
+        a shared ``engine`` keeps its own). SSD offload and tenants other than "default" are
+        not in this store: asking for them fails. Nor is the client HTTP server: asking for it
+        logs a warning and nothing listens on ``client_http_port``."""
         if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
             return self._setup_dict(args[0])
         if len(args) > len(_SETUP_NAMES):
