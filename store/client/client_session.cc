@@ -47,62 +47,103 @@ ErrorCode StoreClient::mayWrite(const PutSession& s) const {
   return ErrorCode::OK;
 }
 
-ErrorCode StoreClient::putSessionStart(const std::string& key, uint64_t size,
-                                       const ReplicateConfig& config) {
-  if (closed_) return ErrorCode::INVALID_PARAMS;
-  if (ErrorCode ec = checkKey(key); ec != ErrorCode::OK) return ec;
-  if (size == 0 || config.replica_num > 16) return ErrorCode::INVALID_PARAMS;
-  auto s = std::make_shared<PutSession>();
-  {
+std::vector<ErrorCode> StoreClient::putSessionStart(const std::vector<std::string>& keys,
+                                                    const std::vector<uint64_t>& sizes,
+                                                    const ReplicateConfig& config) {
+  const size_t n = keys.size();
+  std::vector<ErrorCode> out(n, ErrorCode::INVALID_PARAMS);
+  if (closed_ || sizes.size() != n) return out;
+  // Each key's session is reserved (not ready) while its PutStart runs.
+  std::vector<std::shared_ptr<PutSession>> ss(n);
+  std::vector<size_t> todo;
+  for (size_t i = 0; i < n; ++i) {
+    if (ErrorCode ec = checkKey(keys[i]); ec != ErrorCode::OK) {
+      out[i] = ec;
+      continue;
+    }
+    if (sizes[i] == 0 || config.replica_num > 16) continue;  // INVALID_PARAMS
+    auto s = std::make_shared<PutSession>();
+    s->size = sizes[i];
+    s->flags = recordFlagsOf(config);
     std::lock_guard<std::mutex> g(sessions_mu_);
-    if (!put_sessions_.emplace(key, s).second) return ErrorCode::OBJECT_ALREADY_EXISTS;
+    if (!put_sessions_.emplace(keys[i], s).second) {
+      out[i] = ErrorCode::OBJECT_ALREADY_EXISTS;  // (a key twice in the batch, too)
+      continue;
+    }
+    ss[i] = std::move(s);
+    todo.push_back(i);
   }
-  s->size = size;
-  s->flags = recordFlagsOf(config);
-  proto::PutStartRequest req;
-  req.set_client_id(client_id_);
-  req.set_key(key);
-  req.set_size(size);
-  toProto(config, req.mutable_config());
-  proto::PutStartResponse ps;
-  auto asked = Clock::now();
-  ErrorCode ec = ErrorCode::RPC_FAIL;
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    s->forgotten = forgotten_.load();
-    asked = Clock::now();
-    ec = callMaster(proto::PUT_START, req, &ps, false, &s->link);
-    if (ec == ErrorCode::OK) ec = errorCodeFromInt(ps.error_code());
-    if (ec != ErrorCode::OK || forgotten_.load() == s->forgotten) break;
-    // This client registered again while PutStart ran (a new master, or the same one had
-    // expired it): the master that placed the put may not know it any more. Revoke it where
-    // it may still be (its token: nothing else of the key) and start again.
-    s->token = ps.put_token();
-    const ErrorCode rv = revokeSession(key, *s);
-    ec = ErrorCode::RPC_FAIL;
-    // A revoke that did not get through leaves that put where it is: starting again would
-    // meet it (OBJECT_ALREADY_EXISTS, while nothing is readable).
-    if (rv != ErrorCode::OK && rv != ErrorCode::OBJECT_NOT_FOUND) break;
-  }
-  if (ec == ErrorCode::OK) {
-    s->token = ps.put_token();
-    ec = targetsOf(ps.replicas(), key, size, &s->targets);
-    if (ec != ErrorCode::OK) (void)revokeSession(key, *s, s->link);  // a placement we cannot use
-  }
-  if (ec != ErrorCode::OK) {
-    dropSession(key, s);
-    return ec;
-  }
-  s->replicas = std::move(*ps.mutable_replicas());
-  // The master may take an unfinished put's memory back release_after_ms after its start: the
-  // last range must have started a transfer deadline before that.
-  s->write_until = Clock::time_point::max();
-  if (ps.release_after_ms() > 0) {
-    const int64_t ms = static_cast<int64_t>(ps.release_after_ms()) - options_.transfer_timeout_ms;
-    s->write_until = asked + std::chrono::milliseconds(std::max<int64_t>(0, ms));
+  for (int attempt = 0; attempt < 2 && !todo.empty(); ++attempt) {
+    proto::BatchPutStartRequest req;
+    req.set_client_id(client_id_);
+    for (size_t i : todo) {
+      proto::PutStartRequest* one = req.add_puts();
+      one->set_key(keys[i]);
+      one->set_size(sizes[i]);
+      toProto(config, one->mutable_config());
+    }
+    proto::BatchPutStartResponse resp;
+    std::shared_ptr<Link> link;
+    const uint64_t forgotten = forgotten_.load();
+    const auto asked = Clock::now();
+    ErrorCode ec = callMaster(proto::BATCH_PUT_START, req, &resp, false, &link);
+    if (ec == ErrorCode::OK) ec = errorCodeFromInt(resp.error_code());
+    if (ec == ErrorCode::OK && resp.results_size() != static_cast<int>(todo.size()))
+      ec = ErrorCode::RPC_FAIL;
+    if (ec != ErrorCode::OK) {
+      for (size_t i : todo) out[i] = ec;
+      break;
+    }
+    // This client registered again while the call ran (a new master, or the same one had
+    // expired it): the master that placed the puts may not know them any more. Revoke each
+    // where it may still be (its token: nothing else of the key) and start again.
+    const bool again = forgotten_.load() != forgotten;
+    std::vector<size_t> retry;
+    for (size_t k = 0; k < todo.size(); ++k) {
+      const size_t i = todo[k];
+      PutSession& s = *ss[i];
+      const proto::PutStartResponse& r = resp.results(static_cast<int>(k));
+      out[i] = errorCodeFromInt(r.error_code());
+      if (out[i] != ErrorCode::OK) continue;
+      s.token = r.put_token();
+      s.link = link;
+      s.forgotten = forgotten;
+      if (again) {
+        // A revoke that did not get through leaves that put where it is: starting again
+        // would meet it (OBJECT_ALREADY_EXISTS, while nothing is readable).
+        const ErrorCode rv = revokeSession(keys[i], s);
+        out[i] = ErrorCode::RPC_FAIL;
+        if (rv == ErrorCode::OK || rv == ErrorCode::OBJECT_NOT_FOUND) retry.push_back(i);
+        continue;
+      }
+      out[i] = targetsOf(r.replicas(), keys[i], s.size, &s.targets);
+      if (out[i] != ErrorCode::OK) {
+        (void)revokeSession(keys[i], s, link);  // a placement we cannot use
+        continue;
+      }
+      s.replicas = r.replicas();
+      // The master may take an unfinished put's memory back release_after_ms after its
+      // start: the last write must have started a transfer deadline before that.
+      s.write_until = Clock::time_point::max();
+      if (r.release_after_ms() > 0) {
+        const int64_t ms =
+            static_cast<int64_t>(r.release_after_ms()) - options_.transfer_timeout_ms;
+        s.write_until = asked + std::chrono::milliseconds(std::max<int64_t>(0, ms));
+      }
+    }
+    todo.swap(retry);
   }
   std::lock_guard<std::mutex> g(sessions_mu_);
-  s->ready = true;
-  return ErrorCode::OK;
+  for (size_t i = 0; i < n; ++i) {
+    if (ss[i] == nullptr) continue;
+    if (out[i] == ErrorCode::OK) {
+      ss[i]->ready = true;
+    } else {
+      auto it = put_sessions_.find(keys[i]);
+      if (it != put_sessions_.end() && it->second == ss[i]) put_sessions_.erase(it);
+    }
+  }
+  return out;
 }
 
 std::vector<ErrorOr<uint64_t>> StoreClient::putSessionRanges(
@@ -282,77 +323,141 @@ ErrorCode StoreClient::putSessionRevoke(const std::string& key) {
   return ec;
 }
 
-ErrorCode StoreClient::putSessionEnd(const std::string& key) {
-  if (closed_) return ErrorCode::INVALID_PARAMS;
-  ErrorCode why = ErrorCode::OK;
-  std::shared_ptr<PutSession> s = claimSession(key, &why);
-  if (s == nullptr) return why;
-  if (forgotten_.load() != s->forgotten) {
-    dropSession(key, s);
-    return ErrorCode::RPC_FAIL;
-  }
-  auto fail = [&](ErrorCode ec) {
-    (void)revokeSession(key, *s);
-    dropSession(key, s);
-    return ec;
+std::vector<ErrorCode> StoreClient::putSessionEnd(const std::vector<std::string>& keys) {
+  const size_t n = keys.size();
+  std::vector<ErrorCode> out(n, ErrorCode::INVALID_PARAMS);
+  if (closed_) return out;
+  struct End {
+    size_t index;
+    std::shared_ptr<PutSession> s;
+    uint64_t put_id = 0;
+    size_t first_req = 0, end_req = 0;
   };
-  if (s->failed != ErrorCode::OK) return fail(s->failed);
-  // The records are writes into the put's memory too.
-  if (ErrorCode ec = mayWrite(*s); ec == ErrorCode::LEASE_EXPIRED) {
-    return fail(ec);
-  } else if (ec != ErrorCode::OK) {
+  std::vector<End> ends;
+  auto fail = [&](size_t i, const std::shared_ptr<PutSession>& s, ErrorCode ec) {
+    (void)revokeSession(keys[i], *s);
+    dropSession(keys[i], s);
+    out[i] = ec;
+  };
+  auto keep_open = [&](size_t i, const std::shared_ptr<PutSession>& s, ErrorCode ec) {
     std::lock_guard<std::mutex> g(sessions_mu_);
-    s->ending = false;  // not now (no heartbeat answered lately): the caller may try again
-    return ec;
-  }
-  {
-    std::lock_guard<std::mutex> g(sessions_mu_);
-    if (s->written.size() != 1 || s->written.begin()->first != 0 ||
-        s->written.begin()->second != s->size) {
-      s->ending = false;  // the caller may write the rest, or revoke
-      return ErrorCode::INVALID_WRITE;
+    s->ending = false;  // the caller may write the rest, try again later, or revoke
+    sessions_cv_.notify_all();
+    out[i] = ec;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    ErrorCode why = ErrorCode::OK;
+    std::shared_ptr<PutSession> s = claimSession(keys[i], &why);
+    if (s == nullptr) {
+      out[i] = why;  // (a key twice in the batch: OBJECT_NOT_FOUND the second time)
+      continue;
     }
+    if (forgotten_.load() != s->forgotten) {  // the master forgot the put: nothing to revoke
+      dropSession(keys[i], s);
+      out[i] = ErrorCode::RPC_FAIL;
+      continue;
+    }
+    if (s->failed != ErrorCode::OK) {
+      fail(i, s, s->failed);
+      continue;
+    }
+    // The records are writes into the put's memory too.
+    if (ErrorCode ec = mayWrite(*s); ec == ErrorCode::LEASE_EXPIRED) {
+      fail(i, s, ec);
+      continue;
+    } else if (ec != ErrorCode::OK) {
+      keep_open(i, s, ec);  // no heartbeat answered lately
+      continue;
+    }
+    bool whole;
+    {
+      std::lock_guard<std::mutex> g(sessions_mu_);
+      whole = s->written.size() == 1 && s->written.begin()->first == 0 &&
+              s->written.begin()->second == s->size;
+    }
+    if (!whole) {
+      keep_open(i, s, ErrorCode::INVALID_WRITE);
+      continue;
+    }
+    ends.push_back({i, std::move(s)});
   }
-  // The records (each piece's, as a put writes them with its bytes), then PutEnd, then the
-  // commit words: a new master rebuilds the object only from committed records.
-  const uint64_t put_id = newPutId();
+  // The records of every piece (as a put writes them with its bytes) in one engine batch,
+  // then one BatchPutEnd, then the commit words: a new master rebuilds an object only from
+  // committed records.
+  size_t pieces = 0;
+  for (const End& e : ends) pieces += e.s->targets.size();
   std::vector<std::string> records;
-  records.reserve(s->targets.size());
+  records.reserve(pieces);  // pointers into it stay valid
   std::vector<engine::TransferRequest> reqs;
-  for (const WriteTarget& t : s->targets) {
-    if (t.record_address == 0) continue;
-    records.emplace_back();
-    recordOf(t, key, put_id, s->size, s->flags, &records.back());
-    std::string& rec = records.back();
-    auto peer = peerFor(t.client_id);
-    if (!peer.ok()) {
-      forgetPeer(t.client_id);
-      return fail(ErrorCode::TRANSFER_FAIL);
+  std::vector<End> written;
+  for (End& e : ends) {
+    const size_t i = e.index;
+    e.put_id = newPutId();
+    e.first_req = reqs.size();
+    ErrorCode ec = ErrorCode::OK;
+    for (const WriteTarget& t : e.s->targets) {
+      if (t.record_address == 0) continue;
+      records.emplace_back();
+      recordOf(t, keys[i], e.put_id, e.s->size, e.s->flags, &records.back());
+      std::string& rec = records.back();
+      auto peer = peerFor(t.client_id);
+      if (!peer.ok()) {
+        forgetPeer(t.client_id);
+        ec = ErrorCode::TRANSFER_FAIL;
+      } else if (*peer != engine::kInvalidPeer) {
+        reqs.push_back({engine::OpCode::kWrite, rec.data(), rec.size(), *peer, t.record_address});
+      } else if (!inOwnSegment(t.record_address, rec.size())) {
+        ec = ErrorCode::INVALID_REPLICA;
+      } else {
+        ec = copySegment(reinterpret_cast<void*>(t.record_address), rec.data(), rec.size());
+      }
+      if (ec != ErrorCode::OK) break;
     }
-    if (*peer == engine::kInvalidPeer) {
-      if (!inOwnSegment(t.record_address, rec.size())) return fail(ErrorCode::INVALID_REPLICA);
-      if (ErrorCode ec = copySegment(reinterpret_cast<void*>(t.record_address), rec.data(),
-                                     rec.size());
-          ec != ErrorCode::OK)
-        return fail(ec);
-    } else {
-      reqs.push_back({engine::OpCode::kWrite, rec.data(), rec.size(), *peer, t.record_address});
+    if (ec != ErrorCode::OK) {
+      reqs.resize(e.first_req);
+      fail(i, e.s, ec);
+      continue;
     }
+    e.end_req = reqs.size();
+    written.push_back(std::move(e));
   }
-  if (!reqs.empty() && !transferHeld(reqs, heldLate(heldWith(records, nullptr), {}, &s->hold)).ok())
-    return fail(ErrorCode::TRANSFER_FAIL);
-  proto::PutEndRequest pe;
-  pe.set_client_id(client_id_);
-  pe.set_key(key);
-  pe.set_put_token(s->token);  // not another put of the key that took it over meanwhile
-  proto::PutEndResponse per;
+  std::shared_ptr<LateHold> hold;  // made if the records' writes time out
+  std::vector<Status> st = transferEach(reqs, heldLate(heldWith(records, nullptr), {}, &hold));
+  ends.clear();
+  for (End& e : written) {
+    bool ok = true;
+    for (size_t r = e.first_req; r < e.end_req; ++r) ok = ok && st[r].ok();
+    if (!ok) {
+      e.s->hold = hold;  // (null when they failed without timing out)
+      fail(e.index, e.s, ErrorCode::TRANSFER_FAIL);
+      continue;
+    }
+    ends.push_back(std::move(e));
+  }
+  if (ends.empty()) return out;
+  proto::BatchPutEndRequest req;
+  req.set_client_id(client_id_);
+  for (const End& e : ends) {
+    proto::PutEndRequest* one = req.add_puts();
+    one->set_key(keys[e.index]);
+    one->set_put_token(e.s->token);  // not another put of the key that took it over meanwhile
+  }
+  proto::BatchPutEndResponse resp;
   std::shared_ptr<Link> end_link;
-  ErrorCode ec = callMaster(proto::PUT_END, pe, &per, true, &end_link);  // (as putClassic's)
-  if (ec == ErrorCode::OK) ec = errorCodeFromInt(per.error_code());
-  dropSession(key, s);
-  if (ec != ErrorCode::OK) return ec;
-  if (end_link->epoch != s->link->epoch) return ErrorCode::RPC_FAIL;
-  return commit(s->targets, put_id, end_link);
+  // Retried like PutEnd (a second end of an ended put with its token is OK).
+  ErrorCode ec = callMaster(proto::BATCH_PUT_END, req, &resp, true, &end_link);
+  if (ec == ErrorCode::OK) ec = errorCodeFromInt(resp.error_code());
+  if (ec == ErrorCode::OK && resp.results_size() != static_cast<int>(ends.size()))
+    ec = ErrorCode::RPC_FAIL;
+  for (size_t k = 0; k < ends.size(); ++k) {
+    const End& e = ends[k];
+    dropSession(keys[e.index], e.s);
+    ErrorCode r = ec != ErrorCode::OK ? ec : errorCodeFromInt(resp.results(k).error_code());
+    // Ended by another master (another epoch): the put it started is not the one that ended.
+    if (r == ErrorCode::OK && end_link->epoch != e.s->link->epoch) r = ErrorCode::RPC_FAIL;
+    out[e.index] = r == ErrorCode::OK ? commit(e.s->targets, e.put_id, end_link) : r;
+  }
+  return out;
 }
 
 }  // namespace mooncake::store

@@ -151,8 +151,10 @@ class StoreClient {
   // this client meanwhile: RPC_FAIL; so are ranges while the client has not heard from its
   // master for half the client TTL (the master may be expiring it).
   // OBJECT_ALREADY_EXISTS: the key exists, or this client has a session of it open.
-  ErrorCode putSessionStart(const std::string& key, uint64_t size,
-                            const ReplicateConfig& config = {});
+  // One master call for every key (BatchPutStart); per key.
+  std::vector<ErrorCode> putSessionStart(const std::vector<std::string>& keys,
+                                         const std::vector<uint64_t>& sizes,
+                                         const ReplicateConfig& config = {});
   struct SourceRange {
     const void* src;
     uint64_t dst_offset;  // where in the object
@@ -165,9 +167,11 @@ class StoreClient {
   // then only be revoked; ending it revokes it too).
   std::vector<ErrorOr<uint64_t>> putSessionRanges(
       const std::vector<std::string>& keys, const std::vector<std::vector<SourceRange>>& ranges);
-  // Publishes the object. INVALID_WRITE: some bytes of it were never written (the session
-  // stays open). Any other failure ends the session (revoked when the master still has it).
-  ErrorCode putSessionEnd(const std::string& key);
+  // Publishes the objects: the records of all in one engine batch, one BatchPutEnd, the
+  // commit words. Per key: INVALID_WRITE when some bytes of it were never written, RPC_FAIL
+  // when no heartbeat was answered lately (the session stays open for both); any other
+  // failure ends the session (revoked when the master still has it).
+  std::vector<ErrorCode> putSessionEnd(const std::vector<std::string>& keys);
   ErrorCode putSessionRevoke(const std::string& key);
 
   // ---- reads ----

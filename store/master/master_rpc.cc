@@ -12,7 +12,7 @@ namespace mooncake::store {
 
 namespace pb = ::mooncake::store::proto;
 
-static_assert(pb::Method_ARRAYSIZE == 22, "update MasterService::kRpcMethods");
+static_assert(pb::Method_ARRAYSIZE == 24, "update MasterService::kRpcMethods");
 
 namespace {
 
@@ -97,6 +97,17 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
     return caller != nullptr && claimed != *caller;
   };
   constexpr int32_t kIllegal = static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT);
+  // PUT_START and each put of a BATCH_PUT_START.
+  auto put_start = [this](const std::string& client_id, const pb::PutStartRequest& q,
+                          pb::PutStartResponse* r) {
+    uint64_t token = 0;
+    auto res = putStart(client_id, q.key(), q.size(), fromProto(q.config()), &token);
+    r->set_error_code(toInt(res.error()));
+    if (res.ok())
+      for (const ReplicaPlacement& p : *res) toProto(p, r->add_replicas(), true);
+    r->set_release_after_ms(std::max<uint64_t>(1, config_.put_release_timeout_ms));
+    r->set_put_token(token);
+  };
   pb::ResponseEnvelope resp;
   int method_index = -1;
   int32_t call_error = 0;
@@ -159,14 +170,25 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
         decoded = serve<pb::PutStartRequest, pb::PutStartResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
               if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
-              uint64_t token = 0;
-              auto res =
-                  putStart(q.client_id(), q.key(), q.size(), fromProto(q.config()), &token);
-              r.set_error_code(toInt(res.error()));
-              if (res.ok())
-                for (const ReplicaPlacement& p : *res) toProto(p, r.add_replicas(), true);
-              r.set_release_after_ms(std::max<uint64_t>(1, config_.put_release_timeout_ms));
-              r.set_put_token(token);
+              put_start(q.client_id(), q, &r);
+            });
+        break;
+      case pb::BATCH_PUT_START:
+        decoded = serve<pb::BatchPutStartRequest, pb::BatchPutStartResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
+              r.set_error_code(0);
+              for (const auto& p : q.puts()) put_start(q.client_id(), p, r.add_results());
+            });
+        break;
+      case pb::BATCH_PUT_END:
+        decoded = serve<pb::BatchPutEndRequest, pb::BatchPutEndResponse>(
+            body, out, &call_error, [&](const auto& q, auto& r) {
+              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
+              r.set_error_code(0);
+              for (const auto& p : q.puts())
+                r.add_results()->set_error_code(
+                    toInt(putEnd(q.client_id(), p.key(), p.put_token())));
             });
         break;
       case pb::PUT_END:

@@ -452,7 +452,7 @@ class MasterService {
   std::vector<Staged> staged_;
 
   // Per-method RPC statistics of handle(), indexed by the proto Method number.
-  static constexpr int kRpcMethods = 22;
+  static constexpr int kRpcMethods = 24;
   struct RpcCounters {
     std::atomic<uint64_t> calls{0}, errors{0}, total_ns{0};
     std::array<std::atomic<uint64_t>, MasterMetrics::kLatencyBuckets> buckets{};

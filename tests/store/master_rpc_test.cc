@@ -143,6 +143,43 @@ TEST_F(RpcTest, EveryMethodRoundTrips) {
   rv.set_key("revoked");
   EXPECT_EQ(call<pb::PutRevokeResponse>(pb::PUT_REVOKE, rv).error_code(), 0);
 
+  // Batched puts (put sessions): each entry answered as its own call; tokens name each put.
+  pb::BatchPutStartRequest bps;
+  bps.set_client_id("c1");
+  for (const char* k : {"b1", "b2", "b1", ""}) {
+    pb::PutStartRequest* one = bps.add_puts();
+    one->set_client_id("ignored");
+    one->set_key(k);
+    one->set_size(100);
+  }
+  auto bstarted = call<pb::BatchPutStartResponse>(pb::BATCH_PUT_START, bps);
+  ASSERT_EQ(bstarted.error_code(), 0);
+  ASSERT_EQ(bstarted.results_size(), 4);
+  EXPECT_EQ(bstarted.results(0).error_code(), 0);
+  EXPECT_EQ(bstarted.results(1).error_code(), 0);
+  EXPECT_EQ(bstarted.results(2).error_code(), toInt(ErrorCode::OBJECT_ALREADY_EXISTS));
+  EXPECT_EQ(bstarted.results(3).error_code(), toInt(ErrorCode::INVALID_KEY));
+  EXPECT_EQ(bstarted.results(0).replicas_size(), 1);
+  EXPECT_NE(bstarted.results(0).put_token(), bstarted.results(1).put_token());
+  EXPECT_GT(bstarted.results(0).release_after_ms(), 0u);
+  pb::BatchPutEndRequest bpe;
+  bpe.set_client_id("c1");
+  bpe.add_puts()->set_key("b1");
+  bpe.mutable_puts(0)->set_put_token(bstarted.results(0).put_token());
+  bpe.add_puts()->set_key("b2");
+  bpe.mutable_puts(1)->set_put_token(bstarted.results(0).put_token());  // b1's: not b2's put
+  bpe.add_puts()->set_key("missing");
+  auto bended = call<pb::BatchPutEndResponse>(pb::BATCH_PUT_END, bpe);
+  ASSERT_EQ(bended.results_size(), 3);
+  EXPECT_EQ(bended.results(0).error_code(), 0);
+  EXPECT_EQ(bended.results(1).error_code(), toInt(ErrorCode::OBJECT_NOT_FOUND));
+  EXPECT_EQ(bended.results(2).error_code(), toInt(ErrorCode::OBJECT_NOT_FOUND));
+  EXPECT_TRUE(master_.exists("b1").ok() && *master_.exists("b1"));
+  EXPECT_FALSE(*master_.exists("b2")) << "ended with another put's token";
+  rv.set_key("b2");
+  rv.set_put_token(bstarted.results(1).put_token());
+  EXPECT_EQ(call<pb::PutRevokeResponse>(pb::PUT_REVOKE, rv).error_code(), 0);
+
   // Upserts: a new key, then a replacement (with its id), a revoked one; replica clear.
   pb::UpsertStartRequest us;
   us.set_client_id("c1");
@@ -222,7 +259,7 @@ TEST_F(RpcTest, EveryMethodRoundTrips) {
   EXPECT_TRUE(master_.checkInvariants());
 
   MasterMetrics m = master_.metrics();
-  ASSERT_EQ(m.rpcs.size(), 21u);
+  ASSERT_EQ(m.rpcs.size(), 23u);
   for (const auto& r : m.rpcs) EXPECT_GE(r.calls, 1u) << r.method;
   std::string text = m.toPrometheus();
   EXPECT_NE(text.find("mooncake_store_rpc_calls_total{method=\"PUT_START\"} 5"), std::string::npos)
@@ -367,6 +404,20 @@ TEST_F(RpcTest, CallsInAnotherClientsNameAreRefused) {
   pr.set_key("k");
   pb::PutRevokeResponse prr;
   EXPECT_EQ(code(as("attacker", pb::PUT_REVOKE, pr), &prr),
+            static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT));
+  pb::BatchPutStartRequest bps;
+  bps.set_client_id("victim");
+  bps.add_puts()->set_key("k2");
+  bps.mutable_puts(0)->set_size(100);
+  pb::BatchPutStartResponse bpsr;
+  EXPECT_EQ(code(as("attacker", pb::BATCH_PUT_START, bps), &bpsr),
+            static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT));
+  EXPECT_EQ(bpsr.results_size(), 0);
+  pb::BatchPutEndRequest bpe;
+  bpe.set_client_id("victim");
+  bpe.add_puts()->set_key("k");
+  pb::BatchPutEndResponse bper;
+  EXPECT_EQ(code(as("attacker", pb::BATCH_PUT_END, bpe), &bper),
             static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT));
   pb::HeartbeatRequest hb;
   hb.set_client_id("victim");

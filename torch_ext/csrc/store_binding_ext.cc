@@ -214,9 +214,8 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
              const ReplicateConfig& c) -> std::vector<int64_t> {
             std::vector<int64_t> out(keys.size(), kNotSetUp);
             if (!s.c()) return out;
-            for (size_t i = 0; i < keys.size(); ++i)
-              out[i] = i < sizes.size() ? code(s.c()->putSessionStart(keys[i], sizes[i], c))
-                                        : code(ErrorCode::INVALID_PARAMS);
+            auto r = s.c()->putSessionStart(keys, sizes, c);
+            for (size_t i = 0; i < keys.size(); ++i) out[i] = code(r[i]);
             return out;
           },
           "Per key: 0 (a session is open), or a negative code.", Nogil())
@@ -253,7 +252,8 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
           [](PyStore& s, const std::vector<std::string>& keys) -> std::vector<int64_t> {
             std::vector<int64_t> out(keys.size(), kNotSetUp);
             if (!s.c()) return out;
-            for (size_t i = 0; i < keys.size(); ++i) out[i] = code(s.c()->putSessionEnd(keys[i]));
+            auto r = s.c()->putSessionEnd(keys);
+            for (size_t i = 0; i < keys.size(); ++i) out[i] = code(r[i]);
             return out;
           },
           Nogil())
