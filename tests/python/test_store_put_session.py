@@ -121,6 +121,15 @@ def test_refusals(env):
     # A published key's session is gone.
     assert s.batch_put_from_multi_buffer_ranges(["ps/e1"], [[p]], [[8]], [[0]]) == \
         [E.OBJECT_NOT_FOUND]
+    # One end call for several keys: each on its own (one incomplete stays open).
+    assert s.batch_put_session_start(["ps/m1", "ps/m2"], [100, 100]) == [0, 0]
+    assert s.batch_put_from_multi_buffer_ranges(["ps/m1", "ps/m2"], [[p], [p]], [[100], [50]],
+                                                [[0], [0]]) == [100, 50]
+    assert s.batch_put_session_end(["ps/m2", "ps/m1"]) == [E.INVALID_WRITE, 0]
+    assert r.get("ps/m1") == data[:100] and r.is_exist("ps/m2") == 0
+    assert s.batch_put_from_multi_buffer_ranges(["ps/m2"], [[p + 50]], [[50]], [[50]]) == [50]
+    assert s.batch_put_session_end(["ps/m2"]) == [0]
+    assert r.get("ps/m2") == data[:100]
     assert s.unregister_buffer(p) == 0
 
 
