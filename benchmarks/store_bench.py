@@ -28,10 +28,11 @@ which must be 0). Repeated --failover-repeat times (median).
 --lw-layers x --lw-page bytes, saved layer by layer through a put session (one
 batch_put_from_multi_buffer_ranges per layer, then the end) against one batch_put_from_multi_
 buffers of the whole objects after the last layer, and loaded layer by layer
-(batch_get_into_multi_buffer_ranges: one replica-list call per layer for all keys) against the
-same ranges read key by key (get_ranges: one replica-list call per key and layer, what
-batch_get_into_multi_buffer_ranges did before) and one batch_get_into_multi_buffers of the whole
-objects. Rows "layerwise_*": p50/p99 milliseconds per request (all layers, all keys).
+(batch_get_session_start: one replica-list call for all keys, then per layer one
+batch_get_into_multi_buffer_ranges, which reads from those lists, then batch_get_session_end)
+against the same ranges read key by key (get_ranges: one replica-list call per key and layer,
+what batch_get_into_multi_buffer_ranges did before) and one batch_get_into_multi_buffers of the
+whole objects. Rows "layerwise_*": p50/p99 milliseconds per request (all layers, all keys).
 
 --gpu sim|cuda: one holder lending its segment in host memory, then one lending it in GPU
 memory (MC_STORE_SEGMENT_DEVICE=0); a client on the same host times get_into a registered GPU
@@ -363,12 +364,14 @@ def run_layerwise(addr, nkeys, layers, page, iters):
             [[page] * layers] * nkeys)
         assert got == [0] * nkeys, got
 
-    def load_batched(keys):
+    def load_batched(keys):  # as vLLM: a read session around the layers' range reads
+        assert st.batch_get_session_start(keys) == [0] * nkeys
         for layer in range(layers):
             got = st.batch_get_into_multi_buffer_ranges(
                 keys, [[into[layer][k]] for k in range(nkeys)], [[page]] * nkeys,
                 [[layer * page]] * nkeys)
             assert got == [page] * nkeys, got
+        assert st.batch_get_session_end(keys) == 0
 
     def load_per_key(keys):
         for layer in range(layers):

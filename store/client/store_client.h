@@ -202,6 +202,13 @@ class StoreClient {
   // replicas alone. Per key, per range.
   std::vector<std::vector<ErrorOr<uint64_t>>> batchGetRanges(
       const std::vector<std::string>& keys, const std::vector<std::vector<Range>>& ranges);
+  // Read sessions (upstream's batch_get_session_start / _end): the replica lists of keys a
+  // caller is about to read in ranges, asked for once (one master call, which takes each
+  // object's read lease); batchGetRanges reads from them while half the lease is left, and
+  // asks again after. Per key: OK, or why it cannot be read (OBJECT_NOT_FOUND ...). A session
+  // pins nothing past the lease. End forgets the keys' lists.
+  std::vector<ErrorCode> readSessionStart(const std::vector<std::string>& keys);
+  void readSessionEnd(const std::vector<std::string>& keys);
 
   // ---- replicas (store_client_ext.cc) ----
   // The complete replicas of a key, as the master placed them (a read: grants a lease).
@@ -416,7 +423,16 @@ class StoreClient {
   // still land in the ranges' memory). OK, or why not.
   ErrorCode readRangesFrom(const proto::GetReplicaListResponse& rl,
                            const std::vector<Range>& ranges, const std::vector<size_t>& todo,
-                           int from);
+                           int from, bool* timed_out = nullptr);
+  // ---- read sessions (store_client_ext.cc) ----
+  struct ReadList {
+    proto::GetReplicaListResponse rl;
+    std::chrono::steady_clock::time_point asked;        // when it was asked for
+    std::chrono::steady_clock::time_point fresh_until;  // half its read lease
+  };
+  // BatchGetReplicaList for `keys`: per key its list (an error code in rl when it has none).
+  ErrorOr<std::vector<std::shared_ptr<const ReadList>>> fetchReadLists(
+      const std::vector<std::string>& keys);
   // True when [address, address + len) lies inside this client's segment.
   bool inOwnSegment(uint64_t address, uint64_t len) const;
   // batchGetInto; a key whose first replica's read timed out goes on into fresh(i) (null, or
@@ -502,6 +518,9 @@ class StoreClient {
   std::mutex rng_mu_;
   std::mt19937_64 rng_{std::random_device{}()};
   uint64_t last_put_id_ = 0;  // newPutId(), under rng_mu_
+
+  std::mutex read_mu_;
+  std::unordered_map<std::string, std::shared_ptr<const ReadList>> read_lists_;
 
   std::mutex sessions_mu_;
   std::condition_variable sessions_cv_;  // a session's inflight fell

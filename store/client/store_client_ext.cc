@@ -100,7 +100,8 @@ void answerRanges(const proto::GetReplicaListResponse& rl,
 
 ErrorCode StoreClient::readRangesFrom(const proto::GetReplicaListResponse& rl,
                                       const std::vector<Range>& ranges,
-                                      const std::vector<size_t>& todo, int from) {
+                                      const std::vector<size_t>& todo, int from,
+                                      bool* timed_out) {
   ErrorCode result = ErrorCode::TRANSFER_FAIL;
   for (int rep = from; rep < rl.replicas_size() && !todo.empty(); ++rep) {
     std::vector<engine::TransferRequest> reqs;
@@ -115,7 +116,10 @@ ErrorCode StoreClient::readRangesFrom(const proto::GetReplicaListResponse& rl,
     Status st = reqs.empty() ? Status::OK() : transferHeld(reqs, nullptr);  // (caller's memory)
     if (!st.ok()) {
       for (const auto& p : rl.replicas(rep).pieces()) forgetPeer(p.client_id());
-      if (st.code() == Code::kTimeout) return ErrorCode::TRANSFER_FAIL;
+      if (st.code() == Code::kTimeout) {
+        if (timed_out != nullptr) *timed_out = true;
+        return ErrorCode::TRANSFER_FAIL;
+      }
       continue;
     }
     return ErrorCode::OK;
@@ -145,6 +149,61 @@ std::vector<ErrorOr<uint64_t>> StoreClient::getRanges(const std::string& key,
   return out;
 }
 
+ErrorOr<std::vector<std::shared_ptr<const StoreClient::ReadList>>> StoreClient::fetchReadLists(
+    const std::vector<std::string>& keys) {
+  proto::BatchGetReplicaListRequest req;
+  for (const auto& k : keys) req.add_keys(k);
+  proto::BatchGetReplicaListResponse resp;
+  const auto asked = std::chrono::steady_clock::now();
+  ErrorCode ec = callMaster(proto::BATCH_GET_REPLICA_LIST, req, &resp, true);
+  if (ec == ErrorCode::OK && resp.error_code() != 0) ec = errorCodeFromInt(resp.error_code());
+  if (ec == ErrorCode::OK && resp.results_size() != static_cast<int>(keys.size()))
+    ec = ErrorCode::RPC_FAIL;
+  if (ec != ErrorCode::OK) return ec;
+  std::vector<std::shared_ptr<const ReadList>> out;
+  out.reserve(keys.size());
+  for (int i = 0; i < resp.results_size(); ++i) {
+    auto l = std::make_shared<ReadList>();
+    l->rl = std::move(*resp.mutable_results(i));
+    l->asked = asked;
+    l->fresh_until = asked + std::chrono::milliseconds(l->rl.lease_ttl_ms() / 2);
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
+std::vector<ErrorCode> StoreClient::readSessionStart(const std::vector<std::string>& keys) {
+  std::vector<ErrorCode> out(keys.size(), ErrorCode::INVALID_PARAMS);
+  if (closed_ || keys.empty()) return out;
+  auto got = fetchReadLists(keys);
+  if (!got.ok()) {
+    std::fill(out.begin(), out.end(), got.error());
+    return out;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> g(read_mu_);
+  // Lists past their use (sessions that were never ended) go.
+  for (auto it = read_lists_.begin(); it != read_lists_.end();)
+    it = now >= it->second->fresh_until ? read_lists_.erase(it) : std::next(it);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const ReadList& l = *(*got)[i];
+    if (ErrorCode k = checkKey(keys[i]); k != ErrorCode::OK) {
+      out[i] = k;
+    } else if (l.rl.error_code() != 0) {
+      out[i] = errorCodeFromInt(l.rl.error_code());
+    } else {
+      out[i] = ErrorCode::OK;
+      read_lists_[keys[i]] = (*got)[i];
+    }
+  }
+  return out;
+}
+
+void StoreClient::readSessionEnd(const std::vector<std::string>& keys) {
+  std::lock_guard<std::mutex> g(read_mu_);
+  for (const auto& k : keys) read_lists_.erase(k);
+}
+
 std::vector<std::vector<ErrorOr<uint64_t>>> StoreClient::batchGetRanges(
     const std::vector<std::string>& keys, const std::vector<std::vector<Range>>& ranges) {
   const size_t n = keys.size();
@@ -156,27 +215,46 @@ std::vector<std::vector<ErrorOr<uint64_t>>> StoreClient::batchGetRanges(
   auto fail_key = [&](size_t i, ErrorCode ec) {
     for (auto& o : out[i]) o = ec;
   };
-  proto::BatchGetReplicaListRequest req;
-  for (const auto& k : keys) req.add_keys(k);
-  proto::BatchGetReplicaListResponse resp;
-  auto asked = std::chrono::steady_clock::now();
-  ErrorCode ec = callMaster(proto::BATCH_GET_REPLICA_LIST, req, &resp, true);
-  if (ec == ErrorCode::OK && resp.error_code() != 0) ec = errorCodeFromInt(resp.error_code());
-  if (ec == ErrorCode::OK && resp.results_size() != static_cast<int>(n)) ec = ErrorCode::RPC_FAIL;
-  if (ec != ErrorCode::OK) {
-    for (size_t i = 0; i < n; ++i) fail_key(i, ec);
-    return out;
+  // Replica lists: a read session's (readSessionStart) while the read lease it took has half
+  // its time left, else one BatchGetReplicaList for the rest.
+  std::vector<std::shared_ptr<const ReadList>> lists(n);
+  std::vector<bool> cached(n, false);
+  std::vector<size_t> ask;
+  {
+    const auto now = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> g(read_mu_);
+    for (size_t i = 0; i < n; ++i) {
+      auto it = read_lists_.find(keys[i]);
+      if (it != read_lists_.end() && now < it->second->fresh_until) {
+        lists[i] = it->second;
+        cached[i] = true;
+      } else {
+        ask.push_back(i);
+      }
+    }
+  }
+  if (!ask.empty()) {
+    std::vector<std::string> ask_keys;
+    for (size_t i : ask) ask_keys.push_back(keys[i]);
+    auto got = fetchReadLists(ask_keys);
+    if (!got.ok()) {
+      for (size_t i : ask) fail_key(i, got.error());
+    } else {
+      for (size_t k = 0; k < ask.size(); ++k) lists[ask[k]] = (*got)[k];
+    }
   }
   // The first replica of every key in one engine batch.
   enum class Step { kDone, kBatched, kOthers };  // kOthers: read from replica 1 on
   std::vector<Step> step(n, Step::kDone);
+  std::vector<bool> late(n, false);  // a READ of the key timed out: it may still land
   std::vector<std::vector<size_t>> todo(n);
   std::vector<size_t> first_req(n + 1, 0);
   std::vector<engine::TransferRequest> reqs;
   for (size_t i = 0; i < n; ++i) {
     first_req[i] = reqs.size();
-    const auto& rl = resp.results(static_cast<int>(i));
-    if (ranges[i].empty()) continue;
+    if (ranges[i].empty() || lists[i] == nullptr) continue;
+    const auto& rl = lists[i]->rl;
+    const auto asked = lists[i]->asked;
     if (ErrorCode k = checkKey(keys[i]); k != ErrorCode::OK) {
       fail_key(i, k);
     } else if (rl.error_code() != 0) {
@@ -209,31 +287,37 @@ std::vector<std::vector<ErrorOr<uint64_t>>> StoreClient::batchGetRanges(
   std::vector<Status> per = transferEach(reqs, nullptr);  // (the caller's memory)
   for (size_t i = 0; i < n; ++i) {
     if (step[i] == Step::kDone) continue;
-    const auto& rl = resp.results(static_cast<int>(i));
+    const auto& rl = lists[i]->rl;
+    const auto asked = lists[i]->asked;
     ErrorCode result = ErrorCode::OK;
     if (step[i] == Step::kBatched) {
-      bool late = false;
       for (size_t r = first_req[i]; r < first_req[i + 1]; ++r) {
         if (!per[r].ok()) result = ErrorCode::TRANSFER_FAIL;
-        late = late || per[r].code() == Code::kTimeout;
+        late[i] = late[i] || per[r].code() == Code::kTimeout;
       }
       if (result != ErrorCode::OK)
         for (const auto& p : rl.replicas(0).pieces()) forgetPeer(p.client_id());
       // Timed out: its READs may still land in the ranges' memory, so no other replica is read
       // into it.
-      if (result != ErrorCode::OK && !late) step[i] = Step::kOthers;
+      if (result != ErrorCode::OK && !late[i]) step[i] = Step::kOthers;
     }
-    if (step[i] == Step::kOthers) result = readRangesFrom(rl, ranges[i], todo[i], 1);
+    if (step[i] == Step::kOthers) {
+      bool timed_out = false;
+      result = readRangesFrom(rl, ranges[i], todo[i], 1, &timed_out);
+      late[i] = timed_out;
+    }
     answerRanges(rl, asked, result, ranges[i], todo[i], &out[i]);
   }
   // The batch shares one read lease: a key that outlasted it (a slow holder of another key, or
-  // its own fallback) is read again alone, under a lease of its own.
+  // its own fallback) is read again alone, under a lease of its own; so is a key whose read
+  // session's list failed it (a holder gone since: the master's list now leaves it out),
+  // unless its reads may still land (timed out).
   for (size_t i = 0; i < n; ++i) {
-    if (step[i] == Step::kDone) continue;
-    bool lapsed = false;
+    if (step[i] == Step::kDone || late[i]) continue;
+    bool again = false;
     for (const auto& o : out[i])
-      lapsed = lapsed || (!o.ok() && o.error() == ErrorCode::LEASE_EXPIRED);
-    if (lapsed) out[i] = getRanges(keys[i], ranges[i]);
+      again = again || (!o.ok() && (o.error() == ErrorCode::LEASE_EXPIRED || cached[i]));
+    if (again) out[i] = getRanges(keys[i], ranges[i]);
   }
   return out;
 }

@@ -237,6 +237,8 @@ def test_batched_range_reads_fall_back_to_the_other_replica():
         first = {k: s.get_replica_desc(k)[0].get_memory_descriptor().buffer_descriptor
                  .transport_endpoint for k in vals}
         dead = a if first["fb/0"] == a.name else b
+        # A read session's lists name the dead holder too: its reads fall back as well.
+        assert s.batch_get_session_start(["fb/0", "fb/1"]) == [0, 0]
         dead.kill()
         buf = (ctypes.c_ubyte * (6 * 4096))()
         assert s.register_buffer(ctypes.addressof(buf), len(buf)) == 0
@@ -308,4 +310,56 @@ def test_ranges_wait_for_a_master_that_stopped_answering():
         assert s.get("ps/hb") == data
         s.close()
     finally:
+        m.close()
+
+
+def test_read_session_reads_without_asking_the_master():
+    # vLLM's layer-wise load: batch_get_session_start asks for every key's replica list once;
+    # the range reads of the layers then make no master call while half the read lease is
+    # left, and ask again after the session ended.
+    import urllib.request
+
+    from _store_common import free_port
+    mport = free_port()
+    m = Master("--metrics-port", str(mport), env={"MC_STORE_LEASE_TTL_MS": "4000"})
+    h = Holder(m.addr, 16 * MiB)
+
+    def lists_asked():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read()
+        for line in text.decode().splitlines():
+            if line.startswith('mooncake_store_rpc_calls_total{method="BATCH_GET_REPLICA_LIST"}'):
+                return int(float(line.split()[-1]))
+        return 0
+
+    try:
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "", 0, 4 * MiB, "tcp", "", m.addr) == 0
+        vals = [os.urandom(4096) for _ in range(4)]
+        keys = [f"rs/{i}" for i in range(4)]
+        for k, v in zip(keys, vals):
+            assert s.put(k, v) == 0
+        buf = (ctypes.c_ubyte * (4 * 4096))()
+        p = ctypes.addressof(buf)
+        assert s.register_buffer(p, len(buf)) == 0
+        assert s.batch_get_session_start(keys + ["rs/missing"]) == [0] * 4 + [E.OBJECT_NOT_FOUND]
+        before = lists_asked()
+        for layer in range(4):
+            assert s.batch_get_into_multi_buffer_ranges(
+                keys, [[p + i * 4096 + layer * 1024] for i in range(4)], [[1024]] * 4,
+                [[layer * 1024]] * 4) == [1024] * 4
+        assert lists_asked() == before, "a range read of a read session asked the master"
+        assert [bytes(buf[i * 4096:(i + 1) * 4096]) for i in range(4)] == vals
+        assert s.batch_get_session_end(keys) == 0
+        assert s.batch_get_into_multi_buffer_ranges(keys[:1], [[p]], [[8]], [[0]]) == [8]
+        assert lists_asked() == before + 1
+        # A replaced value after the lease: a session started before it reads the new bytes
+        # once half the lease passed (the lists are asked for again).
+        assert s.batch_get_session_start(keys[:1]) == [0]
+        time.sleep(4.2)  # the lease lapsed: the object may be replaced now
+        assert s.remove(keys[0]) == 0 and s.put(keys[0], b"n" * 4096) == 0
+        assert s.batch_get_into_multi_buffer_ranges(keys[:1], [[p]], [[4096]], [[0]]) == [4096]
+        assert bytes(buf[:4096]) == b"n" * 4096
+        s.close()
+    finally:
+        h.close()
         m.close()

@@ -288,6 +288,23 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
           },
           "Per range: bytes copied, or a negative code (dst must be registered).", Nogil())
       .def(
+          "read_session_start",
+          [](PyStore& s, const std::vector<std::string>& keys) -> std::vector<int64_t> {
+            std::vector<int64_t> out(keys.size(), kNotSetUp);
+            if (!s.c()) return out;
+            auto r = s.c()->readSessionStart(keys);
+            for (size_t i = 0; i < keys.size(); ++i) out[i] = code(r[i]);
+            return out;
+          },
+          "Per key: 0 (its replica list is kept for batch_get_ranges), or a negative code.",
+          Nogil())
+      .def(
+          "read_session_end",
+          [](PyStore& s, const std::vector<std::string>& keys) {
+            if (s.c()) s.c()->readSessionEnd(keys);
+          },
+          Nogil())
+      .def(
           "batch_get_ranges",
           [](PyStore& s, const std::vector<std::string>& keys,
              const std::vector<std::vector<uintptr_t>>& dsts,

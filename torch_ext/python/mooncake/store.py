@@ -375,12 +375,12 @@ class MooncakeDistributedStore(TensorApi):
 
     # ---- read sessions and key-major ranges (SGLang's layer-wise loader) ----
     def batch_get_session_start(self, keys):
-        """Per key: 0 when the object exists (complete), else a negative code (-704 missing).
-        A session does not pin the object: each range read below takes its own read lease, so
-        a key replaced in between gives later reads the new value, and one evicted in between
-        fails them (docs/compat.md)."""
-        return [0 if r == 1 else (int(ErrorCode.OBJECT_NOT_FOUND) if r == 0 else r)
-                for r in self._c.batch_is_exist(list(keys))]
+        """Per key: 0 when the object can be read (complete), else a negative code (-704
+        missing). One master call for all keys, whose replica lists the range reads below use
+        while half of the read lease it took is left (no master call then); after that they
+        ask again, each call under a lease of its own, so a key replaced in between gives later
+        reads the new value and one evicted in between fails them (docs/compat.md)."""
+        return self._c.read_session_start(list(keys))
 
     def batch_get_session_start_with_sources(self, keys):
         """(batch_get_session_start's list, the tier each key is read from): None for every
@@ -389,7 +389,8 @@ class MooncakeDistributedStore(TensorApi):
         return self.batch_get_session_start(keys), [None] * len(keys)
 
     def batch_get_session_end(self, keys):
-        """0 (one int, as upstream's; a session holds nothing here)."""
+        """0 (one int, as upstream's): the keys' replica lists are forgotten."""
+        self._c.read_session_end(list(keys))
         return 0
 
     batch_get_start = batch_get_session_start
