@@ -334,10 +334,19 @@ std::vector<ErrorCode> StoreClient::putSessionEnd(const std::vector<std::string>
     size_t first_req = 0, end_req = 0;
   };
   std::vector<End> ends;
+  // Sessions that end failed: revoked after the records' writes went out (each revoke is a
+  // master call, which must not delay the others' writes past their deadline).
+  std::vector<std::pair<size_t, std::shared_ptr<PutSession>>> failed;
   auto fail = [&](size_t i, const std::shared_ptr<PutSession>& s, ErrorCode ec) {
-    (void)revokeSession(keys[i], *s);
-    dropSession(keys[i], s);
+    failed.emplace_back(i, s);
     out[i] = ec;
+  };
+  auto revoke_failed = [&] {
+    for (auto& [i, s] : failed) {
+      (void)revokeSession(keys[i], *s);
+      dropSession(keys[i], s);
+    }
+    failed.clear();
   };
   auto keep_open = [&](size_t i, const std::shared_ptr<PutSession>& s, ErrorCode ec) {
     std::lock_guard<std::mutex> g(sessions_mu_);
@@ -421,19 +430,42 @@ std::vector<ErrorCode> StoreClient::putSessionEnd(const std::vector<std::string>
     e.end_req = reqs.size();
     written.push_back(std::move(e));
   }
-  std::shared_ptr<LateHold> hold;  // made if the records' writes time out
-  std::vector<Status> st = transferEach(reqs, heldLate(heldWith(records, nullptr), {}, &hold));
+  // Planning may have waited (a peer's handshake): a key whose time ran out meanwhile, or
+  // whose master stopped answering, writes nothing.
+  ends.clear();
+  std::vector<engine::TransferRequest> kept;
+  for (End& e : written) {
+    if (ErrorCode ec = mayWrite(*e.s); ec != ErrorCode::OK) {
+      fail(e.index, e.s, ec);
+      continue;
+    }
+    const size_t first = kept.size();
+    kept.insert(kept.end(), reqs.begin() + e.first_req, reqs.begin() + e.end_req);
+    e.first_req = first;
+    e.end_req = kept.size();
+    ends.push_back(std::move(e));
+  }
+  // Writes that time out may still land: each session's memory is kept under its own hold
+  // (its revoke below says writes_pending), the records until the engine dropped them.
+  std::vector<Status> st = transferEach(kept, [&] {
+    auto owners = std::make_shared<std::vector<std::shared_ptr<void>>>();
+    owners->push_back(heldWith(records, nullptr)());
+    for (End& e : ends)
+      if (e.end_req > e.first_req) owners->push_back(heldLate(nullptr, {}, &e.s->hold)());
+    return std::shared_ptr<void>(std::move(owners));
+  });
+  written.swap(ends);
   ends.clear();
   for (End& e : written) {
     bool ok = true;
     for (size_t r = e.first_req; r < e.end_req; ++r) ok = ok && st[r].ok();
     if (!ok) {
-      e.s->hold = hold;  // (null when they failed without timing out)
       fail(e.index, e.s, ErrorCode::TRANSFER_FAIL);
       continue;
     }
     ends.push_back(std::move(e));
   }
+  revoke_failed();
   if (ends.empty()) return out;
   proto::BatchPutEndRequest req;
   req.set_client_id(client_id_);

@@ -435,6 +435,8 @@ ErrorOr<uint64_t> StoreClient::getSize(const std::string& key) {
 
 ErrorCode StoreClient::remove(const std::string& key, bool force) {
   if (ErrorCode ec = checkKey(key); ec != ErrorCode::OK) return ec;
+  const std::vector<std::string> one{key};
+  forgetReadLists(&one);
   proto::RemoveRequest req;
   req.set_key(key);
   req.set_force(force);
@@ -444,6 +446,7 @@ ErrorCode StoreClient::remove(const std::string& key, bool force) {
 }
 
 ErrorOr<uint64_t> StoreClient::removeByRegex(const std::string& regex, bool force) {
+  forgetReadLists(nullptr);
   proto::RemoveByRegexRequest req;
   req.set_regex(regex);
   req.set_force(force);
@@ -455,6 +458,7 @@ ErrorOr<uint64_t> StoreClient::removeByRegex(const std::string& regex, bool forc
 }
 
 ErrorOr<uint64_t> StoreClient::removeAll(bool force) {
+  forgetReadLists(nullptr);
   proto::RemoveAllRequest req;
   req.set_force(force);
   proto::RemoveAllResponse resp;

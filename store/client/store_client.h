@@ -204,11 +204,15 @@ class StoreClient {
       const std::vector<std::string>& keys, const std::vector<std::vector<Range>>& ranges);
   // Read sessions (upstream's batch_get_session_start / _end): the replica lists of keys a
   // caller is about to read in ranges, asked for once (one master call, which takes each
-  // object's read lease); batchGetRanges reads from them while half the lease is left, and
-  // asks again after. Per key: OK, or why it cannot be read (OBJECT_NOT_FOUND ...). A session
-  // pins nothing past the lease. End forgets the keys' lists.
+  // object's read lease); batchGetRanges reads from them while half the lease is left (the
+  // values as they were at the start: the lease keeps their memory), and asks again after,
+  // or when this client re-registered, removed or upserted the key since. Per key: OK, or
+  // why it cannot be read (OBJECT_NOT_FOUND ...). A session pins nothing past the lease. End
+  // forgets the keys' lists.
   std::vector<ErrorCode> readSessionStart(const std::vector<std::string>& keys);
   void readSessionEnd(const std::vector<std::string>& keys);
+  // This client changed or removed the keys (all: a pattern): their session lists go.
+  void forgetReadLists(const std::vector<std::string>* keys);
 
   // ---- replicas (store_client_ext.cc) ----
   // The complete replicas of a key, as the master placed them (a read: grants a lease).
@@ -429,6 +433,7 @@ class StoreClient {
     proto::GetReplicaListResponse rl;
     std::chrono::steady_clock::time_point asked;        // when it was asked for
     std::chrono::steady_clock::time_point fresh_until;  // half its read lease
+    uint64_t forgotten = 0;  // forgotten_ before it was asked for (a new master: no lease)
   };
   // BatchGetReplicaList for `keys`: per key its list (an error code in rl when it has none).
   ErrorOr<std::vector<std::shared_ptr<const ReadList>>> fetchReadLists(

@@ -16,6 +16,8 @@ ErrorCode StoreClient::upsertParts(const std::string& key,
   if (ErrorCode ec = checkedValue(key, parts, config, joined.get(), &src, &size);
       ec != ErrorCode::OK)
     return ec;
+  const std::vector<std::string> one{key};
+  forgetReadLists(&one);  // (and again below, once the new value is in)
   proto::UpsertStartRequest req;
   req.set_client_id(client_id_);
   req.set_key(key);
@@ -65,6 +67,7 @@ ErrorCode StoreClient::upsertParts(const std::string& key,
   // Ended by another master (another epoch): the put it started is not the one that ended.
   // The same master over a new link (a reconnect after a blip) is fine.
   if (end_link->epoch != link->epoch) return ErrorCode::RPC_FAIL;
+  forgetReadLists(&one);  // a session started meanwhile has the old replicas
   return commit(targets, put_id, end_link);
 }
 
@@ -154,6 +157,7 @@ ErrorOr<std::vector<std::shared_ptr<const StoreClient::ReadList>>> StoreClient::
   proto::BatchGetReplicaListRequest req;
   for (const auto& k : keys) req.add_keys(k);
   proto::BatchGetReplicaListResponse resp;
+  const uint64_t forgotten = forgotten_.load();
   const auto asked = std::chrono::steady_clock::now();
   ErrorCode ec = callMaster(proto::BATCH_GET_REPLICA_LIST, req, &resp, true);
   if (ec == ErrorCode::OK && resp.error_code() != 0) ec = errorCodeFromInt(resp.error_code());
@@ -167,6 +171,7 @@ ErrorOr<std::vector<std::shared_ptr<const StoreClient::ReadList>>> StoreClient::
     l->rl = std::move(*resp.mutable_results(i));
     l->asked = asked;
     l->fresh_until = asked + std::chrono::milliseconds(l->rl.lease_ttl_ms() / 2);
+    l->forgotten = forgotten;
     out.push_back(std::move(l));
   }
   return out;
@@ -199,9 +204,15 @@ std::vector<ErrorCode> StoreClient::readSessionStart(const std::vector<std::stri
   return out;
 }
 
-void StoreClient::readSessionEnd(const std::vector<std::string>& keys) {
+void StoreClient::readSessionEnd(const std::vector<std::string>& keys) { forgetReadLists(&keys); }
+
+void StoreClient::forgetReadLists(const std::vector<std::string>* keys) {
   std::lock_guard<std::mutex> g(read_mu_);
-  for (const auto& k : keys) read_lists_.erase(k);
+  if (keys == nullptr) {
+    read_lists_.clear();
+    return;
+  }
+  for (const auto& k : *keys) read_lists_.erase(k);
 }
 
 std::vector<std::vector<ErrorOr<uint64_t>>> StoreClient::batchGetRanges(
@@ -222,10 +233,13 @@ std::vector<std::vector<ErrorOr<uint64_t>>> StoreClient::batchGetRanges(
   std::vector<size_t> ask;
   {
     const auto now = std::chrono::steady_clock::now();
+    // A master that changed since a list was asked for does not know its lease.
+    const uint64_t forgotten = forgotten_.load();
     std::lock_guard<std::mutex> g(read_mu_);
     for (size_t i = 0; i < n; ++i) {
       auto it = read_lists_.find(keys[i]);
-      if (it != read_lists_.end() && now < it->second->fresh_until) {
+      if (it != read_lists_.end() && now < it->second->fresh_until &&
+          it->second->forgotten == forgotten) {
         lists[i] = it->second;
         cached[i] = true;
       } else {
@@ -313,11 +327,18 @@ std::vector<std::vector<ErrorOr<uint64_t>>> StoreClient::batchGetRanges(
   // session's list failed it (a holder gone since: the master's list now leaves it out),
   // unless its reads may still land (timed out).
   for (size_t i = 0; i < n; ++i) {
-    if (step[i] == Step::kDone || late[i]) continue;
-    bool again = false;
-    for (const auto& o : out[i])
-      again = again || (!o.ok() && (o.error() == ErrorCode::LEASE_EXPIRED || cached[i]));
-    if (again) out[i] = getRanges(keys[i], ranges[i]);
+    if (step[i] == Step::kDone) continue;
+    bool lapsed = false, failed = false;
+    for (const auto& o : out[i]) {
+      lapsed = lapsed || (!o.ok() && o.error() == ErrorCode::LEASE_EXPIRED);
+      failed = failed || (!o.ok() && o.error() != ErrorCode::INVALID_PARAMS);
+    }
+    if (cached[i] && failed) {  // not that list again
+      std::lock_guard<std::mutex> g(read_mu_);
+      auto it = read_lists_.find(keys[i]);
+      if (it != read_lists_.end() && it->second == lists[i]) read_lists_.erase(it);
+    }
+    if (!late[i] && (lapsed || (cached[i] && failed))) out[i] = getRanges(keys[i], ranges[i]);
   }
   return out;
 }

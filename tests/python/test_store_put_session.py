@@ -352,6 +352,11 @@ def test_read_session_reads_without_asking_the_master():
         assert s.batch_get_session_end(keys) == 0
         assert s.batch_get_into_multi_buffer_ranges(keys[:1], [[p]], [[8]], [[0]]) == [8]
         assert lists_asked() == before + 1
+        # This client's own upsert of a key drops the key's session list.
+        assert s.batch_get_session_start(keys[1:2]) == [0]
+        assert s.upsert(keys[1], b"u" * 4096) == 0
+        assert s.batch_get_into_multi_buffer_ranges(keys[1:2], [[p]], [[4096]], [[0]]) == [4096]
+        assert bytes(buf[:4096]) == b"u" * 4096
         # A replaced value after the lease: a session started before it reads the new bytes
         # once half the lease passed (the lists are asked for again).
         assert s.batch_get_session_start(keys[:1]) == [0]

@@ -377,9 +377,11 @@ class MooncakeDistributedStore(TensorApi):
     def batch_get_session_start(self, keys):
         """Per key: 0 when the object can be read (complete), else a negative code (-704
         missing). One master call for all keys, whose replica lists the range reads below use
-        while half of the read lease it took is left (no master call then); after that they
-        ask again, each call under a lease of its own, so a key replaced in between gives later
-        reads the new value and one evicted in between fails them (docs/compat.md)."""
+        while half of the read lease it took is left (no master call then): they read the
+        values as they were at the start (this client's own remove or upsert of a key drops
+        its list). After that they ask again, each call under a lease of its own, so a key
+        replaced since gives later reads the new value and one evicted since fails them
+        (docs/compat.md)."""
         return self._c.read_session_start(list(keys))
 
     def batch_get_session_start_with_sources(self, keys):
