@@ -24,15 +24,7 @@ the median of each figure (each run is kept in the JSON under "runs").
 number of puts acknowledged before the kill that no longer read back with their bytes ("lost",
 which must be 0). Repeated --failover-repeat times (median).
 
---layerwise: vLLM's layer-wise KV path, one client against the holder: --lw-keys objects of
---lw-layers x --lw-page bytes, saved layer by layer through a put session (one
-batch_put_from_multi_buffer_ranges per layer, then the end) against one batch_put_from_multi_
-buffers of the whole objects after the last layer, and loaded layer by layer
-(batch_get_session_start: one replica-list call for all keys, then per layer one
-batch_get_into_multi_buffer_ranges, which reads from those lists, then batch_get_session_end)
-against the same ranges read key by key (get_ranges: one replica-list call per key and layer,
-what batch_get_into_multi_buffer_ranges did before) and one batch_get_into_multi_buffers of the
-whole objects. Rows "layerwise_*": p50/p99 milliseconds per request (all layers, all keys).
+Layer-wise save and load (vLLM's session API): benchmarks/store_layerwise_bench.py.
 
 --gpu sim|cuda: one holder lending its segment in host memory, then one lending it in GPU
 memory (MC_STORE_SEGMENT_DEVICE=0); a client on the same host times get_into a registered GPU
@@ -329,93 +321,6 @@ def replay_trace(addr, path, block_bytes, limit):
 
 
 # ---------------------------------------------------------------- GPU buffers (--gpu)
-
-def run_layerwise(addr, nkeys, layers, page, iters):
-    """Times vLLM's layer-wise save and load against whole-object calls (module docstring)."""
-    import ctypes
-    st = _mc_store(addr, 0)
-    size = layers * page
-    src = (ctypes.c_ubyte * (nkeys * size)).from_buffer_copy(os.urandom(nkeys * size))
-    dst = (ctypes.c_ubyte * (nkeys * size))()
-    sp, dp = ctypes.addressof(src), ctypes.addressof(dst)
-    assert st.register_buffer(sp, nkeys * size) == 0 and st.register_buffer(dp, nkeys * size) == 0
-    # The cache holds, per layer, that layer's page of every key.
-    at = [[sp + (layer * nkeys + k) * page for k in range(nkeys)] for layer in range(layers)]
-    into = [[dp + (layer * nkeys + k) * page for k in range(nkeys)] for layer in range(layers)]
-    want = bytes(src)
-    out, run = [], [0]
-
-    def keys_of():
-        run[0] += 1
-        return [f"lw/{run[0]}/{k}" for k in range(nkeys)]
-
-    def save_session(keys):
-        assert st.batch_put_session_start(keys, [size] * nkeys) == [0] * nkeys
-        for layer in range(layers):
-            got = st.batch_put_from_multi_buffer_ranges(
-                keys, [[at[layer][k]] for k in range(nkeys)], [[page]] * nkeys,
-                [[layer * page]] * nkeys)
-            assert got == [page] * nkeys, got
-        assert st.batch_put_session_end(keys) == [0] * nkeys
-
-    def save_whole(keys):
-        got = st.batch_put_from_multi_buffers(
-            keys, [[at[layer][k] for layer in range(layers)] for k in range(nkeys)],
-            [[page] * layers] * nkeys)
-        assert got == [0] * nkeys, got
-
-    def load_batched(keys):  # as vLLM: a read session around the layers' range reads
-        assert st.batch_get_session_start(keys) == [0] * nkeys
-        for layer in range(layers):
-            got = st.batch_get_into_multi_buffer_ranges(
-                keys, [[into[layer][k]] for k in range(nkeys)], [[page]] * nkeys,
-                [[layer * page]] * nkeys)
-            assert got == [page] * nkeys, got
-        assert st.batch_get_session_end(keys) == 0
-
-    def load_per_key(keys):
-        for layer in range(layers):
-            for k, key in enumerate(keys):
-                assert st._c.get_ranges(key, [into[layer][k]], [layer * page], [page]) == [page]
-
-    def load_whole(keys):
-        got = st.batch_get_into_multi_buffers(
-            keys, [[into[layer][k] for layer in range(layers)] for k in range(nkeys)],
-            [[page] * layers] * nkeys)
-        assert got == [size] * nkeys, got
-
-    saved = []
-    for name, fn in (("layerwise_save_session", save_session), ("layerwise_save_whole", save_whole)):
-        times = []
-        for i in range(iters + 2):
-            keys = keys_of()
-            t = time.perf_counter()
-            fn(keys)
-            if i >= 2:
-                times.append(time.perf_counter() - t)
-            saved.append(keys)
-        out.append({"system": "mooncake", "op": name, "keys": nkeys, "layers": layers,
-                    "page": page, "p50_ms": pct(times, 50) * 1e3, "p99_ms": pct(times, 99) * 1e3})
-    keys = saved[-1]
-    for name, fn in (("layerwise_load_batched", load_batched),
-                     ("layerwise_load_per_key", load_per_key),
-                     ("layerwise_load_whole", load_whole)):
-        times = []
-        for i in range(iters + 2):
-            ctypes.memset(dp, 0, nkeys * size)
-            t = time.perf_counter()
-            fn(keys)
-            if i >= 2:
-                times.append(time.perf_counter() - t)
-            assert bytes(dst) == want, name + " read wrong bytes"
-        out.append({"system": "mooncake", "op": name, "keys": nkeys, "layers": layers,
-                    "page": page, "p50_ms": pct(times, 50) * 1e3, "p99_ms": pct(times, 99) * 1e3})
-    for rec in out:  # against the whole-object call of the same direction, same run
-        base = "_".join(rec["op"].split("_")[:2]) + "_whole"
-        rec["vs_whole"] = rec["p50_ms"] / next(r["p50_ms"] for r in out if r["op"] == base)
-    st.close()
-    return out
-
 
 def gpu_holder(addr, segment, device, where, ready, stop):
     # The device layer and the segment's place are read once per process, at its first use.
@@ -735,11 +640,6 @@ def main():
                     help="sim or cuda: get_into a GPU buffer from host and GPU segments against "
                          "the device's own copy (--sizes, default 64M; --gpu-iters)")
     ap.add_argument("--gpu-iters", type=int, default=20)
-    ap.add_argument("--layerwise", action="store_true", help="the layer-wise rows only")
-    ap.add_argument("--lw-keys", type=int, default=32)
-    ap.add_argument("--lw-layers", type=int, default=16)
-    ap.add_argument("--lw-page", default="16K")
-    ap.add_argument("--lw-iters", type=int, default=30)
     args = ap.parse_args()
 
     # The engine's defaults, MC_SPIN_US included (recorded as spin_us). Earlier versions set
@@ -784,12 +684,7 @@ def main():
         if not ready.wait(60):
             sys.exit("store_bench: holder did not set up")
 
-        if args.layerwise:
-            for rec in run_layerwise(addr, args.lw_keys, args.lw_layers,
-                                     parse_size(args.lw_page), args.lw_iters):
-                records.append(rec)
-                print(json.dumps(rec))
-        elif args.trace:
+        if args.trace:
             rec = replay_trace(addr, args.trace, parse_size(args.block_bytes), args.trace_limit)
             records.append(rec)
             print(json.dumps(rec))

@@ -373,7 +373,7 @@ class MooncakeDistributedStore(TensorApi):
             out.append(per_key)
         return out
 
-    # ---- read sessions and key-major ranges (SGLang's layer-wise loader) ----
+    # ---- read sessions and key-major ranges (SGLang's and vLLM's layer-wise loaders) ----
     def batch_get_session_start(self, keys):
         """Per key: 0 when the object can be read (complete), else a negative code (-704
         missing). One master call for all keys, whose replica lists the range reads below use
@@ -451,7 +451,8 @@ class MooncakeDistributedStore(TensorApi):
 
     def batch_put_session_end(self, keys):
         """Per key: 0 when the object is published, else a negative code (-700: some bytes
-        were never written, and the session stays open; others end it)."""
+        were never written, or -900 with no heartbeat answered lately: the session stays open;
+        others end it)."""
         return self._c.put_session_end(list(keys))
 
     def batch_put_session_revoke(self, keys):
