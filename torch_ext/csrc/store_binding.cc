@@ -28,6 +28,7 @@ void registerStoreApis(py::module_& m) {
   using Nogil = py::call_guard<py::gil_scoped_release>;
   py::class_<PyStore> cls(m, "StoreClient", "Native store client; use mooncake.store.");
   addStoreExtApis(m, cls);
+  addStoreDummyApis(m, cls);
   cls.def(py::init<>())
       .def(
           "setup",

@@ -152,6 +152,7 @@ class PyStore {
   }
 
   void close() {
+    dummy_service_.reset();
     client_.reset();
     server_.reset();
     if (master_) master_->stopBackground();
@@ -179,8 +180,13 @@ class PyStore {
   std::string hostname() const { return client_ ? client_->clientId() : std::string(); }
   // Why the last setup failed, in words (setup() returns Mooncake's integer codes).
   const std::string& lastError() const { return last_error_; }
+  void setLastError(std::string why) { last_error_ = std::move(why); }
 
- private:
+  // mooncake_client's service for dummy clients (store_dummy.cc); stopped by close().
+  void keepDummyService(std::unique_ptr<engine::TcpRendezvousServer> s) {
+    dummy_service_ = std::move(s);
+  }
+
   // The secret a store client presents: MC_SECRET, else the file (MC_SECRET_FILE or
   // ~/.mooncake/secret). A master started at the same moment may not have created the default
   // file yet: wait for it as long as for the master's port.
@@ -194,6 +200,7 @@ class PyStore {
     }
   }
 
+ private:
   // The host the client must reach: the master's, or the first etcd endpoint's.
   static int reachHost(const std::string& address, std::string* host) {
     std::string a = address;
@@ -245,6 +252,7 @@ class PyStore {
   std::unique_ptr<store::MasterService> master_;
   std::unique_ptr<store::MasterRpcServer> server_;
   std::unique_ptr<store::StoreClient> client_;
+  std::unique_ptr<engine::TcpRendezvousServer> dummy_service_;
   py::object group_;
 };
 
@@ -267,5 +275,8 @@ inline int64_t valueOr(const store::ErrorOr<T>& r) {
 
 // Registers the rest of upstream's MooncakeDistributedStore API on the class (store_binding_ext.cc).
 void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls);
+// Upstream's standalone pairing: mooncake_client's service and setup_dummy's lookup of it
+// (store_dummy.cc).
+void addStoreDummyApis(py::module_& m, py::class_<PyStore>& cls);
 
 }  // namespace mooncake::torch_ext

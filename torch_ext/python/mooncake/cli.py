@@ -61,9 +61,11 @@ def client_main(argv=None):
     ``--master_server_address`` until SIGINT or SIGTERM, then unmounts and exits 0. Upstream's
     flags (gflags style: ``--flag=value``, ``-flag``, a bare ``--flag`` or ``--noflag`` for a
     boolean). Differs from upstream's: ``--host`` defaults to 127.0.0.1 and must be an address
-    peers reach this process at (0.0.0.0 is refused; ``host:port`` fixes the engine's port); no
-    RPC service for upstream's dummy clients is started, so SGLang's ``standalone_storage``
-    mode does not work (``--port`` and ``--start_offload_rpc_server`` are accepted and unused);
+    peers reach this process at (0.0.0.0 is refused; ``host:port`` fixes the engine's port).
+    ``--port`` (0: any free port) serves dummy clients (``setup_dummy``, SGLang's
+    ``standalone_storage`` mode) on the host of ``--host``: not upstream's proxy RPC service, but
+    what a dummy needs to join the same store itself (the master, protocol, NICs and this
+    segment), to processes that present the job secret. ``--start_offload_rpc_server``,
     ``--threads`` and ``--metadata_server`` are unused; SSD offload and other tenants are
     refused, and ``--enable_http_server`` is accepted with a warning (nothing listens), as
     ``setup()`` does."""
@@ -115,8 +117,21 @@ def client_main(argv=None):
         print(f"mooncake_client: setup failed ({rc}); master {args.master_server_address}",
               file=sys.stderr)
         return 1
+    host = args.host
+    if host.startswith("["):
+        host = host[1:host.find("]")]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    try:
+        port = st._c.serve_dummies(host, args.port, {
+            "master_server_addr": args.master_server_address, "protocol": args.protocol,
+            "rdma_devices": args.device_names})
+    except (RuntimeError, ValueError) as e:
+        print(f"mooncake_client: {e} (--port=0 picks a free port)", file=sys.stderr)
+        st.close()
+        return 1
     print(f"mooncake_client ready segment={st.get_hostname()} bytes={segment} "
-          f"master={args.master_server_address}", flush=True)
+          f"master={args.master_server_address} port={port}", flush=True)
     signal.sigwait({signal.SIGINT, signal.SIGTERM})
     st.close()
     return 0

@@ -229,6 +229,39 @@ class MooncakeDistributedStore(TensorApi):
                          self._c.get_hostname())
         return rc
 
+    def setup_dummy(self, mem_pool_size, local_buffer_size, server_address, ipc_socket_path="",
+                    timeout_ms=10000):
+        """Upstream's standalone mode (SGLang's ``standalone_storage``): join the store that
+        the ``mooncake_client`` at ``server_address`` ("host:port", its ``--port``) lends its
+        memory to. 0, or a negative code (logged).
+
+        Unlike upstream's dummy client this is not a proxy: it asks that mooncake_client which
+        master it lends to (and with which protocol and NICs), then is a client of that master
+        that lends nothing, named after the host of ``server_address`` (it runs on that host).
+        Its own memory (``register_buffer``, a local buffer of ``local_buffer_size`` bytes)
+        takes part in transfers directly, one-sidedly, with no hop through the mooncake_client
+        process; the objects live in the pool's segments. ``mem_pool_size`` (upstream: the
+        size of the memory shared with the real client) and ``ipc_socket_path`` are checked
+        and unused. Both processes need the same job secret (``MC_SECRET`` /
+        ``MC_SECRET_FILE``, by default the user's ``~/.mooncake/secret``); the lookup waits
+        up to ``timeout_ms``."""
+        try:
+            parse_size(mem_pool_size)
+            lbuf = parse_size(local_buffer_size)
+        except ValueError as e:
+            _log.error("setup_dummy: %s", e)
+            return _BAD
+        if not isinstance(ipc_socket_path, str):
+            raise TypeError("setup_dummy(): ipc_socket_path must be a str")
+        rc, info, why = _C.real_client_info(str(server_address), int(timeout_ms))
+        if rc != 0:
+            _log.error("setup_dummy(%s) failed (%d): %s", server_address, rc, why)
+            return rc
+        host = str(server_address).rpartition(":")[0].strip("[]")
+        return self._setup(local_hostname=host, global_segment_size=0, local_buffer_size=lbuf,
+                           protocol=info["protocol"], rdma_devices=info["rdma_devices"],
+                           master_server_addr=info["master_server_addr"])
+
     def close(self):
         self._c.close()
         return 0
