@@ -580,7 +580,11 @@ Status TcpRendezvousClient::set(const std::string& key, const std::string& value
 }
 
 Result<std::string> TcpRendezvousClient::get(const std::string& key) {
-  Result<std::string> r = call(kGet, key, "", callDeadline());
+  return get(key, callDeadline());
+}
+
+Result<std::string> TcpRendezvousClient::get(const std::string& key, Deadline deadline) {
+  Result<std::string> r = call(kGet, key, "", deadline);
   if (!r.ok()) return describe(r.status(), "get", key);
   return r;
 }

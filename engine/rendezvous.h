@@ -72,6 +72,8 @@ class TcpRendezvousClient : public Rendezvous {
   ~TcpRendezvousClient() override;
   Status set(const std::string& key, const std::string& value) override;
   Result<std::string> get(const std::string& key) override;
+  // get() by the caller's deadline instead of MC_RENDEZVOUS_TIMEOUT_MS.
+  Result<std::string> get(const std::string& key, Deadline deadline);
   Result<std::string> wait(const std::string& key, Deadline deadline) override;
   Result<int64_t> add(const std::string& key, int64_t delta) override;
 

@@ -40,11 +40,8 @@ def test_lends_its_segment_until_sigterm():
         p = start("--global_segment_size=64 MB", f"-master_server_address={m.addr}",
                   "--protocol", "tcp", "--port=0", "--metadata_server=http://x:8080/metadata",
                   "--start_offload_rpc_server", "--noenable_http_server", "--enable_offload=false")
-        line = p.stdout.readline()
-        assert line.startswith("mooncake_client ready segment=127.0.0.1:"), \
-            line + p.stderr.read()
-        seg = line.split("segment=")[1].split()[0]
-        assert f"bytes={64 << 20}" in line
+        seg, _, line = ready(p)
+        assert seg.startswith("127.0.0.1:") and f"bytes={64 << 20}" in line, line
         s = MooncakeDistributedStore()
         assert s.setup("127.0.0.1", "", 0, 16 << 20, "tcp", "", m.addr) == 0
         vals = {f"cli/{i}": os.urandom(1000 * (i + 1)) for i in range(5)}
@@ -76,6 +73,7 @@ def test_lends_its_segment_until_sigterm():
     (["--global_segment_size=lots"], "bad size"),
     (["--enable_offload=maybe"], "not a boolean"),
     (["--host=0.0.0.0"], "other processes reach"),
+    (["--host=[::]:7000"], "other processes reach"),
     (["--glob=16MB"], "unrecognized arguments"),  # no abbreviations, as gflags
 ])
 def test_refused_flags(flags, says):
@@ -96,8 +94,10 @@ def test_no_master():
 
 def ready(p):
     line = p.stdout.readline()
-    assert line.startswith("mooncake_client ready segment="), line + p.stderr.read()
-    return line.split("segment=")[1].split()[0], int(line.split(" port=")[1])
+    if not line.startswith("mooncake_client ready segment="):
+        p.kill()
+        pytest.fail(line + p.communicate(timeout=30)[1])
+    return line.split("segment=")[1].split()[0], int(line.split(" port=")[1]), line
 
 
 def test_dummy_clients_join_its_store():
@@ -109,13 +109,15 @@ def test_dummy_clients_join_its_store():
     dummies = []
     try:
         p = start("--global_segment_size=64MB", f"--master_server_address={m.addr}", "--port=0")
-        seg, port = ready(p)
+        seg, port, _ = ready(p)
         for _ in range(2):
             d = MooncakeDistributedStore()
             assert d.setup_dummy(32 << 20, 4 << 20, f"127.0.0.1:{port}") == 0
             dummies.append(d)
         a, b = dummies
+        # Named after the mooncake_client's --host, each with its own engine's port.
         assert a.get_hostname() not in (seg, b.get_hostname())
+        assert {d.get_hostname().rpartition(":")[0] for d in dummies} == {"127.0.0.1"}
         n, size = 8, 3000
         data = os.urandom(n * size)
         # SGLang's host KV pool comes from MooncakeHostMemAllocator in this mode.
@@ -162,7 +164,7 @@ def test_dummy_setup_refusals():
     p = None
     try:
         p = start("--global_segment_size=16MB", f"--master_server_address={m.addr}", "--port=0")
-        _, port = ready(p)
+        _, port, _ = ready(p)
         d = MooncakeDistributedStore()
         bad = int(store_mod.ErrorCode.INVALID_PARAMS)
         rpc = int(store_mod.ErrorCode.RPC_FAIL)

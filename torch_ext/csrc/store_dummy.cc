@@ -39,6 +39,40 @@ bool splitHostPort(const std::string& addr, std::string* host, int* port) {
   return *port > 0 && *port <= 65535;
 }
 
+// Reads what the mooncake_client at host:port serves into *info, all by `deadline`: 0, or a
+// negative code and *why. The job secret must be there already (no wait for the file, unlike a
+// client racing the master that creates it: the mooncake_client is up and used it).
+int64_t lookup(const std::string& address, const std::string& host, uint16_t port,
+               engine::Deadline deadline, std::map<std::string, std::string>* info,
+               std::string* why) {
+  auto secret = engine::resolveSecret("", engine::SecretFile::kDefault);
+  if (!secret.ok()) {
+    *why = "job secret: " + secret.status().toString();
+    return code(ErrorCode::INVALID_PARAMS);
+  }
+  auto cli = engine::TcpRendezvousClient::connect(host, port, *secret, deadline);
+  if (!cli.ok()) {
+    *why = "the mooncake_client at " + address + ": " + cli.status().toString();
+    return code(cli.status().code() == Code::kPermissionDenied ? ErrorCode::INVALID_PARAMS
+                                                               : ErrorCode::RPC_FAIL);
+  }
+  for (const char* k : kKeys) {
+    auto v = (*cli)->get(kPrefix + std::string(k), deadline);
+    if (!v.ok()) {
+      *why = address + " does not serve dummy clients (no '" + k +
+             "'; is it a mooncake_client's --port?): " + v.status().toString();
+      return code(ErrorCode::RPC_FAIL);
+    }
+    (*info)[k] = *v;
+    if (std::string(k) == "api" && *v != kApi) {
+      *why = "the mooncake_client at " + address + " speaks pairing version '" + *v +
+             "', this library " + kApi;
+      return code(ErrorCode::INVALID_PARAMS);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 void addStoreDummyApis(py::module_& m, py::class_<PyStore>& cls) {
@@ -91,39 +125,15 @@ void addStoreDummyApis(py::module_& m, py::class_<PyStore>& cls) {
           why = "server_address '" + server_address + "' is not host:port";
         } else {
           py::gil_scoped_release nogil;
-          auto secret = PyStore::clientSecret();
-          auto cli = secret.ok() ? engine::TcpRendezvousClient::connect(
-                                       host, static_cast<uint16_t>(port), *secret,
-                                       engine::deadlineInMs(std::max(timeout_ms, 1)))
-                                 : Result<std::unique_ptr<engine::TcpRendezvousClient>>(
-                                       secret.status());
-          if (!cli.ok()) {
-            rc = code(cli.status().code() == Code::kPermissionDenied ? ErrorCode::INVALID_PARAMS
-                                                                      : ErrorCode::RPC_FAIL);
-            why = "the mooncake_client at " + server_address + ": " + cli.status().toString();
-          }
-          for (const char* k : kKeys) {
-            if (rc != 0) break;
-            auto v = (*cli)->get(kPrefix + std::string(k));
-            if (!v.ok()) {
-              rc = code(ErrorCode::RPC_FAIL);
-              why = server_address + " does not serve dummy clients (no '" + k +
-                    "'; is it a mooncake_client's --port?): " + v.status().toString();
-            } else {
-              info[k] = *v;
-            }
-          }
-          if (rc == 0 && info["api"] != kApi) {
-            rc = code(ErrorCode::INVALID_PARAMS);
-            why = "the mooncake_client at " + server_address + " speaks pairing version '" +
-                  info["api"] + "', this library " + kApi;
-          }
+          rc = lookup(server_address, host, static_cast<uint16_t>(port),
+                      engine::deadlineInMs(std::max(timeout_ms, 1)), &info, &why);
         }
+        if (rc != 0) info.clear();
         return py::make_tuple(rc, info, why);
       },
       py::arg("server_address"), py::arg("timeout_ms"),
       "setup_dummy's lookup: (0, info, \"\") with what the mooncake_client at server_address "
-      "serves, or (negative code, {}, why).");
+      "serves, or (negative code, {}, why); every step within timeout_ms.");
 }
 
 }  // namespace mooncake::torch_ext

@@ -180,7 +180,6 @@ class PyStore {
   std::string hostname() const { return client_ ? client_->clientId() : std::string(); }
   // Why the last setup failed, in words (setup() returns Mooncake's integer codes).
   const std::string& lastError() const { return last_error_; }
-  void setLastError(std::string why) { last_error_ = std::move(why); }
 
   // mooncake_client's service for dummy clients (store_dummy.cc); stopped by close().
   void keepDummyService(std::unique_ptr<engine::TcpRendezvousServer> s) {

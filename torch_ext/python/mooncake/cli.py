@@ -56,6 +56,13 @@ def _gflags_style(args):
     return out
 
 
+def _host_part(host):
+    """"h", "h:port", "[v6]" or "[v6]:port" -> "h" / "v6"."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else ""
+    return host.partition(":")[0] if host.count(":") == 1 else host
+
+
 def client_main(argv=None):
     """``mooncake_client``: lends ``--global_segment_size`` bytes to the store of the master at
     ``--master_server_address`` until SIGINT or SIGTERM, then unmounts and exits 0. Upstream's
@@ -101,7 +108,7 @@ def client_main(argv=None):
         ap.error(str(e))
     if segment <= 0:
         ap.error("--global_segment_size must be > 0 (this process exists to lend memory)")
-    if args.host.partition(":")[0] in ("0.0.0.0", "::", ""):
+    if _host_part(args.host) in ("0.0.0.0", "::", ""):
         ap.error(f"--host {args.host!r}: give the address other processes reach this one at "
                  "(it names the segment)")
     # SIGINT and SIGTERM are taken with sigwait below, in this thread only (a handler could
@@ -117,13 +124,8 @@ def client_main(argv=None):
         print(f"mooncake_client: setup failed ({rc}); master {args.master_server_address}",
               file=sys.stderr)
         return 1
-    host = args.host
-    if host.startswith("["):
-        host = host[1:host.find("]")]
-    elif host.count(":") == 1:
-        host = host.partition(":")[0]
     try:
-        port = st._c.serve_dummies(host, args.port, {
+        port = st._c.serve_dummies(_host_part(args.host), args.port, {
             "master_server_addr": args.master_server_address, "protocol": args.protocol,
             "rdma_devices": args.device_names})
     except (RuntimeError, ValueError) as e:

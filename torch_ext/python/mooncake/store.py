@@ -237,14 +237,15 @@ class MooncakeDistributedStore(TensorApi):
 
         Unlike upstream's dummy client this is not a proxy: it asks that mooncake_client which
         master it lends to (and with which protocol and NICs), then is a client of that master
-        that lends nothing, named after the host of ``server_address`` (it runs on that host).
+        that lends nothing, named "<the mooncake_client's --host>:<its own engine port>" (it
+        runs on that host).
         Its own memory (``register_buffer``, a local buffer of ``local_buffer_size`` bytes)
         takes part in transfers directly, one-sidedly, with no hop through the mooncake_client
         process; the objects live in the pool's segments. ``mem_pool_size`` (upstream: the
         size of the memory shared with the real client) and ``ipc_socket_path`` are checked
         and unused. Both processes need the same job secret (``MC_SECRET`` /
-        ``MC_SECRET_FILE``, by default the user's ``~/.mooncake/secret``); the lookup waits
-        up to ``timeout_ms``."""
+        ``MC_SECRET_FILE``, by default the user's ``~/.mooncake/secret``); the lookup takes at
+        most ``timeout_ms``."""
         try:
             parse_size(mem_pool_size)
             lbuf = parse_size(local_buffer_size)
@@ -257,7 +258,9 @@ class MooncakeDistributedStore(TensorApi):
         if rc != 0:
             _log.error("setup_dummy(%s) failed (%d): %s", server_address, rc, why)
             return rc
-        host = str(server_address).rpartition(":")[0].strip("[]")
+        # Named like the mooncake_client: its --host, an address peers reach on this host
+        # (not server_address's, often 127.0.0.1 on every node), with this engine's port.
+        host = info["segment"].rpartition(":")[0]
         return self._setup(local_hostname=host, global_segment_size=0, local_buffer_size=lbuf,
                            protocol=info["protocol"], rdma_devices=info["rdma_devices"],
                            master_server_addr=info["master_server_addr"])
