@@ -261,5 +261,55 @@ TEST(StoreStall, TimedOutClassicPutKeepsItsMemoryUntilTheLateWriteFinished) {
   EXPECT_EQ(*g, v);
 }
 
+// The same for a put session (the layer-wise put): a range write into the stopped holder times
+// out, the session can only be revoked, and the revoke leaves the memory under the session's
+// own hold until the late WRITE finished; then the key takes a new session and reads back.
+TEST(StoreStall, TimedOutSessionRangeKeepsItsMemoryUntilTheLateWriteFinished) {
+  constexpr size_t kSize = 1u << 20;
+  PutStallRig rig("--rebuild-quiet-ms 200 --client-ttl-s 30");  // (as above: no expiry)
+  ASSERT_TRUE(rig.start());
+  HaMaster& master = rig.master;
+  store::StoreClient& w = *rig.w.client;
+  ReplicateConfig on_h;
+  on_h.preferred_segment = "H";
+  const std::string v0 = valueFor("first", kSize);
+  ASSERT_EQ(w.put("first", v0.data(), v0.size(), on_h), ErrorCode::OK);
+  const std::string used = "mooncake_store_bytes_used";
+  const double base = master.metric(used);
+  ASSERT_GE(base, static_cast<double>(kSize));
+
+  const std::string v = valueFor("sess", kSize);
+  ASSERT_EQ(w.putSessionStart({"sess"}, {kSize}, on_h), std::vector<ErrorCode>{ErrorCode::OK});
+  // The first half while the holder runs, the second after it stopped.
+  auto r1 = w.putSessionRanges({"sess"}, {{{v.data(), 0, kSize / 2}}});
+  ASSERT_TRUE(r1[0].ok()) << toInt(r1[0].error());
+  ASSERT_TRUE(stopProcess(rig.h)) << "the holder did not stop";
+  auto r2 = w.putSessionRanges({"sess"}, {{{v.data() + kSize / 2, kSize / 2, kSize / 2}}});
+  ASSERT_FALSE(r2[0].ok());
+  EXPECT_EQ(r2[0].error(), ErrorCode::TRANSFER_FAIL);
+  EXPECT_EQ(w.putSessionRevoke("sess"), ErrorCode::OK);
+  auto there = w.exists("sess");
+  ASSERT_TRUE(there.ok());
+  EXPECT_FALSE(*there) << "the revoked session's key is there";
+  EXPECT_FALSE(within([&] {
+                 const double now = master.metric(used);  // (-1: not read)
+                 return now >= 0 && now < base + kSize;
+               },
+                      6000))
+      << "the revoked session's memory was freed while a write into it was still queued";
+  kill(rig.h, SIGCONT);
+  EXPECT_TRUE(within([&] { return master.metric(used) == base; }, 30000))
+      << "the session's hold was never released after the late write landed: "
+      << master.metric(used) << " bytes used, " << base << " before";
+  ASSERT_EQ(w.putSessionStart({"sess"}, {kSize}, on_h), std::vector<ErrorCode>{ErrorCode::OK});
+  auto r3 = w.putSessionRanges({"sess"}, {{{v.data(), 0, kSize}}});
+  ASSERT_TRUE(r3[0].ok()) << toInt(r3[0].error());
+  EXPECT_EQ(*r3[0], kSize);
+  ASSERT_EQ(w.putSessionEnd({"sess"}), std::vector<ErrorCode>{ErrorCode::OK});
+  auto g = w.get("sess");
+  ASSERT_TRUE(g.ok()) << toInt(g.error());
+  EXPECT_EQ(*g, v);
+}
+
 }  // namespace
 }  // namespace mooncake::test
