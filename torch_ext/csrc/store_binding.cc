@@ -32,7 +32,7 @@ void registerStoreApis(py::module_& m) {
   cls.def(py::init<>())
       .def(
           "setup",
-          [](PyStore& s, const std::string& local_hostname, uint64_t global_segment_size,
+          guarded([](PyStore& s, const std::string& local_hostname, uint64_t global_segment_size,
              uint64_t local_buffer_size, const std::string& protocol,
              const std::string& master_server_addr, py::object engine) {
             std::shared_ptr<engine::TransferEngine> shared;
@@ -40,32 +40,36 @@ void registerStoreApis(py::module_& m) {
             py::gil_scoped_release nogil;
             return s.setup(local_hostname, global_segment_size, local_buffer_size, protocol,
                            master_server_addr, std::move(shared));
-          },
+          }),
           py::arg("local_hostname"), py::arg("global_segment_size"),
           py::arg("local_buffer_size"), py::arg("protocol"), py::arg("master_server_addr"),
           py::arg("engine") = py::none())
-      .def("setup_from_group", &PyStore::setupFromGroup)
+      .def("setup_from_group",
+           guarded([](PyStore& s, py::object group, uint64_t segment_size,
+                      const std::string& master_address) {
+             return s.setupFromGroup(std::move(group), segment_size, master_address);
+           }))
       .def("close",
            [](PyStore& s) {
              py::gil_scoped_release nogil;
              s.close();
            })
-      .def("get_hostname", &PyStore::hostname)
+      .def("get_hostname", guarded([](PyStore& s) { return s.hostname(); }))
       .def("last_error", &PyStore::lastError, "Why the last setup failed (\"\" when it did not).")
-      .def("is_setup", [](PyStore& s) { return s.c() != nullptr; })
+      .def("is_setup", guarded([](PyStore& s) { return s.c() != nullptr; }))
       .def(
           "put",
-          [](PyStore& s, const std::string& key, py::buffer value, py::object cfg) -> int64_t {
+          guarded([](PyStore& s, const std::string& key, py::buffer value, py::object cfg) -> int64_t {
             if (!s.c()) return kNotSetUp;
             py::buffer_info keep;
             auto v = viewOf(value, &keep);
             ReplicateConfig c = cfgOf(cfg);
             py::gil_scoped_release nogil;
             return code(s.c()->put(key, v.data(), v.size(), c));
-          },
+          }),
           py::arg("key"), py::arg("value"), py::arg("config") = py::none())
       .def("put_parts",
-           [](PyStore& s, const std::string& key, std::vector<py::buffer> parts,
+           guarded([](PyStore& s, const std::string& key, std::vector<py::buffer> parts,
               py::object cfg) -> int64_t {
              if (!s.c()) return kNotSetUp;
              std::vector<py::buffer_info> keep(parts.size());
@@ -77,9 +81,9 @@ void registerStoreApis(py::module_& m) {
              ReplicateConfig c = cfgOf(cfg);
              py::gil_scoped_release nogil;
              return code(s.c()->putParts(key, ps, c));
-           })
+           }))
       .def("put_batch",
-           [](PyStore& s, const std::vector<std::string>& keys, std::vector<py::buffer> values,
+           guarded([](PyStore& s, const std::vector<std::string>& keys, std::vector<py::buffer> values,
               py::object cfg) -> int64_t {
              if (!s.c()) return kNotSetUp;
              if (keys.size() != values.size()) return code(ErrorCode::INVALID_PARAMS);
@@ -95,9 +99,9 @@ void registerStoreApis(py::module_& m) {
              for (ErrorCode ec : s.c()->batchPut(keys, vs, c))
                if (ec != ErrorCode::OK && ec != ErrorCode::OBJECT_ALREADY_EXISTS) return code(ec);
              return 0;
-           })
+           }))
       .def("get",
-           [](PyStore& s, const std::string& key) -> py::bytes {
+           guarded([](PyStore& s, const std::string& key) -> py::bytes {
              if (!s.c()) return py::bytes("");
              store::ErrorOr<std::string> r(ErrorCode::INTERNAL_ERROR);
              {
@@ -105,9 +109,9 @@ void registerStoreApis(py::module_& m) {
                r = s.c()->get(key);
              }
              return r.ok() ? py::bytes(*r) : py::bytes("");
-           })
+           }))
       .def("get_batch",
-           [](PyStore& s, const std::vector<std::string>& keys) -> py::list {
+           guarded([](PyStore& s, const std::vector<std::string>& keys) -> py::list {
              py::list out;
              if (!s.c()) {
                for (size_t i = 0; i < keys.size(); ++i) out.append(py::bytes(""));
@@ -120,43 +124,43 @@ void registerStoreApis(py::module_& m) {
              }
              for (auto& x : r) out.append(x.ok() ? py::bytes(*x) : py::bytes(""));
              return out;
-           })
+           }))
       .def(
           "register_buffer",
-          [](PyStore& s, uintptr_t ptr, size_t size) -> int64_t {
+          guarded([](PyStore& s, uintptr_t ptr, size_t size) -> int64_t {
             if (!s.c()) return kNotSetUp;
             return code(s.c()->registerBuffer(reinterpret_cast<void*>(ptr), size));
-          },
+          }),
           Nogil())
       .def(
           "unregister_buffer",
-          [](PyStore& s, uintptr_t ptr) -> int64_t {
+          guarded([](PyStore& s, uintptr_t ptr) -> int64_t {
             if (!s.c()) return kNotSetUp;
             return code(s.c()->unregisterBuffer(reinterpret_cast<void*>(ptr)));
-          },
+          }),
           Nogil())
       .def(
           "put_from",
-          [](PyStore& s, const std::string& key, uintptr_t ptr, size_t size,
+          guarded([](PyStore& s, const std::string& key, uintptr_t ptr, size_t size,
              const ReplicateConfig& c) -> int64_t {
             if (!s.c()) return kNotSetUp;
             if (!s.c()->isRegistered(reinterpret_cast<void*>(ptr), size))
               return code(ErrorCode::INVALID_PARAMS);
             return code(s.c()->put(key, reinterpret_cast<void*>(ptr), size, c));
-          },
+          }),
           Nogil())
       .def(
           "get_into",
-          [](PyStore& s, const std::string& key, uintptr_t ptr, size_t size) -> int64_t {
+          guarded([](PyStore& s, const std::string& key, uintptr_t ptr, size_t size) -> int64_t {
             if (!s.c()) return kNotSetUp;
             if (!s.c()->isRegistered(reinterpret_cast<void*>(ptr), size))
               return code(ErrorCode::INVALID_PARAMS);
             return valueOr(s.c()->getInto(key, reinterpret_cast<void*>(ptr), size));
-          },
+          }),
           Nogil())
       .def(
           "batch_put_from",
-          [](PyStore& s, const std::vector<std::string>& keys, const std::vector<uintptr_t>& ptrs,
+          guarded([](PyStore& s, const std::vector<std::string>& keys, const std::vector<uintptr_t>& ptrs,
              const std::vector<size_t>& sizes, const ReplicateConfig& c) -> std::vector<int64_t> {
             std::vector<int64_t> out(keys.size(), kNotSetUp);
             if (!s.c()) return out;
@@ -173,11 +177,11 @@ void registerStoreApis(py::module_& m) {
             auto r = s.c()->batchPut(keys, vs, c);
             for (size_t i = 0; i < keys.size(); ++i) out[i] = code(r[i]);
             return out;
-          },
+          }),
           Nogil())
       .def(
           "batch_get_into",
-          [](PyStore& s, const std::vector<std::string>& keys, const std::vector<uintptr_t>& ptrs,
+          guarded([](PyStore& s, const std::vector<std::string>& keys, const std::vector<uintptr_t>& ptrs,
              const std::vector<size_t>& sizes) -> std::vector<int64_t> {
             std::vector<int64_t> out(keys.size(), kNotSetUp);
             if (!s.c()) return out;
@@ -193,11 +197,11 @@ void registerStoreApis(py::module_& m) {
             auto r = s.c()->batchGetInto(keys, bufs);
             for (size_t i = 0; i < keys.size(); ++i) out[i] = valueOr(r[i]);
             return out;
-          },
+          }),
           Nogil())
       .def(
           "batch_put_from_multi_buffers",
-          [](PyStore& s, const std::vector<std::string>& keys,
+          guarded([](PyStore& s, const std::vector<std::string>& keys,
              const std::vector<std::vector<uintptr_t>>& ptrs,
              const std::vector<std::vector<size_t>>& sizes,
              const ReplicateConfig& c) -> std::vector<int64_t> {
@@ -219,11 +223,11 @@ void registerStoreApis(py::module_& m) {
                   reg ? code(s.c()->putParts(keys[i], parts, c)) : code(ErrorCode::INVALID_PARAMS);
             }
             return out;
-          },
+          }),
           Nogil())
       .def(
           "batch_get_into_multi_buffers",
-          [](PyStore& s, const std::vector<std::string>& keys,
+          guarded([](PyStore& s, const std::vector<std::string>& keys,
              const std::vector<std::vector<uintptr_t>>& ptrs,
              const std::vector<std::vector<size_t>>& sizes) -> std::vector<int64_t> {
             // The object is scattered over the key's buffers in order; returns bytes read.
@@ -261,58 +265,58 @@ void registerStoreApis(py::module_& m) {
               out[i] = static_cast<int64_t>(r->size());
             }
             return out;
-          },
+          }),
           Nogil())
       .def(
           "is_exist",
-          [](PyStore& s, const std::string& key) -> int64_t {
+          guarded([](PyStore& s, const std::string& key) -> int64_t {
             if (!s.c()) return kNotSetUp;
             auto r = s.c()->exists(key);
             return r.ok() ? (*r ? 1 : 0) : code(r.error());
-          },
+          }),
           Nogil())
       .def(
           "batch_is_exist",
-          [](PyStore& s, const std::vector<std::string>& keys) {
+          guarded([](PyStore& s, const std::vector<std::string>& keys) {
             std::vector<int64_t> out(keys.size(), kNotSetUp);
             if (!s.c()) return out;
             auto r = s.c()->batchExists(keys);
             for (size_t i = 0; i < keys.size(); ++i)
               out[i] = r[i].ok() ? (*r[i] ? 1 : 0) : code(r[i].error());
             return out;
-          },
+          }),
           Nogil())
       .def(
           "get_size",
-          [](PyStore& s, const std::string& key) -> int64_t {
+          guarded([](PyStore& s, const std::string& key) -> int64_t {
             if (!s.c()) return kNotSetUp;
             return valueOr(s.c()->getSize(key));
-          },
+          }),
           Nogil())
       .def(
           "remove",
-          [](PyStore& s, const std::string& key, bool force) -> int64_t {
+          guarded([](PyStore& s, const std::string& key, bool force) -> int64_t {
             if (!s.c()) return kNotSetUp;
             return code(s.c()->remove(key, force));
-          },
+          }),
           py::arg("key"), py::arg("force") = false, Nogil())
       .def(
           "remove_by_regex",
-          [](PyStore& s, const std::string& re, bool force) -> int64_t {
+          guarded([](PyStore& s, const std::string& re, bool force) -> int64_t {
             if (!s.c()) return kNotSetUp;
             return valueOr(s.c()->removeByRegex(re, force));
-          },
+          }),
           py::arg("regex"), py::arg("force") = false, Nogil())
       .def(
           "remove_all",
-          [](PyStore& s, bool force) -> int64_t {
+          guarded([](PyStore& s, bool force) -> int64_t {
             if (!s.c()) return kNotSetUp;
             return valueOr(s.c()->removeAll(force));
-          },
+          }),
           py::arg("force") = false, Nogil())
       .def(
           "put_tensor",
-          [](PyStore& s, const std::string& key, const at::Tensor& t, py::object cfg) -> int64_t {
+          guarded([](PyStore& s, const std::string& key, const at::Tensor& t, py::object cfg) -> int64_t {
             if (!s.c()) return kNotSetUp;
             if (!t.device().is_cpu()) return code(ErrorCode::INVALID_PARAMS);
             at::Tensor ct = t.contiguous();
@@ -331,9 +335,9 @@ void registerStoreApis(py::module_& m) {
             py::gil_scoped_release nogil;
             return code(
                 s.c()->putParts(key, {{header.data(), header.size()}, {ct.data_ptr(), nbytes}}, c));
-          },
+          }),
           py::arg("key"), py::arg("tensor"), py::arg("config") = py::none())
-      .def("get_tensor", [](PyStore& s, const std::string& key) -> py::object {
+      .def("get_tensor", guarded([](PyStore& s, const std::string& key) -> py::object {
         if (!s.c()) return py::none();
         store::ErrorOr<std::string> r(ErrorCode::INTERNAL_ERROR);
         {
@@ -355,7 +359,7 @@ void registerStoreApis(py::module_& m) {
         if (r->size() != 12 + 8ull * ndim + nbytes) return py::none();
         std::memcpy(t.data_ptr(), p + 12 + 8ull * ndim, nbytes);
         return py::cast(t);
-      });
+      }));
 
   m.attr("STORE_MASTER_NAME") = py::str(store::kMasterName);
 }

@@ -137,29 +137,29 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
       .def("__len__", &BufferHandle::size);
 
   cls.def_property_readonly("local_buffer_size",
-                            [](PyStore& s) -> uint64_t {
+                            guarded([](PyStore& s) -> uint64_t {
                               return s.local() != nullptr ? s.local()->capacity() : 0;
-                            })
+                            }))
       .def(
           "lease",
-          [](PyStore& s, uint64_t size) -> py::object {
+          guarded([](PyStore& s, uint64_t size) -> py::object {
             if (s.local() == nullptr) return py::none();
             auto l = s.local()->acquire(size);
             if (!l) return py::none();
             return py::cast(BufferHandle(std::move(*l), size));
-          },
+          }),
           "A free slice of the local buffer (BufferPool), or None when it does not fit now.")
       .def("get_buffer",
-           [](PyStore& s, const std::string& key) {
+           guarded([](PyStore& s, const std::string& key) {
              std::optional<BufferHandle> h;
              {
                py::gil_scoped_release nogil;
                h = readIntoLease(s, key);
              }
              return handleOrNone(std::move(h));
-           })
+           }))
       .def("batch_get_buffer",
-           [](PyStore& s, const std::vector<std::string>& keys) {
+           guarded([](PyStore& s, const std::vector<std::string>& keys) {
              std::vector<std::optional<BufferHandle>> hs(keys.size());
              {
                py::gil_scoped_release nogil;
@@ -186,42 +186,42 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
              py::list out;
              for (auto& h : hs) out.append(handleOrNone(std::move(h)));
              return out;
-           })
+           }))
       // ---- upserts ----
       .def("upsert_parts",
-           [](PyStore& s, const std::string& key, std::vector<py::buffer> parts,
+           guarded([](PyStore& s, const std::string& key, std::vector<py::buffer> parts,
               const ReplicateConfig& c) -> int64_t {
              if (!s.c()) return kNotSetUp;
              std::vector<py::buffer_info> keep;
              auto ps = partsOf(parts, &keep);
              py::gil_scoped_release nogil;
              return code(s.c()->upsertParts(key, ps, c));
-           })
+           }))
       .def(
           "upsert_from",
-          [](PyStore& s, const std::string& key, uintptr_t ptr, size_t size,
+          guarded([](PyStore& s, const std::string& key, uintptr_t ptr, size_t size,
              const ReplicateConfig& c) -> int64_t {
             if (!s.c()) return kNotSetUp;
             if (!s.c()->isRegistered(reinterpret_cast<void*>(ptr), size))
               return code(ErrorCode::INVALID_PARAMS);
             return code(s.c()->upsert(key, reinterpret_cast<void*>(ptr), size, c));
-          },
+          }),
           Nogil())
       // ---- put sessions (StoreClient::putSession*) ----
       .def(
           "put_session_start",
-          [](PyStore& s, const std::vector<std::string>& keys, const std::vector<uint64_t>& sizes,
+          guarded([](PyStore& s, const std::vector<std::string>& keys, const std::vector<uint64_t>& sizes,
              const ReplicateConfig& c) -> std::vector<int64_t> {
             std::vector<int64_t> out(keys.size(), kNotSetUp);
             if (!s.c()) return out;
             auto r = s.c()->putSessionStart(keys, sizes, c);
             for (size_t i = 0; i < keys.size(); ++i) out[i] = code(r[i]);
             return out;
-          },
+          }),
           "Per key: 0 (a session is open), or a negative code.", Nogil())
       .def(
           "put_session_ranges",
-          [](PyStore& s, const std::vector<std::string>& keys,
+          guarded([](PyStore& s, const std::vector<std::string>& keys,
              const std::vector<std::vector<uintptr_t>>& srcs,
              const std::vector<std::vector<uint64_t>>& sizes,
              const std::vector<std::vector<uint64_t>>& dst_offsets) -> std::vector<int64_t> {
@@ -245,32 +245,32 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
             for (size_t i = 0; i < keys.size(); ++i)
               out[i] = bad[i] ? code(ErrorCode::INVALID_PARAMS) : valueOr(got[i]);
             return out;
-          },
+          }),
           "Per key: bytes written, or a negative code (sources must be registered).", Nogil())
       .def(
           "put_session_end",
-          [](PyStore& s, const std::vector<std::string>& keys) -> std::vector<int64_t> {
+          guarded([](PyStore& s, const std::vector<std::string>& keys) -> std::vector<int64_t> {
             std::vector<int64_t> out(keys.size(), kNotSetUp);
             if (!s.c()) return out;
             auto r = s.c()->putSessionEnd(keys);
             for (size_t i = 0; i < keys.size(); ++i) out[i] = code(r[i]);
             return out;
-          },
+          }),
           Nogil())
       .def(
           "put_session_revoke",
-          [](PyStore& s, const std::vector<std::string>& keys) -> std::vector<int64_t> {
+          guarded([](PyStore& s, const std::vector<std::string>& keys) -> std::vector<int64_t> {
             std::vector<int64_t> out(keys.size(), kNotSetUp);
             if (!s.c()) return out;
             for (size_t i = 0; i < keys.size(); ++i)
               out[i] = code(s.c()->putSessionRevoke(keys[i]));
             return out;
-          },
+          }),
           Nogil())
       // ---- ranges and replicas ----
       .def(
           "get_ranges",
-          [](PyStore& s, const std::string& key, const std::vector<uintptr_t>& dsts,
+          guarded([](PyStore& s, const std::string& key, const std::vector<uintptr_t>& dsts,
              const std::vector<uint64_t>& src_offsets,
              const std::vector<uint64_t>& sizes) -> std::vector<int64_t> {
             std::vector<int64_t> out(dsts.size(), kNotSetUp);
@@ -285,28 +285,28 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
             auto got = s.c()->getRanges(key, rs);
             for (size_t i = 0; i < got.size(); ++i) out[i] = valueOr(got[i]);
             return out;
-          },
+          }),
           "Per range: bytes copied, or a negative code (dst must be registered).", Nogil())
       .def(
           "read_session_start",
-          [](PyStore& s, const std::vector<std::string>& keys) -> std::vector<int64_t> {
+          guarded([](PyStore& s, const std::vector<std::string>& keys) -> std::vector<int64_t> {
             std::vector<int64_t> out(keys.size(), kNotSetUp);
             if (!s.c()) return out;
             auto r = s.c()->readSessionStart(keys);
             for (size_t i = 0; i < keys.size(); ++i) out[i] = code(r[i]);
             return out;
-          },
+          }),
           "Per key: 0 (its replica list is kept for batch_get_ranges), or a negative code.",
           Nogil())
       .def(
           "read_session_end",
-          [](PyStore& s, const std::vector<std::string>& keys) {
+          guarded([](PyStore& s, const std::vector<std::string>& keys) {
             if (s.c()) s.c()->readSessionEnd(keys);
-          },
+          }),
           Nogil())
       .def(
           "batch_get_ranges",
-          [](PyStore& s, const std::vector<std::string>& keys,
+          guarded([](PyStore& s, const std::vector<std::string>& keys,
              const std::vector<std::vector<uintptr_t>>& dsts,
              const std::vector<std::vector<uint64_t>>& src_offsets,
              const std::vector<std::vector<uint64_t>>& sizes)
@@ -335,12 +335,12 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
             for (size_t i = 0; i < keys.size(); ++i)
               for (size_t j = 0; j < got[i].size(); ++j) out[i][j] = valueOr(got[i][j]);
             return out;
-          },
+          }),
           "Per key, per range: bytes copied, or a negative code. One replica-list call.",
           Nogil())
       .def(
           "replica_list",
-          [](PyStore& s, const std::string& key) -> py::object {
+          guarded([](PyStore& s, const std::string& key) -> py::object {
             if (!s.c()) return py::none();
             store::ErrorOr<store::proto::GetReplicaListResponse> r(ErrorCode::INTERNAL_ERROR);
             {
@@ -357,19 +357,19 @@ void addStoreExtApis(py::module_& m, py::class_<PyStore>& cls) {
               reps.append(pieces);
             }
             return py::make_tuple(r->size(), reps);
-          },
+          }),
           "(size, [[(length, address, client, segment) per piece] per replica]) or a code.")
       .def(
           "batch_replica_clear",
-          [](PyStore& s, const std::vector<std::string>& keys,
+          guarded([](PyStore& s, const std::vector<std::string>& keys,
              const std::string& segment_name) -> std::vector<std::string> {
             if (!s.c()) return {};
             auto r = s.c()->batchReplicaClear(keys, segment_name);
             return r.ok() ? *r : std::vector<std::string>{};
-          },
+          }),
           Nogil())
       .def(
-          "ping", [](PyStore& s) -> int64_t { return s.c() ? code(s.c()->ping()) : kNotSetUp; },
+          "ping", guarded([](PyStore& s) -> int64_t { return s.c() ? code(s.c()->ping()) : kNotSetUp; }),
           Nogil());
 
   m.def("tensor_header", [](const at::Tensor& t) { return py::bytes(tensorHeader(t)); },

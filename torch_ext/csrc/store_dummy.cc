@@ -78,7 +78,7 @@ int64_t lookup(const std::string& address, const std::string& host, uint16_t por
 void addStoreDummyApis(py::module_& m, py::class_<PyStore>& cls) {
   cls.def(
       "serve_dummies",
-      [](PyStore& s, const std::string& host, int port,
+      guarded([](PyStore& s, const std::string& host, int port,
          std::map<std::string, std::string> info) -> int {
         if (!s.c()) throw std::runtime_error("serve_dummies: this client is not set up");
         if (port < 0 || port > 65535)
@@ -106,7 +106,7 @@ void addStoreDummyApis(py::module_& m, py::class_<PyStore>& cls) {
         }
         s.keepDummyService(std::move(srv).value());
         return bound;
-      },
+      }),
       py::arg("host"), py::arg("port"), py::arg("info"),
       "mooncake_client: serve, on host:port (0: any free port), what setup_dummy needs to join "
       "this client's store (its master, protocol, NICs and segment) to clients that present the "

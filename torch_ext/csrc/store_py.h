@@ -10,11 +10,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "engine/rendezvous.h"
 #include "engine/secret.h"
@@ -61,6 +65,7 @@ class PyStore {
             uint64_t local_buffer_size, const std::string& protocol,
             const std::string& master_server_address,
             std::shared_ptr<engine::TransferEngine> shared) {
+    if (refused()) return code(ErrorCode::INVALID_PARAMS);
     if (client_) return 0;
     last_error_.clear();
     // "tcp"/"rdma" name Mooncake's transports; the engine picks per peer (shm on one host),
@@ -124,6 +129,7 @@ class PyStore {
   // A store over a process group's engine. master_address empty: the group's rendezvous, the
   // master embedded on rank 0; else a standalone master's host:port (its rendezvous).
   int setupFromGroup(py::object group, uint64_t segment_size, const std::string& master_address) {
+    if (refused()) return code(ErrorCode::INVALID_PARAMS);
     ProcessGroupMooncake* pg = group.cast<ProcessGroupMooncake*>();
     group_ = group;
     pg::Communicator& comm = pg->communicator();
@@ -151,7 +157,50 @@ class PyStore {
     return makeClient(eng, master_.get(), segment_size);
   }
 
+  // Waits for the calls on this store that other threads are in (they hold no lock: a call
+  // takes as long as its deadline), refusing new ones meanwhile (they see a store that is not
+  // set up), then tears down. From inside a call on this store (a callback): an error.
   void close() {
+    {
+      std::unique_lock<std::mutex> g(life_mu_);
+      if (inCall()) throw std::runtime_error("mooncake.store: close() from inside a call on the "
+                                             "same store");
+      closing_.store(true);
+      life_cv_.wait(g, [&] { return inflight_ == 0; });
+    }
+    teardown();
+    std::lock_guard<std::mutex> g(life_mu_);
+    closing_.store(false);
+  }
+
+  // One Python call on this store (CallScope, below): admitted unless close() is running.
+  bool enterCall() {
+    std::lock_guard<std::mutex> g(life_mu_);
+    if (closing_.load()) return false;
+    ++inflight_;
+    tlsCalls().push_back(this);
+    return true;
+  }
+  void leaveCall() {
+    auto& v = tlsCalls();
+    v.erase(std::find(v.rbegin(), v.rend(), this).base() - 1);
+    std::lock_guard<std::mutex> g(life_mu_);
+    if (--inflight_ == 0) life_cv_.notify_all();
+  }
+
+ private:
+  static std::vector<const PyStore*>& tlsCalls() {
+    thread_local std::vector<const PyStore*> calls;
+    return calls;
+  }
+  bool inCall() const {
+    const auto& v = tlsCalls();
+    return std::find(v.begin(), v.end(), this) != v.end();
+  }
+  // True for a call that started while close() ran: it must see no client.
+  bool refused() const { return closing_.load() && !inCall(); }
+
+  void teardown() {
     dummy_service_.reset();
     client_.reset();
     server_.reset();
@@ -166,6 +215,7 @@ class PyStore {
     }
   }
 
+ public:
   static bool finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
     return Py_IsFinalizing() != 0;
@@ -174,10 +224,14 @@ class PyStore {
 #endif
   }
 
-  store::StoreClient* c() { return client_.get(); }
-  store::LocalBuffer* local() { return local_.get(); }
-  std::shared_ptr<store::LocalBuffer> localShared() { return local_; }
-  std::string hostname() const { return client_ ? client_->clientId() : std::string(); }
+  // The client, for a call admitted by CallScope (stays valid to its end); null before setup,
+  // after close, and in a call that started while close() ran.
+  store::StoreClient* c() { return refused() ? nullptr : client_.get(); }
+  store::LocalBuffer* local() { return refused() ? nullptr : local_.get(); }
+  std::shared_ptr<store::LocalBuffer> localShared() {
+    return refused() ? nullptr : local_;
+  }
+  std::string hostname() { return c() ? c()->clientId() : std::string(); }
   // Why the last setup failed, in words (setup() returns Mooncake's integer codes).
   const std::string& lastError() const { return last_error_; }
 
@@ -253,7 +307,39 @@ class PyStore {
   std::unique_ptr<store::StoreClient> client_;
   std::unique_ptr<engine::TcpRendezvousServer> dummy_service_;
   py::object group_;
+  std::mutex life_mu_;
+  std::condition_variable life_cv_;
+  std::atomic<bool> closing_{false};
+  int inflight_ = 0;  // admitted calls (life_mu_)
 };
+
+// Wraps a binding's body (a captureless lambda taking PyStore& first): the call is counted so
+// that close() in another thread waits for it instead of destroying the client under it.
+class CallScope {
+ public:
+  explicit CallScope(PyStore& s) : s_(s), in_(s.enterCall()) {}
+  ~CallScope() {
+    if (in_) s_.leaveCall();
+  }
+  CallScope(const CallScope&) = delete;
+  CallScope& operator=(const CallScope&) = delete;
+
+ private:
+  PyStore& s_;
+  bool in_;
+};
+
+template <typename R, typename... A>
+auto guarded(R (*f)(PyStore&, A...)) {
+  return [f](PyStore& s, A... a) -> R {
+    CallScope scope(s);
+    return f(s, std::forward<A>(a)...);
+  };
+}
+template <typename F>
+auto guarded(F f) {
+  return guarded(+f);  // (a captureless lambda as a function pointer: its signature)
+}
 
 inline ReplicateConfig cfgOf(const py::object& o) {
   if (o.is_none()) return ReplicateConfig{};
