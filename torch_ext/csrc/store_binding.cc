@@ -55,7 +55,11 @@ void registerStoreApis(py::module_& m) {
              s.close();
            })
       .def("get_hostname", guarded([](PyStore& s) { return s.hostname(); }))
-      .def("last_error", &PyStore::lastError, "Why the last setup failed (\"\" when it did not).")
+      .def("last_error", guarded([](PyStore& s) {
+             py::gil_scoped_release nogil;  // (a setup in another thread holds the lock)
+             return s.lastError();
+           }),
+           "Why the last setup failed (\"\" when it did not).")
       .def("is_setup", guarded([](PyStore& s) { return s.c() != nullptr; }))
       .def(
           "put",

@@ -66,6 +66,7 @@ class PyStore {
             const std::string& master_server_address,
             std::shared_ptr<engine::TransferEngine> shared) {
     if (refused()) return code(ErrorCode::INVALID_PARAMS);
+    std::lock_guard<std::mutex> setup_lock(setup_mu_);  // (a second setup then sees client_)
     if (client_) return 0;
     last_error_.clear();
     // "tcp"/"rdma" name Mooncake's transports; the engine picks per peer (shm on one host),
@@ -135,6 +136,7 @@ class PyStore {
     pg::Communicator& comm = pg->communicator();
     engine::TransferEngine* eng = &comm.engine();
     py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> setup_lock(setup_mu_);
     if (!master_address.empty()) {
       // A standalone master checks its own secret: the group's engine must present the same
       // one (MC_SECRET or MC_SECRET_FILE set for the whole job; docs/security.md).
@@ -160,45 +162,74 @@ class PyStore {
   // Waits for the calls on this store that other threads are in (they hold no lock: a call
   // takes as long as its deadline), refusing new ones meanwhile (they see a store that is not
   // set up), then tears down. From inside a call on this store (a callback): an error.
+  // Two closers at once: the second waits for the first (then finds nothing to tear down).
   void close() {
+    if (admittedHere())
+      throw std::runtime_error("mooncake.store: close() from inside a call on the same store");
+    std::lock_guard<std::mutex> closer(close_mu_);
     {
       std::unique_lock<std::mutex> g(life_mu_);
-      if (inCall()) throw std::runtime_error("mooncake.store: close() from inside a call on the "
-                                             "same store");
-      closing_.store(true);
+      closing_ = true;
       life_cv_.wait(g, [&] { return inflight_ == 0; });
     }
+    struct Reopen {  // (also when teardown throws: the store must not stay closed to setup)
+      PyStore* s;
+      ~Reopen() {
+        std::lock_guard<std::mutex> g(s->life_mu_);
+        s->closing_ = false;
+      }
+    } reopen{this};
+    std::lock_guard<std::mutex> setup_lock(setup_mu_);
     teardown();
-    std::lock_guard<std::mutex> g(life_mu_);
-    closing_.store(false);
   }
 
-  // One Python call on this store (CallScope, below): admitted unless close() is running.
+  // One Python call on this store (CallScope, below): admitted unless close() is running. A
+  // refused call sees no client for its whole length, even if a setup follows the close.
   bool enterCall() {
+    auto& v = tlsCalls();
+    v.push_back({this, false});
     std::lock_guard<std::mutex> g(life_mu_);
-    if (closing_.load()) return false;
+    if (closing_) return false;
     ++inflight_;
-    tlsCalls().push_back(this);
+    v.back().admitted = true;
     return true;
   }
-  void leaveCall() {
+  void leaveCall(bool admitted) {
     auto& v = tlsCalls();
-    v.erase(std::find(v.rbegin(), v.rend(), this).base() - 1);
+    for (auto it = v.rbegin(); it != v.rend(); ++it) {
+      if (it->store == this) {
+        v.erase(std::next(it).base());
+        break;
+      }
+    }
+    if (!admitted) return;
     std::lock_guard<std::mutex> g(life_mu_);
     if (--inflight_ == 0) life_cv_.notify_all();
   }
 
+  std::string lastError() {
+    std::lock_guard<std::mutex> g(setup_mu_);
+    return last_error_;
+  }
+
  private:
-  static std::vector<const PyStore*>& tlsCalls() {
-    thread_local std::vector<const PyStore*> calls;
+  struct Call {
+    const PyStore* store;
+    bool admitted;
+  };
+  static std::vector<Call>& tlsCalls() {
+    thread_local std::vector<Call> calls;
     return calls;
   }
-  bool inCall() const {
-    const auto& v = tlsCalls();
-    return std::find(v.begin(), v.end(), this) != v.end();
+  // This thread is inside an admitted call on this store: close() waits for it, so the client
+  // stays as it is until the call ends.
+  bool admittedHere() const {
+    for (const Call& c : tlsCalls())
+      if (c.store == this && c.admitted) return true;
+    return false;
   }
-  // True for a call that started while close() ran: it must see no client.
-  bool refused() const { return closing_.load() && !inCall(); }
+  // Outside an admitted call the store shows no client (every binding runs in a CallScope).
+  bool refused() const { return !admittedHere(); }
 
   void teardown() {
     dummy_service_.reset();
@@ -232,8 +263,6 @@ class PyStore {
     return refused() ? nullptr : local_;
   }
   std::string hostname() { return c() ? c()->clientId() : std::string(); }
-  // Why the last setup failed, in words (setup() returns Mooncake's integer codes).
-  const std::string& lastError() const { return last_error_; }
 
   // mooncake_client's service for dummy clients (store_dummy.cc); stopped by close().
   void keepDummyService(std::unique_ptr<engine::TcpRendezvousServer> s) {
@@ -307,10 +336,12 @@ class PyStore {
   std::unique_ptr<store::StoreClient> client_;
   std::unique_ptr<engine::TcpRendezvousServer> dummy_service_;
   py::object group_;
-  std::mutex life_mu_;
+  std::mutex close_mu_;  // one close() at a time
+  std::mutex setup_mu_;  // setup and teardown (and last_error_)
+  std::mutex life_mu_;   // closing_, inflight_
   std::condition_variable life_cv_;
-  std::atomic<bool> closing_{false};
-  int inflight_ = 0;  // admitted calls (life_mu_)
+  bool closing_ = false;
+  int inflight_ = 0;  // admitted calls
 };
 
 // Wraps a binding's body (a captureless lambda taking PyStore& first): the call is counted so
@@ -318,9 +349,7 @@ class PyStore {
 class CallScope {
  public:
   explicit CallScope(PyStore& s) : s_(s), in_(s.enterCall()) {}
-  ~CallScope() {
-    if (in_) s_.leaveCall();
-  }
+  ~CallScope() { s_.leaveCall(in_); }
   CallScope(const CallScope&) = delete;
   CallScope& operator=(const CallScope&) = delete;
 
