@@ -178,6 +178,26 @@ struct PutStallRig {
   ClientProc w;
 };
 
+// After a revoke of `key` whose WRITE into the stopped holder is still queued: the key is gone,
+// its `size` bytes stay used at the master (bytes_used over `base`) while the holder is stopped,
+// and they go once it resumed (SIGCONT here) and the late WRITE landed.
+void expectHeldUntilResumed(PutStallRig& rig, const std::string& key, double base, size_t size) {
+  const std::string used = "mooncake_store_bytes_used";
+  auto there = rig.w.client->exists(key);
+  ASSERT_TRUE(there.ok());
+  EXPECT_FALSE(*there) << "the revoked key " << key << " is still there";
+  EXPECT_FALSE(within([&] {
+                 const double now = rig.master.metric(used);  // (-1: not read)
+                 return now >= 0 && now < base + size;
+               },
+                      6000))
+      << key << ": the revoked memory was freed while a write into it was still queued";
+  kill(rig.h, SIGCONT);
+  EXPECT_TRUE(within([&] { return rig.master.metric(used) == base; }, 30000))
+      << key << ": the hold was never released after the late write landed: "
+      << rig.master.metric(used) << " bytes used, " << base << " before";
+}
+
 // The only holder is stopped past the writer's transfer timeout while a put writes into a
 // slab there: the put fails, and its WRITE, still queued, lands when the holder resumes. Until
 // then the slab must stay reserved at the master: a slab handed back has its unpublished space
@@ -242,19 +262,7 @@ TEST(StoreStall, TimedOutClassicPutKeepsItsMemoryUntilTheLateWriteFinished) {
   ASSERT_TRUE(stopProcess(rig.h)) << "the holder did not stop";
   const std::string v = valueFor("late", kSize);
   EXPECT_EQ(w.put("late", v.data(), v.size(), on_h), ErrorCode::TRANSFER_FAIL);
-  auto there = w.exists("late");
-  ASSERT_TRUE(there.ok());
-  EXPECT_FALSE(*there) << "the revoked key is still there";
-  EXPECT_FALSE(within([&] {
-                 const double now = master.metric(used);  // (-1: not read)
-                 return now >= 0 && now < base + kSize;
-               },
-                      6000))
-      << "the revoked put's memory was freed while a write into it was still queued";
-  kill(rig.h, SIGCONT);
-  EXPECT_TRUE(within([&] { return master.metric(used) == base; }, 30000))
-      << "the hold was never released after the late write landed: " << master.metric(used)
-      << " bytes used, " << base << " before";
+  expectHeldUntilResumed(rig, "late", base, kSize);
   EXPECT_EQ(w.put("late", v.data(), v.size(), on_h), ErrorCode::OK);
   auto g = w.get("late");
   ASSERT_TRUE(g.ok()) << toInt(g.error());
@@ -288,19 +296,7 @@ TEST(StoreStall, TimedOutSessionRangeKeepsItsMemoryUntilTheLateWriteFinished) {
   ASSERT_FALSE(r2[0].ok());
   EXPECT_EQ(r2[0].error(), ErrorCode::TRANSFER_FAIL);
   EXPECT_EQ(w.putSessionRevoke("sess"), ErrorCode::OK);
-  auto there = w.exists("sess");
-  ASSERT_TRUE(there.ok());
-  EXPECT_FALSE(*there) << "the revoked session's key is there";
-  EXPECT_FALSE(within([&] {
-                 const double now = master.metric(used);  // (-1: not read)
-                 return now >= 0 && now < base + kSize;
-               },
-                      6000))
-      << "the revoked session's memory was freed while a write into it was still queued";
-  kill(rig.h, SIGCONT);
-  EXPECT_TRUE(within([&] { return master.metric(used) == base; }, 30000))
-      << "the session's hold was never released after the late write landed: "
-      << master.metric(used) << " bytes used, " << base << " before";
+  expectHeldUntilResumed(rig, "sess", base, kSize);
   ASSERT_EQ(w.putSessionStart({"sess"}, {kSize}, on_h), std::vector<ErrorCode>{ErrorCode::OK});
   auto r3 = w.putSessionRanges({"sess"}, {{{v.data(), 0, kSize}}});
   ASSERT_TRUE(r3[0].ok()) << toInt(r3[0].error());
