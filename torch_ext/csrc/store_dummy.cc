@@ -81,6 +81,7 @@ void addStoreDummyApis(py::module_& m, py::class_<PyStore>& cls) {
       guarded([](PyStore& s, const std::string& host, int port,
          std::map<std::string, std::string> info) -> int {
         if (!s.c()) throw std::runtime_error("serve_dummies: this client is not set up");
+        if (s.servesDummies()) throw std::runtime_error("serve_dummies: already serving");
         if (port < 0 || port > 65535)
           throw std::invalid_argument("serve_dummies: port " + std::to_string(port) +
                                       " is not 0-65535");

@@ -51,7 +51,7 @@ class PyStore {
       py::gil_scoped_release nogil;
       close();
     } else {
-      close();
+      close(!PyGILState_Check());  // (finalizing with the GIL: no wait, as before)
     }
   }
 
@@ -65,7 +65,7 @@ class PyStore {
             uint64_t local_buffer_size, const std::string& protocol,
             const std::string& master_server_address,
             std::shared_ptr<engine::TransferEngine> shared) {
-    if (refused()) return code(ErrorCode::INVALID_PARAMS);
+    if (refused()) return refusedSetup();
     std::lock_guard<std::mutex> setup_lock(setup_mu_);  // (a second setup then sees client_)
     if (client_) return 0;
     last_error_.clear();
@@ -123,6 +123,7 @@ class PyStore {
       local_.reset();
       engine_.reset();
     }
+    publish();
     return rc;
   }
 
@@ -130,13 +131,22 @@ class PyStore {
   // A store over a process group's engine. master_address empty: the group's rendezvous, the
   // master embedded on rank 0; else a standalone master's host:port (its rendezvous).
   int setupFromGroup(py::object group, uint64_t segment_size, const std::string& master_address) {
-    if (refused()) return code(ErrorCode::INVALID_PARAMS);
+    if (refused()) return refusedSetup();
     ProcessGroupMooncake* pg = group.cast<ProcessGroupMooncake*>();
-    group_ = group;
     pg::Communicator& comm = pg->communicator();
     engine::TransferEngine* eng = &comm.engine();
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> setup_lock(setup_mu_);
+    // Set up already: as setup(), 0 (replacing the client would pull it from under the calls).
+    if (client_) return 0;
+    {
+      py::gil_scoped_acquire gil;
+      group_ = group;
+    }
+    struct Publish {
+      PyStore* s;
+      ~Publish() { s->publish(); }
+    } publish_at_end{this};
     if (!master_address.empty()) {
       // A standalone master checks its own secret: the group's engine must present the same
       // one (MC_SECRET or MC_SECRET_FILE set for the whole job; docs/security.md).
@@ -163,14 +173,15 @@ class PyStore {
   // takes as long as its deadline), refusing new ones meanwhile (they see a store that is not
   // set up), then tears down. From inside a call on this store (a callback): an error.
   // Two closers at once: the second waits for the first (then finds nothing to tear down).
-  void close() {
+  // wait_calls = false (the interpreter is finalizing, the GIL held): no wait, as before.
+  void close(bool wait_calls = true) {
     if (admittedHere())
       throw std::runtime_error("mooncake.store: close() from inside a call on the same store");
     std::lock_guard<std::mutex> closer(close_mu_);
     {
       std::unique_lock<std::mutex> g(life_mu_);
       closing_ = true;
-      life_cv_.wait(g, [&] { return inflight_ == 0; });
+      if (wait_calls) life_cv_.wait(g, [&] { return inflight_ == 0; });
     }
     struct Reopen {  // (also when teardown throws: the store must not stay closed to setup)
       PyStore* s;
@@ -230,8 +241,20 @@ class PyStore {
   }
   // Outside an admitted call the store shows no client (every binding runs in a CallScope).
   bool refused() const { return !admittedHere(); }
+  int refusedSetup() {
+    std::lock_guard<std::mutex> g(setup_mu_);
+    last_error_ = "close() is running on this store";
+    return code(ErrorCode::INVALID_PARAMS);
+  }
+  // After a setup (under setup_mu_): what the calls may see.
+  void publish() {
+    local_ptr_.store(client_ ? local_.get() : nullptr);
+    client_ptr_.store(client_.get());
+  }
 
   void teardown() {
+    client_ptr_.store(nullptr);
+    local_ptr_.store(nullptr);
     dummy_service_.reset();
     client_.reset();
     server_.reset();
@@ -257,10 +280,12 @@ class PyStore {
 
   // The client, for a call admitted by CallScope (stays valid to its end); null before setup,
   // after close, and in a call that started while close() ran.
-  store::StoreClient* c() { return refused() ? nullptr : client_.get(); }
-  store::LocalBuffer* local() { return refused() ? nullptr : local_.get(); }
+  // (Through pointers that setup publishes once it is done and teardown clears first: a call
+  // in another thread never reads the owners while setup writes them.)
+  store::StoreClient* c() { return refused() ? nullptr : client_ptr_.load(); }
+  store::LocalBuffer* local() { return refused() ? nullptr : local_ptr_.load(); }
   std::shared_ptr<store::LocalBuffer> localShared() {
-    return refused() ? nullptr : local_;
+    return local() != nullptr ? local_ : nullptr;
   }
   std::string hostname() { return c() ? c()->clientId() : std::string(); }
 
@@ -268,6 +293,7 @@ class PyStore {
   void keepDummyService(std::unique_ptr<engine::TcpRendezvousServer> s) {
     dummy_service_ = std::move(s);
   }
+  bool servesDummies() const { return dummy_service_ != nullptr; }
 
   // The secret a store client presents: MC_SECRET, else the file (MC_SECRET_FILE or
   // ~/.mooncake/secret). A master started at the same moment may not have created the default
@@ -336,6 +362,8 @@ class PyStore {
   std::unique_ptr<store::StoreClient> client_;
   std::unique_ptr<engine::TcpRendezvousServer> dummy_service_;
   py::object group_;
+  std::atomic<store::StoreClient*> client_ptr_{nullptr};
+  std::atomic<store::LocalBuffer*> local_ptr_{nullptr};
   std::mutex close_mu_;  // one close() at a time
   std::mutex setup_mu_;  // setup and teardown (and last_error_)
   std::mutex life_mu_;   // closing_, inflight_
