@@ -178,6 +178,21 @@ struct PutStallRig {
   ClientProc w;
 };
 
+// Objects placed on the holder H.
+ReplicateConfig onH() {
+  ReplicateConfig c;
+  c.preferred_segment = "H";
+  return c;
+}
+
+// Puts "first" (`size` bytes) on H; returns the master's bytes_used after it (the baseline
+// of expectHeldUntilResumed), -1 when the put failed.
+double putFirstOnH(PutStallRig& rig, size_t size) {
+  const std::string v0 = valueFor("first", size);
+  if (rig.w.client->put("first", v0.data(), v0.size(), onH()) != ErrorCode::OK) return -1;
+  return rig.master.metric("mooncake_store_bytes_used");
+}
+
 // After a revoke of `key` whose WRITE into the stopped holder is still queued: the key is gone,
 // its `size` bytes stay used at the master (bytes_used over `base`) while the holder is stopped,
 // and they go once it resumed (SIGCONT here) and the late WRITE landed.
@@ -248,15 +263,11 @@ TEST(StoreStall, TimedOutClassicPutKeepsItsMemoryUntilTheLateWriteFinished) {
   // with it) while the test looks; clients then heartbeat every 7.5 s.
   PutStallRig rig("--rebuild-quiet-ms 200 --client-ttl-s 30");
   ASSERT_TRUE(rig.start());
-  HaMaster& master = rig.master;
   store::StoreClient& w = *rig.w.client;
-  ReplicateConfig on_h;
-  on_h.preferred_segment = "H";
-  const std::string v0 = valueFor("first", kSize);
-  ASSERT_EQ(w.put("first", v0.data(), v0.size(), on_h), ErrorCode::OK);
-  const std::string used = "mooncake_store_bytes_used";
-  const double base = master.metric(used);
-  ASSERT_GE(base, static_cast<double>(kSize));
+  const ReplicateConfig on_h = onH();
+  const double base = putFirstOnH(rig, kSize);
+  ASSERT_GE(base, static_cast<double>(kSize))
+      << "the first put on H failed (-1) or is not counted";
 
   ASSERT_TRUE(stopProcess(rig.h)) << "the holder did not stop";
   const std::string v = valueFor("late", kSize);
@@ -275,15 +286,11 @@ TEST(StoreStall, TimedOutSessionRangeKeepsItsMemoryUntilTheLateWriteFinished) {
   constexpr size_t kSize = 1u << 20;
   PutStallRig rig("--rebuild-quiet-ms 200 --client-ttl-s 30");  // (as above: no expiry)
   ASSERT_TRUE(rig.start());
-  HaMaster& master = rig.master;
   store::StoreClient& w = *rig.w.client;
-  ReplicateConfig on_h;
-  on_h.preferred_segment = "H";
-  const std::string v0 = valueFor("first", kSize);
-  ASSERT_EQ(w.put("first", v0.data(), v0.size(), on_h), ErrorCode::OK);
-  const std::string used = "mooncake_store_bytes_used";
-  const double base = master.metric(used);
-  ASSERT_GE(base, static_cast<double>(kSize));
+  const ReplicateConfig on_h = onH();
+  const double base = putFirstOnH(rig, kSize);
+  ASSERT_GE(base, static_cast<double>(kSize))
+      << "the first put on H failed (-1) or is not counted";
 
   const std::string v = valueFor("sess", kSize);
   ASSERT_EQ(w.putSessionStart({"sess"}, {kSize}, on_h), std::vector<ErrorCode>{ErrorCode::OK});
