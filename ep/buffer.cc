@@ -41,6 +41,13 @@ struct RankInfo {
 // ---------------------------------------------------------------------------------------
 // set-up
 
+void refuseVacant(const EpGroup& g, int r) {
+  if (r != g.rank && r < static_cast<int>(g.vacant.size()) && g.vacant[r] != 0)
+    throw std::runtime_error(
+        str("ep.Buffer: rank ", r, " of the elastic group is inactive; set up EP buffers (or "
+            "call update_ep_member) once every rank of the group is active (pg.recover_ranks)"));
+}
+
 uint64_t EpBuffer::randomKey() {
   std::random_device rd;
   uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
@@ -90,6 +97,7 @@ void EpBuffer::setUp(size_t bytes) {
       if (base_ != nullptr) (void)eng.free(base_);
       base_ = nullptr;
       key_ = 0;
+      refuseVacant(g_, r);
       throw std::runtime_error(
           r == g_.rank ? str("ep.Buffer: allocating ", bytes, " bytes of registered memory failed: ",
                              mem.status().toString())

@@ -74,6 +74,9 @@ struct EpGroup {
   int size = 1;
   engine::TransferEngine* engine = nullptr;
   std::vector<engine::PeerId> peers;  // engine peer of each rank; peers[rank] is unused
+  // Ranks that held no member when the group was taken (an elastic group's inactive slots;
+  // empty: none). all_gather zero-fills their blocks; set-up then fails naming the slot.
+  std::vector<char> vacant;
   // Collective: every rank contributes `bytes`; out receives size() blocks in rank order.
   std::function<void(const void* in, void* out, size_t bytes)> all_gather;
   std::shared_ptr<void> keep_alive;  // owner of engine/peers (e.g. the Communicator)
@@ -81,6 +84,10 @@ struct EpGroup {
 
 // The group of a process-group communicator (ep/group.cc; all_gather runs on its worker).
 EpGroup groupOf(std::shared_ptr<pg::Communicator> comm);
+
+// Throws std::runtime_error naming rank r when r is one of g's vacant ranks (its set-up
+// block came back empty for that reason); returns otherwise.
+void refuseVacant(const EpGroup& g, int r);
 
 // Each call's `inputs`: the owner of the memory its sends read (x or y, the weights). Writes
 // to a peer on another host that are not done by MC_EP_TIMEOUT_MS keep running after the call

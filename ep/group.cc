@@ -17,9 +17,19 @@ EpGroup groupOf(std::shared_ptr<pg::Communicator> comm) {
   g.peers.resize(g.size, engine::kInvalidPeer);
   for (int r = 0; r < g.size; ++r)
     if (r != g.rank) g.peers[r] = comm->peerOf(r);
+  if (comm->elastic()) {
+    const std::vector<uint8_t> active = comm->activeMask();
+    for (int r = 0; r < g.size; ++r)
+      if (r >= static_cast<int>(active.size()) || active[r] == 0) {
+        g.vacant.resize(g.size, 0);
+        g.vacant[r] = 1;
+      }
+  }
   pg::Communicator* c = comm.get();
-  g.all_gather = [c](const void* in, void* out, size_t bytes) {
-    auto work = c->enqueue("ep.setup", [c, in, out, bytes] { c->allGather(in, out, bytes); });
+  const int blocks = g.size;  // (a view that changes the size meanwhile fails the op)
+  g.all_gather = [c, blocks](const void* in, void* out, size_t bytes) {
+    auto work = c->enqueue("ep.setup",
+                           [c, in, out, bytes, blocks] { c->allGather(in, out, bytes, blocks); });
     if (!work->wait(c->options().timeout))
       throw std::runtime_error("ep.Buffer: set-up all-gather timed out");
   };

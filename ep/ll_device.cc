@@ -327,6 +327,7 @@ void EpBuffer::setUpDevice(size_t bytes) {
   for (int r = 0; r < n; ++r) {
     if (all[r].ok == 0) {
       freeDevice();
+      refuseVacant(g_, r);
       throw std::runtime_error(str(what, ": rank ", r, " could not make its buffer",
                                    r == g_.rank ? ": " + own_error : std::string()));
     }

@@ -72,6 +72,9 @@ def active(backend):
     return pg.get_active_ranks(backend).tolist()
 
 
+active_of = active  # (for scenarios with a local of that name)
+
+
 def ping_pong(me, peer, verify=True):
     out, got = torch.tensor([me], dtype=torch.int64), torch.tensor([-1], dtype=torch.int64)
     ws = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer),
@@ -157,6 +160,66 @@ def recovery():
     r = all_reduce(PROC + 1)
     g = gather_scatter(4, PROC)
     report(role="survivor", final=r, gs=g, active=active(b), epoch=resp.new_epoch)
+
+
+def ep_recovery():
+    """mooncake.ep on an elastic group (Mooncake EP's update_ep_member): slots 0-2 run
+    low-latency rounds (one after a plain update_ep_member), slot 1 dies and the survivors'
+    next round marks it inactive; rebuilding the buffer while slot 1 is vacant fails naming
+    it; a replacement takes slot 1, the survivors call update_ep_member while it constructs
+    its buffer, and low-latency and normal rounds over all three equal the reference."""
+    import tempfile
+
+    import ep_cases
+    from ep_cases import Cfg, ll_round, normal_round
+    W = 3
+    ctx_dir = tempfile.mkdtemp(prefix="mc_ep_elastic_")
+    if PROC == 3:  # the replacement
+        wait_event("start_recovery")
+        b = init(1, W, is_extension=True)
+        pg.join_group(b)
+        ctx = ep_cases.Ctx(1, W, ctx_dir)
+        # (ctx.buffer constructs the Buffer: the exchange the survivors' update_ep_member meets)
+        fails = ll_round(ctx, Cfg(W, seed=63), torch.ones(W, dtype=torch.int32), "recovered")
+        cfg = Cfg(W, M=32, seed=64, tokens=[30, 27, 12])
+        fails += normal_round(ctx, ctx.buffer(24, 96, 4 * W), cfg, "normal")
+        report(role="replacement", fails=fails)
+        return
+    b = init(PROC, W)
+    ctx = ep_cases.Ctx(PROC, W, ctx_dir)
+    active = torch.ones(W, dtype=torch.int32)
+    fails = ll_round(ctx, Cfg(W, seed=61), active, "before")
+    buf = ctx.buffer(24, 96, 4 * W)
+    buf.update_ep_member()  # no membership change: a reconnect (upstream's test calls it so)
+    fails += ll_round(ctx, Cfg(W, seed=62), active, "reconnected")
+    if PROC == 1:
+        die()
+    fails += ll_round(ctx, Cfg(W, seed=65), active, "after the death", timeout_us=3_000_000)
+    if active.tolist() != [1, 0, 1]:
+        fails.append(f"active_ranks after the death: {active.tolist()}")
+    wait_until(lambda: active_of(b)[1] == 0, 20, "the view without slot 1")
+    refusals = []
+    try:
+        buf.update_ep_member()
+        fails.append("update_ep_member with slot 1 vacant did not fail")
+    except RuntimeError as e:
+        refusals.append(str(e))
+    try:
+        buf.dispatch(*Cfg(W, seed=66).inputs(PROC)[:2], active, 24, 4 * W)
+        fails.append("dispatch on a buffer whose update failed did not fail")
+    except RuntimeError as e:
+        refusals.append(str(e))
+    if PROC == 0:
+        event("start_recovery")
+    wait_until(lambda: pg.get_peer_state(b, [1])[0], 30, "the replacement ready", poll_s=0.05)
+    resp = pg.recover_ranks(b, [1])
+    assert resp.status == pg.ProposalStatus.Applied, resp
+    buf.update_ep_member()
+    active[1] = 1
+    fails += ll_round(ctx, Cfg(W, seed=63), active, "recovered")
+    cfg = Cfg(W, M=32, seed=64, tokens=[30, 27, 12])
+    fails += normal_round(ctx, buf, cfg, "normal")
+    report(role="survivor", fails=fails, refusals=refusals, size=buf.group_size)
 
 
 def p2p_recovery():
@@ -344,3 +407,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+

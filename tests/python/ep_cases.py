@@ -488,6 +488,21 @@ def case_upstream_api(ctx):
     o2, _, _ = mbuf.combine(ll_y(cfg, me, r2[0], r2[1]), topk, w, active, -1, r2[2])
     if not torch.equal(o2, out):
         fails.append("disable_p2p=True and False combine differently")
+    # update_ep_member (collective; here without a membership change, as upstream's own test
+    # calls it) connects the buffer anew: the same size and disable_p2p, rounds from the start.
+    buf.update_ep_member()
+    if (buf.group_size, buf.rank, buf.num_ep_buffer_bytes) != (R, me, mbuf.num_ep_buffer_bytes):
+        fails.append(f"after update_ep_member: {buf.group_size}/{buf.rank}/"
+                     f"{buf.num_ep_buffer_bytes}")
+    if any(buf.runtime.is_mapped(r) for r in range(R) if r != me):
+        fails.append("update_ep_member dropped disable_p2p")
+    mbuf.connect()
+    for tag, b in (("updated", buf), ("connected", mbuf)):
+        r3 = b.dispatch(x, topk, active, cfg.M, cfg.E, -1)
+        fails += check_ll_dispatch(cfg, me, r3[0], r3[1], r3[2], active, tag + "-dispatch")
+        o3, _, _ = b.combine(ll_y(cfg, me, r3[0], r3[1]), topk, w, active, -1, r3[2])
+        if not torch.equal(o3, out):
+            fails.append(f"{tag}: combine differs from before")
     if not fails and int(active.sum()) != R:
         fails.append(f"active_ranks changed: {active.tolist()}")
     return fails

@@ -39,7 +39,10 @@ class GpuBuffer:
 
     def __init__(self, buf):
         self.buf = buf
-        self._impl = buf._impl
+
+    @property
+    def _impl(self):  # (follows the Buffer's: update_ep_member replaces it)
+        return self.buf._impl
 
     @staticmethod
     def _back(pairs):
@@ -182,6 +185,12 @@ def case_gpu_buffer(ctx):
     if time.time() - t0 > 10:
         fails.append(f"the failed set-up took {time.time() - t0:.1f} s")
     fails += ll_round(ctx, cfg, act, "after the refusals")
+    # update_ep_member (collective): the GPU buffer built anew, peers' opened again.
+    buf.buf.update_ep_member()
+    if buf._impl.low_latency_executor() != "kernels on sim device 0" or buf.buf.device != "gpu:0":
+        fails.append(f"after update_ep_member: {buf._impl.low_latency_executor()!r} on "
+                     f"{buf.buf.device!r}")
+    fails += ll_round(ctx, cfg, act, "after update_ep_member")
     return fails + _upstream_buffer_on_gpu(ctx, cfg) + _hooks_in_flight(ctx, act)
 
 

@@ -131,6 +131,18 @@ def test_replacement_recovers_slot(job, graceful):
         assert res[3]["status"] == 1
 
 
+def test_ep_buffer_after_recovery(job):
+    j = job("ep_recovery", 4)
+    res = j.results([0, 2, 3])
+    for p, r in res.items():
+        assert r["fails"] == [], (p, r["fails"])
+    for p in (0, 2):
+        assert res[p]["size"] == 3
+        vacant, unusable = res[p]["refusals"]
+        assert "rank 1 of the elastic group is inactive" in vacant, vacant
+        assert "not connected: update_ep_member failed" in unusable, unusable
+
+
 @pytest.fixture
 def second_host():
     with netns_pair("el") as pair:

@@ -42,6 +42,9 @@ Failure awareness (low-latency mode): ``active_ranks`` (int32 [R], 1 = active) i
 in place: a rank that sends nothing within ``timeout_us`` is set to 0, counted as having
 sent no tokens and skipped by combine; ranks already 0 are neither sent to nor waited for.
 ``timeout_us=-1``: no timeout (a silent rank is waited for until its engine is seen gone).
+On an elastic group, after ``pg.recover_ranks`` put a replacement process in a dead rank's slot,
+``update_ep_member()`` on the other ranks meets the replacement's constructor (docs/ep.md,
+"Replaced ranks").
 """
 
 import contextlib
@@ -162,13 +165,45 @@ class Buffer:
         ordinal, cuda = _device_arg(device)
         self.group = group
         self._backend = backend  # keeps the group's communicator and engine alive
-        self._impl = _C.EpBuffer(backend, int(num_ep_buffer_bytes), bool(disable_p2p), ordinal,
-                                 cuda)
+        self._args = (int(num_ep_buffer_bytes), bool(disable_p2p), ordinal, cuda)
+        self._impl = _C.EpBuffer(backend, *self._args)
         self.device = None if ordinal < 0 else (f"cuda:{ordinal}" if cuda else f"gpu:{ordinal}")
         self.disable_p2p = bool(disable_p2p)
+        self._took_members()
+
+    def _took_members(self):
         self.rank = self._impl.rank
         self.group_size = self._impl.group_size
         self.num_ep_buffer_bytes = self._impl.num_bytes
+
+    def update_ep_member(self):
+        """Collective: connects the buffer again to the group's current members (Mooncake
+        EP's, after pg.recover_ranks brought a replacement process into a slot). Every rank
+        of the group calls it, except that a replacement process constructs its Buffer
+        instead: both run the same exchange. Without a membership change it is a plain
+        reconnect.
+
+        The buffer is built anew (the same size, device and disable_p2p): every rank's
+        rounds start over, so no call may be in flight on any rank, and handles of earlier
+        dispatches must not be passed to combine afterwards. Events and hooks of earlier
+        calls keep the old buffer alive until they are dropped; otherwise its memory is
+        freed before the new one is allocated. A failure (a rank that does not take part
+        within the group's timeout, a slot of an elastic group that is still inactive)
+        raises RuntimeError on the ranks that took part and leaves the buffer unusable
+        until a later update_ep_member succeeds."""
+        old, self._impl = self._impl, _Disconnected(self.rank, "update_ep_member is running")
+        del old  # (freed here unless an event or a hook of an earlier call still holds it)
+        try:
+            self._impl = _C.EpBuffer(self._backend, *self._args)
+        except Exception as e:
+            self._impl = _Disconnected(self.rank, f"update_ep_member failed: {e}")
+            raise
+        self._took_members()
+
+    def connect(self, is_update=False):
+        """Mooncake EP's (its constructor connects; update_ep_member() is connect(True)):
+        the same collective as update_ep_member, whatever is_update says."""
+        self.update_ep_member()
 
     @staticmethod
     def get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
@@ -273,8 +308,19 @@ class Buffer:
         try:
             yield
         except Exception:
-            self._impl.abandon(kind)
+            if not isinstance(self._impl, _Disconnected):
+                self._impl.abandon(kind)
             raise
+
+
+class _Disconnected:
+    """What a Buffer calls while update_ep_member runs or after it failed."""
+
+    def __init__(self, rank, why):
+        self._why = f"ep.Buffer (rank {rank}): not connected: {why}"
+
+    def __getattr__(self, name):
+        raise RuntimeError(self._why)
 
 
 # ---- autograd (normal mode): backward of dispatch is combine and vice versa ----

@@ -68,9 +68,22 @@ class Buffer:
         self._buf = _ep.Buffer(group, int(num_ep_buffer_bytes), disable_p2p=bool(disable_p2p),
                                device=device)
         self.runtime = self._buf
+        self._took_members()
+
+    def _took_members(self):
         self.rank = self._buf.rank
         self.group_size = self._buf.group_size
         self.num_ep_buffer_bytes = self._buf.num_ep_buffer_bytes
+
+    def update_ep_member(self):
+        """Collective, after pg.recover_ranks (a replacement process constructs its Buffer
+        instead): mooncake.ep.Buffer.update_ep_member."""
+        self._buf.update_ep_member()
+        self._took_members()
+
+    def connect(self, is_update=False):
+        """Upstream's (its constructor connects): the same collective as update_ep_member."""
+        self.update_ep_member()
 
     @staticmethod
     def get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
