@@ -176,8 +176,14 @@ class TransferEngine {
 
   // ---- mapped access ----
   // A local pointer to the peer's [remote, remote+len) when it is mapped here (shm), else
-  // nullptr. Valid until the peer is closed or unregisters the region.
+  // nullptr. Valid until the peer is closed or unregisters the region, or releaseMapped.
   void* mappedAddress(PeerId peer, uint64_t remote, uint64_t len);
+  // The caller is done with `local`, a pointer mappedAddress returned for this peer, and with
+  // every pointer into the same mapping: it is unmapped now instead of when the peer closes
+  // (a region the peer freed otherwise keeps its memory while this process maps it). Nobody
+  // may use such a pointer afterwards; copies to the region map it again. No-op when it is
+  // not mapped.
+  void releaseMapped(PeerId peer, const void* local);
 
   class Impl;
 

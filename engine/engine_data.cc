@@ -317,5 +317,10 @@ void* TransferEngine::mappedAddress(PeerId peer, uint64_t remote, uint64_t len) 
   return e->data->mappedAddress(remote, len);
 }
 
+void TransferEngine::releaseMapped(PeerId peer, const void* local) {
+  PeerEntry* e = impl_->peer(peer);
+  if (e != nullptr && e->data != nullptr && local != nullptr) e->data->releaseMapped(local);
+}
+
 }  // namespace mooncake::engine
 

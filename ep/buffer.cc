@@ -211,6 +211,11 @@ EpBuffer::~EpBuffer() {
   }
   if (gone_handler_ != 0) g_.engine->removePeerGoneHandler(gone_handler_);
   if (key_ != 0) unregisterSignalTarget(key_);
+  // Peers' buffers mapped here: unmapped now, so that a peer that frees its buffer (its own
+  // update_ep_member, or its end) gets the memory back while this process lives on.
+  if (device_ < 0)
+    for (int r = 0; r < static_cast<int>(mapped_.size()); ++r)
+      if (r != g_.rank && mapped_[r] != nullptr) g_.engine->releaseMapped(g_.peers[r], mapped_[r]);
   if (device_ < 0 && base_ != nullptr) (void)g_.engine->free(base_);
 }
 

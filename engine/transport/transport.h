@@ -108,6 +108,8 @@ class TransportPeer {
     (void)len;
     return nullptr;
   }
+  // TransferEngine::releaseMapped: drops the mapping `local` points into, if any.
+  virtual void releaseMapped(const void* local) { (void)local; }
   // The peer republished its descriptor (more or fewer regions).
   virtual Status updateRemote(const SegmentDesc& remote) = 0;
   // Poison: fail pending and future tasks with `why`.

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -175,6 +176,32 @@ TEST_P(TransportTest, MappedAddress) {
   HostBuffer back(1000);
   MC_EXPECT_OK(transfer(*eng, OpCode::kRead, back.data(), 1000, pid, in.alloc_addr + 5));
   EXPECT_EQ(checkPattern(back.data(), 1000, 4242, 0), "");
+  // releaseMapped: the region's mapping goes now (the copies above used the same one), not
+  // when the peer closes; later copies and mappedAddress map it again.
+  const engine::RegionDesc* region = eng->peerSegment(pid)->findRegion(in.alloc_addr, 1);
+  ASSERT_NE(region, nullptr);
+  const std::string file = region->shm_name.substr(region->shm_name.rfind('/') + 1);
+  ASSERT_FALSE(file.empty());
+  auto mapsOfFile = [&] {
+    std::ifstream maps("/proc/self/maps");
+    int n = 0;
+    for (std::string line; std::getline(maps, line);) {
+      const size_t at = line.find("/" + file);  // (the path ends there, or " (deleted)" follows)
+      const size_t end = at + 1 + file.size();
+      n += at != std::string::npos && (end == line.size() || line[end] == ' ');
+    }
+    return n;
+  };
+  EXPECT_GE(mapsOfFile(), 1);
+  eng->releaseMapped(pid, static_cast<char*>(m) + 100);  // (any pointer into the mapping)
+  EXPECT_EQ(mapsOfFile(), 0) << "the mapping of " << file << " is still there";
+  eng->releaseMapped(pid, m);  // (no longer mapped: a no-op)
+  HostBuffer again(1000);
+  MC_EXPECT_OK(transfer(*eng, OpCode::kRead, again.data(), 1000, pid, in.alloc_addr + 5));
+  EXPECT_EQ(checkPattern(again.data(), 1000, 4242, 0), "");
+  void* m2 = eng->mappedAddress(pid, in.alloc_addr + 5, 1000);
+  ASSERT_NE(m2, nullptr);
+  EXPECT_EQ(checkPattern(m2, 1000, 4242, 0), "");
 }
 
 // One batch with many requests of both directions, to both regions, of mixed sizes;

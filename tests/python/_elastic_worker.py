@@ -164,62 +164,71 @@ def recovery():
 
 def ep_recovery():
     """mooncake.ep on an elastic group (Mooncake EP's update_ep_member): slots 0-2 run
-    low-latency rounds (one after a plain update_ep_member), slot 1 dies and the survivors'
-    next round marks it inactive; rebuilding the buffer while slot 1 is vacant fails naming
-    it; a replacement takes slot 1, the survivors call update_ep_member while it constructs
-    its buffer, and low-latency and normal rounds over all three equal the reference."""
+    low-latency rounds (one after a plain update_ep_member), slot VICTIM (env, default 1) dies
+    and the survivors' next round marks it inactive; rebuilding the buffer while that slot is
+    vacant fails naming it; a replacement takes the slot, the survivors call update_ep_member
+    while it constructs its buffer, and low-latency and normal rounds over all three equal the
+    reference."""
+    import shutil
     import tempfile
 
     import ep_cases
     from ep_cases import Cfg, ll_round, normal_round
-    W = 3
+    W, victim = 3, int(os.environ.get("VICTIM", "1"))
     ctx_dir = tempfile.mkdtemp(prefix="mc_ep_elastic_")
-    if PROC == 3:  # the replacement
-        wait_event("start_recovery")
-        b = init(1, W, is_extension=True)
-        pg.join_group(b)
-        ctx = ep_cases.Ctx(1, W, ctx_dir)
-        # (ctx.buffer constructs the Buffer: the exchange the survivors' update_ep_member meets)
-        fails = ll_round(ctx, Cfg(W, seed=63), torch.ones(W, dtype=torch.int32), "recovered")
-        cfg = Cfg(W, M=32, seed=64, tokens=[30, 27, 12])
-        fails += normal_round(ctx, ctx.buffer(24, 96, 4 * W), cfg, "normal")
-        report(role="replacement", fails=fails)
-        return
-    b = init(PROC, W)
-    ctx = ep_cases.Ctx(PROC, W, ctx_dir)
-    active = torch.ones(W, dtype=torch.int32)
-    fails = ll_round(ctx, Cfg(W, seed=61), active, "before")
-    buf = ctx.buffer(24, 96, 4 * W)
-    buf.update_ep_member()  # no membership change: a reconnect (upstream's test calls it so)
-    fails += ll_round(ctx, Cfg(W, seed=62), active, "reconnected")
-    if PROC == 1:
-        die()
-    fails += ll_round(ctx, Cfg(W, seed=65), active, "after the death", timeout_us=3_000_000)
-    if active.tolist() != [1, 0, 1]:
-        fails.append(f"active_ranks after the death: {active.tolist()}")
-    wait_until(lambda: active_of(b)[1] == 0, 20, "the view without slot 1")
-    refusals = []
     try:
+        if PROC == 3:  # the replacement
+            wait_event("start_recovery")
+            b = init(victim, W, is_extension=True)
+            pg.join_group(b)
+            ctx = ep_cases.Ctx(victim, W, ctx_dir)
+            # (ctx.buffer constructs the Buffer: the exchange the survivors' update meets)
+            fails = ll_round(ctx, Cfg(W, seed=63), torch.ones(W, dtype=torch.int32),
+                             "recovered")
+            cfg = Cfg(W, M=32, seed=64, tokens=[30, 27, 12])
+            buf = ctx.buffer(24, 96, 4 * W)
+            fails += normal_round(ctx, buf, cfg, "normal")
+            report(role="replacement", fails=fails, mapped=[buf.is_mapped(r) for r in range(W)])
+            return
+        b = init(PROC, W)
+        ctx = ep_cases.Ctx(PROC, W, ctx_dir)
+        active = torch.ones(W, dtype=torch.int32)
+        fails = ll_round(ctx, Cfg(W, seed=61), active, "before")
+        buf = ctx.buffer(24, 96, 4 * W)
+        buf.update_ep_member()  # no membership change: a reconnect (upstream's test does it)
+        fails += ll_round(ctx, Cfg(W, seed=62), active, "reconnected")
+        if PROC == victim:
+            die()
+        fails += ll_round(ctx, Cfg(W, seed=65), active, "after the death", timeout_us=3_000_000)
+        if active.tolist() != [int(r != victim) for r in range(W)]:
+            fails.append(f"active_ranks after the death: {active.tolist()}")
+        wait_until(lambda: active_of(b)[victim] == 0, 20, f"the view without slot {victim}")
+        refusals = []
+        try:
+            buf.update_ep_member()
+            fails.append(f"update_ep_member with slot {victim} vacant did not fail")
+        except RuntimeError as e:
+            refusals.append(str(e))
+        try:
+            buf.dispatch(*Cfg(W, seed=66).inputs(PROC)[:2], active, 24, 4 * W)
+            fails.append("dispatch on a buffer whose update failed did not fail")
+        except RuntimeError as e:
+            refusals.append(str(e))
+        if PROC == 0:
+            event("start_recovery")
+        wait_until(lambda: pg.get_peer_state(b, [victim])[0], 30, "the replacement ready",
+                   poll_s=0.05)
+        resp = pg.recover_ranks(b, [victim])
+        assert resp.status == pg.ProposalStatus.Applied, resp
         buf.update_ep_member()
-        fails.append("update_ep_member with slot 1 vacant did not fail")
-    except RuntimeError as e:
-        refusals.append(str(e))
-    try:
-        buf.dispatch(*Cfg(W, seed=66).inputs(PROC)[:2], active, 24, 4 * W)
-        fails.append("dispatch on a buffer whose update failed did not fail")
-    except RuntimeError as e:
-        refusals.append(str(e))
-    if PROC == 0:
-        event("start_recovery")
-    wait_until(lambda: pg.get_peer_state(b, [1])[0], 30, "the replacement ready", poll_s=0.05)
-    resp = pg.recover_ranks(b, [1])
-    assert resp.status == pg.ProposalStatus.Applied, resp
-    buf.update_ep_member()
-    active[1] = 1
-    fails += ll_round(ctx, Cfg(W, seed=63), active, "recovered")
-    cfg = Cfg(W, M=32, seed=64, tokens=[30, 27, 12])
-    fails += normal_round(ctx, buf, cfg, "normal")
-    report(role="survivor", fails=fails, refusals=refusals, size=buf.group_size)
+        active[victim] = 1
+        fails += ll_round(ctx, Cfg(W, seed=63), active, "recovered")
+        cfg = Cfg(W, M=32, seed=64, tokens=[30, 27, 12])
+        fails += normal_round(ctx, buf, cfg, "normal")
+        report(role="survivor", fails=fails, refusals=refusals, size=buf.group_size,
+               mapped=[buf.is_mapped(r) for r in range(W)])
+    finally:
+        shutil.rmtree(ctx_dir, ignore_errors=True)
 
 
 def p2p_recovery():
@@ -407,4 +416,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-

@@ -490,13 +490,22 @@ def case_upstream_api(ctx):
         fails.append("disable_p2p=True and False combine differently")
     # update_ep_member (collective; here without a membership change, as upstream's own test
     # calls it) connects the buffer anew: the same size and disable_p2p, rounds from the start.
+    impl = buf.runtime._impl
     buf.update_ep_member()
+    if buf.runtime._impl is impl:
+        fails.append("update_ep_member kept the native buffer")
     if (buf.group_size, buf.rank, buf.num_ep_buffer_bytes) != (R, me, mbuf.num_ep_buffer_bytes):
         fails.append(f"after update_ep_member: {buf.group_size}/{buf.rank}/"
                      f"{buf.num_ep_buffer_bytes}")
     if any(buf.runtime.is_mapped(r) for r in range(R) if r != me):
         fails.append("update_ep_member dropped disable_p2p")
+    shm_before = _shm_mappings()
     mbuf.connect()
+    # The old buffers' mappings went with them (peers' too: ~EpBuffer releases them), so
+    # reconnecting does not pile up mapped shared memory.
+    if _shm_mappings() > shm_before:
+        fails.append(f"connect() left old mappings: /dev/shm mappings {shm_before} -> "
+                     f"{_shm_mappings()}")
     for tag, b in (("updated", buf), ("connected", mbuf)):
         r3 = b.dispatch(x, topk, active, cfg.M, cfg.E, -1)
         fails += check_ll_dispatch(cfg, me, r3[0], r3[1], r3[2], active, tag + "-dispatch")
@@ -506,6 +515,12 @@ def case_upstream_api(ctx):
     if not fails and int(active.sum()) != R:
         fails.append(f"active_ranks changed: {active.tolist()}")
     return fails
+
+
+def _shm_mappings():
+    """How many mappings of /dev/shm files this process has."""
+    with open("/proc/self/maps") as f:
+        return sum(" /dev/shm/" in line for line in f)
 
 
 def case_one_rank_bad_input(ctx):

@@ -186,7 +186,10 @@ def case_gpu_buffer(ctx):
         fails.append(f"the failed set-up took {time.time() - t0:.1f} s")
     fails += ll_round(ctx, cfg, act, "after the refusals")
     # update_ep_member (collective): the GPU buffer built anew, peers' opened again.
+    impl = buf._impl
     buf.buf.update_ep_member()
+    if buf._impl is impl:
+        fails.append("update_ep_member kept the native buffer")
     if buf._impl.low_latency_executor() != "kernels on sim device 0" or buf.buf.device != "gpu:0":
         fails.append(f"after update_ep_member: {buf._impl.low_latency_executor()!r} on "
                      f"{buf.buf.device!r}")

@@ -131,15 +131,32 @@ def test_replacement_recovers_slot(job, graceful):
         assert res[3]["status"] == 1
 
 
-def test_ep_buffer_after_recovery(job):
-    j = job("ep_recovery", 4)
-    res = j.results([0, 2, 3])
+@pytest.mark.parametrize("hosts,victim", [(1, 1), (1, 2), (2, 1)])
+def test_ep_buffer_after_recovery(job, hosts, victim, request):
+    """mooncake.ep's update_ep_member after a replacement took a dead rank's slot (docs/ep.md,
+    "Replaced ranks"): the middle slot (1) or the last (2, which an elastic group's size
+    drops while it is inactive). hosts=2: process 0 here, slots 1 and 2 and the replacement
+    on a second simulated host (engine WRITEs over tcp between the hosts, stores within
+    each)."""
+    env = {"VICTIM": str(victim)}
+    if hosts == 1:
+        j = job("ep_recovery", 4, env=env)
+        mapped = {p: [True] * 3 for p in (0, 1, 2, 3)}
+    else:
+        ns, host_ip, _ = request.getfixturevalue("second_host")
+        j = job("ep_recovery", 4, env=env, host=host_ip, netns={1: ns, 2: ns, 3: ns})
+        mapped = {0: [True, False, False], 2: [False, True, True], 3: [False, True, True]}
+    survivors = [p for p in (0, 1, 2) if p != victim]
+    res = j.results(survivors + [3])
     for p, r in res.items():
         assert r["fails"] == [], (p, r["fails"])
-    for p in (0, 2):
+        assert r["mapped"] == mapped[p], (p, r["mapped"])
+    want = (f"rank {victim} of the elastic group is inactive" if victim < 2 else
+            "ranks 2..2 of the elastic group are inactive")
+    for p in survivors:
         assert res[p]["size"] == 3
         vacant, unusable = res[p]["refusals"]
-        assert "rank 1 of the elastic group is inactive" in vacant, vacant
+        assert want in vacant, vacant
         assert "not connected: update_ep_member failed" in unusable, unusable
 
 

@@ -117,6 +117,24 @@ class ShmPeer : public TransportPeer {
     return m->base + off;
   }
 
+  void releaseMapped(const void* local) override {
+    const char* p = static_cast<const char*>(local);
+    auto inside = [p](const Mapping& m) { return p >= m.base && p < m.base + m.len; };
+    std::unique_lock<std::shared_mutex> g(mu_);  // (copies through a mapping hold mu_ shared)
+    for (auto it = maps_.begin(); it != maps_.end(); ++it)
+      if (inside(it->second)) {
+        release(&it->second);
+        maps_.erase(it);
+        return;
+      }
+    for (auto it = retired_.begin(); it != retired_.end(); ++it)
+      if (inside(*it)) {
+        release(&*it);
+        retired_.erase(it);
+        return;
+      }
+  }
+
   Status updateRemote(const SegmentDesc& remote) override {
     std::unique_lock<std::shared_mutex> g(mu_);
     remote_ = remote;
@@ -152,7 +170,7 @@ class ShmPeer : public TransportPeer {
   }
 
   // Called with mu_ held shared; upgrades to map a new region. Returns the mapping, which
-  // lives until the peer is closed (std::map nodes do not move). A region first mapped for
+  // lives until the peer is closed or releaseMapped drops it (std::map nodes do not move). A region first mapped for
   // copies (with_file) keeps its file open for the cold-page path; one first mapped for
   // mappedAddress (process-group and EP buffers, used through the pointer) holds no
   // descriptor, and copies to it always go through the mapping.
@@ -192,7 +210,12 @@ class ShmPeer : public TransportPeer {
     }
     w.unlock();
     g->lock();
-    return out;
+    if (out == nullptr) return nullptr;
+    // (releaseMapped may have dropped it while no lock was held: find it again.)
+    auto now = maps_.find(addr);
+    return now != maps_.end() && now->second.len == len && now->second.name == name
+               ? &now->second
+               : nullptr;
   }
 
   Status run(Task* t) {
@@ -295,7 +318,7 @@ class ShmPeer : public TransportPeer {
   std::shared_mutex mu_;
   SegmentDesc remote_;
   std::map<uint64_t, Mapping> maps_;
-  std::vector<Mapping> retired_;  // replaced mappings, unmapped with the peer
+  std::vector<Mapping> retired_;  // replaced mappings, unmapped with the peer (or releaseMapped)
   std::unique_ptr<Inbox> inbox_;
   const int64_t push_timeout_ms_;  // read once: notify/sendMessage are hot paths
   const int warm_after_;          // MC_SHM_WARM_AFTER (0: every copy through the mapping)

@@ -185,19 +185,30 @@ class Buffer:
 
         The buffer is built anew (the same size, device and disable_p2p): every rank's
         rounds start over, so no call may be in flight on any rank, and handles of earlier
-        dispatches must not be passed to combine afterwards. Events and hooks of earlier
-        calls keep the old buffer alive until they are dropped; otherwise its memory is
-        freed before the new one is allocated. A failure (a rank that does not take part
-        within the group's timeout, a slot of an elastic group that is still inactive)
+        dispatches must not be passed to combine afterwards. Calls this rank queued
+        (async_finish) finish first; hooks and stream-ordered events of earlier calls keep
+        the old buffer until they are dropped; otherwise its memory is freed (and unmapped
+        by the peers) before the new one is allocated. A failure (a rank that does not take
+        part within the group's timeout, a rank of an elastic group that is still inactive)
         raises RuntimeError on the ranks that took part and leaves the buffer unusable
         until a later update_ep_member succeeds."""
+        was = self.group_size
         old, self._impl = self._impl, _Disconnected(self.rank, "update_ep_member is running")
-        del old  # (freed here unless an event or a hook of an earlier call still holds it)
+        del old  # (its queued calls finish first; a hook or stream event may keep it longer)
         try:
-            self._impl = _C.EpBuffer(self._backend, *self._args)
+            impl = _C.EpBuffer(self._backend, *self._args)
+            if impl.group_size < was:
+                # An elastic group's size ends at its highest active rank: the last ranks
+                # are inactive (every rank sees the same size, so every rank raises).
+                raise RuntimeError(
+                    f"ep.Buffer: ranks {impl.group_size}..{was - 1} of the elastic group are "
+                    "inactive; call update_ep_member once every rank of the group is active "
+                    "(pg.recover_ranks)")
         except Exception as e:
+            impl = None
             self._impl = _Disconnected(self.rank, f"update_ep_member failed: {e}")
             raise
+        self._impl = impl
         self._took_members()
 
     def connect(self, is_update=False):
