@@ -34,12 +34,20 @@ struct RankInfo {
   uint64_t key;
   uint64_t base;
   uint64_t bytes;
+  uint64_t min_size;  // EpGroup::min_size
 };
 
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
 // set-up
+
+void refuseShrunk(const EpGroup& g, uint64_t wanted) {
+  if (wanted > static_cast<uint64_t>(g.size))
+    throw std::runtime_error(
+        str("ep.Buffer: ranks ", g.size, "..", wanted - 1, " of the elastic group are inactive; "
+            "call update_ep_member once every rank of the group is active (pg.recover_ranks)"));
+}
 
 void refuseVacant(const EpGroup& g, int r) {
   if (r != g.rank && r < static_cast<int>(g.vacant.size()) && g.vacant[r] != 0)
@@ -88,7 +96,8 @@ void EpBuffer::setUp(size_t bytes) {
 
   // One exchange: key candidate, base address and size; then the segment descriptors (which
   // now list the buffer, so peers can map it or address it with WRITEs).
-  RankInfo mine{randomKey(), reinterpret_cast<uint64_t>(base_), bytes};
+  RankInfo mine{randomKey(), reinterpret_cast<uint64_t>(base_), bytes,
+                static_cast<uint64_t>(std::max(0, g_.min_size))};
   std::vector<RankInfo> all(n);
   g_.all_gather(&mine, all.data(), sizeof(RankInfo));
   key_ = all[0].key;
@@ -111,6 +120,14 @@ void EpBuffer::setUp(size_t bytes) {
       invalid("ep.Buffer", str("num_ep_buffer_bytes differs across ranks: rank ", g_.rank, " has ",
                                bytes, ", rank ", r, " has ", all[r].bytes));
     }
+  }
+  uint64_t wanted = 0;
+  for (const RankInfo& ri : all) wanted = std::max(wanted, ri.min_size);
+  if (wanted > static_cast<uint64_t>(n)) {
+    (void)eng.free(base_);
+    base_ = nullptr;
+    key_ = 0;
+    refuseShrunk(g_, wanted);
   }
   std::vector<char> others(n, 1);
   others[g_.rank] = 0;

@@ -77,6 +77,10 @@ struct EpGroup {
   // Ranks that held no member when the group was taken (an elastic group's inactive slots;
   // empty: none). all_gather zero-fills their blocks; set-up then fails naming the slot.
   std::vector<char> vacant;
+  // A size the buffer must have (0: any): a rank rebuilding a buffer of that size
+  // (update_ep_member) while the group's last ranks are inactive (an elastic group ends at
+  // its highest active rank) makes every rank's set-up fail, naming them.
+  int min_size = 0;
   // Collective: every rank contributes `bytes`; out receives size() blocks in rank order.
   std::function<void(const void* in, void* out, size_t bytes)> all_gather;
   std::shared_ptr<void> keep_alive;  // owner of engine/peers (e.g. the Communicator)
@@ -88,6 +92,9 @@ EpGroup groupOf(std::shared_ptr<pg::Communicator> comm);
 // Throws std::runtime_error naming rank r when r is one of g's vacant ranks (its set-up
 // block came back empty for that reason); returns otherwise.
 void refuseVacant(const EpGroup& g, int r);
+// Throws std::runtime_error when `wanted` (the largest min_size of the exchange) exceeds g's
+// size, naming the missing ranks.
+void refuseShrunk(const EpGroup& g, uint64_t wanted);
 
 // Each call's `inputs`: the owner of the memory its sends read (x or y, the weights). Writes
 // to a peer on another host that are not done by MC_EP_TIMEOUT_MS keep running after the call

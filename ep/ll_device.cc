@@ -243,6 +243,7 @@ struct DeviceInfo {
   uint64_t engine_id = 0;
   uint64_t addr = 0;  // the buffer in its process (engine WRITEs from other hosts)
   uint64_t key = 0;   // a candidate for the buffer's key (rank 0's is taken)
+  uint64_t min_size = 0;  // EpGroup::min_size
   uint32_t handle_len = 0;
   uint32_t host_len = 0;
   char handle[384] = {};
@@ -316,6 +317,7 @@ void EpBuffer::setUpDevice(size_t bytes) {
   mine.engine_id = self.engine_id;
   mine.addr = reinterpret_cast<uint64_t>(base_);
   mine.key = randomKey();
+  mine.min_size = static_cast<uint64_t>(std::max(0, g_.min_size));
   mine.host_len = static_cast<uint32_t>(std::min(self.host_id.size(), sizeof(mine.host)));
   std::memcpy(mine.host, self.host_id.data(), mine.host_len);
   std::vector<DeviceInfo> all(n);
@@ -336,6 +338,12 @@ void EpBuffer::setUpDevice(size_t bytes) {
       invalid("ep.Buffer", str("num_ep_buffer_bytes differs across ranks: rank ", g_.rank,
                                " has ", bytes, ", rank ", r, " has ", all[r].bytes));
     }
+  }
+  uint64_t wanted = 0;
+  for (const DeviceInfo& d : all) wanted = std::max(wanted, d.min_size);
+  if (wanted > static_cast<uint64_t>(n)) {
+    freeDevice();
+    refuseShrunk(g_, wanted);
   }
   mapped_.assign(n, nullptr);
   remote_.assign(n, 0);

@@ -199,9 +199,26 @@ TEST_P(TransportTest, MappedAddress) {
   HostBuffer again(1000);
   MC_EXPECT_OK(transfer(*eng, OpCode::kRead, again.data(), 1000, pid, in.alloc_addr + 5));
   EXPECT_EQ(checkPattern(again.data(), 1000, 4242, 0), "");
+  EXPECT_EQ(mapsOfFile(), 1) << "the read above maps the region again";
+  // A descriptor without the region (the peer freed it): the mapping only copies used goes;
+  // one whose pointer was handed out stays until releaseMapped.
+  const engine::SegmentDesc original = *eng->peerSegment(pid);
+  engine::SegmentDesc without = original;
+  without.regions.clear();
+  for (const auto& r : original.regions)
+    if (r.addr != region->addr) without.regions.push_back(r);
+  ASSERT_EQ(without.regions.size() + 1, original.regions.size());
+  MC_ASSERT_OK(eng->updatePeer(pid, without));
+  EXPECT_EQ(mapsOfFile(), 0) << "a copy-only mapping of a dropped region is still there";
+  MC_ASSERT_OK(eng->updatePeer(pid, original));
   void* m2 = eng->mappedAddress(pid, in.alloc_addr + 5, 1000);
   ASSERT_NE(m2, nullptr);
+  MC_ASSERT_OK(eng->updatePeer(pid, without));
+  EXPECT_EQ(mapsOfFile(), 1) << "a handed-out mapping went with the descriptor";
   EXPECT_EQ(checkPattern(m2, 1000, 4242, 0), "");
+  eng->releaseMapped(pid, m2);
+  EXPECT_EQ(mapsOfFile(), 0);
+  MC_ASSERT_OK(eng->updatePeer(pid, original));
 }
 
 // One batch with many requests of both directions, to both regions, of mixed sizes;

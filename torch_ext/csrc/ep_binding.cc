@@ -131,8 +131,9 @@ class PyEpBuffer {
  public:
   // device: -1 for a host buffer, else the ordinal of the engine's device layer that holds it
   // (ep/buffer.h, "Device mode"); cuda: the caller asked for CUDA (the layer must be CUDA's).
+  // min_size: EpGroup::min_size (update_ep_member passes the size the buffer had).
   PyEpBuffer(c10::intrusive_ptr<ProcessGroupMooncake> pg, int64_t bytes, bool disable_p2p,
-             int64_t device, bool cuda)
+             int64_t device, bool cuda, int64_t min_size)
       : pg_(std::move(pg)), device_(static_cast<int>(device)) {
     if (!pg_) bad("ep.Buffer: group is None");
     if (bytes <= 0) bad("ep.Buffer: num_ep_buffer_bytes must be positive, got ", bytes);
@@ -148,7 +149,9 @@ class PyEpBuffer {
     std::shared_ptr<pg::Communicator> comm(&pg_->communicator(),
                                            [keep](pg::Communicator*) mutable { keep.reset(); });
     py::gil_scoped_release nogil;
-    buf_ = ep::EpBuffer::create(ep::groupOf(std::move(comm)), static_cast<size_t>(bytes),
+    ep::EpGroup group = ep::groupOf(std::move(comm));
+    group.min_size = static_cast<int>(std::max<int64_t>(0, min_size));
+    buf_ = ep::EpBuffer::create(std::move(group), static_cast<size_t>(bytes),
                                 disable_p2p, device_);
   }
   ~PyEpBuffer() { dropBuffer(buf_); }
@@ -752,9 +755,10 @@ void registerEpApis(py::module_& m) {
                                               "Completes the receive half of an EP operation.")
       .def("__call__", &PyHook::call);
   py::class_<PyEpBuffer, std::shared_ptr<PyEpBuffer>>(m, "EpBuffer")
-      .def(py::init<c10::intrusive_ptr<ProcessGroupMooncake>, int64_t, bool, int64_t, bool>(),
+      .def(py::init<c10::intrusive_ptr<ProcessGroupMooncake>, int64_t, bool, int64_t, bool,
+                    int64_t>(),
            py::arg("group"), py::arg("num_bytes"), py::arg("disable_p2p") = false,
-           py::arg("device") = -1, py::arg("cuda") = false)
+           py::arg("device") = -1, py::arg("cuda") = false, py::arg("min_size") = 0)
       .def_property_readonly("device", &PyEpBuffer::device)
       .def_property_readonly("rank", &PyEpBuffer::rank)
       .def_property_readonly("group_size", &PyEpBuffer::size)

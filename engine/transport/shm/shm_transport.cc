@@ -29,6 +29,7 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -114,6 +115,10 @@ class ShmPeer : public TransportPeer {
     Mapping* m = mapLocked(*r, &g, false);
     if (m == nullptr) return nullptr;
     if (m->heat) m->heat->warmRange(off, len);  // the caller loads and stores through it
+    {
+      std::lock_guard<std::mutex> h(handed_mu_);
+      handed_.insert(m->base);
+    }
     return m->base + off;
   }
 
@@ -123,13 +128,13 @@ class ShmPeer : public TransportPeer {
     std::unique_lock<std::shared_mutex> g(mu_);  // (copies through a mapping hold mu_ shared)
     for (auto it = maps_.begin(); it != maps_.end(); ++it)
       if (inside(it->second)) {
-        release(&it->second);
+        drop(&it->second);
         maps_.erase(it);
         return;
       }
     for (auto it = retired_.begin(); it != retired_.end(); ++it)
       if (inside(*it)) {
-        release(&*it);
+        drop(&*it);
         retired_.erase(it);
         return;
       }
@@ -138,8 +143,32 @@ class ShmPeer : public TransportPeer {
   Status updateRemote(const SegmentDesc& remote) override {
     std::unique_lock<std::shared_mutex> g(mu_);
     remote_ = remote;
-    // Keep existing mappings (pointers handed out stay valid until the peer is closed);
-    // a region the peer dropped is simply no longer found.
+    // Mappings whose pointers were handed out (mappedAddress) stay until the peer is closed
+    // or releaseMapped; those only copies used go with their region (no one else holds them,
+    // and a region the peer dropped keeps its memory while it is mapped here).
+    auto handed = [&](const Mapping& m) {
+      std::lock_guard<std::mutex> h(handed_mu_);
+      return handed_.count(m.base) != 0;
+    };
+    for (auto it = maps_.begin(); it != maps_.end();) {
+      const RegionDesc* r = remote_.findRegion(it->first, it->second.len);
+      const bool same = r != nullptr && r->addr == it->first && r->len == it->second.len &&
+                        r->shm_name == it->second.name;
+      if (same || handed(it->second)) {
+        ++it;
+        continue;
+      }
+      drop(&it->second);
+      it = maps_.erase(it);
+    }
+    for (auto it = retired_.begin(); it != retired_.end();) {
+      if (handed(*it)) {
+        ++it;
+        continue;
+      }
+      drop(&*it);
+      it = retired_.erase(it);
+    }
     return Status::OK();
   }
 
@@ -161,6 +190,14 @@ class ShmPeer : public TransportPeer {
   static void release(Mapping* m) {
     unmapShm(m->base, m->len);
     if (m->fd >= 0) close(m->fd);
+  }
+  // release() of a mapping in maps_ or retired_ (mu_ held exclusively).
+  void drop(Mapping* m) {
+    {
+      std::lock_guard<std::mutex> h(handed_mu_);
+      handed_.erase(m->base);
+    }
+    release(m);
   }
 
   Status failed() {
@@ -319,6 +356,8 @@ class ShmPeer : public TransportPeer {
   SegmentDesc remote_;
   std::map<uint64_t, Mapping> maps_;
   std::vector<Mapping> retired_;  // replaced mappings, unmapped with the peer (or releaseMapped)
+  std::mutex handed_mu_;           // (after mu_)
+  std::set<const char*> handed_;   // bases of mappings mappedAddress handed out
   std::unique_ptr<Inbox> inbox_;
   const int64_t push_timeout_ms_;  // read once: notify/sendMessage are hot paths
   const int warm_after_;          // MC_SHM_WARM_AFTER (0: every copy through the mapping)

@@ -196,19 +196,12 @@ class Buffer:
         old, self._impl = self._impl, _Disconnected(self.rank, "update_ep_member is running")
         del old  # (its queued calls finish first; a hook or stream event may keep it longer)
         try:
-            impl = _C.EpBuffer(self._backend, *self._args)
-            if impl.group_size < was:
-                # An elastic group's size ends at its highest active rank: the last ranks
-                # are inactive (every rank sees the same size, so every rank raises).
-                raise RuntimeError(
-                    f"ep.Buffer: ranks {impl.group_size}..{was - 1} of the elastic group are "
-                    "inactive; call update_ep_member once every rank of the group is active "
-                    "(pg.recover_ranks)")
+            # (min_size: an elastic group's size ends at its highest active rank; while the
+            # last ranks are inactive every rank's set-up fails, a replacement's too.)
+            self._impl = _C.EpBuffer(self._backend, *self._args, min_size=was)
         except Exception as e:
-            impl = None
             self._impl = _Disconnected(self.rank, f"update_ep_member failed: {e}")
             raise
-        self._impl = impl
         self._took_members()
 
     def connect(self, is_update=False):
