@@ -207,8 +207,9 @@ class ShmPeer : public TransportPeer {
   }
 
   // Called with mu_ held shared; upgrades to map a new region. Returns the mapping, which
-  // lives until the peer is closed or releaseMapped drops it (std::map nodes do not move). A region first mapped for
-  // copies (with_file) keeps its file open for the cold-page path; one first mapped for
+  // lives until the peer is closed, releaseMapped drops it or (if mappedAddress never handed
+  // it out) updateRemote drops its region (std::map nodes do not move). A region first mapped
+  // for copies (with_file) keeps its file open for the cold-page path; one first mapped for
   // mappedAddress (process-group and EP buffers, used through the pointer) holds no
   // descriptor, and copies to it always go through the mapping.
   Mapping* mapLocked(const RegionDesc& r, std::shared_lock<std::shared_mutex>* g,
