@@ -130,7 +130,7 @@ if [[ -x "$CUDA_HOME/bin/nvcc" ]]; then
     rm -f "$B/eplib/ll_entry_image.o"
   fi
 fi
-ls ep/{layout,ll_host,ll_device,ll_stream,ll_proxy,buffer,normal,normal_device,peer_writer,read_marks,group}.cc | xargs -P "$(nproc)" -I{} \
+ls ep/{layout,ll_host,ll_device,ll_stream,ll_proxy,buffer,setup,normal,normal_device,peer_writer,read_marks,group}.cc | xargs -P "$(nproc)" -I{} \
   sh -c '"$0" "$@" -c {} -o "'"$B"'/eplib/$(echo {} | tr / _).o"' "${CXXC[@]}" "${EP_FLAGS[@]}" \
   2>&1 | tee -a "$OUT/build.log"
 rm -f "$B/libmc_ep.a"

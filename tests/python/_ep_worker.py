@@ -1,11 +1,11 @@
 """One rank of an EP test run: initialises the default group with backend "mooncake", runs the
-named cases of ep_cases.py (or ep_cases_order.py, ep_cases_gpu.py) in order and writes {case:
-failures | "error: ..."} as JSON after each case (so a rank killed on purpose leaves what it
-had). Before it exits it waits (at most WAIT_PEERS_S) until every other rank has finished its
-cases or is gone: a rank's last writes and notifications to a peer may still be on their way
-when its own cases end, and an exit drops them (CI saw it once: rank 0 exited right after its
-last normal_combine over the verbs emulator and rank 1 never got rank 0's rows). Exits with
-os._exit so a dead peer cannot hang the teardown."""
+named cases of ep_cases.py (or ep_cases_order.py, ep_cases_gpu.py, ep_cases_upstream.py) in
+order and writes {case: failures | "error: ..."} as JSON after each case (so a rank killed on
+purpose leaves what it had). Before it exits it waits (at most WAIT_PEERS_S) until every other
+rank has finished its cases or is gone: a rank's last writes and notifications to a peer may
+still be on their way when its own cases end, and an exit drops them (CI saw it once: rank 0
+exited right after its last normal_combine over the verbs emulator and rank 1 never got rank
+0's rows). Exits with os._exit so a dead peer cannot hang the teardown."""
 
 import argparse
 import json
@@ -86,6 +86,7 @@ def main():
         import ep_cases
         import ep_cases_gpu
         import ep_cases_order
+        import ep_cases_upstream
 
         dist.init_process_group("mooncake", init_method=f"tcp://127.0.0.1:{a.port}",
                                 rank=a.rank, world_size=a.world, timeout=timedelta(seconds=60))
@@ -99,6 +100,7 @@ def main():
         try:
             case = (getattr(ep_cases, "case_" + name, None) or
                     getattr(ep_cases_order, "case_" + name, None) or
+                    getattr(ep_cases_upstream, "case_" + name, None) or
                     getattr(ep_cases_gpu, "case_" + name))
             results[name] = case(ctx)
         except BaseException:
