@@ -121,6 +121,12 @@ class TransferEngine {
   // thread of its own, never a transport's (its destructor may take the GIL or drop the last
   // reference to this engine).
   void keepUntilDone(BatchId id, std::shared_ptr<void> owner);
+  // Waits until every batch submitted before the call with a request to `peer` has finished
+  // (each request completed or failed), whether anyone waits for it or not; kTimeout, saying
+  // how many still run, when the deadline passes first. For a service that gave up on writes
+  // into a peer's memory and is about to reuse that memory's addresses (EP's buffer rebuilt
+  // by update_ep_member): a late WRITE could otherwise land in what replaced it.
+  Status settle(PeerId peer, Deadline deadline);
   // submit + wait.
   Status transfer(const std::vector<TransferRequest>& requests, Deadline deadline);
 

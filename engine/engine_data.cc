@@ -4,6 +4,8 @@
 
 #include <pthread.h>
 
+#include <algorithm>
+
 #include "engine/engine_impl.h"
 
 namespace mooncake::engine {
@@ -27,6 +29,9 @@ Result<BatchId> TransferEngine::submit(const std::vector<TransferRequest>& reque
   auto b = std::make_shared<Batch>();
   BatchId id = m.next_batch.fetch_add(1);
   b->tasks.resize(requests.size());
+  for (const auto& r : requests)
+    if (std::find(b->peers.begin(), b->peers.end(), r.peer) == b->peers.end())
+      b->peers.push_back(r.peer);
   b->status.resize(requests.size() + 1);  // the last slot belongs to the posting guard
   b->pending.store(static_cast<int64_t>(requests.size()) + 1);  // +1 until all are posted
   {
@@ -168,6 +173,28 @@ void TransferEngine::keepUntilDone(BatchId id, std::shared_ptr<void> owner) {
   if (b->pending.load(std::memory_order_acquire) == 0) return;
   b->owners.push_back(std::move(owner));
   b->abandoned = true;  // (given up, waited for or not: released when it finishes)
+}
+
+Status TransferEngine::settle(PeerId peer, Deadline deadline) {
+  std::vector<std::shared_ptr<Batch>> running;
+  {
+    std::lock_guard<std::mutex> g(impl_->batches_mu);
+    for (const auto& [id, b] : impl_->batches)
+      if (b->pending.load(std::memory_order_acquire) != 0 &&
+          std::find(b->peers.begin(), b->peers.end(), peer) != b->peers.end())
+        running.push_back(b);
+  }
+  size_t left = 0;
+  for (const auto& b : running) {
+    std::unique_lock<std::mutex> g(b->mu);
+    if (!b->cv.wait_until(g, deadline,
+                          [&] { return b->pending.load(std::memory_order_acquire) == 0; }))
+      ++left;
+  }
+  if (left > 0)
+    return MC_STATUS(kTimeout, left << " batch(es) with requests to peer " << peer
+                                    << " still running at the deadline");
+  return Status::OK();
 }
 
 Status TransferEngine::transfer(const std::vector<TransferRequest>& requests, Deadline deadline) {

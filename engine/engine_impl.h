@@ -57,6 +57,7 @@ void dropOwnersLater(std::vector<std::shared_ptr<void>> owners);
 // keepUntilDone, is dropped when its last request completes).
 struct Batch {
   std::vector<Task> tasks;
+  std::vector<PeerId> peers;  // the peers its requests go to, each once (settle)
   std::vector<Status> status;
   std::atomic<int64_t> pending{0};
   std::mutex mu;

@@ -73,8 +73,8 @@ Status MemoryRegistry::add(const Region& r) {
       return MC_STATUS(kAlreadyExists, "region at 0x" << std::hex << r.addr
                                                       << " overlaps a registered region");
   }
-  regions_[r.addr] = r;
-  ++version_;
+  Region& added = regions_[r.addr] = r;
+  added.serial = ++version_;
   return Status::OK();
 }
 
@@ -89,6 +89,7 @@ Status MemoryRegistry::setKeys(uint64_t addr, const std::string (&keys)[kNumTran
 }
 
 Result<Region> MemoryRegistry::remove(uint64_t addr) {
+  std::unique_lock<std::shared_mutex> use(use_mu_);  // (intoRegion's steps in progress end)
   std::lock_guard<std::mutex> g(mu_);
   auto it = regions_.find(addr);
   if (it == regions_.end())
@@ -117,10 +118,7 @@ std::vector<Region> MemoryRegistry::snapshot() const {
   return out;
 }
 
-uint64_t MemoryRegistry::version() const {
-  std::lock_guard<std::mutex> g(mu_);
-  return version_;
-}
+uint64_t MemoryRegistry::version() const { return version_.load(std::memory_order_acquire); }
 
 Result<void*> MemoryRegistry::allocateShm(size_t len, const std::string& prefix) {
   if (len == 0) return MC_STATUS(kInvalidArgument, "cannot allocate 0 bytes");

@@ -2,11 +2,13 @@
 // Thread-safe. Registration is a set-up operation, never done per transfer.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,15 @@ struct Region {
   bool engine_owned = false;
   // Per-transport keys (RDMA rkey, CUDA IPC handle, ...): opaque bytes by TransportKind.
   std::string keys[kNumTransportKinds];
+  // Set by MemoryRegistry::add: tells this registration from a later one at the same address.
+  uint64_t serial = 0;
+};
+
+// MemoryRegistry::intoRegion's memory of one WRITE: the registration it targets, and the
+// registry's version() at which that was last seen still registered.
+struct RegionCheck {
+  uint64_t serial = 0;
+  uint64_t version = 0;
 };
 
 class MemoryRegistry {
@@ -45,6 +56,28 @@ class MemoryRegistry {
   // Bumped by every add/remove: lets the engine tell peers its segment changed.
   uint64_t version() const;
 
+  // For a transport that copies a peer's one-sided WRITE into registered memory in steps (tcp:
+  // one recv() per step): runs step() while [addr, addr+len) lies in the host region
+  // registration chk->serial names (the one the WRITE was admitted to: a region registered
+  // later at the same address is not it), which cannot be removed meanwhile, and returns
+  // true; false, without running it, when it does not. remove() waits for the steps in
+  // progress, so none touches a region after remove() returned (its memory may be unmapped
+  // at once) and a later step finds it gone. The lookup is skipped while nothing was added
+  // or removed since chk->version.
+  template <class Step>
+  bool intoRegion(uint64_t addr, uint64_t len, RegionCheck* chk, Step&& step) {
+    std::shared_lock<std::shared_mutex> use(use_mu_);
+    const uint64_t now = version_.load(std::memory_order_acquire);
+    if (chk->version != now) {
+      auto r = find(addr, len);
+      if (!r.has_value() || r->kind != MemoryKind::kHost || r->serial != chk->serial)
+        return false;
+      chk->version = now;
+    }
+    step();
+    return true;
+  }
+
   // Allocates `len` bytes of host memory backed by a fresh shared-memory file named
   // "/<prefix>-<pid>-<n>" and registers it (engine_owned). The file is unlinked when freed
   // or when the registry is destroyed.
@@ -55,7 +88,9 @@ class MemoryRegistry {
  private:
   mutable std::mutex mu_;
   std::map<uint64_t, Region> regions_;  // by start address
-  uint64_t version_ = 0;
+  std::atomic<uint64_t> version_{1};    // written under mu_
+  // Shared by intoRegion's steps, exclusive in remove() (taken before mu_).
+  std::shared_mutex use_mu_;
 };
 
 // OK when every byte of [addr, addr+len) lies in a readable and writable mapping of this

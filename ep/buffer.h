@@ -95,6 +95,9 @@ void refuseVacant(const EpGroup& g, int r);
 // Throws std::runtime_error when `wanted` (the largest min_size of the exchange) exceeds g's
 // size, naming the missing ranks.
 void refuseShrunk(const EpGroup& g, uint64_t wanted);
+// Throws std::runtime_error when `late` (rank r's entry of the set-up exchange: 0, or 1 + the
+// rank its writes of an earlier buffer still went to, EpBuffer::settleEarlierWrites) is set.
+void refuseLate(int r, uint64_t late, int64_t timeout_ms);
 
 // Each call's `inputs`: the owner of the memory its sends read (x or y, the weights). Writes
 // to a peer on another host that are not done by MC_EP_TIMEOUT_MS keep running after the call
@@ -341,6 +344,12 @@ class EpBuffer {
  private:
   EpBuffer() = default;
   static uint64_t randomKey();  // never 0
+  // Before the set-up exchange: waits (MC_EP_TIMEOUT_MS at most) until this rank's writes to
+  // its peers, an earlier buffer's that calls gave up on included (Writer::flush), finished.
+  // Rounds start over at 1 in a new buffer, which may get the old one's address at a peer, so
+  // a late WRITE of an old round's rows or mailbox entries would pass for the new round's.
+  // Returns 0, or 1 + the first rank whose writes still run.
+  uint64_t settleEarlierWrites() const;
   void setUp(size_t bytes);
   // Collective: every rank's segment descriptor (after this rank registered its memory) goes
   // to the ranks in `update` (engine peers updated); returns each rank's engine id.

@@ -244,6 +244,7 @@ struct DeviceInfo {
   uint64_t addr = 0;  // the buffer in its process (engine WRITEs from other hosts)
   uint64_t key = 0;   // a candidate for the buffer's key (rank 0's is taken)
   uint64_t min_size = 0;  // EpGroup::min_size
+  uint64_t late = 0;      // EpBuffer::settleEarlierWrites
   uint32_t handle_len = 0;
   uint32_t host_len = 0;
   char handle[384] = {};
@@ -318,6 +319,7 @@ void EpBuffer::setUpDevice(size_t bytes) {
   mine.addr = reinterpret_cast<uint64_t>(base_);
   mine.key = randomKey();
   mine.min_size = static_cast<uint64_t>(std::max(0, g_.min_size));
+  mine.late = settleEarlierWrites();
   mine.host_len = static_cast<uint32_t>(std::min(self.host_id.size(), sizeof(mine.host)));
   std::memcpy(mine.host, self.host_id.data(), mine.host_len);
   std::vector<DeviceInfo> all(n);
@@ -327,6 +329,10 @@ void EpBuffer::setUpDevice(size_t bytes) {
     return std::string(all[r].host, std::min<size_t>(all[r].host_len, sizeof all[r].host));
   };
   for (int r = 0; r < n; ++r) {
+    if (all[r].late != 0) {
+      freeDevice();
+      refuseLate(r, all[r].late, timeout_ms_);
+    }
     if (all[r].ok == 0) {
       freeDevice();
       refuseVacant(g_, r);

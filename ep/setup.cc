@@ -22,6 +22,7 @@ struct RankInfo {
   uint64_t base;
   uint64_t bytes;
   uint64_t min_size;  // EpGroup::min_size
+  uint64_t late;      // EpBuffer::settleEarlierWrites
 };
 
 }  // namespace
@@ -41,6 +42,29 @@ void refuseVacant(const EpGroup& g, int r) {
     throw std::runtime_error(
         str("ep.Buffer: rank ", r, " of the elastic group is inactive; set up EP buffers (or "
             "call update_ep_member) once every rank of the group is active (pg.recover_ranks)"));
+}
+
+void refuseLate(int r, uint64_t late, int64_t timeout_ms) {
+  if (late == 0) return;
+  throw std::runtime_error(
+      str("ep.Buffer: rank ", r, "'s writes to rank ", late - 1, " (of an earlier EP buffer, "
+          "whose calls gave up on them) were still running after ", timeout_ms,
+          " ms (MC_EP_TIMEOUT_MS); they could land in the new buffer: retry once rank ",
+          late - 1, " answers"));
+}
+
+uint64_t EpBuffer::settleEarlierWrites() const {
+  const engine::Deadline deadline = engine::deadlineInMs(timeout_ms_);
+  for (int r = 0; r < g_.size; ++r) {
+    if (r == g_.rank || g_.peers[r] == engine::kInvalidPeer) continue;
+    Status st = g_.engine->settle(g_.peers[r], deadline);
+    if (!st.ok()) {
+      MC_LOG(WARN, EP) << "ep buffer rank " << g_.rank << ": writes to rank " << r
+                       << " still running: " << st.toString();
+      return static_cast<uint64_t>(r) + 1;
+    }
+  }
+  return 0;
 }
 
 uint64_t EpBuffer::randomKey() {
@@ -84,11 +108,17 @@ void EpBuffer::setUp(size_t bytes) {
   // One exchange: key candidate, base address and size; then the segment descriptors (which
   // now list the buffer, so peers can map it or address it with WRITEs).
   RankInfo mine{randomKey(), reinterpret_cast<uint64_t>(base_), bytes,
-                static_cast<uint64_t>(std::max(0, g_.min_size))};
+                static_cast<uint64_t>(std::max(0, g_.min_size)), settleEarlierWrites()};
   std::vector<RankInfo> all(n);
   g_.all_gather(&mine, all.data(), sizeof(RankInfo));
   key_ = all[0].key;
   for (int r = 0; r < n; ++r) {
+    if (all[r].late != 0) {
+      if (base_ != nullptr) (void)eng.free(base_);
+      base_ = nullptr;
+      key_ = 0;
+      refuseLate(r, all[r].late, timeout_ms_);
+    }
     if (all[r].base == 0) {  // (its allocation failed)
       if (base_ != nullptr) (void)eng.free(base_);
       base_ = nullptr;

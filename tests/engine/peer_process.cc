@@ -193,6 +193,22 @@ class PeerMain {
       Status st = eng_->publish(*rdv_);
       return st.ok() ? "ok " + std::to_string(reinterpret_cast<uint64_t>(*p)) : "bad " + st.toString();
     }
+    if (cmd == "free_alloc_on_arrival") {
+      // Frees the engine-allocated region (unregistered, unmapped) as soon as a WRITE starts
+      // landing in it: the first word of one of its 64 KiB blocks changed (s1: ms to wait).
+      const uint64_t n = cfg_.region_bytes / 65536;
+      const auto* words = static_cast<const volatile uint64_t*>(alloc_);
+      std::vector<uint64_t> before(n);
+      for (uint64_t i = 0; i < n; ++i) before[i] = words[i * 8192];
+      const Deadline until = engine::deadlineInMs(static_cast<int64_t>(num(s1)));
+      bool changed = false;
+      while (!changed && engine::Clock::now() < until)
+        for (uint64_t i = 0; i < n && !changed; ++i) changed = words[i * 8192] != before[i];
+      if (!changed) return "bad nothing arrived";
+      Status st = eng_->free(alloc_);
+      if (st.ok()) alloc_ = nullptr;
+      return st.ok() ? "ok" : "bad " + st.toString();
+    }
     if (cmd == "unregister") {
       Status st = eng_->unregisterMemory(reinterpret_cast<void*>(num(s1)));
       if (st.ok()) st = eng_->publish(*rdv_);

@@ -379,6 +379,104 @@ TEST(LowLatencyStall, TimedOutSendKeepsItsInputsUntilTheWritesFinished) {
   expectAllOk(codes);
 }
 
+// As above, rank 0's send gives up on rank 1 (stopped) while its 32 MiB of WRITEs still run.
+// Then both build a new buffer (what update_ep_member does): rank 0's set-up waits for those
+// writes (engine settle, MC_EP_TIMEOUT_MS at most) and, rank 1 being still stopped, every
+// rank's set-up fails naming rank 0's late writes to rank 1 (a late WRITE could land in the
+// new buffer, whose rounds start over). Once they finished, a second set-up succeeds and a
+// round on the new buffers is exact.
+TEST(LowLatencyStall, NewBufferWaitsForTheOldOnesLateWrites) {
+  constexpr int64_t kT = 4096, kH = 4096;  // every row to rank 1's expert: 32 MiB
+  RunOptions o;
+  o.world = 2;
+  o.transport = "tcp";
+  o.env = {{"MC_EP_TIMEOUT_MS", "400"}};
+  o.parent = [](const std::vector<pid_t>& pids, pg::test::Shared* sh) {
+    auto until = [&](int i, int v) {
+      for (int n = 0; n < 60000 && sh->values[i].load() < v; ++n) usleep(1000);
+    };
+    until(0, 2);  // both buffers made
+    kill(pids[1], SIGSTOP);
+    sh->values[1].store(1);
+    until(2, 1);  // rank 0 is in its second set-up: its settle (400 ms) ends while rank 1 is stopped
+    usleep(3000 * 1000);
+    sh->values[4].store(1);
+    kill(pids[1], SIGCONT);
+  };
+  auto codes = pg::test::runRanks(o, [&](RankEnv& env) {
+    std::shared_ptr<pg::Communicator> comm(std::move(env.comm));
+    auto buf = EpBuffer::create(groupOf(comm), sizeHint(kT, kH, 2, 2));
+    env.shared->values[0].fetch_add(1);
+    auto dropped = std::make_shared<std::atomic<bool>>(false);
+    if (env.rank == 1) {
+      while (env.shared->values[4].load() == 0) usleep(1000);  // (stopped meanwhile)
+    } else {
+      while (env.shared->values[1].load() == 0) usleep(1000);
+      auto x = std::make_shared<std::vector<char>>(kT * kH * 2, 0x3c);
+      std::shared_ptr<void> owner(x.get(), [x, dropped](void*) { dropped->store(true); });
+      std::vector<int64_t> topk(kT, 1);
+      std::vector<int32_t> act{1, 1}, count(1), src(2 * kT);
+      std::vector<int64_t> layout(2);
+      std::vector<char> recv_x(2 * kT * kH * 2);
+      LowLatencyDispatchArgs d;
+      d.x = x->data();
+      d.inputs = std::move(owner);
+      x.reset();
+      d.tokens = kT;
+      d.hidden = kH;
+      d.topk_idx = topk.data();
+      d.topk = 1;
+      d.active_ranks = act.data();
+      d.max_tokens = kT;
+      d.experts = 2;
+      d.timeout_us = 400 * 1000;
+      d.recv_x = recv_x.data();
+      d.recv_count = count.data();
+      d.src_info = src.data();
+      d.layout_range = layout.data();
+      buf->validate(d);
+      const uint32_t round = buf->nextDispatchRound();
+      buf->dispatchSend(d, round);
+      ASSERT_EQ(act[1], 0) << "rank 1 was stopped: its writes cannot have finished";
+      d.inputs.reset();
+      ASSERT_FALSE(dropped->load()) << "the test needs writes still running";
+      buf->dispatchRecv(d, round);
+    }
+    buf.reset();
+    if (env.rank == 0) env.shared->values[2].store(1);
+    const Case c = killCase(2, 9);
+    const size_t small = sizeHint(c.max_tokens, c.hidden, 2, c.experts);
+    std::string err;
+    try {
+      buf = EpBuffer::create(groupOf(comm), small);
+    } catch (const std::runtime_error& e) {
+      err = e.what();
+    }
+    EXPECT_NE(err.find("rank 0's writes to rank 1"), std::string::npos)
+        << "rank " << env.rank << ": " << (buf ? "the set-up succeeded" : err);
+    EXPECT_NE(err.find("MC_EP_TIMEOUT_MS"), std::string::npos) << err;
+    buf.reset();
+    if (env.rank == 0) {  // (the late batch finished, then its inputs go)
+      auto t0 = std::chrono::steady_clock::now();
+      while (!dropped->load() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30))
+        usleep(1000);
+      ASSERT_TRUE(dropped->load()) << "the late writes never finished after rank 1 resumed";
+    }
+    buf = EpBuffer::create(groupOf(comm), small);
+    std::vector<int32_t> act{1, 1};
+    LlRound r(c, env.rank, &act, 3 * 1000 * 1000);
+    r.dispatchSend(*buf);
+    r.dispatchRecv(*buf);
+    r.checkDispatch(env.rank);
+    r.computeY(env.rank);
+    r.combineSend(*buf);
+    r.combineRecv(*buf);
+    r.checkCombine(env.rank);
+    EXPECT_EQ(act, (std::vector<int32_t>{1, 1}));
+  });
+  expectAllOk(codes);
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, LowLatencyKill,
                          ::testing::Values(KillCase{3, ""}, KillCase{4, ""}, KillCase{3, "tcp"}),
                          [](const auto& i) {

@@ -215,6 +215,19 @@ void Core::onReadable(const std::shared_ptr<Conn>& c) {
     if (k.in_payload && k.left >= kUncorkBytes) uncork();
     if (!k.in_payload) {
       r = recv(k.fd, k.hdr + k.hdr_got, kHeaderBytes - k.hdr_got, MSG_DONTWAIT);
+    } else if (k.sink == Conn::Sink::kMemory && k.guarded) {
+      const size_t want = std::min<uint64_t>(k.left, budget);
+      if (!ctx_->registry->intoRegion(reinterpret_cast<uint64_t>(k.dst), want, &k.region,
+                                      [&] { r = recv(k.fd, k.dst, want, MSG_DONTWAIT); })) {
+        // Unregistered (or freed) while the WRITE arrived: the rest of it is discarded and
+        // the WRITE refused; the connection goes on.
+        MC_LOG(WARN, TCP) << "refused the rest of a WRITE at " << hexId(k.cur.addr) << " from "
+                          << k.src_name << ": its region was unregistered meanwhile";
+        k.sink = Conn::Sink::kDiscard;
+        k.guarded = false;
+        k.verdict = Code::kPermissionDenied;
+        continue;
+      }
     } else {
       char* to = k.sink == Conn::Sink::kMemory   ? k.dst
                  : k.sink == Conn::Sink::kBuffer ? &k.buf[k.buf.size() - k.left]
@@ -251,6 +264,7 @@ void Core::onReadable(const std::shared_ptr<Conn>& c) {
 bool Core::expectPayload(const std::shared_ptr<Conn>& c, Conn::Sink sink, char* dst) {
   c->sink = sink;
   c->dst = dst;
+  c->guarded = false;
   c->left = c->cur.length;
   if (sink == Conn::Sink::kBuffer)
     c->buf = ctx_->buffers ? ctx_->buffers->take(c->cur.length) : std::string(c->cur.length, '\0');
@@ -339,11 +353,17 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
                           << " of [" << hexId(h.addr) << ", +" << h.length << ") from "
                           << c->src_name << ": not inside one registered region";
       }
-      if (h.type == FrameType::kWrite)
-        return expectPayload(c, !ok ? Conn::Sink::kDiscard
+      if (h.type == FrameType::kWrite) {
+        const Conn::Sink sink = !ok                   ? Conn::Sink::kDiscard
                                 : gpu && h.length > 0 ? Conn::Sink::kBuffer
-                                                      : Conn::Sink::kMemory,
-                             reinterpret_cast<char*>(h.addr));
+                                                      : Conn::Sink::kMemory;
+        if (!expectPayload(c, sink, reinterpret_cast<char*>(h.addr))) return false;
+        if (sink == Conn::Sink::kMemory && h.length > 0) {
+          c->guarded = true;
+          c->region = RegionCheck{region->serial, 0};  // (the first step looks it up again)
+        }
+        return true;
+      }
       FrameHeader resp;
       resp.type = FrameType::kReadResp;
       resp.req_id = h.req_id;

@@ -104,6 +104,10 @@ struct Conn {
   bool in_payload = false;
   enum class Sink { kMemory, kDiscard, kBuffer } sink = Sink::kMemory;
   char* dst = nullptr;
+  // An inbound WRITE's payload into registered memory (kMemory sink): each recv() into it runs
+  // under MemoryRegistry::intoRegion, so that the region cannot be freed under it.
+  bool guarded = false;
+  RegionCheck region;
   uint64_t left = 0;
   std::string buf;
   Code verdict = Code::kOk;
