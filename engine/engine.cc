@@ -218,6 +218,12 @@ Status TransferEngine::registerMemory(void* addr, size_t len, MemoryKind kind, i
 }
 
 Status TransferEngine::unregisterMemory(void* addr) {
+  // (Engine-owned memory is refused before its removal: removing and adding it back would make
+  // it a new registration, which WRITEs arriving into it meanwhile may not enter.)
+  auto owned = impl_->registry.find(reinterpret_cast<uint64_t>(addr), 1);
+  if (owned.has_value() && owned->addr == reinterpret_cast<uint64_t>(addr) && owned->engine_owned)
+    return MC_STATUS(kInvalidArgument, "unregisterMemory: " << addr << " was allocated by the "
+                                                            << "engine; use free()");
   auto r = impl_->registry.remove(reinterpret_cast<uint64_t>(addr));
   if (!r.ok()) return r.status();
   if (r->engine_owned) {

@@ -32,11 +32,12 @@ struct Region {
   uint64_t serial = 0;
 };
 
-// MemoryRegistry::intoRegion's memory of one WRITE: the registration it targets, and the
-// registry's version() at which that was last seen still registered.
+// MemoryRegistry::intoRegion's memory of one WRITE: the registration it targets, the
+// registry's version() at which that was last seen still registered, and its bounds then.
 struct RegionCheck {
   uint64_t serial = 0;
   uint64_t version = 0;
+  uint64_t addr = 0, len = 0;
 };
 
 class MemoryRegistry {
@@ -72,7 +73,9 @@ class MemoryRegistry {
       auto r = find(addr, len);
       if (!r.has_value() || r->kind != MemoryKind::kHost || r->serial != chk->serial)
         return false;
-      chk->version = now;
+      *chk = RegionCheck{r->serial, now, r->addr, r->len};
+    } else if (addr < chk->addr || len > chk->len || addr - chk->addr > chk->len - len) {
+      return false;
     }
     step();
     return true;

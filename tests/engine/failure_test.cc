@@ -415,13 +415,12 @@ TEST_P(FailureTest, AbandonedBatchKeepsHandedOverMemoryUntilReleased) {
 // A peer frees a region while a WRITE into it is still arriving (it frees it as soon as the
 // first bytes landed): the WRITE either finished before or fails, but the peer does not go. A
 // tcp target used to recv() the rest into the unmapped memory (EFAULT), which broke the
-// connection and made each side report the other dead. After it, transfers to the peer's
-// other region work and the peer is still there.
+// connection and made each side report the other dead; the verbs emulator's NIC thread
+// copied it there (SIGSEGV) where a NIC refuses the rkey (IBV_WC_REM_ACCESS_ERR). After it,
+// transfers to the peer's other region work and the peer is still there.
 TEST_P(FailureTest, RegionFreedUnderAnArrivingWriteLeavesThePeerUsable) {
   const std::string transport = GetParam();
   if (transport == "shm") GTEST_SKIP() << "shm WRITEs are stores into the peer's mapping";
-  if (transport == "rdma")
-    GTEST_SKIP() << "the verbs emulator does not fence ibv_dereg_mr against WRITEs arriving";
   constexpr uint64_t kLen = 32u << 20;
   PeerConfig cfg;
   cfg.name = "freeing-peer";
@@ -436,15 +435,25 @@ TEST_P(FailureTest, RegionFreedUnderAnArrivingWriteLeavesThePeerUsable) {
   HostBuffer buf(kLen);
   fillPattern(buf.data(), kLen, 79, 0);
   ASSERT_TRUE(peer->send("free_alloc_on_arrival 10000"));
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // (it is watching by then)
+  std::string answer;
+  ASSERT_TRUE(peer->recv(&answer, 10000)) << "no answer to free_alloc_on_arrival";
+  ASSERT_EQ(answer, "watching");
   auto id = eng->submit({{OpCode::kWrite, buf.data(), kLen, pid, peer->info().alloc_addr}});
   ASSERT_TRUE(id.ok()) << id.status().toString();
-  std::string answer;
-  ASSERT_TRUE(peer->recv(&answer, 15000)) << "no answer to free_alloc_on_arrival";
+  ASSERT_TRUE(peer->recv(&answer, 15000)) << "no outcome of free_alloc_on_arrival";
   EXPECT_EQ(answer, "ok");
   Status st = eng->wait(*id, engine::deadlineInMs(10000));
+  // (Refused nearly always: the region goes once its first 64 KiB block changed, long before
+  // 32 MiB arrived; a peer descheduled meanwhile may free it after all of it landed. tcp
+  // refuses with PERMISSION_DENIED; rdma's NICs fail with a remote access error, and its tcp
+  // fallback refuses the rkey.)
   std::printf("  the WRITE into the freed region: %s\n", st.toString().c_str());
-  EXPECT_TRUE(st.ok() || st.code() == Code::kPermissionDenied) << st.toString();
+  if (transport == "tcp") {
+    EXPECT_TRUE(st.ok() || st.code() == Code::kPermissionDenied) << st.toString();
+  } else {
+    EXPECT_NE(st.code(), Code::kPeerDead) << st.toString();
+    EXPECT_NE(st.code(), Code::kTimeout) << st.toString();
+  }
   MC_EXPECT_OK(eng->peerStatus(pid));
   fillPattern(buf.data(), kLen, 80, 0);
   MC_EXPECT_OK(eng->transfer({{OpCode::kWrite, buf.data(), kLen, pid, peer->info().reg_addr}},

@@ -4,6 +4,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -108,6 +110,54 @@ TEST(MemoryRegistryTest, ConcurrentAddFindRemove) {
   for (auto& x : th) x.join();
   EXPECT_EQ(bad.load(), 0);
   EXPECT_EQ(reg.snapshot().size(), static_cast<size_t>(kThreads * kPer / 2));
+}
+
+// intoRegion: a step runs only while the WRITE's own registration is there (not a later one
+// at the same address), and remove() waits for the step in progress.
+TEST(MemoryRegistryTest, IntoRegionFencesRemoval) {
+  MemoryRegistry reg;
+  ASSERT_TRUE(reg.add(region(0x10000, 0x1000)).ok());
+  RegionCheck chk{reg.find(0x10000, 1)->serial, 0, 0, 0};
+  EXPECT_NE(chk.serial, 0u);
+  int steps = 0;
+  EXPECT_TRUE(reg.intoRegion(0x10800, 0x100, &chk, [&] { ++steps; }));
+  EXPECT_FALSE(reg.intoRegion(0x10f80, 0x100, &chk, [&] { ++steps; })) << "past the region";
+  EXPECT_EQ(steps, 1);
+  ASSERT_TRUE(reg.add(region(0x30000, 0x1000)).ok());  // another region: this one still holds
+  EXPECT_TRUE(reg.intoRegion(0x10800, 0x100, &chk, [&] { ++steps; }));
+  EXPECT_EQ(steps, 2);
+
+  // remove() while a step runs: it returns only after the step ended.
+  std::atomic<bool> in_step{false};
+  std::atomic<int64_t> step_end_ns{0}, removed_ns{0};
+  auto now_ns = [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  };
+  std::thread stepper([&] {
+    EXPECT_TRUE(reg.intoRegion(0x10000, 0x1000, &chk, [&] {
+      in_step = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      step_end_ns = now_ns();
+    }));
+  });
+  while (!in_step) std::this_thread::yield();
+  ASSERT_TRUE(reg.remove(0x10000).ok());
+  removed_ns = now_ns();
+  stepper.join();
+  EXPECT_GE(removed_ns.load(), step_end_ns.load()) << "remove() returned during a step";
+  EXPECT_FALSE(reg.intoRegion(0x10800, 0x100, &chk, [&] { ++steps; })) << "removed";
+
+  // Registered again at the same address: a different registration, so the WRITE admitted to
+  // the first one does not go on into it; one admitted to the new one does.
+  ASSERT_TRUE(reg.add(region(0x10000, 0x1000)).ok());
+  EXPECT_FALSE(reg.intoRegion(0x10800, 0x100, &chk, [&] { ++steps; }));
+  EXPECT_EQ(steps, 2);
+  RegionCheck fresh{reg.find(0x10000, 1)->serial, 0, 0, 0};
+  EXPECT_NE(fresh.serial, chk.serial);
+  EXPECT_TRUE(reg.intoRegion(0x10800, 0x100, &fresh, [&] { ++steps; }));
+  EXPECT_EQ(steps, 3);
 }
 
 TEST(MemoryRegistryTest, AllocateShmIsRegisteredAndMappable) {

@@ -196,10 +196,12 @@ class PeerMain {
     if (cmd == "free_alloc_on_arrival") {
       // Frees the engine-allocated region (unregistered, unmapped) as soon as a WRITE starts
       // landing in it: the first word of one of its 64 KiB blocks changed (s1: ms to wait).
+      // Answers "watching" first, then the outcome.
       const uint64_t n = cfg_.region_bytes / 65536;
       const auto* words = static_cast<const volatile uint64_t*>(alloc_);
       std::vector<uint64_t> before(n);
       for (uint64_t i = 0; i < n; ++i) before[i] = words[i * 8192];
+      reply("watching");  // (the caller's WRITE may go now)
       const Deadline until = engine::deadlineInMs(static_cast<int64_t>(num(s1)));
       bool changed = false;
       while (!changed && engine::Clock::now() < until)

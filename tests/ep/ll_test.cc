@@ -304,6 +304,33 @@ TEST_P(LowLatencyKill, BetweenDispatchAndCombine) {
     EXPECT_EQ(codes[r], r == victim ? 128 + SIGKILL : 0) << "rank " << r;
 }
 
+// The stall tests' dispatch on 2 ranks: every one of x's T rows of H bf16 values to rank 1's
+// expert (32 MiB at 4096 x 4096); x's memory is owned by `owner`, handed over as `inputs`.
+struct AllToRankOne {
+  std::vector<int64_t> topk;
+  std::vector<int32_t> act{1, 1}, count = std::vector<int32_t>(1), src;
+  std::vector<int64_t> layout = std::vector<int64_t>(2);
+  std::vector<char> recv_x;
+  LowLatencyDispatchArgs d;
+  AllToRankOne(const void* x, std::shared_ptr<void> owner, int64_t T, int64_t H)
+      : topk(T, 1), src(2 * T), recv_x(2 * T * H * 2) {
+    d.x = x;
+    d.inputs = std::move(owner);
+    d.tokens = T;
+    d.hidden = H;
+    d.topk_idx = topk.data();
+    d.topk = 1;
+    d.active_ranks = act.data();
+    d.max_tokens = T;
+    d.experts = 2;
+    d.timeout_us = 400 * 1000;
+    d.recv_x = recv_x.data();
+    d.recv_count = count.data();
+    d.src_info = src.data();
+    d.layout_range = layout.data();
+  }
+};
+
 // Rank 1 is stopped (SIGSTOP) while rank 0 dispatches 32 MiB of rows to it over tcp: rank
 // 0's send gives up at MC_EP_TIMEOUT_MS and marks rank 1 inactive while its WRITEs still run.
 // x's owner, handed over as `inputs`, stays alive until they finished (after rank 1 resumed),
@@ -342,25 +369,10 @@ TEST(LowLatencyStall, TimedOutSendKeepsItsInputsUntilTheWritesFinished) {
       dropped->store(true);
       munmap(p, kBytes);
     });
-    std::vector<int64_t> topk(kT, 1);
-    std::vector<int32_t> act{1, 1}, count(1), src(2 * kT);
-    std::vector<int64_t> layout(2);
-    std::vector<char> recv_x(2 * kT * kH * 2);
-    LowLatencyDispatchArgs d;
-    d.x = x;
-    d.inputs = std::move(owner);
-    d.tokens = kT;
-    d.hidden = kH;
-    d.topk_idx = topk.data();
-    d.topk = 1;
-    d.active_ranks = act.data();
-    d.max_tokens = kT;
-    d.experts = 2;
-    d.timeout_us = 400 * 1000;
-    d.recv_x = recv_x.data();
-    d.recv_count = count.data();
-    d.src_info = src.data();
-    d.layout_range = layout.data();
+    AllToRankOne a(x, std::move(owner), kT, kH);
+    LowLatencyDispatchArgs& d = a.d;
+    std::vector<int32_t>& act = a.act;
+    std::vector<int32_t>& count = a.count;
     buf->validate(d);
     const uint32_t round = buf->nextDispatchRound();
     auto t0 = std::chrono::steady_clock::now();
@@ -414,30 +426,13 @@ TEST(LowLatencyStall, NewBufferWaitsForTheOldOnesLateWrites) {
       while (env.shared->values[1].load() == 0) usleep(1000);
       auto x = std::make_shared<std::vector<char>>(kT * kH * 2, 0x3c);
       std::shared_ptr<void> owner(x.get(), [x, dropped](void*) { dropped->store(true); });
-      std::vector<int64_t> topk(kT, 1);
-      std::vector<int32_t> act{1, 1}, count(1), src(2 * kT);
-      std::vector<int64_t> layout(2);
-      std::vector<char> recv_x(2 * kT * kH * 2);
-      LowLatencyDispatchArgs d;
-      d.x = x->data();
-      d.inputs = std::move(owner);
+      AllToRankOne a(x->data(), std::move(owner), kT, kH);
       x.reset();
-      d.tokens = kT;
-      d.hidden = kH;
-      d.topk_idx = topk.data();
-      d.topk = 1;
-      d.active_ranks = act.data();
-      d.max_tokens = kT;
-      d.experts = 2;
-      d.timeout_us = 400 * 1000;
-      d.recv_x = recv_x.data();
-      d.recv_count = count.data();
-      d.src_info = src.data();
-      d.layout_range = layout.data();
+      LowLatencyDispatchArgs& d = a.d;
       buf->validate(d);
       const uint32_t round = buf->nextDispatchRound();
       buf->dispatchSend(d, round);
-      ASSERT_EQ(act[1], 0) << "rank 1 was stopped: its writes cannot have finished";
+      ASSERT_EQ(a.act[1], 0) << "rank 1 was stopped: its writes cannot have finished";
       d.inputs.reset();
       ASSERT_FALSE(dropped->load()) << "the test needs writes still running";
       buf->dispatchRecv(d, round);

@@ -360,7 +360,7 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
         if (!expectPayload(c, sink, reinterpret_cast<char*>(h.addr))) return false;
         if (sink == Conn::Sink::kMemory && h.length > 0) {
           c->guarded = true;
-          c->region = RegionCheck{region->serial, 0};  // (the first step looks it up again)
+          c->region = RegionCheck{region->serial, 0, 0, 0};  // (the first step looks it up)
         }
         return true;
       }

@@ -11,6 +11,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -237,6 +238,10 @@ struct Qp {
   bool dropping = false;    // discarding the rest of a refused/RNR'd message
   uint32_t cur_msn = 0;
   char* cur_dst = nullptr;  // write target of the message being received
+  // ... and what it was checked against: its rkey and range, and Ctx::mr_gen then (a WRITE
+  // whose MR went meanwhile is refused on its next packet, as a NIC's rkey check would).
+  uint32_t cur_rkey = 0;
+  uint64_t cur_raddr = 0, cur_total = 0, cur_gen = 0;
   std::deque<Resp> resps;
   bool refused = false;     // refused a request: in error once its NAK is sent
   bool destroyed = false;  // ibv_destroy_qp ran: the NIC thread drops it
@@ -251,6 +256,10 @@ struct Ctx {
   std::mutex mu;                                // qps, mrs
   std::vector<std::shared_ptr<Qp>> qps;  // the NIC thread works on a snapshot
   std::unordered_map<uint32_t, Mr*> mrs;        // by lkey (== rkey)
+  // WRITE placement into an MR holds place_mu shared; ibv_dereg_mr takes it exclusively
+  // (before mu) and bumps mr_gen, so that no packet lands in memory deregistered before it.
+  std::shared_mutex place_mu;
+  std::atomic<uint64_t> mr_gen{0};
   uint32_t next_key = 0x1000;
   std::thread nic;
   std::atomic<bool> stop{false};

@@ -203,6 +203,10 @@ void handleRequest(Qp* q, const Pkt& p, const char* payload) {
         pushResp(q, kRnrNak, p.msn, 0);
         q->dropping = true;
       } else if (p.type == kWrite || p.type == kWriteImm) {
+        q->cur_gen = q->ctx->mr_gen.load(std::memory_order_acquire);
+        q->cur_rkey = p.rkey;
+        q->cur_raddr = p.raddr;
+        q->cur_total = p.total;
         q->cur_dst = remoteTarget(q, p.rkey, p.raddr, p.total, IBV_ACCESS_REMOTE_WRITE);
         if (q->cur_dst == nullptr && p.total > 0) {
           pushResp(q, kNak, p.msn, IBV_WC_REM_ACCESS_ERR);
@@ -227,6 +231,18 @@ void handleRequest(Qp* q, const Pkt& p, const char* payload) {
   if (q->dropping || p.msn != q->cur_msn) return;
   if (p.len > 0) {
     if (p.type == kWrite || p.type == kWriteImm) {
+      std::shared_lock<std::shared_mutex> use(q->ctx->place_mu);
+      const uint64_t gen = q->ctx->mr_gen.load(std::memory_order_acquire);
+      if (gen != q->cur_gen) {  // an MR went since the check: is this one still there?
+        q->cur_dst = remoteTarget(q, q->cur_rkey, q->cur_raddr, q->cur_total,
+                                  IBV_ACCESS_REMOTE_WRITE);
+        q->cur_gen = gen;
+        if (q->cur_dst == nullptr) {
+          pushResp(q, kNak, p.msn, IBV_WC_REM_ACCESS_ERR);
+          q->refused = true;
+          return;
+        }
+      }
       std::memcpy(q->cur_dst + p.offset, payload, p.len);
     } else {
       scatter(q->rq.front().sge, p.offset, payload, p.len);

@@ -469,8 +469,10 @@ int ibv_dereg_mr(ibv_mr* mr) {
   Mr* m = reinterpret_cast<Mr*>(mr);
   Ctx* c = m->pd->ctx;
   {
+    std::unique_lock<std::shared_mutex> placing(c->place_mu);  // (a packet being placed ends)
     std::lock_guard<std::mutex> g(c->mu);
     c->mrs.erase(mr->lkey);
+    c->mr_gen.fetch_add(1, std::memory_order_acq_rel);
   }
   if (m->map != nullptr) {
     munmap(m->map, m->map_len);
