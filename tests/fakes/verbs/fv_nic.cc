@@ -275,10 +275,22 @@ void handleResponse(Qp* q, const Pkt& p, const char* payload) {
     }
     return;
   }
-  // The others name one request among those transmitted.
+  // The others name one request among those transmitted; a NAK or RNR NAK may also name the
+  // one still being transmitted (the responder refuses a message at any of its packets).
+  const size_t sending = p.type != kReadResp && q->tx_off > 0 && q->tx < q->wrs.size() ? 1 : 0;
   size_t i = 0;
-  while (i < q->tx && q->wrs[i].msn != p.msn) ++i;
-  if (i == q->tx) return;  // stale (a request already failed or rewound)
+  while (i < q->tx + sending && q->wrs[i].msn != p.msn) ++i;
+  if (i == q->tx + sending) return;  // stale (a request already failed or rewound)
+  // Takes request i out of the queue (the one being transmitted: its transmission ends).
+  auto take = [q](size_t k) {
+    SendWr out = std::move(q->wrs[k]);
+    q->wrs.erase(q->wrs.begin() + static_cast<long>(k));
+    if (k < q->tx)
+      --q->tx;
+    else
+      q->tx_off = 0;
+    return out;
+  };
   SendWr& w = q->wrs[i];
   if (p.type == kReadResp) {
     if (p.len > 0) scatter(w.sge, p.offset, payload, p.len);
@@ -292,18 +304,14 @@ void handleResponse(Qp* q, const Pkt& p, const char* payload) {
   }
   if (p.type == kNak) {
     // In order: everything before it was acknowledged already.
-    SendWr failed = std::move(q->wrs[i]);
-    q->wrs.erase(q->wrs.begin() + static_cast<long>(i));
-    --q->tx;
+    SendWr failed = take(i);
     completeSend(q, failed, static_cast<ibv_wc_status>(p.status));
     qpError(q, IBV_WC_WR_FLUSH_ERR);
     return;
   }
   if (p.type == kRnrNak) {
     if (q->rnr_retry != 7 && q->rnr_left-- <= 0) {
-      SendWr failed = std::move(q->wrs[i]);
-      q->wrs.erase(q->wrs.begin() + static_cast<long>(i));
-      --q->tx;
+      SendWr failed = take(i);
       completeSend(q, failed, IBV_WC_RNR_RETRY_EXC_ERR);
       qpError(q, IBV_WC_WR_FLUSH_ERR);
       return;
