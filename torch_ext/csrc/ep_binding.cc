@@ -21,6 +21,7 @@
 #include "torch_ext/csrc/ep_events.h"
 #include "torch_ext/csrc/gpu_tensors.h"
 #include "torch_ext/csrc/process_group.h"
+#include "torch_ext/csrc/tensor_pool.h"
 
 namespace py = pybind11;
 
@@ -80,41 +81,6 @@ void checkActive(const Tensor& a, int world, const char* op) {
     bad(op, ": active_ranks must be a contiguous CPU int32 tensor of shape [", world, "], got ",
         a.defined() ? shapeOf(a) : std::string("undefined"));
 }
-
-// Large outputs (recv_x: 117 MB at the benchmark's low-latency shape, several MB in normal
-// mode; combine's out) would come from fresh mmap()ed pages on every call, and the page
-// faults cost more than the copies. The pool hands out the first rows of a base tensor the
-// caller has dropped: nothing but the pool references its TensorImpl or its storage (no
-// Python object, no view, no operation in flight), so reuse is invisible to the caller.
-class TensorPool {
- public:
-  // A contiguous [n, rest...] tensor of `dtype` (contents unspecified). With slack, a new
-  // base gets room for a later call's slightly larger n (normal mode's row counts vary).
-  Tensor get(int64_t n, std::vector<int64_t> rest, at::ScalarType dtype, bool slack = true) {
-    std::lock_guard<std::mutex> g(mu_);
-    int victim = -1;
-    for (size_t i = 0; i < pool_.size(); ++i) {
-      Tensor& t = pool_[i];
-      if (t.use_count() != 1 || t.storage().use_count() != 1) continue;
-      if (t.scalar_type() == dtype && t.size(0) >= n && t.sizes().slice(1) == rest)
-        return t.narrow(0, 0, n);
-      if (victim < 0) victim = static_cast<int>(i);
-    }
-    std::vector<int64_t> shape{slack ? n + n / 4 + 8 : n};
-    shape.insert(shape.end(), rest.begin(), rest.end());
-    Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype));
-    if (pool_.size() < kMax)
-      pool_.push_back(t);
-    else if (victim >= 0)
-      pool_[victim] = t;
-    return t.narrow(0, 0, n);
-  }
-
- private:
-  static constexpr size_t kMax = 8;
-  std::mutex mu_;
-  std::vector<Tensor> pool_;
-};
 
 // Runs on the buffer's ordering; keeps `keep` (tensors) alive until the task ran.
 struct Keep {
