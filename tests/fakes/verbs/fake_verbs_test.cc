@@ -387,8 +387,13 @@ TEST(FakeVerbs, FaultKnobs) {
 }
 
 // The bandwidth cap per NIC (MC_FAKE_VERBS_GBPS, or NicControl::setGbps): never exceeded,
-// and per NIC: two capped NICs move twice the bytes of one in the same time (checked when
-// this machine sustains one NIC's cap at all; it is shared and sometimes too loaded).
+// and per NIC: two capped NICs together move more than one cap allows.
+//
+// The per-NIC check needs the machine to sustain two NICs' caps at once, which a shared,
+// loaded 2-core machine sometimes does not for a whole 100 ms (beside two busy loops about
+// one attempt in eight ran each NIC at half its cap). So it takes the best of up to three
+// attempts. That cannot pass a shared cap: one bucket lets through at most its rate times
+// (the time + its 20 ms burst) plus a chunk, about 1.15x the cap here, below the 1.3x asked.
 TEST(FakeVerbs, BandwidthCapPerNic) {
   const Fabric& f = testFabric();
   NicControl n0(f.fabric, "", "mlx5_0"), n2(f.fabric, "", "ib0");
@@ -406,30 +411,38 @@ TEST(FakeVerbs, BandwidthCapPerNic) {
       if (!p.a.poll(&wc, 30000) || wc.status != IBV_WC_SUCCESS) return false;
     return true;
   };
+  // The most one bucket passes in `ms`: its rate over the time plus the 20 ms it lends, and
+  // the 64 KiB chunk it is reserving.
+  auto capBytes = [&](double ms) { return kGbps * 1e9 / 8 * (ms + 20) / 1000 + (64 << 10); };
   ASSERT_TRUE(run(p1, 1 << 20) && run(p2, 1 << 20));  // warm-up: rings attached, pages in
   n0.setGbps(kGbps);
   n2.setGbps(kGbps);
-  auto t0 = std::chrono::steady_clock::now();
-  ASSERT_TRUE(run(p1, kBytes));
-  double one = kBytes / (msSince(t0) / 1000) * 8 / 1e9;
-  t0 = std::chrono::steady_clock::now();
-  bool ok2 = false;
-  std::thread t([&] { ok2 = run(p2, kBytes); });
-  ASSERT_TRUE(run(p1, kBytes));
-  t.join();
-  ASSERT_TRUE(ok2);
-  double both = 2 * kBytes / (msSince(t0) / 1000) * 8 / 1e9;
+  bool sustained = false, adds_up = false;
+  for (int attempt = 0; attempt < 3 && !adds_up; ++attempt) {
+    auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(run(p1, kBytes));
+    double ms_one = msSince(t0);
+    t0 = std::chrono::steady_clock::now();
+    bool ok2 = false;
+    std::thread t([&] { ok2 = run(p2, kBytes); });
+    ASSERT_TRUE(run(p1, kBytes));
+    t.join();
+    ASSERT_TRUE(ok2);
+    double ms_both = msSince(t0);
+    double one = kBytes / (ms_one / 1000) * 8 / 1e9;
+    double both = 2 * kBytes / (ms_both / 1000) * 8 / 1e9;
+    std::printf("  one NIC %.3f Gbit/s, two NICs %.3f Gbit/s (cap %.2f each)\n", one, both, kGbps);
+    EXPECT_LE(kBytes, capBytes(ms_one)) << "the cap is not enforced: " << one << " Gbit/s";
+    EXPECT_LE(kBytes, capBytes(ms_both)) << "a NIC passed more than its cap with two running";
+    if (one > 0.8 * kGbps) {
+      sustained = true;
+      adds_up = both > 1.3 * kGbps;
+    }
+  }
   n0.setGbps(0);
   n2.setGbps(0);
-  std::printf("  one NIC %.3f Gbit/s, two NICs %.3f Gbit/s (cap %.2f each)\n", one, both, kGbps);
-  // The bucket lends at most 20 ms of burst: over 6 MiB (~100 ms) that is within 25%.
-  EXPECT_LT(one, 1.25 * kGbps) << "the cap is not enforced";
-  EXPECT_LT(both, 2 * 1.25 * kGbps) << "the cap is not enforced";
-  if (one > 0.8 * kGbps) {
-    // One capped NIC gives at most 1.25x its cap (burst included); two NICs, each capped,
-    // must exceed that. (Not compared with `one`: under load two NICs' copies share the
-    // cores, and `one` carries the burst.)
-    EXPECT_GT(both, 1.3 * kGbps) << "two NICs do not add up: the cap is not per NIC";
+  if (sustained) {
+    EXPECT_TRUE(adds_up) << "two NICs do not add up: the cap is not per NIC";
   } else {
     std::printf("  (machine too loaded to sustain one NIC's cap: per-NIC check not made)\n");
   }
