@@ -160,7 +160,7 @@ Result<void*> MemoryRegistry::allocateShm(size_t len, const std::string& prefix)
   return p;
 }
 
-Status MemoryRegistry::freeShm(void* p) {
+Status MemoryRegistry::freeShm(void* p, const std::function<void(const Region&)>& removed) {
   {
     std::lock_guard<std::mutex> g(mu_);
     auto it = regions_.find(reinterpret_cast<uint64_t>(p));
@@ -169,6 +169,7 @@ Status MemoryRegistry::freeShm(void* p) {
   }
   auto r = remove(reinterpret_cast<uint64_t>(p));
   if (!r.ok()) return r.status();
+  if (removed) removed(*r);
   munmap(p, r->len);
   shm_unlink(r->shm_name.c_str());
   return Status::OK();

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -85,8 +86,9 @@ class MemoryRegistry {
   // "/<prefix>-<pid>-<n>" and registers it (engine_owned). The file is unlinked when freed
   // or when the registry is destroyed.
   Result<void*> allocateShm(size_t len, const std::string& prefix);
-  // Frees memory from allocateShm (unregisters it first).
-  Status freeShm(void* p);
+  // Frees memory from allocateShm: unregisters it, then runs removed(region) (the transports'
+  // unregistration: the memory is still mapped), then unmaps it.
+  Status freeShm(void* p, const std::function<void(const Region&)>& removed = {});
 
  private:
   mutable std::mutex mu_;

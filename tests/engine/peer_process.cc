@@ -211,6 +211,12 @@ class PeerMain {
       if (st.ok()) alloc_ = nullptr;
       return st.ok() ? "ok" : "bad " + st.toString();
     }
+    if (cmd == "free_alloc") {  // frees the engine-allocated region now (unregistered, unmapped)
+      if (alloc_ == nullptr) return "bad already freed";
+      Status st = eng_->free(alloc_);
+      if (st.ok()) alloc_ = nullptr;
+      return st.ok() ? "ok" : "bad " + st.toString();
+    }
     if (cmd == "unregister") {
       Status st = eng_->unregisterMemory(reinterpret_cast<void*>(num(s1)));
       if (st.ok()) st = eng_->publish(*rdv_);

@@ -47,18 +47,21 @@ void Core::setArmed(Conn& c, bool armed) {
 // threads' frames never wait for a read. Never blocks. With `owned`, the header's length is
 // set to its size; otherwise the caller set it (a READ_REQ's length is not its payload).
 // False when the connection is closed.
-bool Core::send(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned) {
+bool Core::send(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned,
+                bool from_region) {
   std::lock_guard<std::mutex> g(c.out_mu);
-  if (!queueLocked(c, h, data, len, std::move(owned))) return false;
+  if (!queueLocked(c, h, data, len, std::move(owned), from_region)) return false;
   if (c.corked && std::this_thread::get_id() == loop_tid_.load()) return true;
   if (!c.out_armed) flushLocked(c);  // armed: EPOLLOUT writes it
   if (!c.outq.empty()) setArmed(c, true);
   return true;
 }
 
-bool Core::queueLocked(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned) {
+bool Core::queueLocked(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned,
+                       bool from_region) {
   if (c.closed) return false;
   OutItem it;
+  it.from_region = from_region && owned.empty() && len > 0;
   if (!owned.empty()) h.length = owned.size();
   encodeHeader(h, it.hdr);
   it.owned = std::move(owned);
@@ -120,6 +123,24 @@ void Core::flushLocked(Conn& c) {
   if (c.outq.empty()) setArmed(c, false);
   // A denied connection's last frame (the denial) is out: the initiator reads it, then EOF.
   if (c.outq.empty() && c.denied && !c.broken) shutdown(c.fd, SHUT_WR);
+}
+
+void Core::regionRemoved(const Region& r) {
+  std::vector<std::shared_ptr<Conn>> all;
+  {
+    std::lock_guard<std::mutex> g(conns_mu_);
+    all.reserve(conns_.size());
+    for (auto& kv : conns_) all.push_back(kv.second);
+  }
+  for (auto& c : all) {
+    std::lock_guard<std::mutex> g(c->out_mu);
+    for (OutItem& it : c->outq) {
+      const uint64_t a = reinterpret_cast<uint64_t>(it.data);
+      if (!it.from_region || !it.owned.empty() || a < r.addr || a - r.addr >= r.len) continue;
+      it.owned.assign(it.data, it.len);  // (the whole payload: `off` counts into it)
+      it.from_region = false;
+    }
+  }
 }
 
 // The raw close: no more output, out of epoll, fd closed. Idempotent.
@@ -381,10 +402,23 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
           staged.clear();
         }
       }
+      if (ok && !gpu && h.length > 0) {
+        // Straight out of the region, queued while it cannot be removed (intoRegion): a removal
+        // after this finds the frame queued and gives it a copy (regionRemoved), one before it
+        // (the region gone since the lookup) refuses the READ here.
+        resp.status = static_cast<uint16_t>(Code::kOk);
+        resp.length = h.length;
+        RegionCheck chk{region->serial, 0, 0, 0};
+        if (ctx_->registry->intoRegion(h.addr, h.length, &chk, [&] {
+              send(*c, resp, reinterpret_cast<const char*>(h.addr), h.length, {}, true);
+            }))
+          return true;
+        ok = false;
+        c->verdict = Code::kPermissionDenied;
+      }
       resp.status = static_cast<uint16_t>(c->verdict);
       resp.length = ok ? h.length : 0;
-      send(*c, resp, ok && !gpu ? reinterpret_cast<const char*>(h.addr) : nullptr, resp.length,
-           std::move(staged));
+      send(*c, resp, nullptr, resp.length, std::move(staged));
       return true;
     }
     case FrameType::kWriteAck:

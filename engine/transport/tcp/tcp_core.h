@@ -63,6 +63,9 @@ struct OutItem {
   const char* data = nullptr;  // or: payload in user / registered memory (zero copy)
   size_t len = 0;
   size_t off = 0;  // bytes of header + payload already sent
+  // `data` lies in a registered host region of this engine (a READ response): copied into
+  // `owned` if the region goes before the frame is out (Core::regionRemoved).
+  bool from_region = false;
   const char* payload() const { return owned.empty() ? data : owned.data(); }
 };
 
@@ -175,6 +178,11 @@ class Core : public std::enable_shared_from_this<Core> {
   Status sendMessage(PeerState& p, uint32_t channel, std::string&& payload);
   void fail(const std::shared_ptr<PeerState>& p, const Status& why);
   void close(const std::shared_ptr<PeerState>& p);
+  // A registered host region was removed from the registry; its memory is still mapped, but may
+  // not be once this returns. READ responses still queued out of it take a copy of their
+  // payload, so that each goes out whole (its header, with its length, may be out already) and
+  // not from unmapped memory (EFAULT, which broke the connection and failed the peer).
+  void regionRemoved(const Region& r);
 
  private:
   void loop();
@@ -196,9 +204,11 @@ class Core : public std::enable_shared_from_this<Core> {
   void sweepHandshakes();
   int loopTimeoutMs() const;
   void addConn(const std::shared_ptr<Conn>& c);
-  bool send(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned = {});
+  bool send(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned = {},
+            bool from_region = false);
   // Queues a frame without writing it (false: closed); kick() then writes what is queued.
-  bool queueLocked(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned);
+  bool queueLocked(Conn& c, FrameHeader h, const char* data, size_t len, std::string owned,
+                   bool from_region = false);
   void kick(Conn& c);
   void flushLocked(Conn& c);
   void setArmed(Conn& c, bool armed);

@@ -721,6 +721,9 @@ class TcpTransport : public Transport {
   TransportKind kind() const override { return TransportKind::kTcp; }
   Status start(EngineContext* ctx) override { return core_->start(ctx); }
   void fillLocalSegment(SegmentDesc* desc) override { core_->fill(desc); }
+  void unregisterRegion(const Region& region) override {
+    if (region.kind == MemoryKind::kHost) core_->regionRemoved(region);
+  }
   bool canReach(const SegmentDesc& local, const SegmentDesc& remote) const override {
     return remote.offers(TransportKind::kTcp) && !remote.tcp_host.empty() && remote.tcp_port != 0;
   }

@@ -207,6 +207,10 @@ struct Resp {
   const char* src = nullptr;  // read: local memory
   uint64_t total = 0;
   uint64_t sent = 0;
+  // read: what src was checked against (its rkey and address, Ctx::mr_gen then): a READ whose
+  // MR goes before its last packet is out is NAKed at the next one, as a NIC's rkey check would.
+  uint32_t rkey = 0;
+  uint64_t raddr = 0, gen = 0;
 };
 
 struct Qp {
@@ -256,8 +260,9 @@ struct Ctx {
   std::mutex mu;                                // qps, mrs
   std::vector<std::shared_ptr<Qp>> qps;  // the NIC thread works on a snapshot
   std::unordered_map<uint32_t, Mr*> mrs;        // by lkey (== rkey)
-  // WRITE placement into an MR holds place_mu shared; ibv_dereg_mr takes it exclusively
-  // (before mu) and bumps mr_gen, so that no packet lands in memory deregistered before it.
+  // WRITE placement into an MR and a READ response's copy out of one hold place_mu shared;
+  // ibv_dereg_mr takes it exclusively (before mu) and bumps mr_gen, so that no packet lands in
+  // or is read from memory deregistered before it.
   std::shared_mutex place_mu;
   std::atomic<uint64_t> mr_gen{0};
   uint32_t next_key = 0x1000;

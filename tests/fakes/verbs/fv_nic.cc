@@ -183,6 +183,7 @@ void handleRequest(Qp* q, const Pkt& p, const char* payload) {
     if (p.msn != q->expect_msn) {  // after an RNR NAK: the requester will resend from there
       q->dropping = true;
     } else if (p.type == kReadReq) {
+      const uint64_t gen = q->ctx->mr_gen.load(std::memory_order_acquire);
       char* src = remoteTarget(q, p.rkey, p.raddr, p.total, IBV_ACCESS_REMOTE_READ);
       if (src == nullptr && p.total > 0) {
         pushResp(q, kNak, p.msn, IBV_WC_REM_ACCESS_ERR);
@@ -193,6 +194,9 @@ void handleRequest(Qp* q, const Pkt& p, const char* payload) {
         r.msn = p.msn;
         r.src = src;
         r.total = p.total;
+        r.rkey = p.rkey;
+        r.raddr = p.raddr;
+        r.gen = gen;
         q->resps.push_back(r);
       }
       ++q->expect_msn;
@@ -353,6 +357,20 @@ bool nextOutgoing(Qp* q, bool up, std::vector<char>& scratch, size_t chunk, Outg
     }
     size_t n = static_cast<size_t>(std::min<uint64_t>(chunk, rs.total - rs.sent));
     if (r->room() < 2 * (sizeof(Pkt) + n) + 16) return false;
+    std::shared_lock<std::shared_mutex> use(q->ctx->place_mu, std::defer_lock);
+    if (n > 0) {
+      use.lock();
+      const uint64_t gen = q->ctx->mr_gen.load(std::memory_order_acquire);
+      if (gen != rs.gen) {  // an MR went since the check: is this one still there?
+        rs.gen = gen;
+        if (remoteTarget(q, rs.rkey, rs.raddr, rs.total, IBV_ACCESS_REMOTE_READ) == nullptr) {
+          rs.type = kNak;  // instead of the rest; the QP fails once it is out
+          rs.status = IBV_WC_REM_ACCESS_ERR;
+          q->refused = true;
+          continue;
+        }
+      }
+    }
     h.offset = rs.sent;
     h.total = rs.total;
     h.len = static_cast<uint32_t>(n);
