@@ -156,16 +156,16 @@ Status TransferEngine::free(void* p) {
   auto r = impl_->registry.find(reinterpret_cast<uint64_t>(p), 1);
   if (!r || r->addr != reinterpret_cast<uint64_t>(p) || !r->engine_owned)
     return MC_STATUS(kInvalidArgument, "pointer " << p << " was not allocated by the engine");
+  // Out of the registry first (no transfer is admitted into it after that), then out of the
+  // transports while it is still mapped (tcp copies the READ responses still queued out of
+  // it), then freed or unmapped; as unregisterMemory() does before the caller frees.
   if (r->kind == MemoryKind::kCuda) {
-    impl_->unregisterWithTransports(*r);
     MC_RETURN_IF_ERROR(impl_->registry.remove(r->addr).status());
+    impl_->unregisterWithTransports(*r);
     impl_->device_regions.fetch_sub(1);
     auto dev = device::get();  // it made this allocation, so it exists
     return dev.ok() ? (*dev)->free(p) : dev.status();
   }
-  // Host memory: out of the registry first (no transfer is admitted into it after that), then
-  // out of the transports while it is still mapped (tcp copies the READ responses still queued
-  // out of it), then unmapped; as unregisterMemory() does before the caller frees.
   return impl_->registry.freeShm(p, [this](const Region& r) { impl_->unregisterWithTransports(r); });
 }
 

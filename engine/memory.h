@@ -33,7 +33,7 @@ struct Region {
   uint64_t serial = 0;
 };
 
-// MemoryRegistry::intoRegion's memory of one WRITE: the registration it targets, the
+// MemoryRegistry::intoRegion's memory of one request: the registration it targets, the
 // registry's version() at which that was last seen still registered, and its bounds then.
 struct RegionCheck {
   uint64_t serial = 0;
@@ -58,11 +58,12 @@ class MemoryRegistry {
   // Bumped by every add/remove: lets the engine tell peers its segment changed.
   uint64_t version() const;
 
-  // For a transport that copies a peer's one-sided WRITE into registered memory in steps (tcp:
-  // one recv() per step): runs step() while [addr, addr+len) lies in the host region
-  // registration chk->serial names (the one the WRITE was admitted to: a region registered
-  // later at the same address is not it), which cannot be removed meanwhile, and returns
-  // true; false, without running it, when it does not. remove() waits for the steps in
+  // For a transport that moves a peer's one-sided WRITE or READ into or out of registered
+  // memory in steps (tcp: one recv() per step, a READ response queued, a device copy): runs
+  // step() while [addr, addr+len) lies in the region registration chk->serial names (the one
+  // the request was admitted to: a region registered later at the same address is not it),
+  // which cannot be removed meanwhile, and returns true; false, without running it, when it
+  // does not. remove() waits for the steps in
   // progress, so none touches a region after remove() returned (its memory may be unmapped
   // at once) and a later step finds it gone. The lookup is skipped while nothing was added
   // or removed since chk->version.
@@ -72,8 +73,7 @@ class MemoryRegistry {
     const uint64_t now = version_.load(std::memory_order_acquire);
     if (chk->version != now) {
       auto r = find(addr, len);
-      if (!r.has_value() || r->kind != MemoryKind::kHost || r->serial != chk->serial)
-        return false;
+      if (!r.has_value() || r->serial != chk->serial) return false;
       *chk = RegionCheck{r->serial, now, r->addr, r->len};
     } else if (addr < chk->addr || len > chk->len || addr - chk->addr > chk->len - len) {
       return false;

@@ -139,7 +139,9 @@ class Transport {
   // Called once before any peer: listeners, threads; may fill fields of the local segment.
   virtual Status start(EngineContext* ctx) = 0;
   virtual void fillLocalSegment(SegmentDesc* desc) = 0;
-  // Per-region keys (rkey, IPC handle): called on register/unregister.
+  // Per-region keys (rkey, IPC handle): called on register/unregister. unregisterRegion runs
+  // after the region left the registry (no request is admitted into it any more) and while
+  // its memory is still mapped (tcp copies the READ responses still queued out of it).
   virtual Status registerRegion(Region* region) {
     (void)region;
     return Status::OK();

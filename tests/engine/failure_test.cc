@@ -504,8 +504,8 @@ TEST_P(FailureTest, RegionFreedUnderAnOutgoingReadLeavesThePeerUsable) {
   EXPECT_EQ(answer, "ok");
   Status st = eng->wait(*id, engine::deadlineInMs(10000));
   std::printf("  the READ out of the freed region: %s\n", st.toString().c_str());
-  // (tcp asks for the READ in 1 MiB slices, a window at a time: a slice asked for after the
-  // region went is refused with PERMISSION_DENIED. rdma's NICs fail with a remote access error,
+  // (tcp asks for the READ in 1 MiB slices spread over its data connections: a slice the
+  // target reads after the region went is refused with PERMISSION_DENIED. rdma's NICs fail with a remote access error,
   // and its tcp fallback refuses the rkey.)
   if (transport == "tcp") {
     EXPECT_TRUE(st.ok() || st.code() == Code::kPermissionDenied) << st.toString();
@@ -516,7 +516,9 @@ TEST_P(FailureTest, RegionFreedUnderAnOutgoingReadLeavesThePeerUsable) {
       EXPECT_NE(st.toString().find("remote access error"), std::string::npos) << st.toString();
     }
   }
-  if (st.ok()) EXPECT_EQ(checkPattern(buf.data(), kLen, 83, 0), "");
+  if (st.ok()) {
+    EXPECT_EQ(checkPattern(buf.data(), kLen, 83, 0), "");
+  }
   MC_EXPECT_OK(eng->peerStatus(pid));
   fillPattern(buf.data(), kLen, 84, 0);
   MC_EXPECT_OK(eng->transfer({{OpCode::kWrite, buf.data(), kLen, pid, peer->info().reg_addr}},

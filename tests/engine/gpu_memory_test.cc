@@ -305,6 +305,51 @@ TEST_F(CudaSameHost, GpuMemoryIsStagedOverTcpBetweenHosts) {
   MC_EXPECT_OK(eng->free(*gpu));
 }
 
+// The peer frees its GPU region while a WRITE is staged into it over tcp (once the first of its
+// slices was copied in). A slice whose payload was still arriving was then copied into the
+// freed memory (the simulation's copy thread faulted, SIGSEGV; a GPU's copy engine faults or
+// writes into whatever was allocated there since): the copy in now runs under the registry's
+// fence, so the free waits for the copy in progress and later slices are refused.
+TEST_F(CudaSameHost, GpuRegionFreedUnderAStagedWriteLeavesThePeerUsable) {
+  ScopedEnv dev("MC_DEVICE", "sim");
+  constexpr uint64_t kLen = 48u << 20;
+  PeerConfig cfg;
+  cfg.region_bytes = 1u << 20;
+  PeerProcess* peer = nullptr;
+  {
+    ScopedEnv there("MC_HOST_ID", "gpu-test-host-a");  // the peer inherits it
+    peer = spawnPeer(cfg);
+  }
+  ASSERT_NE(peer, nullptr);
+  const std::string r = peer->call("alloc_gpu " + std::to_string(kLen) + " 990 0");
+  ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
+  const uint64_t remote_gpu = addrOf(r);
+  ScopedEnv here("MC_HOST_ID", "gpu-test-host-b");
+  auto eng = makeEngine("");
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  ASSERT_EQ(eng->peerTransport(pid), "tcp");
+  HostBuffer host(kLen);
+  fillPattern(host.data(), kLen, 991, 0);
+  ASSERT_EQ(peer->call("free_gpu_on_arrival 10000 " + std::to_string(remote_gpu), 10000),
+            "watching");
+  auto id = eng->submit({{OpCode::kWrite, host.data(), kLen, pid, remote_gpu}});
+  ASSERT_TRUE(id.ok()) << id.status().toString();
+  std::string answer;
+  ASSERT_TRUE(peer->recv(&answer, 15000)) << "no outcome of free_gpu_on_arrival";
+  EXPECT_EQ(answer, "ok");
+  Status st = eng->wait(*id, engine::deadlineInMs(10000));
+  std::printf("  the WRITE into the freed GPU region: %s\n", st.toString().c_str());
+  EXPECT_TRUE(st.ok() || st.code() == Code::kPermissionDenied) << st.toString();
+  MC_EXPECT_OK(eng->peerStatus(pid));
+  fillPattern(host.data(), cfg.region_bytes, 992, 0);
+  MC_EXPECT_OK(transfer(*eng, OpCode::kWrite, host.data(), cfg.region_bytes, pid,
+                        peer->info().alloc_addr));
+  EXPECT_EQ(peer->expect(peer->info().alloc_addr, cfg.region_bytes, 992, 0), "");
+  MC_EXPECT_OK(eng->peerStatus(pid));
+}
+
 // A process without a device layer (a store master, a CPU-only client) and a same-host peer's
 // GPU memory: its data goes over shm, which cannot reach GPU memory, so reads and writes of the
 // peer's GPU memory go over the engine's tcp control connection, staged at the peer; a

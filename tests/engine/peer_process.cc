@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
@@ -193,22 +194,36 @@ class PeerMain {
       Status st = eng_->publish(*rdv_);
       return st.ok() ? "ok " + std::to_string(reinterpret_cast<uint64_t>(*p)) : "bad " + st.toString();
     }
-    if (cmd == "free_alloc_on_arrival") {
+    if (cmd == "free_alloc_on_arrival" || cmd == "free_gpu_on_arrival") {
       // Frees the engine-allocated region (unregistered, unmapped) as soon as a WRITE starts
       // landing in it: the first word of one of its 64 KiB blocks changed (s1: ms to wait).
-      // Answers "watching" first, then the outcome.
-      const uint64_t n = cfg_.region_bytes / 65536;
-      const auto* words = static_cast<const volatile uint64_t*>(alloc_);
+      // free_gpu_on_arrival: the alloc_gpu allocation at s2 instead, watched at its first word
+      // only (each look is a device copy). Answers "watching" first, then the outcome.
+      const bool gpu = cmd == "free_gpu_on_arrival";
+      auto g = std::find_if(gpu_.begin(), gpu_.end(), [&](const auto& a) {
+        return reinterpret_cast<uint64_t>(a.first) == num(s2);
+      });
+      if (gpu && g == gpu_.end()) return "bad no alloc_gpu allocation at " + s2;
+      void* region = gpu ? g->first : alloc_;
+      const uint64_t n = gpu ? 1 : cfg_.region_bytes / 65536;
+      auto word = [&](uint64_t i) -> uint64_t {
+        const char* at = static_cast<const char*>(region) + i * 65536;
+        if (!gpu) return *reinterpret_cast<const volatile uint64_t*>(at);
+        uint64_t v = 0;
+        (void)engine::device::copy(&v, at, sizeof(v), engine::deadlineInMs(1000));
+        return v;
+      };
       std::vector<uint64_t> before(n);
-      for (uint64_t i = 0; i < n; ++i) before[i] = words[i * 8192];
+      for (uint64_t i = 0; i < n; ++i) before[i] = word(i);
       reply("watching");  // (the caller's WRITE may go now)
       const Deadline until = engine::deadlineInMs(static_cast<int64_t>(num(s1)));
       bool changed = false;
       while (!changed && engine::Clock::now() < until)
-        for (uint64_t i = 0; i < n && !changed; ++i) changed = words[i * 8192] != before[i];
+        for (uint64_t i = 0; i < n && !changed; ++i) changed = word(i) != before[i];
       if (!changed) return "bad nothing arrived";
-      Status st = eng_->free(alloc_);
-      if (st.ok()) alloc_ = nullptr;
+      Status st = eng_->free(region);
+      if (st.ok() && gpu) gpu_.erase(g);
+      if (st.ok() && !gpu) alloc_ = nullptr;
       return st.ok() ? "ok" : "bad " + st.toString();
     }
     if (cmd == "free_alloc") {  // frees the engine-allocated region now (unregistered, unmapped)

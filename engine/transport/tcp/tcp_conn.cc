@@ -1,22 +1,17 @@
 // tcp transport, connection I/O: per-connection output queues written with writev, the
-// input state machine (header -> payload straight into its destination), target-side request
-// handling, completion and failure of requests, and delivery into the local inbox.
+// input state machine (header -> payload straight into its destination; the target side of
+// WRITE and READ is in tcp_target.cc), completion and failure of requests, and delivery into
+// the local inbox.
 // Contracts: tcp_transport.h; threading: the comment at the top of tcp_transport.cc.
 #include <sys/epoll.h>
 #include <sys/uio.h>
 
-#include "engine/device/device.h"
 #include "engine/log.h"
 #include "engine/secret.h"
 #include "engine/transport/tcp/tcp_core.h"
 #include "engine/transport/tcp/tcp_socket.h"
 
 namespace mooncake::engine::tcp {
-
-namespace {
-// A staged copy into or out of GPU memory (one frame's worth) that takes longer failed.
-constexpr int64_t kDeviceCopyMs = 30000;
-}  // namespace
 
 // ---------------------------------------------------------------- connections
 
@@ -123,24 +118,6 @@ void Core::flushLocked(Conn& c) {
   if (c.outq.empty()) setArmed(c, false);
   // A denied connection's last frame (the denial) is out: the initiator reads it, then EOF.
   if (c.outq.empty() && c.denied && !c.broken) shutdown(c.fd, SHUT_WR);
-}
-
-void Core::regionRemoved(const Region& r) {
-  std::vector<std::shared_ptr<Conn>> all;
-  {
-    std::lock_guard<std::mutex> g(conns_mu_);
-    all.reserve(conns_.size());
-    for (auto& kv : conns_) all.push_back(kv.second);
-  }
-  for (auto& c : all) {
-    std::lock_guard<std::mutex> g(c->out_mu);
-    for (OutItem& it : c->outq) {
-      const uint64_t a = reinterpret_cast<uint64_t>(it.data);
-      if (!it.from_region || !it.owned.empty() || a < r.addr || a - r.addr >= r.len) continue;
-      it.owned.assign(it.data, it.len);  // (the whole payload: `off` counts into it)
-      it.from_region = false;
-    }
-  }
 }
 
 // The raw close: no more output, out of epoll, fd closed. Idempotent.
@@ -361,66 +338,8 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
       c->leaving = h.aux == kByeEngineStopping;
       return true;
     case FrameType::kWrite:
-    case FrameType::kReadReq: {
-      // Target-side check: the whole range inside one registered region. GPU memory (kCuda)
-      // is staged here: the payload lands in a host buffer and the device layer copies it
-      // in (frameEnd), a read is copied out into a host buffer first.
-      auto region = ctx_->registry->find(h.addr, h.length);
-      const bool gpu = region.has_value() && region->kind == MemoryKind::kCuda;
-      bool ok = h.length == 0 || (region.has_value() && region->kind == MemoryKind::kHost) || gpu;
-      c->verdict = ok ? Code::kOk : Code::kPermissionDenied;
-      if (!ok) {
-        MC_LOG(WARN, TCP) << "refused " << (h.type == FrameType::kWrite ? "WRITE" : "READ")
-                          << " of [" << hexId(h.addr) << ", +" << h.length << ") from "
-                          << c->src_name << ": not inside one registered region";
-      }
-      if (h.type == FrameType::kWrite) {
-        const Conn::Sink sink = !ok                   ? Conn::Sink::kDiscard
-                                : gpu && h.length > 0 ? Conn::Sink::kBuffer
-                                                      : Conn::Sink::kMemory;
-        if (!expectPayload(c, sink, reinterpret_cast<char*>(h.addr))) return false;
-        if (sink == Conn::Sink::kMemory && h.length > 0) {
-          c->guarded = true;
-          c->region = RegionCheck{region->serial, 0, 0, 0};  // (the first step looks it up)
-        }
-        return true;
-      }
-      FrameHeader resp;
-      resp.type = FrameType::kReadResp;
-      resp.req_id = h.req_id;
-      resp.addr = h.addr;
-      std::string staged;
-      if (ok && gpu && h.length > 0) {
-        staged.resize(h.length);
-        Status st = device::transferCopy(staged.data(), reinterpret_cast<const void*>(h.addr), h.length,
-                                 deadlineInMs(kDeviceCopyMs));
-        if (!st.ok()) {
-          MC_LOG(WARN, TCP) << "READ of GPU memory [" << hexId(h.addr) << ", +" << h.length
-                            << ") for " << c->src_name << ": " << st.toString();
-          ok = false;
-          c->verdict = Code::kInternal;
-          staged.clear();
-        }
-      }
-      if (ok && !gpu && h.length > 0) {
-        // Straight out of the region, queued while it cannot be removed (intoRegion): a removal
-        // after this finds the frame queued and gives it a copy (regionRemoved), one before it
-        // (the region gone since the lookup) refuses the READ here.
-        resp.status = static_cast<uint16_t>(Code::kOk);
-        resp.length = h.length;
-        RegionCheck chk{region->serial, 0, 0, 0};
-        if (ctx_->registry->intoRegion(h.addr, h.length, &chk, [&] {
-              send(*c, resp, reinterpret_cast<const char*>(h.addr), h.length, {}, true);
-            }))
-          return true;
-        ok = false;
-        c->verdict = Code::kPermissionDenied;
-      }
-      resp.status = static_cast<uint16_t>(c->verdict);
-      resp.length = ok ? h.length : 0;
-      send(*c, resp, nullptr, resp.length, std::move(staged));
-      return true;
-    }
+    case FrameType::kReadReq:
+      return onRequest(c);
     case FrameType::kWriteAck:
     case FrameType::kReadResp: {
       auto p = c->peer.lock();
@@ -536,33 +455,8 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       deliverMessage(c->src_engine, static_cast<uint32_t>(h.aux), std::move(payload));
       return true;
     }
-    case FrameType::kWrite: {
-      if (c->sink == Conn::Sink::kBuffer) {  // into GPU memory (frameStart): copy it in now
-        Status st = device::transferCopy(reinterpret_cast<void*>(h.addr), c->buf.data(), c->buf.size(),
-                                 deadlineInMs(kDeviceCopyMs));
-        if (!st.ok()) {
-          MC_LOG(WARN, TCP) << "WRITE of GPU memory [" << hexId(h.addr) << ", +" << h.length
-                            << ") from " << c->src_name << ": " << st.toString();
-          c->verdict = Code::kInternal;
-        }
-        if (ctx_->buffers) ctx_->buffers->give(std::move(c->buf));
-        c->buf.clear();
-      }
-      FrameHeader ack;
-      ack.type = FrameType::kWriteAck;
-      ack.req_id = h.req_id;
-      ack.addr = h.addr;
-      ack.status = static_cast<uint16_t>(c->verdict);
-      send(*c, ack, nullptr, 0);
-      if (c->role == ConnRole::kData) {
-        // The bytes are in memory (or were refused): NOTIFYs waiting for them may go.
-        auto it = links_.find({c->src_engine, c->link});
-        if (it == links_.end()) it = links_.emplace(std::make_pair(c->src_engine, c->link), LinkState()).first;
-        ++it->second.writes_done[c->index];
-        if (!it->second.held.empty()) releaseHeld(it->second, c->src_engine);
-      }
-      return true;
-    }
+    case FrameType::kWrite:
+      return onWriteEnd(c);
     case FrameType::kNotify: {
       std::string wm;
       wm.swap(c->buf);

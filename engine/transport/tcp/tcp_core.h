@@ -215,6 +215,9 @@ class Core : public std::enable_shared_from_this<Core> {
   void onReadable(const std::shared_ptr<Conn>& c);
   bool frameStart(const std::shared_ptr<Conn>& c);
   bool frameEnd(const std::shared_ptr<Conn>& c);
+  // Target side of a WRITE or READ_REQ (tcp_target.cc): its header read, a WRITE's payload in.
+  bool onRequest(const std::shared_ptr<Conn>& c);
+  bool onWriteEnd(const std::shared_ptr<Conn>& c);
   bool sendHelloOk(Conn& c);  // the target's answer to a complete handshake; true
   bool expectPayload(const std::shared_ptr<Conn>& c, Conn::Sink sink, char* dst);
   bool protocolError(const std::shared_ptr<Conn>& c, const std::string& what);

@@ -60,8 +60,11 @@
 //    (so a NOTIFY held for it comes after), a READ is copied out into a host buffer first.
 //    READ_RESP payloads go straight into
 //    the initiator's buffer, and WRITE/READ_RESP payloads are sent from the user's/registered
-//    memory with writev (no copy). A region unregistered while a transfer into it is in
-//    flight is the application's race, as with RDMA.
+//    memory with writev (no copy). A target region unregistered or freed while a transfer
+//    into or out of it is in flight ends it cleanly (tcp_target.cc): the steps in progress
+//    finish first, later WRITE steps and READ slices are refused with kPermissionDenied, and
+//    READ responses already queued go out whole from a copy taken before the memory goes.
+//    The initiator's own buffers must outlive its requests, as with RDMA.
 //  - Slicing: a request that the initiator's copy of the peer's descriptor shows inside one
 //    region is cut into MC_TCP_SLICE_BYTES slices over the data connections; any other
 //    request (stale descriptor, or out of range) goes as one frame of up to kMaxDataBytes, so

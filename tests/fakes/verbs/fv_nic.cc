@@ -367,6 +367,7 @@ bool nextOutgoing(Qp* q, bool up, std::vector<char>& scratch, size_t chunk, Outg
           rs.type = kNak;  // instead of the rest; the QP fails once it is out
           rs.status = IBV_WC_REM_ACCESS_ERR;
           q->refused = true;
+          q->resps.resize(1);  // nothing behind the refused request is answered
           continue;
         }
       }

@@ -1,0 +1,161 @@
+// tcp transport, the target side of one-sided requests: a peer's WRITE or READ checked against
+// this engine's registry, its payload received into registered memory or sent out of it (GPU
+// memory staged through a host buffer by the device layer), and the fence that keeps both
+// away from a region once it is unregistered or freed.
+// Contracts: tcp_transport.h; threading: the comment at the top of tcp_transport.cc.
+#include <sys/socket.h>
+
+#include <new>
+
+#include "engine/device/device.h"
+#include "engine/log.h"
+#include "engine/transport/tcp/tcp_core.h"
+
+namespace mooncake::engine::tcp {
+
+namespace {
+// A staged copy into or out of GPU memory (one frame's worth) that takes longer failed.
+constexpr int64_t kDeviceCopyMs = 30000;
+}  // namespace
+
+// WRITE or READ_REQ header read (frameStart). Every access to a region's memory runs under
+// MemoryRegistry::intoRegion with the registration admitted here, so that unregisterMemory and
+// free wait for it and a later step finds the region gone: a host WRITE's recv() steps
+// (onReadable), a READ's response queued straight out of the region (a removal after that
+// copies it: regionRemoved), and the device copies of GPU memory (staged: the WRITE's payload
+// is copied in once it arrived, onWriteEnd; a READ is copied out into a host buffer here).
+bool Core::onRequest(const std::shared_ptr<Conn>& c) {
+  const FrameHeader& h = c->cur;
+  auto region = ctx_->registry->find(h.addr, h.length);
+  const bool gpu = region.has_value() && region->kind == MemoryKind::kCuda;
+  bool ok = h.length == 0 || (region.has_value() && region->kind == MemoryKind::kHost) || gpu;
+  c->verdict = ok ? Code::kOk : Code::kPermissionDenied;
+  if (!ok) {
+    MC_LOG(WARN, TCP) << "refused " << (h.type == FrameType::kWrite ? "WRITE" : "READ") << " of ["
+                      << hexId(h.addr) << ", +" << h.length << ") from " << c->src_name
+                      << ": not inside one registered region";
+  }
+  if (h.type == FrameType::kWrite) {
+    const Conn::Sink sink = !ok                   ? Conn::Sink::kDiscard
+                            : gpu && h.length > 0 ? Conn::Sink::kBuffer
+                                                  : Conn::Sink::kMemory;
+    if (!expectPayload(c, sink, reinterpret_cast<char*>(h.addr))) return false;
+    if (ok && h.length > 0) {
+      c->guarded = sink == Conn::Sink::kMemory;
+      c->region = RegionCheck{region->serial, 0, 0, 0};  // (the first step looks it up)
+    }
+    return true;
+  }
+  FrameHeader resp;
+  resp.type = FrameType::kReadResp;
+  resp.req_id = h.req_id;
+  resp.addr = h.addr;
+  std::string staged;
+  if (ok && h.length > 0) {
+    RegionCheck chk{region->serial, 0, 0, 0};
+    Status copied;
+    const bool there = ctx_->registry->intoRegion(h.addr, h.length, &chk, [&] {
+      if (!gpu) {  // straight out of the region
+        resp.status = static_cast<uint16_t>(Code::kOk);
+        resp.length = h.length;
+        send(*c, resp, reinterpret_cast<const char*>(h.addr), h.length, {}, true);
+        return;
+      }
+      staged.resize(h.length);
+      copied = device::transferCopy(staged.data(), reinterpret_cast<const void*>(h.addr),
+                                    h.length, deadlineInMs(kDeviceCopyMs));
+    });
+    if (there && !gpu) return true;
+    if (!there) {
+      MC_LOG(WARN, TCP) << "refused READ of [" << hexId(h.addr) << ", +" << h.length << ") from "
+                        << c->src_name << ": its region was unregistered meanwhile";
+      c->verdict = Code::kPermissionDenied;
+    } else if (!copied.ok()) {
+      MC_LOG(WARN, TCP) << "READ of GPU memory [" << hexId(h.addr) << ", +" << h.length
+                        << ") for " << c->src_name << ": " << copied.toString();
+      c->verdict = Code::kInternal;
+    }
+    if (c->verdict != Code::kOk) {
+      ok = false;
+      staged.clear();
+    }
+  }
+  resp.status = static_cast<uint16_t>(c->verdict);
+  resp.length = ok ? h.length : 0;
+  send(*c, resp, nullptr, resp.length, std::move(staged));
+  return true;
+}
+
+// A WRITE's payload is in (frameEnd): GPU memory is copied in from its host buffer now, if
+// the registration admitted at its header is still there; then the ack.
+bool Core::onWriteEnd(const std::shared_ptr<Conn>& c) {
+  const FrameHeader& h = c->cur;
+  if (c->sink == Conn::Sink::kBuffer) {
+    Status st;
+    if (!ctx_->registry->intoRegion(h.addr, h.length, &c->region, [&] {
+          st = device::transferCopy(reinterpret_cast<void*>(h.addr), c->buf.data(),
+                                    c->buf.size(), deadlineInMs(kDeviceCopyMs));
+        })) {
+      MC_LOG(WARN, TCP) << "refused WRITE of [" << hexId(h.addr) << ", +" << h.length
+                        << ") from " << c->src_name << ": its region was unregistered meanwhile";
+      c->verdict = Code::kPermissionDenied;
+    } else if (!st.ok()) {
+      MC_LOG(WARN, TCP) << "WRITE of GPU memory [" << hexId(h.addr) << ", +" << h.length
+                        << ") from " << c->src_name << ": " << st.toString();
+      c->verdict = Code::kInternal;
+    }
+    if (ctx_->buffers) ctx_->buffers->give(std::move(c->buf));
+    c->buf.clear();
+  }
+  FrameHeader ack;
+  ack.type = FrameType::kWriteAck;
+  ack.req_id = h.req_id;
+  ack.addr = h.addr;
+  ack.status = static_cast<uint16_t>(c->verdict);
+  send(*c, ack, nullptr, 0);
+  if (c->role == ConnRole::kData) {
+    // The bytes are in memory (or were refused): NOTIFYs waiting for them may go.
+    auto it = links_.find({c->src_engine, c->link});
+    if (it == links_.end())
+      it = links_.emplace(std::make_pair(c->src_engine, c->link), LinkState()).first;
+    ++it->second.writes_done[c->index];
+    if (!it->second.held.empty()) releaseHeld(it->second, c->src_engine);
+  }
+  return true;
+}
+
+void Core::regionRemoved(const Region& r) {
+  std::vector<std::shared_ptr<Conn>> all;
+  {
+    std::lock_guard<std::mutex> g(conns_mu_);
+    all.reserve(conns_.size());
+    for (auto& kv : conns_) all.push_back(kv.second);
+  }
+  for (auto& c : all) {
+    std::lock_guard<std::mutex> g(c->out_mu);
+    for (OutItem& it : c->outq) {
+      const uint64_t a = reinterpret_cast<uint64_t>(it.data);
+      if (!it.from_region || !it.owned.empty() || a < r.addr || a - r.addr >= r.len) continue;
+      // What is not sent yet: `off` counts the header and the payload sent, so the item keeps
+      // the part of its payload already out in its count and its offsets.
+      const size_t sent = it.off > kHeaderBytes ? it.off - kHeaderBytes : 0;
+      try {
+        it.owned.assign(it.data + sent, it.len - sent);
+      } catch (const std::bad_alloc&) {
+        // No memory for the copy: the frame cannot be finished, so the connection ends (the
+        // peer's requests on it fail) before the memory goes, not with an EFAULT after.
+        MC_LOG(ERROR, TCP) << "connection " << c->id << ": no memory to keep " << it.len - sent
+                           << " bytes of a READ response out of a region being freed";
+        c->broken = true;
+        shutdown(c->fd, SHUT_RDWR);
+        break;
+      }
+      it.len -= sent;
+      it.off -= sent;
+      it.data = nullptr;
+      it.from_region = false;
+    }
+  }
+}
+
+}  // namespace mooncake::engine::tcp
