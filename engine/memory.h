@@ -63,10 +63,11 @@ class MemoryRegistry {
   // step() while [addr, addr+len) lies in the region registration chk->serial names (the one
   // the request was admitted to: a region registered later at the same address is not it),
   // which cannot be removed meanwhile, and returns true; false, without running it, when it
-  // does not. remove() waits for the steps in
-  // progress, so none touches a region after remove() returned (its memory may be unmapped
-  // at once) and a later step finds it gone. The lookup is skipped while nothing was added
-  // or removed since chk->version.
+  // does not. remove() waits for the steps in progress, so none touches a region after
+  // remove() returned (its memory may be unmapped at once) and a later step finds it gone; a
+  // step must therefore be done with the memory when it returns (an asynchronous copy that it
+  // gave up waiting for is not covered). The lookup is skipped while nothing was added or
+  // removed since chk->version.
   template <class Step>
   bool intoRegion(uint64_t addr, uint64_t len, RegionCheck* chk, Step&& step) {
     std::shared_lock<std::shared_mutex> use(use_mu_);

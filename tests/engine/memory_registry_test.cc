@@ -112,7 +112,7 @@ TEST(MemoryRegistryTest, ConcurrentAddFindRemove) {
   EXPECT_EQ(reg.snapshot().size(), static_cast<size_t>(kThreads * kPer / 2));
 }
 
-// intoRegion: a step runs only while the WRITE's own registration is there (not a later one
+// intoRegion: a step runs only while the request's own registration is there (not a later one
 // at the same address), and remove() waits for the step in progress.
 TEST(MemoryRegistryTest, IntoRegionFencesRemoval) {
   MemoryRegistry reg;
@@ -158,6 +158,17 @@ TEST(MemoryRegistryTest, IntoRegionFencesRemoval) {
   EXPECT_NE(fresh.serial, chk.serial);
   EXPECT_TRUE(reg.intoRegion(0x10800, 0x100, &fresh, [&] { ++steps; }));
   EXPECT_EQ(steps, 3);
+
+  // GPU memory (tcp stages it: the device copy is the step) is fenced the same way.
+  Region gpu = region(0x50000, 0x1000);
+  gpu.kind = MemoryKind::kCuda;
+  gpu.device = 0;
+  ASSERT_TRUE(reg.add(gpu).ok());
+  RegionCheck dev{reg.find(0x50000, 1)->serial, 0, 0, 0};
+  EXPECT_TRUE(reg.intoRegion(0x50000, 0x1000, &dev, [&] { ++steps; }));
+  ASSERT_TRUE(reg.remove(0x50000).ok());
+  EXPECT_FALSE(reg.intoRegion(0x50000, 0x1000, &dev, [&] { ++steps; })) << "removed";
+  EXPECT_EQ(steps, 4);
 }
 
 TEST(MemoryRegistryTest, AllocateShmIsRegisteredAndMappable) {

@@ -206,11 +206,12 @@ class PeerMain {
       if (gpu && g == gpu_.end()) return "bad no alloc_gpu allocation at " + s2;
       void* region = gpu ? g->first : alloc_;
       const uint64_t n = gpu ? 1 : cfg_.region_bytes / 65536;
+      Status looked;
       auto word = [&](uint64_t i) -> uint64_t {
         const char* at = static_cast<const char*>(region) + i * 65536;
         if (!gpu) return *reinterpret_cast<const volatile uint64_t*>(at);
         uint64_t v = 0;
-        (void)engine::device::copy(&v, at, sizeof(v), engine::deadlineInMs(1000));
+        if (looked.ok()) looked = engine::device::copy(&v, at, sizeof(v), engine::deadlineInMs(5000));
         return v;
       };
       std::vector<uint64_t> before(n);
@@ -218,8 +219,9 @@ class PeerMain {
       reply("watching");  // (the caller's WRITE may go now)
       const Deadline until = engine::deadlineInMs(static_cast<int64_t>(num(s1)));
       bool changed = false;
-      while (!changed && engine::Clock::now() < until)
-        for (uint64_t i = 0; i < n && !changed; ++i) changed = word(i) != before[i];
+      while (!changed && looked.ok() && engine::Clock::now() < until)
+        for (uint64_t i = 0; i < n && !changed; ++i) changed = word(i) != before[i] && looked.ok();
+      if (!looked.ok()) return "bad looking at the region: " + looked.toString();
       if (!changed) return "bad nothing arrived";
       Status st = eng_->free(region);
       if (st.ok() && gpu) gpu_.erase(g);

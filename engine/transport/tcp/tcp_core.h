@@ -1,6 +1,7 @@
-// Internals of the tcp transport shared by its two source files: tcp_transport.cc (set-up,
-// the progress loop, the initiator's API) and tcp_conn.cc (connection I/O: output queues, the
-// input state machine, completion and failure, inbox delivery). Not part of the engine's API.
+// Internals of the tcp transport shared by its source files: tcp_transport.cc (set-up, the
+// progress loop, the initiator's API), tcp_conn.cc (connection I/O: output queues, the input
+// state machine, completion and failure, inbox delivery) and tcp_target.cc (the target side of
+// WRITE and READ, and its fence against a region's removal). Not part of the engine's API.
 #pragma once
 
 #include <unistd.h>
@@ -107,9 +108,11 @@ struct Conn {
   bool in_payload = false;
   enum class Sink { kMemory, kDiscard, kBuffer } sink = Sink::kMemory;
   char* dst = nullptr;
-  // An inbound WRITE's payload into registered memory (kMemory sink): each recv() into it runs
-  // under MemoryRegistry::intoRegion, so that the region cannot be freed under it.
+  // An inbound WRITE's payload into registered host memory (kMemory sink): each recv() into it
+  // runs under MemoryRegistry::intoRegion, so that the region cannot be freed under it.
   bool guarded = false;
+  // The registration an admitted WRITE targets (kMemory: for those recv()s; kBuffer, GPU
+  // memory: for the device copy at its end).
   RegionCheck region;
   uint64_t left = 0;
   std::string buf;

@@ -16,6 +16,15 @@ namespace mooncake::engine::tcp {
 namespace {
 // A staged copy into or out of GPU memory (one frame's worth) that takes longer failed.
 constexpr int64_t kDeviceCopyMs = 30000;
+
+// A device copy that missed its deadline is not cancelled: it may still run (its stream is in
+// order), so the host buffer it reads or writes is never used again (leaked, a wedged device's
+// cost). Neither is the region held for it: the fence covers copies that end in time.
+void abandonToCopy(std::string* buf, const Status& st) {
+  if (st.code() != Code::kTimeout || buf->empty()) return;
+  (void)new std::string(std::move(*buf));
+  *buf = std::string();
+}
 }  // namespace
 
 // WRITE or READ_REQ header read (frameStart). Every access to a region's memory runs under
@@ -74,6 +83,7 @@ bool Core::onRequest(const std::shared_ptr<Conn>& c) {
       MC_LOG(WARN, TCP) << "READ of GPU memory [" << hexId(h.addr) << ", +" << h.length
                         << ") for " << c->src_name << ": " << copied.toString();
       c->verdict = Code::kInternal;
+      abandonToCopy(&staged, copied);
     }
     if (c->verdict != Code::kOk) {
       ok = false;
@@ -103,6 +113,7 @@ bool Core::onWriteEnd(const std::shared_ptr<Conn>& c) {
       MC_LOG(WARN, TCP) << "WRITE of GPU memory [" << hexId(h.addr) << ", +" << h.length
                         << ") from " << c->src_name << ": " << st.toString();
       c->verdict = Code::kInternal;
+      abandonToCopy(&c->buf, st);
     }
     if (ctx_->buffers) ctx_->buffers->give(std::move(c->buf));
     c->buf.clear();
@@ -142,12 +153,17 @@ void Core::regionRemoved(const Region& r) {
       try {
         it.owned.assign(it.data + sent, it.len - sent);
       } catch (const std::bad_alloc&) {
-        // No memory for the copy: the frame cannot be finished, so the connection ends (the
-        // peer's requests on it fail) before the memory goes, not with an EFAULT after.
-        MC_LOG(ERROR, TCP) << "connection " << c->id << ": no memory to keep " << it.len - sent
-                           << " bytes of a READ response out of a region being freed";
+        // No memory for the copy: the frame cannot be finished, so the connection ends before
+        // the memory goes (not with an EFAULT after it); the initiator then fails the peer, as
+        // on any broken connection.
         c->broken = true;
         shutdown(c->fd, SHUT_RDWR);
+        try {
+          MC_LOG(ERROR, TCP) << "connection " << c->id << ": no memory to keep "
+                             << it.len - sent << " bytes of a READ response out of a region "
+                             << "being freed: connection closed";
+        } catch (...) {
+        }
         break;
       }
       it.len -= sent;

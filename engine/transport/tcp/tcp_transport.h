@@ -63,7 +63,8 @@
 //    memory with writev (no copy). A target region unregistered or freed while a transfer
 //    into or out of it is in flight ends it cleanly (tcp_target.cc): the steps in progress
 //    finish first, later WRITE steps and READ slices are refused with kPermissionDenied, and
-//    READ responses already queued go out whole from a copy taken before the memory goes.
+//    READ responses already queued go out whole from a copy taken before the memory goes
+//    (except a device copy of GPU memory that missed its 30 s deadline: tcp_target.cc).
 //    The initiator's own buffers must outlive its requests, as with RDMA.
 //  - Slicing: a request that the initiator's copy of the peer's descriptor shows inside one
 //    region is cut into MC_TCP_SLICE_BYTES slices over the data connections; any other

@@ -14,7 +14,9 @@
 // after min_rnr_timer, rnr_retry times (7: forever), then IBV_WC_RNR_RETRY_EXC_ERR.
 // A responder that refuses a request (access, length) NAKs it and then moves its own QP to
 // the error state too, as hardware does (IBV_EVENT_QP_ACCESS_ERR there): requests behind the
-// refused one are never executed.
+// refused one are never executed (a READ refused part-way, its MR deregistered while its
+// response went out, is the exception: requests behind it had run, only their answers are
+// dropped).
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
