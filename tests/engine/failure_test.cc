@@ -412,6 +412,33 @@ TEST_P(FailureTest, AbandonedBatchKeepsHandedOverMemoryUntilReleased) {
   eng.reset();
 }
 
+// A request into or out of a region the peer freed meanwhile: done, or refused by the target
+// (tcp: PERMISSION_DENIED) or its NIC (rdma: a remote access error; its tcp fallback refuses the
+// rkey) -- never a dead peer or an ack timeout.
+void expectDoneOrRefused(const std::string& transport, const Status& st) {
+  if (transport == "tcp") {
+    EXPECT_TRUE(st.ok() || st.code() == Code::kPermissionDenied) << st.toString();
+    return;
+  }
+  EXPECT_NE(st.code(), Code::kPeerDead) << st.toString();
+  EXPECT_NE(st.code(), Code::kTimeout) << st.toString();
+  if (!st.ok()) {  // (the NICs' own error, not an ack timeout)
+    EXPECT_NE(st.toString().find("remote access error"), std::string::npos) << st.toString();
+  }
+}
+
+// The peer is still there and a WRITE of `len` bytes of pattern(seed) into its other region
+// (registered host memory) is exact.
+void expectPeerUsable(TransferEngine& eng, PeerId pid, PeerProcess* peer, void* buf,
+                      uint64_t len, uint64_t seed) {
+  MC_EXPECT_OK(eng.peerStatus(pid));
+  fillPattern(buf, len, seed, 0);
+  MC_EXPECT_OK(eng.transfer({{OpCode::kWrite, buf, len, pid, peer->info().reg_addr}},
+                            engine::deadlineInMs(10000)));
+  EXPECT_EQ(peer->expect(peer->info().reg_addr, len, seed, 0), "");
+  MC_EXPECT_OK(eng.peerStatus(pid));
+}
+
 // A peer frees a region while a WRITE into it is still arriving (it frees it as soon as the
 // first bytes landed): the WRITE either finished before or fails, but the peer does not go. A
 // tcp target used to recv() the rest into the unmapped memory (EFAULT), which broke the
@@ -444,25 +471,10 @@ TEST_P(FailureTest, RegionFreedUnderAnArrivingWriteLeavesThePeerUsable) {
   EXPECT_EQ(answer, "ok");
   Status st = eng->wait(*id, engine::deadlineInMs(10000));
   // (Refused nearly always: the region goes once its first 64 KiB block changed, long before
-  // 32 MiB arrived; a peer descheduled meanwhile may free it after all of it landed. tcp
-  // refuses with PERMISSION_DENIED; rdma's NICs fail with a remote access error, and its tcp
-  // fallback refuses the rkey.)
+  // 32 MiB arrived; a peer descheduled meanwhile may free it after all of it landed.)
   std::printf("  the WRITE into the freed region: %s\n", st.toString().c_str());
-  if (transport == "tcp") {
-    EXPECT_TRUE(st.ok() || st.code() == Code::kPermissionDenied) << st.toString();
-  } else {
-    EXPECT_NE(st.code(), Code::kPeerDead) << st.toString();
-    EXPECT_NE(st.code(), Code::kTimeout) << st.toString();
-    if (!st.ok()) {  // (the NICs' own error, not an ack timeout)
-      EXPECT_NE(st.toString().find("remote access error"), std::string::npos) << st.toString();
-    }
-  }
-  MC_EXPECT_OK(eng->peerStatus(pid));
-  fillPattern(buf.data(), kLen, 80, 0);
-  MC_EXPECT_OK(eng->transfer({{OpCode::kWrite, buf.data(), kLen, pid, peer->info().reg_addr}},
-                             engine::deadlineInMs(10000)));
-  EXPECT_EQ(peer->expect(peer->info().reg_addr, kLen, 80, 0), "");
-  MC_EXPECT_OK(eng->peerStatus(pid));
+  expectDoneOrRefused(transport, st);
+  expectPeerUsable(*eng, pid, peer, buf.data(), kLen, 80);
 }
 
 // The peer frees the region a READ is being answered from (once the first bytes arrived here).
@@ -505,26 +517,12 @@ TEST_P(FailureTest, RegionFreedUnderAnOutgoingReadLeavesThePeerUsable) {
   Status st = eng->wait(*id, engine::deadlineInMs(10000));
   std::printf("  the READ out of the freed region: %s\n", st.toString().c_str());
   // (tcp asks for the READ in 1 MiB slices spread over its data connections: a slice the
-  // target reads after the region went is refused with PERMISSION_DENIED. rdma's NICs fail with a remote access error,
-  // and its tcp fallback refuses the rkey.)
-  if (transport == "tcp") {
-    EXPECT_TRUE(st.ok() || st.code() == Code::kPermissionDenied) << st.toString();
-  } else {
-    EXPECT_NE(st.code(), Code::kPeerDead) << st.toString();
-    EXPECT_NE(st.code(), Code::kTimeout) << st.toString();
-    if (!st.ok()) {  // (the NICs' own error, not an ack timeout)
-      EXPECT_NE(st.toString().find("remote access error"), std::string::npos) << st.toString();
-    }
-  }
+  // target reads after the region went is refused; the others carry the region's bytes.)
+  expectDoneOrRefused(transport, st);
   if (st.ok()) {
     EXPECT_EQ(checkPattern(buf.data(), kLen, 83, 0), "");
   }
-  MC_EXPECT_OK(eng->peerStatus(pid));
-  fillPattern(buf.data(), kLen, 84, 0);
-  MC_EXPECT_OK(eng->transfer({{OpCode::kWrite, buf.data(), kLen, pid, peer->info().reg_addr}},
-                             engine::deadlineInMs(10000)));
-  EXPECT_EQ(peer->expect(peer->info().reg_addr, kLen, 84, 0), "");
-  MC_EXPECT_OK(eng->peerStatus(pid));
+  expectPeerUsable(*eng, pid, peer, buf.data(), kLen, 84);
 }
 
 // An engine that shuts down with an abandoned batch (its peer stopped for good) drops what it

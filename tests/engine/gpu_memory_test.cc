@@ -147,7 +147,21 @@ TEST_P(GpuMemoryTest, RegistrationChecksTheMemoryIsOnTheDevice) {
 // with the peer's engine-allocated host memory on the other side too, and its registered host
 // memory (which cuda cannot map) staged through host memory here over shm; a notification
 // follows the copies before it (the peer checks each write is visible when its tag arrives).
-class CudaSameHost : public PeerTestBase {};
+class CudaSameHost : public PeerTestBase {
+ protected:
+  // A peer spawned with var=value in its environment (this process's is left as it was).
+  PeerProcess* spawnWith(const PeerConfig& cfg, const char* var, const char* value) {
+    ScopedEnv there(var, value);  // the peer inherits it
+    return spawnPeer(cfg);
+  }
+  // `len` bytes of the peer's GPU memory holding pattern(seed): its address, 0 on failure.
+  uint64_t allocGpuThere(PeerProcess* peer, uint64_t len, int seed) {
+    const std::string r = peer->call("alloc_gpu " + std::to_string(len) + " " +
+                                     std::to_string(seed) + " 0");
+    EXPECT_EQ(r.rfind("ok ", 0), 0u) << r;
+    return r.rfind("ok ", 0) == 0 ? addrOf(r) : 0;
+  }
+};
 
 TEST_F(CudaSameHost, GpuMemoryMovesOverCudaHostOverShm) {
   ScopedEnv dev("MC_DEVICE", "sim");
@@ -248,16 +262,11 @@ TEST_F(CudaSameHost, GpuMemoryIsStagedOverTcpBetweenHosts) {
   constexpr uint64_t kTagBase = 0x57A6000000000000ull;
   PeerConfig cfg;
   cfg.region_bytes = 10u << 20;
-  PeerProcess* peer = nullptr;
-  {
-    ScopedEnv there("MC_HOST_ID", "gpu-test-host-a");  // the peer inherits it
-    peer = spawnPeer(cfg);
-  }
+  PeerProcess* peer = spawnWith(cfg, "MC_HOST_ID", "gpu-test-host-a");
   ASSERT_NE(peer, nullptr);
   constexpr uint64_t kPeerGpu = 5u << 20;
-  const std::string r = peer->call("alloc_gpu " + std::to_string(kPeerGpu) + " 900 0");
-  ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
-  const uint64_t remote_gpu = addrOf(r);
+  const uint64_t remote_gpu = allocGpuThere(peer, kPeerGpu, 900);
+  ASSERT_NE(remote_gpu, 0u);
   ScopedEnv here("MC_HOST_ID", "gpu-test-host-b");
   auto eng = makeEngine("");
   ASSERT_NE(eng, nullptr);
@@ -315,15 +324,10 @@ TEST_F(CudaSameHost, GpuRegionFreedUnderAStagedWriteLeavesThePeerUsable) {
   constexpr uint64_t kLen = 48u << 20;
   PeerConfig cfg;
   cfg.region_bytes = 1u << 20;
-  PeerProcess* peer = nullptr;
-  {
-    ScopedEnv there("MC_HOST_ID", "gpu-test-host-a");  // the peer inherits it
-    peer = spawnPeer(cfg);
-  }
+  PeerProcess* peer = spawnWith(cfg, "MC_HOST_ID", "gpu-test-host-a");
   ASSERT_NE(peer, nullptr);
-  const std::string r = peer->call("alloc_gpu " + std::to_string(kLen) + " 990 0");
-  ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
-  const uint64_t remote_gpu = addrOf(r);
+  const uint64_t remote_gpu = allocGpuThere(peer, kLen, 990);
+  ASSERT_NE(remote_gpu, 0u);
   ScopedEnv here("MC_HOST_ID", "gpu-test-host-b");
   auto eng = makeEngine("");
   ASSERT_NE(eng, nullptr);
@@ -359,15 +363,10 @@ TEST_F(CudaSameHost, WithoutADeviceLayerThePeersGpuMemoryGoesOverTcp) {
   constexpr int kCount = 16;
   PeerConfig cfg;
   cfg.region_bytes = 1u << 20;
-  PeerProcess* peer = nullptr;
-  {
-    ScopedEnv there("MC_DEVICE", "sim");  // the peer inherits it
-    peer = spawnPeer(cfg);
-  }
+  PeerProcess* peer = spawnWith(cfg, "MC_DEVICE", "sim");
   ASSERT_NE(peer, nullptr);
-  const std::string r = peer->call("alloc_gpu " + std::to_string(kPeerGpu) + " 960 0");
-  ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
-  const uint64_t remote_gpu = addrOf(r);
+  const uint64_t remote_gpu = allocGpuThere(peer, kPeerGpu, 960);
+  ASSERT_NE(remote_gpu, 0u);
   ScopedEnv none("MC_DEVICE", "none");
   auto eng = makeEngine("");
   ASSERT_NE(eng, nullptr);
