@@ -130,7 +130,11 @@ if [[ -x "$CUDA_HOME/bin/nvcc" ]]; then
     rm -f "$B/eplib/ll_entry_image.o"
   fi
 fi
-ls ep/{layout,ll_host,ll_device,ll_stream,ll_proxy,buffer,setup,normal,normal_device,peer_writer,read_marks,group}.cc | xargs -P "$(nproc)" -I{} \
+# The library's sources as ep/CMakeLists.txt lists them (its add_library block).
+EP_SRCS=$(sed -n '/^add_library(mooncake_ep STATIC/,/^)/p' ep/CMakeLists.txt |
+          sed -n 's/^[[:space:]]*\([a-z_]*\.cc\)$/ep\/\1/p')
+[[ -n "$EP_SRCS" ]] || { echo "gpu_check: no sources found in ep/CMakeLists.txt" >&2; exit 1; }
+printf '%s\n' $EP_SRCS | xargs -P "$(nproc)" -I{} \
   sh -c '"$0" "$@" -c {} -o "'"$B"'/eplib/$(echo {} | tr / _).o"' "${CXXC[@]}" "${EP_FLAGS[@]}" \
   2>&1 | tee -a "$OUT/build.log"
 rm -f "$B/libmc_ep.a"
