@@ -567,10 +567,51 @@ INSTANTIATE_TEST_SUITE_P(Engine, FailureTest, MC_TEST_TRANSPORTS,
 
 // ---------------------------------------------------------------------------------------
 
+// Over shm the initiator copies the peer's registered (not engine-allocated) memory itself,
+// with process_vm_writev/readv, and its descriptor still lists a region the peer unregistered
+// since: the peer's fence (engine/transport/shm/shm_fence.h) refuses such copies, where they
+// used to land in the peer's memory (freed and reused there, or not). The peer goes on serving.
+class ShmFenceTest : public PeerTestBase {};
+
+TEST_F(ShmFenceTest, RegionUnregisteredSinceTheDescriptorIsRefused) {
+  constexpr uint64_t kRegion = 64 * 1024;
+  PeerConfig cfg;
+  cfg.transport = "shm";
+  cfg.region_bytes = kRegion;
+  PeerProcess* peer = spawnPeer(cfg);
+  ASSERT_NE(peer, nullptr);
+  auto eng = makeEngine("shm");
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, "peer");
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  ASSERT_EQ(eng->peerTransport(pid), "shm");
+  const PeerInfo& in = peer->info();
+  HostBuffer local(8192);
+  fillPattern(local.data(), 8192, 56, 0);
+  MC_ASSERT_OK(transfer(*eng, OpCode::kWrite, local.data(), 4096, pid, in.reg_addr, 5000));
+  EXPECT_EQ(peer->expect(in.reg_addr, 4096, 56, 0), "");
+
+  EXPECT_EQ(peer->call("unregister " + std::to_string(in.reg_addr)), "ok");
+  const std::string sum_reg = peer->sum(in.reg_addr, kRegion);
+  fillPattern(local.data(), 8192, 57, 0);
+  Status st = transfer(*eng, OpCode::kWrite, local.data(), 4096, pid, in.reg_addr + 8, 5000);
+  EXPECT_EQ(st.code(), Code::kPermissionDenied)
+      << "a write into a region the peer unregistered: " << st.toString();
+  st = transfer(*eng, OpCode::kRead, local.data(), 4096, pid, in.reg_addr, 5000);
+  EXPECT_EQ(st.code(), Code::kPermissionDenied)
+      << "a read of a region the peer unregistered: " << st.toString();
+  EXPECT_EQ(checkPattern(local.data(), 8192, 57, 0), "") << "the refused read changed memory";
+  EXPECT_EQ(peer->sum(in.reg_addr, kRegion), sum_reg) << "the unregistered region changed";
+  // Still serving what is registered.
+  MC_EXPECT_OK(eng->peerStatus(pid));
+  MC_EXPECT_OK(transfer(*eng, OpCode::kWrite, local.data(), 4096, pid, in.alloc_addr, 5000));
+  EXPECT_EQ(peer->expect(in.alloc_addr, 4096, 57, 0), "");
+}
+
 // Over tcp the target checks every access against its own registry, whatever the initiator
 // believes: a forged descriptor (a region grown, an invented one) and a stale one (the peer
-// unregistered the region since) are refused there. (Over shm the initiator copies itself,
-// so there the descriptor the initiator holds is the only check.)
+// unregistered the region since) are refused there. (Over shm the initiator copies itself:
+// a stale descriptor is caught by the peer's fence, ShmFenceTest below.)
 class TcpTargetCheckTest : public PeerTestBase {};
 
 TEST_F(TcpTargetCheckTest, ForgedAndStaleDescriptorsRefusedByTarget) {

@@ -5,7 +5,9 @@
 //
 // Every access is checked against the peer's exported descriptor: the only memory of the
 // peer this process can map is the shm files it exported, so an address outside them
-// cannot be reached by construction.
+// cannot be reached by construction. process_vm copies reach any of the peer's memory, so
+// they also pass the peer's fence (shm_fence.h): a region it unregistered since the
+// descriptor this process has is refused, and its unregistration waits for copies running.
 //
 // Cold pages go through the file, not the mapping. The first load or store through a fresh
 // mapping of a page costs a page fault in this process; on the VM we measure on (shadow
@@ -34,7 +36,9 @@
 #include <vector>
 
 #include "engine/log.h"
+#include "engine/memory.h"
 #include "engine/params.h"
+#include "engine/transport/shm/shm_fence.h"
 #include "engine/transport/transport.h"
 
 namespace mooncake::engine {
@@ -75,9 +79,11 @@ class PageHeat {
 
 class ShmPeer : public TransportPeer {
  public:
-  ShmPeer(EngineContext* ctx, SegmentDesc remote, std::unique_ptr<Inbox> inbox)
+  ShmPeer(EngineContext* ctx, SegmentDesc remote, std::unique_ptr<Inbox> inbox,
+          std::unique_ptr<ShmFence> fence)
       : ctx_(ctx),
         remote_(std::move(remote)),
+        fence_(std::move(fence)),
         inbox_(std::move(inbox)),
         push_timeout_ms_(params::getInt("MC_CONNECT_TIMEOUT_MS")),
         warm_after_(static_cast<int>(
@@ -272,7 +278,8 @@ class ShmPeer : public TransportPeer {
       uint64_t off = t->remote - r->addr;  // r may not survive mapLocked's relock
       if (Mapping* m = mapLocked(*r, &g, true)) return copy(m, off, t);
     }
-    return vmCopy(t);
+    if (!fence_) return vmCopy(t);  // (a peer without a fence: an older build)
+    return fence_->guard(t->remote, t->length, remote_.regions_version, [&] { return vmCopy(t); });
   }
 
   // [off, off + t->length) of m: runs of warm pages through the mapping, the rest through the
@@ -357,6 +364,7 @@ class ShmPeer : public TransportPeer {
   SegmentDesc remote_;
   std::map<uint64_t, Mapping> maps_;
   std::vector<Mapping> retired_;  // replaced mappings, unmapped with the peer (or releaseMapped)
+  std::unique_ptr<ShmFence> fence_;  // the peer's, for process_vm copies
   std::mutex handed_mu_;           // (after mu_)
   std::set<const char*> handed_;   // bases of mappings mappedAddress handed out
   std::unique_ptr<Inbox> inbox_;
@@ -372,10 +380,28 @@ class ShmTransport : public Transport {
   TransportKind kind() const override { return TransportKind::kShm; }
   Status start(EngineContext* ctx) override {
     ctx_ = ctx;
+    char id[17];
+    std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(ctx->engine_id));
+    // "<prefix>-<pid>-...": reaped with the process's other files if it is killed.
+    auto f = ShmFence::create("/" + params::getString("MC_SHM_PREFIX") + "-" +
+                              std::to_string(getpid()) + "-fence-" + id);
+    if (!f.ok()) return f.status();
+    fence_ = std::move(f).value();
     return Status::OK();
   }
   void fillLocalSegment(SegmentDesc* desc) override {
     desc->transports |= 1u << static_cast<int>(TransportKind::kShm);
+    if (fence_) desc->endpoints[static_cast<int>(TransportKind::kShm)] = fence_->name();
+  }
+  // Peers' process_vm copies into the region end, and later ones are refused (shm_fence.h).
+  void unregisterRegion(const Region& region) override {
+    if (!fence_ || region.kind != MemoryKind::kHost) return;
+    if (!fence_->removed(region.addr, region.len, ctx_->registry->version(),
+                         deadlineInMs(kFenceWaitMs))) {
+      MC_LOG(WARN, SHM) << "unregistering [0x" << std::hex << region.addr << ", +" << std::dec
+                        << region.len << "): a same-host peer's copy still ran after "
+                        << kFenceWaitMs << " ms; the region goes anyway";
+    }
   }
   bool canReach(const SegmentDesc& local, const SegmentDesc& remote) const override {
     return remote.offers(TransportKind::kShm) && !remote.host_id.empty() &&
@@ -388,13 +414,25 @@ class ShmTransport : public Transport {
     if (!inbox.ok())
       return MC_STATUS(kUnavailable, "shm: cannot attach the inbox of " << remote.name << ": "
                                                                         << inbox.status().message());
+    std::unique_ptr<ShmFence> fence;
+    const std::string& fence_name = remote.endpoints[static_cast<int>(TransportKind::kShm)];
+    if (!fence_name.empty()) {
+      auto f = ShmFence::attach(fence_name);
+      if (!f.ok())
+        return MC_STATUS(kUnavailable, "shm: cannot attach the fence of " << remote.name << ": "
+                                                                          << f.status().message());
+      fence = std::move(f).value();
+    }
     return std::unique_ptr<TransportPeer>(
-        new ShmPeer(ctx_, remote, std::move(inbox).value()));
+        new ShmPeer(ctx_, remote, std::move(inbox).value(), std::move(fence)));
   }
   void stop() override {}
 
  private:
+  // How long unregistering waits for a same-host peer's copy into the region (a stopped peer).
+  static constexpr int64_t kFenceWaitMs = 10000;
   EngineContext* ctx_ = nullptr;
+  std::unique_ptr<ShmFence> fence_;
 };
 
 }  // namespace
