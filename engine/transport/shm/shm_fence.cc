@@ -6,15 +6,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
 
+#include "engine/log.h"
+
 namespace mooncake::engine {
 
 namespace {
-constexpr uint32_t kMagic = 0x4d434656;  // "MCFV"
+constexpr uint32_t kMagic = 0x4d434657;  // "MCFW"
 
 bool processGone(uint64_t owner) {
   const pid_t pid = static_cast<pid_t>(owner >> 32);
@@ -27,16 +28,19 @@ std::atomic<uint32_t> g_next_token{1};
 // In shared memory, zero-filled by ftruncate (the atomics' zero state).
 struct ShmFence::Layout {
   uint32_t magic;
-  uint32_t ring;
+  uint32_t table_cap;
   uint32_t slots;
   uint32_t reserved;
-  std::atomic<uint64_t> removals;  // how many removals were written (entry k at k % kRing)
+  std::atomic<uint64_t> seq;       // odd while the owner rewrites the table
+  std::atomic<uint64_t> count;     // entries in the table
+  std::atomic<uint64_t> overflow;  // 1: more regions than the table holds (copies unchecked)
+  std::atomic<uint64_t> epoch;     // which of a slot's counts new copies raise (its low bit)
   struct Entry {
-    std::atomic<uint64_t> addr, len, version;
-  } entries[kRing];
+    std::atomic<uint64_t> addr, len;
+  } table[kTable];  // sorted by addr
   struct Slot {
-    std::atomic<uint64_t> owner;  // pid << 32 | a per-process token; 0: free
-    std::atomic<uint64_t> busy;   // copies this peer has running
+    std::atomic<uint64_t> owner;    // pid << 32 | a per-process token; 0: free
+    std::atomic<uint64_t> busy[2];  // copies running, by the epoch they began in
   } slot[kSlots];
 };
 
@@ -60,7 +64,7 @@ Result<std::unique_ptr<ShmFence>> ShmFence::create(const std::string& name) {
   f->name_ = name;
   f->owner_ = true;
   f->l_ = static_cast<Layout*>(p);
-  f->l_->ring = kRing;
+  f->l_->table_cap = kTable;
   f->l_->slots = kSlots;
   std::atomic_thread_fence(std::memory_order_release);
   f->l_->magic = kMagic;
@@ -82,43 +86,75 @@ Result<std::unique_ptr<ShmFence>> ShmFence::attach(const std::string& name) {
   std::unique_ptr<ShmFence> f(new ShmFence());
   f->name_ = name;
   f->l_ = static_cast<Layout*>(p);
-  if (f->l_->magic != kMagic || f->l_->ring != kRing || f->l_->slots != kSlots)
+  if (f->l_->magic != kMagic || f->l_->table_cap != kTable || f->l_->slots != kSlots)
     return MC_STATUS(kIo, "shm fence " << name << ": not a fence of this version");
   const uint64_t token = (static_cast<uint64_t>(getpid()) << 32) | g_next_token.fetch_add(1);
   for (uint32_t i = 0; i < kSlots && f->slot_ < 0; ++i) {
     Layout::Slot& s = f->l_->slot[i];
-    uint64_t cur = s.owner.load(std::memory_order_acquire);
+    uint64_t cur = s.owner.load(std::memory_order_seq_cst);
     if ((cur == 0 || processGone(cur)) && s.owner.compare_exchange_strong(cur, token)) {
-      s.busy.store(0, std::memory_order_seq_cst);  // (a dead process's copies end with it)
+      // (A dead process's copies ended with it.)
+      s.busy[0].store(0, std::memory_order_seq_cst);
+      s.busy[1].store(0, std::memory_order_seq_cst);
       f->slot_ = static_cast<int>(i);
     }
   }
-  return f;  // (no slot free: copies unfenced, see guard())
+  if (f->slot_ < 0) {
+    MC_LOG(WARN, SHM) << "shm fence " << name << ": all " << kSlots << " slots taken; this "
+                      << "process's copies to that peer go unchecked";
+  }
+  return f;
 }
 
 ShmFence::~ShmFence() {
   if (l_ == nullptr) return;
-  if (slot_ >= 0) l_->slot[slot_].owner.store(0, std::memory_order_release);
+  if (slot_ >= 0) l_->slot[slot_].owner.store(0, std::memory_order_seq_cst);
   munmap(l_, sizeof(Layout));
   if (owner_) shm_unlink(name_.c_str());
 }
 
-bool ShmFence::removed(uint64_t addr, uint64_t len, uint64_t version, Deadline deadline) {
+void ShmFence::publishLocked() {
+  const uint64_t s = l_->seq.load(std::memory_order_relaxed);
+  l_->seq.store(s + 1, std::memory_order_seq_cst);  // odd: readers retry
+  std::atomic_thread_fence(std::memory_order_release);
+  const bool over = live_.size() > kTable;
+  uint64_t n = 0;
+  if (!over) {
+    for (const auto& [addr, len] : live_) {
+      l_->table[n].addr.store(addr, std::memory_order_relaxed);
+      l_->table[n].len.store(len, std::memory_order_relaxed);
+      ++n;
+    }
+  }
+  l_->count.store(n, std::memory_order_relaxed);
+  l_->overflow.store(over ? 1 : 0, std::memory_order_relaxed);
+  l_->seq.store(s + 2, std::memory_order_seq_cst);  // even again (release: the table with it)
+}
+
+void ShmFence::added(uint64_t addr, uint64_t len) {
   std::lock_guard<std::mutex> g(owner_mu_);
-  version = last_version_ = std::max(version, last_version_);  // (concurrent unregistrations)
-  const uint64_t k = l_->removals.load(std::memory_order_relaxed);
-  Layout::Entry& e = l_->entries[k % kRing];
-  e.addr.store(addr, std::memory_order_relaxed);
-  e.len.store(len, std::memory_order_relaxed);
-  e.version.store(version, std::memory_order_relaxed);
-  l_->removals.store(k + 1, std::memory_order_seq_cst);  // (publishes the entry too)
+  live_.emplace(addr, len);
+  publishLocked();
+}
+
+bool ShmFence::removed(uint64_t addr, uint64_t len, Deadline deadline) {
+  std::lock_guard<std::mutex> g(owner_mu_);
+  for (auto it = live_.lower_bound(addr); it != live_.end() && it->first == addr; ++it) {
+    if (it->second == len) {
+      live_.erase(it);
+      break;
+    }
+  }
+  publishLocked();
+  // Copies raise the count of the epoch they read: new ones go to the other count from now on
+  // (and see the table above), the old count only falls.
+  const uint64_t old = l_->epoch.fetch_add(1, std::memory_order_seq_cst) & 1;
   bool all = true;
   for (uint32_t i = 0; i < kSlots; ++i) {
     Layout::Slot& s = l_->slot[i];
     for (int spins = 0;; ++spins) {
-      const uint64_t owner = s.owner.load(std::memory_order_acquire);
-      if (owner == 0 || s.busy.load(std::memory_order_seq_cst) == 0) break;
-      if (processGone(owner)) break;
+      if (s.busy[old].load(std::memory_order_seq_cst) == 0) break;
+      if (processGone(s.owner.load(std::memory_order_seq_cst))) break;
       if (Clock::now() >= deadline) {
         all = false;
         break;
@@ -133,50 +169,55 @@ bool ShmFence::removed(uint64_t addr, uint64_t len, uint64_t version, Deadline d
   return all;
 }
 
-void ShmFence::enter() { l_->slot[slot_].busy.fetch_add(1, std::memory_order_seq_cst); }
-
-void ShmFence::leave() { l_->slot[slot_].busy.fetch_sub(1, std::memory_order_release); }
-
-Status ShmFence::check(uint64_t addr, uint64_t len, uint64_t desc_version) {
-  std::lock_guard<std::mutex> g(mu_);
-  const uint64_t n = l_->removals.load(std::memory_order_seq_cst);
-  if (n > seen_) {
-    // Entry n % kRing may be rewritten by the owner's next removal meanwhile (it cannot go
-    // further while this peer's copy count is raised): the kRing - 1 before it are stable.
-    uint64_t from = seen_;
-    if (n - from > kRing - 1) {
-      from = n - (kRing - 1);
-      // The ones lost are older than this one, so their versions are no later than its.
-      lost_ = true;
-      lost_version_ = std::max(lost_version_,
-                               l_->entries[from % kRing].version.load(std::memory_order_relaxed));
-    }
-    for (uint64_t k = from; k < n; ++k) {
-      const Layout::Entry& e = l_->entries[k % kRing];
-      removals_.push_back({e.addr.load(std::memory_order_relaxed),
-                           e.len.load(std::memory_order_relaxed),
-                           e.version.load(std::memory_order_relaxed)});
-    }
-    while (removals_.size() > kRing) {
-      lost_ = true;
-      lost_version_ = std::max(lost_version_, removals_.front().version);
-      removals_.pop_front();
-    }
-    seen_ = n;
+int ShmFence::enter() {
+  Layout::Slot& s = l_->slot[slot_];
+  for (;;) {
+    const int e = static_cast<int>(l_->epoch.load(std::memory_order_seq_cst) & 1);
+    s.busy[e].fetch_add(1, std::memory_order_seq_cst);
+    // The epoch flipped in between: the removal may have waited for the other count already,
+    // so count under the new epoch instead (this copy then sees its table).
+    if (static_cast<int>(l_->epoch.load(std::memory_order_seq_cst) & 1) == e) return e;
+    s.busy[e].fetch_sub(1, std::memory_order_seq_cst);
   }
-  // A descriptor whose version is beyond a removal's no longer lists that region (beyond,
-  // not equal: the owner reads the version after removing, and a descriptor made meanwhile
-  // may carry that version and still the region).
-  if (lost_ && desc_version <= lost_version_)
-    return MC_STATUS(kPermissionDenied, "shm: the peer unregistered more regions than this "
-                                        "process has seen since its descriptor: refused until "
-                                        "the descriptor is updated");
-  for (const Removal& r : removals_)
-    if (r.version >= desc_version && addr < r.addr + r.len && r.addr < addr + len)
-      return MC_STATUS(kPermissionDenied, "shm: [0x" << std::hex << addr << ", +" << std::dec
-                                                     << len << ") lies in a region the peer "
-                                                     << "unregistered");
-  return Status::OK();
+}
+
+void ShmFence::leave(int epoch) {
+  l_->slot[slot_].busy[epoch].fetch_sub(1, std::memory_order_seq_cst);
+}
+
+Status ShmFence::check(uint64_t addr, uint64_t len) const {
+  for (;;) {
+    const uint64_t s1 = l_->seq.load(std::memory_order_seq_cst);
+    if (s1 & 1) {
+      std::this_thread::yield();
+      continue;
+    }
+    bool inside = false;
+    const bool over = l_->overflow.load(std::memory_order_relaxed) != 0;
+    const uint64_t n = std::min<uint64_t>(l_->count.load(std::memory_order_relaxed), kTable);
+    // The last entry starting at or before addr (the table is sorted by address).
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {
+      const uint64_t mid = (lo + hi) / 2;
+      if (l_->table[mid].addr.load(std::memory_order_relaxed) <= addr)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    // (Registrations do not overlap, but one being refused for overlapping is listed for a
+    // moment: look at the few entries before too.)
+    for (uint64_t k = lo; k > 0 && k + 4 > lo && !inside; --k) {
+      const uint64_t a = l_->table[k - 1].addr.load(std::memory_order_relaxed);
+      const uint64_t l = l_->table[k - 1].len.load(std::memory_order_relaxed);
+      inside = addr >= a && len <= l && addr - a <= l - len;
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (l_->seq.load(std::memory_order_relaxed) != s1) continue;  // rewritten meanwhile
+    if (inside || over) return Status::OK();
+    return MC_STATUS(kPermissionDenied, "shm: [0x" << std::hex << addr << ", +" << std::dec << len
+                                                   << ") is not inside a region the peer has "
+                                                   << "registered now");
+  }
 }
 
 }  // namespace mooncake::engine

@@ -6,8 +6,8 @@
 // Every access is checked against the peer's exported descriptor: the only memory of the
 // peer this process can map is the shm files it exported, so an address outside them
 // cannot be reached by construction. process_vm copies reach any of the peer's memory, so
-// they also pass the peer's fence (shm_fence.h): a region it unregistered since the
-// descriptor this process has is refused, and its unregistration waits for copies running.
+// they also pass the peer's fence (shm_fence.h): only a region it has registered now is
+// copied into or out of, and its unregistration waits for the copies running.
 //
 // Cold pages go through the file, not the mapping. The first load or store through a fresh
 // mapping of a page costs a page fault in this process; on the VM we measure on (shadow
@@ -279,7 +279,7 @@ class ShmPeer : public TransportPeer {
       if (Mapping* m = mapLocked(*r, &g, true)) return copy(m, off, t);
     }
     if (!fence_) return vmCopy(t);  // (a peer without a fence: an older build)
-    return fence_->guard(t->remote, t->length, remote_.regions_version, [&] { return vmCopy(t); });
+    return fence_->guard(t->remote, t->length, [&] { return vmCopy(t); });
   }
 
   // [off, off + t->length) of m: runs of warm pages through the mapping, the rest through the
@@ -393,11 +393,15 @@ class ShmTransport : public Transport {
     desc->transports |= 1u << static_cast<int>(TransportKind::kShm);
     if (fence_) desc->endpoints[static_cast<int>(TransportKind::kShm)] = fence_->name();
   }
-  // Peers' process_vm copies into the region end, and later ones are refused (shm_fence.h).
+  // The fence lists the host regions peers' process_vm copies may reach (shm_fence.h); on
+  // removal the copies running end first and later ones are refused.
+  Status registerRegion(Region* region) override {
+    if (fence_ && region->kind == MemoryKind::kHost) fence_->added(region->addr, region->len);
+    return Status::OK();
+  }
   void unregisterRegion(const Region& region) override {
     if (!fence_ || region.kind != MemoryKind::kHost) return;
-    if (!fence_->removed(region.addr, region.len, ctx_->registry->version(),
-                         deadlineInMs(kFenceWaitMs))) {
+    if (!fence_->removed(region.addr, region.len, deadlineInMs(kFenceWaitMs))) {
       MC_LOG(WARN, SHM) << "unregistering [0x" << std::hex << region.addr << ", +" << std::dec
                         << region.len << "): a same-host peer's copy still ran after "
                         << kFenceWaitMs << " ms; the region goes anyway";
