@@ -597,6 +597,8 @@ TEST_F(ShmFenceTest, RegionUnregisteredSinceTheDescriptorIsRefused) {
   Status st = transfer(*eng, OpCode::kWrite, local.data(), 4096, pid, in.reg_addr + 8, 5000);
   EXPECT_EQ(st.code(), Code::kPermissionDenied)
       << "a write into a region the peer unregistered: " << st.toString();
+  EXPECT_NE(st.toString().find("registered now"), std::string::npos)
+      << "not the fence's refusal: " << st.toString();
   st = transfer(*eng, OpCode::kRead, local.data(), 4096, pid, in.reg_addr, 5000);
   EXPECT_EQ(st.code(), Code::kPermissionDenied)
       << "a read of a region the peer unregistered: " << st.toString();
@@ -611,7 +613,7 @@ TEST_F(ShmFenceTest, RegionUnregisteredSinceTheDescriptorIsRefused) {
 // Over tcp the target checks every access against its own registry, whatever the initiator
 // believes: a forged descriptor (a region grown, an invented one) and a stale one (the peer
 // unregistered the region since) are refused there. (Over shm the initiator copies itself:
-// a stale descriptor is caught by the peer's fence, ShmFenceTest below.)
+// a stale descriptor is caught by the peer's fence, ShmFenceTest above.)
 class TcpTargetCheckTest : public PeerTestBase {};
 
 TEST_F(TcpTargetCheckTest, ForgedAndStaleDescriptorsRefusedByTarget) {

@@ -3,9 +3,14 @@
 #include "engine/transport/shm/shm_fence.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
+#include <cstring>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -15,7 +20,9 @@ namespace mooncake::engine {
 namespace {
 
 std::string fenceName(const char* what) {
-  return "/mcft-" + std::to_string(getpid()) + "-" + what;
+  std::string name = "/mcft-" + std::to_string(getpid()) + "-" + what;
+  shm_unlink(name.c_str());  // (left by a crashed run with this pid)
+  return name;
 }
 
 // A peer copies only inside a region the owner has registered now: not past its ends, not
@@ -55,6 +62,96 @@ TEST(ShmFenceTest, OnlyRegisteredRangesAreCopied) {
   ASSERT_TRUE(late.ok());
   EXPECT_TRUE((*late)->guard(0x10000, 8, copy).ok());
   EXPECT_EQ((*late)->guard(0x50000, 8, copy).code(), Code::kPermissionDenied);
+  // The owner stops: nothing is copied any more.
+  EXPECT_TRUE((*owner)->removedAll(deadlineInMs(1000)));
+  EXPECT_EQ((*peer)->guard(0x30000, 8, copy).code(), Code::kPermissionDenied);
+}
+
+// Copies racing the owner's registrations and removals never run inside a region after its
+// removal returned (the owner marks it freed then; a copy finding the mark failed the fence).
+TEST(ShmFenceTest, NoCopyOutlivesItsRemoval) {
+  auto owner = ShmFence::create(fenceName("race"));
+  ASSERT_TRUE(owner.ok()) << owner.status().toString();
+  constexpr int kRegions = 4;
+  std::atomic<bool> freed[kRegions];
+  for (auto& f : freed) f = true;
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> copied{0}, bad{0};
+  std::vector<std::thread> copiers;
+  for (int t = 0; t < 2; ++t) {
+    copiers.emplace_back([&, t] {
+      auto peer = ShmFence::attach((*owner)->name());
+      ASSERT_TRUE(peer.ok());
+      for (uint64_t i = t; !stop; ++i) {
+        const int r = static_cast<int>(i % kRegions);
+        (void)(*peer)->guard(0x100000 * (r + 1), 0x1000, [&] {
+          if (freed[r]) ++bad;
+          ++copied;
+          return Status::OK();
+        });
+      }
+    });
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int k = 0; std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(1500); ++k) {
+    const int r = k % kRegions;
+    freed[r] = false;
+    (*owner)->added(0x100000 * (r + 1), 0x1000);
+    std::this_thread::yield();
+    ASSERT_TRUE((*owner)->removed(0x100000 * (r + 1), 0x1000, deadlineInMs(5000)));
+    freed[r] = true;
+  }
+  stop = true;
+  for (auto& t : copiers) t.join();
+  EXPECT_EQ(bad.load(), 0u) << "copies ran in a region after its removal returned";
+  EXPECT_GT(copied.load(), 0u) << "no copy ever ran: the race was not exercised";
+}
+
+// A peer process killed in the middle of a copy (not reaped yet: a zombie) is not waited for.
+TEST(ShmFenceTest, KilledPeerInACopyIsNotWaitedFor) {
+  auto owner = ShmFence::create(fenceName("killed"));
+  ASSERT_TRUE(owner.ok()) << owner.status().toString();
+  (*owner)->added(0x10000, 0x1000);
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto peer = ShmFence::attach((*owner)->name());
+    if (!peer.ok()) _exit(2);
+    (void)(*peer)->guard(0x10000, 0x1000, [&] {
+      char c = 1;
+      if (write(ready[1], &c, 1) != 1) _exit(3);
+      for (;;) pause();
+      return Status::OK();
+    });
+    _exit(0);
+  }
+  char c = 0;
+  ASSERT_EQ(read(ready[0], &c, 1), 1) << "the child never entered its copy";
+  kill(child, SIGKILL);
+  // (Not reaped: a zombie until waitpid below.)
+  for (int i = 0; i < 200; ++i) {  // until the kernel made it one
+    char path[64];
+    std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(child));
+    FILE* f = std::fopen(path, "r");
+    char buf[512] = {0};
+    if (f != nullptr) {
+      (void)!std::fread(buf, 1, sizeof(buf) - 1, f);
+      std::fclose(f);
+    }
+    const char* p = std::strrchr(buf, ')');
+    if (p != nullptr && p[2] == 'Z') break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE((*owner)->removed(0x10000, 0x1000, deadlineInMs(5000)));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2))
+      << "waited for a dead process's copy";
+  int status = 0;
+  EXPECT_EQ(waitpid(child, &status, 0), child);
+  close(ready[0]);
+  close(ready[1]);
 }
 
 // A peer copying without pause does not hold a removal up: the removal waits only for the

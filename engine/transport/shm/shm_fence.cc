@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -17,12 +18,53 @@ namespace mooncake::engine {
 namespace {
 constexpr uint32_t kMagic = 0x4d434657;  // "MCFW"
 
-bool processGone(uint64_t owner) {
-  const pid_t pid = static_cast<pid_t>(owner >> 32);
-  return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH;
+// A process's start time (clock ticks since boot, /proc/<pid>/stat field 22) and whether it
+// is a zombie: a pid alone may be reused, and a killed process not yet reaped still exists.
+bool procStat(pid_t pid, uint64_t* start, bool* zombie) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = std::fopen(path, "re");
+  if (f == nullptr) return false;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* p = std::strrchr(buf, ')');  // (the command name may hold spaces and parens)
+  if (p == nullptr) return false;
+  char state = 0;
+  unsigned long long st = 0;
+  // state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt utime stime
+  // cutime cstime priority nice num_threads itrealvalue starttime
+  if (std::sscanf(p + 1, " %c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d "
+                         "%*d %*d %llu", &state, &st) != 2)
+    return false;
+  *start = st;
+  *zombie = state == 'Z' || state == 'X';
+  return true;
 }
 
-std::atomic<uint32_t> g_next_token{1};
+// (Read each time: a forked child is another process with another start time.)
+uint64_t selfStart() {
+  uint64_t s = 0;
+  bool z = false;
+  return procStat(getpid(), &s, &z) ? s : 0;
+}
+
+// A slot's owner: the pid and the low 32 bits of the process's start time (0: unknown).
+uint64_t ownerToken() {
+  return (static_cast<uint64_t>(getpid()) << 32) | (selfStart() & 0xffffffffu);
+}
+
+// The owner's process has exited: dead, a zombie, or its pid now another process's.
+bool processGone(uint64_t owner) {
+  const pid_t pid = static_cast<pid_t>(owner >> 32);
+  if (pid <= 0) return false;
+  uint64_t now = 0;
+  bool zombie = false;
+  if (!procStat(pid, &now, &zombie)) return kill(pid, 0) != 0 && errno == ESRCH;
+  const uint64_t start = owner & 0xffffffffu;
+  return zombie || (start != 0 && (now & 0xffffffffu) != start);
+}
 }  // namespace
 
 // In shared memory, zero-filled by ftruncate (the atomics' zero state).
@@ -39,7 +81,7 @@ struct ShmFence::Layout {
     std::atomic<uint64_t> addr, len;
   } table[kTable];  // sorted by addr
   struct Slot {
-    std::atomic<uint64_t> owner;    // pid << 32 | a per-process token; 0: free
+    std::atomic<uint64_t> owner;    // ownerToken() of the process holding it; 0: free
     std::atomic<uint64_t> busy[2];  // copies running, by the epoch they began in
   } slot[kSlots];
 };
@@ -88,7 +130,7 @@ Result<std::unique_ptr<ShmFence>> ShmFence::attach(const std::string& name) {
   f->l_ = static_cast<Layout*>(p);
   if (f->l_->magic != kMagic || f->l_->table_cap != kTable || f->l_->slots != kSlots)
     return MC_STATUS(kIo, "shm fence " << name << ": not a fence of this version");
-  const uint64_t token = (static_cast<uint64_t>(getpid()) << 32) | g_next_token.fetch_add(1);
+  const uint64_t token = ownerToken();
   for (uint32_t i = 0; i < kSlots && f->slot_ < 0; ++i) {
     Layout::Slot& s = f->l_->slot[i];
     uint64_t cur = s.owner.load(std::memory_order_seq_cst);
@@ -118,6 +160,10 @@ void ShmFence::publishLocked() {
   l_->seq.store(s + 1, std::memory_order_seq_cst);  // odd: readers retry
   std::atomic_thread_fence(std::memory_order_release);
   const bool over = live_.size() > kTable;
+  if (over && l_->overflow.load(std::memory_order_relaxed) == 0) {
+    MC_LOG(WARN, SHM) << "shm fence " << name_ << ": more than " << kTable << " registered "
+                      << "regions; same-host peers' copies go unchecked until fewer";
+  }
   uint64_t n = 0;
   if (!over) {
     for (const auto& [addr, len] : live_) {
@@ -145,6 +191,16 @@ bool ShmFence::removed(uint64_t addr, uint64_t len, Deadline deadline) {
       break;
     }
   }
+  return drainLocked(deadline);
+}
+
+bool ShmFence::removedAll(Deadline deadline) {
+  std::lock_guard<std::mutex> g(owner_mu_);
+  live_.clear();
+  return drainLocked(deadline);
+}
+
+bool ShmFence::drainLocked(Deadline deadline) {
   publishLocked();
   // Copies raise the count of the epoch they read: new ones go to the other count from now on
   // (and see the table above), the old count only falls.
@@ -154,7 +210,15 @@ bool ShmFence::removed(uint64_t addr, uint64_t len, Deadline deadline) {
     Layout::Slot& s = l_->slot[i];
     for (int spins = 0;; ++spins) {
       if (s.busy[old].load(std::memory_order_seq_cst) == 0) break;
-      if (processGone(s.owner.load(std::memory_order_seq_cst))) break;
+      // A free slot has no copy running (a slot is released after its peer's last copy; one
+      // claimed after this load counts its copies under the new epoch).
+      uint64_t owner = s.owner.load(std::memory_order_seq_cst);
+      if (owner == 0) break;
+      if (processGone(owner)) {
+        // Its copies ended with it: the slot is free for the next peer (which zeroes it).
+        s.owner.compare_exchange_strong(owner, 0);
+        break;
+      }
       if (Clock::now() >= deadline) {
         all = false;
         break;
@@ -186,9 +250,15 @@ void ShmFence::leave(int epoch) {
 }
 
 Status ShmFence::check(uint64_t addr, uint64_t len) const {
+  // A rewrite takes microseconds: one that lasts is an owner stopped or killed in it.
+  const Deadline give_up = Clock::now() + std::chrono::seconds(2);
   for (;;) {
     const uint64_t s1 = l_->seq.load(std::memory_order_seq_cst);
     if (s1 & 1) {
+      if (Clock::now() >= give_up)
+        return MC_STATUS(kUnavailable, "shm: the peer's fence " << name_ << " has been in a "
+                                                                << "rewrite for 2 s (the peer "
+                                                                << "stopped or died in it)");
       std::this_thread::yield();
       continue;
     }

@@ -49,6 +49,8 @@ class ShmFence {
   // began before runs any more (a peer whose process is gone is not waited for), or at the
   // deadline (false: such a copy may still touch it).
   bool removed(uint64_t addr, uint64_t len, Deadline deadline);
+  // Owner: every region, as removed() (the engine stops: its memory may be freed after).
+  bool removedAll(Deadline deadline);
 
   // Peer: runs copy() (returning its status) if [addr, addr+len) lies in a region the owner
   // has registered, PERMISSION_DENIED otherwise; unchecked when this peer has no slot or the
@@ -70,6 +72,7 @@ class ShmFence {
   void leave(int epoch);
   Status check(uint64_t addr, uint64_t len) const;
   void publishLocked();  // owner: the table from live_, under the sequence lock
+  bool drainLocked(Deadline deadline);  // owner: publish, flip the epoch, wait for the old
 
   std::string name_;
   bool owner_ = false;

@@ -46,6 +46,8 @@ namespace mooncake::engine {
 namespace {
 
 constexpr uint64_t kPage = 4096;
+// process_vm copies pass the peer's fence in pieces of this size (~40 ms each at ~1.5 GB/s).
+constexpr uint64_t kFencedPiece = 64ull << 20;
 
 // Per page of a mapping: how often this process copied it through the file (0..warm_after-1),
 // or kWarm once it goes through the mapping. Relaxed: a lost count only delays warming.
@@ -278,8 +280,14 @@ class ShmPeer : public TransportPeer {
       uint64_t off = t->remote - r->addr;  // r may not survive mapLocked's relock
       if (Mapping* m = mapLocked(*r, &g, true)) return copy(m, off, t);
     }
-    if (!fence_) return vmCopy(t);  // (a peer without a fence: an older build)
-    return fence_->guard(t->remote, t->length, [&] { return vmCopy(t); });
+    if (!fence_) return vmCopy(t, 0, t->length);  // (a peer without a fence: an older build)
+    // In pieces, each under the fence: a removal waits for the piece running, not the rest.
+    for (uint64_t at = 0; at < t->length; at += kFencedPiece) {
+      const uint64_t n = std::min<uint64_t>(kFencedPiece, t->length - at);
+      MC_RETURN_IF_ERROR(
+          fence_->guard(t->remote + at, n, [&] { return vmCopy(t, at, at + n); }));
+    }
+    return Status::OK();
   }
 
   // [off, off + t->length) of m: runs of warm pages through the mapping, the rest through the
@@ -329,14 +337,15 @@ class ShmPeer : public TransportPeer {
     return Status::OK();
   }
 
-  Status vmCopy(Task* t) {
-    uint64_t done = 0;
-    while (done < t->length) {
+  // [from, to) of the task.
+  Status vmCopy(Task* t, uint64_t from, uint64_t to) {
+    uint64_t done = from;
+    while (done < to) {
       struct iovec local {
-        static_cast<char*>(t->local) + done, t->length - done
+        static_cast<char*>(t->local) + done, to - done
       };
       struct iovec remote {
-        reinterpret_cast<void*>(t->remote + done), t->length - done
+        reinterpret_cast<void*>(t->remote + done), to - done
       };
       ssize_t n = t->op == OpCode::kWrite ? process_vm_writev(remote_.pid, &local, 1, &remote, 1, 0)
                                           : process_vm_readv(remote_.pid, &local, 1, &remote, 1, 0);
@@ -430,7 +439,14 @@ class ShmTransport : public Transport {
     return std::unique_ptr<TransportPeer>(
         new ShmPeer(ctx_, remote, std::move(inbox).value(), std::move(fence)));
   }
-  void stop() override {}
+  // The engine stops: its regions may be freed once this returns, so same-host peers' copies
+  // into them end first and later ones are refused.
+  void stop() override {
+    if (fence_ && !fence_->removedAll(deadlineInMs(kFenceWaitMs))) {
+      MC_LOG(WARN, SHM) << "stopping: a same-host peer's copy still ran after " << kFenceWaitMs
+                        << " ms";
+    }
+  }
 
  private:
   // How long unregistering waits for a same-host peer's copy into the region (a stopped peer).
