@@ -3,6 +3,7 @@
 #include "engine/transport/shm/shm_fence.h"
 
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -98,8 +99,10 @@ TEST(ShmFenceTest, NoCopyOutlivesItsRemoval) {
     freed[r] = false;
     (*owner)->added(0x100000 * (r + 1), 0x1000);
     std::this_thread::yield();
-    ASSERT_TRUE((*owner)->removed(0x100000 * (r + 1), 0x1000, deadlineInMs(5000)));
+    const bool waited = (*owner)->removed(0x100000 * (r + 1), 0x1000, deadlineInMs(5000));
+    EXPECT_TRUE(waited) << "removal " << k << " ran out its deadline";
     freed[r] = true;
+    if (!waited) break;  // (the copiers are stopped and joined below either way)
   }
   stop = true;
   for (auto& t : copiers) t.join();
@@ -127,9 +130,16 @@ TEST(ShmFenceTest, KilledPeerInACopyIsNotWaitedFor) {
     });
     _exit(0);
   }
+  close(ready[1]);  // (EOF if the child exits without entering its copy)
   char c = 0;
-  ASSERT_EQ(read(ready[0], &c, 1), 1) << "the child never entered its copy";
+  pollfd pf{ready[0], POLLIN, 0};
+  const bool entered = poll(&pf, 1, 10000) == 1 && read(ready[0], &c, 1) == 1;
   kill(child, SIGKILL);
+  if (!entered) {
+    waitpid(child, nullptr, 0);
+    close(ready[0]);
+    FAIL() << "the child never entered its copy";
+  }
   // (Not reaped: a zombie until waitpid below.)
   for (int i = 0; i < 200; ++i) {  // until the kernel made it one
     char path[64];
@@ -151,7 +161,6 @@ TEST(ShmFenceTest, KilledPeerInACopyIsNotWaitedFor) {
   int status = 0;
   EXPECT_EQ(waitpid(child, &status, 0), child);
   close(ready[0]);
-  close(ready[1]);
 }
 
 // A peer copying without pause does not hold a removal up: the removal waits only for the

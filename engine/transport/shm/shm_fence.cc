@@ -32,14 +32,17 @@ bool procStat(pid_t pid, uint64_t* start, bool* zombie) {
   const char* p = std::strrchr(buf, ')');  // (the command name may hold spaces and parens)
   if (p == nullptr) return false;
   char state = 0;
+  long threads = 0;
   unsigned long long st = 0;
-  // state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt utime stime
-  // cutime cstime priority nice num_threads itrealvalue starttime
+  // Fields 3-22: state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt
+  // utime stime cutime cstime priority nice num_threads itrealvalue starttime.
   if (std::sscanf(p + 1, " %c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d "
-                         "%*d %*d %llu", &state, &st) != 2)
+                         "%ld %*d %llu", &state, &threads, &st) != 3)
     return false;
   *start = st;
-  *zombie = state == 'Z' || state == 'X';
+  // The state is the main thread's: a zombie leader with other threads still running (one
+  // may be in the middle of a copy) is not a dead process.
+  *zombie = (state == 'Z' || state == 'X') && threads <= 1;
   return true;
 }
 
@@ -139,6 +142,7 @@ Result<std::unique_ptr<ShmFence>> ShmFence::attach(const std::string& name) {
       s.busy[0].store(0, std::memory_order_seq_cst);
       s.busy[1].store(0, std::memory_order_seq_cst);
       f->slot_ = static_cast<int>(i);
+      f->token_ = token;
     }
   }
   if (f->slot_ < 0) {
@@ -150,7 +154,10 @@ Result<std::unique_ptr<ShmFence>> ShmFence::attach(const std::string& name) {
 
 ShmFence::~ShmFence() {
   if (l_ == nullptr) return;
-  if (slot_ >= 0) l_->slot[slot_].owner.store(0, std::memory_order_seq_cst);
+  // (A forked child's copy of this object does not release its parent's slot.)
+  uint64_t mine = token_;
+  if (slot_ >= 0 && static_cast<pid_t>(token_ >> 32) == getpid())
+    l_->slot[slot_].owner.compare_exchange_strong(mine, 0);
   munmap(l_, sizeof(Layout));
   if (owner_) shm_unlink(name_.c_str());
 }
@@ -160,10 +167,7 @@ void ShmFence::publishLocked() {
   l_->seq.store(s + 1, std::memory_order_seq_cst);  // odd: readers retry
   std::atomic_thread_fence(std::memory_order_release);
   const bool over = live_.size() > kTable;
-  if (over && l_->overflow.load(std::memory_order_relaxed) == 0) {
-    MC_LOG(WARN, SHM) << "shm fence " << name_ << ": more than " << kTable << " registered "
-                      << "regions; same-host peers' copies go unchecked until fewer";
-  }
+  const bool was_over = l_->overflow.load(std::memory_order_relaxed) != 0;
   uint64_t n = 0;
   if (!over) {
     for (const auto& [addr, len] : live_) {
@@ -175,6 +179,10 @@ void ShmFence::publishLocked() {
   l_->count.store(n, std::memory_order_relaxed);
   l_->overflow.store(over ? 1 : 0, std::memory_order_relaxed);
   l_->seq.store(s + 2, std::memory_order_seq_cst);  // even again (release: the table with it)
+  if (over && !was_over) {  // (logged outside the rewrite, which peers wait out)
+    MC_LOG(WARN, SHM) << "shm fence " << name_ << ": more than " << kTable << " registered "
+                      << "regions; same-host peers' copies go unchecked until fewer";
+  }
 }
 
 void ShmFence::added(uint64_t addr, uint64_t len) {
@@ -208,13 +216,16 @@ bool ShmFence::drainLocked(Deadline deadline) {
   bool all = true;
   for (uint32_t i = 0; i < kSlots; ++i) {
     Layout::Slot& s = l_->slot[i];
+    Deadline look = Clock::now();  // when to look at the owner process again (/proc)
     for (int spins = 0;; ++spins) {
       if (s.busy[old].load(std::memory_order_seq_cst) == 0) break;
       // A free slot has no copy running (a slot is released after its peer's last copy; one
       // claimed after this load counts its copies under the new epoch).
       uint64_t owner = s.owner.load(std::memory_order_seq_cst);
       if (owner == 0) break;
-      if (processGone(owner)) {
+      const bool now_look = Clock::now() >= look;
+      if (now_look) look = Clock::now() + std::chrono::milliseconds(5);
+      if (now_look && processGone(owner)) {
         // Its copies ended with it: the slot is free for the next peer (which zeroes it).
         s.owner.compare_exchange_strong(owner, 0);
         break;

@@ -78,6 +78,7 @@ class ShmFence {
   bool owner_ = false;
   Layout* l_ = nullptr;
   int slot_ = -1;
+  uint64_t token_ = 0;                      // peer: what its slot's owner word holds
   std::mutex owner_mu_;                     // owner: one change at a time
   std::multimap<uint64_t, uint64_t> live_;  // owner: registered regions, addr -> len
 };
