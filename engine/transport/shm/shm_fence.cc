@@ -134,16 +134,21 @@ Result<std::unique_ptr<ShmFence>> ShmFence::attach(const std::string& name) {
   if (f->l_->magic != kMagic || f->l_->table_cap != kTable || f->l_->slots != kSlots)
     return MC_STATUS(kIo, "shm fence " << name << ": not a fence of this version");
   const uint64_t token = ownerToken();
-  for (uint32_t i = 0; i < kSlots && f->slot_ < 0; ++i) {
-    Layout::Slot& s = f->l_->slot[i];
-    uint64_t cur = s.owner.load(std::memory_order_seq_cst);
-    if ((cur == 0 || processGone(cur)) && s.owner.compare_exchange_strong(cur, token)) {
-      // (A dead process's copies ended with it.)
-      s.busy[0].store(0, std::memory_order_seq_cst);
-      s.busy[1].store(0, std::memory_order_seq_cst);
-      f->slot_ = static_cast<int>(i);
-      f->token_ = token;
+  // A free slot first; only if there is none, a dead process's (each look reads /proc).
+  for (const bool reclaim : {false, true}) {
+    for (uint32_t i = 0; i < kSlots && f->slot_ < 0; ++i) {
+      Layout::Slot& s = f->l_->slot[i];
+      uint64_t cur = s.owner.load(std::memory_order_seq_cst);
+      if ((reclaim ? cur != 0 && processGone(cur) : cur == 0) &&
+          s.owner.compare_exchange_strong(cur, token)) {
+        // (A dead process's copies ended with it.)
+        s.busy[0].store(0, std::memory_order_seq_cst);
+        s.busy[1].store(0, std::memory_order_seq_cst);
+        f->slot_ = static_cast<int>(i);
+        f->token_ = token;
+      }
     }
+    if (f->slot_ >= 0) break;
   }
   if (f->slot_ < 0) {
     MC_LOG(WARN, SHM) << "shm fence " << name << ": all " << kSlots << " slots taken; this "
