@@ -16,6 +16,7 @@
 #include <string>
 
 #include "engine/log.h"
+#include "engine/secret.h"
 
 namespace mooncake::engine {
 
@@ -123,13 +124,19 @@ uint64_t MemoryRegistry::version() const { return version_.load(std::memory_orde
 Result<void*> MemoryRegistry::allocateShm(size_t len, const std::string& prefix) {
   if (len == 0) return MC_STATUS(kInvalidArgument, "cannot allocate 0 bytes");
   // Process-wide counter: two engines of one process must never pick the same name.
+  // A random part too: a name another local user can guess, they can create first (an
+  // allocation that then fails, or waits on a file it must not touch). A name taken (a guess
+  // that hit, or a stale file of a dead process with a recycled pid) is not unlinked: another
+  // one is drawn.
   static std::atomic<uint64_t> next_shm{0};
-  uint64_t n = next_shm.fetch_add(1);
-  std::string name = "/" + prefix + "-" + std::to_string(getpid()) + "-" + std::to_string(n);
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0 && errno == EEXIST) {  // stale file of a dead process with a recycled pid
-    shm_unlink(name.c_str());
-    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  std::string name;
+  int fd = -1;
+  for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
+    uint64_t n = next_shm.fetch_add(1);
+    name = "/" + prefix + "-" + std::to_string(getpid()) + "-" + std::to_string(n) + "-" +
+           generateSecret().substr(0, 16);  // 64 random bits, in hex
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) return MC_STATUS(kIo, "shm_open " << name << ": " << std::strerror(errno));
   if (ftruncate(fd, static_cast<off_t>(len)) != 0) {
@@ -194,6 +201,9 @@ int reapStaleShm(const std::string& prefix) {
     long pid = std::strtol(n.c_str() + at, &end, 10);
     if (end == n.c_str() + at || *end != '-' || pid <= 0) continue;
     if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    struct stat st;  // only this user's files (another user's are not ours to judge)
+    if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_uid != geteuid())
+      continue;
     if (shm_unlink(("/" + n).c_str()) == 0) ++removed;
   }
   closedir(d);

@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -225,6 +226,50 @@ TEST(MemoryRegistryTest, DestructorUnlinksShm) {
     EXPECT_NE(names[0], names[1]);
   }
   for (const auto& n : names) EXPECT_FALSE(shmExists(n)) << n << " left behind";
+}
+
+// Another local user cannot make allocations fail by creating the files they would use: the
+// names carry 64 random bits, and a name found taken is not unlinked (it may be the other
+// user's) but drawn again. Needs root (to create files as another user); skipped otherwise.
+TEST(MemoryRegistryTest, SquattedNamesDoNotBlockAllocation) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to act as another user";
+  const std::string pre = prefix() + "-squat";
+  // The allocating process: user daemon (root could unlink the squatter's files anyway).
+  pid_t owner = fork();
+  ASSERT_GE(owner, 0);
+  if (owner == 0) {
+    if (setgid(1) != 0 || setuid(1) != 0) _exit(2);
+    // Wait for the squatter (it writes our pid's names), then allocate.
+    for (int i = 0; i < 500 && !shmExists("/" + pre + "-done"); ++i) usleep(10000);
+    bool ok = true;
+    {
+      MemoryRegistry reg;  // its files go with it
+      for (int i = 0; i < 3 && ok; ++i) ok = reg.allocateShm(8192, pre).ok();
+    }
+    _exit(ok ? 0 : 1);
+  }
+  pid_t squatter = fork();
+  ASSERT_GE(squatter, 0);
+  if (squatter == 0) {  // user nobody: every name of the old scheme (prefix-pid-counter)
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+    for (int n = 0; n < 4096; ++n) {
+      std::string name = "/" + pre + "-" + std::to_string(owner) + "-" + std::to_string(n);
+      int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd >= 0) close(fd);
+    }
+    int fd = shm_open(("/" + pre + "-done").c_str(), O_CREAT | O_RDWR, 0644);
+    if (fd >= 0) close(fd);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(squatter, &status, 0), squatter);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "could not act as nobody";
+  ASSERT_EQ(waitpid(owner, &status, 0), owner);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "an allocation failed on names another user took (exit " << WEXITSTATUS(status) << ")";
+  for (int n = 0; n < 4096; ++n)
+    shm_unlink(("/" + pre + "-" + std::to_string(owner) + "-" + std::to_string(n)).c_str());
+  shm_unlink(("/" + pre + "-done").c_str());
 }
 
 }  // namespace
