@@ -5,8 +5,13 @@
 //   u32 body_length | body
 // request body:  u8 op | str key | str value | u64 wait_timeout_ms
 // response body: u8 code (mooncake::Code) | str value-or-error-message
-// ops: AUTH (value = the job secret; must be a connection's first request, else it is
-// closed; a wrong secret is answered kPermissionDenied and the connection closed), SET, GET
+// The server speaks first: on accept it sends one response (code kOk, value = a fresh 32-byte
+// challenge). ops: AUTH (value = the client's fresh 32-byte nonce followed by its proof of the
+// job secret, engine/hmac.h's secretProof with role kClientProof over the challenge and that
+// nonce; must be a connection's first request, else it is closed; a wrong proof is answered
+// kPermissionDenied and the connection closed; a right one kOk with the server's proof, role
+// kServerProof over the same nonces, which the client checks before it sends anything else:
+// neither side ever sends the secret itself), SET, GET
 // (NotFound when absent), WAIT (answered when the key exists, or kTimeout after
 // wait_timeout_ms), ADD (value = decimal delta; the stored value and the answer are decimal).
 // A frame longer than its limit (kMaxPreAuthFrame before AUTH, kMaxFrame after), or a body
@@ -27,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/hmac.h"
 #include "engine/log.h"
 #include "engine/params.h"
 #include "engine/secret.h"
@@ -103,6 +109,9 @@ Result<int64_t> InProcessRendezvous::add(const std::string& key, int64_t delta) 
 namespace {
 
 enum Op : uint8_t { kSet = 1, kGet = 2, kWait = 3, kAdd = 4, kAuth = 5 };
+constexpr size_t kNonceBytes = 32;
+constexpr const char* kClientProof = "mooncake rendezvous v1 client";
+constexpr const char* kServerProof = "mooncake rendezvous v1 server";
 constexpr uint32_t kMaxFrame = 64u << 20;  // descriptors are small; this is a sanity bound
 constexpr uint32_t kMaxKey = 4096;
 constexpr uint32_t kMaxPreAuthFrame = 64 + kMaxSecretBytes;  // an AUTH request, no more
@@ -131,6 +140,7 @@ struct TcpRendezvousServer::Impl {
     std::string src;
     Deadline handshake_by{};
     bool authed = false;
+    std::string challenge;  // sent on accept, answered by AUTH
     std::string in;
     size_t in_off = 0;
     std::string out;
@@ -253,8 +263,10 @@ struct TcpRendezvousServer::Impl {
     if (!r.done()) return false;
     Conn& c = conns[id];
     if (!c.authed) {
-      if (op != kAuth) return false;
-      if (!secretsEqual(value, secret)) {
+      if (op != kAuth || value.size() != kNonceBytes + kSha256Bytes) return false;
+      const std::string nonce = value.substr(0, kNonceBytes);
+      if (!secretsEqual(value.substr(kNonceBytes),
+                        secretProof(secret, kClientProof, c.challenge, nonce, ""))) {
         MC_LOG(WARN, ENGINE) << "rendezvous server: wrong job secret from " << c.src;
         reply(id, Code::kPermissionDenied, "wrong job secret");  // best effort, then closed
         *refused = true;
@@ -262,7 +274,9 @@ struct TcpRendezvousServer::Impl {
       }
       c.authed = true;
       if (admission) admission->authenticated(c.src);
-      reply(id, Code::kOk, "");
+      std::string proof = secretProof(secret, kServerProof, c.challenge, nonce, "");
+      c.challenge.clear();
+      reply(id, Code::kOk, proof);  // (may drop the connection: `c` is not used after it)
       return true;
     }
     switch (op) {
@@ -435,10 +449,13 @@ struct TcpRendezvousServer::Impl {
       if (pfds[1].revents & POLLIN) {
         bool ok = admission->acceptAll(listen_fd, [this](int fd, const std::string& src) {
           sock::setNoDelay(fd);
-          Conn& c = conns[next_conn++];
+          const uint64_t id = next_conn++;
+          Conn& c = conns[id];
           c.fd = fd;
           c.src = src;
           c.handshake_by = admission->handshakeDeadline(Clock::now());
+          c.challenge = randomBytes(kNonceBytes);
+          reply(id, Code::kOk, c.challenge);  // a fresh socket: written at once
         });
         if (!ok) listen_paused = true;
       }
@@ -495,14 +512,10 @@ std::string encodeRequest(uint8_t op, const std::string& key, const std::string&
   return frame(w.data());
 }
 
-// One request/response exchange on fd. A timeout or error in the middle of a frame leaves
-// the stream unusable; *broken tells the caller to drop the connection.
-Result<std::string> exchange(int fd, uint8_t op, const std::string& key, const std::string& value,
-                             uint64_t timeout_ms, Deadline deadline, bool* broken) {
+// Reads one response. A timeout or error in the middle of a frame leaves the stream unusable;
+// *broken tells the caller to drop the connection.
+Result<std::string> readReply(int fd, Deadline deadline, bool* broken) {
   *broken = true;
-  std::string req = encodeRequest(op, key, value, timeout_ms);
-  Status st = sock::sendAll(fd, req.data(), req.size(), deadline);
-  if (!st.ok()) return st;
   uint32_t len = 0;
   MC_RETURN_IF_ERROR(sock::recvAll(fd, &len, 4, deadline));
   len = le32toh(len);
@@ -517,6 +530,34 @@ Result<std::string> exchange(int fd, uint8_t op, const std::string& key, const s
   *broken = false;
   if (code != 0) return Status(static_cast<Code>(code), "rendezvous: " + v);
   return v;
+}
+
+// One request/response exchange on fd (*broken as readReply's).
+Result<std::string> exchange(int fd, uint8_t op, const std::string& key, const std::string& value,
+                             uint64_t timeout_ms, Deadline deadline, bool* broken) {
+  *broken = true;
+  std::string req = encodeRequest(op, key, value, timeout_ms);
+  Status st = sock::sendAll(fd, req.data(), req.size(), deadline);
+  if (!st.ok()) return st;
+  return readReply(fd, deadline, broken);
+}
+
+// The client's side of the handshake (the protocol comment at the top).
+Status authenticate(int fd, const std::string& secret, Deadline deadline) {
+  bool broken = false;
+  MC_ASSIGN_OR_RETURN(std::string challenge, readReply(fd, deadline, &broken));
+  if (challenge.size() != kNonceBytes)
+    return MC_STATUS(kProtocol, "not a rendezvous server (no challenge)");
+  const std::string nonce = randomBytes(kNonceBytes);
+  MC_ASSIGN_OR_RETURN(std::string proof,
+                      exchange(fd, kAuth, "", nonce + secretProof(secret, kClientProof,
+                                                                  challenge, nonce, ""),
+                               0, deadline, &broken));
+  if (!secretsEqual(proof, secretProof(secret, kServerProof, challenge, nonce, "")))
+    return MC_STATUS(kPermissionDenied,
+                     "the server did not prove that it holds the job secret (not this job's "
+                     "rendezvous)");
+  return Status::OK();
 }
 
 Status describe(Status st, const char* what, const std::string& key) {
@@ -534,15 +575,14 @@ static Result<int> openAuthed(const std::string& host, uint16_t port, const std:
                        Deadline deadline, bool retry_refused) {
   MC_ASSIGN_OR_RETURN(int fd, sock::connectTo(host, port, deadline, retry_refused, 0));
   sock::setNoDelay(fd);
-  bool broken = false;
-  Result<std::string> r = exchange(fd, kAuth, "", secret, 0, deadline, &broken);
-  if (!r.ok()) {
+  Status st = authenticate(fd, secret, deadline);
+  if (!st.ok()) {
     close(fd);
-    Code c = r.status().code() == Code::kPermissionDenied || r.status().code() == Code::kTimeout
-                 ? r.status().code()
+    Code c = st.code() == Code::kPermissionDenied || st.code() == Code::kTimeout
+                 ? st.code()
                  : Code::kUnavailable;
     return Status(c, "rendezvous " + host + ":" + std::to_string(port) + " refused AUTH: " +
-                         r.status().message());
+                         st.message());
   }
   return fd;
 }

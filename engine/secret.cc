@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <pwd.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "engine/hmac.h"
 #include "engine/params.h"
 
 namespace mooncake::engine {
@@ -57,25 +57,12 @@ Status createSecretFile(const std::string& path) {
 }  // namespace
 
 std::string generateSecret() {
-  unsigned char raw[32];
-  size_t got = 0;
-  while (got < sizeof(raw)) {
-    ssize_t n = getrandom(raw + got, sizeof(raw) - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {  // no getrandom: fall back to the device
-      int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-      if (fd >= 0) {
-        n = ::read(fd, raw + got, sizeof(raw) - got);
-        ::close(fd);
-      }
-      if (n <= 0) std::abort();  // no randomness at all: nothing safe to do
-    }
-    got += static_cast<size_t>(n);
-  }
+  const std::string raw = randomBytes(32);
   static const char* kHex = "0123456789abcdef";
   std::string out;
   out.reserve(64);
-  for (unsigned char b : raw) {
+  for (char ch : raw) {
+    const auto b = static_cast<unsigned char>(ch);
     out.push_back(kHex[b >> 4]);
     out.push_back(kHex[b & 15]);
   }

@@ -1,7 +1,8 @@
 // Hostile bytes on an engine's tcp listener (desc.tcp_host:tcp_port), built from the frame
 // spec in engine/transport/tcp/tcp_transport.h: random bytes, truncated headers, absurd
-// lengths, frames before the handshake, wrong secrets, stalled half-sent frames, and an
-// authenticated raw client asking for memory outside the registered regions. Afterwards
+// lengths, frames before the handshake, wrong secrets, stalled half-sent frames, data
+// connections of no open link, an authenticated raw client asking for memory outside the
+// registered regions, and an impostor target (a member must not give it the secret). Afterwards
 // the engine must still serve legitimate peers. Target and peers are engines in this process.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -11,6 +12,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <future>
 #include <memory>
 #include <random>
 #include <string>
@@ -18,8 +21,11 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/hmac.h"
 #include "engine/rendezvous.h"
+#include "engine/transport/tcp/tcp_socket.h"
 #include "engine/transport/tcp/tcp_transport.h"
+#include "engine/wire.h"
 #include "tests/engine/test_util.h"
 
 namespace mooncake::engine {
@@ -89,7 +95,8 @@ class RawConn {
     *h = tcp::decodeHeader(b);
     payload->clear();
     bool has_payload = h->type == FrameType::kHelloDenied || h->type == FrameType::kReadResp ||
-                       h->type == FrameType::kMsg || h->type == FrameType::kDesc;
+                       h->type == FrameType::kMsg || h->type == FrameType::kDesc ||
+                       h->type == FrameType::kChallenge || h->type == FrameType::kHelloProof;
     if (has_payload && h->length > 0 && h->length < (64u << 20)) {
       payload->resize(h->length);
       return readExact(payload->data(), h->length, timeout_ms);
@@ -98,6 +105,15 @@ class RawConn {
   }
   // True when the engine closes the connection within the timeout (data before EOF is
   // discarded).
+  // The CHALLENGE the engine sends first on every connection ("" when none came).
+  std::string challenge() {
+    FrameHeader h;
+    std::string nonce;
+    if (readFrame(&h, &nonce) != 1 || h.type != FrameType::kChallenge ||
+        nonce.size() != tcp::kNonceBytes)
+      return "";
+    return nonce;
+  }
   bool closedByEngine(int timeout_ms) {
     auto t0 = SteadyClock::now();
     char buf[4096];
@@ -154,12 +170,41 @@ class TcpGarbageTest : public ::testing::Test {
     return c;
   }
 
-  std::string hello(const std::string& secret, uint64_t engine_id) {
+  // A HELLO answering `c`'s CHALLENGE (read here) with a proof made with `secret`; *sent gets
+  // the fields as sent (for checking the target's proof).
+  std::string hello(RawConn& c, const std::string& secret, uint64_t engine_id,
+                    tcp::ConnRole role = tcp::ConnRole::kControl, uint64_t link = 0,
+                    tcp::Hello* sent = nullptr, std::string* challenge_out = nullptr) {
+    const std::string challenge = c.challenge();
+    EXPECT_EQ(challenge.size(), tcp::kNonceBytes) << "no CHALLENGE from the target";
     tcp::Hello h;
-    h.secret = secret;
     h.engine_id = engine_id;
-    h.role = tcp::ConnRole::kControl;
+    h.role = role;
+    h.link = link;
+    h.index = role == tcp::ConnRole::kData ? 1 : 0;
+    h.nonce = randomBytes(tcp::kNonceBytes);
+    h.proof = secretProof(secret, tcp::kInitiatorProof, challenge, h.nonce, tcp::helloBound(h));
+    if (sent != nullptr) *sent = h;
+    if (challenge_out != nullptr) *challenge_out = challenge;
     return tcp::encodeHello(h);
+  }
+  // Sends a correct HELLO and checks the target's HELLO_PROOF; false (and a test failure)
+  // when it does not check out.
+  bool proven(RawConn& c, uint64_t engine_id, tcp::ConnRole role, uint64_t link = 0) {
+    tcp::Hello sent;
+    std::string challenge;
+    std::string h = hello(c, "job-secret", engine_id, role, link, &sent, &challenge);
+    if (!c.sendFrame(header(FrameType::kHello, h.size()), h)) return false;
+    FrameHeader r;
+    std::string proof;
+    int got = c.readFrame(&r, &proof);
+    EXPECT_EQ(got, 1) << "no answer to a valid HELLO";
+    EXPECT_EQ(r.type, FrameType::kHelloProof) << "status " << r.status << " " << proof;
+    EXPECT_EQ(r.aux, target_->engineId());
+    EXPECT_EQ(proof, tcp::targetProof("job-secret", challenge, sent, r.aux))
+        << "the target's proof does not check out";
+    return got == 1 && r.type == FrameType::kHelloProof &&
+           proof == tcp::targetProof("job-secret", challenge, sent, r.aux);
   }
   std::string desc(uint64_t engine_id) {
     SegmentDesc fake;
@@ -174,10 +219,9 @@ class TcpGarbageTest : public ::testing::Test {
 
   // A raw connection that completed the handshake as a control connection (HELLO + DESC);
   // nullptr (and a test failure) otherwise.
-  std::unique_ptr<RawConn> authenticated(uint64_t engine_id) {
+  std::unique_ptr<RawConn> authenticated(uint64_t engine_id, uint64_t link = 0) {
     auto c = conn();
-    std::string h = hello("job-secret", engine_id);
-    if (!c->sendFrame(header(FrameType::kHello, h.size()), h)) return nullptr;
+    if (!proven(*c, engine_id, tcp::ConnRole::kControl, link)) return nullptr;
     std::string d = desc(engine_id);
     if (!c->sendFrame(header(FrameType::kDesc, d.size()), d)) return nullptr;
     FrameHeader r;
@@ -282,7 +326,7 @@ TEST_F(TcpGarbageTest, UnauthenticatedGarbage) {
   // A well-formed HELLO with the wrong secret: HELLO_DENIED, then the connection closes.
   {
     auto c = conn();
-    std::string h = hello("wrong", 0x1234);
+    std::string h = hello(*c, "wrong", 0x1234);
     c->sendFrame(header(FrameType::kHello, h.size()), h);
     FrameHeader r;
     std::string reason;
@@ -307,7 +351,7 @@ TEST_F(TcpGarbageTest, StalledClientsDoNotBlockOthers) {
   tcp::encodeHeader(header(FrameType::kHello, 1000), b);
   half_header->send(b, 17);
   auto half_hello = conn();
-  std::string h = hello("job-secret", 0x99);
+  std::string h = hello(*half_hello, "job-secret", 0x99);
   half_hello->sendFrame(header(FrameType::kHello, h.size()), h.substr(0, h.size() / 2));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   expectServesLegitimatePeer("tcp", "legit-1");
@@ -401,7 +445,7 @@ TEST_F(TcpGarbageTest, HandshakeDeadlineAndPerSourceLimit) {
   for (auto& c : idle) closed_early += c->closedByEngine(1) ? 1 : 0;
   EXPECT_GE(closed_early, 12) << "connections beyond MC_MAX_PREAUTH_PER_SOURCE stayed open";
   auto half = conn();
-  std::string h = hello("job-secret", 0x42);
+  std::string h = hello(*half, "job-secret", 0x42);
   half->sendFrame(header(FrameType::kHello, h.size()), h.substr(0, 5));
   auto t0 = SteadyClock::now();
   for (auto& c : idle) EXPECT_TRUE(c->closedByEngine(3000)) << "an idle connection outlived the handshake deadline";
@@ -418,7 +462,6 @@ TEST_F(TcpGarbageTest, HandshakeDeadlineAndPerSourceLimit) {
 // nothing else on a control connection before DESC. Each violation closes that connection.
 TEST_F(TcpGarbageTest, DescOrder) {
   const uint64_t id = 0x5151;
-  std::string h = hello("job-secret", id);
   std::string d = desc(id);
   {
     auto c = conn();
@@ -427,29 +470,13 @@ TEST_F(TcpGarbageTest, DescOrder) {
   }
   {
     auto c = conn();
-    c->sendFrame(header(FrameType::kHello, h.size()), h);
+    ASSERT_TRUE(proven(*c, id, tcp::ConnRole::kControl));
     c->sendFrame(header(FrameType::kNotify, 0));
     EXPECT_TRUE(c->closedByEngine(3000)) << "NOTIFY before DESC";
   }
   {
     auto c = conn();
-    tcp::Hello data_hello;
-    data_hello.secret = "job-secret";
-    data_hello.engine_id = id;
-    data_hello.role = tcp::ConnRole::kData;
-    data_hello.index = 1;
-    std::string dh = tcp::encodeHello(data_hello);
-    c->sendFrame(header(FrameType::kHello, dh.size()), dh);
-    FrameHeader r;
-    std::string payload;
-    ASSERT_EQ(c->readFrame(&r, &payload), 1);
-    EXPECT_EQ(r.type, FrameType::kHelloOk) << "a data connection is answered after HELLO";
-    c->sendFrame(header(FrameType::kDesc, d.size()), d);
-    EXPECT_TRUE(c->closedByEngine(3000)) << "DESC on a data connection";
-  }
-  {
-    auto c = conn();
-    c->sendFrame(header(FrameType::kHello, h.size()), h);
+    ASSERT_TRUE(proven(*c, id, tcp::ConnRole::kControl));
     c->sendFrame(header(FrameType::kDesc, tcp::kMaxDescBytes + 1));
     EXPECT_TRUE(c->closedByEngine(3000)) << "DESC over its limit";
   }
@@ -460,6 +487,195 @@ TEST_F(TcpGarbageTest, DescOrder) {
     EXPECT_TRUE(c->closedByEngine(3000)) << "a second DESC";
   }
   expectServesLegitimatePeer("tcp", "legit-after-desc");
+}
+
+// A data connection joins the link of a control connection that is open at the target (same
+// engine id and link id): without one it is denied, so a member cannot send in the name of an
+// engine id it read elsewhere. Control-only frames on a data connection close it.
+TEST_F(TcpGarbageTest, DataConnectionsJoinAnOpenControlConnection) {
+  const uint64_t id = 0x6161, link = 0x1111;
+  std::string d = desc(id);
+  {
+    auto c = conn();
+    std::string h = hello(*c, "job-secret", id, tcp::ConnRole::kData, link);
+    c->sendFrame(header(FrameType::kHello, h.size()), h);
+    FrameHeader r;
+    std::string reason;
+    ASSERT_EQ(c->readFrame(&r, &reason), 1);
+    EXPECT_EQ(r.type, FrameType::kHelloDenied) << "a data connection without its control one";
+    EXPECT_NE(reason.find("no open control connection"), std::string::npos) << reason;
+    EXPECT_TRUE(c->closedByEngine(3000));
+  }
+  auto ctl = authenticated(id, link);
+  ASSERT_TRUE(ctl);
+  {
+    auto c = conn();  // another link id of the same engine: still denied
+    std::string h = hello(*c, "job-secret", id, tcp::ConnRole::kData, link + 1);
+    c->sendFrame(header(FrameType::kHello, h.size()), h);
+    FrameHeader r;
+    std::string reason;
+    ASSERT_EQ(c->readFrame(&r, &reason), 1);
+    EXPECT_EQ(r.type, FrameType::kHelloDenied) << "a data connection of another link";
+  }
+  const struct {
+    const char* what;
+    FrameType type;
+    std::string payload;
+  } control_only[] = {{"DESC", FrameType::kDesc, d},
+                      {"MSG", FrameType::kMsg, std::string(8, 'm')},
+                      {"NOTIFY", FrameType::kNotify, ""},
+                      {"XCHG", FrameType::kXchg, std::string(8, 'x')}};
+  for (const auto& k : control_only) {
+    auto c = conn();
+    ASSERT_TRUE(proven(*c, id, tcp::ConnRole::kData, link)) << "the link's data connection";
+    c->sendFrame(header(k.type, k.payload.size()), k.payload);
+    EXPECT_TRUE(c->closedByEngine(3000)) << k.what << " on a data connection";
+  }
+  // Once the control connection is gone, its link takes no more data connections.
+  ctl.reset();
+  bool denied = false;
+  for (int i = 0; i < 100 && !denied; ++i) {  // the target notices the close asynchronously
+    auto c = conn();
+    std::string h = hello(*c, "job-secret", id, tcp::ConnRole::kData, link);
+    c->sendFrame(header(FrameType::kHello, h.size()), h);
+    FrameHeader r;
+    std::string payload;
+    ASSERT_EQ(c->readFrame(&r, &payload), 1);
+    denied = r.type == FrameType::kHelloDenied;
+    if (!denied) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(denied) << "a closed control connection's link still took data connections";
+  expectServesLegitimatePeer("tcp", "legit-after-data-links");
+}
+
+// The secret never goes on the wire, and a process that accepts a member's connection (an
+// impostor at an address the member was given) learns nothing it can use: the member sends
+// nothing before a CHALLENGE, only a proof bound to that challenge, which the real target
+// refuses when replayed, and it stops at a target proof that does not check out (no DESC, an
+// error naming the cause). The same for the rendezvous client.
+TEST_F(TcpGarbageTest, ImpostorTargetLearnsNothing) {
+  const std::string secret = "job-secret";
+  auto listener = sock::listenOn("127.0.0.1", 0, 0);
+  ASSERT_TRUE(listener.ok()) << listener.status().toString();
+  const uint16_t port = sock::localPort(*listener);
+  EngineOptions opt;
+  opt.name = "member";
+  opt.secret = secret;
+  opt.transport = "tcp";
+  auto e = TransferEngine::create(opt);
+  ASSERT_TRUE(e.ok()) << e.status().toString();
+  TransferEngine* member = e->get();
+  // Reads what a connection sends within `ms` (until it closes or goes quiet).
+  auto drain = [](int fd, int ms) {
+    std::string got;
+    char buf[4096];
+    auto t0 = SteadyClock::now();
+    while (static_cast<int>(msSince(t0)) < ms) {
+      pollfd pfd{fd, POLLIN, 0};
+      if (poll(&pfd, 1, 50) <= 0) continue;
+      ssize_t k = ::recv(fd, buf, sizeof(buf), 0);
+      if (k <= 0) break;
+      got.append(buf, static_cast<size_t>(k));
+    }
+    return got;
+  };
+  auto acceptOne = [&]() {
+    pollfd pfd{*listener, POLLIN, 0};
+    EXPECT_EQ(poll(&pfd, 1, 5000), 1) << "the member did not connect";
+    return ::accept(*listener, nullptr, nullptr);
+  };
+  auto sendRaw = [](int fd, FrameType t, uint64_t aux, const std::string& payload) {
+    FrameHeader h = header(t, payload.size());
+    h.aux = aux;
+    uint8_t b[tcp::kHeaderBytes];
+    tcp::encodeHeader(h, b);
+    std::string out(reinterpret_cast<char*>(b), sizeof(b));
+    out += payload;
+    return ::send(fd, out.data(), out.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(out.size());
+  };
+  // 1. No CHALLENGE: the member sends nothing and gives up at its deadline.
+  {
+    auto asked = std::async(std::launch::async, [&] {
+      return member->queryPeer("127.0.0.1", port, deadlineInMs(800));
+    });
+    int fd = acceptOne();
+    ASSERT_GE(fd, 0);
+    EXPECT_EQ(drain(fd, 1500), "") << "the member spoke before the target's challenge";
+    auto r = asked.get();
+    EXPECT_FALSE(r.ok());
+    ::close(fd);
+  }
+  // 2. A CHALLENGE, then a made-up proof: the member's HELLO holds no secret, and it stops.
+  std::string captured;
+  {
+    auto asked = std::async(std::launch::async, [&] {
+      return member->queryPeer("127.0.0.1", port, deadlineInMs(5000));
+    });
+    int fd = acceptOne();
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(sendRaw(fd, FrameType::kChallenge, 0, randomBytes(tcp::kNonceBytes)));
+    uint8_t b[tcp::kHeaderBytes];
+    std::string first = drain(fd, 300);
+    ASSERT_GE(first.size(), tcp::kHeaderBytes);
+    std::memcpy(b, first.data(), sizeof(b));
+    FrameHeader hh = tcp::decodeHeader(b);
+    EXPECT_EQ(hh.type, FrameType::kHello);
+    captured = first.substr(tcp::kHeaderBytes);
+    EXPECT_EQ(first.find(secret), std::string::npos) << "the secret went on the wire";
+    ASSERT_TRUE(sendRaw(fd, FrameType::kHelloProof, 0x777, randomBytes(kSha256Bytes)));
+    auto r = asked.get();
+    ASSERT_FALSE(r.ok()) << "a target without the secret was believed";
+    EXPECT_EQ(r.status().code(), Code::kPermissionDenied) << r.status().toString();
+    EXPECT_NE(r.status().message().find("did not prove"), std::string::npos)
+        << r.status().toString();
+    EXPECT_EQ(drain(fd, 300), "") << "the member went on after a wrong proof";
+    ::close(fd);
+  }
+  // 3. The captured HELLO replayed to the real target (which challenged afresh): denied.
+  {
+    auto c = conn();
+    EXPECT_EQ(c->challenge().size(), tcp::kNonceBytes);
+    c->sendFrame(header(FrameType::kHello, captured.size()), captured);
+    FrameHeader r;
+    std::string reason;
+    ASSERT_EQ(c->readFrame(&r, &reason), 1);
+    EXPECT_EQ(r.type, FrameType::kHelloDenied) << "a replayed HELLO was accepted";
+  }
+  // 4. The rendezvous client: the same with the server's challenge and proof.
+  {
+    auto joined = std::async(std::launch::async, [&] {
+      return TcpRendezvousClient::connect("127.0.0.1", port, secret, deadlineInMs(5000));
+    });
+    int fd = acceptOne();
+    ASSERT_GE(fd, 0);
+    wire::Writer body;
+    body.u8(0);  // kOk
+    body.str(randomBytes(32));
+    wire::Writer frame;
+    frame.u32(static_cast<uint32_t>(body.data().size()));
+    frame.raw(body.data().data(), body.data().size());
+    std::string challenge = frame.take();
+    ASSERT_EQ(::send(fd, challenge.data(), challenge.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(challenge.size()));
+    std::string auth = drain(fd, 300);
+    EXPECT_FALSE(auth.empty()) << "no AUTH after the challenge";
+    EXPECT_EQ(auth.find(secret), std::string::npos) << "the secret went on the wire";
+    wire::Writer rb;
+    rb.u8(0);
+    rb.str(randomBytes(32));  // a made-up server proof
+    wire::Writer rf;
+    rf.u32(static_cast<uint32_t>(rb.data().size()));
+    rf.raw(rb.data().data(), rb.data().size());
+    std::string reply = rf.take();
+    ASSERT_EQ(::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(reply.size()));
+    auto r = joined.get();
+    ASSERT_FALSE(r.ok()) << "a rendezvous without the secret was believed";
+    EXPECT_EQ(r.status().code(), Code::kPermissionDenied) << r.status().toString();
+    EXPECT_EQ(drain(fd, 300), "") << "the client went on after a wrong proof";
+    ::close(fd);
+  }
+  ::close(*listener);
 }
 
 // An engine with the wrong secret is denied at once (no retry until its deadline), by name.
@@ -481,16 +697,9 @@ TEST_F(TcpGarbageTest, WrongSecretIsDeniedPromptly) {
 // A query connection (HELLO role kQuery) gets the target's descriptor and nothing else: not
 // without the secret, and any frame after the answer closes it.
 TEST_F(TcpGarbageTest, QueryConnectionAnswersOnlyTheDescriptor) {
-  auto hello_as = [](const std::string& secret) {
-    tcp::Hello h;
-    h.secret = secret;
-    h.engine_id = 4242;
-    h.role = tcp::ConnRole::kQuery;
-    return tcp::encodeHello(h);
-  };
   {
     auto c = conn();
-    std::string h = hello_as("not-the-job-secret");
+    std::string h = hello(*c, "not-the-job-secret", 4242, tcp::ConnRole::kQuery);
     ASSERT_TRUE(c->sendFrame(header(FrameType::kHello, h.size()), h));
     FrameHeader r;
     std::string payload;
@@ -500,8 +709,7 @@ TEST_F(TcpGarbageTest, QueryConnectionAnswersOnlyTheDescriptor) {
   }
   {
     auto c = conn();
-    std::string h = hello_as("job-secret");
-    ASSERT_TRUE(c->sendFrame(header(FrameType::kHello, h.size()), h));
+    ASSERT_TRUE(proven(*c, 4242, tcp::ConnRole::kQuery));
     FrameHeader r;
     std::string payload;
     ASSERT_EQ(c->readFrame(&r, &payload), 1);

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "engine/hmac.h"
 #include "engine/segment.h"
 #include "engine/secret.h"
 #include "engine/transport/tcp/tcp_transport.h"
@@ -285,7 +286,8 @@ TEST(WireReaderFuzz, StringLengthLimits) {
 
 TEST(TcpHelloFuzz, TruncatedAndRandomPayloads) {
   tcp::Hello h;
-  h.secret = "job-secret";
+  h.nonce = std::string(tcp::kNonceBytes, 'n');
+  h.proof = std::string(kSha256Bytes, 'p');
   h.engine_id = 77;
   h.role = tcp::ConnRole::kData;
   h.link = 0x1234567890abcdefull;
@@ -293,7 +295,8 @@ TEST(TcpHelloFuzz, TruncatedAndRandomPayloads) {
   const std::string valid = tcp::encodeHello(h);
   tcp::Hello out;
   ASSERT_TRUE(tcp::decodeHello(valid, &out));
-  EXPECT_EQ(out.secret, h.secret);
+  EXPECT_EQ(out.nonce, h.nonce);
+  EXPECT_EQ(out.proof, h.proof);
   EXPECT_EQ(out.engine_id, 77u);
   EXPECT_EQ(out.role, tcp::ConnRole::kData);
   EXPECT_EQ(out.link, h.link);
@@ -308,6 +311,16 @@ TEST(TcpHelloFuzz, TruncatedAndRandomPayloads) {
   ctl.role = tcp::ConnRole::kControl;
   ctl.index = 1;
   EXPECT_FALSE(tcp::decodeHello(tcp::encodeHello(ctl), &out)) << "control index 1";
+  // The nonce and the proof have their exact sizes (an empty proof is no proof).
+  for (auto [nonce, proof] : {std::pair<size_t, size_t>{tcp::kNonceBytes - 1, kSha256Bytes},
+                              {tcp::kNonceBytes, kSha256Bytes - 1},
+                              {tcp::kNonceBytes, 0},
+                              {0, kSha256Bytes}}) {
+    tcp::Hello b = h;
+    b.nonce.resize(nonce);
+    b.proof.resize(proof);
+    EXPECT_FALSE(tcp::decodeHello(tcp::encodeHello(b), &out)) << nonce << "/" << proof;
+  }
   for (size_t n = 0; n < valid.size(); ++n) {
     Exact e(std::string_view(valid).substr(0, n));
     EXPECT_FALSE(tcp::decodeHello(e.view(), &out)) << "truncated to " << n;

@@ -3,6 +3,8 @@ one finding of the security issue; docs/security.md): no unauthenticated access 
 torch rank, listeners on loopback unless asked otherwise, bounded cost before authentication,
 no spinning when file descriptors run out, linear-time regex, dead clients off the placement
 list at once, bogus buffers refused, /health answering while idle connections sit on it."""
+import hashlib
+import hmac
 import os
 import resource
 import socket
@@ -27,27 +29,78 @@ pytestmark = pytest.mark.skipif(master_bin() is None, reason="mooncake_master no
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---- the engine's and the rendezvous' wire formats (engine/transport/tcp/tcp_transport.h,
-# engine/rendezvous.cc), spoken by hand as a raw client would ----
+# engine/rendezvous.cc), spoken by hand as a raw client would; the proofs of the secret made
+# with Python's hmac (engine/hmac.h's secretProof) ----
 MAGIC = 0x4D435446
 HELLO, HELLO_OK, HELLO_DENIED, WRITE, WRITE_ACK, READ_REQ, READ_RESP, NOTIFY, MSG = range(1, 10)
+DESC, CHALLENGE, HELLO_PROOF = 11, 14, 15
+WITH_PAYLOAD = {HELLO_DENIED, READ_RESP, MSG, DESC, CHALLENGE, HELLO_PROOF}
 
 
 def frame(ftype, length=0, addr=0, req=1, aux=0, payload=b""):
     return struct.pack("<IBBHQQQQ", MAGIC, ftype, 0, 0, req, addr, length, aux) + payload
 
 
+def engine_frames(data):
+    """The engine frames in `data`: [(type, aux, payload)] (a bad magic ends the list)."""
+    out, off = [], 0
+    while off + 40 <= len(data):
+        magic, ftype, _, _, _, _, length, aux = struct.unpack_from("<IBBHQQQQ", data, off)
+        if magic != MAGIC:
+            break
+        off += 40
+        body = b""
+        if ftype in WITH_PAYLOAD:
+            body = data[off:off + length]
+            off += length
+        out.append((ftype, aux, body))
+    return out
+
+
 def wstr(b):
     return struct.pack("<I", len(b)) + b
 
 
-def hello_payload(secret, engine_id=0x1234, role=0, link=0x5eed):
-    # secret, engine id, role, link id, connection index (0: control, data from 1)
-    return wstr(secret) + struct.pack("<QBQI", engine_id, role, link, 0 if role == 0 else 1)
+def proof(secret, role, challenge, nonce, bound=b""):
+    msg = role + b"\0" + challenge + b"\0" + nonce + b"\0" + bound
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def hello_payload(secret, challenge, engine_id=0x1234, role=0, link=0x5eed):
+    """A HELLO answering `challenge` with a proof made with `secret`: (payload, nonce, bound)."""
+    nonce = os.urandom(32)
+    bound = struct.pack("<QBQI", engine_id, role, link, 0 if role != 1 else 1)
+    p = proof(secret, b"mooncake tcp v1 initiator", challenge, nonce, bound)
+    return wstr(nonce) + wstr(p) + bound, nonce, bound
 
 
 def rdv_request(op, key=b"", value=b"", timeout_ms=0):
     body = struct.pack("<B", op) + wstr(key) + wstr(value) + struct.pack("<Q", timeout_ms)
     return struct.pack("<I", len(body)) + body
+
+
+def rdv_replies(data):
+    """The rendezvous responses in `data`: [(code, value)]."""
+    out, off = [], 0
+    while off + 4 <= len(data):
+        (n,) = struct.unpack_from("<I", data, off)
+        body = data[off + 4:off + 4 + n]
+        if len(body) < 5 or len(body) != n:
+            break
+        (vlen,) = struct.unpack_from("<I", body, 1)
+        out.append((body[0], body[5:5 + vlen]))
+        off += 4 + n
+    return out
+
+
+def recv_exact(s, n):
+    got = b""
+    while len(got) < n:
+        b = s.recv(n - len(got))
+        if not b:
+            raise ConnectionError("closed")
+        got += b
+    return got
 
 
 RDV_GET, RDV_AUTH = 2, 5
@@ -120,19 +173,21 @@ def cpu_seconds(pid):
 def probe_engine_and_rendezvous(port):
     """What an unauthenticated raw client gets from `port`: a list of findings (empty: nothing)."""
     findings = []
-    # A READ_REQ aimed at low memory before any HELLO: must be closed unanswered.
+    # A READ_REQ aimed at low memory before any HELLO: must be closed unanswered (an engine
+    # sends its CHALLENGE first, nothing else).
     s = connect(port)
     s.sendall(frame(READ_REQ, length=64, addr=0x10000))
     data, closed = read_all(s)
     s.close()
-    if len(data) >= 40 and struct.unpack_from("<IB", data)[1] == READ_RESP:
+    if any(t == READ_RESP for t, _, _ in engine_frames(data)):
         findings.append(f"port {port}: READ_REQ before HELLO answered")
-    # A rendezvous GET before AUTH: must not return a value.
+    # A rendezvous GET before AUTH: must not return a value (a rendezvous sends its challenge
+    # first, nothing else).
     s = connect(port)
     s.sendall(rdv_request(RDV_GET, b"mc/seg/mooncake-master"))
     data, closed = read_all(s)
     s.close()
-    if len(data) > 8 and data[4] == 0:  # code kOk with a value
+    if any(code == 0 for code, _ in rdv_replies(data)[1:]):
         findings.append(f"port {port}: rendezvous GET before AUTH answered")
     return findings
 
@@ -140,11 +195,39 @@ def probe_engine_and_rendezvous(port):
 def is_engine_port(port, secret):
     """True when `port` speaks the engine protocol and denies `secret`."""
     s = connect(port)
-    p = hello_payload(secret)
+    try:
+        first = engine_frames(recv_exact(s, 40 + 32))  # an engine's CHALLENGE comes at once
+    except (OSError, ConnectionError):
+        first = []
+    if not first or first[0][0] != CHALLENGE:
+        s.close()
+        return False
+    p, _, _ = hello_payload(secret, first[0][2])
     s.sendall(frame(HELLO, length=len(p), payload=p))
     data, _ = read_all(s)
     s.close()
-    return len(data) >= 40 and struct.unpack_from("<IB", data)[1] == HELLO_DENIED
+    return any(t == HELLO_DENIED for t, _, _ in engine_frames(data))
+
+
+def rdv_auth(port, secret):
+    """Authenticates to the rendezvous at `port` with `secret`, checking the server's proof:
+    (answer code, server proof checks out)."""
+    s = connect(port)
+    try:
+        (n,) = struct.unpack("<I", recv_exact(s, 4))
+        [(code, challenge)] = rdv_replies(struct.pack("<I", n) + recv_exact(s, n))
+        assert code == 0 and len(challenge) == 32, (code, challenge)
+        nonce = os.urandom(32)
+        s.sendall(rdv_request(RDV_AUTH, value=nonce + proof(
+            secret, b"mooncake rendezvous v1 client", challenge, nonce)))
+        data, _ = read_all(s, timeout=1.0)
+        replies = rdv_replies(data)
+        if not replies:
+            return None, False
+        code, server = replies[0]
+        return code, server == proof(secret, b"mooncake rendezvous v1 server", challenge, nonce)
+    finally:
+        s.close()
 
 
 # ---------------------------------------------------------------- 1: master, default config
@@ -163,12 +246,13 @@ def test_master_listens_on_loopback_and_serves_no_one_without_the_secret():
                 engines += is_engine_port(port, b"wrong-secret")
             assert findings == []
             assert engines >= 1, "no port denied a wrong secret with HELLO_DENIED"
-            # The rendezvous with the wrong secret: refused.
-            s = connect(m.port)
-            s.sendall(rdv_request(RDV_AUTH, value=b"wrong-secret"))
-            data, closed = read_all(s)
-            s.close()
-            assert closed and (len(data) < 5 or data[4] != 0), data
+            # The rendezvous with the wrong secret: refused. With the job's: answered with the
+            # server's proof, which Python's hmac checks (the C++ SHA-256 against another).
+            code, _ = rdv_auth(m.port, b"wrong-secret")
+            assert code != 0, code
+            with open(os.environ["MC_SECRET_FILE"], "rb") as f:
+                job_secret = f.readline().strip()
+            assert rdv_auth(m.port, job_secret) == (0, True)
             # A client of another job (another secret) cannot set up, and says so at once (a
             # refused secret is not retried as a master still starting is, for 10 s); ours can.
             probe = ("import time; from mooncake.store import MooncakeDistributedStore as S;"
@@ -378,7 +462,8 @@ def test_preauth_floods_cost_no_memory_and_idle_connections_are_closed():
         for s in idle:
             s.setblocking(False)
             try:
-                open_ += 0 if s.recv(1) == b"" else 1
+                while s.recv(4096) != b"":  # the challenge it was sent, then its end
+                    pass
             except BlockingIOError:
                 open_ += 1
             except OSError:

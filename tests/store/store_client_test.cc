@@ -183,7 +183,6 @@ int rawRpcClient(const engine::SegmentDesc& master, uint64_t id, uint16_t endpoi
     return engine::sock::sendAll(*fd, out.data(), out.size(), engine::deadlineInMs(5000)).ok();
   };
   Hello hello;
-  hello.secret = jobSecret();
   hello.engine_id = id;
   hello.role = ConnRole::kControl;
   engine::SegmentDesc d;
@@ -193,13 +192,10 @@ int rawRpcClient(const engine::SegmentDesc& master, uint64_t id, uint16_t endpoi
   d.tcp_host = "127.0.0.1";
   d.tcp_port = endpoint_port;
   d.transports = 1u << static_cast<int>(engine::TransportKind::kTcp);
-  if (!sendFrame(FrameType::kHello, 0, encodeHello(hello)) ||
-      !sendFrame(FrameType::kDesc, 0, d.serialize()))
-    return -1;
-  uint8_t raw[kHeaderBytes];
-  if (!engine::sock::recvAll(*fd, raw, kHeaderBytes, engine::deadlineInMs(5000)).ok() ||
-      decodeHeader(raw).type != FrameType::kHelloOk)
-    return -1;
+  bool dropped = false;
+  auto ok = helloExchange(*fd, hello, jobSecret(), d.serialize(), engine::deadlineInMs(5000),
+                          &dropped);
+  if (!ok.ok() || ok->type != FrameType::kHelloOk) return -1;
   for (int i = 0; i < n; ++i) {
     store::proto::GetReplicaListRequest q;
     q.set_key("hot");

@@ -6,6 +6,7 @@
 #include <sys/epoll.h>
 #include <sys/uio.h>
 
+#include "engine/hmac.h"
 #include "engine/log.h"
 #include "engine/secret.h"
 #include "engine/transport/tcp/tcp_core.h"
@@ -153,7 +154,10 @@ void Core::closeConn(const std::shared_ptr<Conn>& c, const Status& why) {
   }
   MC_LOG(DEBUG, TCP) << "closed connection from " << (c->authed ? c->src_name : "?") << ": "
                      << why.message();
-  if (c->authed && c->role == ConnRole::kControl) links_.erase({c->src_engine, c->link});
+  if (c->authed && c->role == ConnRole::kControl) {
+    links_.erase({c->src_engine, c->link});
+    if (c->have_desc) control_links_.erase({c->src_engine, c->link});
+  }
   if (!c->authed || c->role != ConnRole::kControl || !c->have_desc || !ctx_->on_peer_failure)
     return;
   if (c->leaving)
@@ -285,6 +289,11 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
     return protocolError(c, "frame before DESC");
   if (!c->active && c->authed && c->role == ConnRole::kQuery)
     return protocolError(c, "frame on a query connection");
+  if (!c->active && c->authed && c->role != ConnRole::kControl &&
+      (h.type == FrameType::kDesc || h.type == FrameType::kMsg ||
+       h.type == FrameType::kNotify || h.type == FrameType::kXchg))
+    return protocolError(c, "frame type " + std::to_string(int(h.type)) +
+                                " on a data connection (control connection only)");
   bool passive_type = h.type == FrameType::kHello || h.type == FrameType::kDesc ||
                       h.type == FrameType::kWrite ||
                       h.type == FrameType::kReadReq || h.type == FrameType::kNotify ||
@@ -387,18 +396,27 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       bool decoded = decodeHello(c->buf, &hello);
       c->buf.clear();
       if (!decoded) return protocolError(c, "malformed HELLO");
+      if (c->challenge.empty()) return protocolError(c, "HELLO without a CHALLENGE");
+      std::string challenge;
+      challenge.swap(c->challenge);  // one answer per challenge
       c->src_name = "engine " + hexId(hello.engine_id) + " at " + c->src_addr;
-      if (!secretsEqual(hello.secret, ctx_->secret)) {
-        MC_LOG(WARN, TCP) << "denied " << c->src_name << ": wrong job secret";
-        std::string reason = "wrong job secret";
+      // Joins an open link only: the control connection that named it must be ours already.
+      const bool orphan = hello.role == ConnRole::kData &&
+                          control_links_.count({hello.engine_id, hello.link}) == 0;
+      const bool proven =
+          secretsEqual(hello.proof, secretProof(ctx_->secret, kInitiatorProof, challenge,
+                                                hello.nonce, helloBound(hello)));
+      if (!proven || orphan) {
+        std::string reason = !proven ? "wrong job secret"
+                                     : "data connection of no open control connection";
+        MC_LOG(WARN, TCP) << "denied " << c->src_name << ": " << reason;
         FrameHeader d;
         d.type = FrameType::kHelloDenied;
         d.status = static_cast<uint16_t>(Code::kPermissionDenied);
         send(*c, d, nullptr, 0, reason);
-        // Not closed at once: the initiator's DESC may still be unread here, and closing with
-        // unread input resets the connection, which can destroy the denial in flight. Input
-        // is discarded from now on; the initiator closes after reading the denial (or the
-        // handshake deadline does).
+        // Not closed at once: closing with unread input resets the connection, which can
+        // destroy the denial in flight. Input is discarded from now on; the initiator closes
+        // after reading the denial (or the handshake deadline does).
         c->denied = true;
         {
           std::lock_guard<std::mutex> g(c->out_mu);
@@ -418,7 +436,10 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
                              : c->role == ConnRole::kData  ? "data"
                                                            : "query")
                          << " connection from " << c->src_name;
-      if (c->role == ConnRole::kControl) return true;  // HELLO_OK once DESC arrived
+      FrameHeader pf;
+      pf.type = FrameType::kHelloProof;
+      pf.aux = ctx_->engine_id;
+      send(*c, pf, nullptr, 0, targetProof(ctx_->secret, challenge, hello, ctx_->engine_id));
       if (c->role == ConnRole::kQuery) {
         // The initiator asked for our descriptor (tcp_query.h): answer it; it closes.
         FrameHeader d;
@@ -432,9 +453,8 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
           fill(&self);
         }
         send(*c, d, nullptr, 0, self.serialize());
-        return true;
       }
-      return sendHelloOk(*c);
+      return true;  // a control connection: HELLO_OK once DESC arrived
     }
     case FrameType::kDesc: {
       auto desc = SegmentDesc::parse(c->buf);
@@ -443,6 +463,7 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
         return protocolError(c, "DESC with a bad segment descriptor");
       c->src_name = labelOf(*desc);
       c->have_desc = true;
+      control_links_.insert({c->src_engine, c->link});
       sock::setKeepAlive(c->fd);
       // Before HELLO_OK: once the initiator's openPeer returns, it may message us over
       // another transport, and our handler may call peerOf() on it at once.

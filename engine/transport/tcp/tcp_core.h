@@ -84,6 +84,7 @@ struct Conn {
   bool authed = false;
   bool have_desc = false;
   bool denied = false;  // wrong secret: answered, input discarded until it closes
+  std::string challenge;  // the nonce of our CHALLENGE, until the HELLO that answers it
   bool bye = false;
   bool leaving = false;  // either side: the peer's engine said it is stopping
   uint64_t src_engine = 0;
@@ -195,13 +196,13 @@ class Core : public std::enable_shared_from_this<Core> {
     (void)w;
   }
   void runOnLoop(std::function<void()> fn, bool wait);
-  // desc: the serialized local descriptor, sent after HELLO on a control connection ("" for a
-  // data connection).
+  // desc: the serialized local descriptor, sent after HELLO_PROOF on a control connection (""
+  // for a data connection).
   Result<int> openConn(const SegmentDesc& remote, const std::string& label,
-                       const std::string& hello, const std::string& desc, Deadline deadline);
+                       const Hello& hello, const std::string& desc, Deadline deadline);
   // One attempt; *dropped: the target closed it without answering (admission limits).
   Result<int> openConnOnce(const SegmentDesc& remote, const std::string& label,
-                           const std::string& hello, const std::string& desc, Deadline deadline,
+                           const Hello& hello, const std::string& desc, Deadline deadline,
                            bool* dropped);
   void acceptNew();
   void sweepHandshakes();
@@ -258,6 +259,9 @@ class Core : public std::enable_shared_from_this<Core> {
   bool running_ = false;  // under cmd_mu_
   // Progress thread only: per (initiator engine, link id), see LinkState.
   std::map<std::pair<uint64_t, uint64_t>, LinkState> links_;
+  // Progress thread only: the (initiator engine, link id) of each control connection that
+  // completed its handshake (DESC) and is still open; data connections join only these.
+  std::set<std::pair<uint64_t, uint64_t>> control_links_;
   // Progress thread only: inbox pushes that found the inbox full, in arrival order.
   struct PendingNotify {
     uint64_t src;

@@ -16,8 +16,8 @@ namespace {
 
 // One attempt. *dropped: the target closed without answering (its admission limits), worth
 // retrying until the deadline.
-Result<SegmentDesc> queryOnce(const std::string& host, uint16_t port, const std::string& hello,
-                              Deadline deadline, bool* dropped) {
+Result<SegmentDesc> queryOnce(const std::string& host, uint16_t port, const Hello& hello,
+                              const std::string& secret, Deadline deadline, bool* dropped) {
   const std::string label = host + ":" + std::to_string(port);
   Result<int> fd = sock::connectTo(host, port, deadline, false, 0);
   if (!fd.ok())
@@ -30,7 +30,7 @@ Result<SegmentDesc> queryOnce(const std::string& host, uint16_t port, const std:
   auto fail = [&](const Status& st) {
     return Status(st.code(), "descriptor query to " + label + ": " + st.message());
   };
-  Result<FrameHeader> answer = helloExchange(*fd, hello, "", deadline, dropped);
+  Result<FrameHeader> answer = helloExchange(*fd, hello, secret, "", deadline, dropped);
   if (!answer.ok()) return fail(answer.status());
   const FrameHeader& r = *answer;
   if (r.type != FrameType::kDesc || r.length == 0 || r.length > kMaxDescBytes)
@@ -52,14 +52,12 @@ Result<SegmentDesc> queryDescriptor(const std::string& host, uint16_t port,
                                     const std::string& secret, uint64_t engine_id,
                                     Deadline deadline) {
   Hello hello;
-  hello.secret = secret;
   hello.engine_id = engine_id;
   hello.role = ConnRole::kQuery;
-  const std::string payload = encodeHello(hello);
   int backoff_ms = 5;
   for (;;) {
     bool dropped = false;
-    auto d = queryOnce(host, port, payload, deadline, &dropped);
+    auto d = queryOnce(host, port, hello, secret, deadline, &dropped);
     if (d.ok() || !dropped || sock::msUntil(deadline) <= backoff_ms) return d;
     std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
     backoff_ms = std::min(backoff_ms * 2, 200);

@@ -1,8 +1,9 @@
 // Descriptor query: how an engine learns a peer's SegmentDesc from nothing but the address of
 // the peer's tcp listener (upstream Mooncake's "P2PHANDSHAKE" mode: no metadata server, no
-// rendezvous). The initiator opens a connection, sends HELLO with role kQuery (the job secret
-// first, as every connection), and reads one DESC frame carrying the target's descriptor (or
-// HELLO_DENIED); then it closes. Wire format: tcp_transport.h.
+// rendezvous). The initiator opens a connection, answers the target's CHALLENGE with a HELLO of
+// role kQuery (a proof of the job secret, as every connection), checks the target's proof, and
+// reads one DESC frame carrying the target's descriptor (or HELLO_DENIED); then it closes.
+// Wire format: tcp_transport.h.
 //
 // The answer is only what the target's engine exports to any authenticated peer (its regions,
 // endpoints and host id); a connection without the secret gets HELLO_DENIED and nothing else.

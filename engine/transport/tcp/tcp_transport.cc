@@ -21,6 +21,7 @@
 
 #include "engine/log.h"
 #include "engine/params.h"
+#include "engine/hmac.h"
 #include "engine/secret.h"
 #include "engine/transport/tcp/tcp_core.h"
 #include "engine/transport/tcp/tcp_socket.h"
@@ -62,7 +63,8 @@ FrameHeader decodeHeader(const uint8_t in[kHeaderBytes]) {
 
 std::string encodeHello(const Hello& h) {
   wire::Writer w;
-  w.str(h.secret);
+  w.str(h.nonce);
+  w.str(h.proof);
   w.u64(h.engine_id);
   w.u8(static_cast<uint8_t>(h.role));
   w.u64(h.link);
@@ -72,7 +74,8 @@ std::string encodeHello(const Hello& h) {
 
 bool decodeHello(std::string_view payload, Hello* out) {
   wire::Reader r(payload);
-  out->secret = r.str(static_cast<uint32_t>(kMaxSecretBytes));
+  out->nonce = r.str(static_cast<uint32_t>(kNonceBytes));
+  out->proof = r.str(static_cast<uint32_t>(kSha256Bytes));
   out->engine_id = r.u64();
   uint8_t role = r.u8();
   out->role = static_cast<ConnRole>(role);
@@ -83,34 +86,34 @@ bool decodeHello(std::string_view payload, Hello* out) {
   bool index_ok = role == static_cast<uint8_t>(ConnRole::kData)
                       ? out->index >= 1 && out->index <= static_cast<uint32_t>(kMaxDataConns)
                       : out->index == 0;
-  return r.done() && role <= static_cast<uint8_t>(ConnRole::kQuery) && index_ok;
+  return r.done() && out->nonce.size() == kNonceBytes && out->proof.size() == kSha256Bytes &&
+         role <= static_cast<uint8_t>(ConnRole::kQuery) && index_ok;
 }
 
-Result<FrameHeader> helloExchange(int fd, const std::string& hello, const std::string& desc,
-                                  Deadline deadline, bool* dropped) {
-  std::string out(kHeaderBytes, '\0');
-  FrameHeader h;
-  h.type = FrameType::kHello;
-  h.length = hello.size();
-  encodeHeader(h, reinterpret_cast<uint8_t*>(out.data()));
-  out += hello;
-  if (!desc.empty()) {
-    FrameHeader d;
-    d.type = FrameType::kDesc;
-    d.length = desc.size();
-    const size_t at = out.size();
-    out.resize(at + kHeaderBytes);
-    encodeHeader(d, reinterpret_cast<uint8_t*>(out.data() + at));
-    out += desc;
-  }
-  Status st = sock::sendAll(fd, out.data(), out.size(), deadline);
-  if (!st.ok()) {
-    *dropped = st.code() == Code::kUnavailable;  // reset before we were heard
-    return st;
-  }
+std::string helloBound(const Hello& h) {
+  wire::Writer w;
+  w.u64(h.engine_id);
+  w.u8(static_cast<uint8_t>(h.role));
+  w.u64(h.link);
+  w.u32(h.index);
+  return w.take();
+}
+
+std::string targetProof(const std::string& secret, const std::string& challenge,
+                        const Hello& hello, uint64_t target_engine_id) {
+  wire::Writer w;
+  w.u64(target_engine_id);
+  return secretProof(secret, kTargetProof, challenge, hello.nonce, helloBound(hello) + w.data());
+}
+
+namespace {
+
+// Reads one frame header; HELLO_DENIED (with its reason) becomes kPermissionDenied.
+// *dropped: closed before a byte of it came.
+Result<FrameHeader> readAnswer(int fd, Deadline deadline, bool* dropped) {
   uint8_t raw[kHeaderBytes];
   size_t got = 0;
-  st = sock::recvAll(fd, raw, kHeaderBytes, deadline, &got);
+  Status st = sock::recvAll(fd, raw, kHeaderBytes, deadline, &got);
   if (!st.ok()) {
     *dropped = st.code() == Code::kUnavailable && got == 0;  // closed without an answer
     return st;
@@ -123,6 +126,57 @@ Result<FrameHeader> helloExchange(int fd, const std::string& hello, const std::s
     return MC_STATUS(kPermissionDenied, "denied: " << reason);
   }
   return r;
+}
+
+// Reads a frame of exactly `type` and `bytes` of payload into *body.
+Result<FrameHeader> readFixed(int fd, FrameType type, size_t bytes, const char* what,
+                              std::string* body, Deadline deadline, bool* dropped) {
+  MC_ASSIGN_OR_RETURN(FrameHeader r, readAnswer(fd, deadline, dropped));
+  if (r.type != type || r.length != bytes)
+    return MC_STATUS(kProtocol, "expected " << what << ", got frame type " << int(r.type)
+                                            << " of " << r.length << " bytes");
+  body->assign(bytes, '\0');
+  MC_RETURN_IF_ERROR(sock::recvAll(fd, body->data(), bytes, deadline));
+  return r;
+}
+
+Status sendFrame(int fd, FrameType type, const std::string& payload, Deadline deadline) {
+  std::string out(kHeaderBytes, '\0');
+  FrameHeader h;
+  h.type = type;
+  h.length = payload.size();
+  encodeHeader(h, reinterpret_cast<uint8_t*>(out.data()));
+  out += payload;
+  return sock::sendAll(fd, out.data(), out.size(), deadline);
+}
+
+}  // namespace
+
+Result<FrameHeader> helloExchange(int fd, Hello hello, const std::string& secret,
+                                  const std::string& desc, Deadline deadline, bool* dropped) {
+  std::string challenge;
+  MC_RETURN_IF_ERROR(
+      readFixed(fd, FrameType::kChallenge, kNonceBytes, "CHALLENGE", &challenge, deadline,
+                dropped)
+          .status());
+  hello.nonce = randomBytes(kNonceBytes);
+  hello.proof = secretProof(secret, kInitiatorProof, challenge, hello.nonce, helloBound(hello));
+  Status st = sendFrame(fd, FrameType::kHello, encodeHello(hello), deadline);
+  if (!st.ok()) {
+    *dropped = st.code() == Code::kUnavailable;  // reset before we were heard
+    return st;
+  }
+  std::string proof;
+  MC_ASSIGN_OR_RETURN(FrameHeader r, readFixed(fd, FrameType::kHelloProof, kSha256Bytes,
+                                               "HELLO_PROOF", &proof, deadline, dropped));
+  *dropped = false;
+  if (!secretsEqual(proof, targetProof(secret, challenge, hello, r.aux)))
+    return MC_STATUS(kPermissionDenied,
+                     "the target did not prove that it holds the job secret (not a member "
+                     "of this job, or another job's engine at that address)");
+  if (!desc.empty()) MC_RETURN_IF_ERROR(sendFrame(fd, FrameType::kDesc, desc, deadline));
+  if (hello.role == ConnRole::kData) return r;
+  return readAnswer(fd, deadline, dropped);
 }
 
 // ---------------------------------------------------------------- set-up and shutdown
@@ -264,7 +318,11 @@ void Core::acceptNew() {
     c->fd = fd;
     c->src_addr = src;
     c->handshake_by = admission_->handshakeDeadline(Clock::now());
+    c->challenge = randomBytes(kNonceBytes);
     addConn(c);
+    FrameHeader h;
+    h.type = FrameType::kChallenge;
+    send(*c, h, nullptr, 0, c->challenge);  // a fresh socket: written at once
   });
   if (!ok && !listen_paused_) {
     listen_paused_ = true;
@@ -370,7 +428,7 @@ void Core::loop() {
 // tcp_admission.h); that is a "try again", so the handshake is retried until the deadline.
 // A peer that is gone refuses the connection instead, which fails at once.
 Result<int> Core::openConn(const SegmentDesc& remote, const std::string& label,
-                           const std::string& hello, const std::string& desc, Deadline deadline) {
+                           const Hello& hello, const std::string& desc, Deadline deadline) {
   int backoff_ms = 5;
   for (;;) {
     bool dropped = false;
@@ -383,7 +441,7 @@ Result<int> Core::openConn(const SegmentDesc& remote, const std::string& label,
 }
 
 Result<int> Core::openConnOnce(const SegmentDesc& remote, const std::string& label,
-                               const std::string& hello, const std::string& desc,
+                               const Hello& hello, const std::string& desc,
                                Deadline deadline, bool* dropped) {
   Result<int> fd =
       sock::connectTo(remote.tcp_host, remote.tcp_port, deadline, false, kSocketBufferBytes);
@@ -397,10 +455,12 @@ Result<int> Core::openConnOnce(const SegmentDesc& remote, const std::string& lab
                     : Code::kUnavailable;
     return Status(code, "tcp handshake with " + label + ": " + st.message());
   };
-  Result<FrameHeader> answer = helloExchange(*fd, hello, desc, deadline, dropped);
+  Result<FrameHeader> answer = helloExchange(*fd, hello, ctx_->secret, desc, deadline, dropped);
   if (!answer.ok()) return fail(answer.status());
   const FrameHeader& r = *answer;
-  if (r.type != FrameType::kHelloOk || r.length != 0)
+  const FrameType last = hello.role == ConnRole::kData ? FrameType::kHelloProof
+                                                       : FrameType::kHelloOk;
+  if (r.type != last || (last == FrameType::kHelloOk && r.length != 0))
     return fail(MC_STATUS(kProtocol, "unexpected answer type " << int(r.type)));
   if (remote.engine_id != 0 && r.aux != remote.engine_id)
     return fail(MC_STATUS(
@@ -418,7 +478,6 @@ Result<std::shared_ptr<PeerState>> Core::connect(const SegmentDesc& remote, Dead
     if (!running_) return MC_STATUS(kUnavailable, "tcp transport is not running");
   }
   Hello hello;
-  hello.secret = ctx_->secret;
   hello.engine_id = ctx_->engine_id;
   hello.link = randomLinkId();
   SegmentDesc self;
@@ -435,7 +494,7 @@ Result<std::shared_ptr<PeerState>> Core::connect(const SegmentDesc& remote, Dead
     hello.role = i == 0 ? ConnRole::kControl : ConnRole::kData;
     hello.index = static_cast<uint32_t>(i);
     Result<int> fd =
-        openConn(remote, label, encodeHello(hello), i == 0 ? desc : std::string(), deadline);
+        openConn(remote, label, hello, i == 0 ? desc : std::string(), deadline);
     if (!fd.ok()) {
       // Say goodbye on the ones already open so the target reports no failure of ours.
       uint8_t bye[kHeaderBytes];

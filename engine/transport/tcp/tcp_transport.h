@@ -10,27 +10,43 @@
 //   u32 magic (kFrameMagic) | u8 type | u8 flags (0) | u16 status (mooncake::Code)
 //   u64 request id | u64 remote addr | u64 length | u64 aux
 //
-// followed by `length` payload bytes for HELLO, DESC, HELLO_DENIED, WRITE, READ_RESP, MSG,
-// NOTIFY, XCHG and XCHG_RESP. For READ_REQ `length` is the number of bytes asked for (no
-// payload). Per type:
-//   HELLO        payload = encodeHello(): secret, initiator engine id, role, link id and the
-//                connection's index in its link (at most kMaxHelloBytes: this is all a
-//                connection may send before it authenticated). A link is the set of
-//                connections one initiator opened to one target for one peer (control = index
-//                0, data connections 1..n), named by a random id.
-//   DESC         payload = the initiator's SegmentDesc; sent right after HELLO on a control
-//                connection (never on a data connection), accepted only once HELLO succeeded
+// followed by `length` payload bytes for CHALLENGE, HELLO, HELLO_PROOF, DESC, HELLO_DENIED,
+// WRITE, READ_RESP, MSG, NOTIFY, XCHG and XCHG_RESP. For READ_REQ `length` is the number of
+// bytes asked for (no payload).
+//
+// The handshake: each side proves it holds the job secret without sending it (a process that
+// accepts connections at a job member's address learns nothing from the member that connects
+// to it; docs/security.md, "Handshakes"). Proofs are engine/hmac.h's secretProof over both
+// sides' fresh nonces and the HELLO's fields (helloBound), each side with its own role string.
+//   CHALLENGE    target -> initiator, the first frame of every accepted connection: payload =
+//                the target's fresh nonce (kNonceBytes). The initiator sends nothing before it.
+//   HELLO        payload = encodeHello(): the initiator's fresh nonce, its proof (role
+//                kInitiatorProof, over the challenge, that nonce and helloBound), initiator
+//                engine id, role, link id and the connection's index in its link (at most
+//                kMaxHelloBytes: this is all a connection may send before it authenticated).
+//                A link is the set of connections one initiator opened to one target for one
+//                peer (control = index 0, data connections 1..n), named by a random id. A data
+//                connection is accepted only for the (engine id, link id) of a control
+//                connection open at the target that has sent its DESC.
+//   HELLO_PROOF  target -> initiator after a correct HELLO: payload = the target's proof (role
+//                kTargetProof, same challenge and nonce, bound = helloBound + the target's
+//                engine id), aux = the target's engine id. The initiator checks it before it
+//                sends or believes anything more (a wrong one: kPermissionDenied). On a data
+//                connection this ends the handshake.
+//   DESC         payload = the initiator's SegmentDesc; sent after HELLO_PROOF on a control
+//                connection only (elsewhere it closes the connection)
 //   HELLO_OK     aux = the target's engine id (the initiator checks it: a stale descriptor
-//                whose port now belongs to another engine is refused). Sent after HELLO on a
-//                data connection, after DESC on a control connection.
+//                whose port now belongs to another engine is refused). Sent after DESC on a
+//                control connection.
 //   HELLO_DENIED payload = reason; the target closes the connection after it
 //   DESC (answer) on a query connection (HELLO role kQuery): payload = the target's own
-//                SegmentDesc, aux = its engine id; sent right after a successful HELLO instead
-//                of HELLO_OK. Nothing else is valid on a query connection: the initiator reads
-//                the answer and closes it (tcp_query.h; upstream Mooncake's P2P handshake, with
-//                the job secret first).
+//                SegmentDesc, aux = its engine id; sent right after HELLO_PROOF. Nothing else
+//                is valid on a query connection: the initiator reads the answer and closes it
+//                (tcp_query.h; upstream Mooncake's P2P handshake, with the secret's proof
+//                first).
 //   WRITE        payload = the bytes to put at addr          -> WRITE_ACK (status)
 //   READ_REQ     addr, length                               -> READ_RESP (status, payload)
+//   (NOTIFY, MSG and XCHG travel on the control connection only: elsewhere they close it.)
 //   NOTIFY       aux = tag, addr = channel (0: the application's, else a service's);
 //                payload = one u64 per data connection of the link (index 1..n): the number
 //                of WRITE frames the initiator had queued on it before this NOTIFY (control
@@ -113,6 +129,7 @@ constexpr size_t kHeaderBytes = 40;
 constexpr uint64_t kMaxDataBytes = 1ull << 30;      // WRITE / READ_REQ / READ_RESP
 constexpr uint64_t kMaxMessageBytes = 64ull << 20;  // MSG
 constexpr uint64_t kMaxHelloBytes = 4096;           // HELLO (before authentication)
+constexpr size_t kNonceBytes = 32;                  // CHALLENGE, and the nonce in a HELLO
 constexpr uint64_t kMaxDescBytes = 16ull << 20;     // DESC (after authentication)
 constexpr uint64_t kMaxReasonBytes = 4096;          // HELLO_DENIED
 constexpr uint64_t kMaxExchangeBytes = 1ull << 20;  // XCHG / XCHG_RESP
@@ -134,7 +151,13 @@ enum class FrameType : uint8_t {
   kDesc = 11,
   kXchg = 12,
   kXchgResp = 13,
+  kChallenge = 14,
+  kHelloProof = 15,
 };
+
+// The role strings of the two proofs (engine/hmac.h, secretProof).
+constexpr const char* kInitiatorProof = "mooncake tcp v1 initiator";
+constexpr const char* kTargetProof = "mooncake tcp v1 target";
 
 constexpr uint64_t kByeEngineStopping = 1;
 
@@ -156,7 +179,8 @@ void encodeHeader(const FrameHeader& h, uint8_t out[kHeaderBytes]);
 FrameHeader decodeHeader(const uint8_t in[kHeaderBytes]);
 
 struct Hello {
-  std::string secret;
+  std::string nonce;  // the initiator's (kNonceBytes)
+  std::string proof;  // its proof of the secret (kSha256Bytes)
   uint64_t engine_id = 0;
   ConnRole role = ConnRole::kControl;
   uint64_t link = 0;   // random id of the initiator's link (its connections to this target)
@@ -166,13 +190,22 @@ struct Hello {
 std::string encodeHello(const Hello& h);
 // False when the payload does not decode exactly.
 bool decodeHello(std::string_view payload, Hello* out);
+// What both proofs vouch for: the HELLO's engine id, role, link and index.
+std::string helloBound(const Hello& h);
+// The target's proof for `hello` answering `challenge`.
+std::string targetProof(const std::string& secret, const std::string& challenge,
+                        const Hello& hello, uint64_t target_engine_id);
 
 // The initiator's side of a handshake on a connected socket (peer connections and descriptor
-// queries): sends HELLO with `hello`, then a DESC frame when `desc` is not empty, and returns
-// the answer's header (its body, if any, left unread). HELLO_DENIED becomes kPermissionDenied
-// with the target's reason, a bad magic kProtocol. *dropped: the target closed or reset the
-// connection before answering (its admission limits): worth retrying.
-Result<FrameHeader> helloExchange(int fd, const std::string& hello, const std::string& desc,
-                                  Deadline deadline, bool* dropped);
+// queries): reads the CHALLENGE, sends HELLO (a fresh nonce and the proof; `hello`'s nonce and
+// proof are filled in here), checks the target's HELLO_PROOF, then sends a DESC frame when
+// `desc` is not empty. Returns the header of the answer that ends the handshake: HELLO_PROOF
+// on a data connection, else the frame after it (HELLO_OK after DESC, the query's DESC), its
+// body left unread. HELLO_DENIED becomes kPermissionDenied with the target's reason, a proof
+// that does not check out kPermissionDenied, a bad magic or an unexpected frame kProtocol.
+// *dropped: the target closed or reset the connection before answering (its admission
+// limits): worth retrying.
+Result<FrameHeader> helloExchange(int fd, Hello hello, const std::string& secret,
+                                  const std::string& desc, Deadline deadline, bool* dropped);
 
 }  // namespace mooncake::engine::tcp
