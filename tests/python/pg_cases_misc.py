@@ -209,6 +209,124 @@ def case_async(ctx, count=8):
     return fails
 
 
+def case_callbacks(ctx, bound_s=20.0):
+    """Future callbacks that issue ops of the same group and wait on them (DDP's PowerSGD hook
+    does): they run once the op that completes them no longer holds the group's queue or its
+    p2p lane. Before, they waited forever (the group's timeout never started: the inner op was
+    never run). Each step is bounded by a watchdog thread; results against plain math, and
+    PowerSGD DDP against the same training on the gloo group."""
+    import threading
+    fails, W, me = [], ctx.world, ctx.rank
+
+    def bounded(desc, fn):
+        out, err = [], []
+
+        def run():
+            try:
+                out.append(fn())
+            except Exception as e:  # noqa: BLE001 (reported as a failure)
+                err.append(e)
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        th.join(bound_s)
+        if th.is_alive():
+            fails.append(f"{desc}: still waiting after {bound_s} s (a callback deadlock)")
+            return None
+        if err:
+            fails.append(f"{desc}: raised {err[0]!r}")
+            return None
+        return out[0]
+
+    # 1. A synchronous all_reduce inside a then() callback; 2. an async one waited through its
+    # future (PowerSGD's pattern); 3. the same behind ops queued asynchronously (the worker
+    # runs them, and so the callback).
+    def sync_inside():
+        t = make("float32", 100, me, 200)
+        w = dist.all_reduce(t, async_op=True)
+
+        def cb(f):
+            x = make("float32", 10, me, 201)
+            dist.all_reduce(x)
+            return x
+        return t, w.get_future().then(cb).wait()
+
+    got = bounded("all_reduce in a then() callback", sync_inside)
+    if got is not None:
+        check(fails, "outer all_reduce", got[0],
+              sum(make("float32", 100, r, 200).double() for r in range(W)).float(), "float32", True)
+        check(fails, "callback's all_reduce", got[1],
+              sum(make("float32", 10, r, 201).double() for r in range(W)).float(), "float32", True)
+
+    def async_inside_behind_others():
+        ts = [make("float32", 5000, me, 210 + i) for i in range(4)]
+        ws = [dist.all_reduce(t, async_op=True) for t in ts]
+
+        def cb(f):
+            x = make("float32", 10, me, 220)
+            return dist.all_reduce(x, async_op=True).get_future().wait()[0]
+        fut = ws[0].get_future().then(cb)
+        for w in ws:
+            w.wait()
+        return ts, fut.wait()
+
+    got = bounded("async all_reduce waited inside a callback, ops queued behind",
+                  async_inside_behind_others)
+    if got is not None:
+        for i, t in enumerate(got[0]):
+            check(fails, f"queued all_reduce #{i}", t,
+                  sum(make("float32", 5000, r, 210 + i).double() for r in range(W)).float(),
+                  "float32", True)
+        check(fails, "callback's async all_reduce", got[1],
+              sum(make("float32", 10, r, 220).double() for r in range(W)).float(), "float32", True)
+
+    # 4. A recv issued from a recv's callback (the same p2p lane).
+    if W >= 2 and me in (0, 1):
+        def recv_in_callback():
+            if me == 0:
+                for i in range(2):
+                    dist.send(torch.full((8,), float(i + 1)), 1, tag=7)
+                return None
+            a, b = torch.empty(8), torch.empty(8)
+
+            def cb(f):
+                dist.recv(b, 0, tag=7)
+                return b
+            return a, dist.irecv(a, 0, tag=7).get_future().then(cb).wait()
+
+        got = bounded("recv in a recv's callback", recv_in_callback)
+        if me == 1 and got is not None:
+            check(fails, "first message", got[0], torch.full((8,), 1.0))
+            check(fails, "second message, received in the callback", got[1],
+                  torch.full((8,), 2.0))
+
+    # 5. DDP with the stock PowerSGD hook against the same on gloo.
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(group):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 8))
+        ddp = DDP(model, process_group=group)
+        state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=2,
+                                   start_powerSGD_iter=2, random_seed=0)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + me)
+        for _ in range(5):
+            opt.zero_grad()
+            ddp(torch.randn(16, 32, generator=gen)).square().mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours = bounded("DDP with powerSGD_hook", lambda: train(None))
+    ref = train(ctx.gloo)
+    if ours is not None:
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            check(fails, f"PowerSGD DDP parameter {i} vs gloo", a, b, "float32", True)
+    return fails
+
+
 def case_profile(ctx, calls=3):
     """The group's phase timers through mooncake._C._pg_profile (pg/profile.h): off, nothing is
     counted; on, each all_reduce counts as one op, with some time; reset zeroes them."""

@@ -24,6 +24,11 @@ def test_async_ops_in_flight(pool, world):
     pool.check("async")
 
 
+@pytest.mark.parametrize("world", [1, 2, 3], ids=lambda w: f"w{w}")
+def test_future_callbacks_issue_ops(pool, world):
+    pool.check("callbacks")
+
+
 @pytest.mark.parametrize("world", [1, 2, 4], ids=lambda w: f"w{w}")
 def test_phase_timers(pool, world):
     pool.check("profile")

@@ -160,6 +160,22 @@ std::vector<uint8_t> MooncakeWork::failedRanksHint() const {
   return h;
 }
 
+std::function<void()> MooncakeWork::completion(const c10::intrusive_ptr<MooncakeWork>& work,
+                                               std::exception_ptr error) {
+  bool has_future;
+  {
+    std::lock_guard lk(work->mutex_);
+    has_future = work->future_ || work->result_future_;
+  }
+  // No future yet: no callback runs inside complete() (a future created later is marked by
+  // its creator, lazyFuture), so it completes here, at once.
+  if (!has_future) {
+    work->complete(error);
+    return nullptr;
+  }
+  return [work, error] { work->complete(error); };
+}
+
 void MooncakeWork::complete(std::exception_ptr error) {
   // The outputs are in place: streams that wait go on first, before any future's callback
   // runs here (one that synchronises with such a stream would otherwise wait forever). They go

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <deque>
+#include <functional>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -120,6 +122,56 @@ class HandOffThread {
   std::atomic<OpQueue::Clock::rep> last_submit_{0};
 };
 
+// Runs the completions of ops the worker ran (OpQueue::Task's second part) when they carry a
+// Work's future callbacks: those may wait on a later op of the same group through its future
+// (torch's Future.wait() runs no op, unlike Work.wait()), which only the worker or a waiter can
+// run, so they must not block the worker. Each completion gets a thread of its own when none is
+// idle (a callback may wait on a future whose completion comes through here too); threads
+// exit after kIdle without work. One for the process (leaked, as the hand-off thread).
+class CompletionThreads {
+ public:
+  static constexpr auto kIdle = std::chrono::seconds(5);
+
+  static CompletionThreads& get() {
+    static CompletionThreads* t = new CompletionThreads();
+    return *t;
+  }
+
+  void post(std::function<void()> fn) {
+    std::lock_guard<std::mutex> lk(mu_);
+    jobs_.push_back(std::move(fn));
+    if (static_cast<size_t>(idle_) >= jobs_.size()) {
+      cv_.notify_one();
+    } else {
+      std::thread([this] { run(); }).detach();
+    }
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      if (jobs_.empty()) {
+        ++idle_;
+        const bool woke = cv_.wait_for(lk, kIdle, [&] { return !jobs_.empty(); });
+        --idle_;
+        if (!woke) return;
+      }
+      std::function<void()> fn = std::move(jobs_.front());
+      jobs_.pop_front();
+      lk.unlock();
+      fn();
+      fn = nullptr;  // the Work it holds goes here, not under the lock
+      lk.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  int idle_ = 0;
+};
+
 OpQueue::Clock::duration periodFromParams() {
   return std::chrono::microseconds(std::max<int64_t>(params::getInt("MC_PG_HANDOFF_US"), 0));
 }
@@ -134,7 +186,7 @@ std::shared_ptr<OpQueue> OpQueue::create(pg::Communicator* comm) {
   return q;
 }
 
-OpQueue::Id OpQueue::submit(const char* op, std::function<void()> fn) {
+OpQueue::Id OpQueue::submit(const char* op, Task fn) {
   Id id;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -166,7 +218,7 @@ bool OpQueue::handOffLocked() {
   return true;
 }
 
-bool OpQueue::takeHead(std::function<void()>* fn, Id up_to, bool worker) {
+bool OpQueue::takeHead(Task* fn, Id up_to, bool worker) {
   std::lock_guard<std::mutex> lk(mu_);
   // Once close() began only the worker runs ops: the communicator waits for it, not for callers.
   if (running_ || pending_.empty() || pending_.front().id > up_to || (closing_ && !worker)) {
@@ -181,22 +233,33 @@ bool OpQueue::takeHead(std::function<void()>* fn, Id up_to, bool worker) {
   return true;
 }
 
-void OpQueue::finishOne(std::function<void()>* fn) {
-  (*fn)();
+void OpQueue::finishOne(Task* fn, bool worker) {
+  std::function<void()> done = (*fn)();
   *fn = nullptr;  // release the op's tensors before the next one
-  std::lock_guard<std::mutex> lk(mu_);
-  running_ = false;
-  if (closing_) idle_.notify_all();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    running_ = false;
+    if (closing_) idle_.notify_all();
+  }
+  if (!done) return;
+  // After the queue is free: a future callback may issue an op and wait on it. A waiter's
+  // thread runs it here (its nested Work.wait() runs the op; a Future.wait() leaves it to the
+  // worker); the worker must not block in it (CompletionThreads).
+  if (worker) {
+    CompletionThreads::get().post(std::move(done));
+  } else {
+    done();
+  }
 }
 
 void OpQueue::drain() {
-  std::function<void()> fn;
-  while (takeHead(&fn, ~Id{0}, true)) finishOne(&fn);
+  Task fn;
+  while (takeHead(&fn, ~Id{0}, true)) finishOne(&fn, true);
 }
 
 void OpQueue::runUpTo(Id id) {
-  std::function<void()> fn;
-  while (takeHead(&fn, id, false)) finishOne(&fn);
+  Task fn;
+  while (takeHead(&fn, id, false)) finishOne(&fn, false);
   // Ops queued behind the caller's were issued before it waited, i.e. asynchronously: give
   // them to the worker now rather than at the hand-off thread's next tick.
   handOff();

@@ -25,7 +25,11 @@
 //  MC_PG_HANDOFF_US=0 hands every op to the worker at submit.
 //
 // Order is kept (only the head of the queue ever starts) and so is pg's contract that one
-// thread at a time runs a group's ops. Lifetime: tokens hold the queue through a shared_ptr;
+// thread at a time runs a group's ops. An op's completion (its Work, and so its future's
+// callbacks) runs once the queue is free again: a callback may issue ops of the group and wait
+// on them (DDP's PowerSGD hook does). A waiter runs it on its own thread; the worker hands it
+// to a completion thread, since a callback waiting through a Future (which runs no op) would
+// otherwise block the one thread that runs the group's ops. Lifetime: tokens hold the queue through a shared_ptr;
 // close() must be called before the communicator goes (it hands the pending ops to the worker,
 // whose destructor runs them), and the communicator must outlive the queue's last token.
 #pragma once
@@ -50,9 +54,13 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
   // A queue for comm's collectives, known to the process's hand-off thread.
   static std::shared_ptr<OpQueue> create(pg::Communicator* comm);
 
-  // Queues fn (which must not throw) behind every op queued before; returns its id. Throws
-  // after close().
-  Id submit(const char* op, std::function<void()> fn);
+  // An op: runs it and returns what completes it (its Work), which the queue runs once the op
+  // no longer holds the queue: a Work's future callbacks run there, and they may issue and wait
+  // on ops of the same group (DDP's PowerSGD hook does), which the queue must then be free to
+  // run. Ops must not throw.
+  using Task = std::function<std::function<void()>()>;
+  // Queues fn behind every op queued before; returns its id. Throws after close().
+  Id submit(const char* op, Task fn);
   // A waiting caller: runs the pending ops up to `id` here, in order, unless another thread
   // is running one (then the worker has the queue and this caller just waits).
   void runUpTo(Id id);
@@ -71,7 +79,7 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
     Id id;
     Clock::time_point since;
     const char* name;
-    std::function<void()> fn;
+    Task fn;
   };
   explicit OpQueue(pg::Communicator* comm);
   // Posts the worker's token when ops are pending, none runs, no token is out and the queue
@@ -81,9 +89,10 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
   void drain();
   // Takes the head (up to id `up_to`) for the calling thread and sets running_; false if there
   // is none or another thread runs one (worker: then the token is spent).
-  bool takeHead(std::function<void()>* fn, Id up_to, bool worker);
-  // Runs what takeHead took, then clears running_.
-  void finishOne(std::function<void()>* fn);
+  bool takeHead(Task* fn, Id up_to, bool worker);
+  // Runs what takeHead took, clears running_, then the op's completion: here, or for the
+  // worker on a completion thread (op_queue.cc).
+  void finishOne(Task* fn, bool worker);
 
   pg::Communicator* comm_;
   static constexpr int kAsyncCredit = 16;

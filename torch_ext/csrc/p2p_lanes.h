@@ -4,6 +4,10 @@
 // same peer with the same tag must stay in issue order so that receives match them in
 // order (MPI's non-overtaking rule, which gloo also keeps).
 //
+// A task returns what completes it (its Work), run once the task no longer holds its lane: a
+// Work's future callbacks run there and may post to the same lane and wait (a recv issued from
+// a recv's callback), which another thread must then be free to run.
+//
 // Threads are started on demand (a lane blocked in recv holds one) and exit after a short
 // idle period. They are detached: a lane still blocked when the owner goes away finishes on
 // its own (the task keeps what it needs alive through its captures); the owner never joins.
@@ -25,6 +29,7 @@ namespace mooncake::torch_ext {
 class P2pLanes {
  public:
   using Key = std::tuple<int, int64_t, int>;  // peer (-1: any), tag, 0 = send / 1 = recv
+  using Task = std::function<std::function<void()>()>;  // the op; returns its completion
 
   P2pLanes() : s_(std::make_shared<State>()) {}
   ~P2pLanes() {
@@ -35,7 +40,7 @@ class P2pLanes {
   P2pLanes(const P2pLanes&) = delete;
   P2pLanes& operator=(const P2pLanes&) = delete;
 
-  void post(const Key& key, std::function<void()> task) {
+  void post(const Key& key, Task task) {
     std::lock_guard<std::mutex> lk(s_->mu);
     Lane& lane = s_->lanes[key];
     lane.tasks.push_back(std::move(task));
@@ -47,7 +52,7 @@ class P2pLanes {
   // Runs task on the calling thread when its lane has nothing queued or running, holding the
   // lane meanwhile so that posts to it queue behind (order kept); then hands what was posted
   // meanwhile to a thread. False, without running it: the lane is busy (post it instead).
-  bool runInline(const Key& key, const std::function<void()>& task) {
+  bool runInline(const Key& key, const Task& task) {
     {
       std::lock_guard<std::mutex> lk(s_->mu);
       Lane& lane = s_->lanes[key];
@@ -62,35 +67,24 @@ class P2pLanes {
         readyLocked(key);
       }
     };
+    std::function<void()> done;
     try {
-      task();
+      done = task();
     } catch (...) {
       release();
       throw;
     }
     release();
+    if (done) done();
     return true;
   }
 
  private:
   // A lane with tasks and no thread: queue it for one (s_->mu held).
-  void readyLocked(const Key& key) {
-    s_->ready.push_back(key);
-    // Every ready lane needs a thread of its own: the running ones may block for long (a
-    // recv waiting for a send posted after it, to oneself or by the peer). An idle thread
-    // takes one ready lane when it wakes, but counts as idle until then, so it covers only
-    // one of the lanes queued meanwhile: spawn when the idle threads are fewer than the
-    // ready lanes (comparing with 0 would leave the second of two quick posts, e.g. irecv
-    // then isend to oneself, without a thread until the first one's recv timed out).
-    if (static_cast<size_t>(s_->idle) >= s_->ready.size()) {
-      s_->cv.notify_one();
-    } else {
-      std::thread([s = s_] { run(s); }).detach();
-    }
-  }
+  void readyLocked(const Key& key) { ready(s_, key); }
 
   struct Lane {
-    std::deque<std::function<void()>> tasks;
+    std::deque<Task> tasks;
     bool running = false;
   };
   struct State {
@@ -101,6 +95,22 @@ class P2pLanes {
     int idle = 0;
     bool stop = false;
   };
+
+  // Queues a lane with tasks and no thread for one (s->mu held).
+  static void ready(const std::shared_ptr<State>& s, const Key& key) {
+    s->ready.push_back(key);
+    // Every ready lane needs a thread of its own: the running ones may block for long (a
+    // recv waiting for a send posted after it, to oneself or by the peer). An idle thread
+    // takes one ready lane when it wakes, but counts as idle until then, so it covers only
+    // one of the lanes queued meanwhile: spawn when the idle threads are fewer than the
+    // ready lanes (comparing with 0 would leave the second of two quick posts, e.g. irecv
+    // then isend to oneself, without a thread until the first one's recv timed out).
+    if (static_cast<size_t>(s->idle) >= s->ready.size()) {
+      s->cv.notify_one();
+    } else {
+      std::thread([s] { run(s); }).detach();
+    }
+  }
 
   static void run(std::shared_ptr<State> s) {
     std::unique_lock<std::mutex> lk(s->mu);
@@ -115,19 +125,32 @@ class P2pLanes {
       }
       Key key = s->ready.front();
       s->ready.pop_front();
-      // Drain the lane in order; tasks never throw (they report through their Work).
+      // Drain the lane in order; tasks never throw (they report through their Work). Each
+      // task's completion runs after the lane is released: erased when nothing is left in it,
+      // else handed to a thread (this one, if no other takes it first).
       for (;;) {
         Lane& lane = s->lanes[key];
         if (lane.tasks.empty()) {
           s->lanes.erase(key);
           break;
         }
-        std::function<void()> task = std::move(lane.tasks.front());
+        Task task = std::move(lane.tasks.front());
         lane.tasks.pop_front();
         lk.unlock();
-        task();
+        std::function<void()> done = task();
         task = nullptr;  // release captures outside the lock
         lk.lock();
+        if (!done) continue;
+        if (s->lanes[key].tasks.empty()) {
+          s->lanes.erase(key);
+        } else {
+          ready(s, key);
+        }
+        lk.unlock();
+        done();
+        done = nullptr;
+        lk.lock();
+        break;
       }
     }
   }

@@ -199,7 +199,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(const Check& ck,
       } catch (...) {
         err = translateError(*ctx, op, std::current_exception());
       }
-      work->complete(err);
+      return MooncakeWork::completion(work, err);
     });
     work->setQueued(queue_, id);  // (a cycle Work -> queue -> task -> Work until it runs)
   } catch (...) {
@@ -244,8 +244,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamCollective(
       } catch (...) {
         err = translateError(*ctx, name, std::current_exception());
       }
-      work->complete(err);
       (void)held;  // (released with the task, after the op ended)
+      return MooncakeWork::completion(work, err);
     });
     work->setQueued(queue_, id);
   } catch (...) {
@@ -284,7 +284,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::p2p(const Check& ck, OpType
     } catch (...) {
       err = translateError(*ctx, op, std::current_exception());
     }
-    work->complete(err);
+    return MooncakeWork::completion(work, err);
   };
   if (!run_here || !lanes_->runInline(lane, task)) lanes_->post(lane, std::move(task));
   track(work);
@@ -312,7 +312,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::streamP2p(
     } catch (...) {
       err = translateError(*ctx, op, std::current_exception());
     }
-    work->complete(err);
+    return MooncakeWork::completion(work, err);
   });
   track(work);
   return work;

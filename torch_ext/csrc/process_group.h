@@ -71,6 +71,11 @@ class MooncakeWork : public c10d::Work {
 
   // Called once by the thread that ran the op. nullptr = success.
   void complete(std::exception_ptr error);
+  // complete(error) now, or, when a future of this Work exists (its callbacks would run inside
+  // complete() and may issue ops of the same group and wait on them), the call to make once the
+  // op no longer holds its queue or lane (OpQueue::Task, P2pLanes::Task).
+  static std::function<void()> completion(const c10::intrusive_ptr<MooncakeWork>& work,
+                                          std::exception_ptr error);
   // Elastic groups: the op failed because of peers (pg::PeerFailure) and completes without an
   // error, with this evidence (set before complete()): local_success false, the hint by slot.
   void setEvidence(std::vector<uint8_t> hint);
