@@ -20,10 +20,10 @@ namespace {
 using engine::Clock;
 
 
-// timeout_us -1 (Mooncake EP's "no timeout"): a source is waited for until it delivers, its
-// engine peer is seen dead, or it gives the round up.
+// timeout_us -1 (Mooncake EP's "no timeout"), or one too long for the clock: a source is
+// waited for until it delivers, its engine peer is seen dead, or it gives the round up.
 engine::Deadline deadlineInUs(int64_t us) {
-  if (us == -1) return engine::noDeadline();
+  if (us == -1 || us >= EpBuffer::kNoDeadlineUs) return engine::noDeadline();
   return Clock::now() + std::chrono::microseconds(std::max<int64_t>(us, 0));
 }
 
@@ -274,14 +274,14 @@ void EpBuffer::validate(const LowLatencyDispatchArgs& a, bool data) const {
   if (a.dtype == DType::kFp8 && a.hidden % num::kFp8Group != 0)
     invalid(op, str("use_fp8 needs a hidden size that is a multiple of ", num::kFp8Group, ", got ",
                     a.hidden));
-  if (a.dtype == DType::kFp8 && a.recv_scales == nullptr)
-    invalid(op, "use_fp8 without an output for the scales");
   auto l = LowLatencyLayout::make(R, a.experts, a.max_tokens, a.hidden, a.dtype);
   if (std::max(l.dispatch_bytes, l.combine_bytes) > geo_.regionBytes())
     invalid(op, str("M=", a.max_tokens, " H=", a.hidden, " E=", a.experts, " ", dtypeName(a.dtype),
                     " needs ", sizeHint(a.max_tokens, a.hidden, R, a.experts),
                     " buffer bytes; this buffer has ", geo_.totalBytes()));
-  if (!data) return;
+  if (!data) return;  // (shapes only: the outputs may not exist yet)
+  if (a.dtype == DType::kFp8 && a.recv_scales == nullptr)
+    invalid(op, "use_fp8 without an output for the scales");
   if (device_ >= 0) {  // the indices are GPU memory: check a host copy
     validateTopk(hostCopy(a.topk_idx, a.tokens * a.topk, op.c_str()).data(), a.tokens, a.topk,
                  a.experts);

@@ -192,6 +192,9 @@ class EpEvent {
 
 class EpBuffer {
  public:
+  // A timeout_us this long (35 years) or longer is no deadline: now + it would overflow the
+  // clock (a huge timeout_us used to time out at once and mark healthy ranks inactive).
+  static constexpr int64_t kNoDeadlineUs = int64_t{1} << 50;
   // Collective over the group: allocates `bytes` from the engine, exchanges addresses.
   // disable_p2p: reach every peer with engine WRITEs, never by mapping its buffer (Mooncake
   // EP's switch off of its NVLink/IPC path). device >= 0: the buffer is GPU memory of that
@@ -435,6 +438,7 @@ class EpBuffer {
   // The host's bound on a call's waiting kernels: timeout_us and the dead-peer grace, with
   // slack_ms more; none when timeout_us < 0 (the kernels end by their sources or dead flags).
   static engine::Deadline waitBound(int64_t timeout_us, int64_t slack_ms);
+
   // Queues a send's kernels (either mode) on the buffer's stream; with rounds on the device
   // the send's last block takes the round (a send has E or R >= 1 blocks). With
   // ranks on other hosts (ll_proxy.h): first the wait for the proxy to have moved its stage's

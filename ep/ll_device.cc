@@ -644,7 +644,7 @@ void EpBuffer::deviceSync(const char* op, engine::Deadline deadline) {
 }
 
 engine::Deadline EpBuffer::waitBound(int64_t timeout_us, int64_t slack_ms) {
-  if (timeout_us < 0) return engine::noDeadline();
+  if (timeout_us < 0 || timeout_us >= kNoDeadlineUs) return engine::noDeadline();
   return engine::Clock::now() + std::chrono::microseconds(timeout_us) +
          std::chrono::milliseconds(100 + slack_ms);
 }

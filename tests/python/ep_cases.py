@@ -431,8 +431,16 @@ def case_validation(ctx):
     expect(lambda: buf.get_dispatch_layout(dup, cfg.E), "layout: duplicate", "twice")
     gloo = torch.distributed.new_group(backend="gloo")
     expect(lambda: Buffer(gloo, 1 << 20), "Buffer on a gloo group", "mooncake")
+    # An M far beyond the buffer: its ValueError before the outputs are allocated (it used to
+    # be the allocator's RuntimeError for [L, R*M, H]).
+    expect(lambda: buf.dispatch(x, topk, act, 10 ** 9, cfg.E), "M = 1e9", "buffer bytes")
     # Nothing was sent: a good round still lines up on every rank.
-    return fails + ll_round(ctx, cfg, act, "after-errors")
+    fails += ll_round(ctx, cfg, act, "after-errors")
+    # A timeout_us too long for the clock is no deadline (it used to time out at once and mark
+    # the late rank inactive): rank 0 comes 0.3 s late.
+    if me == 0:
+        time.sleep(0.3)
+    return fails + ll_round(ctx, cfg, act, "huge timeout_us", timeout_us=2 ** 62)
 
 
 def case_one_rank_bad_input(ctx):
@@ -452,9 +460,12 @@ def case_one_rank_bad_input(ctx):
         try:
             (call_bad if me == bad_rank else call_good)()
             fails.append(f"{what}: rank {me} did not raise")
-        except ValueError as ex:
+        except (ValueError, TypeError) as ex:
             if me != bad_rank:
-                fails.append(f"{what}: rank {me} raised ValueError but its call was good: {ex}")
+                fails.append(f"{what}: rank {me} raised {type(ex).__name__} but its call was "
+                             f"good: {ex}")
+            elif isinstance(ex, TypeError) and f"rank {me}" not in str(ex):
+                fails.append(f"{what}: the TypeError does not name rank {me}: {ex}")
         except RuntimeError as ex:
             if me == bad_rank:
                 fails.append(f"{what}: the bad rank raised RuntimeError: {ex}")
@@ -488,6 +499,19 @@ def case_one_rank_bad_input(ctx):
         lambda: buf.combine(y, topk, w, act, TIMEOUT_US, ("not", "a", "handle")),
         lambda: buf.combine(y, topk, w, act, TIMEOUT_US, handle))
     fails += ll_round(ctx, cfg, act, "after a broken handle")
+    # arguments of the wrong Python type, refused by the binding before the native call
+    round_with_one_bad(
+        "dispatch with a numpy topk_idx", R - 1,
+        lambda: buf.dispatch(x, topk.numpy(), act, cfg.M, cfg.E, timeout_us=TIMEOUT_US),
+        lambda: buf.dispatch(x, topk, act, cfg.M, cfg.E, timeout_us=TIMEOUT_US))
+    fails += ll_round(ctx, cfg, act, "after a dispatch of the wrong type")
+    recv_x, cnt, handle, _, _ = buf.dispatch(x, topk, act, cfg.M, cfg.E, timeout_us=TIMEOUT_US)
+    y = ll_y(cfg, me, recv_x, cnt)
+    round_with_one_bad(
+        "combine with topk_weights None", 0,
+        lambda: buf.combine(y, topk, None, act, TIMEOUT_US, handle),
+        lambda: buf.combine(y, topk, w, act, TIMEOUT_US, handle))
+    fails += ll_round(ctx, cfg, act, "after a combine of the wrong type")
     # normal mode
     ncfg = Cfg(R, M=32, H=96, seed=31, tokens=[30, 27, 0, 12][:R])
     nbuf = ctx.buffer(32, 96, ncfg.E)
@@ -501,6 +525,10 @@ def case_one_rank_bad_input(ctx):
         "normal_dispatch", 1 % R,
         lambda: nbuf.normal_dispatch(nx if len(ntopk) else nx.new_zeros((1, 96)), nbad, None,
                                      ncfg.E),
+        lambda: nbuf.normal_dispatch(nx, ntopk, nw, ncfg.E))
+    round_with_one_bad(
+        "normal_dispatch with a list x", 0,
+        lambda: nbuf.normal_dispatch(nx.tolist(), ntopk, nw, ncfg.E),
         lambda: nbuf.normal_dispatch(nx, ntopk, nw, ncfg.E))
     recv_x, recv_topk, recv_w, per_exp, h = nbuf.normal_dispatch(nx, ntopk, nw, ncfg.E)
     if recv_x.shape[0] != len(ref_normal_rows(ncfg, me)):

@@ -30,6 +30,13 @@ class _Then:
         self.then()
 
 
+def _dev(t):
+    """A tensor argument in GPU memory; anything else as it is (the wrong-type cases: the
+    buffer itself must refuse it)."""
+    from pg_cases_gpu import to_gpu
+    return to_gpu(t) if torch.is_tensor(t) else t
+
+
 class GpuBuffer:
     """A Buffer in GPU memory (device="gpu": the device layer's simulation here) used through
     host tensors, so that the low-latency cases run unchanged on it: every tensor argument goes
@@ -67,7 +74,7 @@ class GpuBuffer:
         from pg_cases_gpu import to_gpu
         act = to_gpu(active_ranks)
         recv, cnt, handle, ev, hook = self.buf.dispatch(
-            to_gpu(x), to_gpu(topk_idx), act, num_max_dispatch_tokens_per_rank, num_experts,
+            _dev(x), _dev(topk_idx), act, num_max_dispatch_tokens_per_rank, num_experts,
             timeout_us=timeout_us, use_fp8=use_fp8, async_finish=async_finish,
             return_recv_hook=return_recv_hook)
         devs = list(recv) if use_fp8 else [recv]
@@ -89,7 +96,7 @@ class GpuBuffer:
         act = to_gpu(active_ranks)
         dout = to_gpu(out) if out is not None else None
         o, ev, hook = self.buf.combine(
-            to_gpu(y), to_gpu(topk_idx), to_gpu(topk_weights), act, timeout_us, handle,
+            _dev(y), _dev(topk_idx), _dev(topk_weights), act, timeout_us, handle,
             zero_copy=zero_copy, async_finish=async_finish, return_recv_hook=return_recv_hook,
             out=dout)
         host = out if out is not None else torch.empty(o.shape, dtype=o.dtype)
@@ -112,7 +119,7 @@ class GpuBuffer:
                         handle=None):
         from pg_cases_gpu import to_gpu, to_host
         def g(t):
-            return None if t is None else to_gpu(t)
+            return _dev(t)
         def back(t):
             return None if t is None else to_host(t)
         if handle is not None:

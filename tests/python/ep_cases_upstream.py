@@ -54,6 +54,25 @@ def case_upstream_api(ctx):
         fails.append("timeout_us=-2 was accepted")
     except ValueError:
         pass
+    # A mask of the wrong length or type is refused (it used to be replaced by all ranks), on
+    # the last rank only: its peers' calls end naming it, and the next round is in step.
+    bad = active[:-1] if R > 1 else [1]
+    try:
+        if me == R - 1:
+            buf.dispatch(x, topk, bad, cfg.M, cfg.E, -1)
+            fails.append("an active_ranks of the wrong length was accepted")
+        else:
+            buf.dispatch(x, topk, active, cfg.M, cfg.E, -1)
+            fails.append(f"rank {me}: the round rank {R - 1} gave up went on")
+    except ValueError as e:
+        if me != R - 1 or "active_ranks" not in str(e):
+            fails.append(f"rank {me}: {e}")
+    except RuntimeError as e:
+        if me == R - 1 or f"rank {R - 1}" not in str(e):
+            fails.append(f"rank {me}: {e}")
+    r1 = buf.dispatch(x, topk, active, cfg.M, cfg.E, -1)
+    fails += check_ll_dispatch(cfg, me, r1[0], r1[1], r1[2], active, "dispatch after a bad mask")
+    buf.combine(ll_y(cfg, me, r1[0], r1[1]), topk, w, active, -1, r1[2])
     # The same buffer class without disable_p2p maps same-host peers; results agree.
     mbuf = UpBuffer(dist.group.WORLD, nbytes, **where)
     r2 = mbuf.dispatch(x, topk, active, cfg.M, cfg.E, -1)

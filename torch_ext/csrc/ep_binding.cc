@@ -272,23 +272,26 @@ class PyEpBuffer {
     if (use_fp8 && H % ep::num::kFp8Group != 0)
       bad(op, ": use_fp8 needs a hidden size that is a multiple of ", ep::num::kFp8Group, ", got ",
           H);
+    ep::LowLatencyDispatchArgs a;
+    a.dtype = use_fp8 ? ep::DType::kFp8 : dt;
+    a.tokens = x.size(0);
+    a.hidden = H;
+    a.topk = static_cast<int>(topk.size(1));
+    a.max_tokens = M;
+    a.experts = static_cast<int>(E);
+    a.timeout_us = timeout_us;
+    // The shapes and the buffer's capacity before the outputs are allocated: an M far beyond
+    // the buffer is its ValueError, not the allocator's error for [L, R*M, H].
+    buf_->validate(a, false);
     Tensor recv_x = output(L, {R * M, H}, use_fp8 ? kFp8Scalar : scalarOf(dt), false);
     Tensor recv_scales;  // [L, R*M, H/128] float32 (fp8)
     if (use_fp8) recv_scales = output(L, {R * M, H / ep::num::kFp8Group}, at::kFloat, false);
     Tensor recv_count = small({L}, at::kInt);
     Tensor src_info = small({L, R * M}, at::kInt);
     Tensor layout = small({L, R}, at::kLong);
-    ep::LowLatencyDispatchArgs a;
     a.x = x.data_ptr();
-    a.dtype = use_fp8 ? ep::DType::kFp8 : dt;
-    a.tokens = x.size(0);
-    a.hidden = H;
     a.topk_idx = topk.data_ptr<int64_t>();
-    a.topk = static_cast<int>(topk.size(1));
     a.active_ranks = active.data_ptr<int32_t>();
-    a.max_tokens = M;
-    a.experts = static_cast<int>(E);
-    a.timeout_us = timeout_us;
     a.recv_x = recv_x.data_ptr();
     a.recv_scales = use_fp8 ? recv_scales.data_ptr<float>() : nullptr;
     a.recv_count = recv_count.data_ptr<int32_t>();

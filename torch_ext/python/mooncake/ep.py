@@ -235,10 +235,11 @@ class Buffer:
         two dispatches in flight: a third before the first one's hook() raises ValueError).
         """
         with self._round("dispatch"):
+            self._tensors("dispatch", x=x, topk_idx=topk_idx, active_ranks=active_ranks)
             M, E, tmo = int(num_max_dispatch_tokens_per_rank), int(num_experts), int(timeout_us)
-        recv_x, scales, recv_count, src_info, layout, event, hook = self._impl.dispatch(
-            x, topk_idx, active_ranks, M, E, tmo, bool(use_fp8), bool(async_finish),
-            bool(return_recv_hook))
+        recv_x, scales, recv_count, src_info, layout, event, hook = self._native(
+            "dispatch", self._impl.dispatch, x, topk_idx, active_ranks, M, E, tmo,
+            bool(use_fp8), bool(async_finish), bool(return_recv_hook))
         handle = EpHandle(src_info, layout, M, int(x.shape[1]), E)
         if use_fp8:
             recv_x = (recv_x, scales)
@@ -258,11 +259,15 @@ class Buffer:
                 "Mooncake EP zero-copy combine is not supported; pass the expert output tensor "
                 "to combine() with zero_copy=False")
         with self._round("combine"):
+            self._tensors("combine", y=y, topk_idx=topk_idx, topk_weights=topk_weights,
+                          active_ranks=active_ranks)
+            self._tensors("combine", optional=True, out=out)
             src_info, layout, M, H, E = handle
             tmo = int(DEFAULT_TIMEOUT_US if timeout_us is None else timeout_us)
             M, H, E = int(M), int(H), int(E)
-        return self._impl.combine(y, topk_idx, topk_weights, active_ranks, tmo, src_info, layout,
-                                  M, H, E, bool(async_finish), bool(return_recv_hook), out)
+        return self._native("combine", self._impl.combine, y, topk_idx, topk_weights,
+                            active_ranks, tmo, src_info, layout, M, H, E, bool(async_finish),
+                            bool(return_recv_hook), out)
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
@@ -282,13 +287,17 @@ class Buffer:
         given, then pass through unmasked.
         """
         with self._round("dispatch"):
+            self._tensors("normal_dispatch", x=x)
+            self._tensors("normal_dispatch", optional=True, topk_idx=topk_idx,
+                          topk_weights=topk_weights)
             if handle is not None and topk_idx is None:
                 in_rank, E = handle.is_token_in_rank, handle.num_experts
             else:
                 in_rank, E = None, int(num_experts)
             align = int(expert_alignment)
-        recv_x, recv_topk, recv_w, per_expert, recv_src, counts, in_rank = \
-            self._impl.normal_dispatch(x, topk_idx, topk_weights, E, align, in_rank)
+        recv_x, recv_topk, recv_w, per_expert, recv_src, counts, in_rank = self._native(
+            "dispatch", self._impl.normal_dispatch, x, topk_idx, topk_weights, E, align,
+            in_rank)
         h = NormalHandle(in_rank, counts, recv_src, recv_topk, recv_w, E)
         return recv_x, recv_topk, recv_w, per_expert, h
 
@@ -300,9 +309,35 @@ class Buffer:
         `topk_weights` [N, K]) summed the same way; None when there are none.
         """
         with self._round("combine"):
+            self._tensors("normal_combine", y=y)
+            self._tensors("normal_combine", optional=True, topk_weights=topk_weights)
             w = handle.recv_topk_weights if topk_weights is None else topk_weights
             counts, in_rank = handle.recv_counts, handle.is_token_in_rank
-        return self._impl.normal_combine(y, counts, in_rank, w)
+        return self._native("combine", self._impl.normal_combine, y, counts, in_rank, w)
+
+    def _tensors(self, call, optional=False, **named):
+        """TypeError (naming this rank, the call and the argument) for an argument that is not
+        a tensor (or None, where `optional`); raised inside _round, so the round is given up."""
+        for name, v in named.items():
+            if not (isinstance(v, torch.Tensor) or (optional and v is None)):
+                raise TypeError(f"rank {self.rank}: {call}: {name} must be a torch.Tensor"
+                                f"{' or None' if optional else ''}, not {type(v).__name__}")
+
+    def _native(self, kind, fn, *args):
+        """The native dispatch/combine call. An argument of a type it does not take (a list or
+        None where a tensor goes) is refused by the binding before the call takes its round:
+        the round is given up then, as for any error before the call, and the TypeError names
+        this rank and the call. (Before, the other ranks' calls of that round ended without
+        this rank's data and every later round paired different calls, silently.)"""
+        try:
+            return fn(*args)
+        except TypeError as e:
+            if "incompatible function arguments" not in str(e):
+                raise
+            if not isinstance(self._impl, _Disconnected):
+                self._impl.abandon(kind)
+            raise TypeError(f"rank {self.rank}: {kind}: an argument of the wrong type "
+                            f"(tensors expected): {e}") from None
 
     @contextlib.contextmanager
     def _round(self, kind):

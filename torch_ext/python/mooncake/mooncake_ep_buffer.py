@@ -16,7 +16,6 @@ memory and takes CPU tensors.
 ``device=`` picks another place (any of mooncake.ep.Buffer's: "cpu", "cuda[:N]", "gpu[:N]").
 """
 
-import warnings
 
 import torch
 
@@ -92,18 +91,23 @@ class Buffer:
                                                   num_ranks, num_experts)
 
     def _active(self, active_ranks):
-        if active_ranks is None or active_ranks.numel() != self.group_size:
-            if active_ranks is not None:
-                warnings.warn("active_ranks has the wrong length; using all ranks",
-                              RuntimeWarning)
+        """None: all ranks. Anything but a tensor of one entry per rank is a ValueError (a
+        replacement would hide the caller's mask and the failures marked in it)."""
+        if active_ranks is None:
             return self._ones()
+        if not isinstance(active_ranks, torch.Tensor) or \
+                active_ranks.numel() != self.group_size:
+            what = (f"{active_ranks.numel()} entries" if isinstance(active_ranks, torch.Tensor)
+                    else type(active_ranks).__name__)
+            raise ValueError(f"rank {self.rank}: active_ranks must be a tensor of "
+                             f"{self.group_size} entries (one per rank), not {what}")
         return active_ranks
 
     def _fp8(self, x, use_fp8):
         if use_fp8 is not None:
             return bool(use_fp8)
         dev = self._buf.device
-        return bool(dev and dev.startswith("cuda") and x.dtype == torch.bfloat16)
+        return bool(dev and dev.startswith("cuda") and getattr(x, "dtype", None) == torch.bfloat16)
 
     def _ones(self):
         """All ranks active, where the buffer's calls want their tensors."""
@@ -123,22 +127,27 @@ class Buffer:
         """Returns (recv_x, recv_count, handle, EventOverlap, hook). use_fp8=True sends fp8
         and recv_x is (e4m3, scales), as upstream; None: fp8 for bfloat16 x on a CUDA buffer
         (upstream's default there), the rows as they are otherwise."""
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be set")
+        # Argument errors here give the round up on every rank (mooncake.ep's _round).
+        with self._buf._round("dispatch"):
+            if async_finish and return_recv_hook:
+                raise ValueError("async_finish and return_recv_hook cannot both be set")
+            active, fp8 = self._active(active_ranks), self._fp8(x, use_fp8)
         recv_x, count, handle, event, hook = self._buf.dispatch(
-            x, topk_idx, self._active(active_ranks), num_max_dispatch_tokens_per_rank,
-            num_experts, timeout_us=timeout_us, use_fp8=self._fp8(x, use_fp8),
-            async_finish=async_finish, return_recv_hook=return_recv_hook)
+            x, topk_idx, active, num_max_dispatch_tokens_per_rank, num_experts,
+            timeout_us=timeout_us, use_fp8=fp8, async_finish=async_finish,
+            return_recv_hook=return_recv_hook)
         return recv_x, count, handle, EventOverlap(event), hook
 
     def combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
                 zero_copy=False, async_finish=False, return_recv_hook=False, out=None):
         """Returns (combined_x, EventOverlap, hook). zero_copy=True: NotImplementedError (as
         upstream's)."""
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be set")
+        with self._buf._round("combine"):
+            if async_finish and return_recv_hook:
+                raise ValueError("async_finish and return_recv_hook cannot both be set")
+            active = self._active(active_ranks)
         combined, event, hook = self._buf.combine(
-            x, topk_idx, topk_weights, self._active(active_ranks), timeout_us, handle,
+            x, topk_idx, topk_weights, active, timeout_us, handle,
             zero_copy=zero_copy, async_finish=async_finish, return_recv_hook=return_recv_hook,
             out=out)
         return combined, EventOverlap(event), hook
