@@ -300,6 +300,8 @@ void Elastic::send(const void* buf, size_t bytes, int dst, uint64_t tag) {
     root_.p2p->send(buf, bytes, dst, tag, opTimeout(root_.opts, p2pTimeout()));
   } catch (const PeerFailure&) {
     throw;
+  } catch (const MismatchError&) {
+    throw;  // a program error (a receive buffer of the wrong size), not a peer's failure
   } catch (const CommError& e) {
     p2pFailed("send", dst, e);
   }
@@ -314,6 +316,8 @@ int Elastic::recv(void* buf, size_t bytes, int src, uint64_t tag) {
     return root_.p2p->recv(buf, bytes, src, tag, opTimeout(root_.opts, p2pTimeout()));
   } catch (const PeerFailure&) {
     throw;
+  } catch (const MismatchError&) {
+    throw;  // a program error (a receive buffer of the wrong size), not a peer's failure
   } catch (const CommError& e) {
     p2pFailed("recv", src, e);
   }

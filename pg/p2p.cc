@@ -452,7 +452,7 @@ int P2p::finishRecv(Complete& c, void* buf, size_t bytes, uint64_t tag) {
   const size_t got = c.staged ? c.bytes : c.data.size();
   if (got != bytes) {
     if (c.staged) releaseStaged(c.src, c.staged, stageToken(c.data));
-    throw CommError("mooncake pg: recv size mismatch on rank " + std::to_string(rank_) +
+    throw MismatchError("mooncake pg: recv size mismatch on rank " + std::to_string(rank_) +
                         " (group " + table()->health->group() + "): rank " + std::to_string(c.src) +
                         " sent " + std::to_string(got) + " bytes with tag " +
                         std::to_string(tag) + " but the receive buffer holds " +

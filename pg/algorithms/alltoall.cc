@@ -31,7 +31,7 @@ void validate(const Communicator::Impl& c, const OpCtx& op, const std::vector<ui
                              " bytes to rank " + std::to_string(j) + " but rank " +
                              std::to_string(j) + " expects " + std::to_string(expected) +
                              " bytes from rank " + std::to_string(r) + " (split sizes differ)",
-                         j, op.name);
+                         j == c.rank ? r : j, op.name);  // the peer: the other end, from here
     }
 }
 

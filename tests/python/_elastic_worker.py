@@ -268,6 +268,29 @@ def p2p_recovery():
     report(role="survivor", local_success=ok, hint=hint, active=act, status=int(resp.status))
 
 
+def p2p_size_mismatch():
+    """A recv into a buffer of the wrong size, in an elastic group: a program error that raises
+    naming both sizes (as in a plain group), not a failure of the healthy sender (it used to
+    complete with local_success False and the sender in the hint, which could have a healthy
+    rank deactivated). The group goes on: ping-pong, both ranks still active."""
+    b = init(PROC, 2)
+    err = None
+    if PROC == 0:
+        dist.isend(torch.arange(4, dtype=torch.float32), 1).wait()
+    else:
+        try:
+            w = dist.irecv(torch.zeros(2), 0)
+            w.wait()
+            err = f"no error; local_success={pg.get_local_success(w)} " \
+                  f"hint={pg.get_failed_ranks_hint(w).tolist()}"
+        except RuntimeError as e:
+            err = str(e)
+    event(f"mm{PROC}")
+    wait_event(f"mm{1 - PROC}")
+    ok = ping_pong(PROC, 1 - PROC)
+    report(err=err, ok=ok, active=active(b))
+
+
 def extension():
     """T8/T11/T12: primaries 0,1 (world 2, 4 slots) with subgroups a=[0] (2 slots), b=[1]
     (2 slots), c=[0,1] (4 slots); joiners 2,3 create the same groups as extensions and join

@@ -449,6 +449,15 @@ def case_layouts(ctx):
     exp = torch.cat([make("float32", 6 * W, s, 134).view(3, 2 * W).t()[2 * me:2 * me + 2]
                      for s in range(W)])
     check(fails, "all_to_all_single into transposed output", out.t().contiguous(), exp)
+    # A root whose tensor cannot be written (expand(): one element seen 4 times): its data is
+    # not copied back (it did not change), so its broadcast works (it used to fail after the
+    # fact, as gloo does not); receivers pass ordinary tensors.
+    root = W - 1
+    t = (torch.tensor([float(me + 1)]).expand(4) if me == root
+         else torch.zeros(4))
+    dist.broadcast(t, root)
+    check(fails, "broadcast from an expand()ed root tensor", t.contiguous(),
+          torch.full((4,), float(root + 1)))
     return fails
 
 

@@ -196,6 +196,13 @@ def test_p2p_recovery(job):
     assert r["status"] == 1
 
 
+def test_p2p_size_mismatch_is_an_error_not_a_peer_failure(job):
+    res = job("p2p_size_mismatch", 2).results([0, 1])
+    assert "recv size mismatch" in res[1]["err"] and "16 bytes" in res[1]["err"], res[1]
+    for p in (0, 1):
+        assert res[p]["ok"] and res[p]["active"] == [1, 1], res[p]
+
+
 def test_extension_ranks_with_subgroups(job):
     j = job("extension", 4)
     res = j.results([0, 1, 2, 3])

@@ -59,6 +59,10 @@ def test_split_mismatch_across_ranks_raises_everywhere():
         p.kill()
     for r, x in enumerate(res):
         assert x["raised"], f"rank {r} accepted mismatched splits"
+        # Rank 1 expects 2 elements from rank 0, which sends 1: each side names the other.
+        other = 1 - r
+        assert f"[peer rank {other}]" in x["msg"] or f"peer rank {other}" in x["msg"], \
+            f"rank {r}'s error does not name its peer rank {other}: {x['msg']}"
 
 
 def test_clean_shutdown():

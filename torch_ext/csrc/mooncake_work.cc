@@ -2,6 +2,7 @@
 // waiting runs the op on the caller when nobody has yet, futures, joined works of coalesced ops.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <mutex>
 #include <stdexcept>
 
@@ -258,19 +259,34 @@ c10::intrusive_ptr<MooncakeWork> MooncakeWork::joinAll(
     std::mutex mu;
     size_t left;
     std::exception_ptr first_error;
+    bool peers_failed = false;  // some part failed for peers (elastic): its evidence, merged
+    std::vector<uint8_t> hint;
   };
   auto join = std::make_shared<Join>();
   join->left = works.size();
+  for (const auto& w : works) joined->slots_ = std::max(joined->slots_, w->slots_);
   for (const auto& w : works) {
-    // Runs on the thread that completes w (or here, when it already has).
-    w->getFuture()->addCallback([joined, join](c10::ivalue::Future& f) {
+    // Runs on the thread that completes w (or here, when it already has): w is alive then.
+    MooncakeWork* part = w.get();
+    w->getFuture()->addCallback([joined, join, part](c10::ivalue::Future& f) {
       std::exception_ptr done_error;
+      bool peers_failed;
+      std::vector<uint8_t> hint;
       {
         std::lock_guard<std::mutex> lk(join->mu);
         if (f.hasError() && !join->first_error) join->first_error = f.exception_ptr();
+        if (!part->localSuccess()) {  // elastic: a part's evidence is the join's too
+          join->peers_failed = true;
+          const std::vector<uint8_t> h = part->failedRanksHint();
+          if (join->hint.size() < h.size()) join->hint.resize(h.size(), 0);
+          for (size_t i = 0; i < h.size(); ++i) join->hint[i] |= h[i];
+        }
         if (--join->left != 0) return;
         done_error = join->first_error;
+        peers_failed = join->peers_failed;
+        hint = join->hint;
       }
+      if (peers_failed) joined->setEvidence(std::move(hint));
       joined->complete(done_error);
     });
     // Waiting on the join runs the collectives among them like waiting on the last one would.

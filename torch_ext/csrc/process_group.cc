@@ -341,10 +341,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::broadcast(std::vector<Tenso
     });
     if (w) return w;
   }
-  return collective(ck, OpType::BROADCAST, "broadcast", tensors, [c, t, root] {
+  return collective(ck, OpType::BROADCAST, "broadcast", tensors, [c, t, root, me = rank_] {
     Staged s = Staged::in(t);
     c->broadcast(s.data(), s.bytes(), root);
-    s.writeBack();
+    // The root's data did not change: no copy back (its tensor may be one that cannot be
+    // written, e.g. an expand()ed one, which used to fail the root's broadcast after the fact).
+    if (me != root) s.writeBack();
   });
 }
 

@@ -161,6 +161,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
 }
 
 #if MC_TORCH_HAS_BACKEND
+namespace {
+
+// The parts of a coalesced call that runs one op per tensor: every part runs, even after one
+// failed for peers (pg::PeerFailure, an elastic group), and the first such failure is
+// rethrown at the end. Every rank then makes the same number of ops per Work, whichever part
+// the failure hit on each (a failed view's skipped ops are counted per op: a rank that stopped
+// at its first failed part fell out of step with one that failed a later part, for good).
+template <typename Part>
+void everyPart(size_t parts, Part part) {
+  std::exception_ptr first;
+  for (size_t i = 0; i < parts; ++i) {
+    try {
+      part(i);
+    } catch (const pg::PeerFailure&) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coalesced(
     std::vector<Tensor>& outputs, std::vector<Tensor>& inputs, const c10d::AllgatherOptions&) {
   Check ck(who(), "allgather_into_tensor_coalesced");
@@ -168,8 +190,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coale
     ck.fail(std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) +
             " inputs");
   }
+  // The group's size once: the outputs were checked for it, and the parts say so (blocks), so
+  // a view that changes the size before they run fails them instead of writing past outputs.
+  const int n = size_;
   for (size_t i = 0; i < inputs.size(); ++i)
-    ck.gatherPair(outputs[i], inputs[i], size_, "[" + std::to_string(i) + "]");
+    ck.gatherPair(outputs[i], inputs[i], n, "[" + std::to_string(i) + "]");
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs, outs = outputs;
   if (onGpu(ins) && onGpu(outs)) {
@@ -184,13 +209,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_into_tensor_coale
                               }, ins);
     if (w) return w;
   }
-  return collective(ck, OpType::COALESCED, "allgather_into_tensor_coalesced", outputs, [c, ins, outs] {
-    for (size_t i = 0; i < ins.size(); ++i) {
-      Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
-      c->allGather(si.data(), so.data(), si.bytes());
-      so.writeBack();
-    }
-  });
+  return collective(ck, OpType::COALESCED, "allgather_into_tensor_coalesced", outputs,
+                    [c, ins, outs, n] {
+                      everyPart(ins.size(), [&](size_t i) {
+                        Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
+                        c->allGather(si.data(), so.data(), si.bytes(), n);
+                        so.writeBack();
+                      });
+                    });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coalesced(
@@ -202,8 +228,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coale
             " inputs");
   }
   std::vector<std::pair<pg::DataType, pg::ReduceOp>> types;
+  const int n = size_;  // once, as allgather_into_tensor_coalesced's
   for (size_t i = 0; i < inputs.size(); ++i) {
-    ck.scatterPair(outputs[i], inputs[i], size_, "[" + std::to_string(i) + "]");
+    ck.scatterPair(outputs[i], inputs[i], n, "[" + std::to_string(i) + "]");
     types.push_back(ck.reduction(outputs[i], opts.reduceOp));
   }
   pg::Communicator* c = comm_.get();
@@ -222,13 +249,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter_tensor_coale
     if (w) return w;
   }
   return collective(ck, OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs,
-                    [c, ins, outs, types] {
-                      for (size_t i = 0; i < ins.size(); ++i) {
+                    [c, ins, outs, types, n] {
+                      everyPart(ins.size(), [&](size_t i) {
                         Staged si = Staged::in(ins[i]), so = Staged::out(outs[i]);
                         c->reduceScatter(si.data(), so.data(), static_cast<size_t>(outs[i].numel()),
-                                         types[i].first, types[i].second);
+                                         types[i].first, types[i].second, n);
                         so.writeBack();
-                      }
+                      });
                     });
 }
 
