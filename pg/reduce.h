@@ -7,6 +7,9 @@
 //     caller that lists contributions in rank order gets bit-identical results everywhere.
 //   - float16/bfloat16: every input is converted to float32, the n inputs are combined in
 //     float32 and the result is rounded once (round to nearest even; NaN -> quiet NaN).
+//     (One call. The hierarchical all-reduce across hosts with several ranks on a host,
+//     algorithms/allreduce.cc, reduces each host first and keeps that partial sum in the
+//     tensor's dtype: its fp16/bf16 results are rounded twice, and folded host by host.)
 //   - AVG: SUM divided by n. Floating and complex types divide in their accumulation type
 //     (float32 for fp16/bf16). Integers: the exact sum (accumulated in 64 bits) divided
 //     by n, truncated toward zero (NCCL's behaviour; gloo has no AVG). bool: unsupported.
