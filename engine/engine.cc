@@ -49,7 +49,7 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineOptions opt
   }
   std::string prefix = params::getString("MC_SHM_PREFIX");
   reapStaleShm(prefix);
-  auto inbox = Inbox::create("/" + prefix + "-inbox-" + std::to_string(getpid()) + "-" + hex16(m.id),
+  auto inbox = Inbox::create("/" + prefix + "-inbox-" + shmOwnerTag() + "-" + hex16(m.id),
                              static_cast<uint32_t>(params::getInt("MC_INBOX_SLOTS")));
   if (!inbox.ok()) return inbox.status();
   m.inbox = std::move(inbox).value();

@@ -133,7 +133,7 @@ Result<void*> MemoryRegistry::allocateShm(size_t len, const std::string& prefix)
   int fd = -1;
   for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
     uint64_t n = next_shm.fetch_add(1);
-    name = "/" + prefix + "-" + std::to_string(getpid()) + "-" + std::to_string(n) + "-" +
+    name = "/" + prefix + "-" + shmOwnerTag() + "-" + std::to_string(n) + "-" +
            generateSecret().substr(0, 16);  // 64 random bits, in hex
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
     if (fd < 0 && errno != EEXIST) break;
@@ -182,7 +182,22 @@ Status MemoryRegistry::freeShm(void* p, const std::function<void(const Region&)>
   return Status::OK();
 }
 
+namespace {
+
+uint64_t pidNamespace() {
+  struct stat st;
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+}  // namespace
+
+std::string shmOwnerTag() {
+  static const uint64_t ns = pidNamespace();
+  return std::to_string(getpid()) + "n" + std::to_string(ns);
+}
+
 int reapStaleShm(const std::string& prefix) {
+  const uint64_t own_ns = pidNamespace();
   DIR* d = opendir("/dev/shm");
   if (d == nullptr) return 0;
   int removed = 0;
@@ -199,7 +214,14 @@ int reapStaleShm(const std::string& prefix) {
     }
     char* end = nullptr;
     long pid = std::strtol(n.c_str() + at, &end, 10);
-    if (end == n.c_str() + at || *end != '-' || pid <= 0) continue;
+    if (end == n.c_str() + at || pid <= 0) continue;
+    if (*end == 'n') {  // "<pid>n<pid namespace>": only this namespace's pids are ours to test
+      char* ns_end = nullptr;
+      const unsigned long long ns = std::strtoull(end + 1, &ns_end, 10);
+      if (ns_end == end + 1 || ns != own_ns) continue;
+      end = ns_end;
+    }
+    if (*end != '-') continue;
     if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
     struct stat st;  // only this user's files (another user's are not ours to judge)
     if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_uid != geteuid())

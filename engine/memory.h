@@ -104,8 +104,14 @@ class MemoryRegistry {
 // Registration calls it so that a bogus address fails there, not as a crash in a later copy.
 Status checkMappedWritable(uint64_t addr, uint64_t len);
 
-// Unlinks the shared-memory files "/<prefix>-<pid>-..." and "/<prefix>-inbox-<pid>-..." of
-// processes that no longer exist (killed processes cannot clean up after themselves).
+// How this process's shared-memory file names say whose they are: "<pid>n<inode of its pid
+// namespace>". Processes of other pid namespaces may share /dev/shm (containers of one pod):
+// the same pid number there is another process.
+std::string shmOwnerTag();
+
+// Unlinks the shared-memory files "/<prefix>-<owner>-..." and "/<prefix>-inbox-<owner>-..."
+// of processes that no longer exist (killed processes cannot clean up after themselves), where
+// the owner tag (shmOwnerTag) names this pid namespace and the file belongs to this user.
 // Returns how many files were removed.
 int reapStaleShm(const std::string& prefix);
 

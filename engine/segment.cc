@@ -93,10 +93,15 @@ std::string localHostId() {
   std::string boot;
   std::ifstream f("/proc/sys/kernel/random/boot_id");
   std::getline(f, boot);
-  char buf[256] = {0};
-  ssize_t n = readlink("/proc/self/ns/net", buf, sizeof(buf) - 1);
-  std::string netns = n > 0 ? std::string(buf, n) : "";
-  return boot + "/" + netns;
+  // The network namespace (its addresses) and the pid namespace: the shm transport names
+  // its peer by pid (process_vm_readv/writev), which in another pid namespace is another
+  // process; containers of one pod share the network namespace but not, by default, that one.
+  auto ns = [](const char* path) {
+    char buf[256] = {0};
+    ssize_t n = readlink(path, buf, sizeof(buf) - 1);
+    return n > 0 ? std::string(buf, n) : std::string();
+  };
+  return boot + "/" + ns("/proc/self/ns/net") + "/" + ns("/proc/self/ns/pid");
 }
 
 }  // namespace mooncake::engine

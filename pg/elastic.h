@@ -228,7 +228,7 @@ class Elastic {
   std::mutex wake_mu_;
   std::condition_variable wake_cv_;
   uint64_t bell_ = 0;
-  bool stop_ = false;
+  std::atomic<bool> stop_{false};  // set under wake_mu_; runBarrier reads it without
   std::thread agent_;
   std::atomic<int64_t> answered_{0};  // the last observation request this process answered
   engine::Clock::time_point need_since_{};  // when the agent first saw a reconcile was needed

@@ -252,8 +252,10 @@ TEST(MemoryRegistryTest, SquattedNamesDoNotBlockAllocation) {
   ASSERT_GE(squatter, 0);
   if (squatter == 0) {  // user nobody: every name of the old scheme (prefix-pid-counter)
     if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+    // (it shares the owner's pid namespace, so it knows the owner tag: pid and namespace)
+    const std::string tag = std::to_string(owner) + shmOwnerTag().substr(shmOwnerTag().find('n'));
     for (int n = 0; n < 4096; ++n) {
-      std::string name = "/" + pre + "-" + std::to_string(owner) + "-" + std::to_string(n);
+      std::string name = "/" + pre + "-" + tag + "-" + std::to_string(n);
       int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
       if (fd >= 0) close(fd);
     }
@@ -267,9 +269,33 @@ TEST(MemoryRegistryTest, SquattedNamesDoNotBlockAllocation) {
   ASSERT_EQ(waitpid(owner, &status, 0), owner);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
       << "an allocation failed on names another user took (exit " << WEXITSTATUS(status) << ")";
+  const std::string tag = std::to_string(owner) + shmOwnerTag().substr(shmOwnerTag().find('n'));
   for (int n = 0; n < 4096; ++n)
-    shm_unlink(("/" + pre + "-" + std::to_string(owner) + "-" + std::to_string(n)).c_str());
+    shm_unlink(("/" + pre + "-" + tag + "-" + std::to_string(n)).c_str());
   shm_unlink(("/" + pre + "-done").c_str());
+}
+
+// Stale files are reaped only when their owner tag names this pid namespace: another
+// namespace's pid (a container sharing /dev/shm) says nothing about its process here.
+TEST(MemoryRegistryTest, ReapsOnlyThisPidNamespacesDeadOwners) {
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);  // a pid with no process now
+  const std::string pre = prefix() + "-reap";
+  const std::string own = std::to_string(child) + shmOwnerTag().substr(shmOwnerTag().find('n'));
+  const std::string ours = "/" + pre + "-" + own + "-0-x";
+  const std::string theirs = "/" + pre + "-" + std::to_string(child) + "n1-0-x";  // ns 1
+  for (const auto& n : {ours, theirs}) {
+    int fd = shm_open(n.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    ASSERT_GE(fd, 0) << n;
+    close(fd);
+  }
+  EXPECT_EQ(reapStaleShm(pre), 1);
+  EXPECT_FALSE(shmExists(ours)) << "a dead owner of this namespace: reaped";
+  EXPECT_TRUE(shmExists(theirs)) << "another namespace's file was reaped";
+  shm_unlink(theirs.c_str());
+  shm_unlink(ours.c_str());
 }
 
 }  // namespace

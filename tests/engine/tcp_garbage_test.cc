@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -676,6 +677,35 @@ TEST_F(TcpGarbageTest, ImpostorTargetLearnsNothing) {
     ::close(fd);
   }
   ::close(*listener);
+}
+
+// A descriptor whose port another engine took since (a restart on the same port): the open
+// fails at the target's proof, which names the engine that answers, before our descriptor goes
+// out, so that engine does not take us for a peer and then report our close as our failure
+// (it used to mark its own healthy peer to us dead).
+TEST_F(TcpGarbageTest, StaleDescriptorLeavesTheNewOwnersPeerAlone) {
+  EngineOptions opt;
+  opt.name = "a";
+  opt.secret = "job-secret";
+  opt.transport = "tcp";
+  auto a = TransferEngine::create(opt);
+  ASSERT_TRUE(a.ok()) << a.status().toString();
+  std::atomic<int> gone{0};
+  target_->addPeerGoneHandler(
+      [&](uint64_t, const std::string&, const Status&) { gone.fetch_add(1); });
+  auto to_a = target_->openPeer((*a)->localSegment(), deadlineInMs(5000));
+  ASSERT_TRUE(to_a.ok()) << to_a.status().toString();
+  SegmentDesc stale = target_->localSegment();
+  stale.engine_id ^= 0x1234;  // the engine that listened there before
+  stale.name = "gone-engine";
+  auto r = (*a)->openPeer(stale, deadlineInMs(5000));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kUnavailable) << r.status().toString();
+  EXPECT_NE(r.status().message().find("stale descriptor"), std::string::npos)
+      << r.status().toString();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_TRUE(target_->peerStatus(*to_a).ok()) << target_->peerStatus(*to_a).toString();
+  EXPECT_EQ(gone.load(), 0) << "the target reported a peer gone";
 }
 
 // An engine with the wrong secret is denied at once (no retry until its deadline), by name.

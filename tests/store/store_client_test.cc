@@ -193,8 +193,8 @@ int rawRpcClient(const engine::SegmentDesc& master, uint64_t id, uint16_t endpoi
   d.tcp_port = endpoint_port;
   d.transports = 1u << static_cast<int>(engine::TransportKind::kTcp);
   bool dropped = false;
-  auto ok = helloExchange(*fd, hello, jobSecret(), d.serialize(), engine::deadlineInMs(5000),
-                          &dropped);
+  auto ok = helloExchange(*fd, hello, jobSecret(), d.serialize(), master.engine_id, nullptr,
+                          engine::deadlineInMs(5000), &dropped);
   if (!ok.ok() || ok->type != FrameType::kHelloOk) return -1;
   for (int i = 0; i < n; ++i) {
     store::proto::GetReplicaListRequest q;

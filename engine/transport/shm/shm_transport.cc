@@ -391,9 +391,9 @@ class ShmTransport : public Transport {
     ctx_ = ctx;
     char id[17];
     std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(ctx->engine_id));
-    // "<prefix>-<pid>-...": reaped with the process's other files if it is killed.
-    auto f = ShmFence::create("/" + params::getString("MC_SHM_PREFIX") + "-" +
-                              std::to_string(getpid()) + "-fence-" + id);
+    // "<prefix>-<owner>-...": reaped with the process's other files if it is killed.
+    auto f = ShmFence::create("/" + params::getString("MC_SHM_PREFIX") + "-" + shmOwnerTag() +
+                              "-fence-" + id);
     if (!f.ok()) return f.status();
     fence_ = std::move(f).value();
     return Status::OK();

@@ -30,7 +30,9 @@ Result<SegmentDesc> queryOnce(const std::string& host, uint16_t port, const Hell
   auto fail = [&](const Status& st) {
     return Status(st.code(), "descriptor query to " + label + ": " + st.message());
   };
-  Result<FrameHeader> answer = helloExchange(*fd, hello, secret, "", deadline, dropped);
+  uint64_t proven = 0;
+  Result<FrameHeader> answer = helloExchange(*fd, hello, secret, "", 0, &proven, deadline,
+                                             dropped);
   if (!answer.ok()) return fail(answer.status());
   const FrameHeader& r = *answer;
   if (r.type != FrameType::kDesc || r.length == 0 || r.length > kMaxDescBytes)
@@ -41,7 +43,7 @@ Result<SegmentDesc> queryOnce(const std::string& host, uint16_t port, const Hell
   if (!st.ok()) return fail(st);
   auto desc = SegmentDesc::parse(body);
   if (!desc.ok()) return fail(desc.status());
-  if (desc->engine_id != r.aux || desc->engine_id == 0)
+  if (desc->engine_id != proven || desc->engine_id == 0)  // the engine whose proof we checked
     return fail(MC_STATUS(kProtocol, "descriptor of another engine"));
   return desc;
 }

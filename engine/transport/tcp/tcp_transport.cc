@@ -153,7 +153,8 @@ Status sendFrame(int fd, FrameType type, const std::string& payload, Deadline de
 }  // namespace
 
 Result<FrameHeader> helloExchange(int fd, Hello hello, const std::string& secret,
-                                  const std::string& desc, Deadline deadline, bool* dropped) {
+                                  const std::string& desc, uint64_t expect_engine,
+                                  uint64_t* proven_engine, Deadline deadline, bool* dropped) {
   std::string challenge;
   MC_RETURN_IF_ERROR(
       readFixed(fd, FrameType::kChallenge, kNonceBytes, "CHALLENGE", &challenge, deadline,
@@ -174,6 +175,13 @@ Result<FrameHeader> helloExchange(int fd, Hello hello, const std::string& secret
     return MC_STATUS(kPermissionDenied,
                      "the target did not prove that it holds the job secret (not a member "
                      "of this job, or another job's engine at that address)");
+  // The proof covers the target's engine id: a stale descriptor (its port now another
+  // engine's) ends here, before our DESC makes that engine take us for a peer (whose
+  // connection, closed next, it would report as our failure).
+  if (expect_engine != 0 && r.aux != expect_engine)
+    return MC_STATUS(kUnavailable,
+                     "stale descriptor: that address is now served by engine " << hexId(r.aux));
+  if (proven_engine != nullptr) *proven_engine = r.aux;
   if (!desc.empty()) MC_RETURN_IF_ERROR(sendFrame(fd, FrameType::kDesc, desc, deadline));
   if (hello.role == ConnRole::kData) return r;
   return readAnswer(fd, deadline, dropped);
@@ -455,16 +463,14 @@ Result<int> Core::openConnOnce(const SegmentDesc& remote, const std::string& lab
                     : Code::kUnavailable;
     return Status(code, "tcp handshake with " + label + ": " + st.message());
   };
-  Result<FrameHeader> answer = helloExchange(*fd, hello, ctx_->secret, desc, deadline, dropped);
+  Result<FrameHeader> answer = helloExchange(*fd, hello, ctx_->secret, desc, remote.engine_id,
+                                             nullptr, deadline, dropped);
   if (!answer.ok()) return fail(answer.status());
   const FrameHeader& r = *answer;
   const FrameType last = hello.role == ConnRole::kData ? FrameType::kHelloProof
                                                        : FrameType::kHelloOk;
   if (r.type != last || (last == FrameType::kHelloOk && r.length != 0))
     return fail(MC_STATUS(kProtocol, "unexpected answer type " << int(r.type)));
-  if (remote.engine_id != 0 && r.aux != remote.engine_id)
-    return fail(MC_STATUS(
-        kUnavailable, "stale descriptor: that address is now served by engine " << hexId(r.aux)));
   return fd;
 }
 

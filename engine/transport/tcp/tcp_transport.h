@@ -198,14 +198,17 @@ std::string targetProof(const std::string& secret, const std::string& challenge,
 
 // The initiator's side of a handshake on a connected socket (peer connections and descriptor
 // queries): reads the CHALLENGE, sends HELLO (a fresh nonce and the proof; `hello`'s nonce and
-// proof are filled in here), checks the target's HELLO_PROOF, then sends a DESC frame when
-// `desc` is not empty. Returns the header of the answer that ends the handshake: HELLO_PROOF
+// proof are filled in here), checks the target's HELLO_PROOF (and, when `expect_engine` is not
+// 0, that the proven target is that engine: else kUnavailable "stale descriptor", before any
+// DESC; *proven_engine, when given, gets the proven id), then sends a DESC frame when `desc`
+// is not empty. Returns the header of the answer that ends the handshake: HELLO_PROOF
 // on a data connection, else the frame after it (HELLO_OK after DESC, the query's DESC), its
 // body left unread. HELLO_DENIED becomes kPermissionDenied with the target's reason, a proof
 // that does not check out kPermissionDenied, a bad magic or an unexpected frame kProtocol.
 // *dropped: the target closed or reset the connection before answering (its admission
 // limits): worth retrying.
 Result<FrameHeader> helloExchange(int fd, Hello hello, const std::string& secret,
-                                  const std::string& desc, Deadline deadline, bool* dropped);
+                                  const std::string& desc, uint64_t expect_engine,
+                                  uint64_t* proven_engine, Deadline deadline, bool* dropped);
 
 }  // namespace mooncake::engine::tcp
