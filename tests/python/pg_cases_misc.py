@@ -324,6 +324,27 @@ def case_callbacks(ctx, bound_s=20.0):
     if ours is not None:
         for i, (a, b) in enumerate(zip(ours, ref)):
             check(fails, f"PowerSGD DDP parameter {i} vs gloo", a, b, "float32", True)
+
+    # 6. Dropping a group waits for its Works' callbacks (they need the GIL: released meanwhile).
+    g = dist.new_group(list(range(W)), backend="mooncake")
+    ran = []
+
+    def slow(f):
+        time.sleep(0.2)
+        ran.append(1)
+        return f.value()
+    ws = [dist.all_reduce(torch.ones(4), group=g, async_op=True) for _ in range(3)]
+    for w in ws:
+        w.get_future().then(slow)
+    def drop():
+        nonlocal g
+        dist.destroy_process_group(g)
+        g = None  # the last reference: the backend goes here
+        import gc
+        gc.collect()
+    bounded("destroying a group with callbacks pending", drop)
+    if len(ran) != 3 or not all(w.is_completed() for w in ws):
+        fails.append(f"destroy_process_group returned with {3 - len(ran)} callbacks still to run")
     return fails
 
 

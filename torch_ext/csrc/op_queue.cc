@@ -122,63 +122,68 @@ class HandOffThread {
   std::atomic<OpQueue::Clock::rep> last_submit_{0};
 };
 
-// Runs the completions of ops the worker ran (OpQueue::Task's second part) when they carry a
-// Work's future callbacks: those may wait on a later op of the same group through its future
-// (torch's Future.wait() runs no op, unlike Work.wait()), which only the worker or a waiter can
-// run, so they must not block the worker. Each completion gets a thread of its own when none is
-// idle (a callback may wait on a future whose completion comes through here too); threads
-// exit after kIdle without work. One for the process (leaked, as the hand-off thread).
-class CompletionThreads {
- public:
-  static constexpr auto kIdle = std::chrono::seconds(5);
-
-  static CompletionThreads& get() {
-    static CompletionThreads* t = new CompletionThreads();
-    return *t;
-  }
-
-  void post(std::function<void()> fn) {
-    std::lock_guard<std::mutex> lk(mu_);
-    jobs_.push_back(std::move(fn));
-    if (static_cast<size_t>(idle_) >= jobs_.size()) {
-      cv_.notify_one();
-    } else {
-      std::thread([this] { run(); }).detach();
-    }
-  }
-
- private:
-  void run() {
-    std::unique_lock<std::mutex> lk(mu_);
-    for (;;) {
-      if (jobs_.empty()) {
-        ++idle_;
-        const bool woke = cv_.wait_for(lk, kIdle, [&] { return !jobs_.empty(); });
-        --idle_;
-        if (!woke) return;
-      }
-      std::function<void()> fn = std::move(jobs_.front());
-      jobs_.pop_front();
-      lk.unlock();
-      fn();
-      fn = nullptr;  // the Work it holds goes here, not under the lock
-      lk.lock();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  int idle_ = 0;
-};
-
 OpQueue::Clock::duration periodFromParams() {
   return std::chrono::microseconds(std::max<int64_t>(params::getInt("MC_PG_HANDOFF_US"), 0));
 }
 
 }  // namespace
 
-OpQueue::OpQueue(pg::Communicator* comm) : comm_(comm), period_(periodFromParams()) {}
+// ---- completions (op_queue.h, "Completions") ----
+
+struct OpQueue::Completions {
+  std::mutex mu;
+  std::condition_variable cv;       // a job, or the thread may go
+  std::condition_variable idle_cv;  // outstanding reached 0
+  std::deque<std::function<void()>> jobs;
+  size_t outstanding = 0;  // posted and not yet finished
+  bool thread_up = false;
+  // The queue whose completion this thread runs now (its callbacks' ops are "nested").
+  static thread_local const Completions* current;
+
+  static void post(const std::shared_ptr<Completions>& s, std::function<void()> fn) {
+    std::lock_guard<std::mutex> lk(s->mu);
+    s->jobs.push_back(std::move(fn));
+    ++s->outstanding;
+    if (s->thread_up) {
+      s->cv.notify_one();
+      return;
+    }
+    s->thread_up = true;
+    std::thread([s] { run(s); }).detach();
+  }
+
+  static void run(std::shared_ptr<Completions> s) {
+    std::unique_lock<std::mutex> lk(s->mu);
+    for (;;) {
+      if (!s->cv.wait_for(lk, std::chrono::seconds(5), [&] { return !s->jobs.empty(); })) {
+        s->thread_up = false;  // idle: the next post starts another
+        return;
+      }
+      std::function<void()> fn = std::move(s->jobs.front());
+      s->jobs.pop_front();
+      lk.unlock();
+      current = s.get();
+      fn();
+      fn = nullptr;  // the Work it holds goes here, not under the lock
+      current = nullptr;
+      lk.lock();
+      if (--s->outstanding == 0) s->idle_cv.notify_all();
+    }
+  }
+
+  void waitIdle() {
+    if (current == this) return;  // from one of its own callbacks: it cannot wait for itself
+    std::unique_lock<std::mutex> lk(mu);
+    idle_cv.wait(lk, [&] { return outstanding == 0; });
+  }
+};
+
+thread_local const OpQueue::Completions* OpQueue::Completions::current = nullptr;
+
+OpQueue::OpQueue(pg::Communicator* comm)
+    : comm_(comm), period_(periodFromParams()), done_(std::make_shared<Completions>()) {}
+
+OpQueue::~OpQueue() = default;
 
 std::shared_ptr<OpQueue> OpQueue::create(pg::Communicator* comm) {
   std::shared_ptr<OpQueue> q(new OpQueue(comm));
@@ -194,7 +199,10 @@ OpQueue::Id OpQueue::submit(const char* op, Task fn) {
     id = next_id_++;
     const bool busy = running_ || !pending_.empty();
     if (busy) async_credit_ = kAsyncCredit;
-    pending_.push_back(Op{id, Clock::now(), op, std::move(fn)});
+    // Issued by one of this queue's completions (a callback): completed apart from the others
+    // (finishOne), since that callback may be waiting for it.
+    const bool nested = Completions::current == done_.get();
+    pending_.push_back(Op{id, Clock::now(), op, std::move(fn), nested});
     if (busy || period_.count() == 0 || (async_credit_ > 0 && async_credit_-- > 0)) {
       try {
         handOffLocked();
@@ -218,22 +226,26 @@ bool OpQueue::handOffLocked() {
   return true;
 }
 
-bool OpQueue::takeHead(Task* fn, Id up_to, bool worker) {
+bool OpQueue::takeHead(Task* fn, bool* nested, Id up_to, bool worker) {
   std::lock_guard<std::mutex> lk(mu_);
   // Once close() began only the worker runs ops: the communicator waits for it, not for callers.
   if (running_ || pending_.empty() || pending_.front().id > up_to || (closing_ && !worker)) {
     // The worker leaves a queue that is empty or that a caller is running: that caller hands
     // over what it leaves behind (runUpTo), the hand-off thread anything queued later.
-    if (worker) token_ = false;
+    if (worker) {
+      token_ = false;
+      if (closing_) idle_.notify_all();  // waitClosed
+    }
     return false;
   }
   *fn = std::move(pending_.front().fn);
+  *nested = pending_.front().nested;
   pending_.pop_front();
   running_ = true;
   return true;
 }
 
-void OpQueue::finishOne(Task* fn, bool worker) {
+void OpQueue::finishOne(Task* fn, bool nested) {
   std::function<void()> done = (*fn)();
   *fn = nullptr;  // release the op's tensors before the next one
   {
@@ -241,25 +253,27 @@ void OpQueue::finishOne(Task* fn, bool worker) {
     running_ = false;
     if (closing_) idle_.notify_all();
   }
-  if (!done) return;
-  // After the queue is free: a future callback may issue an op and wait on it. A waiter's
-  // thread runs it here (its nested Work.wait() runs the op; a Future.wait() leaves it to the
-  // worker); the worker must not block in it (CompletionThreads).
-  if (worker) {
-    CompletionThreads::get().post(std::move(done));
-  } else {
+  if (!done) return;  // completed in the task (no future: no callbacks)
+  // After the queue is free. An op a callback issued completes here at once (that callback
+  // may be waiting on its future); every other one on the queue's completion thread, in
+  // order (op_queue.h, "Completions").
+  if (nested) {
     done();
+  } else {
+    Completions::post(done_, std::move(done));
   }
 }
 
 void OpQueue::drain() {
   Task fn;
-  while (takeHead(&fn, ~Id{0}, true)) finishOne(&fn, true);
+  bool nested = false;
+  while (takeHead(&fn, &nested, ~Id{0}, true)) finishOne(&fn, nested);
 }
 
 void OpQueue::runUpTo(Id id) {
   Task fn;
-  while (takeHead(&fn, id, false)) finishOne(&fn, false);
+  bool nested = false;
+  while (takeHead(&fn, &nested, id, false)) finishOne(&fn, nested);
   // Ops queued behind the caller's were issued before it waited, i.e. asynchronously: give
   // them to the worker now rather than at the hand-off thread's next tick.
   handOff();
@@ -268,6 +282,15 @@ void OpQueue::runUpTo(Id id) {
 void OpQueue::handOff() {
   std::lock_guard<std::mutex> lk(mu_);
   handOffLocked();
+}
+
+void OpQueue::waitClosed() {
+  if (Completions::current == done_.get()) return;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    idle_.wait(lk, [&] { return pending_.empty() && !running_ && !token_; });
+  }
+  done_->waitIdle();
 }
 
 void OpQueue::close() {

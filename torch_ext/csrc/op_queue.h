@@ -25,11 +25,19 @@
 //  MC_PG_HANDOFF_US=0 hands every op to the worker at submit.
 //
 // Order is kept (only the head of the queue ever starts) and so is pg's contract that one
-// thread at a time runs a group's ops. An op's completion (its Work, and so its future's
-// callbacks) runs once the queue is free again: a callback may issue ops of the group and wait
-// on them (DDP's PowerSGD hook does). A waiter runs it on its own thread; the worker hands it
-// to a completion thread, since a callback waiting through a Future (which runs no op) would
-// otherwise block the one thread that runs the group's ops. Lifetime: tokens hold the queue through a shared_ptr;
+// thread at a time runs a group's ops.
+//
+// Completions. An op whose Work has no future completes inside its task (no callback can run).
+// One with a future completes after the op released the queue, on the queue's completion
+// thread, one at a time in op order (as NCCL's callbacks run in issue order): a callback may
+// issue ops of the group and wait on them (DDP's PowerSGD hook does, through Future.wait(),
+// which runs no op), so it must neither hold the queue nor block the worker that runs those
+// ops, and callbacks that issue collectives must do so in the same order on every rank (two
+// callbacks running at once issued them in different orders: mismatched or silently wrong
+// collectives). An op issued by such a callback ("nested") completes apart, at once, on the
+// thread that ran it, since that callback may be waiting for it; a nested op's own callbacks
+// (chained ones) thus run there, on the worker for one it ran, and must not wait on further
+// ops of the group. Lifetime: tokens hold the queue through a shared_ptr;
 // close() must be called before the communicator goes (it hands the pending ops to the worker,
 // whose destructor runs them), and the communicator must outlive the queue's last token.
 #pragma once
@@ -66,6 +74,10 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
   void runUpTo(Id id);
   // Gives the pending ops to the worker now (a waiter that will not run them itself).
   void handOff();
+  // After close(): waits until the worker ran the ops it was handed and every completion ran
+  // (a no-op from one of this queue's completions, which cannot wait for itself).
+  void waitClosed();
+  ~OpQueue();
   // The group is going away: waits for an op a caller is running, then pending ops go to the
   // worker (callers no longer take any); later submits throw.
   void close();
@@ -80,7 +92,9 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
     Clock::time_point since;
     const char* name;
     Task fn;
+    bool nested;  // issued by one of this queue's completions
   };
+  struct Completions;
   explicit OpQueue(pg::Communicator* comm);
   // Posts the worker's token when ops are pending, none runs, no token is out and the queue
   // is open. Under mu_; true if it posted.
@@ -89,10 +103,9 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
   void drain();
   // Takes the head (up to id `up_to`) for the calling thread and sets running_; false if there
   // is none or another thread runs one (worker: then the token is spent).
-  bool takeHead(Task* fn, Id up_to, bool worker);
-  // Runs what takeHead took, clears running_, then the op's completion: here, or for the
-  // worker on a completion thread (op_queue.cc).
-  void finishOne(Task* fn, bool worker);
+  bool takeHead(Task* fn, bool* nested, Id up_to, bool worker);
+  // Runs what takeHead took, clears running_, then passes on the op's completion.
+  void finishOne(Task* fn, bool nested);
 
   pg::Communicator* comm_;
   static constexpr int kAsyncCredit = 16;
@@ -106,6 +119,7 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
   bool closing_ = false;             // close() waits on idle_ for a caller's op to end
   std::condition_variable idle_;
   int async_credit_ = 0;  // ops still handed over at submit after asynchronous use was seen
+  std::shared_ptr<Completions> done_;  // its thread holds it too
 };
 
 }  // namespace mooncake::torch_ext

@@ -1,6 +1,7 @@
 #include "torch_ext/csrc/process_group.h"
 #include "torch_ext/csrc/engine_handle.h"
 
+#include <Python.h>
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -103,9 +104,34 @@ ProcessGroupMooncake::ProcessGroupMooncake(const c10::intrusive_ptr<c10d::Store>
   init();
 }
 
+namespace {
+
+bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+}  // namespace
+
 ProcessGroupMooncake::~ProcessGroupMooncake() {
   // Collectives nobody ran yet go to the worker, which runs them before the communicator goes.
   if (queue_) queue_->close();
+  // Their Works complete on the queue's completion thread: destroy_process_group returns
+  // after that (not when called from a callback). Their callbacks may need the GIL, which a
+  // Python caller dropping the group holds: it is released meanwhile. An interpreter that is
+  // finalizing runs no more Python callbacks: nothing is waited for then.
+  if (queue_) {
+    if (!Py_IsInitialized() || !PyGILState_Check()) {
+      queue_->waitClosed();
+    } else if (!finalizing()) {
+      PyThreadState* ts = PyEval_SaveThread();
+      queue_->waitClosed();
+      PyEval_RestoreThread(ts);
+    }
+  }
   std::lock_guard<std::mutex> lk(sink_->mu);
   sink_->pg = nullptr;
 }
