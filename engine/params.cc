@@ -39,7 +39,7 @@ const std::vector<ParamDef>& table() {
        "Deadline for opening a peer (connect and handshake)."},
       {"MC_HOST_ID", Type::kString, "",
        "Override the host identity used to decide that two engines share memory (default: "
-       "boot id + network namespace)."},
+       "boot id + network namespace + pid namespace)."},
       {"MC_SHM_PREFIX", Type::kString, "mc",
        "Prefix of the shared-memory files the engine creates."},
       {"MC_SPIN_US", Type::kInt, "50",

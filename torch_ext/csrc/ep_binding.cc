@@ -697,7 +697,8 @@ class PyEpBuffer {
 
   // How long a GPU buffer's call waits for the kernels the caller queued before it.
   static std::chrono::milliseconds timeoutOf(int64_t timeout_us) {
-    return std::chrono::milliseconds(timeout_us < 0 ? 24LL * 3600 * 1000
+    return std::chrono::milliseconds(timeout_us < 0 || timeout_us >= ep::EpBuffer::kNoDeadlineUs
+                                         ? 24LL * 3600 * 1000
                                                     : std::max<int64_t>(timeout_us / 1000, 0) +
                                                           60000);
   }
