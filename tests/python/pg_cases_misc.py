@@ -325,7 +325,25 @@ def case_callbacks(ctx, bound_s=20.0):
         for i, (a, b) in enumerate(zip(ours, ref)):
             check(fails, f"PowerSGD DDP parameter {i} vs gloo", a, b, "float32", True)
 
-    # 6. Dropping a group waits for its Works' callbacks (they need the GIL: released meanwhile).
+    # 6. A callback that waits (Work.wait) on a Work issued before it, outside the callbacks:
+    # that Work's completion is queued behind the callback's own, and runs in its wait.
+    def wait_on_earlier():
+        a, b = make("float32", 50, me, 230), make("float32", 50, me, 231)
+        wa = dist.all_reduce(a, async_op=True)
+        wb = dist.all_reduce(b, async_op=True)
+        wb.get_future()  # (a future: its completion goes through the completion thread)
+
+        def cb(f):
+            wb.wait()
+            return b
+        return wa.get_future().then(cb).wait()
+
+    got = bounded("a callback waiting on an earlier Work", wait_on_earlier)
+    if got is not None:
+        check(fails, "the earlier Work's all_reduce", got,
+              sum(make("float32", 50, r, 231).double() for r in range(W)).float(), "float32", True)
+
+    # 7. Dropping a group waits for its Works' callbacks (they need the GIL: released meanwhile).
     g = dist.new_group(list(range(W)), backend="mooncake")
     ran = []
 

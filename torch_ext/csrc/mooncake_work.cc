@@ -42,6 +42,20 @@ bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
   }
   std::unique_lock lk(mutex_);
   if (timeout == kNoTimeout) {
+    // A callback on the group's completion thread waiting on a Work of the group: the
+    // completions queued before this one's would wait for it; they run here meanwhile.
+    while (!completed_ && queue_) {
+      lk.unlock();
+      const bool helped = queue_->helpCompletions();
+      lk.lock();
+      if (!helped) break;
+    }
+    while (!completed_ && queue_ && queue_->onCompletionThread()) {
+      cv_.wait_for(lk, std::chrono::milliseconds(1), [&] { return completed_; });
+      lk.unlock();
+      queue_->helpCompletions();
+      lk.lock();
+    }
     cv_.wait(lk, [&] { return completed_; });
   } else if (!cv_.wait_for(lk, timeout, [&] { return completed_; })) {
     std::rethrow_exception(backendError(ctx_->who + ": " + op_ + ": Work.wait timed out after " +

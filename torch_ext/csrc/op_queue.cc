@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/log.h"
 #include "engine/params.h"
 
 namespace mooncake::torch_ext {
@@ -137,19 +138,57 @@ struct OpQueue::Completions {
   std::deque<std::function<void()>> jobs;
   size_t outstanding = 0;  // posted and not yet finished
   bool thread_up = false;
-  // The queue whose completion this thread runs now (its callbacks' ops are "nested").
+  // The completion thread whose job runs on this thread now (any group's): ops issued there
+  // are "nested".
   static thread_local const Completions* current;
 
+  static void runJob(Completions* s, std::function<void()>& fn) {
+    const Completions* was = current;
+    current = s;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      MC_LOG(WARN, PG) << "a Work's completion raised: " << e.what();
+    } catch (...) {
+      MC_LOG(WARN, PG) << "a Work's completion raised";
+    }
+    current = was;
+  }
+
   static void post(const std::shared_ptr<Completions>& s, std::function<void()> fn) {
-    std::lock_guard<std::mutex> lk(s->mu);
+    std::unique_lock<std::mutex> lk(s->mu);
     s->jobs.push_back(std::move(fn));
     ++s->outstanding;
     if (s->thread_up) {
       s->cv.notify_one();
       return;
     }
-    s->thread_up = true;
-    std::thread([s] { run(s); }).detach();
+    try {
+      std::thread([s] { run(s); }).detach();
+      s->thread_up = true;
+    } catch (...) {  // no thread to be had: run the queued jobs here, in order
+      MC_LOG(WARN, PG) << "no thread for a Work's completion: it runs on the caller";
+      lk.unlock();
+      while (s->runOne()) {
+      }
+    }
+  }
+
+  // Runs the next queued job on this thread, if any (a callback waiting on a Work of its own
+  // group lets the completions before it run, MooncakeWork::wait).
+  bool runOne() {
+    std::function<void()> fn;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (jobs.empty()) return false;
+      fn = std::move(jobs.front());
+      jobs.pop_front();
+    }
+    runJob(this, fn);
+    fn = nullptr;
+    std::lock_guard<std::mutex> lk(mu);
+    if (--outstanding == 0) idle_cv.notify_all();
+    return true;
   }
 
   static void run(std::shared_ptr<Completions> s) {
@@ -159,26 +198,31 @@ struct OpQueue::Completions {
         s->thread_up = false;  // idle: the next post starts another
         return;
       }
-      std::function<void()> fn = std::move(s->jobs.front());
-      s->jobs.pop_front();
       lk.unlock();
-      current = s.get();
-      fn();
-      fn = nullptr;  // the Work it holds goes here, not under the lock
-      current = nullptr;
+      s->runOne();
       lk.lock();
-      if (--s->outstanding == 0) s->idle_cv.notify_all();
     }
   }
 
   void waitIdle() {
-    if (current == this) return;  // from one of its own callbacks: it cannot wait for itself
     std::unique_lock<std::mutex> lk(mu);
     idle_cv.wait(lk, [&] { return outstanding == 0; });
   }
 };
 
 thread_local const OpQueue::Completions* OpQueue::Completions::current = nullptr;
+
+namespace {
+// The queue this thread runs ops of now, as the worker (drain) or as a nested op's inline
+// completion: waitClosed() from here would wait for itself.
+thread_local const OpQueue* tl_busy_with = nullptr;
+
+struct BusyWith {
+  const OpQueue* was;
+  explicit BusyWith(const OpQueue* q) : was(tl_busy_with) { tl_busy_with = q; }
+  ~BusyWith() { tl_busy_with = was; }
+};
+}  // namespace
 
 OpQueue::OpQueue(pg::Communicator* comm)
     : comm_(comm), period_(periodFromParams()), done_(std::make_shared<Completions>()) {}
@@ -199,9 +243,10 @@ OpQueue::Id OpQueue::submit(const char* op, Task fn) {
     id = next_id_++;
     const bool busy = running_ || !pending_.empty();
     if (busy) async_credit_ = kAsyncCredit;
-    // Issued by one of this queue's completions (a callback): completed apart from the others
-    // (finishOne), since that callback may be waiting for it.
-    const bool nested = Completions::current == done_.get();
+    // Issued by a completion (a callback; of any group's: one of another group waiting on
+    // it must not wait behind this group's queued completions either): completed apart from
+    // the others (finishOne), since that callback may be waiting for it.
+    const bool nested = Completions::current != nullptr;
     pending_.push_back(Op{id, Clock::now(), op, std::move(fn), nested});
     if (busy || period_.count() == 0 || (async_credit_ > 0 && async_credit_-- > 0)) {
       try {
@@ -258,16 +303,26 @@ void OpQueue::finishOne(Task* fn, bool nested) {
   // may be waiting on its future); every other one on the queue's completion thread, in
   // order (op_queue.h, "Completions").
   if (nested) {
-    done();
+    // Ops its chained callbacks issue are nested too (a marker, not a completion thread).
+    static Completions nested_marker;
+    BusyWith busy(this);
+    Completions::runJob(&nested_marker, done);
   } else {
     Completions::post(done_, std::move(done));
   }
 }
 
 void OpQueue::drain() {
+  BusyWith busy(this);
   Task fn;
   bool nested = false;
   while (takeHead(&fn, &nested, ~Id{0}, true)) finishOne(&fn, nested);
+}
+
+bool OpQueue::onCompletionThread() const { return Completions::current == done_.get(); }
+
+bool OpQueue::helpCompletions() {
+  return Completions::current == done_.get() && done_->runOne();
 }
 
 void OpQueue::runUpTo(Id id) {
@@ -285,7 +340,9 @@ void OpQueue::handOff() {
 }
 
 void OpQueue::waitClosed() {
-  if (Completions::current == done_.get()) return;
+  // Not from a completion (of any group: its callbacks may wait on this one's), nor from a
+  // thread that runs this queue's ops now: they would wait for themselves.
+  if (Completions::current != nullptr || tl_busy_with == this) return;
   {
     std::unique_lock<std::mutex> lk(mu_);
     idle_.wait(lk, [&] { return pending_.empty() && !running_ && !token_; });

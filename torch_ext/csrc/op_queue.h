@@ -34,10 +34,13 @@
 // which runs no op), so it must neither hold the queue nor block the worker that runs those
 // ops, and callbacks that issue collectives must do so in the same order on every rank (two
 // callbacks running at once issued them in different orders: mismatched or silently wrong
-// collectives). An op issued by such a callback ("nested") completes apart, at once, on the
-// thread that ran it, since that callback may be waiting for it; a nested op's own callbacks
-// (chained ones) thus run there, on the worker for one it ran, and must not wait on further
-// ops of the group. Lifetime: tokens hold the queue through a shared_ptr;
+// collectives). An op issued by such a callback (of any group: "nested") completes apart, at
+// once, on the thread that ran it, since that callback may be waiting for it; a nested op's
+// own callbacks (chained ones) thus run there, on the worker for one it ran, and must not wait
+// on further ops of the group. A callback that waits on a Work of its group issued outside it
+// (an earlier one) through Work.wait() runs the completions queued before that Work's meanwhile
+// (helpCompletions); through Future.wait(), which runs nothing, it would wait forever: not
+// supported (documented in the README). Lifetime: tokens hold the queue through a shared_ptr;
 // close() must be called before the communicator goes (it hands the pending ops to the worker,
 // whose destructor runs them), and the communicator must outlive the queue's last token.
 #pragma once
@@ -75,8 +78,13 @@ class OpQueue : public std::enable_shared_from_this<OpQueue> {
   // Gives the pending ops to the worker now (a waiter that will not run them itself).
   void handOff();
   // After close(): waits until the worker ran the ops it was handed and every completion ran
-  // (a no-op from one of this queue's completions, which cannot wait for itself).
+  // (a no-op from a completion, or from a thread running this queue's ops).
   void waitClosed();
+  // From a callback on this queue's completion thread waiting on a Work of this queue: runs
+  // the next queued completion here (those before the Work's own); false when none is queued
+  // or the caller is not that thread.
+  bool helpCompletions();
+  bool onCompletionThread() const;
   ~OpQueue();
   // The group is going away: waits for an op a caller is running, then pending ops go to the
   // worker (callers no longer take any); later submits throw.
