@@ -235,6 +235,18 @@ class TcpGarbageTest : public ::testing::Test {
     return c;
   }
 
+  // A tcp engine of this process with that name and secret (a test failure if none).
+  static std::unique_ptr<TransferEngine> tcpEngine(const std::string& name,
+                                                   const std::string& secret) {
+    EngineOptions opt;
+    opt.name = name;
+    opt.secret = secret;
+    opt.transport = "tcp";
+    auto e = TransferEngine::create(opt);
+    EXPECT_TRUE(e.ok()) << e.status().toString();
+    return e.ok() ? std::move(e).value() : nullptr;
+  }
+
   // A legitimate engine (forced transport) opens the target, moves data both ways and
   // notifies it: proof that the target still serves after whatever came before.
   void expectServesLegitimatePeer(const std::string& transport, const std::string& name) {
@@ -559,13 +571,9 @@ TEST_F(TcpGarbageTest, ImpostorTargetLearnsNothing) {
   auto listener = sock::listenOn("127.0.0.1", 0, 0);
   ASSERT_TRUE(listener.ok()) << listener.status().toString();
   const uint16_t port = sock::localPort(*listener);
-  EngineOptions opt;
-  opt.name = "member";
-  opt.secret = secret;
-  opt.transport = "tcp";
-  auto e = TransferEngine::create(opt);
-  ASSERT_TRUE(e.ok()) << e.status().toString();
-  TransferEngine* member = e->get();
+  auto e = tcpEngine("member", secret);
+  ASSERT_TRUE(e);
+  TransferEngine* member = e.get();
   // Reads what a connection sends within `ms` (until it closes or goes quiet).
   auto drain = [](int fd, int ms) {
     std::string got;
@@ -684,21 +692,17 @@ TEST_F(TcpGarbageTest, ImpostorTargetLearnsNothing) {
 // out, so that engine does not take us for a peer and then report our close as our failure
 // (it used to mark its own healthy peer to us dead).
 TEST_F(TcpGarbageTest, StaleDescriptorLeavesTheNewOwnersPeerAlone) {
-  EngineOptions opt;
-  opt.name = "a";
-  opt.secret = "job-secret";
-  opt.transport = "tcp";
-  auto a = TransferEngine::create(opt);
-  ASSERT_TRUE(a.ok()) << a.status().toString();
+  auto a = tcpEngine("a", "job-secret");
+  ASSERT_TRUE(a);
   std::atomic<int> gone{0};
   target_->addPeerGoneHandler(
       [&](uint64_t, const std::string&, const Status&) { gone.fetch_add(1); });
-  auto to_a = target_->openPeer((*a)->localSegment(), deadlineInMs(5000));
+  auto to_a = target_->openPeer(a->localSegment(), deadlineInMs(5000));
   ASSERT_TRUE(to_a.ok()) << to_a.status().toString();
   SegmentDesc stale = target_->localSegment();
   stale.engine_id ^= 0x1234;  // the engine that listened there before
   stale.name = "gone-engine";
-  auto r = (*a)->openPeer(stale, deadlineInMs(5000));
+  auto r = a->openPeer(stale, deadlineInMs(5000));
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), Code::kUnavailable) << r.status().toString();
   EXPECT_NE(r.status().message().find("stale descriptor"), std::string::npos)
@@ -710,14 +714,10 @@ TEST_F(TcpGarbageTest, StaleDescriptorLeavesTheNewOwnersPeerAlone) {
 
 // An engine with the wrong secret is denied at once (no retry until its deadline), by name.
 TEST_F(TcpGarbageTest, WrongSecretIsDeniedPromptly) {
-  EngineOptions opt;
-  opt.name = "intruder";
-  opt.secret = "not-the-job-secret";
-  opt.transport = "tcp";
-  auto e = TransferEngine::create(opt);
-  ASSERT_TRUE(e.ok()) << e.status().toString();
+  auto e = tcpEngine("intruder", "not-the-job-secret");
+  ASSERT_TRUE(e);
   auto t0 = SteadyClock::now();
-  auto pid = (*e)->openPeer(rdv_, "target", deadlineInMs(10000));
+  auto pid = e->openPeer(rdv_, "target", deadlineInMs(10000));
   ASSERT_FALSE(pid.ok()) << "an engine with the wrong secret opened the target";
   EXPECT_EQ(pid.status().code(), Code::kPermissionDenied) << pid.status().toString();
   EXPECT_LT(msSince(t0), 2000) << "a denial should not wait for the deadline";
