@@ -83,14 +83,19 @@ Elastic::Found Elastic::observe(const View& base, const std::vector<int>& must, 
                     -1, "view");
   publishObs(*r);
   ring();
-  // Whom to wait for: every process of the view that this one sees alive.
+  // Whom to wait for (membership.h): those this process sees alive, or, when it sees fewer
+  // than half of the members, all of them.
   std::vector<int> expect;
+  bool all = false;
   {
     std::lock_guard<std::mutex> g(mu_);
-    for (int s = 0; s < max_size_; ++s)
-      if (s != slot_ && base.incarnation[s] != 0 && base.state[s] != MemberState::kNone &&
-          base.state[s] != MemberState::kLeft && alive(s, base.incarnation[s]))
-        expect.push_back(s);
+    expect = observersToAwait(base, slot_, [&](int s) { return alive(s, base.incarnation[s]); },
+                              &all);
+  }
+  if (all) {
+    MC_LOG(INFO, PG) << "group " << name_ << " slot " << slot_
+                     << ": sees fewer than half of the members alive; waiting for every "
+                        "member's observations";
   }
   std::map<int, Obs> fresh;
   {

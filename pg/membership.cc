@@ -136,6 +136,31 @@ bool LinkMatrix::link(int a, int b) const {
   return (bits_[static_cast<size_t>(a) * words_ + b / 64] >> (b % 64)) & 1;
 }
 
+std::vector<int> observersToAwait(const View& v, int self, const std::function<bool(int)>& up,
+                                  bool* all) {
+  std::vector<int> seen_up, unseen;
+  int members = 1, seen = 1;  // self
+  for (int s = 0; s < v.maxSize(); ++s) {
+    if (s == self || v.incarnation[s] == 0 || v.state[s] == MemberState::kNone ||
+        v.state[s] == MemberState::kLeft)
+      continue;
+    const bool counts = v.state[s] == MemberState::kActive || v.state[s] == MemberState::kAwaiting;
+    const bool alive = up(s);
+    members += counts;
+    seen += counts && alive;
+    if (alive)
+      seen_up.push_back(s);
+    else if (counts)
+      unseen.push_back(s);
+  }
+  *all = 2 * seen < members;
+  if (*all) {
+    seen_up.insert(seen_up.end(), unseen.begin(), unseen.end());
+    std::sort(seen_up.begin(), seen_up.end());
+  }
+  return seen_up;
+}
+
 SlotMask healthySet(const SlotMask& candidates, const LinkMatrix& links) {
   const int n = links.size();
   const int words = links.words_;

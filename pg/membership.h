@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -83,6 +84,16 @@ class LinkMatrix {
 // no link in either direction to any other candidate is dropped too (it is the isolated one);
 // then candidates connected to every member are added back, lowest slot first.
 SlotMask healthySet(const SlotMask& candidates, const LinkMatrix& links);
+
+// Whose observations a reconciling process waits for: every other process of view v (state
+// neither None nor Left) that it sees alive (`up`); and, when it sees fewer than half of the
+// view's Active and Awaiting members alive (itself counted as one), also those it does not see,
+// for the whole window. Their deaths and this process being the one cut off look the same from
+// here; only their own observations (in the store) tell the two apart: a proposer cut off from
+// every link weighed only itself and proposed a view in which it alone was healthy. *all: the
+// second case. Ascending slots.
+std::vector<int> observersToAwait(const View& v, int self, const std::function<bool(int)>& up,
+                                  bool* all);
 
 // ---- transitions: each returns the next view (epoch + 1; data_epoch = the new epoch when the
 // data plane changes). They never fail; the checks are the callers' (see admit*). ----

@@ -128,6 +128,36 @@ TEST(PgMembership, HealthySetIsolatedSingletonAndReAdd) {
   EXPECT_EQ(healthySet(mask(3, {0, 1, 2}), l), mask(3, {0, 2}));
 }
 
+// A reconciling process that sees fewer than half of the members alive waits for every
+// member's observations: it cannot tell their deaths from its own isolation, and the
+// observations they publish evict it (the proposer cut off from every link proposed a view in
+// which it alone was healthy when it weighed only those it saw).
+TEST(PgMembership, ObserversToAwaitWhenMostLookDead) {
+  const View v = initialView(4, 4);
+  auto sees = [](std::set<int> up) { return [up](int s) { return up.count(s) > 0; }; };
+  bool all = false;
+  EXPECT_EQ(observersToAwait(v, 0, sees({}), &all), (std::vector<int>{1, 2, 3}));
+  EXPECT_TRUE(all);
+  // Two of four (itself and slot 2): half, enough; the unseen ones are taken for dead.
+  EXPECT_EQ(observersToAwait(v, 0, sees({2}), &all), (std::vector<int>{2}));
+  EXPECT_FALSE(all);
+  // World 2, the peer dead: half, so a survivor of a two-member group does not wait.
+  EXPECT_EQ(observersToAwait(initialView(2, 2), 1, sees({}), &all), (std::vector<int>{}));
+  EXPECT_FALSE(all);
+  // Inactive members do not count and are not awaited unless seen; unused slots never are.
+  const View w = deactivated(initialView(6, 5), {3, 4});  // active 0 1 2, inactive 3 4
+  EXPECT_EQ(observersToAwait(w, 0, sees({4}), &all), (std::vector<int>{1, 2, 4}));
+  EXPECT_TRUE(all);  // 1 of 3 counted members seen (itself)
+  EXPECT_EQ(observersToAwait(w, 0, sees({1}), &all), (std::vector<int>{1}));
+  EXPECT_FALSE(all);
+  // What the wider wait buys: slot 0 is cut off from every link, 1-3 reach one another; with
+  // their observations slot 0 is evicted, with only its own it alone would be healthy.
+  LinkMatrix l = full(4);
+  for (int b = 1; b < 4; ++b) cut(l, 0, b);
+  EXPECT_EQ(healthySet(mask(4, {0, 1, 2, 3}), l), mask(4, {1, 2, 3}));
+  EXPECT_EQ(healthySet(mask(4, {0}), l), mask(4, {0}));
+}
+
 TEST(PgMembership, ReconcileModes) {
   View v = joined(initialView(6, 4), 5, 1);
   SlotMask h = mask(6, {0, 1, 3});  // 2 failed, the joiner 5 is not healthy either
