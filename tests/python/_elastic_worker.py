@@ -371,6 +371,47 @@ def manual():
            final=all_reduce(PROC + 1))
 
 
+def coalesced_evidence():
+    """Framework-managed group of 3, rank 2 dead: a torch 2 coalescing block
+    (allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced: one joined Work over
+    several parts) completes on the survivors with local_success False and rank 2 in the hint,
+    as a single op's Work does; membership is unchanged, and after deactivate_ranks the same
+    block runs over the two survivors and gives what gloo's arithmetic would."""
+    b = init(PROC, 3, auto_deactivate=False, auto_sync=False)
+    assert all_reduce(PROC + 1)[0] == 6
+    if PROC == 2:
+        event("broken")
+        die()
+    wait_event("broken")
+    wait_until(lambda: not pg.get_peer_state(b, [2])[0], 10, "rank 2 seen dead")
+    x = torch.full((4,), float(PROC + 1))
+    y = torch.arange(6, dtype=torch.float32) + 10 * PROC
+
+    def block(world):
+        outs = [torch.full((4 * world,), -1.0), torch.full((6 * world,), -1.0)]
+        rs_in = torch.arange(2 * world, dtype=torch.float32) * (PROC + 1)
+        rs_out = torch.full((2,), -1.0)
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_gather_into_tensor(outs[0], x)
+            dist.all_gather_into_tensor(outs[1], y)
+        ag = cm.works
+        for w in ag:
+            w.wait()
+        with dist._coalescing_manager(async_ops=True) as cm2:
+            dist.reduce_scatter_tensor(rs_out, rs_in)
+        rs = cm2.works
+        for w in rs:
+            w.wait()
+        ev = [[bool(pg.get_local_success(w)), pg.get_failed_ranks_hint(w).tolist()]
+              for w in ag + rs]
+        return ev, [o.tolist() for o in outs], rs_out.tolist()
+
+    failed = block(3)
+    resp = pg.deactivate_ranks(b, [2])
+    ok = block(2)  # slots 0 and 1: the size is one past the highest active slot
+    report(failed=failed[0], ok=ok, deact=int(resp.status), active=active(b))
+
+
 def coordinator_killed():
     """Rank 0 (the first proposer; it hosts no store here) is SIGKILLed by the test: the
     others hold the view without it within 2 s and keep running."""

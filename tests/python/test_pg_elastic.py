@@ -228,6 +228,23 @@ def test_framework_managed_failure(job):
     assert res[4]["final"] == [10.0, True, [0, 0, 0, 0]]
 
 
+@pytest.mark.skipif(_compat.TORCH_VERSION < (2, 1), reason="coalescing blocks: torch >= 2.1")
+def test_coalesced_block_carries_failure_evidence(job):
+    res = job("coalesced_evidence", 3).results([0, 1])
+    for p in (0, 1):
+        r = res[p]
+        assert r["failed"], r
+        for ok, hint in r["failed"]:  # every joined Work: a failure naming rank 2
+            assert not ok and hint == [0, 0, 1], r
+        assert r["deact"] in (1, 2) and r["active"] == [1, 1, 0], r
+        ev, (ag_x, ag_y), rs = r["ok"]
+        assert all(ok and hint == [0, 0, 0] for ok, hint in ev), r
+        assert ag_x == [1.0] * 4 + [2.0] * 4, r  # gloo's layout: rank 0's block, then rank 1's
+        assert ag_y == [float(i) for i in range(6)] + [float(i + 10) for i in range(6)], r
+        # reduce_scatter of arange(4) * (rank + 1): sum over ranks 0, 1 = arange(4) * 3
+        assert rs == [float(3 * (2 * p)), float(3 * (2 * p + 1))], r
+
+
 def test_coordinating_rank_killed(job):
     j = job("coordinator_killed", 4)
     for p in range(4):
