@@ -74,6 +74,13 @@ def test_setup_forms(env):
                     "protocol": "tcp", "rdma_devices": "", "master_server_addr": m.addr}) == 0
     assert s.put("dict", b"d" * 100) == 0 and s.get("dict") == b"d" * 100
     s.close()
+    # The dict by keyword, as upstream binds it (py::arg("config")).
+    s = MooncakeDistributedStore()
+    assert s.setup(config={"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+                           "global_segment_size": "0", "protocol": "tcp",
+                           "master_server_addr": m.addr}) == 0
+    assert s.health_check() == 0
+    s.close()
     # mooncake.json's spellings (device_name, master_server_address), as vLLM's and SGLang's
     # config files have them: the master named there is the one used.
     s = MooncakeDistributedStore()
@@ -233,6 +240,16 @@ def test_ranges_replicas_and_clear(env):
     raw = bytes(buf)
     assert raw[:len(data)] == data and raw[32768:32768 + len(data)] == data[::-1]
     assert raw[16384:16384 + lay * 64] == data[:lay * 64]
+    # Upstream's keyword names (all_buffer_ptrs, all_src_offsets) and the ones vLLM Ascend's
+    # protocol declares (all_buffers, all_offsets) read the same bytes.
+    for kw in ({"all_buffer_ptrs": [[p + 50000]], "all_src_offsets": [[7]]},
+               {"all_buffers": [[p + 50000]], "all_offsets": [[7]]}):
+        buf[50000:50016] = b"\0" * 16
+        assert s.batch_get_into_multi_buffer_ranges(keys=["rg/a"], all_sizes=[[16]], **kw) == [16]
+        assert bytes(buf[50000:50016]) == data[7:23], kw
+    with pytest.raises(TypeError, match="all_ptrs"):
+        s.batch_get_into_multi_buffer_ranges(["rg/a"], all_ptrs=[[p]], all_sizes=[[1]],
+                                             all_src_offsets=[[0]])
     assert s.batch_get_session_end(["rg/a", "rg/b"]) == 0
     assert s.batch_get_into_multi_buffer_ranges(
         ["rg/a", "rg/missing", "rg/b", "rg/a"], [[p], [p], [p], [p, p]],

@@ -86,6 +86,14 @@ def test_layerwise_save(env):
     assert s.batch_put_from_multi_buffer_ranges(["ps/d"], [[p]], [[page]], [[0]]) == [page]
     assert s.batch_put_end(["ps/d"]) == [0]
     assert r.get("ps/d") == cache[:page]
+    # By keyword: upstream's names, and all_buffers / all_offsets.
+    for i, kw in enumerate(({"all_buffer_ptrs": [[p]], "all_dst_offsets": [[0]]},
+                            {"all_buffers": [[p]], "all_offsets": [[0]]})):
+        assert s.batch_put_start([f"ps/kw{i}"], [page]) == [0]
+        assert s.batch_put_from_multi_buffer_ranges(keys=[f"ps/kw{i}"], all_sizes=[[page]],
+                                                    **kw) == [page]
+        assert s.batch_put_end([f"ps/kw{i}"]) == [0]
+        assert r.get(f"ps/kw{i}") == cache[:page]
     assert s.unregister_buffer(p) == 0
 
 

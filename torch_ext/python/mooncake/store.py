@@ -83,6 +83,26 @@ def object_footprint(key_length, size):
 
 
 _BAD = int(ErrorCode.INVALID_PARAMS)
+
+
+def _range_args(fn, aliases, ptrs, sizes, offsets):
+    """The buffer and offset lists of a multi-buffer range call, under upstream's keyword names
+    or the other names callers use (all_buffers; all_offsets): TypeError as Python's own for an
+    unknown, doubled or missing argument."""
+    off_alias, offs, off_name = offsets
+    for k, v in aliases.items():
+        if k == "all_buffers" and ptrs is None:
+            ptrs = v
+        elif k == off_alias and offs is None:
+            offs = v
+        elif k in ("all_buffers", off_alias):
+            raise TypeError(f"{fn}() got multiple values for argument '{k}'")
+        else:
+            raise TypeError(f"{fn}() got an unexpected keyword argument '{k}'")
+    for name, v in (("all_buffer_ptrs", ptrs), ("all_sizes", sizes), (off_name, offs)):
+        if v is None:
+            raise TypeError(f"{fn}() missing required argument: '{name}'")
+    return ptrs, offs
 _EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
 _SETUP_NAMES = ("local_hostname", "metadata_server", "global_segment_size", "local_buffer_size",
                 "protocol", "rdma_devices", "master_server_addr", "engine",
@@ -145,6 +165,8 @@ class MooncakeDistributedStore(TensorApi):
         logs a warning and nothing listens on ``client_http_port``."""
         if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
             return self._setup_dict(args[0])
+        if not args and set(kwargs) == {"config"} and isinstance(kwargs["config"], dict):
+            return self._setup_dict(kwargs["config"])  # upstream binds it as py::arg("config")
         if len(args) > len(_SETUP_NAMES):
             raise TypeError(f"setup() takes at most {len(_SETUP_NAMES)} positional arguments "
                             f"({len(args)} given)")
@@ -434,12 +456,18 @@ class MooncakeDistributedStore(TensorApi):
     batch_get_start = batch_get_session_start
     batch_get_end = batch_get_session_end
 
-    def batch_get_into_multi_buffer_ranges(self, keys, all_buffers, all_sizes, all_offsets):
-        """For key i and its j-th range: object bytes [all_offsets[i][j], +all_sizes[i][j]) to
-        all_buffers[i][j] (registered memory, host or GPU). One replica-list call to the master
-        and one engine batch for all keys (a key whose first replica fails reads its others
-        alone). Per key: the bytes read (the sum of its sizes), or the first failure's negative
-        code (a missing key, a range past the object, lists of different lengths: -600)."""
+    def batch_get_into_multi_buffer_ranges(self, keys, all_buffer_ptrs=None, all_sizes=None,
+                                           all_src_offsets=None, **aliases):
+        """For key i and its j-th range: object bytes [all_src_offsets[i][j], +all_sizes[i][j])
+        to all_buffer_ptrs[i][j] (registered memory, host or GPU). One replica-list call to the
+        master and one engine batch for all keys (a key whose first replica fails reads its
+        others alone). Per key: the bytes read (the sum of its sizes), or the first failure's
+        negative code (a missing key, a range past the object, lists of different lengths:
+        -600). Keyword names: upstream's; ``all_buffers`` and ``all_offsets`` are accepted too
+        (the names some callers' protocols declare)."""
+        all_buffers, all_offsets = _range_args("batch_get_into_multi_buffer_ranges", aliases,
+                                               all_buffer_ptrs, all_sizes,
+                                               ("all_offsets", all_src_offsets, "all_src_offsets"))
         keys = list(keys)
         out = [_BAD] * len(keys)
         good = []
@@ -471,14 +499,18 @@ class MooncakeDistributedStore(TensorApi):
             return [rc or _BAD] * len(keys)
         return self._c.put_session_start(keys, [int(n) for n in sizes], c)
 
-    def batch_put_from_multi_buffer_ranges(self, keys, all_buffers, all_sizes, all_dst_offsets,
-                                           config=None):
-        """For key i and its j-th range: all_buffers[i][j] (registered memory, host or GPU)
-        to object bytes [all_dst_offsets[i][j], +all_sizes[i][j]). One engine batch for all
+    def batch_put_from_multi_buffer_ranges(self, keys, all_buffer_ptrs=None, all_sizes=None,
+                                           all_dst_offsets=None, config=None, **aliases):
+        """For key i and its j-th range: all_buffer_ptrs[i][j] (registered memory, host or
+        GPU) to object bytes [all_dst_offsets[i][j], +all_sizes[i][j]). One engine batch for all
         keys. Per key: the bytes written (the sum of its sizes), or a negative code (-704: no
         session open; -600: lists of different lengths, a range past the object or from
         unregistered memory, and nothing of that key is written; -800: a transfer failed, and
-        the session can only be revoked). `config` is ignored (start took it)."""
+        the session can only be revoked). `config` is ignored (start took it). Keyword names:
+        upstream's; ``all_buffers`` and ``all_offsets`` are accepted too."""
+        all_buffers, all_dst_offsets = _range_args("batch_put_from_multi_buffer_ranges", aliases,
+                                                   all_buffer_ptrs, all_sizes,
+                                                   ("all_offsets", all_dst_offsets, "all_dst_offsets"))
         keys = list(keys)
         return self._c.put_session_ranges(
             keys, [[int(p) for p in ps] for ps in all_buffers],
