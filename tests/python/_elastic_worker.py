@@ -412,6 +412,21 @@ def coalesced_evidence():
     report(failed=failed[0], ok=ok, deact=int(resp.status), active=active(b))
 
 
+def isolated_proposer():
+    """test_isolated_proposer_is_evicted_not_the_others: slot 0 runs on another simulated host
+    whose engine link the test cuts after everyone is ready; the store stays reachable."""
+    b = init(PROC, 4)
+    assert all_reduce(PROC + 1)[0] == 10
+    event(f"ready{PROC}")
+    wait_event("cut")
+    if PROC == 0:
+        wait_until(lambda: active(b)[0] == 0, 30, "a view without slot 0")
+        report(active=active(b), epoch=pg.get_current_epoch(b))
+        return
+    wait_until(lambda: active(b) == [0, 1, 1, 1], 30, "a view without slot 0")
+    report(active=active(b), sum=list(all_reduce(PROC + 1)), epoch=pg.get_current_epoch(b))
+
+
 def coordinator_killed():
     """Rank 0 (the first proposer; it hosts no store here) is SIGKILLed by the test: the
     others hold the view without it within 2 s and keep running."""

@@ -41,3 +41,32 @@ def netns_pair(tag):
     finally:
         subprocess.run(["ip", "link", "del", veth_host], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@contextlib.contextmanager
+def extra_link(ns, tag):
+    """A second veth pair between here and namespace `ns` (from netns_pair), with its own /24:
+    yields (address here, address in the namespace, cut) where cut() takes this link down and
+    aborts every tcp connection over it on both sides (ss -K), as a failed NIC would, while the
+    first link stays up. Removed afterwards."""
+    pid = os.getpid()
+    veth_host, veth_ns = f"{ns}{tag}h", f"{ns}{tag}n"
+    net = f"10.{pid % 200 + 20}.{(pid // 200 + sum(map(ord, tag)) + 97) % 250}"
+    host_ip, ns_ip = f"{net}.1", f"{net}.2"
+
+    def cut():
+        _sh("ip", "link", "set", veth_host, "down")
+        subprocess.run(["ss", "-K", "dst", ns_ip], capture_output=True)
+        subprocess.run(["ip", "netns", "exec", ns, "ss", "-K", "dst", host_ip],
+                       capture_output=True)
+
+    try:
+        _sh("ip", "link", "add", veth_host, "type", "veth", "peer", "name", veth_ns)
+        _sh("ip", "link", "set", veth_ns, "netns", ns)
+        _sh("ip", "addr", "add", f"{host_ip}/24", "dev", veth_host)
+        _sh("ip", "link", "set", veth_host, "up")
+        _sh("ip", "addr", "add", f"{ns_ip}/24", "dev", veth_ns, ns=ns)
+        _sh("ip", "link", "set", veth_ns, "up", ns=ns)
+        yield host_ip, ns_ip, cut
+    finally:
+        subprocess.run(["ip", "link", "del", veth_host], capture_output=True)

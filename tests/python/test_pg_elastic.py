@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mooncake import _compat
 
-from _netns import netns_pair
+from _netns import extra_link, netns_pair
 from harness import PYTHON, child_env, here_path
 
 pytestmark = [
@@ -28,9 +28,11 @@ WORKER = here_path("_elastic_worker.py")
 
 class Job:
     """Processes 0..procs-1 of a scenario. host: the address the job's store listens on;
-    netns: {process: network namespace} for processes that run on a second simulated host."""
+    netns: {process: network namespace} for processes that run on a second simulated host;
+    env_of: {process: environment} added to env for that process."""
 
-    def __init__(self, scenario, procs, env=None, timeout_s=120, host="127.0.0.1", netns=None):
+    def __init__(self, scenario, procs, env=None, timeout_s=120, host="127.0.0.1", netns=None,
+                 env_of=None):
         _compat.honour_use_libuv_0()  # a torch without libuv: conftest has set USE_LIBUV=0
         self.store = dist.TCPStore(host, 0, is_master=True,
                                    timeout=timedelta(seconds=timeout_s))
@@ -43,7 +45,8 @@ class Job:
             self.procs.append(subprocess.Popen(
                 (["ip", "netns", "exec", ns] if ns else []) +
                 [PYTHON, "-u", WORKER, scenario, str(p), str(self.port), host], stdout=log,
-                stderr=subprocess.STDOUT, env=child_env(env), cwd="/"))
+                stderr=subprocess.STDOUT, env=child_env({**(env or {}), **(env_of or {}).get(p, {})}),
+                cwd="/"))
         self.timeout_s = timeout_s
 
     def reported(self, p):
@@ -185,6 +188,29 @@ def test_recovery_across_simulated_hosts(second_host, job):
     for p in (0, 1, 2, 4):
         log = j.log(p)
         assert " over tcp" in log and " over shm" in log, log[-3000:]
+
+
+def test_isolated_proposer_is_evicted_not_the_others(second_host, job):
+    """Slot 0 (the first proposer) alone on a second simulated host whose engine link fails
+    (the link taken down, its tcp connections aborted) while its link to the job's store stays:
+    it sees every peer gone and they see it gone. It must not win with a view in which it alone
+    is healthy (it weighed only itself and could); every process ends with slot 0 inactive and
+    slots 1-3 running without it."""
+    ns, host_ip, _ = second_host
+    with extra_link(ns, "x") as (eng_here, eng_there, cut):
+        j = job("isolated_proposer", 4, host=host_ip, netns={0: ns},
+                env_of={0: {"MC_TCP_BIND_HOST": eng_there},
+                        **{p: {"MC_TCP_BIND_HOST": eng_here} for p in (1, 2, 3)}})
+        for p in range(4):
+            j.wait_event(f"ready{p}")
+        cut()
+        j.store.set("ev/cut", "1")
+        res = j.results([0, 1, 2, 3])
+    for p in range(4):
+        assert res[p]["active"] == [0, 1, 1, 1], res[p]
+    for p in (1, 2, 3):
+        assert res[p]["sum"] == [9.0, True, [0, 0, 0, 0]], res[p]
+    assert len({res[p]["epoch"] for p in range(4)}) == 1, res
 
 
 def test_p2p_recovery(job):
