@@ -107,6 +107,12 @@ const std::vector<ParamDef>& table() {
        "1: when no NIC reaches a peer any more, the rdma transport carries its reads, writes and "
        "notifications over the engine's tcp control link to it until a NIC is back. 0: such "
        "requests fail, naming the peer, the operation and every NIC's error."},
+      {"MC_RDMA_TRAFFIC_CLASS", Type::kInt, "0",
+       "Traffic class (0-255: DSCP * 4 + ECN bits) in the GRH of the rdma transport's RoCE QPs, as "
+       "NCCL_IB_TC; what a lossless (PFC) or ECN-marked class needs is the fabric's choice."},
+      {"MC_RDMA_SERVICE_LEVEL", Type::kInt, "0",
+       "Service level (0-15) of the rdma transport's QPs, as NCCL_IB_SL (InfiniBand: the SL "
+       "the fabric maps to a virtual lane; RoCE: the VLAN priority where the NIC uses it)."},
       {"MC_RDMA_STRIPE", Type::kString, "near",
        "Which NICs carry a request's slices: near (the NICs nearest to its local buffer: same "
        "PCI switch, else same NUMA node, else all; docs/rdma.md) or all (every NIC)."},

@@ -75,7 +75,7 @@ void RdmaPeer::wake() {
       continue;
     }
     if (raw.ok()) {
-      ibv_destroy_qp(*raw);
+      m.nic->destroyQp(*raw);
       continue;
     }
     m.failed = true;

@@ -5,6 +5,7 @@
 
 #include "engine/log.h"
 #include "engine/transport/rdma/rdma_peer.h"
+#include "engine/transport/rdma/rdma_notify.h"
 
 namespace mooncake::engine::rdma {
 
@@ -110,6 +111,69 @@ Status RdmaPeer::everyNicFailed(const Op& o) {
     os << " " << l.nic->name << ": "
        << (l.error.ok() && l.qp ? l.qp->failedStatus().message() : l.error.message()) << ";";
   return Status(Code::kIo, os.str());
+}
+
+// The tcp fallback's target side: what the NIC would have done, checked as the NIC checks it
+// (the range inside a region registered here, the key the initiator names being that region's
+// key on that NIC), done on the engine's tcp thread before the answer goes back.
+void RdmaTransportImpl::onFallback(const SegmentDesc& from, const std::string& request,
+                                   const std::function<void(Result<std::string>)>& reply) {
+  const size_t nl = request.find('\n');
+  std::istringstream in(request.substr(0, nl));
+  std::string f, what;
+  in >> f >> what;
+  if (what == "N") {
+    uint64_t conn = 0, tag = 0;
+    uint32_t channel = 0, word = 0;
+    if (!(in >> conn >> channel >> word >> tag))
+      return reply(MC_STATUS(kProtocol, "rdma: malformed fallback notification"));
+    std::shared_ptr<NotifyOrder> order;
+    {
+      std::lock_guard<std::mutex> g(target_mu_);
+      auto it = orders_.find({from.engine_id, conn});
+      if (it != orders_.end()) order = it->second;
+    }
+    if (!order)
+      return reply(MC_STATUS(kNotFound, "rdma: no connection " << conn << " from " << from.name));
+    const uint64_t src = from.engine_id;
+    if (!order->arrive(word, channel, tag,
+                       [&](uint32_t c, uint64_t tg) { deliverNotify(src, c, tg); }))
+      return reply(MC_STATUS(kProtocol, "rdma: malformed fallback notification word"));
+    return reply(std::string());
+  }
+  uint64_t addr = 0, len = 0;
+  int nic = -1;
+  uint32_t rkey = 0;
+  if ((what != "W" && what != "R") || !(in >> addr >> nic >> rkey >> len) ||
+      (what == "W" && (nl == std::string::npos || request.size() - nl - 1 != len)))
+    return reply(MC_STATUS(kProtocol, "rdma: malformed fallback request"));
+  std::shared_lock<std::shared_mutex> g(mr_mu_);
+  auto it = mrs_.upper_bound(addr);
+  bool ok = it != mrs_.begin();
+  if (ok) {
+    --it;
+    ok = addr - it->first <= it->second.len && len <= it->second.len - (addr - it->first) &&
+         nic >= 0 && static_cast<size_t>(nic) < it->second.mrs.size() &&
+         it->second.mrs[static_cast<size_t>(nic)] != nullptr &&
+         it->second.mrs[static_cast<size_t>(nic)]->rkey == rkey;
+  }
+  if (ok && it->second.device)
+    return reply(MC_STATUS(kNotSupported, "rdma (tcp fallback): [" << hex(addr) << ", +" << len
+                                              << ") from " << from.name
+                                              << " is GPU memory, which no NIC reaches now and "
+                                                 "tcp cannot carry"));
+  if (!ok)
+    return reply(MC_STATUS(kPermissionDenied, "rdma (tcp fallback): [" << hex(addr) << ", +" << len
+                                                  << ") from " << from.name
+                                                  << " is not in a region registered here "
+                                                     "under that key"));
+  if (what == "W") {
+    std::memcpy(reinterpret_cast<void*>(addr), request.data() + nl + 1, len);
+    return reply(std::string());
+  }
+  std::string data(reinterpret_cast<const char*>(addr), len);
+  g.unlock();
+  reply(std::move(data));
 }
 
 }  // namespace mooncake::engine::rdma

@@ -68,6 +68,20 @@ struct TaskState {
 
 class Qp;
 
+// The RoCE traffic class and the service level of every QP (MC_RDMA_TRAFFIC_CLASS,
+// MC_RDMA_SERVICE_LEVEL, as NCCL_IB_TC / NCCL_IB_SL).
+struct RoceClass {
+  uint8_t traffic_class = 0;
+  uint8_t service_level = 0;
+};
+
+// Whether a failed work request's status is the request's own fault (a key, a bound, a
+// length): it fails that request, and moving it to another NIC would fail the same way.
+inline bool permanentWcError(ibv_wc_status s) {
+  return s == IBV_WC_REM_ACCESS_ERR || s == IBV_WC_REM_INV_REQ_ERR || s == IBV_WC_LOC_PROT_ERR ||
+         s == IBV_WC_LOC_LEN_ERR;
+}
+
 // One work request (a slice of a READ/WRITE, or one part of a notification).
 struct Op final : CompletionTarget {
   Qp* qp = nullptr;
@@ -117,15 +131,21 @@ class Qp {
   Status failedStatus();
   int inflight();
   bool idle();  // nothing queued or in flight
-  // Once failed (reroutably) with nothing in flight: every op it holds, in issue order, and
-  // the failure (empty otherwise). The owner calls it under its lock (Reroute).
-  std::vector<Op*> takeBack(Status* why);
+  // Once failed (reroutably) with nothing in flight: every op it holds, in issue order, the
+  // failure, whether a request's own error caused it (`permanent`: that request failed, the
+  // link is fine) and whether this is the first call since it failed (`first`: the owner
+  // marks its lane failed even when nothing is left to move). Empty otherwise. The owner
+  // calls it under its lock (Reroute).
+  std::vector<Op*> takeBack(Status* why, bool* permanent, bool* first);
+  // Its NIC's CQ failed: no completion comes for what is posted; all of it is given back as
+  // if flushed (the QP moves to the error state).
+  void abandon(const Status& why);
   // A stalled NIC: work outstanding and nothing completed for `after`: fails the QP (its
   // work moves on as after an error completion). The prober calls it.
   void checkStall(Clock::time_point now, std::chrono::milliseconds after);
 
  private:
-  void failLocked(const Status& why);
+  void failLocked(const Status& why, bool permanent = false);
   void pumpLocked(std::vector<std::pair<Op*, Status>>* done);
   // Under mu_: failed (reroutably), nothing in flight and ops held: counts a hand-back.
   bool handBackDueLocked();
@@ -144,11 +164,14 @@ class Qp {
   std::mutex mu_;
   std::deque<Op*> pending_;   // not posted yet, in order
   std::vector<Op*> orphans_;  // posted, then flushed by a failure, in post order
+  std::deque<Op*> posted_;    // posted and not completed, in post order
   int inflight_ = 0;
   Clock::time_point last_progress_{};  // last completion, or the post that ended an idle spell
   int handing_ = 0;  // give-backs running (the destructor waits for them too)
   bool failed_ = false;
   bool reroutable_ = false;  // failed by a work request (not by fail()): give ops back
+  bool permanent_ = false;   // ... whose own error (permanentWcError) it was
+  bool announced_ = false;   // the owner was told of the failure (takeBack ran)
   Status why_;
 };
 
@@ -217,6 +240,9 @@ class RdmaTransportImpl final : public Transport {
   void pumpAll();
   void deliverNotify(uint64_t src, uint32_t channel, uint64_t tag);
   const std::vector<std::unique_ptr<Nic>>& nics() const { return nics_; }
+  // A NIC's CQ failed (Nic::on_dead): its QPs' work goes to other lanes or tcp, its target
+  // QPs are closed.
+  void nicDied(Nic* nic, const Status& why);
 
  private:
   struct LocalMr {
@@ -252,6 +278,7 @@ class RdmaTransportImpl final : public Transport {
   int max_endpoints_ = 0;                  // per NIC (0: no limit)
   Clock::duration evict_grace_{};          // an endpoint used more recently stays
   bool tcp_fallback_ = true;
+  RoceClass cls_;
   std::shared_ptr<const Topology> topo_;
   bool stopped_ = false;
   mutable std::shared_mutex mr_mu_;

@@ -2,6 +2,7 @@
 
 #include <limits.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "engine/log.h"
 #include "engine/params.h"
@@ -85,10 +87,12 @@ Result<std::unique_ptr<Nic>> openOne(ibv_device* dev, int index) {
     return MC_STATUS(kUnavailable, "rdma: cannot query " << n->name);
   n->max_mr_size = da.max_mr_size;
   n->max_rd_atom = std::min(da.max_qp_rd_atom, da.max_qp_init_rd_atom);
+  n->max_cqe = da.max_cqe > 0 ? da.max_cqe : 16384;
   if (!n->ib) MC_RETURN_IF_ERROR(chooseGid(n.get()));
   n->pd = ibv_alloc_pd(n->ctx);
   n->channel = ibv_create_comp_channel(n->ctx);
-  int cqe = std::min(da.max_cqe > 0 ? da.max_cqe : 16384, 16384);
+  // 16384 entries to begin with (a few hundred QPs); createQp() grows it when QPs need more.
+  int cqe = std::min(n->max_cqe, 16384);
   if (n->pd != nullptr && n->channel != nullptr)
     n->cq = ibv_create_cq(n->ctx, cqe, nullptr, n->channel, 0);
   if (n->pd == nullptr || n->channel == nullptr || n->cq == nullptr)
@@ -97,6 +101,31 @@ Result<std::unique_ptr<Nic>> openOne(ibv_device* dev, int index) {
 }
 
 }  // namespace
+
+// Why ibv_reg_mr refused host memory (errno `e`), as the kernel decides it: pinning beyond
+// RLIMIT_MEMLOCK without CAP_IPC_LOCK (ENOMEM, or EPERM with a limit of 0), a range that is
+// not mapped, or not with the access asked for (EFAULT).
+Status registrationError(const std::string& nic, uint64_t addr, uint64_t len, int e) {
+  std::ostringstream os;
+  os << "rdma: cannot register [" << "0x" << std::hex << addr << std::dec << ", +" << len << ") with " << nic << ": "
+     << strerror(e);
+  if (e == ENOMEM || e == EPERM) {
+    rlimit rl{};
+    getrlimit(RLIMIT_MEMLOCK, &rl);
+    os << " (pinned memory is limited by RLIMIT_MEMLOCK, ";
+    if (rl.rlim_cur == RLIM_INFINITY)
+      os << "unlimited";
+    else
+      os << rl.rlim_cur << " bytes";
+    os << " here: raise it (ulimit -l, the service's LimitMEMLOCK) or grant CAP_IPC_LOCK)";
+    return Status(Code::kUnavailable, os.str());
+  }
+  if (e == EFAULT) {
+    os << " (the range is not mapped memory, or not readable and writable: rdma needs both)";
+    return Status(Code::kInvalidArgument, os.str());
+  }
+  return Status(Code::kUnavailable, os.str());
+}
 
 Nic::~Nic() {
   stopPoller();
@@ -118,34 +147,98 @@ int Nic::activeMtu() const {
   return port.active_mtu;
 }
 
+Result<ibv_qp*> Nic::createQp(ibv_qp_init_attr* attr) {
+  const int need = static_cast<int>(attr->cap.max_send_wr + attr->cap.max_recv_wr);
+  std::lock_guard<std::mutex> g(cq_mu_);
+  if (!dead_.ok()) return dead_;
+  if (cq_reserved_ + need > cq->cqe) {
+    // Grow the CQ (doubling, up to the device's limit) before refusing the QP.
+    int want = std::min<int64_t>(max_cqe, std::max<int64_t>(int64_t{cq->cqe} * 2, cq_reserved_ + need));
+    if (cq_reserved_ + need > want || ibv_resize_cq(cq, want) != 0 || cq->cqe < cq_reserved_ + need)
+      return MC_STATUS(kUnavailable,
+                       "rdma: the CQ of " << name << " has no room for another QP ("
+                                          << cq_reserved_ << " of " << cq->cqe
+                                          << " entries reserved, " << need << " more needed, max_cqe "
+                                          << max_cqe << ")");
+    MC_LOG(INFO, RDMA) << name << ": CQ grown to " << cq->cqe << " entries";
+  }
+  attr->send_cq = cq;
+  attr->recv_cq = cq;
+  ibv_qp* qp = ibv_create_qp(pd, attr);
+  if (qp == nullptr)
+    return MC_STATUS(kUnavailable, "rdma: cannot create a QP on " << name << ": " << strerror(errno));
+  cq_reserved_ += need;
+  cq_share_[qp] = need;
+  return qp;
+}
+
+void Nic::destroyQp(ibv_qp* qp) {
+  if (qp == nullptr) return;
+  ibv_destroy_qp(qp);
+  std::lock_guard<std::mutex> g(cq_mu_);
+  auto it = cq_share_.find(qp);
+  if (it == cq_share_.end()) return;
+  cq_reserved_ -= it->second;
+  cq_share_.erase(it);
+}
+
+std::pair<int, int> Nic::cqUsage() {
+  std::lock_guard<std::mutex> g(cq_mu_);
+  return {cq_reserved_, cq->cqe};
+}
+
+Status Nic::deadStatus() {
+  std::lock_guard<std::mutex> g(cq_mu_);
+  return dead_;
+}
+
+int Nic::poll(ibv_wc* wcs, int n) {
+  const int got = ibv_poll_cq(cq, n, wcs);
+  if (got >= 0) return got;
+  Status why = MC_STATUS(kIo, "rdma: polling the CQ of " << name
+                                  << " failed (a CQ overrun or a device error): the NIC is out of "
+                                     "service, its work moves to other NICs or tcp");
+  {
+    std::lock_guard<std::mutex> g(cq_mu_);
+    dead_ = why;
+  }
+  dead_flag_.store(true);
+  MC_LOG(ERROR, RDMA) << why.message();
+  if (on_dead) on_dead(why);
+  return -1;
+}
+
 void Nic::startPoller(int64_t spin_us) {
   poller = std::thread([this, spin_us] {
     ibv_wc wcs[32];
     auto last = std::chrono::steady_clock::now();
     while (!stopping.load(std::memory_order_relaxed)) {
-      int n = ibv_poll_cq(cq, 32, wcs);
+      if (dead_flag_.load()) {  // nothing completes any more: only wait for stop()
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        continue;
+      }
+      int n = poll(wcs, 32);
       if (n > 0) {
         for (int i = 0; i < n; ++i)
           reinterpret_cast<CompletionTarget*>(wcs[i].wr_id)->onCompletion(wcs[i]);
         last = std::chrono::steady_clock::now();
         continue;
       }
-      if (n < 0) {
-        MC_LOG(ERROR, RDMA) << name << ": CQ poll failed (overrun?)";
-      }
+      if (n < 0) continue;
       if (std::chrono::steady_clock::now() - last < std::chrono::microseconds(spin_us)) continue;
       // Idle: arm the CQ, check once more (a completion may have raced the arming), sleep.
       if (on_idle) on_idle();
       ibv_req_notify_cq(cq, 0);
-      n = ibv_poll_cq(cq, 32, wcs);
+      n = poll(wcs, 32);
       if (n > 0) {
         for (int i = 0; i < n; ++i)
           reinterpret_cast<CompletionTarget*>(wcs[i].wr_id)->onCompletion(wcs[i]);
         last = std::chrono::steady_clock::now();
         continue;
       }
+      if (n < 0) continue;
       pollfd p{channel->fd, POLLIN, 0};
-      if (poll(&p, 1, 5) > 0) {
+      if (::poll(&p, 1, 5) > 0) {
         ibv_cq* ev_cq = nullptr;
         void* ev_ctx = nullptr;
         if (ibv_get_cq_event(channel, &ev_cq, &ev_ctx) == 0) ibv_ack_cq_events(ev_cq, 1);
@@ -225,6 +318,14 @@ Result<std::vector<std::unique_ptr<Nic>>> openNics() {
     nics.push_back(std::move(n).value());
   }
   ibv_free_device_list(list);
+  // The engine forks (engine_data.cc's pthread_atfork handlers): registered memory is safe in
+  // a child only when the kernel copies pinned pages on fork, or after ibv_fork_init().
+  if (!nics.empty() && ibv_is_fork_initialized() == IBV_FORK_DISABLED) {
+    MC_LOG(WARN, RDMA) << "fork() is not safe with registered memory here (ibv_is_fork_initialized: "
+                          "disabled: the kernel does not copy pinned pages on fork and ibv_fork_init() "
+                          "was not called; RDMAV_FORK_SAFE=1 calls it): a forked child that "
+                          "touches registered pages may corrupt transfers";
+  }
   bool any_up = false;
   for (const auto& n : nics) any_up |= !n->down_at_start;
   if (!any_up && !nics.empty()) {

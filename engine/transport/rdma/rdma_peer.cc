@@ -49,7 +49,7 @@ Qp::~Qp() {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  ibv_destroy_qp(qp_);
+  nic_->destroyQp(qp_);
   if (nmr_ != nullptr) ibv_dereg_mr(nmr_);
 }
 
@@ -94,6 +94,12 @@ void Qp::complete(Op* o, const ibv_wc& wc) {
     std::lock_guard<std::mutex> g(mu_);
     --inflight_;
     last_progress_ = Clock::now();
+    if (!posted_.empty() && posted_.front() == o) {  // RC completes in post order
+      posted_.pop_front();
+    } else {
+      auto it = std::find(posted_.begin(), posted_.end(), o);
+      if (it != posted_.end()) posted_.erase(it);
+    }
     if (wc.status == IBV_WC_SUCCESS) {
       if (o->bounce && o->op == OpCode::kRead && o->chunk != nullptr)
         std::memcpy(o->user, o->chunk, o->len);
@@ -102,15 +108,28 @@ void Qp::complete(Op* o, const ibv_wc& wc) {
       if (!failed_) pumpLocked(&done);
     } else {
       releaseChunk(o);
-      if (!failed_) {
-        failLocked(MC_STATUS(kIo, "rdma " << o->what() << " of " << o->len << " bytes to peer "
-                                          << peer_ << " (remote " << hex(o->raddr)
-                                          << ") via NIC " << nic_->name
-                                          << " failed: " << ibv_wc_status_str(wc.status)));
+      // A request's own error (a key, a bound, a length) fails that request: another NIC would
+      // refuse it the same way. The QP is in error all the same; the rest of its work moves.
+      const bool own = permanentWcError(wc.status);
+      Status st;
+      if (own || !failed_) {
+        const Code code =
+            wc.status == IBV_WC_REM_ACCESS_ERR || wc.status == IBV_WC_LOC_PROT_ERR
+                ? Code::kPermissionDenied
+                : own ? Code::kInvalidArgument : Code::kIo;
+        std::ostringstream os;
+        os << "rdma " << o->what() << " of " << o->len << " bytes to peer " << peer_
+           << " (remote " << hex(o->raddr) << ") via NIC " << nic_->name
+           << " failed: " << ibv_wc_status_str(wc.status)
+           << (own ? " (not retried on another NIC)" : "");
+        st = Status(code, os.str());
       }
+      if (!failed_) failLocked(st, own);
       // Flushed or failed: given back (in post order, which is completion order on RC) for
-      // another QP to carry, unless the failure is final.
-      if (reroutable_) {
+      // another QP to carry, unless the failure is final or the request's own.
+      if (own) {
+        done.emplace_back(o, st);
+      } else if (reroutable_) {
         orphans_.push_back(o);
       } else {
         done.emplace_back(o, why_);
@@ -162,9 +181,32 @@ void Qp::checkStall(Clock::time_point now, std::chrono::milliseconds after) {
                                               << " in " << after.count() << " ms (stalled)"));
 }
 
-void Qp::failLocked(const Status& why) {
+void Qp::abandon(const Status& why) {
+  std::vector<std::pair<Op*, Status>> done;
+  bool back = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!failed_) failLocked(why);
+    for (Op* o : posted_) {
+      releaseChunk(o);
+      if (reroutable_) {
+        orphans_.push_back(o);
+      } else {
+        done.emplace_back(o, why_);
+      }
+    }
+    posted_.clear();
+    inflight_ = 0;
+    back = handBackDueLocked();
+  }
+  finishOps(done);
+  if (back) handBack();
+}
+
+void Qp::failLocked(const Status& why, bool permanent) {
   failed_ = true;
   reroutable_ = true;
+  permanent_ = permanent;
   why_ = why;
   // Everything posted completes with IBV_WC_WR_FLUSH_ERR (and is given back then).
   ibv_qp_attr a{};
@@ -173,7 +215,8 @@ void Qp::failLocked(const Status& why) {
 }
 
 bool Qp::handBackDueLocked() {
-  if (!failed_ || !reroutable_ || inflight_ != 0 || (orphans_.empty() && pending_.empty()))
+  if (!failed_ || !reroutable_ || inflight_ != 0 ||
+      (announced_ && orphans_.empty() && pending_.empty()))
     return false;
   ++handing_;
   return true;
@@ -185,10 +228,14 @@ void Qp::handBack() {
   --handing_;
 }
 
-std::vector<Op*> Qp::takeBack(Status* why) {
+std::vector<Op*> Qp::takeBack(Status* why, bool* permanent, bool* first) {
   std::lock_guard<std::mutex> g(mu_);
   std::vector<Op*> out;
+  *first = false;
   if (!failed_ || !reroutable_ || inflight_ != 0) return out;
+  *first = !announced_;
+  announced_ = true;
+  *permanent = permanent_;
   out.swap(orphans_);
   out.insert(out.end(), pending_.begin(), pending_.end());
   pending_.clear();
@@ -251,6 +298,7 @@ void Qp::pumpLocked(std::vector<std::pair<Op*, Status>>* done) {
       return;
     }
     pending_.pop_front();
+    posted_.push_back(o);
     if (inflight_++ == 0) last_progress_ = Clock::now();
   }
 }
@@ -557,17 +605,26 @@ void RdmaPeer::giveBack(Qp* from) {
     // then the notification parts queued behind them) moves in one piece, and no notification
     // is issued while work it must follow is between two QPs.
     Status why;
-    std::vector<Op*> ops = from->takeBack(&why);
-    if (ops.empty()) return;  // an earlier hand-back of this QP took it
+    bool permanent = false, first = false;
+    std::vector<Op*> ops = from->takeBack(&why, &permanent, &first);
+    if (ops.empty() && !first) return;  // an earlier hand-back of this QP took it
     for (Lane& l : lanes_) {
       if (l.qp.get() != from || l.failed) continue;
       l.failed = true;
       l.error = why;
-      l.retry_at = Clock::now() + t_->retryAfter();
-      MC_LOG(WARN, RDMA) << "peer " << name_ << ": " << why.message() << "; " << ops.size()
-                         << " work request(s) move to another NIC, " << l.nic->name
-                         << " is retried in " << t_->retryAfter().count() << " ms";
+      // A request's own error left the link fine: only this lane's QP is replaced, at once.
+      l.retry_at = Clock::now() + (permanent ? std::chrono::milliseconds(0) : t_->retryAfter());
+      if (permanent) {
+        MC_LOG(WARN, RDMA) << "peer " << name_ << ": " << why.message() << "; " << ops.size()
+                           << " other work request(s) of that QP move to another lane, which "
+                           << "is reconnected now";
+      } else {
+        MC_LOG(WARN, RDMA) << "peer " << name_ << ": " << why.message() << "; " << ops.size()
+                           << " work request(s) move to another NIC, " << l.nic->name
+                           << " is retried in " << t_->retryAfter().count() << " ms";
+      }
     }
+    if (ops.empty()) return;
     std::vector<int> live = dead_ ? std::vector<int>{} : liveLanes({});
     int to = -1;
     for (int cand : live) {

@@ -46,17 +46,12 @@ int rdAtom(const Nic& n) { return std::max(1, std::min(16, n.max_rd_atom)); }
 
 Result<ibv_qp*> createQp(Nic* nic, int send_wr, int recv_wr) {
   ibv_qp_init_attr ia{};
-  ia.send_cq = nic->cq;
-  ia.recv_cq = nic->cq;
   ia.qp_type = IBV_QPT_RC;
   ia.cap.max_send_wr = static_cast<uint32_t>(send_wr);
   ia.cap.max_recv_wr = static_cast<uint32_t>(recv_wr);
   ia.cap.max_send_sge = 1;
   ia.cap.max_recv_sge = 1;
-  ibv_qp* qp = ibv_create_qp(nic->pd, &ia);
-  if (qp == nullptr)
-    return MC_STATUS(kUnavailable, "rdma: cannot create a QP on " << nic->name << ": "
-                                                                  << strerror(errno));
+  MC_ASSIGN_OR_RETURN(ibv_qp* qp, nic->createQp(&ia));  // (its CQ entries reserved)
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_INIT;
   a.pkey_index = 0;
@@ -64,14 +59,15 @@ Result<ibv_qp*> createQp(Nic* nic, int send_wr, int recv_wr) {
   a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
   if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
                                 IBV_QP_ACCESS_FLAGS) != 0) {
-    ibv_destroy_qp(qp);
+    nic->destroyQp(qp);
     return MC_STATUS(kUnavailable, "rdma: cannot move a QP of " << nic->name << " to INIT");
   }
   return qp;
 }
 
 // INIT -> RTR -> RTS toward `remote`.
-Status connectQp(Nic* nic, ibv_qp* qp, uint32_t my_psn, const QpAddr& remote, bool remote_ib) {
+Status connectQp(Nic* nic, ibv_qp* qp, uint32_t my_psn, const QpAddr& remote, bool remote_ib,
+                 const RoceClass& cls) {
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_RTR;
   // A port that was down when the peer published its MTU may have reported none: at least 256.
@@ -82,6 +78,7 @@ Status connectQp(Nic* nic, ibv_qp* qp, uint32_t my_psn, const QpAddr& remote, bo
   a.max_dest_rd_atomic = static_cast<uint8_t>(rdAtom(*nic));
   a.min_rnr_timer = 12;
   a.ah_attr.port_num = 1;
+  a.ah_attr.sl = cls.service_level;
   if (nic->ib) {
     a.ah_attr.dlid = remote.lid;
   } else {
@@ -89,6 +86,7 @@ Status connectQp(Nic* nic, ibv_qp* qp, uint32_t my_psn, const QpAddr& remote, bo
     a.ah_attr.grh.dgid = remote.gid;
     a.ah_attr.grh.sgid_index = static_cast<uint8_t>(nic->gid_index);
     a.ah_attr.grh.hop_limit = 64;
+    a.ah_attr.grh.traffic_class = cls.traffic_class;
   }
   if (nic->ib != remote_ib)
     return MC_STATUS(kInvalidArgument, "rdma: link layers differ (" << nic->name << ")");
@@ -181,7 +179,7 @@ struct RdmaTransportImpl::TargetQp {
     }
   }
   ~TargetQp() {
-    if (qp != nullptr) ibv_destroy_qp(qp);
+    if (qp != nullptr) nic->destroyQp(qp);
     if (mr != nullptr) ibv_dereg_mr(mr);
   }
 };
@@ -207,12 +205,21 @@ Status RdmaTransportImpl::start(EngineContext* ctx) {
   stall_ = std::chrono::milliseconds(
       std::clamp<int64_t>(params::getInt("MC_RDMA_STALL_MS"), 0, 3600 * 1000));
   tcp_fallback_ = params::getBool("MC_RDMA_TCP_FALLBACK");
+  const int64_t tc = params::getInt("MC_RDMA_TRAFFIC_CLASS");
+  const int64_t sl = params::getInt("MC_RDMA_SERVICE_LEVEL");
+  if (tc < 0 || tc > 255)
+    return MC_STATUS(kInvalidArgument, "MC_RDMA_TRAFFIC_CLASS must be 0-255, not " << tc);
+  if (sl < 0 || sl > 15)
+    return MC_STATUS(kInvalidArgument, "MC_RDMA_SERVICE_LEVEL must be 0-15, not " << sl);
+  cls_.traffic_class = static_cast<uint8_t>(tc);
+  cls_.service_level = static_cast<uint8_t>(sl);
   MC_ASSIGN_OR_RETURN(nics_, openNics());
   topo_ = nics_.size() > 1 ? Topology::load() : Topology::empty();  // one NIC: nothing to choose
   int64_t spin = params::getInt("MC_RDMA_SPIN_US");
   if (spin < 0) spin = std::thread::hardware_concurrency() >= 8 ? 50 : 0;
   for (auto& n : nics_) {
     n->on_idle = [this] { pumpAll(); };
+    n->on_dead = [this, nic = n.get()](const Status& why) { nicDied(nic, why); };
     n->startPoller(spin);
   }
   std::string names;
@@ -276,15 +283,20 @@ Status RdmaTransportImpl::registerRegion(Region* region) {
                                                                             << n->name << ": " << why);
       }
       if (mr == nullptr) {
-        MC_LOG(WARN, RDMA) << "cannot register " << c.len << " bytes at " << hex(addr) << " with "
-                           << n->name << " (max_mr_size " << n->max_mr_size
-                           << "): rdma requests to it fail, from it bounce";
+        const int e = errno;
+        for (auto& [a, x] : entries)
+          for (ibv_mr* r : x.mrs)
+            if (r != nullptr) ibv_dereg_mr(r);
+        for (ibv_mr* r : c.mrs)
+          if (r != nullptr) ibv_dereg_mr(r);
+        return registrationError(n->name, addr, c.len, e);
       }
       c.mrs.push_back(mr);
       any |= mr != nullptr;
       ck += (ck.empty() ? "" : ",") + (mr ? std::to_string(mr->rkey) : std::string("-"));
     }
     keys += (split ? "/" : "") + ck;
+    (void)any;
     entries.emplace_back(addr, std::move(c));
   }
   region->keys[static_cast<int>(TransportKind::kRdma)] = any ? keys : "";
@@ -412,11 +424,11 @@ Result<ibv_qp*> RdmaTransportImpl::dial(Nic* nic, int remote_nic, bool remote_ib
   } else {
     std::istringstream in(*ans);
     st = decodeQpAddr(in, &theirs)
-             ? connectQp(nic, raw, mine.psn, theirs, remote_ib)
+             ? connectQp(nic, raw, mine.psn, theirs, remote_ib, cls_)
              : MC_STATUS(kProtocol, "rdma: malformed connection answer from " << peer);
   }
   if (!st.ok()) {
-    ibv_destroy_qp(raw);
+    nic->destroyQp(raw);
     return st;
   }
   MC_LOG(INFO, RDMA) << "connected to " << peer << ": lane " << lane << ", " << nic->name
@@ -524,7 +536,7 @@ void RdmaTransportImpl::onExchange(const SegmentDesc& from, std::string request,
   mine.lid = nic->lid();
   mine.gid = nic->gid;
   mine.mtu = nic->activeMtu();
-  Status st = connectQp(nic, tq->qp, mine.psn, peer, ib != 0);
+  Status st = connectQp(nic, tq->qp, mine.psn, peer, ib != 0, cls_);
   if (!st.ok()) return reply(st);
   {
     // The connection's QPs share one notification order (rdma_notify.h), which outlives them
@@ -562,69 +574,6 @@ void RdmaTransportImpl::reapGraveyard() {
                    graveyard_.end());
 }
 
-// The tcp fallback's target side: what the NIC would have done, checked as the NIC checks it
-// (the range inside a region registered here, the key the initiator names being that region's
-// key on that NIC), done on the engine's tcp thread before the answer goes back.
-void RdmaTransportImpl::onFallback(const SegmentDesc& from, const std::string& request,
-                                   const std::function<void(Result<std::string>)>& reply) {
-  const size_t nl = request.find('\n');
-  std::istringstream in(request.substr(0, nl));
-  std::string f, what;
-  in >> f >> what;
-  if (what == "N") {
-    uint64_t conn = 0, tag = 0;
-    uint32_t channel = 0, word = 0;
-    if (!(in >> conn >> channel >> word >> tag))
-      return reply(MC_STATUS(kProtocol, "rdma: malformed fallback notification"));
-    std::shared_ptr<NotifyOrder> order;
-    {
-      std::lock_guard<std::mutex> g(target_mu_);
-      auto it = orders_.find({from.engine_id, conn});
-      if (it != orders_.end()) order = it->second;
-    }
-    if (!order)
-      return reply(MC_STATUS(kNotFound, "rdma: no connection " << conn << " from " << from.name));
-    const uint64_t src = from.engine_id;
-    if (!order->arrive(word, channel, tag,
-                       [&](uint32_t c, uint64_t tg) { deliverNotify(src, c, tg); }))
-      return reply(MC_STATUS(kProtocol, "rdma: malformed fallback notification word"));
-    return reply(std::string());
-  }
-  uint64_t addr = 0, len = 0;
-  int nic = -1;
-  uint32_t rkey = 0;
-  if ((what != "W" && what != "R") || !(in >> addr >> nic >> rkey >> len) ||
-      (what == "W" && (nl == std::string::npos || request.size() - nl - 1 != len)))
-    return reply(MC_STATUS(kProtocol, "rdma: malformed fallback request"));
-  std::shared_lock<std::shared_mutex> g(mr_mu_);
-  auto it = mrs_.upper_bound(addr);
-  bool ok = it != mrs_.begin();
-  if (ok) {
-    --it;
-    ok = addr - it->first <= it->second.len && len <= it->second.len - (addr - it->first) &&
-         nic >= 0 && static_cast<size_t>(nic) < it->second.mrs.size() &&
-         it->second.mrs[static_cast<size_t>(nic)] != nullptr &&
-         it->second.mrs[static_cast<size_t>(nic)]->rkey == rkey;
-  }
-  if (ok && it->second.device)
-    return reply(MC_STATUS(kNotSupported, "rdma (tcp fallback): [" << hex(addr) << ", +" << len
-                                              << ") from " << from.name
-                                              << " is GPU memory, which no NIC reaches now and "
-                                                 "tcp cannot carry"));
-  if (!ok)
-    return reply(MC_STATUS(kPermissionDenied, "rdma (tcp fallback): [" << hex(addr) << ", +" << len
-                                                  << ") from " << from.name
-                                                  << " is not in a region registered here "
-                                                     "under that key"));
-  if (what == "W") {
-    std::memcpy(reinterpret_cast<void*>(addr), request.data() + nl + 1, len);
-    return reply(std::string());
-  }
-  std::string data(reinterpret_cast<const char*>(addr), len);
-  g.unlock();
-  reply(std::move(data));
-}
-
 void RdmaTransportImpl::onPeerGone(uint64_t engine_id) {
   std::lock_guard<std::mutex> g(target_mu_);
   auto range = targets_.equal_range(engine_id);
@@ -634,6 +583,27 @@ void RdmaTransportImpl::onPeerGone(uint64_t engine_id) {
   }
   targets_.erase(range.first, range.second);
   orders_.erase(orders_.lower_bound({engine_id, 0}), orders_.upper_bound({engine_id, UINT64_MAX}));
+}
+
+void RdmaTransportImpl::nicDied(Nic* nic, const Status& why) {
+  {
+    std::lock_guard<std::mutex> g(qps_mu_);
+    for (Qp* q : qps_)
+      if (q->nic() == nic) q->abandon(why);
+  }
+  // Its target QPs' receives never complete now: closed and freed (nothing polls them).
+  std::lock_guard<std::mutex> g(target_mu_);
+  for (auto it = targets_.begin(); it != targets_.end();) {
+    if (it->second->nic != nic) {
+      ++it;
+      continue;
+    }
+    it->second->close(false);
+    graveyard_.push_back(std::move(it->second));
+    it = targets_.erase(it);
+  }
+  for (auto& q : graveyard_)
+    if (q->nic == nic) q->posted.store(0);
 }
 
 void RdmaTransportImpl::addQp(Qp* q) {

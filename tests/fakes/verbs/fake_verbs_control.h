@@ -25,7 +25,7 @@
 namespace mooncake::fakeverbs {
 
 constexpr uint32_t kDevMagic = 0x4d434656;  // "MCFV"
-constexpr uint32_t kDevVersion = 3;
+constexpr uint32_t kDevVersion = 4;
 
 // ibv_port_state values (verbs.h), repeated so that tests need not include verbs.h.
 constexpr uint32_t kPortDown = 1;
@@ -48,6 +48,8 @@ struct alignas(64) DevShm {
   std::atomic<uint64_t> wr_failed;    // send work requests completed with an error (any kind)
   std::atomic<int64_t> live_qps;      // QPs created on this NIC and not destroyed (all processes)
   std::atomic<int64_t> dmabuf_mrs;    // MRs registered through ibv_reg_dmabuf_mr, not deregistered
+  std::atomic<uint32_t> overrun_next;  // 1: the next completion overruns its CQ (see below)
+  std::atomic<uint64_t> cq_overruns;   // CQs of this NIC that overran (all processes)
 };
 
 // FNV-1a: the default fabric id from the config path (same in every process).
@@ -135,6 +137,10 @@ class NicControl {
     d_->fail_status.store(status);
     d_->fail_next.store(n);
   }
+  // The next completion any CQ of this NIC (in any process) takes overruns it, as a CQ too
+  // small for its QPs would: the CQ is in error (ibv_poll_cq fails) and its QPs too.
+  void overrunNextCompletion() { d_->overrun_next.store(1); }
+  uint64_t cqOverruns() const { return d_->cq_overruns.load(); }
   void setGbps(double gbps) {
     d_->cap_bytes_per_s.store(static_cast<uint64_t>(gbps * 1e9 / 8));
   }

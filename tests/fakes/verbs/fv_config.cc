@@ -3,7 +3,8 @@
 //
 // Config (MC_FAKE_VERBS_CONFIG names the file), one device per line, '#' comments:
 //   device NAME [host=H] [pci=DDDD:BB:DD.F] [link=ib|ethernet] [lid=N] [ip=A.B.C.D]
-//               [mtu=256|512|1024|2048|4096] [max_mr_size=BYTES] [gbps=G] [state=active|down]
+//               [mtu=256|512|1024|2048|4096] [max_mr_size=BYTES] [max_cqe=N] [gbps=G]
+//               [state=active|down]
 // A device with host=H is seen by processes whose MC_HOST_ID is H (simulated hosts), one
 // without host= by every process. Ethernet (RoCE) devices get mlx5's GID table for ip=:
 // 0 fe80::/64 link-local (RoCE v1), 1 the same (RoCE v2), 2 ::ffff:ip (v1), 3 ::ffff:ip (v2).
@@ -53,6 +54,7 @@ bool parseDevice(std::istringstream& in, DevCfg* d, std::string* err) {
     else if (k == "lid") d->lid = static_cast<uint16_t>(std::strtoul(v.c_str(), nullptr, 0));
     else if (k == "ip") ip = v;
     else if (k == "max_mr_size") d->max_mr_size = std::strtoull(v.c_str(), nullptr, 0);
+    else if (k == "max_cqe") d->max_cqe = static_cast<int>(std::strtol(v.c_str(), nullptr, 0));
     else if (k == "gbps") d->gbps = std::strtod(v.c_str(), nullptr);
     else if (k == "state") d->start_down = v == "down";
     else if (k == "mtu") {

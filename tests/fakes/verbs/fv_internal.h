@@ -36,6 +36,7 @@ struct DevCfg {
   uint32_t gid_types[4] = {};  // enum ibv_gid_type_sysfs: 0 IB, 1 RoCE v1, 2 RoCE v2
   int mtu = IBV_MTU_4096;      // active MTU (enum ibv_mtu)
   uint64_t max_mr_size = 1ull << 40;
+  int max_cqe = 1 << 22;  // device limit on a CQ's entries (ibv_device_attr::max_cqe)
   double gbps = 0;  // bandwidth cap (0: MC_FAKE_VERBS_GBPS)
   bool start_down = false;
   std::string key() const { return (host.empty() ? "_" : host) + "." + name; }
@@ -83,6 +84,7 @@ struct Pkt {
   uint32_t imm;
   uint32_t rkey;
   uint32_t len;      // payload bytes in this record
+  uint32_t psn;      // requests: the requester's starting PSN (sq_psn), checked against rq_psn
   uint64_t raddr;
   uint64_t total;    // message bytes (read request: bytes asked for)
   uint64_t offset;   // of this record's payload in the message
@@ -152,6 +154,7 @@ struct Mr {
   char* host = nullptr;
   void* map = nullptr;  // that mapping (dma-buf only), unmapped at deregistration
   size_t map_len = 0;
+  uint64_t pinned_pages = 0;  // charged to the process's locked memory (ibv_reg_mr only)
 };
 
 struct Pd {
@@ -166,16 +169,23 @@ struct Channel {
   std::deque<ibv_cq*> events;
 };
 
+// Send-queue slots a QP's completions hold until they are polled (as mlx5 frees them).
+using SlotCount = std::shared_ptr<std::atomic<int>>;
+
 struct Cq {
   ibv_cq cq;
   Ctx* ctx;
   std::mutex mu;
-  std::deque<ibv_wc> q;
+  std::deque<std::pair<ibv_wc, SlotCount>> q;
   size_t cap = 0;
   bool armed = false;
   Channel* ch = nullptr;
-  bool overrun = false;
-  void add(const ibv_wc& wc);  // and signals the channel when armed
+  // Overrun: a completion found it full (or the overrun_next knob fired). As on a NIC the CQ
+  // is then in error: polls fail, nothing is added, and its QPs go to the error state.
+  std::atomic<bool> overrun{false};
+  // And signals the channel when armed. `slots`: the send-queue slot count of the QP whose
+  // send completion it is (decremented when polled).
+  void add(const ibv_wc& wc, SlotCount slots = nullptr);
 };
 
 struct SendWr {
@@ -197,6 +207,7 @@ struct SendWr {
 struct RecvWr {
   uint64_t wr_id;
   std::vector<ibv_sge> sge;
+  bool checked = false;  // its local keys validated (addresses turned into this process's)
 };
 
 // A response this QP owes its peer (in order): an ACK/NAK, or a read's data.
@@ -224,6 +235,9 @@ struct Qp {
   ibv_ah_attr ah{};
   uint32_t dest_qpn = 0;
   uint8_t timeout = 14, retry_cnt = 7, rnr_retry = 7, min_rnr_timer = 12;
+  uint32_t sq_psn = 0, rq_psn = 0;  // RTS / RTR: a request whose PSN differs is never answered
+  uint8_t max_dest_rd_atomic = 0;   // 0: READs are refused (REM_INV_REQ_ERR)
+  SlotCount sq_unpolled = std::make_shared<std::atomic<int>>(0);
   int remote_dev = -1;      // fabric device index of the peer
   std::unique_ptr<Ring> in;   // ours
   std::unique_ptr<Ring> out;  // the peer's (attached at the first packet)

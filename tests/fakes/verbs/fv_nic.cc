@@ -179,11 +179,18 @@ void pushResp(Qp* q, uint8_t type, uint32_t msn, uint16_t status) {
 // ---- responder ----
 void handleRequest(Qp* q, const Pkt& p, const char* payload) {
   if (q->refused) return;  // in error once its NAK is out: nothing behind it runs
+  // A PSN other than the one the responder expects: out of sequence, never answered (the
+  // requester's transport timer then fails the request with IBV_WC_RETRY_EXC_ERR).
+  if (p.psn != q->rq_psn) return;
   const bool first = p.flags & kFirst, last = p.flags & kLast;
   if (first) {
     q->dropping = false;
     if (p.msn != q->expect_msn) {  // after an RNR NAK: the requester will resend from there
       q->dropping = true;
+    } else if (p.type == kReadReq && q->max_dest_rd_atomic == 0) {
+      pushResp(q, kNak, p.msn, IBV_WC_REM_INV_REQ_ERR);  // no READ may be outstanding here
+      q->refused = true;
+      return;
     } else if (p.type == kReadReq) {
       const uint64_t gen = q->ctx->mr_gen.load(std::memory_order_acquire);
       char* src = remoteTarget(q, p.rkey, p.raddr, p.total, IBV_ACCESS_REMOTE_READ);
@@ -219,7 +226,17 @@ void handleRequest(Qp* q, const Pkt& p, const char* payload) {
           q->refused = true;
           return;
         }
-      } else {  // send: fits the receive buffers?
+      } else {  // send: the receive's keys (local write), then: fits its buffers?
+        RecvWr& rw = q->rq.front();
+        if (!rw.checked && !localKeysOk(q, rw.sge, true)) {
+          RecvWr r = rw;
+          q->rq.pop_front();
+          recvCompletion(q, r, IBV_WC_LOC_PROT_ERR, IBV_WC_RECV, 0, false, 0);
+          pushResp(q, kNak, p.msn, IBV_WC_REM_OP_ERR);
+          q->refused = true;
+          return;
+        }
+        rw.checked = true;
         uint64_t room = 0;
         for (const auto& s : q->rq.front().sge) room += s.length;
         if (p.total > room) {
@@ -413,6 +430,7 @@ bool nextOutgoing(Qp* q, bool up, std::vector<char>& scratch, size_t chunk, Outg
   Pkt h{};
   h.type = pktType(w.op);
   h.msn = w.msn;
+  h.psn = q->sq_psn;
   h.imm = w.imm;
   h.rkey = w.rkey;
   h.raddr = w.raddr;
@@ -456,6 +474,12 @@ bool serviceQp(Ctx* c, const std::shared_ptr<Qp>& qp, bool up, std::vector<char>
     std::lock_guard<std::mutex> g(qp->mu);
     Qp* q = qp.get();
     if (q->destroyed) return false;
+    if (q->qp.state != IBV_QPS_ERR && q->qp.state != IBV_QPS_RESET &&
+        (reinterpret_cast<Cq*>(q->qp.send_cq)->overrun.load() ||
+         reinterpret_cast<Cq*>(q->qp.recv_cq)->overrun.load())) {
+      qpError(q, IBV_WC_WR_FLUSH_ERR);  // its CQ overran: the QP is in error (nothing completes)
+      progress = true;
+    }
     ibv_qp_state st = q->qp.state;
     if (q->out == nullptr && (st == IBV_QPS_RTR || st == IBV_QPS_RTS) && q->remote_dev >= 0) {
       const Fabric& f = fabric();
@@ -533,7 +557,7 @@ void completeSend(Qp* q, const SendWr& w, ibv_wc_status st) {
   wc.opcode = wcOpcode(w.op);
   wc.byte_len = w.op == IBV_WR_RDMA_READ ? static_cast<uint32_t>(w.len) : 0;
   wc.qp_num = q->qp.qp_num;
-  reinterpret_cast<Cq*>(q->qp.send_cq)->add(wc);
+  reinterpret_cast<Cq*>(q->qp.send_cq)->add(wc, q->sq_unpolled);
 }
 
 void qpError(Qp* q, ibv_wc_status first) {

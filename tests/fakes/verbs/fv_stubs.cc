@@ -38,7 +38,8 @@ MC_FV_PUBLIC int ibv_query_pkey() { return EOPNOTSUPP; }
 MC_FV_PUBLIC int ibv_query_ece() { return EOPNOTSUPP; }
 MC_FV_PUBLIC int ibv_set_ece() { return EOPNOTSUPP; }
 // IBVERBS_1.13
-MC_FV_PUBLIC int ibv_is_fork_initialized() { return 0; }  // IBV_FORK_DISABLED
+// IBV_FORK_UNNEEDED: the emulator pins nothing, a forked child cannot corrupt its transfers.
+MC_FV_PUBLIC int ibv_is_fork_initialized() { return 2; }
 // IBVERBS_1.14
 MC_FV_PUBLIC int ibv_query_qp_data_in_order() { return EOPNOTSUPP; }
 // IBVERBS_1.5

@@ -32,10 +32,11 @@ Cq* cqOf(ibv_cq* c) { return reinterpret_cast<Cq*>(c); }
 int pollCq(ibv_cq* cq, int n, ibv_wc* wc) {
   Cq* c = cqOf(cq);
   std::lock_guard<std::mutex> g(c->mu);
-  if (c->overrun) return -1;
+  if (c->overrun.load()) return -1;
   int k = 0;
   while (k < n && !c->q.empty()) {
-    wc[k++] = c->q.front();
+    wc[k++] = c->q.front().first;
+    if (c->q.front().second) c->q.front().second->fetch_sub(1);  // its send-queue slot is free
     c->q.pop_front();
   }
   return k;
@@ -64,7 +65,9 @@ int postSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
       *bad = w;
       return EINVAL;
     }
-    if (q->wrs.size() >= q->cap.max_send_wr) {
+    // A slot is busy until its completion is polled (mlx5 frees it then, not when the NIC
+    // writes the completion).
+    if (q->wrs.size() + static_cast<size_t>(q->sq_unpolled->load()) >= q->cap.max_send_wr) {
       *bad = w;
       return ENOMEM;
     }
@@ -160,15 +163,22 @@ uint64_t guidOf(int index) { return 0x0002c90300000000ull + static_cast<uint64_t
 
 namespace mooncake::fakeverbs {
 
-void Cq::add(const ibv_wc& wc) {
+void Cq::add(const ibv_wc& wc, SlotCount slots) {
   Channel* fire = nullptr;
   {
     std::lock_guard<std::mutex> g(mu);
-    if (q.size() >= cap) {
-      overrun = true;  // as hardware: the CQ is in error, polls fail
+    if (overrun.load()) return;  // in error: nothing more is added
+    uint32_t knob = 1;
+    const bool forced = ctx->shm->overrun_next.load() == 1 &&
+                        ctx->shm->overrun_next.compare_exchange_strong(knob, 0);
+    if (q.size() >= cap || forced) {
+      overrun.store(true);  // as hardware: the CQ is in error, polls fail, its QPs fail
+      ctx->shm->cq_overruns.fetch_add(1);
+      ring(ctx->db);  // the NIC thread moves its QPs to the error state
       return;
     }
-    q.push_back(wc);
+    if (slots) slots->fetch_add(1);
+    q.push_back({wc, std::move(slots)});
     if (armed && ch != nullptr) {
       armed = false;
       fire = ch;
@@ -299,7 +309,7 @@ int ibv_query_device(ibv_context* ctx, ibv_device_attr* a) {
   a->max_sge = 16;
   a->max_sge_rd = 16;
   a->max_cq = 1 << 16;
-  a->max_cqe = 1 << 22;
+  a->max_cqe = cfg.max_cqe;
   a->max_mr = 1 << 20;
   a->max_pd = 1 << 16;
   a->max_qp_rd_atom = 16;
@@ -383,105 +393,6 @@ const char* ibv_port_state_str(enum ibv_port_state s) {
   }
 }
 
-// ---- protection domains and memory regions ----
-
-ibv_pd* ibv_alloc_pd(ibv_context* ctx) {
-  auto* p = new Pd();
-  p->pd.context = ctx;
-  p->ctx = ctxOf(ctx);
-  return &p->pd;
-}
-
-int ibv_dealloc_pd(ibv_pd* pd) {
-  delete reinterpret_cast<Pd*>(pd);
-  return 0;
-}
-
-ibv_mr* ibv_reg_mr_iova2(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigned int access) {
-  Pd* p = reinterpret_cast<Pd*>(pd);
-  Ctx* c = p->ctx;
-  const DevCfg& cfg = fabric().devices[c->dev];
-  // Remote write/atomic need local write (as the kernel checks).
-  if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
-      !(access & IBV_ACCESS_LOCAL_WRITE)) {
-    errno = EINVAL;
-    return nullptr;
-  }
-  if (length == 0 || length > cfg.max_mr_size) {
-    errno = EINVAL;
-    return nullptr;
-  }
-  auto* m = new Mr();
-  m->pd = p;
-  m->access = static_cast<int>(access);
-  m->iova = iova;
-  m->mr.context = pd->context;
-  m->mr.pd = pd;
-  m->mr.addr = addr;
-  m->mr.length = length;
-  m->host = static_cast<char*>(addr);
-  std::lock_guard<std::mutex> g(c->mu);
-  // Keys: unique per context, not guessable from a neighbour (a stepping counter, mixed).
-  c->next_key += 0x9e37;
-  uint32_t key = (c->next_key << 8) | (static_cast<uint32_t>(c->dev) & 0xff);
-  m->mr.lkey = m->mr.rkey = key;
-  m->mr.handle = key;
-  c->mrs[key] = m;
-  return &m->mr;
-}
-
-ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
-  return ibv_reg_mr_iova2(pd, addr, length, reinterpret_cast<uint64_t>(addr),
-                          static_cast<unsigned int>(access));
-}
-
-// dma-buf: the emulator has no device memory; it stands host memory in for it, so the fd
-// must map `length` bytes at `offset` (a memfd or shm file does), which the emulator maps as
-// a NIC maps a GPU's pages. As with rdma-core, the MR's address space is `iova`: local
-// gather lists and peers' remote addresses both name iova addresses.
-ibv_mr* ibv_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
-                          int access) {
-  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  const uint64_t lo = offset / page * page;
-  const size_t map_len = static_cast<size_t>(offset - lo + length);
-  void* p = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(lo));
-  if (p == MAP_FAILED) {
-    errno = EINVAL;
-    return nullptr;
-  }
-  ibv_mr* mr = ibv_reg_mr_iova2(pd, reinterpret_cast<void*>(iova), length, iova,
-                                static_cast<unsigned int>(access));
-  if (mr == nullptr) {
-    int e = errno;
-    munmap(p, map_len);
-    errno = e;
-    return nullptr;
-  }
-  Mr* m = reinterpret_cast<Mr*>(mr);
-  m->host = static_cast<char*>(p) + (offset - lo);
-  m->map = p;
-  m->map_len = map_len;
-  m->pd->ctx->shm->dmabuf_mrs.fetch_add(1);
-  return mr;
-}
-
-int ibv_dereg_mr(ibv_mr* mr) {
-  Mr* m = reinterpret_cast<Mr*>(mr);
-  Ctx* c = m->pd->ctx;
-  {
-    std::unique_lock<std::shared_mutex> placing(c->place_mu);  // (a packet being placed ends)
-    std::lock_guard<std::mutex> g(c->mu);
-    c->mrs.erase(mr->lkey);
-    c->mr_gen.fetch_add(1, std::memory_order_acq_rel);
-  }
-  if (m->map != nullptr) {
-    munmap(m->map, m->map_len);
-    c->shm->dmabuf_mrs.fetch_sub(1);
-  }
-  delete m;
-  return 0;
-}
-
 // ---- completion channels and CQs ----
 
 ibv_comp_channel* ibv_create_comp_channel(ibv_context* ctx) {
@@ -507,7 +418,7 @@ int ibv_destroy_comp_channel(ibv_comp_channel* channel) {
 ibv_cq* ibv_create_cq(ibv_context* ctx, int cqe, void* cq_context, ibv_comp_channel* channel,
                       int comp_vector) {
   (void)comp_vector;
-  if (cqe <= 0) {
+  if (cqe <= 0 || cqe > fabric().devices[ctxOf(ctx)->dev].max_cqe) {
     errno = EINVAL;
     return nullptr;
   }
@@ -523,6 +434,17 @@ ibv_cq* ibv_create_cq(ibv_context* ctx, int cqe, void* cq_context, ibv_comp_chan
   c->ch = reinterpret_cast<Channel*>(channel);
   if (c->ch != nullptr) ++c->ch->ch.refcnt;
   return &c->cq;
+}
+
+int ibv_resize_cq(ibv_cq* cq, int cqe) {
+  Cq* c = cqOf(cq);
+  std::lock_guard<std::mutex> g(c->mu);
+  if (cqe <= 0 || cqe > fabric().devices[c->ctx->dev].max_cqe ||
+      static_cast<size_t>(cqe) < c->q.size())
+    return EINVAL;
+  c->cap = static_cast<size_t>(cqe);
+  cq->cqe = cqe;
+  return 0;
 }
 
 int ibv_destroy_cq(ibv_cq* cq) {
@@ -562,6 +484,14 @@ ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* attr) {
     errno = EINVAL;
     return nullptr;
   }
+  // Above the device's limits (ibv_query_device: max_qp_wr 16384, max_sge 16, 256 bytes
+  // inline) the kernel refuses the QP rather than clamp it.
+  if (attr->cap.max_send_wr > 16384 || attr->cap.max_recv_wr > 16384 ||
+      attr->cap.max_send_sge > 16 || attr->cap.max_recv_sge > 16 ||
+      attr->cap.max_inline_data > 256) {
+    errno = EINVAL;
+    return nullptr;
+  }
   Pd* p = reinterpret_cast<Pd*>(pd);
   Ctx* c = p->ctx;
   const Fabric& f = fabric();
@@ -578,11 +508,9 @@ ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* attr) {
   pthread_mutex_init(&q->qp.mutex, nullptr);
   pthread_cond_init(&q->qp.cond, nullptr);
   q->cap = attr->cap;
-  q->cap.max_send_wr = std::max<uint32_t>(1, std::min<uint32_t>(attr->cap.max_send_wr, 16384));
-  q->cap.max_recv_wr = std::min<uint32_t>(attr->cap.max_recv_wr, 16384);
-  q->cap.max_send_sge = std::max<uint32_t>(1, std::min<uint32_t>(attr->cap.max_send_sge, 16));
-  q->cap.max_recv_sge = std::max<uint32_t>(1, std::min<uint32_t>(attr->cap.max_recv_sge, 16));
-  q->cap.max_inline_data = std::min<uint32_t>(attr->cap.max_inline_data, 256);
+  q->cap.max_send_wr = std::max<uint32_t>(1, attr->cap.max_send_wr);
+  q->cap.max_send_sge = std::max<uint32_t>(1, attr->cap.max_send_sge);
+  q->cap.max_recv_sge = std::max<uint32_t>(1, attr->cap.max_recv_sge);
   attr->cap = q->cap;
   q->sq_sig_all = attr->sq_sig_all != 0;
   q->qp.qp_num = static_cast<uint32_t>(c->shm->next_qpn.fetch_add(1) & 0xffffff);
@@ -616,6 +544,9 @@ int ibv_query_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init
   attr->retry_cnt = q->retry_cnt;
   attr->rnr_retry = q->rnr_retry;
   attr->min_rnr_timer = q->min_rnr_timer;
+  attr->sq_psn = q->sq_psn;
+  attr->rq_psn = q->rq_psn;
+  attr->max_dest_rd_atomic = q->max_dest_rd_atomic;
   if (init != nullptr) {
     std::memset(init, 0, sizeof *init);
     init->qp_context = qp->qp_context;
@@ -645,6 +576,7 @@ int ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* a, int mask) {
     q->dropping = false;
     q->expect_msn = 1;
     q->next_msn = 1;
+    q->sq_unpolled = std::make_shared<std::atomic<int>>(0);
     q->retired.push_back(std::move(q->out));  // the NIC thread may still push into it
     qp->state = IBV_QPS_RESET;
     return 0;
@@ -668,12 +600,16 @@ int ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* a, int mask) {
     if (self.ib ? a->ah_attr.is_global && a->ah_attr.dlid == 0 : !a->ah_attr.is_global)
       return EINVAL;  // RoCE needs a GRH (a GID); IB is routed by LID
     if (a->path_mtu > self.mtu) return EINVAL;
+    if (a->ah_attr.is_global && a->ah_attr.grh.sgid_index >= self.ngids) return EINVAL;
+    if (a->ah_attr.sl > 15) return EINVAL;
     int dev = findDevice(a->ah_attr);
     // A destination nobody has: accepted (as hardware), the requests then time out.
     q->remote_dev = dev;
     q->ah = a->ah_attr;
     q->dest_qpn = a->dest_qp_num;
     q->min_rnr_timer = a->min_rnr_timer;
+    q->rq_psn = a->rq_psn & 0xffffff;
+    q->max_dest_rd_atomic = a->max_dest_rd_atomic;
     q->expect_msn = 1;
     if (mask & IBV_QP_ACCESS_FLAGS) q->access = static_cast<int>(a->qp_access_flags);
   } else if (cur == IBV_QPS_RTR && to == IBV_QPS_RTS) {
@@ -681,6 +617,7 @@ int ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* a, int mask) {
               IBV_QP_MAX_QP_RD_ATOMIC))
       return EINVAL;
     q->timeout = a->timeout;
+    q->sq_psn = a->sq_psn & 0xffffff;
     q->retry_cnt = a->retry_cnt;
     q->rnr_retry = a->rnr_retry;
     q->rnr_left = a->rnr_retry;
