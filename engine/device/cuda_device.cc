@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/device/device.h"
+#include "engine/log.h"
 #include "engine/params.h"
 
 namespace mooncake::engine::device {
@@ -63,6 +64,8 @@ struct Driver {
   decltype(&cuMemHostUnregister) hostUnregister = nullptr;           // optional
   decltype(&cuStreamIsCapturing) streamIsCapturing = nullptr;        // optional
   decltype(&cuThreadExchangeStreamCaptureMode) exchangeCaptureMode = nullptr;  // optional
+  decltype(&cuDeviceGetAttribute) deviceGetAttribute = nullptr;      // optional
+  decltype(&cuFlushGPUDirectRDMAWrites) flushGpuDirect = nullptr;    // optional (11.3)
 };
 
 std::string errorText(const Driver& d, CUresult r) {
@@ -476,6 +479,48 @@ class CudaDevice final : public Device {
 
   uint64_t pageableCopies() const override { return 0; }
 
+  Status flushRemoteWrites(int ordinal) override {
+    const OwnCapturesOnly own(d_);
+    MC_RETURN_IF_ERROR(use(ordinal));
+    int need;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      need = flush_need_[static_cast<size_t>(ordinal)];
+    }
+    if (need < 0) {  // once per device: does it order NIC writes itself, can it flush them?
+      CUdevice dev = 0;
+      int order = 0, options = 0;
+      const bool known = d_.deviceGetAttribute != nullptr &&
+                         d_.deviceGet(&dev, ordinal) == CUDA_SUCCESS &&
+                         d_.deviceGetAttribute(
+                             &order, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, dev) ==
+                             CUDA_SUCCESS &&
+                         d_.deviceGetAttribute(
+                             &options, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS,
+                             dev) == CUDA_SUCCESS;
+      if (known && order >= CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER) {
+        need = 0;
+      } else if (known && (options & CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST) != 0 &&
+                 d_.flushGpuDirect != nullptr) {
+        need = 1;
+      } else {
+        need = 0;
+        MC_LOG(WARN, ENGINE) << "CUDA device " << ordinal << " neither orders GPUDirect RDMA "
+                             << "writes natively nor offers cuFlushGPUDirectRDMAWrites: a "
+                             << "kernel told that a NIC's data arrived may read it stale";
+      }
+      std::lock_guard<std::mutex> g(mu_);
+      flush_need_[static_cast<size_t>(ordinal)] = need;
+    }
+    if (need == 0) return Status::OK();
+    CUresult r = d_.flushGpuDirect(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                                   CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER);
+    if (r != CUDA_SUCCESS)
+      return MC_STATUS(kInternal, "cuFlushGPUDirectRDMAWrites on device " << ordinal << ": "
+                                                                          << err(r));
+    return Status::OK();
+  }
+
   Status load(const Kernel& k, int ordinal) override {
     const OwnCapturesOnly own(d_);
     MC_RETURN_IF_ERROR(stream(ordinal).status());  // (and its events: made now too)
@@ -606,6 +651,7 @@ class CudaDevice final : public Device {
   std::mutex mu_;
   std::vector<CUcontext> ctx_;
   std::vector<CUstream> streams_ = std::vector<CUstream>(ctx_.size(), nullptr);
+  std::vector<int> flush_need_ = std::vector<int>(ctx_.size(), -1);  // -1 unknown, 0, 1
   std::map<int, std::vector<CUstream>> spare_streams_;  // freeStream's (guarded by mu_)
   EventPool events_;
   std::map<std::pair<const void*, int>, CUmodule> modules_;  // never unloaded (as streams)
@@ -655,6 +701,8 @@ Result<std::unique_ptr<Device>> makeCudaDevice() {
   (void)load(lib, "cuMemHostUnregister", &d.hostUnregister);
   (void)load(lib, "cuStreamIsCapturing", &d.streamIsCapturing);
   (void)load(lib, "cuThreadExchangeStreamCaptureMode", &d.exchangeCaptureMode);
+  (void)load(lib, "cuDeviceGetAttribute", &d.deviceGetAttribute);
+  (void)load(lib, "cuFlushGPUDirectRDMAWrites", &d.flushGpuDirect);
   CUresult r = d.init(0);
   int n = 0;
   if (r == CUDA_SUCCESS) r = d.deviceGetCount(&n);

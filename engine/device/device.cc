@@ -361,6 +361,13 @@ class SimDevice final : public Device {
   }
 
   uint64_t pageableCopies() const override { return pageable_.load(std::memory_order_relaxed); }
+  Status flushRemoteWrites(int ordinal) override {
+    if (ordinal < 0 || ordinal >= count())
+      return MC_STATUS(kInvalidArgument, "simulated device " << ordinal << " does not exist");
+    flushes_.fetch_add(1, std::memory_order_relaxed);
+    return Status::OK();
+  }
+  uint64_t remoteWriteFlushes() const override { return flushes_.load(std::memory_order_relaxed); }
   uint64_t pageableBytes() const override {
     return pageable_bytes_.load(std::memory_order_relaxed);
   }
@@ -516,6 +523,7 @@ class SimDevice final : public Device {
   std::vector<std::unique_ptr<uint32_t[]>> words_;  // allocHostWords' (freed with the layer)
   std::map<uint64_t, size_t> pinned_;                // pinHost's ranges
   std::atomic<uint64_t> pageable_{0};               // pageableCopies()
+  std::atomic<uint64_t> flushes_{0};                // remoteWriteFlushes()
   std::atomic<uint64_t> pageable_bytes_{0};         // pageableBytes()
 };
 

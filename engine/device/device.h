@@ -191,6 +191,14 @@ class Device {
   virtual uint64_t pageableCopies() const = 0;
   // The bytes those copies moved (the simulation; CUDA: 0).
   virtual uint64_t pageableBytes() const { return 0; }
+  // Makes the writes a NIC has made into device `ordinal`'s memory (GPUDirect RDMA) visible to
+  // its kernels, in the order the NIC made them, before the caller signals those kernels that
+  // the data is there (CUDA: cuFlushGPUDirectRDMAWrites to the owner, when the device does not
+  // order such writes natively: CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING below
+  // OWNER; a device that can do neither is reported once, in a warning). The simulation has
+  // nothing to flush and counts the calls (remoteWriteFlushes), for tests.
+  virtual Status flushRemoteWrites(int ordinal) = 0;
+  virtual uint64_t remoteWriteFlushes() const { return 0; }
 };
 
 // Host memory pinned for as long as it lives (Device::pinHost / unpinHost), when it can be:

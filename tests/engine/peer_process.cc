@@ -186,6 +186,11 @@ class PeerMain {
     }
     if (cmd == "echo") return echo(static_cast<uint32_t>(num(s1)), static_cast<int>(num(s2)),
                                    static_cast<int>(num(s3)));
+    if (cmd == "gpu_flushes") {  // the device layer's remoteWriteFlushes() (the simulation's)
+      auto dev = engine::device::get();
+      if (!dev.ok()) return "bad " + dev.status().toString();
+      return "ok " + std::to_string((*dev)->remoteWriteFlushes());
+    }
     if (cmd == "alloc_gpu") {  // GPU memory of the device layer (MC_DEVICE), published
       auto p = eng_->allocate(num(s1), engine::MemoryKind::kCuda, static_cast<int>(num(s3)));
       if (!p.ok()) return "bad " + p.status().toString();

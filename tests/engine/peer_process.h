@@ -19,6 +19,7 @@
 //        receives COUNT messages on CHANNEL, sends each back to its sender on CHANNEL+1
 //        (the sender found with peerOf), then notifies it with tag COUNT -> "ok" | "bad <what>"
 //   unregister ADDR              -> "ok" | "bad <status>" (then republishes the segment)
+//   gpu_flushes                  -> "ok <the device layer's remoteWriteFlushes()>"
 //   exit                         -> "bye", exits 0
 #pragma once
 

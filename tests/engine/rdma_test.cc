@@ -574,6 +574,31 @@ TEST_F(RdmaTest, GpuMemoryIsRegisteredThroughDmabufAndMoves) {
   EXPECT_GE(nic_[0]->txBytes() + nic_[1]->txBytes() - tx0, 2 * kLen + (1u << 20))
       << "the NICs did not carry the writes";
 
+  // A notification after writes into its GPU memory: the peer flushed the NICs' writes to
+  // the device (GPUDirect) before delivering it, and the writes are there when it arrives.
+  auto flushes = [&]() -> int64_t {
+    std::string reply, why;
+    if (!peer_->send("gpu_flushes") || !peer_->recv(&reply, 10000, &why)) return -1;
+    return reply.rfind("ok ", 0) == 0 ? std::strtoll(reply.c_str() + 3, nullptr, 10) : -1;
+  };
+  const int64_t f0 = flushes();
+  ASSERT_GE(f0, 0);
+  ASSERT_TRUE(startNotifyCheck(peer_, 4, remote_gpu, 7000, 604, 30000));
+  for (int k = 0; k < 4; ++k) {
+    Slot s = notifySlot(k);
+    fillPattern(g + s.offset, s.len, 604 + k, 0);
+    MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, g + s.offset, s.len, pid_, remote_gpu + s.offset));
+    MC_ASSERT_OK(eng_->notify(pid_, 7000 + k));
+  }
+  {
+    std::string reply, why;
+    ASSERT_TRUE(peer_->recv(&reply, 40000, &why)) << why;
+    EXPECT_EQ(reply, "ok");
+  }
+  EXPECT_GE(flushes() - f0, 4) << "notifications were delivered without flushing GPU writes";
+  fillPattern(g, kLen, 602, 0);  // (what the peer's GPU memory holds again, checked below)
+  MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, g, kLen, pid_, remote_gpu));
+
   auto dev_layer = engine::device::get();
   ASSERT_TRUE(dev_layer.ok());
   auto loose = (*dev_layer)->allocate(1u << 16, 0);

@@ -250,7 +250,16 @@ class RdmaTransportImpl final : public Transport {
     std::vector<ibv_mr*> mrs;  // by NIC (nullptr where it could not register)
     std::vector<int> near;     // the NICs nearest to it (Topology::nearest)
     bool device = false;       // GPU memory (MemoryKind::kCuda)
+    int ordinal = -1;          // its device (GPU memory)
   };
+  // Bit d: GPU memory of device d (< 64) is registered here, so a notification must flush the
+  // NICs' writes into it before it is delivered (recomputed under mr_mu_ at each change).
+  std::atomic<uint64_t> gpu_ordinals_{0};
+  std::atomic<bool> flush_warned_{false};
+  void noteGpuOrdinalsLocked();
+  // Before a notification is delivered: the writes it follows are visible to the kernels of
+  // every device whose memory is registered here (device::Device::flushRemoteWrites).
+  void flushGpuWrites();
   // Registers GPU memory [addr, addr+len) with `pd`: through a dma-buf from the device layer
   // when it gives one, else ibv_reg_mr on the device address (GPUDirect, nvidia-peermem).
   // Null with `why` when neither works.

@@ -263,7 +263,7 @@ Status RdmaTransportImpl::registerRegion(Region* region) {
   bool any = false;
   const bool gpu = region->kind == MemoryKind::kCuda;
   for (uint64_t off = 0; off < region->len; off += chunk) {
-    LocalMr c{std::min(chunk, region->len - off), {}, m.near, gpu};
+    LocalMr c{std::min(chunk, region->len - off), {}, m.near, gpu, gpu ? region->device : -1};
     const uint64_t addr = region->addr + off;
     std::string ck;
     for (auto& n : nics_) {
@@ -302,7 +302,28 @@ Status RdmaTransportImpl::registerRegion(Region* region) {
   region->keys[static_cast<int>(TransportKind::kRdma)] = any ? keys : "";
   std::unique_lock<std::shared_mutex> g(mr_mu_);
   for (auto& [addr, c] : entries) mrs_[addr] = std::move(c);
+  if (gpu) noteGpuOrdinalsLocked();
   return Status::OK();
+}
+
+void RdmaTransportImpl::noteGpuOrdinalsLocked() {
+  uint64_t bits = 0;
+  for (const auto& [addr, m] : mrs_)
+    if (m.device && m.ordinal >= 0 && m.ordinal < 64) bits |= uint64_t{1} << m.ordinal;
+  gpu_ordinals_.store(bits, std::memory_order_release);
+}
+
+void RdmaTransportImpl::flushGpuWrites() {
+  const uint64_t bits = gpu_ordinals_.load(std::memory_order_acquire);
+  if (bits == 0) return;
+  auto dev = device::get();
+  if (!dev.ok()) return;
+  for (int d = 0; d < 64; ++d) {
+    if (((bits >> d) & 1) == 0) continue;
+    Status st = (*dev)->flushRemoteWrites(d);
+    if (!st.ok() && !flush_warned_.exchange(true))
+      MC_LOG(WARN, RDMA) << "flushing GPUDirect writes before a notification: " << st.toString();
+  }
 }
 
 void RdmaTransportImpl::unregisterRegion(const Region& region) {
@@ -314,6 +335,7 @@ void RdmaTransportImpl::unregisterRegion(const Region& region) {
       gone.push_back(std::move(it->second));
       it = mrs_.erase(it);
     }
+    if (region.kind == MemoryKind::kCuda) noteGpuOrdinalsLocked();
   }
   for (LocalMr& m : gone)
     for (ibv_mr* mr : m.mrs)
@@ -679,6 +701,7 @@ void RdmaTransportImpl::pumpAll() {
 }
 
 void RdmaTransportImpl::deliverNotify(uint64_t src, uint32_t channel, uint64_t tag) {
+  flushGpuWrites();  // the writes it follows may have gone into GPU memory (GPUDirect)
   if (channel != 0 && ctx_->deliver_notify) return ctx_->deliver_notify(src, channel, tag);
   if (ctx_->inbox == nullptr) return;
   // The engine's dispatcher drains the inbox; a full one delays this poller a little.
