@@ -4,64 +4,20 @@
 // fails, the peer's other traffic stays on rdma and only the lane is reconnected) and memory
 // registration refused by the kernel's limits (RLIMIT_MEMLOCK, unmapped memory).
 #include <gtest/gtest.h>
-#include <linux/capability.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
-#include <sys/syscall.h>
 
 #include <cstring>
 #include <string>
 #include <thread>
 
-#include "tests/engine/peer_fixture.h"
-#include "tests/engine/test_util.h"
-#include "tests/fakes/verbs/fake_verbs_control.h"
+#include "tests/common/capabilities.h"
+#include "tests/engine/rdma_fixture.h"
 
 namespace mooncake::test {
 namespace {
 
-class RdmaFaultTest : public PeerTestBase {
- protected:
-  void TearDown() override {
-    eng_.reset();
-    PeerTestBase::TearDown();
-  }
-  bool setUp(uint64_t region_bytes = 16u << 20) {
-    PeerConfig cfg;
-    cfg.transport = "rdma";
-    cfg.region_bytes = region_bytes;
-    peer_ = spawnPeer(cfg);
-    if (peer_ == nullptr) return false;
-    eng_ = makeEngine("rdma");
-    if (eng_ == nullptr) return false;
-    pid_ = openPeer(*eng_, "peer");
-    if (pid_ == engine::kInvalidPeer) return false;
-    EXPECT_EQ(eng_->peerTransport(pid_), "rdma");
-    for (int i = 0; i < 2; ++i) {
-      nic_[i] = std::make_unique<fakeverbs::NicControl>(fakeVerbsFabric(), "",
-                                                        "mlx5_" + std::to_string(i));
-      if (!nic_[i]->ok()) return false;
-    }
-    return true;
-  }
-  // Writes `len` bytes of pattern(seed) to the peer's region; the status, and the bytes each
-  // NIC sent meanwhile. The bytes are checked when it succeeded.
-  Status write(HostBuffer& buf, uint64_t len, uint64_t seed, uint64_t* b0, uint64_t* b1) {
-    fillPattern(buf.data(), len, seed, 0);
-    const uint64_t tx0 = nic_[0]->txBytes(), tx1 = nic_[1]->txBytes();
-    const uint64_t remote = peer_->info().alloc_addr;
-    Status st = transfer(*eng_, OpCode::kWrite, buf.data(), len, pid_, remote);
-    if (st.ok()) EXPECT_EQ(peer_->expect(remote, len, seed, 0), "");
-    *b0 = nic_[0]->txBytes() - tx0;
-    *b1 = nic_[1]->txBytes() - tx1;
-    return st;
-  }
-
-  PeerProcess* peer_ = nullptr;
-  std::unique_ptr<TransferEngine> eng_;
-  PeerId pid_ = engine::kInvalidPeer;
-  std::unique_ptr<fakeverbs::NicControl> nic_[2];
-};
+class RdmaFaultTest : public RdmaPeerTest {};
 
 // mlx5_0's CQ overruns under a write (the emulator puts the CQ and its QPs in error and
 // completes nothing more there): the write still completes, exactly, over mlx5_1, within the
@@ -133,18 +89,6 @@ TEST_F(RdmaFaultTest, RemoteAccessErrorFailsItsRequestOnly) {
   }
   EXPECT_TRUE(back) << "mlx5_0's lane was not reconnected within 3 s";
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
-}
-
-// Sets CAP_IPC_LOCK in the calling thread's effective set (per thread).
-bool setIpcLock(bool on) {
-  __user_cap_header_struct h{_LINUX_CAPABILITY_VERSION_3, 0};
-  __user_cap_data_struct d[2] = {};
-  if (syscall(SYS_capget, &h, d) != 0) return false;
-  const uint32_t bit = 1u << (CAP_IPC_LOCK % 32);
-  if (on && !(d[CAP_IPC_LOCK / 32].permitted & bit)) return false;
-  d[CAP_IPC_LOCK / 32].effective = on ? d[CAP_IPC_LOCK / 32].effective | bit
-                                      : d[CAP_IPC_LOCK / 32].effective & ~bit;
-  return syscall(SYS_capset, &h, d) == 0;
 }
 
 // Registration the NIC refuses fails registerMemory with the cause (it used to succeed with no

@@ -15,6 +15,16 @@ def _sh(*cmd, ns=None):
     subprocess.run(full, check=True, capture_output=True)
 
 
+def _veth(ns, veth_host, veth_ns, host_ip, ns_ip):
+    """A veth pair, one end here (host_ip/24), the other in namespace ns (ns_ip/24), both up."""
+    _sh("ip", "link", "add", veth_host, "type", "veth", "peer", "name", veth_ns)
+    _sh("ip", "link", "set", veth_ns, "netns", ns)
+    _sh("ip", "addr", "add", f"{host_ip}/24", "dev", veth_host)
+    _sh("ip", "link", "set", veth_host, "up")
+    _sh("ip", "addr", "add", f"{ns_ip}/24", "dev", veth_ns, ns=ns)
+    _sh("ip", "link", "set", veth_ns, "up", ns=ns)
+
+
 @contextlib.contextmanager
 def netns_pair(tag):
     """Yields (namespace, address here, address in the namespace)."""
@@ -30,12 +40,7 @@ def netns_pair(tag):
     except subprocess.CalledProcessError as e:
         pytest.skip(f"ip netns unavailable: {e.stderr}")
     try:
-        _sh("ip", "link", "add", veth_host, "type", "veth", "peer", "name", veth_ns)
-        _sh("ip", "link", "set", veth_ns, "netns", ns)
-        _sh("ip", "addr", "add", f"{host_ip}/24", "dev", veth_host)
-        _sh("ip", "link", "set", veth_host, "up")
-        _sh("ip", "addr", "add", f"{ns_ip}/24", "dev", veth_ns, ns=ns)
-        _sh("ip", "link", "set", veth_ns, "up", ns=ns)
+        _veth(ns, veth_host, veth_ns, host_ip, ns_ip)
         _sh("ip", "link", "set", "lo", "up", ns=ns)
         yield ns, host_ip, ns_ip
     finally:
@@ -61,12 +66,7 @@ def extra_link(ns, tag):
                        capture_output=True)
 
     try:
-        _sh("ip", "link", "add", veth_host, "type", "veth", "peer", "name", veth_ns)
-        _sh("ip", "link", "set", veth_ns, "netns", ns)
-        _sh("ip", "addr", "add", f"{host_ip}/24", "dev", veth_host)
-        _sh("ip", "link", "set", veth_host, "up")
-        _sh("ip", "addr", "add", f"{ns_ip}/24", "dev", veth_ns, ns=ns)
-        _sh("ip", "link", "set", veth_ns, "up", ns=ns)
+        _veth(ns, veth_host, veth_ns, host_ip, ns_ip)
         yield host_ip, ns_ip, cut
     finally:
         subprocess.run(["ip", "link", "del", veth_host], capture_output=True)

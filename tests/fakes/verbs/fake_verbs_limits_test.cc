@@ -2,22 +2,23 @@
 // QPs too), ibv_resize_cq, and memory registration as the kernel pins it (RLIMIT_MEMLOCK
 // unless the thread has CAP_IPC_LOCK, every page mapped with the access asked for).
 #include <gtest/gtest.h>
-#include <linux/capability.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
-#include <sys/syscall.h>
 
 #include <cerrno>
 #include <cstring>
-#include <vector>
 #include <chrono>
 #include <thread>
+#include <vector>
 
+#include "tests/common/capabilities.h"
 #include "tests/fakes/verbs/fake_verbs_control.h"
 #include "tests/fakes/verbs/fake_verbs_util.h"
 
 namespace mooncake::fakeverbs::test {
 namespace {
+
+using mooncake::test::setIpcLock;
 
 ibv_qp_state qpState(ibv_qp* qp) {
   ibv_qp_attr a{};
@@ -29,21 +30,6 @@ ibv_qp_state qpState(ibv_qp* qp) {
 bool connectPair(Endpoint& a, Endpoint& b) {
   return a.open("mlx5_0", 1 << 20) && b.open("mlx5_1", 1 << 20) && a.connect(b.address()) &&
          b.connect(a.address());
-}
-
-// Sets CAP_IPC_LOCK in the calling thread's effective set (capabilities are per thread):
-// false when it cannot (not in the permitted set).
-bool setIpcLock(bool on) {
-  __user_cap_header_struct h{_LINUX_CAPABILITY_VERSION_3, 0};
-  __user_cap_data_struct d[2] = {};
-  if (syscall(SYS_capget, &h, d) != 0) return false;
-  const uint32_t bit = 1u << (CAP_IPC_LOCK % 32);
-  if (on && !(d[CAP_IPC_LOCK / 32].permitted & bit)) return false;
-  if (on)
-    d[CAP_IPC_LOCK / 32].effective |= bit;
-  else
-    d[CAP_IPC_LOCK / 32].effective &= ~bit;
-  return syscall(SYS_capset, &h, d) == 0;
 }
 
 // More completions than the CQ holds: the CQ is in error (polls fail) and its QP goes to the
