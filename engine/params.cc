@@ -303,6 +303,11 @@ const std::vector<ParamDef>& table() {
        "Where a store client's segment (the memory it lends to the store) lives: empty or cpu: "
        "host memory; cuda:N (or gpu:N, N): GPU memory of device N, through the engine's device "
        "layer (MC_DEVICE), so that gets into and puts from GPU buffers move device to device."},
+      {"MC_STORE_HEARTBEAT_MISSES", Type::kInt, "3",
+       "A store client gives up on a master that answered none of this many heartbeats in a row "
+       "(it hangs: stopped, deadlocked, overloaded) and looks for the master (the leader in "
+       "etcd) again; with etcd it also does so at the first unanswered heartbeat when the "
+       "leader key names another master."},
       {"MC_STORE_CLUSTER_ID", Type::kString, "mooncake",
        "Store cluster an etcd:// master address (clients) or mooncake_master --etcd-endpoints "
        "(without --cluster-id) belongs to: its etcd keys live under mooncake-store/<id>/."},

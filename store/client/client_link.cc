@@ -343,6 +343,7 @@ ErrorCode StoreClient::reconnect(std::string* why) {
   std::shared_ptr<Link> link = std::move(opened).value();
   proto::HeartbeatRequest hb;
   hb.set_client_id(client_id_);
+  if (segment_ != nullptr) hb.add_segment_names(segment_name_);
   proto::HeartbeatResponse hr;
   MasterRpcClient::CallInfo info;
   const int64_t sent = Clock::now().time_since_epoch().count();
@@ -600,6 +601,13 @@ ErrorCode StoreClient::callMaster(proto::Method method,
 void StoreClient::membershipTick() {
   if (!etcd_ || Clock::now() < next_member_renew_) return;
   const int64_t ttl = std::max<int64_t>(1, options_.etcd_lease_ttl_s);
+  // A new leader waits (up to its rebuild timeout) for the report of every client whose key
+  // lives. One that no master has answered for two TTLs (it cannot reach the leader etcd names)
+  // would not report: it lets its key lapse, and joins again once a master answers it.
+  const int64_t heard = heard_.load();
+  if (heard != 0 && Clock::now() - Clock::time_point(Clock::duration(heard)) >
+                        std::chrono::seconds(2 * ttl))
+    return;
   next_member_renew_ = Clock::now() + milliseconds(ttl * 1000 / 3);
   const std::string key = ha::clientMemberKey(options_.cluster_id, client_id_);
   auto left = member_lease_ != 0 ? etcd_->keepAlive(member_lease_) : Result<int64_t>(int64_t{0});
@@ -635,8 +643,23 @@ void StoreClient::flushRetired(const std::shared_ptr<Link>& link) {
   book_->released.insert(book_->released.end(), released.begin(), released.end());
 }
 
+bool StoreClient::leaderMoved(const Link& link) {
+  if (!etcd_) return false;
+  auto leader = ha::readLeader(*etcd_, options_.cluster_id);
+  if (leader.ok()) return static_cast<uint64_t>(leader->epoch) != link.epoch;
+  // No leader key: the one we talk to lost it (an election is under way). etcd unreachable: no
+  // news.
+  return leader.status().code() == mooncake::Code::kNotFound;
+}
+
 void StoreClient::heartbeatLoop() {
   int64_t backoff_ms = 20;
+  // A master that answers no heartbeat while its engine peer lives hangs (stopped, deadlocked,
+  // overloaded): after this many in a row, or at once when etcd names another leader, the link
+  // is given up and the master looked for again. A new leader needs this client's report.
+  const int max_misses =
+      static_cast<int>(std::max<int64_t>(1, params::getInt("MC_STORE_HEARTBEAT_MISSES")));
+  int misses = 0;  // heartbeats in a row the current link's master did not answer
   std::unique_lock<std::mutex> lk(link_mu_);
   while (!closed_) {
     const bool need = !link_ || link_->broken;
@@ -648,6 +671,7 @@ void StoreClient::heartbeatLoop() {
       lk.lock();
       if (ec == ErrorCode::OK) {
         backoff_ms = 20;
+        misses = 0;
         MC_LOG(INFO, STORE) << "store client " << client_id_ << ": registered with the master"
                             << " (epoch " << (link_ ? link_->epoch : 0) << ")";
       } else {
@@ -661,7 +685,10 @@ void StoreClient::heartbeatLoop() {
     if (etcd_)
       period = std::min(period,
                         milliseconds(std::max<int64_t>(100, options_.etcd_lease_ttl_s * 1000 / 3)));
-    link_cv_.wait_for(lk, period, [&] {
+    // After a miss, ask again soon and wait less: a hung master is left within a few periods.
+    int64_t hb_ms = std::min<int64_t>(options_.rpc_timeout_ms, 2000);
+    if (misses > 0) hb_ms = std::min<int64_t>(hb_ms, std::max<int64_t>(250, period.count() / 2));
+    link_cv_.wait_for(lk, misses > 0 ? std::min(period, milliseconds(200)) : period, [&] {
       return closed_.load() || (reconnect_wanted_ && link_ && link_->broken);
     });
     if (closed_) break;
@@ -671,12 +698,14 @@ void StoreClient::heartbeatLoop() {
     membershipTick();
     proto::HeartbeatRequest req;
     req.set_client_id(client_id_);
+    if (segment_ != nullptr) req.add_segment_names(segment_name_);
     proto::HeartbeatResponse resp;
     MasterRpcClient::CallInfo info;
     const int64_t sent = Clock::now().time_since_epoch().count();
-    ErrorCode ec = link->rpc->call(
-        proto::HEARTBEAT, req, &resp,
-        engine::deadlineInMs(std::min<int64_t>(options_.rpc_timeout_ms, 2000)), &info);
+    ErrorCode ec =
+        link->rpc->call(proto::HEARTBEAT, req, &resp, engine::deadlineInMs(hb_ms), &info);
+    const bool unanswered = ec == ErrorCode::RPC_FAIL && !info.master_dead;
+    misses = unanswered ? misses + 1 : 0;
     if (ec == ErrorCode::OK && info.epoch == link->epoch && !resp.need_remount()) heard_ = sent;
     if (ec == ErrorCode::OK && (resp.need_remount() || info.epoch != link->epoch)) {
       std::lock_guard<std::mutex> reg(register_mu_);
@@ -689,6 +718,13 @@ void StoreClient::heartbeatLoop() {
       markBroken(link);
     } else if (ec == ErrorCode::OK) {
       flushRetired(link);
+    } else if (unanswered && (misses >= max_misses || leaderMoved(*link))) {
+      MC_LOG(WARN, STORE) << "store client " << client_id_ << ": the master (epoch "
+                          << link->epoch << ") answered none of " << misses
+                          << " heartbeats in a row"
+                          << (misses < max_misses ? " and etcd names another leader" : "")
+                          << "; looking for the master again";
+      markBroken(link);
     }
     lk.lock();
   }

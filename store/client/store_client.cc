@@ -322,8 +322,12 @@ std::vector<ErrorOr<uint64_t>> StoreClient::batchRead(
     else if (rl.replicas_size() == 0)
       st[i] = ErrorCode::OBJECT_NOT_FOUND;
     else if (planReplica(rl.replicas(0), rl.size(), engine::OpCode::kRead,
-                         static_cast<char*>(bufs[i].first), &reqs) != ErrorCode::OK)
+                         static_cast<char*>(bufs[i].first), &reqs) != ErrorCode::OK) {
+      // The pieces it planned before failing leave the shared batch: they would read into
+      // bufs[i] while (or, timed out, after) the other replicas are read into it.
+      reqs.resize(first_req[i]);
       st[i] = ErrorCode::TRANSFER_FAIL;
+    }
     first_req[i + 1] = reqs.size();
   }
   first_req[keys.size()] = reqs.size();

@@ -337,6 +337,8 @@ class StoreClient {
   bool wipeOwnRecords();
   void heartbeatLoop();
   void membershipTick();
+  // etcd: the leader key names another master than `link`'s (or none).
+  bool leaderMoved(const Link& link);
   std::shared_ptr<engine::Rendezvous> rendezvous();
   // ---- writes (client_put.cc) ----
   // `src_owner`: what keeps src valid when this client made it (a joined value), else null

@@ -165,8 +165,10 @@ ErrorCode MasterService::reportObjects(const std::string& client_id,
 // Assembles objects from reported records. For each key: group its records by put id, then by
 // replica; a replica counts when its pieces tile [0, size) exactly. The newest put (largest id)
 // with a complete replica wins. Its pieces are reserved where they lie; every
-// other record is wiped and its memory freed. late: the master already serves, so keys it knows
-// keep their current object and reported records of them are dropped.
+// other record is wiped and its memory freed. Of records that overlap in a segment only the
+// newest (largest put id) is reserved: the others' memory was reused after a wipe that failed,
+// and their header is wiped where it does not lie in a reserved range. late: the master already
+// serves, so keys it knows keep their current object and reported records of them are dropped.
 void MasterService::addReportedLocked(std::vector<Staged> staged, bool late) {
   const TimePoint t = now();
   std::map<std::string, std::vector<Staged*>> by_key;
@@ -230,6 +232,7 @@ void MasterService::addReportedLocked(std::vector<Staged> staged, bool late) {
 
   // Reserve every reported piece where it lies, one walk per segment.
   std::unordered_map<Staged*, OffsetAllocator::Allocation> allocs;
+  std::unordered_set<Staged*> dropped_headers;  // overlap losers: only their header reserved
   std::map<SegmentId, std::vector<Staged*>> by_seg;
   for (Staged& s : staged) by_seg[s.seg].push_back(&s);
   for (auto& [sid, list] : by_seg) {
@@ -238,27 +241,65 @@ void MasterService::addReportedLocked(std::vector<Staged> staged, bool late) {
     Segment* seg = sit->second.get();
     std::sort(list.begin(), list.end(),
               [](const Staged* a, const Staged* b) { return a->rec.offset < b->rec.offset; });
-    std::vector<std::pair<uint64_t, uint64_t>> ranges;
-    ranges.reserve(list.size());
-    uint64_t end = 0;
-    std::vector<Staged*> asked;
+    // Two records that overlap cannot both be live: the memory of the older one (smaller put
+    // id: put ids grow with time) was handed out again while its record survived (its wipe
+    // failed), and the newer put wrote into it. The newer one is kept; the older, whose bytes
+    // were partly overwritten, goes. `kept` stays sorted and disjoint, so the records that
+    // overlap the next one are at its end.
+    auto endOf = [](const Staged* s) {
+      return s->rec.offset + recordAllocBytes(s->rec.key.size(), s->rec.piece_length);
+    };
+    std::vector<Staged*> kept;
+    std::vector<Staged*> overlapped;  // losers: their headers are wiped below where possible
     for (Staged* s : list) {
-      if (s->rec.offset < end) continue;  // overlaps the previous one: cannot both be records
-      ranges.emplace_back(s->rec.offset, recordAllocBytes(s->rec.key.size(), s->rec.piece_length));
-      end = s->rec.offset + ranges.back().second;
-      asked.push_back(s);
+      bool lost = false;
+      while (!kept.empty() && endOf(kept.back()) > s->rec.offset) {
+        if (kept.back()->rec.put_id >= s->rec.put_id) {
+          lost = true;
+          break;
+        }
+        overlapped.push_back(kept.back());
+        kept.pop_back();
+      }
+      (lost ? overlapped : kept).push_back(s);
     }
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    ranges.reserve(kept.size());
+    for (Staged* s : kept) ranges.emplace_back(s->rec.offset, endOf(s) - s->rec.offset);
     std::vector<OffsetAllocator::Allocation> got = seg->alloc.allocateAt(ranges);
-    for (size_t i = 0; i < asked.size(); ++i) {
+    for (size_t i = 0; i < kept.size(); ++i) {
       if (!got[i].valid()) continue;
       used_bytes_ += got[i].size;
-      allocs[asked[i]] = got[i];
+      allocs[kept[i]] = got[i];
+    }
+    // A loser's header must not come back at a later failover (once the records that beat it
+    // are gone): reserve just its header and key where that is free, so that it is wiped and
+    // freed with the other dropped records below.
+    std::sort(overlapped.begin(), overlapped.end(),
+              [](const Staged* a, const Staged* b) { return a->rec.offset < b->rec.offset; });
+    ranges.clear();
+    std::vector<Staged*> headers;
+    uint64_t end = 0;
+    for (Staged* s : overlapped) {
+      if (s->rec.offset < end) continue;
+      ranges.emplace_back(s->rec.offset, recordBytes(s->rec.key.size()));
+      end = s->rec.offset + ranges.back().second;
+      headers.push_back(s);
+    }
+    got = seg->alloc.allocateAt(ranges);
+    for (size_t i = 0; i < headers.size(); ++i) {
+      if (!got[i].valid()) continue;
+      used_bytes_ += got[i].size;
+      allocs[headers[i]] = got[i];
+      dropped_headers.insert(headers[i]);
     }
   }
   auto pieceOf = [&](Staged* s) -> std::optional<PieceRec> {
     auto a = allocs.find(s);
     auto sit = segments_.find(s->seg);
     if (a == allocs.end() || sit == segments_.end()) return std::nullopt;
+    if (dropped_headers.count(s)) return PieceRec{sit->second.get(), a->second, 0,
+                                                  recordBytes(s->rec.key.size())};
     return PieceRec{sit->second.get(), a->second, s->rec.piece_length,
                     recordBytes(s->rec.key.size())};
   };
@@ -269,7 +310,7 @@ void MasterService::addReportedLocked(std::vector<Staged> staged, bool late) {
       Replica r;
       bool ok = true;
       for (Staged* s : pieces) {
-        auto piece = pieceOf(s);
+        auto piece = dropped_headers.count(s) ? std::nullopt : pieceOf(s);
         if (!piece)
           ok = false;
         else
@@ -280,7 +321,8 @@ void MasterService::addReportedLocked(std::vector<Staged> staged, bool late) {
       } else {  // a piece could not be reserved: the replica is incomplete
         for (const PieceRec& q : r.pieces) freePiece(q, true);
       }
-      for (Staged* s : pieces) allocs.erase(s);
+      for (Staged* s : pieces)
+        if (!dropped_headers.count(s)) allocs.erase(s);  // a header: wiped below
     }
     if (reps.empty()) {
       ++counters_.objects_revoked;
@@ -305,6 +347,10 @@ void MasterService::addReportedLocked(std::vector<Staged> staged, bool late) {
   }
   // Records that lost (or whose replica did): wipe them before their memory is reused.
   for (Staged* s : dropped) {
+    if (auto piece = pieceOf(s)) freePiece(*piece, true);
+    allocs.erase(s);
+  }
+  for (Staged* s : dropped_headers) {  // overlap losers whose key won elsewhere
     if (auto piece = pieceOf(s)) freePiece(*piece, true);
     allocs.erase(s);
   }

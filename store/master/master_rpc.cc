@@ -138,7 +138,9 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
       case pb::MOUNT_SEGMENT:
         decoded = serve<pb::MountSegmentRequest, pb::MountSegmentResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
-              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
+              // No client id at all is a malformed call (INVALID_PARAMS), not an impersonation.
+              if (!q.client_id().empty() && impersonates(q.client_id()))
+                return r.set_error_code(kIllegal);
               auto res = mountSegment(q.client_id(), q.segment_name(), q.base(), q.size(),
                                       q.record_tag(), q.will_report());
               r.set_error_code(toInt(res.error()));
@@ -158,8 +160,11 @@ std::string MasterService::handle(std::string_view request_bytes, const std::str
       case pb::HEARTBEAT:
         decoded = serve<pb::HeartbeatRequest, pb::HeartbeatResponse>(
             body, out, &call_error, [&](const auto& q, auto& r) {
-              if (impersonates(q.client_id())) return r.set_error_code(kIllegal);
-              auto res = heartbeat(q.client_id());
+              if (!q.client_id().empty() && impersonates(q.client_id()))
+                return r.set_error_code(kIllegal);
+              auto res = heartbeat(q.client_id(), std::vector<std::string>(
+                                                      q.segment_names().begin(),
+                                                      q.segment_names().end()));
               r.set_error_code(toInt(res.error()));
               if (res.ok()) r.set_need_remount(*res);
               r.set_client_ttl_ms(config_.client_ttl_ms);

@@ -187,6 +187,10 @@ size_t MasterService::dropReplicasOnLocked(Object* o, const Segment* seg,
                                            std::vector<Segment*>* touched, bool seg_gone) {
   std::vector<Replica> kept;
   size_t dropped = 0;
+  // A reader may be transferring out of the replica's other pieces right now: while its lease
+  // lasts they stay allocated (quarantined), so no later put's bytes land under its READs.
+  const TimePoint lease_until = o->lease_deadline;
+  const bool leased_now = leased(o, now());
   for (Replica& r : o->replicas) {
     bool on_seg = std::any_of(r.pieces.begin(), r.pieces.end(),
                               [&](const PieceRec& p) { return p.seg == seg; });
@@ -197,7 +201,11 @@ size_t MasterService::dropReplicasOnLocked(Object* o, const Segment* seg,
     for (const PieceRec& p : r.pieces) {
       // A complete object's records are wiped before their memory is reused, except on a
       // segment that leaves the store (its memory goes with it).
-      freePiece(p, o->complete && !(seg_gone && p.seg == seg));
+      const bool wipe = o->complete && !(seg_gone && p.seg == seg);
+      if (leased_now && !(seg_gone && p.seg == seg))
+        releasePieceLocked(p, wipe, &lease_until);
+      else
+        freePiece(p, wipe);
       touched->push_back(p.seg);
     }
     ++dropped;
@@ -221,14 +229,23 @@ std::vector<MountedSegmentInfo> MasterService::segments() const {
   return out;
 }
 
-ErrorOr<bool> MasterService::heartbeat(const std::string& client_id) {
+ErrorOr<bool> MasterService::heartbeat(const std::string& client_id,
+                                       const std::vector<std::string>& segment_names) {
   if (client_id.empty()) return ErrorCode::INVALID_PARAMS;
   std::lock_guard<std::mutex> lock(mu_);
   bool was_new = false;
   const TimePoint t = now();
   touchClientLocked(client_id, t, &was_new);
   if (was_new) last_registration_ = t;
-  return was_new;
+  // A client expired and then made known again by another call (a put that reached the master
+  // before this heartbeat) has no segments here: it must mount (and wipe its records) again.
+  bool missing = false;
+  for (const std::string& name : segment_names) {
+    auto it = segment_by_name_.find(name);
+    missing = missing || it == segment_by_name_.end() ||
+              segments_.at(it->second)->client_id != client_id;
+  }
+  return was_new || missing;
 }
 
 void MasterService::expireClientLocked(const std::string& client_id) {

@@ -93,8 +93,11 @@ class MasterService {
   ErrorCode unmountSegmentByName(const std::string& client_id, const std::string& name);
   std::vector<MountedSegmentInfo> segments() const;
   // Refreshes the client's liveness. Returns need_remount = true when the master did not know the
-  // client (first contact or expired), i.e. none of its segments is mounted any more.
-  ErrorOr<bool> heartbeat(const std::string& client_id);
+  // client (first contact or expired), or when one of `segment_names` (the segments the client
+  // says it has mounted) is not mounted here under this client: other calls of a client the
+  // master expired make it known again, but never mount its segment.
+  ErrorOr<bool> heartbeat(const std::string& client_id,
+                          const std::vector<std::string>& segment_names = {});
   // The client's engine is gone (its process died or its link broke: the master's engine or a
   // peer saw it). Its segments stop being allocation targets at once; everything else follows
   // the usual rules (its objects stay readable where their holder still answers, and it

@@ -170,6 +170,7 @@ std::vector<ErrorCode> MasterService::publish(const std::string& client_id,
       continue;
     }
     auto existing = objects_.find(it.key);
+    Object* stale = nullptr;  // an unfinished put of the key this one takes over
     if (existing != objects_.end()) {
       Object* old = existing->second.get();
       if (old->complete ||
@@ -177,10 +178,7 @@ std::vector<ErrorCode> MasterService::publish(const std::string& client_id,
         out[i] = ErrorCode::OBJECT_ALREADY_EXISTS;
         continue;
       }
-      TimePoint release_at =
-          old->put_start + std::chrono::milliseconds(config_.put_release_timeout_ms);
-      destroyObjectLocked(old, &release_at);
-      ++counters_.put_revokes;
+      stale = old;
     }
     // Every extent must still hold the range unpublished.
     std::vector<std::map<uint64_t, OffsetAllocator::Allocation>::iterator> blocks;
@@ -193,8 +191,16 @@ std::vector<ErrorCode> MasterService::publish(const std::string& client_id,
       blocks.push_back(b);
     }
     if (blocks.size() != slab->extents.size()) {
-      out[i] = ErrorCode::INVALID_PARAMS;
+      out[i] = ErrorCode::INVALID_PARAMS;  // and the stale put, if any, stays
       continue;
+    }
+    if (stale != nullptr) {
+      // Taken over only now that this publish succeeds; its memory stays reserved until its
+      // release timeout (its writer may still be writing). Touches no slab block.
+      TimePoint release_at =
+          stale->put_start + std::chrono::milliseconds(config_.put_release_timeout_ms);
+      destroyObjectLocked(stale, &release_at);
+      ++counters_.put_revokes;
     }
     auto owned = std::make_unique<Object>();
     Object* o = owned.get();

@@ -112,14 +112,12 @@ bool walkRecords(At&& at, uint64_t size, uint64_t segment_tag,
       if (p == nullptr) return false;
       if (decodeRecord(p, size - off, segment_tag, &rec)) {
         fn(off, rec);
-        if (!rec.committed) {
-          // Never committed (a put revoked or cut short): its memory may have been handed out
-          // again around it, so the records of live objects can lie inside its length.
-          off += kRecordAlign;
-          continue;
-        }
-        uint64_t len = recordAllocBytes(rec.key.size(), rec.piece_length);
-        off += (len + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
+        // Step over the header and key only, never the piece's bytes, even for a committed
+        // record: one whose wipe failed (or a revoked put's) may have had its memory handed out
+        // again, and newer records can lie inside its length (the master keeps the newest of
+        // overlapping records). Header and key are intact (the checksum covers them), so no
+        // other record starts there.
+        off += recordBytes(rec.key.size());
         continue;
       }
     }

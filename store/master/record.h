@@ -13,7 +13,8 @@
 // object (or to one removed in the instant before the master died, which then comes back).
 //
 // The owner finds records by walking its segment at 64-byte steps (skipping what the operating
-// system never backed: nothing was ever written there) and skipping each record's length.
+// system never backed: nothing was ever written there) and each record's header and key, but not
+// its bytes: a stale committed record (its wipe failed) may enclose newer ones.
 // Readers never see records: a piece's address is that of its bytes, after the record.
 #pragma once
 
@@ -62,8 +63,9 @@ void encodeRecord(const RecordInfo& r, uint64_t segment_tag, char* out);
 bool decodeRecord(const char* p, uint64_t avail, uint64_t segment_tag, RecordInfo* out);
 
 // Walks [base, base + size) for records: calls fn(offset of the record, record) for every valid
-// one, committed or not, and steps over a committed one's allocation (64 bytes past one that
-// is not: it was never wiped, and its memory may hold newer records). next_data(offset), when given, returns
+// one, committed or not, and steps over its header and key only (a record whose wipe failed or
+// that was never committed may have had its memory handed out again: newer records can lie
+// inside its length; the master resolves overlaps). next_data(offset), when given, returns
 // [start, end): the first stretch at or after `offset` that may hold data (what lies before
 // start was never written: a hole of the shared-memory file), start >= size when none; the
 // walk never touches what it skips.

@@ -2,6 +2,7 @@
 import glob
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,26 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process(pid, timeout=5):
+    """SIGSTOP pid and wait until every thread of it has stopped: the kernel stops the other
+    threads only once one of them took the signal, and until then they may still serve requests
+    (a test that then expects no answer would race)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass  # a thread that just ended
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.001)
+    raise RuntimeError(f"process {pid} did not stop")
 
 
 def master_bin():

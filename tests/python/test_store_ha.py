@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _store_common import free_port, master_bin  # noqa: E402
+from _store_common import free_port, master_bin, stop_process  # noqa: E402
 
 store_mod = pytest.importorskip("mooncake.store")
 E = store_mod.ErrorCode
@@ -153,6 +153,49 @@ def test_etcd_address_and_failover(cluster):
     assert other.metric("mooncake_store_failovers_total") >= 1
     assert other.metric("mooncake_store_objects_recovered_total") >= len(values)
     assert other.metric("mooncake_store_objects_revoked_total") == 0
+    s.close()
+
+
+def test_hung_leader_is_left_for_the_new_one(cluster):
+    """The leader hangs (SIGSTOP: its tcp peer lives, it answers nothing). The client must leave it
+    within a few heartbeats once etcd names the new leader, and report its records there, so that
+    the new leader's rebuild ends well before its timeout (2 x TTL + 2 s = 6 s here) with every
+    object back. Before,
+    the client only left a master whose engine peer died or that answered "standby": it kept
+    renewing its membership key, the new leader waited out its rebuild timeout and served without
+    the client's objects, and every call took 5 s to fail with RPC_FAIL."""
+    etcd, masters = cluster
+    leader = wait_leader(masters)
+    assert leader is not None
+    other = [m for m in masters if m is not leader][0]
+    s = store_mod.MooncakeDistributedStore()
+    assert s.setup("pyhung", "", 32 << 20, 16 << 20, "tcp", "", f"etcd://{etcd.endpoint}") == 0
+    values = {f"hung/{i}": os.urandom(2000 + i) for i in range(20)}
+    for k, v in values.items():
+        assert s.put(k, v) == 0
+    stop_process(leader.proc.pid)
+    try:
+        t_stop = time.monotonic()
+        rc = None
+        while time.monotonic() < t_stop + 20 and rc != 0:
+            rc = s.put("after", b"a" * 3000)
+        assert rc == 0, f"no put succeeded within 20 s of the leader hanging (last rc {rc})"
+        assert other.serving()
+        rebuild_s = other.metric("mooncake_store_rebuild_duration_seconds")
+        assert rebuild_s is not None and rebuild_s < 4, \
+            f"the new leader waited {rebuild_s} s for this client's report"
+        for k, v in values.items():
+            assert s.get(k) == v, k
+        t = time.monotonic()
+        assert s.put("after2", b"b" * 3000) == 0
+        assert time.monotonic() - t < 2, "a put on the new leader is fast"
+        assert other.metric("mooncake_store_objects_recovered_total") >= len(values)
+    finally:
+        leader.proc.send_signal(signal.SIGCONT)
+    # The old leader resumes, finds its lease gone and stands by; the client stays.
+    time.sleep(1)
+    assert s.put("after3", b"c" * 3000) == 0
+    assert s.get("after") == b"a" * 3000
     s.close()
 
 

@@ -110,6 +110,31 @@ TEST(Records, ScanStepsIntoAnUncommittedRecord) {
   EXPECT_EQ(found[1], std::make_pair(uint64_t{4096}, true)) << "inside the revoked put's length";
 }
 
+// A committed record whose wipe failed while its memory was handed out again encloses newer
+// records: the scan must report them too (before, it stepped over the committed record's whole
+// length and the newer object was never reported).
+TEST(Records, ScanFindsNewerRecordsInsideACommittedOne) {
+  std::vector<char> seg(256 * kKiB, 0);
+  const uint64_t tag = 0x99;
+  auto put = [&](const std::string& key, uint64_t id, uint64_t len, uint64_t at) {
+    RecordInfo r;
+    r.key = key;
+    r.put_id = id;
+    r.object_size = r.piece_length = len;
+    encodeRecord(r, tag, seg.data() + at);
+    std::memcpy(seg.data() + at + kRecordCommitOffset, &id, 8);
+  };
+  put("stale", 100, 128 * kKiB, 0);
+  put("newer", 200, 4096, 64 * kKiB);
+  put("after", 300, 4096, 192 * kKiB);
+  std::vector<std::pair<uint64_t, std::string>> found;
+  scanRecords(seg.data(), seg.size(), tag,
+              [&](uint64_t off, const RecordInfo& x) { found.emplace_back(off, x.key); });
+  std::vector<std::pair<uint64_t, std::string>> want = {
+      {0, "stale"}, {64 * kKiB, "newer"}, {192 * kKiB, "after"}};
+  EXPECT_EQ(found, want);
+}
+
 TEST(Records, EncodeDecodeCommitAndScan) {
   std::vector<char> seg(64 * kKiB, 0);
   RecordInfo r;
@@ -155,7 +180,7 @@ TEST(Records, EncodeDecodeCommitAndScan) {
 
 // A segment the host cannot load from (GPU memory) is walked through a host window that the
 // reader fills: the same records as the direct walk, with records (long keys included) across
-// every window boundary, committed ones stepped over, uncommitted ones stepped into; a reader
+// every window boundary, each record's header and key stepped over; a reader
 // that fails ends the walk there, and the walk says so.
 TEST(Records, ScanThroughAReadWindowFindsTheSame) {
   std::vector<char> seg(3 * kMiB + 4096, 0);
@@ -261,6 +286,28 @@ TEST_F(FailoverTest, SlabPublishIsOneCallAndCutsObjectsOut) {
   EXPECT_EQ(m.metrics().bytes_used, 2 * per_replica);
   EXPECT_TRUE(m.checkInvariants());
   EXPECT_EQ(m.remove("k/1"), ErrorCode::OK);
+  EXPECT_TRUE(m.checkInvariants());
+}
+
+// A stale unfinished put of a key is taken over only by a publish that succeeds: one whose range
+// is refused leaves it alone (before, it was destroyed first, and nothing replaced it).
+TEST_F(FailoverTest, RefusedPublishLeavesAStalePutOfItsKeyAlone) {
+  MasterService m(cfg());
+  ASSERT_TRUE(m.mountSegment("a", "sa", kBase, 16 * kMiB, 0xa).ok());
+  auto slab = m.allocSlab("w", 1, 256 * kKiB, {}, 8 * kKiB);
+  ASSERT_TRUE(slab.ok());
+  ASSERT_EQ(m.publish("w", {{"k/1", 100, slab->id, 0, 11}})[0], ErrorCode::OK);
+  ASSERT_TRUE(m.putStart("v", "k/2", 100, {}).ok());
+  clock_.advanceMs(31000);  // past put_discard_timeout
+  EXPECT_EQ(m.publish("w", {{"k/2", 100, slab->id, 0, 12}})[0], ErrorCode::INVALID_PARAMS)
+      << "that range is published already";
+  EXPECT_EQ(m.getReplicaList("k/2").error(), ErrorCode::REPLICA_IS_NOT_READY)
+      << "the stale put is still there";
+  EXPECT_EQ(m.metrics().put_revokes, 0u);
+  EXPECT_EQ(m.publish("w", {{"k/2", 100, slab->id, 65536, 12}})[0], ErrorCode::OK);
+  EXPECT_TRUE(m.getReplicaList("k/2").ok());
+  EXPECT_EQ(m.metrics().put_revokes, 1u) << "taken over now";
+  EXPECT_EQ(m.putEnd("v", "k/2"), ErrorCode::ILLEGAL_CLIENT) << "its old writer ends nothing";
   EXPECT_TRUE(m.checkInvariants());
 }
 
@@ -416,6 +463,46 @@ TEST_F(FailoverTest, RebuildAssemblesCompleteReplicasOnly) {
     ASSERT_TRUE(p.ok());
     ASSERT_EQ(m.putEnd("w", "new" + std::to_string(i)), ErrorCode::OK);
   }
+  EXPECT_TRUE(m.checkInvariants());
+}
+
+// Two committed records overlap when a wipe failed (holder unreachable) and the memory of the
+// removed object was handed out again: the newer put (larger id) wrote inside the older one's
+// range. The rebuild keeps the newer and drops the older, whose bytes were partly overwritten,
+// wiping its header so that it cannot come back at a later failover (before, the lower offset
+// won: get("old") served overwritten bytes and "new" was lost).
+TEST_F(FailoverTest, RebuildKeepsTheNewestOfOverlappingRecords) {
+  MasterService m(cfg());
+  FakeWiper wiper;
+  m.setRecordWiper(&wiper);
+  m.beginRebuild(42, RebuildPolicy{0, 60000});
+  ASSERT_TRUE(m.mountSegment("a", "sa", kBase, 8 * kMiB, 7, true).ok());
+  // "old" at 0 (1 MiB, put 100) encloses "new" (put 200); "older" (put 50) lies inside "newer"
+  // (put 300, at 4 MiB), the other way round; "alone" overlaps nothing.
+  std::vector<ReportedPiece> recs = {
+      piece("old", 100, kMiB, 0, kMiB, 0, 0), piece("new", 200, 4096, 0, 4096, 0, 64 * kKiB),
+      piece("newer", 300, kMiB, 0, kMiB, 0, 4 * kMiB),
+      piece("older", 50, 4096, 0, 4096, 0, 4 * kMiB + 128 * kKiB),
+      piece("alone", 60, 4096, 0, 4096, 0, 2 * kMiB)};
+  ASSERT_EQ(m.reportObjects("a", "sa", recs, 0, true), ErrorCode::OK);
+  ASSERT_TRUE(m.pollRebuild());
+  EXPECT_EQ(m.getReplicaList("old").error(), ErrorCode::OBJECT_NOT_FOUND);
+  EXPECT_EQ(m.getReplicaList("older").error(), ErrorCode::OBJECT_NOT_FOUND);
+  auto n = m.getReplicaList("new");
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(n->replicas[0].pieces[0].address, kBase + 64 * kKiB + recordBytes(3));
+  EXPECT_TRUE(m.getReplicaList("newer").ok());
+  EXPECT_TRUE(m.getReplicaList("alone").ok());
+  // "old"'s header (outside "new"'s range) is wiped; "older"'s lies inside "newer"'s bytes,
+  // which overwrote it (nothing to wipe there).
+  std::set<uint64_t> wiped;
+  for (auto& [addr, token] : wiper.calls) wiped.insert(addr);
+  EXPECT_EQ(wiped, std::set<uint64_t>{kBase});
+  EXPECT_EQ(m.metrics().objects_recovered, 3u);
+  EXPECT_TRUE(m.checkInvariants());
+  // The dropped ranges are free again: puts fill the segment around the live objects.
+  for (int i = 0; i < 40; ++i)
+    ASSERT_TRUE(m.putStart("a", "fill" + std::to_string(i), 64 * kKiB, {}).ok()) << i;
   EXPECT_TRUE(m.checkInvariants());
 }
 

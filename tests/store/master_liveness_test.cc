@@ -65,6 +65,32 @@ TEST_F(LivenessTest, HeartbeatTellsAnUnknownClientToRemount) {
   EXPECT_TRUE(m_->checkInvariants());
 }
 
+// A client the master expired whose put (or slab request, publish, ...) reaches the master
+// before its heartbeat is known again, but without its segment: the heartbeat, which names the
+// segments the client has mounted, must still ask it to remount (before, it answered false for
+// good: the segment was lost and its stale records never wiped).
+TEST_F(LivenessTest, ExpiredClientKnownAgainThroughAnotherCallIsToldToRemount) {
+  mount("a");
+  mount("b");
+  live(11000, {"b"});
+  ASSERT_EQ(m_->metrics().client_expirations, 1u);
+  ASSERT_EQ(m_->metrics().segments, 1u);
+  // a resumes: its application thread's calls come first and make it known again.
+  EXPECT_TRUE(m_->allocSlab("a", 1, 64 * kKiB, {}, 4096).ok()) << "a slab on b's segment";
+  ASSERT_TRUE(m_->putStart("a", "k", kKiB, {}).ok());
+  EXPECT_TRUE(*m_->heartbeat("a", {"a-seg"})) << "a's segment is not mounted: remount";
+  for (int i = 0; i < 5; ++i) {  // and it keeps saying so until a mounts it again
+    clock_.advanceMs(1000);
+    EXPECT_TRUE(*m_->heartbeat("a", {"a-seg"}));
+    m_->runMaintenance();
+  }
+  ASSERT_TRUE(m_->mountSegment("a", "a-seg", 0x100000, kMiB).ok());
+  EXPECT_FALSE(*m_->heartbeat("a", {"a-seg"}));
+  EXPECT_TRUE(*m_->heartbeat("a", {"b-seg"})) << "another client's segment is not a's";
+  EXPECT_EQ(m_->metrics().segments, 2u);
+  EXPECT_TRUE(m_->checkInvariants());
+}
+
 TEST_F(LivenessTest, WriterDyingBetweenStartAndEndRevokesThePut) {
   mount("owner");
   auto start = m_->putStart("writer", "k", 256 * kKiB, {});
@@ -166,6 +192,38 @@ TEST_F(LivenessTest, UnmountDropsStripedReplicaThatLostAPiece) {
   EXPECT_EQ(got->replicas[0].pieces[0].client_id, "d");
   // The striped replica's pieces on b and c were freed too.
   EXPECT_EQ(m_->metrics().bytes_used, used_before - (2 * kMiB + 512 * kKiB));
+  EXPECT_TRUE(m_->checkInvariants());
+}
+
+// A reader holds a lease on the striped replica when one of its segments goes: the replica's
+// pieces on the other segments must stay allocated until the lease lapses (before, they were
+// freed at once, and a new put could land under the reader's READs).
+TEST_F(LivenessTest, UnmountKeepsALeasedStripedReplicasOtherPiecesUntilTheLeaseLapses) {
+  SegmentId a = mount("a");
+  mount("b");
+  mount("c");
+  mount("d", 4 * kMiB);
+  ReplicateConfig rc;
+  rc.replica_num = 2;
+  auto start = m_->putStart("w", "big", 2 * kMiB + 512 * kKiB, rc);
+  ASSERT_TRUE(start.ok());
+  ASSERT_EQ(m_->putEnd("w", "big"), ErrorCode::OK);
+  size_t striped = (*start)[0].pieces.size() > 1 ? 0 : 1;
+  ASSERT_EQ((*start)[striped].pieces.size(), 3u);
+  uint64_t on_a = 0;
+  for (const auto& p : (*start)[striped].pieces)
+    if (p.client_id == "a") on_a = p.length;
+  ASSERT_GT(on_a, 0u);
+  ASSERT_TRUE(m_->getReplicaList("big").ok());  // a reader's lease (5 s)
+  const uint64_t used_before = m_->metrics().bytes_used;
+  EXPECT_EQ(m_->unmountSegment("a", a), ErrorCode::OK);
+  EXPECT_EQ(m_->metrics().bytes_used, used_before - on_a)
+      << "the pieces on b and c stay while the lease lasts";
+  live(3000, {"b", "c", "d", "w"});
+  EXPECT_EQ(m_->metrics().bytes_used, used_before - on_a);
+  live(3000, {"b", "c", "d", "w"});
+  EXPECT_EQ(m_->metrics().bytes_used, used_before - (2 * kMiB + 512 * kKiB))
+      << "freed once the lease lapsed";
   EXPECT_TRUE(m_->checkInvariants());
 }
 

@@ -57,6 +57,10 @@ TEST_F(RpcTest, EveryMethodRoundTrips) {
   EXPECT_EQ(beat.error_code(), 0);
   EXPECT_FALSE(beat.need_remount());
   EXPECT_EQ(beat.client_ttl_ms(), 10000u);
+  hb.add_segment_names("seg1");  // the client's mounted segments travel with its heartbeat
+  EXPECT_FALSE(call<pb::HeartbeatResponse>(pb::HEARTBEAT, hb).need_remount());
+  hb.add_segment_names("seg-the-master-does-not-hold");
+  EXPECT_TRUE(call<pb::HeartbeatResponse>(pb::HEARTBEAT, hb).need_remount());
 
   pb::PutStartRequest ps;
   ps.set_client_id("c1");
@@ -424,6 +428,17 @@ TEST_F(RpcTest, CallsInAnotherClientsNameAreRefused) {
   pb::HeartbeatResponse hr;
   EXPECT_EQ(code(as("attacker", pb::HEARTBEAT, hb), &hr),
             static_cast<int32_t>(ErrorCode::ILLEGAL_CLIENT));
+  // No client id at all is a malformed call, as docs/store_errors.md says, not an impersonation.
+  pb::HeartbeatRequest anon;
+  EXPECT_EQ(code(as("attacker", pb::HEARTBEAT, anon), &hr),
+            static_cast<int32_t>(ErrorCode::INVALID_PARAMS));
+  pb::MountSegmentRequest anon_mount;
+  anon_mount.set_segment_name("s");
+  anon_mount.set_base(0x1000000);
+  anon_mount.set_size(kMiB);
+  pb::MountSegmentResponse amr;
+  EXPECT_EQ(code(as("attacker", pb::MOUNT_SEGMENT, anon_mount), &amr),
+            static_cast<int32_t>(ErrorCode::INVALID_PARAMS));
   EXPECT_EQ(code(as("victim", pb::PUT_END, pe), &per), 0);
   ASSERT_EQ(master_.segments().size(), 1u);
   EXPECT_TRUE(master_.exists("k").ok() && *master_.exists("k"));
