@@ -139,7 +139,12 @@ bool LinkMatrix::link(int a, int b) const {
 std::vector<int> observersToAwait(const View& v, int self, const std::function<bool(int)>& up,
                                   bool* all) {
   std::vector<int> seen_up, unseen;
-  int members = 1, seen = 1;  // self
+  // Self counts as a member (seen) only when it is one: an inactive process that reconciles
+  // (sync_after_failure) would otherwise score itself into a majority it is not part of.
+  const bool self_counts = self >= 0 && self < v.maxSize() &&
+                           (v.state[self] == MemberState::kActive ||
+                            v.state[self] == MemberState::kAwaiting);
+  int members = self_counts, seen = self_counts;
   for (int s = 0; s < v.maxSize(); ++s) {
     if (s == self || v.incarnation[s] == 0 || v.state[s] == MemberState::kNone ||
         v.state[s] == MemberState::kLeft)

@@ -87,7 +87,8 @@ SlotMask healthySet(const SlotMask& candidates, const LinkMatrix& links);
 
 // Whose observations a reconciling process waits for: every other process of view v (state
 // neither None nor Left) that it sees alive (`up`); and, when it sees fewer than half of the
-// view's Active and Awaiting members alive (itself counted as one), also those it does not see,
+// view's Active and Awaiting members alive (itself counted when it is one of them), also those
+// it does not see,
 // for the whole window. Their deaths and this process being the one cut off look the same from
 // here; only their own observations (in the store) tell the two apart: a proposer cut off from
 // every link weighed only itself and proposed a view in which it alone was healthy. *all: the

@@ -150,6 +150,13 @@ TEST(PgMembership, ObserversToAwaitWhenMostLookDead) {
   EXPECT_TRUE(all);  // 1 of 3 counted members seen (itself)
   EXPECT_EQ(observersToAwait(w, 0, sees({1}), &all), (std::vector<int>{1}));
   EXPECT_FALSE(all);
+  // An inactive process (it reconciles through sync_after_failure) is not counted: seeing one
+  // of the three active members is not half of them.
+  const View x = deactivated(initialView(4, 4), {0});
+  EXPECT_EQ(observersToAwait(x, 0, sees({1}), &all), (std::vector<int>{1, 2, 3}));
+  EXPECT_TRUE(all);
+  EXPECT_EQ(observersToAwait(x, 0, sees({1, 2}), &all), (std::vector<int>{1, 2}));
+  EXPECT_FALSE(all);
   // What the wider wait buys: slot 0 is cut off from every link, 1-3 reach one another; with
   // their observations slot 0 is evicted, with only its own it alone would be healthy.
   LinkMatrix l = full(4);
