@@ -63,7 +63,8 @@ uint64_t StoreClient::newPutId() {
 bool StoreClient::slabEligible(const std::string& key, uint64_t size,
                                const ReplicateConfig& config) const {
   // Slab puts carry the pins but no per-object soft-pin TTL: those take PutStart.
-  return options_.use_slabs && config.preferred_segment.empty() && config.soft_pin_ttl_ms == 0 &&
+  return options_.use_slabs && config.preferred_segment.empty() &&
+         config.preferred_segments.empty() && config.soft_pin_ttl_ms == 0 &&
          round64(recordBytes(key.size()) + size) <= kMaxSlabBytes / 2;
 }
 

@@ -41,6 +41,7 @@ void toProto(const ReplicateConfig& c, proto::ReplicateConfig* p) {
   p->set_with_soft_pin(c.with_soft_pin);
   p->set_with_hard_pin(c.with_hard_pin);
   p->set_preferred_segment(c.preferred_segment);
+  for (const std::string& s : c.preferred_segments) p->add_preferred_segments(s);
   p->set_soft_pin_ttl_ms(c.soft_pin_ttl_ms);
   p->set_keep_soft_pin(c.keep_soft_pin);
 }

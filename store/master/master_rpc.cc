@@ -22,6 +22,7 @@ ReplicateConfig fromProto(const pb::ReplicateConfig& c) {
   out.with_soft_pin = c.with_soft_pin();
   out.with_hard_pin = c.with_hard_pin();
   out.preferred_segment = c.preferred_segment();
+  out.preferred_segments.assign(c.preferred_segments().begin(), c.preferred_segments().end());
   out.soft_pin_ttl_ms = c.soft_pin_ttl_ms();
   out.keep_soft_pin = c.keep_soft_pin();
   return out;

@@ -337,7 +337,8 @@ class MasterService {
   Client& touchClientLocked(const std::string& client_id, TimePoint now, bool* was_new);
 
   // Placement (master_space.cc).
-  bool allocateReplica(const std::string& key, uint64_t size, const std::string& preferred,
+  bool allocateReplica(const std::string& key, uint64_t size,
+                       const std::vector<std::string>& preferred,
                        std::unordered_set<Segment*>* used_segments,
                        std::unordered_set<std::string>* used_clients, Replica* out);
   std::vector<Replica> allocateReplicas(const std::string& key, uint64_t size,

@@ -56,33 +56,34 @@ ReplicaPlacement MasterService::describe(const Replica& r) const {
   return out;
 }
 
-// Candidate order for one replica: the preferred segment, then the segments of clients that hold
-// no replica of this object yet, then the other clients' (never a segment already used by this
-// object). Both walks start at the round-robin cursor, which moves once per put, so that
-// successive puts spread over the segments.
+// Candidate order for one replica: the preferred segments in their order, then the segments of
+// clients that hold no replica of this object yet, then the other clients' (never a segment
+// already used by this object). Both walks start at the round-robin cursor, which moves once per
+// put, so that successive puts spread over the segments.
 bool MasterService::allocateReplica(const std::string& key, uint64_t size,
-                                    const std::string& preferred,
+                                    const std::vector<std::string>& preferred,
                                     std::unordered_set<Segment*>* used_segments,
                                     std::unordered_set<std::string>* used_clients, Replica* out) {
   const size_t n = segment_order_.size();
   if (n == 0) return false;
   std::vector<Segment*> order;
   order.reserve(n);
-  Segment* pref = nullptr;
-  if (!preferred.empty()) {
-    auto it = segment_by_name_.find(preferred);
-    if (it != segment_by_name_.end() && !used_segments->count(segments_.at(it->second).get()) &&
-        !segments_.at(it->second)->owner_gone && !segments_.at(it->second)->awaiting_report) {
-      pref = segments_.at(it->second).get();
-      order.push_back(pref);
-    }
+  std::unordered_set<Segment*> prefs;
+  for (const std::string& name : preferred) {
+    auto it = name.empty() ? segment_by_name_.end() : segment_by_name_.find(name);
+    if (it == segment_by_name_.end()) continue;
+    Segment* s = segments_.at(it->second).get();
+    if (used_segments->count(s) || s->owner_gone || s->awaiting_report || !prefs.insert(s).second)
+      continue;
+    order.push_back(s);
   }
   for (int pass = 0; pass < 2; ++pass) {
     for (size_t i = 0; i < n; ++i) {
       Segment* s = segment_order_[(rr_cursor_ + i) % n];
       // A segment whose owner's engine is gone takes no new replica (its objects stay until
       // the client expires, as any silent client's do).
-      if (s == pref || s->owner_gone || s->awaiting_report || used_segments->count(s)) continue;
+      if (prefs.count(s) || s->owner_gone || s->awaiting_report || used_segments->count(s))
+        continue;
       bool client_used = used_clients->count(s->client_id) > 0;
       if ((pass == 0) != client_used) order.push_back(s);
     }
@@ -137,10 +138,15 @@ std::vector<MasterService::Replica> MasterService::allocateReplicas(const std::s
   std::vector<Replica> out;
   std::unordered_set<Segment*> used_segments;
   std::unordered_set<std::string> used_clients;
+  // Every replica prefers the listed segments it can still use, in order (upstream's rule:
+  // replica r lands on the r-th listed segment when each has room).
+  std::vector<std::string> preferred;
+  if (!config.preferred_segment.empty()) preferred.push_back(config.preferred_segment);
+  preferred.insert(preferred.end(), config.preferred_segments.begin(),
+                   config.preferred_segments.end());
   for (uint32_t r = 0; r < config.replica_num; ++r) {
     Replica rep;
-    if (!allocateReplica(key, size, r == 0 ? config.preferred_segment : std::string(),
-                         &used_segments, &used_clients, &rep))
+    if (!allocateReplica(key, size, preferred, &used_segments, &used_clients, &rep))
       break;  // fewer replicas than asked: best effort
     out.push_back(std::move(rep));
   }

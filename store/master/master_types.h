@@ -21,6 +21,10 @@ struct ReplicateConfig {
   bool with_soft_pin = false;     // evicted only after every unpinned object (evicted last)
   bool with_hard_pin = false;     // never evicted; only remove() drops it
   std::string preferred_segment;  // segment name; empty: no preference
+  // More preferred segments, in order (upstream's preferred_segments): each replica goes to
+  // the first of preferred_segment, then these, that it can use (not holding a replica of the
+  // object yet, with room), before any other segment.
+  std::vector<std::string> preferred_segments;
   uint64_t soft_pin_ttl_ms = 0;   // with_soft_pin: how long it holds unread; 0: the master's
   // An upsert of a complete object keeps that object's soft pin (and its deadline) instead of
   // taking with_soft_pin (upstream's SoftPinAction.PRESERVE). Plain puts ignore it.

@@ -146,7 +146,7 @@ def test_return_conventions(env):
 
 
 def test_replicate_config(env):
-    _, _, s = env
+    _, h, s = env
     c = ReplicateConfig()
     assert c.soft_pin_action == SoftPinAction.PRESERVE and c.soft_pin_ttl_ms is None
     assert "replica_num: 1" in str(c)
@@ -166,6 +166,16 @@ def test_replicate_config(env):
     assert s.put("pref-list", b"p" * 64, c) == 0
     assert s.get_replica_desc("pref-list")[0].get_memory_descriptor() \
         .buffer_descriptor.transport_endpoint == s.get_hostname()
+    # Each replica on the next listed segment (upstream's allocation rule), in list order.
+    for order in ([h.name, s.get_hostname()], [s.get_hostname(), h.name]):
+        c = ReplicateConfig()
+        c.replica_num = 2
+        c.preferred_segments = order
+        for i in range(5):
+            key = f"pref-two/{order[0]}/{i}"
+            assert s.put(key, b"q" * 4096, c) == 0
+            assert [d.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                    for d in s.get_replica_desc(key)] == order, key
 
 
 def test_buffers_and_pool(env):

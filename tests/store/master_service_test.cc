@@ -210,6 +210,45 @@ TEST_F(MasterTest, PreferredSegmentGetsTheFirstReplica) {
   EXPECT_TRUE(m.putStart("w", "x", kKiB, unknown).ok()) << "a preference is best effort";
 }
 
+// preferred_segments (upstream's list): replica r lands on the r-th listed segment it can use;
+// a listed segment without room (or unknown) is passed over for the next one, then any.
+TEST_F(MasterTest, PreferredSegmentsPlaceEachReplicaInOrder) {
+  MasterService m(cfg());
+  mountN(m, 4, kMiB);
+  for (int i = 0; i < 10; ++i) {
+    ReplicateConfig rc;
+    rc.replica_num = 2;
+    rc.preferred_segments = {"s" + std::to_string(1 + i % 3), "s0"};
+    auto r = m.putStart("w", "k" + std::to_string(i), kKiB, rc);
+    ASSERT_TRUE(r.ok());
+    ASSERT_EQ(r->size(), 2u);
+    EXPECT_EQ((*r)[0].pieces[0].segment_name, rc.preferred_segments[0]) << i;
+    EXPECT_EQ((*r)[1].pieces[0].segment_name, "s0") << i;
+  }
+  ReplicateConfig both;  // preferred_segment first, then the list
+  both.replica_num = 3;
+  both.preferred_segment = "s3";
+  both.preferred_segments = {"nowhere", "s2", "s3", "s1"};
+  auto r = m.putStart("w", "both", kKiB, both);
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->size(), 3u);
+  EXPECT_EQ((*r)[0].pieces[0].segment_name, "s3");
+  EXPECT_EQ((*r)[1].pieces[0].segment_name, "s2");
+  EXPECT_EQ((*r)[2].pieces[0].segment_name, "s1");
+  ReplicateConfig fill;  // s2 nearly full: a 512 KiB object preferring [s2, s1] goes to s1
+  fill.preferred_segment = "s2";
+  auto big = m.putStart("w", "fill", kMiB - 256 * kKiB, fill);
+  ASSERT_TRUE(big.ok());
+  ASSERT_EQ((*big)[0].pieces[0].segment_name, "s2");
+  ReplicateConfig next;
+  next.preferred_segments = {"s2", "s1"};
+  auto f = m.putStart("w", "half", 512 * kKiB, next);
+  ASSERT_TRUE(f.ok());
+  ASSERT_EQ(f->size(), 1u);
+  ASSERT_EQ((*f)[0].pieces.size(), 1u);
+  EXPECT_EQ((*f)[0].pieces[0].segment_name, "s1");
+}
+
 TEST_F(MasterTest, LargeObjectIsStripedOverSegments) {
   MasterService m(cfg());
   mountN(m, 3, kMiB);

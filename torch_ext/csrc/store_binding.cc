@@ -16,6 +16,7 @@ void registerStoreApis(py::module_& m) {
       .def_readwrite("with_soft_pin", &ReplicateConfig::with_soft_pin)
       .def_readwrite("with_hard_pin", &ReplicateConfig::with_hard_pin)
       .def_readwrite("preferred_segment", &ReplicateConfig::preferred_segment)
+      .def_readwrite("preferred_segments", &ReplicateConfig::preferred_segments)
       .def_readwrite("soft_pin_ttl_ms", &ReplicateConfig::soft_pin_ttl_ms)
       .def_readwrite("keep_soft_pin", &ReplicateConfig::keep_soft_pin)
       .def("__repr__", [](const ReplicateConfig& c) {

@@ -110,8 +110,8 @@ def native_config(config):
     n = _C.ReplicateConfig()
     n.replica_num = int(c.replica_num)
     n.with_hard_pin = bool(c.with_hard_pin)
-    n.preferred_segment = c.preferred_segment or (c.preferred_segments[0]
-                                                  if c.preferred_segments else "")
+    n.preferred_segment = c.preferred_segment or ""
+    n.preferred_segments = [str(s) for s in (c.preferred_segments or [])]
     action = SoftPinAction(c.soft_pin_action)
     n.with_soft_pin = action == SoftPinAction.ENABLE and ttl != 0  # ttl 0: an ordinary object
     n.soft_pin_ttl_ms = int(ttl or 0)
