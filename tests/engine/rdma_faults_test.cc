@@ -17,7 +17,15 @@
 namespace mooncake::test {
 namespace {
 
-class RdmaFaultTest : public RdmaPeerTest {};
+class RdmaFaultTest : public RdmaPeerTest {
+ public:
+  // For helpers shared by several tests.
+  bool setUpPeer() { return setUp(); }
+  TransferEngine* engine() { return eng_.get(); }
+  PeerProcess* peer() { return peer_; }
+  PeerId pid() const { return pid_; }
+  fakeverbs::NicControl* nic(int i) { return nic_[i].get(); }
+};
 
 // mlx5_0's CQ overruns under a write (the emulator puts the CQ and its QPs in error and
 // completes nothing more there): the write still completes, exactly, over mlx5_1, within the
@@ -91,6 +99,79 @@ TEST_F(RdmaFaultTest, RemoteAccessErrorFailsItsRequestOnly) {
   MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 
+// One NIC (one lane to the peer), MC_RDMA_TCP_FALLBACK `fallback`, 64 KiB slices: request A's
+// first slice fails with a remote access error (its own error) while request B of the same
+// batch waits behind A on the same QP. A fails with that error; B is not failed (it used to
+// fail, blamed for A's error, with no other lane and the fallback off) and does not go over
+// tcp (it used to with the fallback on: GPU memory would fail there): it waits for the lane's
+// immediate redial and goes over mlx5_0, every byte in place. A's other slices are not carried
+// (they used to be rerouted and executed): mlx5_0 sends about B's 4 MiB, not 8.
+void ownErrorOnTheOnlyLane(RdmaFaultTest* t, const char* fallback) {
+  ScopedEnv devs("MC_RDMA_DEVICES", "mlx5_0");
+  ScopedEnv fb("MC_RDMA_TCP_FALLBACK", fallback);
+  ScopedEnv slice("MC_RDMA_SLICE_BYTES", "65536");
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "60000");
+  ASSERT_TRUE(t->setUpPeer());
+  auto& eng = *t->engine();
+  HostBuffer buf(8u << 20);
+  MC_ASSERT_OK(eng.registerMemory(buf.data(), 8u << 20));
+  fillPattern(buf.data(), 8u << 20, 77, 0);
+  const uint64_t remote = t->peer()->info().alloc_addr;
+  const uint64_t tx0 = t->nic(0)->txBytes();
+  t->nic(0)->failNext(1, 10);  // IBV_WC_REM_ACCESS_ERR
+  auto id = eng.submit({{OpCode::kWrite, buf.data(), 4u << 20, t->pid(), remote},
+                        {OpCode::kWrite, buf.data() + (4u << 20), 4u << 20, t->pid(),
+                         remote + (4u << 20)}});
+  ASSERT_TRUE(id.ok()) << id.status().toString();
+  std::vector<Status> per;
+  (void)eng.wait(*id, engine::deadlineInMs(20000), &per);
+  const uint64_t sent = t->nic(0)->txBytes() - tx0;
+  ASSERT_EQ(per.size(), 2u);
+  EXPECT_EQ(per[0].code(), Code::kPermissionDenied) << per[0].toString();
+  EXPECT_NE(per[0].message().find("remote access error"), std::string::npos) << per[0].toString();
+  MC_EXPECT_OK(per[1]);
+  EXPECT_EQ(t->peer()->expect(remote + (4u << 20), 4u << 20, 77, 4u << 20), "");
+  EXPECT_GE(sent, 4u << 20) << "B did not go over mlx5_0 (tcp?)";
+  EXPECT_LT(sent, 5u << 20) << "A's other slices were carried after A failed";
+  MC_EXPECT_OK(eng.unregisterMemory(buf.data()));
+}
+
+TEST_F(RdmaFaultTest, OwnErrorOnTheOnlyLaneFailsOnlyItsRequest) {
+  ownErrorOnTheOnlyLane(this, "0");
+}
+
+TEST_F(RdmaFaultTest, OwnErrorOnTheOnlyLaneKeepsTheOthersOffTcp) {
+  ownErrorOnTheOnlyLane(this, "1");
+}
+
+// A notification part that completes with an error the emulator reports as a request's own
+// (a remote access error on its SEND) is not a request: it is carried by the other NIC, and
+// the peer gets the notification after the write (it used to be dropped, "notification lost",
+// and the peer waited for it for ever).
+TEST_F(RdmaFaultTest, NotificationPartWithARemoteAccessErrorIsCarriedElsewhere) {
+  constexpr uint64_t kTag = 0x7e57000000000001ull, kSeed = 5100;
+  ASSERT_TRUE(setUp(notifyBytes(1) + 8));
+  const uint64_t remote = peer_->info().alloc_addr;
+  ASSERT_TRUE(startNotifyCheck(peer_, 1, remote, kTag, kSeed, 10000));
+  HostBuffer local(notifyBytes(1));
+  MC_ASSERT_OK(eng_->registerMemory(local.data(), notifyBytes(1)));
+  const Slot s = notifySlot(0);
+  fillPattern(local.data() + s.offset, s.len, kSeed, 0);
+  const uint64_t tx0 = nic_[0]->txBytes();
+  MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, local.data() + s.offset, s.len, pid_,
+                        remote + s.offset));
+  // The part goes on the lane that carried the write.
+  const int lane_nic = nic_[0]->txBytes() > tx0 ? 0 : 1;
+  const uint64_t failed = nic_[lane_nic]->wrFailed();
+  nic_[lane_nic]->failNext(1, 10);  // IBV_WC_REM_ACCESS_ERR
+  MC_ASSERT_OK(eng_->notify(pid_, kTag));
+  std::string reply, why;
+  ASSERT_TRUE(peer_->recv(&reply, 20000, &why)) << why;
+  EXPECT_EQ(reply, "ok");
+  EXPECT_EQ(nic_[lane_nic]->wrFailed(), failed + 1) << "the part did not fail: not exercised";
+  MC_EXPECT_OK(eng_->unregisterMemory(local.data()));
+}
+
 // Registration the NIC refuses fails registerMemory with the cause (it used to succeed with no
 // rdma keys, and peers then got a misleading permission error): beyond RLIMIT_MEMLOCK (the
 // registering thread without CAP_IPC_LOCK; tests run as root) and unmapped memory.
@@ -123,6 +204,35 @@ TEST_F(RdmaFaultTest, RegistrationTheNicRefusesFailsWithTheCause) {
   EXPECT_FALSE(st.ok()) << "unmapped memory registered";
   EXPECT_NE(st.message().find("not mapped"), std::string::npos) << st.toString();
   if (st.ok()) MC_EXPECT_OK(eng->unregisterMemory(gone));
+}
+
+// One NIC refuses a registration (its MR resources exhausted; the emulator's
+// refuseRegistrations) while the other takes it: registerMemory succeeds (it failed outright
+// after the first review's change) with "-" for that NIC, and writes and reads of the region
+// move every byte (mlx5_1's share through the bounce pool).
+TEST_F(RdmaFaultTest, RegistrationOneNicRefusesUsesTheOthers) {
+  ASSERT_TRUE(setUp());
+  HostBuffer buf(4u << 20), back(4u << 20);
+  nic_[0]->refuseRegistrations(1);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 4u << 20));
+  uint64_t b0 = 0, b1 = 0;
+  MC_EXPECT_OK(write(buf, 4u << 20, 61, &b0, &b1));
+  EXPECT_EQ(b0 + b1, 4u << 20) << "the write did not go over the NICs";
+  MC_ASSERT_OK(eng_->registerMemory(back.data(), 4u << 20));
+  MC_EXPECT_OK(transfer(*eng_, OpCode::kRead, back.data(), 4u << 20, pid_,
+                        peer_->info().alloc_addr));
+  EXPECT_EQ(checkPattern(back.data(), 4u << 20, 61, 0), "");
+  MC_EXPECT_OK(eng_->unregisterMemory(back.data()));
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+  // Both refuse: it fails, naming the cause.
+  nic_[0]->refuseRegistrations(1);
+  nic_[1]->refuseRegistrations(1);
+  Status st = eng_->registerMemory(buf.data(), 4u << 20);
+  EXPECT_FALSE(st.ok()) << "registered although every NIC refused";
+  EXPECT_NE(st.message().find("Cannot allocate memory"), std::string::npos) << st.toString();
+  if (st.ok()) MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
+  nic_[0]->refuseRegistrations(0);
+  nic_[1]->refuseRegistrations(0);
 }
 
 }  // namespace

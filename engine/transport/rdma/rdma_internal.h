@@ -48,11 +48,13 @@ struct TaskState {
   std::atomic<int> remaining;
   std::mutex mu;
   Status err;
+  std::atomic<bool> failed{false};  // a slice failed: the rest is not carried any more
   TaskState(Task* t, int n) : task(t), remaining(n) {}
   void finish(const Status& st) {
     if (!st.ok()) {
       std::lock_guard<std::mutex> g(mu);
       if (err.ok()) err = st;
+      failed.store(true);
     }
     if (remaining.fetch_sub(1) != 1) return;
     Status s;
@@ -143,6 +145,10 @@ class Qp {
   // A stalled NIC: work outstanding and nothing completed for `after`: fails the QP (its
   // work moves on as after an error completion). The prober calls it.
   void checkStall(Clock::time_point now, std::chrono::milliseconds after);
+  // Keeps the QP alive while the transport works on it outside its QP list's lock
+  // (RdmaTransportImpl::pinned): taken under that lock, the destructor waits for it.
+  void pin() { pins_.fetch_add(1); }
+  void unpin() { pins_.fetch_sub(1); }
 
  private:
   void failLocked(const Status& why, bool permanent = false);
@@ -168,6 +174,7 @@ class Qp {
   int inflight_ = 0;
   Clock::time_point last_progress_{};  // last completion, or the post that ended an idle spell
   int handing_ = 0;  // give-backs running (the destructor waits for them too)
+  std::atomic<int> pins_{0};  // pin(): the destructor waits for them too
   bool failed_ = false;
   bool reroutable_ = false;  // failed by a work request (not by fail()): give ops back
   bool permanent_ = false;   // ... whose own error (permanentWcError) it was
@@ -238,7 +245,11 @@ class RdmaTransportImpl final : public Transport {
   void addPeer(RdmaPeer* p);
   void removePeer(RdmaPeer* p);
   void pumpAll();
-  void deliverNotify(uint64_t src, uint32_t channel, uint64_t tag);
+  // `flush`: the notification came over a NIC, whose writes into GPU memory it follows
+  // (flushGpuWrites); not over the tcp fallback, which never carries GPU memory.
+  void deliverNotify(uint64_t src, uint32_t channel, uint64_t tag, bool flush);
+  // Wakes the prober now (a lane to be redialled at once).
+  void kickProber();
   const std::vector<std::unique_ptr<Nic>>& nics() const { return nics_; }
   // A NIC's CQ failed (Nic::on_dead): its QPs' work goes to other lanes or tcp, its target
   // QPs are closed.
@@ -265,6 +276,10 @@ class RdmaTransportImpl final : public Transport {
   // Null with `why` when neither works.
   ibv_mr* registerDeviceMr(ibv_pd* pd, uint64_t addr, uint64_t len, std::string* why);
   struct TargetQp;
+  // The QPs (all, or those of `nic`), pinned (Qp::pin), so that what is done to them next
+  // runs without qps_mu_: a QP's give-back takes its peer's lock, and a peer creates QPs
+  // (addQp) under it. The caller unpins each.
+  std::vector<Qp*> pinned(const Nic* nic);
   void probeLoop();
   // Under target_mu_: closes the target QP of lane `lane` of connection `conn` from `src`.
   void closeTargetLocked(uint64_t src, uint64_t conn, int lane);
@@ -304,6 +319,7 @@ class RdmaTransportImpl final : public Transport {
   std::mutex probe_mu_;
   std::condition_variable probe_cv_;
   bool probe_stop_ = false;
+  bool probe_kick_ = false;
   std::thread prober_;
 };
 
@@ -312,7 +328,9 @@ std::unique_ptr<TransportPeer> makeRdmaPeer(RdmaTransportImpl* t, std::vector<La
                                             const SegmentDesc& remote, uint64_t conn,
                                             std::shared_ptr<ControlLink> control);
 // The prober's call on a peer: reconnects the lanes that failed MC_RDMA_RETRY_MS ago or more.
-void probePeer(RdmaPeer* p);
+// True when a lane to be redialled at once (a request's own error) was not ready yet (its
+// QP still handing its work back): the prober comes back soon.
+bool probePeer(RdmaPeer* p);
 // A peer's endpoint on a local NIC (its lanes there): connected, idle (nothing queued or in
 // flight, on them or on the tcp fallback), when the peer was last used.
 struct EndpointState {

@@ -30,17 +30,33 @@ Qp::Qp(RdmaTransportImpl* t, Nic* nic, ibv_qp* qp, std::string peer, Reroute rer
       nbuf_(kNotifyBytes * t->maxWr()) {
   nmr_ = ibv_reg_mr(nic->pd, nbuf_.data(), nbuf_.size(), IBV_ACCESS_LOCAL_WRITE);
   t_->addQp(this);
+  // Its NIC may have gone out of service since the QP was created (nicDied did not see it):
+  // nothing would poll its completions. Failed now, before it carries anything; the owner
+  // sees it when it installs it (RdmaPeer::installLocked).
+  Status dead = nic->deadStatus();
+  if (!dead.ok()) {
+    std::lock_guard<std::mutex> g(mu_);
+    failLocked(dead);
+  }
 }
 
 Qp::~Qp() {
   t_->removeQp(this);
   fail(MC_STATUS(kCancelled, "rdma: peer " << peer_ << " closed"));
-  // The poller flushes what was posted; wait for it so that no completion refers to us.
+  // The poller flushes what was posted; wait for it so that no completion refers to us (and
+  // for the transport's pins). On a NIC out of service nothing completes any more: what is
+  // posted completes here.
   auto until = Clock::now() + std::chrono::seconds(5);
   for (;;) {
+    bool flushing = false;
     {
       std::lock_guard<std::mutex> g(mu_);
-      if (inflight_ == 0 && handing_ == 0) break;
+      if (inflight_ == 0 && handing_ == 0 && pins_.load() == 0) break;
+      flushing = inflight_ > 0;
+    }
+    if (flushing) {
+      Status dead = nic_->deadStatus();
+      if (!dead.ok()) abandon(dead);
     }
     if (Clock::now() > until) {
       MC_LOG(ERROR, RDMA) << "QP to " << peer_ << " on " << nic_->name
@@ -109,8 +125,10 @@ void Qp::complete(Op* o, const ibv_wc& wc) {
     } else {
       releaseChunk(o);
       // A request's own error (a key, a bound, a length) fails that request: another NIC would
-      // refuse it the same way. The QP is in error all the same; the rest of its work moves.
-      const bool own = permanentWcError(wc.status);
+      // refuse it the same way. The QP is in error all the same; the rest of its work moves
+      // (RdmaPeer::giveBack). A notification part is not a request: it is carried elsewhere,
+      // as after any failure (its target waits for every part).
+      const bool own = permanentWcError(wc.status) && o->ts != nullptr;
       Status st;
       if (own || !failed_) {
         const Code code =
@@ -253,6 +271,11 @@ void Qp::releaseChunk(Op* o) {
 void Qp::pumpLocked(std::vector<std::pair<Op*, Status>>* done) {
   while (!pending_.empty() && inflight_ < t_->maxWr()) {
     Op* o = pending_.front();
+    if (o->ts != nullptr && o->ts->failed.load()) {  // its request failed: not carried
+      pending_.pop_front();
+      done->emplace_back(o, MC_STATUS(kCancelled, "rdma: another slice of the request failed"));
+      continue;
+    }
     ibv_sge sge{};
     ibv_send_wr wr{};
     ibv_send_wr* bad = nullptr;
@@ -310,21 +333,26 @@ RdmaPeer::RdmaPeer(RdmaTransportImpl* t, std::vector<LaneInit> inits, const Segm
                    uint64_t conn, std::shared_ptr<ControlLink> control)
     : t_(t), name_(d.name), conn_(conn), control_(std::move(control)) {
   lanes_of_nic_.assign(t_->nics().size(), {});
-  for (const LaneInit& in : inits) {
-    Lane l;
-    l.nic = in.nic;
-    l.remote_nic = in.remote_nic;
-    l.remote_ib = in.remote_ib;
-    l.id = in.id;
-    if (in.qp != nullptr) {
-      l.qp = newQp(in.nic, in.qp);
-    } else {  // its first dial failed: the prober dials it again
-      l.failed = true;
-      l.error = in.why;
-      l.retry_at = Clock::now() + t_->retryAfter();
+  {
+    // (A QP's NIC may die while the lanes are built: its give-back waits for them.)
+    std::lock_guard<std::recursive_mutex> g(mu_);
+    lanes_.reserve(inits.size());
+    for (const LaneInit& in : inits) {
+      lanes_of_nic_[static_cast<size_t>(in.nic->index)].push_back(static_cast<int>(lanes_.size()));
+      lanes_.emplace_back();
+      Lane& l = lanes_.back();
+      l.nic = in.nic;
+      l.remote_nic = in.remote_nic;
+      l.remote_ib = in.remote_ib;
+      l.id = in.id;
+      if (in.qp != nullptr) {
+        installLocked(l, newQp(in.nic, in.qp));
+      } else {  // its first dial failed: the prober dials it again
+        l.failed = true;
+        l.error = in.why;
+        l.retry_at = Clock::now() + t_->retryAfter();
+      }
     }
-    lanes_of_nic_[static_cast<size_t>(in.nic->index)].push_back(static_cast<int>(lanes_.size()));
-    lanes_.push_back(std::move(l));
   }
   setRegions(d);
   t_->addPeer(this);
@@ -339,10 +367,15 @@ RdmaPeer::~RdmaPeer() {
   fb_cv_.notify_all();
   if (fb_thread_.joinable()) fb_thread_.join();
   std::vector<Lane> lanes;
+  std::vector<std::pair<Op*, Status>> parked;
   {
     std::lock_guard<std::recursive_mutex> g(mu_);
     lanes.swap(lanes_);  // a give-back racing this finds no lane and fails its ops
+    for (Lane& l : lanes)
+      for (Op* o : l.parked)
+        parked.emplace_back(o, MC_STATUS(kCancelled, "rdma: peer " << name_ << " closed"));
   }
+  finishOps(parked);
   lanes.clear();
 }
 
@@ -409,6 +442,9 @@ void RdmaPeer::submit(Task* task) {
     last_used_ = Clock::now();
     std::vector<int> use = liveLanes(near);
     if (use.empty()) use = liveLanes({});
+    // None live: a lane redialled at once after a request's own error takes it (it waits).
+    if (use.empty()) use = waitingLanes(near);
+    if (use.empty()) use = waitingLanes({});
     // No lane: tcp. (Once a lane is back new work takes it, even while tcp still carries
     // older work: requests are not ordered among themselves, and a notification gets a part
     // on tcp too while tcp holds work, so it still follows all of it.)
@@ -442,7 +478,7 @@ void RdmaPeer::submit(Task* task) {
     for (size_t i = 0; i < lanes_.size(); ++i) {
       if (per[i].empty()) continue;
       lanes_[i].dirty = true;
-      lanes_[i].qp->enqueue(per[i]);
+      toLaneLocked(lanes_[i], per[i]);
     }
   }
   finishOps(failed);
@@ -456,6 +492,7 @@ Status RdmaPeer::notify(uint32_t channel, uint64_t tag) {
     if (dead_) return dead_why_;
     last_used_ = Clock::now();
     std::vector<int> live = liveLanes({});
+    if (live.empty()) live = waitingLanes({});  // (it waits there for the lane's redial)
     const bool fb = t_->tcpFallback() && (live.empty() || fb_pending_.load() > 0);
     if (live.empty() && !fb) {  // nothing could carry it (nor the writes it follows)
       Op none;
@@ -482,7 +519,7 @@ Status RdmaPeer::notify(uint32_t channel, uint64_t tag) {
     for (size_t i = 0; i < parts.size(); ++i) {
       std::vector<Op*> one{part(static_cast<uint32_t>(i))};
       parts[i]->dirty = false;
-      parts[i]->qp->enqueue(one);
+      toLaneLocked(*parts[i], one);
     }
     if (fb_part) {
       std::vector<Op*> one{part(total - 1)};
@@ -495,55 +532,20 @@ Status RdmaPeer::notify(uint32_t channel, uint64_t tag) {
 
 void RdmaPeer::fail(const Status& why) {
   std::vector<std::shared_ptr<Qp>> qps;
+  std::vector<std::pair<Op*, Status>> parked;
   {
     std::lock_guard<std::recursive_mutex> g(mu_);
     dead_ = true;
     dead_why_ = why;
-    for (Lane& l : lanes_)
+    for (Lane& l : lanes_) {
       if (l.qp) qps.push_back(l.qp);
+      for (Op* o : l.parked) parked.emplace_back(o, why);
+      l.parked.clear();
+      l.redial = false;
+    }
   }
+  finishOps(parked);
   for (auto& q : qps) q->fail(why);
-}
-
-void RdmaPeer::probe() {
-  for (size_t i = 0;; ++i) {
-    Nic* nic = nullptr;
-    int rn = -1, id = 0;
-    bool rib = false;
-    {
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      if (dead_ || i >= lanes_.size()) return;
-      Lane& l = lanes_[i];
-      // Only once the failed QP holds nothing (work still in it or being handed back must
-      // reach another lane first: notifications issued meanwhile follow it there).
-      if (!l.failed || Clock::now() < l.retry_at || (l.qp && !l.qp->idle())) continue;
-      l.retry_at = Clock::now() + t_->retryAfter();
-      nic = l.nic;
-      rn = l.remote_nic;
-      rib = l.remote_ib;
-      id = l.id;
-    }
-    ibv_port_attr pa{};
-    if (ibv_query_port(nic->ctx, 1, &pa) != 0 || pa.state != IBV_PORT_ACTIVE) continue;
-    auto raw = t_->dial(nic, rn, rib, conn_, id, *control_, name_, deadlineInMs(2000));
-    if (!raw.ok()) {
-      MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name
-                         << " not back yet: " << raw.status().toString();
-      continue;
-    }
-    std::shared_ptr<Qp> qp = newQp(nic, *raw);
-    std::shared_ptr<Qp> old;
-    {
-      std::lock_guard<std::recursive_mutex> g(mu_);
-      if (dead_ || i >= lanes_.size()) return;
-      old = std::move(lanes_[i].qp);
-      lanes_[i].qp = std::move(qp);
-      lanes_[i].failed = false;
-    }
-    MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name << " is back";
-    std::lock_guard<std::mutex> g(fb_mu_);
-    fb_warned_ = false;  // the next outage is reported again
-  }
 }
 
 std::vector<int> RdmaPeer::liveLanes(const std::vector<int>& nics) {
@@ -608,16 +610,22 @@ void RdmaPeer::giveBack(Qp* from) {
     bool permanent = false, first = false;
     std::vector<Op*> ops = from->takeBack(&why, &permanent, &first);
     if (ops.empty() && !first) return;  // an earlier hand-back of this QP took it
-    for (Lane& l : lanes_) {
-      if (l.qp.get() != from || l.failed) continue;
+    int own = -1;  // the QP's lane (none: replaced, or the peer is closing)
+    for (size_t i = 0; i < lanes_.size(); ++i)
+      if (lanes_[i].qp.get() == from) own = static_cast<int>(i);
+    if (own >= 0 && !lanes_[static_cast<size_t>(own)].failed) {
+      Lane& l = lanes_[static_cast<size_t>(own)];
       l.failed = true;
       l.error = why;
-      // A request's own error left the link fine: only this lane's QP is replaced, at once.
+      // A request's own error left the link fine: only this lane's QP is replaced, at once,
+      // and what no other lane takes waits for it (not failed, not sent over tcp).
+      l.redial = permanent && !dead_;
       l.retry_at = Clock::now() + (permanent ? std::chrono::milliseconds(0) : t_->retryAfter());
       if (permanent) {
         MC_LOG(WARN, RDMA) << "peer " << name_ << ": " << why.message() << "; " << ops.size()
-                           << " other work request(s) of that QP move to another lane, which "
-                           << "is reconnected now";
+                           << " other work request(s) of that QP move to another lane or wait "
+                           << "for this one, which is reconnected now";
+        t_->kickProber();
       } else {
         MC_LOG(WARN, RDMA) << "peer " << name_ << ": " << why.message() << "; " << ops.size()
                            << " work request(s) move to another NIC, " << l.nic->name
@@ -625,28 +633,53 @@ void RdmaPeer::giveBack(Qp* from) {
       }
     }
     if (ops.empty()) return;
-    std::vector<int> live = dead_ ? std::vector<int>{} : liveLanes({});
-    int to = -1;
-    for (int cand : live) {
-      bool all = true;
-      for (Op* o : ops)
-        if (o->ts != nullptr && !bind(o, lanes_[static_cast<size_t>(cand)]).ok()) all = false;
-      if (all) {
-        to = cand;
-        break;
-      }
-    }
-    if (to < 0 && !dead_ && t_->tcpFallback()) {
-      toFallback(ops, &failed);
-    } else if (to < 0) {
-      for (Op* o : ops) failed.emplace_back(o, dead_ ? dead_why_ : everyNicFailed(*o));
+    const bool waits = own >= 0 && lanes_[static_cast<size_t>(own)].redial;
+    if (waits && !lanes_[static_cast<size_t>(own)].parked.empty()) {
+      // Behind what already waits there (a part handed back late must follow it).
+      toLaneLocked(lanes_[static_cast<size_t>(own)], ops);
     } else {
-      Lane& l = lanes_[static_cast<size_t>(to)];
-      l.dirty = true;
-      l.qp->enqueue(ops);
+      placeLocked(ops, waits ? own : -1, &failed);
     }
   }
   finishOps(failed);
+}
+
+void RdmaPeer::placeLocked(std::vector<Op*>& ops, int park,
+                           std::vector<std::pair<Op*, Status>>* failed) {
+  // A request that failed (its own error) is not carried further: its remaining slices fail.
+  std::vector<Op*> keep;
+  for (Op* o : ops) {
+    if (o->ts != nullptr && o->ts->failed.load())
+      failed->emplace_back(o, MC_STATUS(kCancelled, "rdma: another slice of the request failed"));
+    else
+      keep.push_back(o);
+  }
+  ops.clear();
+  if (keep.empty()) return;
+  std::vector<int> live = dead_ ? std::vector<int>{} : liveLanes({});
+  int to = -1;
+  for (int cand : live) {
+    bool all = true;
+    for (Op* o : keep)
+      if (o->ts != nullptr && !bind(o, lanes_[static_cast<size_t>(cand)]).ok()) all = false;
+    if (all) {
+      to = cand;
+      break;
+    }
+  }
+  if (to < 0 && park >= 0 && !dead_) {
+    Lane& l = lanes_[static_cast<size_t>(park)];
+    l.dirty = true;
+    toLaneLocked(l, keep);
+  } else if (to < 0 && !dead_ && t_->tcpFallback()) {
+    toFallback(keep, failed);
+  } else if (to < 0) {
+    for (Op* o : keep) failed->emplace_back(o, dead_ ? dead_why_ : everyNicFailed(*o));
+  } else {
+    Lane& l = lanes_[static_cast<size_t>(to)];
+    l.dirty = true;
+    l.qp->enqueue(keep);
+  }
 }
 
 void RdmaPeer::setRegions(const SegmentDesc& d) {
@@ -722,7 +755,7 @@ std::unique_ptr<TransportPeer> makeRdmaPeer(RdmaTransportImpl* t, std::vector<La
   return p;
 }
 
-void probePeer(RdmaPeer* p) { p->probe(); }
+bool probePeer(RdmaPeer* p) { return p->probe(); }
 EndpointState endpointOn(RdmaPeer* p, int nic) { return p->endpointOn(nic); }
 void evictOn(RdmaPeer* p, int nic) { p->evictOn(nic); }
 

@@ -72,8 +72,9 @@ class RdmaPeer final : public TransportPeer {
   void evictOn(int nic);
 
   // The prober: reconnects lanes that failed at least MC_RDMA_RETRY_MS ago, once their QP
-  // gave back everything, on a NIC whose port is up.
-  void probe();
+  // gave back everything, on a NIC whose port is up; a lane failed by a request's own error at
+  // once. True when such a lane's QP was still handing its work back (probe again soon).
+  bool probe();
 
  private:
   struct Lane {
@@ -85,6 +86,12 @@ class RdmaPeer final : public TransportPeer {
     int id = 0;           // its number in the connection (LaneInit::id)
     bool dirty = false;   // carried work since the last notification
     bool failed = false;  // its QP gave its work back; reconnected at retry_at
+    // Failed by a request's own error (the link is fine): redialled at once, and the work no
+    // other live lane could take waits here for that (`parked`, in order) rather than failing
+    // or going to tcp. Cleared when the lane is back (the work goes to its new QP) or its
+    // redial fails (the work moves as after a link failure).
+    bool redial = false;
+    std::vector<Op*> parked;
     Clock::time_point retry_at{};
     Status error;  // why it failed last
   };
@@ -92,6 +99,26 @@ class RdmaPeer final : public TransportPeer {
   std::shared_ptr<Qp> newQp(Nic* nic, ibv_qp* raw) {
     return std::make_shared<Qp>(t_, nic, raw, name_, [this](Qp* from) { giveBack(from); });
   }
+
+  // Under mu_: a lane's new QP (dialled by connect, probe or wake). One whose NIC went out of
+  // service meanwhile is failed at once (the prober dials it again), and work parked on the
+  // lane goes to it.
+  void installLocked(Lane& l, std::shared_ptr<Qp> qp);
+
+  // Under mu_: `ops` to lane `l`: its QP, or behind its parked work while it waits for its
+  // redial.
+  void toLaneLocked(Lane& l, std::vector<Op*>& ops);
+
+  // Under mu_: work that no longer has a QP (a failed QP's, a lane's parked work whose redial
+  // failed), in order: to one live lane that can bind all of it, else parked on lane
+  // `park` (>= 0: a lane redialled at once), else tcp, else failed. Slices of requests that
+  // already failed are not carried (they fail with their request).
+  void placeLocked(std::vector<Op*>& ops, int park, std::vector<std::pair<Op*, Status>>* failed);
+
+  // Under mu_: the lanes (indices) of the NICs in `nics` (all when empty) that wait for their
+  // redial (Lane::redial), or whose QP failed and has not handed its work back yet (what it
+  // finds joins that work).
+  std::vector<int> waitingLanes(const std::vector<int>& nics);
 
   // Dials the evicted lanes again (one that cannot be dialled now is left to the prober, as a
   // failed one). Without mu_ while it waits for the target; callers that come meanwhile wait

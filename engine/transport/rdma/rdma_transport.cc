@@ -167,7 +167,7 @@ struct RdmaTransportImpl::TargetQp {
       std::memcpy(&tag, s->buf + 8, 8);
       // Delivered once every part of it (and every earlier notification) arrived.
       ok = order->arrive(word, channel, tag,
-                         [&](uint32_t c, uint64_t tg) { t->deliverNotify(src, c, tg); });
+                         [&](uint32_t c, uint64_t tg, bool) { t->deliverNotify(src, c, tg, true); });
     }
     if (!ok) {
       MC_LOG(WARN, RDMA) << "dropping a malformed receive (" << wc.byte_len << " bytes) from "
@@ -260,46 +260,70 @@ Status RdmaTransportImpl::registerRegion(Region* region) {
   const bool split = chunk < region->len;
   std::string keys = split ? "chunk=" + std::to_string(chunk) : "";
   std::vector<std::pair<uint64_t, LocalMr>> entries;
-  bool any = false;
   const bool gpu = region->kind == MemoryKind::kCuda;
+  auto undo = [&entries](const std::vector<ibv_mr*>& more) {
+    for (auto& [a, e] : entries)
+      for (ibv_mr* x : e.mrs)
+        if (x != nullptr) ibv_dereg_mr(x);
+    for (ibv_mr* x : more)
+      if (x != nullptr) ibv_dereg_mr(x);
+  };
+  // Host memory is registered on every NIC that takes it ("-" in the keys where one refuses:
+  // requests there go through another NIC or the bounce pool); it fails only when no NIC in
+  // service takes a chunk, or at once for a range no NIC can pin (EFAULT: not mapped). GPU
+  // memory cannot bounce through host memory: every NIC in service must reach it. NICs out of
+  // service (a failed CQ) are skipped.
+  std::string refused;  // the NICs that refused host memory, with the cause
   for (uint64_t off = 0; off < region->len; off += chunk) {
     LocalMr c{std::min(chunk, region->len - off), {}, m.near, gpu, gpu ? region->device : -1};
     const uint64_t addr = region->addr + off;
     std::string ck;
+    Status first;  // the first refusal of this chunk
+    bool any = false;
     for (auto& n : nics_) {
-      std::string why;
-      ibv_mr* mr = gpu ? registerDeviceMr(n->pd, addr, c.len, &why)
-                       : ibv_reg_mr(n->pd, reinterpret_cast<void*>(addr), c.len, kAccess);
-      if (mr == nullptr && gpu) {
-        // GPU memory cannot bounce through host memory: every NIC must reach it.
-        c.mrs.push_back(nullptr);
-        entries.emplace_back(addr, std::move(c));
-        for (auto& [a, e] : entries)
-          for (ibv_mr* x : e.mrs)
-            if (x != nullptr) ibv_dereg_mr(x);
-        return MC_STATUS(kUnavailable, "rdma: cannot register GPU memory [" << hex(addr) << ", +"
-                                                                            << chunk << ") of device "
-                                                                            << region->device << " with "
-                                                                            << n->name << ": " << why);
-      }
-      if (mr == nullptr) {
+      ibv_mr* mr = nullptr;
+      if (n->deadStatus().ok()) {
+        std::string why;
+        mr = gpu ? registerDeviceMr(n->pd, addr, c.len, &why)
+                 : ibv_reg_mr(n->pd, reinterpret_cast<void*>(addr), c.len, kAccess);
         const int e = errno;
-        for (auto& [a, x] : entries)
-          for (ibv_mr* r : x.mrs)
-            if (r != nullptr) ibv_dereg_mr(r);
-        for (ibv_mr* r : c.mrs)
-          if (r != nullptr) ibv_dereg_mr(r);
-        return registrationError(n->name, addr, c.len, e);
+        if (mr == nullptr && gpu) {
+          undo(c.mrs);
+          return MC_STATUS(kUnavailable, "rdma: cannot register GPU memory ["
+                                             << hex(addr) << ", +" << c.len << ") of device "
+                                             << region->device << " with " << n->name << ": "
+                                             << why);
+        }
+        if (mr == nullptr) {
+          Status st = registrationError(n->name, addr, c.len, e);
+          if (e == EFAULT) {  // the mapping: every NIC refuses it
+            undo(c.mrs);
+            return st;
+          }
+          if (first.ok()) first = st;
+          if (refused.find(n->name + ":") == std::string::npos)
+            refused += (refused.empty() ? "" : "; ") + st.message();
+        }
       }
       c.mrs.push_back(mr);
       any |= mr != nullptr;
       ck += (ck.empty() ? "" : ",") + (mr ? std::to_string(mr->rkey) : std::string("-"));
     }
+    if (!any) {
+      undo(c.mrs);
+      if (!first.ok()) return first;
+      return MC_STATUS(kUnavailable, "rdma: no NIC is in service to register ["
+                                         << hex(addr) << ", +" << c.len << ")");
+    }
     keys += (split ? "/" : "") + ck;
-    (void)any;
     entries.emplace_back(addr, std::move(c));
   }
-  region->keys[static_cast<int>(TransportKind::kRdma)] = any ? keys : "";
+  if (!refused.empty())
+    MC_LOG(WARN, RDMA) << "[" << hex(region->addr) << ", +" << region->len
+                       << ") is registered without some NICs (requests there use the others "
+                          "or the bounce pool): "
+                       << refused;
+  region->keys[static_cast<int>(TransportKind::kRdma)] = keys;
   std::unique_lock<std::shared_mutex> g(mr_mu_);
   for (auto& [addr, c] : entries) mrs_[addr] = std::move(c);
   if (gpu) noteGpuOrdinalsLocked();
@@ -397,7 +421,8 @@ std::vector<int> RdmaTransportImpl::localKeys(const void* p, uint64_t len,
   if (it == mrs_.begin()) return {};
   --it;
   if (a - it->first > it->second.len || len > it->second.len - (a - it->first)) return {};
-  for (ibv_mr* mr : it->second.mrs) lkeys->push_back(mr == nullptr ? -1 : mr->lkey);
+  for (ibv_mr* mr : it->second.mrs)  // (-1 as int64_t, not as the lkey's uint32_t)
+    lkeys->push_back(mr == nullptr ? int64_t{-1} : static_cast<int64_t>(mr->lkey));
   return it->second.near;
 }
 
@@ -607,11 +632,23 @@ void RdmaTransportImpl::onPeerGone(uint64_t engine_id) {
   orders_.erase(orders_.lower_bound({engine_id, 0}), orders_.upper_bound({engine_id, UINT64_MAX}));
 }
 
+std::vector<Qp*> RdmaTransportImpl::pinned(const Nic* nic) {
+  std::vector<Qp*> out;
+  std::lock_guard<std::mutex> g(qps_mu_);
+  for (Qp* q : qps_) {
+    if (nic != nullptr && q->nic() != nic) continue;
+    q->pin();
+    out.push_back(q);
+  }
+  return out;
+}
+
 void RdmaTransportImpl::nicDied(Nic* nic, const Status& why) {
-  {
-    std::lock_guard<std::mutex> g(qps_mu_);
-    for (Qp* q : qps_)
-      if (q->nic() == nic) q->abandon(why);
+  // Without qps_mu_: a give-back takes the peer's lock. A QP created on this NIC from now on
+  // finds it dead itself (Qp::Qp); one being destroyed stops waiting for its flush (Qp::~Qp).
+  for (Qp* q : pinned(nic)) {
+    q->abandon(why);
+    q->unpin();
   }
   // Its target QPs' receives never complete now: closed and freed (nothing polls them).
   std::lock_guard<std::mutex> g(target_mu_);
@@ -648,60 +685,24 @@ void RdmaTransportImpl::removePeer(RdmaPeer* p) {
   peers_.erase(p);
 }
 
-void RdmaTransportImpl::probeLoop() {
-  auto every = retry_ / 4;
-  if (stall_.count() > 0) every = std::min(every, stall_ / 4);
-  every = std::max<std::chrono::milliseconds>(every, std::chrono::milliseconds(5));
-  evict_grace_ = every * 2;
-  std::unique_lock<std::mutex> lk(probe_mu_);
-  while (!probe_stop_) {
-    probe_cv_.wait_for(lk, every, [&] { return probe_stop_; });
-    if (probe_stop_) break;
-    lk.unlock();
-    if (stall_.count() > 0) {
-      const auto now = Clock::now();
-      std::lock_guard<std::mutex> g(qps_mu_);
-      for (Qp* q : qps_) q->checkStall(now, stall_);
-    }
-    {
-      std::lock_guard<std::mutex> g(peers_mu_);
-      for (RdmaPeer* p : peers_) probePeer(p);
-      if (max_endpoints_ > 0) evictIdleLocked();
-    }
-    reapGraveyard();
-    lk.lock();
-  }
-}
-
-// Under peers_mu_: per NIC, while more peers than MC_RDMA_MAX_ENDPOINTS have lanes on it, closes
-// the least recently used idle ones (RdmaPeer::evictOn), not one used in the last two rounds
-// of the prober (a peer whose lanes were just dialled again is about to use them).
-void RdmaTransportImpl::evictIdleLocked() {
-  const auto now = Clock::now();
-  for (const auto& n : nics_) {
-    int count = 0;
-    std::vector<std::pair<Clock::time_point, RdmaPeer*>> idle;
-    for (RdmaPeer* p : peers_) {
-      EndpointState st = endpointOn(p, n->index);
-      if (!st.connected) continue;
-      ++count;
-      if (st.idle && now - st.last_used >= evict_grace_) idle.emplace_back(st.last_used, p);
-    }
-    if (count <= max_endpoints_) continue;
-    std::sort(idle.begin(), idle.end(),
-              [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (size_t i = 0; i < idle.size() && count > max_endpoints_; ++i, --count)
-      evictOn(idle[i].second, n->index);
-  }
-}
-
 void RdmaTransportImpl::pumpAll() {
-  std::lock_guard<std::mutex> g(qps_mu_);
-  for (Qp* q : qps_) q->pump();
+  for (Qp* q : pinned(nullptr)) {  // (a QP that fails to post gives its work back)
+    q->pump();
+    q->unpin();
+  }
 }
 
-void RdmaTransportImpl::deliverNotify(uint64_t src, uint32_t channel, uint64_t tag) {
-  flushGpuWrites();  // the writes it follows may have gone into GPU memory (GPUDirect)
+void RdmaTransportImpl::kickProber() {
+  {
+    std::lock_guard<std::mutex> g(probe_mu_);
+    probe_kick_ = true;
+  }
+  probe_cv_.notify_all();
+}
+
+void RdmaTransportImpl::deliverNotify(uint64_t src, uint32_t channel, uint64_t tag, bool flush) {
+  // The writes it follows may have gone into GPU memory (GPUDirect); over tcp they did not.
+  if (flush) flushGpuWrites();
   if (channel != 0 && ctx_->deliver_notify) return ctx_->deliver_notify(src, channel, tag);
   if (ctx_->inbox == nullptr) return;
   // The engine's dispatcher drains the inbox; a full one delays this poller a little.
@@ -722,9 +723,9 @@ void RdmaTransportImpl::stop() {
   if (prober_.joinable()) prober_.join();
   // Fail what the peers still hold and let the pollers flush it before they stop (the peers
   // themselves are destroyed after this, and must find nothing in flight).
-  {
-    std::lock_guard<std::mutex> g(qps_mu_);
-    for (Qp* q : qps_) q->fail(MC_STATUS(kCancelled, "rdma: the engine is stopping"));
+  for (Qp* q : pinned(nullptr)) {
+    q->fail(MC_STATUS(kCancelled, "rdma: the engine is stopping"));
+    q->unpin();
   }
   auto until = Clock::now() + std::chrono::seconds(2);
   for (bool busy = true; busy && Clock::now() < until;) {

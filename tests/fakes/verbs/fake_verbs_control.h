@@ -25,7 +25,7 @@
 namespace mooncake::fakeverbs {
 
 constexpr uint32_t kDevMagic = 0x4d434656;  // "MCFV"
-constexpr uint32_t kDevVersion = 4;
+constexpr uint32_t kDevVersion = 5;
 
 // ibv_port_state values (verbs.h), repeated so that tests need not include verbs.h.
 constexpr uint32_t kPortDown = 1;
@@ -50,6 +50,7 @@ struct alignas(64) DevShm {
   std::atomic<int64_t> dmabuf_mrs;    // MRs registered through ibv_reg_dmabuf_mr, not deregistered
   std::atomic<uint32_t> overrun_next;  // 1: the next completion overruns its CQ (see below)
   std::atomic<uint64_t> cq_overruns;   // CQs of this NIC that overran (all processes)
+  std::atomic<int64_t> refuse_reg;     // > 0: that many host-memory registrations fail (ENOMEM)
 };
 
 // FNV-1a: the default fabric id from the config path (same in every process).
@@ -141,6 +142,9 @@ class NicControl {
   // small for its QPs would: the CQ is in error (ibv_poll_cq fails) and its QPs too.
   void overrunNextCompletion() { d_->overrun_next.store(1); }
   uint64_t cqOverruns() const { return d_->cq_overruns.load(); }
+  // The next n registrations of host memory on this NIC (any process) fail with ENOMEM, as on
+  // a NIC whose memory-region resources are exhausted (the others still register).
+  void refuseRegistrations(int64_t n) { d_->refuse_reg.store(n); }
   void setGbps(double gbps) {
     d_->cap_bytes_per_s.store(static_cast<uint64_t>(gbps * 1e9 / 8));
   }

@@ -98,6 +98,13 @@ ibv_mr* regMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigned int
   }
   uint64_t pages = 0;
   if (user) {
+    int64_t refuse = c->shm->refuse_reg.load();  // NicControl::refuseRegistrations
+    while (refuse > 0 && !c->shm->refuse_reg.compare_exchange_weak(refuse, refuse - 1)) {
+    }
+    if (refuse > 0) {
+      errno = ENOMEM;
+      return nullptr;
+    }
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     const uint64_t a = reinterpret_cast<uint64_t>(addr);
     pages = (a + length + page - 1) / page - a / page;
