@@ -235,5 +235,45 @@ TEST_F(RdmaFaultTest, RegistrationOneNicRefusesUsesTheOthers) {
   nic_[1]->refuseRegistrations(0);
 }
 
+// A write into the peer's GPU memory over mlx5_0 (the only NIC), then the port goes down: the
+// notification's part goes over the tcp fallback, and the peer still flushes the NIC's
+// GPUDirect writes before delivering it (skipping the flush for notifications that came
+// wholly over tcp let a kernel read rows the NIC had written but not flushed).
+TEST_F(RdmaFaultTest, TcpNotificationAfterANicWriteIntoGpuIsFlushed) {
+  ScopedEnv dev("MC_DEVICE", "sim");
+  ScopedEnv devs("MC_RDMA_DEVICES", "mlx5_0");
+  ScopedEnv fb("MC_RDMA_TCP_FALLBACK", "1");
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "600000");
+  ASSERT_TRUE(setUp(4u << 20));
+  const std::string r = peer_->call("alloc_gpu " + std::to_string(1u << 20) + " 610 1");
+  ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
+  const uint64_t remote_gpu = std::strtoull(r.c_str() + 3, nullptr, 10);
+  ASSERT_EQ(openPeer(*eng_, "peer"), pid_);  // its new descriptor
+  HostBuffer host(notifyBytes(1));
+  MC_ASSERT_OK(eng_->registerMemory(host.data(), notifyBytes(1)));
+  auto flushes = [&]() -> int64_t {
+    std::string reply, why;
+    if (!peer_->send("gpu_flushes") || !peer_->recv(&reply, 10000, &why)) return -1;
+    return reply.rfind("ok ", 0) == 0 ? std::strtoll(reply.c_str() + 3, nullptr, 10) : -1;
+  };
+  const int64_t f0 = flushes();
+  ASSERT_GE(f0, 0);
+  ASSERT_TRUE(startNotifyCheck(peer_, 1, remote_gpu, 9100, 611, 30000));
+  const Slot s = notifySlot(0);
+  fillPattern(host.data() + s.offset, s.len, 611, 0);
+  const uint64_t tx0 = nic_[0]->txBytes();
+  MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, host.data() + s.offset, s.len, pid_,
+                        remote_gpu + s.offset));
+  EXPECT_GE(nic_[0]->txBytes() - tx0, s.len) << "the write did not go over mlx5_0";
+  nic_[0]->setPortUp(false);  // the notification's part fails there and goes over tcp
+  MC_ASSERT_OK(eng_->notify(pid_, 9100));
+  std::string reply, why;
+  ASSERT_TRUE(peer_->recv(&reply, 40000, &why)) << why;
+  EXPECT_EQ(reply, "ok");
+  EXPECT_GE(flushes() - f0, 1) << "delivered without flushing the GPUDirect write of mlx5_0";
+  nic_[0]->setPortUp(true);
+  MC_EXPECT_OK(eng_->unregisterMemory(host.data()));
+}
+
 }  // namespace
 }  // namespace mooncake::test

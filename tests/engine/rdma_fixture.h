@@ -77,7 +77,9 @@ class RdmaPeerTest : public PeerTestBase {
     const uint64_t tx0 = nic_[0]->txBytes(), tx1 = nic_[1]->txBytes();
     const uint64_t remote = peer_->info().alloc_addr;
     Status st = transfer(*eng_, OpCode::kWrite, buf.data(), len, pid_, remote);
-    if (st.ok()) EXPECT_EQ(peer_->expect(remote, len, seed, 0), "");
+    if (st.ok()) {
+      EXPECT_EQ(peer_->expect(remote, len, seed, 0), "");
+    }
     *b0 = nic_[0]->txBytes() - tx0;
     *b1 = nic_[1]->txBytes() - tx1;
     return st;

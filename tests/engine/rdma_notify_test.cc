@@ -12,12 +12,8 @@ namespace {
 
 struct Sink {
   std::vector<uint64_t> tags;
-  std::vector<bool> nic;  // whether a part of each came over a NIC
   NotifyOrder::Deliver fn() {
-    return [this](uint32_t, uint64_t tag, bool over_nic) {
-      tags.push_back(tag);
-      nic.push_back(over_nic);
-    };
+    return [this](uint32_t, uint64_t tag) { tags.push_back(tag); };
   }
 };
 
@@ -52,22 +48,6 @@ TEST(RdmaNotifyOrder, DeliversInIssueOrder) {
   EXPECT_TRUE(s.tags.empty());
   o.arrive(notifyWord(2, 1, 0), 1, 10, s.fn());
   EXPECT_EQ(s.tags, (std::vector<uint64_t>{10, 11}));
-}
-
-// Whether a notification came (in part) over a NIC, so that the target flushes the NICs'
-// GPUDirect writes before delivering it: not when every part came over the tcp fallback,
-// which never carries GPU memory; yes when one part did, even if the tcp part completed it,
-// and for a later notification that the tcp part released.
-TEST(RdmaNotifyOrder, SaysWhetherAPartCameOverANic) {
-  NotifyOrder o;
-  Sink s;
-  o.arrive(notifyWord(1, 0, 0), 1, 20, s.fn(), /*over_nic=*/false);
-  o.arrive(notifyWord(2, 0, 1), 1, 21, s.fn(), true);
-  o.arrive(notifyWord(1, 0, 3), 1, 23, s.fn(), true);
-  o.arrive(notifyWord(2, 1, 1), 1, 21, s.fn(), false);
-  o.arrive(notifyWord(1, 0, 2), 1, 22, s.fn(), false);
-  EXPECT_EQ(s.tags, (std::vector<uint64_t>{20, 21, 22, 23}));
-  EXPECT_EQ(s.nic, (std::vector<bool>{false, true, false, true}));
 }
 
 TEST(RdmaNotifyOrder, SequenceWraps) {

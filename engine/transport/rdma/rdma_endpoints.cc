@@ -80,9 +80,10 @@ bool RdmaPeer::probe() {
     if (ibv_query_port(nic->ctx, 1, &pa) == 0 && pa.state == IBV_PORT_ACTIVE)
       raw = t_->dial(nic, rn, rib, conn_, id, *control_, name_, deadlineInMs(2000));
     if (!raw.ok()) {
-      if (pa.state == IBV_PORT_ACTIVE)
+      if (pa.state == IBV_PORT_ACTIVE) {
         MC_LOG(INFO, RDMA) << "peer " << name_ << ": " << nic->name
                            << " not back yet: " << raw.status().toString();
+      }
       // Work that waited for this lane's redial moves as after a link failure.
       std::vector<std::pair<Op*, Status>> failed;
       {

@@ -136,12 +136,8 @@ void RdmaTransportImpl::onFallback(const SegmentDesc& from, const std::string& r
     if (!order)
       return reply(MC_STATUS(kNotFound, "rdma: no connection " << conn << " from " << from.name));
     const uint64_t src = from.engine_id;
-    // (A notification completed by this part is flushed only when another part of it came
-    // over a NIC: tcp never carries GPU memory.)
-    if (!order->arrive(
-            word, channel, tag,
-            [&](uint32_t c, uint64_t tg, bool over_nic) { deliverNotify(src, c, tg, over_nic); },
-            false))
+    if (!order->arrive(word, channel, tag,
+                       [&](uint32_t c, uint64_t tg) { deliverNotify(src, c, tg); }))
       return reply(MC_STATUS(kProtocol, "rdma: malformed fallback notification word"));
     return reply(std::string());
   }

@@ -245,9 +245,8 @@ class RdmaTransportImpl final : public Transport {
   void addPeer(RdmaPeer* p);
   void removePeer(RdmaPeer* p);
   void pumpAll();
-  // `flush`: the notification came over a NIC, whose writes into GPU memory it follows
-  // (flushGpuWrites); not over the tcp fallback, which never carries GPU memory.
-  void deliverNotify(uint64_t src, uint32_t channel, uint64_t tag, bool flush);
+  // Delivers a complete notification, after flushGpuWrites (whatever carried it).
+  void deliverNotify(uint64_t src, uint32_t channel, uint64_t tag);
   // Wakes the prober now (a lane to be redialled at once).
   void kickProber();
   const std::vector<std::unique_ptr<Nic>>& nics() const { return nics_; }

@@ -29,15 +29,11 @@ inline uint32_t notifyWord(uint32_t parts, uint32_t part, uint32_t seq) {
 // The target's side, one per initiator connection (shared by its QPs).
 class NotifyOrder {
  public:
-  // `over_nic`: a part of it came over a NIC (not every part over the tcp fallback), so the
-  // writes it follows may have gone into GPU memory through the NIC.
-  using Deliver = std::function<void(uint32_t channel, uint64_t tag, bool over_nic)>;
+  using Deliver = std::function<void(uint32_t channel, uint64_t tag)>;
 
-  // One part arrived (`over_nic`: in a SEND, not over the tcp fallback). Delivers (under this
-  // object's lock, so in order) every notification that is now complete and next in sequence.
-  // False when the word is malformed.
-  bool arrive(uint32_t word, uint32_t channel, uint64_t tag, const Deliver& deliver,
-              bool over_nic = true) {
+  // One part arrived. Delivers (under this object's lock, so in order) every notification that
+  // is now complete and next in sequence. False when the word is malformed.
+  bool arrive(uint32_t word, uint32_t channel, uint64_t tag, const Deliver& deliver) {
     const uint32_t parts = word >> 26, part = (word >> 20) & 63, seq = word & kNotifySeqMask;
     if (parts == 0 || part >= parts) return false;
     std::lock_guard<std::mutex> g(mu_);
@@ -48,10 +44,9 @@ class NotifyOrder {
     e.channel = channel;
     e.tag = tag;
     e.seen |= 1ull << part;
-    e.over_nic |= over_nic;
     for (auto it = waiting_.find(next_); it != waiting_.end() && it->second.complete();
          it = waiting_.find(next_)) {
-      deliver(it->second.channel, it->second.tag, it->second.over_nic);
+      deliver(it->second.channel, it->second.tag);
       waiting_.erase(it);
       next_ = (next_ + 1) & kNotifySeqMask;
     }
@@ -69,7 +64,6 @@ class NotifyOrder {
     uint32_t parts = 0, channel = 0;
     uint64_t seen = 0;  // the parts that arrived, a bit each
     uint64_t tag = 0;
-    bool over_nic = false;  // a part came over a NIC
     bool complete() const { return __builtin_popcountll(seen) >= static_cast<int>(parts); }
   };
   std::mutex mu_;

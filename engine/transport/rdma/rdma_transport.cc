@@ -167,7 +167,7 @@ struct RdmaTransportImpl::TargetQp {
       std::memcpy(&tag, s->buf + 8, 8);
       // Delivered once every part of it (and every earlier notification) arrived.
       ok = order->arrive(word, channel, tag,
-                         [&](uint32_t c, uint64_t tg, bool) { t->deliverNotify(src, c, tg, true); });
+                         [&](uint32_t c, uint64_t tg) { t->deliverNotify(src, c, tg); });
     }
     if (!ok) {
       MC_LOG(WARN, RDMA) << "dropping a malformed receive (" << wc.byte_len << " bytes) from "
@@ -318,11 +318,12 @@ Status RdmaTransportImpl::registerRegion(Region* region) {
     keys += (split ? "/" : "") + ck;
     entries.emplace_back(addr, std::move(c));
   }
-  if (!refused.empty())
+  if (!refused.empty()) {
     MC_LOG(WARN, RDMA) << "[" << hex(region->addr) << ", +" << region->len
                        << ") is registered without some NICs (requests there use the others "
                           "or the bounce pool): "
                        << refused;
+  }
   region->keys[static_cast<int>(TransportKind::kRdma)] = keys;
   std::unique_lock<std::shared_mutex> g(mr_mu_);
   for (auto& [addr, c] : entries) mrs_[addr] = std::move(c);
@@ -345,8 +346,9 @@ void RdmaTransportImpl::flushGpuWrites() {
   for (int d = 0; d < 64; ++d) {
     if (((bits >> d) & 1) == 0) continue;
     Status st = (*dev)->flushRemoteWrites(d);
-    if (!st.ok() && !flush_warned_.exchange(true))
+    if (!st.ok() && !flush_warned_.exchange(true)) {
       MC_LOG(WARN, RDMA) << "flushing GPUDirect writes before a notification: " << st.toString();
+    }
   }
 }
 
@@ -700,9 +702,11 @@ void RdmaTransportImpl::kickProber() {
   probe_cv_.notify_all();
 }
 
-void RdmaTransportImpl::deliverNotify(uint64_t src, uint32_t channel, uint64_t tag, bool flush) {
-  // The writes it follows may have gone into GPU memory (GPUDirect); over tcp they did not.
-  if (flush) flushGpuWrites();
+void RdmaTransportImpl::deliverNotify(uint64_t src, uint32_t channel, uint64_t tag) {
+  // The writes it follows may have gone into GPU memory (GPUDirect), whatever carried the
+  // notification itself: a part that went over the tcp fallback may follow writes a NIC made
+  // before its lane failed.
+  flushGpuWrites();
   if (channel != 0 && ctx_->deliver_notify) return ctx_->deliver_notify(src, channel, tag);
   if (ctx_->inbox == nullptr) return;
   // The engine's dispatcher drains the inbox; a full one delays this poller a little.
