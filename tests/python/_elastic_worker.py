@@ -407,6 +407,10 @@ def coalesced_evidence():
         return ev, [o.tolist() for o in outs], rs_out.tolist()
 
     failed = block(3)
+    # Both survivors ran their failed block before either deactivates rank 2 (a view without it
+    # would make the other's block run at size 2).
+    event(f"blk{PROC}")
+    wait_event(f"blk{1 - PROC}")
     resp = pg.deactivate_ranks(b, [2])
     ok = block(2)  # slots 0 and 1: the size is one past the highest active slot
     report(failed=failed[0], ok=ok, deact=int(resp.status), active=active(b))
