@@ -251,12 +251,7 @@ TEST_F(RdmaFaultTest, TcpNotificationAfterANicWriteIntoGpuIsFlushed) {
   ASSERT_EQ(openPeer(*eng_, "peer"), pid_);  // its new descriptor
   HostBuffer host(notifyBytes(1));
   MC_ASSERT_OK(eng_->registerMemory(host.data(), notifyBytes(1)));
-  auto flushes = [&]() -> int64_t {
-    std::string reply, why;
-    if (!peer_->send("gpu_flushes") || !peer_->recv(&reply, 10000, &why)) return -1;
-    return reply.rfind("ok ", 0) == 0 ? std::strtoll(reply.c_str() + 3, nullptr, 10) : -1;
-  };
-  const int64_t f0 = flushes();
+  const int64_t f0 = peerGpuFlushes();
   ASSERT_GE(f0, 0);
   ASSERT_TRUE(startNotifyCheck(peer_, 1, remote_gpu, 9100, 611, 30000));
   const Slot s = notifySlot(0);
@@ -270,7 +265,7 @@ TEST_F(RdmaFaultTest, TcpNotificationAfterANicWriteIntoGpuIsFlushed) {
   std::string reply, why;
   ASSERT_TRUE(peer_->recv(&reply, 40000, &why)) << why;
   EXPECT_EQ(reply, "ok");
-  EXPECT_GE(flushes() - f0, 1) << "delivered without flushing the GPUDirect write of mlx5_0";
+  EXPECT_GE(peerGpuFlushes() - f0, 1) << "delivered without flushing the GPUDirect write of mlx5_0";
   nic_[0]->setPortUp(true);
   MC_EXPECT_OK(eng_->unregisterMemory(host.data()));
 }

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -37,17 +38,14 @@ class RdmaPeerTest : public PeerTestBase {
     EXPECT_EQ(eng_->peerTransport(pid_), "rdma");
     return openNicControls();
   }
-  // Writes [buf, buf+len) to the peer's allocated region at `off`, checks the bytes arrived;
-  // returns the bytes each NIC sent meanwhile.
+  // Writes [buf, buf+len) to the peer's allocated region at `off`, checks it succeeded and the
+  // bytes arrived; returns the bytes each NIC sent meanwhile.
   std::pair<uint64_t, uint64_t> writeAndCount(HostBuffer& buf, uint64_t len, uint64_t seed,
                                               uint64_t off = 0) {
-    fillPattern(buf.data(), len, seed, 0);
-    const uint64_t tx0 = nic_[0]->txBytes(), tx1 = nic_[1]->txBytes();
-    const uint64_t remote = peer_->info().alloc_addr + off;
-    Status st = transfer(*eng_, OpCode::kWrite, buf.data(), len, pid_, remote);
+    uint64_t b0 = 0, b1 = 0;
+    Status st = write(buf, len, seed, &b0, &b1, off);
     EXPECT_TRUE(st.ok()) << st.toString();
-    EXPECT_EQ(peer_->expect(remote, len, seed, 0), "");
-    return {nic_[0]->txBytes() - tx0, nic_[1]->txBytes() - tx1};
+    return {b0, b1};
   }
 
   // The controls of both emulated NICs (the fabric exists once an engine was made).
@@ -70,12 +68,13 @@ class RdmaPeerTest : public PeerTestBase {
     }
     return 0;
   }
-  // Writes `len` bytes of pattern(seed) to the peer's region; the status, and the bytes each
-  // NIC sent meanwhile. The bytes are checked when it succeeded.
-  Status write(HostBuffer& buf, uint64_t len, uint64_t seed, uint64_t* b0, uint64_t* b1) {
+  // Writes `len` bytes of pattern(seed) to the peer's allocated region at `off`; the status,
+  // and the bytes each NIC sent meanwhile. The bytes are checked when it succeeded.
+  Status write(HostBuffer& buf, uint64_t len, uint64_t seed, uint64_t* b0, uint64_t* b1,
+               uint64_t off = 0) {
     fillPattern(buf.data(), len, seed, 0);
     const uint64_t tx0 = nic_[0]->txBytes(), tx1 = nic_[1]->txBytes();
-    const uint64_t remote = peer_->info().alloc_addr;
+    const uint64_t remote = peer_->info().alloc_addr + off;
     Status st = transfer(*eng_, OpCode::kWrite, buf.data(), len, pid_, remote);
     if (st.ok()) {
       EXPECT_EQ(peer_->expect(remote, len, seed, 0), "");
@@ -83,6 +82,11 @@ class RdmaPeerTest : public PeerTestBase {
     *b0 = nic_[0]->txBytes() - tx0;
     *b1 = nic_[1]->txBytes() - tx1;
     return st;
+  }
+  // How many times the peer's (simulated) device flushed GPUDirect writes; -1 if it cannot say.
+  int64_t peerGpuFlushes() {
+    const std::string r = peer_->call("gpu_flushes", 10000);
+    return r.rfind("ok ", 0) == 0 ? std::strtoll(r.c_str() + 3, nullptr, 10) : -1;
   }
 
   // Asks `p` to check `count` notifications from this engine (tests/engine/peer_main.cc).

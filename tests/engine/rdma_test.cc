@@ -511,12 +511,7 @@ TEST_F(RdmaTest, GpuMemoryIsRegisteredThroughDmabufAndMoves) {
 
   // A notification after writes into its GPU memory: the peer flushed the NICs' writes to
   // the device (GPUDirect) before delivering it, and the writes are there when it arrives.
-  auto flushes = [&]() -> int64_t {
-    std::string reply, why;
-    if (!peer_->send("gpu_flushes") || !peer_->recv(&reply, 10000, &why)) return -1;
-    return reply.rfind("ok ", 0) == 0 ? std::strtoll(reply.c_str() + 3, nullptr, 10) : -1;
-  };
-  const int64_t f0 = flushes();
+  const int64_t f0 = peerGpuFlushes();
   ASSERT_GE(f0, 0);
   ASSERT_TRUE(startNotifyCheck(peer_, 4, remote_gpu, 7000, 604, 30000));
   for (int k = 0; k < 4; ++k) {
@@ -530,7 +525,7 @@ TEST_F(RdmaTest, GpuMemoryIsRegisteredThroughDmabufAndMoves) {
     ASSERT_TRUE(peer_->recv(&reply, 40000, &why)) << why;
     EXPECT_EQ(reply, "ok");
   }
-  EXPECT_GE(flushes() - f0, 4) << "notifications were delivered without flushing GPU writes";
+  EXPECT_GE(peerGpuFlushes() - f0, 4) << "notifications were delivered without flushing GPU writes";
   fillPattern(g, kLen, 602, 0);  // (what the peer's GPU memory holds again, checked below)
   MC_ASSERT_OK(transfer(*eng_, OpCode::kWrite, g, kLen, pid_, remote_gpu));
 
