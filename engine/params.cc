@@ -311,6 +311,26 @@ const std::vector<ParamDef>& table() {
       {"MC_STORE_CLUSTER_ID", Type::kString, "mooncake",
        "Store cluster an etcd:// master address (clients) or mooncake_master --etcd-endpoints "
        "(without --cluster-id) belongs to: its etcd keys live under mooncake-store/<id>/."},
+      {"MC_ETCD_USER", Type::kString, "",
+       "etcd user the store's etcd client (mooncake_master --etcd-endpoints, clients with an "
+       "etcd:// address) authenticates as (etcd auth enabled; the user needs readwrite on the "
+       "prefix mooncake-store/). Empty: no authentication. Needs MC_ETCD_PASSWORD_FILE; "
+       "mooncake_master --etcd-user overrides it."},
+      {"MC_ETCD_PASSWORD_FILE", Type::kString, "",
+       "File whose first line is the password of MC_ETCD_USER (a regular file of this user, "
+       "mode 0600; there is no password variable: the environment leaks into child processes "
+       "and /proc). mooncake_master --etcd-password-file overrides it."},
+      {"MC_ETCD_CA_FILE", Type::kString, "",
+       "PEM CA bundle that verifies etcd's certificate on https:// endpoints (empty: the "
+       "system's CAs); the certificate must name the endpoint's host. Set (or a client "
+       "certificate set): endpoints without a scheme use https. mooncake_master --etcd-ca-file "
+       "overrides it."},
+      {"MC_ETCD_CERT_FILE", Type::kString, "",
+       "PEM client certificate the etcd client presents on https:// endpoints (etcd's "
+       "--client-cert-auth); needs MC_ETCD_KEY_FILE. mooncake_master --etcd-cert-file "
+       "overrides it."},
+      {"MC_ETCD_KEY_FILE", Type::kString, "",
+       "PEM private key of MC_ETCD_CERT_FILE. mooncake_master --etcd-key-file overrides it."},
   };
   return kParams;
 }

@@ -1,6 +1,13 @@
 #include "store/ha/etcd_client.h"
 
+#include <pthread.h>
+#include <signal.h>
+
+#include <cerrno>
+#include <ctime>
 #include <sstream>
+
+#include "engine/log.h"
 
 // MC_STORE_HAVE_ETCD (store/CMakeLists.txt): built with cpp-httplib and nlohmann-json. Without
 // them EtcdClient::create() fails with kNotSupported, naming what the build lacked.
@@ -143,10 +150,95 @@ std::string clientMemberKey(const std::string& cluster_id, const std::string& cl
 }
 
 #if MC_STORE_HAVE_ETCD
+namespace {
+
+// CPPHTTPLIB_OPENSSL_SUPPORT comes with cpp-httplib's own flags (mooncake::httplib,
+// cmake/dependencies.cmake): it says whether httplib::Client can speak https at all.
+#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
+constexpr bool kHttpsBuilt = true;
+#else
+constexpr bool kHttpsBuilt = false;
+#endif
+
+// An error answer of the gateway: {"error": "...", "code": N, "message": "..."} for unary calls,
+// {"error": {"grpc_code": N, "message": "..."}} inside a stream.
+struct GatewayError {
+  int code = -1;  // gRPC code (16: UNAUTHENTICATED, 7: PERMISSION_DENIED, 3: INVALID_ARGUMENT)
+  std::string message;
+};
+GatewayError gatewayError(const std::string& body) {
+  GatewayError e;
+  auto j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    e.message = body.substr(0, 300);
+    return e;
+  }
+  const json* from = &j;
+  if (j.contains("error") && j["error"].is_object()) from = &j["error"];
+  for (const char* f : {"code", "grpc_code"})
+    if (from->contains(f) && (*from)[f].is_number_integer()) e.code = (*from)[f].get<int>();
+  if (from->contains("message") && (*from)["message"].is_string())
+    e.message = (*from)["message"].get<std::string>();
+  else if (from->contains("error") && (*from)["error"].is_string())
+    e.message = (*from)["error"].get<std::string>();
+  else
+    e.message = body.substr(0, 300);
+  return e;
+}
+
+bool has(const std::string& text, const char* what) { return text.find(what) != std::string::npos; }
+
+// OpenSSL writes to the socket with write(): an etcd that closes a TLS connection (a refused
+// client certificate) would raise SIGPIPE, which ends a process that did not ignore it. While
+// a call runs, SIGPIPE is blocked in the calling thread, and one it raised is taken away.
+class SigpipeBlock {
+ public:
+  SigpipeBlock() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+    sigset_t pending;
+    sigpending(&pending);
+    pending_before_ = sigismember(&pending, SIGPIPE) == 1;
+  }
+  ~SigpipeBlock() {
+    if (!pending_before_) {
+      sigset_t pending;
+      sigpending(&pending);
+      if (sigismember(&pending, SIGPIPE) == 1) {
+        const timespec zero{0, 0};
+        while (sigtimedwait(&pipe_, nullptr, &zero) == -1 && errno == EINTR) {
+        }
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  SigpipeBlock(const SigpipeBlock&) = delete;
+  SigpipeBlock& operator=(const SigpipeBlock&) = delete;
+
+ private:
+  sigset_t pipe_, old_;
+  bool pending_before_ = false;
+};
+
+constexpr const char* kUserHint =
+    "set MC_ETCD_USER and MC_ETCD_PASSWORD_FILE (mooncake_master: --etcd-user, "
+    "--etcd-password-file)";
+
+}  // namespace
+
 Result<std::unique_ptr<EtcdClient>> EtcdClient::create(const std::string& endpoints,
                                                        int64_t timeout_ms) {
+  MC_ASSIGN_OR_RETURN(EtcdSecurity security, EtcdSecurity::fromParams());
+  return create(endpoints, timeout_ms, security);
+}
+
+Result<std::unique_ptr<EtcdClient>> EtcdClient::create(const std::string& endpoints,
+                                                       int64_t timeout_ms,
+                                                       const EtcdSecurity& security) {
   std::unique_ptr<EtcdClient> c(new EtcdClient());
   c->timeout_ms_ = timeout_ms > 0 ? timeout_ms : 2000;
+  c->security_ = security;
   std::string cur;
   auto flush = [&]() -> Status {
     size_t b = cur.find_first_not_of(" \t");
@@ -154,17 +246,34 @@ Result<std::unique_ptr<EtcdClient>> EtcdClient::create(const std::string& endpoi
     std::string ep = b == std::string::npos ? "" : cur.substr(b, e - b + 1);
     cur.clear();
     if (ep.empty()) return Status::OK();
-    if (ep.rfind("https://", 0) == 0)
-      return MC_STATUS(kNotSupported, "etcd endpoint " << ep << ": https is not supported");
-    if (ep.rfind("http://", 0) == 0) ep = ep.substr(7);
+    const std::string given = ep;
+    bool https = security.tlsConfigured();
+    if (ep.rfind("https://", 0) == 0) {
+      https = true;
+      ep = ep.substr(8);
+    } else if (ep.rfind("http://", 0) == 0) {
+      https = false;
+      ep = ep.substr(7);
+    } else if (ep.find("://") != std::string::npos) {
+      return MC_STATUS(kInvalidArgument, "etcd endpoint '" << given
+                                                           << "': the scheme is not http or https");
+    }
     while (!ep.empty() && ep.back() == '/') ep.pop_back();
     size_t colon = ep.rfind(':');
     if (colon == std::string::npos || colon == 0 || colon + 1 == ep.size())
-      return MC_STATUS(kInvalidArgument, "etcd endpoint '" << ep << "' is not host:port");
+      return MC_STATUS(kInvalidArgument, "etcd endpoint '" << given << "' is not host:port");
     for (size_t i = colon + 1; i < ep.size(); ++i)
       if (ep[i] < '0' || ep[i] > '9')
-        return MC_STATUS(kInvalidArgument, "etcd endpoint '" << ep << "' is not host:port");
-    c->endpoints_.push_back("http://" + ep);
+        return MC_STATUS(kInvalidArgument, "etcd endpoint '" << given << "' is not host:port");
+    if (https && !kHttpsBuilt)
+      return MC_STATUS(kNotSupported,
+                       "etcd endpoint " << given
+                                        << ": https (or a CA / client certificate, "
+                                           "MC_ETCD_CA_FILE / MC_ETCD_CERT_FILE) needs a "
+                                           "cpp-httplib built with OpenSSL "
+                                           "(CPPHTTPLIB_OPENSSL_SUPPORT), and this build's "
+                                           "lacks it");
+    c->endpoints_.push_back((https ? "https://" : "http://") + ep);
     return Status::OK();
   };
   for (char ch : endpoints) {
@@ -177,6 +286,15 @@ Result<std::unique_ptr<EtcdClient>> EtcdClient::create(const std::string& endpoi
   MC_RETURN_IF_ERROR(flush());
   if (c->endpoints_.empty())
     return MC_STATUS(kInvalidArgument, "no etcd endpoint in '" << endpoints << "'");
+  if (!security.user.empty()) {
+    for (const auto& ep : c->endpoints_) {
+      if (ep.rfind("http://", 0) == 0) {
+        MC_LOG(WARN, STORE) << "etcd: user " << security.user << "'s password and token go to "
+                            << ep << " unencrypted (plain http): use https:// endpoints";
+        break;
+      }
+    }
+  }
   return c;
 }
 
@@ -184,41 +302,172 @@ EtcdClient::~EtcdClient() = default;
 
 Result<std::string> EtcdClient::post(const std::string& path, const std::string& body) {
   std::lock_guard<std::mutex> g(mu_);
+  if (!security_.user.empty() && token_.empty() && !auth_disabled_) {
+    MC_RETURN_IF_ERROR(authenticate());
+  }
+  bool stale = false;
+  auto r = send(path, body, &stale);
+  if (stale && !security_.user.empty()) {
+    // The token expired (or etcd lost it, or enabled authentication since): once more with a
+    // new one. etcd refuses an invalid token before it applies anything, so sending again
+    // cannot apply a write twice.
+    auth_disabled_ = false;
+    MC_RETURN_IF_ERROR(authenticate());
+    r = send(path, body, &stale);
+  }
+  return r;
+}
+
+Status EtcdClient::authenticate() {
+  token_.clear();
+  json req = {{"name", security_.user}, {"password", security_.password}};
+  bool stale = false;
+  auto r = send("/v3/auth/authenticate", req.dump(), &stale);
+  if (!r.ok()) {
+    if (has(r.status().message(), "authentication is not enabled")) {
+      if (!auth_disabled_) {
+        MC_LOG(WARN, STORE) << "etcd: user " << security_.user
+                            << " is configured but etcd's authentication is not enabled: "
+                               "calls go without a token";
+      }
+      auth_disabled_ = true;
+      return Status::OK();
+    }
+    return r.status();
+  }
+  auto j = parse(*r);
+  if (!j.ok()) return j.status();
+  if (j->contains("token") && (*j)["token"].is_string()) token_ = (*j)["token"].get<std::string>();
+  if (token_.empty())
+    return MC_STATUS(kProtocol, "etcd: authenticate answered without a token");
+  auth_disabled_ = false;
+  authentications_.fetch_add(1);
+  return Status::OK();
+}
+
+Result<std::string> EtcdClient::send(const std::string& path, const std::string& body,
+                                     bool* stale_token) {
+  *stale_token = false;
   std::ostringstream errors;
+  httplib::Headers headers;
+  if (!token_.empty()) headers.emplace("Authorization", token_);
+  const bool authenticating = path == "/v3/auth/authenticate";
   for (size_t n = 0; n < endpoints_.size(); ++n) {
     size_t i = (current_ + n) % endpoints_.size();
-    httplib::Client cli(endpoints_[i]);
+    const std::string& ep = endpoints_[i];
+    const bool https = ep.rfind("https://", 0) == 0;
+    std::unique_ptr<httplib::Client> cli;
+#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
+    if (https && !security_.cert_file.empty())
+      cli = std::make_unique<httplib::Client>(ep, security_.cert_file, security_.key_file);
+#endif
+    if (!cli) cli = std::make_unique<httplib::Client>(ep);
+#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
+    if (https) {
+      if (!security_.ca_file.empty()) cli->set_ca_cert_path(security_.ca_file);
+      cli->enable_server_certificate_verification(true);  // the default; never turned off
+    }
+#endif
+    if (!cli->is_valid()) {
+      errors << (n ? "; " : "") << ep << ": cannot set up TLS (client certificate "
+             << security_.cert_file << " and key " << security_.key_file
+             << " do not load or do not match)";
+      continue;
+    }
     const time_t sec = timeout_ms_ / 1000;
     const time_t usec = (timeout_ms_ % 1000) * 1000;
-    cli.set_connection_timeout(sec, usec);
-    cli.set_read_timeout(sec, usec);
-    cli.set_write_timeout(sec, usec);
-    auto res = cli.Post(path.c_str(), body, "application/json");
-    if (!res) {
-      const httplib::Error e = res.error();
-      const char* what = e == httplib::Error::Connection          ? "cannot connect"
+    cli->set_connection_timeout(sec, usec);
+    cli->set_read_timeout(sec, usec);
+    cli->set_write_timeout(sec, usec);
+    // The gateway ends its error answers with HTTP trailers (Grpc-Trailer-*), which
+    // cpp-httplib 0.11 cannot parse (it reports a read error after the body): the status and
+    // the body are taken as they arrive, and such a read error after them is not a failure.
+    httplib::Request req;
+    req.method = "POST";
+    req.path = path;
+    req.headers = headers;
+    req.set_header("Content-Type", "application/json");
+    req.body = body;
+    int status = 0;
+    std::string answer;
+    req.response_handler = [&status](const httplib::Response& r) {
+      status = r.status;
+      return true;
+    };
+    req.content_receiver = [&answer](const char* data, size_t n, uint64_t, uint64_t) {
+      answer.append(data, n);
+      return true;
+    };
+    httplib::Response res;
+    httplib::Error e = httplib::Error::Success;
+    bool done;
+    if (https) {
+      SigpipeBlock no_sigpipe;
+      done = cli->send(req, res, e);
+    } else {
+      done = cli->send(req, res, e);  // plain sockets are written with MSG_NOSIGNAL
+    }
+    if (!done && !(status > 0 && e == httplib::Error::Read && !answer.empty())) {
+      std::string what = e == httplib::Error::Connection          ? "cannot connect"
                          : e == httplib::Error::ConnectionTimeout ? "connect timed out"
                          : e == httplib::Error::Read              ? "no answer (read failed)"
                          : e == httplib::Error::Write             ? "send failed"
-                                                                  : nullptr;
-      errors << (n ? "; " : "") << endpoints_[i] << ": "
-             << (what ? std::string(what) : httplib::to_string(e));
+                                                                  : httplib::to_string(e);
+#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
+      const std::string ca = security_.ca_file.empty()
+                                 ? std::string("the system's CAs (no MC_ETCD_CA_FILE)")
+                                 : "CA file " + security_.ca_file;
+      if (e == httplib::Error::SSLServerVerification) {
+        const long v = cli->get_openssl_verify_result();
+        if (v != X509_V_OK)
+          what = "TLS: etcd's certificate failed verification against " + ca + " (" +
+                 X509_verify_cert_error_string(v) + ")";
+        else
+          what = "TLS: etcd's certificate does not name the endpoint's host " +
+                 ep.substr(8, ep.rfind(':') - 8);
+      } else if (e == httplib::Error::SSLLoadingCerts) {
+        what = "TLS: cannot load " + ca;
+      } else if (https && (e == httplib::Error::SSLConnection || e == httplib::Error::Read ||
+                           e == httplib::Error::Write)) {
+        what = "TLS: handshake failed or etcd closed the connection (" + what + ")";
+        if (security_.cert_file.empty())
+          what += "; an etcd with --client-cert-auth needs a client certificate "
+                  "(MC_ETCD_CERT_FILE, MC_ETCD_KEY_FILE)";
+      }
+#endif
+      if (!https && e == httplib::Error::Read)
+        what += " (is it an https endpoint? write https://host:port)";
+      errors << (n ? "; " : "") << ep << ": " << what;
       continue;
     }
     current_ = i;
-    if (res->status != 200) {
-      std::string msg = res->body;
-      auto j = json::parse(res->body, nullptr, false);
-      if (!j.is_discarded() && j.is_object()) {
-        if (j.contains("message") && j["message"].is_string())
-          msg = j["message"];
-        else if (j.contains("error") && j["error"].is_string())
-          msg = j["error"];
-      }
-      return MC_STATUS(kUnavailable, "etcd " << endpoints_[i] << path << ": HTTP " << res->status
-                                             << ": " << msg.substr(0, 300));
+    if (status == 200) return answer;
+    const GatewayError ge = gatewayError(answer);
+    const std::string& msg = ge.message;
+    if (authenticating && has(msg, "authentication failed"))
+      return MC_STATUS(kPermissionDenied, "etcd " << ep << ": authentication failed for etcd user '"
+                                                  << security_.user << "' (" << msg << ")");
+    if (ge.code == 16 || status == 401) {  // UNAUTHENTICATED: "invalid auth token"
+      *stale_token = true;
+      return MC_STATUS(kPermissionDenied,
+                       "etcd " << ep << path << ": " << msg
+                               << (security_.user.empty() ? std::string(": ") + kUserHint
+                                                          : std::string(" (after authenticating "
+                                                                        "again)")));
     }
-    return std::move(res->body);
+    if (has(msg, "user name is empty")) {  // authentication enabled, no token sent
+      *stale_token = !security_.user.empty();
+      return MC_STATUS(kPermissionDenied, "etcd " << ep << path
+                                                  << ": etcd requires authentication and this "
+                                                     "client has no etcd user ("
+                                                  << msg << "): " << kUserHint);
+    }
+    if (ge.code == 7 || status == 403)  // PERMISSION_DENIED
+      return MC_STATUS(kPermissionDenied,
+                       "etcd " << ep << path << ": " << msg << " for etcd user '" << security_.user
+                               << "' (it needs readwrite on the key prefix mooncake-store/)");
+    return MC_STATUS(kUnavailable, "etcd " << ep << path << ": HTTP " << status << ": "
+                                           << msg.substr(0, 300));
   }
   return MC_STATUS(kUnavailable, "etcd unreachable (" << errors.str() << ")");
 }
@@ -347,6 +596,14 @@ Status noEtcd() {
 Result<std::unique_ptr<EtcdClient>> EtcdClient::create(const std::string&, int64_t) {
   return noEtcd();
 }
+Result<std::unique_ptr<EtcdClient>> EtcdClient::create(const std::string&, int64_t,
+                                                       const EtcdSecurity&) {
+  return noEtcd();
+}
+Result<std::string> EtcdClient::send(const std::string&, const std::string&, bool*) {
+  return noEtcd();
+}
+Status EtcdClient::authenticate() { return noEtcd(); }
 EtcdClient::~EtcdClient() = default;
 // Unreachable (create() fails), defined for the linker.
 Result<std::string> EtcdClient::post(const std::string&, const std::string&) { return noEtcd(); }

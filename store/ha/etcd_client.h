@@ -9,8 +9,24 @@
 // Keys and values are byte strings (base64 on the wire). Every call has the client's timeout;
 // with several endpoints a call that cannot reach one tries the next, starting from the last one
 // that answered. Thread-safe (calls are serialised).
+//
+// Security (etcd_security.h): with a user, the first call gets a token from
+// /v3/auth/authenticate and every call carries it in the Authorization header (as etcd's
+// gateway takes it). etcd's tokens expire (simple tokens unused for --auth-token-ttl, JWTs at
+// their expiry; simple tokens live in etcd's memory, rebuilt from its log on a restart, so a
+// restart may or may not keep them): a call answered "invalid auth token" (gRPC code 16)
+// authenticates again once and is sent again (etcd checks the token before it applies
+// anything). Wrong credentials, a missing user on an etcd with auth enabled, or a user without
+// permission on the keys fail at once with kPermissionDenied naming the endpoint
+// ("authentication failed", ...), without trying the other endpoints. https:// endpoints
+// verify etcd's certificate (always: there is no switch to skip it) against the CA file or the
+// system's CAs, and present the client certificate when one is configured; a build whose
+// cpp-httplib lacks OpenSSL support refuses them with kNotSupported. The gateway ends error
+// answers with HTTP trailers, which cpp-httplib 0.11 cannot parse: the status and body are
+// taken as they arrive (send()).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -20,6 +36,7 @@
 #include <vector>
 
 #include "engine/status.h"
+#include "store/ha/etcd_security.h"
 
 namespace mooncake::store::ha {
 
@@ -33,8 +50,14 @@ struct EtcdKv {
 
 class EtcdClient {
  public:
-  // endpoints: "host:port" or "http://host:port", several separated by ',' or ';'.
-  // kInvalidArgument for an empty or malformed list; nothing is contacted yet.
+  // endpoints: "host:port", "http://host:port" or "https://host:port", several separated by
+  // ',' or ';'; "host:port" is https when `security` has a CA file or client certificate, else
+  // http. kInvalidArgument for an empty or malformed list, kNotSupported for https without
+  // OpenSSL support in this build; nothing is contacted yet.
+  static Result<std::unique_ptr<EtcdClient>> create(const std::string& endpoints,
+                                                    int64_t timeout_ms,
+                                                    const EtcdSecurity& security);
+  // The same with the MC_ETCD_* parameters (EtcdSecurity::fromParams(): its errors too).
   static Result<std::unique_ptr<EtcdClient>> create(const std::string& endpoints,
                                                     int64_t timeout_ms);
   ~EtcdClient();
@@ -60,16 +83,27 @@ class EtcdClient {
   Status deleteIfCreated(const std::string& key, int64_t create_revision);
 
   const std::vector<std::string>& endpoints() const { return endpoints_; }
+  // Tokens this client got from etcd (the first one, then one per renewal).
+  uint64_t authentications() const { return authentications_.load(); }
 
  private:
   EtcdClient() = default;
-  // POSTs `body` (JSON) to `path` on the first endpoint that answers; returns the response body.
+  // POSTs `body` (JSON) to `path` on the first endpoint that answers, with the token (getting
+  // one first, and once more when etcd says it is no longer valid); returns the response body.
   Result<std::string> post(const std::string& path, const std::string& body);
+  // One try over the endpoints. *stale_token: etcd refused the token (or wants one and this
+  // client has a user): authenticate and send again.
+  Result<std::string> send(const std::string& path, const std::string& body, bool* stale_token);
+  Status authenticate();  // mu_ held
 
-  std::vector<std::string> endpoints_;  // "http://host:port"
+  std::vector<std::string> endpoints_;  // "http://host:port" or "https://host:port"
   int64_t timeout_ms_ = 2000;
+  EtcdSecurity security_;
   std::mutex mu_;
   size_t current_ = 0;
+  std::string token_;          // etcd's auth token; empty: none yet (or no user)
+  bool auth_disabled_ = false;  // etcd answered that its authentication is not enabled
+  std::atomic<uint64_t> authentications_{0};
 };
 
 // "mooncake-store/<cluster>/": every key of one cluster lives under it, so clusters with other

@@ -3,8 +3,14 @@
 //   mooncake_master [--host 127.0.0.1] [--port 50051] [--secret-file F]
 //                   [--eviction-high-watermark 0.95] [--eviction-ratio 0.05]
 //                   [--lease-ttl-ms 5000] [--client-ttl-s 10] [--metrics-port 9003]
-//                   [--etcd-endpoints http://H:P[,H:P] --cluster-id NAME [--leader-ttl-s 3]
-//                    [--name NAME]] [--rebuild-quiet-ms N] [--rebuild-timeout-ms N]
+//                   [--etcd-endpoints http(s)://H:P[,H:P] --cluster-id NAME [--leader-ttl-s 3]
+//                    [--name NAME] [--etcd-user U --etcd-password-file F] [--etcd-ca-file F]
+//                    [--etcd-cert-file F --etcd-key-file F]]
+//                   [--rebuild-quiet-ms N] [--rebuild-timeout-ms N]
+//
+// --etcd-user/--etcd-password-file (etcd's authentication) and --etcd-ca-file/--etcd-cert-file/
+// --etcd-key-file (https endpoints) override MC_ETCD_USER, MC_ETCD_PASSWORD_FILE,
+// MC_ETCD_CA_FILE, MC_ETCD_CERT_FILE and MC_ETCD_KEY_FILE (store/ha/etcd_security.h).
 //
 // One process runs: a TcpRendezvousServer on --port (the `master_server_address` host:port that
 // clients are given; clients publish their own engine segments there too, so they find each
@@ -63,8 +69,10 @@ void onSignal(int) { g_stop = 1; }
                "mooncake_master: %s\nusage: mooncake_master [--host H (127.0.0.1)] [--port P] "
                "[--secret-file F] [--eviction-high-watermark F] [--eviction-ratio F] "
                "[--lease-ttl-ms N] [--client-ttl-s N] [--metrics-port P (0: off)] "
-               "[--etcd-endpoints http://H:P[,H:P] --cluster-id NAME [--leader-ttl-s N] "
-               "[--name NAME]] [--rebuild-quiet-ms N] [--rebuild-timeout-ms N]\n",
+               "[--etcd-endpoints http(s)://H:P[,H:P] --cluster-id NAME [--leader-ttl-s N] "
+               "[--name NAME] [--etcd-user U --etcd-password-file F] [--etcd-ca-file F] "
+               "[--etcd-cert-file F --etcd-key-file F]] [--rebuild-quiet-ms N] "
+               "[--rebuild-timeout-ms N]\n",
                why);
   std::exit(2);
 }
@@ -84,6 +92,9 @@ int main(int argc, char** argv) {
   std::string host = "127.0.0.1";
   std::string secret_file;
   std::string etcd_endpoints, cluster_id, member_name;
+  // etcd's authentication and TLS: the MC_ETCD_* parameters, each overridden by its flag.
+  store::ha::EtcdSettings etcd_settings = store::ha::EtcdSettings::fromParams();
+  bool etcd_flags = false;
   int port = 50051;
   int metrics_port = 9003;
   int64_t leader_ttl_s = 3;
@@ -112,6 +123,16 @@ int main(int argc, char** argv) {
       etcd_endpoints = v;
     else if (a == "--cluster-id")
       cluster_id = v;
+    else if (a == "--etcd-user")
+      etcd_settings.user = v, etcd_flags = true;
+    else if (a == "--etcd-password-file")
+      etcd_settings.password_file = v, etcd_flags = true;
+    else if (a == "--etcd-ca-file")
+      etcd_settings.ca_file = v, etcd_flags = true;
+    else if (a == "--etcd-cert-file")
+      etcd_settings.cert_file = v, etcd_flags = true;
+    else if (a == "--etcd-key-file")
+      etcd_settings.key_file = v, etcd_flags = true;
     else if (a == "--name")
       member_name = v;
     else if (!num)
@@ -144,8 +165,8 @@ int main(int argc, char** argv) {
     usage("watermark must be in (0, 1], ratio in [0, 1]");
   if (leader_ttl_s < 1) usage("--leader-ttl-s must be at least 1");
   const bool ha_mode = !etcd_endpoints.empty();
-  if (!ha_mode && (!cluster_id.empty() || !member_name.empty()))
-    usage("--cluster-id and --name need --etcd-endpoints");
+  if (!ha_mode && (!cluster_id.empty() || !member_name.empty() || etcd_flags))
+    usage("--cluster-id, --name and --etcd-* need --etcd-endpoints");
   if (ha_mode && cluster_id.empty()) cluster_id = params::getString("MC_STORE_CLUSTER_ID");
   if (ha_mode && (cluster_id.empty() || cluster_id.find('/') != std::string::npos))
     usage("--cluster-id must be a non-empty name without '/'");
@@ -183,8 +204,13 @@ int main(int argc, char** argv) {
   if (ha_mode) {
     // Calls must end well within the TTL: the leader fences itself on time (leader_election.h).
     const int64_t call_ms = std::max<int64_t>(200, leader_ttl_s * 1000 / 6);
-    auto e = store::ha::EtcdClient::create(etcd_endpoints, call_ms);
-    auto r = store::ha::EtcdClient::create(etcd_endpoints, 1000);
+    auto security = store::ha::EtcdSecurity::load(etcd_settings);
+    if (!security.ok()) {
+      std::fprintf(stderr, "mooncake_master: %s\n", security.status().toString().c_str());
+      return 2;
+    }
+    auto e = store::ha::EtcdClient::create(etcd_endpoints, call_ms, *security);
+    auto r = store::ha::EtcdClient::create(etcd_endpoints, 1000, *security);
     if (!e.ok() || !r.ok()) {
       std::fprintf(stderr, "mooncake_master: --etcd-endpoints: %s\n",
                    (e.ok() ? r.status() : e.status()).toString().c_str());
@@ -192,10 +218,12 @@ int main(int argc, char** argv) {
     }
     etcd = std::move(e).value();
     etcd_reader = std::move(r).value();
+    // Also authenticates: wrong credentials or a refused certificate end the master here.
     Status st = etcd_reader->ping();
     if (!st.ok()) {
-      std::fprintf(stderr, "mooncake_master: cannot reach etcd at %s: %s\n", etcd_endpoints.c_str(),
-                   st.toString().c_str());
+      std::fprintf(stderr, "mooncake_master: %s etcd at %s: %s\n",
+                   st.code() == mooncake::Code::kPermissionDenied ? "refused by" : "cannot reach",
+                   etcd_endpoints.c_str(), st.toString().c_str());
       return 1;
     }
   }

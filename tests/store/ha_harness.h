@@ -11,6 +11,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -106,11 +107,22 @@ inline void killWait(pid_t pid, int sig) {
   waitpid(pid, nullptr, 0);
 }
 
+// How a test's etcd runs: extra flags (e.g. "--auth-token-ttl 1") and TLS on its client URL.
+struct EtcdOptions {
+  std::string extra_flags;
+  // TLS: the server's certificate and key (https client URL); with client_ca_file, etcd
+  // requires client certificates signed by that CA (--client-cert-auth).
+  std::string cert_file, key_file, client_ca_file;
+  // What launch() checks etcd's readiness with (a CA and client certificate for TLS).
+  store::ha::EtcdSecurity probe;
+};
+
 // etcd-server (Debian's etcd 3.4) on free loopback ports with its own data dir.
 class EtcdProcess {
  public:
-  static std::unique_ptr<EtcdProcess> start() {
+  static std::unique_ptr<EtcdProcess> start(EtcdOptions options = {}) {
     std::unique_ptr<EtcdProcess> e(new EtcdProcess());
+    e->options_ = std::move(options);
     e->dir_ = makeTempDir("mc_etcd_");
     e->client_port_ = freePort();
     e->peer_port_ = freePort();
@@ -121,7 +133,13 @@ class EtcdProcess {
     stop();
     removeTree(dir_);
   }
-  std::string endpoint() const { return "127.0.0.1:" + std::to_string(client_port_); }
+  // "127.0.0.1:P" (plain http), "https://127.0.0.1:P" with TLS.
+  std::string endpoint() const {
+    return std::string(options_.cert_file.empty() ? "" : "https://") + "127.0.0.1:" +
+           std::to_string(client_port_);
+  }
+  uint16_t clientPort() const { return client_port_; }
+  const std::string& dir() const { return dir_; }
   void stop(int sig = SIGTERM) {
     killWait(pid_, sig);
     pid_ = -1;
@@ -133,26 +151,37 @@ class EtcdProcess {
 
  private:
   bool launch() {
-    const std::string c = "http://127.0.0.1:" + std::to_string(client_port_);
+    const bool tls = !options_.cert_file.empty();
+    const std::string c =
+        std::string(tls ? "https" : "http") + "://127.0.0.1:" + std::to_string(client_port_);
     const std::string p = "http://127.0.0.1:" + std::to_string(peer_port_);
     std::string cmd = "etcd --name t --data-dir " + dir_ + "/data --listen-client-urls " + c +
                       " --advertise-client-urls " + c + " --listen-peer-urls " + p +
                       " --initial-advertise-peer-urls " + p + " --initial-cluster t=" + p +
-                      " --log-level error --logger zap >" + dir_ + "/log 2>&1";
+                      " --log-level error --logger zap " + options_.extra_flags;
+    if (tls) cmd += " --cert-file " + options_.cert_file + " --key-file " + options_.key_file;
+    if (!options_.client_ca_file.empty())
+      cmd += " --client-cert-auth --trusted-ca-file " + options_.client_ca_file;
+    cmd += " >" + dir_ + "/log 2>&1";
     pid_ = fork();
     if (pid_ == 0) {
       setpgid(0, 0);
+      // A test that dies by a signal (no destructors) must not leave its etcd running.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
       execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), nullptr);
       _exit(127);
     }
-    auto etcd = store::ha::EtcdClient::create(endpoint(), 500);
+    auto etcd = store::ha::EtcdClient::create(endpoint(), 500, options_.probe);
     if (!etcd.ok()) return false;
     for (int i = 0; i < 200; ++i) {
-      if ((*etcd)->ping().ok()) return true;
+      // An etcd with authentication enabled refuses a client without a user: it is up.
+      Status st = (*etcd)->ping();
+      if (st.ok() || st.code() == Code::kPermissionDenied) return true;
       usleep(50000);
     }
     return false;
   }
+  EtcdOptions options_;
   std::string dir_;
   uint16_t client_port_ = 0, peer_port_ = 0;
   pid_t pid_ = -1;

@@ -317,6 +317,7 @@ class PyStore {
       a = a.substr(etcd.size());
       a = a.substr(0, a.find_first_of(",;"));
       if (a.rfind("http://", 0) == 0) a = a.substr(7);
+      if (a.rfind("https://", 0) == 0) a = a.substr(8);
     }
     auto colon = a.rfind(':');
     if (colon == std::string::npos || colon == 0) return code(ErrorCode::INVALID_PARAMS);
