@@ -51,8 +51,9 @@ const std::vector<ParamDef>& table() {
        "the mapping."},
       {"MC_INBOX_SLOTS", Type::kInt, "256", "Slots of a process's notification/message inbox."},
       {"MC_SECRET", Type::kString, "",
-       "Job secret every peer must present (engine handshakes, rendezvous, store master). Set: "
-       "used as is by every component. Empty: a torch group generates one on its first rank and "
+       "Job secret every peer must present (engine handshakes, rendezvous, store master); at "
+       "least 32 characters. Set: used as is by every component (mooncake_master: unless "
+       "--secret-file is given). Empty: a torch group generates one on its first rank and "
        "shares it through the group's c10d store; the store master and its clients read "
        "MC_SECRET_FILE."},
       {"MC_SECRET_FILE", Type::kString, "",
@@ -71,7 +72,8 @@ const std::vector<ParamDef>& table() {
        "deadline)."},
       {"MC_MAX_PREAUTH", Type::kInt, "1024",
        "Connections (all sources) that may be waiting to authenticate at once, per listener "
-       "(each may hold at most 4 KiB before it authenticates)."},
+       "(each may hold at most 4 KiB before it authenticates); at most a quarter of the "
+       "process's descriptor limit (RLIMIT_NOFILE), and at least 16."},
       {"MC_MAX_CONNS", Type::kInt, "16384",
        "Connections a listener (engine, rendezvous) holds at once, authenticated or not."},
       {"MC_RDMA_DEVICES", Type::kString, "",

@@ -512,14 +512,19 @@ std::string encodeRequest(uint8_t op, const std::string& key, const std::string&
   return frame(w.data());
 }
 
-// Reads one response. A timeout or error in the middle of a frame leaves the stream unusable;
-// *broken tells the caller to drop the connection.
-Result<std::string> readReply(int fd, Deadline deadline, bool* broken) {
+// What a server's reply may hold before it proved the job secret: the challenge, the proof or
+// a short refusal (a stranger posing as the server must not make us allocate kMaxFrame).
+constexpr uint32_t kMaxUnprovenReply = 1024;
+
+// Reads one response of at most max_len bytes. A timeout or error in the middle of a frame
+// leaves the stream unusable; *broken tells the caller to drop the connection.
+Result<std::string> readReply(int fd, Deadline deadline, bool* broken,
+                              uint32_t max_len = kMaxFrame) {
   *broken = true;
   uint32_t len = 0;
   MC_RETURN_IF_ERROR(sock::recvAll(fd, &len, 4, deadline));
   len = le32toh(len);
-  if (len > kMaxFrame) return MC_STATUS(kProtocol, "rendezvous reply of " << len << " bytes");
+  if (len > max_len) return MC_STATUS(kProtocol, "rendezvous reply of " << len << " bytes");
   std::string body(len, '\0');
   MC_RETURN_IF_ERROR(sock::recvAll(fd, body.data(), len, deadline));
   wire::Reader r(body);
@@ -534,25 +539,27 @@ Result<std::string> readReply(int fd, Deadline deadline, bool* broken) {
 
 // One request/response exchange on fd (*broken as readReply's).
 Result<std::string> exchange(int fd, uint8_t op, const std::string& key, const std::string& value,
-                             uint64_t timeout_ms, Deadline deadline, bool* broken) {
+                             uint64_t timeout_ms, Deadline deadline, bool* broken,
+                             uint32_t max_reply = kMaxFrame) {
   *broken = true;
   std::string req = encodeRequest(op, key, value, timeout_ms);
   Status st = sock::sendAll(fd, req.data(), req.size(), deadline);
   if (!st.ok()) return st;
-  return readReply(fd, deadline, broken);
+  return readReply(fd, deadline, broken, max_reply);
 }
 
 // The client's side of the handshake (the protocol comment at the top).
 Status authenticate(int fd, const std::string& secret, Deadline deadline) {
   bool broken = false;
-  MC_ASSIGN_OR_RETURN(std::string challenge, readReply(fd, deadline, &broken));
+  MC_ASSIGN_OR_RETURN(std::string challenge,
+                      readReply(fd, deadline, &broken, kMaxUnprovenReply));
   if (challenge.size() != kNonceBytes)
     return MC_STATUS(kProtocol, "not a rendezvous server (no challenge)");
   const std::string nonce = randomBytes(kNonceBytes);
   MC_ASSIGN_OR_RETURN(std::string proof,
                       exchange(fd, kAuth, "", nonce + secretProof(secret, kClientProof,
                                                                   challenge, nonce, ""),
-                               0, deadline, &broken));
+                               0, deadline, &broken, kMaxUnprovenReply));
   if (!secretsEqual(proof, secretProof(secret, kServerProof, challenge, nonce, "")))
     return MC_STATUS(kPermissionDenied,
                      "the server did not prove that it holds the job secret (not this job's "

@@ -145,6 +145,12 @@ Status checkSecret(const std::string& secret, const std::string& who) {
   if (secret.size() > kMaxSecretBytes)
     return MC_STATUS(kInvalidArgument,
                      who << ": the job secret is longer than " << kMaxSecretBytes << " bytes");
+  if (!secret.empty() && secret.size() < kMinSecretBytes)
+    return MC_STATUS(kInvalidArgument,
+                     who << ": the job secret has " << secret.size() << " bytes; at least "
+                         << kMinSecretBytes
+                         << " are needed (e.g. `openssl rand -hex 32`): a handshake shows its "
+                            "HMAC, from which a short secret can be guessed offline");
   if (!secret.empty() || params::getBool("MC_ALLOW_NO_SECRET")) return Status::OK();
   return MC_STATUS(kPermissionDenied,
                    who << ": no job secret. Every peer must present one: pass it in, set "

@@ -14,6 +14,9 @@
 namespace mooncake::engine {
 
 constexpr size_t kMaxSecretBytes = 1024;
+// A handshake shows whoever takes part in it (or reads the traffic) an HMAC of the secret, so a
+// guessable secret can be found offline. 32 characters: 128 bits as hex (`openssl rand -hex 16`).
+constexpr size_t kMinSecretBytes = 32;
 
 // 32 bytes from the kernel's CSPRNG, as 64 hex characters.
 std::string generateSecret();
@@ -38,7 +41,8 @@ enum class SecretFile {
 Result<std::string> resolveSecret(const std::string& given, SecretFile file);
 
 // OK for a usable secret. An empty one is refused (naming `who` and the ways to set one) unless
-// MC_ALLOW_NO_SECRET=1; one longer than kMaxSecretBytes is refused.
+// MC_ALLOW_NO_SECRET=1; one shorter than kMinSecretBytes or longer than kMaxSecretBytes is
+// refused.
 Status checkSecret(const std::string& secret, const std::string& who);
 
 // Equal-time comparison (the time does not depend on where the strings differ).

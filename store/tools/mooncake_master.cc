@@ -30,19 +30,19 @@
 // loses the lease stops serving and replaces its engine, so that clients see the old master go
 // before a new one can serve, then stands by again.
 //
-// The job secret (docs/security.md): MC_SECRET when set, else the file --secret-file /
-// MC_SECRET_FILE / ~/.mooncake/secret, created (mode 0600) when missing, so that clients of the
-// same user on this host find it with no configuration. Every master of a cluster must use the
+// The job secret (docs/security.md): the file --secret-file when given, else MC_SECRET when set,
+// else the file MC_SECRET_FILE / ~/.mooncake/secret, created (mode 0600) when missing, so that
+// clients of the same user on this host find it with no configuration. Every master of a cluster must use the
 // same secret. MC_ALLOW_NO_SECRET=1 runs without one. Defaults not given on the command line come
 // from the MC_STORE_* parameters. Prints "mooncake_master ready port=<p> metrics_port=<m>" once
 // it listens (in a cluster: standing by or leading).
-#include <httplib.h>
 
 #include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -58,6 +58,7 @@
 #include "store/ha/leader_election.h"
 #include "store/master/master_params.h"
 #include "store/master/master_service.h"
+#include "store/tools/status_http.h"
 
 namespace {
 
@@ -308,45 +309,34 @@ int main(int argc, char** argv) {
       std::max<uint64_t>(20, std::min<uint64_t>(1000, cfg.client_ttl_ms / 4)));
   service.startBackground(period);
 
-  std::unique_ptr<httplib::Server> http;
-  std::thread http_thread;
+  std::unique_ptr<store::StatusHttpServer> http;
   int bound_metrics = 0;
   if (metrics_port > 0) {
-    http = std::make_unique<httplib::Server>();
-    // Idle keep-alive connections each hold a worker thread until they time out: short
-    // timeouts and more workers than cpp-httplib's default (max(8, cores - 1)) keep /health
-    // answering within milliseconds while scrapers and idle clients sit on the port.
-    http->new_task_queue = [] { return new httplib::ThreadPool(64); };
-    http->set_keep_alive_timeout(1);
-    http->set_keep_alive_max_count(100);
-    http->set_read_timeout(1, 0);
-    http->set_write_timeout(1, 0);
-    http->Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
-      res.set_content(service.metrics().toPrometheus(), "text/plain; version=0.0.4");
-    });
-    http->Get("/health", [&](const httplib::Request&, httplib::Response& res) {
-      res.set_content("OK\n", "text/plain");
-    });
+    std::map<std::string, store::StatusHttpServer::Route> routes;
+    routes["/metrics"] = [&] {
+      return store::StatusReply{200, "text/plain; version=0.0.4", service.metrics().toPrometheus()};
+    };
+    routes["/health"] = [] { return store::StatusReply{200, "text/plain", "OK\n"}; };
     // Upstream's admin route, which SGLang polls (MOONCAKE_CHECK_SERVER) until a segment is
     // mounted: the mounted segments' names, one a line (empty while none is). 503 with an empty
     // body while this master stands by (SGLang reads only the body: empty = not ready yet).
     // Names only: no keys, no object data (docs/security.md).
-    http->Get("/get_all_segments", [&](const httplib::Request&, httplib::Response& res) {
-      if (service.role() == store::MasterRole::kStandby) {
-        res.status = 503;
-        res.set_content("", "text/plain");
-        return;
-      }
+    routes["/get_all_segments"] = [&] {
+      if (service.role() == store::MasterRole::kStandby)
+        return store::StatusReply{503, "text/plain", ""};
       std::string body;
       for (const auto& s : service.segments()) body += s.name + "\n";
-      res.set_content(body, "text/plain");
-    });
-    if (!http->bind_to_port(host.c_str(), metrics_port)) {
-      std::fprintf(stderr, "mooncake_master: cannot bind metrics port %d\n", metrics_port);
+      return store::StatusReply{200, "text/plain", body};
+    };
+    auto h = store::StatusHttpServer::start(host, static_cast<uint16_t>(metrics_port),
+                                            std::move(routes));
+    if (!h.ok()) {
+      std::fprintf(stderr, "mooncake_master: metrics port %d: %s\n", metrics_port,
+                   h.status().toString().c_str());
       return 1;
     }
-    bound_metrics = metrics_port;
-    http_thread = std::thread([&] { http->listen_after_bind(); });
+    http = std::move(h).value();
+    bound_metrics = http->port();
   }
   std::printf("mooncake_master ready port=%u metrics_port=%d\n", bound, bound_metrics);
   std::fflush(stdout);
@@ -394,10 +384,7 @@ int main(int argc, char** argv) {
       last_role = now_role;
     }
   }
-  if (http) {
-    http->stop();
-    http_thread.join();
-  }
+  http.reset();
   if (election) election->stop();  // resigns: a standby takes over at once
   service.stopBackground();
   rpc.reset();

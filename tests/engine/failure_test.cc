@@ -294,10 +294,12 @@ TEST_P(FailureTest, WrongSecretRefused) {
   const std::string transport = GetParam();
   PeerConfig cfg;
   cfg.transport = transport;
-  cfg.secret = "right";
+  cfg.secret = "right-secret-0123456789abcdef0123456";
   PeerProcess* peer = spawnPeer(cfg);
   ASSERT_NE(peer, nullptr);
-  for (const char* secret : {"wrong", "", "righ", "right-and-more"}) {
+  for (const char* secret :
+       {"wrong-secret-0123456789abcdef0123456", "", "right-secret-0123456789abcdef012345",
+        "right-secret-0123456789abcdef0123456-and-more"}) {
     SCOPED_TRACE(std::string("secret '") + secret + "'");
     auto eng = makeEngine(transport, std::string("intruder-") + secret, secret);
     ASSERT_NE(eng, nullptr);
@@ -307,7 +309,7 @@ TEST_P(FailureTest, WrongSecretRefused) {
     EXPECT_EQ(r.status().code(), Code::kPermissionDenied) << r.status().toString();
     EXPECT_LT(msSince(t0), 5000) << "refusal should be prompt, not a timeout";
   }
-  auto good = makeEngine(transport, "friend", "right");
+  auto good = makeEngine(transport, "friend", cfg.secret);
   ASSERT_NE(good, nullptr);
   PeerId pid = openPeer(*good, "peer");
   ASSERT_NE(pid, engine::kInvalidPeer);

@@ -400,7 +400,7 @@ TEST_F(CudaSameHost, WithoutADeviceLayerThePeersGpuMemoryGoesOverTcp) {
 TEST(CudaTransport, CannotBeForced) {
   ScopedEnv dev("MC_DEVICE", "sim");
   engine::EngineOptions o;
-  o.secret = "job-secret";
+  o.secret = "job-secret-of-this-test-0123456789ab";
   o.transport = "cuda";
   auto e = TransferEngine::create(o);
   ASSERT_FALSE(e.ok());

@@ -52,7 +52,7 @@ class PeerTestBase : public ::testing::Test {
   // An engine for this (parent) process. Fails the test and returns nullptr on error.
   std::unique_ptr<TransferEngine> makeEngine(const std::string& transport,
                                              const std::string& name = "parent",
-                                             const std::string& secret = "job-secret");
+                                             const std::string& secret = "job-secret-of-this-test-0123456789ab");
   // Starts a peer process; fails the test and returns nullptr when it does not come up.
   PeerProcess* spawnPeer(const PeerConfig& cfg);
   // Opens a started peer through the rendezvous (deadline 10 s); kInvalidPeer on failure.

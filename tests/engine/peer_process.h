@@ -40,7 +40,7 @@ constexpr uint64_t kUnregBytes = 64 * 1024;
 struct PeerConfig {
   std::string name = "peer";
   std::string transport;               // "shm", "tcp" or "" (engine chooses)
-  std::string secret = "job-secret";
+  std::string secret = "job-secret-of-this-test-0123456789ab";
   uint64_t region_bytes = 1u << 20;    // size of the allocate()d and of the registered region
   uint64_t seed = 1000;                // initial contents: see the *Seed() helpers below
 };

@@ -357,7 +357,7 @@ TEST_F(RdmaTest, EveryPortDownAtEngineStartLeavesRdmaOut) {
   engine::EngineOptions opt;
   opt.name = "parent";
   opt.transport = "rdma";
-  opt.secret = "job-secret";
+  opt.secret = "job-secret-of-this-test-0123456789ab";
   auto eng = TransferEngine::create(opt);
   nic_[0]->setPortUp(true);
   nic_[1]->setPortUp(true);

@@ -1,5 +1,6 @@
 // Rendezvous implementations: the same contract tests over the in-process map and over the
 // TCP server/client pair, plus TCP-specific failure cases.
+#include <endian.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -220,6 +221,38 @@ TEST(TcpRendezvousTest, SurvivesGarbageClients) {
   ASSERT_TRUE(r.ok()) << r.status().toString();
   EXPECT_EQ(r.value(), "v");
   EXPECT_TRUE(good.value()->set("k2", "v2").ok());
+}
+
+// A stranger posing as the server (before it proved the secret) cannot make a client allocate
+// or wait for a huge frame: a challenge announced at 60 MiB is refused at once.
+TEST(TcpRendezvousTest, ClientRefusesAHugeUnprovenReply) {
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(lfd, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(listen(lfd, 4), 0);
+  socklen_t sl = sizeof(sa);
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &sl);
+  std::thread impostor([lfd] {
+    int fd = accept(lfd, nullptr, nullptr);
+    if (fd < 0) return;
+    const uint32_t len = htole32(60u << 20);  // then nothing: the rest never comes
+    (void)!send(fd, &len, sizeof(len), MSG_NOSIGNAL);
+    char b;
+    (void)!recv(fd, &b, 1, 0);  // until the client hangs up
+    close(fd);
+  });
+  auto t0 = SteadyClock::now();
+  auto c = TcpRendezvousClient::connect("127.0.0.1", ntohs(sa.sin_port),
+                                        mooncake::test::jobSecret(), deadlineInMs(4000));
+  const double ms = msSince(t0);
+  impostor.join();
+  close(lfd);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("bytes"), std::string::npos) << c.status().toString();
+  EXPECT_LT(ms, 2000) << "the client waited for the announced frame: " << c.status().toString();
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -18,6 +19,7 @@
 #include "engine/engine.h"
 #include "engine/rendezvous.h"
 #include "engine/secret.h"
+#include "engine/transport/tcp/tcp_admission.h"
 #include "engine/wire.h"
 #include "tests/common/test_secret.h"
 #include "tests/engine/test_util.h"
@@ -50,6 +52,25 @@ TEST(SecretTest, GeneratedSecretsAreLongAndDistinct) {
     seen.insert(s);
   }
   EXPECT_EQ(seen.size(), 100u);
+}
+
+// A short secret is refused everywhere it is checked (engines, rendezvous servers, the store
+// master): a handshake shows an HMAC of it, from which a guessable one is found offline.
+TEST(SecretTest, ShortSecretIsRefused) {
+  Status st = checkSecret("hunter2", "test");
+  EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.toString();
+  EXPECT_NE(st.message().find("at least 32"), std::string::npos) << st.toString();
+  EXPECT_FALSE(checkSecret(std::string(kMinSecretBytes - 1, 'a'), "test").ok());
+  EXPECT_TRUE(checkSecret(std::string(kMinSecretBytes, 'a'), "test").ok());
+  EXPECT_TRUE(checkSecret(generateSecret(), "test").ok());
+  {
+    ScopedEnv weak("MC_SECRET", "hunter2");
+    auto e = TransferEngine::create();
+    ASSERT_FALSE(e.ok()) << "an engine with a 7-byte secret was created";
+    EXPECT_EQ(e.status().code(), Code::kInvalidArgument) << e.status().toString();
+  }
+  auto r = TcpRendezvousServer::start("127.0.0.1", 0, "hunter2");
+  EXPECT_FALSE(r.ok()) << "a rendezvous server with a 7-byte secret was started";
 }
 
 TEST(SecretTest, EmptySecretIsRefusedUnlessAllowed) {
@@ -173,14 +194,15 @@ TEST(SecretTest, ConcurrentCreatorsAgree) {
 // A rendezvous client with the wrong secret (or none) is refused and learns nothing; the right
 // one is served.
 TEST(SecretTest, RendezvousServesOnlyTheJobSecret) {
-  auto s = TcpRendezvousServer::start("127.0.0.1", 0, "job-secret-1");
+  const std::string one = "job-secret-1-0123456789abcdef012345";
+  const std::string two = "job-secret-2-0123456789abcdef012345";
+  auto s = TcpRendezvousServer::start("127.0.0.1", 0, one);
   ASSERT_TRUE(s.ok()) << s.status().toString();
   auto server = std::move(s).value();
-  auto good = TcpRendezvousClient::connect("127.0.0.1", server->port(), "job-secret-1",
-                                           deadlineInMs(5000));
+  auto good = TcpRendezvousClient::connect("127.0.0.1", server->port(), one, deadlineInMs(5000));
   ASSERT_TRUE(good.ok()) << good.status().toString();
   ASSERT_TRUE((*good)->set("mc/seg/victim", "descriptor bytes").ok());
-  for (const char* wrong : {"job-secret-2", "", "job-secret-1x"}) {
+  for (const std::string& wrong : {two, std::string(), one + "x"}) {
     auto bad = TcpRendezvousClient::connect("127.0.0.1", server->port(), wrong,
                                             deadlineInMs(5000));
     ASSERT_FALSE(bad.ok()) << "secret '" << wrong << "' was accepted";
@@ -224,16 +246,31 @@ TEST(SecretTest, RendezvousServesOnlyTheJobSecret) {
 // Values past MC_RENDEZVOUS_MAX_VALUE_BYTES are refused (the server never holds them).
 TEST(SecretTest, RendezvousCapsValueSizes) {
   ScopedEnv cap("MC_RENDEZVOUS_MAX_VALUE_BYTES", "65536");
-  auto s = TcpRendezvousServer::start("127.0.0.1", 0, "k");
+  const std::string k(32, 'k');
+  auto s = TcpRendezvousServer::start("127.0.0.1", 0, k);
   ASSERT_TRUE(s.ok());
   auto server = std::move(s).value();
-  auto c = TcpRendezvousClient::connect("127.0.0.1", server->port(), "k", deadlineInMs(5000));
+  auto c = TcpRendezvousClient::connect("127.0.0.1", server->port(), k, deadlineInMs(5000));
   ASSERT_TRUE(c.ok());
   EXPECT_TRUE((*c)->set("small", std::string(60000, 'x')).ok());
   Status big = (*c)->set("big", std::string(32u << 20, 'x'));
   EXPECT_FALSE(big.ok()) << "a 32 MiB rendezvous value was stored";
   EXPECT_FALSE((*c)->get("big").ok());
   EXPECT_TRUE((*c)->get("small").ok()) << "the connection still serves after a refusal";
+}
+
+// Connections waiting to authenticate may take at most a quarter of the descriptor limit, so a
+// stranger cannot leave the process none for its own sockets and files.
+TEST(SecretTest, PreauthCapFollowsTheDescriptorLimit) {
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  rlimit low = old;
+  low.rlim_cur = std::min<rlim_t>(256, old.rlim_max);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  auto l = tcp::Admission::Limits::fromParams();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  EXPECT_EQ(l.preauth, static_cast<int64_t>(std::max<rlim_t>(16, low.rlim_cur / 4)));
+  EXPECT_LE(l.per_source, l.preauth);
 }
 
 }  // namespace

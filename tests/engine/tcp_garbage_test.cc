@@ -145,7 +145,7 @@ class TcpGarbageTest : public ::testing::Test {
   void SetUp() override {
     EngineOptions opt;
     opt.name = "target";
-    opt.secret = "job-secret";
+    opt.secret = "job-secret-of-this-test-0123456789ab";
     opt.transport = "tcp";
     auto e = TransferEngine::create(opt);
     ASSERT_TRUE(e.ok()) << e.status().toString();
@@ -194,7 +194,7 @@ class TcpGarbageTest : public ::testing::Test {
   bool proven(RawConn& c, uint64_t engine_id, tcp::ConnRole role, uint64_t link = 0) {
     tcp::Hello sent;
     std::string challenge;
-    std::string h = hello(c, "job-secret", engine_id, role, link, &sent, &challenge);
+    std::string h = hello(c, "job-secret-of-this-test-0123456789ab", engine_id, role, link, &sent, &challenge);
     if (!c.sendFrame(header(FrameType::kHello, h.size()), h)) return false;
     FrameHeader r;
     std::string proof;
@@ -202,10 +202,10 @@ class TcpGarbageTest : public ::testing::Test {
     EXPECT_EQ(got, 1) << "no answer to a valid HELLO";
     EXPECT_EQ(r.type, FrameType::kHelloProof) << "status " << r.status << " " << proof;
     EXPECT_EQ(r.aux, target_->engineId());
-    EXPECT_EQ(proof, tcp::targetProof("job-secret", challenge, sent, r.aux))
+    EXPECT_EQ(proof, tcp::targetProof("job-secret-of-this-test-0123456789ab", challenge, sent, r.aux))
         << "the target's proof does not check out";
     return got == 1 && r.type == FrameType::kHelloProof &&
-           proof == tcp::targetProof("job-secret", challenge, sent, r.aux);
+           proof == tcp::targetProof("job-secret-of-this-test-0123456789ab", challenge, sent, r.aux);
   }
   std::string desc(uint64_t engine_id) {
     SegmentDesc fake;
@@ -253,7 +253,7 @@ class TcpGarbageTest : public ::testing::Test {
     SCOPED_TRACE("legitimate peer over " + transport);
     EngineOptions opt;
     opt.name = name;
-    opt.secret = "job-secret";
+    opt.secret = "job-secret-of-this-test-0123456789ab";
     opt.transport = transport;
     auto e = TransferEngine::create(opt);
     ASSERT_TRUE(e.ok()) << e.status().toString();
@@ -364,7 +364,7 @@ TEST_F(TcpGarbageTest, StalledClientsDoNotBlockOthers) {
   tcp::encodeHeader(header(FrameType::kHello, 1000), b);
   half_header->send(b, 17);
   auto half_hello = conn();
-  std::string h = hello(*half_hello, "job-secret", 0x99);
+  std::string h = hello(*half_hello, "job-secret-of-this-test-0123456789ab", 0x99);
   half_hello->sendFrame(header(FrameType::kHello, h.size()), h.substr(0, h.size() / 2));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   expectServesLegitimatePeer("tcp", "legit-1");
@@ -458,7 +458,7 @@ TEST_F(TcpGarbageTest, HandshakeDeadlineAndPerSourceLimit) {
   for (auto& c : idle) closed_early += c->closedByEngine(1) ? 1 : 0;
   EXPECT_GE(closed_early, 12) << "connections beyond MC_MAX_PREAUTH_PER_SOURCE stayed open";
   auto half = conn();
-  std::string h = hello(*half, "job-secret", 0x42);
+  std::string h = hello(*half, "job-secret-of-this-test-0123456789ab", 0x42);
   half->sendFrame(header(FrameType::kHello, h.size()), h.substr(0, 5));
   auto t0 = SteadyClock::now();
   for (auto& c : idle) EXPECT_TRUE(c->closedByEngine(3000)) << "an idle connection outlived the handshake deadline";
@@ -510,7 +510,7 @@ TEST_F(TcpGarbageTest, DataConnectionsJoinAnOpenControlConnection) {
   std::string d = desc(id);
   {
     auto c = conn();
-    std::string h = hello(*c, "job-secret", id, tcp::ConnRole::kData, link);
+    std::string h = hello(*c, "job-secret-of-this-test-0123456789ab", id, tcp::ConnRole::kData, link);
     c->sendFrame(header(FrameType::kHello, h.size()), h);
     FrameHeader r;
     std::string reason;
@@ -523,7 +523,7 @@ TEST_F(TcpGarbageTest, DataConnectionsJoinAnOpenControlConnection) {
   ASSERT_TRUE(ctl);
   {
     auto c = conn();  // another link id of the same engine: still denied
-    std::string h = hello(*c, "job-secret", id, tcp::ConnRole::kData, link + 1);
+    std::string h = hello(*c, "job-secret-of-this-test-0123456789ab", id, tcp::ConnRole::kData, link + 1);
     c->sendFrame(header(FrameType::kHello, h.size()), h);
     FrameHeader r;
     std::string reason;
@@ -549,7 +549,7 @@ TEST_F(TcpGarbageTest, DataConnectionsJoinAnOpenControlConnection) {
   bool denied = false;
   for (int i = 0; i < 100 && !denied; ++i) {  // the target notices the close asynchronously
     auto c = conn();
-    std::string h = hello(*c, "job-secret", id, tcp::ConnRole::kData, link);
+    std::string h = hello(*c, "job-secret-of-this-test-0123456789ab", id, tcp::ConnRole::kData, link);
     c->sendFrame(header(FrameType::kHello, h.size()), h);
     FrameHeader r;
     std::string payload;
@@ -567,7 +567,7 @@ TEST_F(TcpGarbageTest, DataConnectionsJoinAnOpenControlConnection) {
 // refuses when replayed, and it stops at a target proof that does not check out (no DESC, an
 // error naming the cause). The same for the rendezvous client.
 TEST_F(TcpGarbageTest, ImpostorTargetLearnsNothing) {
-  const std::string secret = "job-secret";
+  const std::string secret = "job-secret-of-this-test-0123456789ab";
   auto listener = sock::listenOn("127.0.0.1", 0, 0);
   ASSERT_TRUE(listener.ok()) << listener.status().toString();
   const uint16_t port = sock::localPort(*listener);
@@ -692,7 +692,7 @@ TEST_F(TcpGarbageTest, ImpostorTargetLearnsNothing) {
 // out, so that engine does not take us for a peer and then report our close as our failure
 // (it used to mark its own healthy peer to us dead).
 TEST_F(TcpGarbageTest, StaleDescriptorLeavesTheNewOwnersPeerAlone) {
-  auto a = tcpEngine("a", "job-secret");
+  auto a = tcpEngine("a", "job-secret-of-this-test-0123456789ab");
   ASSERT_TRUE(a);
   std::atomic<int> gone{0};
   target_->addPeerGoneHandler(
@@ -714,7 +714,7 @@ TEST_F(TcpGarbageTest, StaleDescriptorLeavesTheNewOwnersPeerAlone) {
 
 // An engine with the wrong secret is denied at once (no retry until its deadline), by name.
 TEST_F(TcpGarbageTest, WrongSecretIsDeniedPromptly) {
-  auto e = tcpEngine("intruder", "not-the-job-secret");
+  auto e = tcpEngine("intruder", "not-the-job-secret-0123456789abcdef");
   ASSERT_TRUE(e);
   auto t0 = SteadyClock::now();
   auto pid = e->openPeer(rdv_, "target", deadlineInMs(10000));
@@ -729,7 +729,7 @@ TEST_F(TcpGarbageTest, WrongSecretIsDeniedPromptly) {
 TEST_F(TcpGarbageTest, QueryConnectionAnswersOnlyTheDescriptor) {
   {
     auto c = conn();
-    std::string h = hello(*c, "not-the-job-secret", 4242, tcp::ConnRole::kQuery);
+    std::string h = hello(*c, "not-the-job-secret-0123456789abcdef", 4242, tcp::ConnRole::kQuery);
     ASSERT_TRUE(c->sendFrame(header(FrameType::kHello, h.size()), h));
     FrameHeader r;
     std::string payload;
@@ -759,14 +759,14 @@ TEST_F(TcpGarbageTest, QueryConnectionAnswersOnlyTheDescriptor) {
   // The engine API over the same handshake.
   EngineOptions opt;
   opt.name = "asker";
-  opt.secret = "job-secret";
+  opt.secret = "job-secret-of-this-test-0123456789ab";
   auto e = TransferEngine::create(opt);
   ASSERT_TRUE(e.ok()) << e.status().toString();
   auto d = (*e)->queryPeer(desc_.tcp_host, desc_.tcp_port, deadlineInMs(5000));
   ASSERT_TRUE(d.ok()) << d.status().toString();
   EXPECT_EQ(d->engine_id, target_->engineId());
   opt.name = "wrong";
-  opt.secret = "not-the-job-secret";
+  opt.secret = "not-the-job-secret-0123456789abcdef";
   auto bad = TransferEngine::create(opt);
   ASSERT_TRUE(bad.ok());
   auto denied = (*bad)->queryPeer(desc_.tcp_host, desc_.tcp_port, deadlineInMs(5000));

@@ -22,6 +22,7 @@
 #include "tests/gpu/check_util.h"
 #include "engine/engine.h"
 #include "engine/rendezvous.h"
+#include "engine/secret.h"
 
 extern char** environ;
 
@@ -90,8 +91,7 @@ int main(int argc, char** argv) {
     return child(d, static_cast<uint16_t>(std::atoi(argv[2])), argv[3]);
 
   std::vector<Row> rows;
-  const std::string secret = "gpu-check-" + std::to_string(getpid()) + "-" +
-                             std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
+  const std::string secret = mooncake::engine::generateSecret();
   auto server = mooncake::engine::TcpRendezvousServer::start("127.0.0.1", 0, secret);
   auto rdv = server.ok() ? mooncake::engine::TcpRendezvousClient::connect(
                                "127.0.0.1", (*server)->port(), secret, deadlineInMs(10000))

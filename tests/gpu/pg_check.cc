@@ -28,6 +28,7 @@
 #include "engine/engine.h"
 #include "engine/params.h"
 #include "engine/rendezvous.h"
+#include "engine/secret.h"
 #include "pg/communicator.h"
 #include "pg/device_reduce.h"
 #include "pg/profile.h"
@@ -537,8 +538,7 @@ int main(int argc, char** argv) {
   if (layer == nullptr) return 2;
   if (argc == 4 && std::strcmp(argv[1], "--child") == 0)
     return rank(*layer, 1, static_cast<uint16_t>(std::atoi(argv[2])), argv[3]);
-  const std::string secret = "pg-check-" + std::to_string(getpid()) + "-" +
-                             std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
+  const std::string secret = mooncake::engine::generateSecret();
   auto server = mooncake::engine::TcpRendezvousServer::start("127.0.0.1", 0, secret);
   if (!server.ok()) {
     mooncake::gpucheck::report({{"setup", false, server.status().message()}}, layer->name(), "");

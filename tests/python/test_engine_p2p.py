@@ -238,7 +238,7 @@ def test_peer_death_and_secrets(monkeypatch, tmp_path):
     src = pattern(3, KV)
     assert te.register_memory(src.data_ptr(), KV) == 0
     assert te.transfer_sync_write(d.session, src.data_ptr(), d.kv, 4096) == 0
-    stranger = Decode(dict(os.environ, MC_SECRET="another-job"))
+    stranger = Decode(dict(os.environ, MC_SECRET="another-job-" + "0" * 32))
     assert te.send_probe(stranger.session) != 0
     assert te.transfer_sync_write(stranger.session, src.data_ptr(), stranger.kv, 64) < 0
     assert stranger.ask("digest", 0, 64)["digest"] == digest(torch.zeros(64, dtype=torch.uint8))

@@ -259,7 +259,7 @@ def test_master_listens_on_loopback_and_serves_no_one_without_the_secret():
                      "t = time.monotonic();"
                      f"rc = S().setup('intruder', '', 1 << 20, 0, 'tcp', '', '{m.addr}');"
                      "print(rc, time.monotonic() - t)")
-            env = dict(os.environ, MC_SECRET="another-jobs-secret")
+            env = dict(os.environ, MC_SECRET="another-jobs-secret-" + "0" * 32)
             r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                                text=True, timeout=60)
             assert r.returncode == 0 and r.stdout.split()[:1] not in (["0"], []), \
@@ -622,5 +622,87 @@ def test_health_answers_fast_while_idle_connections_sit_on_the_port():
         assert worst < 0.1, f"/health took {worst * 1e3:.0f} ms with 16 idle connections open"
     finally:
         for c in idle:
+            c.close()
+        m.close()
+
+
+def _health(mport):
+    url = f"http://127.0.0.1:{mport}/health"
+    return urllib.request.urlopen(url, timeout=5).read().strip()
+
+
+def test_status_port_takes_no_request_body():
+    """A request announcing a body (any method, any route) is answered 413 and closed without
+    the body being read into memory; other methods than GET/HEAD are 405."""
+    mport = free_port()
+    m = Master("--metrics-port", str(mport))
+    try:
+        assert _health(mport) == b"OK"
+        base = rss_kib(m.pid)
+        for head in (b"POST /metrics", b"GET /health", b"PUT /get_all_segments"):
+            c = connect(mport)
+            c.sendall(head + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 4000000000\r\n\r\n")
+            sent = 0
+            try:
+                while sent < (64 << 20):  # streamed; the master must not keep it
+                    sent += c.send(b"\0" * (1 << 20))
+            except OSError:
+                pass  # closed under us: what the master should do
+            c.close()
+        grown = rss_kib(m.pid) - base
+        assert grown < 16 << 10, f"the master grew by {grown} KiB taking 3 bodies of 64 MiB"
+        c = connect(mport)
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
+        reply, closed = read_all(c)
+        c.close()
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert closed
+        c = connect(mport)
+        c.sendall(b"DELETE /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply, closed = read_all(c)
+        c.close()
+        assert reply.startswith(b"HTTP/1.1 405"), reply[:200]
+        assert _health(mport) == b"OK"
+    finally:
+        m.close()
+
+
+def test_health_answers_while_clients_trickle_their_headers():
+    """100 clients each sending a header line every 0.3 s (never finishing their request) hold
+    no worker: /health still answers at once, and each trickler is closed within 2 s."""
+    mport = free_port()
+    m = Master("--metrics-port", str(mport))
+    socks = []
+    try:
+        assert _health(mport) == b"OK"
+        for _ in range(100):
+            c = connect(mport)
+            c.sendall(b"GET /metrics HTTP/1.1\r\n")
+            socks.append(c)
+        worst = 0.0
+        t_start = time.perf_counter()
+        while time.perf_counter() - t_start < 1.5:
+            for c in socks:
+                try:
+                    c.send(b"X-Slow: 1\r\n")
+                except OSError:
+                    pass
+            t0 = time.perf_counter()
+            assert _health(mport) == b"OK"
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.3)
+        assert worst < 0.5, f"/health took {worst * 1e3:.0f} ms beside 100 trickling clients"
+        time.sleep(1.0)  # past the 2 s each connection gets
+        still_open = 0
+        for c in socks:
+            try:
+                c.send(b"X-Slow: 1\r\n")
+                _, closed = read_all(c, timeout=0.05)
+                still_open += not closed
+            except OSError:
+                pass
+        assert still_open == 0, f"{still_open} trickling connections outlived their 2 s"
+    finally:
+        for c in socks:
             c.close()
         m.close()

@@ -178,7 +178,7 @@ def test_dummy_setup_refusals():
         # Another job's secret: refused by the mooncake_client, nothing learnt.
         r = subprocess.run([sys.executable, "-c", DUMMY, f"127.0.0.1:{port}"], text=True,
                            capture_output=True, timeout=60,
-                           env=dict(os.environ, MC_SECRET="not-this-jobs-secret"))
+                           env=dict(os.environ, MC_SECRET="not-this-jobs-secret-" + "0" * 32))
         assert r.stdout.strip() == str(bad), (r.stdout, r.stderr)
         assert "denied" in r.stderr.lower() or "secret" in r.stderr.lower(), r.stderr
         # The same port again: the second mooncake_client says why it cannot start.

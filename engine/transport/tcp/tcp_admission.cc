@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,6 +20,14 @@ Admission::Limits Admission::Limits::fromParams() {
   Limits l;
   l.per_source = std::max<int64_t>(1, params::getInt("MC_MAX_PREAUTH_PER_SOURCE"));
   l.preauth = std::max<int64_t>(1, params::getInt("MC_MAX_PREAUTH"));
+  // Strangers must not take the descriptors the process needs for its own work (shm, peers,
+  // etcd): at most a quarter of the soft limit waits to authenticate, per listener.
+  rlimit nofile{};
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY) {
+    const auto quarter = static_cast<int64_t>(std::min<rlim_t>(nofile.rlim_cur / 4, 1 << 30));
+    l.preauth = std::min(l.preauth, std::max<int64_t>(16, quarter));
+  }
+  l.per_source = std::min(l.per_source, l.preauth);
   l.total = std::max<int64_t>(1, params::getInt("MC_MAX_CONNS"));
   l.handshake_ms = std::max<int64_t>(1, params::getInt("MC_HANDSHAKE_TIMEOUT_MS"));
   return l;

@@ -1,0 +1,276 @@
+#include "store/tools/status_http.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "engine/log.h"
+#include "engine/transport/tcp/tcp_admission.h"
+#include "engine/transport/tcp/tcp_socket.h"
+
+namespace mooncake::store {
+
+namespace {
+
+namespace sock = engine::sock;
+using engine::Clock;
+using engine::Deadline;
+
+constexpr size_t kMaxHeadBytes = 8192;
+constexpr int kRequestMs = 2000;
+
+const char* reasonOf(int status) {
+  switch (status) {
+    case 200: return "OK";
+    case 400: return "Bad Request";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 413: return "Payload Too Large";
+    case 431: return "Request Header Fields Too Large";
+    case 503: return "Service Unavailable";
+    default: return "Error";
+  }
+}
+
+std::string trim(const std::string& s) {
+  size_t b = s.find_first_not_of(" \t");
+  if (b == std::string::npos) return "";
+  size_t e = s.find_last_not_of(" \t");
+  return s.substr(b, e - b + 1);
+}
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string render(const StatusReply& r, bool head_only) {
+  std::ostringstream o;
+  o << "HTTP/1.1 " << r.status << " " << reasonOf(r.status) << "\r\n"
+    << "Content-Type: " << r.content_type << "\r\n"
+    << "Content-Length: " << r.body.size() << "\r\n"
+    << "Connection: close\r\n";
+  if (r.status == 405) o << "Allow: GET, HEAD\r\n";
+  o << "\r\n";
+  if (!head_only) o << r.body;
+  return o.str();
+}
+
+StatusReply plain(int status, std::string body) {
+  StatusReply r;
+  r.status = status;
+  r.body = std::move(body);
+  return r;
+}
+
+}  // namespace
+
+struct StatusHttpServer::Impl {
+  struct Conn {
+    int fd = -1;
+    std::string src;
+    Deadline deadline{};
+    std::string in;
+    std::string out;
+    size_t out_off = 0;
+    bool answered = false;
+  };
+
+  int listen_fd = -1;
+  int wake_fd = -1;
+  uint16_t port = 0;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+  std::map<std::string, Route> routes;
+  std::unique_ptr<engine::tcp::Admission> admission;
+  bool listen_paused = false;
+  uint64_t next_id = 1;
+  std::map<uint64_t, Conn> conns;
+
+  ~Impl() {
+    if (thread.joinable()) {
+      stop = true;
+      uint64_t one = 1;
+      ssize_t w = write(wake_fd, &one, sizeof(one));
+      (void)w;
+      thread.join();
+    }
+    for (auto& [id, c] : conns) {
+      close(c.fd);
+      admission->closed(c.src, false);
+    }
+    if (listen_fd >= 0) close(listen_fd);
+    if (wake_fd >= 0) close(wake_fd);
+  }
+
+  void drop(uint64_t id) {
+    auto it = conns.find(id);
+    if (it == conns.end()) return;
+    close(it->second.fd);
+    admission->closed(it->second.src, false);
+    conns.erase(it);
+  }
+
+  // The answer to a complete request head (the request line and headers).
+  StatusReply answer(const std::string& head, bool* head_only) {
+    *head_only = false;
+    size_t eol = head.find("\r\n");
+    std::istringstream line(head.substr(0, eol));
+    std::string method, target, version, extra;
+    line >> method >> target >> version;
+    if (method.empty() || target.empty() || version.rfind("HTTP/1.", 0) != 0 || (line >> extra))
+      return plain(400, "bad request\n");
+    for (size_t at = eol + 2; at < head.size();) {
+      size_t next = head.find("\r\n", at);
+      if (next == std::string::npos) next = head.size();
+      const std::string h = head.substr(at, next - at);
+      at = next + 2;
+      size_t colon = h.find(':');
+      if (colon == std::string::npos) continue;
+      const std::string name = lower(trim(h.substr(0, colon)));
+      const std::string value = trim(h.substr(colon + 1));
+      if (name == "transfer-encoding" || (name == "content-length" && value != "0"))
+        return plain(413, "no request body is accepted\n");
+    }
+    if (method != "GET" && method != "HEAD") return plain(405, "GET or HEAD only\n");
+    *head_only = method == "HEAD";
+    auto r = routes.find(target.substr(0, target.find('?')));
+    if (r == routes.end()) return plain(404, "not found\n");
+    return r->second();
+  }
+
+  // Reads what the socket has; answers once the head is complete.
+  void readable(uint64_t id) {
+    Conn& c = conns[id];
+    char buf[4096];
+    for (;;) {
+      ssize_t n = recv(c.fd, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n > 0) {
+        if (c.answered) continue;  // what follows the head is not read into memory
+        c.in.append(buf, static_cast<size_t>(n));
+        size_t end = c.in.find("\r\n\r\n");
+        if (end != std::string::npos) {
+          bool head_only = false;
+          c.out = render(answer(c.in.substr(0, end + 2), &head_only), head_only);
+          c.answered = true;
+          c.in.clear();
+          c.in.shrink_to_fit();
+          flush(id);
+          return;
+        }
+        if (c.in.size() > kMaxHeadBytes) {
+          c.out = render(plain(431, "request head over 8 KiB\n"), false);
+          c.answered = true;
+          c.in.clear();
+          flush(id);
+          return;
+        }
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      // The peer closed (or failed) before its answer was taken.
+      if (!c.answered || c.out_off < c.out.size()) drop(id);
+      return;
+    }
+  }
+
+  // Writes what the socket takes now; closes once the whole answer went out.
+  void flush(uint64_t id) {
+    Conn& c = conns[id];
+    while (c.out_off < c.out.size()) {
+      ssize_t w = send(c.fd, c.out.data() + c.out_off, c.out.size() - c.out_off,
+                       MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w > 0) {
+        c.out_off += static_cast<size_t>(w);
+      } else if (w < 0 && errno == EINTR) {
+        continue;
+      } else if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        return;
+      } else {
+        drop(id);
+        return;
+      }
+    }
+    shutdown(c.fd, SHUT_WR);
+    drop(id);
+  }
+
+  void run() {
+    std::vector<pollfd> pfds;
+    std::vector<uint64_t> ids;
+    while (!stop.load()) {
+      pfds.clear();
+      ids.clear();
+      pfds.push_back({wake_fd, POLLIN, 0});
+      if (listen_paused && Clock::now() >= admission->pausedUntil()) listen_paused = false;
+      pfds.push_back({listen_fd, static_cast<short>(listen_paused ? 0 : POLLIN), 0});
+      Deadline next = Clock::now() + std::chrono::hours(1);
+      for (auto& [id, c] : conns) {
+        short ev = c.answered ? POLLOUT : POLLIN;
+        pfds.push_back({c.fd, ev, 0});
+        ids.push_back(id);
+        next = std::min(next, c.deadline);
+      }
+      if (listen_paused) next = std::min(next, admission->pausedUntil());
+      int n = poll(pfds.data(), pfds.size(), sock::msUntil(next) + 1);
+      if (n < 0 && errno != EINTR) {
+        MC_LOG(ERROR, STORE) << "status http: poll: " << sock::errnoStr(errno);
+        break;
+      }
+      if (stop.load()) break;
+      if (pfds[1].revents & POLLIN) {
+        bool ok = admission->acceptAll(listen_fd, [this](int fd, const std::string& src) {
+          Conn& c = conns[next_id++];
+          c.fd = fd;
+          c.src = src;
+          c.deadline = Clock::now() + std::chrono::milliseconds(kRequestMs);
+        });
+        if (!ok) listen_paused = true;
+      }
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const short re = pfds[i + 2].revents;
+        if (re == 0 || conns.count(ids[i]) == 0) continue;
+        if (conns[ids[i]].answered) {
+          if (re & (POLLERR | POLLHUP)) drop(ids[i]);
+          else flush(ids[i]);
+        } else {
+          readable(ids[i]);
+        }
+      }
+      const Deadline now = Clock::now();
+      std::vector<uint64_t> late;
+      for (auto& [id, c] : conns)
+        if (c.deadline <= now) late.push_back(id);
+      for (uint64_t id : late) drop(id);
+    }
+  }
+};
+
+StatusHttpServer::StatusHttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+StatusHttpServer::~StatusHttpServer() = default;
+uint16_t StatusHttpServer::port() const { return impl_->port; }
+
+Result<std::unique_ptr<StatusHttpServer>> StatusHttpServer::start(
+    const std::string& host, uint16_t port, std::map<std::string, Route> routes) {
+  auto impl = std::make_unique<Impl>();
+  impl->routes = std::move(routes);
+  impl->admission = std::make_unique<engine::tcp::Admission>("status http");
+  MC_ASSIGN_OR_RETURN(impl->listen_fd, sock::listenOn(host, port, 0));
+  impl->port = sock::localPort(impl->listen_fd);
+  impl->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (impl->wake_fd < 0) return MC_STATUS(kIo, "eventfd: " << sock::errnoStr(errno));
+  Impl* p = impl.get();
+  impl->thread = std::thread([p] { p->run(); });
+  return std::unique_ptr<StatusHttpServer>(new StatusHttpServer(std::move(impl)));
+}
+
+}  // namespace mooncake::store
