@@ -66,8 +66,13 @@ std::vector<ErrorCode> StoreClient::putSessionStart(const std::vector<std::strin
     s->size = sizes[i];
     s->flags = recordFlagsOf(config);
     std::lock_guard<std::mutex> g(sessions_mu_);
-    if (!put_sessions_.emplace(keys[i], s).second) {
-      out[i] = ErrorCode::OBJECT_ALREADY_EXISTS;  // (a key twice in the batch, too)
+    auto [it, fresh] = put_sessions_.emplace(keys[i], s);
+    if (!fresh) {
+      // An open session of this client: INVALID_PARAMS, as upstream's client answers before
+      // asking its master (callers such as vllm-ascend follow a -705 key as another writer's
+      // put and would wait on their own). One still starting (the key twice in this batch, or
+      // another call's PutStart in flight): the master would meet a put of it in progress.
+      out[i] = it->second->ready ? ErrorCode::INVALID_PARAMS : ErrorCode::OBJECT_ALREADY_EXISTS;
       continue;
     }
     ss[i] = std::move(s);
@@ -416,7 +421,7 @@ std::vector<ErrorCode> StoreClient::putSessionEnd(const std::vector<std::string>
       } else if (*peer != engine::kInvalidPeer) {
         reqs.push_back({engine::OpCode::kWrite, rec.data(), rec.size(), *peer, t.record_address});
       } else if (!inOwnSegment(t.record_address, rec.size())) {
-        ec = ErrorCode::INVALID_REPLICA;
+        ec = ErrorCode::INVALID_WRITE;  // as a put's placement outside the segment (client_put)
       } else {
         ec = copySegment(reinterpret_cast<void*>(t.record_address), rec.data(), rec.size());
       }

@@ -105,6 +105,10 @@ def test_refusals(env):
     assert s.put("ps/exists", b"x" * 10) == 0
     assert s.batch_put_session_start(["ps/exists", "ps/e1", "ps/e1", ""], [10, 8192, 8192, 5]) \
         == [E.OBJECT_ALREADY_EXISTS, 0, E.OBJECT_ALREADY_EXISTS, E.INVALID_KEY]
+    # This client's own open session: INVALID_PARAMS, as upstream (-705 would tell a caller
+    # such as vllm-ascend that another writer holds the key).
+    assert s.batch_put_session_start(["ps/e1", "ps/e2"], [8192, 8192]) == [E.INVALID_PARAMS, 0]
+    assert s.batch_put_session_revoke(["ps/e2"]) == [0]
     assert s.batch_put_session_start(["ps/zero"], [0]) == [E.INVALID_PARAMS]
     assert s.batch_put_session_start(["ps/short"], [1, 2]) == [E.INVALID_PARAMS]
     # Per key, each refusal writes nothing of that key and leaves the session as it was.

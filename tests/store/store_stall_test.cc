@@ -139,6 +139,106 @@ TEST(StoreStall, StoppedFirstReplicaFallsOverIntoFreshMemory) {
   waitChild(b, 5000);
 }
 
+// A batch read whose first replica is given up while it is being planned: a striped replica
+// whose first piece's holder P is known (and then stopped) and whose second piece's holder Q
+// is dead (no peer can be opened for it). batchGetInto must drop the READ it already planned
+// from P: it would otherwise go into the shared engine batch, time out there (P is stopped),
+// and land in the caller's buffer after the call returned, on top of what the caller put there
+// since; the key itself is read from the other replica. (Before b785c71 the planned READ
+// stayed in the batch: the call took the whole transfer timeout and the sentinel below was
+// overwritten once P resumed.)
+TEST(StoreStall, BatchGetIntoDropsTheReadsOfAReplicaGivenUpWhilePlanned) {
+  constexpr size_t kSeg = 8u << 20, kSize = 12u << 20;
+  auto master = MasterProcess::spawn();
+  ASSERT_NE(master, nullptr);
+  const uint16_t port = master->port();
+  auto holder = [&](const std::string& name) {
+    return forkChild([=]() -> int {
+      ClientProc p;
+      if (!makeClient(port, name, kSeg, &p, "tcp")) return 2;
+      if (!barrier(*p.rdv, "mounted", 5)) return 3;  // four holders and the writer
+      pause();  // until killed
+      return 0;
+    });
+  };
+  const pid_t P = holder("P"), Q = holder("Q"), R = holder("R"), S = holder("S");
+  // The writer: "big" striped twice, P+Q and R+S (no 8 MiB segment holds it whole); "warm"
+  // on P only, for the reader to know P without ever talking to Q.
+  const pid_t w = forkChild([=]() -> int {
+    ClientProc p;
+    if (!makeClient(port, "W", 0, &p, "tcp")) return 2;
+    if (!barrier(*p.rdv, "mounted", 5)) return 3;  // four holders and the writer
+    ReplicateConfig on_p;
+    on_p.preferred_segment = "P";
+    const std::string warm = valueFor("warm", 64u << 10);
+    if (p.client->put("warm", warm.data(), warm.size(), on_p) != ErrorCode::OK) return 4;
+    ReplicateConfig two;
+    two.replica_num = 2;
+    two.preferred_segments = {"P", "Q", "R", "S"};
+    const std::string v = valueFor("big", kSize);
+    ErrorCode ec = p.client->put("big", v.data(), v.size(), two);
+    if (ec != ErrorCode::OK) {
+      std::fprintf(stderr, "put big: %d\n", toInt(ec));
+      return 5;
+    }
+    (void)p.rdv->set("put-done", "1");
+    pause();
+    return 0;
+  });
+  auto cleanup = [&] {
+    for (pid_t k : {P, Q, R, S, w}) {
+      kill(k, SIGKILL);
+      waitChild(k, 5000);
+    }
+  };
+  auto rdv = engine::TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(),
+                                                  engine::deadlineInMs(5000));
+  ASSERT_TRUE(rdv.ok());
+  if (!(*rdv)->wait("put-done", engine::deadlineInMs(20000)).ok()) {
+    cleanup();
+    FAIL() << "the writer did not put";
+  }
+  ClientProc r;
+  ASSERT_TRUE(makeClient(port, "reader", 0, &r, "tcp"));  // transfer timeout 3 s
+  auto rl = r.client->replicaList("big");
+  ASSERT_TRUE(rl.ok());
+  auto holderOf = [&](int rep, int piece) {
+    return rl->replicas(rep).pieces(piece).client_id().substr(0, 1);
+  };
+  ASSERT_EQ(rl->replicas_size(), 2);
+  ASSERT_EQ(rl->replicas(0).pieces_size(), 2);
+  ASSERT_EQ(holderOf(0, 0) + holderOf(0, 1), "PQ") << "the layout this test needs";
+  for (int i = 0; i < rl->replicas(1).pieces_size(); ++i) ASSERT_NE(holderOf(1, i), "P");
+  auto warm = r.client->get("warm");  // the reader now has a peer for P, none for Q
+  ASSERT_TRUE(warm.ok()) << toInt(warm.error());
+
+  kill(Q, SIGKILL);
+  waitChild(Q, 5000);
+  if (!stopProcess(P)) {
+    cleanup();
+    FAIL() << "P did not stop";
+  }
+  std::string buf(kSize, '\0');
+  auto t0 = std::chrono::steady_clock::now();
+  auto got = r.client->batchGetInto({"big"}, {{buf.data(), buf.size()}});
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_TRUE(got[0].ok()) << "the other replica was not read: " << toInt(got[0].error());
+  if (got[0].ok()) {
+    EXPECT_EQ(*got[0], kSize);
+    EXPECT_EQ(checkPattern(buf.data(), kSize, keySeed("big")), "");
+  }
+  // Nothing of the batch went to P: no waiting out the 3 s transfer timeout on it.
+  EXPECT_LT(took, std::chrono::milliseconds(2500)) << "the batch waited on the stopped P";
+  // The buffer is the caller's again: it reuses it; nothing may write into it any more.
+  fillPattern(buf.data(), kSize, 4242);
+  kill(P, SIGCONT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));  // a late READ would land now
+  EXPECT_EQ(checkPattern(buf.data(), kSize, 4242), "")
+      << "a READ of the given-up replica landed in the caller's buffer after the call";
+  cleanup();
+}
+
 // Whether done() holds within ms (polled every 100 ms).
 bool within(const std::function<bool()>& done, int ms) {
   for (auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);

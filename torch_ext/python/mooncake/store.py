@@ -119,6 +119,13 @@ def _put_rc(rc):
     return 0 if rc == _EXISTS else rc
 
 
+def _get_into_rc(rc):
+    """Upstream's get_into family: a buffer smaller than the object is INVALID_PARAMS (-600),
+    not BUFFER_OVERFLOW (upstream real_client.cpp, execute_ranged_read and
+    batch_get_into_internal)."""
+    return int(ErrorCode.INVALID_PARAMS) if rc == ErrorCode.BUFFER_OVERFLOW else rc
+
+
 def parse_size(v):
     """Bytes from an int or upstream's human-readable sizes ("16MB", "16 MB", "1GiB"; binary
     units). ValueError for anything else (a percentage, a negative number)."""
@@ -376,7 +383,7 @@ class MooncakeDistributedStore(TensorApi):
             [[int(metadata_size), int(size)]], c)[0])
 
     def get_into(self, key, buffer_ptr, size):
-        return self._c.get_into(key, int(buffer_ptr), int(size))
+        return _get_into_rc(self._c.get_into(key, int(buffer_ptr), int(size)))
 
     def batch_put_from(self, keys, buffer_ptrs, sizes, config=None):
         keys = list(keys)
@@ -388,8 +395,8 @@ class MooncakeDistributedStore(TensorApi):
 
     def batch_get_into(self, keys, buffer_ptrs, sizes):
         """Per key: the bytes read (> 0), or a negative code."""
-        return self._c.batch_get_into(list(keys), [int(p) for p in buffer_ptrs],
-                                      [int(s) for s in sizes])
+        return [_get_into_rc(r) for r in self._c.batch_get_into(
+            list(keys), [int(p) for p in buffer_ptrs], [int(s) for s in sizes])]
 
     def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, config=None):
         keys = list(keys)
@@ -402,9 +409,9 @@ class MooncakeDistributedStore(TensorApi):
 
     def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
                                      prefer_alloc_in_same_node=False):
-        return self._c.batch_get_into_multi_buffers(
+        return [_get_into_rc(r) for r in self._c.batch_get_into_multi_buffers(
             list(keys), [[int(p) for p in ps] for ps in all_buffer_ptrs],
-            [[int(s) for s in ss] for ss in all_sizes])
+            [[int(s) for s in ss] for ss in all_sizes])]
 
     def get_into_ranges(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets,
                         all_sizes):
