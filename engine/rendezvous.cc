@@ -598,6 +598,8 @@ Result<std::unique_ptr<TcpRendezvousClient>> TcpRendezvousClient::connect(const 
                                                                           uint16_t port,
                                                                           const std::string& secret,
                                                                           Deadline deadline) {
+  // A short secret's HMAC must not go out to whatever answers (it could be guessed offline).
+  MC_RETURN_IF_ERROR(checkSecret(secret, "rendezvous client"));
   MC_ASSIGN_OR_RETURN(int fd, openAuthed(host, port, secret, deadline, true));
   return std::unique_ptr<TcpRendezvousClient>(new TcpRendezvousClient(fd, secret));
 }

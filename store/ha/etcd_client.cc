@@ -1,5 +1,6 @@
 #include "store/ha/etcd_client.h"
 
+#include <arpa/inet.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -221,6 +222,30 @@ class SigpipeBlock {
   bool pending_before_ = false;
 };
 
+// "host" of "https://host:port" ("[v6]:port": without the brackets).
+std::string hostOf(const std::string& ep) {
+  std::string h = ep.substr(ep.find("://") + 3);
+  h = h.substr(0, h.rfind(':'));
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  return h;
+}
+
+#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
+// The certificate must name `host`: an IP address in an IP SAN, a name in a DNS SAN (never the
+// subject's CN), checked by OpenSSL during the handshake (X509_V_ERR_*_MISMATCH).
+void checkHostInCertificate(SSL_CTX* ctx, const std::string& host) {
+  X509_VERIFY_PARAM* p = SSL_CTX_get0_param(ctx);
+  in6_addr a6{};
+  in_addr a4{};
+  if (inet_pton(AF_INET, host.c_str(), &a4) == 1 || inet_pton(AF_INET6, host.c_str(), &a6) == 1) {
+    X509_VERIFY_PARAM_set1_ip_asc(p, host.c_str());
+  } else {
+    X509_VERIFY_PARAM_set_hostflags(p, X509_CHECK_FLAG_NEVER_CHECK_SUBJECT);
+    X509_VERIFY_PARAM_set1_host(p, host.c_str(), 0);
+  }
+}
+#endif
+
 constexpr const char* kUserHint =
     "set MC_ETCD_USER and MC_ETCD_PASSWORD_FILE (mooncake_master: --etcd-user, "
     "--etcd-password-file)";
@@ -335,8 +360,8 @@ Status EtcdClient::authenticate() {
     }
     return r.status();
   }
-  auto j = parse(*r);
-  if (!j.ok()) return j.status();
+  auto j = parse(*r);  // (its error would quote the answer, which holds the token)
+  if (!j.ok()) return MC_STATUS(kProtocol, "etcd: authenticate answered something not JSON");
   if (j->contains("token") && (*j)["token"].is_string()) token_ = (*j)["token"].get<std::string>();
   if (token_.empty())
     return MC_STATUS(kProtocol, "etcd: authenticate answered without a token");
@@ -366,6 +391,9 @@ Result<std::string> EtcdClient::send(const std::string& path, const std::string&
     if (https) {
       if (!security_.ca_file.empty()) cli->set_ca_cert_path(security_.ca_file);
       cli->enable_server_certificate_verification(true);  // the default; never turned off
+      // OpenSSL checks the host too: cpp-httplib's own check falls back to the certificate's
+      // CN when it has SANs, and takes an IPv6 SAN whose first bytes equal an IPv4 host.
+      if (SSL_CTX* ctx = cli->ssl_context()) checkHostInCertificate(ctx, hostOf(ep));
     }
 #endif
     if (!cli->is_valid()) {
@@ -401,11 +429,10 @@ Result<std::string> EtcdClient::send(const std::string& path, const std::string&
     httplib::Response res;
     httplib::Error e = httplib::Error::Success;
     bool done;
-    if (https) {
+    {
+      // cpp-httplib writes sockets without MSG_NOSIGNAL, and OpenSSL with write().
       SigpipeBlock no_sigpipe;
       done = cli->send(req, res, e);
-    } else {
-      done = cli->send(req, res, e);  // plain sockets are written with MSG_NOSIGNAL
     }
     if (!done && !(status > 0 && e == httplib::Error::Read && !answer.empty())) {
       std::string what = e == httplib::Error::Connection          ? "cannot connect"
@@ -419,12 +446,15 @@ Result<std::string> EtcdClient::send(const std::string& path, const std::string&
                                  : "CA file " + security_.ca_file;
       if (e == httplib::Error::SSLServerVerification) {
         const long v = cli->get_openssl_verify_result();
-        if (v != X509_V_OK)
+        if (v == X509_V_ERR_HOSTNAME_MISMATCH || v == X509_V_ERR_IP_ADDRESS_MISMATCH)
+          what = "TLS: etcd's certificate does not name the endpoint's host " + hostOf(ep) +
+                 " (an IP address needs an IP SAN, a name a DNS SAN)";
+        else if (v != X509_V_OK)
           what = "TLS: etcd's certificate failed verification against " + ca + " (" +
                  X509_verify_cert_error_string(v) + ")";
         else
           what = "TLS: etcd's certificate does not name the endpoint's host " +
-                 ep.substr(8, ep.rfind(':') - 8);
+                 hostOf(ep);
       } else if (e == httplib::Error::SSLLoadingCerts) {
         what = "TLS: cannot load " + ca;
       } else if (https && (e == httplib::Error::SSLConnection || e == httplib::Error::Read ||
@@ -440,10 +470,20 @@ Result<std::string> EtcdClient::send(const std::string& path, const std::string&
       errors << (n ? "; " : "") << ep << ": " << what;
       continue;
     }
-    current_ = i;
-    if (status == 200) return answer;
+    if (status == 200) {
+      current_ = i;
+      return answer;
+    }
     const GatewayError ge = gatewayError(answer);
     const std::string& msg = ge.message;
+    // This member cannot serve now (a learner, overloaded, no leader, shutting down): the next
+    // endpoint may (the gateway's errors used to look like read failures, which moved on too).
+    if (status >= 500 || ge.code == 14 || has(msg, "not supported for learner") ||
+        has(msg, "too many requests")) {
+      errors << (n ? "; " : "") << ep << ": HTTP " << status << ": " << msg.substr(0, 200);
+      continue;
+    }
+    current_ = i;
     if (authenticating && has(msg, "authentication failed"))
       return MC_STATUS(kPermissionDenied, "etcd " << ep << ": authentication failed for etcd user '"
                                                   << security_.user << "' (" << msg << ")");
@@ -454,6 +494,13 @@ Result<std::string> EtcdClient::send(const std::string& path, const std::string&
                                << (security_.user.empty() ? std::string(": ") + kUserHint
                                                           : std::string(" (after authenticating "
                                                                         "again)")));
+    }
+    if (has(msg, "revision of auth store is old") && !security_.user.empty()) {
+      // A JWT (or a simple token issued before) predates a change of etcd's users or roles:
+      // etcd refuses it before applying anything; a new token is taken (as clientv3 does).
+      *stale_token = true;
+      return MC_STATUS(kPermissionDenied, "etcd " << ep << path << ": " << msg
+                                                  << " (after authenticating again)");
     }
     if (has(msg, "user name is empty")) {  // authentication enabled, no token sent
       *stale_token = !security_.user.empty();

@@ -64,6 +64,19 @@ std::string render(const StatusReply& r, bool head_only) {
   return o.str();
 }
 
+// Where the request head ends (after its last header line, before the empty line), or npos
+// while it has not ended. Empty lines before the request line do not end it.
+size_t headEnd(const std::string& in) {
+  size_t start = 0;
+  while (start < in.size() && (in[start] == '\r' || in[start] == '\n')) ++start;
+  for (size_t i = in.find('\n', start); i != std::string::npos; i = in.find('\n', i + 1)) {
+    size_t j = i + 1;
+    if (j < in.size() && in[j] == '\r') ++j;
+    if (j < in.size() && in[j] == '\n') return i + 1;
+  }
+  return std::string::npos;
+}
+
 StatusReply plain(int status, std::string body) {
   StatusReply r;
   r.status = status;
@@ -120,19 +133,27 @@ struct StatusHttpServer::Impl {
   }
 
   // The answer to a complete request head (the request line and headers).
-  StatusReply answer(const std::string& head, bool* head_only) {
+  StatusReply answer(std::string head, bool* head_only) {
     *head_only = false;
-    size_t eol = head.find("\r\n");
+    // Lines may end in a bare LF (RFC 9112 allows it); empty lines before the request line are
+    // skipped.
+    std::string norm;
+    for (size_t i = 0; i < head.size(); ++i)
+      if (head[i] != '\r') norm += head[i];
+    head = norm.substr(norm.find_first_not_of('\n') == std::string::npos
+                           ? norm.size()
+                           : norm.find_first_not_of('\n'));
+    size_t eol = head.find('\n');
     std::istringstream line(head.substr(0, eol));
     std::string method, target, version, extra;
     line >> method >> target >> version;
     if (method.empty() || target.empty() || version.rfind("HTTP/1.", 0) != 0 || (line >> extra))
       return plain(400, "bad request\n");
-    for (size_t at = eol + 2; at < head.size();) {
-      size_t next = head.find("\r\n", at);
+    for (size_t at = eol + 1; eol != std::string::npos && at < head.size();) {
+      size_t next = head.find('\n', at);
       if (next == std::string::npos) next = head.size();
       const std::string h = head.substr(at, next - at);
-      at = next + 2;
+      at = next + 1;
       size_t colon = h.find(':');
       if (colon == std::string::npos) continue;
       const std::string name = lower(trim(h.substr(0, colon)));
@@ -142,6 +163,11 @@ struct StatusHttpServer::Impl {
     }
     if (method != "GET" && method != "HEAD") return plain(405, "GET or HEAD only\n");
     *head_only = method == "HEAD";
+    // Absolute form ("http://host:port/health"), which proxies send: the path is what counts.
+    if (target.rfind("http://", 0) == 0 || target.rfind("https://", 0) == 0) {
+      const size_t slash = target.find('/', target.find("://") + 3);
+      target = slash == std::string::npos ? "/" : target.substr(slash);
+    }
     auto r = routes.find(target.substr(0, target.find('?')));
     if (r == routes.end()) return plain(404, "not found\n");
     return r->second();
@@ -156,10 +182,11 @@ struct StatusHttpServer::Impl {
       if (n > 0) {
         if (c.answered) continue;  // what follows the head is not read into memory
         c.in.append(buf, static_cast<size_t>(n));
-        size_t end = c.in.find("\r\n\r\n");
+        size_t end = headEnd(c.in);
         if (end != std::string::npos) {
           bool head_only = false;
-          c.out = render(answer(c.in.substr(0, end + 2), &head_only), head_only);
+          const StatusReply reply = answer(c.in.substr(0, end), &head_only);
+          c.out = render(reply, head_only);
           c.answered = true;
           c.in.clear();
           c.in.shrink_to_fit();

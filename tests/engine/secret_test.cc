@@ -71,6 +71,14 @@ TEST(SecretTest, ShortSecretIsRefused) {
   }
   auto r = TcpRendezvousServer::start("127.0.0.1", 0, "hunter2");
   EXPECT_FALSE(r.ok()) << "a rendezvous server with a 7-byte secret was started";
+  // A client does not send a short secret's proof out either (a store client sharing a
+  // group's engine connects to the master with its own secret).
+  auto server = TcpRendezvousServer::start("127.0.0.1", 0, mooncake::test::jobSecret());
+  ASSERT_TRUE(server.ok()) << server.status().toString();
+  auto c = TcpRendezvousClient::connect("127.0.0.1", (*server)->port(), "hunter2",
+                                        deadlineInMs(5000));
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), Code::kInvalidArgument) << c.status().toString();
 }
 
 TEST(SecretTest, EmptySecretIsRefusedUnlessAllowed) {

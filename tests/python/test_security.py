@@ -706,3 +706,30 @@ def test_health_answers_while_clients_trickle_their_headers():
         for c in socks:
             c.close()
         m.close()
+
+
+def test_status_port_answers_the_request_forms_clients_send():
+    """HTTP/1.0, HEAD, bare-LF line ends, empty lines before the request line and the absolute
+    form a proxy sends are all answered; the answer closes the connection."""
+    mport = free_port()
+    m = Master("--metrics-port", str(mport))
+    try:
+        assert _health(mport) == b"OK"
+        for req, status, body in (
+                (b"GET /health HTTP/1.0\r\n\r\n", b"200", b"OK\n"),
+                (b"GET /health HTTP/1.1\n\n", b"200", b"OK\n"),
+                (b"\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"200", b"OK\n"),
+                (b"GET http://x:1/health?probe=1 HTTP/1.1\r\nHost: x\r\n\r\n", b"200", b"OK\n"),
+                (b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n", b"200", b""),
+                (b"GET /nope HTTP/1.1\r\n\r\n", b"404", None),
+                (b"NONSENSE\r\n\r\n", b"400", None)):
+            c = connect(mport)
+            c.sendall(req)
+            reply, closed = read_all(c)
+            c.close()
+            assert reply.startswith(b"HTTP/1.1 " + status), (req, reply[:200])
+            assert closed, req
+            if body is not None:
+                assert reply.split(b"\r\n\r\n", 1)[1] == body, (req, reply)
+    finally:
+        m.close()

@@ -3,9 +3,16 @@
 // and clients configured through its flags and MC_ETCD_* (TLS: etcd_tls_test.cc).
 // Every etcd runs on free loopback ports with its own temp dir, removed at the end (also when a
 // test fails: the objects own them).
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <thread>
 
 #include "store/ha/leader_election.h"
 #include "tests/store/etcd_test_util.h"
@@ -187,6 +194,87 @@ TEST(EtcdAuth, ExpiredTokenIsRenewed) {
   ASSERT_TRUE(got->has_value());
   EXPECT_EQ((*got)->value, "1");
   EXPECT_EQ((*c)->authentications(), 2u);
+}
+
+// etcd's JWT tokens carry the revision of its auth store: after any change of users or roles
+// etcd refuses older ones ("revision of auth store is old", gRPC 3) until they expire. The
+// client takes a new token (as etcd's clientv3 does) instead of failing for the JWT's life.
+TEST(EtcdAuth, AuthChangeIsRenewedWithJwtTokens) {
+  TempDir keys;
+  const std::string cmd = "cd '" + keys.path +
+                          "' && openssl genrsa -out jwt.key 2048 && "
+                          "openssl rsa -in jwt.key -pubout -out jwt.pub";
+  if (std::system((cmd + " >/dev/null 2>&1").c_str()) != 0) GTEST_SKIP() << "no openssl";
+  auto a = startAuthEtcd("--auth-token jwt,pub-key=" + (keys / "jwt.pub") +
+                         ",priv-key=" + (keys / "jwt.key") + ",sign-method=RS256,ttl=10m");
+  ASSERT_NE(a, nullptr);
+  auto c = client(a->etcd->endpoint(), a->right());
+  ASSERT_TRUE(c.ok());
+  const std::string key = store::ha::clientMemberKey("jwt", "a");
+  ASSERT_TRUE((*c)->put(key, "1").ok());
+  EXPECT_EQ((*c)->authentications(), 1u);
+  // root adds a user: the auth store's revision moves on.
+  const std::string url = "http://" + a->etcd->endpoint();
+  auto [code, body] =
+      rawPost(url, "/v3/auth/authenticate", R"({"name":"root","password":"rootpw"})");
+  ASSERT_EQ(code, 200) << body;
+  const size_t at = body.find("\"token\":\"");
+  ASSERT_NE(at, std::string::npos) << body;
+  const std::string root = body.substr(at + 9, body.find('"', at + 9) - at - 9);
+  auto [added, why] = rawPost(url, "/v3/auth/user/add", R"({"name":"other","password":"x"})",
+                              {{"Authorization", root}});
+  ASSERT_EQ(added, 200) << why;
+  auto got = (*c)->get(key);
+  ASSERT_TRUE(got.ok()) << got.status().toString();
+  ASSERT_TRUE(got->has_value());
+  EXPECT_EQ((*got)->value, "1");
+  EXPECT_EQ((*c)->authentications(), 2u);
+}
+
+// An endpoint that answers but cannot serve (a learner: 503, gRPC 14) is passed over for the
+// next one, as one that does not answer is.
+TEST(EtcdAuth, AnEndpointThatCannotServeIsPassedOver) {
+  auto a = startAuthEtcd();
+  ASSERT_NE(a, nullptr);
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(lfd, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(listen(lfd, 16), 0);
+  socklen_t sl = sizeof(sa);
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &sl);
+  std::atomic<bool> stop{false};
+  std::atomic<int> served{0};
+  std::thread learner([&] {  // answers every request as etcd 3.4's gateway on a learner
+    const std::string b = R"({"error":"etcdserver: rpc not supported for learner",)"
+                          R"("code":14,"message":"etcdserver: rpc not supported for learner"})";
+    const std::string reply = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+                              "application/json\r\nContent-Length: " +
+                              std::to_string(b.size()) + "\r\nConnection: close\r\n\r\n" + b;
+    while (!stop) {
+      pollfd p{lfd, POLLIN, 0};
+      if (poll(&p, 1, 50) <= 0) continue;
+      int fd = accept(lfd, nullptr, nullptr);
+      if (fd < 0) continue;
+      char buf[8192];
+      (void)!recv(fd, buf, sizeof(buf), 0);
+      (void)!send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+      close(fd);
+      ++served;
+    }
+  });
+  const std::string eps =
+      "127.0.0.1:" + std::to_string(ntohs(sa.sin_port)) + "," + a->etcd->endpoint();
+  auto c = client(eps, a->right());
+  ASSERT_TRUE(c.ok());
+  Status st = (*c)->ping();
+  stop = true;
+  learner.join();
+  close(lfd);
+  EXPECT_TRUE(st.ok()) << st.toString();
+  EXPECT_GT(served.load(), 0) << "the learner endpoint was never asked";
 }
 
 TEST(EtcdAuth, SettingsAreChecked) {

@@ -30,6 +30,10 @@ bool makeCertificates(const std::string& dir) {
       "openssl req " + key + " -keyout server.key -out server.csr -subj /CN=mc-test-etcd; "
       "openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial "
       "-out server.crt -days 2 -extfile server.ext; "
+      "printf 'subjectAltName=DNS:some-other-host.example\\n' > cn.ext; "
+      "openssl req " + key + " -keyout cn.key -out cn.csr -subj /CN=127.0.0.1; "
+      "openssl x509 -req -in cn.csr -CA ca.crt -CAkey ca.key -CAcreateserial "
+      "-out cn.crt -days 2 -extfile cn.ext; "
       "openssl req " + key + " -keyout client.key -out client.csr -subj /CN=mc-test-client; "
       "openssl x509 -req -in client.csr -CA ca.crt -CAkey ca.key -CAcreateserial "
       "-out client.crt -days 2 -extfile client.ext; "
@@ -128,6 +132,31 @@ TEST(EtcdTls, CertificateMustNameTheHost) {
   // resolve to ::1 first, where nothing listens: then 127.0.0.1 is tried.)
   auto c = EtcdClient::create("https://localhost:" + std::to_string(t->etcd->clientPort()), 1000,
                               t->full());
+  ASSERT_TRUE(c.ok());
+  Status st = (*c)->ping();
+  std::fprintf(stderr, "error: %s\n", st.toString().c_str());
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("does not name the endpoint's host"), std::string::npos)
+      << st.toString();
+}
+
+// A certificate whose CN is the host but whose SANs name another: refused (the CN is not
+// looked at when the certificate has SANs; cpp-httplib's own check alone took it).
+TEST(EtcdTls, TheCommonNameDoesNotStandInForTheSans) {
+  MC_NEED_HTTPS();
+  TlsEtcd t;
+  ASSERT_FALSE(t.dir.path.empty());
+  ASSERT_TRUE(makeCertificates(t.dir.path)) << readFile(t.dir / "openssl.log");
+  EtcdOptions o;
+  o.cert_file = t.dir / "cn.crt";
+  o.key_file = t.dir / "cn.key";
+  o.probe.ca_file = t.dir / "ca.crt";
+  o.probe_unverified = true;  // the harness's own readiness probe would be refused too
+  t.etcd = EtcdProcess::start(o);
+  ASSERT_NE(t.etcd, nullptr);
+  EtcdSecurity s;
+  s.ca_file = t.dir / "ca.crt";
+  auto c = EtcdClient::create(t.etcd->endpoint(), 1000, s);
   ASSERT_TRUE(c.ok());
   Status st = (*c)->ping();
   std::fprintf(stderr, "error: %s\n", st.toString().c_str());
