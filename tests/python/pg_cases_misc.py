@@ -617,3 +617,31 @@ def case_split_mismatch(ctx):
     except (RuntimeError, ValueError) as e:
         return {"raised": True, "type": type(e).__name__, "msg": str(e)}
     return {"raised": False}
+
+
+def case_sig_mismatch(ctx, what):
+    """The ranks disagree on a collective's dtype, root, reduce op or order (one call each,
+    all arguments valid on their own): every rank must raise, naming itself, the op, the
+    mismatch and the other rank, well within the group timeout (gloo hangs or aborts here)."""
+    me = ctx.rank
+    t = torch.full((4,), float(me + 1))
+    t0 = time.time()
+    try:
+        if what == "dtype":  # same bytes: float32 vs int32
+            dist.all_reduce(t if me == 0 else t.int())
+        elif what == "op":
+            dist.all_reduce(t, op=OPS["SUM"] if me == 0 else OPS["MAX"])
+        elif what == "root":
+            dist.broadcast(t, me)
+        elif what == "order":
+            if me == 0:
+                dist.all_reduce(t)
+                dist.broadcast(t, 0)
+            else:
+                dist.broadcast(t, 0)
+                dist.all_reduce(t)
+        else:
+            raise ValueError(what)
+    except RuntimeError as e:
+        return {"raised": True, "msg": str(e), "elapsed": time.time() - t0}
+    return {"raised": False, "elapsed": time.time() - t0, "result": t.tolist()}

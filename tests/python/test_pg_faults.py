@@ -65,6 +65,30 @@ def test_split_mismatch_across_ranks_raises_everywhere():
             f"rank {r}'s error does not name its peer rank {other}: {x['msg']}"
 
 
+@pytest.mark.parametrize("what,op", [("dtype", "allreduce"), ("op", "allreduce"),
+                                     ("root", "broadcast"), ("order", None)])
+def test_collective_mismatch_across_ranks_raises_everywhere(what, op):
+    """Found by a bad-input sweep against gloo, which hangs until its timeout (root, order),
+    aborts the process (dtype of another size) or returns a silently wrong result (dtype of
+    the same size, reduce op). The group timeout is 30 s: each rank must raise within 5 s."""
+    p = Pool(2, timeout_s=30)
+    try:
+        res = p.run("sig_mismatch", what=what, timeout_s=60)
+    finally:
+        p.kill()
+    for r, x in enumerate(res):
+        assert x["raised"], f"rank {r} returned {x.get('result')} after {x['elapsed']:.1f}s"
+        msg = x["msg"]
+        assert x["elapsed"] < 5, f"rank {r} raised after {x['elapsed']:.1f}s: {msg}"
+        assert f"mooncake rank {r}" in msg, f"rank {r}: error does not name its rank: {msg}"
+        assert "mismatched" in msg, f"rank {r}: error does not name the cause: {msg}"
+        assert f"rank {1 - r}" in msg.split(":", 1)[1], f"rank {r}: no peer named: {msg}"
+        if op is not None:
+            assert f"{op} failed" in msg, f"rank {r}: error does not name {op}: {msg}"
+        else:
+            assert "allreduce" in msg and "broadcast" in msg, f"rank {r}: {msg}"
+
+
 def test_clean_shutdown():
     p = Pool(2)
     p.run("barrier", times=3)
