@@ -342,6 +342,10 @@ def case_all_to_all_single(ctx, sizes, dtypes=ALL_DTYPES, uneven=False, cols=2):
             dist.all_to_all_single(out, ins[me], out_splits, in_splits)
             exp = torch.cat([ins[s][sum(rows[s][:me]):sum(rows[s][:me + 1])] for s in range(W)])
             check(fails, desc, out, exp)
+            if not uneven:  # in place (input and output one tensor), as gloo allows
+                same = ins[me].clone()
+                dist.all_to_all_single(same, same)
+                check(fails, desc + " in place", same, exp)
             if k == 0:
                 continue  # gloo 1.13 dies (SIGFPE) on empty buffers
             es = out.element_size()

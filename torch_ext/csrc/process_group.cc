@@ -627,7 +627,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall_base(
   splitBytes(ck, input, input_splits, size_, "input", &sb, &so);
   splitBytes(ck, output, output_splits, size_, "output", &rb, &ro);
   pg::Communicator* c = comm_.get();
-  Tensor in = input, out = output;
+  // In place (the output's memory is the input's, as gloo allows): the input is copied first,
+  // at issue (on a GPU: on the current stream, which the op waits for).
+  Tensor in = input.storage().is_alias_of(output.storage()) ? input.clone() : input;
+  Tensor out = output;
   // Stream-ordered on GPU tensors: without splits as equal blocks, with splits after the ranks
   // agree on the sizes (a host wait until every rank issued it). Every rank must pass splits
   // or none (one that passes none while another passes some: a mismatch error).
