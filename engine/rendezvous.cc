@@ -193,19 +193,11 @@ struct TcpRendezvousServer::Impl {
   // Writes what the socket takes now; the rest goes out on POLLOUT. Closes on error.
   void flush(uint64_t id) {
     Conn& c = conns[id];
-    while (c.out_off < c.out.size()) {
-      ssize_t w = send(c.fd, c.out.data() + c.out_off, c.out.size() - c.out_off,
-                       MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (w > 0) {
-        c.out_off += static_cast<size_t>(w);
-      } else if (w < 0 && errno == EINTR) {
-        continue;
-      } else if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        return;
-      } else {
-        drop(id, "send failed");
-        return;
-      }
+    const int sent = sock::sendPending(c.fd, c.out, &c.out_off);
+    if (sent == 0) return;
+    if (sent < 0) {
+      drop(id, "send failed");
+      return;
     }
     c.out.clear();
     c.out_off = 0;

@@ -213,21 +213,9 @@ struct StatusHttpServer::Impl {
   // Writes what the socket takes now; closes once the whole answer went out.
   void flush(uint64_t id) {
     Conn& c = conns[id];
-    while (c.out_off < c.out.size()) {
-      ssize_t w = send(c.fd, c.out.data() + c.out_off, c.out.size() - c.out_off,
-                       MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (w > 0) {
-        c.out_off += static_cast<size_t>(w);
-      } else if (w < 0 && errno == EINTR) {
-        continue;
-      } else if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        return;
-      } else {
-        drop(id);
-        return;
-      }
-    }
-    shutdown(c.fd, SHUT_WR);
+    const int sent = sock::sendPending(c.fd, c.out, &c.out_off);
+    if (sent == 0) return;  // the rest on POLLOUT
+    if (sent > 0) shutdown(c.fd, SHUT_WR);
     drop(id);
   }
 

@@ -15,6 +15,7 @@
 
 #include "engine/rendezvous.h"
 #include "tests/engine/test_util.h"
+#include "tests/common/loopback.h"
 #include "tests/common/test_secret.h"
 
 namespace mooncake::engine {
@@ -226,15 +227,9 @@ TEST(TcpRendezvousTest, SurvivesGarbageClients) {
 // A stranger posing as the server (before it proved the secret) cannot make a client allocate
 // or wait for a huge frame: a challenge announced at 60 MiB is refused at once.
 TEST(TcpRendezvousTest, ClientRefusesAHugeUnprovenReply) {
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  uint16_t port = 0;
+  int lfd = mooncake::test::listenLoopback(&port);
   ASSERT_GE(lfd, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  ASSERT_EQ(listen(lfd, 4), 0);
-  socklen_t sl = sizeof(sa);
-  getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &sl);
   std::thread impostor([lfd] {
     int fd = accept(lfd, nullptr, nullptr);
     if (fd < 0) return;
@@ -245,8 +240,8 @@ TEST(TcpRendezvousTest, ClientRefusesAHugeUnprovenReply) {
     close(fd);
   });
   auto t0 = SteadyClock::now();
-  auto c = TcpRendezvousClient::connect("127.0.0.1", ntohs(sa.sin_port),
-                                        mooncake::test::jobSecret(), deadlineInMs(4000));
+  auto c = TcpRendezvousClient::connect("127.0.0.1", port, mooncake::test::jobSecret(),
+                                        deadlineInMs(4000));
   const double ms = msSince(t0);
   impostor.join();
   close(lfd);

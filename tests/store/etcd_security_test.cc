@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "store/ha/leader_election.h"
+#include "tests/common/loopback.h"
 #include "tests/store/etcd_test_util.h"
 
 namespace mooncake::test {
@@ -236,15 +237,9 @@ TEST(EtcdAuth, AuthChangeIsRenewedWithJwtTokens) {
 TEST(EtcdAuth, AnEndpointThatCannotServeIsPassedOver) {
   auto a = startAuthEtcd();
   ASSERT_NE(a, nullptr);
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  uint16_t port = 0;
+  int lfd = listenLoopback(&port);
   ASSERT_GE(lfd, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  ASSERT_EQ(listen(lfd, 16), 0);
-  socklen_t sl = sizeof(sa);
-  getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &sl);
   std::atomic<bool> stop{false};
   std::atomic<int> served{0};
   std::thread learner([&] {  // answers every request as etcd 3.4's gateway on a learner
@@ -266,7 +261,7 @@ TEST(EtcdAuth, AnEndpointThatCannotServeIsPassedOver) {
     }
   });
   const std::string eps =
-      "127.0.0.1:" + std::to_string(ntohs(sa.sin_port)) + "," + a->etcd->endpoint();
+      "127.0.0.1:" + std::to_string(port) + "," + a->etcd->endpoint();
   auto c = client(eps, a->right());
   ASSERT_TRUE(c.ok());
   Status st = (*c)->ping();

@@ -36,6 +36,24 @@ inline int msUntil(Deadline d) {
 
 inline std::string errnoStr(int e) { return std::string(std::strerror(e)); }
 
+// Sends what a non-blocking socket takes now of out[*off..]: advances *off. 1: all of it went
+// out; 0: the socket is full (wait for POLLOUT); -1: the connection broke.
+inline int sendPending(int fd, const std::string& out, size_t* off) {
+  while (*off < out.size()) {
+    ssize_t w = send(fd, out.data() + *off, out.size() - *off, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      *off += static_cast<size_t>(w);
+    } else if (w < 0 && errno == EINTR) {
+      continue;
+    } else if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      return 0;
+    } else {
+      return -1;
+    }
+  }
+  return 1;
+}
+
 inline bool setNonBlocking(int fd) {
   int fl = fcntl(fd, F_GETFL, 0);
   return fl >= 0 && fcntl(fd, F_SETFL, fl | O_NONBLOCK) == 0;
