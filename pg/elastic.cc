@@ -160,6 +160,8 @@ void Elastic::start(Deadline deadline) {
   log_ = std::make_unique<ViewLog>(root_.rdv, key("log"),
                                    (static_cast<uint64_t>(slot_) + 1) << 24 | (inc_ & 0xffffff));
   log_->on_point = eo_.test_hook;
+  bar_log_ = std::make_unique<ViewLog>(root_.rdv, key("bar"),
+                                       (static_cast<uint64_t>(slot_) + 1) << 24 | (inc_ & 0xffffff));
   // Doorbells and deaths wake the agent.
   ctl_channel_ = channelFor("ctl", name_);
   claimChannel(&eng, ctl_channel_, name_);
@@ -533,7 +535,7 @@ std::vector<int> Elastic::runBarrier(const View& v, Deadline deadline) {
   // Everyone's acknowledgement; a process seen dead is dropped (after a last look: it may
   // have acknowledged before it died), one that does not answer by the deadline too.
   std::map<int, std::pair<uint64_t, std::string>> acks;  // slot (in W or V) -> (count, mode)
-  std::map<std::pair<int, uint32_t>, std::pair<uint64_t, std::string>> by_proc;
+  Acks by_proc;
   by_proc[{slot_, inc_}] = {my_count, mode};
   std::vector<int> lost;
   // View 1 waits for the founders as long as group creation may take; later views give a
@@ -576,6 +578,7 @@ std::vector<int> Elastic::runBarrier(const View& v, Deadline deadline) {
       serviceRequests();
     }
   }
+  agreeOnBarrier(v.epoch, &by_proc, &lost);
   uint64_t K = 0;
   for (const auto& [who, val] : by_proc)
     if (inW(who.first) && w.incarnation[who.first] == who.second) K = std::max(K, val.first);

@@ -150,6 +150,12 @@ class Elastic {
   void applyAll(engine::Deadline deadline, std::vector<int>* dropped = nullptr);
   void applyOne(const View& v, engine::Deadline deadline, std::vector<int>* dropped);
   std::vector<int> runBarrier(const View& v, engine::Deadline deadline);
+  // The barrier's outcome every participant uses (pg/elastic_members.cc): this process's
+  // acknowledgements and lost slots proposed to bar_log_ for the epoch, replaced by the decided
+  // ones (each process stops waiting at its own deadline, so a late acknowledgement may be seen
+  // by some and not others: skipping different op counts paired their ops off by one).
+  using Acks = std::map<std::pair<int, uint32_t>, std::pair<uint64_t, std::string>>;
+  void agreeOnBarrier(uint64_t epoch, Acks* acks, std::vector<int>* lost);
   void installPlane(const View& v, const std::vector<std::string>& modes, bool isolated);
   void updateP2p(const View& v);
   // Blocks until the applied epoch reaches `epoch`, applying views on this thread.
@@ -193,6 +199,7 @@ class Elastic {
   int declared_ = 0;
   ElasticOptions eo_;
   std::unique_ptr<ViewLog> log_;
+  std::unique_ptr<ViewLog> bar_log_;  // per epoch: the barrier's decided acknowledgements
   uint32_t ctl_channel_ = 0;
   uint64_t gone_handler_ = 0;
 

@@ -1,6 +1,7 @@
 // Elastic groups: observations, reconciliation, and the membership calls (activate,
 // deactivate, join, sync_after_failure). See pg/elastic.h.
 #include <algorithm>
+#include <sstream>
 
 #include "engine/log.h"
 #include "engine/wire.h"
@@ -371,6 +372,47 @@ void Elastic::join() {
     nap(deadline, milliseconds(50));
     serviceRequests();
   }
+}
+
+void Elastic::agreeOnBarrier(uint64_t epoch, Acks* acks, std::vector<int>* lost) {
+  std::ostringstream mine;
+  for (const auto& [who, val] : *acks)
+    mine << "a " << who.first << " " << who.second << " " << val.first << " " << val.second
+         << "\n";
+  for (int s : *lost) mine << "l " << s << "\n";
+  auto got = bar_log_->propose(
+      epoch, mine.str(),
+      Clock::now() + std::chrono::duration_cast<std::chrono::milliseconds>(collectiveTimeout()));
+  if (!got.ok())
+    throw CommError("mooncake pg: group " + name_ + ": agreeing on the acknowledgements of view " +
+                        std::to_string(epoch) + ": " + got.status().toString(),
+                    -1, "view");
+  if (*got == mine.str()) return;
+  acks->clear();
+  lost->clear();
+  std::istringstream in(*got);
+  std::string tag;
+  while (in >> tag) {
+    if (tag == "a") {
+      int s = 0;
+      uint32_t inc = 0;
+      uint64_t n = 0;
+      std::string m;
+      in >> s >> inc >> n >> m;
+      (*acks)[{s, inc}] = {n, m};
+    } else {
+      int s = 0;
+      in >> s;
+      lost->push_back(s);
+    }
+  }
+  // This process acknowledged, but the decided outcome did not see it: it is lost to the others
+  // (they count it gone: ops fail until the next view), and so to itself.
+  if (acks->count({slot_, inc_}) == 0 &&
+      std::find(lost->begin(), lost->end(), slot_) == lost->end())
+    lost->push_back(slot_);
+  MC_LOG(INFO, PG) << "group " << name_ << " slot " << slot_ << ": view " << epoch
+                   << "'s barrier takes the acknowledgements another process saw";
 }
 
 }  // namespace mooncake::pg

@@ -431,6 +431,31 @@ def isolated_proposer():
     report(active=active(b), sum=list(all_reduce(PROC + 1)), epoch=pg.get_current_epoch(b))
 
 
+def late_ack():
+    """test_survivors_agree_on_a_late_acknowledgement: slot 2 is stopped inside an op no one
+    else calls, slot 3 dies; the test resumes slot 2 between the two survivors' barrier
+    deadlines, so that one of them reads its acknowledgement and the other does not. The
+    survivors' next ops must pair up (they skipped different op counts before the mend)."""
+    b = init(PROC, 4)
+    pg.set_collective_timeout_us(3_000_000)
+    for i in range(3):
+        all_reduce(i)
+    if PROC == 2:
+        event("in_op")
+        t = torch.tensor([999.0])
+        w = dist.all_reduce(t, async_op=True)
+        w.wait()
+        report(op=[t.item(), pg.get_local_success(w)])
+        return
+    wait_event("stopped")
+    if PROC == 3:
+        os._exit(0)
+    wait_until(lambda: active(b)[:4] == [1, 1, 0, 0], 30, "the view without slots 2 and 3")
+    wait_event("resumed")
+    time.sleep(1.5)
+    report(sums=[list(all_reduce(1000 * k + PROC))[:2] for k in range(1, 6)])
+
+
 def coordinator_killed():
     """Rank 0 (the first proposer; it hosts no store here) is SIGKILLed by the test: the
     others hold the view without it within 2 s and keep running."""

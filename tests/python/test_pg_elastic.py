@@ -291,3 +291,35 @@ def test_options_and_argument_checks(job):
     assert r["reject"] == [0, "target rank is not valid group member"], r
     assert r["sync"] == 1, "nothing pending: NoPending"
     assert r["epoch"] == 1 and r["synced"] == 1, r
+
+
+@pytest.mark.parametrize("resume_s", [4.07, 4.12])
+def test_survivors_agree_on_a_late_acknowledgement(resume_s):
+    """A review's reproduction: the survivors' view barriers stop waiting at their own
+    deadlines (150 ms apart), and slot 2's acknowledgement landed between them, so one survivor
+    skipped an op the other did not and every later all_reduce paired op k with op k+1, both
+    reporting success with wrong sums (3 of 3 runs at these offsets). The barrier's
+    acknowledgements are now decided once for everyone. Whether a run hits the window depends
+    on timing; the sums must be right either way."""
+    job = Job("late_ack", 4)
+    try:
+        job.wait_event("in_op")
+        time.sleep(0.3)
+        os.kill(job.procs[2].pid, signal.SIGSTOP)
+        t_stop = time.time()
+        job.store.set("ev/stopped", "1")
+        time.sleep(max(0.0, t_stop + resume_s - time.time()))
+        os.kill(job.procs[2].pid, signal.SIGCONT)
+        job.store.set("ev/resumed", "1")
+        out = job.results([0, 1])
+        for k in range(1, 6):
+            want = 1000 * k * 2 + 1  # 1000k + 0 and 1000k + 1
+            for p in (0, 1):
+                assert out[p]["sums"][k - 1] == [want, True], (p, k, out, job.tails())
+    finally:
+        for p in job.procs:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except OSError:
+                pass
+        job.close()
