@@ -7,9 +7,12 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 
+#include <chrono>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "tests/common/capabilities.h"
 #include "tests/engine/rdma_fixture.h"
@@ -25,6 +28,10 @@ class RdmaFaultTest : public RdmaPeerTest {
   PeerProcess* peer() { return peer_; }
   PeerId pid() const { return pid_; }
   fakeverbs::NicControl* nic(int i) { return nic_[i].get(); }
+  bool checkNotifications(int count, uint64_t remote, uint64_t tag_base, uint64_t seed,
+                          int timeout_ms) {
+    return startNotifyCheck(peer_, count, remote, tag_base, seed, timeout_ms);
+  }
 };
 
 // mlx5_0's CQ overruns under a write (the emulator puts the CQ and its QPs in error and
@@ -268,6 +275,160 @@ TEST_F(RdmaFaultTest, TcpNotificationAfterANicWriteIntoGpuIsFlushed) {
   EXPECT_GE(peerGpuFlushes() - f0, 1) << "delivered without flushing the GPUDirect write of mlx5_0";
   nic_[0]->setPortUp(true);
   MC_EXPECT_OK(eng_->unregisterMemory(host.data()));
+}
+
+// Releases a NIC's QP hold and stall and drops a pending refusal whatever the test's outcome (a
+// held prober would otherwise block the engine's shutdown for the hold's 30 s).
+struct QpKnobs {
+  explicit QpKnobs(fakeverbs::NicControl* n) : nic(n) {}
+  ~QpKnobs() {
+    nic->holdQps(false);
+    nic->refuseQps(0);
+    nic->setStalled(false);
+  }
+  fakeverbs::NicControl* nic;
+};
+
+// Waits (5 s at most) until a dial on `nic` waits on its hold; false if none did.
+bool waitForHeldDial(fakeverbs::NicControl* nic, uint64_t before) {
+  for (int i = 0; i < 5000 && nic->heldQps() == before; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return nic->heldQps() > before;
+}
+
+// One NIC (one lane), MC_RDMA_TCP_FALLBACK `fallback`, 64 KiB slices: requests A (1 MiB), then
+// B (4 MiB) and C (1 byte), then a notification, all queued on the lane's QP while the NIC is
+// stalled; then A's first slice fails with its own error (remote access), so the rest waits
+// (parked) for the lane's immediate redial, which the emulator refuses (ibv_create_qp: ENOMEM).
+// The parked work moves as after a link failure: with the fallback, over tcp (every byte in
+// place, the notification delivered once, after C's byte); without it, B and C fail at once,
+// naming the peer, the NIC and the operation (and the notification is not delivered). Only A
+// fails of itself.
+void redialOfTheOnlyLaneFails(RdmaFaultTest* t, bool fallback) {
+  constexpr uint64_t kTag = 0x7e57000000000101ull, kSeed = 5200;
+  ScopedEnv devs("MC_RDMA_DEVICES", "mlx5_0");
+  ScopedEnv fb("MC_RDMA_TCP_FALLBACK", fallback ? "1" : "0");
+  ScopedEnv slice("MC_RDMA_SLICE_BYTES", "65536");
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "60000");
+  ASSERT_TRUE(t->setUpPeer());
+  auto& eng = *t->engine();
+  fakeverbs::NicControl* nic = t->nic(0);
+  QpKnobs knobs(nic);
+  HostBuffer buf(8u << 20), note(notifyBytes(1));
+  MC_ASSERT_OK(eng.registerMemory(buf.data(), 8u << 20));
+  MC_ASSERT_OK(eng.registerMemory(note.data(), notifyBytes(1)));
+  fillPattern(buf.data(), 8u << 20, 77, 0);
+  const Slot s = notifySlot(0);
+  fillPattern(note.data() + s.offset, s.len, kSeed, 0);
+  const uint64_t remote = t->peer()->info().alloc_addr;
+  if (fallback) {
+    ASSERT_TRUE(t->checkNotifications(1, remote, kTag, kSeed, 30000));
+  }
+  const uint64_t tx0 = nic->txBytes();
+  nic->setStalled(true);  // (briefly: far below MC_RDMA_STALL_MS)
+  nic->refuseQps(1);
+  nic->failNext(1, 10);  // IBV_WC_REM_ACCESS_ERR
+  auto a = eng.submit({{OpCode::kWrite, buf.data(), 1u << 20, t->pid(), remote + (1u << 20)}});
+  auto bc = eng.submit({{OpCode::kWrite, buf.data() + (4u << 20), 4u << 20, t->pid(),
+                         remote + (4u << 20)},
+                        {OpCode::kWrite, note.data() + s.offset, s.len, t->pid(), remote + s.offset}});
+  Status notified = eng.notify(t->pid(), kTag);
+  nic->setStalled(false);
+  ASSERT_TRUE(a.ok()) << a.status().toString();
+  ASSERT_TRUE(bc.ok()) << bc.status().toString();
+  MC_ASSERT_OK(notified);
+  std::vector<Status> per_a;
+  (void)eng.wait(*a, engine::deadlineInMs(10000), &per_a);
+  ASSERT_EQ(per_a.size(), 1u);
+  EXPECT_EQ(per_a[0].code(), Code::kPermissionDenied) << per_a[0].toString();
+  EXPECT_NE(per_a[0].message().find("remote access error"), std::string::npos)
+      << per_a[0].toString();
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<Status> per;
+  (void)eng.wait(*bc, engine::deadlineInMs(20000), &per);
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(nic->refuseQpsPending(), 0) << "the lane was not redialled";
+  ASSERT_EQ(per.size(), 2u);
+  if (fallback) {
+    MC_EXPECT_OK(per[0]);
+    MC_EXPECT_OK(per[1]);
+    std::string reply, why;
+    ASSERT_TRUE(t->peer()->recv(&reply, 30000, &why)) << why;
+    EXPECT_EQ(reply, "ok") << "the notification did not follow C's byte";
+    EXPECT_EQ(t->peer()->expect(remote + (4u << 20), 4u << 20, 77, 4u << 20), "");
+    EXPECT_LT(nic->txBytes() - tx0, 1u << 20) << "B went over mlx5_0 (the redial succeeded?)";
+  } else {
+    for (const Status& st : per) {
+      EXPECT_EQ(st.code(), Code::kIo) << st.toString();
+      EXPECT_NE(st.message().find("peer peer"), std::string::npos) << st.toString();
+      EXPECT_NE(st.message().find("mlx5_0"), std::string::npos) << st.toString();
+      EXPECT_NE(st.message().find("WRITE"), std::string::npos) << st.toString();
+    }
+    EXPECT_LT(took, std::chrono::seconds(5)) << "the parked work waited past the failed redial";
+  }
+  // Delivered once (with the fallback) or not at all (its writes failed).
+  EXPECT_EQ(t->peer()->call("drain_notify 300"), "ok 0");
+  MC_EXPECT_OK(eng.unregisterMemory(note.data()));
+  MC_EXPECT_OK(eng.unregisterMemory(buf.data()));
+}
+
+TEST_F(RdmaFaultTest, FailedRedialSendsTheParkedWorkOverTcp) {
+  redialOfTheOnlyLaneFails(this, true);
+}
+
+TEST_F(RdmaFaultTest, FailedRedialWithoutTcpFailsTheParkedWork) {
+  redialOfTheOnlyLaneFails(this, false);
+}
+
+// Two NICs, no tcp fallback: mlx5_0's lane is down from the start (its port down at connect);
+// its redial, once the port is up, is held (the emulator's holdQps: its QP's move to INIT,
+// well within the dial's 2 s deadline). Meanwhile A's first slice fails
+// with its own error on mlx5_1, the only live lane, and B waits there for that lane's redial
+// (no other lane is live). Released: mlx5_0's lane is back, then mlx5_1's redial (the same
+// round of the prober) is refused, and B moves to mlx5_0's lane and completes there. Only A
+// fails.
+TEST_F(RdmaFaultTest, FailedRedialMovesTheParkedWorkToTheOtherNic) {
+  ScopedEnv fb("MC_RDMA_TCP_FALLBACK", "0");
+  ScopedEnv slice("MC_RDMA_SLICE_BYTES", "65536");
+  ScopedEnv retry("MC_RDMA_RETRY_MS", "300");
+  uint64_t held0 = 0;
+  std::unique_ptr<QpKnobs> knobs0, knobs1;
+  ASSERT_TRUE(setUp(16u << 20, [&] {
+    knobs0 = std::make_unique<QpKnobs>(nic_[0].get());
+    knobs1 = std::make_unique<QpKnobs>(nic_[1].get());
+    nic_[0]->setPortUp(false);
+    held0 = nic_[0]->heldQps();
+    nic_[0]->holdQps(true);
+  }));
+  HostBuffer buf(8u << 20);
+  MC_ASSERT_OK(eng_->registerMemory(buf.data(), 8u << 20));
+  fillPattern(buf.data(), 8u << 20, 78, 0);
+  nic_[0]->setPortUp(true);
+  ASSERT_TRUE(waitForHeldDial(nic_[0].get(), held0)) << "mlx5_0's lane was not redialled";
+  const uint64_t remote = peer_->info().alloc_addr;
+  const uint64_t tx0 = nic_[0]->txBytes();
+  nic_[1]->refuseQps(1);
+  nic_[1]->failNext(1, 10);  // IBV_WC_REM_ACCESS_ERR
+  auto a = eng_->submit({{OpCode::kWrite, buf.data(), 1u << 20, pid_, remote + (1u << 20)}});
+  ASSERT_TRUE(a.ok()) << a.status().toString();
+  auto b = eng_->submit(
+      {{OpCode::kWrite, buf.data() + (4u << 20), 4u << 20, pid_, remote + (4u << 20)}});
+  ASSERT_TRUE(b.ok()) << b.status().toString();
+  // A finishes once mlx5_1's QP handed its work back (A's later slices with B's): B is parked.
+  std::vector<Status> per_a;
+  (void)eng_->wait(*a, engine::deadlineInMs(10000), &per_a);
+  ASSERT_EQ(per_a.size(), 1u);
+  EXPECT_EQ(per_a[0].code(), Code::kPermissionDenied) << per_a[0].toString();
+  EXPECT_EQ(nic_[0]->txBytes(), tx0) << "mlx5_0 carried bytes before its lane was back";
+  nic_[0]->holdQps(false);
+  std::vector<Status> per_b;
+  (void)eng_->wait(*b, engine::deadlineInMs(20000), &per_b);
+  ASSERT_EQ(per_b.size(), 1u);
+  MC_EXPECT_OK(per_b[0]);
+  EXPECT_EQ(nic_[1]->refuseQpsPending(), 0) << "mlx5_1's lane was not redialled";
+  EXPECT_GE(nic_[0]->txBytes() - tx0, 4u << 20) << "B did not go over mlx5_0";
+  EXPECT_EQ(peer_->expect(remote + (4u << 20), 4u << 20, 78, 4u << 20), "");
+  MC_EXPECT_OK(eng_->unregisterMemory(buf.data()));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -24,8 +25,10 @@ class RdmaPeerTest : public PeerTestBase {
     eng_.reset();  // before the base checks that destroyed engines left nothing behind
     PeerTestBase::TearDown();
   }
-  // A peer, an engine of this process connected to it over rdma, and both NICs' controls.
-  bool setUp(uint64_t region_bytes = 16u << 20) {
+  // A peer, an engine of this process connected to it over rdma, and both NICs' controls;
+  // `before_connect` (when set) runs once the controls are open, before the engine connects.
+  bool setUp(uint64_t region_bytes = 16u << 20,
+             const std::function<void()>& before_connect = nullptr) {
     PeerConfig cfg;
     cfg.transport = "rdma";
     cfg.region_bytes = region_bytes;
@@ -33,10 +36,12 @@ class RdmaPeerTest : public PeerTestBase {
     if (peer_ == nullptr) return false;
     eng_ = makeEngine("rdma");
     if (eng_ == nullptr) return false;
+    if (!openNicControls()) return false;
+    if (before_connect) before_connect();
     pid_ = openPeer(*eng_, "peer");
     if (pid_ == engine::kInvalidPeer) return false;
     EXPECT_EQ(eng_->peerTransport(pid_), "rdma");
-    return openNicControls();
+    return true;
   }
   // Writes [buf, buf+len) to the peer's allocated region at `off`, checks it succeeded and the
   // bytes arrived; returns the bytes each NIC sent meanwhile.

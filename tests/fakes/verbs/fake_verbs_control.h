@@ -25,7 +25,7 @@
 namespace mooncake::fakeverbs {
 
 constexpr uint32_t kDevMagic = 0x4d434656;  // "MCFV"
-constexpr uint32_t kDevVersion = 5;
+constexpr uint32_t kDevVersion = 6;
 
 // ibv_port_state values (verbs.h), repeated so that tests need not include verbs.h.
 constexpr uint32_t kPortDown = 1;
@@ -51,6 +51,9 @@ struct alignas(64) DevShm {
   std::atomic<uint32_t> overrun_next;  // 1: the next completion overruns its CQ (see below)
   std::atomic<uint64_t> cq_overruns;   // CQs of this NIC that overran (all processes)
   std::atomic<int64_t> refuse_reg;     // > 0: that many host-memory registrations fail (ENOMEM)
+  std::atomic<int64_t> refuse_qp;      // > 0: that many ibv_create_qp calls fail (ENOMEM)
+  std::atomic<uint32_t> hold_qp;       // 1: a QP's move to INIT waits until it is 0 (see below)
+  std::atomic<uint64_t> held_qps;      // moves to INIT that began waiting on hold_qp
 };
 
 // FNV-1a: the default fabric id from the config path (same in every process).
@@ -145,6 +148,16 @@ class NicControl {
   // The next n registrations of host memory on this NIC (any process) fail with ENOMEM, as on
   // a NIC whose memory-region resources are exhausted (the others still register).
   void refuseRegistrations(int64_t n) { d_->refuse_reg.store(n); }
+  // The next n ibv_create_qp calls on this NIC (any process) fail with ENOMEM, as on a NIC out
+  // of QP resources.
+  void refuseQps(int64_t n) { d_->refuse_qp.store(n); }
+  int64_t refuseQpsPending() const { return d_->refuse_qp.load(); }
+  // Held: ibv_modify_qp moving a QP of this NIC (any process) from RESET to INIT waits until
+  // released (30 s at most), so that a test acts while a connection is known to be being set
+  // up (after ibv_create_qp, which callers may make under a lock of theirs); heldQps() counts
+  // the calls that began waiting.
+  void holdQps(bool hold) { d_->hold_qp.store(hold ? 1 : 0); }
+  uint64_t heldQps() const { return d_->held_qps.load(); }
   void setGbps(double gbps) {
     d_->cap_bytes_per_s.store(static_cast<uint64_t>(gbps * 1e9 / 8));
   }

@@ -1,13 +1,15 @@
 // The emulator's limits that a NIC and the kernel enforce: a CQ that overruns (in error, its
 // QPs too), ibv_resize_cq, and memory registration as the kernel pins it (RLIMIT_MEMLOCK
-// unless the thread has CAP_IPC_LOCK, every page mapped with the access asked for).
+// unless the thread has CAP_IPC_LOCK, every page mapped with the access asked for), and QP
+// creation refused or held by the refuseQps / holdQps knobs.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 
+#include <atomic>
 #include <cerrno>
-#include <cstring>
 #include <chrono>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -320,6 +322,65 @@ TEST(FakeVerbsLimits, SendSlotsAreFreedWhenPolled) {
   ibv_wc wc{};
   ASSERT_EQ(ibv_poll_cq(a.cq, 1, &wc), 1);
   EXPECT_EQ(a.post(IBV_WR_RDMA_WRITE, 1000, 0, 8, r.addr, r.rkey), 0);
+}
+
+// NicControl::refuseQps: the next n ibv_create_qp calls on that NIC fail with ENOMEM (the other
+// NIC's are not counted), then they succeed again. NicControl::holdQps: a QP's move from RESET
+// to INIT waits until the hold is released (counted by heldQps), then succeeds.
+TEST(FakeVerbsLimits, QpCreationCanBeRefusedAndHeld) {
+  const Fabric& f = testFabric();
+  NicControl nic0(f.fabric, "", "mlx5_0");
+  ASSERT_TRUE(nic0.ok());
+  Endpoint a, b;
+  ASSERT_TRUE(a.open("mlx5_0", 4096) && b.open("mlx5_1", 4096));
+  auto create = [](Endpoint& e) {
+    ibv_qp_init_attr ia{};
+    ia.send_cq = e.cq;
+    ia.recv_cq = e.cq;
+    ia.qp_type = IBV_QPT_RC;
+    ia.cap.max_send_wr = 16;
+    ia.cap.max_recv_wr = 1;
+    ia.cap.max_send_sge = 1;
+    ia.cap.max_recv_sge = 1;
+    errno = 0;
+    return ibv_create_qp(e.pd, &ia);
+  };
+  nic0.refuseQps(2);
+  ibv_qp* other = create(b);
+  EXPECT_NE(other, nullptr) << "mlx5_1 refused a QP for mlx5_0's knob";
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(create(a), nullptr) << "refusal " << i;
+    EXPECT_EQ(errno, ENOMEM);
+  }
+  EXPECT_EQ(nic0.refuseQpsPending(), 0);
+  ibv_qp* ok = create(a);
+  ASSERT_NE(ok, nullptr) << "still refused after the count ran out";
+  // Held on its way to INIT until released.
+  const uint64_t held = nic0.heldQps();
+  nic0.holdQps(true);
+  std::atomic<int> done{0};
+  int rc = -1;
+  std::thread t([&] {
+    ibv_qp_attr qa{};
+    qa.qp_state = IBV_QPS_INIT;
+    qa.port_num = 1;
+    qa.qp_access_flags = IBV_ACCESS_REMOTE_WRITE;
+    rc = ibv_modify_qp(ok, &qa, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                                    IBV_QP_ACCESS_FLAGS);
+    done.store(1);
+  });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (nic0.heldQps() == held && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(nic0.heldQps(), held + 1) << "the move to INIT did not wait on the hold";
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(done.load(), 0) << "ibv_modify_qp returned while held";
+  nic0.holdQps(false);
+  t.join();
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(qpState(ok), IBV_QPS_INIT);
+  ibv_destroy_qp(ok);
+  if (other != nullptr) ibv_destroy_qp(other);
 }
 
 }  // namespace

@@ -494,6 +494,14 @@ ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* attr) {
   }
   Pd* p = reinterpret_cast<Pd*>(pd);
   Ctx* c = p->ctx;
+  // NicControl::refuseQps.
+  int64_t refuse = c->shm->refuse_qp.load();
+  while (refuse > 0 && !c->shm->refuse_qp.compare_exchange_weak(refuse, refuse - 1)) {
+  }
+  if (refuse > 0) {
+    errno = ENOMEM;
+    return nullptr;
+  }
   const Fabric& f = fabric();
   const DevCfg& cfg = f.devices[c->dev];
   auto* q = new Qp();
@@ -562,6 +570,14 @@ int ibv_query_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init
 // The RC state machine with the attribute masks the kernel requires per transition.
 int ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* a, int mask) {
   Qp* q = qpOf(qp);
+  DevShm* shm = q->ctx->shm;
+  if ((mask & IBV_QP_STATE) && a->qp_state == IBV_QPS_INIT && qp->state == IBV_QPS_RESET &&
+      shm->hold_qp.load() != 0) {  // NicControl::holdQps
+    shm->held_qps.fetch_add(1);
+    const auto until = Clock::now() + std::chrono::seconds(30);
+    while (shm->hold_qp.load() != 0 && Clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   std::lock_guard<std::mutex> g(q->mu);
   if (!(mask & IBV_QP_STATE)) return EINVAL;
   ibv_qp_state cur = qp->state, to = a->qp_state;
