@@ -133,7 +133,10 @@ Elastic::Found Elastic::observe(const View& base, const std::vector<int>& must, 
       if (b != a && base.incarnation[b] != 0 && o.conn[b] == base.incarnation[b])
         f.links.set(a, b, true);
   }
-  f.healthy = healthySet(f.candidates, f.links);
+  SlotMask active(max_size_, 0);
+  for (int s = 0; s < max_size_ && s < base.maxSize(); ++s)
+    active[s] = base.state[s] == MemberState::kActive ? 1 : 0;
+  f.healthy = healthySet(f.candidates, f.links, &active);
   return f;
 }
 

@@ -166,7 +166,7 @@ std::vector<int> observersToAwait(const View& v, int self, const std::function<b
   return seen_up;
 }
 
-SlotMask healthySet(const SlotMask& candidates, const LinkMatrix& links) {
+SlotMask healthySet(const SlotMask& candidates, const LinkMatrix& links, const SlotMask* active) {
   const int n = links.size();
   const int words = links.words_;
   auto rowOf = [&](std::vector<uint64_t>& m, int a) { return m.data() + size_t(a) * words; };
@@ -193,12 +193,20 @@ SlotMask healthySet(const SlotMask& candidates, const LinkMatrix& links) {
     const uint64_t* r = rowOf(mutual, a);
     for (int w = 0; w < words; ++w) degree[a] += static_cast<int>(std::bitset<64>(r[w] & in[w]).count());
   }
-  // Evict the least connected (ties: the highest slot) until every member is connected to
-  // every other member.
+  // Evict the least connected (ties: one not Active, then the highest slot) until every member
+  // is connected to every other member.
+  auto isActive = [&](int a) {
+    return active == nullptr || (a < static_cast<int>(active->size()) && (*active)[a]);
+  };
+  auto evictedBefore = [&](int a, int b) {
+    if (degree[a] != degree[b]) return degree[a] < degree[b];
+    if (isActive(a) != isActive(b)) return !isActive(a);
+    return a > b;
+  };
   while (members > 0) {
     int worst = -1;
     for (int a = 0; a < n; ++a)
-      if (isIn(a) && (worst < 0 || degree[a] <= degree[worst])) worst = a;
+      if (isIn(a) && (worst < 0 || evictedBefore(a, worst))) worst = a;
     if (degree[worst] == members - 1) break;  // the least connected sees everyone: a clique
     in[worst / 64] &= ~(uint64_t{1} << (worst % 64));
     --members;

@@ -72,7 +72,7 @@ class LinkMatrix {
   bool mutual(int a, int b) const { return link(a, b) && link(b, a); }
 
  private:
-  friend SlotMask healthySet(const SlotMask&, const LinkMatrix&);
+  friend SlotMask healthySet(const SlotMask&, const LinkMatrix&, const SlotMask*);
   int n_;
   int words_;  // per row
   std::vector<uint64_t> bits_;
@@ -82,8 +82,12 @@ class LinkMatrix {
 // to a clique of mutually connected slots by evicting, one at a time, the member with the
 // fewest mutual connections inside the set (ties: the highest slot); a lone survivor that has
 // no link in either direction to any other candidate is dropped too (it is the isolated one);
-// then candidates connected to every member are added back, lowest slot first.
-SlotMask healthySet(const SlotMask& candidates, const LinkMatrix& links);
+// then candidates connected to every member are added back, lowest slot first. active (when
+// given): the view's Active slots; on a tie a candidate that is not Active (a joiner awaiting
+// activation) is evicted before an Active one, so that a joiner some member has not opened yet
+// cannot cost an Active member its place.
+SlotMask healthySet(const SlotMask& candidates, const LinkMatrix& links,
+                    const SlotMask* active = nullptr);
 
 // Whose observations a reconciling process waits for: every other process of view v (state
 // neither None nor Left) that it sees alive (`up`); and, when it sees fewer than half of the

@@ -113,6 +113,21 @@ TEST(PgMembership, HealthySetEvictsLeastConnectedHighestOnTie) {
   EXPECT_EQ(healthySet(mask(5, {0, 1, 2, 3, 4}), l), mask(5, {0, 3, 4}));
 }
 
+// A joiner (slot 1, awaiting) that slot 3 has not opened yet, and slot 3 that has not opened
+// it: degrees 1 and 3 tie. Found by a review: the tie evicted Active slot 3; the joiner goes.
+TEST(PgMembership, HealthySetEvictsTheJoinerBeforeAnActiveMemberOnTie) {
+  LinkMatrix l = full(4);
+  cut(l, 1, 3);
+  const SlotMask active = mask(4, {0, 2, 3});
+  EXPECT_EQ(healthySet(mask(4, {0, 1, 2, 3}), l, &active), mask(4, {0, 2, 3}));
+  EXPECT_EQ(healthySet(mask(4, {0, 1, 2, 3}), l), mask(4, {0, 1, 2}));  // no view: upstream's rule
+  // Degrees decide before states: a joiner better connected than an Active member stays.
+  l = full(4);
+  cut(l, 3, 0);
+  cut(l, 3, 2);
+  EXPECT_EQ(healthySet(mask(4, {0, 1, 2, 3}), l, &active), mask(4, {0, 1, 2}));
+}
+
 TEST(PgMembership, HealthySetIsolatedSingletonAndReAdd) {
   // Three ranks that reach nobody: the lone survivor of the evictions is dropped too.
   LinkMatrix none(3);
