@@ -456,6 +456,28 @@ def late_ack():
     report(sums=[list(all_reduce(1000 * k + PROC))[:2] for k in range(1, 6)])
 
 
+def store_wait():
+    """test_a_rank_waiting_on_the_job_store_is_not_evicted: slot 2's main thread waits on the
+    job's store (as NCCL's or gloo's setup, or the user's code, may) while slot 3 dies; slot 2's
+    group must still answer and stay active."""
+    b = init(PROC, 4)
+    assert all_reduce(PROC + 1)[0] == 10
+    event(f"ready{PROC}")
+    for p in range(4):
+        wait_event(f"ready{p}")
+    if PROC == 3:
+        time.sleep(0.5)
+        os._exit(0)
+    if PROC == 2:
+        t0 = time.time()
+        STORE.wait(["ev/release"], timedelta(seconds=60))
+        report(blocked=time.time() - t0, active=active(b))
+        return
+    wait_until(lambda: active(b)[3] == 0, 20, "the view without slot 3")
+    time.sleep(1.5)  # (a view evicting slot 2 would come within the collective timeout)
+    report(active=active(b), epoch=pg.get_current_epoch(b))
+
+
 def coordinator_killed():
     """Rank 0 (the first proposer; it hosts no store here) is SIGKILLed by the test: the
     others hold the view without it within 2 s and keep running."""

@@ -323,3 +323,20 @@ def test_survivors_agree_on_a_late_acknowledgement(resume_s):
             except OSError:
                 pass
         job.close()
+
+
+def test_a_rank_waiting_on_the_job_store_is_not_evicted():
+    """A review: torch's TCPStore client serialises its calls, so a user thread waiting on the
+    job's store held the elastic agent's store calls up and the others evicted that live rank
+    (view [0, 1] after slot 3 died). An elastic group now has a store connection of its own."""
+    job = Job("store_wait", 4)
+    try:
+        out = {p: job.result(p) for p in (0, 1)}
+        job.store.set("ev/release", "1")
+        out[2] = job.result(2)
+        job.store.set("ev/exit", "1")
+        for p in (0, 1, 2):
+            assert "error" not in out[p], (p, out[p], job.tails())
+            assert out[p]["active"][:4] == [1, 1, 1, 0], (p, out, job.tails())
+    finally:
+        job.close()

@@ -111,6 +111,26 @@ def _reach_host(store):
     return host or ""
 
 
+_PRIVATE_PREFIX = "mooncake/private/"
+
+
+def _control_store(store, timeout, elastic):
+    """The store the group talks through. An elastic group's agent calls the store every tick
+    for as long as the group lives, and torch's TCPStore client serialises its calls: a user
+    thread waiting on the job's store (a `wait`, a `get` of a missing key, NCCL's or gloo's own
+    setup in a mixed job) held the agent up until a live rank was evicted. So an elastic group
+    over a TCPStore gets a client connection of its own to the same server (keys under
+    mooncake/private/, which every rank of the group uses alike); others keep `store`."""
+    root = _root_store(store)
+    if not elastic or not isinstance(root, dist.TCPStore):
+        return store
+    try:
+        own = dist.TCPStore(root.host, root.port, is_master=False, timeout=timeout)
+    except (RuntimeError, TypeError):  # (not reachable as it was reached: keep the shared one)
+        return store
+    return dist.PrefixStore(_PRIVATE_PREFIX, own)
+
+
 def _create(dist_backend_opts, pg_options=None):
     """Creator torch calls (extended API): builds the group's ProcessGroupMooncake."""
     o = dist_backend_opts
@@ -121,8 +141,9 @@ def _create(dist_backend_opts, pg_options=None):
         name = _joiner_group_name(o.store, o.group_id)
     else:
         name = _group_name(o.store, o.group_rank, o.group_size, o.group_id)
+    elastic = isinstance(opts, MooncakeBackendOptions)
     backend = _C.ProcessGroupMooncake(
-        o.store,
+        _control_store(o.store, o.timeout, elastic),
         o.group_rank,
         o.group_size,
         o.timeout,
