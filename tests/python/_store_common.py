@@ -3,7 +3,6 @@ import glob
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,10 +22,7 @@ os.environ["MC_SECRET_FILE"] = SECRET_FILE
 os.environ.pop("MC_SECRET", None)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness import free_port  # noqa: E402,F401  (below the ephemeral range)
 
 
 def stop_process(pid, timeout=5):

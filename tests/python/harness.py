@@ -8,6 +8,7 @@ pool whose workers died or hung is killed and replaced on next use.
 """
 
 import os
+import random
 import secrets
 import signal
 import socket
@@ -27,8 +28,32 @@ PYTHON = sys.executable
 WORKER = os.path.join(HERE, "_pg_worker.py")
 
 
+_PORTS_GIVEN = set()
+
+
 def free_port():
-    with socket.socket() as s:
+    """A port nobody listens on, below the kernel's ephemeral range, distinct within this
+    process. A port bind(0) picked is an ephemeral one, which an outgoing connection of any
+    process may take before whoever was given it binds it (a master's metrics port failed so,
+    "Address already in use", in a full run)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    lo, hi = 20000, max(21000, ephemeral - 1)
+    for _ in range(500):
+        port = random.randint(lo, hi)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # (a crowded range: what the kernel picks)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
