@@ -124,10 +124,12 @@ def _control_store(store, timeout, elastic):
     root = _root_store(store)
     if not elastic or not isinstance(root, dist.TCPStore):
         return store
+    # No fallback to the shared connection: every rank of the group must use the same keys.
     try:
         own = dist.TCPStore(root.host, root.port, is_master=False, timeout=timeout)
-    except (RuntimeError, TypeError):  # (not reachable as it was reached: keep the shared one)
-        return store
+    except RuntimeError as e:
+        raise RuntimeError(f"mooncake: elastic group: a store connection of its own to "
+                           f"{root.host}:{root.port}: {e}") from e
     return dist.PrefixStore(_PRIVATE_PREFIX, own)
 
 
