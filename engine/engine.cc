@@ -163,7 +163,7 @@ Status TransferEngine::free(void* p) {
     MC_RETURN_IF_ERROR(impl_->registry.remove(r->addr).status());
     impl_->unregisterWithTransports(*r);
     impl_->device_regions.fetch_sub(1);
-    auto dev = device::get();  // it made this allocation, so it exists
+    auto dev = device::layerOf(p);  // the layer that made it (MC_DEVICE may differ now)
     return dev.ok() ? (*dev)->free(p) : dev.status();
   }
   return impl_->registry.freeShm(p, [this](const Region& r) { impl_->unregisterWithTransports(r); });

@@ -154,10 +154,11 @@ class TransferEngine::Impl {
     // it registered (host memory goes with the registry).
     for (auto& t : transports) t.reset();
     if (device_regions.load() == 0) return;
-    auto dev = device::get();
-    for (const Region& r : registry.snapshot())
-      if (r.kind == MemoryKind::kCuda && r.engine_owned && dev.ok())
-        (void)(*dev)->free(reinterpret_cast<void*>(r.addr));
+    for (const Region& r : registry.snapshot()) {
+      if (r.kind != MemoryKind::kCuda || !r.engine_owned) continue;
+      auto dev = device::layerOf(reinterpret_cast<void*>(r.addr));  // MC_DEVICE may differ now
+      if (dev.ok()) (void)(*dev)->free(reinterpret_cast<void*>(r.addr));
+    }
   }
 
   void shutdown() {

@@ -609,13 +609,47 @@ Result<std::unique_ptr<Device>> make(const std::string& want) {
 #endif
 }
 
+namespace {
+
+// The layers get() made, one per MC_DEVICE value asked under, a failure kept too (making one
+// costs a driver probe). Never destroyed: streams and gates may still use them at exit.
+struct Made {
+  std::string want;
+  Result<std::unique_ptr<Device>> layer;
+  const Made* next;  // the one made before it
+};
+std::atomic<const Made*> g_made{nullptr};  // the newest; the list only grows
+std::atomic<const Made*> g_last{nullptr};  // the one get() answered last (its fast path)
+
+Result<Device*> answer(const Made* m) {
+  if (!m->layer.ok()) return m->layer.status();
+  return m->layer.value().get();
+}
+
+}  // namespace
+
 Result<Device*> get() {
-  // Made once; a failure is kept too (the answer does not change within a process).
-  static Result<std::unique_ptr<Device>>* made = [] {
-    return new Result<std::unique_ptr<Device>>(make(params::getString("MC_DEVICE")));
-  }();
-  if (!made->ok()) return made->status();
-  return made->value().get();
+  // In a process MC_DEVICE does not change, and this is the one layer made at the first call.
+  // Tests set it per test (the peer they spawn inherits it): each answer is for its value.
+  const std::string want = params::getString("MC_DEVICE");
+  const Made* last = g_last.load(std::memory_order_acquire);
+  if (last != nullptr && last->want == want) return answer(last);
+  static std::mutex mu;
+  std::lock_guard<std::mutex> g(mu);
+  const Made* m = g_made.load(std::memory_order_acquire);
+  while (m != nullptr && m->want != want) m = m->next;
+  if (m == nullptr) {
+    m = new Made{want, make(want), g_made.load(std::memory_order_relaxed)};
+    g_made.store(m, std::memory_order_release);
+  }
+  g_last.store(m, std::memory_order_release);
+  return answer(m);
+}
+
+Result<Device*> layerOf(const void* p) {
+  for (const Made* m = g_made.load(std::memory_order_acquire); m != nullptr; m = m->next)
+    if (m->layer.ok() && m->layer.value()->pointer(p).device) return m->layer.value().get();
+  return MC_STATUS(kNotFound, p << " is no device memory of a layer made here");
 }
 
 bool isDeviceMemory(const void* p) {

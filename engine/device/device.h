@@ -220,8 +220,12 @@ class PinnedRange {
 };
 
 // The process's device layer (made on first call; MC_DEVICE). An error says why there is none
-// (MC_DEVICE=none, no CUDA driver, no device, a build without CUDA).
+// (MC_DEVICE=none, no CUDA driver, no device, a build without CUDA). A test that changes
+// MC_DEVICE gets the layer of the new value (made once per value; none is ever destroyed).
 Result<Device*> get();
+// The layer made in this process whose device memory p is, whatever MC_DEVICE says now (a
+// test may have changed it since the allocation); kNotFound when none.
+Result<Device*> layerOf(const void* p);
 // A device layer of kind `which` (auto, cuda, sim, none), apart from the process's one: for
 // tests, and what get() makes from MC_DEVICE.
 Result<std::unique_ptr<Device>> make(const std::string& which);
