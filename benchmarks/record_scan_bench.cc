@@ -35,45 +35,16 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_units.h"
 #include "store/master/record.h"
 
 using namespace mooncake::store;
+using mooncake::bench::fmtSize;
+using mooncake::bench::parseSize;
+using mooncake::bench::splitComma;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-uint64_t parseSize(std::string s) {
-  uint64_t mult = 1;
-  char c = s.empty() ? 0 : static_cast<char>(toupper(s.back()));
-  if (c == 'K' || c == 'M' || c == 'G') {
-    mult = c == 'K' ? 1ull << 10 : c == 'M' ? 1ull << 20 : 1ull << 30;
-    s.pop_back();
-  }
-  return static_cast<uint64_t>(std::stod(s) * static_cast<double>(mult));
-}
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t at = 0;
-  while (at <= s.size()) {
-    size_t comma = s.find(',', at);
-    if (comma == std::string::npos) comma = s.size();
-    if (comma > at) out.push_back(s.substr(at, comma - at));
-    at = comma + 1;
-  }
-  return out;
-}
-
-std::string human(uint64_t n) {
-  char b[32];
-  if (n >= (1ull << 30) && n % (1ull << 30) == 0)
-    std::snprintf(b, sizeof(b), "%lluG", static_cast<unsigned long long>(n >> 30));
-  else if (n >= (1ull << 20) && n % (1ull << 20) == 0)
-    std::snprintf(b, sizeof(b), "%lluM", static_cast<unsigned long long>(n >> 20));
-  else
-    std::snprintf(b, sizeof(b), "%lluK", static_cast<unsigned long long>(n >> 10));
-  return b;
-}
 
 // The walk before b785c71 (its stepping only; decodeRecord is the same): a committed record's
 // whole allocation was stepped over, an uncommitted one's 64 bytes.
@@ -213,7 +184,7 @@ void bench(uint64_t size, const std::string& objects, int reps, size_t key_len, 
            bool window, bool populate) {
   Segment s;
   if (!makeSegment(size, &s)) {
-    std::fprintf(stderr, "cannot make a %s shm segment\n", human(size).c_str());
+    std::fprintf(stderr, "cannot make a %s shm segment\n", fmtSize(size).c_str());
     return;
   }
   const uint64_t tag = 0x5eed5eed12345678ull;
@@ -285,7 +256,7 @@ void bench(uint64_t size, const std::string& objects, int reps, size_t key_len, 
     }
   }
   std::printf("segment %s, objects %s, key %zu B: %llu records (filled in %.1f s)\n",
-              human(size).c_str(), objects.c_str(), key_len, static_cast<unsigned long long>(n),
+              fmtSize(size).c_str(), objects.c_str(), key_len, static_cast<unsigned long long>(n),
               fill_s);
   for (Variant& v : vs) {
     const double med = median(v.ms);
@@ -324,9 +295,9 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  for (const std::string& seg : split(segments)) {
+  for (const std::string& seg : splitComma(segments)) {
     bench(parseSize(seg), "empty", reps, key_len, fresh, window, populate);
-    for (const std::string& obj : split(objects))
+    for (const std::string& obj : splitComma(objects))
       bench(parseSize(seg), obj, reps, key_len, fresh, window, populate);
   }
   return 0;

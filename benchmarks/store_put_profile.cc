@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_units.h"
 #include "engine/engine.h"
 #include "engine/secret.h"
 #include "store/client/store_client.h"
@@ -31,16 +32,6 @@ using namespace mooncake;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-uint64_t parseSize(std::string s) {
-  uint64_t mult = 1;
-  char c = s.empty() ? 0 : static_cast<char>(toupper(s.back()));
-  if (c == 'K' || c == 'M' || c == 'G') {
-    mult = c == 'K' ? 1ull << 10 : c == 'M' ? 1ull << 20 : 1ull << 30;
-    s.pop_back();
-  }
-  return static_cast<uint64_t>(std::stod(s) * static_cast<double>(mult));
-}
 
 double pct(std::vector<int64_t> v, double p) {
   if (v.empty()) return 0;
@@ -72,16 +63,11 @@ int main(int argc, char** argv) {
     std::string a = argv[i], v = argv[i + 1];
     if (a == "--sizes") {
       sizes.clear();
-      for (size_t p = 0; p <= v.size();) {
-        size_t q = v.find(',', p);
-        if (q == std::string::npos) q = v.size();
-        sizes.push_back(parseSize(v.substr(p, q - p)));
-        p = q + 1;
-      }
+      for (const std::string& item : bench::splitComma(v)) sizes.push_back(bench::parseSize(item));
     } else if (a == "--iters") {
       iters = std::stoi(v);
     } else if (a == "--segment") {
-      segment = parseSize(v);
+      segment = bench::parseSize(v);
     } else if (a == "--json") {
       json = v;
     } else {

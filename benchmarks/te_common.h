@@ -1,6 +1,6 @@
 // Helpers shared by the engine's benchmark (te_bench) and demo (te_demo): spawning the
-// target process (this same binary with a role flag), the target's serve loop, size
-// parsing, percentiles. Benchmark code only; the engine never includes this.
+// target process (this same binary with a role flag), the target's serve loop, percentiles
+// (sizes and lists: bench_units.h). Benchmark code only; the engine never includes this.
 //
 // Why fork+exec rather than plain fork: the parent already runs threads (the rendezvous
 // server, engine threads), and a child forked from a threaded process may only call
@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "benchmarks/bench_units.h"
 #include "engine/engine.h"
 #include "engine/rendezvous.h"
 #include "engine/secret.h"
@@ -69,45 +70,6 @@ inline double percentile(std::vector<double> v, double p) {
   size_t idx = static_cast<size_t>(p / 100.0 * static_cast<double>(v.size()) + 0.5);
   if (idx > 0) idx -= 1;
   return v[std::min(idx, v.size() - 1)];
-}
-
-inline std::vector<std::string> splitComma(const std::string& s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= s.size()) {
-    size_t end = s.find(',', start);
-    if (end == std::string::npos) end = s.size();
-    if (end > start) out.push_back(s.substr(start, end - start));
-    start = end + 1;
-  }
-  return out;
-}
-
-// "4K", "64k", "1M", "2G", "4096" -> bytes (binary units). 0 on malformed input.
-inline uint64_t parseSize(const std::string& s) {
-  if (s.empty()) return 0;
-  char* end = nullptr;
-  unsigned long long v = std::strtoull(s.c_str(), &end, 10);
-  if (end == s.c_str()) return 0;
-  std::string unit(end);
-  if (unit == "" || unit == "B" || unit == "b") return v;
-  if (unit == "K" || unit == "k" || unit == "KiB") return v << 10;
-  if (unit == "M" || unit == "m" || unit == "MiB") return v << 20;
-  if (unit == "G" || unit == "g" || unit == "GiB") return v << 30;
-  return 0;
-}
-
-inline std::string fmtSize(uint64_t b) {
-  char buf[32];
-  if (b >= (1ull << 30) && b % (1ull << 30) == 0)
-    std::snprintf(buf, sizeof buf, "%lluG", static_cast<unsigned long long>(b >> 30));
-  else if (b >= (1ull << 20) && b % (1ull << 20) == 0)
-    std::snprintf(buf, sizeof buf, "%lluM", static_cast<unsigned long long>(b >> 20));
-  else if (b >= (1ull << 10) && b % (1ull << 10) == 0)
-    std::snprintf(buf, sizeof buf, "%lluK", static_cast<unsigned long long>(b >> 10));
-  else
-    std::snprintf(buf, sizeof buf, "%llu", static_cast<unsigned long long>(b));
-  return buf;
 }
 
 // 64-bit FNV-1a over 8-byte words (tail bytes one by one): cheap enough for 64 MiB.
