@@ -16,6 +16,8 @@
 #include <httplib.h>
 
 #include <nlohmann/json.hpp>
+
+#include "store/ha/etcd_gateway.h"
 #endif
 
 namespace mooncake::store::ha {
@@ -252,6 +254,34 @@ constexpr const char* kUserHint =
 
 }  // namespace
 
+GatewayReply gatewayPost(httplib::Client& cli, const std::string& path, const std::string& body,
+                         const httplib::Headers& headers) {
+  httplib::Request req;
+  req.method = "POST";
+  req.path = path;
+  req.headers = headers;
+  req.set_header("Content-Type", "application/json");
+  req.body = body;
+  GatewayReply reply;
+  req.response_handler = [&reply](const httplib::Response& r) {
+    reply.status = r.status;
+    return true;
+  };
+  req.content_receiver = [&reply](const char* data, size_t n, uint64_t, uint64_t) {
+    reply.body.append(data, n);
+    return true;
+  };
+  httplib::Response res;
+  bool done;
+  {
+    SigpipeBlock no_sigpipe;
+    done = cli.send(req, res, reply.error);
+  }
+  reply.answered = done || (reply.status > 0 && reply.error == httplib::Error::Read &&
+                            !reply.body.empty());
+  return reply;
+}
+
 Result<std::unique_ptr<EtcdClient>> EtcdClient::create(const std::string& endpoints,
                                                        int64_t timeout_ms) {
   MC_ASSIGN_OR_RETURN(EtcdSecurity security, EtcdSecurity::fromParams());
@@ -407,34 +437,11 @@ Result<std::string> EtcdClient::send(const std::string& path, const std::string&
     cli->set_connection_timeout(sec, usec);
     cli->set_read_timeout(sec, usec);
     cli->set_write_timeout(sec, usec);
-    // The gateway ends its error answers with HTTP trailers (Grpc-Trailer-*), which
-    // cpp-httplib 0.11 cannot parse (it reports a read error after the body): the status and
-    // the body are taken as they arrive, and such a read error after them is not a failure.
-    httplib::Request req;
-    req.method = "POST";
-    req.path = path;
-    req.headers = headers;
-    req.set_header("Content-Type", "application/json");
-    req.body = body;
-    int status = 0;
-    std::string answer;
-    req.response_handler = [&status](const httplib::Response& r) {
-      status = r.status;
-      return true;
-    };
-    req.content_receiver = [&answer](const char* data, size_t n, uint64_t, uint64_t) {
-      answer.append(data, n);
-      return true;
-    };
-    httplib::Response res;
-    httplib::Error e = httplib::Error::Success;
-    bool done;
-    {
-      // cpp-httplib writes sockets without MSG_NOSIGNAL, and OpenSSL with write().
-      SigpipeBlock no_sigpipe;
-      done = cli->send(req, res, e);
-    }
-    if (!done && !(status > 0 && e == httplib::Error::Read && !answer.empty())) {
+    GatewayReply reply = gatewayPost(*cli, path, body, headers);
+    const httplib::Error e = reply.error;
+    const int status = reply.status;
+    const std::string& answer = reply.body;
+    if (!reply.answered) {
       std::string what = e == httplib::Error::Connection          ? "cannot connect"
                          : e == httplib::Error::ConnectionTimeout ? "connect timed out"
                          : e == httplib::Error::Read              ? "no answer (read failed)"

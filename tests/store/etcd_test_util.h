@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "store/ha/etcd_gateway.h"
 #include "tests/store/ha_harness.h"
 
 namespace mooncake::test {
@@ -40,34 +41,16 @@ struct TempDir {
   std::string operator/(const std::string& name) const { return path + "/" + name; }
 };
 
-// POSTs to etcd's gateway at "http://host:port"; the status (0: no answer) and the body. The
-// gateway ends error answers with trailers that cpp-httplib 0.11 reports as a read error after
-// the body, as EtcdClient does: the status and body received count.
+// POSTs to etcd's gateway at "http://host:port" as EtcdClient does (store/ha/etcd_gateway.h:
+// the status and body received count, though the gateway's error answers end with trailers);
+// the status (0: no answer) and the body.
 inline std::pair<int, std::string> rawPost(const std::string& url, const std::string& path,
                                            const std::string& body,
                                            const httplib::Headers& headers = {}) {
   httplib::Client cli(url);
   cli.set_read_timeout(5, 0);
-  httplib::Request req;
-  req.method = "POST";
-  req.path = path;
-  req.headers = headers;
-  req.set_header("Content-Type", "application/json");
-  req.body = body;
-  int status = 0;
-  std::string answer;
-  req.response_handler = [&status](const httplib::Response& r) {
-    status = r.status;
-    return true;
-  };
-  req.content_receiver = [&answer](const char* data, size_t n, uint64_t, uint64_t) {
-    answer.append(data, n);
-    return true;
-  };
-  httplib::Response res;
-  httplib::Error e = httplib::Error::Success;
-  cli.send(req, res, e);
-  return {status, answer};
+  store::ha::GatewayReply r = store::ha::gatewayPost(cli, path, body, headers);
+  return {r.status, r.body};
 }
 
 // Waits until the master serves (at most timeout_ms).
