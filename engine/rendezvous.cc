@@ -25,7 +25,6 @@
 #include "engine/rendezvous.h"
 
 #include <endian.h>
-#include <sys/eventfd.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -36,7 +35,7 @@
 #include "engine/log.h"
 #include "engine/params.h"
 #include "engine/secret.h"
-#include "engine/transport/tcp/tcp_admission.h"
+#include "engine/transport/tcp/tcp_poll_server.h"
 #include "engine/transport/tcp/tcp_socket.h"
 #include "engine/wire.h"
 
@@ -151,11 +150,7 @@ struct TcpRendezvousServer::Impl {
     Deadline deadline;
   };
 
-  int listen_fd = -1;
-  int wake_fd = -1;
-  uint16_t port = 0;
-  std::atomic<bool> stop{false};
-  std::thread thread;
+  tcp::PollServer server{"rendezvous server"};
   uint64_t next_conn = 1;
   std::map<uint64_t, Conn> conns;
   std::map<std::string, std::string> kv;
@@ -164,23 +159,13 @@ struct TcpRendezvousServer::Impl {
   uint64_t max_value = 4u << 20;
   uint64_t max_total = 256u << 20;
   uint64_t total_bytes = 0;  // keys + values held
-  std::unique_ptr<tcp::Admission> admission;
-  bool listen_paused = false;
 
   ~Impl() {
-    if (thread.joinable()) {
-      stop = true;
-      uint64_t one = 1;
-      ssize_t w = write(wake_fd, &one, sizeof(one));
-      (void)w;
-      thread.join();
-    }
+    server.stop();
     for (auto& [id, c] : conns) {
       close(c.fd);
-      if (admission) admission->closed(c.src, c.authed);
+      server.admission().closed(c.src, c.authed);
     }
-    if (listen_fd >= 0) close(listen_fd);
-    if (wake_fd >= 0) close(wake_fd);
   }
 
   void reply(uint64_t id, Code code, const std::string& value) {
@@ -208,7 +193,7 @@ struct TcpRendezvousServer::Impl {
     if (it == conns.end()) return;
     MC_LOG(DEBUG, ENGINE) << "rendezvous server: closing connection " << id << ": " << why;
     close(it->second.fd);
-    if (admission) admission->closed(it->second.src, it->second.authed);
+    server.admission().closed(it->second.src, it->second.authed);
     conns.erase(it);
     for (auto w = waiters.begin(); w != waiters.end();)
       w = (w->second.conn == id) ? waiters.erase(w) : std::next(w);
@@ -265,7 +250,7 @@ struct TcpRendezvousServer::Impl {
         return false;
       }
       c.authed = true;
-      if (admission) admission->authenticated(c.src);
+      server.admission().authenticated(c.src);
       std::string proof = secretProof(secret, kServerProof, c.challenge, nonce, "");
       c.challenge.clear();
       reply(id, Code::kOk, proof);  // (may drop the connection: `c` is not used after it)
@@ -385,7 +370,7 @@ struct TcpRendezvousServer::Impl {
   }
 
   void sweepHandshakes() {
-    if (!admission || admission->preauthCount() == 0) return;
+    if (server.admission().preauthCount() == 0) return;
     Deadline now = Clock::now();
     std::vector<uint64_t> late;
     for (auto& [id, c] : conns)
@@ -410,12 +395,9 @@ struct TcpRendezvousServer::Impl {
   void run() {
     std::vector<pollfd> pfds;
     std::vector<uint64_t> ids;
-    while (!stop.load()) {
-      pfds.clear();
+    while (!server.stopping()) {
+      server.head(&pfds);
       ids.clear();
-      pfds.push_back({wake_fd, POLLIN, 0});
-      if (listen_paused && Clock::now() >= admission->pausedUntil()) listen_paused = false;
-      pfds.push_back({listen_fd, static_cast<short>(listen_paused ? 0 : POLLIN), 0});
       for (auto& [id, c] : conns) {
         short ev = POLLIN;
         if (c.out_off < c.out.size()) ev |= POLLOUT;
@@ -427,9 +409,10 @@ struct TcpRendezvousServer::Impl {
         int ms = std::min(sock::msUntil(w.deadline), 3600 * 1000) + 1;
         timeout = timeout < 0 ? ms : std::min(timeout, ms);
       }
-      if (admission->preauthCount() > 0) timeout = timeout < 0 ? 100 : std::min(timeout, 100);
-      if (listen_paused) {
-        int ms = std::max(1, sock::msUntil(admission->pausedUntil()));
+      if (server.admission().preauthCount() > 0)
+        timeout = timeout < 0 ? 100 : std::min(timeout, 100);
+      if (server.paused()) {
+        int ms = std::max(1, sock::msUntil(server.admission().pausedUntil()));
         timeout = timeout < 0 ? ms : std::min(timeout, ms);
       }
       int n = poll(pfds.data(), pfds.size(), timeout);
@@ -437,22 +420,19 @@ struct TcpRendezvousServer::Impl {
         MC_LOG(ERROR, ENGINE) << "rendezvous server: poll: " << sock::errnoStr(errno);
         break;
       }
-      if (stop.load()) break;
-      if (pfds[1].revents & POLLIN) {
-        bool ok = admission->acceptAll(listen_fd, [this](int fd, const std::string& src) {
-          sock::setNoDelay(fd);
-          const uint64_t id = next_conn++;
-          Conn& c = conns[id];
-          c.fd = fd;
-          c.src = src;
-          c.handshake_by = admission->handshakeDeadline(Clock::now());
-          c.challenge = randomBytes(kNonceBytes);
-          reply(id, Code::kOk, c.challenge);  // a fresh socket: written at once
-        });
-        if (!ok) listen_paused = true;
-      }
+      if (server.stopping()) break;
+      server.accept(pfds, [this](int fd, const std::string& src) {
+        sock::setNoDelay(fd);
+        const uint64_t id = next_conn++;
+        Conn& c = conns[id];
+        c.fd = fd;
+        c.src = src;
+        c.handshake_by = server.admission().handshakeDeadline(Clock::now());
+        c.challenge = randomBytes(kNonceBytes);
+        reply(id, Code::kOk, c.challenge);  // a fresh socket: written at once
+      });
       for (size_t i = 0; i < ids.size(); ++i) {
-        short re = pfds[i + 2].revents;
+        short re = pfds[i + tcp::PollServer::kHead].revents;
         if (re == 0 || conns.count(ids[i]) == 0) continue;
         if (re & POLLOUT) flush(ids[i]);
         if (conns.count(ids[i]) == 0) continue;
@@ -466,7 +446,7 @@ struct TcpRendezvousServer::Impl {
 
 TcpRendezvousServer::TcpRendezvousServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 TcpRendezvousServer::~TcpRendezvousServer() = default;
-uint16_t TcpRendezvousServer::port() const { return impl_->port; }
+uint16_t TcpRendezvousServer::port() const { return impl_->server.port(); }
 
 Result<std::unique_ptr<TcpRendezvousServer>> TcpRendezvousServer::start(const std::string& host,
                                                                         uint16_t port,
@@ -478,15 +458,11 @@ Result<std::unique_ptr<TcpRendezvousServer>> TcpRendezvousServer::start(const st
       std::clamp<int64_t>(params::getInt("MC_RENDEZVOUS_MAX_VALUE_BYTES"), 1024, kMaxFrame - 8192));
   impl->max_total = static_cast<uint64_t>(
       std::max<int64_t>(params::getInt("MC_RENDEZVOUS_MAX_TOTAL_BYTES"), 1 << 20));
-  impl->admission = std::make_unique<tcp::Admission>("rendezvous server");
-  MC_ASSIGN_OR_RETURN(impl->listen_fd, sock::listenOn(host, port, 0));
-  impl->port = sock::localPort(impl->listen_fd);
-  impl->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (impl->wake_fd < 0) return MC_STATUS(kIo, "eventfd: " << sock::errnoStr(errno));
+  MC_RETURN_IF_ERROR(impl->server.listen(host, port));
   Impl* p = impl.get();
-  impl->thread = std::thread([p] { p->run(); });
+  impl->server.start([p] { p->run(); });
   MC_LOG(INFO, ENGINE) << "rendezvous server listening on " << (host.empty() ? "*" : host) << ":"
-                       << impl->port;
+                       << impl->server.port();
   return std::unique_ptr<TcpRendezvousServer>(new TcpRendezvousServer(std::move(impl)));
 }
 

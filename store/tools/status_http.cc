@@ -1,7 +1,6 @@
 #include "store/tools/status_http.h"
 
 #include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -13,7 +12,7 @@
 #include <vector>
 
 #include "engine/log.h"
-#include "engine/transport/tcp/tcp_admission.h"
+#include "engine/transport/tcp/tcp_poll_server.h"
 #include "engine/transport/tcp/tcp_socket.h"
 
 namespace mooncake::store {
@@ -97,38 +96,24 @@ struct StatusHttpServer::Impl {
     bool answered = false;
   };
 
-  int listen_fd = -1;
-  int wake_fd = -1;
-  uint16_t port = 0;
-  std::atomic<bool> stop{false};
-  std::thread thread;
+  engine::tcp::PollServer server{"status http"};
   std::map<std::string, Route> routes;
-  std::unique_ptr<engine::tcp::Admission> admission;
-  bool listen_paused = false;
   uint64_t next_id = 1;
   std::map<uint64_t, Conn> conns;
 
   ~Impl() {
-    if (thread.joinable()) {
-      stop = true;
-      uint64_t one = 1;
-      ssize_t w = write(wake_fd, &one, sizeof(one));
-      (void)w;
-      thread.join();
-    }
+    server.stop();
     for (auto& [id, c] : conns) {
       close(c.fd);
-      admission->closed(c.src, false);
+      server.admission().closed(c.src, false);
     }
-    if (listen_fd >= 0) close(listen_fd);
-    if (wake_fd >= 0) close(wake_fd);
   }
 
   void drop(uint64_t id) {
     auto it = conns.find(id);
     if (it == conns.end()) return;
     close(it->second.fd);
-    admission->closed(it->second.src, false);
+    server.admission().closed(it->second.src, false);
     conns.erase(it);
   }
 
@@ -222,12 +207,9 @@ struct StatusHttpServer::Impl {
   void run() {
     std::vector<pollfd> pfds;
     std::vector<uint64_t> ids;
-    while (!stop.load()) {
-      pfds.clear();
+    while (!server.stopping()) {
+      server.head(&pfds);
       ids.clear();
-      pfds.push_back({wake_fd, POLLIN, 0});
-      if (listen_paused && Clock::now() >= admission->pausedUntil()) listen_paused = false;
-      pfds.push_back({listen_fd, static_cast<short>(listen_paused ? 0 : POLLIN), 0});
       Deadline next = Clock::now() + std::chrono::hours(1);
       for (auto& [id, c] : conns) {
         short ev = c.answered ? POLLOUT : POLLIN;
@@ -235,24 +217,21 @@ struct StatusHttpServer::Impl {
         ids.push_back(id);
         next = std::min(next, c.deadline);
       }
-      if (listen_paused) next = std::min(next, admission->pausedUntil());
+      if (server.paused()) next = std::min(next, server.admission().pausedUntil());
       int n = poll(pfds.data(), pfds.size(), sock::msUntil(next) + 1);
       if (n < 0 && errno != EINTR) {
         MC_LOG(ERROR, STORE) << "status http: poll: " << sock::errnoStr(errno);
         break;
       }
-      if (stop.load()) break;
-      if (pfds[1].revents & POLLIN) {
-        bool ok = admission->acceptAll(listen_fd, [this](int fd, const std::string& src) {
-          Conn& c = conns[next_id++];
-          c.fd = fd;
-          c.src = src;
-          c.deadline = Clock::now() + std::chrono::milliseconds(kRequestMs);
-        });
-        if (!ok) listen_paused = true;
-      }
+      if (server.stopping()) break;
+      server.accept(pfds, [this](int fd, const std::string& src) {
+        Conn& c = conns[next_id++];
+        c.fd = fd;
+        c.src = src;
+        c.deadline = Clock::now() + std::chrono::milliseconds(kRequestMs);
+      });
       for (size_t i = 0; i < ids.size(); ++i) {
-        const short re = pfds[i + 2].revents;
+        const short re = pfds[i + engine::tcp::PollServer::kHead].revents;
         if (re == 0 || conns.count(ids[i]) == 0) continue;
         if (conns[ids[i]].answered) {
           if (re & (POLLERR | POLLHUP)) drop(ids[i]);
@@ -272,19 +251,15 @@ struct StatusHttpServer::Impl {
 
 StatusHttpServer::StatusHttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 StatusHttpServer::~StatusHttpServer() = default;
-uint16_t StatusHttpServer::port() const { return impl_->port; }
+uint16_t StatusHttpServer::port() const { return impl_->server.port(); }
 
 Result<std::unique_ptr<StatusHttpServer>> StatusHttpServer::start(
     const std::string& host, uint16_t port, std::map<std::string, Route> routes) {
   auto impl = std::make_unique<Impl>();
   impl->routes = std::move(routes);
-  impl->admission = std::make_unique<engine::tcp::Admission>("status http");
-  MC_ASSIGN_OR_RETURN(impl->listen_fd, sock::listenOn(host, port, 0));
-  impl->port = sock::localPort(impl->listen_fd);
-  impl->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (impl->wake_fd < 0) return MC_STATUS(kIo, "eventfd: " << sock::errnoStr(errno));
+  MC_RETURN_IF_ERROR(impl->server.listen(host, port));
   Impl* p = impl.get();
-  impl->thread = std::thread([p] { p->run(); });
+  impl->server.start([p] { p->run(); });
   return std::unique_ptr<StatusHttpServer>(new StatusHttpServer(std::move(impl)));
 }
 
