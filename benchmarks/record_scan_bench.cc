@@ -18,8 +18,9 @@
 // the owner's engine received the bytes over tcp) and through a fresh mapping of the same file
 // ("fresh": every page touched faults in, as when same-host peers wrote through their own
 // mappings), and through a 4 MiB host window filled by memcpy ("window": the walk used for a
-// segment in GPU memory, which copies through a window). The SEEK_DATA hole map the client
-// uses is given to the direct walks. Every variant must report the same records. --populate
+// segment in GPU memory, which copies through a window). The "now" walks use the client's
+// hole map (SegmentDataMap: SEEK_DATA, then mincore for a stretch's end), the "before" walks
+// the SEEK_DATA/SEEK_HOLE map they had. Every variant must report the same records. --populate
 // adds "now+pop/fresh": the fresh mapping prefaulted with MADV_POPULATE_READ per stretch of data
 // before the walk (measured slower than letting the walk fault, on Linux 6.18 in a VM).
 #include <fcntl.h>
@@ -115,7 +116,7 @@ struct Segment {
     if (fd >= 0) close(fd);
     if (!name.empty()) shm_unlink(name.c_str());
   }
-  std::pair<uint64_t, uint64_t> next(uint64_t off) const {  // as the client's HoleMap
+  std::pair<uint64_t, uint64_t> next(uint64_t off) const {  // SEEK_HOLE, as the old walk's
     off_t d = lseek(fd, static_cast<off_t>(off), SEEK_DATA);
     if (d < 0) return {size, size};
     off_t h = lseek(fd, d, SEEK_HOLE);
@@ -216,8 +217,11 @@ void bench(uint64_t size, const std::string& objects, int reps, size_t key_len, 
                     if (before)
                       walkBefore([base](uint64_t off, uint64_t) { return base + off; }, s.size,
                                  tag, count(&c), next);
-                    else
-                      scanRecords(base, s.size, tag, count(&c), next);
+                    else {  // the client's hole map (HoleMap, store/client/client_link.cc)
+                      SegmentDataMap map(s.fd, 0, base, s.size);
+                      scanRecords(base, s.size, tag, count(&c),
+                                  [&map](uint64_t off) { return map.next(off); });
+                    }
                     if (m != nullptr) munmap(m, s.size);
                     return c;
                   }, {}, 0});

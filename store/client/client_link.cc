@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "engine/log.h"
 #include "engine/params.h"
@@ -419,8 +420,9 @@ ErrorCode StoreClient::mount(Link& link, bool will_report) {
 
 namespace {
 
-// The stretches of our segment's shared-memory file that hold data (SEEK_DATA / SEEK_HOLE):
-// the scan never touches memory that was never written (which would allocate it).
+// The stretches of our segment's shared-memory file that hold data (SEEK_DATA, and mincore for
+// where they end: SegmentDataMap): the scan never touches memory that was never written (which
+// would allocate it).
 class HoleMap {
  public:
   HoleMap(const engine::SegmentDesc& desc, const void* seg, uint64_t size) {
@@ -428,8 +430,7 @@ class HoleMap {
     for (const auto& r : desc.regions) {
       if (r.shm_name.empty() || a < r.addr || a + size > r.addr + r.len) continue;
       fd_ = shm_open(r.shm_name.c_str(), O_RDONLY, 0);
-      base_ = a - r.addr;
-      size_ = size;
+      if (fd_ >= 0) map_.emplace(fd_, a - r.addr, seg, size);
       break;
     }
   }
@@ -437,17 +438,11 @@ class HoleMap {
     if (fd_ >= 0) ::close(fd_);
   }
   bool usable() const { return fd_ >= 0; }
-  std::pair<uint64_t, uint64_t> next(uint64_t off) const {
-    off_t d = lseek(fd_, static_cast<off_t>(base_ + off), SEEK_DATA);
-    if (d < 0) return {size_, size_};
-    off_t h = lseek(fd_, d, SEEK_HOLE);
-    uint64_t end = h < 0 ? base_ + size_ : static_cast<uint64_t>(h);
-    return {static_cast<uint64_t>(d) - base_, std::min(end - base_, size_)};
-  }
+  std::pair<uint64_t, uint64_t> next(uint64_t off) { return map_->next(off); }
 
  private:
   int fd_ = -1;
-  uint64_t base_ = 0, size_ = 0;
+  std::optional<SegmentDataMap> map_;
 };
 
 }  // namespace

@@ -1,6 +1,10 @@
 #include "store/master/record.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -151,6 +155,43 @@ bool scanRecords(const std::function<bool(uint64_t, uint64_t, char*)>& read, uin
     return buf.data() + (off - lo);
   };
   return walkRecords(at, size, segment_tag, fn, nullptr);
+}
+
+SegmentDataMap::SegmentDataMap(int fd, uint64_t file_offset, const void* mapped, uint64_t size)
+    : fd_(fd), file_offset_(file_offset), size_(size), mapped_(static_cast<const char*>(mapped)) {
+  const long page = sysconf(_SC_PAGESIZE);
+  page_ = page > 0 ? static_cast<uint64_t>(page) : 4096;
+}
+
+std::pair<uint64_t, uint64_t> SegmentDataMap::next(uint64_t off) {
+  if (off >= size_) return {size_, size_};
+  if (off >= known_lo_ && off < known_hi_) return {off, known_hi_};
+  const off_t d = lseek(fd_, static_cast<off_t>(file_offset_ + off), SEEK_DATA);
+  if (d < 0 || static_cast<uint64_t>(d) < file_offset_) return {size_, size_};
+  const uint64_t start = static_cast<uint64_t>(d) - file_offset_;
+  if (start >= size_) return {size_, size_};
+  constexpr uint64_t kLook = 8ull << 20;  // bytes asked of mincore at a time
+  const uint64_t base = reinterpret_cast<uint64_t>(mapped_);
+  const uint64_t first = (base + start) / page_;
+  const uint64_t pages = std::min<uint64_t>(
+      (base + std::min(size_, start + kLook) + page_ - 1) / page_ - first, sizeof(in_));
+  const auto t0 = std::chrono::steady_clock::now();
+  if (mincore(reinterpret_cast<void*>(first * page_), pages * page_, in_) == 0) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - t0)
+                        .count();
+    uint64_t run = 0;
+    while (run < pages && (in_[run] & 1) != 0) ++run;
+    // Fast: the page tables map these pages. Slow (they do not: every page is looked up in the
+    // file): SEEK_HOLE walks the file's pages faster, and once for the whole stretch.
+    if (run > 0 && static_cast<uint64_t>(ns) < 50 * pages)
+      return {start, std::min((first + run) * page_ - base, size_)};
+  }
+  const off_t h = lseek(fd_, d, SEEK_HOLE);
+  const uint64_t end = h < 0 ? file_offset_ + size_ : static_cast<uint64_t>(h);
+  known_lo_ = start;
+  known_hi_ = std::min(end - file_offset_, size_);
+  return {start, known_hi_};
 }
 
 }  // namespace mooncake::store

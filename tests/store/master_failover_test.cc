@@ -2,7 +2,10 @@
 // rebuild from client reports, RPC gating by role), and the allocator operations they need
 // (carve, allocateAt). Fake clock; nothing sleeps. The multi-process failover runs are in
 // store_ha_test.cc.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -133,6 +136,83 @@ TEST(Records, ScanFindsNewerRecordsInsideACommittedOne) {
   std::vector<std::pair<uint64_t, std::string>> want = {
       {0, "stale"}, {64 * kKiB, "newer"}, {192 * kKiB, "after"}};
   EXPECT_EQ(found, want);
+}
+
+// The data map of a shared-memory segment: stretches cover exactly the written pages (mincore
+// ends them, SEEK_DATA jumps the holes), a record in each is found (also one whose key crosses
+// the map's 8 MiB lookahead), and the walk allocates no page of a hole.
+TEST(Records, SegmentDataMapCoversTheWrittenPagesOnly) {
+  const std::string name = "/mc-datamap-test-" + std::to_string(getpid());
+  shm_unlink(name.c_str());
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  const uint64_t size = 24 * kMiB, page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
+  void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  char* seg = static_cast<char*>(m);
+  const uint64_t tag = 0x77;
+  // Written: [0, 64 KiB), [1 MiB, 1 MiB + 8 KiB), [2 MiB, 14 MiB) (one record's key crosses
+  // 10 MiB, the first lookahead's end from 2 MiB), the last page.
+  auto put = [&](const std::string& key, uint64_t id, uint64_t at, uint64_t len) {
+    RecordInfo r;
+    r.key = key;
+    r.put_id = id;
+    r.object_size = r.piece_length = len;
+    encodeRecord(r, tag, seg + at);
+    std::memcpy(seg + at + kRecordCommitOffset, &id, 8);
+  };
+  std::memset(seg, 1, 64 * kKiB);
+  std::memset(seg + 1 * kMiB, 1, 8 * kKiB);
+  std::memset(seg + 2 * kMiB, 1, 12 * kMiB);
+  std::memset(seg + size - page, 1, page);
+  put("a", 1, 0, 4096);
+  put("b", 2, 1 * kMiB, 4096);
+  put(std::string(200, 'c'), 3, 10 * kMiB - 128, 4096);
+  put("d", 4, 13 * kMiB, 4096);
+  put("e", 5, size - page, 64);
+  // Through the mapping that wrote (its page tables map the written pages), then through a
+  // fresh one (none mapped: SEEK_HOLE), then one with a page in the middle of a stretch mapped.
+  void* f = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(f, MAP_FAILED);
+  const char* fresh = static_cast<const char*>(f);
+  for (int pass = 0; pass < 3; ++pass) {
+    const char* at = pass == 0 ? seg : fresh;
+    if (pass == 2) {
+      ASSERT_EQ(fresh[4 * kMiB], 1);  // maps that page (and maybe a few around it)
+    }
+    SegmentDataMap map(fd, 0, at, size);
+    std::vector<std::pair<uint64_t, uint64_t>> stretches;
+    for (uint64_t off = 0; off < size;) {
+      auto [d, e] = map.next(off);
+      if (d >= size) break;
+      ASSERT_GE(d, off);
+      ASSERT_GT(e, d);
+      if (!stretches.empty() && stretches.back().second == d)
+        stretches.back().second = e;
+      else
+        stretches.emplace_back(d, e);
+      off = e;
+    }
+    const std::vector<std::pair<uint64_t, uint64_t>> want = {{0, 64 * kKiB},
+                                                            {1 * kMiB, 1 * kMiB + 8 * kKiB},
+                                                            {2 * kMiB, 14 * kMiB},
+                                                            {size - page, size}};
+    EXPECT_EQ(stretches, want) << "pass " << pass;
+    std::vector<std::string> found;
+    SegmentDataMap scan_map(fd, 0, at, size);
+    scanRecords(
+        at, size, tag, [&](uint64_t, const RecordInfo& x) { found.push_back(x.key.substr(0, 1)); },
+        [&](uint64_t off) { return scan_map.next(off); });
+    EXPECT_EQ(found, (std::vector<std::string>{"a", "b", "c", "d", "e"})) << "pass " << pass;
+  }
+  munmap(f, size);
+  // The holes are still holes: the walk read none of them.
+  EXPECT_EQ(lseek(fd, 64 * kKiB, SEEK_DATA), static_cast<off_t>(1 * kMiB));
+  EXPECT_EQ(lseek(fd, 14 * kMiB, SEEK_DATA), static_cast<off_t>(size - page));
+  munmap(m, size);
+  close(fd);
+  shm_unlink(name.c_str());
 }
 
 TEST(Records, EncodeDecodeCommitAndScan) {
