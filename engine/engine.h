@@ -151,7 +151,9 @@ class TransferEngine {
   // The same, waiting no longer than `deadline` for room at the peer (a same-host peer whose
   // inbox is full): kResourceExhausted then. A message of one inbox fragment
   // (Inbox::kFragmentBytes) was then not sent at all; of a larger one a part may have been,
-  // which the receiver discards. Deadline now() never blocks.
+  // which the receiver discards when this process's next large message to it begins, or when
+  // this process is gone. One process's large messages to one peer go one at a time (a later
+  // one waits for the earlier, within its deadline). Deadline now() never blocks.
   Status sendMessage(PeerId peer, uint32_t channel, std::string_view payload, Deadline deadline);
   // The same, taking the payload over: no copy where the transport queues it (tcp).
   Status sendMessageOwned(PeerId peer, uint32_t channel, std::string&& payload);

@@ -118,6 +118,7 @@ class TransferEngine::Impl {
   std::unordered_set<uint64_t> gone;  // engines reported gone (guarded by gone_mu)
   std::recursive_mutex gone_run_mu;   // held while handlers run
   std::atomic<uint64_t> dropped_msgs{0};  // from engines that never authenticated here
+  MessageReassembler reassembly;          // the dispatcher's, of inbox fragments
 
   std::mutex batches_mu;
   std::unordered_map<BatchId, std::shared_ptr<Batch>> batches;
@@ -361,6 +362,7 @@ class TransferEngine::Impl {
 
   // orderly: the peer's engine said it is stopping (a normal end of job: logged at INFO).
   void onPeerFailure(uint64_t engine_id, const Status& why, bool orderly) {
+    reassembly.discardSender(engine_id);  // the part of a message it left in the inbox
     reportGone(engine_id, why);
     for (auto& t : transports)
       if (t) t->onPeerGone(engine_id);
@@ -416,11 +418,20 @@ class TransferEngine::Impl {
   }
 
   void dispatchLoop() {
-    // Reassembly of fragmented messages by (sender, message id).
-    std::map<std::pair<uint64_t, uint64_t>, std::string> partial;
     Inbox::Fragment f;
     Inbox::ServiceNotify sn;
+    // A same-host sender writes its engine id into our inbox itself: accept it only from an
+    // engine that authenticated to us (every sender opens us over tcp first, HELLO + DESC).
+    auto from_stranger = [this](uint64_t src) {
+      if (authenticated(src)) return false;
+      if (dropped_msgs.fetch_add(1) == 0) {
+        MC_LOG(WARN, ENGINE) << "dropping a message from engine " << hex16(src)
+                             << ", which never authenticated here (logged once)";
+      }
+      return true;
+    };
     while (!stopping.load()) {
+      reassembly.sweep();  // parts of messages whose senders are gone (onPeerFailure)
       int got = inbox->waitDispatch(&sn, &f, deadlineInMs(100));
       if (got == 0) continue;
       if (got == 1) {
@@ -429,31 +440,11 @@ class TransferEngine::Impl {
         deliverNotify(Notification{sn.src_engine, peerIdOf(sn.src_engine), sn.tag, sn.channel});
         continue;
       }
+      // Reassembled per sender (MessageReassembler): a part that its sender gave up on or
+      // left behind is dropped there. Nothing is held for a stranger.
+      if (f.offset == 0 && f.data.size() < f.total && from_stranger(f.src_engine)) continue;
       std::string body;
-      if (f.offset == 0 && f.data.size() == f.total) {
-        body = std::move(f.data);
-      } else {
-        auto key = std::make_pair(f.src_engine, f.msg_id);
-        std::string& buf = partial[key];
-        if (buf.size() != f.offset) {  // fragments of one message arrive in order
-          MC_LOG(WARN, ENGINE) << "dropping out-of-order message fragment from " << hex16(f.src_engine);
-          partial.erase(key);
-          continue;
-        }
-        buf += f.data;
-        if (buf.size() < f.total) continue;
-        body = std::move(buf);
-        partial.erase(key);
-      }
-      // A same-host sender writes its engine id into our inbox itself: accept it only from an
-      // engine that authenticated to us (every sender opens us over tcp first, HELLO + DESC).
-      if (!authenticated(f.src_engine)) {
-        if (dropped_msgs.fetch_add(1) == 0) {
-          MC_LOG(WARN, ENGINE) << "dropping a message from engine " << hex16(f.src_engine)
-                               << ", which never authenticated here (logged once)";
-        }
-        continue;
-      }
+      if (!reassembly.add(f, &body) || from_stranger(f.src_engine)) continue;
       deliver(Message{f.src_engine, peerIdOf(f.src_engine), f.channel, std::move(body)});
     }
   }

@@ -8,11 +8,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <new>
+#include <random>
 #include <thread>
 
 #include "engine/futex.h"
+#include "engine/log.h"
 #include "engine/params.h"
 
 namespace mooncake::engine {
@@ -164,6 +168,42 @@ bool backoff(Deadline deadline, int* round) {
   return true;
 }
 
+// Message ids: one counter for the process, from a random start, so that no two messages of
+// one sender engine share an id, whichever attachment pushed them (a peer opened again
+// attaches anew) and even across a restart.
+uint64_t nextMsgId() {
+  static std::atomic<uint64_t> next{[] {
+    std::random_device rd;
+    return (uint64_t{rd()} << 32 | rd()) | 1;
+  }()};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+// The lock that orders this process's multi-fragment pushes into one inbox, shared by every
+// Inbox object of the process for it (its attachments and, for tcp's pushes, its owner).
+std::shared_ptr<std::timed_mutex> sendLockOf(const std::string& name) {
+  static auto* mu = new std::mutex();
+  static auto* locks = new std::map<std::string, std::weak_ptr<std::timed_mutex>>();
+  std::lock_guard<std::mutex> g(*mu);
+  for (auto it = locks->begin(); it != locks->end();)
+    it = it->second.expired() ? locks->erase(it) : std::next(it);
+  std::weak_ptr<std::timed_mutex>& w = (*locks)[name];
+  std::shared_ptr<std::timed_mutex> lock = w.lock();
+  if (!lock) {
+    lock = std::make_shared<std::timed_mutex>();
+    w = lock;
+  }
+  return lock;
+}
+
+std::atomic<uint64_t> g_reassembly_held{0};  // MessageReassembler::processHeldBytes()
+
+std::string hexId(uint64_t v) {
+  char b[17];
+  std::snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Inbox>> Inbox::create(const std::string& shm_name, uint32_t slots) {
@@ -201,6 +241,7 @@ Result<std::unique_ptr<Inbox>> Inbox::create(const std::string& shm_name, uint32
   box->name_ = shm_name;
   box->owner_ = true;
   box->spin_us_ = params::getInt("MC_SPIN_US");
+  box->send_lock_ = sendLockOf(shm_name);
   box->bytes_ = bytes;
   box->l_ = l;
   return box;
@@ -231,6 +272,7 @@ Result<std::unique_ptr<Inbox>> Inbox::attach(const std::string& shm_name) {
   box->bytes_ = bytes;
   box->l_ = l;
   box->spin_us_ = params::getInt("MC_SPIN_US");
+  box->send_lock_ = sendLockOf(shm_name);
   return box;
 }
 
@@ -314,9 +356,15 @@ Status Inbox::pushMessage(uint64_t src_engine, uint32_t channel, std::string_vie
   if (payload.size() > kMaxMessageBytes)
     return MC_STATUS(kInvalidArgument, "message of " << payload.size() << " bytes exceeds "
                                                      << kMaxMessageBytes);
-  // Message ids are unique per producer process+inbox object; src_engine disambiguates.
-  uint64_t msg_id = next_msg_id_.fetch_add(1);
   uint32_t total = static_cast<uint32_t>(payload.size());
+  // One multi-fragment message of this process at a time (see the header): the receiver takes
+  // a sender's next first fragment as the end of any part it still holds of that sender.
+  std::unique_lock<std::timed_mutex> one_at_a_time(*send_lock_, std::defer_lock);
+  if (total > kFragmentBytes && !one_at_a_time.try_lock_until(deadline))
+    return MC_STATUS(kResourceExhausted, "inbox " << name_ << " full (another message of this "
+                                                  << "process to it still being pushed)");
+  // Unique per process, whichever Inbox object pushes (src_engine names the process).
+  uint64_t msg_id = nextMsgId();
   uint32_t off = 0;
   do {
     uint32_t len = std::min<uint32_t>(kFragmentBytes, total - off);
@@ -358,6 +406,104 @@ bool Inbox::popFragment(Fragment* out) {
 
 bool Inbox::waitFragment(Fragment* out, Deadline deadline) {
   return waitOn(l_->frag, [&] { return popFragment(out); }, deadline, closing_, spin_us_);
+}
+
+// ---------------------------------------------------------------- reassembly
+
+MessageReassembler::~MessageReassembler() { held(-static_cast<int64_t>(held_.load())); }
+
+uint64_t MessageReassembler::processHeldBytes() {
+  return g_reassembly_held.load(std::memory_order_relaxed);
+}
+
+void MessageReassembler::held(int64_t delta) {
+  held_.fetch_add(static_cast<uint64_t>(delta), std::memory_order_relaxed);
+  g_reassembly_held.fetch_add(static_cast<uint64_t>(delta), std::memory_order_relaxed);
+}
+
+void MessageReassembler::drop(Parts::iterator it) {
+  held(-static_cast<int64_t>(it->second.buf.size()));
+  parts_.erase(it);
+}
+
+void MessageReassembler::dropFragment(const Inbox::Fragment& f, const char* why) {
+  dropped_.fetch_add(1, std::memory_order_relaxed);
+  // Once per message: the rest of a dropped part follows it fragment by fragment.
+  if (last_logged_ == std::make_pair(f.src_engine, f.msg_id)) return;
+  last_logged_ = {f.src_engine, f.msg_id};
+  MC_LOG(WARN, ENGINE) << "dropping message " << f.msg_id << " from engine " << hexId(f.src_engine)
+                       << " at byte " << f.offset << " of " << f.total << ": " << why;
+}
+
+void MessageReassembler::discardSender(uint64_t src) {
+  std::lock_guard<std::mutex> g(mu_);
+  discards_.emplace_back(src, seq_seen_.load(std::memory_order_acquire));
+  has_discards_.store(true, std::memory_order_release);
+}
+
+void MessageReassembler::sweep() {
+  if (!has_discards_.load(std::memory_order_acquire)) return;
+  std::vector<std::pair<uint64_t, uint64_t>> todo;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    todo.swap(discards_);
+    has_discards_.store(false, std::memory_order_relaxed);
+  }
+  for (const auto& [src, seq] : todo) {
+    auto it = parts_.find(src);
+    if (it == parts_.end() || it->second.first_seq > seq) continue;  // begun since: a new link
+    MC_LOG(INFO, ENGINE) << "discarding " << it->second.buf.size() << " of " << it->second.total
+                         << " bytes of message " << it->second.msg_id << " from engine "
+                         << hexId(src) << ", which is gone";
+    drop(it);
+  }
+}
+
+bool MessageReassembler::add(Inbox::Fragment& f, std::string* body) {
+  sweep();
+  const uint64_t seq = ++seq_;
+  const size_t len = f.data.size();
+  bool complete = false;
+  auto it = parts_.find(f.src_engine);
+  if (f.offset == 0 && len == f.total) {  // a whole message (may come amid a part: not ordered)
+    *body = std::move(f.data);
+    complete = true;
+  } else if (f.offset == 0) {  // the first of several: any part held of this sender is abandoned
+    if (it != parts_.end()) {
+      MC_LOG(INFO, ENGINE) << "discarding " << it->second.buf.size() << " of "
+                           << it->second.total << " bytes of message " << it->second.msg_id
+                           << " from engine " << hexId(f.src_engine)
+                           << ", which its sender gave up on";
+      drop(it);
+    }
+    if (len == 0 || len > f.total || f.total > Inbox::kMaxMessageBytes) {
+      dropFragment(f, "bad size");
+    } else {
+      Part p{f.msg_id, f.channel, f.total, seq, std::string()};
+      p.buf.reserve(f.total);
+      p.buf.append(f.data);
+      held(static_cast<int64_t>(len));
+      parts_.emplace(f.src_engine, std::move(p));
+    }
+  } else if (it == parts_.end() || it->second.msg_id != f.msg_id) {
+    dropFragment(f, "no part of it held (its sender gave up on it or left)");
+  } else if (Part& p = it->second; f.offset != p.buf.size() || f.total != p.total ||
+                                   f.channel != p.channel || len == 0 ||
+                                   len > p.total - p.buf.size()) {
+    dropFragment(f, "out of order");
+    drop(it);
+  } else {
+    p.buf.append(f.data);
+    held(static_cast<int64_t>(len));
+    if (p.buf.size() == p.total) {
+      held(-static_cast<int64_t>(p.total));
+      *body = std::move(p.buf);
+      parts_.erase(it);
+      complete = true;
+    }
+  }
+  seq_seen_.store(seq, std::memory_order_release);
+  return complete;
 }
 
 }  // namespace mooncake::engine

@@ -7,8 +7,12 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "engine/status.h"
 #include "engine/types.h"
@@ -39,6 +43,12 @@ class Inbox {
     return pushNotify(src_engine, 0, tag, deadline);
   }
   Status pushNotify(uint64_t src_engine, uint32_t channel, uint64_t tag, Deadline deadline);
+  // A payload over kFragmentBytes goes as several fragments, pushed one at a time; the
+  // multi-fragment messages of one process to an inbox go one after the other (the attachments
+  // of it in this process share a lock, taken by the deadline too), so that their fragments
+  // never interleave (MessageReassembler relies on it). Message ids are unique per process
+  // (one counter, random start), never reused when a peer is opened again. A push that gives
+  // up part-way (kResourceExhausted) leaves a part that the receiver drops.
   Status pushMessage(uint64_t src_engine, uint32_t channel, std::string_view payload,
                      Deadline deadline);
 
@@ -76,9 +86,60 @@ class Inbox {
   bool owner_ = false;
   size_t bytes_ = 0;
   InboxLayout* l_ = nullptr;
-  std::atomic<uint64_t> next_msg_id_{1};
+  std::shared_ptr<std::timed_mutex> send_lock_;  // this process's multi-fragment pushes here
   std::atomic<bool> closing_{false};
   int64_t spin_us_ = 0;  // MC_SPIN_US, read once: waits are a hot path
+};
+
+// Reassembles the message fragments that one inbox's consumer pops. A sender pushes its
+// multi-fragment messages one after the other (pushMessage), so it has at most one under way
+// here: the first fragment of its next one ends whatever part of an earlier one is held (the
+// sender gave up on that one), and so does discardSender() (the sender is gone). Memory held
+// is thus at most one message per live sender. Fragments of no held part are dropped.
+class MessageReassembler {
+ public:
+  MessageReassembler() = default;
+  ~MessageReassembler();
+  MessageReassembler(const MessageReassembler&) = delete;
+  MessageReassembler& operator=(const MessageReassembler&) = delete;
+
+  // Consumer thread. True when `f` completes a message: *body gets its payload (f names its
+  // sender and channel); false when it is a part (held) or was dropped.
+  bool add(Inbox::Fragment& f, std::string* body);
+  // Any thread: drops the part held for `src` whose first fragment came before this call, at
+  // the consumer's next add() or sweep().
+  void discardSender(uint64_t src);
+  // Consumer thread: applies discardSender() requests.
+  void sweep();
+  // Consumer thread: messages under way.
+  size_t parts() const { return parts_.size(); }
+  uint64_t heldBytes() const { return held_.load(std::memory_order_relaxed); }
+  uint64_t droppedFragments() const { return dropped_.load(std::memory_order_relaxed); }
+  // Bytes held by every reassembler of this process (tests watch it).
+  static uint64_t processHeldBytes();
+
+ private:
+  struct Part {
+    uint64_t msg_id;
+    uint32_t channel;
+    uint32_t total;
+    uint64_t first_seq;  // add() count at its first fragment
+    std::string buf;
+  };
+  using Parts = std::unordered_map<uint64_t, Part>;  // by sender
+  void drop(Parts::iterator it);
+  void dropFragment(const Inbox::Fragment& f, const char* why);
+  void held(int64_t delta);
+
+  Parts parts_;
+  uint64_t seq_ = 0;                   // fragments added (consumer thread)
+  std::atomic<uint64_t> seq_seen_{0};  // seq_, for discardSender()
+  std::atomic<uint64_t> held_{0};
+  std::atomic<uint64_t> dropped_{0};
+  std::pair<uint64_t, uint64_t> last_logged_{0, 0};  // (sender, id) of the last drop logged
+  std::mutex mu_;
+  std::vector<std::pair<uint64_t, uint64_t>> discards_;  // (sender, seq_seen_ then)
+  std::atomic<bool> has_discards_{false};
 };
 
 }  // namespace mooncake::engine

@@ -232,6 +232,69 @@ TEST(InboxTest, MessagesFragmentAndReassemble) {
   EXPECT_FALSE(prod.value()->pushMessage(9, 1, too_big, deadlineInMs(100)).ok());
 }
 
+// Message ids stay unique across a sender's attachments of one inbox (a peer opened again
+// attaches anew): the receiver keys a message's fragments by (sender, id).
+TEST(InboxTest, MessageIdsNeverRepeatAcrossAttachments) {
+  auto box = makeInbox(8);
+  ASSERT_TRUE(box);
+  const std::string m(2 * Inbox::kFragmentBytes + 1, 'm');
+  for (int round = 0; round < 3; ++round) {
+    auto prod = Inbox::attach(box->shmName());
+    ASSERT_TRUE(prod.ok()) << prod.status().toString();
+    ASSERT_TRUE(prod.value()->pushMessage(9, 1, m, deadlineInMs(1000)).ok());
+  }
+  std::vector<uint64_t> ids;
+  Inbox::Fragment f;
+  while (box->popFragment(&f))
+    if (f.offset == 0) ids.push_back(f.msg_id);
+  ASSERT_EQ(ids.size(), 3u);
+  EXPECT_NE(ids[0], ids[1]);
+  EXPECT_NE(ids[1], ids[2]);
+  EXPECT_NE(ids[0], ids[2]);
+}
+
+// The fragments of one process's multi-fragment messages to an inbox never interleave, from
+// several threads and several attachments at once (the receiver takes a new message's first
+// fragment as the end of whatever part of that sender it held).
+TEST(InboxTest, MultiFragmentMessagesOfOneProcessDoNotInterleave) {
+  auto box = makeInbox(8);
+  ASSERT_TRUE(box);
+  auto p1 = Inbox::attach(box->shmName());
+  auto p2 = Inbox::attach(box->shmName());
+  ASSERT_TRUE(p1.ok() && p2.ok());
+  constexpr int kThreads = 3, kEach = 30;
+  std::vector<std::thread> ts;
+  for (int t = 0; t < kThreads; ++t)
+    ts.emplace_back([&, t] {
+      Inbox* p = (t == 0 ? p2 : p1).value().get();
+      std::string m(3 * Inbox::kFragmentBytes + t, static_cast<char>('a' + t));
+      for (int i = 0; i < kEach; ++i)
+        EXPECT_TRUE(p->pushMessage(9, static_cast<uint32_t>(t), m, deadlineInMs(10000)).ok());
+    });
+  int done = 0, interleaved = 0;
+  uint64_t open_id = 0;
+  bool open = false;
+  auto t0 = SteadyClock::now();
+  while (done < kThreads * kEach && msSince(t0) < 20000) {
+    Inbox::Fragment f;
+    if (!box->waitFragment(&f, deadlineInMs(500))) continue;
+    if (f.offset == 0) {
+      interleaved += open;
+      open = true;
+      open_id = f.msg_id;
+    } else if (!open || f.msg_id != open_id) {
+      ++interleaved;
+    }
+    if (f.offset + f.data.size() == f.total) {
+      open = false;
+      ++done;
+    }
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(done, kThreads * kEach);
+  EXPECT_EQ(interleaved, 0);
+}
+
 TEST(InboxTest, AttachRejectsMissingOrForeignFiles) {
   EXPECT_FALSE(Inbox::attach("/mc-test-no-such-inbox").ok());
   auto box = makeInbox(8);
