@@ -7,7 +7,8 @@
 //
 // Failure: when a peer's process dies, its pending and future requests fail with kPeerDead
 // naming the peer (detected from its control connection, within milliseconds); every
-// blocking call takes a deadline and returns kTimeout when it passes.
+// blocking call takes a deadline and returns kTimeout when it passes. A wait() that times
+// out fences the batch's local memory before it returns (see wait()); the peer stays usable.
 #pragma once
 
 #include <functional>
@@ -103,23 +104,44 @@ class TransferEngine {
 
   // ---- one-sided transfers ----
   // Validates and starts every request; returns at once. Requests to one peer run in
-  // parallel; there is no ordering between requests of a batch.
+  // parallel; there is no ordering between requests of a batch. A request whose local or
+  // remote range runs past the end of the address space, or longer than kMaxRequestBytes, is
+  // refused here (kInvalidArgument naming it) and nothing of the batch starts. The local
+  // memory of a request must stay valid until its batch finished, or until a wait() on it
+  // returned kTimeout and the fence that wait() describes for its transport was passed.
+  static constexpr uint64_t kMaxRequestBytes = 1ull << 56;
   Result<BatchId> submit(const std::vector<TransferRequest>& requests);
   // done=true when every request finished; per_request (optional) gets each status.
   Status poll(BatchId id, bool* done, std::vector<Status>* per_request = nullptr);
   // Waits for the batch (spin, then block) and releases it. Returns the first failure.
-  // kTimeout (the deadline passed first) cancels nothing: the requests keep running (a
-  // transport may still read or write their local memory: tcp's queued frames point into
-  // it) and the batch is released when they finish, after which poll() says kNotFound.
-  // Until then the local memory must stay valid (keepUntilDone hands its owner over).
+  // kTimeout: the deadline passed first. Nothing is cancelled and no peer is failed: the
+  // requests still unfinished keep running (a late WRITE still reaches the target, late acks
+  // and responses still come) and the batch is released once they ended (poll() then says
+  // kNotFound). What their local memory may see afterwards, by transport:
+  //  - tcp: before wait() returns, the progress thread detached them from it (a READ response
+  //    still to come, or half received, goes to a discard sink; what WRITE frames still have to
+  //    send was copied into the engine's memory). After it returned, the tcp transport no
+  //    longer reads or writes the batch's local buffers: they may be freed at once.
+  //  - rdma: memory registered with the engine is accessed by the NIC itself; it is fenced by
+  //    unregisterMemory() (deregistration: a late access fails instead of landing), so
+  //    unregister it before freeing or reusing it. Memory the engine did not register is staged
+  //    through its bounce buffers: fenced by the return of wait() (nothing more is copied
+  //    into it or out of it, over rdma or the tcp fallback).
+  //  - shm moves every byte inside submit(): nothing is late.
+  // What a request moved before its wait() gave up is undefined (a WRITE's target range, a
+  // READ's local range may hold a part of it; a late WRITE may still change the target range
+  // after wait() returned).
   Status wait(BatchId id, Deadline deadline, std::vector<Status>* per_request = nullptr);
-  // For a caller that gives up on a batch (wait's kTimeout, or without waiting) but cannot keep
-  // the batch's local memory itself: the engine holds `owner` (whatever keeps that memory
-  // valid) and drops it once the batch finished (or failed, at the latest when the engine shuts
-  // down and its transports stop), then releases the batch. A batch already finished, released
-  // or never known: `owner` is dropped here. Otherwise it is dropped later on a process-wide
-  // thread of its own, never a transport's (its destructor may take the GIL or drop the last
-  // reference to this engine).
+  // For a caller that gives up on a batch (wait's kTimeout, or without waiting) but must keep
+  // something alive until its transfers really ended (the local memory of a batch given up
+  // without waiting, or of rdma-registered memory it will not unregister; a remote slab that a
+  // late WRITE still lands in): the engine holds `owner` and drops it once the batch finished
+  // (or failed, at the latest when the engine shuts down and its transports stop), then
+  // releases the batch. A timed-out wait() does not shorten this: the late transfers still run
+  // to their end and the owner lives until then. A batch already finished, released or never
+  // known: `owner` is dropped here. Otherwise it is dropped later on a process-wide thread of
+  // its own, never a transport's (its destructor may take the GIL or drop the last reference
+  // to this engine).
   void keepUntilDone(BatchId id, std::shared_ptr<void> owner);
   // Waits until every batch submitted before the call with a request to `peer` has finished
   // (each request completed or failed), whether anyone waits for it or not; kTimeout, saying

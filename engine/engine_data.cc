@@ -19,6 +19,19 @@ Result<BatchId> TransferEngine::submit(const std::vector<TransferRequest>& reque
     if (e == nullptr) return MC_STATUS(kInvalidArgument, "request " << i << ": unknown peer " << r.peer);
     if (r.local == nullptr && r.length > 0)
       return MC_STATUS(kInvalidArgument, "request " << i << ": null local address");
+    // A range past the end of the address space is no memory anywhere (and its arithmetic
+    // would wrap in the transports): refused before anything moves.
+    const uint64_t local = reinterpret_cast<uint64_t>(r.local);
+    if (r.length > kMaxRequestBytes || (r.length > 0 && (local + (r.length - 1) < local ||
+                                                         r.remote + (r.length - 1) < r.remote)))
+      return MC_STATUS(kInvalidArgument,
+                       "request " << i << " (" << (r.op == OpCode::kWrite ? "WRITE" : "READ")
+                                  << " of " << r.length << " bytes, local " << r.local
+                                  << ", remote 0x" << std::hex << r.remote << std::dec
+                                  << ", peer " << r.peer << "): the length "
+                                  << (r.length > kMaxRequestBytes ? "is absurd"
+                                                                  : "runs past the end of the "
+                                                                    "address space"));
     MC_RETURN_IF_ERROR(m.peerStatus(e));
     routes[i] = e->data;
     if (m.device_regions.load(std::memory_order_relaxed) > 0 || device::active() ||
@@ -32,6 +45,9 @@ Result<BatchId> TransferEngine::submit(const std::vector<TransferRequest>& reque
   for (const auto& r : requests)
     if (std::find(b->peers.begin(), b->peers.end(), r.peer) == b->peers.end())
       b->peers.push_back(r.peer);
+  for (TransportPeer* t : routes)
+    if (std::find(b->routes.begin(), b->routes.end(), t) == b->routes.end())
+      b->routes.push_back(t);
   b->status.resize(requests.size() + 1);  // the last slot belongs to the posting guard
   b->pending.store(static_cast<int64_t>(requests.size()) + 1);  // +1 until all are posted
   {
@@ -49,6 +65,7 @@ Result<BatchId> TransferEngine::submit(const std::vector<TransferRequest>& reque
     t.length = r.length;
     t.remote = r.remote;
     t.on_done = [finish_one, i](Status s) { finish_one(i, std::move(s)); };
+    t.abandoned = &b->given_up;
     routes[i]->submit(&t);
   }
   finish_one(requests.size(), Status::OK());  // drop the posting guard
@@ -89,8 +106,16 @@ Status TransferEngine::wait(BatchId id, Deadline deadline, std::vector<Status>* 
     // Taken even when already done: the completer may still hold it (see finishOne).
     std::unique_lock<std::mutex> g(b->mu);
     if (!b->cv.wait_until(g, deadline, is_done)) {
+      // Released when its requests end (finishOne), which they still do: the late transfers
+      // go on, and keepUntilDone's owners wait for them. Before this returns, each transport
+      // stops touching the unfinished requests' local memory (engine.h).
       b->abandoned = true;
-      return MC_STATUS(kTimeout, "batch " << id << " not finished by its deadline");
+      g.unlock();
+      b->given_up.store(true, std::memory_order_release);
+      for (TransportPeer* t : b->routes) t->fenceAbandoned();
+      return MC_STATUS(kTimeout, "batch " << id << " not finished by its deadline (its local "
+                                          << "memory is no longer touched; the transfers still "
+                                          << "in flight end on their own)");
     }
   }
   {

@@ -58,8 +58,13 @@ void dropOwnersLater(std::vector<std::shared_ptr<void>> owners);
 struct Batch {
   std::vector<Task> tasks;
   std::vector<PeerId> peers;  // the peers its requests go to, each once (settle)
+  // The transport peers its requests went to, each once (a timed-out wait fences them).
+  std::vector<TransportPeer*> routes;
   std::vector<Status> status;
   std::atomic<int64_t> pending{0};
+  // Set by a timed-out wait() before it fences `routes`: every task points at it
+  // (Task::abandoned).
+  std::atomic<bool> given_up{false};
   std::mutex mu;
   std::condition_variable cv;
   bool abandoned = false;  // guarded by mu

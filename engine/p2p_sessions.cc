@@ -159,7 +159,7 @@ Status P2pSessions::wait(BatchId id) {
     if (it == batches_.end()) return MC_STATUS(kNotFound, "unknown batch " << id);
     deadline = it->second;
   }
-  Status st = engine_->wait(id, deadline);  // releases the batch (or abandons it on timeout)
+  Status st = engine_->wait(id, deadline);  // releases the batch (on timeout: fences it)
   std::lock_guard<std::mutex> g(mu_);
   batches_.erase(id);
   return st;
@@ -185,7 +185,7 @@ P2pSessions::State P2pSessions::check(BatchId id, Status* why) {
     st = engine_->wait(id, Clock::now());
     out = st.ok() ? State::kCompleted : State::kFailed;
   } else if (Clock::now() >= deadline) {
-    st = engine_->wait(id, Clock::now());  // abandons it: dropped once its requests end
+    st = engine_->wait(id, Clock::now());  // fences the buffers; dropped once its requests end
     out = st.ok() ? State::kCompleted : State::kTimedOut;
   } else {
     return State::kPending;

@@ -71,10 +71,14 @@ class P2pSessions {
 
   // Validates every request (see above) and starts them as one batch.
   Result<BatchId> submit(const std::string& session, const std::vector<Request>& requests);
-  // Waits for a submitted batch until its deadline and releases it; the first failure.
+  // Waits for a submitted batch until its deadline and releases it; the first failure. On
+  // kTimeout the batch's local buffers are fenced as TransferEngine::wait says: over tcp
+  // nothing reads or writes them once this returns (they may be freed); over rdma, memory
+  // registered with the engine once it is unregistered, bounce-staged memory at once. The
+  // session's peer stays open; the late transfers end on their own.
   Status wait(BatchId id);
   // Non-blocking. kCompleted / kFailed / kTimedOut release the batch (why: the failure);
-  // an unknown (or already released) id is kFailed.
+  // an unknown (or already released) id is kFailed. kTimedOut fences as wait() does.
   State check(BatchId id, Status* why = nullptr);
   // submit + wait.
   Status transfer(const std::string& session, const std::vector<Request>& requests);

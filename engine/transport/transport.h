@@ -27,6 +27,13 @@ struct Task {
   uint64_t remote;
   // Set by the engine: where the completion goes.
   std::function<void(Status)> on_done;
+  // Set by the engine (null: never): true once the caller gave up on the task (a wait() on
+  // its batch passed its deadline). From then on its local memory is not the transport's to
+  // touch: see TransportPeer::fenceAbandoned. The task still completes (done()) as usual.
+  const std::atomic<bool>* abandoned = nullptr;
+  bool isAbandoned() const {
+    return abandoned != nullptr && abandoned->load(std::memory_order_acquire);
+  }
   void done(Status s) { on_done(std::move(s)); }
 };
 
@@ -114,6 +121,16 @@ class TransportPeer {
   virtual Status updateRemote(const SegmentDesc& remote) = 0;
   // Poison: fail pending and future tasks with `why`.
   virtual void fail(const Status& why) = 0;
+  // Some tasks submitted here were abandoned (Task::isAbandoned() is true for them now): once
+  // this returns, the transport's own code no longer reads or writes their local memory. It
+  // does not fail them or the peer: the connection stays up, a late transfer still moves (a
+  // WRITE's bytes still reach the target, taken from a copy) and the task completes when it
+  // ends, as before (tcp: the progress thread receives a late READ response into a discard
+  // sink and copies what queued WRITE frames still have to send). What a NIC accesses by itself
+  // (rdma, registered memory) is fenced by unregistering that memory instead. The default suits
+  // transports whose tasks touch local memory only inside submit() (shm). Called by the engine
+  // before a timed-out wait() returns; never on a transport thread.
+  virtual void fenceAbandoned() {}
   // The failure this link already fails new tasks with (OK while none). The engine's
   // peerStatus() consults it: a link fails its tasks as soon as it sees the peer go, a moment
   // before the engine itself hears of it (tcp: on its progress thread).

@@ -337,11 +337,13 @@ struct HandedOver {
   }
 };
 
-// A batch whose wait() timed out (the peer is stopped) keeps running, and its caller gives
-// up: the memory handed over with keepUntilDone outlives the caller's references until the
-// batch finished and was released, then the engine drops it; the late WRITE and READ moved
-// the right bytes (a caller that freed its buffer instead would have sent and received
-// through freed memory). A batch already released drops what it is handed at once.
+// A batch that cannot finish (the peer is stopped) and whose caller gives up on it without
+// waiting (a timed-out wait() would fence its memory instead, and the late READ would land
+// nowhere: timeout_test.cc) keeps running: the memory handed over with keepUntilDone outlives
+// the caller's references until the batch finished and was released, then the engine drops
+// it; the late WRITE and READ moved the right bytes (a caller that freed its buffer instead
+// would have sent and received through freed memory). A batch already released drops what it
+// is handed at once.
 TEST_P(FailureTest, AbandonedBatchKeepsHandedOverMemoryUntilReleased) {
   const std::string transport = GetParam();
   constexpr uint64_t kLen = 32u << 20;  // more than a stopped peer's sockets take in
@@ -364,7 +366,11 @@ TEST_P(FailureTest, AbandonedBatchKeepsHandedOverMemoryUntilReleased) {
   auto id = eng->submit({{OpCode::kWrite, buf->data(), kLen, pid, peer->info().reg_addr},
                          {OpCode::kRead, buf->data() + kLen, kLen, pid, peer->info().alloc_addr}});
   ASSERT_TRUE(id.ok()) << id.status().toString();
-  Status st = eng->wait(*id, engine::deadlineInMs(300));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  bool finished = false;
+  MC_ASSERT_OK(eng->poll(*id, &finished));
+  Status st = finished ? eng->wait(*id, engine::deadlineInMs(1000))
+                       : Status(Code::kTimeout, "given up without waiting");
   auto released = std::make_shared<std::atomic<int>>(-1);
   auto read_diff = std::make_shared<std::string>();
   auto owner = std::make_shared<HandedOver>();

@@ -91,13 +91,23 @@ Status RdmaPeer::overTcp(Op& o) {
     head << "F " << (write ? "W " : "R ") << (o.raddr + off) << " " << nic << " "
          << rkeys[nic] << " " << n << "\n";
     std::string req = head.str();
-    if (write) req.append(o.user + off, n);
+    auto gave_up = [&o] {
+      return MC_STATUS(kCancelled, "rdma (tcp fallback): the " << o.what()
+                                   << " was cut short: its caller gave up");
+    };
+    if (write) {
+      std::lock_guard<std::mutex> g(fb_copy_mu_);  // (fenceAbandoned)
+      if (o.abandoned()) return gave_up();
+      req.append(o.user + off, n);
+    }
     auto r = control_->exchange(TransportKind::kRdma, req, deadline);
     if (!r.ok()) return r.status();
     if (write) continue;
     if (r->size() != n)
       return MC_STATUS(kProtocol, "a READ over tcp returned " << r->size() << " of " << n
                                                              << " bytes");
+    std::lock_guard<std::mutex> g(fb_copy_mu_);
+    if (o.abandoned()) return gave_up();
     std::memcpy(o.user + off, r->data(), n);
   }
   return Status::OK();

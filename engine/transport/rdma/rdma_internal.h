@@ -102,6 +102,8 @@ struct Op final : CompletionTarget {
   uint64_t tag = 0;
   void onCompletion(const ibv_wc& wc) override;
   const char* what() const { return ts == nullptr ? "NOTIFY" : op == OpCode::kWrite ? "WRITE" : "READ"; }
+  // Its request's caller gave up on it (Task::isAbandoned): `user` is not to be touched.
+  bool abandoned() const { return ts != nullptr && ts->task->isAbandoned(); }
 };
 
 // Completes ops: their request's share (or logs a lost notification), then deletes them.
@@ -133,6 +135,9 @@ class Qp {
   Status failedStatus();
   int inflight();
   bool idle();  // nothing queued or in flight
+  // Waits out a copy between a bounce chunk and the caller's memory in progress (they run
+  // under mu_, and check Op::abandoned() first): RdmaPeer::fenceAbandoned.
+  void fence() { std::lock_guard<std::mutex> g(mu_); }
   // Once failed (reroutably) with nothing in flight: every op it holds, in issue order, the
   // failure, whether a request's own error caused it (`permanent`: that request failed, the
   // link is fine) and whether this is the first call since it failed (`first`: the owner

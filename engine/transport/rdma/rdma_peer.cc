@@ -121,10 +121,14 @@ void Qp::complete(Op* o, const ibv_wc& wc) {
       if (it != posted_.end()) posted_.erase(it);
     }
     if (wc.status == IBV_WC_SUCCESS) {
-      if (o->bounce && o->op == OpCode::kRead && o->chunk != nullptr)
+      // Once its caller gave up on it (RdmaPeer::fenceAbandoned) a READ is not copied out.
+      const bool late = o->bounce && o->op == OpCode::kRead && o->abandoned();
+      if (o->bounce && o->op == OpCode::kRead && o->chunk != nullptr && !late)
         std::memcpy(o->user, o->chunk, o->len);
       releaseChunk(o);
-      done.emplace_back(o, Status::OK());
+      done.emplace_back(o, late ? MC_STATUS(kCancelled, "rdma: a READ was discarded: its "
+                                                        "caller gave up waiting")
+                                : Status::OK());
       if (!failed_) pumpLocked(&done);
     } else {
       releaseChunk(o);
@@ -278,6 +282,11 @@ void Qp::pumpLocked(std::vector<std::pair<Op*, Status>>* done) {
     if (o->ts != nullptr && o->ts->failed.load()) {  // its request failed: not carried
       pending_.pop_front();
       done->emplace_back(o, MC_STATUS(kCancelled, "rdma: another slice of the request failed"));
+      continue;
+    }
+    if (o->abandoned()) {  // its caller gave up (fenceAbandoned): its memory is not ours now
+      pending_.pop_front();
+      done->emplace_back(o, MC_STATUS(kCancelled, "rdma: not carried: its caller gave up"));
       continue;
     }
     ibv_sge sge{};
@@ -550,6 +559,19 @@ void RdmaPeer::fail(const Status& why) {
   }
   finishOps(parked);
   for (auto& q : qps) q->fail(why);
+}
+
+void RdmaPeer::fenceAbandoned() {
+  std::vector<std::shared_ptr<Qp>> qps;
+  {
+    std::lock_guard<std::recursive_mutex> g(mu_);
+    for (Lane& l : lanes_)
+      if (l.qp) qps.push_back(l.qp);
+  }
+  // Every copy between a bounce chunk or the tcp fallback and a caller's memory checks
+  // Op::abandoned() under one of these locks first: once each was taken, none is left.
+  for (auto& q : qps) q->fence();
+  std::lock_guard<std::mutex> g(fb_copy_mu_);
 }
 
 std::vector<int> RdmaPeer::liveLanes(const std::vector<int>& nics) {

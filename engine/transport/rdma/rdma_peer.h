@@ -61,6 +61,10 @@ class RdmaPeer final : public TransportPeer {
 
   // The peer is gone (or the engine stops): final, nothing is rerouted or reconnected.
   void fail(const Status& why) override;
+  // TransportPeer::fenceAbandoned: nothing more is copied between a bounce chunk (or the tcp
+  // fallback) and an abandoned task's memory, and its slices not posted yet are not posted.
+  // What is posted out of or into registered memory is the NIC's: fenced by deregistration.
+  void fenceAbandoned() override;
 
   // MC_RDMA_MAX_ENDPOINTS (the transport's prober decides which): see EndpointState.
   EndpointState endpointOn(int nic);
@@ -190,6 +194,8 @@ class RdmaPeer final : public TransportPeer {
   std::condition_variable fb_cv_;
   std::deque<Op*> fb_;
   std::atomic<int64_t> fb_pending_{0};
+  // Held while the fallback copies from or into a caller's memory (fenceAbandoned).
+  std::mutex fb_copy_mu_;
   bool fb_stop_ = false;
   bool fb_warned_ = false;
   std::thread fb_thread_;

@@ -354,6 +354,7 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
       auto p = c->peer.lock();
       if (!p) return protocolError(c, "response for a closed peer");
       char* dst = nullptr;
+      bool discard = false;  // its caller gave up on it (fenceAbandoned): not into its buffer
       std::string err;  // protocolError() fails the peer, which takes p->mu: call it unlocked
       {
         std::lock_guard<std::mutex> g(p->mu);
@@ -366,13 +367,16 @@ bool Core::frameStart(const std::shared_ptr<Conn>& c) {
                 std::to_string(it->second.len);
         } else if (h.type == FrameType::kReadResp && h.status != 0 && h.length != 0) {
           err = "failed read response with data";
+        } else if (h.type == FrameType::kReadResp && it->second.ts->task->isAbandoned()) {
+          discard = true;
+          abandonSliceLocked(it->second);
         } else {
           dst = static_cast<char*>(it->second.ts->task->local) + it->second.offset;
         }
       }
       if (!err.empty()) return protocolError(c, err);
       if (h.type == FrameType::kWriteAck) return frameEnd(c);
-      return expectPayload(c, Conn::Sink::kMemory, dst);
+      return expectPayload(c, discard ? Conn::Sink::kDiscard : Conn::Sink::kMemory, dst);
     }
     default:
       return protocolError(c, "unknown frame type");

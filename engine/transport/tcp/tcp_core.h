@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -57,6 +58,14 @@ struct Slice {
   uint64_t offset;
   uint64_t len;
 };
+
+// Under PeerState::mu: a READ slice whose response goes to the discard sink, its task being
+// abandoned (Core::fenceAbandoned): the task completes with this rather than OK.
+inline void abandonSliceLocked(const Slice& s) {
+  if (s.ts->status.ok())
+    s.ts->status = Status(Code::kCancelled,
+                          "tcp: a READ response was discarded: its caller gave up waiting");
+}
 
 struct OutItem {
   uint8_t hdr[kHeaderBytes];
@@ -181,6 +190,12 @@ class Core : public std::enable_shared_from_this<Core> {
   Status sendMessage(PeerState& p, uint32_t channel, std::string_view payload);
   Status sendMessage(PeerState& p, uint32_t channel, std::string&& payload);
   void fail(const std::shared_ptr<PeerState>& p, const Status& why);
+  // TransportPeer::fenceAbandoned, on the progress thread (waited for): a READ response of an
+  // abandoned task being received goes on into the discard sink (frameStart sends the later
+  // ones there), and WRITE frames of such tasks still queued take a copy of what they still
+  // have to send (as regionRemoved). The connections stay up; the tasks complete when their
+  // acks and responses come. Nothing of the peer reads or writes their buffers afterwards.
+  void fenceAbandoned(const std::shared_ptr<PeerState>& p);
   void close(const std::shared_ptr<PeerState>& p);
   // A registered host region was removed from the registry; its memory is still mapped, but may
   // not be once this returns. READ responses still queued out of it take a copy of their
@@ -225,6 +240,8 @@ class Core : public std::enable_shared_from_this<Core> {
   bool sendHelloOk(Conn& c);  // the target's answer to a complete handshake; true
   bool expectPayload(const std::shared_ptr<Conn>& c, Conn::Sink sink, char* dst);
   bool protocolError(const std::shared_ptr<Conn>& c, const std::string& what);
+  // Under c.out_mu: `it` takes a copy of the payload it still has to send (tcp_target.cc).
+  bool ownRestLocked(Conn& c, OutItem& it, const char* what);
   void closeConn(const std::shared_ptr<Conn>& c, const Status& why);
   void dropConn(Conn& c);
   void failPeer(PeerState& p, const Status& why, bool report, bool orderly = false);

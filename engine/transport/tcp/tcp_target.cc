@@ -1,7 +1,8 @@
 // tcp transport, the target side of one-sided requests: a peer's WRITE or READ checked against
 // this engine's registry, its payload received into registered memory or sent out of it (GPU
 // memory staged through a host buffer by the device layer), and the fence that keeps both
-// away from a region once it is unregistered or freed.
+// away from a region once it is unregistered or freed; on the initiator side, the fence that
+// keeps a task's frames away from its buffer once its caller gave up on it.
 // Contracts: tcp_transport.h; threading: the comment at the top of tcp_transport.cc.
 #include <sys/socket.h>
 
@@ -135,6 +136,33 @@ bool Core::onWriteEnd(const std::shared_ptr<Conn>& c) {
   return true;
 }
 
+// Under c.out_mu: what `it` still has to send is copied into it, so that the frame goes out
+// whole (its header, with its length, may be out already) without its memory. No memory for
+// the copy: the connection is shut down now (the peer is then failed, as on any broken
+// connection) rather than read from memory its owner took back; false.
+bool Core::ownRestLocked(Conn& c, OutItem& it, const char* what) {
+  // `off` counts the header and the payload sent: the item keeps the part of its payload
+  // already out in its count and its offsets.
+  const size_t sent = it.off > kHeaderBytes ? it.off - kHeaderBytes : 0;
+  try {
+    it.owned.assign(it.data + sent, it.len - sent);
+  } catch (const std::bad_alloc&) {
+    c.broken = true;
+    shutdown(c.fd, SHUT_RDWR);
+    try {
+      MC_LOG(ERROR, TCP) << "connection " << c.id << ": no memory to keep " << it.len - sent
+                         << " bytes of " << what << ": connection closed";
+    } catch (...) {
+    }
+    return false;
+  }
+  it.len -= sent;
+  it.off -= sent;
+  it.data = nullptr;
+  it.from_region = false;
+  return true;
+}
+
 void Core::regionRemoved(const Region& r) {
   std::vector<std::shared_ptr<Conn>> all;
   {
@@ -147,31 +175,47 @@ void Core::regionRemoved(const Region& r) {
     for (OutItem& it : c->outq) {
       const uint64_t a = reinterpret_cast<uint64_t>(it.data);
       if (!it.from_region || !it.owned.empty() || a < r.addr || a - r.addr >= r.len) continue;
-      // What is not sent yet: `off` counts the header and the payload sent, so the item keeps
-      // the part of its payload already out in its count and its offsets.
-      const size_t sent = it.off > kHeaderBytes ? it.off - kHeaderBytes : 0;
-      try {
-        it.owned.assign(it.data + sent, it.len - sent);
-      } catch (const std::bad_alloc&) {
-        // No memory for the copy: the frame cannot be finished, so the connection ends before
-        // the memory goes (not with an EFAULT after it); the initiator then fails the peer, as
-        // on any broken connection.
-        c->broken = true;
-        shutdown(c->fd, SHUT_RDWR);
-        try {
-          MC_LOG(ERROR, TCP) << "connection " << c->id << ": no memory to keep "
-                             << it.len - sent << " bytes of a READ response out of a region "
-                             << "being freed: connection closed";
-        } catch (...) {
-        }
-        break;
-      }
-      it.len -= sent;
-      it.off -= sent;
-      it.data = nullptr;
-      it.from_region = false;
+      if (!ownRestLocked(*c, it, "a READ response out of a region being freed")) break;
     }
   }
+}
+
+// Initiator side. The progress thread is the only one that receives into a task's buffer, and
+// frames are sent under their connection's out_mu: run there, with each out_mu taken, this is
+// the fence TransportPeer::fenceAbandoned promises.
+void Core::fenceAbandoned(const std::shared_ptr<PeerState>& p) {
+  runOnLoop(
+      [this, p] {
+        std::unordered_set<uint64_t> writes;  // abandoned WRITE slices (their frames' req ids)
+        {
+          std::lock_guard<std::mutex> g(p->mu);
+          for (auto& [req, s] : p->slices)
+            if (s.op == OpCode::kWrite && s.ts->task->isAbandoned()) writes.insert(req);
+          // A READ response being received: the rest of it goes nowhere (frameStart sends the
+          // next ones there too). The stream stays in step; the slice completes at its end.
+          for (auto& c : p->conns) {
+            if (c->closed || !c->in_payload || c->sink != Conn::Sink::kMemory ||
+                c->cur.type != FrameType::kReadResp)
+              continue;
+            auto it = p->slices.find(c->cur.req_id);
+            if (it == p->slices.end() || !it->second.ts->task->isAbandoned()) continue;
+            c->sink = Conn::Sink::kDiscard;
+            c->dst = nullptr;
+            abandonSliceLocked(it->second);
+          }
+        }
+        if (writes.empty()) return;
+        for (auto& c : p->conns) {
+          std::lock_guard<std::mutex> g(c->out_mu);
+          for (OutItem& it : c->outq) {
+            if (it.data == nullptr || !it.owned.empty() || it.from_region) continue;
+            const FrameHeader h = decodeHeader(it.hdr);
+            if (h.type != FrameType::kWrite || writes.count(h.req_id) == 0) continue;
+            if (!ownRestLocked(*c, it, "a WRITE whose caller gave up waiting")) break;
+          }
+        }
+      },
+      true);
 }
 
 }  // namespace mooncake::engine::tcp

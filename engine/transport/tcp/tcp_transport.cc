@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <future>
 #include <random>
+#include <sstream>
 
 #include "engine/log.h"
 #include "engine/params.h"
@@ -440,26 +441,38 @@ void Core::submit(PeerState& p, Task* t) {
       uint64_t slice = slice_bytes_;
       if (t->length > slice && p.remote.findRegion(t->remote, t->length) == nullptr)
         slice = kMaxDataBytes;
-      uint64_t n = (t->length + slice - 1) / slice;
-      auto* ts = new TaskState{t, n, Status::OK()};
-      size_t ndata = p.conns.size() - 1;
-      posts.reserve(n);
-      for (uint64_t i = 0; i < n; ++i) {
-        uint64_t off = i * slice;
-        uint64_t len = std::min(slice, t->length - off);
-        uint64_t req = p.next_req++;
-        p.slices.emplace(req, Slice{ts, t->op, off, len});
-        Post post{ndata == 0 ? p.conns[0].get() : p.conns[1 + p.rr++ % ndata].get(), {}, nullptr};
-        post.h.type = t->op == OpCode::kWrite ? FrameType::kWrite : FrameType::kReadReq;
-        post.h.req_id = req;
-        post.h.addr = t->remote + off;
-        post.h.length = len;
-        if (t->op == OpCode::kWrite) post.data = static_cast<const char*>(t->local) + off;
-        posts.push_back(post);
+      // Such a request longer than one frame would go as several, which the target could
+      // accept in part: refused whole here, before any byte moves.
+      if (slice == kMaxDataBytes && t->length > kMaxDataBytes) {
+        std::ostringstream os;
+        os << "tcp peer " << p.label << " refused a "
+           << (t->op == OpCode::kWrite ? "write to" : "read from") << " [" << hexId(t->remote)
+           << ", +" << t->length << "): not inside one region of its descriptor, and longer "
+           << "than one frame (" << kMaxDataBytes << " bytes)";
+        st = Status(Code::kPermissionDenied, os.str());
+      } else {
+        uint64_t n = t->length / slice + (t->length % slice != 0);  // (no overflow)
+        auto* ts = new TaskState{t, n, Status::OK()};
+        size_t ndata = p.conns.size() - 1;
+        posts.reserve(n);
+        for (uint64_t i = 0; i < n; ++i) {
+          uint64_t off = i * slice;
+          uint64_t len = std::min(slice, t->length - off);
+          uint64_t req = p.next_req++;
+          p.slices.emplace(req, Slice{ts, t->op, off, len});
+          Post post{ndata == 0 ? p.conns[0].get() : p.conns[1 + p.rr++ % ndata].get(), {},
+                    nullptr};
+          post.h.type = t->op == OpCode::kWrite ? FrameType::kWrite : FrameType::kReadReq;
+          post.h.req_id = req;
+          post.h.addr = t->remote + off;
+          post.h.length = len;
+          if (t->op == OpCode::kWrite) post.data = static_cast<const char*>(t->local) + off;
+          posts.push_back(post);
+        }
       }
     }
   }
-  if (!st.ok() || t->length == 0) return t->done(std::move(st));
+  if (!st.ok() || posts.empty()) return t->done(std::move(st));
   // No lock held: acks may complete slices (and the task) while later ones are still posted;
   // everything needed here was copied. A closed connection drops the frame: the failure
   // path completes the slice. Frames are queued per connection and then written together
@@ -641,6 +654,7 @@ class TcpPeer : public TransportPeer {
     return Status::OK();
   }
   void fail(const Status& why) override { st_->core->fail(st_, why); }
+  void fenceAbandoned() override { st_->core->fenceAbandoned(st_); }
   Status health() override {
     std::lock_guard<std::mutex> g(st_->mu);
     if (!st_->failed) return Status::OK();

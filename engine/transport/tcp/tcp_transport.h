@@ -81,11 +81,20 @@
 //    finish first, later WRITE steps and READ slices are refused with kPermissionDenied, and
 //    READ responses already queued go out whole from a copy taken before the memory goes
 //    (except a device copy of GPU memory that missed its 30 s deadline: tcp_target.cc).
-//    The initiator's own buffers must outlive its requests, as with RDMA.
+//    The initiator's own buffers must outlive its requests, or their fence (next).
 //  - Slicing: a request that the initiator's copy of the peer's descriptor shows inside one
 //    region is cut into MC_TCP_SLICE_BYTES slices over the data connections; any other
 //    request (stale descriptor, or out of range) goes as one frame of up to kMaxDataBytes, so
-//    that the target accepts or refuses it whole, never a part of it.
+//    that the target accepts or refuses it whole, never a part of it; one longer than that is
+//    refused whole at submit (kPermissionDenied), before any byte moves.
+//  - Fence (TransportPeer::fenceAbandoned, when a wait() on a batch timed out): run on the
+//    progress thread before the call returns. A READ response of an abandoned request still
+//    to come, or half received, is received into a discard sink (the stream stays in step);
+//    what WRITE frames of such requests still have to send is copied into the engine's memory
+//    first, and goes out from there. No connection is closed and the peer is not failed: the
+//    late WRITEs land at the target, the acks and responses come, and the requests complete
+//    then (a discarded READ with kCancelled). After the call, nothing of the transport reads
+//    or writes those requests' buffers.
 //  - Ordering: notify(tag) is delivered after every WRITE the peer submitted before it, with
 //    no round trip: the NOTIFY carries, per data connection, how many WRITE frames were queued
 //    there before it, and the target holds it back until it has received that many WRITE

@@ -240,6 +240,40 @@ TEST(FakeVerbs, LocalKeysAreChecked) {
   EXPECT_EQ(stateOf(p.a.qp), IBV_QPS_ERR);
 }
 
+// A buffer deregistered while a request on it is in flight is not touched any more, as on a
+// NIC whose translation of it is gone: the READ response that comes later is not placed in
+// it, the WRITE not yet sent is not read from it; each fails with a local protection error.
+TEST(FakeVerbs, DeregisteredLocalMemoryIsFenced) {
+  const Fabric& f = testFabric();
+  NicControl a_nic(f.fabric, "", "mlx5_0"), b_nic(f.fabric, "", "mlx5_1");
+  ASSERT_TRUE(a_nic.ok() && b_nic.ok());
+  for (bool read : {true, false}) {
+    SCOPED_TRACE(read ? "READ, the responder stalled" : "WRITE, the requester's NIC stalled");
+    Pair p;
+    ASSERT_TRUE(p.open("mlx5_0", "mlx5_1"));
+    fill(p.b.buf.data(), 65536, 5);
+    NicControl& stalled = read ? b_nic : a_nic;
+    stalled.setStalled(true);
+    ASSERT_EQ(p.a.post(read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE, 1, 0, 65536, p.baddr(0),
+                       p.b.mr->rkey),
+              0);
+    std::this_thread::sleep_for(Ms(20));
+    ASSERT_EQ(ibv_dereg_mr(p.a.mr), 0);
+    p.a.mr = nullptr;
+    std::memset(p.a.buf.data(), 0x11, p.a.buf.size());
+    stalled.setStalled(false);
+    ibv_wc wc{};
+    ASSERT_TRUE(p.a.poll(&wc));
+    EXPECT_EQ(wc.status, IBV_WC_LOC_PROT_ERR) << ibv_wc_status_str(wc.status);
+    size_t changed = 0;
+    for (char ch : p.a.buf) changed += ch != 0x11;
+    EXPECT_EQ(changed, 0u) << "bytes placed into deregistered memory";
+    if (!read) {
+      EXPECT_TRUE(same(p.b.buf.data(), 65536, 5)) << "the WRITE read 0x11 from it";
+    }
+  }
+}
+
 // dma-buf MRs: the emulator maps the fd itself (host memory standing in for a GPU's) and the
 // MR lives at its iova, as with rdma-core: mr->addr is the iova, a peer's WRITE and the owner's
 // own gather list name iova addresses, the bytes are the fd's pages (at a non-page offset

@@ -202,6 +202,11 @@ struct SendWr {
   uint32_t msn = 0;
   bool checked = false;   // local keys validated, fault knobs consulted
   uint64_t read_got = 0;  // read: bytes of the response placed
+  // Its list's addresses as posted (`sge` holds this process's once checked) and Ctx::mr_gen
+  // when its keys were checked: a WRITE packet gathered from it, or a READ response placed
+  // into it, after an MR went checks them again (the requester's side of place_mu).
+  std::vector<uint64_t> posted_addr;
+  uint64_t gen = 0;
 };
 
 struct RecvWr {
@@ -274,9 +279,10 @@ struct Ctx {
   std::mutex mu;                                // qps, mrs
   std::vector<std::shared_ptr<Qp>> qps;  // the NIC thread works on a snapshot
   std::unordered_map<uint32_t, Mr*> mrs;        // by lkey (== rkey)
-  // WRITE placement into an MR and a READ response's copy out of one hold place_mu shared;
-  // ibv_dereg_mr takes it exclusively (before mu) and bumps mr_gen, so that no packet lands in
-  // or is read from memory deregistered before it.
+  // WRITE placement into an MR and a READ response's copy out of one hold place_mu shared, as
+  // do, on the requester, a WRITE's gather and a READ response's scatter; ibv_dereg_mr takes
+  // it exclusively (before mu) and bumps mr_gen, so that no packet lands in or is read from
+  // memory deregistered before it (a request in flight on it fails: IBV_WC_LOC_PROT_ERR).
   std::shared_mutex place_mu;
   std::atomic<uint64_t> mr_gen{0};
   uint32_t next_key = 0x1000;

@@ -138,6 +138,24 @@ bool localKeysOk(Qp* q, std::vector<ibv_sge>& sge, bool write) {
   return true;
 }
 
+// The requester's second look at a request's local keys (place_mu held shared): unchanged
+// when no MR went since they were checked; else each must still be registered around the
+// range it was posted with. A NIC whose translation of a buffer is gone does not touch it.
+bool localKeysStill(Qp* q, SendWr& w) {
+  const uint64_t gen = q->ctx->mr_gen.load(std::memory_order_acquire);
+  if (w.is_inline || gen == w.gen) return true;
+  w.gen = gen;
+  std::lock_guard<std::mutex> g(q->ctx->mu);
+  for (size_t i = 0; i < w.sge.size() && i < w.posted_addr.size(); ++i) {
+    const ibv_sge& s = w.sge[i];
+    Mr* m = q->ctx->findMr(s.lkey);
+    if (m == nullptr) return false;
+    const uint64_t lo = reinterpret_cast<uint64_t>(m->mr.addr), a = w.posted_addr[i];
+    if (a < lo || s.length > m->mr.length || a - lo > m->mr.length - s.length) return false;
+  }
+  return true;
+}
+
 // The responder's check of a remote access; returns the local address or nullptr.
 char* remoteTarget(Qp* q, uint32_t rkey, uint64_t raddr, uint64_t len, int need) {
   if (!(q->access & need)) return nullptr;
@@ -316,7 +334,17 @@ void handleResponse(Qp* q, const Pkt& p, const char* payload) {
   };
   SendWr& w = q->wrs[i];
   if (p.type == kReadResp) {
-    if (p.len > 0) scatter(w.sge, p.offset, payload, p.len);
+    if (p.len > 0) {
+      std::shared_lock<std::shared_mutex> use(q->ctx->place_mu);
+      if (!localKeysStill(q, w)) {  // its buffer was deregistered meanwhile
+        use.unlock();
+        SendWr failed = take(i);
+        completeSend(q, failed, IBV_WC_LOC_PROT_ERR);
+        qpError(q, IBV_WC_WR_FLUSH_ERR);
+        return;
+      }
+      scatter(w.sge, p.offset, payload, p.len);
+    }
     w.read_got += p.len;
     if (w.read_got >= w.len && i == 0) {
       completeSend(q, w, IBV_WC_SUCCESS);
@@ -409,6 +437,8 @@ bool nextOutgoing(Qp* q, bool up, std::vector<char>& scratch, size_t chunk, Outg
   if (!w.checked) {
     w.checked = true;
     bool is_read = w.op == IBV_WR_RDMA_READ;
+    w.gen = q->ctx->mr_gen.load(std::memory_order_acquire);
+    for (const auto& s : w.sge) w.posted_addr.push_back(s.addr);
     if (!w.is_inline && !localKeysOk(q, w.sge, is_read)) {
       SendWr failed = std::move(w);
       q->wrs.erase(q->wrs.begin() + static_cast<long>(q->tx));
@@ -443,6 +473,16 @@ bool nextOutgoing(Qp* q, bool up, std::vector<char>& scratch, size_t chunk, Outg
     if (w.is_inline) {
       std::memcpy(scratch.data(), w.inline_data.data() + q->tx_off, n);
     } else {
+      std::shared_lock<std::shared_mutex> use(q->ctx->place_mu);
+      if (!localKeysStill(q, w)) {  // its buffer was deregistered meanwhile
+        use.unlock();
+        SendWr failed = std::move(w);
+        q->wrs.erase(q->wrs.begin() + static_cast<long>(q->tx));
+        q->tx_off = 0;
+        completeSend(q, failed, IBV_WC_LOC_PROT_ERR);
+        qpError(q, IBV_WC_WR_FLUSH_ERR);
+        return false;
+      }
       gather(w.sge, q->tx_off, n, scratch.data());
     }
   } else if (r != nullptr && up && r->room() < 2 * sizeof(Pkt) + 16) {
