@@ -384,6 +384,9 @@ struct Outgoing {
 
 // Responses first (they unblock the peer), then requests. qp->mu held.
 bool nextOutgoing(Qp* q, bool up, std::vector<char>& scratch, size_t chunk, Outgoing* out) {
+  // A hung NIC sends nothing, checked here too and not only once per round: a request posted
+  // after the stall was set must not go out in a round that began before it.
+  if (q->ctx->shm->stalled.load(std::memory_order_acquire)) return false;
   Ring* r = q->out.get();
   while (!q->resps.empty()) {
     Resp& rs = q->resps.front();
