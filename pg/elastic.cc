@@ -232,9 +232,10 @@ void Elastic::start(Deadline deadline) {
     installPlane(latest, {"shm"}, /*isolated=*/true);
     updateP2p(latest);
   }
-  agent_ = std::thread([this] { agentLoop(); });
+  // (Logged before the agent starts: it may install a plane, and path_, at once.)
   MC_LOG(INFO, PG) << "elastic group " << prefix_ << " slot " << slot_ << " (incarnation "
                    << inc_ << ", " << max_size_ << " slots) ready: " << path();
+  agent_ = std::thread([this] { agentLoop(); });
 }
 
 // ---- queries ----
@@ -395,7 +396,10 @@ void Elastic::ensureOpen(int slot, uint32_t inc, Deadline deadline) {
         root_.engine->mappedAddress(*peer, p.rec.buffer, p.rec.buffer_bytes));
   std::lock_guard<std::mutex> g(mu_);
   Proc& cur = procs_[slot];
-  if (cur.inc > inc) return;
+  // Another thread (the agent, an op's barrier, an admission) may have opened this process
+  // meanwhile: its entry (the same engine peer) holds the replaced process, which this one,
+  // read before, would lose.
+  if (cur.inc > inc || (cur.inc == inc && cur.peer != engine::kInvalidPeer)) return;
   if (cur.inc < inc && cur.peer != engine::kInvalidPeer) {
     p.prev_inc = cur.inc;
     p.prev_peer = cur.peer;
@@ -404,8 +408,12 @@ void Elastic::ensureOpen(int slot, uint32_t inc, Deadline deadline) {
 }
 
 void Elastic::openKnown(const View& v, Deadline deadline) {
+  // Members and joiners only: an inactive slot needs no link until it joins again (Awaiting),
+  // and one whose host went silent held each caller (the agent, every tick) for the deadline
+  // (test_pg_elastic.py::test_a_silent_inactive_slot_does_not_stall_the_agent).
   for (int s = 0; s < v.maxSize(); ++s)
-    if (v.incarnation[s] != 0 && v.state[s] != MemberState::kLeft)
+    if (v.incarnation[s] != 0 &&
+        (v.state[s] == MemberState::kActive || v.state[s] == MemberState::kAwaiting))
       ensureOpen(s, v.incarnation[s], deadline);
 }
 

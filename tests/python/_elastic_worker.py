@@ -478,6 +478,41 @@ def store_wait():
     report(active=active(b), epoch=pg.get_current_epoch(b))
 
 
+def silent_slot():
+    """test_a_silent_inactive_slot_does_not_stall_the_agent: slot 2 deactivates itself and the
+    test stops its process (a host that no longer answers); an extension rank takes slot 3. The
+    extension never opened slot 2; a later view change it takes part in must not wait for its
+    agent to give up on opening slot 2 (2 s per tick)."""
+    if PROC == 3:
+        wait_event("stopped")
+        t0 = time.time()
+        b = init(3, 4, is_extension=True)
+        t_init = time.time() - t0
+        pg.join_group(b)
+        wait_until(lambda: active(b)[1] == 0, 30, "the view without slot 1")
+        report(init=t_init, active=active(b), sum=list(all_reduce(4)))
+        return
+    b = init(PROC, 3, max_group_size=4)
+    assert all_reduce(PROC + 1)[0] == 6
+    if PROC == 2:
+        assert pg.deactivate_ranks(b, [2]).status == pg.ProposalStatus.Applied
+        event("parked")
+        time.sleep(120)  # the test stops this process
+        return
+    wait_until(lambda: active(b) == [1, 1, 0, 0], 30, "the view without slot 2")
+    if PROC == 1:
+        wait_until(lambda: active(b)[1] == 0, 60, "the view without slot 1")
+        report(active=active(b))
+        return
+    wait_until(lambda: pg.get_peer_state(b, [3])[0], 60, "the extension rank", poll_s=0.05)
+    assert pg.recover_ranks(b, [3]).status == pg.ProposalStatus.Applied
+    time.sleep(0.5)  # every agent idle (the others' user threads call nothing)
+    t0 = time.time()
+    resp = pg.deactivate_ranks(b, [1])
+    took = time.time() - t0
+    report(deact=[int(resp.status), took], active=active(b), sum=list(all_reduce(1)))
+
+
 def coordinator_killed():
     """Rank 0 (the first proposer; it hosts no store here) is SIGKILLed by the test: the
     others hold the view without it within 2 s and keep running."""

@@ -340,3 +340,26 @@ def test_a_rank_waiting_on_the_job_store_is_not_evicted():
             assert out[p]["active"][:4] == [1, 1, 1, 0], (p, out, job.tails())
     finally:
         job.close()
+
+
+def test_a_silent_inactive_slot_does_not_stall_the_agent(job):
+    """A review: each agent tick tried to open every process the latest view names that this
+    process had not opened, waiting up to 2 s for each that does not answer. An extension
+    rank that never opened an inactive slot whose host went silent (here: its process stopped)
+    held its agent there every tick, so each view change it took part in waited that long
+    (and its observations came late enough to get it evicted). Nothing needs a link to an
+    inactive slot: it must join again (Awaiting) before anyone activates it."""
+    j = job("silent_slot", 4)
+    j.wait_event("parked")
+    time.sleep(0.3)
+    os.kill(j.procs[2].pid, signal.SIGSTOP)
+    j.store.set("ev/stopped", "1")
+    res = j.results([0, 1, 3])
+    print(f"extension rank created in {res[3]['init']:.2f} s; deactivate_ranks took "
+          f"{res[0]['deact'][1]:.2f} s")
+    assert res[0]["deact"][0] == 1, res[0]  # Applied
+    assert res[0]["deact"][1] < 1.0, res[0]
+    for p in (0, 1, 3):
+        assert res[p]["active"] == [1, 0, 0, 1], (p, res[p])
+    for p in (0, 3):
+        assert res[p]["sum"] == [5.0, True, [0, 0, 0, 0]], (p, res[p])

@@ -165,7 +165,7 @@ namespace {
 struct WrapperSize : c10d::ProcessGroup {
   static void set(c10d::ProcessGroup& pg, int n) {
     const int c10d::ProcessGroup::*m = &WrapperSize::size_;
-    const_cast<int&>(pg.*m) = n;
+    __atomic_store_n(&const_cast<int&>(pg.*m), n, __ATOMIC_RELAXED);
   }
 };
 }  // namespace
@@ -179,11 +179,13 @@ void ProcessGroupMooncake::linkWrapper(const c10::intrusive_ptr<c10d::ProcessGro
 #endif
 
 void ProcessGroupMooncake::onViewChange(c10::intrusive_ptr<c10d::ProcessGroup>* keep) {
-  // c10d declares size_ const, but an elastic group's size follows its views (upstream's
-  // getSize() reports one past the highest active slot). Nothing caches it: getSize() reads
-  // the member each time. Called with sink_->mu held (or before the callback is set).
+  // An elastic group's size follows its views (upstream's getSize() reports one past the
+  // highest active slot). Called on the thread that applied the view (the agent's, often),
+  // with sink_->mu held (or before the callback is set): our ops read our atomic size_;
+  // c10d's (declared const; getSize() reads it each time) gets a store that cannot tear.
   const int n = comm_->size();
-  const_cast<int&>(size_) = n;
+  size_.store(n);
+  __atomic_store_n(&const_cast<int&>(BackendBase::size_), n, __ATOMIC_RELAXED);
 #if MC_TORCH_HAS_BACKEND
   if (sink_->wrapper) {
     c10::intrusive_ptr<c10d::ProcessGroup> w = sink_->wrapper->lock();

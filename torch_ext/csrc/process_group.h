@@ -298,6 +298,11 @@ class ProcessGroupMooncake : public BackendBase {
 #endif
   };
   std::shared_ptr<ViewSink> sink_ = std::make_shared<ViewSink>();
+  // The size this backend's own code reads (process_group*.cc say size_: this member hides
+  // c10d's). An elastic group's agent thread changes it (onViewChange) while the user's thread
+  // checks an op's arguments against it; c10d's is a plain const int, and reading that raced
+  // with the write. onViewChange still sets c10d's (and the wrapper's) for torch's getSize().
+  std::atomic<int> size_{BackendBase::size_};
   std::unique_ptr<P2pLanes> lanes_;  // declared last: stops first
 };
 
