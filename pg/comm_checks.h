@@ -41,6 +41,7 @@ inline OpSig typedSig(OpKind kind, size_t count, DataType t, ReduceOp op, int ro
 inline OpSig bytesSig(OpKind kind, size_t bytes, int root = -1) {
   OpSig s;
   s.kind = kind;
+  s.dtype = SigDtype::current();  // 0 (bytes) unless the caller named a dtype
   s.count = bytes;
   s.root = root;
   return s;

@@ -63,6 +63,15 @@ void Communicator::Impl::run(const char* name, const OpSig& sig, Fn&& fn) {
     finishOps(op);
   } catch (const UsageError&) {
     throw;
+  } catch (const PeerRejected&) {
+    // A peer refused the op (Communicator::reject): realign with every rank, then raise it.
+    try {
+      if (shm) shm->resync(op);
+    } catch (const CommError& f) {
+      breakOn(f);
+      throw;
+    }
+    throw;
   } catch (const CommError& e) {
     breakOn(e);
     throw;
@@ -236,6 +245,15 @@ std::unique_ptr<Communicator> Communicator::create(std::shared_ptr<engine::Trans
   return std::unique_ptr<Communicator>(new Communicator(std::move(impl)));
 }
 
+namespace {
+thread_local uint8_t t_sig_dtype = 0;
+}  // namespace
+SigDtype::SigDtype(DataType t) : prev_(t_sig_dtype) {
+  t_sig_dtype = static_cast<uint8_t>(static_cast<int>(t) + 1);
+}
+SigDtype::~SigDtype() { t_sig_dtype = prev_; }
+uint8_t SigDtype::current() { return t_sig_dtype; }
+
 // The size users see: one past the highest active slot in an elastic group.
 int pubSize(const Communicator::Impl& c) { return c.elastic ? c.elastic->size() : c.size; }
 
@@ -321,6 +339,19 @@ void Communicator::fail(const char* op, const std::string& why) {
                                std::to_string(impl_->rank) + " (group " +
                                impl_->opts.group_name + ") failed the group: " + why,
                            -1, op));
+}
+
+void Communicator::reject(const char* op, const std::string& why) {
+  Impl& c = *impl_;
+  if (c.elastic || c.local || !c.shm || c.size == 1 || c.broken.load()) return;
+  OpCtx o{op, Clock::now() + c.opts.timeout, ++c.op_seq, c.opts.timeout, OpSig{}};
+  try {
+    c.shm->reject(o, why);
+    c.shm->resync(o);
+  } catch (const CommError& e) {
+    c.breakOn(e);
+    throw;
+  }
 }
 
 std::shared_ptr<Work> Communicator::enqueue(std::string op_name, std::function<void()> fn) {
@@ -545,8 +576,7 @@ void Communicator::allToAllV(const void* in, const std::vector<size_t>& send_byt
   const auto [in_end, out_end] =
       checkSplits(n, in, send_bytes, send_offsets, out, recv_bytes, recv_offsets);
   if (DeviceStage::any({in, out})) {
-    OpSig sig;
-    sig.kind = OpKind::kAllToAll;
+    OpSig sig = bytesSig(OpKind::kAllToAll, 0);
     if (!impl_->elastic && impl_->shm && impl_->size > 1)  // one host: no staging
       return impl_->run("alltoall", sig, [&](const OpCtx& o) {
         (void)algo::allToAllVOnDevice(*impl_, o, in, send_bytes, send_offsets, out, recv_bytes,
@@ -560,8 +590,7 @@ void Communicator::allToAllV(const void* in, const std::vector<size_t>& send_byt
         st.out(static_cast<char*>(out) + recv_offsets[j], recv_bytes[j], in_end + recv_offsets[j]);
     return;
   }
-  OpSig sig;
-  sig.kind = OpKind::kAllToAll;  // the split sizes are checked pairwise by the algorithm
+  OpSig sig = bytesSig(OpKind::kAllToAll, 0);  // split sizes: checked pairwise by the algorithm
   if (impl_->elastic)
     return impl_->elastic->allToAllV(in, send_bytes, send_offsets, out, recv_bytes, recv_offsets,
                                      sig);

@@ -101,6 +101,13 @@ class MismatchError : public CommError {
   using CommError::CommError;
 };
 
+// A peer refused its own arguments of this collective (it raised an argument error there):
+// raised on the other ranks of the op, which stay in step (the group is not poisoned).
+class PeerRejected : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 enum class ProposalStatus { kRejected = 0, kApplied = 1, kAppliedWithDroppedRanks = 2 };
 struct ProposalResult {
   ProposalStatus status = ProposalStatus::kRejected;
@@ -132,6 +139,22 @@ class Work {
   std::shared_ptr<State> s_;
 };
 
+// Ops that move bytes (broadcast, allgather, allgatherv, gather, scatter, all-to-all and their
+// stream-ordered forms) issued by this thread while a SigDtype lives carry `t` in their
+// signature (OpSig::dtype): ranks that pass different dtypes of the same size then raise a
+// mismatch, as for different sizes. Without one they are untyped (bytes): ep/, store/.
+class SigDtype {
+ public:
+  explicit SigDtype(DataType t);
+  ~SigDtype();
+  SigDtype(const SigDtype&) = delete;
+  SigDtype& operator=(const SigDtype&) = delete;
+  static uint8_t current();  // DataType + 1; 0: none
+
+ private:
+  uint8_t prev_;
+};
+
 class Communicator {
  public:
   // Collective over the group. The engine may be shared by several communicators (sub-
@@ -154,6 +177,12 @@ class Communicator {
   // that queued only some of a list of stream-ordered ops): later ops fail at once here, the
   // peers' current and later ones through the abort words. `op` and `why` name it.
   void fail(const char* op, const std::string& why);
+  // This rank refused its own arguments of its next collective `op` (`why`), which its peers
+  // call: it takes that op's number and tells them, and they raise PeerRejected for it instead
+  // of waiting until the timeout; then every rank realigns, so later ops run. Called in issue
+  // order with the other collectives (enqueue it). Same-host plain groups (shm); elsewhere
+  // (elastic, hierarchical, net groups) a no-op: the peers wait in that op, as before.
+  void reject(const char* op, const std::string& why);
 
   // ---- collectives on contiguous host memory; in == out allowed where it makes sense ----
   void allReduce(const void* in, void* out, size_t count, DataType t, ReduceOp op);

@@ -354,8 +354,7 @@ std::shared_ptr<Communicator::StreamOp> Communicator::allToAllVOnStream(
   // (bytes: 1, not this rank's total: a rank that sends and receives nothing takes part too)
   StreamOps* ops = streamOpsFor(*impl_, op, 1, decide, &ordinal, {}, ordinal_hint);
   if (ops == nullptr) return nullptr;
-  OpSig sig;
-  sig.kind = OpKind::kAllToAll;
+  OpSig sig = bytesSig(OpKind::kAllToAll, 0);
   return wrap(ops, ops->allToAllV(ins, send_bytes, outs, recv_bytes, sig, ordinal, stream));
 }
 

@@ -91,6 +91,16 @@ void Health::mismatchBetween(const OpCtx& op, uint64_t seq, int a, const OpSig& 
                   name(b), op.name);
 }
 
+void Health::rejected(const OpCtx& op, int rank, const std::string& its_op,
+                      const std::string& why) const {
+  throw PeerRejected("mooncake pg: " + std::string(op.name) + " on rank " +
+                         std::to_string(name(rank_)) + " (group " + group_ + ", op #" +
+                         std::to_string(op.seq) + ") failed: rank " +
+                         std::to_string(name(rank)) + " gave " + its_op +
+                         " an invalid argument: " + why,
+                     name(rank), op.name);
+}
+
 void Health::outOfStep(const OpCtx& op, int rank, uint64_t theirs) const {
   throw MismatchError("mooncake pg: " + std::string(op.name) + " (group " + group_ + ", op #" +
                       std::to_string(op.seq) + ") on rank " + std::to_string(name(rank_)) +
@@ -123,10 +133,18 @@ std::string OpSig::describe() const {
                                        "reduce_scatter",  "alltoall",   "barrier"};
   size_t k = static_cast<size_t>(kind);
   std::string s = k < sizeof(kNames) / sizeof(kNames[0]) ? kNames[k] : "op kind " + std::to_string(k);
+  const bool bytes_op = kind == OpKind::kBroadcast || kind == OpKind::kAllGather ||
+                        kind == OpKind::kAllGatherV || kind == OpKind::kGather ||
+                        kind == OpKind::kScatter || kind == OpKind::kAllToAll;
+  const std::string dt = dtype != 0 ? dtypeName(static_cast<DataType>(dtype - 1)) : "";
+  if (kind == OpKind::kAllToAll && dtype != 0) return s + "(" + dt + ")";
   if (kind == OpKind::kNone || kind == OpKind::kBarrier || kind == OpKind::kAllToAll) return s;
   s += "(";
   if (kind == OpKind::kAllGatherV) {
+    if (dtype != 0) s += dt + ", ";
     s += "per-rank sizes #" + std::to_string(shape % 100000);
+  } else if (bytes_op && dtype != 0) {  // a copy op with its dtype: count is bytes
+    s += dt + ", " + std::to_string(count) + " bytes";
   } else if (dtype != 0) {
     s += std::string(dtypeName(static_cast<DataType>(dtype - 1))) + " x " + std::to_string(count);
   } else {

@@ -89,6 +89,10 @@ class Health {
   // #seq (seen while this rank handled op `op`, e.g. after one of them aborted).
   [[noreturn]] void mismatchBetween(const OpCtx& op, uint64_t seq, int a, const OpSig& sa, int b,
                                     const OpSig& sb) const;
+  // Throws PeerRejected for a peer that refused its own arguments of op #op.seq: "rank R gave
+  // OP an invalid argument: WHY" (its_op: the op as that rank named it).
+  [[noreturn]] void rejected(const OpCtx& op, int rank, const std::string& its_op,
+                             const std::string& why) const;
   // Throws the CommError for a peer whose flags or messages belong to another op (#theirs)
   // than this one: the ranks' collectives went out of step earlier.
   [[noreturn]] void outOfStep(const OpCtx& op, int rank, uint64_t theirs) const;

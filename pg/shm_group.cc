@@ -3,6 +3,8 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
 #include <thread>
 
 #include "engine/futex.h"
@@ -123,10 +125,94 @@ bool ShmGroup::finishOp(const OpCtx& op) {
   if (op.seq != op_seq_ || size() == 1) return false;
   // Peers this rank wrote for but never waited on in the op have not been checked against:
   // wait for them to finish the op's last step, which checks their descriptor.
-  if (posted_ready_)
+  if (posted_ready_) {
     for (int r = 0; r < size(); ++r)
       if (!verified_[r]) wait(op, r, kConsumed, step_);
+  } else {
+    // A rank that only received (a non-root of a broadcast or scatter) also hears from the
+    // peers it never waited on: they reached this op (and called the same), or one refused it.
+    for (int r = 0; r < size(); ++r)
+      if (!verified_[r]) waitArrived(op, r);
+  }
   return true;
+}
+
+template <class Done>
+void ShmGroup::pollUntil(const OpCtx& op, int r, const char* what, Done&& done) {
+  using engine::Clock;
+  auto next_check = Clock::now();
+  for (int i = 0; !done(); i += i < 1024) {  // (i stops at 1024: waits may be long)
+    if (i < 256) {
+      MC_PG_CPU_RELAX();
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(i < 1024 ? 0 : 50));
+    const auto now = Clock::now();
+    if (now < next_check) continue;
+    next_check = now + std::chrono::microseconds(wait_.health_us);
+    checkRejects(op);
+    checkAborts(op);
+    health_->check(op, r);
+    if (now >= op.deadline) health_->timedOut(op, r, what);
+  }
+}
+
+void ShmGroup::waitArrived(const OpCtx& op, int r) {
+  const Desc& d = descOf(r, op.seq);
+  const uint64_t mine = tag_ | op.seq;
+  pollUntil(op, r, "it did not reach the op",
+            [&] { return d[0].load(std::memory_order_acquire) >= mine; });
+  verify(op, r);
+}
+
+void ShmGroup::reject(const OpCtx& op, const std::string& why) {
+  Header::Reject& n = hdr(rank_)->reject;
+  std::snprintf(n.op, sizeof(n.op), "%s", op.name);
+  std::snprintf(n.why, sizeof(n.why), "%s", why.c_str());
+  n.seq.store(tag_ | op.seq, std::memory_order_release);
+  for (auto& l : hdr(rank_)->flags) engine::futexWakeAll(futexWord(&l.v));  // sleepers look
+}
+
+// Only from the waits of host ops (slowWait, pollUntil), on the thread that runs them: not
+// from checkHealth(), which stream-ordered ops call (on other threads, with sequence numbers
+// of their own that may equal a refused host op's).
+void ShmGroup::checkRejects(const OpCtx& op) const {
+  if (op.seq != op_seq_) return;
+  for (int r = 0; r < size(); ++r) {
+    if (r == rank_) continue;
+    const Header::Reject& n = hdr(r)->reject;
+    if (n.seq.load(std::memory_order_acquire) != (tag_ | op.seq)) continue;
+    health_->rejected(op, r, std::string(n.op, strnlen(n.op, sizeof(n.op))),
+                      std::string(n.why, strnlen(n.why, sizeof(n.why))));
+  }
+}
+
+void ShmGroup::resync(const OpCtx& op) {
+  if (size() == 1) return;
+  const int slot = static_cast<int>(resyncs_++ & 1);
+  Header::Resync& mine = hdr(rank_)->resync[slot];
+  mine.step.store(step_, std::memory_order_relaxed);
+  mine.seq.store(tag_ | op.seq, std::memory_order_release);
+  uint64_t top = step_;
+  // The op is over here (checkRejects: its refusal is known), and so is its descriptor, which
+  // a rank that raised before its first flag never published (nor will: abort()).
+  op_seq_ = 0;
+  desc_pending_ = false;
+  for (int r = 0; r < size(); ++r) {
+    if (r == rank_) continue;
+    const Header::Resync& theirs = hdr(r)->resync[slot];
+    pollUntil(op, r, "it did not resynchronise after a refused op",
+              [&] { return theirs.seq.load(std::memory_order_acquire) == (tag_ | op.seq); });
+    top = std::max(top, theirs.step.load(std::memory_order_relaxed));
+  }
+  // Every rank left the op: nobody reads a half of it. Go on from the highest step, with every
+  // flag there (a peer that writes step top + 1 waits for kConsumed of top - 1).
+  step_ = top;
+  for (auto& l : hdr(rank_)->flags) {
+    if (l.v.load(std::memory_order_relaxed) < target(top))
+      l.v.store(target(top), std::memory_order_seq_cst);
+    engine::futexWakeAll(futexWord(&l.v));
+  }
 }
 
 void ShmGroup::setGpuHalf(uint64_t s, bool on) {
@@ -236,6 +322,7 @@ void ShmGroup::slowWait(const OpCtx& op, int r, Line& l, uint64_t s) {
   auto maybeCheck = [&]() -> bool {
     if (now < next_check) return false;
     try {
+      checkRejects(op);  // (host ops only: not in checkPeers)
       checkPeers(op, r);
     } catch (...) {
       if (l.v.load(std::memory_order_acquire) >= s) return true;

@@ -165,6 +165,16 @@ class ShmGroup {
     return hdr(owner)->p2p_checked[from];
   }
 
+  // A rank that refused its own arguments of op #op.seq (which its peers called) says so
+  // here, with why: peers waiting in that op raise PeerRejected (Health::rejected). Then every
+  // rank of the op calls resync(op): each publishes its step count, waits for every peer's,
+  // and all go on from the highest (flags raised to it), so that the next op's steps line up
+  // whatever part of the refused op each rank ran. finishOp() makes every rank hear from every
+  // peer in every op (it waits until a peer it never waited on reached the op), so every rank
+  // of the op raises and resyncs.
+  void reject(const OpCtx& op, const std::string& why);
+  void resync(const OpCtx& op);
+
   // What every wait checks (see above), once, for every peer: their abort words, whether they
   // are alive, the op's deadline. Throws CommError.
   void checkHealth(const OpCtx& op) const { checkPeers(op, -1); }
@@ -197,6 +207,17 @@ class ShmGroup {
     P2pInfo p2p;
     std::atomic<uint64_t> p2p_checked[kP2pMaxRanks];
     P2pNote p2p_notes[kP2pMaxRanks][kP2pRing];
+    // reject(): the op refused (tag | seq, stored last) and why; resync(): by the parity of
+    // the resyncs so far, the op and this rank's step count.
+    struct Reject {
+      std::atomic<uint64_t> seq;
+      char op[32];
+      char why[216];
+    } reject;
+    struct Resync {
+      std::atomic<uint64_t> seq;
+      std::atomic<uint64_t> step;
+    } resync[2];
   };
   static constexpr uint64_t kAbortDied = uint64_t{1} << 31;
   static constexpr uint64_t kAbortLeft = uint64_t{1} << 30;
@@ -208,6 +229,14 @@ class ShmGroup {
   Header* hdr(int r) const { return reinterpret_cast<Header*>(bases_[r]); }
   void slowWait(const OpCtx& op, int r, Line& line, uint64_t s);
   void checkPeers(const OpCtx& op, int waiting_for) const;
+  // Throws PeerRejected when a peer refused the op this rank runs (op_seq_).
+  void checkRejects(const OpCtx& op) const;
+  // Waits until peer r reached op `op` (published its descriptor) and checks its call.
+  void waitArrived(const OpCtx& op, int r);
+  // Polls done() with the waits' back-off and health checks (aborts, rejects, death of r,
+  // the deadline: `what` for a timeout).
+  template <class Done>
+  void pollUntil(const OpCtx& op, int r, const char* what, Done&& done);
   void beginOp(const OpCtx& op);
   void publishDesc();
   // A flag of peer r for a step of the current op was seen: check its descriptor.
@@ -237,6 +266,7 @@ class ShmGroup {
   bool posted_ready_ = false;      // this rank wrote data for peers in the op
   bool desc_pending_ = false;      // the op's descriptor goes out with its first flag
   uint64_t desc_words_[2] = {0, 0};
+  uint64_t resyncs_ = 0;  // resync() calls so far (the same on every rank)
 };
 
 }  // namespace mooncake::pg

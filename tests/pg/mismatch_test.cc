@@ -5,6 +5,7 @@
 // that only send (a broadcast's root) and zero-byte calls.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
@@ -173,6 +174,96 @@ TEST(PgAgreement, MatchingCallsPass) {
     });
     for (int r = 0; r < 3; ++r) EXPECT_EQ(codes[r], 0) << transport << " rank " << r;
   }
+}
+
+// Communicator::reject: a rank that refused its own arguments of an op its peers called
+// (the torch layer's argument checks) takes the op's number; the peers raise PeerRejected for
+// it at once, naming that rank and why, and every rank realigns, so later ops pair and give
+// the right results. Shared memory (where reject is implemented), 3 ranks: the refusal at
+// the very first op, by the root of a broadcast, by two ranks and by every rank at once, two
+// in a row, during a multi-step allreduce that the peers leave at different steps, and in a
+// sub-group.
+TEST(PgReject, PeersRaiseAndTheGroupStaysInStep) {
+  RunOptions o;
+  o.world = 3;
+  o.transport = "shm";
+  o.comm_timeout = Ms(10000);
+  o.deadline_s = 90;
+  auto codes = runRanks(o, [&](RankEnv& env) {
+    Communicator& c = *env.comm;
+    const int me = c.rank();
+    // One op: `bad` ranks refuse it, the others call `kind` (rotating roots).
+    auto op = [&](int i, int kind, const std::vector<int>& bad, Communicator& g, int gme,
+                  int gsize) {
+      const bool refuse = std::find(bad.begin(), bad.end(), gme) != bad.end();
+      const std::string why = "arg " + std::to_string(i) + " of rank " + std::to_string(gme);
+      int64_t t0 = monotonicNs();
+      std::string what;
+      try {
+        if (refuse) {
+          g.reject(kind == 0 ? "broadcast" : "allreduce", why);
+          return;
+        }
+        std::vector<float> v(kind == 2 ? (1 << 20) + 17 : 64, 1.0f);
+        if (kind == 0) g.broadcast(v.data(), v.size() * 4, i % gsize);
+        if (kind == 1 || kind == 2)
+          g.allReduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+        if (kind == 3) {
+          std::vector<float> all(v.size() * gsize);
+          g.gather(v.data(), all.data(), v.size() * 4, i % gsize);
+        }
+        if (kind == 4) {
+          std::vector<float> all(v.size() * gsize);
+          g.scatter(all.data(), v.data(), v.size() * 4, i % gsize);
+        }
+        ADD_FAILURE() << "rank " << gme << ": op " << i << " (kind " << kind
+                      << ") passed though a peer refused it";
+      } catch (const PeerRejected& e) {
+        what = e.what();
+      }
+      const double s = (monotonicNs() - t0) / 1e9;
+      EXPECT_LT(s, 3.0) << "rank " << gme << " raised op " << i << " after " << s << " s";
+      bool named = false;
+      for (int b : bad)
+        named |= what.find("rank " + std::to_string(b) + " gave ") != std::string::npos &&
+                 what.find("arg " + std::to_string(i) + " of rank " + std::to_string(b)) !=
+                     std::string::npos;
+      EXPECT_TRUE(named) << "rank " << gme << ", op " << i << ": " << what;
+    };
+    // Every rank's next op works and pairs with the peers'.
+    auto check = [&](Communicator& g, int gsize, int i) {
+      std::vector<float> x(1000, 1.0f);
+      g.allReduce(x.data(), x.data(), x.size(), DataType::kFloat32, ReduceOp::kSum);
+      EXPECT_EQ(x[999], static_cast<float>(gsize)) << "after op " << i;
+      std::vector<int32_t> y(33, g.rank() * 7);
+      g.broadcast(y.data(), y.size() * 4, i % gsize);
+      EXPECT_EQ(y[32], (i % gsize) * 7) << "after op " << i;
+    };
+    op(0, 0, {1}, c, me, 3);  // the very first op
+    check(c, 3, 0);
+    op(1, 0, {1}, c, me, 3);  // the root (1) refuses
+    check(c, 3, 1);
+    op(2, 1, {1, 2}, c, me, 3);  // two ranks
+    check(c, 3, 2);
+    op(3, 1, {0, 1, 2}, c, me, 3);  // every rank
+    check(c, 3, 3);
+    op(4, 1, {2}, c, me, 3);  // two in a row
+    op(5, 4, {2}, c, me, 3);
+    check(c, 3, 5);
+    for (int i = 6; i < 36; ++i) {  // rotating ranks and ops, multi-step ones among them
+      op(i, i % 5, {i % 3}, c, me, 3);
+      if (i % 4 == 0) check(c, 3, i);
+    }
+    check(c, 3, 36);
+    // A sub-group of ranks 0 and 2: rank 2 refuses there, then both groups work.
+    if (me != 1) {
+      auto sub = env.subgroup("rej", {0, 2}, Ms(10000));
+      op(40, 1, {1}, *sub, sub->rank(), 2);
+      check(*sub, 2, 40);
+    }
+    check(c, 3, 41);
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
 }  // namespace

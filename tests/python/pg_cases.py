@@ -9,6 +9,7 @@ Each case returns a list of failure strings (empty = pass).
 """
 
 import functools
+import time
 
 import torch
 import torch.distributed as dist
@@ -373,3 +374,53 @@ def case_barrier(ctx, times=10):
     for _ in range(times):
         dist.barrier()
     return []
+
+
+def _bad_input_call(op, me, bad, world):
+    """One rank (bad) passes an argument that the backend refuses; the others a valid call."""
+    t = torch.arange(4, dtype=torch.float32) + me
+    if op == "broadcast":  # a root outside the group, given to the group object (a sparse
+        # tensor, tried first, is refused by torch 2.x itself before the backend sees it)
+        if me == bad:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = world + 1
+            dist.distributed_c10d._get_default_group().broadcast([t], opts).wait()
+        else:
+            dist.broadcast(t, 0)
+    elif op == "allreduce":  # BAND is not defined for float32
+        dist.all_reduce(t, op=OPS["BAND"] if me == bad else OPS["SUM"])
+    elif op == "allgather":  # an output list of the wrong length
+        dist.all_gather([torch.empty(4) for _ in range(world + (me == bad))], t)
+    elif op == "gather":  # the root's output of the wrong size
+        outs = [torch.empty(4 + (me == bad and i == 1)) for i in range(world)]
+        dist.gather(t, outs if me == bad else None, dst=bad)
+    elif op == "alltoall":  # input splits that do not add up to the tensor
+        x = torch.arange(world * 2, dtype=torch.float32)
+        split = [2] * world if me != bad else [3] * world
+        dist.all_to_all_single(torch.empty(world * 2), x, [2] * world, split)
+    elif op == "reduce_scatter":  # an input list of the wrong length
+        dist.reduce_scatter(torch.empty(4), [t.clone() for _ in range(world - (me == bad))])
+    else:
+        raise ValueError(op)
+
+
+def case_bad_input_one_rank(ctx, op, bad):
+    """Only rank `bad` passes an invalid argument to `op`: every rank raises for it (the
+    others well within the group timeout, naming that rank, the op and the cause), and the
+    group stays usable: the next ops (an all_reduce, a broadcast) give the right results."""
+    me, world = ctx.rank, ctx.world
+    out = {"raised": False}
+    t0 = time.time()
+    try:
+        _bad_input_call(op, me, bad, world)
+    except Exception as e:  # noqa: BLE001 (the erring rank: ValueError / RuntimeError)
+        out.update(raised=True, msg=str(e), type=type(e).__name__)
+    out["elapsed"] = time.time() - t0
+    x = torch.full((8,), float(me + 1))
+    dist.all_reduce(x)
+    y = torch.full((3,), float(me * 10))
+    dist.broadcast(y, world - 1)
+    out["later"] = [x[0].item(), y[0].item()]
+    out["later_ok"] = (x.tolist() == [world * (world + 1) / 2] * 8 and
+                       y.tolist() == [float((world - 1) * 10)] * 3)
+    return out

@@ -633,6 +633,21 @@ def case_sig_mismatch(ctx, what):
             dist.all_reduce(t, op=OPS["SUM"] if me == 0 else OPS["MAX"])
         elif what == "root":
             dist.broadcast(t, me)
+        elif what.endswith("_dtype"):  # a copy op, same bytes: float32 vs int32
+            x = t if me == 0 else t.int()
+            ws = 2
+            if what == "broadcast_dtype":
+                dist.broadcast(x, 0)
+            elif what == "allgather_dtype":
+                dist.all_gather([torch.empty_like(x) for _ in range(ws)], x)
+            elif what == "gather_dtype":
+                dist.gather(x, [torch.empty_like(x) for _ in range(ws)] if me == 0 else None, 0)
+            elif what == "scatter_dtype":
+                dist.scatter(x, [x.clone() for _ in range(ws)] if me == 0 else None, 0)
+            elif what == "alltoall_dtype":
+                dist.all_to_all_single(torch.empty_like(x), x)
+            else:
+                raise ValueError(what)
         elif what == "order":
             if me == 0:
                 dist.all_reduce(t)

@@ -66,7 +66,11 @@ def test_split_mismatch_across_ranks_raises_everywhere():
 
 
 @pytest.mark.parametrize("what,op", [("dtype", "allreduce"), ("op", "allreduce"),
-                                     ("root", "broadcast"), ("order", None)])
+                                     ("root", "broadcast"), ("order", None),
+                                     ("broadcast_dtype", "broadcast"),
+                                     ("allgather_dtype", "allgather"),
+                                     ("gather_dtype", "gather"), ("scatter_dtype", "scatter"),
+                                     ("alltoall_dtype", "alltoall_base")])
 def test_collective_mismatch_across_ranks_raises_everywhere(what, op):
     """Found by a bad-input sweep against gloo, which hangs until its timeout (root, order),
     aborts the process (dtype of another size) or returns a silently wrong result (dtype of
@@ -94,3 +98,32 @@ def test_clean_shutdown():
     p.run("barrier", times=3)
     codes = p.close(timeout_s=30)
     assert codes == [0, 0], f"exit codes {codes}\n{p.tails()}"
+
+
+@pytest.mark.parametrize("op,bad", [("broadcast", 1), ("allreduce", 1), ("allgather", 2),
+                                    ("gather", 0), ("alltoall", 1), ("reduce_scatter", 1)])
+def test_bad_input_on_one_rank_raises_everywhere(op, bad):
+    """Found by a bad-input sweep against gloo: an argument that only one rank gets wrong used
+    to raise there alone while the others waited in the op until the group timeout (30 s here)
+    or paired it with that rank's next op. Every rank must raise for the op (the others within
+    2 s, naming the rank, the op and the cause) and the next ops must work on every rank."""
+    p = Pool(3, timeout_s=30)
+    try:
+        res = p.run("bad_input_one_rank", op=op, bad=bad, timeout_s=90)
+    finally:
+        p.kill()
+    for r, x in enumerate(res):
+        print(f"rank {r}: {x}")
+        assert x["raised"], f"rank {r} returned from {op} after {x['elapsed']:.1f}s"
+        msg = x["msg"]
+        assert f"mooncake rank {r}" in msg, f"rank {r}: error does not name its rank: {msg}"
+        if r != bad:
+            assert x["elapsed"] < 2, f"rank {r} raised after {x['elapsed']:.1f}s: {msg}"
+            assert f"rank {bad} gave " in msg and "invalid argument" in msg, \
+                f"rank {r}: error does not name rank {bad}'s refusal: {msg}"
+            assert op.replace("_", "") in msg.replace("_", ""), f"rank {r}: op not named: {msg}"
+        assert x["later_ok"], f"rank {r}: the ops after it gave {x['later']}"
+    # The cause the erring rank raised is what the others report.
+    why = res[bad]["msg"].rsplit(": ", 1)[-1]
+    for r, x in enumerate(res):
+        assert why in x["msg"], f"rank {r} does not give the cause '{why}': {x['msg']}"

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -100,21 +101,30 @@ class Check {
   Check(const std::string& who, const char* op) : who_(who), op_(op) {}
 
   [[noreturn]] void fail(const std::string& msg) const {
+    failed(msg);
     throw std::invalid_argument(who_ + ": " + op_ + ": " + msg);
   }
+  // Called once, with the failed check's text, before it throws (the group tells its peers).
+  mutable std::function<void(const Check&, const std::string&)> on_fail;
+  // Whether a CPU tensor was checked (the op would run on the host, not stream-ordered).
+  bool sawCpu() const { return cpu_; }
   void tensor(const Tensor& t, const std::string& name) const {
     if (!t.defined()) fail(name + " is an undefined tensor");
+    if (!first_) first_ = t.scalar_type();
     if (t.is_cuda()) {
       const std::string why = cudaUnavailableReason();
       if (!why.empty()) {
+        failed(name + " is a CUDA tensor, but " + why);
         throw std::runtime_error(who_ + ": " + op_ + ": " + name + " is a CUDA tensor (on " +
                                  t.device().str() + "), but " + why);
       }
       noteCudaDevice(t, &cuda_);
     } else if (!t.device().is_cpu()) {
+      failed(name + " is on " + t.device().str() + "; the backend serves CPU and CUDA tensors");
       throw std::runtime_error(who_ + ": " + op_ + ": " + name + " is on " + t.device().str() +
                                "; the mooncake backend serves CPU and CUDA tensors");
     }
+    if (t.device().is_cpu()) cpu_ = true;
     if (t.layout() != at::kStrided) fail(name + ": only dense (strided) tensors are supported");
     // GPU memory is handed to the communicator as it is (no staging copy by torch on the
     // thread that runs the op), so it must be one dense block, as ProcessGroupNCCL requires.
@@ -133,6 +143,10 @@ class Check {
   }
   // The CUDA devices of the tensors checked so far (for the op's StreamFence).
   const std::vector<c10::Device>& cudaDevices() const { return cuda_; }
+  // The dtype of the first tensor checked, for the op's signature (pg::SigDtype).
+  std::optional<pg::DataType> sigDtype() const {
+    return first_ ? pgType(*first_) : std::nullopt;
+  }
   void tensors(const std::vector<Tensor>& v, const std::string& name) const {
     for (size_t i = 0; i < v.size(); ++i) tensor(v[i], name + "[" + std::to_string(i) + "]");
   }
@@ -215,6 +229,14 @@ class Check {
   const std::string& who_;
   const char* op_;
   mutable std::vector<c10::Device> cuda_;
+  mutable std::optional<at::ScalarType> first_;
+  mutable bool cpu_ = false;
+  void failed(const std::string& msg) const {
+    if (!on_fail) return;
+    auto f = std::move(on_fail);
+    on_fail = nullptr;
+    f(*this, msg);
+  }
   mutable std::vector<int> asked_;  // devices whose stream was asked whether it captures
 };
 

@@ -216,11 +216,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::collective(const Check& ck,
   work->setSlots(comm_->maxGroupSize());
   try {
     auto id = queue_->submit(op, [work, body = std::move(body), ctx = ectx_, op, f = fence(ck),
-                                  timeout = opts_.timeout]() {
+                                  timeout = opts_.timeout, dt = ck.sigDtype()]() {
       std::exception_ptr err;
       try {
         if (f) f->wait(op, timeout);  // the caller's kernels before the op have run
         at::NoGradGuard no_grad;  // copies into leaf tensors that require grad are ours
+        std::optional<pg::SigDtype> typed;  // copy ops' signatures carry the dtype
+        if (dt) typed.emplace(*dt);
         body();
       } catch (const pg::PeerFailure& f) {
         work->setEvidence(f.hint());  // elastic: evidence, not an error (docs/elastic.md)
@@ -245,6 +247,8 @@ std::shared_ptr<pg::Communicator::StreamOp> ProcessGroupMooncake::queueOnStream(
   if (!s) return nullptr;
   *stream = *s;
   try {
+    std::optional<pg::SigDtype> typed;
+    if (auto dt = pgType(on.scalar_type())) typed.emplace(*dt);
     return queue(*s);
   } catch (...) {
     std::rethrow_exception(translateError(*ectx_, name, std::current_exception()));
@@ -356,7 +360,7 @@ void ProcessGroupMooncake::track(const c10::intrusive_ptr<MooncakeWork>& work) {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::broadcast(std::vector<Tensor>& tensors,
                                                                const c10d::BroadcastOptions& opts) {
-  Check ck(who(), "broadcast");
+  Check ck = check("broadcast");
   ck.single(tensors, "tensor");
   ck.rank(opts.rootRank, size_, "root rank");
   if (opts.rootTensor != 0) ck.fail("rootTensor must be 0 (one tensor per process)");
@@ -380,7 +384,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::broadcast(std::vector<Tenso
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce(std::vector<Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts) {
-  Check ck(who(), "allreduce");
+  Check ck = check("allreduce");
   ck.single(tensors, "tensor");
   auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
   pg::Communicator* c = comm_.get();
@@ -401,7 +405,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce(std::vector<Tenso
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce(std::vector<Tensor>& tensors,
                                                             const c10d::ReduceOptions& opts) {
-  Check ck(who(), "reduce");
+  Check ck = check("reduce");
   ck.single(tensors, "tensor");
   ck.rank(opts.rootRank, size_, "root rank");
   if (opts.rootTensor != 0) ck.fail("rootTensor must be 0 (one tensor per process)");
@@ -426,7 +430,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce(std::vector<Tensor>&
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
     std::vector<std::vector<Tensor>>& outputs, std::vector<Tensor>& inputs,
     const c10d::AllgatherOptions&) {
-  Check ck(who(), "allgather");
+  Check ck = check("allgather");
   ck.single(inputs, "input");
   if (outputs.size() != 1) ck.fail("expects one output list per process");
   if (static_cast<int>(outputs[0].size()) != size_) {
@@ -456,7 +460,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
     Tensor& output, Tensor& input, const c10d::AllgatherOptions&) {
-  Check ck(who(), "_allgather_base");
+  Check ck = check("_allgather_base");
   ck.gatherPair(output, input, size_, "");
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
@@ -479,7 +483,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::gather(
     std::vector<std::vector<Tensor>>& outputs, std::vector<Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  Check ck(who(), "gather");
+  Check ck = check("gather");
   ck.single(inputs, "input");
   ck.rank(opts.rootRank, size_, "root rank");
   const int root = static_cast<int>(opts.rootRank);
@@ -519,7 +523,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::gather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
     std::vector<Tensor>& outputs, std::vector<std::vector<Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  Check ck(who(), "scatter");
+  Check ck = check("scatter");
   ck.single(outputs, "output");
   ck.rank(opts.rootRank, size_, "root rank");
   const int root = static_cast<int>(opts.rootRank);
@@ -560,7 +564,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
     std::vector<Tensor>& outputs, std::vector<std::vector<Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  Check ck(who(), "reduce_scatter");
+  Check ck = check("reduce_scatter");
   ck.single(outputs, "output");
   if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != size_) {
     ck.fail("expects one input list of " + std::to_string(size_) + " tensors");
@@ -594,7 +598,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
     Tensor& output, Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  Check ck(who(), "_reduce_scatter_base");
+  Check ck = check("_reduce_scatter_base");
   ck.scatterPair(output, input, size_, "");
   auto [dt, op] = ck.reduction(output, opts.reduceOp);
   pg::Communicator* c = comm_.get();
@@ -621,7 +625,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall_base(
     Tensor& output, Tensor& input, std::vector<int64_t>& output_splits,
     std::vector<int64_t>& input_splits, const c10d::AllToAllOptions&) {
-  Check ck(who(), "alltoall_base");
+  Check ck = check("alltoall_base");
   ck.tensor(input, "input");
   ck.tensor(output, "output");
   ck.sameType(output, input, "output");
@@ -659,7 +663,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall(std::vector<Tensor>& outputs,
                                                               std::vector<Tensor>& inputs,
                                                               const c10d::AllToAllOptions&) {
-  Check ck(who(), "alltoall");
+  Check ck = check("alltoall");
   if (static_cast<int>(inputs.size()) != size_ || static_cast<int>(outputs.size()) != size_) {
     ck.fail("expects " + std::to_string(size_) + " input and output tensors, got " +
             std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));

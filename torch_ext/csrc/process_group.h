@@ -264,6 +264,10 @@ class ProcessGroupMooncake : public BackendBase {
       c10d::OpType type, const char* op, const P2pLanes::Key& lane, const at::Tensor& t,
       const std::function<std::shared_ptr<pg::Communicator::StreamOp>(const void*)>& queue);
   std::shared_ptr<const StreamFence> fence(const Check& ck) const;  // null: no CUDA tensor
+  // The argument checks of collective `op`: one that fails also tells the peers, which called
+  // the op, through pg::Communicator::reject (refuse; process_group_coalesced.cc).
+  Check check(const char* op);
+  void refuse(const Check& ck, const char* op, const std::string& why);
   // Records an op issued between startCoalescing and endCoalescing.
   void track(const c10::intrusive_ptr<MooncakeWork>& work);
   int globalRank(int group_rank) const;

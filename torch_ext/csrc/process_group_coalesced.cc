@@ -7,11 +7,38 @@
 #include <vector>
 
 #include "engine/log.h"
+#include "mooncake/config.h"
 #include "torch_ext/csrc/convert.h"
 #include "torch_ext/csrc/gpu_tensors.h"
 #include "torch_ext/csrc/process_group.h"
 
 namespace mooncake::torch_ext {
+
+Check ProcessGroupMooncake::check(const char* op) {
+  Check ck(who(), op);
+  ck.on_fail = [this, op](const Check& c, const std::string& why) { refuse(c, op, why); };
+  return ck;
+}
+
+// A check of this rank's arguments failed: the op is not run here, but the peers called it.
+// The communicator takes its number in issue order and tells them (they raise too, then every
+// rank realigns). Ops that would be stream-ordered number theirs apart: only host ones here.
+void ProcessGroupMooncake::refuse(const Check& ck, const char* op, const std::string& why) {
+  if (MC_HAVE_CUDA && (!ck.sawCpu() || !ck.cudaDevices().empty())) return;
+  try {
+    pg::Communicator* c = comm_.get();
+    queue_->submit(op, [c, op, why]() -> std::function<void()> {
+      try {
+        c->reject(op, why);
+      } catch (const std::exception& e) {
+        MC_LOG(WARN, PG) << "telling the peers of a refused " << op << " failed: " << e.what();
+      }
+      return {};
+    });
+    queue_->handOff();
+  } catch (...) {  // a closed queue: nothing to tell
+  }
+}
 
 using at::Tensor;
 using c10d::OpType;
