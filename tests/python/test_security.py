@@ -393,8 +393,8 @@ def test_mismatched_collectives_raise_on_every_rank_naming_both_calls():
         "all_reduce 10 vs 20": ("float32 x 10", "float32 x 20"),
         "all_reduce float32 vs int32": ("float32 x 8", "int32 x 8"),
         "all_reduce float32 vs float64": ("float32 x 8", "float64 x 8"),
-        "broadcast 50 vs 100": ("broadcast(200 bytes", "broadcast(400 bytes"),
-        "all_gather 4 vs 6": ("allgather(16 bytes", "allgather(24 bytes"),
+        "broadcast 50 vs 100": ("broadcast(float32, 200 bytes", "broadcast(float32, 400 bytes"),
+        "all_gather 4 vs 6": ("allgather(float32, 16 bytes", "allgather(float32, 24 bytes"),
     }
     for r, (rc, out, err) in enumerate(outs):
         assert rc == 0 and "done" in out, f"rank {r} rc={rc}\n{out}\n{err}"
