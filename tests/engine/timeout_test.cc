@@ -22,13 +22,6 @@
 namespace mooncake::test {
 namespace {
 
-class TimeoutTest : public PeerTestBase,
-                    public ::testing::WithParamInterface<std::tuple<std::string, bool>> {
- protected:
-  std::string transport() const { return std::get<0>(GetParam()); }
-  bool registered() const { return std::get<1>(GetParam()); }
-};
-
 // An anonymous mapping the test can mprotect.
 struct Mapping {
   explicit Mapping(size_t n) : len(n) {
@@ -38,8 +31,49 @@ struct Mapping {
   ~Mapping() {
     if (p != nullptr) munmap(p, len);
   }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
   uint8_t* p;
   size_t len;
+};
+
+class TimeoutTest : public PeerTestBase,
+                    public ::testing::WithParamInterface<std::tuple<std::string, bool>> {
+ protected:
+  std::string transport() const { return std::get<0>(GetParam()); }
+  bool registered() const { return std::get<1>(GetParam()); }
+
+  // A peer process `name` over the parameter's transport with a region of `len` bytes, an
+  // engine here with the peer open, and a buffer of `len` bytes (registered when the
+  // parameter says so). Check ready() with ASSERT_TRUE before using them.
+  void setUpPeer(const char* name, uint64_t len) {
+    cfg_.name = name;
+    cfg_.transport = transport();
+    cfg_.region_bytes = len;
+    peer_ = spawnPeer(cfg_);
+    if (peer_ == nullptr) return;
+    eng_ = makeEngine(transport());
+    if (eng_ == nullptr) return;
+    pid_ = openPeer(*eng_, cfg_.name);
+    buf_ = std::make_unique<Mapping>(len);
+    if (buf_->p != nullptr && registered()) reg_status_ = eng_->registerMemory(buf_->p, len);
+  }
+  void TearDown() override {  // the engine goes before the peers and the rendezvous
+    eng_.reset();
+    buf_.reset();
+    PeerTestBase::TearDown();
+  }
+  bool ready() const {
+    return peer_ != nullptr && eng_ != nullptr && pid_ != engine::kInvalidPeer &&
+           buf_ != nullptr && buf_->p != nullptr && reg_status_.ok();
+  }
+
+  PeerConfig cfg_;
+  PeerProcess* peer_ = nullptr;
+  std::unique_ptr<TransferEngine> eng_;
+  PeerId pid_ = engine::kInvalidPeer;
+  std::unique_ptr<Mapping> buf_;
+  Status reg_status_;
 };
 
 // Polls until the batch was released (its late requests ended): true, or false at `ms`.
@@ -59,51 +93,40 @@ bool releasedWithin(TransferEngine& eng, engine::BatchId id, int ms) {
 // READ on the same peer works.
 TEST_P(TimeoutTest, LateReadResponseDoesNotLandAfterTheTimeout) {
   constexpr uint64_t kLen = 8u << 20;
-  PeerConfig cfg;
-  cfg.name = "slow-peer";
-  cfg.transport = transport();
-  cfg.region_bytes = kLen;
-  PeerProcess* peer = spawnPeer(cfg);
-  ASSERT_NE(peer, nullptr);
-  auto eng = makeEngine(transport());
-  ASSERT_NE(eng, nullptr);
-  PeerId pid = openPeer(*eng, cfg.name);
-  ASSERT_NE(pid, engine::kInvalidPeer);
-  Mapping buf(kLen);
-  ASSERT_NE(buf.p, nullptr);
-  std::memset(buf.p, 0, kLen);
-  if (registered()) MC_ASSERT_OK(eng->registerMemory(buf.p, kLen));
+  setUpPeer("slow-peer", kLen);
+  ASSERT_TRUE(ready());
+  std::memset(buf_->p, 0, kLen);
 
-  ASSERT_TRUE(stopProcess(peer->pid()));
-  auto id = eng->submit({{OpCode::kRead, buf.p, kLen, pid, peer->info().alloc_addr}});
+  ASSERT_TRUE(stopProcess(peer_->pid()));
+  auto id = eng_->submit({{OpCode::kRead, buf_->p, kLen, pid_, peer_->info().alloc_addr}});
   ASSERT_TRUE(id.ok()) << id.status().toString();
-  Status st = eng->wait(*id, engine::deadlineInMs(500));
+  Status st = eng_->wait(*id, engine::deadlineInMs(500));
   if (st.ok()) {  // shm: a stopped process's memory stays reachable; done inside submit()
-    peer->kill(SIGCONT);
+    peer_->kill(SIGCONT);
     EXPECT_EQ(transport(), "shm") << "a stopped peer answered over " << transport();
-    EXPECT_EQ(checkPattern(buf.p, kLen, allocSeed(cfg)), "");
+    EXPECT_EQ(checkPattern(buf_->p, kLen, allocSeed(cfg_)), "");
     return;
   }
   ASSERT_EQ(st.code(), Code::kTimeout) << st.toString();
-  if (registered()) MC_EXPECT_OK(eng->unregisterMemory(buf.p));
-  std::memset(buf.p, 0x11, kLen);  // the memory's next owner
-  MC_EXPECT_OK(eng->peerStatus(pid));  // a timed-out wait() fails no peer
+  if (registered()) MC_EXPECT_OK(eng_->unregisterMemory(buf_->p));
+  std::memset(buf_->p, 0x11, kLen);  // the memory's next owner
+  MC_EXPECT_OK(eng_->peerStatus(pid_));  // a timed-out wait() fails no peer
   bool done = true;
-  MC_EXPECT_OK(eng->poll(*id, &done));
+  MC_EXPECT_OK(eng_->poll(*id, &done));
   EXPECT_FALSE(done) << "the late READ ended before its peer resumed";
-  peer->kill(SIGCONT);
-  EXPECT_TRUE(releasedWithin(*eng, *id, 10000)) << "the late READ never ended";
+  peer_->kill(SIGCONT);
+  EXPECT_TRUE(releasedWithin(*eng_, *id, 10000)) << "the late READ never ended";
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   size_t landed = 0;
-  for (uint64_t i = 0; i < kLen; ++i) landed += buf.p[i] != 0x11;
+  for (uint64_t i = 0; i < kLen; ++i) landed += buf_->p[i] != 0x11;
   EXPECT_EQ(landed, 0u) << "bytes of the late READ response written after wait() returned";
 
   // The caller retries on the same peer: the READ moves the right bytes.
-  MC_EXPECT_OK(eng->peerStatus(pid));
-  if (registered()) MC_ASSERT_OK(eng->registerMemory(buf.p, kLen));
-  MC_EXPECT_OK(transfer(*eng, OpCode::kRead, buf.p, kLen, pid, peer->info().alloc_addr));
-  EXPECT_EQ(checkPattern(buf.p, kLen, allocSeed(cfg)), "");
-  if (registered()) MC_EXPECT_OK(eng->unregisterMemory(buf.p));
+  MC_EXPECT_OK(eng_->peerStatus(pid_));
+  if (registered()) MC_ASSERT_OK(eng_->registerMemory(buf_->p, kLen));
+  MC_EXPECT_OK(transfer(*eng_, OpCode::kRead, buf_->p, kLen, pid_, peer_->info().alloc_addr));
+  EXPECT_EQ(checkPattern(buf_->p, kLen, allocSeed(cfg_)), "");
+  if (registered()) MC_EXPECT_OK(eng_->unregisterMemory(buf_->p));
 }
 
 // A WRITE whose wait() timed out: the caller writes other bytes into its buffer and then takes
@@ -114,42 +137,31 @@ TEST_P(TimeoutTest, LateReadResponseDoesNotLandAfterTheTimeout) {
 TEST_P(TimeoutTest, TimedOutWriteNoLongerReadsItsBuffer) {
   constexpr uint64_t kLen = 32u << 20;  // more than a stopped peer's sockets take in
   constexpr uint64_t kChunk = 256u << 10;
-  PeerConfig cfg;
-  cfg.name = "slow-peer";
-  cfg.transport = transport();
-  cfg.region_bytes = kLen;
-  PeerProcess* peer = spawnPeer(cfg);
-  ASSERT_NE(peer, nullptr);
-  auto eng = makeEngine(transport());
-  ASSERT_NE(eng, nullptr);
-  PeerId pid = openPeer(*eng, cfg.name);
-  ASSERT_NE(pid, engine::kInvalidPeer);
-  Mapping buf(kLen);
-  ASSERT_NE(buf.p, nullptr);
-  fillPattern(buf.p, kLen, 4242, 0);
-  if (registered()) MC_ASSERT_OK(eng->registerMemory(buf.p, kLen));
+  setUpPeer("slow-peer", kLen);
+  ASSERT_TRUE(ready());
+  fillPattern(buf_->p, kLen, 4242, 0);
 
-  ASSERT_TRUE(stopProcess(peer->pid()));
-  auto id = eng->submit({{OpCode::kWrite, buf.p, kLen, pid, peer->info().alloc_addr}});
+  ASSERT_TRUE(stopProcess(peer_->pid()));
+  auto id = eng_->submit({{OpCode::kWrite, buf_->p, kLen, pid_, peer_->info().alloc_addr}});
   ASSERT_TRUE(id.ok()) << id.status().toString();
-  Status st = eng->wait(*id, engine::deadlineInMs(500));
+  Status st = eng_->wait(*id, engine::deadlineInMs(500));
   if (st.ok()) {
-    peer->kill(SIGCONT);
+    peer_->kill(SIGCONT);
     EXPECT_EQ(transport(), "shm") << "a stopped peer answered over " << transport();
     return;
   }
   ASSERT_EQ(st.code(), Code::kTimeout) << st.toString();
-  MC_EXPECT_OK(eng->peerStatus(pid));  // a timed-out wait() fails no peer
+  MC_EXPECT_OK(eng_->peerStatus(pid_));  // a timed-out wait() fails no peer
   auto token = std::make_shared<int>(1);  // the store hands over a remote slab's hold like this
   std::weak_ptr<int> weak = token;
-  eng->keepUntilDone(*id, std::move(token));
-  if (registered()) MC_EXPECT_OK(eng->unregisterMemory(buf.p));
-  std::memset(buf.p, 0x5a, kLen);
-  ASSERT_EQ(mprotect(buf.p, kLen, PROT_NONE), 0);
+  eng_->keepUntilDone(*id, std::move(token));
+  if (registered()) MC_EXPECT_OK(eng_->unregisterMemory(buf_->p));
+  std::memset(buf_->p, 0x5a, kLen);
+  ASSERT_EQ(mprotect(buf_->p, kLen, PROT_NONE), 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_FALSE(weak.expired()) << "keepUntilDone's owner dropped while the WRITE was stalled";
-  peer->kill(SIGCONT);
-  EXPECT_TRUE(releasedWithin(*eng, *id, 10000)) << "the late WRITE never ended";
+  peer_->kill(SIGCONT);
+  EXPECT_TRUE(releasedWithin(*eng_, *id, 10000)) << "the late WRITE never ended";
   for (int i = 0; i < 200 && !weak.expired(); ++i)  // (dropped on the engine's reaper thread)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_TRUE(weak.expired()) << "keepUntilDone's owner outlived the late WRITE";
@@ -160,20 +172,20 @@ TEST_P(TimeoutTest, TimedOutWriteNoLongerReadsItsBuffer) {
   const std::string fresh_sum = std::string("ok ") + hex;  // the peer's answer for such a chunk
   int late = 0;
   for (uint64_t off = 0; off < kLen; off += kChunk)
-    late += peer->sum(peer->info().alloc_addr + off, kChunk) == fresh_sum;
+    late += peer_->sum(peer_->info().alloc_addr + off, kChunk) == fresh_sum;
   EXPECT_EQ(late, 0) << "chunks of 256 KiB written from the buffer after wait() returned";
   if (transport() == "tcp") {
-    EXPECT_EQ(peer->expect(peer->info().alloc_addr, kLen, 4242, 0), "")
+    EXPECT_EQ(peer_->expect(peer_->info().alloc_addr, kLen, 4242, 0), "")
         << "the late WRITE did not land whole";
   }
-  ASSERT_EQ(mprotect(buf.p, kLen, PROT_READ | PROT_WRITE), 0);
+  ASSERT_EQ(mprotect(buf_->p, kLen, PROT_READ | PROT_WRITE), 0);
 
-  MC_EXPECT_OK(eng->peerStatus(pid));
-  fillPattern(buf.p, kLen, 4343, 0);
-  if (registered()) MC_ASSERT_OK(eng->registerMemory(buf.p, kLen));
-  MC_EXPECT_OK(transfer(*eng, OpCode::kWrite, buf.p, kLen, pid, peer->info().alloc_addr));
-  EXPECT_EQ(peer->expect(peer->info().alloc_addr, kLen, 4343, 0), "");
-  if (registered()) MC_EXPECT_OK(eng->unregisterMemory(buf.p));
+  MC_EXPECT_OK(eng_->peerStatus(pid_));
+  fillPattern(buf_->p, kLen, 4343, 0);
+  if (registered()) MC_ASSERT_OK(eng_->registerMemory(buf_->p, kLen));
+  MC_EXPECT_OK(transfer(*eng_, OpCode::kWrite, buf_->p, kLen, pid_, peer_->info().alloc_addr));
+  EXPECT_EQ(peer_->expect(peer_->info().alloc_addr, kLen, 4343, 0), "");
+  if (registered()) MC_EXPECT_OK(eng_->unregisterMemory(buf_->p));
 }
 
 // Deadlines that pass while the bytes are on the move (the peer runs): each fence finds the
@@ -184,49 +196,38 @@ TEST_P(TimeoutTest, TimedOutWriteNoLongerReadsItsBuffer) {
 TEST_P(TimeoutTest, DeadlinesPassingMidTransferKeepTheStreamInStep) {
   if (transport() != "tcp") GTEST_SKIP() << "the fence races only the tcp progress thread";
   constexpr uint64_t kLen = 24u << 20;
-  PeerConfig cfg;
-  cfg.name = "busy-peer";
-  cfg.transport = transport();
-  cfg.region_bytes = kLen;
-  PeerProcess* peer = spawnPeer(cfg);
-  ASSERT_NE(peer, nullptr);
-  auto eng = makeEngine(transport());
-  ASSERT_NE(eng, nullptr);
-  PeerId pid = openPeer(*eng, cfg.name);
-  ASSERT_NE(pid, engine::kInvalidPeer);
-  Mapping buf(kLen);
-  ASSERT_NE(buf.p, nullptr);
-  if (registered()) MC_ASSERT_OK(eng->registerMemory(buf.p, kLen));
+  setUpPeer("busy-peer", kLen);
+  ASSERT_TRUE(ready());
   int timed_out = 0;
   for (int round = 0; round < 12; ++round) {
     const OpCode op = round % 2 == 0 ? OpCode::kRead : OpCode::kWrite;
     const uint64_t seed = 5000 + static_cast<uint64_t>(round);
-    if (op == OpCode::kRead) std::memset(buf.p, 0, kLen);
-    if (op == OpCode::kWrite) fillPattern(buf.p, kLen, seed, 0);
-    const uint64_t remote = op == OpCode::kRead ? peer->info().alloc_addr : peer->info().reg_addr;
-    auto id = eng->submit({{op, buf.p, kLen, pid, remote}});
+    if (op == OpCode::kRead) std::memset(buf_->p, 0, kLen);
+    if (op == OpCode::kWrite) fillPattern(buf_->p, kLen, seed, 0);
+    const uint64_t remote = op == OpCode::kRead ? peer_->info().alloc_addr : peer_->info().reg_addr;
+    auto id = eng_->submit({{op, buf_->p, kLen, pid_, remote}});
     ASSERT_TRUE(id.ok()) << id.status().toString();
-    Status st = eng->wait(*id, engine::deadlineInMs(1 + round % 4));
+    Status st = eng_->wait(*id, engine::deadlineInMs(1 + round % 4));
     if (st.ok()) continue;
     ASSERT_EQ(st.code(), Code::kTimeout) << st.toString();
     ++timed_out;
-    std::memset(buf.p, 0x11, kLen);
-    EXPECT_TRUE(releasedWithin(*eng, *id, 10000)) << "round " << round;
+    std::memset(buf_->p, 0x11, kLen);
+    EXPECT_TRUE(releasedWithin(*eng_, *id, 10000)) << "round " << round;
     size_t changed = 0;
-    for (uint64_t i = 0; i < kLen; ++i) changed += buf.p[i] != 0x11;
+    for (uint64_t i = 0; i < kLen; ++i) changed += buf_->p[i] != 0x11;
     EXPECT_EQ(changed, 0u) << "round " << round << ": bytes of the buffer changed after wait()";
     if (op == OpCode::kWrite) {
-      EXPECT_EQ(peer->expect(peer->info().reg_addr, kLen, seed, 0), "") << "round " << round;
+      EXPECT_EQ(peer_->expect(peer_->info().reg_addr, kLen, seed, 0), "") << "round " << round;
     }
-    MC_ASSERT_OK(eng->peerStatus(pid));
+    MC_ASSERT_OK(eng_->peerStatus(pid_));
   }
   EXPECT_GT(timed_out, 0) << "no deadline passed: nothing was tested";
-  MC_EXPECT_OK(transfer(*eng, OpCode::kRead, buf.p, kLen, pid, peer->info().alloc_addr));
-  EXPECT_EQ(checkPattern(buf.p, kLen, allocSeed(cfg)), "");
-  fillPattern(buf.p, kLen, 77, 0);
-  MC_EXPECT_OK(transfer(*eng, OpCode::kWrite, buf.p, kLen, pid, peer->info().reg_addr));
-  EXPECT_EQ(peer->expect(peer->info().reg_addr, kLen, 77, 0), "");
-  if (registered()) MC_EXPECT_OK(eng->unregisterMemory(buf.p));
+  MC_EXPECT_OK(transfer(*eng_, OpCode::kRead, buf_->p, kLen, pid_, peer_->info().alloc_addr));
+  EXPECT_EQ(checkPattern(buf_->p, kLen, allocSeed(cfg_)), "");
+  fillPattern(buf_->p, kLen, 77, 0);
+  MC_EXPECT_OK(transfer(*eng_, OpCode::kWrite, buf_->p, kLen, pid_, peer_->info().reg_addr));
+  EXPECT_EQ(peer_->expect(peer_->info().reg_addr, kLen, 77, 0), "");
+  if (registered()) MC_EXPECT_OK(eng_->unregisterMemory(buf_->p));
 }
 
 INSTANTIATE_TEST_SUITE_P(Engine, TimeoutTest,
