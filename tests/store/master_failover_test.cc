@@ -9,9 +9,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <random>
 #include <set>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -45,6 +47,17 @@ struct FakeWiper : MasterService::RecordWiper {
     return !async;
   }
 };
+
+// A committed record of `len` bytes for `key` at seg + at (put `id`).
+void putRecord(char* seg, uint64_t tag, const std::string& key, uint64_t id, uint64_t len,
+               uint64_t at) {
+  RecordInfo r;
+  r.key = key;
+  r.put_id = id;
+  r.object_size = r.piece_length = len;
+  encodeRecord(r, tag, seg + at);
+  std::memcpy(seg + at + kRecordCommitOffset, &id, 8);
+}
 
 TEST(OffsetAllocatorOps, CarveSplitsAUsedBlockInPlace) {
   OffsetAllocator a(1 * kMiB, 64);
@@ -120,12 +133,7 @@ TEST(Records, ScanFindsNewerRecordsInsideACommittedOne) {
   std::vector<char> seg(256 * kKiB, 0);
   const uint64_t tag = 0x99;
   auto put = [&](const std::string& key, uint64_t id, uint64_t len, uint64_t at) {
-    RecordInfo r;
-    r.key = key;
-    r.put_id = id;
-    r.object_size = r.piece_length = len;
-    encodeRecord(r, tag, seg.data() + at);
-    std::memcpy(seg.data() + at + kRecordCommitOffset, &id, 8);
+    putRecord(seg.data(), tag, key, id, len, at);
   };
   put("stale", 100, 128 * kKiB, 0);
   put("newer", 200, 4096, 64 * kKiB);
@@ -155,12 +163,7 @@ TEST(Records, SegmentDataMapCoversTheWrittenPagesOnly) {
   // Written: [0, 64 KiB), [1 MiB, 1 MiB + 8 KiB), [2 MiB, 14 MiB) (one record's key crosses
   // 10 MiB, the first lookahead's end from 2 MiB), the last page.
   auto put = [&](const std::string& key, uint64_t id, uint64_t at, uint64_t len) {
-    RecordInfo r;
-    r.key = key;
-    r.put_id = id;
-    r.object_size = r.piece_length = len;
-    encodeRecord(r, tag, seg + at);
-    std::memcpy(seg + at + kRecordCommitOffset, &id, 8);
+    putRecord(seg, tag, key, id, len, at);
   };
   std::memset(seg, 1, 64 * kKiB);
   std::memset(seg + 1 * kMiB, 1, 8 * kKiB);
