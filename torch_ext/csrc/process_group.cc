@@ -361,8 +361,9 @@ void ProcessGroupMooncake::track(const c10::intrusive_ptr<MooncakeWork>& work) {
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::broadcast(std::vector<Tensor>& tensors,
                                                                const c10d::BroadcastOptions& opts) {
   Check ck = check("broadcast");
+  const int n = size_;
   ck.single(tensors, "tensor");
-  ck.rank(opts.rootRank, size_, "root rank");
+  ck.rank(opts.rootRank, n, "root rank");
   if (opts.rootTensor != 0) ck.fail("rootTensor must be 0 (one tensor per process)");
   pg::Communicator* c = comm_.get();
   Tensor t = tensors[0];
@@ -406,8 +407,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allreduce(std::vector<Tenso
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce(std::vector<Tensor>& tensors,
                                                             const c10d::ReduceOptions& opts) {
   Check ck = check("reduce");
+  const int n = size_;
   ck.single(tensors, "tensor");
-  ck.rank(opts.rootRank, size_, "root rank");
+  ck.rank(opts.rootRank, n, "root rank");
   if (opts.rootTensor != 0) ck.fail("rootTensor must be 0 (one tensor per process)");
   auto [dt, op] = ck.reduction(tensors[0], opts.reduceOp);
   pg::Communicator* c = comm_.get();
@@ -431,14 +433,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
     std::vector<std::vector<Tensor>>& outputs, std::vector<Tensor>& inputs,
     const c10d::AllgatherOptions&) {
   Check ck = check("allgather");
+  const int n = size_;
   ck.single(inputs, "input");
   if (outputs.size() != 1) ck.fail("expects one output list per process");
-  if (static_cast<int>(outputs[0].size()) != size_) {
+  if (static_cast<int>(outputs[0].size()) != n) {
     ck.fail("output list has " + std::to_string(outputs[0].size()) + " tensors for a group of " +
-            std::to_string(size_));
+            std::to_string(n));
   }
   ck.tensors(outputs[0], "output");
-  for (int i = 0; i < size_; ++i)
+  for (int i = 0; i < n; ++i)
     ck.like(outputs[0][i], inputs[0], "output[" + std::to_string(i) + "]");
   pg::Communicator* c = comm_.get();
   Tensor in = inputs[0];
@@ -461,10 +464,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_allgather_base(
     Tensor& output, Tensor& input, const c10d::AllgatherOptions&) {
   Check ck = check("_allgather_base");
-  ck.gatherPair(output, input, size_, "");
+  const int n = size_;
+  ck.gatherPair(output, input, n, "");
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
-  const int n = size_;
   if (onGpu(in) && onGpu(out)) {
     auto w = streamCollective(OpType::_ALLGATHER_BASE, "_allgather_base", out, {output},
                               [&](const void* st) {
@@ -484,16 +487,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::gather(
     std::vector<std::vector<Tensor>>& outputs, std::vector<Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   Check ck = check("gather");
+  const int n = size_;
   ck.single(inputs, "input");
-  ck.rank(opts.rootRank, size_, "root rank");
+  ck.rank(opts.rootRank, n, "root rank");
   const int root = static_cast<int>(opts.rootRank);
   std::vector<Tensor> outs;
   if (rank_ == root) {
-    if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != size_) {
-      ck.fail("the root expects one output list of " + std::to_string(size_) + " tensors");
+    if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != n) {
+      ck.fail("the root expects one output list of " + std::to_string(n) + " tensors");
     }
     ck.tensors(outputs[0], "output");
-    for (int i = 0; i < size_; ++i)
+    for (int i = 0; i < n; ++i)
       ck.like(outputs[0][i], inputs[0], "output[" + std::to_string(i) + "]");
     outs = outputs[0];
   } else if (!outputs.empty() && !(outputs.size() == 1 && outputs[0].empty())) {
@@ -501,7 +505,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::gather(
   }
   pg::Communicator* c = comm_.get();
   Tensor in = inputs[0];
-  const int n = size_;
   // Every rank decides by its input (the root's outputs must then be on its device too).
   if (onGpu(in)) {
     auto w = streamCollective(OpType::GATHER, "gather", in, outs, [&](const void* st) {
@@ -524,16 +527,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
     std::vector<Tensor>& outputs, std::vector<std::vector<Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   Check ck = check("scatter");
+  const int n = size_;
   ck.single(outputs, "output");
-  ck.rank(opts.rootRank, size_, "root rank");
+  ck.rank(opts.rootRank, n, "root rank");
   const int root = static_cast<int>(opts.rootRank);
   std::vector<Tensor> ins;
   if (rank_ == root) {
-    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != size_) {
-      ck.fail("the root expects one input list of " + std::to_string(size_) + " tensors");
+    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != n) {
+      ck.fail("the root expects one input list of " + std::to_string(n) + " tensors");
     }
     ck.tensors(inputs[0], "input");
-    for (int i = 0; i < size_; ++i)
+    for (int i = 0; i < n; ++i)
       ck.like(inputs[0][i], outputs[0], "input[" + std::to_string(i) + "]");
     ins = inputs[0];
   } else if (!inputs.empty() && !(inputs.size() == 1 && inputs[0].empty())) {
@@ -541,7 +545,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::scatter(
   }
   pg::Communicator* c = comm_.get();
   Tensor out = outputs[0];
-  const int n = size_;
   // Every rank decides by its output (the root's inputs must then be on its device too).
   if (onGpu(out)) {
     auto w = streamCollective(OpType::SCATTER, "scatter", out, {out}, [&](const void* st) {
@@ -565,12 +568,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
     std::vector<Tensor>& outputs, std::vector<std::vector<Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   Check ck = check("reduce_scatter");
+  const int n = size_;
   ck.single(outputs, "output");
-  if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != size_) {
-    ck.fail("expects one input list of " + std::to_string(size_) + " tensors");
+  if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != n) {
+    ck.fail("expects one input list of " + std::to_string(n) + " tensors");
   }
   ck.tensors(inputs[0], "input");
-  for (int i = 0; i < size_; ++i)
+  for (int i = 0; i < n; ++i)
     ck.like(inputs[0][i], outputs[0], "input[" + std::to_string(i) + "]");
   auto [dt, op] = ck.reduction(outputs[0], opts.reduceOp);
   pg::Communicator* c = comm_.get();
@@ -599,11 +603,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::_reduce_scatter_base(
     Tensor& output, Tensor& input, const c10d::ReduceScatterOptions& opts) {
   Check ck = check("_reduce_scatter_base");
-  ck.scatterPair(output, input, size_, "");
+  const int n = size_;
+  ck.scatterPair(output, input, n, "");
   auto [dt, op] = ck.reduction(output, opts.reduceOp);
   pg::Communicator* c = comm_.get();
   Tensor in = input, out = output;
-  const int n = size_;
   if (onGpu(in) && onGpu(out)) {
     auto w = streamCollective(
         OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", out, {output},
@@ -626,12 +630,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall_base(
     Tensor& output, Tensor& input, std::vector<int64_t>& output_splits,
     std::vector<int64_t>& input_splits, const c10d::AllToAllOptions&) {
   Check ck = check("alltoall_base");
+  const int n = size_;
   ck.tensor(input, "input");
   ck.tensor(output, "output");
   ck.sameType(output, input, "output");
   std::vector<size_t> sb, so, rb, ro;
-  splitBytes(ck, input, input_splits, size_, "input", &sb, &so);
-  splitBytes(ck, output, output_splits, size_, "output", &rb, &ro);
+  splitBytes(ck, input, input_splits, n, "input", &sb, &so);
+  splitBytes(ck, output, output_splits, n, "output", &rb, &ro);
   pg::Communicator* c = comm_.get();
   // In place (the output's memory is the input's, as gloo allows): the input is copied first,
   // at issue (on a GPU: on the current stream, which the op waits for).
@@ -664,13 +669,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::alltoall(std::vector<Tensor
                                                               std::vector<Tensor>& inputs,
                                                               const c10d::AllToAllOptions&) {
   Check ck = check("alltoall");
-  if (static_cast<int>(inputs.size()) != size_ || static_cast<int>(outputs.size()) != size_) {
-    ck.fail("expects " + std::to_string(size_) + " input and output tensors, got " +
+  const int n = size_;
+  if (static_cast<int>(inputs.size()) != n || static_cast<int>(outputs.size()) != n) {
+    ck.fail("expects " + std::to_string(n) + " input and output tensors, got " +
             std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
   }
   ck.tensors(inputs, "input");
   ck.tensors(outputs, "output");
-  for (int i = 0; i < size_; ++i) {
+  for (int i = 0; i < n; ++i) {
     ck.sameType(inputs[i], inputs[0], "input[" + std::to_string(i) + "]");
     ck.sameType(outputs[i], inputs[0], "output[" + std::to_string(i) + "]");
   }

@@ -306,6 +306,7 @@ class ProcessGroupMooncake : public BackendBase {
   // c10d's). An elastic group's agent thread changes it (onViewChange) while the user's thread
   // checks an op's arguments against it; c10d's is a plain const int, and reading that raced
   // with the write. onViewChange still sets c10d's (and the wrapper's) for torch's getSize().
+  // Each op reads it once (const int n = size_) so that its checks and its run agree.
   std::atomic<int> size_{BackendBase::size_};
   std::unique_ptr<P2pLanes> lanes_;  // declared last: stops first
 };

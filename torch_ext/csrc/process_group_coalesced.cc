@@ -139,13 +139,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
     std::vector<std::vector<Tensor>>& outputs, std::vector<Tensor>& inputs,
     const c10d::AllgatherOptions&) {
   Check ck(who(), "allgather_coalesced");
+  const int n = size_;
   ck.tensors(inputs, "input");
-  if (static_cast<int>(outputs.size()) != size_) {
-    ck.fail("expects one output list per rank (" + std::to_string(size_) + "), got " +
+  if (static_cast<int>(outputs.size()) != n) {
+    ck.fail("expects one output list per rank (" + std::to_string(n) + "), got " +
             std::to_string(outputs.size()));
   }
   std::vector<Tensor> flat_outs;
-  for (int r = 0; r < size_; ++r) {
+  for (int r = 0; r < n; ++r) {
     if (outputs[r].size() != inputs.size()) {
       ck.fail("output list " + std::to_string(r) + " has " + std::to_string(outputs[r].size()) +
               " tensors, inputs have " + std::to_string(inputs.size()));
@@ -159,7 +160,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMooncake::allgather_coalesced(
   }
   pg::Communicator* c = comm_.get();
   std::vector<Tensor> ins = inputs;
-  const int n = size_;
   if (onGpu(ins) && onGpu(flat_outs)) {
     auto w = streamCollective(
         OpType::ALLGATHER_COALESCED, "allgather_coalesced", ins[0], flat_outs,
