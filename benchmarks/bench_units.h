@@ -11,18 +11,25 @@
 
 namespace mooncake::bench {
 
-// "4K", "64k", "1.5M", "2G", "1GiB", "4096" -> bytes (binary units). 0 on malformed input.
+// "4K", "64k", "1.5M", "2G", "1GiB", "4096" -> bytes (binary units). Malformed input (a
+// typo such as "4KB" or "1x") ends the program with status 2, naming it: a benchmark must
+// not run a size the user did not ask for.
 inline uint64_t parseSize(const std::string& s) {
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
-  if (s.empty() || end == s.c_str() || !(v >= 0 && v < 1e18)) return 0;
-  const std::string unit(end);
   int shift = -1;
-  if (unit == "" || unit == "B" || unit == "b") shift = 0;
-  if (unit == "K" || unit == "k" || unit == "KiB") shift = 10;
-  if (unit == "M" || unit == "m" || unit == "MiB") shift = 20;
-  if (unit == "G" || unit == "g" || unit == "GiB") shift = 30;
-  if (shift < 0) return 0;
+  if (!s.empty() && end != s.c_str() && v >= 0 && v < 1e18) {
+    const std::string unit(end);
+    if (unit == "" || unit == "B" || unit == "b") shift = 0;
+    if (unit == "K" || unit == "k" || unit == "KiB") shift = 10;
+    if (unit == "M" || unit == "m" || unit == "MiB") shift = 20;
+    if (unit == "G" || unit == "g" || unit == "GiB") shift = 30;
+  }
+  if (shift < 0) {
+    std::fprintf(stderr, "bad size '%s' (want a number with K, M, G, KiB, MiB or GiB)\n",
+                 s.c_str());
+    std::exit(2);
+  }
   return static_cast<uint64_t>(v * static_cast<double>(1ull << shift));
 }
 
