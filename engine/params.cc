@@ -35,6 +35,14 @@ const std::vector<ParamDef>& table() {
        "Address peers use to reach this engine; empty: the address it binds (with 0.0.0.0, the "
        "first non-loopback IPv4 address, or 127.0.0.1)."},
       {"MC_TCP_PORT", Type::kInt, "0", "Port of the engine's tcp listener; 0 picks a free one."},
+      {"MC_TCP_USER_TIMEOUT_MS", Type::kInt, "16000",
+       "Engine tcp connections (tcp transport peers, tcp rendezvous): one whose sent data stays "
+       "unacknowledged this long (the peer's host vanished, no FIN or RST) errors and its peer "
+       "is failed (TCP_USER_TIMEOUT; without it Linux retransmits for ~15 minutes). Also fails "
+       "a peer that advertised a zero window this long (stopped reading: a stopped process). "
+       "Idle connections are probed by keepalive after 10 s of silence, every 2 s; one left "
+       "unanswered is closed about this long after the peer was last heard (at least 12 s). 0: "
+       "the kernel's default (an idle one is then closed after 16 s)."},
       {"MC_CONNECT_TIMEOUT_MS", Type::kInt, "10000",
        "Deadline for opening a peer (connect and handshake)."},
       {"MC_HOST_ID", Type::kString, "",

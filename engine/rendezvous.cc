@@ -423,6 +423,8 @@ struct TcpRendezvousServer::Impl {
       if (server.stopping()) break;
       server.accept(pfds, [this](int fd, const std::string& src) {
         sock::setNoDelay(fd);
+        // A client whose host vanished is closed (its waits and buffers freed) in seconds.
+        sock::setLiveness(fd, params::getInt("MC_TCP_USER_TIMEOUT_MS"));
         const uint64_t id = next_conn++;
         Conn& c = conns[id];
         c.fd = fd;
@@ -550,6 +552,8 @@ static Result<int> openAuthed(const std::string& host, uint16_t port, const std:
                        Deadline deadline, bool retry_refused) {
   MC_ASSIGN_OR_RETURN(int fd, sock::connectTo(host, port, deadline, retry_refused, 0));
   sock::setNoDelay(fd);
+  // A long wait() on a server whose host vanished fails in seconds, not at its deadline.
+  sock::setLiveness(fd, params::getInt("MC_TCP_USER_TIMEOUT_MS"));
   Status st = authenticate(fd, secret, deadline);
   if (!st.ok()) {
     close(fd);

@@ -100,6 +100,7 @@ void Core::flushLocked(Conn& c) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
       MC_LOG(DEBUG, TCP) << "send on connection " << c.id << ": " << sock::errnoStr(errno);
       c.broken = true;
+      c.send_errno = errno;
       shutdown(c.fd, SHUT_RDWR);
       break;
     }
@@ -238,7 +239,19 @@ void Core::onReadable(const std::shared_ptr<Conn>& c) {
                                                    : std::min<uint64_t>(k.left, budget);
       r = recv(k.fd, to, want, MSG_DONTWAIT);
     }
-    if (r == 0) return closeConn(c, MC_STATUS(kPeerDead, "connection closed by the peer"));
+    if (r == 0) {
+      // A send that failed (ETIMEDOUT: unacknowledged past the user timeout) took the
+      // socket's error and shut it down: say so, not "closed by the peer".
+      int send_errno;
+      {
+        std::lock_guard<std::mutex> g(k.out_mu);
+        send_errno = k.send_errno;
+      }
+      if (send_errno != 0)
+        return closeConn(
+            c, MC_STATUS(kPeerDead, "connection broken: " << sock::errnoStr(send_errno)));
+      return closeConn(c, MC_STATUS(kPeerDead, "connection closed by the peer"));
+    }
     if (r < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
@@ -468,7 +481,6 @@ bool Core::frameEnd(const std::shared_ptr<Conn>& c) {
       c->src_name = labelOf(*desc);
       c->have_desc = true;
       control_links_.insert({c->src_engine, c->link});
-      sock::setKeepAlive(c->fd);
       // Before HELLO_OK: once the initiator's openPeer returns, it may message us over
       // another transport, and our handler may call peerOf() on it at once.
       if (ctx_->on_peer_hello) ctx_->on_peer_hello(*desc);

@@ -110,6 +110,7 @@ struct Conn {
   bool corked = false;
   bool closed = false;
   bool broken = false;
+  int send_errno = 0;  // why a send broke it (the read side then sees only EOF)
   uint64_t writes_queued = 0;  // WRITE frames queued on it so far (initiator side)
   // Input state machine: progress thread only.
   uint8_t hdr[kHeaderBytes];
@@ -261,6 +262,7 @@ class Core : public std::enable_shared_from_this<Core> {
   EngineContext* ctx_ = nullptr;
   uint64_t slice_bytes_ = 1 << 20;
   int64_t push_timeout_ms_ = 10000;
+  int64_t user_timeout_ms_ = 16000;  // MC_TCP_USER_TIMEOUT_MS (sock::setUserTimeout)
   int listen_fd_ = -1, ep_fd_ = -1, wake_fd_ = -1;
   std::string host_;
   uint16_t port_ = 0;

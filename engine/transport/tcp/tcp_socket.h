@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -65,13 +66,33 @@ inline void setNoDelay(int fd) {
 }
 
 // Keepalive probes on an idle connection: a peer whose host vanished (no FIN, no RST) is
-// noticed after about idle + intvl * cnt seconds.
+// noticed after about idle + intvl * cnt seconds. Only an idle one: while sent data waits
+// for its acknowledgement the kernel sends no probe (see setUserTimeout).
 inline void setKeepAlive(int fd, int idle_s = 10, int intvl_s = 2, int cnt = 3) {
   int one = 1;
   setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof(idle_s));
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl_s, sizeof(intvl_s));
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
+}
+
+// TCP_USER_TIMEOUT: the connection errors (ETIMEDOUT) once data it sent has stayed
+// unacknowledged for `ms`, instead of after the kernel's ~15 minutes of retransmissions
+// (net.ipv4.tcp_retries2) - the case keepalive does not cover: a peer whose host vanished
+// while this side had bytes queued toward it. It also closes a connection whose peer
+// advertised a zero window for that long (a receiver that stopped reading: a stopped
+// process), and with keepalive on, an idle connection whose probes go unanswered for that
+// long since the peer was last heard. ms <= 0 leaves the kernel's default.
+inline void setUserTimeout(int fd, int64_t ms) {
+  if (ms <= 0) return;
+  unsigned int v = static_cast<unsigned int>(std::min<int64_t>(ms, INT_MAX));
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &v, sizeof(v));
+}
+
+// Both: what a long-lived connection to a peer that may vanish gets.
+inline void setLiveness(int fd, int64_t user_timeout_ms) {
+  setKeepAlive(fd);
+  setUserTimeout(fd, user_timeout_ms);
 }
 
 // Asks for `bytes` of socket buffer each way (capped by net.core.[rw]mem_max). Must be set

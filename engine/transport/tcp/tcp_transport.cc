@@ -86,6 +86,7 @@ Status Core::start(EngineContext* ctx) {
   slice_bytes_ = static_cast<uint64_t>(
       std::clamp<int64_t>(params::getInt("MC_TCP_SLICE_BYTES"), 4096, 256ll << 20));
   push_timeout_ms_ = std::max<int64_t>(1, params::getInt("MC_CONNECT_TIMEOUT_MS"));
+  user_timeout_ms_ = std::max<int64_t>(0, params::getInt("MC_TCP_USER_TIMEOUT_MS"));
   // The engine resolved where to listen (EngineOptions.host, MC_TCP_BIND_HOST, or the
   // interface toward the job's rendezvous); never every interface unless asked to.
   std::string bind = ctx->tcp_host.empty() ? std::string("127.0.0.1") : ctx->tcp_host;
@@ -196,6 +197,7 @@ void Core::runOnLoop(std::function<void()> fn, bool wait) {
 void Core::acceptNew() {
   bool ok = admission_->acceptAll(listen_fd_, [this](int fd, const std::string& src) {
     sock::setNoDelay(fd);
+    sock::setLiveness(fd, user_timeout_ms_);
     auto c = std::make_shared<Conn>();
     c->id = next_conn_++;
     c->fd = fd;
@@ -331,6 +333,9 @@ Result<int> Core::openConnOnce(const SegmentDesc& remote, const std::string& lab
   if (!fd.ok())
     return Status(fd.status().code(), "tcp peer " + label + ": " + fd.status().message());
   sock::setNoDelay(*fd);
+  // Every connection of a peer, control and data: a WRITE or a message in flight when the
+  // peer's host vanishes fails the peer after the user timeout, not after ~15 minutes.
+  sock::setLiveness(*fd, user_timeout_ms_);
   auto fail = [&](Status st) {
     ::close(*fd);
     Code code = st.code() == Code::kTimeout || st.code() == Code::kPermissionDenied
@@ -409,7 +414,6 @@ Result<std::shared_ptr<PeerState>> Core::connect(const SegmentDesc& remote, Dead
     c->peer = p;
     p->conns.push_back(c);
   }
-  sock::setKeepAlive(fds[0]);
   {
     std::lock_guard<std::mutex> g(conns_mu_);
     peers_.erase(std::remove_if(peers_.begin(), peers_.end(),

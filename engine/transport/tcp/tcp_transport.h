@@ -2,7 +2,9 @@
 // connection (accepted and opened); a peer is one control connection (handshake, liveness,
 // notifications, messages, transports' connection exchanges) plus `data_conns` data
 // connections over which large requests are cut into slices (MC_TCP_SLICE_BYTES) and spread
-// round-robin.
+// round-robin. Every connection, opened or accepted, has keepalive and TCP_USER_TIMEOUT
+// (MC_TCP_USER_TIMEOUT_MS, sock::setLiveness): a peer whose host vanished (no FIN, no RST) is
+// failed in seconds even while data toward it waits for its acknowledgement.
 //
 // Wire format (this header is the spec; tests build frames from it). Every frame starts with
 // a fixed 40-byte little-endian header:
