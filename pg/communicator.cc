@@ -65,8 +65,11 @@ void Communicator::Impl::run(const char* name, const OpSig& sig, Fn&& fn) {
     throw;
   } catch (const PeerRejected&) {
     // A peer refused the op (Communicator::reject): realign with every rank, then raise it.
+    // (Message groups need no resync: later ops drop the refused op's messages as they come;
+    // the slots of those this rank took and dropped unread go back.)
     try {
       if (shm) shm->resync(op);
+      if (net) net->releaseHeld();
     } catch (const CommError& f) {
       breakOn(f);
       throw;
@@ -343,11 +346,15 @@ void Communicator::fail(const char* op, const std::string& why) {
 
 void Communicator::reject(const char* op, const std::string& why) {
   Impl& c = *impl_;
-  if (c.elastic || c.local || !c.shm || c.size == 1 || c.broken.load()) return;
+  if (c.elastic || c.local || (!c.shm && !c.net) || c.size == 1 || c.broken.load()) return;
   OpCtx o{op, Clock::now() + c.opts.timeout, ++c.op_seq, c.opts.timeout, OpSig{}};
   try {
-    c.shm->reject(o, why);
-    c.shm->resync(o);
+    if (c.shm) {
+      c.shm->reject(o, why);
+      c.shm->resync(o);
+    } else {
+      c.net->reject(o, why);  // the peers drop what they sent in it (NetGroup::take)
+    }
   } catch (const CommError& e) {
     c.breakOn(e);
     throw;

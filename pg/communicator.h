@@ -180,8 +180,11 @@ class Communicator {
   // This rank refused its own arguments of its next collective `op` (`why`), which its peers
   // call: it takes that op's number and tells them, and they raise PeerRejected for it instead
   // of waiting until the timeout; then every rank realigns, so later ops run. Called in issue
-  // order with the other collectives (enqueue it). Same-host plain groups (shm); elsewhere
-  // (elastic, hierarchical, net groups) a no-op: the peers wait in that op, as before.
+  // order with the other collectives (enqueue it). Plain groups: same-host ones (shm: a note
+  // in the shared-memory header, then a resync of the step counts) and message ones (net: a
+  // note to every peer; every rank drops the messages sent in the refused op as it meets
+  // them, NetGroup::reject). Elsewhere (elastic and hierarchical groups) a no-op: the peers
+  // wait in that op until the timeout, as before.
   void reject(const char* op, const std::string& why);
 
   // ---- collectives on contiguous host memory; in == out allowed where it makes sense ----

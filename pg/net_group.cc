@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string_view>
 #include <thread>
 
 #include "engine/log.h"
@@ -15,6 +16,10 @@ constexpr uint64_t kAbortSeq = ~0ull;    // an abort notice: payload = i32 blame
 constexpr int32_t kAbortDied = 1 << 30;  // in the blamed rank: its engine saw it die
 // A grant of receive slots (payload: SlotSender::grantFor).
 constexpr uint64_t kGrantSeq = ~1ull;
+// A refusal (reject): sig[0] = the op's seq; payload = u8 length of the op's name, the name,
+// why.
+constexpr uint64_t kRejectSeq = ~2ull;
+constexpr size_t kRefusalsKept = 1024;  // the oldest notes go beyond that
 }  // namespace
 
 struct NetGroup::Header {
@@ -149,6 +154,15 @@ void NetGroup::start() {
       q->abort_seq[h.src] = h.sig[0];
       if (m.payload.size() > sizeof(h) + 4)
         q->abort_reason[h.src] = m.payload.substr(sizeof(h) + 4, 4096);
+    } else if (h.seq == kRejectSeq) {
+      const std::string_view p(m.payload.data() + sizeof(h), m.payload.size() - sizeof(h));
+      const size_t k = p.empty() ? 0 : std::min<size_t>(static_cast<uint8_t>(p[0]), p.size() - 1);
+      Queues::Refusal f;
+      f.rank = h.src;
+      f.op = std::string(p.empty() ? p : p.substr(1, k));
+      f.why = std::string(p.empty() ? p : p.substr(1 + k, 4096));
+      q->refused.emplace(h.sig[0], std::move(f));  // the first note of an op stays
+      if (q->refused.size() > kRefusalsKept) q->refused.erase(q->refused.begin());
     } else if (h.seq == kGrantSeq) {
       if (slots != nullptr) slots->onGrant(h.src, m.payload.substr(sizeof(h)));
     } else {
@@ -256,23 +270,80 @@ void NetGroup::send(const OpCtx& op, int dst, const void* data, size_t len) {
   throwIfSendFailed(op);
 }
 
+NetGroup::Msg NetGroup::entryMsg(int src, Entry&& e) const {
+  Msg m;
+  if (e.slot >= 0) {
+    m.src = src;
+    m.slot = e.slot;
+    m.slot_data = area_->recvSlot(index_[src], e.slot) + NetArea::kSlotHeaderBytes;
+    m.slot_len = e.len;
+  } else {
+    m.buf = std::move(e.buf);
+  }
+  return m;
+}
+
 NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
   using engine::Clock;
   Msg m;
   Entry e;
   Clock::time_point dead_seen{};
   Clock::time_point abort_seen{};  // an abort from a rank already past this op
+  Clock::time_point ahead_seen{};  // src's next message belongs to a later op
+  // Messages of refused ops met on the way, recycled with the lock released (promptly: a
+  // sender waiting for the slot's credit may be what this take waits for).
+  std::vector<Entry> dropped;
+  auto flush = [&] {
+    for (Entry& d : dropped) recycle(entryMsg(src, std::move(d)));
+    dropped.clear();
+  };
   {
     std::unique_lock<std::mutex> g(q_->mu);
     auto& mp = q_->by_src[src];
     uint64_t& next = q_->next_in[src];
-    auto ready = [&] {
-      while (!mp.empty() && mp.begin()->first < next) mp.erase(mp.begin());  // never: stale
-      return !mp.empty() && mp.begin()->first == next;
+    // 0: nothing to take yet; 1: the next message is there; 2: it is one of another op: a
+    // later one (src left this one: the refusal or abort that made it leave may be a moment
+    // behind), or an earlier one this rank did not take (src's refusal note of that op, sent
+    // by another rank, may be a moment behind it; then it is dropped).
+    auto ready = [&]() -> int {
+      while (!mp.empty()) {
+        auto it = mp.begin();
+        if (it->first < next) {  // never: stale
+          mp.erase(it);
+          continue;
+        }
+        if (it->first != next) return 0;
+        const uint64_t s = it->second.seq;
+        if (s != 0 && s < op.seq && q_->refused.count(s) != 0) {  // sent in a refused op
+          dropped.push_back(std::move(it->second));
+          mp.erase(it);
+          ++next;
+          continue;
+        }
+        return s != op.seq && s != 0 && op.seq != 0 ? 2 : 1;
+      }
+      return 0;
     };
-    while (!ready()) {
+    for (int st = ready(); st != 1; st = ready()) {
+      auto rj = q_->refused.find(op.seq);
+      if (op.seq != 0 && rj != q_->refused.end()) {
+        const Queues::Refusal f = rj->second;
+        g.unlock();
+        flush();
+        health_->rejected(op, f.rank, f.op, f.why);
+      }
+      if (st == 2) {
+        if (ahead_seen == Clock::time_point{}) ahead_seen = Clock::now();
+        if (Clock::now() - ahead_seen >= std::chrono::seconds(1)) {
+          const uint64_t theirs = mp.begin()->second.seq;
+          g.unlock();
+          flush();
+          throwIfAborted(op);
+          health_->outOfStep(op, src, theirs);
+        }
+      }
       q_->cv.wait_for(g, std::chrono::microseconds(health_us_));
-      if (ready()) break;
+      if (ready() == 1) break;
       for (size_t r = 0; r < q_->aborted.size(); ++r) {
         int a = q_->aborted[r];
         if (a != 0 && q_->abort_seq[r] > op.seq && op.seq != 0) {
@@ -285,11 +356,13 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
           std::string reason = q_->abort_reason[r];
           bool died = q_->abort_died[r] != 0;
           g.unlock();
+          flush();
           health_->aborted(op, static_cast<int>(r),
                            a >= 2 ? a - 2 : a == -1 ? Health::kLeftView : -1, reason, died);
         }
       }
       g.unlock();
+      flush();
       try {
         health_->check(op, src);  // the sender only: a peer that finished and exited is fine
       } catch (const CommError&) {
@@ -307,14 +380,9 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
     mp.erase(mp.begin());
     ++next;
   }
-  if (e.slot >= 0) {
-    m.src = src;
-    m.slot = e.slot;
-    m.slot_data = area_->recvSlot(index_[src], e.slot) + NetArea::kSlotHeaderBytes;
-    m.slot_len = e.len;
-  } else {
-    m.buf = std::move(e.buf);
-  }
+  flush();
+  m = entryMsg(src, std::move(e));
+  if (m.slot >= 0) held_.emplace_back(src, m.slot);
   track(op);
   heard_[src] = 1;
   if (e.seq == op.seq && op.sig.kind != OpKind::kNone) {
@@ -348,8 +416,21 @@ NetGroup::Msg NetGroup::take(const OpCtx& op, int src, size_t expect_len) {
   return m;
 }
 
+void NetGroup::releaseHeld() {
+  std::vector<std::pair<int, int>> held;
+  held.swap(held_);
+  for (const auto& [src, slot] : held)
+    SlotSender::giveBack(engine_, peers_[src], channel_, *area_, index_[src], slot);
+}
+
 void NetGroup::recycle(Msg&& m) {
   if (m.slot >= 0) {
+    for (size_t i = 0; i < held_.size(); ++i)
+      if (held_[i].first == m.src && held_[i].second == m.slot) {
+        held_[i] = held_.back();
+        held_.pop_back();
+        break;
+      }
     // Poison the header so that a stale notification can never read the slot again, then
     // give it back (a dead sender: nothing to do).
     SlotSender::giveBack(engine_, peers_[m.src], channel_, *area_, index_[m.src], m.slot);
@@ -376,6 +457,27 @@ void NetGroup::abort(int blamed, const std::string& reason, bool died) {
   std::memcpy(payload.data() + sizeof(h), &b, 4);
   payload += reason.substr(0, 4096);
   for (size_t r = 0; r < peers_.size(); ++r)
+    if (static_cast<int>(r) != rank_) (void)engine_->sendMessage(peers_[r], channel_, payload);
+}
+
+void NetGroup::reject(const OpCtx& op, const std::string& why) {
+  track(op);
+  const std::string name(op.name, strnlen(op.name, 255));
+  {
+    std::lock_guard<std::mutex> g(q_->mu);
+    Queues::Refusal f;
+    f.rank = rank_;
+    f.op = name;
+    f.why = why.substr(0, 4096);
+    q_->refused.emplace(op.seq, std::move(f));  // this rank drops what peers sent in it
+    if (q_->refused.size() > kRefusalsKept) q_->refused.erase(q_->refused.begin());
+  }
+  Header h{kMagic, rank_, kRejectSeq, {op.seq, 0}, 0, 0};
+  std::string payload(reinterpret_cast<const char*>(&h), sizeof(h));
+  payload += static_cast<char>(name.size());
+  payload += name;
+  payload += why.substr(0, 4096);
+  for (size_t r = 0; r < peers_.size(); ++r)  // a dead peer: its death is found by the others
     if (static_cast<int>(r) != rank_) (void)engine_->sendMessage(peers_[r], channel_, payload);
 }
 

@@ -5,7 +5,10 @@
 // (OpSig); a difference means the ranks called different collectives or shapes (CommError
 // naming both calls). finishOp() completes the check for ranks that only sent to, or only
 // received from, a peer: the receiver acknowledges with an empty message of the op, so every
-// rank has heard from every rank it exchanged with.
+// rank has heard from every rank it exchanged with. A rank that refused its arguments of an
+// op (reject()) tells every peer: their waits in that op raise PeerRejected, and everyone
+// drops that op's messages later (a rank that needed nothing from it, such as a broadcast's
+// receiver that hears only from the root, completes the op with the right result).
 //
 // A message travels one of two ways (docs/rdma.md, "The process group between hosts"):
 // - one-sided, into a receive slot: every rank has, per sender, `slots` slots of
@@ -85,12 +88,21 @@ class NetGroup {
   void recv(const OpCtx& op, int src, void* out, size_t len);
   // Hands a consumed message's memory back to the engine (for the next received ones).
   void recycle(Msg&& m);
+  // After an op left by an exception that keeps the group (PeerRejected): gives back the
+  // receive slots of the messages take() handed out in it and nobody recycled (the Msgs are
+  // gone), so that their senders get their credit back.
+  void releaseHeld();
   void sendPieces(const OpCtx& op, int dst, const void* data, size_t len);
   void recvPieces(const OpCtx& op, int src, void* out, size_t len);
   // Tells every peer (best effort) that this rank gave up on the group, blaming `blamed`
   // (-1: none in particular) for `reason`: their waits fail fast, with that reason. died: see
   // ShmGroup::abort.
   void abort(int blamed, const std::string& reason = "", bool died = false);
+  // This rank refused its own arguments of op #op.seq (Communicator::reject), which its peers
+  // call: tells every peer (best effort), whose waits in that op raise PeerRejected naming this
+  // rank, op.name and why. Every rank then drops what was sent in a refused op as it takes
+  // later ops' messages (their slots go back to the senders), so later ops pair.
+  void reject(const OpCtx& op, const std::string& why);
   // Elastic groups retire a view's channel: once this group is destroyed, messages still
   // arriving on it are dropped (instead of queued in the engine for a handler that never comes).
   void dropOnClose() { drop_on_close_ = true; }
@@ -121,6 +133,11 @@ class NetGroup {
     std::vector<std::string> abort_reason;
     std::vector<uint8_t> abort_died;
     std::vector<uint64_t> abort_seq;  // per peer: the last op it took part in when it aborted
+    struct Refusal {
+      int rank = -1;
+      std::string op, why;
+    };
+    std::map<uint64_t, Refusal> refused;  // ops some rank refused (reject), the first one's note
     size_t bad = 0;            // malformed messages dropped
   };
 
@@ -136,10 +153,13 @@ class NetGroup {
   bool drop_on_close_ = false;
   // Throws the abort of the first peer that sent one (no-op when none did).
   void throwIfAborted(const OpCtx& op);
+  // A queued message as a Msg (for recycle()).
+  Msg entryMsg(int src, Entry&& e) const;
   // The op in flight (the collective-running thread only): whom it sent to, heard from.
   void track(const OpCtx& op);
   std::atomic<uint64_t> op_seq_{0};  // read by abort(), which an elastic controller may call
   std::vector<uint8_t> sent_, heard_;
+  std::vector<std::pair<int, int>> held_;  // (src, slot) taken and not recycled yet
 
   // ---- receive slots ----
   std::shared_ptr<NetArea> area_;

@@ -377,7 +377,8 @@ def case_barrier(ctx, times=10):
 
 
 def _bad_input_call(op, me, bad, world):
-    """One rank (bad) passes an argument that the backend refuses; the others a valid call."""
+    """One rank (bad) passes an argument that the backend refuses; the others a valid call.
+    Returns the op's in-place tensor (broadcast) for a rank that completed it."""
     t = torch.arange(4, dtype=torch.float32) + me
     if op == "broadcast":  # a root outside the group, given to the group object (a sparse
         # tensor, tried first, is refused by torch 2.x itself before the backend sees it)
@@ -387,6 +388,7 @@ def _bad_input_call(op, me, bad, world):
             dist.distributed_c10d._get_default_group().broadcast([t], opts).wait()
         else:
             dist.broadcast(t, 0)
+        return t.tolist()
     elif op == "allreduce":  # BAND is not defined for float32
         dist.all_reduce(t, op=OPS["BAND"] if me == bad else OPS["SUM"])
     elif op == "allgather":  # an output list of the wrong length
@@ -412,7 +414,7 @@ def case_bad_input_one_rank(ctx, op, bad):
     out = {"raised": False}
     t0 = time.time()
     try:
-        _bad_input_call(op, me, bad, world)
+        out["value"] = _bad_input_call(op, me, bad, world)
     except Exception as e:  # noqa: BLE001 (the erring rank: ValueError / RuntimeError)
         out.update(raised=True, msg=str(e), type=type(e).__name__)
     out["elapsed"] = time.time() - t0
