@@ -3,6 +3,12 @@
 // write copies a piece out of GPU memory and sends it, a read receives a piece and copies it
 // into GPU memory. Simple, not pipelined. Host memory here (the peer's GPU memory on the
 // other side) goes over the host transport as it is; tcp stages it at the target.
+//
+// A task whose caller gave up (TransportPeer::fenceAbandoned): the worker touches the task's
+// local memory only under touch_mu_ and after checking Task::abandoned there, so once the fence
+// took touch_mu_ no copy into or out of it starts (the pieces still moving go through stage_,
+// which is this peer's). Host memory here, which the host transport moves itself, is fenced by
+// that transport: its piece carries the task's abandoned flag and the fence fences it too.
 #include "engine/device_staging.h"
 
 #include <algorithm>
@@ -73,6 +79,11 @@ class StagingPeer final : public TransportPeer {
     std::lock_guard<std::mutex> g(mu_);
     if (fail_.ok()) fail_ = why;
   }
+  void fenceAbandoned() override {
+    { std::lock_guard<std::mutex> g(touch_mu_); }  // a copy or submit under way ends first
+    if (host_ != nullptr) host_->fenceAbandoned();
+    if (gpu_host_ != nullptr && gpu_host_ != host_) gpu_host_->fenceAbandoned();
+  }
   Status quiesce(Deadline deadline) override {
     std::unique_lock<std::mutex> g(mu_);
     if (idle_cv_.wait_until(g, deadline, [&] { return pending_ == 0; })) return Status::OK();
@@ -111,12 +122,24 @@ class StagingPeer final : public TransportPeer {
     return info.device ? std::max(info.ordinal, 0) : -1;
   }
 
-  Status copyWait(void* dst, const void* src, uint64_t n, int gpu) {
+  // What a task whose caller gave up completes with (its batch already timed out).
+  static Status gaveUp(const Task* t) {
+    return MC_STATUS(kTimeout, "staging: the caller gave up waiting for this "
+                                   << (t->op == OpCode::kWrite ? "write" : "read")
+                                   << "; its remaining bytes were not moved");
+  }
+
+  // A copy between t's local memory and stage_ (fenced: see the top of the file).
+  Status copyWait(const Task* t, void* dst, const void* src, uint64_t n, int gpu) {
+    std::lock_guard<std::mutex> g(touch_mu_);
+    if (t->isAbandoned()) return gaveUp(t);
     return device::transferCopy(dev_, dst, src, n, gpu, deadlineInMs(60000));
   }
 
   // One piece over `via` (a host transport), waited for (every task completes exactly once).
-  Status hostOp(TransportPeer* via, OpCode op, char* local, uint64_t n, uint64_t remote) {
+  // of: the task when `local` is its memory (the piece is fenced as it is), else null (stage_).
+  Status hostOp(const Task* of, TransportPeer* via, OpCode op, char* local, uint64_t n,
+                uint64_t remote) {
     std::mutex m;
     std::condition_variable cv;
     bool done = false;
@@ -132,7 +155,14 @@ class StagingPeer final : public TransportPeer {
       done = true;
       cv.notify_all();
     };
-    via->submit(&s);
+    if (of != nullptr) {
+      std::lock_guard<std::mutex> touch(touch_mu_);
+      if (of->isAbandoned()) return gaveUp(of);
+      s.abandoned = of->abandoned;  // the host transport's fence covers it (fenceAbandoned)
+      via->submit(&s);
+    } else {
+      via->submit(&s);
+    }
     std::unique_lock<std::mutex> g(m);
     cv.wait(g, [&] { return done; });
     return out;
@@ -152,7 +182,7 @@ class StagingPeer final : public TransportPeer {
     if (via == nullptr) return MC_STATUS(kUnavailable, "staging: peer's GPU memory unreachable");
     // Host memory here (the peer's GPU memory is the reason this came here): as it is; the
     // target stages it.
-    if (gpu < 0) return hostOp(via, t->op, local, t->length, t->remote);
+    if (gpu < 0) return hostOp(t, via, t->op, local, t->length, t->remote);
     if (stage_.empty()) {  // only the worker touches it
       stage_.resize(kStageBytes);
       stage_pin_ = device::PinnedRange(dev_, stage_.data(), stage_.size());
@@ -160,11 +190,13 @@ class StagingPeer final : public TransportPeer {
     for (uint64_t off = 0; off < t->length; off += kStageBytes) {
       const uint64_t n = std::min(kStageBytes, t->length - off);
       if (t->op == OpCode::kWrite) {
-        MC_RETURN_IF_ERROR(copyWait(stage_.data(), local + off, n, gpu));
-        MC_RETURN_IF_ERROR(hostOp(via, OpCode::kWrite, stage_.data(), n, t->remote + off));
+        MC_RETURN_IF_ERROR(copyWait(t, stage_.data(), local + off, n, gpu));
+        MC_RETURN_IF_ERROR(
+            hostOp(nullptr, via, OpCode::kWrite, stage_.data(), n, t->remote + off));
       } else {
-        MC_RETURN_IF_ERROR(hostOp(via, OpCode::kRead, stage_.data(), n, t->remote + off));
-        MC_RETURN_IF_ERROR(copyWait(local + off, stage_.data(), n, gpu));
+        MC_RETURN_IF_ERROR(
+            hostOp(nullptr, via, OpCode::kRead, stage_.data(), n, t->remote + off));
+        MC_RETURN_IF_ERROR(copyWait(t, local + off, stage_.data(), n, gpu));
       }
     }
     return Status::OK();
@@ -176,6 +208,7 @@ class StagingPeer final : public TransportPeer {
   device::Device* dev_;      // null in a process without a device layer
   EngineContext* ctx_;
   std::mutex mu_;
+  std::mutex touch_mu_;  // held while the worker touches a task's local memory (the fence)
   std::condition_variable cv_, idle_cv_;
   SegmentDesc remote_;
   Status fail_;

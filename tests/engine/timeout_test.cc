@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -236,6 +237,102 @@ INSTANTIATE_TEST_SUITE_P(Engine, TimeoutTest,
                            return std::get<0>(i.param) +
                                   (std::get<1>(i.param) ? "_registered" : "_unregistered");
                          });
+
+// ---------------------------------------------------------------------------------------
+
+// GPU memory to a peer on another host over tcp is staged through host memory here
+// (engine/device_staging.cc), in 4 MiB pieces, over the device layer's simulation
+// (MC_DEVICE=sim); the peer's GPU memory is staged at the peer. The fence covers both: once a
+// timed-out wait() returned, no piece of a READ is copied into the GPU buffer here, no piece
+// of a WRITE is copied out of it, and a READ of the peer's GPU memory into host memory here
+// (which the tcp transport moves itself) lands nowhere. The pieces used to go on: a late READ
+// overwrote the buffer the caller had reused, a late WRITE sent what it held by then.
+class StagedTimeoutTest : public PeerTestBase {};
+
+TEST_F(StagedTimeoutTest, StagedTransfersStopTouchingTheBufferAfterTheTimeout) {
+  ScopedEnv dev("MC_DEVICE", "sim");  // this process and the peer (it inherits it)
+  constexpr uint64_t kLen = 16u << 20;  // 4 pieces
+  constexpr uint64_t kChunk = 256u << 10;
+  PeerConfig cfg;
+  cfg.name = "gpu-peer";
+  cfg.region_bytes = kLen;
+  PeerProcess* peer = nullptr;
+  {
+    ScopedEnv there("MC_HOST_ID", "timeout-host-a");
+    peer = spawnPeer(cfg);
+  }
+  ASSERT_NE(peer, nullptr);
+  const std::string r = peer->call("alloc_gpu " + std::to_string(kLen) + " 77 0");
+  ASSERT_EQ(r.rfind("ok ", 0), 0u) << r;
+  const uint64_t remote_gpu = std::strtoull(r.c_str() + 3, nullptr, 10);
+  ScopedEnv here("MC_HOST_ID", "timeout-host-b");
+  auto eng = makeEngine("");
+  ASSERT_NE(eng, nullptr);
+  PeerId pid = openPeer(*eng, cfg.name);
+  ASSERT_NE(pid, engine::kInvalidPeer);
+  ASSERT_EQ(eng->peerTransport(pid), "tcp");
+  auto gpu = eng->allocate(kLen, engine::MemoryKind::kCuda, 0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status().toString();
+  auto* g = static_cast<uint8_t*>(*gpu);
+  HostBuffer host(kLen);
+
+  // Submits op on the stopped peer, waits 500 ms (times out), overwrites `local` with `fill`
+  // at once (GPU memory through a device copy: host code cannot touch it), resumes the peer and waits until the late transfer ended.
+  auto timedOut = [&](OpCode op, uint8_t* local, uint64_t remote, uint8_t fill) {
+    EXPECT_TRUE(stopProcess(peer->pid()));
+    auto id = eng->submit({{op, local, kLen, pid, remote}});
+    ASSERT_TRUE(id.ok()) << id.status().toString();
+    Status st = eng->wait(*id, engine::deadlineInMs(500));
+    EXPECT_EQ(st.code(), Code::kTimeout) << st.toString();
+    const std::vector<uint8_t> next(kLen, fill);  // the memory's next contents
+    if (onDevice(local))
+      deviceCopyOrDie(local, next.data(), kLen);
+    else
+      std::memcpy(local, next.data(), kLen);
+    peer->kill(SIGCONT);
+    EXPECT_TRUE(releasedWithin(*eng, *id, 20000)) << "the late transfer never ended";
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    MC_EXPECT_OK(eng->peerStatus(pid));  // a timed-out wait() fails no peer
+  };
+  auto unchanged = [&](const uint8_t* p, uint8_t fill) {  // how many bytes are not `fill`
+    std::vector<uint8_t> now(kLen);
+    if (onDevice(p))
+      deviceCopyOrDie(now.data(), p, kLen);
+    else
+      std::memcpy(now.data(), p, kLen);
+    size_t n = 0;
+    for (uint8_t b : now) n += b != fill;
+    return n;
+  };
+
+  // READ of the peer's host memory into GPU memory here.
+  timedOut(OpCode::kRead, g, peer->info().alloc_addr, 0x11);
+  EXPECT_EQ(unchanged(g, 0x11), 0u) << "bytes of a late staged READ landed in the GPU buffer";
+  // READ of the peer's GPU memory (staged there) into host memory here.
+  timedOut(OpCode::kRead, host.data(), remote_gpu, 0x22);
+  EXPECT_EQ(unchanged(host.data(), 0x22), 0u) << "bytes of a late READ landed in host memory";
+  // WRITE from GPU memory here: nothing it held after the timeout reaches the peer.
+  fillPattern(g, kLen, 4242, 0);
+  timedOut(OpCode::kWrite, g, peer->info().reg_addr, 0x5a);
+  std::vector<uint8_t> fresh(kChunk, 0x5a);
+  char hex[32];
+  std::snprintf(hex, sizeof(hex), "%016llx",
+                static_cast<unsigned long long>(checksumHost(fresh.data(), kChunk)));
+  int late = 0;
+  for (uint64_t off = 0; off < kLen; off += kChunk)
+    late += peer->sum(peer->info().reg_addr + off, kChunk) == std::string("ok ") + hex;
+  EXPECT_EQ(late, 0) << "chunks of 256 KiB staged out of the GPU buffer after wait() returned";
+
+  // The same peer still moves the right bytes, all three ways.
+  MC_EXPECT_OK(transfer(*eng, OpCode::kRead, g, kLen, pid, peer->info().alloc_addr));
+  EXPECT_EQ(checkPattern(g, kLen, allocSeed(cfg), 0), "");
+  MC_EXPECT_OK(transfer(*eng, OpCode::kRead, host.data(), kLen, pid, remote_gpu));
+  EXPECT_EQ(checkPattern(host.data(), kLen, 77, 0), "");
+  fillPattern(g, kLen, 4343, 0);
+  MC_EXPECT_OK(transfer(*eng, OpCode::kWrite, g, kLen, pid, peer->info().reg_addr));
+  EXPECT_EQ(peer->expect(peer->info().reg_addr, kLen, 4343, 0), "");
+  MC_EXPECT_OK(eng->free(*gpu));
+}
 
 // ---------------------------------------------------------------------------------------
 
