@@ -146,7 +146,7 @@ std::string OpSig::describe() const {
   } else if (bytes_op && dtype != 0) {  // a copy op with its dtype: count is bytes
     s += dt + ", " + std::to_string(count) + " bytes";
   } else if (dtype != 0) {
-    s += std::string(dtypeName(static_cast<DataType>(dtype - 1))) + " x " + std::to_string(count);
+    s += dt + " x " + std::to_string(count);
   } else {
     s += std::to_string(count) + " bytes";
   }

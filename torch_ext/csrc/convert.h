@@ -100,10 +100,7 @@ class Check {
   // `who` must outlive the Check (it is the group's ErrorContext::who).
   Check(const std::string& who, const char* op) : who_(who), op_(op) {}
 
-  [[noreturn]] void fail(const std::string& msg) const {
-    failed(msg);
-    throw std::invalid_argument(who_ + ": " + op_ + ": " + msg);
-  }
+  [[noreturn]] void fail(const std::string& msg) const { failAs<std::invalid_argument>(msg); }
   // Called once, with the failed check's text, before it throws (the group tells its peers).
   mutable std::function<void(const Check&, const std::string&)> on_fail;
   // Whether a CPU tensor was checked (the op would run on the host, not stream-ordered).
@@ -114,15 +111,13 @@ class Check {
     if (t.is_cuda()) {
       const std::string why = cudaUnavailableReason();
       if (!why.empty()) {
-        failed(name + " is a CUDA tensor, but " + why);
-        throw std::runtime_error(who_ + ": " + op_ + ": " + name + " is a CUDA tensor (on " +
-                                 t.device().str() + "), but " + why);
+        failAs<std::runtime_error>(name + " is a CUDA tensor (on " + t.device().str() +
+                                   "), but " + why);
       }
       noteCudaDevice(t, &cuda_);
     } else if (!t.device().is_cpu()) {
-      failed(name + " is on " + t.device().str() + "; the backend serves CPU and CUDA tensors");
-      throw std::runtime_error(who_ + ": " + op_ + ": " + name + " is on " + t.device().str() +
-                               "; the mooncake backend serves CPU and CUDA tensors");
+      failAs<std::runtime_error>(name + " is on " + t.device().str() +
+                                 "; the mooncake backend serves CPU and CUDA tensors");
     }
     if (t.device().is_cpu()) cpu_ = true;
     if (t.layout() != at::kStrided) fail(name + ": only dense (strided) tensors are supported");
@@ -231,11 +226,15 @@ class Check {
   mutable std::vector<c10::Device> cuda_;
   mutable std::optional<at::ScalarType> first_;
   mutable bool cpu_ = false;
-  void failed(const std::string& msg) const {
-    if (!on_fail) return;
-    auto f = std::move(on_fail);
-    on_fail = nullptr;
-    f(*this, msg);
+  // Tells on_fail (once), then throws E with msg after the group and the op.
+  template <class E>
+  [[noreturn]] void failAs(const std::string& msg) const {
+    if (on_fail) {
+      auto f = std::move(on_fail);
+      on_fail = nullptr;
+      f(*this, msg);
+    }
+    throw E(who_ + ": " + op_ + ": " + msg);
   }
   mutable std::vector<int> asked_;  // devices whose stream was asked whether it captures
 };
